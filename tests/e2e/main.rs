@@ -1,0 +1,3 @@
+//! End-to-end tests across crates. One test binary; one module per capability.
+
+mod binaries;

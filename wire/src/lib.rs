@@ -1,0 +1,19 @@
+//! The Innerwall agent contract: generated protobuf types and services, the rendered-policy
+//! domain model with the one diff/apply implementation (SYNC-1), and the identity and label
+//! grammar (IDN-3, IDN-6). Both the control plane and the agent link this crate; it depends on
+//! nothing else in the workspace.
+
+pub mod convert;
+pub mod identity;
+pub mod labels;
+pub mod policy;
+
+/// Generated code for the `innerwall.agent.v1` package. Domain code converts at the boundary
+/// (`convert`) and never matches on these types directly.
+pub mod proto {
+    #![allow(missing_debug_implementations, unused_qualifications, clippy::all)]
+    tonic::include_proto!("innerwall.agent.v1");
+}
+
+/// The protobuf package of the contract; a breaking change gets a new `vN`.
+pub const CONTRACT_PACKAGE: &str = "innerwall.agent.v1";

@@ -1,0 +1,605 @@
+//! The rendered per-workload policy (POL-2) in canonical form (POL-3), and the one diff/apply
+//! implementation both sides of the stream share (SYNC-1).
+//!
+//! Every value here is canonical by construction: fields are private and constructors validate
+//! and normalize, so two equal policies always serialize to the same bytes.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::net::IpAddr;
+use std::str::FromStr;
+
+use ipnet::IpNet;
+
+/// Per-workload policy version. 0 means "no policy"; the first rendered version is 1.
+pub type Version = u64;
+
+/// How a workload's policy is enforced (ENF-2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Mode {
+    Visibility,
+    Simulation,
+    Enforcement,
+}
+
+impl Mode {
+    pub const ALL: [Mode; 3] = [Mode::Visibility, Mode::Simulation, Mode::Enforcement];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Visibility => "visibility",
+            Mode::Simulation => "simulation",
+            Mode::Enforcement => "enforcement",
+        }
+    }
+}
+
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Mode {
+    type Err = PolicyError;
+    fn from_str(s: &str) -> Result<Self, PolicyError> {
+        Mode::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| PolicyError::UnknownName { what: "mode", text: s.to_owned() })
+    }
+}
+
+/// The protocol of one resolved rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Protocol {
+    Tcp,
+    Udp,
+    Icmp,
+    Icmpv6,
+}
+
+impl Protocol {
+    pub const ALL: [Protocol; 4] = [Protocol::Tcp, Protocol::Udp, Protocol::Icmp, Protocol::Icmpv6];
+
+    /// The name used in rule ids (`<authored-rule-id>/<name>`) and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "tcp",
+            Protocol::Udp => "udp",
+            Protocol::Icmp => "icmp",
+            Protocol::Icmpv6 => "icmpv6",
+        }
+    }
+
+    /// TCP and UDP rules match port ranges; ICMP and ICMPv6 rules have none.
+    pub fn has_ports(self) -> bool {
+        matches!(self, Protocol::Tcp | Protocol::Udp)
+    }
+}
+
+impl fmt::Display for Protocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Protocol {
+    type Err = PolicyError;
+    fn from_str(s: &str) -> Result<Self, PolicyError> {
+        Protocol::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| PolicyError::UnknownName { what: "protocol", text: s.to_owned() })
+    }
+}
+
+/// An inclusive port range within 1..=65535.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PortRange {
+    start: u16,
+    end: u16,
+}
+
+impl PortRange {
+    /// Every port: how "all TCP" is written, so the empty list is never ambiguous.
+    pub const ALL: PortRange = PortRange { start: 1, end: 65535 };
+
+    pub fn new(start: u32, end: u32) -> Result<Self, PolicyError> {
+        let bad = |reason| PolicyError::PortRange { start, end, reason };
+        if start == 0 || end == 0 {
+            return Err(bad("port 0 is not a port"));
+        }
+        if start > 65535 || end > 65535 {
+            return Err(bad("ports go up to 65535"));
+        }
+        if start > end {
+            return Err(bad("start is after end"));
+        }
+        Ok(PortRange { start: start as u16, end: end as u16 })
+    }
+
+    pub fn single(port: u16) -> Result<Self, PolicyError> {
+        Self::new(port.into(), port.into())
+    }
+
+    pub fn start(self) -> u16 {
+        self.start
+    }
+
+    pub fn end(self) -> u16 {
+        self.end
+    }
+
+    pub fn contains(self, port: u16) -> bool {
+        (self.start..=self.end).contains(&port)
+    }
+}
+
+impl fmt::Display for PortRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.start == self.end {
+            write!(f, "{}", self.start)
+        } else {
+            write!(f, "{}-{}", self.start, self.end)
+        }
+    }
+}
+
+/// Sorts and merges overlapping or adjacent ranges (POL-3).
+fn merge_ports(ports: impl IntoIterator<Item = PortRange>) -> Vec<PortRange> {
+    let mut sorted: Vec<PortRange> = ports.into_iter().collect();
+    sorted.sort();
+    let mut merged: Vec<PortRange> = Vec::with_capacity(sorted.len());
+    for r in sorted {
+        match merged.last_mut() {
+            Some(last) if u32::from(r.start) <= u32::from(last.end) + 1 => {
+                last.end = last.end.max(r.end);
+            }
+            _ => merged.push(r),
+        }
+    }
+    merged
+}
+
+/// A network prefix with no host bits set, written in its one canonical spelling.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Cidr(IpNet);
+
+impl Cidr {
+    /// Strict parse for data on the wire: `addr/len`, no host bits, canonical spelling.
+    pub fn parse(text: &str) -> Result<Self, PolicyError> {
+        let net: IpNet = text.parse().map_err(|_| cidr_error(text, "not an address/prefix-length"))?;
+        if net.trunc() != net {
+            return Err(cidr_error(text, "host bits are set"));
+        }
+        Self::checked(net, text).and_then(|c| {
+            if c.to_string() == text { Ok(c) } else { Err(cidr_error(text, "not in canonical spelling")) }
+        })
+    }
+
+    /// Lenient parse for operator input: a bare address is a host route and host bits are
+    /// cleared (`10.1.2.3/24` → `10.1.2.0/24`).
+    pub fn parse_lenient(text: &str) -> Result<Self, PolicyError> {
+        let text = text.trim();
+        let net = match text.parse::<IpNet>() {
+            Ok(net) => net.trunc(),
+            Err(_) => match text.parse::<IpAddr>() {
+                Ok(ip) => IpNet::from(ip),
+                Err(_) => return Err(cidr_error(text, "not an address or address/prefix-length")),
+            },
+        };
+        Self::checked(net, text)
+    }
+
+    /// The host route (/32 or /128) of one address, as managed peers are rendered.
+    pub fn host(ip: IpAddr) -> Result<Self, PolicyError> {
+        Self::checked(IpNet::from(ip), &ip.to_string())
+    }
+
+    fn checked(net: IpNet, text: &str) -> Result<Self, PolicyError> {
+        if let IpNet::V6(v6) = net {
+            if v6.addr().to_ipv4_mapped().is_some() && v6.prefix_len() >= 96 {
+                return Err(cidr_error(text, "IPv4-mapped IPv6 prefixes never match; write the IPv4 prefix"));
+            }
+        }
+        Ok(Cidr(net))
+    }
+
+    pub fn net(&self) -> IpNet {
+        self.0
+    }
+
+    pub fn is_ipv4(&self) -> bool {
+        matches!(self.0, IpNet::V4(_))
+    }
+
+    pub fn contains(&self, ip: &IpAddr) -> bool {
+        self.0.contains(ip)
+    }
+}
+
+fn cidr_error(text: &str, reason: &'static str) -> PolicyError {
+    PolicyError::Cidr { text: text.to_owned(), reason }
+}
+
+impl fmt::Display for Cidr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// The id of a resolved rule: `<authored-rule-id>/<protocol>` (POL-2). Provenance is recovered
+/// by splitting it, and by no other rule.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RuleId {
+    text: String,
+    protocol: Protocol,
+}
+
+/// Longest authored rule id accepted; authored ids are uuids or short names.
+pub const MAX_AUTHORED_RULE_ID_LEN: usize = 128;
+
+impl RuleId {
+    pub fn new(authored: &str, protocol: Protocol) -> Result<Self, PolicyError> {
+        Self::parse(&format!("{authored}/{protocol}"))
+    }
+
+    pub fn parse(text: &str) -> Result<Self, PolicyError> {
+        let bad = |reason| PolicyError::RuleId { text: text.to_owned(), reason };
+        let (authored, proto) = text.rsplit_once('/').ok_or_else(|| bad("must be <rule>/<protocol>"))?;
+        let protocol = proto.parse().map_err(|_| bad("protocol must be tcp, udp, icmp or icmpv6"))?;
+        if authored.is_empty() || authored.len() > MAX_AUTHORED_RULE_ID_LEN {
+            return Err(bad("authored rule id must be 1-128 characters"));
+        }
+        if !authored.bytes().all(|b| b.is_ascii_alphanumeric() || b"._:-".contains(&b)) {
+            return Err(bad("authored rule id may contain only A-Z a-z 0-9 . _ : -"));
+        }
+        Ok(RuleId { text: text.to_owned(), protocol })
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.text
+    }
+
+    /// The id of the authored rule this was rendered from.
+    pub fn authored(&self) -> &str {
+        &self.text[..self.text.len() - self.protocol.name().len() - 1]
+    }
+
+    pub fn protocol(&self) -> Protocol {
+        self.protocol
+    }
+}
+
+impl fmt::Display for RuleId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+/// One resolved inbound rule: peers, exactly one protocol (the id's), and port ranges.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ResolvedRule {
+    id: RuleId,
+    ports: Vec<PortRange>,
+    peers: BTreeSet<Cidr>,
+}
+
+impl ResolvedRule {
+    pub fn new(
+        id: RuleId,
+        ports: impl IntoIterator<Item = PortRange>,
+        peers: impl IntoIterator<Item = Cidr>,
+    ) -> Result<Self, PolicyError> {
+        let ports = merge_ports(ports);
+        match (id.protocol().has_ports(), ports.is_empty()) {
+            (true, true) => return Err(PolicyError::PortsRequired { rule: id.to_string() }),
+            (false, false) => return Err(PolicyError::PortsNotAllowed { rule: id.to_string() }),
+            _ => {}
+        }
+        Ok(ResolvedRule { id, ports, peers: peers.into_iter().collect() })
+    }
+
+    pub fn id(&self) -> &RuleId {
+        &self.id
+    }
+
+    pub fn protocol(&self) -> Protocol {
+        self.id.protocol()
+    }
+
+    /// Sorted, merged; empty exactly for ICMP and ICMPv6.
+    pub fn ports(&self) -> &[PortRange] {
+        &self.ports
+    }
+
+    pub fn peers(&self) -> &BTreeSet<Cidr> {
+        &self.peers
+    }
+}
+
+/// The complete rendered policy of one workload at one version.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct WorkloadPolicy {
+    version: Version,
+    mode: Mode,
+    rules: BTreeMap<RuleId, ResolvedRule>,
+}
+
+impl WorkloadPolicy {
+    pub fn new(
+        version: Version,
+        mode: Mode,
+        rules: impl IntoIterator<Item = ResolvedRule>,
+    ) -> Result<Self, PolicyError> {
+        let mut map = BTreeMap::new();
+        for rule in rules {
+            if let Some(dup) = map.insert(rule.id.clone(), rule) {
+                return Err(PolicyError::DuplicateRule { rule: dup.id.to_string() });
+            }
+        }
+        Ok(WorkloadPolicy { version, mode, rules: map })
+    }
+
+    pub fn version(&self) -> Version {
+        self.version
+    }
+
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// The same content under another version (a render re-stamps before persisting).
+    pub fn with_version(mut self, version: Version) -> Self {
+        self.version = version;
+        self
+    }
+
+    /// Rules in id order.
+    pub fn rules(&self) -> impl ExactSizeIterator<Item = &ResolvedRule> {
+        self.rules.values()
+    }
+
+    pub fn rule(&self, id: &RuleId) -> Option<&ResolvedRule> {
+        self.rules.get(id)
+    }
+
+    /// Applies a delta as a unit: either every change applies and the result carries
+    /// `to_version`, or nothing does and `self` is untouched (SYNC-1, SYNC-4).
+    pub fn apply(&self, delta: &PolicyDelta) -> Result<WorkloadPolicy, ApplyError> {
+        if delta.from_version != self.version {
+            return Err(ApplyError::BaseMismatch { held: self.version, from: delta.from_version });
+        }
+        let (from, to) = (delta.from_version, delta.to_version);
+        if to < from || (to == from && !delta.changes.is_empty()) {
+            return Err(ApplyError::VersionNotAdvanced { from, to });
+        }
+        let mut next = self.clone();
+        for change in &delta.changes {
+            next.apply_change(change)?;
+        }
+        next.version = to;
+        Ok(next)
+    }
+
+    fn apply_change(&mut self, change: &Change) -> Result<(), ApplyError> {
+        match change {
+            Change::SetMode(mode) => self.mode = *mode,
+            Change::UpsertRule(rule) => {
+                self.rules.insert(rule.id.clone(), rule.clone());
+            }
+            Change::RemoveRule(id) => {
+                self.rules.remove(id).ok_or_else(|| ApplyError::UnknownRule { rule: id.to_string() })?;
+            }
+            Change::AddPeers { rule, peers } | Change::RemovePeers { rule, peers } => {
+                let adding = matches!(change, Change::AddPeers { .. });
+                if peers.is_empty() {
+                    return Err(ApplyError::EmptyPeerChange { rule: rule.to_string() });
+                }
+                let target = self
+                    .rules
+                    .get_mut(rule)
+                    .ok_or_else(|| ApplyError::UnknownRule { rule: rule.to_string() })?;
+                for peer in peers {
+                    let changed = if adding { target.peers.insert(*peer) } else { target.peers.remove(peer) };
+                    if !changed {
+                        let (rule, cidr) = (rule.to_string(), peer.to_string());
+                        return Err(if adding {
+                            ApplyError::PeerPresent { rule, cidr }
+                        } else {
+                            ApplyError::PeerAbsent { rule, cidr }
+                        });
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One change of a delta.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Change {
+    /// Insert the rule, or replace the rule with that id.
+    UpsertRule(ResolvedRule),
+    RemoveRule(RuleId),
+    /// Every peer must be absent before; refused otherwise.
+    AddPeers {
+        rule: RuleId,
+        peers: BTreeSet<Cidr>,
+    },
+    /// Every peer must be present before; refused otherwise.
+    RemovePeers {
+        rule: RuleId,
+        peers: BTreeSet<Cidr>,
+    },
+    SetMode(Mode),
+}
+
+/// The changes that take the policy at `from_version` to the policy at `to_version`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PolicyDelta {
+    pub from_version: Version,
+    pub to_version: Version,
+    pub changes: Vec<Change>,
+}
+
+impl PolicyDelta {
+    /// True exactly when the delta takes a policy to itself.
+    pub fn is_empty(&self) -> bool {
+        self.changes.is_empty() && self.from_version == self.to_version
+    }
+}
+
+/// The minimal change list from `a` to `b` (SYNC-1): the mode first, then per rule in id order
+/// a removal, an upsert (new rule, or its ports changed), or peer removals and additions.
+/// A rule whose peers all go stays as an empty rule; only its absence from `b` removes it.
+pub fn diff(a: &WorkloadPolicy, b: &WorkloadPolicy) -> PolicyDelta {
+    let mut changes = Vec::new();
+    if a.mode != b.mode {
+        changes.push(Change::SetMode(b.mode));
+    }
+    let ids: BTreeSet<&RuleId> = a.rules.keys().chain(b.rules.keys()).collect();
+    for id in ids {
+        match (a.rules.get(id), b.rules.get(id)) {
+            (Some(_), None) => changes.push(Change::RemoveRule(id.clone())),
+            (None, Some(new)) => changes.push(Change::UpsertRule(new.clone())),
+            (Some(old), Some(new)) if old.ports != new.ports => changes.push(Change::UpsertRule(new.clone())),
+            (Some(old), Some(new)) => {
+                let removed: BTreeSet<Cidr> = old.peers.difference(&new.peers).copied().collect();
+                let added: BTreeSet<Cidr> = new.peers.difference(&old.peers).copied().collect();
+                if !removed.is_empty() {
+                    changes.push(Change::RemovePeers { rule: id.clone(), peers: removed });
+                }
+                if !added.is_empty() {
+                    changes.push(Change::AddPeers { rule: id.clone(), peers: added });
+                }
+            }
+            (None, None) => unreachable!("id came from one of the maps"),
+        }
+    }
+    PolicyDelta { from_version: a.version, to_version: b.version, changes }
+}
+
+/// A value that cannot be part of a rendered policy. The message names the offending value.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PolicyError {
+    #[error("cidr {text:?}: {reason}")]
+    Cidr { text: String, reason: &'static str },
+    #[error("port range {start}-{end}: {reason}")]
+    PortRange { start: u32, end: u32, reason: &'static str },
+    #[error("rule id {text:?}: {reason}")]
+    RuleId { text: String, reason: &'static str },
+    #[error("rule {rule}: tcp and udp rules need at least one port range (all ports is 1-65535)")]
+    PortsRequired { rule: String },
+    #[error("rule {rule}: icmp and icmpv6 rules take no ports")]
+    PortsNotAllowed { rule: String },
+    #[error("rule {rule}: its protocol field says {protocol} but its id says otherwise")]
+    ProtocolMismatch { rule: String, protocol: String },
+    #[error("rule {rule} appears twice")]
+    DuplicateRule { rule: String },
+    #[error("unknown {what} {text:?}")]
+    UnknownName { what: &'static str, text: String },
+    #[error("{field}: unknown or unspecified enum value {value}")]
+    Enum { field: &'static str, value: i32 },
+    #[error("{field} is missing")]
+    Missing { field: &'static str },
+    #[error("policy bytes do not decode: {0}")]
+    Decode(#[from] prost::DecodeError),
+    #[error("policy bytes are not in canonical form (re-encoding differs)")]
+    NotCanonical,
+}
+
+/// Why a delta was refused. A refused delta changed nothing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ApplyError {
+    #[error("delta is based on version {from} but version {held} is held")]
+    BaseMismatch { held: Version, from: Version },
+    #[error("delta from version {from} to {to} does not advance the version")]
+    VersionNotAdvanced { from: Version, to: Version },
+    #[error("rule {rule} is not in the policy")]
+    UnknownRule { rule: String },
+    #[error("rule {rule} already has peer {cidr}")]
+    PeerPresent { rule: String, cidr: String },
+    #[error("rule {rule} has no peer {cidr} to remove")]
+    PeerAbsent { rule: String, cidr: String },
+    #[error("peer change for rule {rule} lists no peers")]
+    EmptyPeerChange { rule: String },
+    #[error("malformed delta: {0}")]
+    Malformed(#[from] PolicyError),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cidrs(list: &[&str]) -> Vec<Cidr> {
+        list.iter().map(|c| Cidr::parse(c).unwrap()).collect()
+    }
+
+    #[test]
+    fn ports_merge_overlapping_and_adjacent_ranges() {
+        let r = |a, b| PortRange::new(a, b).unwrap();
+        let merged =
+            merge_ports([r(80, 80), r(443, 443), r(81, 90), r(85, 86), r(1000, 2000), r(2001, 2001)]);
+        let text: Vec<String> = merged.iter().map(ToString::to_string).collect();
+        assert_eq!(text, ["80-90", "443", "1000-2001"]);
+    }
+
+    #[test]
+    fn port_range_rejects_zero_overflow_and_reversed() {
+        for (a, b, why) in [(0, 1, "port 0"), (1, 65536, "65535"), (10, 9, "start is after end")] {
+            let e = PortRange::new(a, b).unwrap_err().to_string();
+            assert!(e.contains(why), "{e}");
+        }
+        assert!(PortRange::new(65535, 65535).is_ok());
+    }
+
+    #[test]
+    fn cidr_strict_and_lenient_parsing() {
+        assert_eq!(Cidr::parse("10.0.0.0/24").unwrap().to_string(), "10.0.0.0/24");
+        assert_eq!(Cidr::parse("fd00::/64").unwrap().to_string(), "fd00::/64");
+        for bad in
+            ["10.0.0.1/24", "10.0.0.0", "10.0.0.0/33", "FD00::/64", "fd00:0::/64", "x", "", "10.0.0.0/024"]
+        {
+            assert!(Cidr::parse(bad).is_err(), "{bad}");
+        }
+        assert!(Cidr::parse("::ffff:10.0.0.1/128").unwrap_err().to_string().contains("IPv4-mapped"));
+        assert_eq!(Cidr::parse_lenient("10.0.0.7/24").unwrap().to_string(), "10.0.0.0/24");
+        assert_eq!(Cidr::parse_lenient("10.0.0.7").unwrap().to_string(), "10.0.0.7/32");
+        assert_eq!(Cidr::parse_lenient("FD00::1").unwrap().to_string(), "fd00::1/128");
+        assert!(Cidr::parse_lenient("10.0.0.300").is_err());
+    }
+
+    #[test]
+    fn rule_id_carries_protocol_and_provenance() {
+        let id = RuleId::new("3f1c-a", Protocol::Icmpv6).unwrap();
+        assert_eq!(id.as_str(), "3f1c-a/icmpv6");
+        assert_eq!(id.authored(), "3f1c-a");
+        assert_eq!(id.protocol(), Protocol::Icmpv6);
+        for bad in ["r1", "r1/", "/tcp", "r1/TCP", "r1/sctp", "r 1/tcp", "r1/tcp/", "r/1/tcp"] {
+            assert!(RuleId::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn resolved_rule_port_shape_follows_protocol() {
+        let tcp = RuleId::new("r", Protocol::Tcp).unwrap();
+        let icmp = RuleId::new("r", Protocol::Icmp).unwrap();
+        assert!(matches!(ResolvedRule::new(tcp, [], []), Err(PolicyError::PortsRequired { .. })));
+        assert!(matches!(
+            ResolvedRule::new(icmp.clone(), [PortRange::ALL], []),
+            Err(PolicyError::PortsNotAllowed { .. })
+        ));
+        assert!(ResolvedRule::new(icmp, [], cidrs(&["10.0.0.0/8"])).is_ok());
+    }
+
+    #[test]
+    fn duplicate_rule_ids_are_refused() {
+        let id = RuleId::new("r", Protocol::Udp).unwrap();
+        let rule = ResolvedRule::new(id, [PortRange::single(53).unwrap()], []).unwrap();
+        let e = WorkloadPolicy::new(1, Mode::Enforcement, [rule.clone(), rule]).unwrap_err();
+        assert_eq!(e, PolicyError::DuplicateRule { rule: "r/udp".into() });
+    }
+}
