@@ -8,7 +8,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if std::env::var_os("PROTOC").is_none() {
         let protoc: PathBuf = protoc_bin_vendored::protoc_bin_path()?;
         // SAFETY: a build script is single-threaded here; nothing else reads the environment.
-        #[allow(unsafe_code)]
+        #[allow(unsafe_code, clippy::disallowed_methods)]
         unsafe {
             std::env::set_var("PROTOC", protoc)
         };

@@ -198,10 +198,11 @@ impl Cidr {
     }
 
     fn checked(net: IpNet, text: &str) -> Result<Self, PolicyError> {
-        if let IpNet::V6(v6) = net {
-            if v6.addr().to_ipv4_mapped().is_some() && v6.prefix_len() >= 96 {
-                return Err(cidr_error(text, "IPv4-mapped IPv6 prefixes never match; write the IPv4 prefix"));
-            }
+        if let IpNet::V6(v6) = net
+            && v6.addr().to_ipv4_mapped().is_some()
+            && v6.prefix_len() >= 96
+        {
+            return Err(cidr_error(text, "IPv4-mapped IPv6 prefixes never match; write the IPv4 prefix"));
         }
         Ok(Cidr(net))
     }
