@@ -1,0 +1,254 @@
+//! `cargo xtask build-ebpf`: builds agent-ebpf, puts the object at a known path and verifies it.
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context, Result, bail, ensure};
+
+use crate::{
+    cmd,
+    elf::{self, EM_BPF, Elf},
+    setup::{self, TOOLCHAIN},
+};
+
+/// Where the verified object lands, relative to the root workspace (also when
+/// CARGO_TARGET_DIR points elsewhere). The agent embeds it from here, e.g.
+/// `include_bytes!(concat!(env!("CARGO_MANIFEST_DIR"), "/../target/bpf/innerwall-ebpf"))`.
+pub const OBJECT_PATH: &str = "target/bpf/innerwall-ebpf";
+
+const CRATE_DIR: &str = "agent-ebpf";
+const BPF_TARGET: &str = "bpfel-unknown-none";
+/// The cargo output, relative to `CRATE_DIR` (always a release build).
+const BUILT_OBJECT: &str = "target/bpfel-unknown-none/release/innerwall-ebpf";
+/// Full debug info is what bpf-linker turns into BTF; the agent needs BTF for BTF maps.
+const RUSTFLAGS: &str = "-C debuginfo=2 -C link-arg=--btf";
+
+/// Sections a usable object must have, with what their absence means.
+const REQUIRED_SECTIONS: &[(&str, &str)] = &[
+    (".BTF", "no BTF: bpf-linker must get `-C link-arg=--btf` and debug info"),
+    ("classifier", "no tc program: `#[classifier] fn innerwall_ingress` is missing"),
+];
+
+/// Where the kernel-load check pins the program for a moment.
+const BPFFS: &str = "/sys/fs/bpf";
+
+pub fn build(root: &Path) -> Result<PathBuf> {
+    setup::bpf_toolchain()?;
+    cmd::run(&mut bpf_cargo(root, "build")).context("building agent-ebpf for the BPF target")?;
+    let object = copy_object(root)?;
+    verify_object(&object)?;
+    kernel_load_check(&object)?;
+    Ok(object)
+}
+
+/// `cargo +stable <subcommand>` for the BPF target inside agent-ebpf, with the nightly
+/// switch and flags set only for this child.
+pub fn bpf_cargo(root: &Path, subcommand: &str) -> Command {
+    let mut cmd = crate_cargo(root);
+    cmd.env("RUSTC_BOOTSTRAP", "1")
+        .env("RUSTFLAGS", RUSTFLAGS)
+        .arg(format!("+{TOOLCHAIN}"))
+        .arg(subcommand)
+        .args(["-Z", "build-std=core", "--target", BPF_TARGET, "--release"]);
+    cmd
+}
+
+/// Plain `cargo` inside agent-ebpf (e.g. for rustfmt), isolated from the outer cargo.
+pub fn crate_cargo(root: &Path) -> Command {
+    let mut cmd = Command::new("cargo");
+    isolate_cargo_env(&mut cmd);
+    cmd.current_dir(root.join(CRATE_DIR));
+    cmd
+}
+
+/// Clears what the outer `cargo xtask` (or the user) set that would redirect or break a
+/// cargo run in another workspace: target dir, target triple, flags, wrappers, toolchain.
+pub fn isolate_cargo_env(cmd: &mut Command) {
+    for (name, _) in std::env::vars_os() {
+        if name.to_str().is_some_and(leaks_into_nested_cargo) {
+            cmd.env_remove(name);
+        }
+    }
+}
+
+fn leaks_into_nested_cargo(name: &str) -> bool {
+    const EXACT: &[&str] = &[
+        "CARGO",
+        "CARGO_CRATE_NAME",
+        "CARGO_PRIMARY_PACKAGE",
+        "CARGO_MAKEFLAGS",
+        "RUSTC",
+        "RUSTC_WRAPPER",
+        "RUSTC_WORKSPACE_WRAPPER",
+        "RUSTC_BOOTSTRAP",
+        "RUSTDOC",
+        "RUSTFLAGS",
+        "RUSTDOCFLAGS",
+        "RUSTUP_TOOLCHAIN",
+        "RUSTUP_TOOLCHAIN_SOURCE",
+    ];
+    const PREFIXES: &[&str] = &[
+        "CARGO_PKG_",
+        "CARGO_MANIFEST_",
+        "CARGO_BIN_",
+        "CARGO_BUILD_",
+        "CARGO_TARGET_",
+        "CARGO_PROFILE_",
+        "CARGO_ENCODED_",
+        "CARGO_CFG_",
+        "CARGO_FEATURE_",
+    ];
+    EXACT.contains(&name) || PREFIXES.iter().any(|prefix| name.starts_with(prefix))
+}
+
+fn copy_object(root: &Path) -> Result<PathBuf> {
+    let built = root.join(CRATE_DIR).join(BUILT_OBJECT);
+    let object = root.join(OBJECT_PATH);
+    let dir = object.parent().context("object path has no parent")?;
+    fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    fs::copy(&built, &object)
+        .with_context(|| format!("copying {} to {}", built.display(), object.display()))?;
+    Ok(object)
+}
+
+fn verify_object(object: &Path) -> Result<()> {
+    let bytes = fs::read(object).with_context(|| format!("reading {}", object.display()))?;
+    let elf = elf::parse(&bytes)
+        .and_then(|elf| check_bpf_object(&elf).map(|()| elf))
+        .with_context(|| format!("{} is not a usable eBPF object", object.display()))?;
+    println!(
+        "build-ebpf: {} ({} bytes): ELF64 little-endian, e_machine {EM_BPF} (EM_BPF)",
+        object.display(),
+        bytes.len()
+    );
+    println!("build-ebpf: sections: {}", elf.sections.join(" "));
+    Ok(())
+}
+
+fn check_bpf_object(elf: &Elf) -> Result<()> {
+    ensure!(
+        elf.machine == EM_BPF,
+        "e_machine is {}, expected {EM_BPF} (EM_BPF): was it built for {BPF_TARGET}?",
+        elf.machine
+    );
+    let missing: Vec<String> = REQUIRED_SECTIONS
+        .iter()
+        .filter(|(name, _)| !elf.sections.iter().any(|section| section == name))
+        .map(|(name, why)| format!("`{name}` ({why})"))
+        .collect();
+    if !missing.is_empty() {
+        bail!("missing section {}", missing.join(", "));
+    }
+    Ok(())
+}
+
+/// Loads the object into the running kernel with bpftool, so the verifier judges it now
+/// rather than when an agent first starts. Needs root; skipped without it, except in CI.
+fn kernel_load_check(object: &Path) -> Result<()> {
+    let status = fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
+    if effective_uid(&status) != Some(0) {
+        ensure!(
+            std::env::var_os("CI").is_none_or(|ci| ci != "true"),
+            "the kernel-load check needs root and CI=true requires it: run CI as root"
+        );
+        println!("build-ebpf: kernel load check: skipped (needs root)");
+        return Ok(());
+    }
+    mount_bpffs()?;
+    let pin = Path::new(BPFFS).join(format!("innerwall-xtask-{}", std::process::id()));
+    let mut load = Command::new("bpftool");
+    load.args(["prog", "load"]).arg(object).arg(&pin).args(["type", "classifier"]);
+    let loaded = cmd::output(&mut load);
+    // Unpinning unloads the program (and its maps) again.
+    let unpinned = match pin.symlink_metadata() {
+        Ok(_) => fs::remove_file(&pin).with_context(|| format!("removing pin {}", pin.display())),
+        Err(_) => Ok(()),
+    };
+    loaded.context(
+        "the kernel rejected the eBPF object (verifier log above); bpftool comes from `cargo xtask setup`",
+    )?;
+    unpinned?;
+    println!(
+        "build-ebpf: kernel load check: the verifier accepted the object (bpftool prog load, pin removed)"
+    );
+    Ok(())
+}
+
+fn mount_bpffs() -> Result<()> {
+    let mounts = fs::read_to_string("/proc/mounts").context("reading /proc/mounts")?;
+    let mounted = mounts.lines().any(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        fields.get(1) == Some(&BPFFS) && fields.get(2) == Some(&"bpf")
+    });
+    if !mounted {
+        cmd::run(Command::new("mount").args(["-t", "bpf", "bpf", BPFFS]))?;
+    }
+    Ok(())
+}
+
+/// The effective uid from `/proc/self/status` (`Uid: real effective saved fs`).
+fn effective_uid(proc_status: &str) -> Option<u32> {
+    proc_status
+        .lines()
+        .find_map(|line| line.strip_prefix("Uid:"))
+        .and_then(|uids| uids.split_whitespace().nth(1))
+        .and_then(|uid| uid.parse().ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::elf::tests::tiny_elf;
+
+    fn check(machine: u16, sections: &[&str]) -> Result<(), String> {
+        let elf = elf::parse(&tiny_elf(machine, sections)).unwrap();
+        check_bpf_object(&elf).map_err(|err| format!("{err:#}"))
+    }
+
+    #[test]
+    fn accepts_a_bpf_object_with_btf_and_classifier() {
+        assert_eq!(check(EM_BPF, &[".text", "classifier", ".maps", ".BTF", ".BTF.ext"]), Ok(()));
+    }
+
+    #[test]
+    fn names_what_is_wrong() {
+        assert_eq!(
+            check(62, &["classifier", ".BTF"]),
+            Err("e_machine is 62, expected 247 (EM_BPF): was it built for bpfel-unknown-none?".into())
+        );
+        assert_eq!(
+            check(EM_BPF, &["classifier"]),
+            Err("missing section `.BTF` (no BTF: bpf-linker must get `-C link-arg=--btf` and debug info)"
+                .into())
+        );
+        assert_eq!(
+            check(EM_BPF, &[".text"]),
+            Err("missing section `.BTF` (no BTF: bpf-linker must get `-C link-arg=--btf` and debug info), \
+                 `classifier` (no tc program: `#[classifier] fn innerwall_ingress` is missing)"
+                .into())
+        );
+    }
+
+    #[test]
+    fn only_build_redirecting_variables_are_cleared() {
+        for name in ["CARGO_TARGET_DIR", "CARGO_BUILD_TARGET", "RUSTFLAGS", "CARGO_ENCODED_RUSTFLAGS"] {
+            assert!(leaks_into_nested_cargo(name), "{name}");
+        }
+        for name in ["RUSTC_WRAPPER", "RUSTUP_TOOLCHAIN", "CARGO_MANIFEST_DIR", "CARGO_PKG_NAME"] {
+            assert!(leaks_into_nested_cargo(name), "{name}");
+        }
+        for name in ["CARGO_HOME", "RUSTUP_HOME", "CARGO_NET_OFFLINE", "PATH", "HOME"] {
+            assert!(!leaks_into_nested_cargo(name), "{name}");
+        }
+    }
+
+    #[test]
+    fn effective_uid_is_the_second_uid_field() {
+        assert_eq!(effective_uid("Name:\tx\nUid:\t1000\t0\t0\t0\nGid:\t0\n"), Some(0));
+        assert_eq!(effective_uid("Uid:\t0\t1000\t1000\t1000\n"), Some(1000));
+        assert_eq!(effective_uid("Name:\tx\n"), None);
+    }
+}

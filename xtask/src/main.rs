@@ -1,0 +1,73 @@
+//! `cargo xtask`: the command line that dispatches to setup, the eBPF build and the suites.
+
+mod cmd;
+mod demo;
+mod ebpf;
+mod elf;
+mod setup;
+mod suite;
+
+use std::{
+    path::{Path, PathBuf},
+    process::ExitCode,
+};
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "cargo xtask", bin_name = "cargo xtask", about = "Innerwall developer and CI tasks")]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Debug, Subcommand)]
+enum Task {
+    /// Install what the project needs (apt packages, rust-src, bpf-linker); idempotent.
+    Setup,
+    /// Build agent-ebpf for the BPF target, copy it to target/bpf/ and verify the object.
+    BuildEbpf,
+    /// Setup, build-ebpf, then `cargo test --workspace` with any extra arguments.
+    Test {
+        /// Passed to `cargo test --workspace` as they are (put them after `--`).
+        #[arg(last = true)]
+        cargo_args: Vec<String>,
+    },
+    /// rustfmt and clippy (-D warnings) for both workspaces; `.ci/run` runs it after `test`.
+    Lint,
+    /// Build the release binaries and show that they start.
+    Demo,
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            // `{:#}` prints the whole context chain on one line; a backtrace would only
+            // point into xtask itself.
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    let root = workspace_root()?;
+    match cli.task {
+        Task::Setup => setup::all(),
+        Task::BuildEbpf => ebpf::build(&root).map(drop),
+        Task::Test { cargo_args } => suite::test(&root, &cargo_args),
+        Task::Lint => suite::lint(&root),
+        Task::Demo => demo::run(&root),
+    }
+}
+
+/// The root workspace: xtask lives one level below it.
+fn workspace_root() -> Result<PathBuf> {
+    let manifest_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    manifest_dir
+        .parent()
+        .map(Path::to_path_buf)
+        .with_context(|| format!("xtask manifest dir {} has no parent", manifest_dir.display()))
+}

@@ -1,0 +1,33 @@
+//! `cargo xtask test` and `cargo xtask lint`: the full suite, and the formatting and lint checks
+//! CI runs after it.
+
+use std::{path::Path, process::Command};
+
+use anyhow::Result;
+
+use crate::{cmd, ebpf, setup};
+
+/// Setup, the verified eBPF build, then the workspace tests.
+pub fn test(root: &Path, cargo_args: &[String]) -> Result<()> {
+    // build-ebpf runs the rest of setup (rust-src, bpf-linker) itself.
+    setup::apt_packages()?;
+    ebpf::build(root)?;
+    cmd::run(root_cargo(root).args(["test", "--workspace"]).args(cargo_args))
+}
+
+/// Formatting and clippy for both workspaces (`.ci/run` calls it after `test`).
+pub fn lint(root: &Path) -> Result<()> {
+    cmd::run(root_cargo(root).args(["fmt", "--all", "--check"]))?;
+    cmd::run(root_cargo(root).args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
+    cmd::run(ebpf::crate_cargo(root).args(["fmt", "--all", "--check"]))?;
+    cmd::run(ebpf::bpf_cargo(root, "clippy").args(["--", "-D", "warnings"]))?;
+    println!("lint: rustfmt and clippy passed for the workspace and agent-ebpf");
+    Ok(())
+}
+
+/// `cargo` in the root workspace, inheriting the toolchain `cargo xtask` runs with.
+pub fn root_cargo(root: &Path) -> Command {
+    let mut cmd = Command::new("cargo");
+    cmd.current_dir(root);
+    cmd
+}
