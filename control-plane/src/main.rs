@@ -1,11 +1,34 @@
-//! `innerwall`: the control-plane binary. Its service, store and authoring commands arrive with
-//! issues 3–5; today it exposes the contract it speaks.
+//! `innerwall`: the control-plane binary — service and operator CLI (OPS-1). A thin layer over
+//! the library: parse, connect, call, print (human tables by default, `--json` for scripts).
 
-use clap::{Parser, Subcommand};
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{Context, bail};
+use clap::{Args, Parser, Subcommand};
+use innerwall_control_plane::authoring::{self, AddressGroupSpec, Committed, RulesetSpec, ServiceSpec};
+use innerwall_control_plane::model::ServiceEntry;
+use innerwall_control_plane::publish::Changed;
+use innerwall_control_plane::{postgres, store};
+use innerwall_wire::identity::WorkloadId;
+use innerwall_wire::labels::{Label, LabelKey};
+use innerwall_wire::policy::{Cidr, Mode};
+use serde::Serialize;
+use sqlx::PgPool;
 
 #[derive(Debug, Parser)]
 #[command(name = "innerwall", version, about = "Innerwall control plane and operator CLI")]
 struct Cli {
+    /// Postgres to use. Without it, a private cluster under --state-dir is started and reused.
+    #[arg(long, env = "INNERWALL_DATABASE_URL", global = true, hide_env_values = true)]
+    database_url: Option<String>,
+    /// Where the embedded Postgres cluster (and later the CA and other state) lives.
+    #[arg(long, env = "INNERWALL_STATE_DIR", global = true, default_value = "/var/lib/innerwall")]
+    state_dir: PathBuf,
+    /// Print JSON instead of tables.
+    #[arg(long, global = true)]
+    json: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -14,11 +37,559 @@ struct Cli {
 enum Command {
     /// Print the agent contract package this build speaks.
     Contract,
+    /// Apply database migrations and exit.
+    Migrate,
+    /// Run the control-plane service (renders once at start).
+    Serve,
+    /// Render every workload now (normally automatic on every change).
+    Render,
+    /// Named sets of (protocol, ports) that rules permit.
+    #[command(subcommand)]
+    Service(ServiceCmd),
+    /// Named sets of CIDRs for peers without an agent.
+    #[command(subcommand, name = "address-group")]
+    AddressGroup(GroupCmd),
+    /// Label-scoped sets of inbound rules, authored as YAML or JSON files.
+    #[command(subcommand)]
+    Ruleset(RulesetCmd),
+    /// Enrolled hosts: labels, mode, rendered policy.
+    #[command(subcommand)]
+    Workload(WorkloadCmd),
 }
 
-fn main() -> anyhow::Result<()> {
-    match Cli::parse().command {
+#[derive(Debug, Args)]
+struct Expect {
+    /// Refuse the write unless the object is still at this version (as `show` printed it).
+    #[arg(long)]
+    expect_version: Option<i64>,
+}
+
+#[derive(Debug, Subcommand)]
+enum ServiceCmd {
+    /// e.g. `service create web --entry tcp:80,443 --entry udp:443`
+    Create(ServiceArgs),
+    /// Replace a service's entries and description.
+    Update {
+        #[command(flatten)]
+        service: ServiceArgs,
+        #[command(flatten)]
+        expect: Expect,
+    },
+    Delete {
+        name: String,
+        #[command(flatten)]
+        expect: Expect,
+    },
+    List,
+    Show {
+        name: String,
+    },
+}
+
+#[derive(Debug, Args)]
+struct ServiceArgs {
+    name: String,
+    /// `tcp:80,443,8000-8080`, `udp:53`, `tcp:all`, `icmp`, `icmpv6`; repeatable.
+    #[arg(long = "entry", required = true)]
+    entries: Vec<String>,
+    #[arg(long, default_value = "")]
+    description: String,
+}
+
+#[derive(Debug, Subcommand)]
+enum GroupCmd {
+    /// e.g. `address-group create vpn --cidr 10.8.0.0/16 --cidr fd08::/48`
+    Create(GroupArgs),
+    Update {
+        #[command(flatten)]
+        group: GroupArgs,
+        #[command(flatten)]
+        expect: Expect,
+    },
+    Delete {
+        name: String,
+        #[command(flatten)]
+        expect: Expect,
+    },
+    List,
+    Show {
+        name: String,
+    },
+}
+
+#[derive(Debug, Args)]
+struct GroupArgs {
+    name: String,
+    /// A CIDR or a bare address (a host route); repeatable.
+    #[arg(long = "cidr", required = true)]
+    cidrs: Vec<String>,
+    #[arg(long, default_value = "")]
+    description: String,
+}
+
+#[derive(Debug, Subcommand)]
+enum RulesetCmd {
+    /// Create from a YAML or JSON file (`-` for stdin).
+    Create {
+        #[arg(short, long)]
+        file: PathBuf,
+    },
+    /// Replace the ruleset named in the file; rules keep their identity by name.
+    Update {
+        #[arg(short, long)]
+        file: PathBuf,
+        #[command(flatten)]
+        expect: Expect,
+    },
+    Delete {
+        name: String,
+        #[command(flatten)]
+        expect: Expect,
+    },
+    List,
+    /// Print in the file format (YAML; `--json` for JSON).
+    Show {
+        name: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum WorkloadCmd {
+    List,
+    Show {
+        id: WorkloadId,
+    },
+    /// Set or remove labels, conditional on the label version you read.
+    Label {
+        id: WorkloadId,
+        #[arg(long = "set")]
+        set: Vec<Label>,
+        #[arg(long = "remove")]
+        remove: Vec<LabelKey>,
+        /// The label version `workload show` printed; a stale edit is refused.
+        #[arg(long)]
+        expect_label_version: i64,
+    },
+    /// Set the enforcement mode: visibility, simulation or enforcement.
+    Mode {
+        id: WorkloadId,
+        mode: Mode,
+    },
+    /// Show the rendered policy and its version.
+    Policy {
+        id: WorkloadId,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn pool(cli: &Cli) -> anyhow::Result<PgPool> {
+    let url = match &cli.database_url {
+        Some(url) => url.clone(),
+        None => postgres::embedded(&cli.state_dir).await.with_context(|| {
+            format!("while starting the embedded database in {}", cli.state_dir.display())
+        })?,
+    };
+    Ok(postgres::connect(&url).await?)
+}
+
+fn actor() -> String {
+    let user =
+        std::env::var("SUDO_USER").or_else(|_| std::env::var("USER")).unwrap_or_else(|_| "unknown".into());
+    format!("cli:{user}")
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    init_logging();
+    let json = cli.json;
+    match &cli.command {
         Command::Contract => println!("{}", innerwall_wire::CONTRACT_PACKAGE),
+        Command::Migrate => {
+            pool(&cli).await?;
+            println!("migrations applied");
+        }
+        Command::Serve => serve(&pool(&cli).await?).await?,
+        Command::Render => {
+            let changed = authoring::render_now(&pool(&cli).await?).await?;
+            print_changed(json, &changed, &());
+        }
+        Command::Service(cmd) => service(&pool(&cli).await?, cmd, json).await?,
+        Command::AddressGroup(cmd) => group(&pool(&cli).await?, cmd, json).await?,
+        Command::Ruleset(cmd) => ruleset(&pool(&cli).await?, cmd, json).await?,
+        Command::Workload(cmd) => workload(&pool(&cli).await?, cmd, json).await?,
+    }
+    Ok(())
+}
+
+fn init_logging() {
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_env("INNERWALL_LOG").unwrap_or_else(|_| "warn".into());
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}
+
+async fn serve(pool: &PgPool) -> anyhow::Result<()> {
+    let changed = authoring::render_now(pool).await.context("while rendering at startup")?;
+    tracing::info!(changed = changed.len(), "startup render done");
+    eprintln!(
+        "innerwall: startup render advanced {} workload(s); the agent gateway is not built yet (issue 5)",
+        changed.len()
+    );
+    tokio::signal::ctrl_c().await.context("while waiting for shutdown")?;
+    Ok(())
+}
+
+/// Prints the outcome of a committed change: the value, then each workload whose version moved.
+fn print_changed<T: Serialize>(json: bool, changed: &[Changed], value: &T) {
+    if json {
+        let changed: Vec<_> = changed
+            .iter()
+            .map(|c| serde_json::json!({"workload": c.workload.to_string(), "version": c.version}))
+            .collect();
+        println!("{}", serde_json::json!({"result": value, "changed": changed}));
+        return;
+    }
+    if changed.is_empty() {
+        println!("no workload's policy changed");
+    } else {
+        println!("policy version changed for {} workload(s):", changed.len());
+        for c in changed {
+            println!("  {}  v{}", c.workload, c.version);
+        }
+    }
+}
+
+fn report<T: Serialize>(json: bool, what: &str, done: Committed<T>) {
+    if !json {
+        println!("{what}");
+    }
+    print_changed(json, &done.changed, &done.value);
+}
+
+/// A plain left-aligned table.
+fn print_table(headers: &[&str], rows: Vec<Vec<String>>) {
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.len()).collect();
+    for row in &rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: Vec<String>| {
+        let padded: Vec<String> = cells.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
+        println!("{}", padded.join("  ").trim_end());
+    };
+    line(headers.iter().map(|h| h.to_uppercase()).collect());
+    for row in rows {
+        line(row);
+    }
+}
+
+fn print_json<T: Serialize>(value: &T) -> anyhow::Result<()> {
+    println!("{}", serde_json::to_string_pretty(value)?);
+    Ok(())
+}
+
+fn parse_entries(texts: &[String]) -> anyhow::Result<Vec<ServiceEntry>> {
+    texts.iter().map(|t| ServiceEntry::parse(t).map_err(Into::into)).collect()
+}
+
+fn parse_cidrs(texts: &[String]) -> anyhow::Result<BTreeSet<Cidr>> {
+    texts.iter().map(|t| Cidr::parse_lenient(t).map_err(Into::into)).collect()
+}
+
+async fn service(pool: &PgPool, cmd: &ServiceCmd, json: bool) -> anyhow::Result<()> {
+    let spec = |a: &ServiceArgs| -> anyhow::Result<ServiceSpec> {
+        Ok(ServiceSpec {
+            name: a.name.clone(),
+            description: a.description.clone(),
+            entries: parse_entries(&a.entries)?,
+        })
+    };
+    match cmd {
+        ServiceCmd::Create(args) => {
+            let spec = spec(args)?;
+            let done = authoring::commit(pool, &actor(), "service.create", &spec.name, async |c| {
+                authoring::create_service(c, &spec).await?;
+                Ok(((), serde_json::json!({"entries": spec.entries.iter().map(ToString::to_string).collect::<Vec<_>>()})))
+            })
+            .await?;
+            report(json, &format!("service {} created (version 1)", spec.name), done);
+        }
+        ServiceCmd::Update { service, expect } => {
+            let spec = spec(service)?;
+            let done = authoring::commit(pool, &actor(), "service.update", &spec.name, async |c| {
+                let v = authoring::update_service(c, &spec, expect.expect_version).await?;
+                Ok((v, serde_json::json!({"entries": spec.entries.iter().map(ToString::to_string).collect::<Vec<_>>()})))
+            })
+            .await?;
+            report(json, &format!("service {} updated (version {})", spec.name, done.value), done);
+        }
+        ServiceCmd::Delete { name, expect } => {
+            let done = authoring::commit(pool, &actor(), "service.delete", name, async |c| {
+                authoring::delete_service(c, name, expect.expect_version).await?;
+                Ok(((), serde_json::json!({})))
+            })
+            .await?;
+            report(json, &format!("service {name} deleted"), done);
+        }
+        ServiceCmd::List | ServiceCmd::Show { .. } => {
+            let mut all = store::list_services(&mut *pool.acquire().await?).await?;
+            if let ServiceCmd::Show { name } = cmd {
+                all.retain(|s| &s.name == name);
+                if all.is_empty() {
+                    bail!("service {name:?} not found");
+                }
+            }
+            if json {
+                return print_json(&all);
+            }
+            let rows = all
+                .into_iter()
+                .map(|s| vec![s.name, s.version.to_string(), s.entries.join(" "), s.description])
+                .collect();
+            print_table(&["name", "version", "entries", "description"], rows);
+        }
+    }
+    Ok(())
+}
+
+async fn group(pool: &PgPool, cmd: &GroupCmd, json: bool) -> anyhow::Result<()> {
+    let spec = |a: &GroupArgs| -> anyhow::Result<AddressGroupSpec> {
+        Ok(AddressGroupSpec {
+            name: a.name.clone(),
+            description: a.description.clone(),
+            cidrs: parse_cidrs(&a.cidrs)?,
+        })
+    };
+    match cmd {
+        GroupCmd::Create(args) => {
+            let spec = spec(args)?;
+            let done = authoring::commit(pool, &actor(), "address-group.create", &spec.name, async |c| {
+                authoring::create_address_group(c, &spec).await?;
+                Ok(((), serde_json::json!({"cidrs": spec.cidrs.iter().map(ToString::to_string).collect::<Vec<_>>()})))
+            })
+            .await?;
+            report(json, &format!("address group {} created (version 1)", spec.name), done);
+        }
+        GroupCmd::Update { group, expect } => {
+            let spec = spec(group)?;
+            let done = authoring::commit(pool, &actor(), "address-group.update", &spec.name, async |c| {
+                let v = authoring::update_address_group(c, &spec, expect.expect_version).await?;
+                Ok((v, serde_json::json!({"cidrs": spec.cidrs.iter().map(ToString::to_string).collect::<Vec<_>>()})))
+            })
+            .await?;
+            report(json, &format!("address group {} updated (version {})", spec.name, done.value), done);
+        }
+        GroupCmd::Delete { name, expect } => {
+            let done = authoring::commit(pool, &actor(), "address-group.delete", name, async |c| {
+                authoring::delete_address_group(c, name, expect.expect_version).await?;
+                Ok(((), serde_json::json!({})))
+            })
+            .await?;
+            report(json, &format!("address group {name} deleted"), done);
+        }
+        GroupCmd::List | GroupCmd::Show { .. } => {
+            let mut all = store::list_address_groups(&mut *pool.acquire().await?).await?;
+            if let GroupCmd::Show { name } = cmd {
+                all.retain(|g| &g.name == name);
+                if all.is_empty() {
+                    bail!("address group {name:?} not found");
+                }
+            }
+            if json {
+                return print_json(&all);
+            }
+            let rows = all
+                .into_iter()
+                .map(|g| vec![g.name, g.version.to_string(), g.cidrs.join(" "), g.description])
+                .collect();
+            print_table(&["name", "version", "cidrs", "description"], rows);
+        }
+    }
+    Ok(())
+}
+
+fn read_ruleset_file(path: &Path) -> anyhow::Result<RulesetSpec> {
+    let text = if path == Path::new("-") {
+        std::io::read_to_string(std::io::stdin()).context("while reading the ruleset from stdin")?
+    } else {
+        std::fs::read_to_string(path).with_context(|| format!("while reading {}", path.display()))?
+    };
+    // YAML is a superset of JSON, so one parser takes both.
+    serde_yaml::from_str(&text).with_context(|| format!("{} is not a valid ruleset file", path.display()))
+}
+
+async fn ruleset(pool: &PgPool, cmd: &RulesetCmd, json: bool) -> anyhow::Result<()> {
+    match cmd {
+        RulesetCmd::Create { file } => {
+            let spec = read_ruleset_file(file)?;
+            let done = authoring::commit(pool, &actor(), "ruleset.create", &spec.name.clone(), async |c| {
+                authoring::create_ruleset(c, &spec).await?;
+                Ok(((), serde_json::to_value(&spec).expect("plain data serializes")))
+            })
+            .await?;
+            report(json, &format!("ruleset {} created (version 1)", spec.name), done);
+        }
+        RulesetCmd::Update { file, expect } => {
+            let spec = read_ruleset_file(file)?;
+            let done = authoring::commit(pool, &actor(), "ruleset.update", &spec.name.clone(), async |c| {
+                let v = authoring::update_ruleset(c, &spec, expect.expect_version).await?;
+                Ok((v, serde_json::to_value(&spec).expect("plain data serializes")))
+            })
+            .await?;
+            report(json, &format!("ruleset {} updated (version {})", spec.name, done.value), done);
+        }
+        RulesetCmd::Delete { name, expect } => {
+            let done = authoring::commit(pool, &actor(), "ruleset.delete", name, async |c| {
+                authoring::delete_ruleset(c, name, expect.expect_version).await?;
+                Ok(((), serde_json::json!({})))
+            })
+            .await?;
+            report(json, &format!("ruleset {name} deleted"), done);
+        }
+        RulesetCmd::List => {
+            let all = store::list_rulesets(&mut *pool.acquire().await?).await?;
+            if json {
+                return print_json(&all);
+            }
+            let rows = all
+                .into_iter()
+                .map(|r| {
+                    let scope: Vec<String> =
+                        r.spec.scope.iter().map(|(k, vs)| format!("{k} in ({})", vs.join(", "))).collect();
+                    vec![
+                        r.spec.name,
+                        r.version.to_string(),
+                        if r.spec.enabled { "yes" } else { "no" }.into(),
+                        scope.join(" and "),
+                        r.spec.rules.len().to_string(),
+                    ]
+                })
+                .collect();
+            print_table(&["name", "version", "enabled", "scope", "rules"], rows);
+        }
+        RulesetCmd::Show { name } => {
+            let all = store::list_rulesets(&mut *pool.acquire().await?).await?;
+            let Some(view) = all.into_iter().find(|r| &r.spec.name == name) else {
+                bail!("ruleset {name:?} not found");
+            };
+            if json {
+                return print_json(&view);
+            }
+            println!("# version: {}", view.version);
+            print!("{}", serde_yaml::to_string(&view.spec)?);
+        }
+    }
+    Ok(())
+}
+
+async fn workload(pool: &PgPool, cmd: &WorkloadCmd, json: bool) -> anyhow::Result<()> {
+    match cmd {
+        WorkloadCmd::List | WorkloadCmd::Show { .. } => {
+            let only = if let WorkloadCmd::Show { id } = cmd { Some(*id) } else { None };
+            let all = store::list_workloads(&mut *pool.acquire().await?, only).await?;
+            if let Some(id) = only
+                && all.is_empty()
+            {
+                bail!("workload {id} not found");
+            }
+            if json {
+                return print_json(&all);
+            }
+            let rows = all
+                .into_iter()
+                .map(|w| {
+                    let labels: Vec<String> = w.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                    vec![
+                        w.id,
+                        w.hostname,
+                        if w.retired { format!("{} (retired)", w.mode) } else { w.mode },
+                        labels.join(","),
+                        w.label_version.to_string(),
+                        w.addresses.join(" "),
+                        w.policy_version.map_or("-".into(), |v| v.to_string()),
+                    ]
+                })
+                .collect();
+            print_table(
+                &["id", "hostname", "mode", "labels", "label version", "addresses", "policy version"],
+                rows,
+            );
+        }
+        WorkloadCmd::Label { id, set, remove, expect_label_version } => {
+            let done = authoring::commit(pool, &actor(), "workload.label", &id.to_string(), async |c| {
+                let v = authoring::edit_labels(c, *id, *expect_label_version, set, remove).await?;
+                let set: Vec<String> = set.iter().map(ToString::to_string).collect();
+                let removed: Vec<String> = remove.iter().map(ToString::to_string).collect();
+                Ok((v, serde_json::json!({"set": set, "removed": removed})))
+            })
+            .await?;
+            report(json, &format!("labels of {id} updated (label version {})", done.value), done);
+        }
+        WorkloadCmd::Mode { id, mode } => {
+            let done = authoring::commit(pool, &actor(), "workload.mode", &id.to_string(), async |c| {
+                authoring::set_mode(c, *id, *mode).await?;
+                Ok(((), serde_json::json!({"mode": mode.name()})))
+            })
+            .await?;
+            report(json, &format!("{id} is now in {mode} mode"), done);
+        }
+        WorkloadCmd::Policy { id } => {
+            let Some((policy, rendered_at)) =
+                store::persisted_policy(&mut *pool.acquire().await?, *id).await?
+            else {
+                bail!("workload {id} has no rendered policy (unknown workload, or not rendered yet)");
+            };
+            let rules: Vec<serde_json::Value> = policy
+                .rules()
+                .map(|r| {
+                    serde_json::json!({
+                        "rule_id": r.id().to_string(),
+                        "protocol": r.protocol().name(),
+                        "ports": r.ports().iter().map(ToString::to_string).collect::<Vec<_>>(),
+                        "peers": r.peers().iter().map(ToString::to_string).collect::<Vec<_>>(),
+                    })
+                })
+                .collect();
+            if json {
+                return print_json(&serde_json::json!({
+                    "workload": id.to_string(),
+                    "version": policy.version(),
+                    "mode": policy.mode().name(),
+                    "rendered_at": rendered_at,
+                    "rules": rules,
+                }));
+            }
+            println!(
+                "workload {id}: version {} · mode {} · rendered {rendered_at}",
+                policy.version(),
+                policy.mode()
+            );
+            let rows = policy
+                .rules()
+                .map(|r| {
+                    let ports: Vec<String> = r.ports().iter().map(ToString::to_string).collect();
+                    let peers: Vec<String> = r.peers().iter().map(ToString::to_string).collect();
+                    vec![r.id().to_string(), r.protocol().to_string(), ports.join(","), peers.join(" ")]
+                })
+                .collect();
+            print_table(&["rule", "protocol", "ports", "peers"], rows);
+        }
     }
     Ok(())
 }

@@ -1,0 +1,11 @@
+//! The Innerwall control plane as a library: the `innerwall` binary is a thin CLI over it, and
+//! end-to-end tests drive it directly.
+
+pub mod authoring;
+pub mod model;
+pub mod postgres;
+pub mod publish;
+pub mod render;
+pub mod store;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;

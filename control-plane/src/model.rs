@@ -1,0 +1,285 @@
+//! The authored policy model (POL-1) and the registry the renderer reads: plain data, validated
+//! on construction, no I/O. The store loads these from Postgres; the CLI parses them from flags
+//! and files.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::net::IpAddr;
+
+use innerwall_wire::identity::WorkloadId;
+use innerwall_wire::labels::{LabelError, LabelKey, LabelValue};
+use innerwall_wire::policy::{Cidr, Mode, PolicyError, PortRange, Protocol};
+use uuid::Uuid;
+
+/// Names of services, address groups, rulesets and rules: 1–63 of `[a-z0-9._-]`, starting and
+/// ending with a letter or digit, so they are safe in tables, URLs and file names.
+pub fn validate_name(what: &'static str, name: &str) -> Result<(), ModelError> {
+    let ok_edge = |c: Option<char>| c.is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || "._-".contains(c))
+        && ok_edge(name.chars().next())
+        && ok_edge(name.chars().last());
+    if ok { Ok(()) } else { Err(ModelError::Name { what, name: name.to_owned() }) }
+}
+
+/// `key in (v1, v2…)` matches, ANDed. The empty selector matches nothing (POL-1).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct Selector {
+    matches: BTreeMap<LabelKey, BTreeSet<LabelValue>>,
+}
+
+impl Selector {
+    pub fn new(matches: BTreeMap<LabelKey, BTreeSet<LabelValue>>) -> Result<Self, ModelError> {
+        if let Some((key, _)) = matches.iter().find(|(_, values)| values.is_empty()) {
+            return Err(ModelError::EmptyMatch { key: key.to_string() });
+        }
+        Ok(Selector { matches })
+    }
+
+    /// Parses `key=v1|v2,key2=v3` … written as a map from key to values by the file format.
+    pub fn from_strings(
+        matches: impl IntoIterator<Item = (String, Vec<String>)>,
+    ) -> Result<Self, ModelError> {
+        let mut map: BTreeMap<LabelKey, BTreeSet<LabelValue>> = BTreeMap::new();
+        for (key, values) in matches {
+            let key = LabelKey::new(&key)?;
+            let values = values.iter().map(|v| LabelValue::new(v)).collect::<Result<BTreeSet<_>, _>>()?;
+            map.entry(key).or_default().extend(values);
+        }
+        Self::new(map)
+    }
+
+    pub fn matches(&self) -> &BTreeMap<LabelKey, BTreeSet<LabelValue>> {
+        &self.matches
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.matches.is_empty()
+    }
+
+    /// True when every key is present with one of its values. Never true for the empty selector.
+    pub fn selects(&self, labels: &BTreeMap<LabelKey, LabelValue>) -> bool {
+        !self.matches.is_empty()
+            && self.matches.iter().all(|(key, values)| labels.get(key).is_some_and(|v| values.contains(v)))
+    }
+}
+
+impl fmt::Display for Selector {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.matches.is_empty() {
+            return f.write_str("(matches nothing)");
+        }
+        let parts: Vec<String> = self
+            .matches
+            .iter()
+            .map(|(k, vs)| {
+                let vs: Vec<&str> = vs.iter().map(LabelValue::as_str).collect();
+                format!("{k} in ({})", vs.join(", "))
+            })
+            .collect();
+        f.write_str(&parts.join(" and "))
+    }
+}
+
+/// One (protocol, port ranges) entry of a service. ICMP and ICMPv6 take no ports.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ServiceEntry {
+    pub protocol: Protocol,
+    pub ports: Vec<PortRange>,
+}
+
+impl ServiceEntry {
+    pub fn new(protocol: Protocol, ports: Vec<PortRange>) -> Result<Self, ModelError> {
+        match (protocol.has_ports(), ports.is_empty()) {
+            (true, true) => Err(ModelError::Entry {
+                text: protocol.to_string(),
+                reason: "tcp and udp need ports (1-65535 for all)",
+            }),
+            (false, false) => {
+                Err(ModelError::Entry { text: protocol.to_string(), reason: "icmp and icmpv6 take no ports" })
+            }
+            _ => Ok(ServiceEntry { protocol, ports }),
+        }
+    }
+
+    /// Parses `tcp:80,443,8000-8080`, `udp:53`, `tcp:all`, `icmp`, `icmpv6`.
+    pub fn parse(text: &str) -> Result<Self, ModelError> {
+        let bad = |reason| ModelError::Entry { text: text.to_owned(), reason };
+        let (proto, ports) = match text.split_once(':') {
+            Some((p, ports)) => (p, Some(ports)),
+            None => (text, None),
+        };
+        let protocol: Protocol =
+            proto.trim().parse().map_err(|_| bad("protocol must be tcp, udp, icmp or icmpv6"))?;
+        let ports = match ports {
+            None => Vec::new(),
+            Some(list) if list.trim() == "all" => vec![PortRange::ALL],
+            Some(list) => list.split(',').map(parse_port_range).collect::<Result<Vec<_>, _>>()?,
+        };
+        Self::new(protocol, ports)
+    }
+}
+
+impl fmt::Display for ServiceEntry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.ports.is_empty() {
+            return write!(f, "{}", self.protocol);
+        }
+        let ports: Vec<String> = self.ports.iter().map(ToString::to_string).collect();
+        write!(f, "{}:{}", self.protocol, ports.join(","))
+    }
+}
+
+fn parse_port_range(text: &str) -> Result<PortRange, ModelError> {
+    let text = text.trim();
+    let num = |s: &str| {
+        s.trim()
+            .parse::<u32>()
+            .map_err(|_| ModelError::Entry { text: text.to_owned(), reason: "ports are numbers 1-65535" })
+    };
+    let (start, end) = match text.split_once('-') {
+        Some((a, b)) => (num(a)?, num(b)?),
+        None => (num(text)?, num(text)?),
+    };
+    Ok(PortRange::new(start, end)?)
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Service {
+    pub id: Uuid,
+    pub name: String,
+    pub entries: Vec<ServiceEntry>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AddressGroup {
+    pub id: Uuid,
+    pub name: String,
+    pub cidrs: BTreeSet<Cidr>,
+}
+
+/// Who a rule admits.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Peer {
+    /// Managed workloads, as host routes of their current addresses.
+    Workloads(Selector),
+    AddressGroup(Uuid),
+    Cidr(Cidr),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rule {
+    /// Stable across edits of its ruleset (kept by rule name); the prefix of resolved rule ids.
+    pub id: Uuid,
+    pub name: String,
+    pub enabled: bool,
+    pub peers: Vec<Peer>,
+    pub services: Vec<Uuid>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ruleset {
+    pub id: Uuid,
+    pub name: String,
+    pub enabled: bool,
+    pub scope: Selector,
+    pub rules: Vec<Rule>,
+}
+
+/// Everything an operator authored.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AuthoredModel {
+    pub services: BTreeMap<Uuid, Service>,
+    pub address_groups: BTreeMap<Uuid, AddressGroup>,
+    pub rulesets: Vec<Ruleset>,
+}
+
+/// A live (not retired) workload as the renderer sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegisteredWorkload {
+    pub id: WorkloadId,
+    pub mode: Mode,
+    pub labels: BTreeMap<LabelKey, LabelValue>,
+    pub addresses: BTreeSet<IpAddr>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ModelError {
+    #[error(
+        "{what} name {name:?} must be 1-63 characters of a-z 0-9 . _ -, starting and ending with a letter or digit"
+    )]
+    Name { what: &'static str, name: String },
+    #[error("selector key {key} lists no values; write at least one")]
+    EmptyMatch { key: String },
+    #[error("service entry {text:?}: {reason}")]
+    Entry { text: String, reason: &'static str },
+    #[error(transparent)]
+    Label(#[from] LabelError),
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn labels(pairs: &[(&str, &str)]) -> BTreeMap<LabelKey, LabelValue> {
+        pairs.iter().map(|(k, v)| (LabelKey::new(k).unwrap(), LabelValue::new(v).unwrap())).collect()
+    }
+
+    fn selector(pairs: &[(&str, &[&str])]) -> Selector {
+        Selector::from_strings(
+            pairs.iter().map(|(k, vs)| (k.to_string(), vs.iter().map(|v| v.to_string()).collect())),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn selector_semantics() {
+        let web = labels(&[("app", "web"), ("env", "prod")]);
+        let check = |sel: &Selector, want: bool| assert_eq!(sel.selects(&web), want, "{sel}");
+        check(&Selector::default(), false);
+        check(&selector(&[("app", &["web"])]), true);
+        check(&selector(&[("app", &["db", "web"])]), true);
+        check(&selector(&[("app", &["web"]), ("env", &["prod"])]), true);
+        check(&selector(&[("app", &["web"]), ("env", &["dev"])]), false);
+        check(&selector(&[("tier", &["web"])]), false);
+        assert!(matches!(
+            Selector::from_strings([("app".to_string(), vec![])]),
+            Err(ModelError::EmptyMatch { .. })
+        ));
+        assert!(Selector::from_strings([("-app".to_string(), vec!["x".into()])]).is_err());
+    }
+
+    #[test]
+    fn service_entries_parse_and_refuse_nonsense() {
+        let ok = |t: &str, shown: &str| assert_eq!(ServiceEntry::parse(t).unwrap().to_string(), shown);
+        ok("tcp:443", "tcp:443");
+        ok("tcp:80,8000-8080", "tcp:80,8000-8080");
+        ok("udp:all", "udp:1-65535");
+        ok("icmp", "icmp");
+        ok("icmpv6", "icmpv6");
+        for (bad, why) in [
+            ("tcp", "need ports"),
+            ("icmp:8", "take no ports"),
+            ("sctp:1", "protocol must be"),
+            ("tcp:0", "port 0"),
+            ("tcp:65536", "65535"),
+            ("tcp:90-80", "start is after end"),
+            ("tcp:http", "numbers"),
+            ("tcp:", "numbers"),
+        ] {
+            let e = ServiceEntry::parse(bad).unwrap_err().to_string();
+            assert!(e.contains(why), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn names_are_restricted() {
+        assert!(validate_name("service", "postgres-15.main_a").is_ok());
+        for bad in ["", "Postgres", "-x", "x-", "a b", "ä", &"a".repeat(64)] {
+            assert!(validate_name("service", bad).is_err(), "{bad}");
+        }
+    }
+}

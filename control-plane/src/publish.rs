@@ -1,0 +1,129 @@
+//! The publish transaction (POL-4, POL-5, SYNC-7): under the render lock, render every live
+//! workload, diff each against its persisted policy with the shared `wire` diff, advance the
+//! version only on a non-empty diff, persist, and announce on `innerwall_policy` — delivered by
+//! Postgres only when the caller's transaction commits.
+
+use std::collections::BTreeMap;
+
+use innerwall_wire::identity::WorkloadId;
+use innerwall_wire::policy::{Version, WorkloadPolicy, diff};
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+use crate::render::render;
+use crate::store::{self, StoreError};
+
+/// NOTIFY channel for policy announcements (`'<workload-id> <version>'`) and directives.
+pub const POLICY_CHANNEL: &str = "innerwall_policy";
+
+/// Key of the transaction-scoped advisory lock every render takes (ASCII "iw-rendr").
+pub const RENDER_LOCK_KEY: i64 = 0x6977_2d72_656e_6472;
+
+/// A workload whose persisted policy advanced in this render.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Changed {
+    pub workload: WorkloadId,
+    pub version: Version,
+}
+
+/// The next persisted policy of one workload, or `None` when nothing it can see changed.
+/// The first render always persists version 1, even when empty.
+pub fn next_version(persisted: Option<&WorkloadPolicy>, rendered: WorkloadPolicy) -> Option<WorkloadPolicy> {
+    match persisted {
+        None => Some(rendered.with_version(1)),
+        Some(old) => {
+            let same_base = rendered.with_version(old.version());
+            let delta = diff(old, &same_base);
+            (!delta.changes.is_empty()).then(|| same_base.with_version(old.version() + 1))
+        }
+    }
+}
+
+/// Renders and persists inside the caller's transaction. Returns the workloads whose version
+/// advanced, in id order. The caller commits (which delivers the notifications) or rolls back
+/// (which delivers none).
+pub async fn publish(conn: &mut PgConnection) -> Result<Vec<Changed>, StoreError> {
+    sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(RENDER_LOCK_KEY).execute(&mut *conn).await?;
+    let model = store::load_model(conn).await?;
+    let registry = store::load_registry(conn).await?;
+    let rendered = render(&model, &registry)?;
+    let persisted = store::load_persisted_policies(conn).await?;
+    let next: BTreeMap<WorkloadId, WorkloadPolicy> = rendered
+        .into_iter()
+        .filter_map(|(id, policy)| next_version(persisted.get(&id), policy).map(|p| (id, p)))
+        .collect();
+    if next.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ids: Vec<Uuid> = next.keys().map(WorkloadId::uuid).collect();
+    let versions: Vec<i64> = next.values().map(|p| p.version() as i64).collect();
+    let bytes: Vec<Vec<u8>> = next.values().map(WorkloadPolicy::canonical_bytes).collect();
+    let payloads: Vec<String> = next.iter().map(|(id, p)| format!("{id} {}", p.version())).collect();
+    sqlx::query(
+        "INSERT INTO workload_policies (workload_id, version, policy, rendered_at)
+         SELECT w, v, p, now() FROM unnest($1::uuid[], $2::bigint[], $3::bytea[]) AS t (w, v, p)
+         ON CONFLICT (workload_id) DO UPDATE
+         SET version = excluded.version, policy = excluded.policy, rendered_at = excluded.rendered_at",
+    )
+    .bind(&ids)
+    .bind(&versions)
+    .bind(&bytes)
+    .execute(&mut *conn)
+    .await?;
+    sqlx::query(
+        "INSERT INTO workload_policy_history (workload_id, version, policy, rendered_at)
+         SELECT w, v, p, now() FROM unnest($1::uuid[], $2::bigint[], $3::bytea[]) AS t (w, v, p)",
+    )
+    .bind(&ids)
+    .bind(&versions)
+    .bind(&bytes)
+    .execute(&mut *conn)
+    .await?;
+    sqlx::query("SELECT pg_notify($1, payload) FROM unnest($2::text[]) AS t (payload)")
+        .bind(POLICY_CHANNEL)
+        .bind(&payloads)
+        .execute(&mut *conn)
+        .await?;
+    Ok(next.iter().map(|(id, p)| Changed { workload: *id, version: p.version() }).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use innerwall_wire::policy::{Mode, PortRange, ResolvedRule, RuleId};
+
+    use super::*;
+
+    fn policy(version: u64, mode: Mode, ports: &[u16]) -> WorkloadPolicy {
+        let rules = ports.iter().map(|&p| {
+            ResolvedRule::new(
+                RuleId::new(&format!("r{p}"), innerwall_wire::policy::Protocol::Tcp).unwrap(),
+                [PortRange::single(p).unwrap()],
+                [],
+            )
+            .unwrap()
+        });
+        WorkloadPolicy::new(version, mode, rules).unwrap()
+    }
+
+    #[test]
+    fn first_render_is_version_one_even_when_empty() {
+        assert_eq!(
+            next_version(None, policy(0, Mode::Visibility, &[])),
+            Some(policy(1, Mode::Visibility, &[]))
+        );
+    }
+
+    #[test]
+    fn version_advances_by_one_only_on_a_real_change() {
+        let held = policy(7, Mode::Enforcement, &[22]);
+        assert_eq!(next_version(Some(&held), policy(0, Mode::Enforcement, &[22])), None);
+        assert_eq!(
+            next_version(Some(&held), policy(0, Mode::Enforcement, &[22, 443])),
+            Some(policy(8, Mode::Enforcement, &[22, 443]))
+        );
+        assert_eq!(
+            next_version(Some(&held), policy(0, Mode::Simulation, &[22])),
+            Some(policy(8, Mode::Simulation, &[22]))
+        );
+    }
+}

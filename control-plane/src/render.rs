@@ -1,0 +1,374 @@
+//! The renderer (POL-2): authored model + registry → every live workload's rendered policy.
+//! A pure function: no I/O, no clock, deterministic output. Versions are the store's business;
+//! rendered policies carry version 0 until `publish` stamps them.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use innerwall_wire::identity::WorkloadId;
+use innerwall_wire::labels::{LabelKey, LabelValue};
+use innerwall_wire::policy::{Cidr, PolicyError, PortRange, Protocol, ResolvedRule, RuleId, WorkloadPolicy};
+use uuid::Uuid;
+
+use crate::model::{AuthoredModel, Peer, RegisteredWorkload, Selector};
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RenderError {
+    #[error("rule {rule} references {what} {id} which does not exist")]
+    UnknownReference { rule: Uuid, what: &'static str, id: Uuid },
+    #[error("rule {rule}: {source}")]
+    Policy {
+        rule: Uuid,
+        #[source]
+        source: PolicyError,
+    },
+}
+
+/// Workloads by label, so a selector resolves by set intersection instead of a scan (POL-7).
+struct LabelIndex<'a> {
+    postings: BTreeMap<(&'a LabelKey, &'a LabelValue), Vec<usize>>,
+}
+
+impl<'a> LabelIndex<'a> {
+    fn new(workloads: &'a [RegisteredWorkload]) -> Self {
+        let mut postings: BTreeMap<_, Vec<usize>> = BTreeMap::new();
+        for (i, w) in workloads.iter().enumerate() {
+            for (k, v) in &w.labels {
+                postings.entry((k, v)).or_default().push(i);
+            }
+        }
+        LabelIndex { postings }
+    }
+
+    /// Indices of the workloads `selector` selects, ascending. Empty selector → none.
+    fn select(&self, selector: &Selector) -> Vec<usize> {
+        let mut result: Option<BTreeSet<usize>> = None;
+        for (key, values) in selector.matches() {
+            let any_value: BTreeSet<usize> = values
+                .iter()
+                .filter_map(|v| self.postings.get(&(key, v)))
+                .flat_map(|list| list.iter().copied())
+                .collect();
+            result = Some(match result {
+                None => any_value,
+                Some(acc) => acc.intersection(&any_value).copied().collect(),
+            });
+            if result.as_ref().is_some_and(BTreeSet::is_empty) {
+                break;
+            }
+        }
+        result.unwrap_or_default().into_iter().collect()
+    }
+}
+
+/// Renders the policy of every workload in `workloads` (the live, non-retired registry).
+pub fn render(
+    model: &AuthoredModel,
+    workloads: &[RegisteredWorkload],
+) -> Result<BTreeMap<WorkloadId, WorkloadPolicy>, RenderError> {
+    let index = LabelIndex::new(workloads);
+    let mut rules_of: Vec<Vec<ResolvedRule>> = vec![Vec::new(); workloads.len()];
+    for ruleset in model.rulesets.iter().filter(|rs| rs.enabled) {
+        let scope = index.select(&ruleset.scope);
+        if scope.is_empty() {
+            continue;
+        }
+        for rule in ruleset.rules.iter().filter(|r| r.enabled) {
+            let resolved = resolve_rule(model, workloads, &index, rule)?;
+            for &i in &scope {
+                rules_of[i].extend(resolved.iter().cloned());
+            }
+        }
+    }
+    workloads
+        .iter()
+        .zip(rules_of)
+        .map(|(w, rules)| {
+            let policy = WorkloadPolicy::new(0, w.mode, rules)
+                .map_err(|source| RenderError::Policy { rule: Uuid::nil(), source })?;
+            Ok((w.id, policy))
+        })
+        .collect()
+}
+
+/// One authored rule → one resolved rule per protocol its services permit, all with the same
+/// peers. A rule whose peers resolve to nothing still renders (empty), so peers that appear
+/// later arrive as peer additions rather than new rules.
+fn resolve_rule(
+    model: &AuthoredModel,
+    workloads: &[RegisteredWorkload],
+    index: &LabelIndex<'_>,
+    rule: &crate::model::Rule,
+) -> Result<Vec<ResolvedRule>, RenderError> {
+    let policy_err = |source| RenderError::Policy { rule: rule.id, source };
+    let mut peers: BTreeSet<Cidr> = BTreeSet::new();
+    for peer in &rule.peers {
+        match peer {
+            Peer::Cidr(c) => {
+                peers.insert(*c);
+            }
+            Peer::AddressGroup(id) => {
+                let group = model.address_groups.get(id).ok_or(RenderError::UnknownReference {
+                    rule: rule.id,
+                    what: "address group",
+                    id: *id,
+                })?;
+                peers.extend(group.cidrs.iter().copied());
+            }
+            Peer::Workloads(selector) => {
+                for i in index.select(selector) {
+                    for addr in &workloads[i].addresses {
+                        peers.insert(Cidr::host(*addr).map_err(policy_err)?);
+                    }
+                }
+            }
+        }
+    }
+    let mut ports: BTreeMap<Protocol, Vec<PortRange>> = BTreeMap::new();
+    for id in &rule.services {
+        let service = model.services.get(id).ok_or(RenderError::UnknownReference {
+            rule: rule.id,
+            what: "service",
+            id: *id,
+        })?;
+        for entry in &service.entries {
+            ports.entry(entry.protocol).or_default().extend(entry.ports.iter().copied());
+        }
+    }
+    ports
+        .into_iter()
+        .map(|(protocol, ports)| {
+            let id = RuleId::new(&rule.id.to_string(), protocol).map_err(policy_err)?;
+            ResolvedRule::new(id, ports, peers.iter().copied()).map_err(policy_err)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::IpAddr;
+
+    use innerwall_wire::policy::Mode;
+
+    use super::*;
+    use crate::model::{AddressGroup, Rule, Ruleset, Service, ServiceEntry};
+
+    fn id(n: u128) -> Uuid {
+        Uuid::from_u128(n)
+    }
+
+    fn wid(n: u128) -> WorkloadId {
+        WorkloadId::from_uuid(id(0x1000 + n)).unwrap()
+    }
+
+    fn sel(pairs: &[(&str, &[&str])]) -> Selector {
+        Selector::from_strings(
+            pairs.iter().map(|(k, vs)| (k.to_string(), vs.iter().map(|v| v.to_string()).collect())),
+        )
+        .unwrap()
+    }
+
+    fn workload(n: u128, labels: &[(&str, &str)], addrs: &[&str]) -> RegisteredWorkload {
+        RegisteredWorkload {
+            id: wid(n),
+            mode: Mode::Enforcement,
+            labels: labels
+                .iter()
+                .map(|(k, v)| (LabelKey::new(k).unwrap(), LabelValue::new(v).unwrap()))
+                .collect(),
+            addresses: addrs.iter().map(|a| a.parse::<IpAddr>().unwrap()).collect(),
+        }
+    }
+
+    fn service(n: u128, entries: &[&str]) -> Service {
+        Service {
+            id: id(n),
+            name: format!("s{n}"),
+            entries: entries.iter().map(|e| ServiceEntry::parse(e).unwrap()).collect(),
+        }
+    }
+
+    fn rule(n: u128, peers: Vec<Peer>, services: &[u128]) -> Rule {
+        Rule {
+            id: id(n),
+            name: format!("r{n}"),
+            enabled: true,
+            peers,
+            services: services.iter().map(|&s| id(s)).collect(),
+        }
+    }
+
+    fn ruleset(n: u128, scope: Selector, rules: Vec<Rule>) -> Ruleset {
+        Ruleset { id: id(n), name: format!("rs{n}"), enabled: true, scope, rules }
+    }
+
+    /// Renders and prints each workload's policy as `rule: proto ports <- peers` lines.
+    fn check(model: &AuthoredModel, workloads: &[RegisteredWorkload], expected: &[(u128, &[&str])]) {
+        let rendered = render(model, workloads).unwrap();
+        assert_eq!(rendered.len(), workloads.len());
+        for (n, lines) in expected {
+            let policy = &rendered[&wid(*n)];
+            let got: Vec<String> = policy
+                .rules()
+                .map(|r| {
+                    let ports: Vec<String> = r.ports().iter().map(ToString::to_string).collect();
+                    let peers: Vec<String> = r.peers().iter().map(ToString::to_string).collect();
+                    let short =
+                        format!("{}/{}", r.id().authored().trim_start_matches(['0', '-']), r.protocol());
+                    format!("{short} {} <- {}", ports.join(","), peers.join(" "))
+                })
+                .collect();
+            assert_eq!(got, *lines, "workload {n}");
+        }
+    }
+
+    fn db_model(rules: Vec<Rule>) -> AuthoredModel {
+        AuthoredModel {
+            services: [service(1, &["tcp:5432"]), service(2, &["tcp:80,443", "udp:443", "icmp"])]
+                .into_iter()
+                .map(|s| (s.id, s))
+                .collect(),
+            address_groups: [AddressGroup {
+                id: id(9),
+                name: "vpn".into(),
+                cidrs: ["10.8.0.0/16", "fd08::/48"].iter().map(|c| Cidr::parse(c).unwrap()).collect(),
+            }]
+            .into_iter()
+            .map(|g| (g.id, g))
+            .collect(),
+            rulesets: vec![ruleset(100, sel(&[("app", &["db"])]), rules)],
+        }
+    }
+
+    fn estate() -> Vec<RegisteredWorkload> {
+        vec![
+            workload(1, &[("app", "db")], &["10.0.0.1"]),
+            workload(2, &[("app", "web")], &["10.0.0.2", "fd00::2"]),
+            workload(3, &[("app", "web"), ("env", "dev")], &["10.0.0.3"]),
+            workload(4, &[("app", "batch")], &[]),
+        ]
+    }
+
+    #[test]
+    fn selector_peers_render_as_host_routes_of_current_addresses() {
+        let model = db_model(vec![rule(10, vec![Peer::Workloads(sel(&[("app", &["web"])]))], &[1])]);
+        check(
+            &model,
+            &estate(),
+            &[(1, &["a/tcp 5432 <- 10.0.0.2/32 10.0.0.3/32 fd00::2/128"]), (2, &[]), (4, &[])],
+        );
+    }
+
+    #[test]
+    fn multi_protocol_rule_splits_into_one_rule_per_protocol() {
+        let model = db_model(vec![rule(10, vec![Peer::Cidr(Cidr::parse("192.0.2.0/24").unwrap())], &[1, 2])]);
+        check(
+            &model,
+            &estate(),
+            &[(
+                1,
+                &[
+                    "a/icmp  <- 192.0.2.0/24",
+                    "a/tcp 80,443,5432 <- 192.0.2.0/24",
+                    "a/udp 443 <- 192.0.2.0/24",
+                ],
+            )],
+        );
+    }
+
+    #[test]
+    fn address_groups_cidrs_and_selectors_union() {
+        let peers = vec![
+            Peer::AddressGroup(id(9)),
+            Peer::Cidr(Cidr::parse("10.0.0.2/32").unwrap()),
+            Peer::Workloads(sel(&[("app", &["web"]), ("env", &["dev"])])),
+        ];
+        let model = db_model(vec![rule(10, peers, &[1])]);
+        check(&model, &estate(), &[(1, &["a/tcp 5432 <- 10.0.0.2/32 10.0.0.3/32 10.8.0.0/16 fd08::/48"])]);
+    }
+
+    #[test]
+    fn empty_selector_matches_nothing_as_scope_and_as_peer() {
+        let mut model = db_model(vec![rule(10, vec![Peer::Workloads(Selector::default())], &[1])]);
+        check(&model, &estate(), &[(1, &["a/tcp 5432 <- "])]);
+        model.rulesets[0].scope = Selector::default();
+        check(&model, &estate(), &[(1, &[]), (2, &[]), (3, &[]), (4, &[])]);
+    }
+
+    #[test]
+    fn retired_workloads_vanish_from_peer_sets() {
+        let model = db_model(vec![rule(10, vec![Peer::Workloads(sel(&[("app", &["web"])]))], &[1])]);
+        // Retirement removes a workload from the registry the renderer is given.
+        let live: Vec<_> = estate().into_iter().filter(|w| w.id != wid(2)).collect();
+        check(&model, &live, &[(1, &["a/tcp 5432 <- 10.0.0.3/32"])]);
+    }
+
+    #[test]
+    fn disabled_rulesets_and_rules_render_nothing_and_mode_comes_from_registry() {
+        let mut model = db_model(vec![rule(10, vec![], &[1]), rule(11, vec![], &[1])]);
+        model.rulesets[0].rules[1].enabled = false;
+        let mut workloads = estate();
+        workloads[0].mode = Mode::Simulation;
+        check(&model, &workloads, &[(1, &["a/tcp 5432 <- "])]);
+        assert_eq!(render(&model, &workloads).unwrap()[&wid(1)].mode(), Mode::Simulation);
+        model.rulesets[0].enabled = false;
+        check(&model, &workloads, &[(1, &[])]);
+    }
+
+    mod index_equals_scan {
+        use proptest::prelude::*;
+        use proptest::sample::select;
+
+        use super::*;
+
+        const KEYS: &[&str] = &["app", "env", "team"];
+        const VALUES: &[&str] = &["a", "b", "c"];
+
+        fn labels() -> impl Strategy<Value = Vec<(&'static str, &'static str)>> {
+            prop::collection::vec((select(KEYS), select(VALUES)), 0..3)
+        }
+
+        fn selector() -> impl Strategy<Value = Selector> {
+            prop::collection::vec((select(KEYS), prop::collection::vec(select(VALUES), 1..3)), 0..3).prop_map(
+                |m| {
+                    Selector::from_strings(
+                        m.into_iter()
+                            .map(|(k, vs)| (k.to_string(), vs.iter().map(|v| v.to_string()).collect())),
+                    )
+                    .unwrap()
+                },
+            )
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(2000))]
+
+            /// POL-7: the inverted index is an optimization; it selects exactly what a scan of
+            /// every workload with `Selector::selects` would.
+            #[test]
+            fn label_index_selects_exactly_what_a_full_scan_selects(
+                estate in prop::collection::vec(labels(), 0..12),
+                sel in selector(),
+            ) {
+                let workloads: Vec<RegisteredWorkload> =
+                    estate.iter().enumerate().map(|(i, l)| workload(i as u128, l, &[])).collect();
+                let scan: Vec<usize> =
+                    workloads.iter().enumerate().filter(|(_, w)| sel.selects(&w.labels)).map(|(i, _)| i).collect();
+                prop_assert_eq!(LabelIndex::new(&workloads).select(&sel), scan);
+            }
+        }
+    }
+
+    #[test]
+    fn unknown_references_are_errors_not_silence() {
+        let model = db_model(vec![rule(10, vec![Peer::AddressGroup(id(77))], &[1])]);
+        assert!(matches!(
+            render(&model, &estate()),
+            Err(RenderError::UnknownReference { what: "address group", .. })
+        ));
+        let model = db_model(vec![rule(10, vec![], &[78])]);
+        assert!(matches!(
+            render(&model, &estate()),
+            Err(RenderError::UnknownReference { what: "service", .. })
+        ));
+    }
+}

@@ -1,0 +1,222 @@
+//! The Postgres test harness (`testing::fresh_database`) and the embedded cluster of the CLI.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime};
+
+use anyhow::Context;
+use innerwall_control_plane::postgres::{self, Cluster, MIGRATOR};
+use innerwall_control_plane::testing::{TestDatabase, fresh_database};
+
+async fn probe_table_exists(db: &TestDatabase) -> anyhow::Result<bool> {
+    Ok(sqlx::query_scalar("SELECT to_regclass('public.probe') IS NOT NULL").fetch_one(&db.pool).await?)
+}
+
+#[tokio::test]
+async fn fresh_databases_are_migrated_empty_and_independent() -> anyhow::Result<()> {
+    let started = Instant::now();
+    let a = fresh_database().await?;
+    let first = started.elapsed();
+    let started = Instant::now();
+    let b = fresh_database().await?;
+    let second = started.elapsed();
+    eprintln!("timing: fresh_database first call {first:?} (may include the server start), next {second:?}");
+
+    assert_ne!(a.name, b.name);
+    assert_ne!(a.url, b.url);
+    for db in [&a, &b] {
+        let current: String = sqlx::query_scalar("SELECT current_database()").fetch_one(&db.pool).await?;
+        assert_eq!(current, db.name);
+        let applied: Vec<i64> =
+            sqlx::query_scalar("SELECT version FROM _sqlx_migrations WHERE success ORDER BY version")
+                .fetch_all(&db.pool)
+                .await?;
+        let expected: Vec<i64> =
+            MIGRATOR.iter().filter(|m| !m.migration_type.is_down_migration()).map(|m| m.version).collect();
+        assert_eq!(applied, expected, "{} is not fully migrated", db.name);
+        assert!(!probe_table_exists(db).await?, "{} is not fresh", db.name);
+    }
+
+    sqlx::raw_sql("CREATE TABLE probe (v int); INSERT INTO probe VALUES (42)").execute(&a.pool).await?;
+    let v: i32 = sqlx::query_scalar("SELECT v FROM probe").fetch_one(&a.pool).await?;
+    assert_eq!(v, 42);
+    assert!(!probe_table_exists(&b).await?, "a write to {} is visible in {}", a.name, b.name);
+
+    // The URL works on its own, as for code under test that connects by itself.
+    let pool = postgres::connect(&b.url).await?;
+    let one: i32 = sqlx::query_scalar("SELECT 1").fetch_one(&pool).await?;
+    assert_eq!(one, 1);
+    Ok(())
+}
+
+/// Twenty callers at once, each on a runtime of its own as under `#[tokio::test]`.
+#[test]
+fn concurrent_fresh_databases_from_parallel_tests() -> anyhow::Result<()> {
+    let threads: Vec<_> = (0..20)
+        .map(|i| {
+            std::thread::spawn(move || -> anyhow::Result<(String, Duration)> {
+                let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+                runtime.block_on(async {
+                    let started = Instant::now();
+                    let db = fresh_database().await.with_context(|| format!("caller {i}"))?;
+                    let took = started.elapsed();
+                    sqlx::raw_sql("CREATE TABLE probe (v int)").execute(&db.pool).await?;
+                    sqlx::query("INSERT INTO probe VALUES ($1)").bind(i).execute(&db.pool).await?;
+                    let rows: Vec<i32> =
+                        sqlx::query_scalar("SELECT v FROM probe").fetch_all(&db.pool).await?;
+                    assert_eq!(rows, vec![i], "{} sees other callers' rows", db.name);
+                    Ok((db.name.clone(), took))
+                })
+            })
+        })
+        .collect();
+    let mut names = std::collections::BTreeSet::new();
+    let mut times = Vec::new();
+    for thread in threads {
+        let (name, took) = thread.join().map_err(|_| anyhow::anyhow!("a caller panicked"))??;
+        names.insert(name);
+        times.push(took);
+    }
+    assert_eq!(names.len(), 20, "database names repeat");
+    times.sort();
+    eprintln!(
+        "timing: 20 concurrent fresh_database calls: min {:?}, median {:?}, max {:?}",
+        times[0], times[10], times[19]
+    );
+    Ok(())
+}
+
+/// A state directory that stops the cluster in it and removes it when dropped, also on panic.
+struct StateDir(PathBuf);
+
+impl StateDir {
+    fn new() -> anyhow::Result<Self> {
+        let dir =
+            std::env::temp_dir().join(format!("innerwall-embedded-it-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir(&dir)?;
+        Ok(StateDir(dir))
+    }
+}
+
+impl Drop for StateDir {
+    fn drop(&mut self) {
+        if let Ok(cluster) = postgres::embedded_cluster(&self.0)
+            && let Err(e) = cluster.stop()
+        {
+            eprintln!("warning: could not stop the embedded test cluster: {e:#}");
+        }
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn identity(path: &Path) -> anyhow::Result<(u64, SystemTime)> {
+    let meta = std::fs::metadata(path).with_context(|| path.display().to_string())?;
+    Ok((meta.ino(), meta.modified()?))
+}
+
+fn ready_count(cluster: &Cluster) -> anyhow::Result<usize> {
+    let log = std::fs::read_to_string(cluster.log_file())?;
+    Ok(log.matches("database system is ready to accept connections").count())
+}
+
+/// Whether `pid` is gone or a zombie (the daemon's parent is init, which reaps when it likes).
+fn exited_within(pid: u32, timeout: Duration) -> bool {
+    let started = Instant::now();
+    loop {
+        match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            Err(_) => return true,
+            Ok(stat) if stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('Z')) => return true,
+            Ok(_) if started.elapsed() > timeout => return false,
+            Ok(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
+fn stop_and_check_gone(cluster: &Cluster) -> anyhow::Result<()> {
+    let pid = cluster.postmaster_pid().context("no postmaster.pid while running")?;
+    cluster.stop()?;
+    assert!(exited_within(pid, Duration::from_secs(5)), "postmaster {pid} still runs after stop");
+    assert!(!cluster.is_running()?);
+    Ok(())
+}
+
+#[tokio::test]
+async fn embedded_cluster_is_initialized_once_and_reused() -> anyhow::Result<()> {
+    let state = StateDir::new()?;
+
+    // Two first invocations at once: one inits and starts, the other waits on the lock and reuses.
+    let started = Instant::now();
+    let (url1, url2) = tokio::join!(postgres::embedded(&state.0), postgres::embedded(&state.0));
+    let (url1, url2) = (url1?, url2?);
+    eprintln!("timing: embedded() first start (initdb + pg_ctl start) {:?}", started.elapsed());
+    assert_eq!(url1, url2);
+
+    let cluster = postgres::embedded_cluster(&state.0)?;
+    let pg_version = cluster.data_dir().join("PG_VERSION");
+    let initialized = identity(&pg_version)?;
+    let port = cluster.port()?;
+    let pid = cluster.postmaster_pid().context("no postmaster.pid")?;
+    assert!(url1.contains(&format!("@127.0.0.1:{port}/innerwall")), "{url1}");
+    assert_eq!(ready_count(&cluster)?, 1);
+
+    let pool = postgres::connect(&url1).await?;
+    let db: String = sqlx::query_scalar("SELECT current_database()").fetch_one(&pool).await?;
+    assert_eq!(db, "innerwall");
+    sqlx::raw_sql("CREATE TABLE probe (v int); INSERT INTO probe VALUES (7)").execute(&pool).await?;
+    pool.close().await;
+
+    // A later invocation finds it running: same server, same port, no second initdb.
+    let started = Instant::now();
+    let url3 = postgres::embedded(&state.0).await?;
+    eprintln!("timing: embedded() with the server running {:?}", started.elapsed());
+    assert_eq!(url3, url1);
+    assert_eq!(cluster.postmaster_pid(), Some(pid));
+    assert_eq!(identity(&pg_version)?, initialized);
+    assert_eq!(ready_count(&cluster)?, 1);
+
+    // Stopped, the next invocation restarts the same cluster on the same port with its data.
+    stop_and_check_gone(&cluster)?;
+    let started = Instant::now();
+    let url4 = postgres::embedded(&state.0).await?;
+    eprintln!("timing: embedded() restarting a stopped cluster {:?}", started.elapsed());
+    assert_eq!(url4, url1);
+    assert_ne!(cluster.postmaster_pid(), Some(pid));
+    assert_eq!(identity(&pg_version)?, initialized);
+    assert_eq!(ready_count(&cluster)?, 2);
+    let pool = postgres::connect(&url4).await?;
+    let v: i32 = sqlx::query_scalar("SELECT v FROM probe").fetch_one(&pool).await?;
+    assert_eq!(v, 7);
+    pool.close().await;
+
+    stop_and_check_gone(&cluster)?;
+    Ok(())
+}
+
+fn innerwall_embedded(state: &Path, args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_innerwall"))
+        .env_remove("INNERWALL_DATABASE_URL")
+        .arg("--state-dir")
+        .arg(state)
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn cli_without_database_url_runs_and_reuses_the_embedded_cluster() -> anyhow::Result<()> {
+    let state = StateDir::new()?;
+    let out = innerwall_embedded(&state.0, &["service", "create", "web", "--entry", "tcp:443"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let cluster = postgres::embedded_cluster(&state.0)?;
+    let pid = cluster.postmaster_pid().context("the embedded cluster is not running")?;
+
+    // A second invocation is a new process that finds the same cluster and the same data.
+    let out = innerwall_embedded(&state.0, &["--json", "service", "list"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let services: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(services[0]["name"], "web");
+    assert_eq!(services[0]["entries"], serde_json::json!(["tcp:443"]));
+    assert_eq!(cluster.postmaster_pid(), Some(pid), "reused, not restarted");
+    assert_eq!(ready_count(&cluster)?, 1);
+    stop_and_check_gone(&cluster)
+}

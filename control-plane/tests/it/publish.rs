@@ -1,0 +1,524 @@
+//! Render-on-change and version-by-diff against a real Postgres (POL-4, POL-5, SYNC-7):
+//! versions move only when what a workload can see moves, announcements arrive only after
+//! commit, concurrent renders serialize, and every persisted history obeys the delta contract.
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::process::Command;
+use std::time::Duration;
+
+use innerwall_control_plane::authoring::{
+    self, AddressGroupSpec, NewWorkload, PeerSpec, RuleSpec, RulesetSpec, ServiceSpec,
+};
+use innerwall_control_plane::model::ServiceEntry;
+use innerwall_control_plane::publish::{self, Changed, POLICY_CHANNEL};
+use innerwall_control_plane::store::{self, StoreError};
+use innerwall_control_plane::testing::fresh_database;
+use innerwall_wire::identity::WorkloadId;
+use innerwall_wire::labels::Label;
+use innerwall_wire::policy::{Change, Mode, diff};
+use sqlx::PgPool;
+use sqlx::postgres::PgListener;
+
+async fn register(pool: &PgPool, host: &str, labels: &[&str], addrs: &[&str]) -> WorkloadId {
+    let new = NewWorkload {
+        id: WorkloadId::new_random(),
+        hostname: host.into(),
+        labels: labels.iter().map(|l| l.parse().unwrap()).collect(),
+        addresses: addrs.iter().map(|a| a.parse::<IpAddr>().unwrap()).collect(),
+    };
+    let done = authoring::commit(pool, "test", "workload.register", host, async |c| {
+        authoring::register_workload(c, &new).await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await
+    .unwrap();
+    assert!(done.changed.contains(&Changed { workload: new.id, version: 1 }), "first render persists v1");
+    new.id
+}
+
+async fn service(pool: &PgPool, name: &str, entries: &[&str]) -> Vec<Changed> {
+    let spec = ServiceSpec {
+        name: name.into(),
+        description: String::new(),
+        entries: entries.iter().map(|e| ServiceEntry::parse(e).unwrap()).collect(),
+    };
+    authoring::commit(pool, "test", "service.create", name, async |c| {
+        authoring::create_service(c, &spec).await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await
+    .unwrap()
+    .changed
+}
+
+fn sel(pairs: &[(&str, &str)]) -> std::collections::BTreeMap<String, Vec<String>> {
+    pairs.iter().map(|(k, v)| (k.to_string(), vec![v.to_string()])).collect()
+}
+
+fn ruleset(name: &str, scope: &str, peers: Vec<PeerSpec>, services: &[&str]) -> RulesetSpec {
+    RulesetSpec {
+        name: name.into(),
+        description: String::new(),
+        enabled: true,
+        scope: sel(&[("app", scope)]),
+        rules: vec![RuleSpec {
+            name: "inbound".into(),
+            description: String::new(),
+            enabled: true,
+            peers,
+            services: services.iter().map(|s| s.to_string()).collect(),
+        }],
+    }
+}
+
+async fn create_ruleset(pool: &PgPool, spec: &RulesetSpec) -> Vec<Changed> {
+    authoring::commit(pool, "test", "ruleset.create", &spec.name, async |c| {
+        authoring::create_ruleset(c, spec).await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await
+    .unwrap()
+    .changed
+}
+
+async fn version(pool: &PgPool, id: WorkloadId) -> u64 {
+    store::persisted_policy(&mut pool.acquire().await.unwrap(), id).await.unwrap().unwrap().0.version()
+}
+
+fn changed(list: &[(WorkloadId, u64)]) -> Vec<Changed> {
+    let mut v: Vec<Changed> = list.iter().map(|&(workload, version)| Changed { workload, version }).collect();
+    v.sort();
+    v
+}
+
+/// Every consecutive pair of persisted versions obeys the contract, versions run 1, 2, 3 …
+async fn assert_history_obeys_contract(pool: &PgPool, id: WorkloadId) -> usize {
+    let history = store::policy_history(&mut pool.acquire().await.unwrap(), id).await.unwrap();
+    assert!(!history.is_empty());
+    for (i, p) in history.iter().enumerate() {
+        assert_eq!(p.version(), i as u64 + 1, "versions are gap-free from 1");
+    }
+    for pair in history.windows(2) {
+        let delta = diff(&pair[0], &pair[1]);
+        assert!(!delta.changes.is_empty(), "a version never repeats content");
+        assert_eq!(pair[0].apply(&delta).unwrap().canonical_bytes(), pair[1].canonical_bytes());
+    }
+    let latest = version(pool, id).await;
+    assert_eq!(history.last().unwrap().version(), latest, "history ends at the persisted version");
+    history.len()
+}
+
+#[tokio::test]
+async fn version_advances_only_on_visible_change() {
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    let payments = register(pool, "payments-db-1", &["app=payments-db"], &["10.0.0.10"]).await;
+    let checkout = register(pool, "checkout-1", &["app=checkout"], &["10.0.0.20", "fd00::20"]).await;
+    let batch = register(pool, "batch-1", &["app=batch"], &["10.0.0.30"]).await;
+
+    // Registering checkout and batch changed nothing anyone could see: still v1 everywhere.
+    assert_eq!(
+        service(pool, "postgres", &["tcp:5432"]).await,
+        vec![],
+        "an unreferenced service is invisible"
+    );
+    let rs = ruleset(
+        "payments",
+        "payments-db",
+        vec![PeerSpec::workloads(sel(&[("app", "checkout")]))],
+        &["postgres"],
+    );
+    assert_eq!(create_ruleset(pool, &rs).await, changed(&[(payments, 2)]));
+
+    let group = AddressGroupSpec { name: "vpn".into(), description: String::new(), cidrs: BTreeSet::new() };
+    let done = authoring::commit(pool, "test", "address-group.create", "vpn", async |c| {
+        authoring::create_address_group(c, &group).await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await
+    .unwrap();
+    assert_eq!(done.changed, vec![], "an unreferenced address group is invisible");
+
+    // Several edits in one transaction coalesce into one version.
+    let spec = ServiceSpec {
+        name: "postgres".into(),
+        description: "now with a replica port".into(),
+        entries: vec![ServiceEntry::parse("tcp:5432,5433").unwrap()],
+    };
+    let mut rs2 = rs.clone();
+    rs2.rules[0].peers.push(PeerSpec::cidr("192.0.2.0/24"));
+    let done = authoring::commit(pool, "test", "batch", "several", async |c| {
+        authoring::update_service(c, &spec, Some(1)).await?;
+        authoring::update_ruleset(c, &rs2, Some(1)).await?;
+        authoring::set_mode(c, payments, Mode::Simulation).await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await
+    .unwrap();
+    assert_eq!(done.changed, changed(&[(payments, 3)]));
+
+    // Setting the mode a workload already has changes nothing; a new mode changes only it.
+    let done = authoring::commit(pool, "test", "workload.mode", "batch", async |c| {
+        authoring::set_mode(c, batch, Mode::Visibility).await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await
+    .unwrap();
+    assert_eq!(done.changed, vec![]);
+    let done = authoring::commit(pool, "test", "workload.mode", "batch", async |c| {
+        authoring::set_mode(c, batch, Mode::Enforcement).await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await
+    .unwrap();
+    assert_eq!(done.changed, changed(&[(batch, 2)]));
+
+    assert_eq!(
+        (version(pool, payments).await, version(pool, checkout).await, version(pool, batch).await),
+        (3, 1, 2)
+    );
+    let audit: i64 = sqlx::query_scalar("SELECT count(*) FROM audit_log").fetch_one(pool).await.unwrap();
+    assert_eq!(audit, 9, "every committed change is audited");
+    let last: serde_json::Value =
+        sqlx::query_scalar("SELECT workload_versions FROM audit_log ORDER BY id DESC LIMIT 1")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    assert_eq!(last, serde_json::json!({ batch.to_string(): 2 }));
+}
+
+#[tokio::test]
+async fn notify_only_after_commit() {
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    let mut listener = PgListener::connect(&db.url).await.unwrap();
+    listener.listen(POLICY_CHANNEL).await.unwrap();
+    let quiet =
+        async |l: &mut PgListener| tokio::time::timeout(Duration::from_millis(300), l.recv()).await.is_err();
+
+    let payments = register(pool, "payments-db-1", &["app=payments-db"], &["10.0.0.10"]).await;
+    let n = listener.recv().await.unwrap();
+    assert_eq!(n.payload(), format!("{payments} 1"));
+    assert!(quiet(&mut listener).await);
+
+    // A render inside an open transaction announces nothing until commit …
+    let checkout_id = WorkloadId::new_random();
+    let mut tx = pool.begin().await.unwrap();
+    let new =
+        NewWorkload { id: checkout_id, hostname: "c".into(), labels: vec![], addresses: BTreeSet::new() };
+    authoring::register_workload(&mut tx, &new).await.unwrap();
+    let announced = publish::publish(&mut tx).await.unwrap();
+    assert_eq!(announced, changed(&[(checkout_id, 1)]));
+    assert!(quiet(&mut listener).await, "nothing before commit");
+    tx.commit().await.unwrap();
+    assert_eq!(listener.recv().await.unwrap().payload(), format!("{checkout_id} 1"));
+
+    // … and nothing at all after a rollback.
+    let mut tx = pool.begin().await.unwrap();
+    let gone = NewWorkload {
+        id: WorkloadId::new_random(),
+        hostname: "g".into(),
+        labels: vec![],
+        addresses: BTreeSet::new(),
+    };
+    authoring::register_workload(&mut tx, &gone).await.unwrap();
+    assert_eq!(publish::publish(&mut tx).await.unwrap().len(), 1);
+    tx.rollback().await.unwrap();
+    assert!(quiet(&mut listener).await, "a rolled-back render announces nothing");
+    assert!(store::persisted_policy(&mut pool.acquire().await.unwrap(), gone.id).await.unwrap().is_none());
+
+    // Exactly the changed workloads: a ruleset on payments announces payments only.
+    service(pool, "postgres", &["tcp:5432"]).await;
+    let rs = ruleset("payments", "payments-db", vec![PeerSpec::cidr("10.9.0.0/16")], &["postgres"]);
+    create_ruleset(pool, &rs).await;
+    assert_eq!(listener.recv().await.unwrap().payload(), format!("{payments} 2"));
+    assert!(quiet(&mut listener).await);
+}
+
+fn innerwall(url: &str, args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_innerwall")).arg("--database-url").arg(url).args(args).output().unwrap()
+}
+
+#[tokio::test]
+async fn concurrent_renders_serialize() {
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    let payments = register(pool, "payments-db-1", &["app=payments-db"], &["10.0.0.10"]).await;
+    let dir = std::env::temp_dir().join(format!("iw-concurrent-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    const N: u16 = 6;
+    for i in 0..N {
+        service(pool, &format!("svc-{i}"), &[&format!("tcp:{}", 8000 + i)]).await;
+        let rs = ruleset(
+            &format!("rs-{i}"),
+            "payments-db",
+            vec![PeerSpec::cidr(&format!("10.{i}.0.0/16"))],
+            &[&format!("svc-{i}")],
+        );
+        std::fs::write(dir.join(format!("rs-{i}.yaml")), serde_yaml::to_string(&rs).unwrap()).unwrap();
+    }
+    // N separate processes, each with its own connection, commit at the same time; each adds a
+    // ruleset payments-db can see, so each must claim exactly one new version.
+    let handles: Vec<_> = (0..N)
+        .map(|i| {
+            let (url, file) = (db.url.clone(), dir.join(format!("rs-{i}.yaml")));
+            std::thread::spawn(move || {
+                Command::new(env!("CARGO_BIN_EXE_innerwall"))
+                    .args(["--database-url", &url, "--json", "ruleset", "create", "-f"])
+                    .arg(file)
+                    .output()
+                    .unwrap()
+            })
+        })
+        .collect();
+    let mut reported = BTreeSet::new();
+    for h in handles {
+        let out = h.join().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let changed = v["changed"].as_array().unwrap();
+        assert_eq!(changed.len(), 1, "{v}");
+        assert_eq!(changed[0]["workload"], payments.to_string());
+        assert!(reported.insert(changed[0]["version"].as_u64().unwrap()), "two renders claimed one version");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+    assert_eq!(reported, (2..=1 + u64::from(N)).collect::<BTreeSet<_>>(), "gap-free, one version per render");
+    assert_eq!(version(pool, payments).await, 1 + u64::from(N));
+    assert_eq!(assert_history_obeys_contract(pool, payments).await, 1 + usize::from(N));
+}
+
+#[tokio::test]
+async fn restart_render_changes_nothing() {
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    let payments = register(pool, "payments-db-1", &["app=payments-db"], &["10.0.0.10"]).await;
+    register(pool, "checkout-1", &["app=checkout"], &["10.0.0.20"]).await;
+    service(pool, "postgres", &["tcp:5432"]).await;
+    let rs = ruleset(
+        "payments",
+        "payments-db",
+        vec![PeerSpec::workloads(sel(&[("app", "checkout")]))],
+        &["postgres"],
+    );
+    create_ruleset(pool, &rs).await;
+    assert_eq!(authoring::render_now(pool).await.unwrap(), vec![]);
+
+    // A restarted process: new connections, the binary's own startup path.
+    let out = innerwall(&db.url, &["--json", "render"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["changed"], serde_json::json!([]));
+
+    // `serve` renders once at start (POL-6); after a restart that render changes nothing.
+    let mut serve = Command::new(env!("CARGO_BIN_EXE_innerwall"))
+        .args(["--database-url", &db.url, "serve"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = std::io::BufReader::new(serve.stderr.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut stderr, &mut line).unwrap();
+    Command::new("kill").args(["-INT", &serve.id().to_string()]).status().unwrap();
+    assert!(serve.wait().unwrap().success());
+    assert!(line.contains("startup render advanced 0 workload(s)"), "{line}");
+    assert_eq!(version(pool, payments).await, 2);
+}
+
+#[tokio::test]
+async fn relabel_updates_peer_sets() {
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    let payments = register(pool, "payments-db-1", &["app=payments-db"], &["10.0.0.10"]).await;
+    let checkout = register(pool, "checkout-1", &["app=checkout"], &["10.0.0.20"]).await;
+    let batch = register(pool, "batch-1", &["app=batch"], &["10.0.0.30", "fd00::30"]).await;
+    service(pool, "postgres", &["tcp:5432"]).await;
+    let rs = ruleset(
+        "payments",
+        "payments-db",
+        vec![PeerSpec::workloads(sel(&[("app", "checkout")]))],
+        &["postgres"],
+    );
+    create_ruleset(pool, &rs).await;
+    let before =
+        store::persisted_policy(&mut pool.acquire().await.unwrap(), payments).await.unwrap().unwrap().0;
+
+    // batch-1 becomes a checkout: payments-db gains its addresses; batch-1's own policy is untouched.
+    let label: Label = "app=checkout".parse().unwrap();
+    let done = authoring::commit(pool, "test", "workload.label", "batch-1", async |c| {
+        Ok((
+            authoring::edit_labels(c, batch, 1, std::slice::from_ref(&label), &[]).await?,
+            serde_json::json!({}),
+        ))
+    })
+    .await
+    .unwrap();
+    assert_eq!(done.value, 2, "label version advances");
+    assert_eq!(done.changed, changed(&[(payments, 3)]));
+    let after =
+        store::persisted_policy(&mut pool.acquire().await.unwrap(), payments).await.unwrap().unwrap().0;
+    let delta = diff(&before, &after);
+    assert!(
+        matches!(&delta.changes[..], [Change::AddPeers { peers, .. }] if peers.len() == 2),
+        "a relabel is a peer-only delta: {delta:?}"
+    );
+    assert_eq!((version(pool, checkout).await, version(pool, batch).await), (1, 1));
+
+    // A stale edit is refused with the current version, and changes nothing.
+    let err = authoring::commit(pool, "test", "workload.label", "batch-1", async |c| {
+        Ok((
+            authoring::edit_labels(c, batch, 1, &[], &["app".parse().unwrap()]).await?,
+            serde_json::json!({}),
+        ))
+    })
+    .await
+    .unwrap_err();
+    assert!(matches!(err, StoreError::Stale { expected: 1, current: 2, .. }), "{err}");
+    assert_eq!(version(pool, payments).await, 3);
+}
+
+#[tokio::test]
+async fn consecutive_versions_satisfy_delta_contract() {
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    let payments = register(pool, "payments-db-1", &["app=payments-db"], &["10.0.0.10"]).await;
+    let checkout = register(pool, "checkout-1", &["app=checkout"], &["10.0.0.20"]).await;
+    service(pool, "postgres", &["tcp:5432"]).await;
+    service(pool, "web", &["tcp:80,443", "udp:443", "icmp"]).await;
+    let mut rs = ruleset(
+        "payments",
+        "payments-db",
+        vec![PeerSpec::workloads(sel(&[("app", "checkout")]))],
+        &["postgres"],
+    );
+    create_ruleset(pool, &rs).await;
+    // A run of edits of every kind a workload can see.
+    type Step = Box<dyn Fn(&mut RulesetSpec)>;
+    let steps: Vec<Step> = vec![
+        Box::new(|r| r.rules[0].services.push("web".into())),
+        Box::new(|r| r.rules[0].peers.push(PeerSpec::cidr("192.0.2.0/24"))),
+        Box::new(|r| {
+            r.rules[0].peers.remove(0);
+        }),
+        Box::new(|r| r.rules[0].services.retain(|s| s != "postgres")),
+        Box::new(|r| r.rules[0].enabled = false),
+        Box::new(|r| {
+            r.rules[0].enabled = true;
+            r.scope = sel(&[("app", "checkout")]);
+        }),
+    ];
+    for (i, step) in steps.iter().enumerate() {
+        step(&mut rs);
+        authoring::commit(pool, "test", "ruleset.update", "payments", async |c| {
+            authoring::update_ruleset(c, &rs, Some(i as i64 + 1)).await?;
+            Ok(((), serde_json::json!({})))
+        })
+        .await
+        .unwrap();
+    }
+    for mode in [Mode::Simulation, Mode::Enforcement] {
+        authoring::commit(pool, "test", "workload.mode", "p", async |c| {
+            authoring::set_mode(c, payments, mode).await?;
+            Ok(((), serde_json::json!({})))
+        })
+        .await
+        .unwrap();
+    }
+    let payments_versions = assert_history_obeys_contract(pool, payments).await;
+    let checkout_versions = assert_history_obeys_contract(pool, checkout).await;
+    assert!(payments_versions >= 7 && checkout_versions == 2, "{payments_versions} {checkout_versions}");
+}
+
+#[tokio::test]
+async fn deleting_a_referenced_service_or_group_names_the_referrers() {
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    service(pool, "postgres", &["tcp:5432"]).await;
+    let group = AddressGroupSpec { name: "vpn".into(), description: String::new(), cidrs: BTreeSet::new() };
+    authoring::commit(pool, "t", "g", "vpn", async |c| {
+        authoring::create_address_group(c, &group).await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await
+    .unwrap();
+    let rs = ruleset("payments", "payments-db", vec![PeerSpec::address_group("vpn")], &["postgres"]);
+    create_ruleset(pool, &rs).await;
+    for kind in ["service", "address-group"] {
+        let name = if kind == "service" { "postgres" } else { "vpn" };
+        let out = innerwall(&db.url, &[kind, "delete", name]);
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("is in use by ruleset payments rule inbound"), "{err}");
+    }
+    let services: i64 = sqlx::query_scalar("SELECT count(*) FROM services").fetch_one(pool).await.unwrap();
+    assert_eq!(services, 1);
+}
+
+#[tokio::test]
+async fn cli_refuses_invalid_input_and_writes_nothing() {
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    let dir = std::env::temp_dir().join(format!("iw-invalid-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = |name: &str, text: &str| {
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        path.to_string_lossy().into_owned()
+    };
+    let empty_scope = file("a.yaml", "name: x\nscope: {}\nrules: []\n");
+    let unknown_field = file("b.yaml", "name: x\nscope: {app: [db]}\ncolour: red\n");
+    let unknown_service = file(
+        "c.yaml",
+        "name: x\nscope: {app: [db]}\nrules:\n- name: r\n  peers: [{cidr: 10.0.0.0/8}]\n  services: [nope]\n",
+    );
+    let bad_cidr = file(
+        "d.yaml",
+        "name: x\nscope: {app: [db]}\nrules:\n- name: r\n  peers: [{cidr: 10.0.0.0/33}]\n  services: [nope]\n",
+    );
+    let bad_label = file("e.yaml", "name: x\nscope: {-app: [db]}\n");
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["service", "create", "web", "--entry", "tcp:0"], "port 0 is not a port"),
+        (vec!["service", "create", "web", "--entry", "tcp:70000"], "ports go up to 65535"),
+        (vec!["service", "create", "web", "--entry", "tcp:90-80"], "start is after end"),
+        (vec!["service", "create", "web", "--entry", "sctp:80"], "protocol must be tcp, udp, icmp or icmpv6"),
+        (vec!["service", "create", "Web", "--entry", "tcp:80"], "service name \"Web\""),
+        (vec!["address-group", "create", "vpn", "--cidr", "10.0.0.0/33"], "cidr \"10.0.0.0/33\""),
+        (vec!["address-group", "create", "vpn", "--cidr", "banana"], "not an address"),
+        (vec!["ruleset", "create", "-f", &empty_scope], "scope selector is empty"),
+        (vec!["ruleset", "create", "-f", &unknown_field], "unknown field `colour`"),
+        (vec!["ruleset", "create", "-f", &unknown_service], "references unknown service \"nope\""),
+        (vec!["ruleset", "create", "-f", &bad_cidr], "cidr \"10.0.0.0/33\""),
+        (vec!["ruleset", "create", "-f", &bad_label], "label key \"-app\""),
+        (vec!["workload", "mode", "not-a-uuid", "simulation"], "invalid value 'not-a-uuid'"),
+        (
+            vec![
+                "workload",
+                "label",
+                "0b7f4c1e-9a43-4d2b-8f0e-5c1d2e3f4a5b",
+                "--set",
+                "a=b c",
+                "--expect-label-version",
+                "1",
+            ],
+            "contains ' '",
+        ),
+        (
+            vec!["workload", "mode", "0b7f4c1e-9a43-4d2b-8f0e-5c1d2e3f4a5b", "simulation"],
+            "workload \"0b7f4c1e-9a43-4d2b-8f0e-5c1d2e3f4a5b\" not found",
+        ),
+    ];
+    for (args, want) in cases {
+        let out = innerwall(&db.url, &args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(err.contains(want), "{args:?}: {err:?} lacks {want:?}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+    for table in ["services", "address_groups", "rulesets", "audit_log", "workload_policies"] {
+        let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
+            .fetch_one(pool)
+            .await
+            .unwrap();
+        assert_eq!(n, 0, "{table} was written");
+    }
+}
