@@ -243,14 +243,29 @@ fn init_logging() {
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
 }
 
+/// Resolves on SIGINT or SIGTERM. The handlers are installed when this is called, not when it
+/// is first polled, so a signal that arrives during start-up is not lost.
+fn shutdown_signal() -> anyhow::Result<impl Future<Output = ()>> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut interrupt = signal(SignalKind::interrupt()).context("while installing the SIGINT handler")?;
+    let mut terminate = signal(SignalKind::terminate()).context("while installing the SIGTERM handler")?;
+    Ok(async move {
+        tokio::select! {
+            _ = interrupt.recv() => {}
+            _ = terminate.recv() => {}
+        }
+    })
+}
+
 async fn serve(pool: &PgPool) -> anyhow::Result<()> {
+    let shutdown = shutdown_signal()?;
     let changed = authoring::render_now(pool).await.context("while rendering at startup")?;
     tracing::info!(changed = changed.len(), "startup render done");
     eprintln!(
         "innerwall: startup render advanced {} workload(s); the agent gateway is not built yet (issue 5)",
         changed.len()
     );
-    tokio::signal::ctrl_c().await.context("while waiting for shutdown")?;
+    shutdown.await;
     Ok(())
 }
 
