@@ -643,3 +643,59 @@ pub async fn set_mode(conn: &mut PgConnection, id: WorkloadId, mode: Mode) -> Re
         .await?;
     Ok(())
 }
+
+/// Retires a workload (IDN-7): its identity and addresses leave every render, its stream is
+/// ended, renewal is refused. Idempotent refusal: retiring twice is an error naming when.
+pub async fn retire(conn: &mut PgConnection, id: WorkloadId) -> Result<(), StoreError> {
+    lock_workload(conn, id).await?;
+    let done = sqlx::query("UPDATE workloads SET retired_at = now() WHERE id = $1 AND retired_at IS NULL")
+        .bind(id.uuid())
+        .execute(&mut *conn)
+        .await?;
+    if done.rows_affected() == 0 {
+        return Err(StoreError::Invalid(format!("workload {id} is already retired")));
+    }
+    crate::bridge::publish_notice(conn, &crate::bridge::Notice::Retire(id)).await
+}
+
+/// Deny-lists an identity (IDN-7): refused at the handshake on every replica, its stream is
+/// cut, renewal is refused, and it leaves every render like a retired workload.
+pub async fn deny(conn: &mut PgConnection, id: WorkloadId) -> Result<(), StoreError> {
+    lock_workload(conn, id).await?;
+    let done = sqlx::query("UPDATE workloads SET denied_at = now() WHERE id = $1 AND denied_at IS NULL")
+        .bind(id.uuid())
+        .execute(&mut *conn)
+        .await?;
+    if done.rows_affected() == 0 {
+        return Err(StoreError::Invalid(format!("workload {id} is already deny-listed")));
+    }
+    crate::bridge::publish_notice(conn, &crate::bridge::Notice::Deny(id)).await
+}
+
+/// The answer to a directed reconnect request (SYNC-8).
+#[derive(Debug, Clone, Serialize)]
+pub struct ResendRequested {
+    /// Observe success by this advancing.
+    pub last_snapshot_sent_at: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+/// Asks the replica holding the workload's stream to make the agent reconnect, which begins a
+/// new stream with a snapshot. Best effort by design; refused when the stored state is OFFLINE.
+pub async fn request_snapshot(pool: &PgPool, id: WorkloadId) -> Result<ResendRequested, StoreError> {
+    type Time = Option<chrono::DateTime<chrono::Utc>>;
+    let row: Option<(i16, Time, Time)> =
+        sqlx::query_as("SELECT sync_state, last_seen_at, last_snapshot_sent_at FROM workloads WHERE id = $1")
+            .bind(id.uuid())
+            .fetch_optional(pool)
+            .await?;
+    let Some((state, last_seen, last_snapshot)) = row else {
+        return Err(StoreError::NotFound { what: "workload", name: id.to_string() });
+    };
+    if state == crate::session::SyncState::Offline.number() {
+        let seen = last_seen.map_or_else(|| "never".to_owned(), |t| t.to_rfc3339());
+        return Err(StoreError::AgentOffline { id: id.to_string(), last_seen: seen });
+    }
+    let mut conn = pool.acquire().await?;
+    crate::bridge::publish_notice(&mut conn, &crate::bridge::Notice::Reconnect(id)).await?;
+    Ok(ResendRequested { last_snapshot_sent_at: last_snapshot })
+}

@@ -4,13 +4,15 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
 use innerwall_control_plane::authoring::{self, AddressGroupSpec, Committed, RulesetSpec, ServiceSpec};
+use innerwall_control_plane::ca::{self, FileCa};
 use innerwall_control_plane::model::ServiceEntry;
 use innerwall_control_plane::publish::Changed;
-use innerwall_control_plane::{postgres, store};
+use innerwall_control_plane::{gateway, postgres, service, store, tokens};
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::labels::{Label, LabelKey};
 use innerwall_wire::policy::{Cidr, Mode};
@@ -23,9 +25,12 @@ struct Cli {
     /// Postgres to use. Without it, a private cluster under --state-dir is started and reused.
     #[arg(long, env = "INNERWALL_DATABASE_URL", global = true, hide_env_values = true)]
     database_url: Option<String>,
-    /// Where the embedded Postgres cluster (and later the CA and other state) lives.
+    /// Where the embedded Postgres cluster lives (and the CA, unless --ca-dir says otherwise).
     #[arg(long, env = "INNERWALL_STATE_DIR", global = true, default_value = "/var/lib/innerwall")]
     state_dir: PathBuf,
+    /// The CA directory (ca.key, ca.crt), identical on every replica. Default: <state-dir>/ca.
+    #[arg(long, env = "INNERWALL_CA_DIR", global = true)]
+    ca_dir: Option<PathBuf>,
     /// Print JSON instead of tables.
     #[arg(long, global = true)]
     json: bool,
@@ -39,8 +44,14 @@ enum Command {
     Contract,
     /// Apply database migrations and exit.
     Migrate,
-    /// Run the control-plane service (renders once at start).
-    Serve,
+    /// Run the control-plane service: agent listener, NOTIFY bridge; renders once at start.
+    Serve(ServeArgs),
+    /// The certificate authority that issues workload identities.
+    #[command(subcommand)]
+    Ca(CaCmd),
+    /// Provisioning tokens that enroll hosts with a label set.
+    #[command(subcommand)]
+    Token(TokenCmd),
     /// Render every workload now (normally automatic on every change).
     Render,
     /// Named sets of (protocol, ports) that rules permit.
@@ -55,6 +66,60 @@ enum Command {
     /// Enrolled hosts: labels, mode, rendered policy.
     #[command(subcommand)]
     Workload(WorkloadCmd),
+}
+
+#[derive(Debug, Args)]
+struct ServeArgs {
+    /// The one agent listener (enrollment, sync, telemetry). Port 0 picks a free port.
+    #[arg(long, env = "INNERWALL_LISTEN", default_value = "0.0.0.0:7443")]
+    listen: std::net::SocketAddr,
+    /// Names and addresses agents dial this replica by (server certificate SANs); repeatable.
+    /// Default: this host's name, localhost and 127.0.0.1.
+    #[arg(long = "server-name")]
+    server_names: Vec<String>,
+    /// Lifetime of issued workload certificates, e.g. 24h.
+    #[arg(long, default_value = "24h", value_parser = parse_duration)]
+    cert_lifetime: std::time::Duration,
+    /// Interval agents heartbeat at; a stream silent for three of them is closed.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    heartbeat_interval: std::time::Duration,
+    /// Flow window length agents use.
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    flow_window: std::time::Duration,
+}
+
+fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
+    let d = tokens::parse_ttl(text).map_err(|e| e.to_string())?;
+    d.to_std().map_err(|_| format!("duration {text:?} must be positive"))
+}
+
+#[derive(Debug, Subcommand)]
+enum CaCmd {
+    /// Create the root key (0600) and a 10-year self-signed certificate in --ca-dir.
+    Init,
+}
+
+#[derive(Debug, Subcommand)]
+enum TokenCmd {
+    /// Mint a token; it is printed once, with the enroll command line.
+    Mint {
+        /// Labels every workload enrolled with this token gets; repeatable.
+        #[arg(long = "label", required = true)]
+        labels: Vec<Label>,
+        /// Validity, e.g. 30d, 12h.
+        #[arg(long, default_value = "30d")]
+        ttl: String,
+        #[arg(long)]
+        max_uses: Option<u32>,
+        /// The HOST:PORT agents dial, for the printed enroll command.
+        #[arg(long, default_value = "CONTROL-PLANE:7443")]
+        server: String,
+    },
+    List,
+    /// Revoke a token: it enrolls nothing more, effective immediately.
+    Revoke {
+        id: uuid::Uuid,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -179,6 +244,22 @@ enum WorkloadCmd {
     Policy {
         id: WorkloadId,
     },
+    /// Convergence: applied vs latest version, sync state, last seen/acked/snapshot.
+    Status {
+        id: Option<WorkloadId>,
+    },
+    /// Ask the replica holding the agent's stream to make it reconnect (fresh snapshot).
+    ResendSnapshot {
+        id: WorkloadId,
+    },
+    /// Retire: identity and addresses leave every render; its stream is closed.
+    Retire {
+        id: WorkloadId,
+    },
+    /// Deny-list: refused at the handshake, stream cut, renewal refused.
+    Deny {
+        id: WorkloadId,
+    },
 }
 
 fn main() -> ExitCode {
@@ -224,7 +305,22 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             pool(&cli).await?;
             println!("migrations applied");
         }
-        Command::Serve => serve(&pool(&cli).await?).await?,
+        Command::Serve(args) => serve(&cli, args).await?,
+        Command::Ca(CaCmd::Init) => {
+            let dir = ca_dir(&cli);
+            std::fs::create_dir_all(&dir).with_context(|| format!("while creating {}", dir.display()))?;
+            FileCa::init(&dir)?;
+            println!(
+                "created {} (mode 0600) and {}",
+                dir.join(ca::CA_KEY_FILE).display(),
+                dir.join(ca::CA_CERT_FILE).display()
+            );
+            println!(
+                "copy this directory to every replica; give agents {}",
+                dir.join(ca::CA_CERT_FILE).display()
+            );
+        }
+        Command::Token(cmd) => token(&cli, cmd, json).await?,
         Command::Render => {
             let changed = authoring::render_now(&pool(&cli).await?).await?;
             print_changed(json, &changed, &());
@@ -257,15 +353,117 @@ fn shutdown_signal() -> anyhow::Result<impl Future<Output = ()>> {
     })
 }
 
-async fn serve(pool: &PgPool) -> anyhow::Result<()> {
+fn ca_dir(cli: &Cli) -> PathBuf {
+    cli.ca_dir.clone().unwrap_or_else(|| cli.state_dir.join("ca"))
+}
+
+fn default_server_names() -> Vec<String> {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let mut names = vec!["localhost".to_owned(), "127.0.0.1".to_owned()];
+    if !host.trim().is_empty() {
+        names.insert(0, host.trim().to_owned());
+    }
+    names
+}
+
+async fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<()> {
     let shutdown = shutdown_signal()?;
-    let changed = authoring::render_now(pool).await.context("while rendering at startup")?;
-    tracing::info!(changed = changed.len(), "startup render done");
+    let signer: Arc<dyn ca::Signer> = Arc::new(
+        FileCa::load(&ca_dir(cli)).context("while loading the CA (create it with `innerwall ca init`)")?,
+    );
+    let pool = pool(cli).await?;
+    let config = service::ServiceConfig {
+        listen: args.listen,
+        server_names: if args.server_names.is_empty() {
+            default_server_names()
+        } else {
+            args.server_names.clone()
+        },
+        cert_lifetime: args.cert_lifetime,
+        gateway: gateway::GatewayConfig {
+            heartbeat: args.heartbeat_interval,
+            flow_window: args.flow_window,
+            ..Default::default()
+        },
+    };
+    let running = service::start(pool, signer, config).await?;
     eprintln!(
-        "innerwall: startup render advanced {} workload(s); the agent gateway is not built yet (issue 5)",
-        changed.len()
+        "innerwall: startup render advanced {} workload(s); listening on {} as {}",
+        running.startup_changes,
+        running.local_addr,
+        running.server_names.join(", ")
     );
     shutdown.await;
+    running.stop().await?;
+    Ok(())
+}
+
+async fn token(cli: &Cli, cmd: &TokenCmd, json: bool) -> anyhow::Result<()> {
+    let pool = pool(cli).await?;
+    match cmd {
+        TokenCmd::Mint { labels, ttl, max_uses, server } => {
+            let ttl = tokens::parse_ttl(ttl)?;
+            let mut tx = pool.begin().await?;
+            let minted = tokens::mint(&mut tx, labels, ttl, *max_uses).await?;
+            let shown: Vec<String> = labels.iter().map(ToString::to_string).collect();
+            sqlx::query(
+                "INSERT INTO audit_log (actor, action, subject, detail) VALUES ($1, 'token.mint', $2, $3)",
+            )
+            .bind(actor())
+            .bind(minted.id.to_string())
+            .bind(serde_json::json!({"labels": shown, "expires_at": minted.expires_at, "max_uses": max_uses}))
+            .execute(&mut *tx)
+            .await?;
+            tx.commit().await?;
+            let bundle = ca_dir(cli).join(ca::CA_CERT_FILE);
+            let command = format!(
+                "innerwall-agent enroll --server {server} --token {} --ca-bundle {}",
+                minted.secret,
+                bundle.display()
+            );
+            if json {
+                return print_json(&serde_json::json!({
+                    "id": minted.id, "token": minted.secret, "expires_at": minted.expires_at, "enroll_command": command,
+                }));
+            }
+            println!(
+                "token {} (expires {}), shown once:\n\n  {}\n",
+                minted.id, minted.expires_at, minted.secret
+            );
+            println!("enroll a host with:\n\n  {command}");
+        }
+        TokenCmd::List => {
+            let all = tokens::list(&mut *pool.acquire().await?).await?;
+            if json {
+                return print_json(&all);
+            }
+            let rows = all
+                .into_iter()
+                .map(|t| {
+                    vec![
+                        t.id.to_string(),
+                        format!("iw_{}…", t.prefix_hint),
+                        t.labels.join(","),
+                        t.expires_at.to_rfc3339(),
+                        format!("{}/{}", t.use_count, t.max_uses.map_or("∞".into(), |m| m.to_string())),
+                        t.status.to_string(),
+                    ]
+                })
+                .collect();
+            print_table(&["id", "token", "labels", "expires", "uses", "status"], rows);
+        }
+        TokenCmd::Revoke { id } => {
+            let mut tx = pool.begin().await?;
+            tokens::revoke(&mut tx, *id).await?;
+            sqlx::query("INSERT INTO audit_log (actor, action, subject) VALUES ($1, 'token.revoke', $2)")
+                .bind(actor())
+                .bind(id.to_string())
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            println!("token {id} revoked; it enrolls nothing from now on");
+        }
+    }
     Ok(())
 }
 
@@ -563,6 +761,84 @@ async fn workload(pool: &PgPool, cmd: &WorkloadCmd, json: bool) -> anyhow::Resul
             })
             .await?;
             report(json, &format!("{id} is now in {mode} mode"), done);
+        }
+        WorkloadCmd::Status { id } => {
+            let all = store::sync_status(&mut *pool.acquire().await?, *id).await?;
+            if let Some(id) = id
+                && all.is_empty()
+            {
+                bail!("workload {id} not found (or retired)");
+            }
+            if json {
+                return print_json(&all);
+            }
+            let when = |t: Option<chrono::DateTime<chrono::Utc>>| {
+                t.map_or("-".into(), |t| t.format("%F %T").to_string())
+            };
+            let rows = all
+                .into_iter()
+                .map(|w| {
+                    let latest = w.latest_version.map_or("-".into(), |v| v.to_string());
+                    let behind = match w.latest_version {
+                        Some(l) if l != w.applied_version => {
+                            format!("{}/{latest} (behind)", w.applied_version)
+                        }
+                        _ => format!("{}/{latest}", w.applied_version),
+                    };
+                    vec![
+                        w.id.to_string(),
+                        w.hostname,
+                        behind,
+                        w.state.0.name().to_owned(),
+                        w.detail,
+                        when(w.last_seen_at),
+                        when(w.last_acked_at),
+                        when(w.last_snapshot_sent_at),
+                    ]
+                })
+                .collect();
+            print_table(
+                &[
+                    "id",
+                    "hostname",
+                    "applied/latest",
+                    "state",
+                    "detail",
+                    "last seen",
+                    "last ack",
+                    "last snapshot",
+                ],
+                rows,
+            );
+        }
+        WorkloadCmd::ResendSnapshot { id } => {
+            let requested = authoring::request_snapshot(pool, *id).await?;
+            if json {
+                return print_json(&requested);
+            }
+            let at = requested.last_snapshot_sent_at.map_or("never".into(), |t| t.to_rfc3339());
+            println!(
+                "asked the replica holding {id}'s stream to reconnect it; success shows as last snapshot advancing past {at}"
+            );
+        }
+        WorkloadCmd::Retire { id } | WorkloadCmd::Deny { id } => {
+            let retire = matches!(cmd, WorkloadCmd::Retire { .. });
+            let action = if retire { "workload.retire" } else { "workload.deny" };
+            let done = authoring::commit(pool, &actor(), action, &id.to_string(), async |c| {
+                if retire {
+                    authoring::retire(c, *id).await?
+                } else {
+                    authoring::deny(c, *id).await?
+                }
+                Ok(((), serde_json::json!({})))
+            })
+            .await?;
+            let what = if retire {
+                "retired: it left every render and its stream is closed"
+            } else {
+                "deny-listed: refused at the handshake, its stream is cut and it left every render"
+            };
+            report(json, &format!("{id} {what}"), done);
         }
         WorkloadCmd::Policy { id } => {
             let Some((policy, rendered_at)) =

@@ -30,6 +30,14 @@ pub enum StoreError {
     InUse { what: &'static str, name: String, referrers: Vec<String> },
     #[error("{0}")]
     Invalid(String),
+    #[error("{0}")]
+    Refused(String),
+    #[error(transparent)]
+    Token(#[from] crate::tokens::TokenError),
+    #[error(transparent)]
+    Ca(#[from] crate::ca::CaError),
+    #[error("agent-offline: workload {id} has no stream (last seen {last_seen})")]
+    AgentOffline { id: String, last_seen: String },
     #[error(transparent)]
     Model(#[from] ModelError),
     #[error("render failed: {0}")]
@@ -240,9 +248,11 @@ pub async fn load_registry(conn: &mut PgConnection) -> Result<Vec<RegisteredWork
             .map_err(|_| StoreError::Corrupt { what: "workload address", detail: text.clone() })?;
         addresses.entry(row.get(0)).or_default().insert(ip);
     }
-    let rows = sqlx::query("SELECT id, mode FROM workloads WHERE retired_at IS NULL ORDER BY id")
-        .fetch_all(&mut *conn)
-        .await?;
+    let rows = sqlx::query(
+        "SELECT id, mode FROM workloads WHERE retired_at IS NULL AND denied_at IS NULL ORDER BY id",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
     rows.into_iter()
         .map(|row| {
             let uuid: Uuid = row.get(0);
@@ -488,4 +498,57 @@ pub async fn list_workloads(
             })
         })
         .collect()
+}
+
+/// Convergence of one workload (SYNC-6): applied against latest, read in one query.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct SyncStatusView {
+    pub id: Uuid,
+    pub hostname: String,
+    pub applied_version: i64,
+    pub latest_version: Option<i64>,
+    #[sqlx(try_from = "i16")]
+    pub state: StateName,
+    pub detail: String,
+    pub last_seen_at: Option<chrono::DateTime<chrono::Utc>>,
+    pub last_acked_at: Option<chrono::DateTime<chrono::Utc>>,
+    pub last_snapshot_sent_at: Option<chrono::DateTime<chrono::Utc>>,
+    pub last_apply_failed_at: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+/// A sync state as its name (`PENDING`, `SYNCED`, `DEGRADED`, `OFFLINE`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(into = "&'static str")]
+pub struct StateName(pub crate::session::SyncState);
+
+impl From<StateName> for &'static str {
+    fn from(s: StateName) -> Self {
+        s.0.name()
+    }
+}
+
+impl TryFrom<i16> for StateName {
+    type Error = String;
+    fn try_from(n: i16) -> Result<Self, String> {
+        crate::session::SyncState::from_number(n)
+            .map(StateName)
+            .ok_or_else(|| format!("unknown sync state {n}"))
+    }
+}
+
+pub async fn sync_status(
+    conn: &mut PgConnection,
+    only: Option<WorkloadId>,
+) -> Result<Vec<SyncStatusView>, StoreError> {
+    Ok(sqlx::query_as(
+        "SELECT w.id, w.hostname, w.applied_version, p.version AS latest_version, w.sync_state AS state,
+                w.sync_detail AS detail, w.last_seen_at, w.last_acked_at, w.last_snapshot_sent_at,
+                w.last_apply_failed_at
+         FROM workloads w LEFT JOIN workload_policies p ON p.workload_id = w.id
+         WHERE ($1::uuid IS NULL OR w.id = $1) AND w.retired_at IS NULL
+         ORDER BY w.hostname, w.id",
+    )
+    .bind(only.map(|id| id.uuid()))
+    .fetch_all(&mut *conn)
+    .await?)
 }

@@ -3,6 +3,7 @@
 //! grammar (IDN-3, IDN-6). Both the control plane and the agent link this crate; it depends on
 //! nothing else in the workspace.
 
+pub mod backoff;
 pub mod convert;
 pub mod identity;
 pub mod labels;

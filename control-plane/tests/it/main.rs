@@ -1,4 +1,6 @@
 //! The control plane's integration tests: one binary, one module per area.
 
+mod enrollment;
+mod identity;
 mod postgres;
 mod publish;

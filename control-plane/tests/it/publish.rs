@@ -311,8 +311,18 @@ async fn restart_render_changes_nothing() {
     assert_eq!(v["changed"], serde_json::json!([]));
 
     // `serve` renders once at start (POL-6); after a restart that render changes nothing.
+    let ca_dir = std::env::temp_dir().join(format!("iw-ca-{}", uuid::Uuid::new_v4()));
+    let out = Command::new(env!("CARGO_BIN_EXE_innerwall"))
+        .arg("--ca-dir")
+        .arg(&ca_dir)
+        .args(["ca", "init"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let mut serve = Command::new(env!("CARGO_BIN_EXE_innerwall"))
-        .args(["--database-url", &db.url, "serve"])
+        .args(["--database-url", &db.url, "--ca-dir"])
+        .arg(&ca_dir)
+        .args(["serve", "--listen", "127.0.0.1:0"])
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
@@ -321,7 +331,8 @@ async fn restart_render_changes_nothing() {
     std::io::BufRead::read_line(&mut stderr, &mut line).unwrap();
     Command::new("kill").args(["-INT", &serve.id().to_string()]).status().unwrap();
     assert!(serve.wait().unwrap().success());
-    assert!(line.contains("startup render advanced 0 workload(s)"), "{line}");
+    std::fs::remove_dir_all(&ca_dir).ok();
+    assert!(line.contains("startup render advanced 0 workload(s); listening on 127.0.0.1:"), "{line}");
     assert_eq!(version(pool, payments).await, 2);
 }
 

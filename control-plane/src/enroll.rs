@@ -1,0 +1,197 @@
+//! Enrollment and renewal (IDN-2, IDN-3, IDN-5): a provisioning token and a CSR become a new
+//! workload with the token's labels and a certificate naming it; a live identity renews over
+//! mutual TLS. Nothing the agent says about itself is trusted for authorization: its id comes
+//! from us (enroll) or its certificate (renew), its labels from the token.
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use innerwall_wire::identity::WorkloadId;
+use innerwall_wire::proto;
+use sqlx::PgPool;
+
+use crate::authoring::{self, NewWorkload};
+use crate::ca::{IssuedCertificate, Signer};
+use crate::store::StoreError;
+
+/// Default lifetime of a workload certificate (IDN-3).
+pub const DEFAULT_CERT_LIFETIME: Duration = Duration::from_secs(24 * 3600);
+
+/// Bounds on what an enrollee may send; anything larger is refused before any work is done.
+const MAX_TOKEN_LEN: usize = 256;
+const MAX_CSR_LEN: usize = 16 * 1024;
+const MAX_HOSTNAME_LEN: usize = 253;
+const MAX_ADDRESSES: usize = 256;
+const MAX_FACT_LEN: usize = 256;
+
+#[derive(Debug, Clone)]
+pub struct Enroller {
+    pub pool: PgPool,
+    pub signer: Arc<dyn Signer>,
+    pub lifetime: Duration,
+}
+
+/// What a successful enrollment returns to the agent.
+#[derive(Debug, Clone)]
+pub struct Enrolled {
+    pub id: WorkloadId,
+    pub certificate: IssuedCertificate,
+    pub labels: Vec<innerwall_wire::labels::Label>,
+}
+
+/// Addresses a workload can be reached at, from its reported interfaces: loopback,
+/// link-local, unspecified and multicast addresses are dropped; malformed ones are refused.
+pub fn routable_addresses(facts: &proto::HostFacts) -> Result<BTreeSet<IpAddr>, StoreError> {
+    let mut out = BTreeSet::new();
+    let texts = facts.interfaces.iter().flat_map(|i| i.addresses.iter());
+    for (n, text) in texts.enumerate() {
+        if n >= MAX_ADDRESSES {
+            return Err(StoreError::Invalid(format!(
+                "more than {MAX_ADDRESSES} interface addresses reported"
+            )));
+        }
+        let addr = text.split_once('/').map_or(text.as_str(), |(a, _)| a);
+        let ip: IpAddr = addr
+            .parse()
+            .map_err(|_| StoreError::Invalid(format!("interface address {text:?} is not an address")))?;
+        let link_local = match ip {
+            IpAddr::V4(v4) => v4.is_link_local(),
+            IpAddr::V6(v6) => v6.is_unicast_link_local(),
+        };
+        if !(ip.is_loopback() || ip.is_unspecified() || ip.is_multicast() || link_local) {
+            out.insert(ip.to_canonical());
+        }
+    }
+    Ok(out)
+}
+
+fn bounded<'a>(what: &str, text: &'a str, max: usize) -> Result<&'a str, StoreError> {
+    if text.len() > max || text.chars().any(char::is_control) {
+        return Err(StoreError::Invalid(format!("{what} must be at most {max} printable characters")));
+    }
+    Ok(text)
+}
+
+impl Enroller {
+    /// Validates everything, then in one transaction consumes a token use, registers the
+    /// workload with the token's labels, renders (so version 1 exists from enrollment on),
+    /// issues the certificate and audits. Any failure writes nothing.
+    pub async fn enroll(&self, req: &proto::EnrollRequest) -> Result<Enrolled, StoreError> {
+        if req.provisioning_token.len() > MAX_TOKEN_LEN {
+            return Err(StoreError::Invalid("provisioning token is too long".into()));
+        }
+        if req.csr_pem.len() > MAX_CSR_LEN {
+            return Err(StoreError::Invalid(format!("csr is larger than {MAX_CSR_LEN} bytes")));
+        }
+        let facts = req.facts.clone().unwrap_or_default();
+        let hostname = bounded("hostname", &facts.hostname, MAX_HOSTNAME_LEN)?.to_owned();
+        let machine_id = bounded("machine id", &facts.machine_id, MAX_FACT_LEN)?.to_owned();
+        let os = facts.os.as_ref().map(|os| format!("{} {} ({})", os.name, os.version, os.kernel_version));
+        let os = bounded("os", os.as_deref().unwrap_or(""), MAX_FACT_LEN)?.to_owned();
+        let agent_version =
+            bounded("agent version", req.agent.as_ref().map_or("", |a| &a.version), MAX_FACT_LEN)?;
+        let addresses = routable_addresses(&facts)?;
+        let id = WorkloadId::new_random();
+        let token_hint: String = req.provisioning_token.chars().take(9).collect();
+        let now = SystemTime::now();
+        let done = authoring::commit(&self.pool, &format!("enroll:{token_hint}"), "workload.enroll", &id.to_string(), async |c| {
+            let token = crate::tokens::consume(c, &req.provisioning_token, chrono::Utc::now()).await?;
+            let certificate = self.signer.issue_workload(id, &req.csr_pem, self.lifetime, now)?;
+            let new = NewWorkload { id, hostname: hostname.clone(), labels: token.labels.clone(), addresses: addresses.clone() };
+            authoring::register_workload(c, &new).await?;
+            sqlx::query(
+                "UPDATE workloads SET enrolled_by_token = $2, credential_serial = $3, credential_expires_at = $4,
+                 machine_id = $5, os = $6, agent_version = $7 WHERE id = $1",
+            )
+            .bind(id.uuid())
+            .bind(token.id)
+            .bind(&certificate.serial_hex)
+            .bind(chrono::DateTime::<chrono::Utc>::from(certificate.not_after))
+            .bind(&machine_id)
+            .bind(&os)
+            .bind(agent_version)
+            .execute(&mut *c)
+            .await?;
+            let labels: Vec<String> = token.labels.iter().map(ToString::to_string).collect();
+            let detail = serde_json::json!({"token": token.id, "hostname": hostname, "labels": labels});
+            Ok((Enrolled { id, certificate, labels: token.labels }, detail))
+        })
+        .await?;
+        tracing::info!(workload = %id, hostname = %hostname, "enrolled");
+        Ok(done.value)
+    }
+
+    /// Reissues the same identity with a new serial and validity window (IDN-5). Refused for
+    /// retired and deny-listed workloads.
+    pub async fn renew(&self, id: WorkloadId, csr_pem: &[u8]) -> Result<IssuedCertificate, StoreError> {
+        if csr_pem.len() > MAX_CSR_LEN {
+            return Err(StoreError::Invalid(format!("csr is larger than {MAX_CSR_LEN} bytes")));
+        }
+        let mut tx = self.pool.begin().await?;
+        let row: Option<(bool, bool)> = sqlx::query_as(
+            "SELECT retired_at IS NOT NULL, denied_at IS NOT NULL FROM workloads WHERE id = $1 FOR UPDATE",
+        )
+        .bind(id.uuid())
+        .fetch_optional(&mut *tx)
+        .await?;
+        match row {
+            None => return Err(StoreError::NotFound { what: "workload", name: id.to_string() }),
+            Some((true, _)) => {
+                return Err(StoreError::Refused(format!("workload {id} is retired; enroll the host again")));
+            }
+            Some((_, true)) => return Err(StoreError::Refused(format!("workload {id} is deny-listed"))),
+            Some(_) => {}
+        }
+        let certificate = self.signer.issue_workload(id, csr_pem, self.lifetime, SystemTime::now())?;
+        sqlx::query(
+            "UPDATE workloads SET credential_serial = $2, credential_expires_at = $3, last_renewed_at = now() WHERE id = $1",
+        )
+        .bind(id.uuid())
+        .bind(&certificate.serial_hex)
+        .bind(chrono::DateTime::<chrono::Utc>::from(certificate.not_after))
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        tracing::info!(workload = %id, serial = %certificate.serial_hex, "renewed credential");
+        Ok(certificate)
+    }
+}
+
+/// One mapping from store errors to gRPC status for every agent-facing RPC.
+pub fn status(e: StoreError) -> tonic::Status {
+    use tonic::Status;
+    match e {
+        StoreError::Token(t) => Status::unauthenticated(format!("provisioning token {}: {t}", t.kind())),
+        StoreError::Ca(c) => Status::invalid_argument(c.to_string()),
+        StoreError::Invalid(m) => Status::invalid_argument(m),
+        StoreError::Model(m) => Status::invalid_argument(m.to_string()),
+        e @ StoreError::NotFound { .. } => Status::not_found(e.to_string()),
+        StoreError::Refused(m) => Status::permission_denied(m),
+        e => {
+            tracing::error!("agent request failed: {e:#}");
+            Status::internal("internal error; see the control-plane log")
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl proto::enrollment_service_server::EnrollmentService for Enroller {
+    async fn enroll(
+        &self,
+        request: tonic::Request<proto::EnrollRequest>,
+    ) -> Result<tonic::Response<proto::EnrollResponse>, tonic::Status> {
+        let enrolled = self.enroll(request.get_ref()).await.map_err(status)?;
+        Ok(tonic::Response::new(proto::EnrollResponse {
+            workload_id: enrolled.id.to_uri(),
+            certificate_pem: enrolled.certificate.pem.into_bytes(),
+            ca_bundle_pem: self.signer.ca_bundle_pem().into_bytes(),
+            labels: enrolled
+                .labels
+                .iter()
+                .map(|l| proto::Label { key: l.key.to_string(), value: l.value.to_string() })
+                .collect(),
+        }))
+    }
+}

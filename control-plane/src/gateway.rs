@@ -1,0 +1,514 @@
+//! The agent gateway (SYNC-2..SYNC-11): the Sync stream and credential renewal. One task per
+//! stream drives a pure [`Session`] with the stream's messages, announcements from the NOTIFY
+//! bridge and directives; its outbound queue is bounded, so a slow agent only slows itself and
+//! its pending announcements coalesce into one delta from its tip to the latest version.
+
+use std::collections::BTreeMap;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use innerwall_wire::identity::WorkloadId;
+use innerwall_wire::policy::WorkloadPolicy;
+use innerwall_wire::proto::{self, sync_request, sync_response};
+use sqlx::PgPool;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::enroll::{Enroller, status};
+use crate::server::identity;
+use crate::session::{Ack, Action, Record, Session, SyncState, Update};
+use crate::store::{self, StoreError};
+
+/// Timing the gateway hands each agent in `HelloAck`, and the liveness bound derived from it.
+#[derive(Debug, Clone)]
+pub struct GatewayConfig {
+    pub heartbeat: Duration,
+    pub inventory: Duration,
+    pub flow_window: Duration,
+    pub flow_window_max_keys: u32,
+    /// Updates queued towards one agent before the stream task waits (and coalesces).
+    pub outbound_queue: usize,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        GatewayConfig {
+            heartbeat: Duration::from_secs(30),
+            inventory: Duration::from_secs(300),
+            flow_window: Duration::from_secs(60),
+            flow_window_max_keys: 10_000,
+            outbound_queue: 8,
+        }
+    }
+}
+
+impl GatewayConfig {
+    /// A stream silent this long is closed (SYNC-9): three heartbeat intervals.
+    pub fn liveness(&self) -> Duration {
+        self.heartbeat * 3
+    }
+}
+
+/// Messages from outside to one stream's task.
+#[derive(Debug, Clone)]
+enum Control {
+    /// Tell the agent to reconnect (directed resend-snapshot, SYNC-8), then end the stream.
+    Reconnect,
+    /// End the stream: superseded by a newer one from the same identity, or the workload was
+    /// retired or deny-listed.
+    End { reason: String, superseded: bool },
+}
+
+#[derive(Debug)]
+struct Handle {
+    generation: u64,
+    poke: watch::Sender<u64>,
+    control: mpsc::UnboundedSender<Control>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    pool: PgPool,
+    config: GatewayConfig,
+    enroller: Enroller,
+    streams: Mutex<BTreeMap<WorkloadId, Handle>>,
+    generations: AtomicU64,
+}
+
+/// The streams this replica holds. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Gateway {
+    inner: Arc<Inner>,
+}
+
+type Outbound = mpsc::Sender<Result<proto::SyncResponse, Status>>;
+
+impl Gateway {
+    pub fn new(pool: PgPool, config: GatewayConfig, enroller: Enroller) -> Self {
+        Gateway {
+            inner: Arc::new(Inner {
+                pool,
+                config,
+                enroller,
+                streams: Mutex::new(BTreeMap::new()),
+                generations: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    fn streams(&self) -> std::sync::MutexGuard<'_, BTreeMap<WorkloadId, Handle>> {
+        self.inner.streams.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Number of live streams on this replica.
+    pub fn stream_count(&self) -> usize {
+        self.streams().len()
+    }
+
+    /// A render announced `version` for `id`: the stream holding it (if here) catches up.
+    pub fn announce(&self, id: WorkloadId, version: u64) {
+        if let Some(h) = self.streams().get(&id) {
+            h.poke.send_if_modified(|seen| {
+                let newer = version > *seen;
+                *seen = (*seen).max(version);
+                newer
+            });
+        }
+    }
+
+    /// After the listener (re)connects: every stream re-reads its persisted policy (SYNC-7).
+    pub fn reconcile_all(&self) {
+        for h in self.streams().values() {
+            h.poke.send_modify(|_| {});
+        }
+    }
+
+    pub fn reconnect(&self, id: WorkloadId) -> bool {
+        self.streams().get(&id).is_some_and(|h| h.control.send(Control::Reconnect).is_ok())
+    }
+
+    /// Ends the stream of a retired or deny-listed workload.
+    pub fn cut(&self, id: WorkloadId, reason: &str) {
+        if let Some(h) = self.streams().get(&id) {
+            let _ = h.control.send(Control::End { reason: reason.to_owned(), superseded: false });
+        }
+    }
+
+    /// Registers a new stream, superseding any earlier one of the same identity (IDN-7).
+    fn register(&self, id: WorkloadId) -> (u64, watch::Receiver<u64>, mpsc::UnboundedReceiver<Control>) {
+        let generation = self.inner.generations.fetch_add(1, Ordering::Relaxed);
+        let (poke, poke_rx) = watch::channel(0);
+        let (control, control_rx) = mpsc::unbounded_channel();
+        let old = self.streams().insert(id, Handle { generation, poke, control });
+        if let Some(old) = old {
+            tracing::info!(workload = %id, "a new stream supersedes the previous one");
+            let _ = old
+                .control
+                .send(Control::End { reason: "superseded by a newer stream".into(), superseded: true });
+        }
+        (generation, poke_rx, control_rx)
+    }
+
+    /// Removes the stream if it is still the registered one; true if it was.
+    fn deregister(&self, id: WorkloadId, generation: u64) -> bool {
+        let mut streams = self.streams();
+        if streams.get(&id).is_some_and(|h| h.generation == generation) {
+            streams.remove(&id);
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// Why a stream ended, and whether its end means the workload is offline.
+struct Ended {
+    reason: String,
+    offline: bool,
+    status: Option<Status>,
+}
+
+impl Ended {
+    fn offline(reason: impl Into<String>) -> Self {
+        Ended { reason: reason.into(), offline: true, status: None }
+    }
+
+    fn refused(status: Status) -> Self {
+        Ended { reason: status.message().to_owned(), offline: true, status: Some(status) }
+    }
+}
+
+struct StreamTask {
+    gateway: Gateway,
+    id: WorkloadId,
+    out: Outbound,
+}
+
+impl StreamTask {
+    fn pool(&self) -> &PgPool {
+        &self.gateway.inner.pool
+    }
+
+    fn config(&self) -> &GatewayConfig {
+        &self.gateway.inner.config
+    }
+
+    async fn send(&self, msg: sync_response::Msg) -> Result<(), Ended> {
+        self.out
+            .send(Ok(proto::SyncResponse { msg: Some(msg) }))
+            .await
+            .map_err(|_| Ended::offline("agent went away"))
+    }
+
+    async fn record(&self, r: &Record) -> Result<(), StoreError> {
+        sqlx::query(
+            "UPDATE workloads SET sync_state = $2,
+                applied_version = COALESCE($3, applied_version),
+                sync_detail = COALESCE($4, sync_detail),
+                last_acked_at = CASE WHEN $5 THEN now() ELSE last_acked_at END,
+                last_apply_failed_at = CASE WHEN $6 THEN now() ELSE last_apply_failed_at END,
+                last_snapshot_sent_at = CASE WHEN $7 THEN now() ELSE last_snapshot_sent_at END,
+                last_seen_at = now()
+             WHERE id = $1",
+        )
+        .bind(self.id.uuid())
+        .bind(r.state.number())
+        .bind(r.applied.map(|v| v as i64))
+        .bind(r.detail.as_deref())
+        .bind(r.acked)
+        .bind(r.failed)
+        .bind(r.snapshot_sent)
+        .execute(self.pool())
+        .await?;
+        Ok(())
+    }
+
+    async fn execute(&self, actions: Vec<Action>) -> Result<(), Ended> {
+        for action in actions {
+            match action {
+                Action::Send(Update::Snapshot(p)) => {
+                    let policy = Some(proto::WorkloadPolicy::from(&p));
+                    self.send(sync_response::Msg::Snapshot(proto::PolicySnapshot { policy })).await?;
+                }
+                Action::Send(Update::Delta(d)) => {
+                    self.send(sync_response::Msg::Delta(proto::PolicyDelta::from(&d))).await?;
+                }
+                Action::Record(r) => {
+                    self.record(&r).await.map_err(|e| Ended::offline(format!("recording state: {e}")))?
+                }
+                Action::Close(reason) => return Err(Ended::refused(Status::invalid_argument(reason))),
+            }
+        }
+        Ok(())
+    }
+
+    /// The persisted policy, rendering it first if the workload has none (POL-6 repair).
+    async fn persisted(&self) -> Result<WorkloadPolicy, StoreError> {
+        let mut conn = self.pool().acquire().await?;
+        if let Some((p, _)) = store::persisted_policy(&mut conn, self.id).await? {
+            return Ok(p);
+        }
+        tracing::warn!(workload = %self.id, "no persisted policy when its stream opened: repair render");
+        crate::authoring::render_now(self.pool()).await?;
+        store::persisted_policy(&mut conn, self.id).await?.map(|(p, _)| p).ok_or_else(|| {
+            StoreError::Invalid(format!("workload {} has no policy even after a repair render", self.id))
+        })
+    }
+
+    async fn run(
+        &self,
+        mut inbound: Streaming<proto::SyncRequest>,
+        mut poke: watch::Receiver<u64>,
+        mut control: mpsc::UnboundedReceiver<Control>,
+    ) -> Ended {
+        let liveness = self.config().liveness();
+        let hello = match tokio::time::timeout(liveness, inbound.message()).await {
+            Ok(Ok(Some(proto::SyncRequest { msg: Some(sync_request::Msg::Hello(h)) }))) => h,
+            Ok(Ok(Some(_))) => {
+                return Ended::refused(Status::invalid_argument("the first message must be Hello"));
+            }
+            Ok(Ok(None)) | Ok(Err(_)) => return Ended::offline("closed before Hello"),
+            Err(_) => return Ended::offline("no Hello within the liveness bound"),
+        };
+        if let Err(e) = self.note_hello(&hello).await {
+            return Ended::refused(status(e));
+        }
+        let c = self.config();
+        let ack = proto::HelloAck {
+            heartbeat_interval_seconds: c.heartbeat.as_secs().max(1) as u32,
+            inventory_interval_seconds: c.inventory.as_secs().max(1) as u32,
+            flow_window_seconds: c.flow_window.as_secs().max(1) as u32,
+            flow_window_max_keys: c.flow_window_max_keys,
+        };
+        if let Err(e) = self.send(sync_response::Msg::HelloAck(ack)).await {
+            return e;
+        }
+        let persisted = match self.persisted().await {
+            Ok(p) => p,
+            Err(e) => return Ended::refused(status(e)),
+        };
+        let (mut session, actions) = Session::open(persisted, hello.applied_version);
+        if let Err(e) = self.execute(actions).await {
+            return e;
+        }
+        loop {
+            let event = tokio::select! {
+                msg = tokio::time::timeout(liveness, inbound.message()) => match msg {
+                    Err(_) => return Ended::offline("silent for three heartbeat intervals"),
+                    Ok(Ok(Some(req))) => Some(req),
+                    Ok(Ok(None)) => return Ended::offline("agent closed the stream"),
+                    Ok(Err(s)) => return Ended::offline(format!("stream error: {}", s.message())),
+                },
+                changed = poke.changed() => {
+                    if changed.is_err() {
+                        return Ended::offline("gateway dropped the stream");
+                    }
+                    None
+                }
+                ctl = control.recv() => match ctl {
+                    Some(Control::Reconnect) => {
+                        let directive = proto::Directive { directive: Some(proto::directive::Directive::Reconnect(proto::Reconnect {})) };
+                        let _ = self.send(sync_response::Msg::Directive(directive)).await;
+                        return Ended::offline("directed reconnect");
+                    }
+                    Some(Control::End { reason, superseded }) => {
+                        let status = Status::aborted(reason.clone());
+                        return Ended { reason, offline: !superseded, status: Some(status) };
+                    }
+                    None => return Ended::offline("gateway dropped the stream"),
+                },
+            };
+            let result = match event {
+                None => self.catch_up(&mut session).await,
+                Some(req) => self.handle(&mut session, req).await,
+            };
+            if let Err(e) = result {
+                return e;
+            }
+        }
+    }
+
+    async fn catch_up(&self, session: &mut Session) -> Result<(), Ended> {
+        let mut conn = self.pool().acquire().await.map_err(|e| Ended::offline(format!("database: {e}")))?;
+        let latest = store::persisted_policy(&mut conn, self.id)
+            .await
+            .map_err(|e| Ended::offline(format!("reading the persisted policy: {e}")))?;
+        drop(conn);
+        match latest {
+            Some((p, _)) => self.execute(session.persisted(p)).await,
+            None => Ok(()),
+        }
+    }
+
+    async fn handle(&self, session: &mut Session, req: proto::SyncRequest) -> Result<(), Ended> {
+        use sync_request::Msg;
+        match req.msg {
+            Some(Msg::Ack(a)) => {
+                let ack = match proto::AckStatus::try_from(a.status) {
+                    Ok(proto::AckStatus::Applied) => Ack::Applied(a.version),
+                    Ok(proto::AckStatus::Failed) => Ack::Failed(a.version, truncate(&a.detail, 1024)),
+                    _ => {
+                        return Err(Ended::refused(Status::invalid_argument(format!(
+                            "ack status {} is not APPLIED or FAILED",
+                            a.status
+                        ))));
+                    }
+                };
+                self.execute(session.ack(ack)).await
+            }
+            Some(Msg::Heartbeat(h)) => self.heartbeat(&h).await.map_err(|e| Ended::refused(status(e))),
+            Some(Msg::Inventory(inv)) => self.inventory(&inv).await.map_err(|e| Ended::refused(status(e))),
+            Some(Msg::Hello(_)) => {
+                Err(Ended::refused(Status::invalid_argument("Hello may only open a stream")))
+            }
+            None => Err(Ended::refused(Status::invalid_argument("empty sync message"))),
+        }
+    }
+
+    async fn note_hello(&self, hello: &proto::Hello) -> Result<(), StoreError> {
+        let row: Option<(bool, String)> = sqlx::query_as(
+            "SELECT retired_at IS NOT NULL OR denied_at IS NOT NULL, machine_id FROM workloads WHERE id = $1",
+        )
+        .bind(self.id.uuid())
+        .fetch_optional(self.pool())
+        .await?;
+        let Some((gone, machine_id)) = row else {
+            return Err(StoreError::NotFound { what: "workload", name: self.id.to_string() });
+        };
+        if gone {
+            return Err(StoreError::Refused(format!(
+                "workload {} is retired or deny-listed; enroll the host again",
+                self.id
+            )));
+        }
+        let reported = hello.facts.as_ref().map_or("", |f| f.machine_id.as_str());
+        if !machine_id.is_empty() && !reported.is_empty() && reported != machine_id {
+            // The same identity from a second host: a cloned image or a stolen key (IDN-7).
+            tracing::warn!(workload = %self.id, registered = %machine_id, reported = %truncate(reported, 64), "identity seen from another host");
+            self.audit("workload.identity-clone", serde_json::json!({"registered_machine_id": machine_id, "reported_machine_id": truncate(reported, 64)}))
+                .await?;
+        }
+        Ok(())
+    }
+
+    async fn heartbeat(&self, h: &proto::Heartbeat) -> Result<(), StoreError> {
+        sqlx::query("UPDATE workloads SET last_seen_at = now() WHERE id = $1")
+            .bind(self.id.uuid())
+            .execute(self.pool())
+            .await?;
+        if !h.credential_renewal_error.is_empty() {
+            tracing::warn!(workload = %self.id, "agent reports credential renewal failing: {}", truncate(&h.credential_renewal_error, 256));
+        }
+        for event in h.tamper_events.iter().take(16) {
+            tracing::warn!(workload = %self.id, "agent repaired its table after an outside change: {}", truncate(&event.detail, 256));
+            self.audit("workload.tamper", serde_json::json!({"detected_at_unix_ms": event.detected_at_unix_ms, "detail": truncate(&event.detail, 1024)}))
+                .await?;
+        }
+        Ok(())
+    }
+
+    async fn inventory(&self, inv: &proto::InventoryReport) -> Result<(), StoreError> {
+        let addresses = crate::enroll::routable_addresses(&inv.facts.clone().unwrap_or_default())?;
+        let current: Vec<String> = sqlx::query_scalar(
+            "SELECT host(address) FROM workload_addresses WHERE workload_id = $1 ORDER BY 1",
+        )
+        .bind(self.id.uuid())
+        .fetch_all(self.pool())
+        .await?;
+        let current: std::collections::BTreeSet<std::net::IpAddr> =
+            current.iter().filter_map(|a| a.parse().ok()).collect();
+        if current == addresses {
+            return Ok(());
+        }
+        // A change of addresses changes peer sets: it renders like any other change (POL-4).
+        let id = self.id;
+        crate::authoring::commit(
+            self.pool(),
+            &format!("workload:{id}"),
+            "workload.inventory",
+            &id.to_string(),
+            async |c| {
+                crate::authoring::set_addresses(c, id, &addresses).await?;
+                let list: Vec<String> = addresses.iter().map(ToString::to_string).collect();
+                Ok(((), serde_json::json!({"addresses": list})))
+            },
+        )
+        .await?;
+        Ok(())
+    }
+
+    async fn audit(&self, action: &str, detail: serde_json::Value) -> Result<(), StoreError> {
+        sqlx::query("INSERT INTO audit_log (actor, action, subject, detail) VALUES ($1, $2, $3, $4)")
+            .bind(format!("workload:{}", self.id))
+            .bind(action)
+            .bind(self.id.to_string())
+            .bind(detail)
+            .execute(self.pool())
+            .await?;
+        Ok(())
+    }
+}
+
+fn truncate(text: &str, max: usize) -> String {
+    text.chars().take(max).collect()
+}
+
+/// Marks a workload OFFLINE when its stream ends (unless a newer stream superseded it).
+async fn mark_offline(pool: &PgPool, id: WorkloadId, reason: &str) {
+    let result = sqlx::query("UPDATE workloads SET sync_state = $2, sync_detail = $3 WHERE id = $1")
+        .bind(id.uuid())
+        .bind(SyncState::Offline.number())
+        .bind(reason)
+        .execute(pool)
+        .await;
+    if let Err(e) = result {
+        tracing::error!(workload = %id, "could not record OFFLINE: {e}");
+    }
+}
+
+type SyncStream = Pin<Box<dyn Stream<Item = Result<proto::SyncResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl proto::agent_service_server::AgentService for Gateway {
+    type SyncStream = SyncStream;
+
+    async fn sync(
+        &self,
+        request: Request<Streaming<proto::SyncRequest>>,
+    ) -> Result<Response<SyncStream>, Status> {
+        let id = identity(&request)?;
+        let inbound = request.into_inner();
+        let (out, rx) = mpsc::channel(self.inner.config.outbound_queue.max(1));
+        let (generation, poke, control) = self.register(id);
+        let gateway = self.clone();
+        tokio::spawn(async move {
+            let task = StreamTask { gateway: gateway.clone(), id, out: out.clone() };
+            let ended = task.run(inbound, poke, control).await;
+            let current = gateway.deregister(id, generation);
+            tracing::info!(workload = %id, reason = %ended.reason, "stream ended");
+            if ended.offline && current {
+                mark_offline(&gateway.inner.pool, id, &ended.reason).await;
+            }
+            if let Some(status) = ended.status {
+                let _ = out.send(Err(status)).await;
+            }
+        });
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+    }
+
+    async fn renew_credential(
+        &self,
+        request: Request<proto::RenewCredentialRequest>,
+    ) -> Result<Response<proto::RenewCredentialResponse>, Status> {
+        let id = identity(&request)?;
+        let enroller = &self.inner.enroller;
+        let cert = enroller.renew(id, &request.get_ref().csr_pem).await.map_err(status)?;
+        Ok(Response::new(proto::RenewCredentialResponse {
+            certificate_pem: cert.pem.into_bytes(),
+            ca_bundle_pem: enroller.signer.ca_bundle_pem().into_bytes(),
+        }))
+    }
+}

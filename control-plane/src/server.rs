@@ -1,0 +1,229 @@
+//! The one agent listener (IDN-4): TLS 1.3 on a single port serving enrollment (no client
+//! certificate) and the agent and telemetry services (client certificate chained to the CA).
+//! Identity comes from the connection only: the handshake verifies the chain and refuses
+//! deny-listed identities (IDN-7), and the `authenticate` interceptor hands the certificate's
+//! workload id to handlers as [`AgentIdentity`].
+
+use std::collections::BTreeSet;
+use std::future::Future;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, SystemTime};
+
+use innerwall_wire::identity::WorkloadId;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, UnixTime, pem::PemObject};
+use rustls::server::WebPkiClientVerifier;
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
+use rustls::{DigitallySignedStruct, DistinguishedName, RootCertStore, ServerConfig, SignatureScheme};
+use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
+use tonic::{Request, Status};
+
+use crate::ca::{Signer, workload_id_from_certificate};
+
+/// How long a client may take to finish the TLS handshake before its connection is dropped.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Lifetime of the listener's own certificate, issued from the CA at start.
+const SERVER_CERT_LIFETIME: Duration = Duration::from_secs(90 * 24 * 3600);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("tls configuration: {0}")]
+    Tls(String),
+    #[error(transparent)]
+    Ca(#[from] crate::ca::CaError),
+    #[error("listener: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("grpc server: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// Identities refused at the handshake. Loaded from the registry at start and extended by
+/// deny notifications; a set of uuids is small even for a large fleet.
+#[derive(Debug, Default)]
+pub struct DenyList(RwLock<BTreeSet<WorkloadId>>);
+
+impl DenyList {
+    pub fn new(ids: impl IntoIterator<Item = WorkloadId>) -> Self {
+        DenyList(RwLock::new(ids.into_iter().collect()))
+    }
+
+    pub fn deny(&self, id: WorkloadId) {
+        self.0.write().unwrap_or_else(|e| e.into_inner()).insert(id);
+    }
+
+    pub fn replace(&self, ids: impl IntoIterator<Item = WorkloadId>) {
+        *self.0.write().unwrap_or_else(|e| e.into_inner()) = ids.into_iter().collect();
+    }
+
+    pub fn contains(&self, id: WorkloadId) -> bool {
+        self.0.read().unwrap_or_else(|e| e.into_inner()).contains(&id)
+    }
+}
+
+/// The CA's chain check, then the identity rules: exactly one canonical workload URI, not
+/// deny-listed. A client without a certificate may still connect (enrollment); the
+/// interceptor refuses it on every other service.
+#[derive(Debug)]
+struct AgentCertVerifier {
+    chain: Arc<dyn ClientCertVerifier>,
+    deny: Arc<DenyList>,
+}
+
+impl ClientCertVerifier for AgentCertVerifier {
+    fn offer_client_auth(&self) -> bool {
+        true
+    }
+
+    fn client_auth_mandatory(&self) -> bool {
+        false
+    }
+
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        self.chain.root_hint_subjects()
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
+        let verified = self.chain.verify_client_cert(end_entity, intermediates, now)?;
+        let id = workload_id_from_certificate(end_entity.as_ref())
+            .map_err(|e| rustls::Error::General(format!("client certificate identity: {e}")))?;
+        if self.deny.contains(id) {
+            tracing::warn!(workload = %id, "refused a deny-listed identity at the handshake");
+            return Err(rustls::Error::General(format!("workload {id} is deny-listed")));
+        }
+        Ok(verified)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.chain.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.chain.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.chain.supported_verify_schemes()
+    }
+}
+
+fn tls_err(context: &str) -> impl FnOnce(rustls::Error) -> ServerError + '_ {
+    move |e| ServerError::Tls(format!("{context}: {e}"))
+}
+
+/// The listener's TLS configuration: a server certificate for `names` issued from the CA now,
+/// TLS 1.3 only, HTTP/2 only, optional client certificates verified by [`AgentCertVerifier`].
+pub fn tls_config(
+    signer: &dyn Signer,
+    names: &[String],
+    deny: Arc<DenyList>,
+) -> Result<Arc<ServerConfig>, ServerError> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(signer.ca_bundle_pem().as_bytes()) {
+        let cert = cert.map_err(|e| ServerError::Tls(format!("ca bundle: {e}")))?;
+        roots.add(cert).map_err(tls_err("ca bundle"))?;
+    }
+    let chain = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+        .allow_unauthenticated()
+        .build()
+        .map_err(|e| ServerError::Tls(format!("client verifier: {e}")))?;
+    let (cert_pem, key_pem) = signer.issue_server(names, SERVER_CERT_LIFETIME, SystemTime::now())?;
+    let certs = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| ServerError::Tls(format!("server certificate: {e}")))?;
+    let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes())
+        .map_err(|e| ServerError::Tls(format!("server key: {e}")))?;
+    let mut config = ServerConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(tls_err("protocol versions"))?
+        .with_client_cert_verifier(Arc::new(AgentCertVerifier { chain, deny }))
+        .with_single_cert(certs, key)
+        .map_err(tls_err("server certificate"))?;
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(Arc::new(config))
+}
+
+/// Accepts TCP connections, completes TLS handshakes off the accept loop (bounded by a
+/// timeout), and serves `router` on them until `shutdown` resolves.
+pub async fn serve(
+    listener: TcpListener,
+    tls: Arc<ServerConfig>,
+    router: tonic::transport::server::Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
+    let acceptor = TlsAcceptor::from(tls);
+    let (tx, rx) = tokio::sync::mpsc::channel(128);
+    let accept = tokio::spawn(async move {
+        loop {
+            let (tcp, peer) = match listener.accept().await {
+                Ok(conn) => conn,
+                Err(e) => {
+                    tracing::warn!("accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let _ = tcp.set_nodelay(true);
+            let (acceptor, tx) = (acceptor.clone(), tx.clone());
+            tokio::spawn(async move {
+                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                    Ok(Ok(stream)) => {
+                        let _ = tx.send(Ok::<_, std::io::Error>(stream)).await;
+                    }
+                    Ok(Err(e)) => tracing::info!(%peer, "tls handshake refused: {e}"),
+                    Err(_) => tracing::info!(%peer, "tls handshake timed out"),
+                }
+            });
+        }
+    });
+    let result =
+        router.serve_with_incoming_shutdown(tokio_stream::wrappers::ReceiverStream::new(rx), shutdown).await;
+    accept.abort();
+    Ok(result?)
+}
+
+/// The workload an agent RPC comes from, put into the request by [`authenticate`] and by
+/// nothing else.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AgentIdentity(pub WorkloadId);
+
+/// Interceptor for every agent service but enrollment: requires the verified client
+/// certificate and extracts its workload id.
+#[allow(clippy::result_large_err)]
+pub fn authenticate(mut req: Request<()>) -> Result<Request<()>, Status> {
+    let certs = req.peer_certs().ok_or_else(|| {
+        Status::unauthenticated(
+            "a client certificate issued by the innerwall CA is required: enroll this host first",
+        )
+    })?;
+    let leaf = certs.first().ok_or_else(|| Status::unauthenticated("empty client certificate chain"))?;
+    let id =
+        workload_id_from_certificate(leaf.as_ref()).map_err(|e| Status::unauthenticated(e.to_string()))?;
+    req.extensions_mut().insert(AgentIdentity(id));
+    Ok(req)
+}
+
+/// The authenticated workload of a request that passed [`authenticate`].
+#[allow(clippy::result_large_err)]
+pub fn identity<T>(req: &Request<T>) -> Result<WorkloadId, Status> {
+    req.extensions()
+        .get::<AgentIdentity>()
+        .map(|i| i.0)
+        .ok_or_else(|| Status::internal("no authenticated identity: service mounted without its interceptor"))
+}

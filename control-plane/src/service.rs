@@ -1,0 +1,105 @@
+//! One control-plane replica as a running service: startup render (POL-6), the NOTIFY bridge,
+//! and the agent listener. `innerwall serve` runs it; tests start several against one database.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use innerwall_wire::proto::agent_service_server::AgentServiceServer;
+use innerwall_wire::proto::enrollment_service_server::EnrollmentServiceServer;
+use sqlx::PgPool;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use crate::ca::Signer;
+use crate::enroll::Enroller;
+use crate::gateway::{Gateway, GatewayConfig};
+use crate::server::{self, DenyList, ServerError};
+use crate::store::StoreError;
+use crate::{authoring, bridge};
+
+#[derive(Debug, Clone)]
+pub struct ServiceConfig {
+    pub listen: SocketAddr,
+    /// Names and addresses agents dial this replica by (server certificate SANs).
+    pub server_names: Vec<String>,
+    pub cert_lifetime: Duration,
+    pub gateway: GatewayConfig,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Server(#[from] ServerError),
+    #[error("binding the agent listener on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A started replica. Dropping it without `stop` leaves its tasks running until the runtime ends.
+#[derive(Debug)]
+pub struct Running {
+    pub local_addr: SocketAddr,
+    pub server_names: Vec<String>,
+    pub startup_changes: usize,
+    pub gateway: Gateway,
+    stop: oneshot::Sender<()>,
+    server: JoinHandle<Result<(), ServerError>>,
+    bridge: JoinHandle<()>,
+}
+
+impl Running {
+    /// Stops accepting, ends the bridge and waits for the server to finish.
+    pub async fn stop(self) -> Result<(), ServiceError> {
+        let _ = self.stop.send(());
+        self.bridge.abort();
+        match self.server.await {
+            Ok(result) => Ok(result?),
+            Err(e) if e.is_cancelled() => Ok(()),
+            Err(e) => Err(ServerError::Tls(format!("server task failed: {e}")).into()),
+        }
+    }
+}
+
+pub async fn start(
+    pool: PgPool,
+    signer: Arc<dyn Signer>,
+    config: ServiceConfig,
+) -> Result<Running, ServiceError> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let changed = authoring::render_now(&pool).await?;
+    tracing::info!(changed = changed.len(), "startup render done");
+
+    let deny = Arc::new(DenyList::new(bridge::load_deny_list(&pool).await?));
+    let enroller = Enroller { pool: pool.clone(), signer: signer.clone(), lifetime: config.cert_lifetime };
+    let gateway = Gateway::new(pool.clone(), config.gateway.clone(), enroller.clone());
+    let bridge = tokio::spawn(bridge::run(pool.clone(), gateway.clone(), deny.clone()));
+
+    let tls = server::tls_config(signer.as_ref(), &config.server_names, deny)?;
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .map_err(|source| ServiceError::Bind { addr: config.listen, source })?;
+    let local_addr = listener.local_addr().map_err(ServerError::Io)?;
+    let router = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .add_service(EnrollmentServiceServer::new(enroller))
+        .add_service(AgentServiceServer::with_interceptor(gateway.clone(), server::authenticate));
+    let (stop, stopped) = oneshot::channel::<()>();
+    let server = tokio::spawn(server::serve(listener, tls, router, async move {
+        let _ = stopped.await;
+    }));
+    Ok(Running {
+        local_addr,
+        server_names: config.server_names,
+        startup_changes: changed.len(),
+        gateway,
+        stop,
+        server,
+        bridge,
+    })
+}

@@ -1,0 +1,323 @@
+//! The server side of one sync stream as a pure state machine (SYNC-2..SYNC-6): what the stream
+//! has carried (its tip), which updates are in flight, how acks move the convergence state,
+//! and when a failure earns a recovery snapshot. No I/O and no clock: the gateway feeds it
+//! events and carries out the actions it returns.
+
+use std::collections::VecDeque;
+
+use innerwall_wire::policy::{PolicyDelta, Version, WorkloadPolicy, diff};
+
+/// Convergence state of a workload (SYNC-6); stored as the protobuf number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SyncState {
+    Pending,
+    Synced,
+    Degraded,
+    Offline,
+}
+
+impl SyncState {
+    pub fn number(self) -> i16 {
+        match self {
+            SyncState::Pending => 1,
+            SyncState::Synced => 2,
+            SyncState::Degraded => 3,
+            SyncState::Offline => 4,
+        }
+    }
+
+    pub fn from_number(n: i16) -> Option<Self> {
+        [SyncState::Pending, SyncState::Synced, SyncState::Degraded, SyncState::Offline]
+            .into_iter()
+            .find(|s| s.number() == n)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            SyncState::Pending => "PENDING",
+            SyncState::Synced => "SYNCED",
+            SyncState::Degraded => "DEGRADED",
+            SyncState::Offline => "OFFLINE",
+        }
+    }
+}
+
+/// An update the stream sends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Update {
+    Snapshot(WorkloadPolicy),
+    Delta(PolicyDelta),
+}
+
+impl Update {
+    pub fn version(&self) -> Version {
+        match self {
+            Update::Snapshot(p) => p.version(),
+            Update::Delta(d) => d.to_version,
+        }
+    }
+}
+
+/// What the gateway must do, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    Send(Update),
+    /// Persist the convergence state (and, for snapshots, `last_snapshot_sent_at`).
+    Record(Record),
+    /// The agent broke the protocol; end the stream with this reason.
+    Close(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    pub state: SyncState,
+    pub applied: Option<Version>,
+    /// `None` leaves the stored detail as it is.
+    pub detail: Option<String>,
+    pub acked: bool,
+    pub failed: bool,
+    pub snapshot_sent: bool,
+}
+
+impl Record {
+    fn state(state: SyncState) -> Self {
+        Record {
+            state,
+            applied: None,
+            detail: Some(String::new()),
+            acked: false,
+            failed: false,
+            snapshot_sent: false,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sent {
+    Snapshot { version: Version, recovery: bool },
+    Delta { version: Version },
+}
+
+impl Sent {
+    fn version(self) -> Version {
+        match self {
+            Sent::Snapshot { version, .. } | Sent::Delta { version } => version,
+        }
+    }
+}
+
+/// The acknowledgement of one update.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Ack {
+    Applied(Version),
+    Failed(Version, String),
+}
+
+/// One stream's view. Created when the stream opens with the persisted policy.
+#[derive(Debug, Clone)]
+pub struct Session {
+    tip: WorkloadPolicy,
+    in_flight: VecDeque<Sent>,
+    degraded: bool,
+}
+
+impl Session {
+    /// A new stream always begins with a snapshot of the persisted policy, whatever version the
+    /// agent claimed (SYNC-2); the claim is recorded as what the agent says it holds.
+    pub fn open(persisted: WorkloadPolicy, claimed: Version) -> (Session, Vec<Action>) {
+        let version = persisted.version();
+        let session = Session {
+            tip: persisted.clone(),
+            in_flight: VecDeque::from([Sent::Snapshot { version, recovery: false }]),
+            degraded: false,
+        };
+        let record =
+            Record { applied: Some(claimed), snapshot_sent: true, ..Record::state(SyncState::Pending) };
+        // Record first, so whoever sees the snapshot arrive also sees the state that sent it.
+        (session, vec![Action::Record(record), Action::Send(Update::Snapshot(persisted))])
+    }
+
+    pub fn tip_version(&self) -> Version {
+        self.tip.version()
+    }
+
+    /// The persisted policy moved: send one delta from the tip, whatever happened in between
+    /// (SYNC-3, SYNC-11). Nothing if the stream already carried it.
+    pub fn persisted(&mut self, latest: WorkloadPolicy) -> Vec<Action> {
+        if latest.version() <= self.tip.version() {
+            return Vec::new();
+        }
+        let delta = diff(&self.tip, &latest);
+        self.in_flight.push_back(Sent::Delta { version: latest.version() });
+        self.tip = latest;
+        let mut actions = Vec::new();
+        if !self.degraded {
+            actions.push(Action::Record(Record::state(SyncState::Pending)));
+        }
+        actions.push(Action::Send(Update::Delta(delta)));
+        actions
+    }
+
+    /// Acks match updates in the order they were sent (SYNC-4). A failure earns one recovery
+    /// snapshot of the tip; failures of updates sent before a recovery snapshot are stale
+    /// (SYNC-5).
+    pub fn ack(&mut self, ack: Ack) -> Vec<Action> {
+        let Some(sent) = self.in_flight.pop_front() else {
+            return vec![Action::Close("ack received with no update in flight".into())];
+        };
+        let version = match &ack {
+            Ack::Applied(v) | Ack::Failed(v, _) => *v,
+        };
+        if version != sent.version() {
+            return vec![Action::Close(format!(
+                "ack for version {version} but version {} was sent next",
+                sent.version()
+            ))];
+        }
+        match ack {
+            Ack::Applied(v) => {
+                if matches!(sent, Sent::Snapshot { recovery: true, .. }) {
+                    self.degraded = false;
+                }
+                let state = if self.degraded {
+                    SyncState::Degraded
+                } else if self.in_flight.is_empty() && v == self.tip.version() {
+                    SyncState::Synced
+                } else {
+                    SyncState::Pending
+                };
+                let mut record = Record { applied: Some(v), acked: true, ..Record::state(state) };
+                if self.degraded {
+                    // Keep the failure's detail until the recovery snapshot is applied.
+                    record.detail = None;
+                }
+                vec![Action::Record(record)]
+            }
+            Ack::Failed(_, detail) => {
+                let stale = self.in_flight.iter().any(|s| matches!(s, Sent::Snapshot { recovery: true, .. }));
+                let record =
+                    Record { detail: Some(detail), failed: true, ..Record::state(SyncState::Degraded) };
+                if stale {
+                    return vec![Action::Record(record)];
+                }
+                self.degraded = true;
+                self.in_flight.push_back(Sent::Snapshot { version: self.tip.version(), recovery: true });
+                vec![
+                    Action::Record(record),
+                    Action::Record(Record {
+                        snapshot_sent: true,
+                        detail: None,
+                        ..Record::state(SyncState::Degraded)
+                    }),
+                    Action::Send(Update::Snapshot(self.tip.clone())),
+                ]
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use innerwall_wire::policy::{Mode, PortRange, Protocol, ResolvedRule, RuleId};
+
+    use super::*;
+
+    fn policy(version: u64, ports: &[u16]) -> WorkloadPolicy {
+        let rules = ports.iter().map(|&p| {
+            ResolvedRule::new(
+                RuleId::new(&format!("r{p}"), Protocol::Tcp).unwrap(),
+                [PortRange::single(p).unwrap()],
+                [],
+            )
+            .unwrap()
+        });
+        WorkloadPolicy::new(version, Mode::Enforcement, rules).unwrap()
+    }
+
+    fn sends(actions: &[Action]) -> Vec<String> {
+        actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Send(Update::Snapshot(p)) => Some(format!("snapshot v{}", p.version())),
+                Action::Send(Update::Delta(d)) => {
+                    Some(format!("delta v{}→v{}", d.from_version, d.to_version))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn last_state(actions: &[Action]) -> Option<SyncState> {
+        actions.iter().rev().find_map(|a| match a {
+            Action::Record(r) => Some(r.state),
+            _ => None,
+        })
+    }
+
+    #[test]
+    fn open_sends_a_snapshot_whatever_the_claim() {
+        let (s, actions) = Session::open(policy(12, &[22]), 14);
+        assert_eq!(sends(&actions), ["snapshot v12"]);
+        assert!(matches!(&actions[0], Action::Record(r) if r.applied == Some(14) && r.snapshot_sent));
+        assert_eq!(s.tip_version(), 12);
+    }
+
+    #[test]
+    fn the_seed_walkthrough() {
+        // Session 1 of the design record: snapshot v12, delta 12→13 applied, delta 13→14
+        // failed, recovery snapshot v14.
+        let (mut s, _) = Session::open(policy(12, &[22]), 12);
+        assert_eq!(last_state(&s.ack(Ack::Applied(12))), Some(SyncState::Synced));
+        assert_eq!(sends(&s.persisted(policy(13, &[22, 80]))), ["delta v12→v13"]);
+        assert_eq!(last_state(&s.ack(Ack::Applied(13))), Some(SyncState::Synced));
+        assert_eq!(sends(&s.persisted(policy(14, &[22, 80, 443]))), ["delta v13→v14"]);
+        let failed = s.ack(Ack::Failed(14, "nft refused".into()));
+        assert_eq!(sends(&failed), ["snapshot v14"]);
+        assert!(
+            matches!(&failed[0], Action::Record(r) if r.state == SyncState::Degraded && r.detail.as_deref() == Some("nft refused"))
+        );
+        assert_eq!(last_state(&s.ack(Ack::Applied(14))), Some(SyncState::Synced));
+    }
+
+    #[test]
+    fn recovery_snapshot_does_not_loop_on_in_flight_failures() {
+        let (mut s, _) = Session::open(policy(1, &[]), 0);
+        s.ack(Ack::Applied(1));
+        s.persisted(policy(2, &[1]));
+        s.persisted(policy(3, &[1, 2]));
+        s.persisted(policy(4, &[1, 2, 3]));
+        // v2 fails: one recovery snapshot (of v4). v3 and v4 were in flight before it: stale.
+        assert_eq!(sends(&s.ack(Ack::Failed(2, "boom".into()))), ["snapshot v4"]);
+        for v in [3, 4] {
+            let actions = s.ack(Ack::Failed(v, "base mismatch".into()));
+            assert_eq!(
+                sends(&actions),
+                Vec::<String>::new(),
+                "stale failure of v{v} must not earn a snapshot"
+            );
+            assert_eq!(last_state(&actions), Some(SyncState::Degraded));
+        }
+        assert_eq!(last_state(&s.ack(Ack::Applied(4))), Some(SyncState::Synced));
+        // A fresh failure after recovery earns a fresh snapshot.
+        s.persisted(policy(5, &[9]));
+        assert_eq!(sends(&s.ack(Ack::Failed(5, "again".into()))), ["snapshot v5"]);
+    }
+
+    #[test]
+    fn pending_until_the_latest_is_acked_and_coalesced_deltas_start_at_the_tip() {
+        let (mut s, _) = Session::open(policy(1, &[]), 0);
+        assert_eq!(last_state(&s.persisted(policy(3, &[1]))), Some(SyncState::Pending));
+        assert_eq!(last_state(&s.ack(Ack::Applied(1))), Some(SyncState::Pending));
+        assert_eq!(last_state(&s.ack(Ack::Applied(3))), Some(SyncState::Synced));
+        assert_eq!(s.persisted(policy(3, &[1])), vec![], "already carried");
+    }
+
+    #[test]
+    fn out_of_order_or_unsolicited_acks_close_the_stream() {
+        let (mut s, _) = Session::open(policy(1, &[]), 0);
+        assert!(matches!(&s.ack(Ack::Applied(7))[..], [Action::Close(_)]));
+        let (mut s, _) = Session::open(policy(1, &[]), 0);
+        s.ack(Ack::Applied(1));
+        assert!(matches!(&s.ack(Ack::Applied(1))[..], [Action::Close(_)]));
+    }
+}

@@ -1,0 +1,310 @@
+//! Enrollment and the one mutual-TLS listener over real TLS on loopback (IDN-2..IDN-7): a real
+//! token enrolls, the issued certificate is the only identity an agent RPC accepts, and every
+//! other credential is refused.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use innerwall_control_plane::ca::{FileCa, Signer};
+use innerwall_control_plane::gateway::GatewayConfig;
+use innerwall_control_plane::service::{self, Running, ServiceConfig};
+use innerwall_control_plane::testing::{TestDatabase, fresh_database};
+use innerwall_control_plane::{authoring, tokens};
+use innerwall_wire::identity::WorkloadId;
+use innerwall_wire::proto::{self, sync_request, sync_response};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+
+/// A control plane on a fresh database with its own CA, listening on a free loopback port.
+pub struct Plane {
+    pub db: TestDatabase,
+    pub ca_dir: std::path::PathBuf,
+    pub signer: Arc<FileCa>,
+    pub running: Option<Running>,
+}
+
+impl Plane {
+    pub async fn start(config: GatewayConfig) -> Plane {
+        let db = fresh_database().await.unwrap();
+        let ca_dir = std::env::temp_dir().join(format!("iw-ca-{}", uuid::Uuid::new_v4()));
+        let signer = Arc::new(FileCa::init(&ca_dir).unwrap());
+        let mut plane = Plane { db, ca_dir, signer, running: None };
+        plane.restart(config).await;
+        plane
+    }
+
+    pub async fn restart(&mut self, gateway: GatewayConfig) {
+        if let Some(running) = self.running.take() {
+            running.stop().await.unwrap();
+        }
+        let config = ServiceConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            server_names: vec!["localhost".into()],
+            cert_lifetime: Duration::from_secs(3600),
+            gateway,
+        };
+        self.running = Some(service::start(self.db.pool.clone(), self.signer.clone(), config).await.unwrap());
+    }
+
+    pub fn addr(&self) -> String {
+        format!("localhost:{}", self.running.as_ref().unwrap().local_addr.port())
+    }
+
+    pub fn ca_pem(&self) -> String {
+        self.signer.ca_bundle_pem()
+    }
+
+    pub async fn mint(&self, labels: &[&str], max_uses: Option<u32>) -> String {
+        let labels: Vec<_> = labels.iter().map(|l| l.parse().unwrap()).collect();
+        let mut conn = self.db.pool.acquire().await.unwrap();
+        tokens::mint(&mut conn, &labels, chrono::Duration::days(1), max_uses).await.unwrap().secret
+    }
+
+    async fn channel(&self, tls: ClientTlsConfig) -> Result<Channel, tonic::transport::Error> {
+        Endpoint::from_shared(format!("https://{}", self.addr()))?.tls_config(tls)?.connect().await
+    }
+
+    /// Server-authenticated TLS only, as enrollment uses.
+    pub async fn anonymous(&self) -> Channel {
+        self.channel(
+            ClientTlsConfig::new()
+                .ca_certificate(Certificate::from_pem(self.ca_pem()))
+                .domain_name("localhost"),
+        )
+        .await
+        .unwrap()
+    }
+
+    pub async fn mutual(&self, cert_pem: &str, key_pem: &str) -> Result<Channel, tonic::transport::Error> {
+        let tls = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(self.ca_pem()))
+            .identity(Identity::from_pem(cert_pem, key_pem))
+            .domain_name("localhost");
+        self.channel(tls).await
+    }
+
+    pub async fn enroll(&self, token: &str) -> Result<(WorkloadId, String, String), tonic::Status> {
+        let (key_pem, csr_pem) = key_and_csr();
+        let facts = proto::HostFacts {
+            hostname: "web-1".into(),
+            interfaces: vec![proto::NetworkInterface {
+                name: "eth0".into(),
+                addresses: vec!["10.1.0.5/24".into(), "fe80::1/64".into(), "127.0.0.1/8".into()],
+                mac_address: String::new(),
+            }],
+            ..Default::default()
+        };
+        let request = proto::EnrollRequest {
+            provisioning_token: token.into(),
+            csr_pem,
+            facts: Some(facts),
+            agent: None,
+        };
+        let response = proto::enrollment_service_client::EnrollmentServiceClient::new(self.anonymous().await)
+            .enroll(request)
+            .await?
+            .into_inner();
+        let id = WorkloadId::parse_uri(&response.workload_id).unwrap();
+        Ok((id, String::from_utf8(response.certificate_pem).unwrap(), key_pem))
+    }
+}
+
+impl Drop for Plane {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.ca_dir);
+    }
+}
+
+pub fn key_and_csr() -> (String, Vec<u8>) {
+    let key = rcgen::KeyPair::generate().unwrap();
+    let csr = rcgen::CertificateParams::default().serialize_request(&key).unwrap().pem().unwrap();
+    (key.serialize_pem(), csr.into_bytes())
+}
+
+/// Opens a Sync stream with Hello and returns the first two messages (HelloAck, snapshot).
+async fn open_sync(
+    channel: Channel,
+) -> Result<
+    (
+        proto::HelloAck,
+        proto::WorkloadPolicy,
+        tonic::Streaming<proto::SyncResponse>,
+        tokio::sync::mpsc::Sender<proto::SyncRequest>,
+    ),
+    tonic::Status,
+> {
+    let (tx, rx) = tokio::sync::mpsc::channel(8);
+    let hello = proto::Hello { applied_version: 0, agent: None, facts: None };
+    tx.send(proto::SyncRequest { msg: Some(sync_request::Msg::Hello(hello)) }).await.unwrap();
+    let mut client = proto::agent_service_client::AgentServiceClient::new(channel);
+    let mut inbound = client.sync(tokio_stream::wrappers::ReceiverStream::new(rx)).await?.into_inner();
+    let Some(proto::SyncResponse { msg: Some(sync_response::Msg::HelloAck(ack)) }) =
+        inbound.message().await?
+    else {
+        panic!("first message is not HelloAck");
+    };
+    let Some(proto::SyncResponse { msg: Some(sync_response::Msg::Snapshot(snap)) }) =
+        inbound.message().await?
+    else {
+        panic!("second message is not a snapshot");
+    };
+    Ok((ack, snap.policy.unwrap(), inbound, tx))
+}
+
+#[tokio::test]
+async fn mtls_identity_from_certificate() {
+    let plane = Plane::start(GatewayConfig::default()).await;
+    let token = plane.mint(&["app=web"], None).await;
+    let (id, cert, key) = plane.enroll(&token).await.unwrap();
+
+    // The registry has exactly the token's labels and the routable address, and version 1.
+    let row: (String, Vec<String>) = sqlx::query_as(
+        "SELECT w.hostname, array(SELECT key || '=' || value FROM workload_labels WHERE workload_id = w.id)
+         FROM workloads w WHERE w.id = $1",
+    )
+    .bind(id.uuid())
+    .fetch_one(&plane.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(row, ("web-1".to_owned(), vec!["app=web".to_owned()]));
+    let addrs: Vec<String> =
+        sqlx::query_scalar("SELECT host(address) FROM workload_addresses WHERE workload_id = $1")
+            .bind(id.uuid())
+            .fetch_all(&plane.db.pool)
+            .await
+            .unwrap();
+    assert_eq!(addrs, ["10.1.0.5"], "loopback and link-local addresses are not peers");
+
+    // With the issued certificate the stream opens, and the handler serves *this* workload.
+    let (ack, snapshot, _inbound, _tx) = open_sync(plane.mutual(&cert, &key).await.unwrap()).await.unwrap();
+    assert_eq!(ack.heartbeat_interval_seconds, 30);
+    assert_eq!(snapshot.version, 1);
+    let (state, seen): (i16, bool) =
+        sqlx::query_as("SELECT sync_state, last_snapshot_sent_at IS NOT NULL FROM workloads WHERE id = $1")
+            .bind(id.uuid())
+            .fetch_one(&plane.db.pool)
+            .await
+            .unwrap();
+    assert_eq!((state, seen), (1, true), "the stream's state is recorded on the certificate's workload");
+
+    // Without a client certificate: the connection may open (TLS 1.3) but every agent RPC fails.
+    let err = open_sync(plane.anonymous().await).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unauthenticated, "{err}");
+    assert!(err.message().contains("client certificate"), "{err}");
+
+    // A certificate for the same id from another CA, and an expired one from ours, are refused.
+    let other_dir = std::env::temp_dir().join(format!("iw-other-ca-{}", uuid::Uuid::new_v4()));
+    let other = FileCa::init(&other_dir).unwrap();
+    let (key2, csr2) = key_and_csr();
+    let foreign = other.issue_workload(id, &csr2, Duration::from_secs(3600), SystemTime::now()).unwrap();
+    std::fs::remove_dir_all(&other_dir).ok();
+    let hour_ago = SystemTime::now() - Duration::from_secs(7200);
+    let expired = plane.signer.issue_workload(id, &csr2, Duration::from_secs(3600), hour_ago).unwrap();
+    for (what, cert) in [("another CA", foreign.pem), ("expired", expired.pem)] {
+        let refused = match plane.mutual(&cert, &key2).await {
+            Err(_) => true,
+            Ok(channel) => open_sync(channel).await.is_err(),
+        };
+        assert!(refused, "a certificate from {what} was accepted");
+    }
+}
+
+#[tokio::test]
+async fn token_rejections_are_distinct() {
+    let plane = Plane::start(GatewayConfig::default()).await;
+    let once = plane.mint(&["app=web"], Some(1)).await;
+    plane.enroll(&once).await.unwrap();
+    let revoked = plane.mint(&["app=web"], None).await;
+    let id: uuid::Uuid =
+        sqlx::query_scalar("SELECT id FROM provisioning_tokens ORDER BY created_at DESC LIMIT 1")
+            .fetch_one(&plane.db.pool)
+            .await
+            .unwrap();
+    tokens::revoke(&mut plane.db.pool.acquire().await.unwrap(), id).await.unwrap();
+    let expired = plane.mint(&["app=web"], None).await;
+    sqlx::query(
+        "UPDATE provisioning_tokens SET expires_at = now() - interval '1 minute' WHERE prefix_hint = $1",
+    )
+    .bind(&expired[3..9])
+    .execute(&plane.db.pool)
+    .await
+    .unwrap();
+    let unknown = format!("iw_{}", "A".repeat(43));
+    let workloads_before: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM workloads").fetch_one(&plane.db.pool).await.unwrap();
+    let cases = [
+        ("iw_short", "provisioning token malformed"),
+        ("nope", "provisioning token malformed"),
+        (unknown.as_str(), "provisioning token unknown"),
+        (expired.as_str(), "provisioning token expired"),
+        (revoked.as_str(), "provisioning token revoked"),
+        (once.as_str(), "provisioning token exhausted"),
+    ];
+    for (token, want) in cases {
+        let err = plane.enroll(token).await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::Unauthenticated, "{token}: {err}");
+        assert!(err.message().starts_with(want), "{token}: {:?} lacks {want:?}", err.message());
+        assert!(
+            !err.message().contains(&token[3.min(token.len())..]) || token.len() < 10,
+            "the secret is echoed"
+        );
+    }
+    // A garbage CSR with a good token is refused too, and consumes nothing.
+    let good = plane.mint(&["app=web"], Some(1)).await;
+    let request = proto::EnrollRequest {
+        provisioning_token: good.clone(),
+        csr_pem: b"not a csr".to_vec(),
+        facts: None,
+        agent: None,
+    };
+    let err = proto::enrollment_service_client::EnrollmentServiceClient::new(plane.anonymous().await)
+        .enroll(request)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err}");
+    let after: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM workloads").fetch_one(&plane.db.pool).await.unwrap();
+    assert_eq!(after, workloads_before, "a refused enrollment created a workload");
+    plane.enroll(&good).await.expect("the CSR failure did not consume the single use");
+}
+
+#[tokio::test]
+async fn deny_listed_identity_refused() {
+    let plane = Plane::start(GatewayConfig::default()).await;
+    let token = plane.mint(&["app=web"], None).await;
+    let (id, cert, key) = plane.enroll(&token).await.unwrap();
+    let (_, _, mut inbound, _tx) = open_sync(plane.mutual(&cert, &key).await.unwrap()).await.unwrap();
+
+    authoring::commit(&plane.db.pool, "test", "workload.deny", &id.to_string(), async |c| {
+        authoring::deny(c, id).await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await
+    .unwrap();
+
+    // The live stream is cut …
+    let end = tokio::time::timeout(Duration::from_secs(10), inbound.message()).await.expect("stream not cut");
+    assert!(matches!(end, Err(ref s) if s.code() == tonic::Code::Aborted), "{end:?}");
+    // … and a new connection with the same certificate is refused at the handshake.
+    let refused = match plane.mutual(&cert, &key).await {
+        Err(_) => true,
+        Ok(channel) => open_sync(channel).await.is_err(),
+    };
+    assert!(refused, "a deny-listed identity reconnected");
+    // Renewal is refused too.
+    let (_, csr) = key_and_csr();
+    let renewal = match plane.mutual(&cert, &key).await {
+        Err(_) => Err(()),
+        Ok(channel) => proto::agent_service_client::AgentServiceClient::new(channel)
+            .renew_credential(proto::RenewCredentialRequest { csr_pem: csr })
+            .await
+            .map(drop)
+            .map_err(drop),
+    };
+    assert!(renewal.is_err());
+    let state: i16 = sqlx::query_scalar("SELECT sync_state FROM workloads WHERE id = $1")
+        .bind(id.uuid())
+        .fetch_one(&plane.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(state, 4, "a cut stream is OFFLINE");
+}
