@@ -1,7 +1,15 @@
-//! `innerwall-agent`: the privileged host agent. Enrollment, sync, enforcement and flow capture
-//! arrive with issues 4–7; today it exposes the contract it speaks.
+//! `innerwall-agent`: the privileged host agent's command line, a thin layer over the
+//! `innerwall_agent` library (run, down, status, and the hidden apply-file / render-file).
 
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::Context as _;
 use clap::{Parser, Subcommand};
+use innerwall_agent::daemon::{self, RunConfig};
+use innerwall_agent::enforce::desired::DesiredTable;
+use innerwall_agent::enforce::{self, DEFAULT_STATE_DIR, LinuxPolicyStore, PolicyStore as _, status};
+use innerwall_agent::policy_file;
 
 #[derive(Debug, Parser)]
 #[command(name = "innerwall-agent", version, about = "Innerwall host agent")]
@@ -10,15 +18,173 @@ struct Cli {
     command: Command,
 }
 
+#[derive(Debug, clap::Args)]
+struct StateDir {
+    /// Where the agent keeps its identity and persisted policy.
+    #[arg(long, env = "INNERWALL_AGENT_STATE_DIR", default_value = DEFAULT_STATE_DIR)]
+    state_dir: PathBuf,
+}
+
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Print the agent contract package this build speaks.
     Contract,
+    /// Run the agent: re-apply the persisted policy, then connect to the control plane.
+    Run {
+        #[command(flatten)]
+        state: StateDir,
+        /// Control-plane address, HOST:PORT.
+        #[arg(long, env = "INNERWALL_AGENT_SERVER")]
+        server: String,
+        /// How often the owned table is checked for outside changes, in milliseconds.
+        #[arg(long, default_value_t = 2000)]
+        drift_interval_ms: u64,
+    },
+    /// Enroll this host: generate a key here, present the token, store the issued identity.
+    Enroll {
+        #[command(flatten)]
+        state: StateDir,
+        /// Control-plane address, HOST:PORT (HOST must be a name in its certificate).
+        #[arg(long, env = "INNERWALL_AGENT_SERVER")]
+        server: String,
+        /// The provisioning token (iw_…).
+        #[arg(long, env = "INNERWALL_TOKEN", hide_env_values = true)]
+        token: String,
+        /// The CA certificate delivered with the token; the only trust anchor for the server.
+        #[arg(long)]
+        ca_bundle: PathBuf,
+        /// Replace an existing identity.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Kill switch: remove table inet innerwall (and nothing else); keep the persisted policy.
+    Down {
+        #[command(flatten)]
+        state: StateDir,
+    },
+    /// Show the applied policy and, from the kernel, set sizes and per-rule hit counters.
+    Status {
+        #[command(flatten)]
+        state: StateDir,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Development: persist and install a policy from a file (JSON form or canonical bytes),
+    /// bypassing the control plane.
+    #[command(hide = true)]
+    ApplyFile {
+        file: PathBuf,
+        #[command(flatten)]
+        state: StateDir,
+    },
+    /// Development: print the nft rendering of a policy file's table.
+    #[command(hide = true)]
+    RenderFile { file: PathBuf },
 }
 
-fn main() -> anyhow::Result<()> {
-    match Cli::parse().command {
+fn main() -> ExitCode {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    match run(Cli::parse().command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn read_policy(file: &Path) -> anyhow::Result<innerwall_wire::policy::WorkloadPolicy> {
+    let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
+    policy_file::parse(&bytes).with_context(|| format!("parsing {}", file.display()))
+}
+
+fn run(command: Command) -> anyhow::Result<()> {
+    match command {
         Command::Contract => println!("{}", innerwall_wire::CONTRACT_PACKAGE),
+        Command::Run { state, server, drift_interval_ms } => {
+            let mut config = RunConfig::new(state.state_dir, server);
+            config.drift_interval = std::time::Duration::from_millis(drift_interval_ms.max(100));
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .context("starting the async runtime")?;
+            runtime.block_on(daemon::run(config))?;
+        }
+        Command::Enroll { state, server, token, ca_bundle, force } => {
+            let ca = daemon::read_ca_bundle(&ca_bundle)?;
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .context("starting the async runtime")?;
+            let credential = runtime.block_on(innerwall_agent::enroll::enroll(
+                &server,
+                &token,
+                &ca,
+                &state.state_dir,
+                force,
+            ))?;
+            println!(
+                "enrolled as workload {} (certificate valid for {}h); identity stored in {}",
+                credential.id,
+                credential
+                    .not_after
+                    .duration_since(std::time::SystemTime::now())
+                    .map_or(0, |d| d.as_secs() / 3600),
+                state.state_dir.display()
+            );
+            println!(
+                "start the agent with: innerwall-agent run --server {server} --state-dir {}",
+                state.state_dir.display()
+            );
+        }
+        Command::Down { state } => {
+            let report = enforce::kill_switch(&state.state_dir)?;
+            if report.table_removed {
+                println!("removed table inet innerwall; no other table was touched");
+            } else {
+                println!("table inet innerwall was not present; no other table was touched");
+            }
+            match (report.persisted_version, report.persisted_error) {
+                (Some(v), _) => println!(
+                    "kept the persisted policy v{v} in {}: a running agent leaves the table down; the agent \
+                     re-applies it at its next start or when the next policy version arrives",
+                    state.state_dir.display()
+                ),
+                (None, Some(err)) => println!("the persisted policy could not be read: {err}"),
+                (None, None) => println!("no persisted policy in {}", state.state_dir.display()),
+            }
+        }
+        Command::Status { state, json } => {
+            let report = status::status(&state.state_dir)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", report.render());
+            }
+        }
+        Command::ApplyFile { file, state } => {
+            let policy = read_policy(&file)?;
+            let mut store = LinuxPolicyStore::new(&state.state_dir);
+            // Start from what is persisted, so a peer-only change is an element update.
+            if let Err(e) = store.restore_persisted() {
+                tracing::warn!("ignoring the persisted policy: {e}");
+            }
+            let how = store.apply(&policy)?;
+            println!("applied policy v{} ({}): {how:?}", policy.version(), policy.mode());
+        }
+        Command::RenderFile { file } => {
+            print!("{}", DesiredTable::from_policy(&read_policy(&file)?).render());
+        }
     }
     Ok(())
 }

@@ -137,6 +137,13 @@ impl Gateway {
         }
     }
 
+    /// Ends every stream this replica holds (shutdown); agents reconnect elsewhere.
+    pub fn end_all(&self, reason: &str) {
+        for h in self.streams().values() {
+            let _ = h.control.send(Control::End { reason: reason.to_owned(), superseded: false });
+        }
+    }
+
     /// Registers a new stream, superseding any earlier one of the same identity (IDN-7).
     fn register(&self, id: WorkloadId) -> (u64, watch::Receiver<u64>, mpsc::UnboundedReceiver<Control>) {
         let generation = self.inner.generations.fetch_add(1, Ordering::Relaxed);
@@ -185,6 +192,8 @@ struct StreamTask {
     gateway: Gateway,
     id: WorkloadId,
     out: Outbound,
+    /// This stream's epoch once Hello arrived; its writes apply only while it is the newest.
+    epoch: std::sync::atomic::AtomicI64,
 }
 
 impl StreamTask {
@@ -212,7 +221,7 @@ impl StreamTask {
                 last_apply_failed_at = CASE WHEN $6 THEN now() ELSE last_apply_failed_at END,
                 last_snapshot_sent_at = CASE WHEN $7 THEN now() ELSE last_snapshot_sent_at END,
                 last_seen_at = now()
-             WHERE id = $1",
+             WHERE id = $1 AND stream_epoch = $8",
         )
         .bind(self.id.uuid())
         .bind(r.state.number())
@@ -221,6 +230,7 @@ impl StreamTask {
         .bind(r.acked)
         .bind(r.failed)
         .bind(r.snapshot_sent)
+        .bind(self.epoch.load(Ordering::Relaxed))
         .execute(self.pool())
         .await?;
         Ok(())
@@ -384,6 +394,13 @@ impl StreamTask {
                 self.id
             )));
         }
+        let epoch: i64 = sqlx::query_scalar(
+            "UPDATE workloads SET stream_epoch = stream_epoch + 1 WHERE id = $1 RETURNING stream_epoch",
+        )
+        .bind(self.id.uuid())
+        .fetch_one(self.pool())
+        .await?;
+        self.epoch.store(epoch, Ordering::Relaxed);
         let reported = hello.facts.as_ref().map_or("", |f| f.machine_id.as_str());
         if !machine_id.is_empty() && !reported.is_empty() && reported != machine_id {
             // The same identity from a second host: a cloned image or a stolen key (IDN-7).
@@ -456,14 +473,18 @@ fn truncate(text: &str, max: usize) -> String {
     text.chars().take(max).collect()
 }
 
-/// Marks a workload OFFLINE when its stream ends (unless a newer stream superseded it).
-async fn mark_offline(pool: &PgPool, id: WorkloadId, reason: &str) {
-    let result = sqlx::query("UPDATE workloads SET sync_state = $2, sync_detail = $3 WHERE id = $1")
-        .bind(id.uuid())
-        .bind(SyncState::Offline.number())
-        .bind(reason)
-        .execute(pool)
-        .await;
+/// Marks a workload OFFLINE when its stream ends, unless a newer stream (on any replica) has
+/// opened since.
+async fn mark_offline(pool: &PgPool, id: WorkloadId, epoch: i64, reason: &str) {
+    let result = sqlx::query(
+        "UPDATE workloads SET sync_state = $2, sync_detail = $3 WHERE id = $1 AND stream_epoch = $4",
+    )
+    .bind(id.uuid())
+    .bind(SyncState::Offline.number())
+    .bind(reason)
+    .bind(epoch)
+    .execute(pool)
+    .await;
     if let Err(e) = result {
         tracing::error!(workload = %id, "could not record OFFLINE: {e}");
     }
@@ -485,12 +506,14 @@ impl proto::agent_service_server::AgentService for Gateway {
         let (generation, poke, control) = self.register(id);
         let gateway = self.clone();
         tokio::spawn(async move {
-            let task = StreamTask { gateway: gateway.clone(), id, out: out.clone() };
+            let task =
+                StreamTask { gateway: gateway.clone(), id, out: out.clone(), epoch: Default::default() };
             let ended = task.run(inbound, poke, control).await;
             let current = gateway.deregister(id, generation);
             tracing::info!(workload = %id, reason = %ended.reason, "stream ended");
-            if ended.offline && current {
-                mark_offline(&gateway.inner.pool, id, &ended.reason).await;
+            let epoch = task.epoch.load(Ordering::Relaxed);
+            if ended.offline && current && epoch > 0 {
+                mark_offline(&gateway.inner.pool, id, epoch, &ended.reason).await;
             }
             if let Some(status) = ended.status {
                 let _ = out.send(Err(status)).await;

@@ -18,6 +18,9 @@ use crate::server::{self, DenyList, ServerError};
 use crate::store::StoreError;
 use crate::{authoring, bridge};
 
+/// How long a stopping replica waits for open connections to finish.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
 #[derive(Debug, Clone)]
 pub struct ServiceConfig {
     pub listen: SocketAddr,
@@ -56,9 +59,19 @@ pub struct Running {
 impl Running {
     /// Stops accepting, ends the bridge and waits for the server to finish.
     pub async fn stop(self) -> Result<(), ServiceError> {
+        self.gateway.end_all("control plane shutting down");
         let _ = self.stop.send(());
         self.bridge.abort();
-        match self.server.await {
+        let mut server = self.server;
+        let joined = match tokio::time::timeout(SHUTDOWN_GRACE, &mut server).await {
+            Ok(joined) => joined,
+            Err(_) => {
+                tracing::warn!("connections still open after {SHUTDOWN_GRACE:?}; closing them");
+                server.abort();
+                server.await
+            }
+        };
+        match joined {
             Ok(result) => Ok(result?),
             Err(e) if e.is_cancelled() => Ok(()),
             Err(e) => Err(ServerError::Tls(format!("server task failed: {e}")).into()),

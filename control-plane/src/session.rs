@@ -197,7 +197,9 @@ impl Session {
                 let stale = self.in_flight.iter().any(|s| matches!(s, Sent::Snapshot { recovery: true, .. }));
                 let record =
                     Record { detail: Some(detail), failed: true, ..Record::state(SyncState::Degraded) };
-                if stale {
+                // A failed recovery snapshot is not answered with another one: the next
+                // persisted version will be (a persistent refusal must not become a loop).
+                if stale || matches!(sent, Sent::Snapshot { recovery: true, .. }) {
                     return vec![Action::Record(record)];
                 }
                 self.degraded = true;
@@ -298,9 +300,17 @@ mod tests {
             assert_eq!(last_state(&actions), Some(SyncState::Degraded));
         }
         assert_eq!(last_state(&s.ack(Ack::Applied(4))), Some(SyncState::Synced));
+        // A refused recovery snapshot stays DEGRADED without another snapshot …
+        s.persisted(policy(5, &[7]));
+        s.ack(Ack::Failed(5, "refused".into()));
+        assert_eq!(sends(&s.ack(Ack::Failed(5, "refused again".into()))), Vec::<String>::new());
+        // … until the next version, which (failing on the wrong base) earns one.
+        s.persisted(policy(6, &[8]));
+        assert_eq!(sends(&s.ack(Ack::Failed(6, "base mismatch".into()))), ["snapshot v6"]);
+        assert_eq!(last_state(&s.ack(Ack::Applied(6))), Some(SyncState::Synced));
         // A fresh failure after recovery earns a fresh snapshot.
-        s.persisted(policy(5, &[9]));
-        assert_eq!(sends(&s.ack(Ack::Failed(5, "again".into()))), ["snapshot v5"]);
+        s.persisted(policy(7, &[9]));
+        assert_eq!(sends(&s.ack(Ack::Failed(7, "again".into()))), ["snapshot v7"]);
     }
 
     #[test]

@@ -1,3 +1,5 @@
 //! End-to-end tests across crates. One test binary; one module per capability.
 
 mod binaries;
+mod plane;
+mod sync;

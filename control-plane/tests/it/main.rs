@@ -4,3 +4,4 @@ mod enrollment;
 mod identity;
 mod postgres;
 mod publish;
+mod sync;

@@ -1,0 +1,261 @@
+//! `innerwall-agent run`: fail static first (re-apply the persisted policy before dialing
+//! anything, ENF-5), then hold the policy stream to the control plane under full-jitter backoff
+//! (SYNC-10), check the owned table for drift on a timer (ENF-7), and renew the credential in
+//! the last third of its life without dropping the stream (IDN-5).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use anyhow::Context as _;
+use innerwall_wire::backoff;
+use innerwall_wire::proto;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::enforce::{LinuxPolicyStore, PolicyStore, Restored};
+use crate::enroll::endpoint;
+use crate::identity::{self, Credential};
+use crate::sync::{self, Enforcer, SessionEnd, SessionStats};
+
+/// Configuration of `run`.
+#[derive(Debug, Clone)]
+pub struct RunConfig {
+    pub state_dir: PathBuf,
+    pub server: String,
+    pub drift_interval: Duration,
+    pub backoff_base: Duration,
+    pub backoff_cap: Duration,
+    pub dial_timeout: Duration,
+}
+
+impl RunConfig {
+    pub fn new(state_dir: PathBuf, server: String) -> RunConfig {
+        RunConfig {
+            state_dir,
+            server,
+            drift_interval: Duration::from_secs(2),
+            backoff_base: backoff::BASE,
+            backoff_cap: backoff::CAP,
+            dial_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Fail static (ENF-5): re-applies the persisted policy and logs what it did. Returns the
+/// applied version (0 when none) for Hello.
+pub fn restore_before_dialing(store: &mut LinuxPolicyStore) -> u64 {
+    match store.restore_persisted() {
+        Ok(Restored::Nothing) => {
+            tracing::info!(
+                "no persisted policy to re-apply; nothing is enforced until the first policy arrives"
+            );
+            0
+        }
+        Ok(Restored::Installed { version }) => {
+            tracing::info!("re-applied persisted policy v{version} before dialing");
+            version
+        }
+        Ok(Restored::AlreadyInstalled { version }) => {
+            tracing::info!(
+                "re-applied persisted policy v{version} before dialing (the kernel still held it)"
+            );
+            version
+        }
+        Err(e) => {
+            tracing::error!("could not re-apply the persisted policy: {e}; the kernel keeps what it holds");
+            0
+        }
+    }
+}
+
+/// A mutually authenticated channel with the credential currently on disk, so a renewed
+/// credential is used from the next connection on.
+pub async fn connect(config: &RunConfig) -> anyhow::Result<Channel> {
+    let credential = Credential::load(&config.state_dir)?;
+    credential.check_not_expired(SystemTime::now())?;
+    let (url, host) = endpoint(&config.server)?;
+    let channel = Endpoint::from_shared(url)?
+        .tls_config(credential.tls(&host))?
+        .connect_timeout(config.dial_timeout)
+        .http2_keep_alive_interval(Duration::from_secs(30))
+        .keep_alive_timeout(Duration::from_secs(10))
+        .connect()
+        .await?;
+    Ok(channel)
+}
+
+/// Holds the policy stream until a `Reenroll` directive; reconnects with a fresh Hello under
+/// full-jitter backoff, reset after a healthy stream, and at once on a `Reconnect` directive.
+pub async fn hold_stream<S: PolicyStore + Send + 'static>(
+    config: &RunConfig,
+    enforcer: Arc<Enforcer<S>>,
+) -> anyhow::Result<()> {
+    let mut attempt: u32 = 0;
+    loop {
+        let failure = match connect(config).await {
+            Err(e) => format!("{e:#}"),
+            Ok(channel) => {
+                tracing::info!(server = %config.server, applied_version = enforcer.applied_version(), "connected to the control plane");
+                let mut stats = SessionStats::default();
+                match sync::session(channel, enforcer.clone(), &mut stats).await {
+                    SessionEnd::Reconnect => {
+                        tracing::info!("the control plane asked for a reconnect");
+                        attempt = 0;
+                        continue;
+                    }
+                    SessionEnd::Reenroll(reason) => {
+                        anyhow::bail!("the control plane says this host must be enrolled again: {reason}")
+                    }
+                    SessionEnd::Closed(reason) => {
+                        if stats.established {
+                            attempt = 0;
+                        }
+                        format!("stream ended: {reason}")
+                    }
+                }
+            }
+        };
+        let wait = backoff::wait(attempt, config.backoff_base, config.backoff_cap, backoff::random_unit());
+        attempt = attempt.saturating_add(1);
+        enforcer.dial_failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        tracing::warn!(
+            "dial attempt {attempt} to {} failed: {failure}; retrying in {:.3}s",
+            config.server,
+            wait.as_secs_f64()
+        );
+        tokio::time::sleep(wait).await;
+    }
+}
+
+async fn renew_once(config: &RunConfig, credential: &Credential) -> anyhow::Result<Credential> {
+    let channel = connect(config).await?;
+    let (key_pem, csr_pem) = identity::new_key_and_csr()?;
+    let response = proto::agent_service_client::AgentServiceClient::new(channel)
+        .renew_credential(proto::RenewCredentialRequest { csr_pem })
+        .await
+        .map_err(|s| anyhow::anyhow!("renewal refused: {}", s.message()))?
+        .into_inner();
+    let cert_pem =
+        String::from_utf8(response.certificate_pem).context("the renewed certificate is not PEM text")?;
+    let renewed = Credential::new(key_pem, cert_pem, credential.ca_pem.clone())?;
+    anyhow::ensure!(
+        renewed.id == credential.id,
+        "the renewed certificate names {} instead of {}",
+        renewed.id,
+        credential.id
+    );
+    renewed.save(&config.state_dir)?;
+    Ok(renewed)
+}
+
+/// Renews in the last third of each credential's life (jittered); on failure retries with
+/// backoff and reports the failure in heartbeats; an expired credential is reported as
+/// needing re-enrollment.
+pub async fn renew_forever<S: PolicyStore + Send + 'static>(config: RunConfig, enforcer: Arc<Enforcer<S>>) {
+    loop {
+        let credential = match Credential::load(&config.state_dir) {
+            Ok(c) => c,
+            Err(_) => {
+                tokio::time::sleep(Duration::from_secs(30)).await;
+                continue;
+            }
+        };
+        let at = credential.renew_at(backoff::random_unit());
+        if let Ok(wait) = at.duration_since(SystemTime::now()) {
+            tokio::time::sleep(wait).await;
+        }
+        let mut attempt = 0;
+        loop {
+            match renew_once(&config, &credential).await {
+                Ok(renewed) => {
+                    enforcer.set_renewal_error(String::new());
+                    tracing::info!(workload = %renewed.id, "renewed the credential; valid until {:?}", renewed.not_after);
+                    break;
+                }
+                Err(e) => {
+                    let expired = credential.check_not_expired(SystemTime::now()).is_err();
+                    let message = if expired {
+                        format!(
+                            "credential expired; enroll this host again (innerwall-agent enroll --force): {e:#}"
+                        )
+                    } else {
+                        format!("{e:#}")
+                    };
+                    tracing::error!("credential renewal failed: {message}");
+                    enforcer.set_renewal_error(message);
+                    let wait = backoff::wait(
+                        attempt,
+                        Duration::from_secs(1),
+                        Duration::from_secs(300),
+                        backoff::random_unit(),
+                    );
+                    attempt = attempt.saturating_add(1);
+                    tokio::time::sleep(wait).await;
+                    if Credential::load(&config.state_dir).is_ok_and(|c| c.not_after != credential.not_after)
+                    {
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn spawn_drift_checks(
+    enforcer: Arc<Enforcer<LinuxPolicyStore>>,
+    every: Duration,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut ticker = tokio::time::interval(every);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticker.tick().await;
+            let e = enforcer.clone();
+            let checked = tokio::task::spawn_blocking(move || {
+                let result = e
+                    .store
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .check_drift(SystemTime::now());
+                if let Ok(Some(event)) = &result {
+                    e.report_tamper(event.clone());
+                }
+                result
+            })
+            .await;
+            match checked {
+                Ok(Ok(Some(event))) => {
+                    tracing::warn!(detail = %event.detail, "repaired drift of table inet innerwall; reported with the next heartbeat")
+                }
+                Ok(Err(e)) => tracing::error!("drift check failed: {e}"),
+                _ => {}
+            }
+        }
+    })
+}
+
+/// Runs the agent until SIGINT/SIGTERM. Kernel rules stay in place when it returns.
+pub async fn run(config: RunConfig) -> anyhow::Result<()> {
+    let mut store = LinuxPolicyStore::new(&config.state_dir);
+    restore_before_dialing(&mut store);
+    let enforcer = Arc::new(Enforcer::new(store));
+    let drift = spawn_drift_checks(enforcer.clone(), config.drift_interval);
+    let renewal = tokio::spawn(renew_forever(config.clone(), enforcer.clone()));
+
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("installing the SIGTERM handler")?;
+    let result = tokio::select! {
+        r = hold_stream(&config, enforcer) => r,
+        _ = tokio::signal::ctrl_c() => { tracing::info!("interrupted"); Ok(()) }
+        _ = term.recv() => { tracing::info!("terminated"); Ok(()) }
+    };
+    drift.abort();
+    renewal.abort();
+    tracing::info!("stopping; table inet innerwall stays in place (fail static)");
+    result
+}
+
+/// Reads the CA bundle an operator handed this host with its token.
+pub fn read_ca_bundle(path: &Path) -> anyhow::Result<String> {
+    std::fs::read_to_string(path).with_context(|| format!("reading the CA bundle {}", path.display()))
+}

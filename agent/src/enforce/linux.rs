@@ -1,0 +1,239 @@
+//! [`LinuxPolicyStore`]: persist, then install into `table inet innerwall` (ENF-1, ENF-4); peer-only
+//! changes as one element batch with a full-replace fallback (ENF-3); fail-static restore of
+//! the persisted policy (ENF-5); the kill switch (ENF-6); and drift detection and repair
+//! (ENF-7). Netlink sockets are opened per operation in the calling thread's network namespace.
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::SystemTime;
+
+use innerwall_wire::policy::WorkloadPolicy;
+
+use super::desired::DesiredTable;
+use super::netlink;
+use super::nft::{self, TableState};
+use super::persist::PolicyFile;
+use super::{EnforceError, Installed, PolicyStore, TamperEvent};
+
+/// Marker left by `innerwall-agent down`: while it exists a running agent does not undo the
+/// kill switch by "repairing" the missing table. The next install removes it.
+pub const KILL_SWITCH_MARKER: &str = "down";
+
+#[derive(Debug)]
+struct Applied {
+    policy: WorkloadPolicy,
+    desired: DesiredTable,
+    /// Computed on first need (drift check): the table state the kernel should hold.
+    expected: Option<TableState>,
+}
+
+/// The Linux enforcement backend.
+#[derive(Debug)]
+pub struct LinuxPolicyStore {
+    file: PolicyFile,
+    applied: Option<Applied>,
+    /// The ruleset generation at which the kernel table was last found equal to the expected
+    /// one; `None` forces a full comparison at the next drift check.
+    verified_generation: Option<u32>,
+    fault_next_full_replace: bool,
+    full_comparisons: u64,
+}
+
+/// What [`LinuxPolicyStore::restore_persisted`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Restored {
+    /// No persisted policy: nothing to enforce yet.
+    Nothing,
+    /// The kernel already held exactly the persisted policy's table (rules survived the agent).
+    AlreadyInstalled { version: u64 },
+    /// The persisted policy was installed with a full replace.
+    Installed { version: u64 },
+}
+
+impl LinuxPolicyStore {
+    /// A store over a state directory; nothing is read or installed until
+    /// [`restore_persisted`](Self::restore_persisted) or [`apply`](PolicyStore::apply).
+    pub fn new(state_dir: impl Into<PathBuf>) -> LinuxPolicyStore {
+        LinuxPolicyStore {
+            file: PolicyFile::new(state_dir),
+            applied: None,
+            verified_generation: None,
+            fault_next_full_replace: false,
+            full_comparisons: 0,
+        }
+    }
+
+    pub fn state_dir(&self) -> &Path {
+        self.file.state_dir()
+    }
+
+    /// Fail static (ENF-5): load the persisted policy and make the kernel hold it, before the
+    /// agent dials anything. A corrupt file is an error naming it; the kernel is left as it is.
+    pub fn restore_persisted(&mut self) -> Result<Restored, EnforceError> {
+        let Some(policy) = self.file.load()? else {
+            return Ok(Restored::Nothing);
+        };
+        let desired = DesiredTable::from_policy(&policy);
+        let expected = nft::expected_state(&desired);
+        let version = policy.version();
+        let holds = nft::read_table()
+            .map_err(EnforceError::Read)?
+            .is_some_and(|s| s.differences(&expected).is_empty());
+        if !holds {
+            nft::full_replace_batch(&desired, false).send().map_err(EnforceError::Install)?;
+        }
+        clear_kill_switch(self.state_dir());
+        self.applied = Some(Applied { policy, desired, expected: Some(expected) });
+        self.verified_generation = None;
+        Ok(if holds { Restored::AlreadyInstalled { version } } else { Restored::Installed { version } })
+    }
+
+    /// Drift (ENF-7), cheap when nothing changed: compares the ruleset generation id with the
+    /// last verified one; only when it moved is the table read back and compared in full. A
+    /// difference is repaired with a full replace and returned as a tamper event.
+    pub fn check_drift(&mut self, now: SystemTime) -> Result<Option<TamperEvent>, EnforceError> {
+        let Some(applied) = self.applied.as_mut() else { return Ok(None) };
+        if kill_switch_engaged(self.file.state_dir()) {
+            return Ok(None);
+        }
+        let generation = netlink::generation().map_err(EnforceError::Read)?;
+        if self.verified_generation == Some(generation) {
+            return Ok(None);
+        }
+        self.full_comparisons += 1;
+        let expected = applied.expected.get_or_insert_with(|| nft::expected_state(&applied.desired));
+        let differences = match nft::read_table().map_err(EnforceError::Read)? {
+            None => vec!["table inet innerwall is missing".to_owned()],
+            Some(state) => state.differences(expected),
+        };
+        if differences.is_empty() {
+            self.verified_generation = Some(generation);
+            return Ok(None);
+        }
+        let detail = differences.join("; ");
+        tracing::warn!(
+            version = applied.policy.version(),
+            %detail,
+            "table inet innerwall was changed outside the agent; restoring it"
+        );
+        nft::full_replace_batch(&applied.desired, false).send().map_err(EnforceError::Install)?;
+        self.verified_generation = None;
+        Ok(Some(TamperEvent { at: now, detail }))
+    }
+
+    /// How many drift checks read the table back (the rest stopped at the generation id).
+    pub fn full_comparisons(&self) -> u64 {
+        self.full_comparisons
+    }
+
+    /// Test hook: the next full replace carries a message the kernel refuses half way.
+    #[doc(hidden)]
+    pub fn inject_fault_in_next_full_replace(&mut self) {
+        self.fault_next_full_replace = true;
+    }
+
+    fn install(&mut self, next: &WorkloadPolicy, desired: &DesiredTable) -> Result<Installed, EnforceError> {
+        if let Some(current) = &self.applied
+            && let Some(update) = desired.element_update_from(&current.desired)
+        {
+            if update.is_empty() {
+                return Ok(Installed::Unchanged);
+            }
+            let removed = update.values().map(|d| d.remove.len()).sum();
+            let added = update.values().map(|d| d.add.len()).sum();
+            match nft::element_batch(desired, &update).send() {
+                Ok(()) => return Ok(Installed::Elements { removed, added }),
+                Err(err) => {
+                    tracing::warn!(
+                        version = next.version(),
+                        "kernel refused the element update ({err}); falling back to a full replace"
+                    );
+                    self.full_replace(desired)?;
+                    return Ok(Installed::FullAfterRefusedElements);
+                }
+            }
+        }
+        self.full_replace(desired)?;
+        Ok(Installed::Full)
+    }
+
+    fn full_replace(&mut self, desired: &DesiredTable) -> Result<(), EnforceError> {
+        let fault = std::mem::take(&mut self.fault_next_full_replace);
+        nft::full_replace_batch(desired, fault).send().map_err(EnforceError::Install)
+    }
+}
+
+impl PolicyStore for LinuxPolicyStore {
+    /// Persist (durably), then install; on an install failure the previous policy is
+    /// persisted again, so disk and kernel keep agreeing on the last applied policy.
+    fn apply(&mut self, next: &WorkloadPolicy) -> Result<Installed, EnforceError> {
+        self.file.store(next)?;
+        let desired = DesiredTable::from_policy(next);
+        match self.install(next, &desired) {
+            Ok(how) => {
+                clear_kill_switch(self.state_dir());
+                self.applied = Some(Applied { policy: next.clone(), desired, expected: None });
+                self.verified_generation = None;
+                Ok(how)
+            }
+            Err(err) => {
+                let rollback = match &self.applied {
+                    Some(previous) => self.file.store(&previous.policy),
+                    None => self.file.remove(),
+                };
+                if let Err(e) = rollback {
+                    tracing::error!(
+                        "could not restore the previously persisted policy after a failed install: {e}"
+                    );
+                }
+                Err(err)
+            }
+        }
+    }
+
+    fn current(&self) -> Option<&WorkloadPolicy> {
+        self.applied.as_ref().map(|a| &a.policy)
+    }
+}
+
+fn kill_switch_engaged(state_dir: &Path) -> bool {
+    state_dir.join(KILL_SWITCH_MARKER).exists()
+}
+
+fn clear_kill_switch(state_dir: &Path) {
+    match fs::remove_file(state_dir.join(KILL_SWITCH_MARKER)) {
+        Ok(()) => tracing::info!("kill switch marker cleared: the agent enforces again"),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => tracing::warn!("could not remove the kill switch marker: {e}"),
+    }
+}
+
+/// What `innerwall-agent down` did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KillSwitchReport {
+    pub table_removed: bool,
+    /// The persisted policy's version, kept for the next start (`None`: none persisted).
+    pub persisted_version: Option<u64>,
+    /// Why the persisted policy could not be read, if it could not.
+    pub persisted_error: Option<String>,
+}
+
+/// The kill switch (ENF-6): delete `table inet innerwall` and nothing else, keep the persisted
+/// policy, and leave a marker so a running agent does not restore the table as drift.
+pub fn kill_switch(state_dir: &Path) -> Result<KillSwitchReport, EnforceError> {
+    let table_removed = nft::delete_table().map_err(EnforceError::Remove)?;
+    if state_dir.is_dir()
+        && let Err(e) = fs::write(
+            state_dir.join(KILL_SWITCH_MARKER),
+            b"table inet innerwall removed by the kill switch\n",
+        )
+    {
+        tracing::warn!("could not write the kill switch marker in {}: {e}", state_dir.display());
+    }
+    let (persisted_version, persisted_error) = match PolicyFile::new(state_dir).load() {
+        Ok(p) => (p.map(|p| p.version()), None),
+        Err(e) => (None, Some(e.to_string())),
+    };
+    Ok(KillSwitchReport { table_removed, persisted_version, persisted_error })
+}

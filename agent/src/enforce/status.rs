@@ -1,0 +1,172 @@
+//! What `innerwall-agent status` reports: the persisted (applied) policy, and from the kernel
+//! the owned table's set sizes and per-rule hit counters, attributed by rule comment.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::Path;
+
+use serde::Serialize;
+
+use super::EnforceError;
+use super::desired::{DesiredTable, TERMINAL_DROP, TERMINAL_WOULD_BLOCK, rule_comment};
+use super::linux::KILL_SWITCH_MARKER;
+use super::nft::{self, Counter2};
+use super::persist::PolicyFile;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct RuleHits {
+    pub rule: String,
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct StatusReport {
+    pub state_dir: String,
+    pub applied_version: Option<u64>,
+    pub mode: Option<String>,
+    pub rule_count: Option<usize>,
+    /// Why the persisted policy could not be read, if it could not.
+    pub persisted_error: Option<String>,
+    pub table_present: bool,
+    pub kill_switch_engaged: bool,
+    /// Whether the kernel table is exactly what the persisted policy installs.
+    pub kernel_matches_persisted: Option<bool>,
+    /// How the kernel table differs from the persisted policy's, if it does.
+    pub differences: Vec<String>,
+    /// Intervals per set (merged CIDRs or port ranges).
+    pub sets: BTreeMap<String, usize>,
+    /// Hits per rule id (summed over address families), in rule order.
+    pub rules: Vec<RuleHits>,
+    /// Enforcement: packets dropped by the terminal rule.
+    pub dropped: Option<Counter2>,
+    /// Simulation: packets the terminal rule would have blocked.
+    pub would_block: Option<Counter2>,
+}
+
+/// Reads the persisted policy and the kernel table.
+pub fn status(state_dir: &Path) -> Result<StatusReport, EnforceError> {
+    let (policy, persisted_error) = match PolicyFile::new(state_dir).load() {
+        Ok(p) => (p, None),
+        Err(e) => (None, Some(e.to_string())),
+    };
+    let table = nft::read_table().map_err(EnforceError::Read)?;
+    let mut report = StatusReport {
+        state_dir: state_dir.display().to_string(),
+        applied_version: policy.as_ref().map(|p| p.version()),
+        mode: policy.as_ref().map(|p| p.mode().to_string()),
+        rule_count: policy.as_ref().map(|p| p.rules().len()),
+        persisted_error,
+        table_present: table.is_some(),
+        kill_switch_engaged: state_dir.join(KILL_SWITCH_MARKER).exists(),
+        kernel_matches_persisted: None,
+        differences: Vec::new(),
+        sets: BTreeMap::new(),
+        rules: Vec::new(),
+        dropped: None,
+        would_block: None,
+    };
+    let Some(table) = table else { return Ok(report) };
+    report.sets = nft::interval_counts(&table);
+    if let Some(policy) = &policy {
+        let expected = nft::expected_state(&DesiredTable::from_policy(policy));
+        report.differences = table.differences(&expected);
+        report.kernel_matches_persisted = Some(report.differences.is_empty());
+    }
+    // Rule ids in policy order when known, so rules with no hits still show; comments
+    // otherwise.
+    let mut hits: BTreeMap<String, Counter2> = BTreeMap::new();
+    let mut order: Vec<String> = Vec::new();
+    if let Some(policy) = &policy {
+        for rule in policy.rules() {
+            let comment = rule_comment(rule.id().as_str());
+            hits.entry(comment.clone()).or_default();
+            order.push(comment);
+        }
+    }
+    for rule in &table.rules {
+        let (Some(comment), Some(counter)) = (&rule.comment, rule.counter) else { continue };
+        let slot = if comment == TERMINAL_DROP {
+            report.dropped.get_or_insert_default()
+        } else if comment == TERMINAL_WOULD_BLOCK {
+            report.would_block.get_or_insert_default()
+        } else {
+            if !hits.contains_key(comment) {
+                order.push(comment.clone());
+            }
+            hits.entry(comment.clone()).or_default()
+        };
+        slot.packets += counter.packets;
+        slot.bytes += counter.bytes;
+    }
+    report.rules = order
+        .into_iter()
+        .map(|rule| {
+            let c = hits[&rule];
+            RuleHits { rule, packets: c.packets, bytes: c.bytes }
+        })
+        .collect();
+    Ok(report)
+}
+
+impl StatusReport {
+    /// The human rendering.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let w = &mut out;
+        let _ = writeln!(w, "state dir:        {}", self.state_dir);
+        match (&self.applied_version, &self.persisted_error) {
+            (_, Some(err)) => {
+                let _ = writeln!(w, "applied policy:   unreadable: {err}");
+            }
+            (Some(v), None) => {
+                let _ = writeln!(
+                    w,
+                    "applied policy:   version {v}, mode {}, {} rule(s)",
+                    self.mode.as_deref().unwrap_or("?"),
+                    self.rule_count.unwrap_or(0)
+                );
+            }
+            (None, None) => {
+                let _ = writeln!(w, "applied policy:   none persisted");
+            }
+        }
+        let table = match (self.table_present, self.kernel_matches_persisted) {
+            (false, _) => "absent",
+            (true, Some(true)) => "present, matches the applied policy",
+            (true, Some(false)) => {
+                "present, DIFFERS from the applied policy (drift; a running agent repairs it)"
+            }
+            (true, None) => "present",
+        };
+        let _ = writeln!(w, "table inet innerwall: {table}");
+        for d in &self.differences {
+            let _ = writeln!(w, "  - {d}");
+        }
+        if self.kill_switch_engaged {
+            let _ = writeln!(
+                w,
+                "kill switch:      engaged (`innerwall-agent down`); cleared by the next install"
+            );
+        }
+        if !self.sets.is_empty() {
+            let _ = writeln!(w, "sets (intervals):");
+            for (name, n) in &self.sets {
+                let _ = writeln!(w, "  {name:<24} {n}");
+            }
+        }
+        if !self.rules.is_empty() {
+            let _ = writeln!(w, "rule hits:");
+            for r in &self.rules {
+                let _ = writeln!(w, "  {:<40} {:>10} packets {:>12} bytes", r.rule, r.packets, r.bytes);
+            }
+        }
+        if let Some(c) = self.dropped {
+            let _ = writeln!(w, "dropped:          {} packets, {} bytes", c.packets, c.bytes);
+        }
+        if let Some(c) = self.would_block {
+            let _ = writeln!(w, "would block:      {} packets, {} bytes", c.packets, c.bytes);
+        }
+        out
+    }
+}

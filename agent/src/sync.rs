@@ -1,0 +1,268 @@
+//! The agent side of the policy stream (SYNC-2, SYNC-4, SYNC-9, SYNC-10): Hello with the applied
+//! version, then every update applied strictly in stream order through the policy store and
+//! acked APPLIED or FAILED; heartbeats carry liveness, renewal trouble and tamper reports.
+//! [`next_policy`] is the pure core: what an update turns the held policy into, or why not.
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use innerwall_wire::policy::{PolicyDelta, Version, WorkloadPolicy};
+use innerwall_wire::proto::{self, sync_request, sync_response};
+use tokio::sync::mpsc;
+use tonic::transport::Channel;
+
+use crate::enforce::{PolicyStore, TamperEvent};
+
+/// An update as it arrived, before validation.
+#[derive(Debug, Clone)]
+pub enum WireUpdate {
+    Snapshot(proto::WorkloadPolicy),
+    Delta(proto::PolicyDelta),
+}
+
+impl WireUpdate {
+    /// The version this update would bring the agent to: what its ack names.
+    pub fn version(&self) -> Version {
+        match self {
+            WireUpdate::Snapshot(p) => p.version,
+            WireUpdate::Delta(d) => d.to_version,
+        }
+    }
+}
+
+/// The complete next policy an update describes, given what the agent holds; or why it is
+/// refused as a unit (SYNC-4): malformed, or a delta whose base the agent does not hold.
+pub fn next_policy(held: Option<&WorkloadPolicy>, update: &WireUpdate) -> Result<WorkloadPolicy, String> {
+    match update {
+        WireUpdate::Snapshot(p) => {
+            WorkloadPolicy::try_from(p).map_err(|e| format!("malformed snapshot: {e}"))
+        }
+        WireUpdate::Delta(d) => {
+            let delta = PolicyDelta::try_from(d).map_err(|e| format!("malformed delta: {e}"))?;
+            let held = held.ok_or_else(|| {
+                format!(
+                    "delta from version {} but no policy is held; a snapshot must come first",
+                    delta.from_version
+                )
+            })?;
+            held.apply(&delta).map_err(|e| e.to_string())
+        }
+    }
+}
+
+/// The store plus what the heartbeat reports. Shared by the sync stream, the drift timer and
+/// the renewal task.
+#[derive(Debug)]
+pub struct Enforcer<S> {
+    pub store: Mutex<S>,
+    tamper: Mutex<Vec<TamperEvent>>,
+    renewal_error: Mutex<String>,
+    started: Instant,
+    /// Connection attempts that failed, and streams that reached HelloAck (for status/tests).
+    pub dial_failures: std::sync::atomic::AtomicU64,
+    pub streams: std::sync::atomic::AtomicU64,
+}
+
+impl<S: PolicyStore> Enforcer<S> {
+    pub fn new(store: S) -> Self {
+        Enforcer {
+            store: Mutex::new(store),
+            tamper: Mutex::new(Vec::new()),
+            renewal_error: Mutex::new(String::new()),
+            started: Instant::now(),
+            dial_failures: Default::default(),
+            streams: Default::default(),
+        }
+    }
+
+    pub fn applied_version(&self) -> Version {
+        self.store.lock().unwrap_or_else(PoisonError::into_inner).applied_version()
+    }
+
+    pub fn current(&self) -> Option<WorkloadPolicy> {
+        self.store.lock().unwrap_or_else(PoisonError::into_inner).current().cloned()
+    }
+
+    /// Applies one update atomically; on error nothing changed. Blocking (netlink).
+    pub fn apply(&self, update: &WireUpdate) -> Result<(), String> {
+        let mut store = self.store.lock().unwrap_or_else(PoisonError::into_inner);
+        let next = next_policy(store.current(), update)?;
+        store.apply(&next).map(drop).map_err(|e| format!("{e:#}"))
+    }
+
+    pub fn report_tamper(&self, event: TamperEvent) {
+        self.tamper.lock().unwrap_or_else(PoisonError::into_inner).push(event);
+    }
+
+    pub fn set_renewal_error(&self, error: String) {
+        *self.renewal_error.lock().unwrap_or_else(PoisonError::into_inner) = error;
+    }
+
+    fn heartbeat(&self) -> proto::Heartbeat {
+        let tamper = std::mem::take(&mut *self.tamper.lock().unwrap_or_else(PoisonError::into_inner));
+        proto::Heartbeat {
+            uptime_seconds: self.started.elapsed().as_secs(),
+            credential_renewal_error: self
+                .renewal_error
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone(),
+            tamper_events: tamper
+                .into_iter()
+                .map(|t| proto::TamperEvent {
+                    detected_at_unix_ms: t
+                        .at
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_millis() as i64),
+                    detail: t.detail,
+                })
+                .collect(),
+        }
+    }
+}
+
+/// How a stream ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SessionEnd {
+    /// The server closed the stream or it failed; reconnect with backoff.
+    Closed(String),
+    /// The server asked for a reconnect (SYNC-8); reconnect at once.
+    Reconnect,
+    /// The identity cannot be renewed; an operator must enroll the host again.
+    Reenroll(String),
+}
+
+/// Counters the daemon and tests read.
+#[derive(Debug, Default)]
+pub struct SessionStats {
+    /// True once HelloAck arrived: the stream was healthy, so backoff resets.
+    pub established: bool,
+    pub updates: u64,
+}
+
+fn msg(m: sync_request::Msg) -> proto::SyncRequest {
+    proto::SyncRequest { msg: Some(m) }
+}
+
+/// One sync stream on `channel`, until it ends.
+pub async fn session<S: PolicyStore + Send + 'static>(
+    channel: Channel,
+    enforcer: Arc<Enforcer<S>>,
+    stats: &mut SessionStats,
+) -> SessionEnd {
+    let facts = tokio::task::spawn_blocking(crate::enroll::host_facts).await.unwrap_or_default();
+    let hello = proto::Hello {
+        applied_version: enforcer.applied_version(),
+        agent: Some(crate::enroll::agent_info()),
+        facts: Some(facts),
+    };
+    let (tx, rx) = mpsc::channel(64);
+    if tx.send(msg(sync_request::Msg::Hello(hello))).await.is_err() {
+        return SessionEnd::Closed("could not queue Hello".into());
+    }
+    let mut client = proto::agent_service_client::AgentServiceClient::new(channel);
+    let mut inbound = match client.sync(tokio_stream::wrappers::ReceiverStream::new(rx)).await {
+        Ok(r) => r.into_inner(),
+        Err(s) => return SessionEnd::Closed(format!("sync refused: {}", s.message())),
+    };
+    let config = match tokio::time::timeout(Duration::from_secs(30), inbound.message()).await {
+        Ok(Ok(Some(proto::SyncResponse { msg: Some(sync_response::Msg::HelloAck(a)) }))) => a,
+        Ok(Err(s)) => return SessionEnd::Closed(format!("stream refused: {}", s.message())),
+        _ => return SessionEnd::Closed("no HelloAck".into()),
+    };
+    stats.established = true;
+    enforcer.streams.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let every = |secs: u32| Duration::from_secs(u64::from(secs.max(1)));
+    let mut heartbeat = tokio::time::interval(every(config.heartbeat_interval_seconds));
+    let mut inventory = tokio::time::interval(every(config.inventory_interval_seconds));
+    heartbeat.tick().await;
+    inventory.tick().await;
+    loop {
+        tokio::select! {
+            next = inbound.message() => {
+                let update = match next {
+                    Ok(Some(proto::SyncResponse { msg: Some(m) })) => match m {
+                        sync_response::Msg::Snapshot(s) => match s.policy {
+                            Some(p) => WireUpdate::Snapshot(p),
+                            None => return SessionEnd::Closed("snapshot without a policy".into()),
+                        },
+                        sync_response::Msg::Delta(d) => WireUpdate::Delta(d),
+                        sync_response::Msg::Directive(d) => match d.directive {
+                            Some(proto::directive::Directive::Reconnect(_)) => return SessionEnd::Reconnect,
+                            Some(proto::directive::Directive::Reenroll(r)) => return SessionEnd::Reenroll(r.reason),
+                            None => continue,
+                        },
+                        sync_response::Msg::HelloAck(_) => continue,
+                    },
+                    Ok(Some(_)) => continue,
+                    Ok(None) => return SessionEnd::Closed("server closed the stream".into()),
+                    Err(s) => return SessionEnd::Closed(format!("stream ended: {}", s.message())),
+                };
+                let version = update.version();
+                let e = enforcer.clone();
+                let result = tokio::task::spawn_blocking(move || e.apply(&update))
+                    .await
+                    .unwrap_or_else(|e| Err(format!("apply task failed: {e}")));
+                stats.updates += 1;
+                let ack = match result {
+                    Ok(()) => proto::PolicyAck { version, status: proto::AckStatus::Applied.into(), detail: String::new() },
+                    Err(detail) => {
+                        tracing::warn!(version, "refused an update: {detail}");
+                        proto::PolicyAck { version, status: proto::AckStatus::Failed.into(), detail }
+                    }
+                };
+                if tx.send(msg(sync_request::Msg::Ack(ack))).await.is_err() {
+                    return SessionEnd::Closed("stream closed while acking".into());
+                }
+            }
+            _ = heartbeat.tick() => {
+                if tx.send(msg(sync_request::Msg::Heartbeat(enforcer.heartbeat()))).await.is_err() {
+                    return SessionEnd::Closed("stream closed".into());
+                }
+            }
+            _ = inventory.tick() => {
+                let facts = tokio::task::spawn_blocking(crate::enroll::host_facts).await.unwrap_or_default();
+                let report = proto::InventoryReport { facts: Some(facts), listening_services: Vec::new() };
+                if tx.send(msg(sync_request::Msg::Inventory(report))).await.is_err() {
+                    return SessionEnd::Closed("stream closed".into());
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use innerwall_wire::policy::{Mode, PortRange, Protocol, ResolvedRule, RuleId, diff};
+
+    use super::*;
+
+    fn policy(version: u64, ports: &[u16]) -> WorkloadPolicy {
+        let rules = ports.iter().map(|&p| {
+            ResolvedRule::new(
+                RuleId::new(&format!("r{p}"), Protocol::Tcp).unwrap(),
+                [PortRange::single(p).unwrap()],
+                [],
+            )
+            .unwrap()
+        });
+        WorkloadPolicy::new(version, Mode::Enforcement, rules).unwrap()
+    }
+
+    #[test]
+    fn snapshots_replace_and_deltas_need_their_base() {
+        let v1 = policy(1, &[22]);
+        let v2 = policy(2, &[22, 443]);
+        let snap = WireUpdate::Snapshot((&v1).into());
+        assert_eq!(next_policy(None, &snap), Ok(v1.clone()));
+        let delta = WireUpdate::Delta((&diff(&v1, &v2)).into());
+        assert_eq!(next_policy(Some(&v1), &delta), Ok(v2.clone()));
+        assert!(
+            next_policy(Some(&v2), &delta).unwrap_err().contains("based on version 1 but version 2 is held")
+        );
+        assert!(next_policy(None, &delta).unwrap_err().contains("no policy is held"));
+        let mut bad = proto::WorkloadPolicy::from(&v1);
+        bad.mode = 42;
+        assert!(next_policy(None, &WireUpdate::Snapshot(bad)).unwrap_err().starts_with("malformed snapshot"));
+    }
+}

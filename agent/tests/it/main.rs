@@ -1,0 +1,5 @@
+//! The agent's integration tests: enforcement in real network namespaces with real packets
+//! (root required; they fail loudly without it, in CI and outside).
+
+mod enforce;
+mod netns;

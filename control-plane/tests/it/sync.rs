@@ -1,0 +1,301 @@
+//! The gateway and the NOTIFY bridge against real Postgres and real mTLS (SYNC-2..SYNC-11),
+//! driven by a scripted agent that sends exactly what each test needs.
+
+use std::time::Duration;
+
+use innerwall_control_plane::authoring::{self, PeerSpec, RuleSpec, RulesetSpec, ServiceSpec};
+use innerwall_control_plane::gateway::GatewayConfig;
+use innerwall_control_plane::model::ServiceEntry;
+use innerwall_control_plane::store::{self, StoreError};
+use innerwall_wire::identity::WorkloadId;
+use innerwall_wire::proto::{self, sync_request, sync_response};
+use sqlx::PgPool;
+use tokio::sync::mpsc;
+use tonic::transport::Channel;
+
+use crate::enrollment::Plane;
+
+/// A scripted agent on one stream.
+struct Scripted {
+    tx: mpsc::Sender<proto::SyncRequest>,
+    inbound: tonic::Streaming<proto::SyncResponse>,
+}
+
+impl Scripted {
+    async fn open(channel: Channel, applied: u64) -> Scripted {
+        let (tx, rx) = mpsc::channel(16);
+        let hello = proto::Hello { applied_version: applied, agent: None, facts: None };
+        tx.send(proto::SyncRequest { msg: Some(sync_request::Msg::Hello(hello)) }).await.unwrap();
+        let mut client = proto::agent_service_client::AgentServiceClient::new(channel);
+        let inbound =
+            client.sync(tokio_stream::wrappers::ReceiverStream::new(rx)).await.unwrap().into_inner();
+        let mut s = Scripted { tx, inbound };
+        assert!(matches!(s.next().await, Some(sync_response::Msg::HelloAck(_))));
+        s
+    }
+
+    async fn next(&mut self) -> Option<sync_response::Msg> {
+        tokio::time::timeout(Duration::from_secs(15), self.inbound.message())
+            .await
+            .expect("nothing arrived within 15 s")
+            .ok()
+            .flatten()
+            .and_then(|r| r.msg)
+    }
+
+    /// The next update as ("snapshot" | "delta", from, to).
+    async fn update(&mut self) -> (&'static str, u64, u64) {
+        match self.next().await {
+            Some(sync_response::Msg::Snapshot(s)) => {
+                let v = s.policy.unwrap().version;
+                ("snapshot", v, v)
+            }
+            Some(sync_response::Msg::Delta(d)) => ("delta", d.from_version, d.to_version),
+            other => panic!("expected an update, got {other:?}"),
+        }
+    }
+
+    async fn ack(&self, version: u64, applied: bool, detail: &str) {
+        let status = if applied { proto::AckStatus::Applied } else { proto::AckStatus::Failed };
+        let ack = proto::PolicyAck { version, status: status.into(), detail: detail.into() };
+        self.tx.send(proto::SyncRequest { msg: Some(sync_request::Msg::Ack(ack)) }).await.unwrap();
+    }
+
+    /// Nothing else arrives for a moment.
+    async fn quiet(&mut self) -> bool {
+        tokio::time::timeout(Duration::from_millis(400), self.inbound.message()).await.is_err()
+    }
+}
+
+async fn status(pool: &PgPool, id: WorkloadId) -> (String, i64, Option<i64>, String) {
+    let s = store::sync_status(&mut pool.acquire().await.unwrap(), Some(id)).await.unwrap().remove(0);
+    (s.state.0.name().to_owned(), s.applied_version, s.latest_version, s.detail)
+}
+
+/// Polls until the workload's stored state is `want` (the gateway records asynchronously).
+async fn wait_state(pool: &PgPool, id: WorkloadId, want: &str) -> (String, i64, Option<i64>, String) {
+    for _ in 0..150 {
+        let s = status(pool, id).await;
+        if s.0 == want {
+            return s;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("workload never reached {want}: {:?}", status(pool, id).await);
+}
+
+/// Adds a ruleset that gives every `app=web` workload one more port: one new version each.
+async fn bump(pool: &PgPool, n: u16) {
+    let service = ServiceSpec {
+        name: format!("svc-{n}"),
+        description: String::new(),
+        entries: vec![ServiceEntry::parse(&format!("tcp:{}", 8000 + n)).unwrap()],
+    };
+    let ruleset = RulesetSpec {
+        name: format!("rs-{n}"),
+        description: String::new(),
+        enabled: true,
+        scope: [("app".to_owned(), vec!["web".to_owned()])].into(),
+        rules: vec![RuleSpec {
+            name: "r".into(),
+            description: String::new(),
+            enabled: true,
+            peers: vec![PeerSpec::cidr("192.0.2.0/24")],
+            services: vec![service.name.clone()],
+        }],
+    };
+    authoring::commit(pool, "test", "bump", "web", async |c| {
+        authoring::create_service(c, &service).await?;
+        authoring::create_ruleset(c, &ruleset).await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await
+    .unwrap();
+}
+
+async fn enrolled(plane: &Plane) -> (WorkloadId, Channel) {
+    let token = plane.mint(&["app=web"], None).await;
+    let (id, cert, key) = plane.enroll(&token).await.unwrap();
+    (id, plane.mutual(&cert, &key).await.unwrap())
+}
+
+#[tokio::test]
+async fn recovery_snapshot_does_not_loop() {
+    let plane = Plane::start(GatewayConfig::default()).await;
+    let pool = &plane.db.pool;
+    let (id, channel) = enrolled(&plane).await;
+    let mut agent = Scripted::open(channel, 0).await;
+    assert_eq!(agent.update().await, ("snapshot", 1, 1));
+    agent.ack(1, true, "").await;
+    wait_state(pool, id, "SYNCED").await;
+
+    // Three versions pipelined without acks; the first fails, the two in flight behind it too.
+    for n in 0..3 {
+        bump(pool, n).await;
+        assert_eq!(agent.update().await, ("delta", 1 + u64::from(n), 2 + u64::from(n)));
+    }
+    agent.ack(2, false, "nft refused the batch").await;
+    assert_eq!(agent.update().await, ("snapshot", 4, 4), "one recovery snapshot of the latest");
+    let (state, _, _, detail) = wait_state(pool, id, "DEGRADED").await;
+    assert_eq!((state.as_str(), detail.as_str()), ("DEGRADED", "nft refused the batch"));
+    agent.ack(3, false, "base mismatch").await;
+    agent.ack(4, false, "base mismatch").await;
+    assert!(agent.quiet().await, "stale failures must not earn more snapshots");
+    agent.ack(4, true, "").await;
+    assert_eq!(wait_state(pool, id, "SYNCED").await, ("SYNCED".into(), 4, Some(4), String::new()));
+    let failed_at: Option<chrono::DateTime<chrono::Utc>> =
+        sqlx::query_scalar("SELECT last_apply_failed_at FROM workloads WHERE id = $1")
+            .bind(id.uuid())
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    assert!(failed_at.is_some(), "last_apply_failed_at is kept after recovery");
+}
+
+#[tokio::test]
+async fn half_open_stream_goes_offline() {
+    let config = GatewayConfig { heartbeat: Duration::from_secs(1), ..Default::default() };
+    let plane = Plane::start(config).await;
+    let pool = &plane.db.pool;
+    let (id, channel) = enrolled(&plane).await;
+    let mut agent = Scripted::open(channel, 0).await;
+    agent.update().await;
+    agent.ack(1, true, "").await;
+    wait_state(pool, id, "SYNCED").await;
+    // The agent now neither reads nor heartbeats: the server must not keep it SYNCED forever.
+    let started = std::time::Instant::now();
+    let (_, _, _, detail) = wait_state(pool, id, "OFFLINE").await;
+    assert!(detail.contains("silent for three heartbeat intervals"), "{detail}");
+    assert!(started.elapsed() < Duration::from_secs(10), "liveness bound is 3 × 1 s");
+    drop(agent);
+}
+
+#[tokio::test]
+async fn resend_snapshot() {
+    let plane = Plane::start(GatewayConfig::default()).await;
+    let pool = &plane.db.pool;
+    let (id, channel) = enrolled(&plane).await;
+    let mut agent = Scripted::open(channel.clone(), 0).await;
+    agent.update().await;
+    agent.ack(1, true, "").await;
+    wait_state(pool, id, "SYNCED").await;
+    let before = authoring::request_snapshot(pool, id).await.unwrap().last_snapshot_sent_at.unwrap();
+
+    // The replica holding the stream tells the agent to reconnect …
+    assert!(matches!(
+        agent.next().await,
+        Some(sync_response::Msg::Directive(proto::Directive {
+            directive: Some(proto::directive::Directive::Reconnect(_))
+        }))
+    ));
+    // … and the new stream begins with a snapshot, which advances last_snapshot_sent_at.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut again = Scripted::open(channel, 1).await;
+    assert_eq!(again.update().await, ("snapshot", 1, 1));
+    let after = authoring::request_snapshot(pool, id).await.unwrap().last_snapshot_sent_at.unwrap();
+    assert!(after > before, "{after} !> {before}");
+
+    // An OFFLINE workload is refused with agent-offline and its last-seen time.
+    drop(again);
+    wait_state(pool, id, "OFFLINE").await;
+    let err = authoring::request_snapshot(pool, id).await.unwrap_err();
+    assert!(matches!(err, StoreError::AgentOffline { .. }), "{err}");
+    assert!(
+        err.to_string().starts_with("agent-offline") && err.to_string().contains("last seen 20"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn two_replicas() {
+    let mut a = Plane::start(GatewayConfig::default()).await;
+    // A second replica: same database and CA, its own listener and LISTEN connection.
+    let b = innerwall_control_plane::service::start(
+        a.db.pool.clone(),
+        a.signer.clone(),
+        innerwall_control_plane::service::ServiceConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            server_names: vec!["localhost".into()],
+            cert_lifetime: Duration::from_secs(3600),
+            gateway: GatewayConfig::default(),
+        },
+    )
+    .await
+    .unwrap();
+    let pool = a.db.pool.clone();
+    let (id1, ch1) = enrolled(&a).await;
+    let token = a.mint(&["app=web"], None).await;
+    let (id2, cert2, key2) = a.enroll(&token).await.unwrap();
+    // Point the second agent at replica B.
+    let tls = tonic::transport::ClientTlsConfig::new()
+        .ca_certificate(tonic::transport::Certificate::from_pem(a.ca_pem()))
+        .identity(tonic::transport::Identity::from_pem(&cert2, &key2))
+        .domain_name("localhost");
+    let ch2 = tonic::transport::Endpoint::from_shared(format!("https://localhost:{}", b.local_addr.port()))
+        .unwrap()
+        .tls_config(tls)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut agent1 = Scripted::open(ch1, 0).await;
+    let mut agent2 = Scripted::open(ch2, 0).await;
+    for agent in [&mut agent1, &mut agent2] {
+        agent.update().await;
+        agent.ack(1, true, "").await;
+    }
+    assert_eq!((a.running.as_ref().unwrap().gateway.stream_count(), b.gateway.stream_count()), (1, 1));
+
+    // A change made by a separate process (the CLI) reaches each agent from its own replica.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_innerwall"))
+        .args(["--database-url", &a.db.url, "service", "create", "web", "--entry", "tcp:443"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let rs = "name: web\nscope: {app: [web]}\nrules:\n- name: r\n  peers: [{cidr: 10.0.0.0/8}]\n  services: [web]\n";
+    let file = std::env::temp_dir().join(format!("iw-two-{}.yaml", uuid::Uuid::new_v4()));
+    std::fs::write(&file, rs).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_innerwall"))
+        .args(["--database-url", &a.db.url, "ruleset", "create", "-f"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    std::fs::remove_file(&file).ok();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for agent in [&mut agent1, &mut agent2] {
+        assert_eq!(agent.update().await, ("delta", 1, 2));
+        agent.ack(2, true, "").await;
+        assert!(agent.quiet().await, "exactly one delta");
+    }
+    for id in [id1, id2] {
+        assert_eq!(wait_state(&pool, id, "SYNCED").await.1, 2);
+    }
+    b.stop().await.unwrap();
+    a.running.take().unwrap().stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn listener_loss_reconciles() {
+    let plane = Plane::start(GatewayConfig::default()).await;
+    let pool = &plane.db.pool;
+    let (id, channel) = enrolled(&plane).await;
+    let mut agent = Scripted::open(channel, 0).await;
+    agent.update().await;
+    agent.ack(1, true, "").await;
+    wait_state(pool, id, "SYNCED").await;
+
+    // Kill the LISTEN connection and change policy while it is down.
+    let killed: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+         WHERE datname = current_database() AND query ILIKE 'LISTEN%' AND pid <> pg_backend_pid()",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    assert_eq!(killed, [true], "exactly one listener connection per replica");
+    bump(pool, 0).await;
+    // After the bridge reconnects it reconciles: the stream is brought up to date.
+    assert_eq!(agent.update().await, ("delta", 1, 2));
+    agent.ack(2, true, "").await;
+    assert_eq!(wait_state(pool, id, "SYNCED").await.1, 2);
+}

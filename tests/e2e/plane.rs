@@ -1,0 +1,196 @@
+//! A control plane and agents for end-to-end tests: a replica on a fresh database with its own
+//! CA on a loopback port, and agents enrolled through the real enrollment path.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use innerwall_agent::daemon::RunConfig;
+use innerwall_agent::enforce::{EnforceError, Installed, MemoryPolicyStore, PolicyStore};
+use innerwall_agent::identity::Credential;
+use innerwall_agent::sync::Enforcer;
+use innerwall_control_plane::authoring::{self, PeerSpec, RuleSpec, RulesetSpec, ServiceSpec};
+use innerwall_control_plane::ca::{FileCa, Signer};
+use innerwall_control_plane::gateway::GatewayConfig;
+use innerwall_control_plane::model::ServiceEntry;
+use innerwall_control_plane::service::{self, Running, ServiceConfig};
+use innerwall_control_plane::store;
+use innerwall_control_plane::testing::{TestDatabase, fresh_database};
+use innerwall_wire::identity::WorkloadId;
+use innerwall_wire::policy::WorkloadPolicy;
+use sqlx::PgPool;
+
+pub struct Plane {
+    pub db: TestDatabase,
+    pub dir: PathBuf,
+    pub signer: Arc<FileCa>,
+    pub port: u16,
+    pub cert_lifetime: Duration,
+    pub running: Option<Running>,
+}
+
+impl Plane {
+    pub async fn start() -> Plane {
+        Plane::start_with(Duration::from_secs(3600)).await
+    }
+
+    pub async fn start_with(cert_lifetime: Duration) -> Plane {
+        let db = fresh_database().await.unwrap();
+        let dir = std::env::temp_dir().join(format!("iw-e2e-{}", uuid::Uuid::new_v4()));
+        let signer = Arc::new(FileCa::init(&dir.join("ca")).unwrap());
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let mut plane = Plane { db, dir, signer, port, cert_lifetime, running: None };
+        plane.up().await;
+        plane
+    }
+
+    /// Starts the replica on its port (again, after `down`).
+    pub async fn up(&mut self) {
+        let config = ServiceConfig {
+            listen: format!("127.0.0.1:{}", self.port).parse().unwrap(),
+            server_names: vec!["localhost".into()],
+            cert_lifetime: self.cert_lifetime,
+            gateway: GatewayConfig::default(),
+        };
+        self.running = Some(service::start(self.db.pool.clone(), self.signer.clone(), config).await.unwrap());
+    }
+
+    pub async fn down(&mut self) {
+        if let Some(running) = self.running.take() {
+            running.stop().await.unwrap();
+        }
+    }
+
+    pub fn server(&self) -> String {
+        format!("localhost:{}", self.port)
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.db.pool
+    }
+
+    pub async fn mint(&self, labels: &[&str]) -> String {
+        let labels: Vec<_> = labels.iter().map(|l| l.parse().unwrap()).collect();
+        let mut conn = self.db.pool.acquire().await.unwrap();
+        innerwall_control_plane::tokens::mint(&mut conn, &labels, chrono::Duration::days(1), None)
+            .await
+            .unwrap()
+            .secret
+    }
+
+    /// Enrolls a new agent state directory through the agent's own enrollment path.
+    pub async fn enroll(&self, name: &str, labels: &[&str]) -> (WorkloadId, RunConfig) {
+        let token = self.mint(labels).await;
+        let state = self.dir.join(name);
+        let credential = innerwall_agent::enroll::enroll(
+            &self.server(),
+            &token,
+            &self.signer.ca_bundle_pem(),
+            &state,
+            false,
+        )
+        .await
+        .unwrap();
+        let mut config = RunConfig::new(state, self.server());
+        config.backoff_base = Duration::from_millis(50);
+        config.backoff_cap = Duration::from_millis(400);
+        (credential.id, config)
+    }
+
+    /// Adds a ruleset that gives every `app=web` workload one more port: one version each.
+    pub async fn bump(&self, n: u16) {
+        let service = ServiceSpec {
+            name: format!("svc-{n}"),
+            description: String::new(),
+            entries: vec![ServiceEntry::parse(&format!("tcp:{}", 8000 + n)).unwrap()],
+        };
+        let ruleset = RulesetSpec {
+            name: format!("rs-{n}"),
+            description: String::new(),
+            enabled: true,
+            scope: [("app".to_owned(), vec!["web".to_owned()])].into(),
+            rules: vec![RuleSpec {
+                name: "r".into(),
+                description: String::new(),
+                enabled: true,
+                peers: vec![PeerSpec::cidr("192.0.2.0/24")],
+                services: vec![service.name.clone()],
+            }],
+        };
+        authoring::commit(self.pool(), "test", "bump", "web", async |c| {
+            authoring::create_service(c, &service).await?;
+            authoring::create_ruleset(c, &ruleset).await?;
+            Ok(((), serde_json::json!({})))
+        })
+        .await
+        .unwrap();
+    }
+
+    /// (state, applied, latest, detail) as `workload status` reads it.
+    pub async fn status(&self, id: WorkloadId) -> (String, i64, Option<i64>, String) {
+        let s =
+            store::sync_status(&mut self.pool().acquire().await.unwrap(), Some(id)).await.unwrap().remove(0);
+        (s.state.0.name().to_owned(), s.applied_version, s.latest_version, s.detail)
+    }
+
+    /// Polls until the stored state is `state` at `applied`.
+    pub async fn wait_synced(&self, id: WorkloadId, applied: i64) {
+        self.wait(id, |s| s.0 == "SYNCED" && s.1 == applied, &format!("SYNCED at v{applied}")).await;
+    }
+
+    pub async fn wait(
+        &self,
+        id: WorkloadId,
+        done: impl Fn(&(String, i64, Option<i64>, String)) -> bool,
+        what: &str,
+    ) {
+        for _ in 0..300 {
+            if done(&self.status(id).await) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("workload never reached {what}: {:?}", self.status(id).await);
+    }
+}
+
+impl Drop for Plane {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+pub fn credential(config: &RunConfig) -> Credential {
+    Credential::load(&config.state_dir).unwrap()
+}
+
+/// A policy store for sync tests: remembers like `MemoryPolicyStore`, can be slow (so updates
+/// pipeline behind it) and can refuse chosen versions a number of times.
+#[derive(Debug, Default)]
+pub struct TestStore {
+    pub inner: MemoryPolicyStore,
+    pub delay: Duration,
+    pub refuse: Option<(u64, u32)>,
+}
+
+impl PolicyStore for TestStore {
+    fn apply(&mut self, next: &WorkloadPolicy) -> Result<Installed, EnforceError> {
+        std::thread::sleep(self.delay);
+        if let Some((version, times)) = self.refuse
+            && version == next.version()
+            && times > 0
+        {
+            self.refuse = Some((version, times - 1));
+            self.inner.fail_next = Some(format!("test refuses v{version}"));
+        }
+        self.inner.apply(next)
+    }
+
+    fn current(&self) -> Option<&WorkloadPolicy> {
+        self.inner.current()
+    }
+}
+
+pub fn history(enforcer: &Enforcer<TestStore>) -> Vec<u64> {
+    enforcer.store.lock().unwrap().inner.history().to_vec()
+}
