@@ -299,3 +299,55 @@ async fn listener_loss_reconciles() {
     agent.ack(2, true, "").await;
     assert_eq!(wait_state(pool, id, "SYNCED").await.1, 2);
 }
+
+#[tokio::test]
+async fn retire_closes_stream_refuses_renewal_and_leaves_renders() {
+    let plane = Plane::start(GatewayConfig::default()).await;
+    let pool = &plane.db.pool;
+    let db_token = plane.mint(&["app=db"], None).await;
+    let (db, _, _) = plane.enroll(&db_token).await.unwrap();
+    let token = plane.mint(&["app=web"], None).await;
+    let (id, cert, key) = plane.enroll(&token).await.unwrap();
+    let channel = plane.mutual(&cert, &key).await.unwrap();
+    let mut agent = Scripted::open(channel.clone(), 0).await;
+    agent.update().await;
+    // db admits app=web: the web workload's address is in db's peer set.
+    let rs = "name: db\nscope: {app: [db]}\nrules:\n- name: r\n  peers: [{workloads: {app: [web]}}]\n  services: [pg]\n";
+    let file = std::env::temp_dir().join(format!("iw-retire-{}.yaml", uuid::Uuid::new_v4()));
+    std::fs::write(&file, rs).unwrap();
+    for args in [
+        vec!["service", "create", "pg", "--entry", "tcp:5432"],
+        vec!["ruleset", "create", "-f", file.to_str().unwrap()],
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_innerwall"))
+            .args(["--database-url", &plane.db.url])
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+    std::fs::remove_file(&file).ok();
+    let peers = async || {
+        let (p, _) = store::persisted_policy(&mut pool.acquire().await.unwrap(), db).await.unwrap().unwrap();
+        p.rules().flat_map(|r| r.peers().iter().map(ToString::to_string)).collect::<Vec<_>>()
+    };
+    assert_eq!(peers().await, ["10.1.0.5/32"]);
+
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_innerwall"))
+        .args(["--database-url", &plane.db.url, "workload", "retire", &id.to_string()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(peers().await, Vec::<String>::new(), "a retired workload leaves every render");
+    let end = tokio::time::timeout(Duration::from_secs(10), agent.inbound.message())
+        .await
+        .expect("stream not closed");
+    assert!(matches!(end, Err(ref s) if s.code() == tonic::Code::Aborted), "{end:?}");
+    let (_, csr) = crate::enrollment::key_and_csr();
+    let err = proto::agent_service_client::AgentServiceClient::new(channel)
+        .renew_credential(proto::RenewCredentialRequest { csr_pem: csr })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err}");
+    assert!(err.message().contains("retired"), "{err}");
+}
