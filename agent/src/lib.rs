@@ -6,6 +6,8 @@
 pub mod daemon;
 pub mod enforce;
 pub mod enroll;
+pub mod flows;
 pub mod identity;
 pub mod policy_file;
 pub mod sync;
+pub mod telemetry;

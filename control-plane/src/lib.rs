@@ -5,6 +5,7 @@ pub mod authoring;
 pub mod bridge;
 pub mod ca;
 pub mod enroll;
+pub mod flows;
 pub mod gateway;
 pub mod model;
 pub mod postgres;

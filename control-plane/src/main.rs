@@ -66,6 +66,9 @@ enum Command {
     /// Enrolled hosts: labels, mode, rendered policy.
     #[command(subcommand)]
     Workload(WorkloadCmd),
+    /// Flow evidence the agents reported.
+    #[command(subcommand)]
+    Flows(FlowsCmd),
 }
 
 #[derive(Debug, Args)]
@@ -219,6 +222,30 @@ enum RulesetCmd {
 }
 
 #[derive(Debug, Subcommand)]
+enum FlowsCmd {
+    /// Inbound flow records of one workload, newest first.
+    List {
+        #[arg(long)]
+        workload: WorkloadId,
+        /// How far back, e.g. 1h, 7d.
+        #[arg(long, default_value = "1h", value_parser = parse_duration)]
+        since: std::time::Duration,
+        /// observed, allowed, would-block or blocked.
+        #[arg(long)]
+        decision: Option<String>,
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+    },
+    /// Evidence gaps: what could not be recorded (never silence).
+    Gaps {
+        #[arg(long)]
+        workload: Option<WorkloadId>,
+        #[arg(long, default_value = "24h", value_parser = parse_duration)]
+        since: std::time::Duration,
+    },
+}
+
+#[derive(Debug, Subcommand)]
 enum WorkloadCmd {
     List,
     Show {
@@ -329,6 +356,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::AddressGroup(cmd) => group(&pool(&cli).await?, cmd, json).await?,
         Command::Ruleset(cmd) => ruleset(&pool(&cli).await?, cmd, json).await?,
         Command::Workload(cmd) => workload(&pool(&cli).await?, cmd, json).await?,
+        Command::Flows(cmd) => flows(&pool(&cli).await?, cmd, json).await?,
     }
     Ok(())
 }
@@ -395,6 +423,83 @@ async fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<()> {
     );
     shutdown.await;
     running.stop().await?;
+    Ok(())
+}
+
+async fn flows(pool: &PgPool, cmd: &FlowsCmd, json: bool) -> anyhow::Result<()> {
+    use innerwall_control_plane::flows::{self as f, decision_name, gap_kind_name};
+    let since = |d: &std::time::Duration| {
+        chrono::Utc::now() - chrono::Duration::from_std(*d).unwrap_or(chrono::Duration::MAX)
+    };
+    match cmd {
+        FlowsCmd::List { workload, since: back, decision, limit } => {
+            let decision = match decision.as_deref() {
+                None => None,
+                Some(name) => Some((1..=4).find(|n| decision_name(*n) == name).ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "unknown decision {name:?}: use observed, allowed, would-block or blocked"
+                    )
+                })?),
+            };
+            if !(1..=10_000).contains(limit) {
+                bail!("--limit must be between 1 and 10000");
+            }
+            let rows = f::list(pool, *workload, since(back), decision, *limit).await?;
+            if json {
+                return print_json(&rows);
+            }
+            let rows = rows
+                .into_iter()
+                .map(|r| {
+                    let peer = match r.peer_kind {
+                        1 => format!("workload {} {}", r.peer_key, r.peer_labels),
+                        2 => format!("group {}", r.peer_key),
+                        _ => r.peer_key.clone(),
+                    };
+                    let proto =
+                        ["", "tcp", "udp", "icmp", "icmpv6"].get(r.protocol as usize).copied().unwrap_or("?");
+                    vec![
+                        r.window_start.format("%F %T").to_string(),
+                        format!("v{}", r.policy_version),
+                        r.src_address,
+                        peer,
+                        format!("{proto}/{}", r.dst_port),
+                        decision_name(r.decision).to_owned(),
+                        r.matched_rule_id,
+                        r.new_connections.to_string(),
+                        r.packets.to_string(),
+                        r.bytes.to_string(),
+                    ]
+                })
+                .collect();
+            print_table(
+                &[
+                    "window", "policy", "source", "peer", "service", "decision", "rule", "conns", "packets",
+                    "bytes",
+                ],
+                rows,
+            );
+        }
+        FlowsCmd::Gaps { workload, since: back } => {
+            let rows = f::gaps(pool, *workload, since(back)).await?;
+            if json {
+                return print_json(&rows);
+            }
+            let rows = rows
+                .into_iter()
+                .map(|g| {
+                    vec![
+                        g.workload_id.to_string(),
+                        gap_kind_name(g.kind).to_owned(),
+                        g.gap_from.format("%F %T").to_string(),
+                        g.gap_to.format("%F %T").to_string(),
+                        g.count.to_string(),
+                    ]
+                })
+                .collect();
+            print_table(&["workload", "kind", "from", "to", "count"], rows);
+        }
+    }
     Ok(())
 }
 

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use innerwall_wire::proto::agent_service_server::AgentServiceServer;
 use innerwall_wire::proto::enrollment_service_server::EnrollmentServiceServer;
+use innerwall_wire::proto::telemetry_service_server::TelemetryServiceServer;
 use sqlx::PgPool;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -54,6 +55,22 @@ pub struct Running {
     stop: oneshot::Sender<()>,
     server: JoinHandle<Result<(), ServerError>>,
     bridge: JoinHandle<()>,
+    retention: JoinHandle<()>,
+}
+
+/// Drops expired flow partitions hourly (FLOW-5); replicas serialize on the partition lock.
+async fn retention_forever(pool: PgPool) {
+    let mut hourly = tokio::time::interval(Duration::from_secs(3600));
+    loop {
+        hourly.tick().await;
+        match crate::flows::apply_retention(&pool, crate::flows::DEFAULT_RETENTION_DAYS, chrono::Utc::now())
+            .await
+        {
+            Ok(dropped) if !dropped.is_empty() => tracing::info!(?dropped, "dropped expired flow partitions"),
+            Ok(_) => {}
+            Err(e) => tracing::warn!("flow retention failed: {e}"),
+        }
+    }
 }
 
 impl Running {
@@ -62,6 +79,7 @@ impl Running {
         self.gateway.end_all("control plane shutting down");
         let _ = self.stop.send(());
         self.bridge.abort();
+        self.retention.abort();
         let mut server = self.server;
         let joined = match tokio::time::timeout(SHUTDOWN_GRACE, &mut server).await {
             Ok(joined) => joined,
@@ -92,6 +110,7 @@ pub async fn start(
     let enroller = Enroller { pool: pool.clone(), signer: signer.clone(), lifetime: config.cert_lifetime };
     let gateway = Gateway::new(pool.clone(), config.gateway.clone(), enroller.clone());
     let bridge = tokio::spawn(bridge::run(pool.clone(), gateway.clone(), deny.clone()));
+    let retention = tokio::spawn(retention_forever(pool.clone()));
 
     let tls = server::tls_config(signer.as_ref(), &config.server_names, deny)?;
     let listener = tokio::net::TcpListener::bind(config.listen)
@@ -101,7 +120,11 @@ pub async fn start(
     let router = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .add_service(EnrollmentServiceServer::new(enroller))
-        .add_service(AgentServiceServer::with_interceptor(gateway.clone(), server::authenticate));
+        .add_service(AgentServiceServer::with_interceptor(gateway.clone(), server::authenticate))
+        .add_service(TelemetryServiceServer::with_interceptor(
+            crate::flows::Telemetry { pool: pool.clone() },
+            server::authenticate,
+        ));
     let (stop, stopped) = oneshot::channel::<()>();
     let server = tokio::spawn(server::serve(listener, tls, router, async move {
         let _ = stopped.await;
@@ -114,5 +137,6 @@ pub async fn start(
         stop,
         server,
         bridge,
+        retention,
     })
 }

@@ -1,5 +1,6 @@
 //! End-to-end tests across crates. One test binary; one module per capability.
 
 mod binaries;
+mod flows;
 mod plane;
 mod sync;

@@ -1,0 +1,221 @@
+//! Flow evidence end to end (FLOW-4, FLOW-5): the agent's on-disk queue and telemetry connection
+//! against a real control plane and Postgres: peer resolution with label snapshots, idempotent
+//! retries, and buffering across a partition with overflow recorded as a gap.
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::time::Duration;
+
+use innerwall_agent::daemon;
+use innerwall_agent::telemetry::{self, Queue};
+use innerwall_control_plane::authoring::{self, AddressGroupSpec, NewWorkload};
+use innerwall_wire::identity::WorkloadId;
+use innerwall_wire::policy::Cidr;
+use innerwall_wire::proto;
+
+use crate::plane::Plane;
+
+fn record(src: &str, port: u32, packets: u64) -> proto::FlowRecord {
+    proto::FlowRecord {
+        src_address: src.into(),
+        dst_address: "10.1.0.5".into(),
+        dst_port: port,
+        protocol: proto::Protocol::Tcp.into(),
+        decision: proto::FlowDecision::WouldBlock.into(),
+        matched_rule_id: String::new(),
+        packets,
+        bytes: packets * 60,
+        new_connections: 1,
+        first_seen_unix_ms: now_ms() - 5_000,
+        last_seen_unix_ms: now_ms() - 1_000,
+    }
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64
+}
+
+fn window(records: Vec<proto::FlowRecord>) -> proto::FlowWindow {
+    proto::FlowWindow {
+        window_id: uuid::Uuid::new_v4().to_string(),
+        start_unix_ms: now_ms() - 60_000,
+        end_unix_ms: now_ms(),
+        policy_version: 1,
+        mode: proto::EnforcementMode::Simulation.into(),
+        records,
+        gaps: vec![],
+    }
+}
+
+async fn register_peer(plane: &Plane, labels: &[&str], addr: &str) -> WorkloadId {
+    let new = NewWorkload {
+        id: WorkloadId::new_random(),
+        hostname: "peer".into(),
+        labels: labels.iter().map(|l| l.parse().unwrap()).collect(),
+        addresses: BTreeSet::from([addr.parse::<IpAddr>().unwrap()]),
+    };
+    authoring::commit(plane.pool(), "test", "register", "peer", async |c| {
+        authoring::register_workload(c, &new).await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await
+    .unwrap();
+    new.id
+}
+
+async fn group(plane: &Plane, name: &str, cidr: &str) {
+    let spec = AddressGroupSpec {
+        name: name.into(),
+        description: String::new(),
+        cidrs: BTreeSet::from([Cidr::parse(cidr).unwrap()]),
+    };
+    authoring::commit(plane.pool(), "test", "group", name, async |c| {
+        authoring::create_address_group(c, &spec).await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flows_end_to_end_with_label_snapshot() {
+    let plane = Plane::start().await;
+    let (id, config) = plane.enroll("db-1", &["app=db"]).await;
+    let peer = register_peer(&plane, &["app=web", "env=prod"], "10.9.0.7").await;
+    group(&plane, "corp", "10.8.0.0/16").await;
+    group(&plane, "office", "10.8.1.0/24").await;
+
+    let queue = Queue::new(&config.state_dir, 10).unwrap();
+    queue
+        .push(window(vec![
+            record("10.9.0.7", 5432, 3),
+            record("10.8.1.1", 5432, 2),
+            record("192.0.2.1", 22, 1),
+        ]))
+        .unwrap();
+    let delivered = queue.upload(daemon::connect(&config).await.unwrap()).await.unwrap();
+    assert_eq!(delivered, 1);
+    assert!(queue.is_empty());
+
+    let rows: Vec<(String, i16, String, serde_json::Value, i64)> = sqlx::query_as(
+        "SELECT host(src_address), peer_kind, peer_key, peer_labels, packets FROM flow_records
+         WHERE workload_id = $1 ORDER BY src_address",
+    )
+    .bind(id.uuid())
+    .fetch_all(plane.pool())
+    .await
+    .unwrap();
+    assert_eq!(
+        rows,
+        vec![
+            ("10.8.1.1".to_owned(), 2, "office".to_owned(), serde_json::json!({}), 2),
+            ("10.9.0.7".to_owned(), 1, peer.to_string(), serde_json::json!({"app": "web", "env": "prod"}), 3),
+            ("192.0.2.1".to_owned(), 0, "192.0.2.1".to_owned(), serde_json::json!({}), 1),
+        ],
+        "workload with its labels, else the most specific group, else the bare address"
+    );
+
+    // Relabel the peer: the stored snapshot still says what it was then.
+    authoring::commit(plane.pool(), "test", "label", "peer", async |c| {
+        Ok((
+            authoring::edit_labels(c, peer, 1, &["app=checkout".parse().unwrap()], &[]).await?,
+            serde_json::json!({}),
+        ))
+    })
+    .await
+    .unwrap();
+    let out = std::process::Command::new(innerwall_e2e::workspace_bin("innerwall"))
+        .args(["--database-url", &plane.db.url, "--json", "flows", "list", "--workload", &id.to_string()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let listed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let labels: Vec<&serde_json::Value> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["peer_kind"] == 1)
+        .map(|r| &r["peer_labels"])
+        .collect();
+    assert_eq!(labels, [&serde_json::json!({"app": "web", "env": "prod"})]);
+
+    // A malformed window is refused whole, with the reason; nothing of it is stored.
+    let mut bad = window(vec![record("10.9.0.7", 5432, 1), record("not-an-ip", 1, 1)]);
+    bad.window_id = uuid::Uuid::new_v4().to_string();
+    let err =
+        proto::telemetry_service_client::TelemetryServiceClient::new(daemon::connect(&config).await.unwrap())
+            .report_flows(proto::ReportFlowsRequest { window: Some(bad) })
+            .await
+            .unwrap_err();
+    assert!(err.message().contains("record 1: source \"not-an-ip\" is not an address"), "{err}");
+    let windows: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM flow_windows").fetch_one(plane.pool()).await.unwrap();
+    assert_eq!(windows, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flow_upload_is_idempotent() {
+    let plane = Plane::start().await;
+    let (id, config) = plane.enroll("db-1", &["app=db"]).await;
+    let queue = Queue::new(&config.state_dir, 10).unwrap();
+    let w = window(vec![record("192.0.2.1", 5432, 7)]);
+    // A retry after a lost response is the same window again.
+    queue.push(w.clone()).unwrap();
+    queue.push(w).unwrap();
+    assert_eq!(queue.upload(daemon::connect(&config).await.unwrap()).await.unwrap(), 2);
+    let (windows, records, packets): (i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM flow_windows WHERE workload_id = $1),
+                (SELECT count(*) FROM flow_records WHERE workload_id = $1),
+                (SELECT sum(packets)::bigint FROM flow_totals WHERE workload_id = $1)",
+    )
+    .bind(id.uuid())
+    .fetch_one(plane.pool())
+    .await
+    .unwrap();
+    assert_eq!((windows, records, packets), (1, 1, 7), "stored once, counted once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flow_buffer_survives_partition() {
+    let mut plane = Plane::start().await;
+    let (id, config) = plane.enroll("db-1", &["app=db"]).await;
+    plane.down().await;
+    // The control plane is unreachable: five windows close, the queue holds three.
+    let queue = Queue::new(&config.state_dir, 3).unwrap();
+    for n in 0..5 {
+        queue.push(window(vec![record("192.0.2.1", 1000 + n, 1 + u64::from(n))])).unwrap();
+    }
+    assert_eq!(queue.len(), 3);
+    let uploader =
+        tokio::spawn(telemetry::upload_forever(config.clone(), queue.clone(), Duration::from_millis(100)));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(queue.len(), 3, "nothing is lost while the control plane is away");
+
+    plane.up().await;
+    for _ in 0..100 {
+        if queue.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(queue.is_empty(), "buffered windows are delivered after the partition");
+    let ports: Vec<i32> =
+        sqlx::query_scalar("SELECT dst_port FROM flow_records WHERE workload_id = $1 ORDER BY dst_port")
+            .bind(id.uuid())
+            .fetch_all(plane.pool())
+            .await
+            .unwrap();
+    assert_eq!(ports, [1002, 1003, 1004], "the newest windows survive");
+    let gaps: Vec<(i16, i64)> =
+        sqlx::query_as("SELECT kind, count FROM flow_gaps WHERE workload_id = $1 ORDER BY gap_from")
+            .bind(id.uuid())
+            .fetch_all(plane.pool())
+            .await
+            .unwrap();
+    assert_eq!(
+        gaps,
+        [(3, 1), (3, 1)],
+        "each dropped window is an upload-buffer-overflow gap with its record count"
+    );
+    uploader.abort();
+}
