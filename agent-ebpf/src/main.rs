@@ -1,61 +1,437 @@
-//! The tc classifier `innerwall_ingress`: counts IPv4/IPv6 packets per L4 protocol, never drops any.
+//! The flow-capture tc classifiers (DESIGN.md FLOW-1). Both only observe: the verdict is always
+//! `TC_ACT_PIPE`, so a bug here can never cut or alter traffic.
+//!
+//! - `innerwall_egress` remembers the connections this host initiates (TCP SYN without ACK,
+//!   the first UDP datagram of a 5-tuple, ICMP echo requests) in the `CONNS` LRU map.
+//! - `innerwall_ingress` parses Ethernet / IPv4 / IPv6 (walking hop-by-hop, routing,
+//!   destination-options, fragment and AH headers) / TCP / UDP / ICMP / ICMPv6, skips packets
+//!   that belong to a connection this host initiated (the reversed tuple is in `CONNS` as
+//!   outbound), and aggregates the rest per `FlowKey` into the active flow map.
+//!
+//! Aya-log is deliberately not used (no perf buffer on the hot path, and the object keeps
+//! its Apache-2.0 licence: no GPL-only helper is called).
 #![no_std]
 #![no_main]
 
 use aya_ebpf::{
-    bindings::TC_ACT_PIPE,
-    btf_maps::PerCpuArray,
+    bindings::{BPF_ANY, BPF_NOEXIST, TC_ACT_PIPE},
+    btf_maps::{Array, LruHashMap, PerCpuArray, PerCpuHashMap},
+    helpers::bpf_ktime_get_ns,
     macros::{btf_map, classifier},
     programs::TcContext,
+};
+use innerwall_ebpf_common::{
+    CONN_ENTRIES, COUNTER_CONN_INSERT_FAILED, COUNTER_FLOW_INSERT_FAILED, COUNTER_REPLIES_SKIPPED,
+    COUNTER_SLOTS, ConnKey, ConnValue, DEFAULT_FLOW_ENTRIES, DIR_INBOUND, DIR_OUTBOUND, FAMILY_V4, FAMILY_V6,
+    FlowKey, FlowValue, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
 };
 
 const ETH_HDR_LEN: usize = 14;
 const ETH_TYPE_OFFSET: usize = 12;
 const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86DD;
-/// Offset of the protocol byte inside the IPv4 header.
-const IPV4_PROTOCOL_OFFSET: usize = 9;
-/// Offset of the next-header byte inside the IPv6 header. Extension headers are not
-/// walked, so e.g. fragments count under protocol 44.
-const IPV6_NEXT_HEADER_OFFSET: usize = 6;
+const IPV6_HDR_LEN: usize = 40;
+/// IPv6 extension headers walked before giving up (the verifier needs a bound).
+const MAX_IPV6_EXT_HEADERS: usize = 6;
+const NEXTHDR_HOP: u8 = 0;
+const NEXTHDR_ROUTING: u8 = 43;
+const NEXTHDR_FRAGMENT: u8 = 44;
+const NEXTHDR_AUTH: u8 = 51;
+const NEXTHDR_DEST: u8 = 60;
+const TCP_FLAG_SYN: u8 = 0x02;
+const TCP_FLAG_ACK: u8 = 0x10;
+const ICMP_ECHO_REPLY: u8 = 0;
+const ICMP_ECHO_REQUEST: u8 = 8;
+const ICMPV6_ECHO_REQUEST: u8 = 128;
+const ICMPV6_ECHO_REPLY: u8 = 129;
+/// Start of Linux's default ephemeral port range (`ip_local_port_range`).
+const EPHEMERAL_PORT_MIN: u16 = 32768;
+const EEXIST: i32 = 17;
 
-/// Packets seen per IPv4 protocol number (the index), per CPU.
+/// Inbound flow records (per CPU: no atomics, no lost increments; the agent sums the CPUs),
+/// written while `ACTIVE_MAP[0] == 0`. Resized by the agent before load.
 #[btf_map]
-static IPV4_PACKETS: PerCpuArray<u64, 256> = PerCpuArray::new();
+static FLOWS_A: PerCpuHashMap<FlowKey, FlowValue, { DEFAULT_FLOW_ENTRIES as usize }> = PerCpuHashMap::new();
 
-/// Packets seen per IPv6 next-header value (the index), per CPU.
+/// Inbound flow records, written while `ACTIVE_MAP[0] == 1`.
 #[btf_map]
-static IPV6_PACKETS: PerCpuArray<u64, 256> = PerCpuArray::new();
+static FLOWS_B: PerCpuHashMap<FlowKey, FlowValue, { DEFAULT_FLOW_ENTRIES as usize }> = PerCpuHashMap::new();
 
-/// Observes only: the verdict is always `TC_ACT_PIPE`, so a bug here can never cut traffic.
+/// Which flow map the programs write to; the agent flips it to drain the other one.
+#[btf_map]
+static ACTIVE_MAP: Array<u32, 1> = Array::new();
+
+/// Monotonic per-CPU counters (indices in innerwall-ebpf-common: insert failures, …).
+#[btf_map]
+static COUNTERS: PerCpuArray<u64, { COUNTER_SLOTS as usize }> = PerCpuArray::new();
+
+/// Connections with a known direction (who sent the first packet), keyed from this host's side.
+#[btf_map]
+static CONNS: LruHashMap<ConnKey, ConnValue, { CONN_ENTRIES as usize }> = LruHashMap::new();
+
+/// Records inbound flows; never drops.
 #[classifier]
 pub fn innerwall_ingress(ctx: TcContext) -> i32 {
-    count_packet(&ctx);
+    if let Some(packet) = parse(&ctx) {
+        ingress(&ctx, &packet);
+    }
     TC_ACT_PIPE
 }
 
+/// Remembers outbound initiations; never drops.
+#[classifier]
+pub fn innerwall_egress(ctx: TcContext) -> i32 {
+    if let Some(packet) = parse(&ctx) {
+        egress(&packet);
+    }
+    TC_ACT_PIPE
+}
+
+/// The fields of one packet the programs need. Ports are 0 for non-first fragments and
+/// protocols without ports; for ICMP echo both hold the identifier.
+struct Packet {
+    family: u8,
+    protocol: u8,
+    src: [u8; 16],
+    dst: [u8; 16],
+    src_port: u16,
+    dst_port: u16,
+    tcp_flags: u8,
+    icmp_type: u8,
+    icmp_code: u8,
+    /// Whether the L4 header was read.
+    has_l4: bool,
+}
+
 #[inline(always)]
-fn count_packet(ctx: &TcContext) {
-    let Ok(ether_type) = ctx.load::<u16>(ETH_TYPE_OFFSET) else {
+fn parse(ctx: &TcContext) -> Option<Packet> {
+    let ether_type = u16::from_be(ctx.load::<u16>(ETH_TYPE_OFFSET).ok()?);
+    let mut packet = Packet {
+        family: 0,
+        protocol: 0,
+        src: [0; 16],
+        dst: [0; 16],
+        src_port: 0,
+        dst_port: 0,
+        tcp_flags: 0,
+        icmp_type: 0,
+        icmp_code: 0,
+        has_l4: false,
+    };
+    let l4_offset;
+    match ether_type {
+        ETH_P_IP => {
+            let version_ihl = ctx.load::<u8>(ETH_HDR_LEN).ok()?;
+            let ihl = usize::from(version_ihl & 0x0f) * 4;
+            if ihl < 20 {
+                return None;
+            }
+            packet.family = FAMILY_V4;
+            packet.protocol = ctx.load::<u8>(ETH_HDR_LEN + 9).ok()?;
+            let src = ctx.load::<[u8; 4]>(ETH_HDR_LEN + 12).ok()?;
+            let dst = ctx.load::<[u8; 4]>(ETH_HDR_LEN + 16).ok()?;
+            packet.src[..4].copy_from_slice(&src);
+            packet.dst[..4].copy_from_slice(&dst);
+            let frag = u16::from_be(ctx.load::<u16>(ETH_HDR_LEN + 6).ok()?);
+            if frag & 0x1fff != 0 {
+                // A non-first fragment carries no L4 header.
+                return Some(packet);
+            }
+            l4_offset = ETH_HDR_LEN + ihl;
+        }
+        ETH_P_IPV6 => {
+            packet.family = FAMILY_V6;
+            packet.src = ctx.load::<[u8; 16]>(ETH_HDR_LEN + 8).ok()?;
+            packet.dst = ctx.load::<[u8; 16]>(ETH_HDR_LEN + 24).ok()?;
+            let mut next = ctx.load::<u8>(ETH_HDR_LEN + 6).ok()?;
+            let mut offset = ETH_HDR_LEN + IPV6_HDR_LEN;
+            let mut first_fragment = true;
+            for _ in 0..MAX_IPV6_EXT_HEADERS {
+                let len = match next {
+                    NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_DEST => {
+                        (usize::from(ctx.load::<u8>(offset + 1).ok()?) + 1) * 8
+                    }
+                    NEXTHDR_AUTH => (usize::from(ctx.load::<u8>(offset + 1).ok()?) + 2) * 4,
+                    NEXTHDR_FRAGMENT => {
+                        let frag = u16::from_be(ctx.load::<u16>(offset + 2).ok()?);
+                        if frag & 0xfff8 != 0 {
+                            first_fragment = false;
+                        }
+                        8
+                    }
+                    _ => break,
+                };
+                next = ctx.load::<u8>(offset).ok()?;
+                offset += len;
+            }
+            packet.protocol = next;
+            if !first_fragment {
+                return Some(packet);
+            }
+            l4_offset = offset;
+        }
+        _ => return None,
+    }
+    match packet.protocol {
+        PROTO_TCP | PROTO_UDP => {
+            let ports = ctx.load::<[u8; 4]>(l4_offset).ok()?;
+            packet.src_port = u16::from_be_bytes([ports[0], ports[1]]);
+            packet.dst_port = u16::from_be_bytes([ports[2], ports[3]]);
+            if packet.protocol == PROTO_TCP {
+                packet.tcp_flags = ctx.load::<u8>(l4_offset + 13).ok()?;
+            }
+            packet.has_l4 = true;
+        }
+        PROTO_ICMP | PROTO_ICMPV6 => {
+            let head = ctx.load::<[u8; 8]>(l4_offset).ok()?;
+            packet.icmp_type = head[0];
+            packet.icmp_code = head[1];
+            if is_echo(&packet) {
+                let id = u16::from_be_bytes([head[4], head[5]]);
+                packet.src_port = id;
+                packet.dst_port = id;
+            }
+            packet.has_l4 = true;
+        }
+        _ => {}
+    }
+    Some(packet)
+}
+
+#[inline(always)]
+fn is_echo(packet: &Packet) -> bool {
+    is_echo_request(packet) || is_echo_reply(packet)
+}
+
+#[inline(always)]
+fn is_echo_request(packet: &Packet) -> bool {
+    match packet.protocol {
+        PROTO_ICMP => packet.icmp_type == ICMP_ECHO_REQUEST,
+        PROTO_ICMPV6 => packet.icmp_type == ICMPV6_ECHO_REQUEST,
+        _ => false,
+    }
+}
+
+#[inline(always)]
+fn is_echo_reply(packet: &Packet) -> bool {
+    match packet.protocol {
+        PROTO_ICMP => packet.icmp_type == ICMP_ECHO_REPLY,
+        PROTO_ICMPV6 => packet.icmp_type == ICMPV6_ECHO_REPLY,
+        _ => false,
+    }
+}
+
+/// The connection as seen from this host for a packet going out.
+#[inline(always)]
+fn egress_conn(packet: &Packet) -> ConnKey {
+    ConnKey {
+        local: packet.src,
+        remote: packet.dst,
+        local_port: packet.src_port,
+        remote_port: packet.dst_port,
+        protocol: packet.protocol,
+        family: packet.family,
+        _pad: [0; 2],
+    }
+}
+
+/// The connection as seen from this host for a packet coming in.
+#[inline(always)]
+fn ingress_conn(packet: &Packet) -> ConnKey {
+    ConnKey {
+        local: packet.dst,
+        remote: packet.src,
+        local_port: packet.dst_port,
+        remote_port: packet.src_port,
+        protocol: packet.protocol,
+        family: packet.family,
+        _pad: [0; 2],
+    }
+}
+
+#[inline(always)]
+fn set_direction(conn: &ConnKey, direction: u8, flags: u64) {
+    let value = ConnValue { direction, _pad: [0; 7] };
+    if let Err(err) = CONNS.insert(conn, value, flags)
+        && err != -EEXIST
+    {
+        count(COUNTER_CONN_INSERT_FAILED);
+    }
+}
+
+#[inline(always)]
+fn direction(conn: &ConnKey) -> u8 {
+    // SAFETY: the value is copied out at once; a concurrent update can at worst give the old
+    // or the new direction byte, both valid.
+    unsafe { CONNS.get(conn) }.map_or(0, |value| value.direction)
+}
+
+#[inline(always)]
+fn egress(packet: &Packet) {
+    if !packet.has_l4 {
         return;
+    }
+    match packet.protocol {
+        PROTO_TCP => {
+            if packet.tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN {
+                set_direction(&egress_conn(packet), DIR_OUTBOUND, u64::from(BPF_ANY));
+            }
+        }
+        PROTO_UDP => {
+            let conn = egress_conn(packet);
+            if direction(&conn) == 0 {
+                set_direction(&conn, DIR_OUTBOUND, u64::from(BPF_NOEXIST));
+            }
+        }
+        PROTO_ICMP | PROTO_ICMPV6 => {
+            if is_echo_request(packet) {
+                set_direction(&egress_conn(packet), DIR_OUTBOUND, u64::from(BPF_ANY));
+            }
+        }
+        _ => {}
+    }
+}
+
+#[inline(always)]
+fn ingress(ctx: &TcContext, packet: &Packet) {
+    // 0: not a connection start; 1: a new connection; 2: new if the key is new.
+    let new_connection: u64 = if !packet.has_l4 {
+        2
+    } else {
+        match packet.protocol {
+            PROTO_TCP => {
+                let conn = ingress_conn(packet);
+                if packet.tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN {
+                    set_direction(&conn, DIR_INBOUND, u64::from(BPF_ANY));
+                    1
+                } else {
+                    match direction(&conn) {
+                        DIR_OUTBOUND => return count(COUNTER_REPLIES_SKIPPED),
+                        DIR_INBOUND => 0,
+                        _ => {
+                            // Mid-stream without a SYN seen (started before attach, or evicted):
+                            // an ephemeral local port talking to a service port is taken as a
+                            // connection this host initiated.
+                            if packet.dst_port >= EPHEMERAL_PORT_MIN && packet.src_port < EPHEMERAL_PORT_MIN {
+                                set_direction(&conn, DIR_OUTBOUND, u64::from(BPF_NOEXIST));
+                                return count(COUNTER_REPLIES_SKIPPED);
+                            }
+                            set_direction(&conn, DIR_INBOUND, u64::from(BPF_NOEXIST));
+                            0
+                        }
+                    }
+                }
+            }
+            PROTO_UDP => {
+                let conn = ingress_conn(packet);
+                match direction(&conn) {
+                    DIR_OUTBOUND => return count(COUNTER_REPLIES_SKIPPED),
+                    DIR_INBOUND => 0,
+                    _ => {
+                        set_direction(&conn, DIR_INBOUND, u64::from(BPF_NOEXIST));
+                        1
+                    }
+                }
+            }
+            _ if is_echo_request(packet) => {
+                let conn = ingress_conn(packet);
+                match direction(&conn) {
+                    DIR_INBOUND => 0,
+                    _ => {
+                        set_direction(&conn, DIR_INBOUND, u64::from(BPF_ANY));
+                        1
+                    }
+                }
+            }
+            _ if is_echo_reply(packet) => {
+                if direction(&ingress_conn(packet)) == DIR_OUTBOUND {
+                    return count(COUNTER_REPLIES_SKIPPED);
+                }
+                2
+            }
+            _ => 2,
+        }
     };
-    let (counters, protocol_offset) = match u16::from_be(ether_type) {
-        ETH_P_IP => (&IPV4_PACKETS, ETH_HDR_LEN + IPV4_PROTOCOL_OFFSET),
-        ETH_P_IPV6 => (&IPV6_PACKETS, ETH_HDR_LEN + IPV6_NEXT_HEADER_OFFSET),
-        _ => return,
+    let dst_port = match packet.protocol {
+        PROTO_ICMP | PROTO_ICMPV6 => u16::from(packet.icmp_type) << 8 | u16::from(packet.icmp_code),
+        _ => packet.dst_port,
     };
-    let Ok(protocol) = ctx.load::<u8>(protocol_offset) else {
+    let key = FlowKey {
+        src: packet.src,
+        dst: packet.dst,
+        dst_port,
+        protocol: packet.protocol,
+        family: packet.family,
+        _pad: [0; 4],
+    };
+    let active = ACTIVE_MAP.get(0).copied().unwrap_or(0);
+    if active == 0 {
+        record(&FLOWS_A, &key, u64::from(ctx.len()), new_connection);
+    } else {
+        record(&FLOWS_B, &key, u64::from(ctx.len()), new_connection);
+    }
+}
+
+#[inline(always)]
+fn record(
+    map: &PerCpuHashMap<FlowKey, FlowValue, { DEFAULT_FLOW_ENTRIES as usize }>,
+    key: &FlowKey,
+    bytes: u64,
+    new_connection: u64,
+) {
+    // SAFETY: bpf_ktime_get_ns has no preconditions.
+    let now = unsafe { bpf_ktime_get_ns() };
+    if let Some(value) = map.get_ptr_mut(key) {
+        add(value, bytes, new_connection & 1, now);
         return;
+    }
+    let value = FlowValue {
+        packets: 1,
+        bytes,
+        new_connections: u64::from(new_connection != 0),
+        first_seen_ns: now,
+        last_seen_ns: now,
     };
-    if let Some(counter) = counters.get_ptr_mut(u32::from(protocol)) {
-        // SAFETY: the pointer is this CPU's slot of a per-CPU array, valid for the whole
-        // program run and touched by no other CPU, so a plain increment cannot race.
+    match map.insert(key, value, u64::from(BPF_NOEXIST)) {
+        Ok(()) => {}
+        // Another CPU inserted the key meanwhile: add to its record.
+        Err(err) if err == -EEXIST => {
+            if let Some(value) = map.get_ptr_mut(key) {
+                add(value, bytes, new_connection & 1, now);
+            }
+        }
+        // Map full (E2BIG) or out of memory: counted, never silent.
+        Err(_) => count(COUNTER_FLOW_INSERT_FAILED),
+    }
+}
+
+#[inline(always)]
+fn add(value: *mut FlowValue, bytes: u64, new_connection: u64, now: u64) {
+    // SAFETY: `value` is this CPU's slot of a live per-CPU map element, valid for this
+    // program run and written by no other CPU. A slot another CPU created the element
+    // for starts zeroed, hence the first-seen fill-in.
+    unsafe {
+        if (*value).packets == 0 {
+            (*value).first_seen_ns = now;
+        }
+        (*value).packets += 1;
+        (*value).bytes += bytes;
+        (*value).new_connections += new_connection;
+        (*value).last_seen_ns = now;
+    }
+}
+
+#[inline(always)]
+fn count(index: u32) {
+    if let Some(counter) = COUNTERS.get_ptr_mut(index) {
+        // SAFETY: this CPU's slot of a per-CPU array, valid for the whole program run and
+        // touched by no other CPU, so a plain increment cannot race.
         unsafe { *counter += 1 };
     }
 }
 
 /// Declared explicitly so the kernel sees the crate's real licence. It is not GPL
-/// compatible, so GPL-only helpers are unavailable to these programs.
+/// compatible, so GPL-only helpers are unavailable to these programs (none is used).
 #[unsafe(link_section = "license")]
 #[unsafe(no_mangle)]
 static LICENSE: [u8; 11] = *b"Apache-2.0\0";

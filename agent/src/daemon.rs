@@ -234,6 +234,105 @@ fn spawn_drift_checks(
     })
 }
 
+fn now_ms() -> i64 {
+    SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
+}
+
+/// This host's own addresses: only flows to them are inbound flows of this workload.
+fn local_addresses() -> std::collections::BTreeSet<std::net::IpAddr> {
+    crate::enroll::host_facts()
+        .interfaces
+        .iter()
+        .flat_map(|i| i.addresses.iter())
+        .filter_map(|a| a.split('/').next()?.parse().ok())
+        .collect()
+}
+
+/// The flow evidence loop (FLOW-1..FLOW-3), on its own thread: drain the kernel map every
+/// second into the open window; close it when its time is up or the applied policy version
+/// changes (evidence is always about exactly one version), and queue it for upload. The time
+/// the agent was not running becomes an AGENT_RESTART gap on the first window.
+fn capture_forever<S: PolicyStore + Send + 'static>(
+    mut capture: crate::capture::Capture,
+    enforcer: Arc<Enforcer<S>>,
+    queue: crate::telemetry::Queue,
+    state_dir: &Path,
+) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let marker = state_dir.join("telemetry").join("last_window_end");
+    let max_keys = || enforcer.flow_window_max_keys.load(Relaxed) as usize;
+    let mut window = crate::flows::Window::open(now_ms(), enforcer.current(), max_keys());
+    if let Some(last) = std::fs::read_to_string(&marker).ok().and_then(|t| t.trim().parse::<i64>().ok()) {
+        window.gap(proto::EvidenceGapKind::AgentRestart, last, now_ms(), 0);
+    }
+    let mut local = local_addresses();
+    let mut last_drain = now_ms();
+    loop {
+        std::thread::sleep(Duration::from_secs(1));
+        let now = now_ms();
+        match capture.drain() {
+            Ok(drained) => crate::flows::absorb(
+                &mut window,
+                &drained.records,
+                drained.map_full_drops,
+                &local,
+                last_drain,
+                now,
+            ),
+            Err(e) => tracing::error!("draining the flow map failed: {e}"),
+        }
+        last_drain = now;
+        let length = enforcer.flow_window_secs.load(Relaxed) as i64 * 1000;
+        if enforcer.applied_version() != window.policy_version() || now - window.start_ms >= length {
+            let closed = std::mem::replace(
+                &mut window,
+                crate::flows::Window::open(now, enforcer.current(), max_keys()),
+            );
+            if let Err(e) = queue.push(closed.close(now)) {
+                tracing::error!("could not queue a flow window: {e}");
+            }
+            let _ = std::fs::write(&marker, now.to_string());
+            local = local_addresses();
+        }
+    }
+}
+
+/// Starts flow capture and upload. Without root or the BPF object, enforcement goes on and the
+/// reason is logged; flow evidence is then absent (and the restart gap will say so later).
+fn start_flows<S: PolicyStore + Send + 'static>(
+    config: &RunConfig,
+    enforcer: Arc<Enforcer<S>>,
+) -> Option<tokio::task::JoinHandle<()>> {
+    let queue = match crate::telemetry::Queue::new(&config.state_dir, crate::telemetry::DEFAULT_MAX_WINDOWS) {
+        Ok(q) => q,
+        Err(e) => {
+            tracing::error!("flow telemetry disabled: cannot create its queue: {e}");
+            return None;
+        }
+    };
+    let uploader =
+        tokio::spawn(crate::telemetry::upload_forever(config.clone(), queue.clone(), Duration::from_secs(1)));
+    let state_dir = config.state_dir.clone();
+    let spawned = std::thread::Builder::new().name("flow-capture".into()).spawn(move || {
+        let attached = crate::capture::Capture::interfaces_of_host().and_then(|ifs| {
+            crate::capture::Capture::attach(&ifs, &crate::capture::default_object_path(), None)
+        });
+        match attached {
+            Ok(capture) => {
+                tracing::info!(interfaces = ?capture.interfaces(), "flow capture attached");
+                capture_forever(capture, enforcer, queue, &state_dir);
+            }
+            Err(e) => {
+                tracing::error!("flow capture unavailable: {e}; enforcement continues without flow evidence")
+            }
+        }
+    });
+    if let Err(e) = spawned {
+        tracing::error!("could not start the flow capture thread: {e}");
+    }
+    Some(uploader)
+}
+
 /// Runs the agent until SIGINT/SIGTERM. Kernel rules stay in place when it returns.
 pub async fn run(config: RunConfig) -> anyhow::Result<()> {
     let mut store = LinuxPolicyStore::new(&config.state_dir);
@@ -241,6 +340,7 @@ pub async fn run(config: RunConfig) -> anyhow::Result<()> {
     let enforcer = Arc::new(Enforcer::new(store));
     let drift = spawn_drift_checks(enforcer.clone(), config.drift_interval);
     let renewal = tokio::spawn(renew_forever(config.clone(), enforcer.clone()));
+    let uploader = start_flows(&config, enforcer.clone());
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .context("installing the SIGTERM handler")?;
@@ -251,6 +351,9 @@ pub async fn run(config: RunConfig) -> anyhow::Result<()> {
     };
     drift.abort();
     renewal.abort();
+    if let Some(uploader) = uploader {
+        uploader.abort();
+    }
     tracing::info!("stopping; table inet innerwall stays in place (fail static)");
     result
 }

@@ -156,6 +156,44 @@ impl Window {
     }
 }
 
+/// Adds one drain of the kernel map to the open window: only inbound flows to this host's own
+/// addresses (neighbour discovery excluded), and the map-full drops as a gap since the previous
+/// drain.
+pub fn absorb(
+    window: &mut Window,
+    records: &[crate::capture::FlowRecord],
+    map_full_drops: u64,
+    local: &std::collections::BTreeSet<IpAddr>,
+    since_ms: i64,
+    now_ms: i64,
+) {
+    for r in records {
+        let protocol = match r.protocol {
+            6 => Protocol::Tcp,
+            17 => Protocol::Udp,
+            1 => Protocol::Icmp,
+            58 if !(133..=137).contains(&(r.dst_port >> 8)) => Protocol::Icmpv6,
+            _ => continue,
+        };
+        if !local.contains(&r.dst) {
+            continue;
+        }
+        let dst_port = if protocol.has_ports() { r.dst_port } else { 0 };
+        let key = FlowKey { src: r.src, dst: r.dst, dst_port, protocol };
+        let counters = Counters {
+            packets: r.packets,
+            bytes: r.bytes,
+            new_connections: r.new_connections,
+            first_seen_ms: r.first_seen_unix_ms,
+            last_seen_ms: r.last_seen_unix_ms,
+        };
+        window.add(key, counters, now_ms);
+    }
+    if map_full_drops > 0 {
+        window.gap(proto::EvidenceGapKind::MapFull, since_ms, now_ms, map_full_drops);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use innerwall_wire::policy::{Cidr, PortRange, ResolvedRule, RuleId};

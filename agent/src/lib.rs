@@ -3,6 +3,7 @@
 //! (`enforce`), the `run` daemon (`daemon`) and the JSON policy form of the dev command
 //! `apply-file` (`policy_file`). `main.rs` is a thin CLI over it.
 
+pub mod capture;
 pub mod daemon;
 pub mod enforce;
 pub mod enroll;

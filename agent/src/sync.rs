@@ -61,6 +61,9 @@ pub struct Enforcer<S> {
     /// Connection attempts that failed, and streams that reached HelloAck (for status/tests).
     pub dial_failures: std::sync::atomic::AtomicU64,
     pub streams: std::sync::atomic::AtomicU64,
+    /// Flow window length and key cap the control plane set in the last HelloAck.
+    pub flow_window_secs: std::sync::atomic::AtomicU64,
+    pub flow_window_max_keys: std::sync::atomic::AtomicU64,
 }
 
 impl<S: PolicyStore> Enforcer<S> {
@@ -72,6 +75,8 @@ impl<S: PolicyStore> Enforcer<S> {
             started: Instant::now(),
             dial_failures: Default::default(),
             streams: Default::default(),
+            flow_window_secs: std::sync::atomic::AtomicU64::new(60),
+            flow_window_max_keys: std::sync::atomic::AtomicU64::new(10_000),
         }
     }
 
@@ -171,7 +176,10 @@ pub async fn session<S: PolicyStore + Send + 'static>(
         _ => return SessionEnd::Closed("no HelloAck".into()),
     };
     stats.established = true;
-    enforcer.streams.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    use std::sync::atomic::Ordering::Relaxed;
+    enforcer.flow_window_secs.store(u64::from(config.flow_window_seconds.clamp(1, 3600)), Relaxed);
+    enforcer.flow_window_max_keys.store(u64::from(config.flow_window_max_keys.clamp(1, 1_000_000)), Relaxed);
+    enforcer.streams.fetch_add(1, Relaxed);
     let every = |secs: u32| Duration::from_secs(u64::from(secs.max(1)));
     let mut heartbeat = tokio::time::interval(every(config.heartbeat_interval_seconds));
     let mut inventory = tokio::time::interval(every(config.inventory_interval_seconds));

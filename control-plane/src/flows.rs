@@ -498,7 +498,8 @@ mod tests {
     #[test]
     fn windows_are_validated_whole() {
         assert!(validate(&window(vec![rec()])).is_ok());
-        let bad: Vec<(Box<dyn Fn(&mut proto::FlowRecord)>, &str)> = vec![
+        type Mutation = Box<dyn Fn(&mut proto::FlowRecord)>;
+        let bad: Vec<(Mutation, &str)> = vec![
             (Box::new(|r| r.src_address = "nope".into()), "record 1: source \"nope\" is not an address"),
             (Box::new(|r| r.dst_port = 70_000), "port 70000 is out of range"),
             (Box::new(|r| r.protocol = 9), "unknown protocol 9"),

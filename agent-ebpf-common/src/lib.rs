@@ -1,0 +1,147 @@
+//! Map names, key and value layouts shared by the eBPF programs (`agent-ebpf`) and the agent's
+//! loader (`innerwall_agent::capture`). Everything here is `#[repr(C)]`, padding-free and
+//! plain data, so the kernel map bytes and these structs are the same thing on both sides.
+//!
+//! Addresses are 16 bytes plus a family byte: IPv6 as is, IPv4 in the first 4 bytes with the
+//! remaining 12 zero (see [`FAMILY_V4`]).
+#![no_std]
+
+/// Name of the first of the two flow maps (see [`ACTIVE_MAP`]).
+pub const FLOWS_A: &str = "FLOWS_A";
+/// Name of the second flow map.
+pub const FLOWS_B: &str = "FLOWS_B";
+/// Name of the one-slot array whose value (0 or 1) selects the flow map the programs write
+/// to. The agent flips it, waits a grace period, then drains the idle map: no increment is
+/// lost to a read-then-delete race.
+pub const ACTIVE_MAP: &str = "ACTIVE_MAP";
+/// Name of the per-CPU counter array (see [`COUNTER_FLOW_INSERT_FAILED`]).
+pub const COUNTERS: &str = "COUNTERS";
+/// Name of the LRU map of connections with a known direction (the conntrack-like state).
+pub const CONNS: &str = "CONNS";
+/// Name of the ingress classifier.
+pub const PROG_INGRESS: &str = "innerwall_ingress";
+/// Name of the egress classifier.
+pub const PROG_EGRESS: &str = "innerwall_egress";
+
+/// Default capacity of each flow map (the agent may resize it before load).
+pub const DEFAULT_FLOW_ENTRIES: u32 = 65_536;
+/// Capacity of the connection-direction LRU map.
+pub const CONN_ENTRIES: u32 = 65_536;
+
+/// `COUNTERS` index: flow records that could not be inserted (map full), monotonic.
+pub const COUNTER_FLOW_INSERT_FAILED: u32 = 0;
+/// `COUNTERS` index: inbound packets skipped as replies to connections this host initiated.
+pub const COUNTER_REPLIES_SKIPPED: u32 = 1;
+/// `COUNTERS` index: conntrack inserts that failed (LRU maps evict, so this stays ~0).
+pub const COUNTER_CONN_INSERT_FAILED: u32 = 2;
+/// Number of `COUNTERS` slots.
+pub const COUNTER_SLOTS: u32 = 4;
+
+/// [`FlowKey::family`] for IPv4.
+pub const FAMILY_V4: u8 = 4;
+/// [`FlowKey::family`] for IPv6.
+pub const FAMILY_V6: u8 = 6;
+
+/// IP protocol numbers used in keys.
+pub const PROTO_ICMP: u8 = 1;
+/// TCP.
+pub const PROTO_TCP: u8 = 6;
+/// UDP.
+pub const PROTO_UDP: u8 = 17;
+/// ICMPv6.
+pub const PROTO_ICMPV6: u8 = 58;
+
+/// [`ConnValue::direction`]: this host sent the first packet.
+pub const DIR_OUTBOUND: u8 = 1;
+/// [`ConnValue::direction`]: the remote peer sent the first packet.
+pub const DIR_INBOUND: u8 = 2;
+
+/// The key of one inbound flow record: who (src) reached what (dst, dst port) over which
+/// protocol. For ICMP/ICMPv6, `dst_port` is `type << 8 | code`. 40 bytes, no padding.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FlowKey {
+    /// Source address (the remote peer).
+    pub src: [u8; 16],
+    /// Destination address (this host).
+    pub dst: [u8; 16],
+    /// Destination port, host byte order (ICMP: type << 8 | code).
+    pub dst_port: u16,
+    /// IP protocol number ([`PROTO_TCP`], …).
+    pub protocol: u8,
+    /// [`FAMILY_V4`] or [`FAMILY_V6`].
+    pub family: u8,
+    /// Always zero (keeps the key free of uninitialised padding).
+    pub _pad: [u8; 4],
+}
+
+/// The counters of one flow record. 40 bytes, no padding.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FlowValue {
+    /// Packets seen.
+    pub packets: u64,
+    /// Bytes seen (`skb->len` at tc: the L2 frame without FCS).
+    pub bytes: u64,
+    /// New connections: TCP SYN without ACK; UDP / ICMP echo: first packet of a conversation
+    /// (5-tuple / echo id) the connection table did not know; other ICMP: first packet of the key.
+    pub new_connections: u64,
+    /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) of the first packet.
+    pub first_seen_ns: u64,
+    /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) of the last packet.
+    pub last_seen_ns: u64,
+}
+
+/// A connection seen from this host: local and remote endpoint. For ICMP echo both ports
+/// hold the echo identifier. 40 bytes, no padding.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ConnKey {
+    /// This host's address.
+    pub local: [u8; 16],
+    /// The peer's address.
+    pub remote: [u8; 16],
+    /// This host's port.
+    pub local_port: u16,
+    /// The peer's port.
+    pub remote_port: u16,
+    /// IP protocol number.
+    pub protocol: u8,
+    /// [`FAMILY_V4`] or [`FAMILY_V6`].
+    pub family: u8,
+    /// Always zero.
+    pub _pad: [u8; 2],
+}
+
+/// Who started a connection. 8 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ConnValue {
+    /// [`DIR_OUTBOUND`] or [`DIR_INBOUND`].
+    pub direction: u8,
+    /// Always zero.
+    pub _pad: [u8; 7],
+}
+
+const _: () = {
+    assert!(size_of::<FlowKey>() == 40);
+    assert!(size_of::<FlowValue>() == 40);
+    assert!(size_of::<ConnKey>() == 40);
+    assert!(size_of::<ConnValue>() == 8);
+};
+
+// SAFETY (all four): `#[repr(C)]` structs of integers and byte arrays with no padding (the
+// size assertions above prove it) and no invalid bit patterns, so any bytes the kernel hands
+// back are a valid value and every byte written is initialised.
+#[cfg(feature = "user")]
+#[allow(unsafe_code)]
+mod pod {
+    // SAFETY: see the module comment.
+    unsafe impl aya::Pod for super::FlowKey {}
+    // SAFETY: see the module comment.
+    unsafe impl aya::Pod for super::FlowValue {}
+    // SAFETY: see the module comment.
+    unsafe impl aya::Pod for super::ConnKey {}
+    // SAFETY: see the module comment.
+    unsafe impl aya::Pod for super::ConnValue {}
+}

@@ -1,0 +1,398 @@
+//! eBPF flow capture (DESIGN.md FLOW-1, FLOW-2): loads the `agent-ebpf` object at run time,
+//! attaches its tc classifiers (ingress records, egress tracks what this host initiates) to
+//! the given interfaces, and drains the inbound flow records per window.
+//!
+//! Drain consistency: the program writes to one of two per-CPU flow maps, chosen by
+//! `ACTIVE_MAP[0]`. [`Capture::drain`] flips the index, waits [`DRAIN_GRACE`] so program runs
+//! that read the old index finish (a tc program run takes microseconds), then reads and deletes
+//! every key of the now idle map. Per-CPU values mean no increment is lost to concurrent
+//! updates either. The map-full counter is monotonic; each drain reports the difference.
+//!
+//! The object is read from a file, never embedded, so a plain `cargo build` needs no BPF
+//! toolchain: [`default_object_path`] (`$INNERWALL_EBPF_OBJECT`, else
+//! `<dir of the executable>/../bpf/innerwall-ebpf`, which is `target/bpf/innerwall-ebpf` for
+//! cargo builds; `cargo xtask build-ebpf` puts it there).
+
+use std::fs;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use aya::maps::{Array, MapData, MapError, PerCpuArray, PerCpuHashMap};
+use aya::programs::{ProgramError, SchedClassifier, TcAttachType};
+use aya::{Ebpf, EbpfError, EbpfLoader};
+use innerwall_ebpf_common as common;
+use innerwall_ebpf_common::{FlowKey, FlowValue};
+
+/// How long [`Capture::drain`] waits after switching maps before reading the idle one.
+pub const DRAIN_GRACE: Duration = Duration::from_millis(20);
+
+/// The environment variable that overrides where the eBPF object is read from.
+pub const OBJECT_ENV: &str = "INNERWALL_EBPF_OBJECT";
+
+/// What can go wrong loading, attaching or draining.
+#[derive(Debug, thiserror::Error)]
+pub enum CaptureError {
+    #[error("eBPF flow capture needs root (CAP_BPF + CAP_NET_ADMIN); effective uid is {0}")]
+    NotRoot(u32),
+    #[error("eBPF object {0} not found: build it with `cargo xtask build-ebpf` (or set {OBJECT_ENV})")]
+    ObjectMissing(PathBuf),
+    #[error("loading eBPF object {path}: {source}")]
+    Load {
+        path: PathBuf,
+        #[source]
+        source: Box<EbpfError>,
+    },
+    #[error("eBPF object has no {0}: is it an old build? run `cargo xtask build-ebpf`")]
+    Missing(&'static str),
+    #[error("eBPF program {program}: {source}")]
+    Program {
+        program: &'static str,
+        #[source]
+        source: ProgramError,
+    },
+    #[error("attaching {program} to interface {interface}: {source}")]
+    Attach {
+        program: &'static str,
+        interface: String,
+        #[source]
+        source: ProgramError,
+    },
+    #[error("eBPF map {map}: {source}")]
+    Map {
+        map: &'static str,
+        #[source]
+        source: MapError,
+    },
+    #[error("listing interfaces: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// One inbound flow record as drained: key plus counters summed over CPUs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FlowRecord {
+    /// The remote peer.
+    pub src: IpAddr,
+    /// This host's address the packets were sent to.
+    pub dst: IpAddr,
+    /// Destination port; for ICMP / ICMPv6 `type << 8 | code` (see [`FlowRecord::icmp`]).
+    pub dst_port: u16,
+    /// IP protocol number (6 TCP, 17 UDP, 1 ICMP, 58 ICMPv6, others without ports).
+    pub protocol: u8,
+    /// Packets.
+    pub packets: u64,
+    /// Bytes (L2 frame length as tc sees it).
+    pub bytes: u64,
+    /// New connections: TCP SYNs without ACK; new UDP 5-tuples / ICMP echo ids.
+    pub new_connections: u64,
+    /// First packet, unix milliseconds.
+    pub first_seen_unix_ms: i64,
+    /// Last packet, unix milliseconds.
+    pub last_seen_unix_ms: i64,
+}
+
+impl FlowRecord {
+    /// ICMP type and code, for ICMP / ICMPv6 records.
+    pub fn icmp(&self) -> Option<(u8, u8)> {
+        matches!(self.protocol, common::PROTO_ICMP | common::PROTO_ICMPV6)
+            .then(|| ((self.dst_port >> 8) as u8, (self.dst_port & 0xff) as u8))
+    }
+}
+
+/// What one [`Capture::drain`] returns.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Drained {
+    /// Every record of the drained map (inbound only: replies are never recorded). Not yet
+    /// filtered to this host's addresses (broadcast/multicast destinations may appear).
+    pub records: Vec<FlowRecord>,
+    /// Flow records the program could not insert since the previous drain (map full): each
+    /// is a packet whose flow went unrecorded — an evidence gap (FLOW-2), never silence.
+    pub map_full_drops: u64,
+    /// Inbound packets skipped since the previous drain as replies to connections this host
+    /// initiated (diagnostic).
+    pub replies_skipped: u64,
+}
+
+/// The loaded and attached capture program. Dropping it detaches everything.
+pub struct Capture {
+    // Owns the programs and their TCX links: dropping detaches.
+    _ebpf: Ebpf,
+    flows: [PerCpuHashMap<MapData, FlowKey, FlowValue>; 2],
+    active_map: Array<MapData, u32>,
+    counters: PerCpuArray<MapData, u64>,
+    active: u32,
+    last_counters: [u64; common::COUNTER_SLOTS as usize],
+    interfaces: Vec<String>,
+}
+
+impl std::fmt::Debug for Capture {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Capture")
+            .field("interfaces", &self.interfaces)
+            .field("active", &self.active)
+            .field("last_counters", &self.last_counters)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Capture {
+    /// Loads the object at `object_path` (flow maps resized to `map_capacity` if given) and
+    /// attaches ingress and egress classifiers to each interface (TCX on kernels ≥ 6.6,
+    /// clsact filters before). Interface names resolve in the calling thread's network
+    /// namespace. Needs root.
+    pub fn attach(
+        interfaces: &[String],
+        object_path: &Path,
+        map_capacity: Option<u32>,
+    ) -> Result<Capture, CaptureError> {
+        let uid = effective_uid();
+        if uid != 0 {
+            return Err(CaptureError::NotRoot(uid));
+        }
+        if !object_path.is_file() {
+            return Err(CaptureError::ObjectMissing(object_path.to_owned()));
+        }
+        let mut loader = EbpfLoader::new();
+        if let Some(capacity) = map_capacity {
+            loader.map_max_entries(common::FLOWS_A, capacity);
+            loader.map_max_entries(common::FLOWS_B, capacity);
+        }
+        let mut ebpf = loader.load_file(object_path).map_err(|source| CaptureError::Load {
+            path: object_path.to_owned(),
+            source: Box::new(source),
+        })?;
+        let legacy_tc = !aya::util::KernelVersion::current()
+            .map(|v| v >= aya::util::KernelVersion::new(6, 6, 0))
+            .unwrap_or(false);
+        // Egress first: initiations are tracked before ingress starts judging replies.
+        for (program, attach_type) in
+            [(common::PROG_EGRESS, TcAttachType::Egress), (common::PROG_INGRESS, TcAttachType::Ingress)]
+        {
+            let prog: &mut SchedClassifier = ebpf
+                .program_mut(program)
+                .ok_or(CaptureError::Missing(program))?
+                .try_into()
+                .map_err(|source| CaptureError::Program { program, source })?;
+            prog.load().map_err(|source| CaptureError::Program { program, source })?;
+            for interface in interfaces {
+                if legacy_tc {
+                    // Already present is fine; a real failure shows up in attach below.
+                    let _ = aya::programs::tc::qdisc_add_clsact(interface);
+                }
+                prog.attach(interface, attach_type).map_err(|source| CaptureError::Attach {
+                    program,
+                    interface: interface.clone(),
+                    source,
+                })?;
+            }
+        }
+        let mut take = |name: &'static str| ebpf.take_map(name).ok_or(CaptureError::Missing(name));
+        let map_err = |map: &'static str| move |source| CaptureError::Map { map, source };
+        let flows_a = PerCpuHashMap::try_from(take(common::FLOWS_A)?).map_err(map_err(common::FLOWS_A))?;
+        let flows_b = PerCpuHashMap::try_from(take(common::FLOWS_B)?).map_err(map_err(common::FLOWS_B))?;
+        let active_map = Array::try_from(take(common::ACTIVE_MAP)?).map_err(map_err(common::ACTIVE_MAP))?;
+        let counters = PerCpuArray::try_from(take(common::COUNTERS)?).map_err(map_err(common::COUNTERS))?;
+        let mut capture = Capture {
+            _ebpf: ebpf,
+            flows: [flows_a, flows_b],
+            active_map,
+            counters,
+            active: 0,
+            last_counters: [0; common::COUNTER_SLOTS as usize],
+            interfaces: interfaces.to_vec(),
+        };
+        capture.active = capture.active_map.get(&0, 0).map_err(map_err(common::ACTIVE_MAP))?;
+        Ok(capture)
+    }
+
+    /// The interfaces this capture is attached to.
+    pub fn interfaces(&self) -> &[String] {
+        &self.interfaces
+    }
+
+    /// Switches the program to the other flow map, waits [`DRAIN_GRACE`], then returns and
+    /// deletes every record of the previous one, with the counters since the last drain.
+    pub fn drain(&mut self) -> Result<Drained, CaptureError> {
+        let map_err = |map: &'static str| move |source| CaptureError::Map { map, source };
+        let idle = self.active as usize;
+        let next = 1 - self.active;
+        self.active_map.set(0, next, 0).map_err(map_err(common::ACTIVE_MAP))?;
+        self.active = next;
+        std::thread::sleep(DRAIN_GRACE);
+
+        let name = if idle == 0 { common::FLOWS_A } else { common::FLOWS_B };
+        let offset_ns = realtime_minus_monotonic_ns();
+        let to_unix_ms = |mono_ns: u64| ((i128::from(mono_ns) + offset_ns) / 1_000_000) as i64;
+        let map = &mut self.flows[idle];
+        let keys: Vec<FlowKey> = map.keys().collect::<Result<_, _>>().map_err(map_err(name))?;
+        let mut records = Vec::with_capacity(keys.len());
+        for key in &keys {
+            let values = match map.get(key, 0) {
+                Ok(values) => values,
+                // Deleted meanwhile (cannot happen with one drainer); skip.
+                Err(MapError::KeyNotFound) => continue,
+                Err(source) => return Err(CaptureError::Map { map: name, source }),
+            };
+            let mut sum = FlowValue::default();
+            let mut first = u64::MAX;
+            for value in values.iter().filter(|v| v.packets > 0) {
+                sum.packets += value.packets;
+                sum.bytes += value.bytes;
+                sum.new_connections += value.new_connections;
+                first = first.min(value.first_seen_ns);
+                sum.last_seen_ns = sum.last_seen_ns.max(value.last_seen_ns);
+            }
+            match map.remove(key) {
+                Ok(()) | Err(MapError::KeyNotFound) => {}
+                Err(source) => return Err(CaptureError::Map { map: name, source }),
+            }
+            if sum.packets == 0 {
+                continue;
+            }
+            records.push(FlowRecord {
+                src: addr(key.family, key.src),
+                dst: addr(key.family, key.dst),
+                dst_port: key.dst_port,
+                protocol: key.protocol,
+                packets: sum.packets,
+                bytes: sum.bytes,
+                new_connections: sum.new_connections,
+                first_seen_unix_ms: to_unix_ms(first),
+                last_seen_unix_ms: to_unix_ms(sum.last_seen_ns),
+            });
+        }
+        let totals = self.counter_totals()?;
+        let delta = |i: u32| totals[i as usize].wrapping_sub(self.last_counters[i as usize]);
+        let drained = Drained {
+            records,
+            map_full_drops: delta(common::COUNTER_FLOW_INSERT_FAILED),
+            replies_skipped: delta(common::COUNTER_REPLIES_SKIPPED),
+        };
+        self.last_counters = totals;
+        Ok(drained)
+    }
+
+    fn counter_totals(&self) -> Result<[u64; common::COUNTER_SLOTS as usize], CaptureError> {
+        let mut totals = [0; common::COUNTER_SLOTS as usize];
+        for (index, total) in (0..common::COUNTER_SLOTS).zip(totals.iter_mut()) {
+            let values = self
+                .counters
+                .get(&index, 0)
+                .map_err(|source| CaptureError::Map { map: common::COUNTERS, source })?;
+            *total = values.iter().copied().fold(0u64, u64::wrapping_add);
+        }
+        Ok(totals)
+    }
+
+    /// Non-loopback Ethernet-type interfaces of the calling thread's network namespace
+    /// (what the program can parse: it expects an Ethernet header), sorted.
+    pub fn interfaces_of_host() -> Result<Vec<String>, CaptureError> {
+        const IFF_LOOPBACK: u32 = 0x8;
+        const ARPHRD_ETHER: u32 = 1;
+        let read_num = |path: PathBuf| -> Option<u32> {
+            let text = fs::read_to_string(path).ok()?;
+            let text = text.trim();
+            match text.strip_prefix("0x") {
+                Some(hex) => u32::from_str_radix(hex, 16).ok(),
+                None => text.parse().ok(),
+            }
+        };
+        let mut names = Vec::new();
+        for entry in fs::read_dir("/sys/class/net")? {
+            let entry = entry?;
+            let dir = entry.path();
+            let loopback = read_num(dir.join("flags")).is_none_or(|f| f & IFF_LOOPBACK != 0);
+            let ether = read_num(dir.join("type")) == Some(ARPHRD_ETHER);
+            if !loopback && ether {
+                names.push(entry.file_name().to_string_lossy().into_owned());
+            }
+        }
+        names.sort();
+        Ok(names)
+    }
+}
+
+/// Where the eBPF object is read from: `$INNERWALL_EBPF_OBJECT`, else
+/// `<dir of the current executable>/../bpf/innerwall-ebpf` (`target/bpf/innerwall-ebpf`
+/// for `target/<profile>/innerwall-agent`).
+pub fn default_object_path() -> PathBuf {
+    if let Some(path) = std::env::var_os(OBJECT_ENV) {
+        return PathBuf::from(path);
+    }
+    let exe = std::env::current_exe().unwrap_or_default();
+    let dir = exe.parent().unwrap_or(Path::new("."));
+    dir.join("..").join("bpf").join("innerwall-ebpf")
+}
+
+fn addr(family: u8, bytes: [u8; 16]) -> IpAddr {
+    if family == common::FAMILY_V4 {
+        IpAddr::V4(Ipv4Addr::new(bytes[0], bytes[1], bytes[2], bytes[3]))
+    } else {
+        IpAddr::V6(Ipv6Addr::from(bytes))
+    }
+}
+
+#[allow(unsafe_code)]
+fn effective_uid() -> u32 {
+    // SAFETY: geteuid(2) has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// CLOCK_REALTIME − CLOCK_MONOTONIC (what `bpf_ktime_get_ns` counts) in ns, right now.
+#[allow(unsafe_code)]
+fn realtime_minus_monotonic_ns() -> i128 {
+    let now = |clock| {
+        let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+        // SAFETY: clock_gettime writes one timespec into the valid pointer we pass.
+        unsafe { libc::clock_gettime(clock, &mut ts) };
+        i128::from(ts.tv_sec) * 1_000_000_000 + i128::from(ts.tv_nsec)
+    };
+    let mono_before = now(libc::CLOCK_MONOTONIC);
+    let real = now(libc::CLOCK_REALTIME);
+    let mono_after = now(libc::CLOCK_MONOTONIC);
+    real - (mono_before + mono_after) / 2
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_decode_by_family() {
+        let mut v4 = [0u8; 16];
+        v4[..4].copy_from_slice(&[10, 0, 0, 1]);
+        assert_eq!(addr(common::FAMILY_V4, v4), "10.0.0.1".parse::<IpAddr>().unwrap());
+        let v6: Ipv6Addr = "fd77::2".parse().unwrap();
+        assert_eq!(addr(common::FAMILY_V6, v6.octets()), IpAddr::V6(v6));
+    }
+
+    #[test]
+    fn icmp_type_and_code_come_from_the_port_field() {
+        let record = FlowRecord {
+            src: "fd77::2".parse().unwrap(),
+            dst: "fd77::1".parse().unwrap(),
+            dst_port: 128 << 8,
+            protocol: common::PROTO_ICMPV6,
+            packets: 1,
+            bytes: 1,
+            new_connections: 1,
+            first_seen_unix_ms: 0,
+            last_seen_unix_ms: 0,
+        };
+        assert_eq!(record.icmp(), Some((128, 0)));
+        assert_eq!(FlowRecord { protocol: common::PROTO_TCP, ..record }.icmp(), None);
+    }
+
+    #[test]
+    fn monotonic_offset_gives_a_plausible_wall_clock() {
+        let offset = realtime_minus_monotonic_ns();
+        // After 2020 (1.5e18 ns since the epoch) once any monotonic value is added.
+        assert!(offset > 1_500_000_000_000_000_000);
+    }
+
+    #[test]
+    fn a_missing_object_names_the_build_command() {
+        let err = CaptureError::ObjectMissing(PathBuf::from("/nonexistent/innerwall-ebpf"));
+        assert!(err.to_string().contains("cargo xtask build-ebpf"), "{err}");
+    }
+}

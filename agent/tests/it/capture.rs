@@ -1,0 +1,208 @@
+//! eBPF flow capture in network namespaces: the real program (`cargo xtask build-ebpf`) on the
+//! host side of a veth pair, real packets from python3 sockets, records drained from the map.
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use innerwall_agent::capture::{Capture, Drained, FlowRecord, OBJECT_ENV};
+
+use crate::netns::{
+    ALLOWED4, ALLOWED6, HOST4, HOST6, OTHER4, OTHER6, Pair, Server, icmp, probe_with_timeout, tcp, udp,
+};
+
+const TCP: u8 = 6;
+const UDP: u8 = 17;
+const ICMP: u8 = 1;
+const ICMPV6: u8 = 58;
+
+/// The object `cargo xtask build-ebpf` writes; these tests fail loudly without it.
+fn object() -> PathBuf {
+    let path = std::env::var_os(OBJECT_ENV)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/bpf/innerwall-ebpf"));
+    assert!(
+        path.is_file(),
+        "eBPF object {} is missing: run `cargo xtask build-ebpf` first (the README's test command does)",
+        path.display()
+    );
+    path
+}
+
+fn attach(pair: &Pair, capacity: Option<u32>) -> Capture {
+    let object = object();
+    let mut capture = pair
+        .host
+        .enter(|| Capture::attach(&["veth0".to_owned()], &object, capacity))
+        .unwrap_or_else(|e| panic!("attaching the capture: {e}"));
+    capture.drain().expect("initial drain");
+    capture
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).expect("clock").as_millis() as i64
+}
+
+fn find<'a>(drained: &'a Drained, src: &str, dst: &str, port: u16, protocol: u8) -> &'a FlowRecord {
+    let (src, dst): (IpAddr, IpAddr) = (src.parse().expect("src"), dst.parse().expect("dst"));
+    drained
+        .records
+        .iter()
+        .find(|r| r.src == src && r.dst == dst && r.dst_port == port && r.protocol == protocol)
+        .unwrap_or_else(|| panic!("no record {src} -> {dst}:{port}/{protocol} in {:#?}", drained.records))
+}
+
+/// IPv6 neighbour discovery / router messages: genuinely inbound and unrelated to the probes.
+fn is_neighbour_discovery(r: &FlowRecord) -> bool {
+    r.protocol == ICMPV6 && r.icmp().is_some_and(|(t, _)| (133..=137).contains(&t))
+}
+
+#[test]
+fn netns_ebpf_records_flows() {
+    let pair = Pair::new("ebpf");
+    let _server = Server::start(&pair.host, &[8080], &[5353]);
+    let mut capture = attach(&pair, None);
+    let start = now_ms();
+    let probes = [
+        tcp(ALLOWED4, HOST4, 8080),
+        tcp(ALLOWED4, HOST4, 8080),
+        tcp(ALLOWED4, HOST4, 8080),
+        udp(ALLOWED4, HOST4, 5353),
+        udp(ALLOWED4, HOST4, 5353),
+        icmp(ALLOWED4, HOST4),
+        tcp(OTHER4, HOST4, 9),
+        tcp(ALLOWED6, HOST6, 8080),
+        tcp(ALLOWED6, HOST6, 8080),
+        udp(ALLOWED6, HOST6, 5353),
+        icmp(ALLOWED6, HOST6),
+    ];
+    let got = probe_with_timeout(&pair.client, &probes, 3.0);
+    assert!(got.iter().all(|ok| *ok), "probes failed: {got:?}");
+    let drained = capture.drain().expect("drain");
+    let end = now_ms();
+    assert_eq!(drained.map_full_drops, 0);
+
+    // TCP: one SYN each; handshake ACK, FIN and ACK make at least 3 packets per connection.
+    for (src, dst, connections) in [(ALLOWED4, HOST4, 3), (ALLOWED6, HOST6, 2)] {
+        let r = find(&drained, src, dst, 8080, TCP);
+        assert_eq!(r.new_connections, connections, "{r:?}");
+        assert!(r.packets >= 3 * connections, "{r:?}");
+        let min_frame = if src.contains(':') { 74 } else { 54 };
+        assert!(r.bytes >= r.packets * min_frame && r.bytes <= r.packets * 100, "{r:?}");
+    }
+    // A closed port: the SYN is still an attempt.
+    let r = find(&drained, OTHER4, HOST4, 9, TCP);
+    assert_eq!((r.packets, r.new_connections), (1, 1), "{r:?}");
+    // UDP: 9-byte payloads; Ethernet 14 + IPv4 20 / IPv6 40 + UDP 8.
+    let r = find(&drained, ALLOWED4, HOST4, 5353, UDP);
+    assert_eq!((r.packets, r.bytes, r.new_connections), (2, 2 * 51, 2), "{r:?}");
+    let r = find(&drained, ALLOWED6, HOST6, 5353, UDP);
+    assert_eq!((r.packets, r.bytes, r.new_connections), (1, 71, 1), "{r:?}");
+    // ICMP echo requests (type 8 / 128 in the port field's high byte), 9-byte payloads.
+    let r = find(&drained, ALLOWED4, HOST4, 8 << 8, ICMP);
+    assert_eq!((r.packets, r.bytes, r.new_connections), (1, 51, 1), "{r:?}");
+    let r = find(&drained, ALLOWED6, HOST6, 128 << 8, ICMPV6);
+    assert_eq!((r.packets, r.bytes, r.new_connections), (1, 71, 1), "{r:?}");
+
+    for r in &drained.records {
+        assert!(
+            start - 5 <= r.first_seen_unix_ms
+                && r.first_seen_unix_ms <= r.last_seen_unix_ms
+                && r.last_seen_unix_ms <= end + 5,
+            "timestamps outside [{start}, {end}]: {r:?}"
+        );
+        // Nothing but the probes' destinations: the host's replies go out, never in.
+        if matches!(r.protocol, TCP | UDP) {
+            assert!([8080, 5353, 9].contains(&r.dst_port), "unexpected record {r:?}");
+        }
+    }
+
+    // Drained means gone: the next window starts empty.
+    let again = capture.drain().expect("second drain");
+    assert!(
+        again.records.iter().all(is_neighbour_discovery),
+        "records survived the drain: {:#?}",
+        again.records
+    );
+}
+
+#[test]
+fn netns_replies_are_not_inbound() {
+    let pair = Pair::new("reply");
+    // The servers are in the CLIENT namespace: the host initiates, the client only answers.
+    let _server = Server::start(&pair.client, &[8081], &[5354]);
+    let mut capture = attach(&pair, None);
+    let outbound = [
+        tcp(HOST4, ALLOWED4, 8081),
+        tcp(HOST6, ALLOWED6, 8081),
+        udp(HOST4, ALLOWED4, 5354),
+        // IPv6 to ::3: the client's `::`-bound UDP server answers from the address source
+        // selection picks, which is ::3 here; an answer to ::2 would come from ::3 and truly be
+        // a new inbound datagram (a different 5-tuple, as conntrack would also say).
+        udp(HOST6, OTHER6, 5354),
+        udp(HOST4, ALLOWED4, 5354),
+        icmp(HOST4, ALLOWED4),
+        icmp(HOST6, ALLOWED6),
+    ];
+    let got = probe_with_timeout(&pair.host, &outbound, 3.0);
+    // Most must be answered for the test to mean anything (a lost UDP echo is tolerated).
+    assert!(got.iter().filter(|ok| **ok).count() >= outbound.len() - 1, "outbound requests failed: {got:?}");
+    let drained = capture.drain().expect("drain");
+    let inbound: Vec<&FlowRecord> = drained.records.iter().filter(|r| !is_neighbour_discovery(r)).collect();
+    assert!(inbound.is_empty(), "replies were recorded as inbound flows: {inbound:#?}");
+    // TCP: SYN-ACK + ≥1 more each; UDP: one echo each; ICMP: one echo reply each.
+    assert!(drained.replies_skipped >= 2 * 2 + 2 + 2, "{drained:?}");
+
+    // Control: the program is live — a connection the client starts is still recorded.
+    let got = probe_with_timeout(&pair.client, &[udp(ALLOWED4, HOST4, 5999)], 3.0);
+    assert_eq!(got, [true]);
+    let drained = capture.drain().expect("drain");
+    let r = find(&drained, ALLOWED4, HOST4, 5999, UDP);
+    assert_eq!((r.packets, r.new_connections), (1, 1), "{r:?}");
+}
+
+#[test]
+fn map_full_becomes_gap() {
+    let pair = Pair::new("full");
+    let mut capture = attach(&pair, Some(4));
+    // Ten distinct keys (UDP to closed ports: the host answers with port unreachable).
+    let ports: [u16; 10] = [6001, 6002, 6003, 6004, 6005, 6006, 6007, 6008, 6009, 6010];
+    let probes: Vec<_> = ports.iter().map(|p| udp(ALLOWED4, HOST4, *p)).collect();
+    // The answers (port unreachable) are rate limited by the kernel; only the sending matters.
+    probe_with_timeout(&pair.client, &probes, 1.0);
+    let drained = capture.drain().expect("drain");
+    assert!(drained.records.len() <= 4, "a 4-entry map held {} records", drained.records.len());
+    let recorded =
+        drained.records.iter().filter(|r| r.protocol == UDP && ports.contains(&r.dst_port)).count();
+    // One packet per key: every probe is either a record or a counted drop (other traffic
+    // could only add drops, never hide one).
+    assert!(drained.map_full_drops >= 6, "{drained:?}");
+    assert!(recorded as u64 + drained.map_full_drops >= 10, "{drained:?}");
+    assert_eq!(recorded, drained.records.iter().filter(|r| !is_neighbour_discovery(r)).count());
+
+    // In the agent's window the drops become an evidence gap with their count (FLOW-2).
+    let host: IpAddr = HOST4.parse().expect("host address");
+    let mut window = innerwall_agent::flows::Window::open(1_000, None, 100);
+    innerwall_agent::flows::absorb(
+        &mut window,
+        &drained.records,
+        drained.map_full_drops,
+        &[host].into(),
+        1_000,
+        2_000,
+    );
+    let closed = window.close(2_000);
+    let gap = closed
+        .gaps
+        .iter()
+        .find(|g| g.kind == innerwall_wire::proto::EvidenceGapKind::MapFull as i32)
+        .expect("a map-full gap");
+    assert_eq!((gap.count, gap.from_unix_ms, gap.to_unix_ms), (drained.map_full_drops, 1_000, 2_000));
+    assert_eq!(closed.records.len(), recorded, "recorded flows to the host's address are in the window");
+
+    // The counter is per drain, and a drained map has room again.
+    probe_with_timeout(&pair.client, &[udp(ALLOWED4, HOST4, 6011)], 1.0);
+    let drained = capture.drain().expect("drain");
+    assert_eq!(drained.map_full_drops, 0, "{drained:?}");
+    find(&drained, ALLOWED4, HOST4, 6011, UDP);
+}
