@@ -1,6 +1,7 @@
 //! The control plane's integration tests: one binary, one module per area.
 
 mod enrollment;
+mod flows;
 mod identity;
 mod postgres;
 mod publish;
