@@ -272,10 +272,8 @@ fn egress(packet: &Packet) {
         return;
     }
     match packet.protocol {
-        PROTO_TCP => {
-            if packet.tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN {
-                set_direction(&egress_conn(packet), DIR_OUTBOUND, u64::from(BPF_ANY));
-            }
+        PROTO_TCP if packet.tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN => {
+            set_direction(&egress_conn(packet), DIR_OUTBOUND, u64::from(BPF_ANY));
         }
         PROTO_UDP => {
             let conn = egress_conn(packet);
@@ -283,10 +281,8 @@ fn egress(packet: &Packet) {
                 set_direction(&conn, DIR_OUTBOUND, u64::from(BPF_NOEXIST));
             }
         }
-        PROTO_ICMP | PROTO_ICMPV6 => {
-            if is_echo_request(packet) {
-                set_direction(&egress_conn(packet), DIR_OUTBOUND, u64::from(BPF_ANY));
-            }
+        PROTO_ICMP | PROTO_ICMPV6 if is_echo_request(packet) => {
+            set_direction(&egress_conn(packet), DIR_OUTBOUND, u64::from(BPF_ANY));
         }
         _ => {}
     }

@@ -270,18 +270,8 @@ fn capture_forever<S: PolicyStore + Send + 'static>(
     loop {
         std::thread::sleep(Duration::from_secs(1));
         let now = now_ms();
-        match capture.drain() {
-            Ok(drained) => crate::flows::absorb(
-                &mut window,
-                &drained.records,
-                drained.map_full_drops,
-                &local,
-                last_drain,
-                now,
-            ),
-            Err(e) => tracing::error!("draining the flow map failed: {e}"),
-        }
-        last_drain = now;
+        // Close first, then drain: traffic seen after a new version was applied is judged
+        // under that version, not the one before it.
         let length = enforcer.flow_window_secs.load(Relaxed) as i64 * 1000;
         if enforcer.applied_version() != window.policy_version() || now - window.start_ms >= length {
             let closed = std::mem::replace(
@@ -294,6 +284,18 @@ fn capture_forever<S: PolicyStore + Send + 'static>(
             let _ = std::fs::write(&marker, now.to_string());
             local = local_addresses();
         }
+        match capture.drain() {
+            Ok(drained) => crate::flows::absorb(
+                &mut window,
+                &drained.records,
+                drained.map_full_drops,
+                &local,
+                last_drain,
+                now,
+            ),
+            Err(e) => tracing::error!("draining the flow map failed: {e}"),
+        }
+        last_drain = now;
     }
 }
 
