@@ -36,7 +36,7 @@ enum Task {
     },
     /// rustfmt and clippy (-D warnings) for both workspaces; `.ci/run` runs it after `test`.
     Lint,
-    /// Build the release binaries and show that they start.
+    /// The main job (RUN-3): control plane and three agents in network namespaces, policy, traffic.
     Demo,
 }
 
