@@ -327,24 +327,32 @@ pub struct ServiceView {
     pub entries: Vec<String>,
 }
 
-pub async fn list_services(conn: &mut PgConnection) -> Result<Vec<ServiceView>, StoreError> {
+/// Name, description and version of every row of a named-object table, with its members.
+async fn list_named(
+    conn: &mut PgConnection,
+    table: &'static str,
+    members: impl Fn(&AuthoredModel, &Uuid) -> Option<Vec<String>>,
+) -> Result<Vec<(String, String, i64, Vec<String>)>, StoreError> {
     let model = load_model(conn).await?;
-    let rows = sqlx::query("SELECT id, name, description, version FROM services ORDER BY name")
-        .fetch_all(&mut *conn)
-        .await?;
+    let sql = format!("SELECT id, name, description, version FROM {table} ORDER BY name");
+    let rows = sqlx::query(sqlx::AssertSqlSafe(sql)).fetch_all(&mut *conn).await?;
     Ok(rows
         .into_iter()
         .map(|row| {
             let id: Uuid = row.get(0);
-            let entries =
-                model.services.get(&id).map(|s| s.entries.iter().map(ToString::to_string).collect());
-            ServiceView {
-                name: row.get(1),
-                description: row.get(2),
-                version: row.get(3),
-                entries: entries.unwrap_or_default(),
-            }
+            (row.get(1), row.get(2), row.get(3), members(&model, &id).unwrap_or_default())
         })
+        .collect())
+}
+
+pub async fn list_services(conn: &mut PgConnection) -> Result<Vec<ServiceView>, StoreError> {
+    let rows = list_named(conn, "services", |m, id| {
+        m.services.get(id).map(|s| s.entries.iter().map(ToString::to_string).collect())
+    })
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(name, description, version, entries)| ServiceView { name, description, version, entries })
         .collect())
 }
 
@@ -357,23 +365,13 @@ pub struct AddressGroupView {
 }
 
 pub async fn list_address_groups(conn: &mut PgConnection) -> Result<Vec<AddressGroupView>, StoreError> {
-    let model = load_model(conn).await?;
-    let rows = sqlx::query("SELECT id, name, description, version FROM address_groups ORDER BY name")
-        .fetch_all(&mut *conn)
-        .await?;
+    let rows = list_named(conn, "address_groups", |m, id| {
+        m.address_groups.get(id).map(|g| g.cidrs.iter().map(ToString::to_string).collect())
+    })
+    .await?;
     Ok(rows
         .into_iter()
-        .map(|row| {
-            let id: Uuid = row.get(0);
-            let cidrs =
-                model.address_groups.get(&id).map(|g| g.cidrs.iter().map(ToString::to_string).collect());
-            AddressGroupView {
-                name: row.get(1),
-                description: row.get(2),
-                version: row.get(3),
-                cidrs: cidrs.unwrap_or_default(),
-            }
-        })
+        .map(|(name, description, version, cidrs)| AddressGroupView { name, description, version, cidrs })
         .collect())
 }
 
