@@ -8,8 +8,10 @@
 //!   that belong to a connection this host initiated (the reversed tuple is in `CONNS` as
 //!   outbound), and aggregates the rest per `FlowKey` into the active flow map.
 //!
-//! Aya-log is deliberately not used (no perf buffer on the hot path, and the object keeps
-//! its Apache-2.0 licence: no GPL-only helper is called).
+//! Diagnostics go through aya-log (a ring buffer the agent reads at each drain), off the hot
+//! path: a failure counter logs only when it reaches a power of two, so a full map costs a
+//! log line per doubling, not per packet. The ring-buffer helpers are not GPL-only, so the
+//! object keeps its Apache-2.0 licence.
 #![no_std]
 #![no_main]
 
@@ -20,6 +22,7 @@ use aya_ebpf::{
     macros::{btf_map, classifier},
     programs::TcContext,
 };
+use aya_log_ebpf::warn;
 use innerwall_ebpf_common::{
     CONN_ENTRIES, COUNTER_CONN_INSERT_FAILED, COUNTER_FLOW_INSERT_FAILED, COUNTER_REPLIES_SKIPPED,
     COUNTER_SLOTS, ConnKey, ConnValue, DEFAULT_FLOW_ENTRIES, DIR_INBOUND, DIR_OUTBOUND, FAMILY_V4, FAMILY_V6,
@@ -82,7 +85,7 @@ pub fn innerwall_ingress(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn innerwall_egress(ctx: TcContext) -> i32 {
     if let Some(packet) = parse(&ctx) {
-        egress(&packet);
+        egress(&ctx, &packet);
     }
     TC_ACT_PIPE
 }
@@ -103,9 +106,25 @@ struct Packet {
     has_l4: bool,
 }
 
+/// Reads a `T` at `offset` into the packet: straight from the linear data when it is there
+/// (the common case: a few instructions), else through `bpf_skb_load_bytes` (headers in a
+/// paged fragment). Never pulls or otherwise changes the skb.
+#[inline(always)]
+fn read<T: Copy>(ctx: &TcContext, offset: usize) -> Option<T> {
+    let start = ctx.data();
+    if start + offset + size_of::<T>() <= ctx.data_end() {
+        // SAFETY: the bytes [start + offset, start + offset + size_of::<T>()) lie within the
+        // linear packet data (checked against data_end just above, which is also what the
+        // verifier checks), and T is plain data read unaligned.
+        Some(unsafe { core::ptr::read_unaligned((start + offset) as *const T) })
+    } else {
+        ctx.load::<T>(offset).ok()
+    }
+}
+
 #[inline(always)]
 fn parse(ctx: &TcContext) -> Option<Packet> {
-    let ether_type = u16::from_be(ctx.load::<u16>(ETH_TYPE_OFFSET).ok()?);
+    let ether_type = u16::from_be(read::<u16>(ctx, ETH_TYPE_OFFSET)?);
     let mut packet = Packet {
         family: 0,
         protocol: 0,
@@ -121,18 +140,18 @@ fn parse(ctx: &TcContext) -> Option<Packet> {
     let l4_offset;
     match ether_type {
         ETH_P_IP => {
-            let version_ihl = ctx.load::<u8>(ETH_HDR_LEN).ok()?;
+            let version_ihl = read::<u8>(ctx, ETH_HDR_LEN)?;
             let ihl = usize::from(version_ihl & 0x0f) * 4;
             if ihl < 20 {
                 return None;
             }
             packet.family = FAMILY_V4;
-            packet.protocol = ctx.load::<u8>(ETH_HDR_LEN + 9).ok()?;
-            let src = ctx.load::<[u8; 4]>(ETH_HDR_LEN + 12).ok()?;
-            let dst = ctx.load::<[u8; 4]>(ETH_HDR_LEN + 16).ok()?;
+            packet.protocol = read::<u8>(ctx, ETH_HDR_LEN + 9)?;
+            let src = read::<[u8; 4]>(ctx, ETH_HDR_LEN + 12)?;
+            let dst = read::<[u8; 4]>(ctx, ETH_HDR_LEN + 16)?;
             packet.src[..4].copy_from_slice(&src);
             packet.dst[..4].copy_from_slice(&dst);
-            let frag = u16::from_be(ctx.load::<u16>(ETH_HDR_LEN + 6).ok()?);
+            let frag = u16::from_be(read::<u16>(ctx, ETH_HDR_LEN + 6)?);
             if frag & 0x1fff != 0 {
                 // A non-first fragment carries no L4 header.
                 return Some(packet);
@@ -141,19 +160,19 @@ fn parse(ctx: &TcContext) -> Option<Packet> {
         }
         ETH_P_IPV6 => {
             packet.family = FAMILY_V6;
-            packet.src = ctx.load::<[u8; 16]>(ETH_HDR_LEN + 8).ok()?;
-            packet.dst = ctx.load::<[u8; 16]>(ETH_HDR_LEN + 24).ok()?;
-            let mut next = ctx.load::<u8>(ETH_HDR_LEN + 6).ok()?;
+            packet.src = read::<[u8; 16]>(ctx, ETH_HDR_LEN + 8)?;
+            packet.dst = read::<[u8; 16]>(ctx, ETH_HDR_LEN + 24)?;
+            let mut next = read::<u8>(ctx, ETH_HDR_LEN + 6)?;
             let mut offset = ETH_HDR_LEN + IPV6_HDR_LEN;
             let mut first_fragment = true;
             for _ in 0..MAX_IPV6_EXT_HEADERS {
                 let len = match next {
                     NEXTHDR_HOP | NEXTHDR_ROUTING | NEXTHDR_DEST => {
-                        (usize::from(ctx.load::<u8>(offset + 1).ok()?) + 1) * 8
+                        (usize::from(read::<u8>(ctx, offset + 1)?) + 1) * 8
                     }
-                    NEXTHDR_AUTH => (usize::from(ctx.load::<u8>(offset + 1).ok()?) + 2) * 4,
+                    NEXTHDR_AUTH => (usize::from(read::<u8>(ctx, offset + 1)?) + 2) * 4,
                     NEXTHDR_FRAGMENT => {
-                        let frag = u16::from_be(ctx.load::<u16>(offset + 2).ok()?);
+                        let frag = u16::from_be(read::<u16>(ctx, offset + 2)?);
                         if frag & 0xfff8 != 0 {
                             first_fragment = false;
                         }
@@ -161,7 +180,7 @@ fn parse(ctx: &TcContext) -> Option<Packet> {
                     }
                     _ => break,
                 };
-                next = ctx.load::<u8>(offset).ok()?;
+                next = read::<u8>(ctx, offset)?;
                 offset += len;
             }
             packet.protocol = next;
@@ -174,16 +193,16 @@ fn parse(ctx: &TcContext) -> Option<Packet> {
     }
     match packet.protocol {
         PROTO_TCP | PROTO_UDP => {
-            let ports = ctx.load::<[u8; 4]>(l4_offset).ok()?;
+            let ports = read::<[u8; 4]>(ctx, l4_offset)?;
             packet.src_port = u16::from_be_bytes([ports[0], ports[1]]);
             packet.dst_port = u16::from_be_bytes([ports[2], ports[3]]);
             if packet.protocol == PROTO_TCP {
-                packet.tcp_flags = ctx.load::<u8>(l4_offset + 13).ok()?;
+                packet.tcp_flags = read::<u8>(ctx, l4_offset + 13)?;
             }
             packet.has_l4 = true;
         }
         PROTO_ICMP | PROTO_ICMPV6 => {
-            let head = ctx.load::<[u8; 8]>(l4_offset).ok()?;
+            let head = read::<[u8; 8]>(ctx, l4_offset)?;
             packet.icmp_type = head[0];
             packet.icmp_code = head[1];
             if is_echo(&packet) {
@@ -250,12 +269,15 @@ fn ingress_conn(packet: &Packet) -> ConnKey {
 }
 
 #[inline(always)]
-fn set_direction(conn: &ConnKey, direction: u8, flags: u64) {
+fn set_direction(ctx: &TcContext, conn: &ConnKey, direction: u8, flags: u64) {
     let value = ConnValue { direction, _pad: [0; 7] };
     if let Err(err) = CONNS.insert(conn, value, flags)
         && err != -EEXIST
     {
-        count(COUNTER_CONN_INSERT_FAILED);
+        let failed = count(COUNTER_CONN_INSERT_FAILED);
+        if failed.is_power_of_two() {
+            warn!(ctx, "connection table insert failed (error {}): {} failures on this CPU", err, failed);
+        }
     }
 }
 
@@ -267,22 +289,22 @@ fn direction(conn: &ConnKey) -> u8 {
 }
 
 #[inline(always)]
-fn egress(packet: &Packet) {
+fn egress(ctx: &TcContext, packet: &Packet) {
     if !packet.has_l4 {
         return;
     }
     match packet.protocol {
         PROTO_TCP if packet.tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN => {
-            set_direction(&egress_conn(packet), DIR_OUTBOUND, u64::from(BPF_ANY));
+            set_direction(ctx, &egress_conn(packet), DIR_OUTBOUND, u64::from(BPF_ANY));
         }
         PROTO_UDP => {
             let conn = egress_conn(packet);
             if direction(&conn) == 0 {
-                set_direction(&conn, DIR_OUTBOUND, u64::from(BPF_NOEXIST));
+                set_direction(ctx, &conn, DIR_OUTBOUND, u64::from(BPF_NOEXIST));
             }
         }
         PROTO_ICMP | PROTO_ICMPV6 if is_echo_request(packet) => {
-            set_direction(&egress_conn(packet), DIR_OUTBOUND, u64::from(BPF_ANY));
+            set_direction(ctx, &egress_conn(packet), DIR_OUTBOUND, u64::from(BPF_ANY));
         }
         _ => {}
     }
@@ -298,21 +320,21 @@ fn ingress(ctx: &TcContext, packet: &Packet) {
             PROTO_TCP => {
                 let conn = ingress_conn(packet);
                 if packet.tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN {
-                    set_direction(&conn, DIR_INBOUND, u64::from(BPF_ANY));
+                    set_direction(ctx, &conn, DIR_INBOUND, u64::from(BPF_ANY));
                     1
                 } else {
                     match direction(&conn) {
-                        DIR_OUTBOUND => return count(COUNTER_REPLIES_SKIPPED),
+                        DIR_OUTBOUND => return skip_reply(),
                         DIR_INBOUND => 0,
                         _ => {
                             // Mid-stream without a SYN seen (started before attach, or evicted):
                             // an ephemeral local port talking to a service port is taken as a
                             // connection this host initiated.
                             if packet.dst_port >= EPHEMERAL_PORT_MIN && packet.src_port < EPHEMERAL_PORT_MIN {
-                                set_direction(&conn, DIR_OUTBOUND, u64::from(BPF_NOEXIST));
-                                return count(COUNTER_REPLIES_SKIPPED);
+                                set_direction(ctx, &conn, DIR_OUTBOUND, u64::from(BPF_NOEXIST));
+                                return skip_reply();
                             }
-                            set_direction(&conn, DIR_INBOUND, u64::from(BPF_NOEXIST));
+                            set_direction(ctx, &conn, DIR_INBOUND, u64::from(BPF_NOEXIST));
                             0
                         }
                     }
@@ -321,10 +343,10 @@ fn ingress(ctx: &TcContext, packet: &Packet) {
             PROTO_UDP => {
                 let conn = ingress_conn(packet);
                 match direction(&conn) {
-                    DIR_OUTBOUND => return count(COUNTER_REPLIES_SKIPPED),
+                    DIR_OUTBOUND => return skip_reply(),
                     DIR_INBOUND => 0,
                     _ => {
-                        set_direction(&conn, DIR_INBOUND, u64::from(BPF_NOEXIST));
+                        set_direction(ctx, &conn, DIR_INBOUND, u64::from(BPF_NOEXIST));
                         1
                     }
                 }
@@ -334,14 +356,14 @@ fn ingress(ctx: &TcContext, packet: &Packet) {
                 match direction(&conn) {
                     DIR_INBOUND => 0,
                     _ => {
-                        set_direction(&conn, DIR_INBOUND, u64::from(BPF_ANY));
+                        set_direction(ctx, &conn, DIR_INBOUND, u64::from(BPF_ANY));
                         1
                     }
                 }
             }
             _ if is_echo_reply(packet) => {
                 if direction(&ingress_conn(packet)) == DIR_OUTBOUND {
-                    return count(COUNTER_REPLIES_SKIPPED);
+                    return skip_reply();
                 }
                 2
             }
@@ -362,19 +384,20 @@ fn ingress(ctx: &TcContext, packet: &Packet) {
     };
     let active = ACTIVE_MAP.get(0).copied().unwrap_or(0);
     if active == 0 {
-        record(&FLOWS_A, &key, u64::from(ctx.len()), new_connection);
+        record(ctx, &FLOWS_A, &key, new_connection);
     } else {
-        record(&FLOWS_B, &key, u64::from(ctx.len()), new_connection);
+        record(ctx, &FLOWS_B, &key, new_connection);
     }
 }
 
 #[inline(always)]
 fn record(
+    ctx: &TcContext,
     map: &PerCpuHashMap<FlowKey, FlowValue, { DEFAULT_FLOW_ENTRIES as usize }>,
     key: &FlowKey,
-    bytes: u64,
     new_connection: u64,
 ) {
+    let bytes = u64::from(ctx.len());
     // SAFETY: bpf_ktime_get_ns has no preconditions.
     let now = unsafe { bpf_ktime_get_ns() };
     if let Some(value) = map.get_ptr_mut(key) {
@@ -397,7 +420,12 @@ fn record(
             }
         }
         // Map full (E2BIG) or out of memory: counted, never silent.
-        Err(_) => count(COUNTER_FLOW_INSERT_FAILED),
+        Err(err) => {
+            let dropped = count(COUNTER_FLOW_INSERT_FAILED);
+            if dropped.is_power_of_two() {
+                warn!(ctx, "flow map full (error {}): {} packets unrecorded on this CPU", err, dropped);
+            }
+        }
     }
 }
 
@@ -418,11 +446,22 @@ fn add(value: *mut FlowValue, bytes: u64, new_connection: u64, now: u64) {
 }
 
 #[inline(always)]
-fn count(index: u32) {
-    if let Some(counter) = COUNTERS.get_ptr_mut(index) {
+fn skip_reply() {
+    count(COUNTER_REPLIES_SKIPPED);
+}
+
+/// Increments this CPU's counter `index` and returns its new value (0 if the slot is missing,
+/// which cannot happen for the fixed indices used here).
+#[inline(always)]
+fn count(index: u32) -> u64 {
+    match COUNTERS.get_ptr_mut(index) {
         // SAFETY: this CPU's slot of a per-CPU array, valid for the whole program run and
         // touched by no other CPU, so a plain increment cannot race.
-        unsafe { *counter += 1 };
+        Some(counter) => unsafe {
+            *counter += 1;
+            *counter
+        },
+        None => 0,
     }
 }
 

@@ -317,7 +317,7 @@ fn start_flows<S: PolicyStore + Send + 'static>(
     let state_dir = config.state_dir.clone();
     let spawned = std::thread::Builder::new().name("flow-capture".into()).spawn(move || {
         let attached = crate::capture::Capture::interfaces_of_host().and_then(|ifs| {
-            crate::capture::Capture::attach(&ifs, &crate::capture::default_object_path(), None)
+            crate::capture::Capture::attach(&ifs, &crate::capture::default_object_path(), None, log::logger())
         });
         match attached {
             Ok(capture) => {

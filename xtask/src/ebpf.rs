@@ -32,9 +32,6 @@ const REQUIRED_SECTIONS: &[(&str, &str)] = &[
     ("classifier", "no tc program: `#[classifier] fn innerwall_ingress` is missing"),
 ];
 
-/// Where the kernel-load check pins the program for a moment.
-const BPFFS: &str = "/sys/fs/bpf";
-
 pub fn build(root: &Path) -> Result<PathBuf> {
     setup::bpf_toolchain()?;
     cmd::run(&mut bpf_cargo(root, "build")).context("building agent-ebpf for the BPF target")?;
@@ -145,8 +142,9 @@ fn check_bpf_object(elf: &Elf) -> Result<()> {
     Ok(())
 }
 
-/// Loads the object into the running kernel with bpftool, so the verifier judges it now
-/// rather than when an agent first starts. Needs root; skipped without it, except in CI.
+/// Loads every program of the object into the running kernel (with aya, as the agent does),
+/// so the verifier judges it now rather than when an agent first starts; dropping the handle
+/// unloads it again. Needs root; skipped without it, except in CI.
 fn kernel_load_check(object: &Path) -> Result<()> {
     let status = fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
     if effective_uid(&status) != Some(0) {
@@ -157,35 +155,21 @@ fn kernel_load_check(object: &Path) -> Result<()> {
         println!("build-ebpf: kernel load check: skipped (needs root)");
         return Ok(());
     }
-    mount_bpffs()?;
-    let pin = Path::new(BPFFS).join(format!("innerwall-xtask-{}", std::process::id()));
-    let mut load = Command::new("bpftool");
-    load.args(["prog", "load"]).arg(object).arg(&pin).args(["type", "classifier"]);
-    let loaded = cmd::output(&mut load);
-    // Unpinning unloads the program (and its maps) again.
-    let unpinned = match pin.symlink_metadata() {
-        Ok(_) => fs::remove_file(&pin).with_context(|| format!("removing pin {}", pin.display())),
-        Err(_) => Ok(()),
-    };
-    loaded.context(
-        "the kernel rejected the eBPF object (verifier log above); bpftool comes from `cargo xtask setup`",
-    )?;
-    unpinned?;
-    println!(
-        "build-ebpf: kernel load check: the verifier accepted the object (bpftool prog load, pin removed)"
-    );
-    Ok(())
-}
-
-fn mount_bpffs() -> Result<()> {
-    let mounts = fs::read_to_string("/proc/mounts").context("reading /proc/mounts")?;
-    let mounted = mounts.lines().any(|line| {
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        fields.get(1) == Some(&BPFFS) && fields.get(2) == Some(&"bpf")
-    });
-    if !mounted {
-        cmd::run(Command::new("mount").args(["-t", "bpf", "bpf", BPFFS]))?;
+    let mut ebpf = aya::Ebpf::load_file(object)
+        .with_context(|| format!("the kernel refused the maps or BTF of {}", object.display()))?;
+    let mut accepted = Vec::new();
+    for (name, program) in ebpf.programs_mut() {
+        let classifier: &mut aya::programs::SchedClassifier =
+            program.try_into().with_context(|| format!("program {name} is not a tc classifier"))?;
+        classifier.load().with_context(|| format!("the kernel verifier rejected program {name}"))?;
+        accepted.push(name.to_owned());
     }
+    ensure!(!accepted.is_empty(), "{} holds no programs", object.display());
+    accepted.sort();
+    println!(
+        "build-ebpf: kernel load check: the verifier accepted {} (loaded and unloaded)",
+        accepted.join(", ")
+    );
     Ok(())
 }
 

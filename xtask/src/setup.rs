@@ -13,7 +13,7 @@ use anyhow::{Context, Result, bail};
 use crate::cmd;
 
 /// What the builds and tests need from Debian: nftnl/mnl headers for the agent, the
-/// tools the namespace tests drive, and bpftool for the eBPF kernel-load check.
+/// tools the namespace tests drive, and bpftool for inspecting loaded programs and maps.
 const APT_PACKAGES: &[&str] =
     &["libnftnl-dev", "libmnl-dev", "pkg-config", "iproute2", "nftables", "python3", "bpftool"];
 

@@ -8,6 +8,10 @@
 //! every key of the now idle map. Per-CPU values mean no increment is lost to concurrent
 //! updates either. The map-full counter is monotonic; each drain reports the difference.
 //!
+//! The program's diagnostics (aya-log, e.g. "flow map full", logged per doubling of a failure
+//! counter) are read from their ring buffer at each drain and handed to a `log` logger: the
+//! process's own (`log::logger()`, which the agent bridges into tracing) or one a test passes.
+//!
 //! The object is read from a file, never embedded, so a plain `cargo build` needs no BPF
 //! toolchain: [`default_object_path`] (`$INNERWALL_EBPF_OBJECT`, else
 //! `<dir of the executable>/../bpf/innerwall-ebpf`, which is `target/bpf/innerwall-ebpf` for
@@ -64,6 +68,8 @@ pub enum CaptureError {
         #[source]
         source: MapError,
     },
+    #[error("eBPF diagnostics (aya-log): {0}")]
+    Log(#[from] aya_log::Error),
     #[error("listing interfaces: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -113,10 +119,22 @@ pub struct Drained {
     pub replies_skipped: u64,
 }
 
+/// Kernel accounting for one classifier (see [`Capture::program_stats`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProgramStats {
+    /// The classifier's name.
+    pub program: &'static str,
+    /// Runs counted (one per packet on each attached interface).
+    pub runs: u64,
+    /// Total time spent in the program.
+    pub run_time: Duration,
+}
+
 /// The loaded and attached capture program. Dropping it detaches everything.
 pub struct Capture {
     // Owns the programs and their TCX links: dropping detaches.
-    _ebpf: Ebpf,
+    ebpf: Ebpf,
+    logger: aya_log::EbpfLogger<&'static dyn log::Log>,
     flows: [PerCpuHashMap<MapData, FlowKey, FlowValue>; 2],
     active_map: Array<MapData, u32>,
     counters: PerCpuArray<MapData, u64>,
@@ -139,11 +157,12 @@ impl Capture {
     /// Loads the object at `object_path` (flow maps resized to `map_capacity` if given) and
     /// attaches ingress and egress classifiers to each interface (TCX on kernels ≥ 6.6,
     /// clsact filters before). Interface names resolve in the calling thread's network
-    /// namespace. Needs root.
+    /// namespace. The program's diagnostics go to `log` (usually `log::logger()`). Needs root.
     pub fn attach(
         interfaces: &[String],
         object_path: &Path,
         map_capacity: Option<u32>,
+        log: &'static dyn log::Log,
     ) -> Result<Capture, CaptureError> {
         let uid = effective_uid();
         if uid != 0 {
@@ -161,6 +180,8 @@ impl Capture {
             path: object_path.to_owned(),
             source: Box::new(source),
         })?;
+        // Before any program runs, so no diagnostic is written where nobody reads.
+        let logger = aya_log::EbpfLogger::init_with_logger(&mut ebpf, log)?;
         let legacy_tc = !aya::util::KernelVersion::current()
             .map(|v| v >= aya::util::KernelVersion::new(6, 6, 0))
             .unwrap_or(false);
@@ -193,7 +214,8 @@ impl Capture {
         let active_map = Array::try_from(take(common::ACTIVE_MAP)?).map_err(map_err(common::ACTIVE_MAP))?;
         let counters = PerCpuArray::try_from(take(common::COUNTERS)?).map_err(map_err(common::COUNTERS))?;
         let mut capture = Capture {
-            _ebpf: ebpf,
+            ebpf,
+            logger,
             flows: [flows_a, flows_b],
             active_map,
             counters,
@@ -210,8 +232,28 @@ impl Capture {
         &self.interfaces
     }
 
+    /// Run count and total run time of each classifier, as the kernel accounts them. The
+    /// kernel only counts while statistics are enabled (`aya::sys::enable_stats`, or the
+    /// `kernel.bpf_stats_enabled` sysctl); otherwise both stay zero.
+    pub fn program_stats(&self) -> Result<Vec<ProgramStats>, CaptureError> {
+        [common::PROG_INGRESS, common::PROG_EGRESS]
+            .into_iter()
+            .map(|program| {
+                let prog: &SchedClassifier = self
+                    .ebpf
+                    .program(program)
+                    .ok_or(CaptureError::Missing(program))?
+                    .try_into()
+                    .map_err(|source| CaptureError::Program { program, source })?;
+                let info = prog.info().map_err(|source| CaptureError::Program { program, source })?;
+                Ok(ProgramStats { program, runs: info.run_count(), run_time: info.run_time() })
+            })
+            .collect()
+    }
+
     /// Switches the program to the other flow map, waits [`DRAIN_GRACE`], then returns and
     /// deletes every record of the previous one, with the counters since the last drain.
+    /// Also passes the program's pending diagnostics to the logger.
     pub fn drain(&mut self) -> Result<Drained, CaptureError> {
         let map_err = |map: &'static str| move |source| CaptureError::Map { map, source };
         let idle = self.active as usize;
@@ -269,6 +311,7 @@ impl Capture {
             replies_skipped: delta(common::COUNTER_REPLIES_SKIPPED),
         };
         self.last_counters = totals;
+        self.logger.flush();
         Ok(drained)
     }
 

@@ -30,13 +30,37 @@ fn object() -> PathBuf {
 }
 
 fn attach(pair: &Pair, capacity: Option<u32>) -> Capture {
+    attach_logging_to(pair, capacity, log::logger())
+}
+
+fn attach_logging_to(pair: &Pair, capacity: Option<u32>, log: &'static dyn log::Log) -> Capture {
     let object = object();
     let mut capture = pair
         .host
-        .enter(|| Capture::attach(&["veth0".to_owned()], &object, capacity))
+        .enter(|| Capture::attach(&["veth0".to_owned()], &object, capacity, log))
         .unwrap_or_else(|e| panic!("attaching the capture: {e}"));
     capture.drain().expect("initial drain");
     capture
+}
+
+/// Keeps what the program logs through aya-log, for assertions.
+#[derive(Debug, Default)]
+struct Diagnostics(std::sync::Mutex<Vec<String>>);
+
+impl Diagnostics {
+    fn lines(&self) -> Vec<String> {
+        self.0.lock().expect("diagnostics lock").clone()
+    }
+}
+
+impl log::Log for Diagnostics {
+    fn enabled(&self, _: &log::Metadata<'_>) -> bool {
+        true
+    }
+    fn log(&self, record: &log::Record<'_>) {
+        self.0.lock().expect("diagnostics lock").push(format!("{} {}", record.level(), record.args()));
+    }
+    fn flush(&self) {}
 }
 
 fn now_ms() -> i64 {
@@ -164,7 +188,8 @@ fn netns_replies_are_not_inbound() {
 #[test]
 fn map_full_becomes_gap() {
     let pair = Pair::new("full");
-    let mut capture = attach(&pair, Some(4));
+    let diagnostics: &'static Diagnostics = Box::leak(Box::default());
+    let mut capture = attach_logging_to(&pair, Some(4), diagnostics);
     // Ten distinct keys (UDP to closed ports: the host answers with port unreachable).
     let ports: [u16; 10] = [6001, 6002, 6003, 6004, 6005, 6006, 6007, 6008, 6009, 6010];
     let probes: Vec<_> = ports.iter().map(|p| udp(ALLOWED4, HOST4, *p)).collect();
@@ -207,6 +232,16 @@ fn map_full_becomes_gap() {
         .expect("a map-full gap");
     assert_eq!((gap.count, gap.from_unix_ms, gap.to_unix_ms), (drained.map_full_drops, 1_000, 2_000));
     assert_eq!(closed.records.len(), recorded, "recorded flows to the host's address are in the window");
+
+    // The program said so itself, through aya-log, once per doubling of its per-CPU count.
+    let lines = diagnostics.lines();
+    let full: Vec<_> = lines.iter().filter(|l| l.starts_with("WARN flow map full")).collect();
+    assert!(!full.is_empty(), "no map-full diagnostic among {lines:?}");
+    assert!(
+        full.len() as u64 <= 2 * (u64::BITS - drained.map_full_drops.leading_zeros()) as u64,
+        "diagnostics are rate limited to powers of two, got {full:?} for {} drops",
+        drained.map_full_drops
+    );
 
     // The counter is per drain, and a drained map has room again.
     probe_with_timeout(&pair.client, &[udp(ALLOWED4, HOST4, 6011)], 1.0);
