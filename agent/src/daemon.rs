@@ -251,37 +251,46 @@ fn local_addresses() -> std::collections::BTreeSet<std::net::IpAddr> {
 /// The flow evidence loop (FLOW-1..FLOW-3), on its own thread: drain the kernel map every
 /// second into the open window; close it when its time is up or the applied policy version
 /// changes (evidence is always about exactly one version), and queue it for upload. The time
-/// the agent was not running becomes an AGENT_RESTART gap on the first window.
+/// the agent was not running becomes an AGENT_RESTART gap on the first window: from the end of
+/// the last window it queued (recorded in `telemetry/last_window_end`) to now. When `stop` is
+/// set, the open window is drained and queued one last time, so a clean stop leaves a gap of
+/// exactly the downtime; a crash loses the open window, and the gap then starts where the last
+/// queued window ended.
 fn capture_forever<S: PolicyStore + Send + 'static>(
     mut capture: crate::capture::Capture,
     enforcer: Arc<Enforcer<S>>,
     queue: crate::telemetry::Queue,
     state_dir: &Path,
+    stop: &std::sync::atomic::AtomicBool,
 ) {
     use std::sync::atomic::Ordering::Relaxed;
     let marker = state_dir.join("telemetry").join("last_window_end");
     let max_keys = || enforcer.flow_window_max_keys.load(Relaxed) as usize;
     let mut window = crate::flows::Window::open(now_ms(), enforcer.current(), max_keys());
     if let Some(last) = std::fs::read_to_string(&marker).ok().and_then(|t| t.trim().parse::<i64>().ok()) {
-        window.gap(proto::EvidenceGapKind::AgentRestart, last, now_ms(), 0);
+        window.gap(proto::EvidenceGapKind::AgentRestart, last, window.start_ms, 0);
     }
+    let queue_window = |window: crate::flows::Window, now: i64| {
+        if let Err(e) = queue.push(window.close(now)) {
+            tracing::error!("could not queue a flow window: {e}");
+        }
+        if let Err(e) = std::fs::write(&marker, now.to_string()) {
+            tracing::error!("could not record the end of the last flow window: {e}");
+        }
+    };
     let mut local = local_addresses();
     let mut last_drain = now_ms();
     loop {
-        std::thread::sleep(Duration::from_secs(1));
+        let stopping = sleep_unless_stopped(Duration::from_secs(1), stop);
         let now = now_ms();
         // Close first, then drain: traffic seen after a new version was applied is judged
         // under that version, not the one before it.
         let length = enforcer.flow_window_secs.load(Relaxed) as i64 * 1000;
-        if enforcer.applied_version() != window.policy_version() || now - window.start_ms >= length {
-            let closed = std::mem::replace(
-                &mut window,
-                crate::flows::Window::open(now, enforcer.current(), max_keys()),
-            );
-            if let Err(e) = queue.push(closed.close(now)) {
-                tracing::error!("could not queue a flow window: {e}");
-            }
-            let _ = std::fs::write(&marker, now.to_string());
+        if !stopping
+            && (enforcer.applied_version() != window.policy_version() || now - window.start_ms >= length)
+        {
+            let next = crate::flows::Window::open(now, enforcer.current(), max_keys());
+            queue_window(std::mem::replace(&mut window, next), now);
             local = local_addresses();
         }
         match capture.drain() {
@@ -296,6 +305,46 @@ fn capture_forever<S: PolicyStore + Send + 'static>(
             Err(e) => tracing::error!("draining the flow map failed: {e}"),
         }
         last_drain = now;
+        if stopping {
+            queue_window(window, now);
+            return;
+        }
+    }
+}
+
+/// Sleeps for `period`, waking early when `stop` is set; returns whether it is.
+fn sleep_unless_stopped(period: Duration, stop: &std::sync::atomic::AtomicBool) -> bool {
+    let step = Duration::from_millis(50);
+    let deadline = std::time::Instant::now() + period;
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return false;
+        }
+        std::thread::sleep(left.min(step));
+    }
+    true
+}
+
+/// Flow capture and upload, as started by [`start_flows`].
+struct FlowTasks {
+    uploader: tokio::task::JoinHandle<()>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    capture: Option<std::thread::JoinHandle<()>>,
+}
+
+impl FlowTasks {
+    /// Queues the open window (see [`capture_forever`]) and stops uploading. What is queued
+    /// and not yet delivered stays on disk for the next start.
+    async fn stop(self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(capture) = self.capture {
+            let joined = tokio::task::spawn_blocking(move || capture.join());
+            if tokio::time::timeout(Duration::from_secs(5), joined).await.is_err() {
+                tracing::warn!("flow capture did not stop within 5 s; its open window is lost");
+            }
+        }
+        self.uploader.abort();
     }
 }
 
@@ -304,7 +353,7 @@ fn capture_forever<S: PolicyStore + Send + 'static>(
 fn start_flows<S: PolicyStore + Send + 'static>(
     config: &RunConfig,
     enforcer: Arc<Enforcer<S>>,
-) -> Option<tokio::task::JoinHandle<()>> {
+) -> Option<FlowTasks> {
     let queue = match crate::telemetry::Queue::new(&config.state_dir, crate::telemetry::DEFAULT_MAX_WINDOWS) {
         Ok(q) => q,
         Err(e) => {
@@ -315,6 +364,8 @@ fn start_flows<S: PolicyStore + Send + 'static>(
     let uploader =
         tokio::spawn(crate::telemetry::upload_forever(config.clone(), queue.clone(), Duration::from_secs(1)));
     let state_dir = config.state_dir.clone();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop_flag = stop.clone();
     let spawned = std::thread::Builder::new().name("flow-capture".into()).spawn(move || {
         let attached = crate::capture::Capture::interfaces_of_host().and_then(|ifs| {
             crate::capture::Capture::attach(&ifs, &crate::capture::default_object_path(), None, log::logger())
@@ -322,17 +373,15 @@ fn start_flows<S: PolicyStore + Send + 'static>(
         match attached {
             Ok(capture) => {
                 tracing::info!(interfaces = ?capture.interfaces(), "flow capture attached");
-                capture_forever(capture, enforcer, queue, &state_dir);
+                capture_forever(capture, enforcer, queue, &state_dir, &stop_flag);
             }
             Err(e) => {
                 tracing::error!("flow capture unavailable: {e}; enforcement continues without flow evidence")
             }
         }
     });
-    if let Err(e) = spawned {
-        tracing::error!("could not start the flow capture thread: {e}");
-    }
-    Some(uploader)
+    let capture = spawned.map_err(|e| tracing::error!("could not start the flow capture thread: {e}")).ok();
+    Some(FlowTasks { uploader, stop, capture })
 }
 
 /// Runs the agent until SIGINT/SIGTERM. Kernel rules stay in place when it returns.
@@ -342,7 +391,7 @@ pub async fn run(config: RunConfig) -> anyhow::Result<()> {
     let enforcer = Arc::new(Enforcer::new(store));
     let drift = spawn_drift_checks(enforcer.clone(), config.drift_interval);
     let renewal = tokio::spawn(renew_forever(config.clone(), enforcer.clone()));
-    let uploader = start_flows(&config, enforcer.clone());
+    let flows = start_flows(&config, enforcer.clone());
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .context("installing the SIGTERM handler")?;
@@ -353,8 +402,8 @@ pub async fn run(config: RunConfig) -> anyhow::Result<()> {
     };
     drift.abort();
     renewal.abort();
-    if let Some(uploader) = uploader {
-        uploader.abort();
+    if let Some(flows) = flows {
+        flows.stop().await;
     }
     tracing::info!("stopping; table inet innerwall stays in place (fail static)");
     result

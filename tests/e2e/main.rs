@@ -1,5 +1,6 @@
 //! End-to-end tests across crates. One test binary; one module per capability.
 
+mod agent_restart;
 mod binaries;
 mod flows;
 mod plane;

@@ -26,6 +26,7 @@ pub struct Plane {
     pub signer: Arc<FileCa>,
     pub port: u16,
     pub cert_lifetime: Duration,
+    pub gateway: GatewayConfig,
     pub running: Option<Running>,
 }
 
@@ -35,22 +36,28 @@ impl Plane {
     }
 
     pub async fn start_with(cert_lifetime: Duration) -> Plane {
-        let db = fresh_database().await.unwrap();
-        let dir = std::env::temp_dir().join(format!("iw-e2e-{}", uuid::Uuid::new_v4()));
-        let signer = Arc::new(FileCa::init(&dir.join("ca")).unwrap());
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let mut plane = Plane { db, dir, signer, port, cert_lifetime, running: None };
+        let mut plane = Plane::create(cert_lifetime, GatewayConfig::default()).await;
         plane.up().await;
         plane
     }
 
-    /// Starts the replica on its port (again, after `down`).
+    /// A database and CA, with the replica not yet started (`up` starts it).
+    pub async fn create(cert_lifetime: Duration, gateway: GatewayConfig) -> Plane {
+        let db = fresh_database().await.unwrap();
+        let dir = std::env::temp_dir().join(format!("iw-e2e-{}", uuid::Uuid::new_v4()));
+        let signer = Arc::new(FileCa::init(&dir.join("ca")).unwrap());
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        Plane { db, dir, signer, port, cert_lifetime, gateway, running: None }
+    }
+
+    /// Starts the replica on its port (again, after `down`), in the calling thread's network
+    /// namespace.
     pub async fn up(&mut self) {
         let config = ServiceConfig {
             listen: format!("127.0.0.1:{}", self.port).parse().unwrap(),
             server_names: vec!["localhost".into()],
             cert_lifetime: self.cert_lifetime,
-            gateway: GatewayConfig::default(),
+            gateway: self.gateway.clone(),
         };
         self.running = Some(service::start(self.db.pool.clone(), self.signer.clone(), config).await.unwrap());
     }

@@ -17,7 +17,6 @@
 //! `<dir of the executable>/../bpf/innerwall-ebpf`, which is `target/bpf/innerwall-ebpf` for
 //! cargo builds; `cargo xtask build-ebpf` puts it there).
 
-use std::fs;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -328,31 +327,33 @@ impl Capture {
     }
 
     /// Non-loopback Ethernet-type interfaces of the calling thread's network namespace
-    /// (what the program can parse: it expects an Ethernet header), sorted.
+    /// (what the program can parse: it expects an Ethernet header), sorted. Asked of the kernel
+    /// over netlink (`ip -j link show`), not read from /sys/class/net, which shows the
+    /// namespace sysfs was mounted in rather than the caller's.
     pub fn interfaces_of_host() -> Result<Vec<String>, CaptureError> {
-        const IFF_LOOPBACK: u32 = 0x8;
-        const ARPHRD_ETHER: u32 = 1;
-        let read_num = |path: PathBuf| -> Option<u32> {
-            let text = fs::read_to_string(path).ok()?;
-            let text = text.trim();
-            match text.strip_prefix("0x") {
-                Some(hex) => u32::from_str_radix(hex, 16).ok(),
-                None => text.parse().ok(),
-            }
-        };
-        let mut names = Vec::new();
-        for entry in fs::read_dir("/sys/class/net")? {
-            let entry = entry?;
-            let dir = entry.path();
-            let loopback = read_num(dir.join("flags")).is_none_or(|f| f & IFF_LOOPBACK != 0);
-            let ether = read_num(dir.join("type")) == Some(ARPHRD_ETHER);
-            if !loopback && ether {
-                names.push(entry.file_name().to_string_lossy().into_owned());
-            }
+        let out = std::process::Command::new("ip").args(["-j", "link", "show"]).output()?;
+        if !out.status.success() {
+            return Err(CaptureError::Io(std::io::Error::other(format!(
+                "`ip -j link show` failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ))));
         }
-        names.sort();
-        Ok(names)
+        ethernet_interfaces(&out.stdout).map_err(|e| CaptureError::Io(std::io::Error::other(e)))
     }
+}
+
+/// The non-loopback Ethernet interfaces in `ip -j link show` output, sorted.
+fn ethernet_interfaces(ip_json: &[u8]) -> Result<Vec<String>, String> {
+    let links: Vec<serde_json::Value> =
+        serde_json::from_slice(ip_json).map_err(|e| format!("parsing `ip -j link show`: {e}"))?;
+    let mut names: Vec<String> = links
+        .iter()
+        .filter(|link| link["link_type"] == "ether")
+        .filter(|link| !link["flags"].as_array().is_some_and(|f| f.iter().any(|f| f == "LOOPBACK")))
+        .filter_map(|link| link["ifname"].as_str().map(str::to_owned))
+        .collect();
+    names.sort();
+    Ok(names)
 }
 
 /// Where the eBPF object is read from: `$INNERWALL_EBPF_OBJECT`, else
@@ -431,6 +432,18 @@ mod tests {
         let offset = realtime_minus_monotonic_ns();
         // After 2020 (1.5e18 ns since the epoch) once any monotonic value is added.
         assert!(offset > 1_500_000_000_000_000_000);
+    }
+
+    #[test]
+    fn only_non_loopback_ethernet_links_are_captured() {
+        let json = br#"[
+            {"ifname": "lo", "flags": ["LOOPBACK", "UP"], "link_type": "loopback"},
+            {"ifname": "veth1", "flags": ["BROADCAST", "UP"], "link_type": "ether"},
+            {"ifname": "eth0", "flags": ["BROADCAST", "UP"], "link_type": "ether"},
+            {"ifname": "wg0", "flags": ["POINTOPOINT", "UP"], "link_type": "none"}
+        ]"#;
+        assert_eq!(ethernet_interfaces(json).unwrap(), ["eth0", "veth1"]);
+        assert!(ethernet_interfaces(b"not json").is_err());
     }
 
     #[test]
