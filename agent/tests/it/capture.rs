@@ -7,8 +7,12 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use innerwall_agent::capture::{Capture, Drained, FlowRecord, OBJECT_ENV};
 
+use innerwall_agent::enforce::{LinuxPolicyStore, PolicyStore as _};
+
+use crate::enforce::{matrix, policy};
 use crate::netns::{
-    ALLOWED4, ALLOWED6, HOST4, HOST6, OTHER4, OTHER6, Pair, Server, icmp, probe_with_timeout, tcp, udp,
+    ALLOWED4, ALLOWED6, HOST4, HOST6, OTHER4, OTHER6, Pair, Probe, Server, TempDir, icmp, probe_with_timeout,
+    tcp, udp,
 };
 
 const TCP: u8 = 6;
@@ -248,4 +252,82 @@ fn map_full_becomes_gap() {
     let drained = capture.drain().expect("drain");
     assert_eq!(drained.map_full_drops, 0, "{drained:?}");
     find(&drained, ALLOWED4, HOST4, 6011, UDP);
+}
+
+/// The rule each allowed probe of the matrix matches.
+fn rule_of(probe: &Probe) -> &'static str {
+    match (probe.kind, probe.src.contains(':')) {
+        ("tcp", _) => "web/tcp",
+        ("udp", _) => "dns/udp",
+        ("icmp", false) => "ping/icmp",
+        _ => "ping/icmpv6",
+    }
+}
+
+/// Real packets against the real table: what the kernel dropped is recorded as BLOCKED, what
+/// it would have dropped in simulation as WOULD_BLOCK, what it let through as ALLOWED with the
+/// rule that let it, and in visibility everything is OBSERVED. Each window carries the version.
+#[test]
+fn netns_ebpf_records_flows_with_decisions() {
+    use innerwall_wire::proto::{FlowDecision, Protocol};
+    let pair = Pair::new("decide");
+    let _server = Server::start(&pair.host, &[8080, 8081], &[8080, 5353]);
+    let state = TempDir::new("decide");
+    let mut capture = attach(&pair, None);
+    let local = [HOST4, HOST6].map(|a| a.parse::<IpAddr>().expect("host address")).into();
+    for (version, mode) in [(1, "enforcement"), (2, "simulation"), (3, "visibility")] {
+        let policy = policy(version, mode, &[ALLOWED4, ALLOWED6]);
+        pair.host.enter(|| LinuxPolicyStore::new(&state.0).apply(&policy)).expect("apply");
+        let start = now_ms();
+        let (probes, allowed): (Vec<Probe>, Vec<bool>) = matrix().into_iter().unzip();
+        let reached = probe_with_timeout(&pair.client, &probes, 1.5);
+        if mode == "enforcement" {
+            assert_eq!(reached, allowed, "the kernel enforces the matrix");
+        } else {
+            assert!(reached.iter().all(|r| *r), "{mode} drops nothing: {reached:?}");
+        }
+        let drained = capture.drain().expect("drain");
+        let now = now_ms();
+        let mut window = innerwall_agent::flows::Window::open(start, Some(policy), 1_000);
+        innerwall_agent::flows::absorb(
+            &mut window,
+            &drained.records,
+            drained.map_full_drops,
+            &local,
+            start,
+            now,
+        );
+        let closed = window.close(now);
+        assert_eq!(closed.policy_version, version);
+        for (probe, allowed) in matrix() {
+            let protocol = match (probe.kind, probe.src.contains(':')) {
+                ("tcp", _) => Protocol::Tcp,
+                ("udp", _) => Protocol::Udp,
+                ("icmp", false) => Protocol::Icmp,
+                _ => Protocol::Icmpv6,
+            };
+            let record = closed
+                .records
+                .iter()
+                .find(|r| {
+                    r.src_address == probe.src
+                        && r.dst_address == probe.dst
+                        && r.protocol == protocol as i32
+                        && r.dst_port == u32::from(probe.port)
+                })
+                .unwrap_or_else(|| panic!("{mode}: no record for {probe:?} in {:#?}", closed.records));
+            let expected = match (mode, allowed) {
+                ("visibility", _) => (FlowDecision::Observed, ""),
+                (_, true) => (FlowDecision::Allowed, rule_of(&probe)),
+                ("simulation", false) => (FlowDecision::WouldBlock, ""),
+                _ => (FlowDecision::Blocked, ""),
+            };
+            assert_eq!(
+                (record.decision, record.matched_rule_id.as_str()),
+                (expected.0 as i32, expected.1),
+                "{mode}: {probe:?} -> {record:?}"
+            );
+            assert!(record.packets >= 1 && record.new_connections >= 1, "{mode}: {record:?}");
+        }
+    }
 }

@@ -20,7 +20,7 @@ use crate::netns::*;
 const AGENT: &str = env!("CARGO_BIN_EXE_innerwall-agent");
 
 /// Allowed: tcp/8080 and udp/5353 from .2 and ::2, icmp from .2, icmpv6 from ::2.
-fn policy(version: u64, mode: &str, web_peers: &[&str]) -> WorkloadPolicy {
+pub fn policy(version: u64, mode: &str, web_peers: &[&str]) -> WorkloadPolicy {
     let json = serde_json::json!({
         "version": version,
         "mode": mode,
@@ -35,7 +35,7 @@ fn policy(version: u64, mode: &str, web_peers: &[&str]) -> WorkloadPolicy {
 }
 
 /// The probes of the enforcement and simulation tests, with the enforcement outcome.
-fn matrix() -> Vec<(Probe, bool)> {
+pub fn matrix() -> Vec<(Probe, bool)> {
     vec![
         (tcp(ALLOWED4, HOST4, 8080), true),
         (tcp(OTHER4, HOST4, 8080), false),   // disallowed source
