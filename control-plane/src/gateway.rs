@@ -212,8 +212,9 @@ impl StreamTask {
             .map_err(|_| Ended::offline("agent went away"))
     }
 
-    async fn record(&self, r: &Record) -> Result<(), StoreError> {
-        sqlx::query(
+    /// Writes the stream's state; false when a newer stream (on any replica) owns the row.
+    async fn record(&self, r: &Record) -> Result<bool, StoreError> {
+        let written = sqlx::query(
             "UPDATE workloads SET sync_state = $2,
                 applied_version = COALESCE($3, applied_version),
                 sync_detail = COALESCE($4, sync_detail),
@@ -233,7 +234,7 @@ impl StreamTask {
         .bind(self.epoch.load(Ordering::Relaxed))
         .execute(self.pool())
         .await?;
-        Ok(())
+        Ok(written.rows_affected() == 1)
     }
 
     async fn execute(&self, actions: Vec<Action>) -> Result<(), Ended> {
@@ -247,7 +248,18 @@ impl StreamTask {
                     self.send(sync_response::Msg::Delta(proto::PolicyDelta::from(&d))).await?;
                 }
                 Action::Record(r) => {
-                    self.record(&r).await.map_err(|e| Ended::offline(format!("recording state: {e}")))?
+                    let current =
+                        self.record(&r).await.map_err(|e| Ended::offline(format!("recording state: {e}")))?;
+                    if !current {
+                        // Another replica holds a newer stream of this identity (the agent
+                        // reconnected there): this one is stale and must not speak for it.
+                        let reason = "superseded by a newer stream on another replica";
+                        return Err(Ended {
+                            reason: reason.into(),
+                            offline: false,
+                            status: Some(Status::aborted(reason)),
+                        });
+                    }
                 }
                 Action::Close(reason) => return Err(Ended::refused(Status::invalid_argument(reason))),
             }

@@ -206,11 +206,9 @@ async fn resend_snapshot() {
     );
 }
 
-#[tokio::test]
-async fn two_replicas() {
-    let mut a = Plane::start(GatewayConfig::default()).await;
-    // A second replica: same database and CA, its own listener and LISTEN connection.
-    let b = innerwall_control_plane::service::start(
+/// A second replica of `a`: same database and CA, its own listener and LISTEN connection.
+async fn second_replica(a: &Plane) -> innerwall_control_plane::service::Running {
+    innerwall_control_plane::service::start(
         a.db.pool.clone(),
         a.signer.clone(),
         innerwall_control_plane::service::ServiceConfig {
@@ -221,23 +219,77 @@ async fn two_replicas() {
         },
     )
     .await
-    .unwrap();
-    let pool = a.db.pool.clone();
-    let (id1, ch1) = enrolled(&a).await;
-    let token = a.mint(&["app=web"], None).await;
-    let (id2, cert2, key2) = a.enroll(&token).await.unwrap();
-    // Point the second agent at replica B.
+    .unwrap()
+}
+
+/// An mTLS channel to replica `b` with the given credential.
+async fn mutual_to(
+    a: &Plane,
+    b: &innerwall_control_plane::service::Running,
+    cert: &str,
+    key: &str,
+) -> Channel {
     let tls = tonic::transport::ClientTlsConfig::new()
         .ca_certificate(tonic::transport::Certificate::from_pem(a.ca_pem()))
-        .identity(tonic::transport::Identity::from_pem(&cert2, &key2))
+        .identity(tonic::transport::Identity::from_pem(cert, key))
         .domain_name("localhost");
-    let ch2 = tonic::transport::Endpoint::from_shared(format!("https://localhost:{}", b.local_addr.port()))
+    tonic::transport::Endpoint::from_shared(format!("https://localhost:{}", b.local_addr.port()))
         .unwrap()
         .tls_config(tls)
         .unwrap()
         .connect()
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// The agent reconnected to another replica while the first still holds its old stream: the
+/// old stream ends (ABORTED, superseded) at its first state write instead of speaking for the
+/// identity, and the new one carries the updates.
+#[tokio::test]
+async fn stale_stream_on_another_replica_ends() {
+    let mut a = Plane::start(GatewayConfig::default()).await;
+    let b = second_replica(&a).await;
+    let pool = a.db.pool.clone();
+    let token = a.mint(&["app=web"], None).await;
+    let (id, cert, key) = a.enroll(&token).await.unwrap();
+    let mut old = Scripted::open(a.mutual(&cert, &key).await.unwrap(), 0).await;
+    assert_eq!(old.update().await, ("snapshot", 1, 1));
+    old.ack(1, true, "").await;
+    wait_state(&pool, id, "SYNCED").await;
+
+    let mut new = Scripted::open(mutual_to(&a, &b, &cert, &key).await, 1).await;
+    assert_eq!(new.update().await, ("snapshot", 1, 1), "snapshot on connect");
+    new.ack(1, true, "").await;
+    bump(&pool, 0).await;
+    assert_eq!(new.update().await, ("delta", 1, 2));
+    new.ack(2, true, "").await;
+    let ended = loop {
+        match tokio::time::timeout(Duration::from_secs(15), old.inbound.message()).await {
+            Ok(Ok(Some(_))) => continue, // the delta may go out before the state write
+            Ok(Err(status)) => break status,
+            other => panic!("the stale stream did not end with a status: {other:?}"),
+        }
+    };
+    assert_eq!(ended.code(), tonic::Code::Aborted, "{ended:?}");
+    assert!(ended.message().contains("superseded"), "{ended:?}");
+    assert_eq!(wait_state(&pool, id, "SYNCED").await.1, 2);
+    assert_eq!(a.running.as_ref().unwrap().gateway.stream_count(), 0);
+    assert_eq!(b.gateway.stream_count(), 1);
+    b.stop().await.unwrap();
+    a.running.take().unwrap().stop().await.unwrap();
+}
+
+#[tokio::test]
+async fn two_replicas() {
+    let mut a = Plane::start(GatewayConfig::default()).await;
+    // A second replica: same database and CA, its own listener and LISTEN connection.
+    let b = second_replica(&a).await;
+    let pool = a.db.pool.clone();
+    let (id1, ch1) = enrolled(&a).await;
+    let token = a.mint(&["app=web"], None).await;
+    let (id2, cert2, key2) = a.enroll(&token).await.unwrap();
+    // Point the second agent at replica B.
+    let ch2 = mutual_to(&a, &b, &cert2, &key2).await;
     let mut agent1 = Scripted::open(ch1, 0).await;
     let mut agent2 = Scripted::open(ch2, 0).await;
     for agent in [&mut agent1, &mut agent2] {
