@@ -3,9 +3,11 @@
 //! resolved as it is *now* — workload (with a snapshot of its labels), else the most specific
 //! address group, else the bare address — and window, records, gaps and totals are written in
 //! one transaction. A window is stored once per (workload, window id), so retries never count
-//! twice. Records and gaps live in daily partitions; retention drops whole partitions.
+//! twice. Records and gaps live in daily partitions; retention drops whole partitions. Ingests
+//! hold the partition lock shared, so uploads from many agents run side by side; creating and
+//! dropping partitions holds it exclusively.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
 use chrono::{DateTime, Duration, NaiveDate, TimeZone, Utc};
@@ -160,40 +162,61 @@ fn record(r: &proto::FlowRecord) -> Result<Record, String> {
 struct Peer {
     kind: i16,
     key: String,
-    labels: serde_json::Value,
+    /// The label snapshot as JSON text, serialized once per distinct peer.
+    labels: String,
 }
 
-async fn resolve(conn: &mut PgConnection, sources: &[String]) -> Result<BTreeMap<String, Peer>, StoreError> {
+const NO_LABELS: &str = "{}";
+
+/// Resolves each distinct source once: workload (with its labels now), else the most specific
+/// address group, else the bare address.
+async fn resolve(
+    conn: &mut PgConnection,
+    sources: &BTreeSet<IpAddr>,
+) -> Result<BTreeMap<IpAddr, Peer>, StoreError> {
+    let texts: Vec<String> = sources.iter().map(IpAddr::to_string).collect();
     let mut peers = BTreeMap::new();
+    // One statement over the distinct sources, each parsed once: workload matches first, then
+    // each remaining source's most specific group.
     for row in sqlx::query(
-        "SELECT host(a.address), w.id::text,
-                COALESCE((SELECT jsonb_object_agg(l.key, l.value) FROM workload_labels l WHERE l.workload_id = w.id), '{}')
-         FROM workload_addresses a JOIN workloads w ON w.id = a.workload_id
-         WHERE w.retired_at IS NULL AND a.address = ANY($1::inet[])",
+        "WITH s AS MATERIALIZED (SELECT s FROM unnest($1::inet[]) AS s),
+         w AS MATERIALIZED (
+            SELECT s.s, w.id::text AS key,
+                   COALESCE((SELECT jsonb_object_agg(l.key, l.value) FROM workload_labels l WHERE l.workload_id = w.id),
+                            '{}')::text AS labels
+            FROM s JOIN workload_addresses a ON a.address = s.s JOIN workloads w ON w.id = a.workload_id
+            WHERE w.retired_at IS NULL)
+         SELECT host(s), 1::smallint, key, labels FROM w
+         UNION ALL
+         SELECT * FROM (
+            SELECT DISTINCT ON (s.s) host(s.s), 2::smallint, g.name::text, '{}'
+            FROM s JOIN address_group_cidrs c ON c.cidr >>= s.s JOIN address_groups g ON g.id = c.group_id
+            WHERE NOT EXISTS (SELECT 1 FROM w WHERE w.s = s.s)
+            ORDER BY s.s, masklen(c.cidr) DESC, g.name) AS groups",
     )
-    .bind(sources)
+    .bind(&texts)
     .fetch_all(&mut *conn)
     .await?
     {
-        peers.insert(row.get::<String, _>(0), Peer { kind: 1, key: row.get(1), labels: row.get(2) });
-    }
-    for row in sqlx::query(
-        "SELECT DISTINCT ON (s) host(s), g.name
-         FROM unnest($1::inet[]) AS s JOIN address_group_cidrs c ON c.cidr >>= s JOIN address_groups g ON g.id = c.group_id
-         ORDER BY s, masklen(c.cidr) DESC, g.name",
-    )
-    .bind(sources)
-    .fetch_all(&mut *conn)
-    .await?
-    {
-        peers
-            .entry(row.get::<String, _>(0))
-            .or_insert_with(|| Peer { kind: 2, key: row.get(1), labels: serde_json::json!({}) });
+        let addr = parse_host(row.get(0))?;
+        peers.insert(addr, Peer { kind: row.get(1), key: row.get(2), labels: row.get(3) });
     }
     Ok(peers)
 }
 
-/// Creates the daily partitions covering `[from, to]` if missing.
+fn parse_host(text: String) -> Result<IpAddr, StoreError> {
+    text.parse().map_err(|_| StoreError::Corrupt { what: "resolved address", detail: text })
+}
+
+/// The daily partitions of `flow_records` and `flow_gaps` for `day`.
+fn partitions(day: NaiveDate) -> [(&'static str, String); 2] {
+    let suffix = day.format("%Y%m%d");
+    [("flow_records", format!("flow_records_{suffix}")), ("flow_gaps", format!("flow_gaps_{suffix}"))]
+}
+
+/// Creates the daily partitions covering `[from, to]` if missing. Takes the partition lock
+/// exclusively (creation and retention exclude each other and every ingest); call it in a
+/// transaction of its own, before the one that writes into the partitions.
 pub async fn ensure_partitions(
     conn: &mut PgConnection,
     from: DateTime<Utc>,
@@ -203,10 +226,9 @@ pub async fn ensure_partitions(
     let mut day = from.date_naive();
     while day <= to.date_naive() {
         let next = day.succ_opt().expect("dates far from the end of time");
-        for table in ["flow_records", "flow_gaps"] {
+        for (table, partition) in partitions(day) {
             let sql = format!(
-                "CREATE TABLE IF NOT EXISTS {table}_{} PARTITION OF {table} FOR VALUES FROM ('{day}') TO ('{next}')",
-                day.format("%Y%m%d")
+                "CREATE TABLE IF NOT EXISTS {partition} PARTITION OF {table} FOR VALUES FROM ('{day}') TO ('{next}')"
             );
             sqlx::query(AssertSqlSafe(sql)).execute(&mut *conn).await?;
         }
@@ -222,9 +244,81 @@ pub struct Ingested {
     pub duplicate: bool,
 }
 
+/// The key of one `flow_totals` row of the uploading workload.
+type TotalsKey<'a> = (&'a str, u16, i16, i16);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Totals {
+    packets: i64,
+    bytes: i64,
+    new_connections: i64,
+    first_seen: DateTime<Utc>,
+    last_seen: DateTime<Utc>,
+}
+
+/// Sums a window's records per totals key (one upserted row each). A window whose sums do not
+/// fit the columns is refused whole.
+fn window_totals<'a>(
+    records: &[Record],
+    peers: &'a [&'a Peer],
+) -> Result<BTreeMap<TotalsKey<'a>, Totals>, StoreError> {
+    let mut totals: BTreeMap<TotalsKey<'a>, Totals> = BTreeMap::new();
+    for (r, peer) in records.iter().zip(peers) {
+        let key = (peer.key.as_str(), r.dst_port, r.protocol, r.decision);
+        let (packets, bytes, new_connections) = (r.packets as i64, r.bytes as i64, r.new_connections as i64);
+        match totals.get_mut(&key) {
+            None => {
+                totals.insert(
+                    key,
+                    Totals {
+                        packets,
+                        bytes,
+                        new_connections,
+                        first_seen: r.first_seen,
+                        last_seen: r.last_seen,
+                    },
+                );
+            }
+            Some(t) => {
+                let overflow = || {
+                    StoreError::Invalid(format!(
+                        "window refused: the totals of peer {} port {} overflow 64 bits",
+                        peer.key, r.dst_port
+                    ))
+                };
+                t.packets = t.packets.checked_add(packets).ok_or_else(overflow)?;
+                t.bytes = t.bytes.checked_add(bytes).ok_or_else(overflow)?;
+                t.new_connections = t.new_connections.checked_add(new_connections).ok_or_else(overflow)?;
+                t.first_seen = t.first_seen.min(r.first_seen);
+                t.last_seen = t.last_seen.max(r.last_seen);
+            }
+        }
+    }
+    Ok(totals)
+}
+
 /// Stores one validated window from `workload` (identity from its certificate).
+///
+/// Records go in by binary `COPY` (no text parsing on the server), each source is resolved
+/// once per window, and totals are summed here so the upsert touches each key once.
 pub async fn ingest(pool: &PgPool, workload: WorkloadId, window: &Window) -> Result<Ingested, StoreError> {
+    let day = window.start.date_naive();
+    let [(_, record_partition), (_, gap_partition)] = partitions(day);
+    let exists: bool =
+        sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL")
+            .bind(record_partition)
+            .bind(gap_partition)
+            .fetch_one(pool)
+            .await?;
+    if !exists {
+        let mut tx = pool.begin().await?;
+        ensure_partitions(&mut tx, window.start, window.start).await?;
+        tx.commit().await?;
+    }
+
     let mut tx = pool.begin().await?;
+    // Shared: ingests run side by side; retention (exclusive) waits for them and they for it.
+    sqlx::query("SELECT pg_advisory_xact_lock_shared($1)").bind(PARTITION_LOCK_KEY).execute(&mut *tx).await?;
     let fresh = sqlx::query(
         "INSERT INTO flow_windows (workload_id, window_id, window_start, window_end, policy_version, mode, record_count, gap_count)
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT DO NOTHING",
@@ -242,78 +336,186 @@ pub async fn ingest(pool: &PgPool, workload: WorkloadId, window: &Window) -> Res
     if fresh.rows_affected() == 0 {
         return Ok(Ingested { records: 0, duplicate: true });
     }
-    ensure_partitions(&mut tx, window.start, window.start).await?;
-    let sources: Vec<String> = window.records.iter().map(|r| r.src.to_string()).collect();
-    let peers = resolve(&mut tx, &sources).await?;
-    let peer_of = |r: &Record| {
-        let text = r.src.to_string();
-        peers.get(&text).cloned().unwrap_or(Peer { kind: 0, key: text, labels: serde_json::json!({}) })
-    };
-    let resolved: Vec<Peer> = window.records.iter().map(peer_of).collect();
-    let col = |f: &dyn Fn(&Record) -> i64| window.records.iter().map(f).collect::<Vec<i64>>();
-    sqlx::query(
-        "INSERT INTO flow_records (workload_id, window_id, window_start, policy_version, src_address, dst_address,
-            dst_port, protocol, decision, matched_rule_id, packets, bytes, new_connections, first_seen, last_seen,
-            peer_kind, peer_key, peer_labels)
-         SELECT $1, $2, $3, $4, s::inet, d::inet, p, pr, de, m, pk, b, n, f, l, k, key, lab
-         FROM unnest($5::text[], $6::text[], $7::int[], $8::smallint[], $9::smallint[], $10::text[], $11::bigint[],
-                     $12::bigint[], $13::bigint[], $14::timestamptz[], $15::timestamptz[], $16::smallint[], $17::text[],
-                     $18::jsonb[])
-              AS t (s, d, p, pr, de, m, pk, b, n, f, l, k, key, lab)",
-    )
-    .bind(workload.uuid())
-    .bind(window.id)
-    .bind(window.start)
-    .bind(window.policy_version as i64)
-    .bind(&sources)
-    .bind(window.records.iter().map(|r| r.dst.to_string()).collect::<Vec<_>>())
-    .bind(window.records.iter().map(|r| i32::from(r.dst_port)).collect::<Vec<_>>())
-    .bind(window.records.iter().map(|r| r.protocol).collect::<Vec<_>>())
-    .bind(window.records.iter().map(|r| r.decision).collect::<Vec<_>>())
-    .bind(window.records.iter().map(|r| r.matched_rule_id.clone()).collect::<Vec<_>>())
-    .bind(col(&|r| r.packets as i64))
-    .bind(col(&|r| r.bytes as i64))
-    .bind(col(&|r| r.new_connections as i64))
-    .bind(window.records.iter().map(|r| r.first_seen).collect::<Vec<_>>())
-    .bind(window.records.iter().map(|r| r.last_seen).collect::<Vec<_>>())
-    .bind(resolved.iter().map(|p| p.kind).collect::<Vec<_>>())
-    .bind(resolved.iter().map(|p| p.key.clone()).collect::<Vec<_>>())
-    .bind(resolved.iter().map(|p| p.labels.clone()).collect::<Vec<_>>())
-    .execute(&mut *tx)
-    .await?;
-    sqlx::query(
-        "INSERT INTO flow_gaps (workload_id, window_id, window_start, kind, gap_from, gap_to, count)
-         SELECT $1, $2, $3, k, f, t, c FROM unnest($4::smallint[], $5::timestamptz[], $6::timestamptz[], $7::bigint[]) AS x (k, f, t, c)",
-    )
-    .bind(workload.uuid())
-    .bind(window.id)
-    .bind(window.start)
-    .bind(window.gaps.iter().map(|g| g.kind).collect::<Vec<_>>())
-    .bind(window.gaps.iter().map(|g| g.from).collect::<Vec<_>>())
-    .bind(window.gaps.iter().map(|g| g.to).collect::<Vec<_>>())
-    .bind(window.gaps.iter().map(|g| g.count as i64).collect::<Vec<_>>())
-    .execute(&mut *tx)
-    .await?;
-    sqlx::query(
-        "INSERT INTO flow_totals (workload_id, peer_key, dst_port, protocol, decision, packets, bytes, new_connections,
-            first_seen, last_seen, windows)
-         SELECT workload_id, peer_key, dst_port, protocol, decision, sum(packets), sum(bytes), sum(new_connections),
-                min(first_seen), max(last_seen), 1
-         FROM flow_records WHERE workload_id = $1 AND window_id = $2 AND window_start = $3
-         GROUP BY workload_id, peer_key, dst_port, protocol, decision
-         ON CONFLICT (workload_id, peer_key, dst_port, protocol, decision) DO UPDATE SET
-            packets = flow_totals.packets + excluded.packets, bytes = flow_totals.bytes + excluded.bytes,
-            new_connections = flow_totals.new_connections + excluded.new_connections,
-            first_seen = least(flow_totals.first_seen, excluded.first_seen),
-            last_seen = greatest(flow_totals.last_seen, excluded.last_seen), windows = flow_totals.windows + 1",
-    )
-    .bind(workload.uuid())
-    .bind(window.id)
-    .bind(window.start)
-    .execute(&mut *tx)
-    .await?;
+    let sources: BTreeSet<IpAddr> = window.records.iter().map(|r| r.src).collect();
+    let mut peers = resolve(&mut tx, &sources).await?;
+    for src in &sources {
+        peers.entry(*src).or_insert_with(|| Peer { kind: 0, key: src.to_string(), labels: NO_LABELS.into() });
+    }
+    let resolved: Vec<&Peer> = window.records.iter().map(|r| &peers[&r.src]).collect();
+    let totals = window_totals(&window.records, &resolved)?;
+
+    let mut rows = copy::Rows::new();
+    for (r, peer) in window.records.iter().zip(&resolved) {
+        rows.row(18);
+        rows.uuid(workload.uuid());
+        rows.uuid(window.id);
+        rows.timestamptz(window.start)?;
+        rows.i64(window.policy_version as i64);
+        rows.inet(r.src);
+        rows.inet(r.dst);
+        rows.i32(i32::from(r.dst_port));
+        rows.i16(r.protocol);
+        rows.i16(r.decision);
+        rows.text(&r.matched_rule_id);
+        rows.i64(r.packets as i64);
+        rows.i64(r.bytes as i64);
+        rows.i64(r.new_connections as i64);
+        rows.timestamptz(r.first_seen)?;
+        rows.timestamptz(r.last_seen)?;
+        rows.i16(peer.kind);
+        rows.text(&peer.key);
+        rows.jsonb(&peer.labels);
+    }
+    let mut copy = tx
+        .copy_in_raw(
+            "COPY flow_records (workload_id, window_id, window_start, policy_version, src_address, dst_address,
+                dst_port, protocol, decision, matched_rule_id, packets, bytes, new_connections, first_seen, last_seen,
+                peer_kind, peer_key, peer_labels) FROM STDIN (FORMAT binary)",
+        )
+        .await?;
+    copy.send(rows.finish()).await?;
+    copy.finish().await?;
+
+    if !window.gaps.is_empty() {
+        sqlx::query(
+            "INSERT INTO flow_gaps (workload_id, window_id, window_start, kind, gap_from, gap_to, count)
+             SELECT $1, $2, $3, k, f, t, c FROM unnest($4::smallint[], $5::timestamptz[], $6::timestamptz[], $7::bigint[]) AS x (k, f, t, c)",
+        )
+        .bind(workload.uuid())
+        .bind(window.id)
+        .bind(window.start)
+        .bind(window.gaps.iter().map(|g| g.kind).collect::<Vec<_>>())
+        .bind(window.gaps.iter().map(|g| g.from).collect::<Vec<_>>())
+        .bind(window.gaps.iter().map(|g| g.to).collect::<Vec<_>>())
+        .bind(window.gaps.iter().map(|g| g.count as i64).collect::<Vec<_>>())
+        .execute(&mut *tx)
+        .await?;
+    }
+    if !totals.is_empty() {
+        let (keys, sums): (Vec<_>, Vec<_>) = totals.into_iter().unzip();
+        // Keys arrive sorted (BTreeMap), so concurrent upserts lock rows in one order.
+        sqlx::query(
+            "INSERT INTO flow_totals (workload_id, peer_key, dst_port, protocol, decision, packets, bytes, new_connections,
+                first_seen, last_seen, windows)
+             SELECT $1, k, p, pr, d, pk, b, n, f, l, 1
+             FROM unnest($2::text[], $3::int[], $4::smallint[], $5::smallint[], $6::bigint[], $7::bigint[], $8::bigint[],
+                         $9::timestamptz[], $10::timestamptz[]) AS t (k, p, pr, d, pk, b, n, f, l)
+             ON CONFLICT (workload_id, peer_key, dst_port, protocol, decision) DO UPDATE SET
+                packets = flow_totals.packets + excluded.packets, bytes = flow_totals.bytes + excluded.bytes,
+                new_connections = flow_totals.new_connections + excluded.new_connections,
+                first_seen = least(flow_totals.first_seen, excluded.first_seen),
+                last_seen = greatest(flow_totals.last_seen, excluded.last_seen), windows = flow_totals.windows + 1",
+        )
+        .bind(workload.uuid())
+        .bind(keys.iter().map(|k| k.0).collect::<Vec<_>>())
+        .bind(keys.iter().map(|k| i32::from(k.1)).collect::<Vec<_>>())
+        .bind(keys.iter().map(|k| k.2).collect::<Vec<_>>())
+        .bind(keys.iter().map(|k| k.3).collect::<Vec<_>>())
+        .bind(sums.iter().map(|t: &Totals| t.packets).collect::<Vec<_>>())
+        .bind(sums.iter().map(|t| t.bytes).collect::<Vec<_>>())
+        .bind(sums.iter().map(|t| t.new_connections).collect::<Vec<_>>())
+        .bind(sums.iter().map(|t| t.first_seen).collect::<Vec<_>>())
+        .bind(sums.iter().map(|t| t.last_seen).collect::<Vec<_>>())
+        .execute(&mut *tx)
+        .await?;
+    }
     tx.commit().await?;
     Ok(Ingested { records: window.records.len(), duplicate: false })
+}
+
+/// Rows in PostgreSQL's binary `COPY` format
+/// (<https://www.postgresql.org/docs/15/sql-copy.html#id-1.9.3.55.9.4>): a header, then per row
+/// a field count and length-prefixed fields in each type's binary send format, then a trailer.
+mod copy {
+    use std::net::IpAddr;
+
+    use chrono::{DateTime, TimeZone, Utc};
+    use uuid::Uuid;
+
+    use crate::store::StoreError;
+
+    /// PostgreSQL's `PGSQL_AF_INET` / `PGSQL_AF_INET6` (not the platform's AF_INET6).
+    const PGSQL_AF_INET: u8 = 2;
+    const PGSQL_AF_INET6: u8 = 3;
+
+    pub struct Rows {
+        buf: Vec<u8>,
+    }
+
+    impl Rows {
+        pub fn new() -> Self {
+            let mut buf = Vec::with_capacity(1 << 20);
+            buf.extend_from_slice(b"PGCOPY\n\xff\r\n\0");
+            buf.extend_from_slice(&0i32.to_be_bytes()); // flags: no OIDs
+            buf.extend_from_slice(&0i32.to_be_bytes()); // no header extension
+            Rows { buf }
+        }
+
+        pub fn row(&mut self, fields: i16) {
+            self.buf.extend_from_slice(&fields.to_be_bytes());
+        }
+
+        fn field(&mut self, bytes: &[u8]) {
+            let len = i32::try_from(bytes.len()).expect("a field under 2 GiB");
+            self.buf.extend_from_slice(&len.to_be_bytes());
+            self.buf.extend_from_slice(bytes);
+        }
+
+        pub fn i16(&mut self, v: i16) {
+            self.field(&v.to_be_bytes());
+        }
+        pub fn i32(&mut self, v: i32) {
+            self.field(&v.to_be_bytes());
+        }
+        pub fn i64(&mut self, v: i64) {
+            self.field(&v.to_be_bytes());
+        }
+        pub fn uuid(&mut self, v: Uuid) {
+            self.field(v.as_bytes());
+        }
+        pub fn text(&mut self, v: &str) {
+            self.field(v.as_bytes());
+        }
+
+        /// jsonb's binary format: version 1, then the JSON text.
+        pub fn jsonb(&mut self, json: &str) {
+            let len = i32::try_from(json.len() + 1).expect("a field under 2 GiB");
+            self.buf.extend_from_slice(&len.to_be_bytes());
+            self.buf.push(1);
+            self.buf.extend_from_slice(json.as_bytes());
+        }
+
+        /// Microseconds since 2000-01-01 UTC.
+        pub fn timestamptz(&mut self, t: DateTime<Utc>) -> Result<(), StoreError> {
+            let epoch = Utc.with_ymd_and_hms(2000, 1, 1, 0, 0, 0).single().expect("a valid date");
+            let micros = (t - epoch).num_microseconds().ok_or_else(|| {
+                StoreError::Invalid(format!("time {t} is out of the range the database stores"))
+            })?;
+            self.i64(micros);
+            Ok(())
+        }
+
+        /// inet: family, prefix length, is-cidr flag, address length, address bytes.
+        pub fn inet(&mut self, addr: IpAddr) {
+            match addr {
+                IpAddr::V4(a) => {
+                    self.buf.extend_from_slice(&8i32.to_be_bytes());
+                    self.buf.extend_from_slice(&[PGSQL_AF_INET, 32, 0, 4]);
+                    self.buf.extend_from_slice(&a.octets());
+                }
+                IpAddr::V6(a) => {
+                    self.buf.extend_from_slice(&20i32.to_be_bytes());
+                    self.buf.extend_from_slice(&[PGSQL_AF_INET6, 128, 0, 16]);
+                    self.buf.extend_from_slice(&a.octets());
+                }
+            }
+        }
+
+        pub fn finish(mut self) -> Vec<u8> {
+            self.buf.extend_from_slice(&(-1i16).to_be_bytes());
+            self.buf
+        }
+    }
 }
 
 /// Drops daily partitions entirely older than `days` (FLOW-5), under the partition lock.

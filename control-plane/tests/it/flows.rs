@@ -67,3 +67,271 @@ async fn retention_drops_whole_expired_partitions() {
         sqlx::query_scalar("SELECT count(*) FROM flow_windows").fetch_one(&db.pool).await.unwrap();
     assert_eq!(windows, 0);
 }
+
+async fn register(pool: &sqlx::PgPool, labels: &[&str], addresses: &[&str]) -> WorkloadId {
+    let new = NewWorkload {
+        id: WorkloadId::new_random(),
+        hostname: "host".into(),
+        labels: labels.iter().map(|l| l.parse().unwrap()).collect(),
+        addresses: addresses.iter().map(|a| a.parse().unwrap()).collect(),
+    };
+    authoring::commit(pool, "test", "register", "host", async |c| {
+        authoring::register_workload(c, &new).await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await
+    .unwrap();
+    new.id
+}
+
+async fn group(pool: &sqlx::PgPool, name: &str, cidr: &str) {
+    let spec = authoring::AddressGroupSpec {
+        name: name.into(),
+        description: String::new(),
+        cidrs: BTreeSet::from([innerwall_wire::policy::Cidr::parse(cidr).unwrap()]),
+    };
+    authoring::commit(pool, "test", "group", name, async |c| {
+        authoring::create_address_group(c, &spec).await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await
+    .unwrap();
+}
+
+fn flow(
+    src: &str,
+    dst: &str,
+    port: u32,
+    decision: proto::FlowDecision,
+    packets: u64,
+    seen: (i64, i64),
+) -> proto::FlowRecord {
+    let allowed = decision == proto::FlowDecision::Allowed;
+    proto::FlowRecord {
+        src_address: src.into(),
+        dst_address: dst.into(),
+        dst_port: port,
+        protocol: proto::Protocol::Tcp.into(),
+        decision: decision.into(),
+        matched_rule_id: if allowed { "allow-web/tcp".into() } else { String::new() },
+        packets,
+        bytes: packets.saturating_mul(100).min(i64::MAX as u64),
+        new_connections: 1,
+        first_seen_unix_ms: seen.0,
+        last_seen_unix_ms: seen.1,
+    }
+}
+
+/// peer_key, dst_port, decision, packets, bytes, new_connections, first_seen, last_seen, windows
+type TotalsRow =
+    (String, i32, i16, i64, i64, i64, chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>, i64);
+
+#[derive(Debug, PartialEq, sqlx::FromRow)]
+struct Stored {
+    window_start: chrono::DateTime<chrono::Utc>,
+    policy_version: i64,
+    src: String,
+    dst: String,
+    dst_port: i32,
+    decision: i16,
+    matched_rule_id: String,
+    packets: i64,
+    bytes: i64,
+    first_seen: chrono::DateTime<chrono::Utc>,
+    last_seen: chrono::DateTime<chrono::Utc>,
+    peer_kind: i16,
+    peer_key: String,
+    peer_labels: serde_json::Value,
+}
+
+/// Every column survives the binary COPY as sent, sources resolve as FLOW-5 says (workload with
+/// its labels then, else the most specific group, else the bare address), totals sum per peer
+/// and service across records and windows, and a repeated window counts once.
+#[tokio::test]
+async fn ingest_stores_records_resolved_and_totals_summed() {
+    let db = fresh_database().await.unwrap();
+    let id = register(&db.pool, &["app=db"], &[]).await;
+    let peer = register(&db.pool, &["app=web", "env=prod"], &["10.9.0.7", "2001:db8::7"]).await;
+    group(&db.pool, "corp", "10.8.0.0/16").await;
+    group(&db.pool, "office", "10.8.1.0/24").await;
+    let start = 1_767_225_600_123; // 2026-01-01T00:00:00.123Z
+    let seen = (start + 1_001, start + 59_999);
+    use proto::FlowDecision::{Allowed, WouldBlock};
+    let wire = |records| proto::FlowWindow {
+        window_id: uuid::Uuid::new_v4().to_string(),
+        start_unix_ms: start,
+        end_unix_ms: start + 60_000,
+        policy_version: 9,
+        mode: 2,
+        records,
+        gaps: vec![proto::EvidenceGap { kind: 1, from_unix_ms: start, to_unix_ms: start + 5, count: 4 }],
+    };
+    let first = wire(vec![
+        flow("10.9.0.7", "10.1.0.5", 5432, WouldBlock, 3, seen),
+        flow("2001:db8::7", "2001:db8::5", 5432, WouldBlock, 4, (start + 5, start + 6)),
+        flow("10.8.1.1", "10.1.0.5", 443, Allowed, 2, seen),
+        flow("10.8.2.2", "10.1.0.5", 443, Allowed, 5, seen),
+        flow("::ffff:192.0.2.1", "10.1.0.5", 22, WouldBlock, 1, seen),
+    ]);
+    let done = flows::ingest(&db.pool, id, &flows::validate(&first).unwrap()).await.unwrap();
+    assert_eq!(done, flows::Ingested { records: 5, duplicate: false });
+
+    let rows: Vec<Stored> = sqlx::query_as(
+        "SELECT window_start, policy_version, host(src_address) AS src, host(dst_address) AS dst, dst_port, decision,
+                matched_rule_id, packets, bytes, first_seen, last_seen, peer_kind, peer_key, peer_labels
+         FROM flow_records WHERE workload_id = $1 ORDER BY packets",
+    )
+    .bind(id.uuid())
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    let at = |ms: i64| chrono::DateTime::from_timestamp_millis(ms).unwrap();
+    let (f, l) = (at(seen.0), at(seen.1));
+    let row =
+        |src: &str, dst: &str, port: i32, rule: &str, packets: i64, peer: (i16, &str, serde_json::Value)| {
+            Stored {
+                window_start: at(start),
+                policy_version: 9,
+                src: src.into(),
+                dst: dst.into(),
+                dst_port: port,
+                decision: if rule.is_empty() { 3 } else { 2 },
+                matched_rule_id: rule.into(),
+                packets,
+                bytes: packets * 100,
+                first_seen: f,
+                last_seen: l,
+                peer_kind: peer.0,
+                peer_key: peer.1.into(),
+                peer_labels: peer.2,
+            }
+        };
+    let p = peer.to_string();
+    let workload = || (1, p.as_str(), serde_json::json!({"app": "web", "env": "prod"}));
+    let v6 = Stored {
+        first_seen: at(start + 5),
+        last_seen: at(start + 6),
+        ..row("2001:db8::7", "2001:db8::5", 5432, "", 4, workload())
+    };
+    assert_eq!(
+        rows,
+        vec![
+            row("192.0.2.1", "10.1.0.5", 22, "", 1, (0, "192.0.2.1", serde_json::json!({}))),
+            row("10.8.1.1", "10.1.0.5", 443, "allow-web/tcp", 2, (2, "office", serde_json::json!({}))),
+            row("10.9.0.7", "10.1.0.5", 5432, "", 3, workload()),
+            v6,
+            row("10.8.2.2", "10.1.0.5", 443, "allow-web/tcp", 5, (2, "corp", serde_json::json!({}))),
+        ]
+    );
+
+    // A second window, and the first again (a retry): only the second adds to the totals.
+    let second = wire(vec![flow("10.9.0.7", "10.1.0.5", 5432, WouldBlock, 10, (start + 2, start + 3))]);
+    flows::ingest(&db.pool, id, &flows::validate(&second).unwrap()).await.unwrap();
+    let again = flows::ingest(&db.pool, id, &flows::validate(&first).unwrap()).await.unwrap();
+    assert_eq!(again, flows::Ingested { records: 0, duplicate: true });
+    let totals: Vec<TotalsRow> = sqlx::query_as(
+        "SELECT peer_key, dst_port, decision, packets, bytes, new_connections, first_seen, last_seen, windows
+             FROM flow_totals WHERE workload_id = $1 ORDER BY peer_key, dst_port",
+    )
+    .bind(id.uuid())
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    let mut want = vec![
+        ("192.0.2.1".to_owned(), 22, 3, 1, 100, 1, f, l, 1),
+        ("corp".to_owned(), 443, 2, 5, 500, 1, f, l, 1),
+        ("office".to_owned(), 443, 2, 2, 200, 1, f, l, 1),
+        // Both addresses of the peer and both windows: one row.
+        (p.clone(), 5432, 3, 17, 1700, 3, at(start + 2), l, 2),
+    ];
+    want.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+    assert_eq!(totals, want);
+    let counts: (i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM flow_windows WHERE workload_id = $1),
+                (SELECT count(*) FROM flow_records WHERE workload_id = $1),
+                (SELECT count(*) FROM flow_gaps WHERE workload_id = $1)",
+    )
+    .bind(id.uuid())
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(counts, (2, 6, 2));
+}
+
+/// A window whose totals cannot be stored is refused whole: no window, record, gap or total.
+#[tokio::test]
+async fn a_window_refused_at_ingest_stores_nothing() {
+    let db = fresh_database().await.unwrap();
+    let id = register(&db.pool, &["app=db"], &[]).await;
+    let start = chrono::Utc::now().timestamp_millis() - 60_000;
+    let huge = i64::MAX as u64;
+    let wire = proto::FlowWindow {
+        window_id: uuid::Uuid::new_v4().to_string(),
+        start_unix_ms: start,
+        end_unix_ms: start + 60_000,
+        policy_version: 1,
+        mode: 2,
+        records: vec![
+            flow("192.0.2.1", "10.1.0.5", 22, proto::FlowDecision::WouldBlock, huge, (start, start)),
+            flow("192.0.2.1", "10.1.0.6", 22, proto::FlowDecision::WouldBlock, huge, (start, start)),
+        ],
+        gaps: vec![proto::EvidenceGap { kind: 1, from_unix_ms: start, to_unix_ms: start, count: 1 }],
+    };
+    let window = flows::validate(&wire).unwrap();
+    let err = flows::ingest(&db.pool, id, &window).await.unwrap_err();
+    assert!(err.to_string().contains("overflow"), "{err}");
+    let counts: (i64, i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM flow_windows), (SELECT count(*) FROM flow_records),
+                (SELECT count(*) FROM flow_gaps), (SELECT count(*) FROM flow_totals)",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(counts, (0, 0, 0, 0));
+}
+
+/// Uploads from several agents run side by side (the partition lock is shared by ingests), also
+/// when they all find the day's partitions missing and race to create them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_uploads_create_partitions_once_and_all_land() {
+    let db = fresh_database().await.unwrap();
+    let start = 1_767_312_000_000; // 2026-01-02T00:00:00Z: no partition yet
+    let mut tasks = Vec::new();
+    for n in 0..4u32 {
+        let id = register(&db.pool, &["app=db"], &[]).await;
+        let pool = db.pool.clone();
+        let wire = proto::FlowWindow {
+            window_id: uuid::Uuid::new_v4().to_string(),
+            start_unix_ms: start,
+            end_unix_ms: start + 60_000,
+            policy_version: 1,
+            mode: 2,
+            records: (0..100)
+                .map(|i| {
+                    flow(
+                        &format!("192.0.2.{i}"),
+                        "10.1.0.5",
+                        1000 + n,
+                        proto::FlowDecision::WouldBlock,
+                        1,
+                        (start, start),
+                    )
+                })
+                .collect(),
+            gaps: vec![],
+        };
+        tasks.push(tokio::spawn(
+            async move { flows::ingest(&pool, id, &flows::validate(&wire).unwrap()).await },
+        ));
+    }
+    for task in tasks {
+        assert_eq!(task.await.unwrap().unwrap(), flows::Ingested { records: 100, duplicate: false });
+    }
+    let (records, totals): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM flow_records_20260102), (SELECT count(*) FROM flow_totals)",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!((records, totals), (400, 400));
+}
