@@ -542,7 +542,32 @@ pub async fn register_workload(conn: &mut PgConnection, new: &NewWorkload) -> Re
         .execute(&mut *conn)
         .await?;
     write_labels(conn, new.id, &new.labels).await?;
+    record_label_history(conn, new.id).await?;
     set_addresses(conn, new.id, &new.addresses).await?;
+    Ok(())
+}
+
+/// Closes the workload's open label-history row and opens one for its labels now (same
+/// transaction as the change, so history and labels never disagree).
+async fn record_label_history(conn: &mut PgConnection, id: WorkloadId) -> Result<(), StoreError> {
+    // Two statements: within one, the order of a CTE's update and the insert is unspecified,
+    // and the index allowing one open row per workload would see two.
+    sqlx::query(
+        "UPDATE workload_label_history SET valid_to = now() WHERE workload_id = $1 AND valid_to IS NULL",
+    )
+    .bind(id.uuid())
+    .execute(&mut *conn)
+    .await?;
+    sqlx::query(
+        "INSERT INTO workload_label_history (workload_id, label_version, labels, valid_from)
+         SELECT w.id, w.label_version,
+                COALESCE((SELECT jsonb_object_agg(l.key, l.value) FROM workload_labels l WHERE l.workload_id = w.id), '{}'),
+                now()
+         FROM workloads w WHERE w.id = $1",
+    )
+    .bind(id.uuid())
+    .execute(&mut *conn)
+    .await?;
     Ok(())
 }
 
@@ -628,6 +653,7 @@ pub async fn edit_labels(
         .bind(id.uuid())
         .execute(&mut *conn)
         .await?;
+    record_label_history(conn, id).await?;
     Ok(current + 1)
 }
 

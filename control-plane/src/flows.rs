@@ -1,13 +1,14 @@
 //! Flow evidence ingest and storage (FLOW-2, FLOW-4, FLOW-5): a window from an agent is
 //! validated as a whole (refused with a reason, never stored half), each source address is
-//! resolved as it is *now* — workload (with a snapshot of its labels), else the most specific
-//! address group, else the bare address — and window, records, gaps and totals are written in
-//! one transaction. A window is stored once per (workload, window id), so retries never count
-//! twice. Records and gaps live in daily partitions; retention drops whole partitions. Ingests
+//! resolved at ingest — workload (with a snapshot of the labels it had when the flow was seen,
+//! from the label history), else the most specific address group, else the bare address — and
+//! window, records, gaps and per-window totals are written in one transaction. A window is
+//! stored once per (workload, window id), so retries never count twice. Records, gaps and
+//! totals live in daily partitions; retention drops whole partitions. Ingests
 //! hold the partition lock shared, so uploads from many agents run side by side; creating and
 //! dropping partitions holds it exclusively.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use chrono::{DateTime, Duration, NaiveDate, TimeZone, Utc};
@@ -168,21 +169,27 @@ struct Peer {
 
 const NO_LABELS: &str = "{}";
 
-/// Resolves each distinct source once: workload (with its labels now), else the most specific
-/// address group, else the bare address.
+/// Resolves each distinct source once: workload, else the most specific address group, else the
+/// bare address. A workload's labels are those it had at the source's first packet in the
+/// window (`sources` maps each source to that time), from the label history; so a flow seen
+/// before a relabel keeps the labels it was seen under, however late it is uploaded.
 async fn resolve(
     conn: &mut PgConnection,
-    sources: &BTreeSet<IpAddr>,
+    sources: &BTreeMap<IpAddr, DateTime<Utc>>,
 ) -> Result<BTreeMap<IpAddr, Peer>, StoreError> {
-    let texts: Vec<String> = sources.iter().map(IpAddr::to_string).collect();
+    let texts: Vec<String> = sources.keys().map(IpAddr::to_string).collect();
+    let times: Vec<DateTime<Utc>> = sources.values().copied().collect();
     let mut peers = BTreeMap::new();
     // One statement over the distinct sources, each parsed once: workload matches first, then
     // each remaining source's most specific group.
     for row in sqlx::query(
-        "WITH s AS MATERIALIZED (SELECT s FROM unnest($1::inet[]) AS s),
+        "WITH s AS MATERIALIZED (SELECT s, at FROM unnest($1::inet[], $2::timestamptz[]) AS t (s, at)),
          w AS MATERIALIZED (
             SELECT s.s, w.id::text AS key,
-                   COALESCE((SELECT jsonb_object_agg(l.key, l.value) FROM workload_labels l WHERE l.workload_id = w.id),
+                   COALESCE((SELECT h.labels FROM workload_label_history h
+                             WHERE h.workload_id = w.id AND h.valid_from <= s.at
+                             ORDER BY h.valid_from DESC, h.label_version DESC LIMIT 1),
+                            (SELECT jsonb_object_agg(l.key, l.value) FROM workload_labels l WHERE l.workload_id = w.id),
                             '{}')::text AS labels
             FROM s JOIN workload_addresses a ON a.address = s.s JOIN workloads w ON w.id = a.workload_id
             WHERE w.retired_at IS NULL)
@@ -195,6 +202,7 @@ async fn resolve(
             ORDER BY s.s, masklen(c.cidr) DESC, g.name) AS groups",
     )
     .bind(&texts)
+    .bind(&times)
     .fetch_all(&mut *conn)
     .await?
     {
@@ -208,10 +216,13 @@ fn parse_host(text: String) -> Result<IpAddr, StoreError> {
     text.parse().map_err(|_| StoreError::Corrupt { what: "resolved address", detail: text })
 }
 
-/// The daily partitions of `flow_records` and `flow_gaps` for `day`.
-fn partitions(day: NaiveDate) -> [(&'static str, String); 2] {
+/// The partitioned flow tables (records, gaps, per-window totals), each with a partition a day.
+const PARTITIONED: [&str; 3] = ["flow_records", "flow_gaps", "flow_totals"];
+
+/// Each partitioned table with the name of its partition for `day`.
+fn partitions(day: NaiveDate) -> [(&'static str, String); 3] {
     let suffix = day.format("%Y%m%d");
-    [("flow_records", format!("flow_records_{suffix}")), ("flow_gaps", format!("flow_gaps_{suffix}"))]
+    PARTITIONED.map(|table| (table, format!("{table}_{suffix}")))
 }
 
 /// Creates the daily partitions covering `[from, to]` if missing. Takes the partition lock
@@ -244,25 +255,28 @@ pub struct Ingested {
     pub duplicate: bool,
 }
 
-/// The key of one `flow_totals` row of the uploading workload.
+/// The key of one `flow_totals` row within a window: peer, port, protocol, decision.
 type TotalsKey<'a> = (&'a str, u16, i16, i16);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Totals {
+struct Totals<'a> {
+    peer_kind: i16,
+    matched_rule_id: &'a str,
     packets: i64,
     bytes: i64,
     new_connections: i64,
     first_seen: DateTime<Utc>,
     last_seen: DateTime<Utc>,
+    records: i32,
 }
 
-/// Sums a window's records per totals key (one upserted row each). A window whose sums do not
-/// fit the columns is refused whole.
+/// Sums a window's records per totals key (one `flow_totals` row each). A window whose sums do
+/// not fit the columns is refused whole.
 fn window_totals<'a>(
-    records: &[Record],
+    records: &'a [Record],
     peers: &'a [&'a Peer],
-) -> Result<BTreeMap<TotalsKey<'a>, Totals>, StoreError> {
-    let mut totals: BTreeMap<TotalsKey<'a>, Totals> = BTreeMap::new();
+) -> Result<BTreeMap<TotalsKey<'a>, Totals<'a>>, StoreError> {
+    let mut totals: BTreeMap<TotalsKey<'a>, Totals<'a>> = BTreeMap::new();
     for (r, peer) in records.iter().zip(peers) {
         let key = (peer.key.as_str(), r.dst_port, r.protocol, r.decision);
         let (packets, bytes, new_connections) = (r.packets as i64, r.bytes as i64, r.new_connections as i64);
@@ -271,11 +285,14 @@ fn window_totals<'a>(
                 totals.insert(
                     key,
                     Totals {
+                        peer_kind: peer.kind,
+                        matched_rule_id: &r.matched_rule_id,
                         packets,
                         bytes,
                         new_connections,
                         first_seen: r.first_seen,
                         last_seen: r.last_seen,
+                        records: 1,
                     },
                 );
             }
@@ -291,6 +308,7 @@ fn window_totals<'a>(
                 t.new_connections = t.new_connections.checked_add(new_connections).ok_or_else(overflow)?;
                 t.first_seen = t.first_seen.min(r.first_seen);
                 t.last_seen = t.last_seen.max(r.last_seen);
+                t.records += 1;
             }
         }
     }
@@ -300,14 +318,13 @@ fn window_totals<'a>(
 /// Stores one validated window from `workload` (identity from its certificate).
 ///
 /// Records go in by binary `COPY` (no text parsing on the server), each source is resolved
-/// once per window, and totals are summed here so the upsert touches each key once.
+/// once per window, and totals are summed here into one appended row per key.
 pub async fn ingest(pool: &PgPool, workload: WorkloadId, window: &Window) -> Result<Ingested, StoreError> {
-    let day = window.start.date_naive();
-    let [(_, record_partition), (_, gap_partition)] = partitions(day);
+    let names: Vec<String> =
+        partitions(window.start.date_naive()).into_iter().map(|(_, name)| name).collect();
     let exists: bool =
-        sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL")
-            .bind(record_partition)
-            .bind(gap_partition)
+        sqlx::query_scalar("SELECT bool_and(to_regclass(n) IS NOT NULL) FROM unnest($1::text[]) AS n")
+            .bind(&names)
             .fetch_one(pool)
             .await?;
     if !exists {
@@ -336,9 +353,12 @@ pub async fn ingest(pool: &PgPool, workload: WorkloadId, window: &Window) -> Res
     if fresh.rows_affected() == 0 {
         return Ok(Ingested { records: 0, duplicate: true });
     }
-    let sources: BTreeSet<IpAddr> = window.records.iter().map(|r| r.src).collect();
+    let mut sources: BTreeMap<IpAddr, DateTime<Utc>> = BTreeMap::new();
+    for r in &window.records {
+        sources.entry(r.src).and_modify(|at| *at = (*at).min(r.first_seen)).or_insert(r.first_seen);
+    }
     let mut peers = resolve(&mut tx, &sources).await?;
-    for src in &sources {
+    for src in sources.keys() {
         peers.entry(*src).or_insert_with(|| Peer { kind: 0, key: src.to_string(), labels: NO_LABELS.into() });
     }
     let resolved: Vec<&Peer> = window.records.iter().map(|r| &peers[&r.src]).collect();
@@ -366,15 +386,14 @@ pub async fn ingest(pool: &PgPool, workload: WorkloadId, window: &Window) -> Res
         rows.text(&peer.key);
         rows.jsonb(&peer.labels);
     }
-    let mut copy = tx
-        .copy_in_raw(
-            "COPY flow_records (workload_id, window_id, window_start, policy_version, src_address, dst_address,
-                dst_port, protocol, decision, matched_rule_id, packets, bytes, new_connections, first_seen, last_seen,
-                peer_kind, peer_key, peer_labels) FROM STDIN (FORMAT binary)",
-        )
-        .await?;
-    copy.send(rows.finish()).await?;
-    copy.finish().await?;
+    copy_in(
+        &mut tx,
+        "COPY flow_records (workload_id, window_id, window_start, policy_version, src_address, dst_address,
+            dst_port, protocol, decision, matched_rule_id, packets, bytes, new_connections, first_seen, last_seen,
+            peer_kind, peer_key, peer_labels) FROM STDIN (FORMAT binary)",
+        rows,
+    )
+    .await?;
 
     if !window.gaps.is_empty() {
         sqlx::query(
@@ -392,35 +411,49 @@ pub async fn ingest(pool: &PgPool, workload: WorkloadId, window: &Window) -> Res
         .await?;
     }
     if !totals.is_empty() {
-        let (keys, sums): (Vec<_>, Vec<_>) = totals.into_iter().unzip();
-        // Keys arrive sorted (BTreeMap), so concurrent upserts lock rows in one order.
-        sqlx::query(
-            "INSERT INTO flow_totals (workload_id, peer_key, dst_port, protocol, decision, packets, bytes, new_connections,
-                first_seen, last_seen, windows)
-             SELECT $1, k, p, pr, d, pk, b, n, f, l, 1
-             FROM unnest($2::text[], $3::int[], $4::smallint[], $5::smallint[], $6::bigint[], $7::bigint[], $8::bigint[],
-                         $9::timestamptz[], $10::timestamptz[]) AS t (k, p, pr, d, pk, b, n, f, l)
-             ON CONFLICT (workload_id, peer_key, dst_port, protocol, decision) DO UPDATE SET
-                packets = flow_totals.packets + excluded.packets, bytes = flow_totals.bytes + excluded.bytes,
-                new_connections = flow_totals.new_connections + excluded.new_connections,
-                first_seen = least(flow_totals.first_seen, excluded.first_seen),
-                last_seen = greatest(flow_totals.last_seen, excluded.last_seen), windows = flow_totals.windows + 1",
+        let mut rows = copy::Rows::new();
+        for ((peer_key, dst_port, protocol, decision), t) in &totals {
+            rows.row(16);
+            rows.uuid(workload.uuid());
+            rows.uuid(window.id);
+            rows.timestamptz(window.start)?;
+            rows.i64(window.policy_version as i64);
+            rows.i16(t.peer_kind);
+            rows.text(peer_key);
+            rows.i32(i32::from(*dst_port));
+            rows.i16(*protocol);
+            rows.i16(*decision);
+            rows.text(t.matched_rule_id);
+            rows.i64(t.packets);
+            rows.i64(t.bytes);
+            rows.i64(t.new_connections);
+            rows.timestamptz(t.first_seen)?;
+            rows.timestamptz(t.last_seen)?;
+            rows.i32(t.records);
+        }
+        copy_in(
+            &mut tx,
+            "COPY flow_totals (workload_id, window_id, window_start, policy_version, peer_kind, peer_key, dst_port,
+                protocol, decision, matched_rule_id, packets, bytes, new_connections, first_seen, last_seen, records)
+             FROM STDIN (FORMAT binary)",
+            rows,
         )
-        .bind(workload.uuid())
-        .bind(keys.iter().map(|k| k.0).collect::<Vec<_>>())
-        .bind(keys.iter().map(|k| i32::from(k.1)).collect::<Vec<_>>())
-        .bind(keys.iter().map(|k| k.2).collect::<Vec<_>>())
-        .bind(keys.iter().map(|k| k.3).collect::<Vec<_>>())
-        .bind(sums.iter().map(|t: &Totals| t.packets).collect::<Vec<_>>())
-        .bind(sums.iter().map(|t| t.bytes).collect::<Vec<_>>())
-        .bind(sums.iter().map(|t| t.new_connections).collect::<Vec<_>>())
-        .bind(sums.iter().map(|t| t.first_seen).collect::<Vec<_>>())
-        .bind(sums.iter().map(|t| t.last_seen).collect::<Vec<_>>())
-        .execute(&mut *tx)
         .await?;
     }
     tx.commit().await?;
     Ok(Ingested { records: window.records.len(), duplicate: false })
+}
+
+/// Sends `rows` with one binary `COPY … FROM STDIN` statement.
+async fn copy_in(
+    conn: &mut PgConnection,
+    statement: &'static str,
+    rows: copy::Rows,
+) -> Result<(), StoreError> {
+    let mut copy = conn.copy_in_raw(statement).await?;
+    copy.send(rows.finish()).await?;
+    copy.finish().await?;
+    Ok(())
 }
 
 /// Rows in PostgreSQL's binary `COPY` format
@@ -530,8 +563,9 @@ pub async fn apply_retention(
     sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(PARTITION_LOCK_KEY).execute(&mut *tx).await?;
     let names: Vec<String> = sqlx::query_scalar(
         "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid JOIN pg_class p ON p.oid = i.inhparent
-         WHERE p.relname IN ('flow_records', 'flow_gaps') ORDER BY 1",
+         WHERE p.relname = ANY($1) ORDER BY 1",
     )
+    .bind(PARTITIONED.as_slice())
     .fetch_all(&mut *tx)
     .await?;
     let mut dropped = Vec::new();

@@ -56,12 +56,13 @@ async fn retention_drops_whole_expired_partitions() {
         .unwrap()
     };
     let day = (now - chrono::Duration::seconds(60)).format("%Y%m%d").to_string();
-    assert_eq!(partitions().await, [format!("flow_gaps_{day}"), format!("flow_records_{day}")]);
+    let expected = ["flow_gaps", "flow_records", "flow_totals"].map(|t| format!("{t}_{day}"));
+    assert_eq!(partitions().await, expected);
 
     // Within retention nothing goes; 31 days later the whole day's partitions are dropped.
     assert_eq!(flows::apply_retention(&db.pool, 30, now).await.unwrap(), Vec::<String>::new());
     let dropped = flows::apply_retention(&db.pool, 30, now + chrono::Duration::days(32)).await.unwrap();
-    assert_eq!(dropped, [format!("flow_gaps_{day}"), format!("flow_records_{day}")]);
+    assert_eq!(dropped, expected);
     assert!(partitions().await.is_empty());
     let windows: i64 =
         sqlx::query_scalar("SELECT count(*) FROM flow_windows").fetch_one(&db.pool).await.unwrap();
@@ -230,8 +231,9 @@ async fn ingest_stores_records_resolved_and_totals_summed() {
     let again = flows::ingest(&db.pool, id, &flows::validate(&first).unwrap()).await.unwrap();
     assert_eq!(again, flows::Ingested { records: 0, duplicate: true });
     let totals: Vec<TotalsRow> = sqlx::query_as(
-        "SELECT peer_key, dst_port, decision, packets, bytes, new_connections, first_seen, last_seen, windows
-             FROM flow_totals WHERE workload_id = $1 ORDER BY peer_key, dst_port",
+        "SELECT peer_key, dst_port, decision, sum(packets)::bigint, sum(bytes)::bigint, sum(new_connections)::bigint,
+                min(first_seen), max(last_seen), count(*)
+             FROM flow_totals WHERE workload_id = $1 GROUP BY peer_key, dst_port, decision ORDER BY peer_key, dst_port",
     )
     .bind(id.uuid())
     .fetch_all(&db.pool)
@@ -334,4 +336,61 @@ async fn concurrent_uploads_create_partitions_once_and_all_land() {
     .await
     .unwrap();
     assert_eq!((records, totals), (400, 400));
+}
+
+/// A window with the given records, a minute before now.
+fn window_of(records: Vec<proto::FlowRecord>) -> proto::FlowWindow {
+    let end = chrono::Utc::now().timestamp_millis();
+    proto::FlowWindow {
+        window_id: uuid::Uuid::new_v4().to_string(),
+        start_unix_ms: end - 60_000,
+        end_unix_ms: end,
+        policy_version: 1,
+        mode: 2,
+        records,
+        gaps: vec![],
+    }
+}
+
+/// The label snapshot is the peer's labels when the flow was seen, not when it was uploaded:
+/// windows seen before and after a relabel, both ingested after it, keep their own labels.
+#[tokio::test]
+async fn label_snapshot_is_taken_at_the_time_the_flow_was_seen() {
+    use proto::FlowDecision::WouldBlock;
+    let db = fresh_database().await.unwrap();
+    let id = register(&db.pool, &["app=db"], &[]).await;
+    let peer = register(&db.pool, &["app=batch", "env=prod"], &["10.5.0.9"]).await;
+    let pause = || tokio::time::sleep(std::time::Duration::from_millis(20));
+    pause().await;
+    let before = chrono::Utc::now().timestamp_millis();
+    pause().await;
+    authoring::commit(&db.pool, "test", "label", "peer", async |c| {
+        Ok((
+            authoring::edit_labels(c, peer, 1, &["app=web".parse().unwrap()], &[]).await?,
+            serde_json::json!({}),
+        ))
+    })
+    .await
+    .unwrap();
+    pause().await;
+    let after = chrono::Utc::now().timestamp_millis();
+    for (port, seen) in [(5432, before), (5433, after)] {
+        let wire = window_of(vec![flow("10.5.0.9", "10.1.0.5", port, WouldBlock, 1, (seen, seen))]);
+        flows::ingest(&db.pool, id, &flows::validate(&wire).unwrap()).await.unwrap();
+    }
+    let snapshots: Vec<(i32, String, serde_json::Value)> = sqlx::query_as(
+        "SELECT dst_port, peer_key, peer_labels FROM flow_records WHERE workload_id = $1 ORDER BY dst_port",
+    )
+    .bind(id.uuid())
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    let key = peer.to_string();
+    assert_eq!(
+        snapshots,
+        [
+            (5432, key.clone(), serde_json::json!({"app": "batch", "env": "prod"})),
+            (5433, key, serde_json::json!({"app": "web", "env": "prod"})),
+        ]
+    );
 }
