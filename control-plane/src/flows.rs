@@ -2,9 +2,9 @@
 //! validated as a whole (refused with a reason, never stored half), each source address is
 //! resolved at ingest — workload (with a snapshot of the labels it had when the flow was seen,
 //! from the label history), else the most specific address group, else the bare address — and
-//! window, records, gaps and per-window totals are written in one transaction. A window is
-//! stored once per (workload, window id), so retries never count twice. Records, gaps and
-//! totals live in daily partitions; retention drops whole partitions. Ingests
+//! the window (with its totals), records and gaps are written in one transaction. A window is
+//! stored once per (workload, window id), so retries never count twice. Records and gaps live
+//! in daily partitions; retention drops whole partitions. Ingests
 //! hold the partition lock shared, so uploads from many agents run side by side; creating and
 //! dropping partitions holds it exclusively.
 
@@ -216,11 +216,11 @@ fn parse_host(text: String) -> Result<IpAddr, StoreError> {
     text.parse().map_err(|_| StoreError::Corrupt { what: "resolved address", detail: text })
 }
 
-/// The partitioned flow tables (records, gaps, per-window totals), each with a partition a day.
-const PARTITIONED: [&str; 3] = ["flow_records", "flow_gaps", "flow_totals"];
+/// The partitioned flow tables, each with a partition a day.
+const PARTITIONED: [&str; 2] = ["flow_records", "flow_gaps"];
 
 /// Each partitioned table with the name of its partition for `day`.
-fn partitions(day: NaiveDate) -> [(&'static str, String); 3] {
+fn partitions(day: NaiveDate) -> [(&'static str, String); 2] {
     let suffix = day.format("%Y%m%d");
     PARTITIONED.map(|table| (table, format!("{table}_{suffix}")))
 }
@@ -255,70 +255,37 @@ pub struct Ingested {
     pub duplicate: bool,
 }
 
-/// The key of one `flow_totals` row within a window: peer, port, protocol, decision.
-type TotalsKey<'a> = (&'a str, u16, i16, i16);
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Totals<'a> {
-    peer_kind: i16,
-    matched_rule_id: &'a str,
+/// A window's totals, stored on its `flow_windows` row.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Totals {
     packets: i64,
     bytes: i64,
     new_connections: i64,
-    first_seen: DateTime<Utc>,
-    last_seen: DateTime<Utc>,
-    records: i32,
+    /// Records per decision, indexed by the decision number (1 observed … 4 blocked).
+    records: [i32; 5],
 }
 
-/// Sums a window's records per totals key (one `flow_totals` row each). A window whose sums do
-/// not fit the columns is refused whole.
-fn window_totals<'a>(
-    records: &'a [Record],
-    peers: &'a [&'a Peer],
-) -> Result<BTreeMap<TotalsKey<'a>, Totals<'a>>, StoreError> {
-    let mut totals: BTreeMap<TotalsKey<'a>, Totals<'a>> = BTreeMap::new();
-    for (r, peer) in records.iter().zip(peers) {
-        let key = (peer.key.as_str(), r.dst_port, r.protocol, r.decision);
-        let (packets, bytes, new_connections) = (r.packets as i64, r.bytes as i64, r.new_connections as i64);
-        match totals.get_mut(&key) {
-            None => {
-                totals.insert(
-                    key,
-                    Totals {
-                        peer_kind: peer.kind,
-                        matched_rule_id: &r.matched_rule_id,
-                        packets,
-                        bytes,
-                        new_connections,
-                        first_seen: r.first_seen,
-                        last_seen: r.last_seen,
-                        records: 1,
-                    },
-                );
-            }
-            Some(t) => {
-                let overflow = || {
-                    StoreError::Invalid(format!(
-                        "window refused: the totals of peer {} port {} overflow 64 bits",
-                        peer.key, r.dst_port
-                    ))
-                };
-                t.packets = t.packets.checked_add(packets).ok_or_else(overflow)?;
-                t.bytes = t.bytes.checked_add(bytes).ok_or_else(overflow)?;
-                t.new_connections = t.new_connections.checked_add(new_connections).ok_or_else(overflow)?;
-                t.first_seen = t.first_seen.min(r.first_seen);
-                t.last_seen = t.last_seen.max(r.last_seen);
-                t.records += 1;
-            }
+/// Sums a window's records. A window whose sums do not fit the columns is refused whole.
+fn window_totals(records: &[Record]) -> Result<Totals, StoreError> {
+    let overflow = || StoreError::Invalid("window refused: its totals overflow 64 bits".into());
+    let mut t = Totals::default();
+    for r in records {
+        t.packets = t.packets.checked_add(r.packets as i64).ok_or_else(overflow)?;
+        t.bytes = t.bytes.checked_add(r.bytes as i64).ok_or_else(overflow)?;
+        t.new_connections = t.new_connections.checked_add(r.new_connections as i64).ok_or_else(overflow)?;
+        match r.decision {
+            // At most MAX_RECORDS records: the count fits.
+            d @ 1..=4 => t.records[d as usize] += 1,
+            d => return Err(StoreError::Invalid(format!("window refused: unknown decision {d}"))),
         }
     }
-    Ok(totals)
+    Ok(t)
 }
 
 /// Stores one validated window from `workload` (identity from its certificate).
 ///
 /// Records go in by binary `COPY` (no text parsing on the server), each source is resolved
-/// once per window, and totals are summed here into one appended row per key.
+/// once per window, and the window's totals are summed here and stored on its row.
 pub async fn ingest(pool: &PgPool, workload: WorkloadId, window: &Window) -> Result<Ingested, StoreError> {
     let names: Vec<String> =
         partitions(window.start.date_naive()).into_iter().map(|(_, name)| name).collect();
@@ -333,12 +300,15 @@ pub async fn ingest(pool: &PgPool, workload: WorkloadId, window: &Window) -> Res
         tx.commit().await?;
     }
 
+    let totals = window_totals(&window.records)?;
     let mut tx = pool.begin().await?;
     // Shared: ingests run side by side; retention (exclusive) waits for them and they for it.
     sqlx::query("SELECT pg_advisory_xact_lock_shared($1)").bind(PARTITION_LOCK_KEY).execute(&mut *tx).await?;
     let fresh = sqlx::query(
-        "INSERT INTO flow_windows (workload_id, window_id, window_start, window_end, policy_version, mode, record_count, gap_count)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT DO NOTHING",
+        "INSERT INTO flow_windows (workload_id, window_id, window_start, window_end, policy_version, mode, record_count,
+            gap_count, packets, bytes, new_connections, observed_records, allowed_records, would_block_records,
+            blocked_records)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15) ON CONFLICT DO NOTHING",
     )
     .bind(workload.uuid())
     .bind(window.id)
@@ -348,6 +318,13 @@ pub async fn ingest(pool: &PgPool, workload: WorkloadId, window: &Window) -> Res
     .bind(window.mode)
     .bind(window.records.len() as i32)
     .bind(window.gaps.len() as i32)
+    .bind(totals.packets)
+    .bind(totals.bytes)
+    .bind(totals.new_connections)
+    .bind(totals.records[1])
+    .bind(totals.records[2])
+    .bind(totals.records[3])
+    .bind(totals.records[4])
     .execute(&mut *tx)
     .await?;
     if fresh.rows_affected() == 0 {
@@ -362,7 +339,6 @@ pub async fn ingest(pool: &PgPool, workload: WorkloadId, window: &Window) -> Res
         peers.entry(*src).or_insert_with(|| Peer { kind: 0, key: src.to_string(), labels: NO_LABELS.into() });
     }
     let resolved: Vec<&Peer> = window.records.iter().map(|r| &peers[&r.src]).collect();
-    let totals = window_totals(&window.records, &resolved)?;
 
     let mut rows = copy::Rows::new();
     for (r, peer) in window.records.iter().zip(&resolved) {
@@ -408,36 +384,6 @@ pub async fn ingest(pool: &PgPool, workload: WorkloadId, window: &Window) -> Res
         .bind(window.gaps.iter().map(|g| g.to).collect::<Vec<_>>())
         .bind(window.gaps.iter().map(|g| g.count as i64).collect::<Vec<_>>())
         .execute(&mut *tx)
-        .await?;
-    }
-    if !totals.is_empty() {
-        let mut rows = copy::Rows::new();
-        for ((peer_key, dst_port, protocol, decision), t) in &totals {
-            rows.row(16);
-            rows.uuid(workload.uuid());
-            rows.uuid(window.id);
-            rows.timestamptz(window.start)?;
-            rows.i64(window.policy_version as i64);
-            rows.i16(t.peer_kind);
-            rows.text(peer_key);
-            rows.i32(i32::from(*dst_port));
-            rows.i16(*protocol);
-            rows.i16(*decision);
-            rows.text(t.matched_rule_id);
-            rows.i64(t.packets);
-            rows.i64(t.bytes);
-            rows.i64(t.new_connections);
-            rows.timestamptz(t.first_seen)?;
-            rows.timestamptz(t.last_seen)?;
-            rows.i32(t.records);
-        }
-        copy_in(
-            &mut tx,
-            "COPY flow_totals (workload_id, window_id, window_start, policy_version, peer_kind, peer_key, dst_port,
-                protocol, decision, matched_rule_id, packets, bytes, new_connections, first_seen, last_seen, records)
-             FROM STDIN (FORMAT binary)",
-            rows,
-        )
         .await?;
     }
     tx.commit().await?;

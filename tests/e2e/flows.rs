@@ -166,7 +166,7 @@ async fn flow_upload_is_idempotent() {
     let (windows, records, packets): (i64, i64, i64) = sqlx::query_as(
         "SELECT (SELECT count(*) FROM flow_windows WHERE workload_id = $1),
                 (SELECT count(*) FROM flow_records WHERE workload_id = $1),
-                (SELECT sum(packets)::bigint FROM flow_totals WHERE workload_id = $1)",
+                (SELECT sum(packets)::bigint FROM flow_windows WHERE workload_id = $1)",
     )
     .bind(id.uuid())
     .fetch_one(plane.pool())

@@ -56,7 +56,7 @@ async fn retention_drops_whole_expired_partitions() {
         .unwrap()
     };
     let day = (now - chrono::Duration::seconds(60)).format("%Y%m%d").to_string();
-    let expected = ["flow_gaps", "flow_records", "flow_totals"].map(|t| format!("{t}_{day}"));
+    let expected = ["flow_gaps", "flow_records"].map(|t| format!("{t}_{day}"));
     assert_eq!(partitions().await, expected);
 
     // Within retention nothing goes; 31 days later the whole day's partitions are dropped.
@@ -123,9 +123,8 @@ fn flow(
     }
 }
 
-/// peer_key, dst_port, decision, packets, bytes, new_connections, first_seen, last_seen, windows
-type TotalsRow =
-    (String, i32, i16, i64, i64, i64, chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>, i64);
+/// record_count, packets, bytes, new_connections, then records observed, allowed, would-block, blocked.
+type WindowTotals = (i32, i64, i64, i64, i32, i32, i32, i32);
 
 #[derive(Debug, PartialEq, sqlx::FromRow)]
 struct Stored {
@@ -146,8 +145,8 @@ struct Stored {
 }
 
 /// Every column survives the binary COPY as sent, sources resolve as FLOW-5 says (workload with
-/// its labels then, else the most specific group, else the bare address), totals sum per peer
-/// and service across records and windows, and a repeated window counts once.
+/// its labels then, else the most specific group, else the bare address), the window row
+/// carries its totals, and a repeated window counts once.
 #[tokio::test]
 async fn ingest_stores_records_resolved_and_totals_summed() {
     let db = fresh_database().await.unwrap();
@@ -230,24 +229,17 @@ async fn ingest_stores_records_resolved_and_totals_summed() {
     flows::ingest(&db.pool, id, &flows::validate(&second).unwrap()).await.unwrap();
     let again = flows::ingest(&db.pool, id, &flows::validate(&first).unwrap()).await.unwrap();
     assert_eq!(again, flows::Ingested { records: 0, duplicate: true });
-    let totals: Vec<TotalsRow> = sqlx::query_as(
-        "SELECT peer_key, dst_port, decision, sum(packets)::bigint, sum(bytes)::bigint, sum(new_connections)::bigint,
-                min(first_seen), max(last_seen), count(*)
-             FROM flow_totals WHERE workload_id = $1 GROUP BY peer_key, dst_port, decision ORDER BY peer_key, dst_port",
+    // Each window's totals sit on its row: packets, bytes, connections, records per decision.
+    let totals: Vec<WindowTotals> = sqlx::query_as(
+        "SELECT record_count, packets, bytes, new_connections, observed_records, allowed_records,
+                would_block_records, blocked_records
+         FROM flow_windows WHERE workload_id = $1 ORDER BY record_count DESC",
     )
     .bind(id.uuid())
     .fetch_all(&db.pool)
     .await
     .unwrap();
-    let mut want = vec![
-        ("192.0.2.1".to_owned(), 22, 3, 1, 100, 1, f, l, 1),
-        ("corp".to_owned(), 443, 2, 5, 500, 1, f, l, 1),
-        ("office".to_owned(), 443, 2, 2, 200, 1, f, l, 1),
-        // Both addresses of the peer and both windows: one row.
-        (p.clone(), 5432, 3, 17, 1700, 3, at(start + 2), l, 2),
-    ];
-    want.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
-    assert_eq!(totals, want);
+    assert_eq!(totals, [(5, 15, 1500, 5, 0, 2, 3, 0), (1, 10, 1000, 1, 0, 0, 1, 0)]);
     let counts: (i64, i64, i64) = sqlx::query_as(
         "SELECT (SELECT count(*) FROM flow_windows WHERE workload_id = $1),
                 (SELECT count(*) FROM flow_records WHERE workload_id = $1),
@@ -260,7 +252,7 @@ async fn ingest_stores_records_resolved_and_totals_summed() {
     assert_eq!(counts, (2, 6, 2));
 }
 
-/// A window whose totals cannot be stored is refused whole: no window, record, gap or total.
+/// A window whose totals cannot be stored is refused whole: no window, record or gap.
 #[tokio::test]
 async fn a_window_refused_at_ingest_stores_nothing() {
     let db = fresh_database().await.unwrap();
@@ -284,7 +276,7 @@ async fn a_window_refused_at_ingest_stores_nothing() {
     assert!(err.to_string().contains("overflow"), "{err}");
     let counts: (i64, i64, i64, i64) = sqlx::query_as(
         "SELECT (SELECT count(*) FROM flow_windows), (SELECT count(*) FROM flow_records),
-                (SELECT count(*) FROM flow_gaps), (SELECT count(*) FROM flow_totals)",
+                (SELECT count(*) FROM flow_gaps), (SELECT count(*) FROM flow_records)",
     )
     .fetch_one(&db.pool)
     .await
@@ -329,13 +321,13 @@ async fn concurrent_uploads_create_partitions_once_and_all_land() {
     for task in tasks {
         assert_eq!(task.await.unwrap().unwrap(), flows::Ingested { records: 100, duplicate: false });
     }
-    let (records, totals): (i64, i64) = sqlx::query_as(
-        "SELECT (SELECT count(*) FROM flow_records_20260102), (SELECT count(*) FROM flow_totals)",
+    let (records, packets): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM flow_records_20260102), (SELECT sum(packets)::bigint FROM flow_windows)",
     )
     .fetch_one(&db.pool)
     .await
     .unwrap();
-    assert_eq!((records, totals), (400, 400));
+    assert_eq!((records, packets), (400, 400));
 }
 
 /// A window with the given records, a minute before now.
