@@ -260,16 +260,14 @@ async fn a_window_refused_at_ingest_stores_nothing() {
     let start = chrono::Utc::now().timestamp_millis() - 60_000;
     let huge = i64::MAX as u64;
     let wire = proto::FlowWindow {
-        window_id: uuid::Uuid::new_v4().to_string(),
-        start_unix_ms: start,
-        end_unix_ms: start + 60_000,
-        policy_version: 1,
-        mode: 2,
-        records: vec![
-            flow("192.0.2.1", "10.1.0.5", 22, proto::FlowDecision::WouldBlock, huge, (start, start)),
-            flow("192.0.2.1", "10.1.0.6", 22, proto::FlowDecision::WouldBlock, huge, (start, start)),
-        ],
         gaps: vec![proto::EvidenceGap { kind: 1, from_unix_ms: start, to_unix_ms: start, count: 1 }],
+        ..window_at(
+            start,
+            vec![
+                flow("192.0.2.1", "10.1.0.5", 22, proto::FlowDecision::WouldBlock, huge, (start, start)),
+                flow("192.0.2.1", "10.1.0.6", 22, proto::FlowDecision::WouldBlock, huge, (start, start)),
+            ],
+        )
     };
     let window = flows::validate(&wire).unwrap();
     let err = flows::ingest(&db.pool, id, &window).await.unwrap_err();
@@ -294,13 +292,9 @@ async fn concurrent_uploads_create_partitions_once_and_all_land() {
     for n in 0..4u32 {
         let id = register(&db.pool, &["app=db"], &[]).await;
         let pool = db.pool.clone();
-        let wire = proto::FlowWindow {
-            window_id: uuid::Uuid::new_v4().to_string(),
-            start_unix_ms: start,
-            end_unix_ms: start + 60_000,
-            policy_version: 1,
-            mode: 2,
-            records: (0..100)
+        let wire = window_at(
+            start,
+            (0..100)
                 .map(|i| {
                     flow(
                         &format!("192.0.2.{i}"),
@@ -312,8 +306,7 @@ async fn concurrent_uploads_create_partitions_once_and_all_land() {
                     )
                 })
                 .collect(),
-            gaps: vec![],
-        };
+        );
         tasks.push(tokio::spawn(
             async move { flows::ingest(&pool, id, &flows::validate(&wire).unwrap()).await },
         ));
@@ -330,18 +323,22 @@ async fn concurrent_uploads_create_partitions_once_and_all_land() {
     assert_eq!((records, packets), (400, 400));
 }
 
-/// A window with the given records, a minute before now.
-fn window_of(records: Vec<proto::FlowRecord>) -> proto::FlowWindow {
-    let end = chrono::Utc::now().timestamp_millis();
+/// A one-minute simulation window from `start` (unix ms) with the given records.
+fn window_at(start: i64, records: Vec<proto::FlowRecord>) -> proto::FlowWindow {
     proto::FlowWindow {
         window_id: uuid::Uuid::new_v4().to_string(),
-        start_unix_ms: end - 60_000,
-        end_unix_ms: end,
+        start_unix_ms: start,
+        end_unix_ms: start + 60_000,
         policy_version: 1,
         mode: 2,
         records,
         gaps: vec![],
     }
+}
+
+/// A window with the given records, ending now.
+fn window_of(records: Vec<proto::FlowRecord>) -> proto::FlowWindow {
+    window_at(chrono::Utc::now().timestamp_millis() - 60_000, records)
 }
 
 /// The label snapshot is the peer's labels when the flow was seen, not when it was uploaded:
