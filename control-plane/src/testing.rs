@@ -199,6 +199,37 @@ impl Drop for TestDatabase {
     }
 }
 
+/// Adds service `svc-<n>` (tcp/8000+n) and ruleset `rs-<n>` allowing it from 192.0.2.0/24 to
+/// every `app=web` workload: one new policy version for each of them, committed as the CLI does.
+pub async fn add_web_port(pool: &PgPool, n: u16) -> anyhow::Result<()> {
+    use crate::authoring::{self, PeerSpec, RuleSpec, RulesetSpec, ServiceSpec};
+    let service = ServiceSpec {
+        name: format!("svc-{n}"),
+        description: String::new(),
+        entries: vec![crate::model::ServiceEntry::parse(&format!("tcp:{}", 8000 + u32::from(n)))?],
+    };
+    let ruleset = RulesetSpec {
+        name: format!("rs-{n}"),
+        description: String::new(),
+        enabled: true,
+        scope: [("app".to_owned(), vec!["web".to_owned()])].into(),
+        rules: vec![RuleSpec {
+            name: "r".into(),
+            description: String::new(),
+            enabled: true,
+            peers: vec![PeerSpec::cidr("192.0.2.0/24")],
+            services: vec![service.name.clone()],
+        }],
+    };
+    authoring::commit(pool, "test", "bump", "web", async |c| {
+        authoring::create_service(c, &service).await?;
+        authoring::create_ruleset(c, &ruleset).await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

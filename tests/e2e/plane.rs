@@ -9,10 +9,8 @@ use innerwall_agent::daemon::RunConfig;
 use innerwall_agent::enforce::{EnforceError, Installed, MemoryPolicyStore, PolicyStore};
 use innerwall_agent::identity::Credential;
 use innerwall_agent::sync::Enforcer;
-use innerwall_control_plane::authoring::{self, PeerSpec, RuleSpec, RulesetSpec, ServiceSpec};
 use innerwall_control_plane::ca::{FileCa, Signer};
 use innerwall_control_plane::gateway::GatewayConfig;
-use innerwall_control_plane::model::ServiceEntry;
 use innerwall_control_plane::service::{self, Running, ServiceConfig};
 use innerwall_control_plane::store;
 use innerwall_control_plane::testing::{TestDatabase, fresh_database};
@@ -104,36 +102,11 @@ impl Plane {
         (credential.id, config)
     }
 
-    /// Adds a ruleset that gives every `app=web` workload one more port: one version each.
+    /// One more port for every `app=web` workload: one version each.
     pub async fn bump(&self, n: u16) {
-        let service = ServiceSpec {
-            name: format!("svc-{n}"),
-            description: String::new(),
-            entries: vec![ServiceEntry::parse(&format!("tcp:{}", 8000 + n)).unwrap()],
-        };
-        let ruleset = RulesetSpec {
-            name: format!("rs-{n}"),
-            description: String::new(),
-            enabled: true,
-            scope: [("app".to_owned(), vec!["web".to_owned()])].into(),
-            rules: vec![RuleSpec {
-                name: "r".into(),
-                description: String::new(),
-                enabled: true,
-                peers: vec![PeerSpec::cidr("192.0.2.0/24")],
-                services: vec![service.name.clone()],
-            }],
-        };
-        authoring::commit(self.pool(), "test", "bump", "web", async |c| {
-            authoring::create_service(c, &service).await?;
-            authoring::create_ruleset(c, &ruleset).await?;
-            Ok(((), serde_json::json!({})))
-        })
-        .await
-        .unwrap();
+        innerwall_control_plane::testing::add_web_port(self.pool(), n).await.unwrap();
     }
 
-    /// (state, applied, latest, detail) as `workload status` reads it.
     pub async fn status(&self, id: WorkloadId) -> (String, i64, Option<i64>, String) {
         let s =
             store::sync_status(&mut self.pool().acquire().await.unwrap(), Some(id)).await.unwrap().remove(0);

@@ -3,9 +3,8 @@
 
 use std::time::Duration;
 
-use innerwall_control_plane::authoring::{self, PeerSpec, RuleSpec, RulesetSpec, ServiceSpec};
+use innerwall_control_plane::authoring;
 use innerwall_control_plane::gateway::GatewayConfig;
-use innerwall_control_plane::model::ServiceEntry;
 use innerwall_control_plane::store::{self, StoreError};
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::proto::{self, sync_request, sync_response};
@@ -84,33 +83,9 @@ async fn wait_state(pool: &PgPool, id: WorkloadId, want: &str) -> (String, i64, 
     panic!("workload never reached {want}: {:?}", status(pool, id).await);
 }
 
-/// Adds a ruleset that gives every `app=web` workload one more port: one new version each.
+/// One more port for every `app=web` workload: one new version each.
 async fn bump(pool: &PgPool, n: u16) {
-    let service = ServiceSpec {
-        name: format!("svc-{n}"),
-        description: String::new(),
-        entries: vec![ServiceEntry::parse(&format!("tcp:{}", 8000 + n)).unwrap()],
-    };
-    let ruleset = RulesetSpec {
-        name: format!("rs-{n}"),
-        description: String::new(),
-        enabled: true,
-        scope: [("app".to_owned(), vec!["web".to_owned()])].into(),
-        rules: vec![RuleSpec {
-            name: "r".into(),
-            description: String::new(),
-            enabled: true,
-            peers: vec![PeerSpec::cidr("192.0.2.0/24")],
-            services: vec![service.name.clone()],
-        }],
-    };
-    authoring::commit(pool, "test", "bump", "web", async |c| {
-        authoring::create_service(c, &service).await?;
-        authoring::create_ruleset(c, &ruleset).await?;
-        Ok(((), serde_json::json!({})))
-    })
-    .await
-    .unwrap();
+    innerwall_control_plane::testing::add_web_port(pool, n).await.unwrap();
 }
 
 async fn enrolled(plane: &Plane) -> (WorkloadId, Channel) {
