@@ -252,13 +252,14 @@ fn map_full_becomes_gap() {
     find(&drained, ALLOWED4, HOST4, 6011, UDP);
 }
 
-/// The rule each allowed probe of the matrix matches.
-fn rule_of(probe: &Probe) -> &'static str {
+/// A matrix probe's protocol, and the rule of the test policy that allows it.
+fn protocol_and_rule(probe: &Probe) -> (innerwall_wire::proto::Protocol, &'static str) {
+    use innerwall_wire::proto::Protocol;
     match (probe.kind, probe.src.contains(':')) {
-        ("tcp", _) => "web/tcp",
-        ("udp", _) => "dns/udp",
-        ("icmp", false) => "ping/icmp",
-        _ => "ping/icmpv6",
+        ("tcp", _) => (Protocol::Tcp, "web/tcp"),
+        ("udp", _) => (Protocol::Udp, "dns/udp"),
+        ("icmp", false) => (Protocol::Icmp, "ping/icmp"),
+        _ => (Protocol::Icmpv6, "ping/icmpv6"),
     }
 }
 
@@ -267,7 +268,7 @@ fn rule_of(probe: &Probe) -> &'static str {
 /// rule that let it, and in visibility everything is OBSERVED. Each window carries the version.
 #[test]
 fn netns_ebpf_records_flows_with_decisions() {
-    use innerwall_wire::proto::{FlowDecision, Protocol};
+    use innerwall_wire::proto::FlowDecision;
     let pair = Pair::new("decide");
     let _server = Server::start(&pair.host, &[8080, 8081], &[8080, 5353]);
     let state = TempDir::new("decide");
@@ -298,12 +299,7 @@ fn netns_ebpf_records_flows_with_decisions() {
         let closed = window.close(now);
         assert_eq!(closed.policy_version, version);
         for (probe, allowed) in matrix() {
-            let protocol = match (probe.kind, probe.src.contains(':')) {
-                ("tcp", _) => Protocol::Tcp,
-                ("udp", _) => Protocol::Udp,
-                ("icmp", false) => Protocol::Icmp,
-                _ => Protocol::Icmpv6,
-            };
+            let (protocol, rule) = protocol_and_rule(&probe);
             let record = closed
                 .records
                 .iter()
@@ -316,7 +312,7 @@ fn netns_ebpf_records_flows_with_decisions() {
                 .unwrap_or_else(|| panic!("{mode}: no record for {probe:?} in {:#?}", closed.records));
             let expected = match (mode, allowed) {
                 ("visibility", _) => (FlowDecision::Observed, ""),
-                (_, true) => (FlowDecision::Allowed, rule_of(&probe)),
+                (_, true) => (FlowDecision::Allowed, rule),
                 ("simulation", false) => (FlowDecision::WouldBlock, ""),
                 _ => (FlowDecision::Blocked, ""),
             };
