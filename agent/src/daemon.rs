@@ -268,7 +268,7 @@ fn capture_forever<S: PolicyStore + Send + 'static>(
     let max_keys = || enforcer.flow_window_max_keys.load(Relaxed) as usize;
     let mut window = crate::flows::Window::open(now_ms(), enforcer.current(), max_keys());
     if let Some(last) = std::fs::read_to_string(&marker).ok().and_then(|t| t.trim().parse::<i64>().ok()) {
-        window.gap(proto::EvidenceGapKind::AgentRestart, last, window.start_ms, 0);
+        window.gap(innerwall_wire::flows::GapKind::AgentRestart, last, window.start_ms, 0);
     }
     let queue_window = |window: crate::flows::Window, now: i64| {
         if let Err(e) = queue.push(window.close(now)) {
