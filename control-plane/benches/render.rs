@@ -6,10 +6,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Instant;
 
-use innerwall_control_plane::model::{
+use innerwall_control_plane::policy::model::{
     AddressGroup, AuthoredModel, Peer, RegisteredWorkload, Rule, Ruleset, Selector, Service, ServiceEntry,
 };
-use innerwall_control_plane::render::render;
+use innerwall_control_plane::policy::render::render;
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::labels::{LabelKey, LabelValue};
 use innerwall_wire::policy::{Cidr, Mode};

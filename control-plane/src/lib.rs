@@ -1,20 +1,15 @@
 //! The Innerwall control plane as a library: the `innerwall` binary is a thin CLI over it, and
-//! end-to-end tests drive it directly.
+//! end-to-end tests drive it directly. Its rooms, lowest first (a module imports only from the
+//! ones before it): `policy` (authored model, render, publish), `identity` (CA, tokens,
+//! enrollment, the agent listener), `flows` (evidence ingest, retention, queries), `sync`
+//! (stream state machine, gateway, NOTIFY bridge), `service` (one replica), with `postgres` (the
+//! database and its clusters) underneath all of them.
 
-pub mod authoring;
-pub mod bridge;
-pub mod ca;
-pub mod enroll;
 pub mod flows;
-pub mod gateway;
-pub mod model;
+pub mod identity;
+pub mod policy;
 pub mod postgres;
-pub mod publish;
-pub mod render;
-pub mod server;
 pub mod service;
-pub mod session;
-pub mod store;
+pub mod sync;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
-pub mod tokens;

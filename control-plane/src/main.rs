@@ -8,11 +8,16 @@ use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
-use innerwall_control_plane::authoring::{self, AddressGroupSpec, Committed, RulesetSpec, ServiceSpec};
-use innerwall_control_plane::ca::{self, FileCa};
-use innerwall_control_plane::model::ServiceEntry;
-use innerwall_control_plane::publish::Changed;
-use innerwall_control_plane::{gateway, postgres, service, store, tokens};
+use innerwall_control_plane::identity::ca::{self, FileCa};
+use innerwall_control_plane::identity::tokens;
+use innerwall_control_plane::policy::authoring::{
+    self, AddressGroupSpec, Committed, RulesetSpec, ServiceSpec,
+};
+use innerwall_control_plane::policy::model::ServiceEntry;
+use innerwall_control_plane::policy::publish::Changed;
+use innerwall_control_plane::policy::store;
+use innerwall_control_plane::sync::gateway;
+use innerwall_control_plane::{postgres, service};
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::labels::{Label, LabelKey};
 use innerwall_wire::policy::{Cidr, Mode};

@@ -12,12 +12,13 @@ use sqlx::PgPool;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use crate::ca::Signer;
-use crate::enroll::Enroller;
-use crate::gateway::{Gateway, GatewayConfig};
-use crate::server::{self, DenyList, ServerError};
-use crate::store::StoreError;
-use crate::{authoring, bridge};
+use crate::identity::ca::Signer;
+use crate::identity::enroll::Enroller;
+use crate::identity::listener::{self, DenyList, ServerError};
+use crate::policy::authoring;
+use crate::policy::store::StoreError;
+use crate::sync::bridge;
+use crate::sync::gateway::{Gateway, GatewayConfig};
 
 /// How long a stopping replica waits for open connections to finish.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
@@ -112,21 +113,21 @@ pub async fn start(
     let bridge = tokio::spawn(bridge::run(pool.clone(), gateway.clone(), deny.clone()));
     let retention = tokio::spawn(retention_forever(pool.clone()));
 
-    let tls = server::tls_config(signer.as_ref(), &config.server_names, deny)?;
-    let listener = tokio::net::TcpListener::bind(config.listen)
+    let tls = listener::tls_config(signer.as_ref(), &config.server_names, deny)?;
+    let tcp = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|source| ServiceError::Bind { addr: config.listen, source })?;
-    let local_addr = listener.local_addr().map_err(ServerError::Io)?;
+    let local_addr = tcp.local_addr().map_err(ServerError::Io)?;
     let router = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .add_service(EnrollmentServiceServer::new(enroller))
-        .add_service(AgentServiceServer::with_interceptor(gateway.clone(), server::authenticate))
+        .add_service(AgentServiceServer::with_interceptor(gateway.clone(), listener::authenticate))
         .add_service(TelemetryServiceServer::with_interceptor(
             crate::flows::Telemetry { pool: pool.clone() },
-            server::authenticate,
+            listener::authenticate,
         ));
     let (stop, stopped) = oneshot::channel::<()>();
-    let server = tokio::spawn(server::serve(listener, tls, router, async move {
+    let server = tokio::spawn(listener::serve(tcp, tls, router, async move {
         let _ = stopped.await;
     }));
     Ok(Running {

@@ -202,11 +202,11 @@ impl Drop for TestDatabase {
 /// Adds service `svc-<n>` (tcp/8000+n) and ruleset `rs-<n>` allowing it from 192.0.2.0/24 to
 /// every `app=web` workload: one new policy version for each of them, committed as the CLI does.
 pub async fn add_web_port(pool: &PgPool, n: u16) -> anyhow::Result<()> {
-    use crate::authoring::{self, PeerSpec, RuleSpec, RulesetSpec, ServiceSpec};
+    use crate::policy::authoring::{self, PeerSpec, RuleSpec, RulesetSpec, ServiceSpec};
     let service = ServiceSpec {
         name: format!("svc-{n}"),
         description: String::new(),
-        entries: vec![crate::model::ServiceEntry::parse(&format!("tcp:{}", 8000 + u32::from(n)))?],
+        entries: vec![crate::policy::model::ServiceEntry::parse(&format!("tcp:{}", 8000 + u32::from(n)))?],
     };
     let ruleset = RulesetSpec {
         name: format!("rs-{n}"),

@@ -10,7 +10,7 @@ use std::path::Path;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use innerwall_control_plane::gateway::GatewayConfig;
+use innerwall_control_plane::sync::gateway::GatewayConfig;
 use innerwall_wire::identity::WorkloadId;
 use sqlx::PgPool;
 

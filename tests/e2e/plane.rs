@@ -9,10 +9,10 @@ use innerwall_agent::daemon::RunConfig;
 use innerwall_agent::enforce::{EnforceError, Installed, MemoryPolicyStore, PolicyStore};
 use innerwall_agent::identity::Credential;
 use innerwall_agent::sync::Enforcer;
-use innerwall_control_plane::ca::{FileCa, Signer};
-use innerwall_control_plane::gateway::GatewayConfig;
+use innerwall_control_plane::identity::ca::{FileCa, Signer};
+use innerwall_control_plane::policy::store;
 use innerwall_control_plane::service::{self, Running, ServiceConfig};
-use innerwall_control_plane::store;
+use innerwall_control_plane::sync::gateway::GatewayConfig;
 use innerwall_control_plane::testing::{TestDatabase, fresh_database};
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::WorkloadPolicy;
@@ -77,7 +77,7 @@ impl Plane {
     pub async fn mint(&self, labels: &[&str]) -> String {
         let labels: Vec<_> = labels.iter().map(|l| l.parse().unwrap()).collect();
         let mut conn = self.db.pool.acquire().await.unwrap();
-        innerwall_control_plane::tokens::mint(&mut conn, &labels, chrono::Duration::days(1), None)
+        innerwall_control_plane::identity::tokens::mint(&mut conn, &labels, chrono::Duration::days(1), None)
             .await
             .unwrap()
             .secret

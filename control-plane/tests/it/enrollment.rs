@@ -5,11 +5,12 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use innerwall_control_plane::ca::{FileCa, Signer};
-use innerwall_control_plane::gateway::GatewayConfig;
+use innerwall_control_plane::identity::ca::{FileCa, Signer};
+use innerwall_control_plane::identity::tokens;
+use innerwall_control_plane::policy::authoring;
 use innerwall_control_plane::service::{self, Running, ServiceConfig};
+use innerwall_control_plane::sync::gateway::GatewayConfig;
 use innerwall_control_plane::testing::{TestDatabase, fresh_database};
-use innerwall_control_plane::{authoring, tokens};
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::proto::{self, sync_request, sync_response};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};

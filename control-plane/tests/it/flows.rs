@@ -2,8 +2,8 @@
 
 use std::collections::BTreeSet;
 
-use innerwall_control_plane::authoring::{self, NewWorkload};
 use innerwall_control_plane::flows;
+use innerwall_control_plane::policy::authoring::{self, NewWorkload};
 use innerwall_control_plane::testing::fresh_database;
 use innerwall_wire::flows::FlowWindow;
 use innerwall_wire::identity::WorkloadId;

@@ -9,11 +9,11 @@ use std::time::{Duration, SystemTime};
 
 use base64::Engine as _;
 use chrono::Utc;
-use innerwall_control_plane::ca::{
+use innerwall_control_plane::identity::ca::{
     self, CaError, DEFAULT_WORKLOAD_LIFETIME, FileCa, IssuedCertificate, Signer, workload_id_from_certificate,
 };
+use innerwall_control_plane::identity::tokens::{self, TokenError, TokenStatus};
 use innerwall_control_plane::testing::fresh_database;
-use innerwall_control_plane::tokens::{self, TokenError, TokenStatus};
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::labels::Label;
 use rcgen::{

@@ -7,12 +7,12 @@ use std::net::IpAddr;
 use std::process::Command;
 use std::time::Duration;
 
-use innerwall_control_plane::authoring::{
+use innerwall_control_plane::policy::authoring::{
     self, AddressGroupSpec, NewWorkload, PeerSpec, RuleSpec, RulesetSpec, ServiceSpec,
 };
-use innerwall_control_plane::model::ServiceEntry;
-use innerwall_control_plane::publish::{self, Changed, POLICY_CHANNEL};
-use innerwall_control_plane::store::{self, StoreError};
+use innerwall_control_plane::policy::model::ServiceEntry;
+use innerwall_control_plane::policy::publish::{self, Changed, POLICY_CHANNEL};
+use innerwall_control_plane::policy::store::{self, StoreError};
 use innerwall_control_plane::testing::fresh_database;
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::labels::Label;

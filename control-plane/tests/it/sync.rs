@@ -3,9 +3,9 @@
 
 use std::time::Duration;
 
-use innerwall_control_plane::authoring;
-use innerwall_control_plane::gateway::GatewayConfig;
-use innerwall_control_plane::store::{self, StoreError};
+use innerwall_control_plane::policy::authoring;
+use innerwall_control_plane::policy::store::{self, StoreError};
+use innerwall_control_plane::sync::gateway::GatewayConfig;
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::proto::{self, sync_request, sync_response};
 use sqlx::PgPool;

@@ -11,10 +11,10 @@ use innerwall_wire::identity::WorkloadId;
 use sqlx::PgPool;
 use sqlx::postgres::PgListener;
 
-use crate::gateway::Gateway;
-use crate::publish::POLICY_CHANNEL;
-use crate::server::DenyList;
-use crate::store::StoreError;
+use crate::identity::listener::DenyList;
+use crate::policy::publish::POLICY_CHANNEL;
+use crate::policy::store::StoreError;
+use crate::sync::gateway::Gateway;
 
 /// What one notification on the policy channel says.
 #[derive(Debug, Clone, PartialEq, Eq)]

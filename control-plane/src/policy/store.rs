@@ -13,11 +13,11 @@ use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, Row};
 use uuid::Uuid;
 
-use crate::model::{
+use crate::policy::model::{
     AddressGroup, AuthoredModel, ModelError, Peer, RegisteredWorkload, Rule, Ruleset, Selector, Service,
     ServiceEntry,
 };
-use crate::render::RenderError;
+use crate::policy::render::RenderError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -34,9 +34,9 @@ pub enum StoreError {
     #[error("{0}")]
     Refused(String),
     #[error(transparent)]
-    Token(#[from] crate::tokens::TokenError),
+    Token(#[from] crate::identity::tokens::TokenError),
     #[error(transparent)]
-    Ca(#[from] crate::ca::CaError),
+    Ca(#[from] crate::identity::ca::CaError),
     #[error("agent-offline: workload {id} has no stream (last seen {last_seen})")]
     AgentOffline { id: String, last_seen: String },
     #[error(transparent)]
@@ -351,12 +351,12 @@ pub async fn list_address_groups(conn: &mut PgConnection) -> Result<Vec<AddressG
 pub struct RulesetView {
     pub version: i64,
     #[serde(flatten)]
-    pub spec: crate::authoring::RulesetSpec,
+    pub spec: crate::policy::authoring::RulesetSpec,
 }
 
 /// Every ruleset in the shape an operator writes it, so `show` output can be edited and applied.
 pub async fn list_rulesets(conn: &mut PgConnection) -> Result<Vec<RulesetView>, StoreError> {
-    use crate::authoring::{PeerSpec, RuleSpec, RulesetSpec};
+    use crate::policy::authoring::{PeerSpec, RuleSpec, RulesetSpec};
     let model = load_model(conn).await?;
     let mut meta: BTreeMap<Uuid, (String, i64)> = BTreeMap::new();
     for row in sqlx::query("SELECT id, description, version FROM rulesets").fetch_all(&mut *conn).await? {
@@ -489,7 +489,7 @@ pub struct SyncStatusView {
 /// A sync state as its name (`PENDING`, `SYNCED`, `DEGRADED`, `OFFLINE`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(into = "&'static str")]
-pub struct StateName(pub crate::session::SyncState);
+pub struct StateName(pub crate::sync::session::SyncState);
 
 impl From<StateName> for &'static str {
     fn from(s: StateName) -> Self {
@@ -500,7 +500,9 @@ impl From<StateName> for &'static str {
 impl TryFrom<i16> for StateName {
     type Error = String;
     fn try_from(n: i16) -> Result<Self, String> {
-        crate::session::SyncState::from_code(n).map(StateName).map_err(|_| format!("unknown sync state {n}"))
+        crate::sync::session::SyncState::from_code(n)
+            .map(StateName)
+            .map_err(|_| format!("unknown sync state {n}"))
     }
 }
 

@@ -12,9 +12,9 @@ use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::proto;
 use sqlx::PgPool;
 
-use crate::authoring::{self, NewWorkload};
-use crate::ca::{IssuedCertificate, Signer};
-use crate::store::StoreError;
+use crate::identity::ca::{IssuedCertificate, Signer};
+use crate::policy::authoring::{self, NewWorkload};
+use crate::policy::store::StoreError;
 
 /// Default lifetime of a workload certificate (IDN-3).
 pub const DEFAULT_CERT_LIFETIME: Duration = Duration::from_secs(24 * 3600);
@@ -97,7 +97,7 @@ impl Enroller {
         let token_hint: String = req.provisioning_token.chars().take(9).collect();
         let now = SystemTime::now();
         let done = authoring::commit(&self.pool, &format!("enroll:{token_hint}"), "workload.enroll", &id.to_string(), async |c| {
-            let token = crate::tokens::consume(c, &req.provisioning_token, chrono::Utc::now()).await?;
+            let token = crate::identity::tokens::consume(c, &req.provisioning_token, chrono::Utc::now()).await?;
             let certificate = self.signer.issue_workload(id, &req.csr_pem, self.lifetime, now)?;
             let new = NewWorkload { id, hostname: hostname.clone(), labels: token.labels.clone(), addresses: addresses.clone() };
             authoring::register_workload(c, &new).await?;

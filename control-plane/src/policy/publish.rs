@@ -10,8 +10,8 @@ use innerwall_wire::policy::{Version, WorkloadPolicy, diff};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use crate::render::render;
-use crate::store::{self, StoreError};
+use crate::policy::render::render;
+use crate::policy::store::{self, StoreError};
 
 /// NOTIFY channel for policy announcements (`'<workload-id> <version>'`) and directives.
 pub const POLICY_CHANNEL: &str = "innerwall_policy";

@@ -12,9 +12,9 @@ use serde::{Deserialize, Serialize};
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, Row};
 use uuid::Uuid;
 
-use crate::model::{Selector, ServiceEntry, validate_name};
-use crate::publish::{Changed, publish};
-use crate::store::{StoreError, selector_to_json};
+use crate::policy::model::{Selector, ServiceEntry, validate_name};
+use crate::policy::publish::{Changed, publish};
+use crate::policy::store::{StoreError, selector_to_json};
 use innerwall_wire::convert::WireEnum;
 
 /// The result of a committed change: its value and the workloads whose version advanced.
@@ -682,7 +682,7 @@ pub async fn retire(conn: &mut PgConnection, id: WorkloadId) -> Result<(), Store
     if done.rows_affected() == 0 {
         return Err(StoreError::Invalid(format!("workload {id} is already retired")));
     }
-    crate::bridge::publish_notice(conn, &crate::bridge::Notice::Retire(id)).await
+    crate::sync::bridge::publish_notice(conn, &crate::sync::bridge::Notice::Retire(id)).await
 }
 
 /// Deny-lists an identity (IDN-7): refused at the handshake on every replica, its stream is
@@ -696,7 +696,7 @@ pub async fn deny(conn: &mut PgConnection, id: WorkloadId) -> Result<(), StoreEr
     if done.rows_affected() == 0 {
         return Err(StoreError::Invalid(format!("workload {id} is already deny-listed")));
     }
-    crate::bridge::publish_notice(conn, &crate::bridge::Notice::Deny(id)).await
+    crate::sync::bridge::publish_notice(conn, &crate::sync::bridge::Notice::Deny(id)).await
 }
 
 /// The answer to a directed reconnect request (SYNC-8).
@@ -718,11 +718,11 @@ pub async fn request_snapshot(pool: &PgPool, id: WorkloadId) -> Result<ResendReq
     let Some((state, last_seen, last_snapshot)) = row else {
         return Err(StoreError::NotFound { what: "workload", name: id.to_string() });
     };
-    if state == crate::session::SyncState::Offline.code() {
+    if state == crate::sync::session::SyncState::Offline.code() {
         let seen = last_seen.map_or_else(|| "never".to_owned(), |t| t.to_rfc3339());
         return Err(StoreError::AgentOffline { id: id.to_string(), last_seen: seen });
     }
     let mut conn = pool.acquire().await?;
-    crate::bridge::publish_notice(&mut conn, &crate::bridge::Notice::Reconnect(id)).await?;
+    crate::sync::bridge::publish_notice(&mut conn, &crate::sync::bridge::Notice::Reconnect(id)).await?;
     Ok(ResendRequested { last_snapshot_sent_at: last_snapshot })
 }

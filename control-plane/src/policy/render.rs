@@ -9,7 +9,7 @@ use innerwall_wire::labels::{LabelKey, LabelValue};
 use innerwall_wire::policy::{Cidr, PolicyError, PortRange, Protocol, ResolvedRule, RuleId, WorkloadPolicy};
 use uuid::Uuid;
 
-use crate::model::{AuthoredModel, Peer, RegisteredWorkload, Selector};
+use crate::policy::model::{AuthoredModel, Peer, RegisteredWorkload, Selector};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RenderError {
@@ -97,7 +97,7 @@ fn resolve_rule(
     model: &AuthoredModel,
     workloads: &[RegisteredWorkload],
     index: &LabelIndex<'_>,
-    rule: &crate::model::Rule,
+    rule: &crate::policy::model::Rule,
 ) -> Result<Vec<ResolvedRule>, RenderError> {
     let policy_err = |source| RenderError::Policy { rule: rule.id, source };
     let mut peers: BTreeSet<Cidr> = BTreeSet::new();
@@ -150,7 +150,7 @@ mod tests {
     use innerwall_wire::policy::Mode;
 
     use super::*;
-    use crate::model::{AddressGroup, Rule, Ruleset, Service, ServiceEntry};
+    use crate::policy::model::{AddressGroup, Rule, Ruleset, Service, ServiceEntry};
 
     fn id(n: u128) -> Uuid {
         Uuid::from_u128(n)

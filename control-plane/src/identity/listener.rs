@@ -18,7 +18,7 @@ use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 use tonic::{Request, Status};
 
-use crate::ca::{Signer, workload_id_from_certificate};
+use crate::identity::ca::{Signer, workload_id_from_certificate};
 
 /// How long a client may take to finish the TLS handshake before its connection is dropped.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -31,7 +31,7 @@ pub enum ServerError {
     #[error("tls configuration: {0}")]
     Tls(String),
     #[error(transparent)]
-    Ca(#[from] crate::ca::CaError),
+    Ca(#[from] crate::identity::ca::CaError),
     #[error("listener: {0}")]
     Io(#[from] std::io::Error),
     #[error("grpc server: {0}")]

@@ -18,10 +18,10 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::enroll::{Enroller, status};
-use crate::server::identity;
-use crate::session::{Ack, Action, Record, Session, SyncState, Update};
-use crate::store::{self, StoreError};
+use crate::identity::enroll::{Enroller, status};
+use crate::identity::listener::identity;
+use crate::policy::store::{self, StoreError};
+use crate::sync::session::{Ack, Action, Record, Session, SyncState, Update};
 
 /// Timing the gateway hands each agent in `HelloAck`, and the liveness bound derived from it.
 #[derive(Debug, Clone)]
@@ -275,7 +275,7 @@ impl StreamTask {
             return Ok(p);
         }
         tracing::warn!(workload = %self.id, "no persisted policy when its stream opened: repair render");
-        crate::authoring::render_now(self.pool()).await?;
+        crate::policy::authoring::render_now(self.pool()).await?;
         store::persisted_policy(&mut conn, self.id).await?.map(|(p, _)| p).ok_or_else(|| {
             StoreError::Invalid(format!("workload {} has no policy even after a repair render", self.id))
         })
@@ -441,7 +441,7 @@ impl StreamTask {
     }
 
     async fn inventory(&self, inv: &proto::InventoryReport) -> Result<(), StoreError> {
-        let addresses = crate::enroll::routable_addresses(&inv.facts.clone().unwrap_or_default())?;
+        let addresses = crate::identity::enroll::routable_addresses(&inv.facts.clone().unwrap_or_default())?;
         let current: Vec<String> = sqlx::query_scalar(
             "SELECT host(address) FROM workload_addresses WHERE workload_id = $1 ORDER BY 1",
         )
@@ -455,13 +455,13 @@ impl StreamTask {
         }
         // A change of addresses changes peer sets: it renders like any other change (POL-4).
         let id = self.id;
-        crate::authoring::commit(
+        crate::policy::authoring::commit(
             self.pool(),
             &format!("workload:{id}"),
             "workload.inventory",
             &id.to_string(),
             async |c| {
-                crate::authoring::set_addresses(c, id, &addresses).await?;
+                crate::policy::authoring::set_addresses(c, id, &addresses).await?;
                 let list: Vec<String> = addresses.iter().map(ToString::to_string).collect();
                 Ok(((), serde_json::json!({"addresses": list})))
             },

@@ -20,7 +20,7 @@ use serde::Serialize;
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, Row};
 use uuid::Uuid;
 
-use crate::store::StoreError;
+use crate::policy::store::StoreError;
 
 /// Default retention of flow evidence.
 pub const DEFAULT_RETENTION_DAYS: i64 = 30;
@@ -289,7 +289,7 @@ mod copy {
     use chrono::{DateTime, TimeZone, Utc};
     use uuid::Uuid;
 
-    use crate::store::StoreError;
+    use crate::policy::store::StoreError;
 
     /// PostgreSQL's `PGSQL_AF_INET` / `PGSQL_AF_INET6` (not the platform's AF_INET6).
     const PGSQL_AF_INET: u8 = 2;
@@ -487,7 +487,7 @@ impl proto::telemetry_service_server::TelemetryService for Telemetry {
         &self,
         request: tonic::Request<proto::ReportFlowsRequest>,
     ) -> Result<tonic::Response<proto::ReportFlowsResponse>, tonic::Status> {
-        let workload = crate::server::identity(&request)?;
+        let workload = crate::identity::listener::identity(&request)?;
         let wire = request
             .get_ref()
             .window
@@ -495,7 +495,7 @@ impl proto::telemetry_service_server::TelemetryService for Telemetry {
             .ok_or_else(|| tonic::Status::invalid_argument("window is missing"))?;
         let window = FlowWindow::try_from(wire)
             .map_err(|e| tonic::Status::invalid_argument(format!("window refused: {e}")))?;
-        let done = ingest(&self.pool, workload, &window).await.map_err(crate::enroll::status)?;
+        let done = ingest(&self.pool, workload, &window).await.map_err(crate::identity::enroll::status)?;
         Ok(tonic::Response::new(proto::ReportFlowsResponse {
             accepted_records: done.records as u32,
             duplicate: done.duplicate,
