@@ -18,7 +18,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use innerwall_control_plane::flows;
-use innerwall_control_plane::policy::authoring::{self, AddressGroupSpec, NewWorkload};
+use innerwall_control_plane::policy::authoring;
+use innerwall_control_plane::policy::spec::{AddressGroupSpec, NewWorkload};
 use innerwall_control_plane::postgres::{self, Cluster, SUPERUSER};
 use innerwall_control_plane::testing::fresh_database;
 use innerwall_wire::identity::WorkloadId;

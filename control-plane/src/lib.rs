@@ -5,8 +5,11 @@
 //! (stream state machine, gateway, NOTIFY bridge), `service` (one replica), with `postgres` (the
 //! database and its clusters) underneath all of them.
 
+pub mod audit;
+pub mod error;
 pub mod flows;
 pub mod identity;
+pub mod notice;
 pub mod policy;
 pub mod postgres;
 pub mod service;

@@ -10,14 +10,13 @@ use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
 use innerwall_control_plane::identity::ca::{self, FileCa};
 use innerwall_control_plane::identity::tokens;
-use innerwall_control_plane::policy::authoring::{
-    self, AddressGroupSpec, Committed, RulesetSpec, ServiceSpec,
-};
+use innerwall_control_plane::policy::authoring::{self, Committed};
 use innerwall_control_plane::policy::model::ServiceEntry;
 use innerwall_control_plane::policy::publish::Changed;
+use innerwall_control_plane::policy::spec::{AddressGroupSpec, RulesetSpec, ServiceSpec};
 use innerwall_control_plane::policy::store;
 use innerwall_control_plane::sync::gateway;
-use innerwall_control_plane::{postgres, service};
+use innerwall_control_plane::{audit, postgres, service};
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::labels::{Label, LabelKey};
 use innerwall_wire::policy::{Cidr, Mode};
@@ -522,14 +521,11 @@ async fn token(cli: &Cli, cmd: &TokenCmd, json: bool) -> anyhow::Result<()> {
             let mut tx = pool.begin().await?;
             let minted = tokens::mint(&mut tx, labels, ttl, *max_uses).await?;
             let shown: Vec<String> = labels.iter().map(ToString::to_string).collect();
-            sqlx::query(
-                "INSERT INTO audit_log (actor, action, subject, detail) VALUES ($1, 'token.mint', $2, $3)",
-            )
-            .bind(actor())
-            .bind(minted.id.to_string())
-            .bind(serde_json::json!({"labels": shown, "expires_at": minted.expires_at, "max_uses": max_uses}))
-            .execute(&mut *tx)
-            .await?;
+            let detail =
+                serde_json::json!({"labels": shown, "expires_at": minted.expires_at, "max_uses": max_uses});
+            let subject = minted.id.to_string();
+            audit::write(&mut tx, &audit::Record::new(&actor(), "token.mint", &subject).detail(detail))
+                .await?;
             tx.commit().await?;
             let bundle = ca_dir(cli).join(ca::CA_CERT_FILE);
             let command = format!(
@@ -571,11 +567,7 @@ async fn token(cli: &Cli, cmd: &TokenCmd, json: bool) -> anyhow::Result<()> {
         TokenCmd::Revoke { id } => {
             let mut tx = pool.begin().await?;
             tokens::revoke(&mut tx, *id).await?;
-            sqlx::query("INSERT INTO audit_log (actor, action, subject) VALUES ($1, 'token.revoke', $2)")
-                .bind(actor())
-                .bind(id.to_string())
-                .execute(&mut *tx)
-                .await?;
+            audit::write(&mut tx, &audit::Record::new(&actor(), "token.revoke", &id.to_string())).await?;
             tx.commit().await?;
             println!("token {id} revoked; it enrolls nothing from now on");
         }

@@ -12,11 +12,11 @@ use sqlx::PgPool;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+use crate::error::Error;
 use crate::identity::ca::Signer;
 use crate::identity::enroll::Enroller;
 use crate::identity::listener::{self, DenyList, ServerError};
 use crate::policy::authoring;
-use crate::policy::store::StoreError;
 use crate::sync::bridge;
 use crate::sync::gateway::{Gateway, GatewayConfig};
 
@@ -35,7 +35,7 @@ pub struct ServiceConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum ServiceError {
     #[error(transparent)]
-    Store(#[from] StoreError),
+    Store(#[from] Error),
     #[error(transparent)]
     Server(#[from] ServerError),
     #[error("binding the agent listener on {addr}: {source}")]

@@ -202,7 +202,8 @@ impl Drop for TestDatabase {
 /// Adds service `svc-<n>` (tcp/8000+n) and ruleset `rs-<n>` allowing it from 192.0.2.0/24 to
 /// every `app=web` workload: one new policy version for each of them, committed as the CLI does.
 pub async fn add_web_port(pool: &PgPool, n: u16) -> anyhow::Result<()> {
-    use crate::policy::authoring::{self, PeerSpec, RuleSpec, RulesetSpec, ServiceSpec};
+    use crate::policy::authoring;
+    use crate::policy::spec::{PeerSpec, RuleSpec, RulesetSpec, ServiceSpec};
     let service = ServiceSpec {
         name: format!("svc-{n}"),
         description: String::new(),

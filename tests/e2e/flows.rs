@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use innerwall_agent::daemon;
 use innerwall_agent::telemetry::{self, Queue};
-use innerwall_control_plane::policy::authoring::{self, AddressGroupSpec, NewWorkload};
+use innerwall_control_plane::policy::authoring;
+use innerwall_control_plane::policy::spec::{AddressGroupSpec, NewWorkload};
 use innerwall_wire::flows::{Decision, FlowRecord, FlowWindow};
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::{Cidr, Mode, Protocol};

@@ -1,33 +1,26 @@
-//! Flow evidence ingest and storage (FLOW-2, FLOW-4, FLOW-5): a window from an agent is
-//! validated as a whole (refused with a reason, never stored half), each source address is
+//! Flow evidence ingest (FLOW-2, FLOW-4, FLOW-5) and the TelemetryService: a window from an
+//! agent is validated as a whole at the wire boundary (refused with a reason, never stored
+//! half), each source address is
 //! resolved at ingest — workload (with a snapshot of the labels it had when the flow was seen,
 //! from the label history), else the most specific address group, else the bare address — and
 //! the window (with its totals), records and gaps are written in one transaction. A window is
-//! stored once per (workload, window id), so retries never count twice. Records and gaps live
-//! in daily partitions; retention drops whole partitions. Ingests
-//! hold the partition lock shared, so uploads from many agents run side by side; creating and
-//! dropping partitions holds it exclusively.
+//! stored once per (workload, window id), so retries never count twice. Ingests hold the
+//! partition lock (`retention`) shared, so uploads from many agents run side by side.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
-use chrono::{DateTime, Duration, NaiveDate, TimeZone, Utc};
+use chrono::{DateTime, TimeZone, Utc};
 use innerwall_wire::convert::WireEnum;
 use innerwall_wire::flows::{Decision, FlowRecord, FlowWindow};
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::proto;
 use serde::Serialize;
-use sqlx::{AssertSqlSafe, PgConnection, PgPool, Row};
-use uuid::Uuid;
+use sqlx::{PgConnection, PgPool, Row};
 
-use crate::policy::store::StoreError;
-
-/// Default retention of flow evidence.
-pub const DEFAULT_RETENTION_DAYS: i64 = 30;
-
-/// Key of the transaction-scoped advisory lock partition maintenance takes ("iw-flows").
-const PARTITION_LOCK_KEY: i64 = 0x6977_2d66_6c6f_7773;
-
+use super::copy;
+use super::retention::{PARTITION_LOCK_KEY, ensure_partitions, partitions};
+use crate::error::Error;
 /// A time the wire layer validated (`flows::TIME_RANGE_MS`), as the database stores it.
 fn time(ms: i64) -> DateTime<Utc> {
     Utc.timestamp_millis_opt(ms).single().expect("validated at the wire boundary")
@@ -51,7 +44,7 @@ const NO_LABELS: &str = "{}";
 async fn resolve(
     conn: &mut PgConnection,
     sources: &BTreeMap<IpAddr, DateTime<Utc>>,
-) -> Result<BTreeMap<IpAddr, Peer>, StoreError> {
+) -> Result<BTreeMap<IpAddr, Peer>, Error> {
     let texts: Vec<String> = sources.keys().map(IpAddr::to_string).collect();
     let times: Vec<DateTime<Utc>> = sources.values().copied().collect();
     let mut peers = BTreeMap::new();
@@ -87,40 +80,8 @@ async fn resolve(
     Ok(peers)
 }
 
-fn parse_host(text: String) -> Result<IpAddr, StoreError> {
-    text.parse().map_err(|_| StoreError::Corrupt { what: "resolved address", detail: text })
-}
-
-/// The partitioned flow tables, each with a partition a day.
-const PARTITIONED: [&str; 2] = ["flow_records", "flow_gaps"];
-
-/// Each partitioned table with the name of its partition for `day`.
-fn partitions(day: NaiveDate) -> [(&'static str, String); 2] {
-    let suffix = day.format("%Y%m%d");
-    PARTITIONED.map(|table| (table, format!("{table}_{suffix}")))
-}
-
-/// Creates the daily partitions covering `[from, to]` if missing. Takes the partition lock
-/// exclusively (creation and retention exclude each other and every ingest); call it in a
-/// transaction of its own, before the one that writes into the partitions.
-pub async fn ensure_partitions(
-    conn: &mut PgConnection,
-    from: DateTime<Utc>,
-    to: DateTime<Utc>,
-) -> Result<(), StoreError> {
-    sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(PARTITION_LOCK_KEY).execute(&mut *conn).await?;
-    let mut day = from.date_naive();
-    while day <= to.date_naive() {
-        let next = day.succ_opt().expect("dates far from the end of time");
-        for (table, partition) in partitions(day) {
-            let sql = format!(
-                "CREATE TABLE IF NOT EXISTS {partition} PARTITION OF {table} FOR VALUES FROM ('{day}') TO ('{next}')"
-            );
-            sqlx::query(AssertSqlSafe(sql)).execute(&mut *conn).await?;
-        }
-        day = next;
-    }
-    Ok(())
+fn parse_host(text: String) -> Result<IpAddr, Error> {
+    text.parse().map_err(|_| Error::Corrupt { what: "resolved address", detail: text })
 }
 
 /// What an upload did.
@@ -141,8 +102,8 @@ struct Totals {
 }
 
 /// Sums a window's records. A window whose sums do not fit the columns is refused whole.
-fn window_totals(records: &[FlowRecord]) -> Result<Totals, StoreError> {
-    let overflow = || StoreError::Invalid("window refused: its totals overflow 64 bits".into());
+fn window_totals(records: &[FlowRecord]) -> Result<Totals, Error> {
+    let overflow = || Error::Invalid("window refused: its totals overflow 64 bits".into());
     let mut t = Totals::default();
     for r in records {
         t.packets = t.packets.checked_add(r.packets as i64).ok_or_else(overflow)?;
@@ -159,11 +120,7 @@ fn window_totals(records: &[FlowRecord]) -> Result<Totals, StoreError> {
 ///
 /// Records go in by binary `COPY` (no text parsing on the server), each source is resolved
 /// once per window, and the window's totals are summed here and stored on its row.
-pub async fn ingest(
-    pool: &PgPool,
-    workload: WorkloadId,
-    window: &FlowWindow,
-) -> Result<Ingested, StoreError> {
+pub async fn ingest(pool: &PgPool, workload: WorkloadId, window: &FlowWindow) -> Result<Ingested, Error> {
     let (start, end) = (time(window.start_ms), time(window.end_ms));
     let names: Vec<String> = partitions(start.date_naive()).into_iter().map(|(_, name)| name).collect();
     let exists: bool =
@@ -269,210 +226,11 @@ pub async fn ingest(
 }
 
 /// Sends `rows` with one binary `COPY … FROM STDIN` statement.
-async fn copy_in(
-    conn: &mut PgConnection,
-    statement: &'static str,
-    rows: copy::Rows,
-) -> Result<(), StoreError> {
+async fn copy_in(conn: &mut PgConnection, statement: &'static str, rows: copy::Rows) -> Result<(), Error> {
     let mut copy = conn.copy_in_raw(statement).await?;
     copy.send(rows.finish()).await?;
     copy.finish().await?;
     Ok(())
-}
-
-/// Rows in PostgreSQL's binary `COPY` format
-/// (<https://www.postgresql.org/docs/15/sql-copy.html#id-1.9.3.55.9.4>): a header, then per row
-/// a field count and length-prefixed fields in each type's binary send format, then a trailer.
-mod copy {
-    use std::net::IpAddr;
-
-    use chrono::{DateTime, TimeZone, Utc};
-    use uuid::Uuid;
-
-    use crate::policy::store::StoreError;
-
-    /// PostgreSQL's `PGSQL_AF_INET` / `PGSQL_AF_INET6` (not the platform's AF_INET6).
-    const PGSQL_AF_INET: u8 = 2;
-    const PGSQL_AF_INET6: u8 = 3;
-
-    pub struct Rows {
-        buf: Vec<u8>,
-    }
-
-    impl Rows {
-        pub fn new() -> Self {
-            let mut buf = Vec::with_capacity(1 << 20);
-            buf.extend_from_slice(b"PGCOPY\n\xff\r\n\0");
-            buf.extend_from_slice(&0i32.to_be_bytes()); // flags: no OIDs
-            buf.extend_from_slice(&0i32.to_be_bytes()); // no header extension
-            Rows { buf }
-        }
-
-        pub fn row(&mut self, fields: i16) {
-            self.buf.extend_from_slice(&fields.to_be_bytes());
-        }
-
-        fn field(&mut self, bytes: &[u8]) {
-            let len = i32::try_from(bytes.len()).expect("a field under 2 GiB");
-            self.buf.extend_from_slice(&len.to_be_bytes());
-            self.buf.extend_from_slice(bytes);
-        }
-
-        pub fn i16(&mut self, v: i16) {
-            self.field(&v.to_be_bytes());
-        }
-        pub fn i32(&mut self, v: i32) {
-            self.field(&v.to_be_bytes());
-        }
-        pub fn i64(&mut self, v: i64) {
-            self.field(&v.to_be_bytes());
-        }
-        pub fn uuid(&mut self, v: Uuid) {
-            self.field(v.as_bytes());
-        }
-        pub fn text(&mut self, v: &str) {
-            self.field(v.as_bytes());
-        }
-
-        /// jsonb's binary format: version 1, then the JSON text.
-        pub fn jsonb(&mut self, json: &str) {
-            let len = i32::try_from(json.len() + 1).expect("a field under 2 GiB");
-            self.buf.extend_from_slice(&len.to_be_bytes());
-            self.buf.push(1);
-            self.buf.extend_from_slice(json.as_bytes());
-        }
-
-        /// Microseconds since 2000-01-01 UTC.
-        pub fn timestamptz(&mut self, t: DateTime<Utc>) -> Result<(), StoreError> {
-            let epoch = Utc.with_ymd_and_hms(2000, 1, 1, 0, 0, 0).single().expect("a valid date");
-            let micros = (t - epoch).num_microseconds().ok_or_else(|| {
-                StoreError::Invalid(format!("time {t} is out of the range the database stores"))
-            })?;
-            self.i64(micros);
-            Ok(())
-        }
-
-        /// inet: family, prefix length, is-cidr flag, address length, address bytes.
-        pub fn inet(&mut self, addr: IpAddr) {
-            match addr {
-                IpAddr::V4(a) => {
-                    self.buf.extend_from_slice(&8i32.to_be_bytes());
-                    self.buf.extend_from_slice(&[PGSQL_AF_INET, 32, 0, 4]);
-                    self.buf.extend_from_slice(&a.octets());
-                }
-                IpAddr::V6(a) => {
-                    self.buf.extend_from_slice(&20i32.to_be_bytes());
-                    self.buf.extend_from_slice(&[PGSQL_AF_INET6, 128, 0, 16]);
-                    self.buf.extend_from_slice(&a.octets());
-                }
-            }
-        }
-
-        pub fn finish(mut self) -> Vec<u8> {
-            self.buf.extend_from_slice(&(-1i16).to_be_bytes());
-            self.buf
-        }
-    }
-}
-
-/// Drops daily partitions entirely older than `days` (FLOW-5), under the partition lock.
-/// Returns the dropped partitions.
-pub async fn apply_retention(
-    pool: &PgPool,
-    days: i64,
-    now: DateTime<Utc>,
-) -> Result<Vec<String>, StoreError> {
-    let cutoff: NaiveDate = (now - Duration::days(days)).date_naive();
-    let mut tx = pool.begin().await?;
-    sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(PARTITION_LOCK_KEY).execute(&mut *tx).await?;
-    let names: Vec<String> = sqlx::query_scalar(
-        "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid JOIN pg_class p ON p.oid = i.inhparent
-         WHERE p.relname = ANY($1) ORDER BY 1",
-    )
-    .bind(PARTITIONED.as_slice())
-    .fetch_all(&mut *tx)
-    .await?;
-    let mut dropped = Vec::new();
-    for name in names {
-        let Some(day) = name.rsplit('_').next().and_then(|d| NaiveDate::parse_from_str(d, "%Y%m%d").ok())
-        else {
-            continue;
-        };
-        // The partition holds [day, day + 1): drop it once that whole day is past the cutoff.
-        if day < cutoff {
-            sqlx::query(AssertSqlSafe(format!("DROP TABLE {name}"))).execute(&mut *tx).await?;
-            dropped.push(name);
-        }
-    }
-    sqlx::query("DELETE FROM flow_windows WHERE window_start < $1")
-        .bind(Utc.from_utc_datetime(&cutoff.and_hms_opt(0, 0, 0).expect("midnight exists")))
-        .execute(&mut *tx)
-        .await?;
-    tx.commit().await?;
-    Ok(dropped)
-}
-
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
-pub struct FlowRow {
-    pub window_start: DateTime<Utc>,
-    pub policy_version: i64,
-    pub src_address: String,
-    pub peer_kind: i16,
-    pub peer_key: String,
-    pub peer_labels: serde_json::Value,
-    pub dst_port: i32,
-    pub protocol: i16,
-    pub decision: i16,
-    pub matched_rule_id: String,
-    pub packets: i64,
-    pub bytes: i64,
-    pub new_connections: i64,
-}
-
-/// Records of one workload since `since`, newest first, at most `limit`.
-pub async fn list(
-    pool: &PgPool,
-    workload: WorkloadId,
-    since: DateTime<Utc>,
-    decision: Option<Decision>,
-    limit: i64,
-) -> Result<Vec<FlowRow>, StoreError> {
-    Ok(sqlx::query_as(
-        "SELECT window_start, policy_version, host(src_address) AS src_address, peer_kind, peer_key, peer_labels,
-                dst_port, protocol, decision, matched_rule_id, packets, bytes, new_connections
-         FROM flow_records WHERE workload_id = $1 AND window_start >= $2 AND ($3::smallint IS NULL OR decision = $3)
-         ORDER BY window_start DESC, src_address, dst_port LIMIT $4",
-    )
-    .bind(workload.uuid())
-    .bind(since)
-    .bind(decision.map(Decision::code))
-    .bind(limit)
-    .fetch_all(pool)
-    .await?)
-}
-
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
-pub struct GapRow {
-    pub workload_id: Uuid,
-    pub kind: i16,
-    pub gap_from: DateTime<Utc>,
-    pub gap_to: DateTime<Utc>,
-    pub count: i64,
-}
-
-pub async fn gaps(
-    pool: &PgPool,
-    workload: Option<WorkloadId>,
-    since: DateTime<Utc>,
-) -> Result<Vec<GapRow>, StoreError> {
-    Ok(sqlx::query_as(
-        "SELECT workload_id, kind, gap_from, gap_to, count FROM flow_gaps
-         WHERE ($1::uuid IS NULL OR workload_id = $1) AND window_start >= $2 ORDER BY gap_from DESC LIMIT 1000",
-    )
-    .bind(workload.map(|w| w.uuid()))
-    .bind(since)
-    .fetch_all(pool)
-    .await?)
 }
 
 /// The telemetry service (SYNC-10: its own connection from the agent; same listener).
@@ -495,7 +253,7 @@ impl proto::telemetry_service_server::TelemetryService for Telemetry {
             .ok_or_else(|| tonic::Status::invalid_argument("window is missing"))?;
         let window = FlowWindow::try_from(wire)
             .map_err(|e| tonic::Status::invalid_argument(format!("window refused: {e}")))?;
-        let done = ingest(&self.pool, workload, &window).await.map_err(crate::identity::enroll::status)?;
+        let done = ingest(&self.pool, workload, &window).await.map_err(tonic::Status::from)?;
         Ok(tonic::Response::new(proto::ReportFlowsResponse {
             accepted_records: done.records as u32,
             duplicate: done.duplicate,

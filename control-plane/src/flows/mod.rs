@@ -1,6 +1,12 @@
-//! Flow evidence (FLOW-2, FLOW-4, FLOW-5): ingest of validated windows from agents, daily
-//! partitions with retention, and the queries operators read.
+//! Flow evidence (FLOW-2, FLOW-4, FLOW-5): ingest of validated windows from agents (`ingest`,
+//! with its binary `COPY` encoder in `copy`), daily partitions with retention (`retention`),
+//! and the queries operators read (`query`).
 
+mod copy;
 mod ingest;
+mod query;
+mod retention;
 
-pub use ingest::*;
+pub use ingest::{Ingested, Telemetry, ingest};
+pub use query::{FlowRow, GapRow, gaps, list};
+pub use retention::{DEFAULT_RETENTION_DAYS, apply_retention, ensure_partitions};

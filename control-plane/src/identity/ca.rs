@@ -128,6 +128,12 @@ pub enum CaError {
     Random,
 }
 
+impl From<CaError> for crate::error::Error {
+    fn from(e: CaError) -> Self {
+        crate::error::Error::InvalidInput(Box::new(e))
+    }
+}
+
 /// Why a presented certificate carries no usable workload identity (IDN-4).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CertIdentityError {

@@ -3,8 +3,6 @@
 //! mutual TLS. Nothing the agent says about itself is trusted for authorization: its id comes
 //! from us (enroll) or its certificate (renew), its labels from the token.
 
-use std::collections::BTreeSet;
-use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -12,9 +10,11 @@ use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::proto;
 use sqlx::PgPool;
 
+use crate::error::Error;
 use crate::identity::ca::{IssuedCertificate, Signer};
-use crate::policy::authoring::{self, NewWorkload};
-use crate::policy::store::StoreError;
+use crate::policy::authoring;
+use crate::policy::spec::NewWorkload;
+use crate::policy::spec::routable_addresses;
 
 /// Default lifetime of a workload certificate (IDN-3).
 pub const DEFAULT_CERT_LIFETIME: Duration = Duration::from_secs(24 * 3600);
@@ -23,7 +23,6 @@ pub const DEFAULT_CERT_LIFETIME: Duration = Duration::from_secs(24 * 3600);
 const MAX_TOKEN_LEN: usize = 256;
 const MAX_CSR_LEN: usize = 16 * 1024;
 const MAX_HOSTNAME_LEN: usize = 253;
-const MAX_ADDRESSES: usize = 256;
 const MAX_FACT_LEN: usize = 256;
 
 #[derive(Debug, Clone)]
@@ -41,35 +40,9 @@ pub struct Enrolled {
     pub labels: Vec<innerwall_wire::labels::Label>,
 }
 
-/// Addresses a workload can be reached at, from its reported interfaces: loopback,
-/// link-local, unspecified and multicast addresses are dropped; malformed ones are refused.
-pub fn routable_addresses(facts: &proto::HostFacts) -> Result<BTreeSet<IpAddr>, StoreError> {
-    let mut out = BTreeSet::new();
-    let texts = facts.interfaces.iter().flat_map(|i| i.addresses.iter());
-    for (n, text) in texts.enumerate() {
-        if n >= MAX_ADDRESSES {
-            return Err(StoreError::Invalid(format!(
-                "more than {MAX_ADDRESSES} interface addresses reported"
-            )));
-        }
-        let addr = text.split_once('/').map_or(text.as_str(), |(a, _)| a);
-        let ip: IpAddr = addr
-            .parse()
-            .map_err(|_| StoreError::Invalid(format!("interface address {text:?} is not an address")))?;
-        let link_local = match ip {
-            IpAddr::V4(v4) => v4.is_link_local(),
-            IpAddr::V6(v6) => v6.is_unicast_link_local(),
-        };
-        if !(ip.is_loopback() || ip.is_unspecified() || ip.is_multicast() || link_local) {
-            out.insert(ip.to_canonical());
-        }
-    }
-    Ok(out)
-}
-
-fn bounded<'a>(what: &str, text: &'a str, max: usize) -> Result<&'a str, StoreError> {
+fn bounded<'a>(what: &str, text: &'a str, max: usize) -> Result<&'a str, Error> {
     if text.len() > max || text.chars().any(char::is_control) {
-        return Err(StoreError::Invalid(format!("{what} must be at most {max} printable characters")));
+        return Err(Error::Invalid(format!("{what} must be at most {max} printable characters")));
     }
     Ok(text)
 }
@@ -78,12 +51,12 @@ impl Enroller {
     /// Validates everything, then in one transaction consumes a token use, registers the
     /// workload with the token's labels, renders (so version 1 exists from enrollment on),
     /// issues the certificate and audits. Any failure writes nothing.
-    pub async fn enroll(&self, req: &proto::EnrollRequest) -> Result<Enrolled, StoreError> {
+    pub async fn enroll(&self, req: &proto::EnrollRequest) -> Result<Enrolled, Error> {
         if req.provisioning_token.len() > MAX_TOKEN_LEN {
-            return Err(StoreError::Invalid("provisioning token is too long".into()));
+            return Err(Error::Invalid("provisioning token is too long".into()));
         }
         if req.csr_pem.len() > MAX_CSR_LEN {
-            return Err(StoreError::Invalid(format!("csr is larger than {MAX_CSR_LEN} bytes")));
+            return Err(Error::Invalid(format!("csr is larger than {MAX_CSR_LEN} bytes")));
         }
         let facts = req.facts.clone().unwrap_or_default();
         let hostname = bounded("hostname", &facts.hostname, MAX_HOSTNAME_LEN)?.to_owned();
@@ -125,9 +98,9 @@ impl Enroller {
 
     /// Reissues the same identity with a new serial and validity window (IDN-5). Refused for
     /// retired and deny-listed workloads.
-    pub async fn renew(&self, id: WorkloadId, csr_pem: &[u8]) -> Result<IssuedCertificate, StoreError> {
+    pub async fn renew(&self, id: WorkloadId, csr_pem: &[u8]) -> Result<IssuedCertificate, Error> {
         if csr_pem.len() > MAX_CSR_LEN {
-            return Err(StoreError::Invalid(format!("csr is larger than {MAX_CSR_LEN} bytes")));
+            return Err(Error::Invalid(format!("csr is larger than {MAX_CSR_LEN} bytes")));
         }
         let mut tx = self.pool.begin().await?;
         let row: Option<(bool, bool)> = sqlx::query_as(
@@ -137,11 +110,11 @@ impl Enroller {
         .fetch_optional(&mut *tx)
         .await?;
         match row {
-            None => return Err(StoreError::NotFound { what: "workload", name: id.to_string() }),
+            None => return Err(Error::NotFound { what: "workload", name: id.to_string() }),
             Some((true, _)) => {
-                return Err(StoreError::Refused(format!("workload {id} is retired; enroll the host again")));
+                return Err(Error::Refused(format!("workload {id} is retired; enroll the host again")));
             }
-            Some((_, true)) => return Err(StoreError::Refused(format!("workload {id} is deny-listed"))),
+            Some((_, true)) => return Err(Error::Refused(format!("workload {id} is deny-listed"))),
             Some(_) => {}
         }
         let certificate = self.signer.issue_workload(id, csr_pem, self.lifetime, SystemTime::now())?;
@@ -159,30 +132,13 @@ impl Enroller {
     }
 }
 
-/// One mapping from store errors to gRPC status for every agent-facing RPC.
-pub fn status(e: StoreError) -> tonic::Status {
-    use tonic::Status;
-    match e {
-        StoreError::Token(t) => Status::unauthenticated(format!("provisioning token {}: {t}", t.kind())),
-        StoreError::Ca(c) => Status::invalid_argument(c.to_string()),
-        StoreError::Invalid(m) => Status::invalid_argument(m),
-        StoreError::Model(m) => Status::invalid_argument(m.to_string()),
-        e @ StoreError::NotFound { .. } => Status::not_found(e.to_string()),
-        StoreError::Refused(m) => Status::permission_denied(m),
-        e => {
-            tracing::error!("agent request failed: {e:#}");
-            Status::internal("internal error; see the control-plane log")
-        }
-    }
-}
-
 #[tonic::async_trait]
 impl proto::enrollment_service_server::EnrollmentService for Enroller {
     async fn enroll(
         &self,
         request: tonic::Request<proto::EnrollRequest>,
     ) -> Result<tonic::Response<proto::EnrollResponse>, tonic::Status> {
-        let enrolled = self.enroll(request.get_ref()).await.map_err(status)?;
+        let enrolled = self.enroll(request.get_ref()).await.map_err(tonic::Status::from)?;
         Ok(tonic::Response::new(proto::EnrollResponse {
             workload_id: enrolled.id.to_uri(),
             certificate_pem: enrolled.certificate.pem.into_bytes(),

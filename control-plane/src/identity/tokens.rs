@@ -54,6 +54,12 @@ pub enum TokenError {
     Database(#[from] sqlx::Error),
 }
 
+impl From<TokenError> for crate::error::Error {
+    fn from(e: TokenError) -> Self {
+        crate::error::Error::Token { kind: e.kind(), source: Box::new(e) }
+    }
+}
+
 impl TokenError {
     /// A stable short code per variant for status messages and logs.
     pub fn kind(&self) -> &'static str {

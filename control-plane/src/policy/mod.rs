@@ -5,4 +5,5 @@ pub mod authoring;
 pub mod model;
 pub mod publish;
 pub mod render;
+pub mod spec;
 pub mod store;

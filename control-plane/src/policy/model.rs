@@ -220,6 +220,12 @@ pub enum ModelError {
     Policy(#[from] PolicyError),
 }
 
+impl From<ModelError> for crate::error::Error {
+    fn from(e: ModelError) -> Self {
+        crate::error::Error::InvalidInput(Box::new(e))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,6 +1,6 @@
 //! The publish transaction (POL-4, POL-5, SYNC-7): under the render lock, render every live
 //! workload, diff each against its persisted policy with the shared `wire` diff, advance the
-//! version only on a non-empty diff, persist, and announce on `innerwall_policy` — delivered by
+//! version only on a non-empty diff, persist, and announce on the notice channel — delivered by
 //! Postgres only when the caller's transaction commits.
 
 use std::collections::BTreeMap;
@@ -10,11 +10,10 @@ use innerwall_wire::policy::{Version, WorkloadPolicy, diff};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
+use crate::error::Error;
+use crate::notice::{self, Notice};
 use crate::policy::render::render;
-use crate::policy::store::{self, StoreError};
-
-/// NOTIFY channel for policy announcements (`'<workload-id> <version>'`) and directives.
-pub const POLICY_CHANNEL: &str = "innerwall_policy";
+use crate::policy::store;
 
 /// Key of the transaction-scoped advisory lock every render takes (ASCII "iw-rendr").
 pub const RENDER_LOCK_KEY: i64 = 0x6977_2d72_656e_6472;
@@ -42,7 +41,7 @@ pub fn next_version(persisted: Option<&WorkloadPolicy>, rendered: WorkloadPolicy
 /// Renders and persists inside the caller's transaction. Returns the workloads whose version
 /// advanced, in id order. The caller commits (which delivers the notifications) or rolls back
 /// (which delivers none).
-pub async fn publish(conn: &mut PgConnection) -> Result<Vec<Changed>, StoreError> {
+pub async fn publish(conn: &mut PgConnection) -> Result<Vec<Changed>, Error> {
     sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(RENDER_LOCK_KEY).execute(&mut *conn).await?;
     let model = store::load_model(conn).await?;
     let registry = store::load_registry(conn).await?;
@@ -58,7 +57,6 @@ pub async fn publish(conn: &mut PgConnection) -> Result<Vec<Changed>, StoreError
     let ids: Vec<Uuid> = next.keys().map(WorkloadId::uuid).collect();
     let versions: Vec<i64> = next.values().map(|p| p.version() as i64).collect();
     let bytes: Vec<Vec<u8>> = next.values().map(WorkloadPolicy::canonical_bytes).collect();
-    let payloads: Vec<String> = next.iter().map(|(id, p)| format!("{id} {}", p.version())).collect();
     sqlx::query(
         "INSERT INTO workload_policies (workload_id, version, policy, rendered_at)
          SELECT w, v, p, now() FROM unnest($1::uuid[], $2::bigint[], $3::bytea[]) AS t (w, v, p)
@@ -79,11 +77,8 @@ pub async fn publish(conn: &mut PgConnection) -> Result<Vec<Changed>, StoreError
     .bind(&bytes)
     .execute(&mut *conn)
     .await?;
-    sqlx::query("SELECT pg_notify($1, payload) FROM unnest($2::text[]) AS t (payload)")
-        .bind(POLICY_CHANNEL)
-        .bind(&payloads)
-        .execute(&mut *conn)
-        .await?;
+    let notices: Vec<Notice> = next.iter().map(|(id, p)| Notice::Policy(*id, p.version())).collect();
+    notice::publish(conn, &notices).await?;
     Ok(next.iter().map(|(id, p)| Changed { workload: *id, version: p.version() }).collect())
 }
 

@@ -23,6 +23,12 @@ pub enum RenderError {
     },
 }
 
+impl From<RenderError> for crate::error::Error {
+    fn from(e: RenderError) -> Self {
+        crate::error::Error::Render(Box::new(e))
+    }
+}
+
 /// Workloads by label, so a selector resolves by set intersection instead of a scan (POL-7).
 struct LabelIndex<'a> {
     postings: BTreeMap<(&'a LabelKey, &'a LabelValue), Vec<usize>>,

@@ -8,56 +8,20 @@ use std::net::IpAddr;
 use innerwall_wire::convert::WireEnum;
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::labels::{LabelKey, LabelValue};
-use innerwall_wire::policy::{Cidr, Mode, PolicyError, PortRange, Protocol, WorkloadPolicy};
+use innerwall_wire::policy::{Cidr, Mode, PortRange, Protocol, WorkloadPolicy};
 use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, Row};
 use uuid::Uuid;
 
+use crate::error::Error;
 use crate::policy::model::{
     AddressGroup, AuthoredModel, ModelError, Peer, RegisteredWorkload, Rule, Ruleset, Selector, Service,
     ServiceEntry,
 };
-use crate::policy::render::RenderError;
-
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    #[error("{what} {name:?} not found")]
-    NotFound { what: &'static str, name: String },
-    #[error("{what} {name:?} already exists")]
-    Exists { what: &'static str, name: String },
-    #[error("{what} {name:?} is at version {current}, not {expected}: re-read it and retry")]
-    Stale { what: &'static str, name: String, expected: i64, current: i64 },
-    #[error("{what} {name:?} is in use by {}; change those first", referrers.join(", "))]
-    InUse { what: &'static str, name: String, referrers: Vec<String> },
-    #[error("{0}")]
-    Invalid(String),
-    #[error("{0}")]
-    Refused(String),
-    #[error(transparent)]
-    Token(#[from] crate::identity::tokens::TokenError),
-    #[error(transparent)]
-    Ca(#[from] crate::identity::ca::CaError),
-    #[error("agent-offline: workload {id} has no stream (last seen {last_seen})")]
-    AgentOffline { id: String, last_seen: String },
-    #[error(transparent)]
-    Model(#[from] ModelError),
-    #[error("render failed: {0}")]
-    Render(#[from] RenderError),
-    #[error("stored {what} is corrupt: {detail}")]
-    Corrupt { what: &'static str, detail: String },
-    #[error("database: {0}")]
-    Database(#[from] sqlx::Error),
-}
-
-impl From<PolicyError> for StoreError {
-    fn from(e: PolicyError) -> Self {
-        StoreError::Model(e.into())
-    }
-}
 
 /// A stored enum number (the schema keeps protobuf numbers), refused as corrupt if unknown.
-fn stored<E: WireEnum>(n: i16) -> Result<E, StoreError> {
-    E::from_code(n).map_err(|_| StoreError::Corrupt { what: E::WHAT, detail: n.to_string() })
+fn stored<E: WireEnum>(n: i16) -> Result<E, Error> {
+    E::from_code(n).map_err(|_| Error::Corrupt { what: E::WHAT, detail: n.to_string() })
 }
 
 /// A selector as stored: `[{"key": k, "values": [v…]}]`.
@@ -79,9 +43,9 @@ pub fn selector_to_json(selector: &Selector) -> serde_json::Value {
     serde_json::to_value(matches).expect("plain data serializes")
 }
 
-fn selector_from_json(value: serde_json::Value) -> Result<Selector, StoreError> {
+fn selector_from_json(value: serde_json::Value) -> Result<Selector, Error> {
     let matches: Vec<StoredMatch> = serde_json::from_value(value)
-        .map_err(|e| StoreError::Corrupt { what: "selector", detail: e.to_string() })?;
+        .map_err(|e| Error::Corrupt { what: "selector", detail: e.to_string() })?;
     Ok(Selector::from_strings(matches.into_iter().map(|m| (m.key, m.values)))?)
 }
 
@@ -89,7 +53,7 @@ fn service_entry(
     protocol: i16,
     start: Option<i32>,
     end: Option<i32>,
-) -> Result<(Protocol, Option<PortRange>), StoreError> {
+) -> Result<(Protocol, Option<PortRange>), Error> {
     let protocol = stored::<Protocol>(protocol)?;
     let range = match (start, end) {
         (Some(s), Some(e)) => Some(PortRange::new(s as u32, e as u32)?),
@@ -99,7 +63,7 @@ fn service_entry(
 }
 
 /// Groups (protocol, range) rows, in ordinal order, into entries: one per protocol run.
-fn entries_from_rows(rows: Vec<(Protocol, Option<PortRange>)>) -> Result<Vec<ServiceEntry>, StoreError> {
+fn entries_from_rows(rows: Vec<(Protocol, Option<PortRange>)>) -> Result<Vec<ServiceEntry>, Error> {
     let mut by_protocol: BTreeMap<Protocol, Vec<PortRange>> = BTreeMap::new();
     for (protocol, range) in rows {
         by_protocol.entry(protocol).or_default().extend(range);
@@ -108,7 +72,7 @@ fn entries_from_rows(rows: Vec<(Protocol, Option<PortRange>)>) -> Result<Vec<Ser
 }
 
 /// The whole authored model, in deterministic order.
-pub async fn load_model(conn: &mut PgConnection) -> Result<AuthoredModel, StoreError> {
+pub async fn load_model(conn: &mut PgConnection) -> Result<AuthoredModel, Error> {
     let mut model = AuthoredModel::default();
 
     let mut entry_rows: BTreeMap<Uuid, Vec<(Protocol, Option<PortRange>)>> = BTreeMap::new();
@@ -155,7 +119,7 @@ pub async fn load_model(conn: &mut PgConnection) -> Result<AuthoredModel, StoreE
             (None, Some(g), None) => Peer::AddressGroup(g),
             (None, None, Some(c)) => Peer::Cidr(Cidr::parse_lenient(&c)?),
             _ => {
-                return Err(StoreError::Corrupt { what: "rule peer", detail: "not exactly one kind".into() });
+                return Err(Error::Corrupt { what: "rule peer", detail: "not exactly one kind".into() });
             }
         };
         peers.entry(row.get(0)).or_default().push(peer);
@@ -198,7 +162,7 @@ pub async fn load_model(conn: &mut PgConnection) -> Result<AuthoredModel, StoreE
 }
 
 /// Every live (not retired) workload with its labels and addresses, in id order.
-pub async fn load_registry(conn: &mut PgConnection) -> Result<Vec<RegisteredWorkload>, StoreError> {
+pub async fn load_registry(conn: &mut PgConnection) -> Result<Vec<RegisteredWorkload>, Error> {
     let mut labels: BTreeMap<Uuid, BTreeMap<LabelKey, LabelValue>> = BTreeMap::new();
     for row in
         sqlx::query("SELECT workload_id, key, value FROM workload_labels").fetch_all(&mut *conn).await?
@@ -215,9 +179,8 @@ pub async fn load_registry(conn: &mut PgConnection) -> Result<Vec<RegisteredWork
         sqlx::query("SELECT workload_id, host(address) FROM workload_addresses").fetch_all(&mut *conn).await?
     {
         let text: String = row.get(1);
-        let ip = text
-            .parse()
-            .map_err(|_| StoreError::Corrupt { what: "workload address", detail: text.clone() })?;
+        let ip =
+            text.parse().map_err(|_| Error::Corrupt { what: "workload address", detail: text.clone() })?;
         addresses.entry(row.get(0)).or_default().insert(ip);
     }
     let rows = sqlx::query(
@@ -238,19 +201,19 @@ pub async fn load_registry(conn: &mut PgConnection) -> Result<Vec<RegisteredWork
         .collect()
 }
 
-fn workload_id(uuid: Uuid) -> Result<WorkloadId, StoreError> {
-    WorkloadId::from_uuid(uuid).ok_or(StoreError::Corrupt { what: "workload id", detail: "nil uuid".into() })
+fn workload_id(uuid: Uuid) -> Result<WorkloadId, Error> {
+    WorkloadId::from_uuid(uuid).ok_or(Error::Corrupt { what: "workload id", detail: "nil uuid".into() })
 }
 
-fn decode_policy(bytes: &[u8]) -> Result<WorkloadPolicy, StoreError> {
+fn decode_policy(bytes: &[u8]) -> Result<WorkloadPolicy, Error> {
     WorkloadPolicy::from_canonical_bytes(bytes)
-        .map_err(|e| StoreError::Corrupt { what: "rendered policy", detail: e.to_string() })
+        .map_err(|e| Error::Corrupt { what: "rendered policy", detail: e.to_string() })
 }
 
 /// The latest persisted policy of every workload that has one.
 pub async fn load_persisted_policies(
     conn: &mut PgConnection,
-) -> Result<BTreeMap<WorkloadId, WorkloadPolicy>, StoreError> {
+) -> Result<BTreeMap<WorkloadId, WorkloadPolicy>, Error> {
     let rows = sqlx::query("SELECT workload_id, policy FROM workload_policies").fetch_all(&mut *conn).await?;
     rows.into_iter()
         .map(|row| {
@@ -264,7 +227,7 @@ pub async fn load_persisted_policies(
 pub async fn persisted_policy(
     conn: &mut PgConnection,
     id: WorkloadId,
-) -> Result<Option<(WorkloadPolicy, chrono::DateTime<chrono::Utc>)>, StoreError> {
+) -> Result<Option<(WorkloadPolicy, chrono::DateTime<chrono::Utc>)>, Error> {
     let row = sqlx::query("SELECT policy, rendered_at FROM workload_policies WHERE workload_id = $1")
         .bind(id.uuid())
         .fetch_optional(&mut *conn)
@@ -277,10 +240,7 @@ pub async fn persisted_policy(
 }
 
 /// Every persisted version of a workload's policy, oldest first.
-pub async fn policy_history(
-    conn: &mut PgConnection,
-    id: WorkloadId,
-) -> Result<Vec<WorkloadPolicy>, StoreError> {
+pub async fn policy_history(conn: &mut PgConnection, id: WorkloadId) -> Result<Vec<WorkloadPolicy>, Error> {
     let rows =
         sqlx::query("SELECT policy FROM workload_policy_history WHERE workload_id = $1 ORDER BY version")
             .bind(id.uuid())
@@ -304,7 +264,7 @@ async fn list_named(
     conn: &mut PgConnection,
     table: &'static str,
     members: impl Fn(&AuthoredModel, &Uuid) -> Option<Vec<String>>,
-) -> Result<Vec<(String, String, i64, Vec<String>)>, StoreError> {
+) -> Result<Vec<(String, String, i64, Vec<String>)>, Error> {
     let model = load_model(conn).await?;
     let sql = format!("SELECT id, name, description, version FROM {table} ORDER BY name");
     let rows = sqlx::query(sqlx::AssertSqlSafe(sql)).fetch_all(&mut *conn).await?;
@@ -317,7 +277,7 @@ async fn list_named(
         .collect())
 }
 
-pub async fn list_services(conn: &mut PgConnection) -> Result<Vec<ServiceView>, StoreError> {
+pub async fn list_services(conn: &mut PgConnection) -> Result<Vec<ServiceView>, Error> {
     let rows = list_named(conn, "services", |m, id| {
         m.services.get(id).map(|s| s.entries.iter().map(ToString::to_string).collect())
     })
@@ -336,7 +296,7 @@ pub struct AddressGroupView {
     pub cidrs: Vec<String>,
 }
 
-pub async fn list_address_groups(conn: &mut PgConnection) -> Result<Vec<AddressGroupView>, StoreError> {
+pub async fn list_address_groups(conn: &mut PgConnection) -> Result<Vec<AddressGroupView>, Error> {
     let rows = list_named(conn, "address_groups", |m, id| {
         m.address_groups.get(id).map(|g| g.cidrs.iter().map(ToString::to_string).collect())
     })
@@ -351,12 +311,12 @@ pub async fn list_address_groups(conn: &mut PgConnection) -> Result<Vec<AddressG
 pub struct RulesetView {
     pub version: i64,
     #[serde(flatten)]
-    pub spec: crate::policy::authoring::RulesetSpec,
+    pub spec: crate::policy::spec::RulesetSpec,
 }
 
 /// Every ruleset in the shape an operator writes it, so `show` output can be edited and applied.
-pub async fn list_rulesets(conn: &mut PgConnection) -> Result<Vec<RulesetView>, StoreError> {
-    use crate::policy::authoring::{PeerSpec, RuleSpec, RulesetSpec};
+pub async fn list_rulesets(conn: &mut PgConnection) -> Result<Vec<RulesetView>, Error> {
+    use crate::policy::spec::{PeerSpec, RuleSpec, RulesetSpec};
     let model = load_model(conn).await?;
     let mut meta: BTreeMap<Uuid, (String, i64)> = BTreeMap::new();
     for row in sqlx::query("SELECT id, description, version FROM rulesets").fetch_all(&mut *conn).await? {
@@ -431,7 +391,7 @@ pub struct WorkloadView {
 pub async fn list_workloads(
     conn: &mut PgConnection,
     only: Option<WorkloadId>,
-) -> Result<Vec<WorkloadView>, StoreError> {
+) -> Result<Vec<WorkloadView>, Error> {
     let mut labels: BTreeMap<Uuid, BTreeMap<String, String>> = BTreeMap::new();
     for row in
         sqlx::query("SELECT workload_id, key, value FROM workload_labels").fetch_all(&mut *conn).await?
@@ -509,7 +469,7 @@ impl TryFrom<i16> for StateName {
 pub async fn sync_status(
     conn: &mut PgConnection,
     only: Option<WorkloadId>,
-) -> Result<Vec<SyncStatusView>, StoreError> {
+) -> Result<Vec<SyncStatusView>, Error> {
     Ok(sqlx::query_as(
         "SELECT w.id, w.hostname, w.applied_version, p.version AS latest_version, w.sync_state AS state,
                 w.sync_detail AS detail, w.last_seen_at, w.last_acked_at, w.last_snapshot_sent_at,

@@ -18,9 +18,11 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::identity::enroll::{Enroller, status};
+use crate::audit;
+use crate::error::Error;
+use crate::identity::enroll::Enroller;
 use crate::identity::listener::identity;
-use crate::policy::store::{self, StoreError};
+use crate::policy::store;
 use crate::sync::session::{Ack, Action, Record, Session, SyncState, Update};
 
 /// Timing the gateway hands each agent in `HelloAck`, and the liveness bound derived from it.
@@ -214,7 +216,7 @@ impl StreamTask {
     }
 
     /// Writes the stream's state; false when a newer stream (on any replica) owns the row.
-    async fn record(&self, r: &Record) -> Result<bool, StoreError> {
+    async fn record(&self, r: &Record) -> Result<bool, Error> {
         let written = sqlx::query(
             "UPDATE workloads SET sync_state = $2,
                 applied_version = COALESCE($3, applied_version),
@@ -269,7 +271,7 @@ impl StreamTask {
     }
 
     /// The persisted policy, rendering it first if the workload has none (POL-6 repair).
-    async fn persisted(&self) -> Result<WorkloadPolicy, StoreError> {
+    async fn persisted(&self) -> Result<WorkloadPolicy, Error> {
         let mut conn = self.pool().acquire().await?;
         if let Some((p, _)) = store::persisted_policy(&mut conn, self.id).await? {
             return Ok(p);
@@ -277,7 +279,7 @@ impl StreamTask {
         tracing::warn!(workload = %self.id, "no persisted policy when its stream opened: repair render");
         crate::policy::authoring::render_now(self.pool()).await?;
         store::persisted_policy(&mut conn, self.id).await?.map(|(p, _)| p).ok_or_else(|| {
-            StoreError::Invalid(format!("workload {} has no policy even after a repair render", self.id))
+            Error::Invalid(format!("workload {} has no policy even after a repair render", self.id))
         })
     }
 
@@ -297,7 +299,7 @@ impl StreamTask {
             Err(_) => return Ended::offline("no Hello within the liveness bound"),
         };
         if let Err(e) = self.note_hello(&hello).await {
-            return Ended::refused(status(e));
+            return Ended::refused(Status::from(e));
         }
         let c = self.config();
         let ack = proto::HelloAck {
@@ -311,7 +313,7 @@ impl StreamTask {
         }
         let persisted = match self.persisted().await {
             Ok(p) => p,
-            Err(e) => return Ended::refused(status(e)),
+            Err(e) => return Ended::refused(Status::from(e)),
         };
         let (mut session, actions) = Session::open(persisted, hello.applied_version);
         if let Err(e) = self.execute(actions).await {
@@ -382,8 +384,10 @@ impl StreamTask {
                 };
                 self.execute(session.ack(ack)).await
             }
-            Some(Msg::Heartbeat(h)) => self.heartbeat(&h).await.map_err(|e| Ended::refused(status(e))),
-            Some(Msg::Inventory(inv)) => self.inventory(&inv).await.map_err(|e| Ended::refused(status(e))),
+            Some(Msg::Heartbeat(h)) => self.heartbeat(&h).await.map_err(|e| Ended::refused(Status::from(e))),
+            Some(Msg::Inventory(inv)) => {
+                self.inventory(&inv).await.map_err(|e| Ended::refused(Status::from(e)))
+            }
             Some(Msg::Hello(_)) => {
                 Err(Ended::refused(Status::invalid_argument("Hello may only open a stream")))
             }
@@ -391,7 +395,7 @@ impl StreamTask {
         }
     }
 
-    async fn note_hello(&self, hello: &proto::Hello) -> Result<(), StoreError> {
+    async fn note_hello(&self, hello: &proto::Hello) -> Result<(), Error> {
         let row: Option<(bool, String)> = sqlx::query_as(
             "SELECT retired_at IS NOT NULL OR denied_at IS NOT NULL, machine_id FROM workloads WHERE id = $1",
         )
@@ -399,10 +403,10 @@ impl StreamTask {
         .fetch_optional(self.pool())
         .await?;
         let Some((gone, machine_id)) = row else {
-            return Err(StoreError::NotFound { what: "workload", name: self.id.to_string() });
+            return Err(Error::NotFound { what: "workload", name: self.id.to_string() });
         };
         if gone {
-            return Err(StoreError::Refused(format!(
+            return Err(Error::Refused(format!(
                 "workload {} is retired or deny-listed; enroll the host again",
                 self.id
             )));
@@ -424,7 +428,7 @@ impl StreamTask {
         Ok(())
     }
 
-    async fn heartbeat(&self, h: &proto::Heartbeat) -> Result<(), StoreError> {
+    async fn heartbeat(&self, h: &proto::Heartbeat) -> Result<(), Error> {
         sqlx::query("UPDATE workloads SET last_seen_at = now() WHERE id = $1")
             .bind(self.id.uuid())
             .execute(self.pool())
@@ -440,8 +444,8 @@ impl StreamTask {
         Ok(())
     }
 
-    async fn inventory(&self, inv: &proto::InventoryReport) -> Result<(), StoreError> {
-        let addresses = crate::identity::enroll::routable_addresses(&inv.facts.clone().unwrap_or_default())?;
+    async fn inventory(&self, inv: &proto::InventoryReport) -> Result<(), Error> {
+        let addresses = crate::policy::spec::routable_addresses(&inv.facts.clone().unwrap_or_default())?;
         let current: Vec<String> = sqlx::query_scalar(
             "SELECT host(address) FROM workload_addresses WHERE workload_id = $1 ORDER BY 1",
         )
@@ -470,15 +474,10 @@ impl StreamTask {
         Ok(())
     }
 
-    async fn audit(&self, action: &str, detail: serde_json::Value) -> Result<(), StoreError> {
-        sqlx::query("INSERT INTO audit_log (actor, action, subject, detail) VALUES ($1, $2, $3, $4)")
-            .bind(format!("workload:{}", self.id))
-            .bind(action)
-            .bind(self.id.to_string())
-            .bind(detail)
-            .execute(self.pool())
-            .await?;
-        Ok(())
+    async fn audit(&self, action: &str, detail: serde_json::Value) -> Result<(), Error> {
+        let (actor, subject) = (format!("workload:{}", self.id), self.id.to_string());
+        let mut conn = self.pool().acquire().await?;
+        audit::write(&mut conn, &audit::Record::new(&actor, action, &subject).detail(detail)).await
     }
 }
 
@@ -541,7 +540,7 @@ impl proto::agent_service_server::AgentService for Gateway {
     ) -> Result<Response<proto::RenewCredentialResponse>, Status> {
         let id = identity(&request)?;
         let enroller = &self.inner.enroller;
-        let cert = enroller.renew(id, &request.get_ref().csr_pem).await.map_err(status)?;
+        let cert = enroller.renew(id, &request.get_ref().csr_pem).await.map_err(Status::from)?;
         Ok(Response::new(proto::RenewCredentialResponse {
             certificate_pem: cert.pem.into_bytes(),
             ca_bundle_pem: enroller.signer.ca_bundle_pem().into_bytes(),

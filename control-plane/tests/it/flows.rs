@@ -3,7 +3,8 @@
 use std::collections::BTreeSet;
 
 use innerwall_control_plane::flows;
-use innerwall_control_plane::policy::authoring::{self, NewWorkload};
+use innerwall_control_plane::policy::authoring;
+use innerwall_control_plane::policy::spec::NewWorkload;
 use innerwall_control_plane::testing::fresh_database;
 use innerwall_wire::flows::FlowWindow;
 use innerwall_wire::identity::WorkloadId;
@@ -87,7 +88,7 @@ async fn register(pool: &sqlx::PgPool, labels: &[&str], addresses: &[&str]) -> W
 }
 
 async fn group(pool: &sqlx::PgPool, name: &str, cidr: &str) {
-    let spec = authoring::AddressGroupSpec {
+    let spec = innerwall_control_plane::policy::spec::AddressGroupSpec {
         name: name.into(),
         description: String::new(),
         cidrs: BTreeSet::from([innerwall_wire::policy::Cidr::parse(cidr).unwrap()]),

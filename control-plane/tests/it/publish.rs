@@ -7,12 +7,15 @@ use std::net::IpAddr;
 use std::process::Command;
 use std::time::Duration;
 
-use innerwall_control_plane::policy::authoring::{
-    self, AddressGroupSpec, NewWorkload, PeerSpec, RuleSpec, RulesetSpec, ServiceSpec,
-};
+use innerwall_control_plane::error::Error;
+use innerwall_control_plane::notice::CHANNEL as POLICY_CHANNEL;
+use innerwall_control_plane::policy::authoring;
 use innerwall_control_plane::policy::model::ServiceEntry;
-use innerwall_control_plane::policy::publish::{self, Changed, POLICY_CHANNEL};
-use innerwall_control_plane::policy::store::{self, StoreError};
+use innerwall_control_plane::policy::publish::{self, Changed};
+use innerwall_control_plane::policy::spec::{
+    AddressGroupSpec, NewWorkload, PeerSpec, RuleSpec, RulesetSpec, ServiceSpec,
+};
+use innerwall_control_plane::policy::store;
 use innerwall_control_plane::testing::fresh_database;
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::labels::Label;
@@ -384,7 +387,7 @@ async fn relabel_updates_peer_sets() {
     })
     .await
     .unwrap_err();
-    assert!(matches!(err, StoreError::Stale { expected: 1, current: 2, .. }), "{err}");
+    assert!(matches!(err, Error::Stale { expected: 1, current: 2, .. }), "{err}");
     assert_eq!(version(pool, payments).await, 3);
 }
 

@@ -3,8 +3,9 @@
 
 use std::time::Duration;
 
+use innerwall_control_plane::error::Error;
 use innerwall_control_plane::policy::authoring;
-use innerwall_control_plane::policy::store::{self, StoreError};
+use innerwall_control_plane::policy::store;
 use innerwall_control_plane::sync::gateway::GatewayConfig;
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::proto::{self, sync_request, sync_response};
@@ -174,7 +175,7 @@ async fn resend_snapshot() {
     drop(again);
     wait_state(pool, id, "OFFLINE").await;
     let err = authoring::request_snapshot(pool, id).await.unwrap_err();
-    assert!(matches!(err, StoreError::AgentOffline { .. }), "{err}");
+    assert!(matches!(err, Error::AgentOffline { .. }), "{err}");
     assert!(
         err.to_string().starts_with("agent-offline") && err.to_string().contains("last seen 20"),
         "{err}"

@@ -1,0 +1,152 @@
+//! The control plane's one error type. Every library function that can fail for a reason a
+//! caller acts on returns [`Error`]; each domain error converts into it beside its own
+//! definition (so this module imports nothing of the crate), and [`Error::kind`] is the single
+//! classification the transports map: `tonic::Status` here, the HTTP API's problem documents
+//! later.
+
+use std::fmt;
+
+/// A domain error kept as the source of a classified [`Error`].
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{what} {name:?} not found")]
+    NotFound { what: &'static str, name: String },
+    #[error("{what} {name:?} already exists")]
+    Exists { what: &'static str, name: String },
+    #[error("{what} {name:?} is at version {current}, not {expected}: re-read it and retry")]
+    Stale { what: &'static str, name: String, expected: i64, current: i64 },
+    #[error("{what} {name:?} is in use by {}; change those first", referrers.join(", "))]
+    InUse { what: &'static str, name: String, referrers: Vec<String> },
+    /// Input that breaks a rule, described in words.
+    #[error("{0}")]
+    Invalid(String),
+    /// Input that breaks a rule of the model or the CA (a name, a selector, a CSR, …).
+    #[error(transparent)]
+    InvalidInput(BoxError),
+    /// A request the caller may not make (a retired or deny-listed identity, …).
+    #[error("{0}")]
+    Refused(String),
+    /// A provisioning token was refused; `kind` says why (malformed, unknown, revoked, …).
+    #[error("{source}")]
+    Token {
+        kind: &'static str,
+        #[source]
+        source: BoxError,
+    },
+    #[error("agent-offline: workload {id} has no stream (last seen {last_seen})")]
+    AgentOffline { id: String, last_seen: String },
+    #[error("render failed: {0}")]
+    Render(#[source] BoxError),
+    #[error("stored {what} is corrupt: {detail}")]
+    Corrupt { what: &'static str, detail: String },
+    #[error("database: {0}")]
+    Database(#[from] sqlx::Error),
+}
+
+/// What kind of failure an [`Error`] is, for a transport to choose its status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    NotFound,
+    Exists,
+    Stale,
+    InUse,
+    Invalid,
+    Refused,
+    Unauthenticated,
+    AgentOffline,
+    /// Not the caller's fault: logged in full, reported without detail.
+    Internal,
+}
+
+impl Error {
+    pub fn kind(&self) -> Kind {
+        match self {
+            Error::NotFound { .. } => Kind::NotFound,
+            Error::Exists { .. } => Kind::Exists,
+            Error::Stale { .. } => Kind::Stale,
+            Error::InUse { .. } => Kind::InUse,
+            Error::Invalid(_) | Error::InvalidInput(_) => Kind::Invalid,
+            Error::Refused(_) => Kind::Refused,
+            Error::Token { .. } => Kind::Unauthenticated,
+            Error::AgentOffline { .. } => Kind::AgentOffline,
+            Error::Render(_) | Error::Corrupt { .. } | Error::Database(_) => Kind::Internal,
+        }
+    }
+}
+
+impl From<innerwall_wire::policy::PolicyError> for Error {
+    fn from(e: innerwall_wire::policy::PolicyError) -> Self {
+        Error::InvalidInput(Box::new(e))
+    }
+}
+
+/// The one mapping to gRPC status codes. Internal errors are logged here with their chain and
+/// reach the agent without detail.
+impl From<Error> for tonic::Status {
+    fn from(e: Error) -> Self {
+        use tonic::Status;
+        let message = e.to_string();
+        match e.kind() {
+            Kind::NotFound => Status::not_found(message),
+            Kind::Exists => Status::already_exists(message),
+            Kind::Stale | Kind::InUse => Status::failed_precondition(message),
+            Kind::Invalid => Status::invalid_argument(message),
+            Kind::Refused => Status::permission_denied(message),
+            Kind::Unauthenticated => match &e {
+                Error::Token { kind, .. } => {
+                    Status::unauthenticated(format!("provisioning token {kind}: {message}"))
+                }
+                _ => Status::unauthenticated(message),
+            },
+            Kind::AgentOffline => Status::unavailable(message),
+            Kind::Internal => {
+                tracing::error!("agent request failed: {:#}", Chain(&e));
+                Status::internal("internal error; see the control-plane log")
+            }
+        }
+    }
+}
+
+/// Displays an error with its sources, `outer: inner: …`.
+struct Chain<'a>(&'a (dyn std::error::Error + 'static));
+
+impl fmt::Display for Chain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(s) = source {
+            write!(f, ": {s}")?;
+            source = s.source();
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_kind_has_its_status() {
+        let token = Error::Token { kind: "revoked", source: "it was revoked".into() };
+        let cases = [
+            (Error::NotFound { what: "service", name: "web".into() }, tonic::Code::NotFound),
+            (Error::Invalid("bad".into()), tonic::Code::InvalidArgument),
+            (Error::Refused("no".into()), tonic::Code::PermissionDenied),
+            (token, tonic::Code::Unauthenticated),
+            (Error::Corrupt { what: "mode", detail: "9".into() }, tonic::Code::Internal),
+        ];
+        for (error, code) in cases {
+            let status = tonic::Status::from(error);
+            assert_eq!(status.code(), code, "{status:?}");
+        }
+        let status = tonic::Status::from(Error::Token { kind: "revoked", source: "it was revoked".into() });
+        assert_eq!(status.message(), "provisioning token revoked: it was revoked");
+        let status = tonic::Status::from(Error::Render("rule x broke".into()));
+        assert_eq!(status.message(), "internal error; see the control-plane log", "no detail leaks");
+    }
+}

@@ -1,0 +1,79 @@
+//! Retention of flow evidence (FLOW-5): records and gaps live in daily partitions, created on
+//! demand and dropped whole once past the retention. Ingests hold the partition lock shared,
+//! so uploads run side by side; creating and dropping partitions holds it exclusively.
+
+use chrono::{DateTime, Duration, NaiveDate, TimeZone, Utc};
+use sqlx::{AssertSqlSafe, PgConnection, PgPool};
+
+use crate::error::Error;
+
+/// Default retention of flow evidence.
+pub const DEFAULT_RETENTION_DAYS: i64 = 30;
+
+/// Key of the transaction-scoped advisory lock partition maintenance takes ("iw-flows").
+pub(super) const PARTITION_LOCK_KEY: i64 = 0x6977_2d66_6c6f_7773;
+
+/// The partitioned flow tables, each with a partition a day.
+const PARTITIONED: [&str; 2] = ["flow_records", "flow_gaps"];
+
+/// Each partitioned table with the name of its partition for `day`.
+pub(super) fn partitions(day: NaiveDate) -> [(&'static str, String); 2] {
+    let suffix = day.format("%Y%m%d");
+    PARTITIONED.map(|table| (table, format!("{table}_{suffix}")))
+}
+
+/// Creates the daily partitions covering `[from, to]` if missing. Takes the partition lock
+/// exclusively (creation and retention exclude each other and every ingest); call it in a
+/// transaction of its own, before the one that writes into the partitions.
+pub async fn ensure_partitions(
+    conn: &mut PgConnection,
+    from: DateTime<Utc>,
+    to: DateTime<Utc>,
+) -> Result<(), Error> {
+    sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(PARTITION_LOCK_KEY).execute(&mut *conn).await?;
+    let mut day = from.date_naive();
+    while day <= to.date_naive() {
+        let next = day.succ_opt().expect("dates far from the end of time");
+        for (table, partition) in partitions(day) {
+            let sql = format!(
+                "CREATE TABLE IF NOT EXISTS {partition} PARTITION OF {table} FOR VALUES FROM ('{day}') TO ('{next}')"
+            );
+            sqlx::query(AssertSqlSafe(sql)).execute(&mut *conn).await?;
+        }
+        day = next;
+    }
+    Ok(())
+}
+
+/// Drops daily partitions entirely older than `days` (FLOW-5), under the partition lock.
+/// Returns the dropped partitions.
+pub async fn apply_retention(pool: &PgPool, days: i64, now: DateTime<Utc>) -> Result<Vec<String>, Error> {
+    let cutoff: NaiveDate = (now - Duration::days(days)).date_naive();
+    let mut tx = pool.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(PARTITION_LOCK_KEY).execute(&mut *tx).await?;
+    let names: Vec<String> = sqlx::query_scalar(
+        "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid JOIN pg_class p ON p.oid = i.inhparent
+         WHERE p.relname = ANY($1) ORDER BY 1",
+    )
+    .bind(PARTITIONED.as_slice())
+    .fetch_all(&mut *tx)
+    .await?;
+    let mut dropped = Vec::new();
+    for name in names {
+        let Some(day) = name.rsplit('_').next().and_then(|d| NaiveDate::parse_from_str(d, "%Y%m%d").ok())
+        else {
+            continue;
+        };
+        // The partition holds [day, day + 1): drop it once that whole day is past the cutoff.
+        if day < cutoff {
+            sqlx::query(AssertSqlSafe(format!("DROP TABLE {name}"))).execute(&mut *tx).await?;
+            dropped.push(name);
+        }
+    }
+    sqlx::query("DELETE FROM flow_windows WHERE window_start < $1")
+        .bind(Utc.from_utc_datetime(&cutoff.and_hms_opt(0, 0, 0).expect("midnight exists")))
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(dropped)
+}

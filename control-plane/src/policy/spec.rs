@@ -1,0 +1,186 @@
+//! Authored objects as operators write them (services, address groups, rulesets from YAML or
+//! JSON) and as registration receives them (a new workload, its reported addresses), with the
+//! checks that need no database. `authoring` writes them; `store` reads them back for display.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+
+use innerwall_wire::identity::WorkloadId;
+use innerwall_wire::labels::Label;
+use innerwall_wire::policy::Cidr;
+use innerwall_wire::proto;
+use serde::{Deserialize, Serialize};
+
+use crate::error::Error;
+use crate::policy::model::{Selector, ServiceEntry, validate_name};
+
+/// At most this many interface addresses are accepted from one host.
+const MAX_ADDRESSES: usize = 256;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServiceSpec {
+    pub name: String,
+    pub description: String,
+    pub entries: Vec<ServiceEntry>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AddressGroupSpec {
+    pub name: String,
+    pub description: String,
+    pub cidrs: BTreeSet<Cidr>,
+}
+
+/// A ruleset as an operator writes it (YAML or JSON file), and as `ruleset show` prints it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RulesetSpec {
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    /// `key: [values]`, ANDed across keys; the workloads this ruleset protects.
+    pub scope: BTreeMap<String, Vec<String>>,
+    #[serde(default)]
+    pub rules: Vec<RuleSpec>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RuleSpec {
+    /// Unique within the ruleset; keeps the rule's identity (and rendered ids) across edits.
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    pub peers: Vec<PeerSpec>,
+    /// Service names.
+    pub services: Vec<String>,
+}
+
+/// Exactly one of the three, written as a one-key map: `{workloads: {app: [web]}}`,
+/// `{address_group: vpn}` or `{cidr: 10.0.0.0/8}`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeerSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workloads: Option<BTreeMap<String, Vec<String>>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address_group: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cidr: Option<String>,
+}
+
+/// A peer after checking that exactly one kind is given.
+pub(crate) enum PeerRef<'a> {
+    Workloads(&'a BTreeMap<String, Vec<String>>),
+    AddressGroup(&'a str),
+    Cidr(&'a str),
+}
+
+impl PeerSpec {
+    pub fn workloads(map: BTreeMap<String, Vec<String>>) -> Self {
+        PeerSpec { workloads: Some(map), ..Default::default() }
+    }
+
+    pub fn address_group(name: &str) -> Self {
+        PeerSpec { address_group: Some(name.to_owned()), ..Default::default() }
+    }
+
+    pub fn cidr(text: &str) -> Self {
+        PeerSpec { cidr: Some(text.to_owned()), ..Default::default() }
+    }
+
+    pub(crate) fn kind(&self, context: &str) -> Result<PeerRef<'_>, Error> {
+        match (&self.workloads, &self.address_group, &self.cidr) {
+            (Some(map), None, None) => Ok(PeerRef::Workloads(map)),
+            (None, Some(name), None) => Ok(PeerRef::AddressGroup(name)),
+            (None, None, Some(text)) => Ok(PeerRef::Cidr(text)),
+            _ => Err(Error::Invalid(format!(
+                "{context}: each peer needs exactly one of workloads, address_group or cidr"
+            ))),
+        }
+    }
+}
+
+fn yes() -> bool {
+    true
+}
+
+pub(crate) fn selector_of(map: &BTreeMap<String, Vec<String>>) -> Result<Selector, Error> {
+    Ok(Selector::from_strings(map.iter().map(|(k, v)| (k.clone(), v.clone())))?)
+}
+
+/// Validates everything in the spec before anything is written.
+pub(crate) fn validate_ruleset(spec: &RulesetSpec) -> Result<(), Error> {
+    validate_name("ruleset", &spec.name)?;
+    if selector_of(&spec.scope)?.is_empty() {
+        return Err(Error::Invalid(format!(
+            "ruleset {:?}: the scope selector is empty and would match nothing; name at least one label",
+            spec.name
+        )));
+    }
+    let mut names = BTreeSet::new();
+    for rule in &spec.rules {
+        validate_name("rule", &rule.name)?;
+        if !names.insert(&rule.name) {
+            return Err(Error::Invalid(format!(
+                "ruleset {:?}: rule {:?} appears twice",
+                spec.name, rule.name
+            )));
+        }
+        let context = format!("ruleset {:?} rule {:?}", spec.name, rule.name);
+        if rule.peers.is_empty() || rule.services.is_empty() {
+            return Err(Error::Invalid(format!("{context} needs at least one peer and one service")));
+        }
+        for peer in &rule.peers {
+            match peer.kind(&context)? {
+                PeerRef::Workloads(map) if selector_of(map)?.is_empty() => {
+                    return Err(Error::Invalid(format!(
+                        "{context}: an empty workloads selector matches nothing"
+                    )));
+                }
+                PeerRef::Cidr(text) => {
+                    Cidr::parse_lenient(text)?;
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What registration needs; enrollment (issue 4) supplies it from the token and host facts.
+#[derive(Debug, Clone)]
+pub struct NewWorkload {
+    pub id: WorkloadId,
+    pub hostname: String,
+    pub labels: Vec<Label>,
+    pub addresses: BTreeSet<IpAddr>,
+}
+
+/// Addresses a workload can be reached at, from its reported interfaces: loopback,
+/// link-local, unspecified and multicast addresses are dropped; malformed ones are refused.
+pub fn routable_addresses(facts: &proto::HostFacts) -> Result<BTreeSet<IpAddr>, Error> {
+    let mut out = BTreeSet::new();
+    let texts = facts.interfaces.iter().flat_map(|i| i.addresses.iter());
+    for (n, text) in texts.enumerate() {
+        if n >= MAX_ADDRESSES {
+            return Err(Error::Invalid(format!("more than {MAX_ADDRESSES} interface addresses reported")));
+        }
+        let addr = text.split_once('/').map_or(text.as_str(), |(a, _)| a);
+        let ip: IpAddr = addr
+            .parse()
+            .map_err(|_| Error::Invalid(format!("interface address {text:?} is not an address")))?;
+        let link_local = match ip {
+            IpAddr::V4(v4) => v4.is_link_local(),
+            IpAddr::V6(v6) => v6.is_unicast_link_local(),
+        };
+        if !(ip.is_loopback() || ip.is_unspecified() || ip.is_multicast() || link_local) {
+            out.insert(ip.to_canonical());
+        }
+    }
+    Ok(out)
+}
