@@ -1,5 +1,6 @@
 //! `cargo xtask`: the command line that dispatches to setup, the eBPF build and the suites.
 
+mod cargo_env;
 mod cmd;
 mod demo;
 mod ebpf;
