@@ -15,8 +15,9 @@ use crate::{
 };
 
 /// Where the verified object lands, relative to the root workspace (also when
-/// CARGO_TARGET_DIR points elsewhere). The agent embeds it from here, e.g.
-/// `include_bytes!(concat!(env!("CARGO_MANIFEST_DIR"), "/../target/bpf/innerwall-ebpf"))`.
+/// CARGO_TARGET_DIR points elsewhere). The agent reads it at run time from
+/// `<dir of its executable>/../bpf/innerwall-ebpf`, which is this file only for binaries in
+/// `<root>/target`; agents built elsewhere need `INNERWALL_EBPF_OBJECT` pointing here.
 pub const OBJECT_PATH: &str = "target/bpf/innerwall-ebpf";
 
 const CRATE_DIR: &str = "agent-ebpf";
