@@ -4,6 +4,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
+// One definition of what a nested cargo must not inherit, shared with xtask without a
+// dependency on it: the file has no imports beyond std.
+#[path = "../../xtask/src/cargo_env.rs"]
+mod cargo_env;
+
 /// The binaries under test, with the packages that own them.
 const BINARIES: &[(&str, &str)] =
     &[("innerwall", "innerwall-control-plane"), ("innerwall-agent", "innerwall-agent")];
@@ -35,29 +40,12 @@ fn build_binaries() -> Result<PathBuf, String> {
     for (bin, package) in BINARIES {
         cmd.args(["--package", package, "--bin", bin]);
     }
-    // What cargo sets for running this test is not the user's environment: some build scripts
-    // (ring's) rerun when CARGO_MANIFEST_DIR changes, so passing it on would rebuild half the
-    // dependency tree on every alternation between `cargo test` and `cargo build`.
-    for (name, _) in std::env::vars_os() {
-        if name.to_str().is_some_and(set_by_cargo_for_tests) {
-            cmd.env_remove(name);
-        }
-    }
+    // Passing on what cargo set for this test run would rebuild half the dependency tree on
+    // every alternation between `cargo test` and `cargo build`.
+    cargo_env::isolate_cargo_env(&mut cmd);
     let status = cmd.status().map_err(|e| format!("running cargo build: {e}"))?;
     if !status.success() {
         return Err(format!("cargo build of the workspace binaries failed: {status}"));
     }
     Ok(profile_dir)
-}
-
-fn set_by_cargo_for_tests(name: &str) -> bool {
-    const EXACT: &[&str] = &[
-        "CARGO_CRATE_NAME",
-        "CARGO_PRIMARY_PACKAGE",
-        "CARGO_TARGET_TMPDIR",
-        "CARGO_RUSTC_CURRENT_DIR",
-        "OUT_DIR",
-    ];
-    const PREFIXES: &[&str] = &["CARGO_PKG_", "CARGO_MANIFEST_", "CARGO_BIN_"];
-    EXACT.contains(&name) || PREFIXES.iter().any(|p| name.starts_with(p))
 }

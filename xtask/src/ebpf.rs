@@ -15,8 +15,9 @@ use crate::{
 };
 
 /// Where the verified object lands, relative to the root workspace (also when
-/// CARGO_TARGET_DIR points elsewhere). The agent embeds it from here, e.g.
-/// `include_bytes!(concat!(env!("CARGO_MANIFEST_DIR"), "/../target/bpf/innerwall-ebpf"))`.
+/// CARGO_TARGET_DIR points elsewhere). The agent reads it at run time from
+/// `<dir of its executable>/../bpf/innerwall-ebpf`, which is this file only for binaries in
+/// `<root>/target`; agents built elsewhere need `INNERWALL_EBPF_OBJECT` pointing here.
 pub const OBJECT_PATH: &str = "target/bpf/innerwall-ebpf";
 
 const CRATE_DIR: &str = "agent-ebpf";
@@ -55,50 +56,9 @@ pub fn bpf_cargo(root: &Path, subcommand: &str) -> Command {
 
 /// Plain `cargo` inside agent-ebpf (e.g. for rustfmt), isolated from the outer cargo.
 pub fn crate_cargo(root: &Path) -> Command {
-    let mut cmd = Command::new("cargo");
-    isolate_cargo_env(&mut cmd);
+    let mut cmd = setup::standalone_cargo();
     cmd.current_dir(root.join(CRATE_DIR));
     cmd
-}
-
-/// Clears what the outer `cargo xtask` (or the user) set that would redirect or break a
-/// cargo run in another workspace: target dir, target triple, flags, wrappers, toolchain.
-pub fn isolate_cargo_env(cmd: &mut Command) {
-    for (name, _) in std::env::vars_os() {
-        if name.to_str().is_some_and(leaks_into_nested_cargo) {
-            cmd.env_remove(name);
-        }
-    }
-}
-
-fn leaks_into_nested_cargo(name: &str) -> bool {
-    const EXACT: &[&str] = &[
-        "CARGO",
-        "CARGO_CRATE_NAME",
-        "CARGO_PRIMARY_PACKAGE",
-        "CARGO_MAKEFLAGS",
-        "RUSTC",
-        "RUSTC_WRAPPER",
-        "RUSTC_WORKSPACE_WRAPPER",
-        "RUSTC_BOOTSTRAP",
-        "RUSTDOC",
-        "RUSTFLAGS",
-        "RUSTDOCFLAGS",
-        "RUSTUP_TOOLCHAIN",
-        "RUSTUP_TOOLCHAIN_SOURCE",
-    ];
-    const PREFIXES: &[&str] = &[
-        "CARGO_PKG_",
-        "CARGO_MANIFEST_",
-        "CARGO_BIN_",
-        "CARGO_BUILD_",
-        "CARGO_TARGET_",
-        "CARGO_PROFILE_",
-        "CARGO_ENCODED_",
-        "CARGO_CFG_",
-        "CARGO_FEATURE_",
-    ];
-    EXACT.contains(&name) || PREFIXES.iter().any(|prefix| name.starts_with(prefix))
 }
 
 fn copy_object(root: &Path) -> Result<PathBuf> {
@@ -214,19 +174,6 @@ mod tests {
                  `classifier` (no tc program: `#[classifier] fn innerwall_ingress` is missing)"
                 .into())
         );
-    }
-
-    #[test]
-    fn only_build_redirecting_variables_are_cleared() {
-        for name in ["CARGO_TARGET_DIR", "CARGO_BUILD_TARGET", "RUSTFLAGS", "CARGO_ENCODED_RUSTFLAGS"] {
-            assert!(leaks_into_nested_cargo(name), "{name}");
-        }
-        for name in ["RUSTC_WRAPPER", "RUSTUP_TOOLCHAIN", "CARGO_MANIFEST_DIR", "CARGO_PKG_NAME"] {
-            assert!(leaks_into_nested_cargo(name), "{name}");
-        }
-        for name in ["CARGO_HOME", "RUSTUP_HOME", "CARGO_NET_OFFLINE", "PATH", "HOME"] {
-            assert!(!leaks_into_nested_cargo(name), "{name}");
-        }
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! `cargo xtask`: the command line that dispatches to setup, the eBPF build and the suites.
 
+mod cargo_env;
 mod cmd;
+mod cycles;
 mod demo;
 mod ebpf;
 mod elf;
@@ -38,6 +40,11 @@ enum Task {
     Lint,
     /// The main job (RUN-3): control plane and three agents in network namespaces, policy, traffic.
     Demo,
+    /// Report import cycles between the modules of each crate (top level, and within folders).
+    CheckCycles {
+        /// Crate `src` folders relative to the workspace root; default: control-plane, agent, wire, xtask.
+        dirs: Vec<PathBuf>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -60,6 +67,10 @@ fn run(cli: Cli) -> Result<()> {
         Task::Test { cargo_args } => suite::test(&root, &cargo_args),
         Task::Lint => suite::lint(&root),
         Task::Demo => demo::run(&root),
+        Task::CheckCycles { dirs } if dirs.is_empty() => {
+            cycles::check(&root, &cycles::CRATE_SOURCES.iter().map(PathBuf::from).collect::<Vec<_>>())
+        }
+        Task::CheckCycles { dirs } => cycles::check(&root, &dirs),
     }
 }
 

@@ -10,7 +10,7 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 
-use crate::cmd;
+use crate::{cargo_env, cmd};
 
 /// What the builds and tests need from Debian: nftnl/mnl headers for the agent, the
 /// tools the namespace tests drive, and bpftool for inspecting loaded programs and maps.
@@ -131,14 +131,52 @@ fn install_bpf_linker(llvm: &RustcLlvm, prefix: &Path) -> Result<()> {
     }
     symlink(name, &link).with_context(|| format!("linking {}", link.display()))?;
 
-    let mut install = Command::new("cargo");
-    crate::ebpf::isolate_cargo_env(&mut install);
+    let mut install = standalone_cargo();
     install
         .env("LLVM_PREFIX", prefix)
         .args(["install", "bpf-linker", "--version", BPF_LINKER_VERSION, "--locked", "--force"])
         .args(["--no-default-features", "--features"])
         .arg(format!("llvm-{}", llvm.major));
     cmd::run(&mut install).context("building bpf-linker against rustc's LLVM")
+}
+
+/// `cargo` for a build outside the root workspace (agent-ebpf, `cargo install bpf-linker`):
+/// isolated from the outer cargo, and also from the build settings the user or the outer
+/// build set (target dir and triple, flags, wrappers, toolchain), which belong to the root
+/// workspace and would redirect or break this one.
+pub fn standalone_cargo() -> Command {
+    let mut cmd = Command::new("cargo");
+    cargo_env::isolate_cargo_env(&mut cmd);
+    for (name, _) in std::env::vars_os() {
+        if name.to_str().is_some_and(redirects_a_standalone_build) {
+            cmd.env_remove(name);
+        }
+    }
+    cmd
+}
+
+fn redirects_a_standalone_build(name: &str) -> bool {
+    const EXACT: &[&str] = &[
+        "CARGO_MAKEFLAGS",
+        "RUSTC",
+        "RUSTC_WRAPPER",
+        "RUSTC_WORKSPACE_WRAPPER",
+        "RUSTC_BOOTSTRAP",
+        "RUSTDOC",
+        "RUSTFLAGS",
+        "RUSTDOCFLAGS",
+        "RUSTUP_TOOLCHAIN",
+        "RUSTUP_TOOLCHAIN_SOURCE",
+    ];
+    const PREFIXES: &[&str] = &[
+        "CARGO_BUILD_",
+        "CARGO_TARGET_",
+        "CARGO_PROFILE_",
+        "CARGO_ENCODED_",
+        "CARGO_CFG_",
+        "CARGO_FEATURE_",
+    ];
+    EXACT.contains(&name) || PREFIXES.iter().any(|prefix| name.starts_with(prefix))
 }
 
 fn marker_text(llvm_major: u32) -> String {
@@ -225,6 +263,19 @@ mod tests {
                   release: 1.95.0\nLLVM version: 22.1.2\n";
         assert_eq!(parse_llvm_major(vv), Some(22));
         assert_eq!(parse_llvm_major("rustc 1.95.0\n"), None);
+    }
+
+    #[test]
+    fn standalone_builds_drop_the_root_workspaces_build_settings() {
+        for name in ["CARGO_TARGET_DIR", "CARGO_BUILD_TARGET", "RUSTFLAGS", "CARGO_ENCODED_RUSTFLAGS"] {
+            assert!(redirects_a_standalone_build(name), "{name}");
+        }
+        for name in ["RUSTC_WRAPPER", "RUSTUP_TOOLCHAIN", "CARGO_PROFILE_RELEASE_LTO", "CARGO_MAKEFLAGS"] {
+            assert!(redirects_a_standalone_build(name), "{name}");
+        }
+        for name in ["CARGO_HOME", "RUSTUP_HOME", "CARGO_NET_OFFLINE", "PATH", "HOME"] {
+            assert!(!redirects_a_standalone_build(name), "{name}");
+        }
     }
 
     #[test]

@@ -5,7 +5,7 @@ use std::{path::Path, process::Command};
 
 use anyhow::Result;
 
-use crate::{cmd, ebpf, setup};
+use crate::{cargo_env, cmd, ebpf, setup};
 
 /// Setup, the verified eBPF build, then the workspace tests.
 pub fn test(root: &Path, cargo_args: &[String]) -> Result<()> {
@@ -25,9 +25,11 @@ pub fn lint(root: &Path) -> Result<()> {
     Ok(())
 }
 
-/// `cargo` in the root workspace, inheriting the toolchain `cargo xtask` runs with.
+/// `cargo` in the root workspace, inheriting the toolchain and build settings `cargo xtask`
+/// runs with, but not what cargo set for xtask itself (which would force rebuilds).
 pub fn root_cargo(root: &Path) -> Command {
     let mut cmd = Command::new("cargo");
+    cargo_env::isolate_cargo_env(&mut cmd);
     cmd.current_dir(root);
     cmd
 }

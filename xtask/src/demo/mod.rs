@@ -1,0 +1,663 @@
+//! `cargo xtask demo` (RUN-3): the steps and the expectations they check: a control plane and
+//! three agents in network namespaces on this machine, a sample policy, real traffic it allows
+//! and blocks, and a relabel that converges. The network, the processes and the CLIs' JSON
+//! live in the submodules.
+//!
+//! Everything the demo creates is named by one scheme (`iwdemo*` links and namespaces,
+//! `/tmp/innerwall-demo-*` directories), torn down by a guard on every exit path, and found
+//! again by exact name at the next start if a run was killed (Ctrl-C cannot run the guard:
+//! xtask has no signal handler, and the children die with the terminal's SIGINT anyway).
+
+mod cli;
+mod network;
+mod processes;
+
+use std::{
+    collections::BTreeMap,
+    fmt::Write as _,
+    fs,
+    os::unix::fs::{MetadataExt, PermissionsExt},
+    path::{Path, PathBuf},
+    process::Command,
+    thread,
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use anyhow::{Context, Result, bail};
+
+use self::{
+    cli::{AgentStatus, FlowRecord, MintedToken, RenderedPolicy, SyncStatus, Workload},
+    network::{BATCH, BRIDGE, DB, HOSTS, Host, WEB},
+    processes::{POLL, Processes, capture},
+};
+use crate::{cmd, setup, suite::root_cargo};
+
+const SERVER_NAME: &str = "10.77.0.1";
+const SERVER: &str = "10.77.0.1:7443";
+const DB_PORT: &str = "5432";
+const DIR_PREFIX: &str = "innerwall-demo-";
+
+const CLI_TIMEOUT: Duration = Duration::from_secs(30);
+const SERVE_READY_TIMEOUT: Duration = Duration::from_secs(90);
+const AGENT_CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
+const CONVERGE_TIMEOUT: Duration = Duration::from_secs(30);
+const CONNECT_TIMEOUT_SECS: &str = "2";
+
+/// `sh -c` program: set the hostname to `$0`, then run the rest of the arguments.
+const SET_HOSTNAME: &str = "hostname \"$0\" && exec \"$@\"";
+
+const RULESET_YAML: &str = "\
+name: payments
+scope: {app: [payments-db]}
+rules:
+  - name: from-web
+    peers:
+      - workloads: {app: [web]}
+    services: [postgres]
+";
+
+/// The database stand-in: accepts, greets, closes; logs each peer so the demo can show them.
+const LISTENER_PY: &str = "\
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2])))
+s.listen(16)
+print('listening', flush=True)
+while True:
+    c, peer = s.accept()
+    print('accepted', peer[0], flush=True)
+    c.sendall(b'hello from payments-db\\n')
+    c.close()
+";
+
+/// One connection attempt: exit 0 connected, 2 timed out (dropped), 3 any other error.
+const CLIENT_PY: &str = "\
+import socket, sys
+try:
+    s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3]))
+    print('connected:', s.recv(64).decode().strip())
+except TimeoutError:
+    print('timed out'); sys.exit(2)
+except OSError as e:
+    print('error:', e); sys.exit(3)
+";
+
+pub fn run(root: &Path) -> Result<()> {
+    let started = Instant::now();
+    section("0", "Prepare", "packages, toolchain and the two release binaries");
+    ensure_root()?;
+    setup::all()?;
+    // The agents capture flows with the eBPF object, loaded from target/bpf at run time.
+    crate::ebpf::build(root)?;
+    cmd::run(root_cargo(root).args([
+        "build",
+        "--release",
+        "-p",
+        "innerwall-control-plane",
+        "-p",
+        "innerwall-agent",
+    ]))?;
+    let release = target_dir(root).join("release");
+    for binary in ["innerwall", "innerwall-agent"] {
+        let path = release.join(binary);
+        if !path.is_file() {
+            bail!("{} is missing after the release build", path.display());
+        }
+    }
+
+    let demo_started = Instant::now();
+    clean_leftovers()?;
+    let mut demo = Demo::create(release)?;
+    let result = demo.show();
+    demo.keep_dir = result.is_err();
+    drop(demo);
+    println!("\ndemo took {:.0?} ({:.0?} after the build)", started.elapsed(), demo_started.elapsed());
+    result
+}
+
+/// The running demo; dropping it stops every process it started (by PID) and deletes the
+/// namespaces, the bridge and, unless something failed, its directory.
+#[derive(Debug)]
+struct Demo {
+    dir: PathBuf,
+    release: PathBuf,
+    procs: Processes,
+    ids: BTreeMap<&'static str, String>,
+    failures: Vec<String>,
+    keep_dir: bool,
+}
+
+impl Demo {
+    fn create(release: PathBuf) -> Result<Self> {
+        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().subsec_nanos();
+        let dir = std::env::temp_dir().join(format!("{DIR_PREFIX}{}-{nanos:08x}", std::process::id()));
+        fs::create_dir(&dir).with_context(|| format!("while creating {}", dir.display()))?;
+        // The embedded Postgres runs as the unprivileged `innerwall` user, which must reach cp/.
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o755))
+            .with_context(|| format!("while making {} world-readable", dir.display()))?;
+        let procs = Processes::new(&dir)?;
+        println!("demo directory: {}   (shown as $DEMO below)", dir.display());
+        Ok(Self { dir, release, procs, ids: BTreeMap::new(), failures: Vec::new(), keep_dir: false })
+    }
+
+    fn show(&mut self) -> Result<()> {
+        section("1", "Simulated hosts", "three network namespaces on one bridge, each its own host");
+        network::create_network()?;
+
+        section("2", "Control plane", "a CA, then `innerwall serve` with its embedded Postgres");
+        self.iw_print(&["ca", "init"])?;
+        let serve = self.iw_command(&[
+            "serve",
+            "--listen",
+            SERVER,
+            "--server-name",
+            SERVER_NAME,
+            "--heartbeat-interval",
+            "5s",
+            "--flow-window",
+            "5s",
+        ]);
+        self.spawn("serve", serve)?;
+        let ready = self.wait_for_log("serve", "listening on", SERVE_READY_TIMEOUT)?;
+        println!("  {}", ready.trim());
+
+        section("3", "Enrollment", "each agent enrolls with a one-time token, inside its namespace");
+        let ca_bundle = self.dir.join("cp/ca/ca.crt");
+        for host in HOSTS {
+            let label = format!("app={}", host.app);
+            let mut mint =
+                self.iw_command(&["token", "mint", "--label", &label, "--server", SERVER, "--json"]);
+            println!("  $ {}", self.display(&mint));
+            let MintedToken { token } = cli::parse(&self.checked(&mut mint)?, "token mint --json")?;
+            println!("    token {token}");
+            let state = self.agent_state(host);
+            // A UTS namespace of its own gives each host its own hostname, which enrollment
+            // reports; the network namespace alone would leave all three with this machine's.
+            let mut enroll = Command::new("ip");
+            enroll.args([
+                "netns",
+                "exec",
+                host.netns,
+                "unshare",
+                "--uts",
+                "sh",
+                "-c",
+                SET_HOSTNAME,
+                host.name,
+            ]);
+            enroll
+                .arg(self.release.join("innerwall-agent"))
+                .arg("enroll")
+                .args(["--server", SERVER, "--token", &token]);
+            enroll.arg("--ca-bundle").arg(&ca_bundle).arg("--state-dir").arg(&state);
+            self.run_print(&mut enroll)?;
+        }
+        for host in HOSTS {
+            let mut agent = self.in_netns(host, "innerwall-agent");
+            agent.args(["run", "--server", SERVER]).arg("--state-dir").arg(self.agent_state(host));
+            self.spawn(&format!("agent-{}", host.name), agent)?;
+        }
+        for host in HOSTS {
+            self.wait_for_log(
+                &format!("agent-{}", host.name),
+                "connected to the control plane",
+                AGENT_CONNECT_TIMEOUT,
+            )?;
+        }
+        println!("  all three agents hold their mTLS sync stream");
+        self.learn_ids()?;
+        self.iw_print(&["workload", "list"])?;
+        for host in HOSTS {
+            println!("  host {:<5} = workload {}  ({})", host.name, self.id(host), host.addr);
+        }
+
+        section(
+            "4",
+            "Policy",
+            "label-based authoring renders per-host policy; workloads start in visibility",
+        );
+        self.iw_print(&["service", "create", "postgres", "--entry", &format!("tcp:{DB_PORT}")])?;
+        let ruleset = self.dir.join("payments.yaml");
+        fs::write(&ruleset, RULESET_YAML).context("while writing payments.yaml")?;
+        println!("  $DEMO/payments.yaml:");
+        print_indented(RULESET_YAML, 4);
+        let ruleset = ruleset.to_string_lossy().into_owned();
+        self.iw_print(&["ruleset", "create", "-f", &ruleset])?;
+        self.wait_converged()?;
+        let mut listener = self.in_netns(&DB, "/usr/bin/python3");
+        listener.args(["-u", "-c", LISTENER_PY, DB.addr, DB_PORT]);
+        self.spawn("listener", listener)?;
+        self.wait_for_log("listener", "listening", Duration::from_secs(10))?;
+        println!("  a TCP server listens on {}:{DB_PORT} inside {}", DB.addr, DB.netns);
+        let outcome = self.connect(&BATCH)?;
+        self.expect(
+            "visibility: batch -> db:5432 connects (the rule exists, nothing is dropped yet)",
+            outcome.connected(),
+            &outcome,
+        );
+
+        section("5", "Enforcement", "db moves to enforcement; every agent converges to its latest version");
+        let db = self.id(&DB).to_owned();
+        self.iw_print(&["workload", "mode", &db, "enforcement"])?;
+        self.wait_converged()?;
+        self.iw_print(&["workload", "status"])?;
+
+        section("6", "Traffic", "the kernel on db allows web and drops batch");
+        let outcome = self.connect(&WEB)?;
+        self.expect("web -> db:5432 connects (allowed by payments/from-web)", outcome.connected(), &outcome);
+        let outcome = self.connect(&BATCH)?;
+        self.expect(
+            "batch -> db:5432 is blocked (SYN dropped, connection times out)",
+            outcome == Outcome::TimedOut,
+            &outcome,
+        );
+
+        section("7", "Relabel", "batch becomes app=web; only db's peer set changes");
+        let before = self.policy(&db)?;
+        let hits_before = self.rule_hits(&DB)?;
+        let batch = self.id(&BATCH).to_owned();
+        self.iw_print(&["workload", "label", &batch, "--set", "app=web", "--expect-label-version", "1"])?;
+        self.wait_converged()?;
+        self.iw_print(&["workload", "status"])?;
+        let after = self.policy(&db)?;
+        self.expect(
+            "db's policy moved one version with the same rules, batch added as a peer",
+            after.version == before.version + 1
+                && after.rule_ids() == before.rule_ids()
+                && after.has_peer(&format!("{}/32", BATCH.addr)),
+            &format!("v{} {:?} -> v{} {:?}", before.version, before.rules, after.version, after.rules),
+        );
+        let outcome = self.connect(&BATCH)?;
+        self.expect("batch -> db:5432 now connects", outcome.connected(), &outcome);
+        let hits_after = self.rule_hits(&DB)?;
+        if hits_after == hits_before + 1 {
+            println!(
+                "  rule hits on db: {hits_before} -> {hits_after}: the counters survived the \
+                 update, so the agent changed a set element instead of rebuilding the table"
+            );
+        } else {
+            println!("  rule hits on db: {hits_before} -> {hits_after}");
+        }
+        let mut status = self.in_netns(&DB, "innerwall-agent");
+        status.arg("status").arg("--state-dir").arg(self.agent_state(&DB));
+        self.run_print(&mut status)?;
+        self.iw_print(&["workload", "policy", &db])?;
+        let log = fs::read_to_string(self.procs.log("listener")).unwrap_or_default();
+        let peers: Vec<&str> = log.lines().filter_map(|line| line.strip_prefix("accepted ")).collect();
+        println!("  the db server accepted connections from: {}", peers.join(", "));
+
+        section("8", "Flows", "what db's eBPF capture saw, with the decision its policy made");
+        // Windows close every 5 s and upload on their own connection; wait for batch's blocked
+        // attempt (decision 4) and web's allowed connection (decision 2) to arrive.
+        let deadline = Instant::now() + Duration::from_secs(40);
+        let (mut blocked, mut allowed) = (false, false);
+        while Instant::now() < deadline && !(blocked && allowed) {
+            thread::sleep(Duration::from_secs(2));
+            let out = self.checked(&mut self.iw_command(&[
+                "flows",
+                "list",
+                "--workload",
+                &db,
+                "--since",
+                "10m",
+                "--json",
+            ]))?;
+            let rows: Vec<FlowRecord> = cli::parse(&out, "flows list --json")?;
+            for row in rows {
+                blocked |= row.src_address == BATCH.addr && row.decision == FlowRecord::BLOCKED;
+                allowed |= row.src_address == WEB.addr && row.decision == FlowRecord::ALLOWED;
+            }
+        }
+        self.iw_print(&["flows", "list", "--workload", &db, "--since", "10m"])?;
+        self.expect("db's flows show batch's attempt as BLOCKED", blocked, &"no blocked record from batch");
+        self.expect(
+            "db's flows show web's connection as ALLOWED with its rule",
+            allowed,
+            &"no allowed record from web",
+        );
+        self.iw_print(&["flows", "gaps", "--workload", &db])?;
+
+        self.summary()
+    }
+
+    fn summary(&self) -> Result<()> {
+        section("9", "Summary", "");
+        println!(
+            "  shown: token enrollment of three agents over mTLS, each inside its own network\n  \
+             namespace; label-based policy rendered per host and streamed to the agents; the\n  \
+             visibility -> enforcement switch; nftables on db allowing app=web and dropping\n  \
+             app=batch on 5432/tcp; a relabel converging as a peer-only update, seen in\n  \
+             `workload status`, the agent's kernel counters and the rendered policy; the flows\n  \
+             db's eBPF capture recorded, with the decision its installed policy made.\n  \
+             not shown yet: simulation review, verdicts and promotion (FLOW-6..FLOW-8)."
+        );
+        if self.failures.is_empty() {
+            println!("\nRESULT: PASS, every expectation held");
+            Ok(())
+        } else {
+            println!("\nRESULT: FAIL");
+            for failure in &self.failures {
+                println!("  failed: {failure}");
+            }
+            bail!(
+                "{} demo expectation(s) did not hold; logs are kept in {}",
+                self.failures.len(),
+                self.dir.display()
+            )
+        }
+    }
+
+    fn expect(&mut self, what: &str, held: bool, observed: &dyn std::fmt::Display) {
+        if held {
+            println!("  PASS  {what}");
+        } else {
+            println!("  FAIL  {what}  (observed: {observed})");
+            self.failures.push(what.to_owned());
+        }
+    }
+
+    // --- commands -------------------------------------------------------------------------
+
+    fn iw_command(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(self.release.join("innerwall"));
+        cmd.arg("--state-dir").arg(self.dir.join("cp")).args(args);
+        cmd
+    }
+
+    /// `innerwall …` against the demo's control plane; its stdout.
+    fn iw(&self, args: &[&str]) -> Result<String> {
+        self.checked(&mut self.iw_command(args))
+    }
+
+    fn iw_print(&self, args: &[&str]) -> Result<()> {
+        self.run_print(&mut self.iw_command(args))
+    }
+
+    fn run_print(&self, cmd: &mut Command) -> Result<()> {
+        println!("  $ {}", self.display(cmd));
+        let out = self.checked(cmd)?;
+        print_indented(&out, 4);
+        Ok(())
+    }
+
+    /// Runs `cmd` with a timeout; on failure the error carries its stderr and the serve log.
+    fn checked(&self, cmd: &mut Command) -> Result<String> {
+        let line = self.display(cmd);
+        let out = capture(cmd, CLI_TIMEOUT).with_context(|| format!("while running `{line}`"))?;
+        if !out.status.success() {
+            bail!(
+                "`{line}` failed ({}):\n{}{}",
+                out.status,
+                out.stderr.trim_end(),
+                self.procs.log_tail("serve")
+            );
+        }
+        Ok(out.stdout)
+    }
+
+    /// `ip netns exec NS PROGRAM`, with the release binaries found by their short names.
+    fn in_netns(&self, host: &Host, program: &str) -> Command {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", host.netns]);
+        if program.starts_with('/') {
+            cmd.arg(program);
+        } else {
+            cmd.arg(self.release.join(program));
+        }
+        cmd
+    }
+
+    fn agent_state(&self, host: &Host) -> PathBuf {
+        self.dir.join(format!("agent-{}", host.name))
+    }
+
+    /// The command line as a reader wants it: binaries by name, the demo dir as $DEMO, inline
+    /// programs elided.
+    fn display(&self, cmd: &Command) -> String {
+        let dir = self.dir.to_string_lossy();
+        let release = format!("{}/", self.release.to_string_lossy());
+        let word = |word: &std::ffi::OsStr| {
+            let word = word.to_string_lossy().replace(&release, "").replace(dir.as_ref(), "$DEMO");
+            if word.contains('\n') {
+                "'<program>'".to_owned()
+            } else if word.contains(' ') {
+                format!("'{word}'")
+            } else {
+                word
+            }
+        };
+        std::iter::once(word(cmd.get_program())).chain(cmd.get_args().map(word)).collect::<Vec<_>>().join(" ")
+    }
+
+    // --- background processes -------------------------------------------------------------
+
+    fn spawn(&mut self, name: &str, cmd: Command) -> Result<()> {
+        let shown = self.display(&cmd);
+        self.procs.spawn(name, cmd, &shown)
+    }
+
+    fn wait_for_log(&mut self, name: &str, needle: &str, timeout: Duration) -> Result<String> {
+        self.procs.wait_for_log(name, needle, timeout)
+    }
+
+    // --- observations ---------------------------------------------------------------------
+
+    fn learn_ids(&mut self) -> Result<()> {
+        let list: Vec<Workload> =
+            cli::parse(&self.iw(&["workload", "list", "--json"])?, "workload list --json")?;
+        for host in HOSTS {
+            let found = list.iter().find(|workload| workload.addresses.iter().any(|a| a == host.addr));
+            let Some(workload) = found else {
+                bail!("no enrolled workload reports address {} (host {})", host.addr, host.name);
+            };
+            self.ids.insert(host.name, workload.id.clone());
+        }
+        Ok(())
+    }
+
+    fn id(&self, host: &Host) -> &str {
+        self.ids.get(host.name).map_or("?", String::as_str)
+    }
+
+    /// Polls `workload status` until all three agents have applied their latest version.
+    fn wait_converged(&mut self) -> Result<()> {
+        let started = Instant::now();
+        let mut last = String::new();
+        while started.elapsed() < CONVERGE_TIMEOUT {
+            last = self.iw(&["workload", "status", "--json"])?;
+            let status: Vec<SyncStatus> = cli::parse(&last, "workload status --json")?;
+            let converged = HOSTS.iter().all(|host| {
+                status.iter().find(|row| row.id == self.id(host)).is_some_and(SyncStatus::converged)
+            });
+            if converged {
+                println!(
+                    "  converged: all three agents SYNCED at their latest version after {:.1?}",
+                    started.elapsed()
+                );
+                return Ok(());
+            }
+            thread::sleep(POLL);
+        }
+        let mut tails = String::new();
+        for host in HOSTS {
+            tails.push_str(&self.procs.log_tail(&format!("agent-{}", host.name)));
+        }
+        bail!(
+            "the agents did not converge within {CONVERGE_TIMEOUT:?}; last `workload status --json`:\n{last}{tails}{}",
+            self.procs.log_tail("serve")
+        )
+    }
+
+    fn connect(&self, from: &Host) -> Result<Outcome> {
+        let mut client = self.in_netns(from, "/usr/bin/python3");
+        client.args(["-c", CLIENT_PY, DB.addr, DB_PORT, CONNECT_TIMEOUT_SECS]);
+        println!("  $ {}   # from {}", self.display(&client), from.name);
+        let out = capture(&mut client, Duration::from_secs(15))?;
+        println!("    {}", out.stdout.trim());
+        Ok(match out.status.code() {
+            Some(0) => Outcome::Connected,
+            Some(2) => Outcome::TimedOut,
+            _ => Outcome::Failed(format!("{} {}", out.stdout.trim(), out.stderr.trim())),
+        })
+    }
+
+    fn policy(&self, id: &str) -> Result<Policy> {
+        let text = self.iw(&["workload", "policy", id, "--json"])?;
+        let policy: RenderedPolicy = cli::parse(&text, "workload policy --json")?;
+        let rules = policy.rules.into_iter().map(|rule| (rule.rule_id, rule.peers)).collect();
+        Ok(Policy { version: policy.version, rules })
+    }
+
+    /// The sum of db's per-rule packet counters, read from the kernel by `innerwall-agent status`.
+    fn rule_hits(&self, host: &Host) -> Result<u64> {
+        let mut status = self.in_netns(host, "innerwall-agent");
+        status.arg("status").arg("--state-dir").arg(self.agent_state(host)).arg("--json");
+        let status: AgentStatus = cli::parse(&self.checked(&mut status)?, "innerwall-agent status --json")?;
+        Ok(status.rules.iter().map(|rule| rule.packets).sum())
+    }
+}
+
+#[derive(Debug)]
+struct Policy {
+    version: u64,
+    rules: BTreeMap<String, Vec<String>>,
+}
+
+impl Policy {
+    fn rule_ids(&self) -> Vec<&String> {
+        self.rules.keys().collect()
+    }
+
+    fn has_peer(&self, cidr: &str) -> bool {
+        self.rules.values().any(|peers| peers.iter().any(|peer| peer == cidr))
+    }
+}
+
+#[derive(Debug, PartialEq)]
+enum Outcome {
+    Connected,
+    TimedOut,
+    Failed(String),
+}
+
+impl Outcome {
+    fn connected(&self) -> bool {
+        *self == Outcome::Connected
+    }
+}
+
+impl std::fmt::Display for Outcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Outcome::Connected => f.write_str("connected"),
+            Outcome::TimedOut => f.write_str("timed out"),
+            Outcome::Failed(why) => write!(f, "failed: {why}"),
+        }
+    }
+}
+
+impl Drop for Demo {
+    fn drop(&mut self) {
+        section("", "Cleanup", "");
+        self.procs.stop_all();
+        match processes::stop_postgres(&self.dir) {
+            Ok(Some(how)) => println!("  postgres: {how}"),
+            Ok(None) => {}
+            Err(err) => println!("  postgres: {err:#}"),
+        }
+        if let Err(err) = network::delete_network() {
+            println!("  network: {err:#}");
+        } else {
+            println!(
+                "  network: namespaces {}, {} and {} and bridge {BRIDGE} deleted",
+                DB.netns, WEB.netns, BATCH.netns
+            );
+        }
+        if self.keep_dir {
+            println!("  kept {} for its logs (the next run removes it)", self.dir.display());
+        } else if let Err(err) = fs::remove_dir_all(&self.dir) {
+            println!("  could not remove {}: {err}", self.dir.display());
+        } else {
+            println!("  removed {}", self.dir.display());
+        }
+    }
+}
+
+/// Undoes what a killed run left behind, found by exact name only: processes inside our
+/// namespaces, each leftover demo directory's recorded processes and Postgres, then the
+/// namespaces and the bridge.
+fn clean_leftovers() -> Result<()> {
+    let mut found = Vec::new();
+    let tmp = std::env::temp_dir();
+    let dirs: Vec<PathBuf> = fs::read_dir(&tmp)
+        .with_context(|| format!("while listing {}", tmp.display()))?
+        .flatten()
+        .filter(|entry| entry.file_name().to_string_lossy().starts_with(DIR_PREFIX))
+        .filter(|entry| entry.file_type().is_ok_and(|kind| kind.is_dir()))
+        .map(|entry| entry.path())
+        .collect();
+    for dir in &dirs {
+        found.extend(processes::stop_interrupted_run(dir)?);
+    }
+    for host in HOSTS.iter().filter(|host| network::netns_exists(host.netns)) {
+        found.extend(processes::stop_in_netns(host.netns)?);
+    }
+    for dir in &dirs {
+        let dir_text = dir.to_string_lossy().into_owned();
+        found.extend(processes::stop_recorded(dir)?);
+        if let Some(how) = processes::stop_postgres(dir)? {
+            found.push(format!("postgres of {dir_text}: {how}"));
+        }
+        fs::remove_dir_all(dir).with_context(|| format!("while removing {dir_text}"))?;
+        found.push(format!("directory {dir_text}"));
+    }
+    if network::leftovers_exist() {
+        network::delete_network()?;
+        found.push("namespaces and bridge of an earlier run".to_owned());
+    }
+    if found.is_empty() {
+        println!("no leftovers of an earlier demo run");
+    } else {
+        println!("cleaned up after an earlier demo run:");
+        for item in found {
+            println!("  {item}");
+        }
+    }
+    Ok(())
+}
+
+// --- output -------------------------------------------------------------------------------
+
+fn section(number: &str, title: &str, shows: &str) {
+    let mut header =
+        if number.is_empty() { format!("\n=== {title} ") } else { format!("\n=== {number}. {title} ") };
+    let width = header.chars().count();
+    header.push_str(&"=".repeat(92usize.saturating_sub(width)));
+    println!("{header}");
+    if !shows.is_empty() {
+        println!("  ({shows})");
+    }
+}
+
+fn print_indented(text: &str, indent: usize) {
+    let pad = " ".repeat(indent);
+    let mut out = String::new();
+    for line in text.trim_end().lines() {
+        let _ = writeln!(out, "{pad}{line}");
+    }
+    print!("{out}");
+}
+
+fn ensure_root() -> Result<()> {
+    // /proc/self belongs to the effective user: no libc call needed.
+    let uid = fs::metadata("/proc/self").context("while reading /proc/self")?.uid();
+    if uid != 0 {
+        bail!("the demo creates network namespaces and nftables tables: run it as root (uid is {uid})");
+    }
+    Ok(())
+}
+
+fn target_dir(root: &Path) -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), |dir| root.join(dir))
+}
