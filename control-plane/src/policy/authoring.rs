@@ -549,7 +549,7 @@ pub async fn request_snapshot(pool: &PgPool, id: WorkloadId) -> Result<ResendReq
     let Some((state, last_seen, last_snapshot)) = row else {
         return Err(Error::NotFound { what: "workload", name: id.to_string() });
     };
-    if state == crate::sync::session::SyncState::Offline.code() {
+    if state == innerwall_wire::sync::SyncState::Offline.code() {
         let seen = last_seen.map_or_else(|| "never".to_owned(), |t| t.to_rfc3339());
         return Err(Error::AgentOffline { id: id.to_string(), last_seen: seen });
     }

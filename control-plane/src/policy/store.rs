@@ -449,7 +449,7 @@ pub struct SyncStatusView {
 /// A sync state as its name (`PENDING`, `SYNCED`, `DEGRADED`, `OFFLINE`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(into = "&'static str")]
-pub struct StateName(pub crate::sync::session::SyncState);
+pub struct StateName(pub innerwall_wire::sync::SyncState);
 
 impl From<StateName> for &'static str {
     fn from(s: StateName) -> Self {
@@ -460,7 +460,7 @@ impl From<StateName> for &'static str {
 impl TryFrom<i16> for StateName {
     type Error = String;
     fn try_from(n: i16) -> Result<Self, String> {
-        crate::sync::session::SyncState::from_code(n)
+        innerwall_wire::sync::SyncState::from_code(n)
             .map(StateName)
             .map_err(|_| format!("unknown sync state {n}"))
     }
