@@ -5,7 +5,6 @@
 use std::collections::BTreeSet;
 use std::net::IpAddr;
 use std::process::Command;
-use std::time::Duration;
 
 use innerwall_control_plane::error::Error;
 use innerwall_control_plane::notice::CHANNEL as POLICY_CHANNEL;
@@ -197,13 +196,25 @@ async fn notify_only_after_commit() {
     let pool = &db.pool;
     let mut listener = PgListener::connect(&db.url).await.unwrap();
     listener.listen(POLICY_CHANNEL).await.unwrap();
-    let quiet =
-        async |l: &mut PgListener| tokio::time::timeout(Duration::from_millis(300), l.recv()).await.is_err();
+    // Absence is proven by a marker: a notice committed after the point in question must be the
+    // next one delivered (Postgres delivers notifications in commit order).
+    let mut markers = 0;
+    let mut nothing_before_marker = async |l: &mut PgListener| {
+        markers += 1;
+        let marker = format!("marker {markers}");
+        sqlx::query("SELECT pg_notify($1, $2)")
+            .bind(POLICY_CHANNEL)
+            .bind(&marker)
+            .execute(pool)
+            .await
+            .unwrap();
+        l.recv().await.unwrap().payload() == marker
+    };
 
     let payments = register(pool, "payments-db-1", &["app=payments-db"], &["10.0.0.10"]).await;
     let n = listener.recv().await.unwrap();
     assert_eq!(n.payload(), format!("{payments} 1"));
-    assert!(quiet(&mut listener).await);
+    assert!(nothing_before_marker(&mut listener).await);
 
     // A render inside an open transaction announces nothing until commit …
     let checkout_id = WorkloadId::new_random();
@@ -213,7 +224,7 @@ async fn notify_only_after_commit() {
     authoring::register_workload(&mut tx, &new).await.unwrap();
     let announced = publish::publish(&mut tx).await.unwrap();
     assert_eq!(announced, changed(&[(checkout_id, 1)]));
-    assert!(quiet(&mut listener).await, "nothing before commit");
+    assert!(nothing_before_marker(&mut listener).await, "nothing before commit");
     tx.commit().await.unwrap();
     assert_eq!(listener.recv().await.unwrap().payload(), format!("{checkout_id} 1"));
 
@@ -228,7 +239,7 @@ async fn notify_only_after_commit() {
     authoring::register_workload(&mut tx, &gone).await.unwrap();
     assert_eq!(publish::publish(&mut tx).await.unwrap().len(), 1);
     tx.rollback().await.unwrap();
-    assert!(quiet(&mut listener).await, "a rolled-back render announces nothing");
+    assert!(nothing_before_marker(&mut listener).await, "a rolled-back render announces nothing");
     assert!(store::persisted_policy(&mut pool.acquire().await.unwrap(), gone.id).await.unwrap().is_none());
 
     // Exactly the changed workloads: a ruleset on payments announces payments only.
@@ -236,7 +247,7 @@ async fn notify_only_after_commit() {
     let rs = ruleset("payments", "payments-db", vec![PeerSpec::cidr("10.9.0.0/16")], &["postgres"]);
     create_ruleset(pool, &rs).await;
     assert_eq!(listener.recv().await.unwrap().payload(), format!("{payments} 2"));
-    assert!(quiet(&mut listener).await);
+    assert!(nothing_before_marker(&mut listener).await, "only payments changed");
 }
 
 fn innerwall(url: &str, args: &[&str]) -> std::process::Output {

@@ -60,11 +60,6 @@ impl Scripted {
         let ack = proto::PolicyAck { version, status: status.into(), detail: detail.into() };
         self.tx.send(proto::SyncRequest { msg: Some(sync_request::Msg::Ack(ack)) }).await.unwrap();
     }
-
-    /// Nothing else arrives for a moment.
-    async fn quiet(&mut self) -> bool {
-        tokio::time::timeout(Duration::from_millis(400), self.inbound.message()).await.is_err()
-    }
 }
 
 async fn status(pool: &PgPool, id: WorkloadId) -> (String, i64, Option<i64>, String) {
@@ -116,9 +111,11 @@ async fn recovery_snapshot_does_not_loop() {
     assert_eq!((state.as_str(), detail.as_str()), ("DEGRADED", "nft refused the batch"));
     agent.ack(3, false, "base mismatch").await;
     agent.ack(4, false, "base mismatch").await;
-    assert!(agent.quiet().await, "stale failures must not earn more snapshots");
     agent.ack(4, true, "").await;
     assert_eq!(wait_state(pool, id, "SYNCED").await, ("SYNCED".into(), 4, Some(4), String::new()));
+    // The marker: one more version. A snapshot earned by a stale failure would come before it.
+    bump(pool, 3).await;
+    assert_eq!(agent.update().await, ("delta", 4, 5), "stale failures must not earn more snapshots");
     let failed_at: Option<chrono::DateTime<chrono::Utc>> =
         sqlx::query_scalar("SELECT last_apply_failed_at FROM workloads WHERE id = $1")
             .bind(id.uuid())
@@ -293,10 +290,15 @@ async fn two_replicas() {
     for agent in [&mut agent1, &mut agent2] {
         assert_eq!(agent.update().await, ("delta", 1, 2));
         agent.ack(2, true, "").await;
-        assert!(agent.quiet().await, "exactly one delta");
+    }
+    // The marker: one more version. A second update for v2 on either stream would come first.
+    bump(&pool, 0).await;
+    for agent in [&mut agent1, &mut agent2] {
+        assert_eq!(agent.update().await, ("delta", 2, 3), "exactly one delta per version");
+        agent.ack(3, true, "").await;
     }
     for id in [id1, id2] {
-        assert_eq!(wait_state(&pool, id, "SYNCED").await.1, 2);
+        assert_eq!(wait_state(&pool, id, "SYNCED").await.1, 3);
     }
     b.stop().await.unwrap();
     a.running.take().unwrap().stop().await.unwrap();
