@@ -6,9 +6,8 @@
 
 use std::fmt;
 use std::net::IpAddr;
-use std::str::FromStr;
 
-use crate::policy::{Mode, PolicyError, Protocol, RuleId, Version, WorkloadPolicy};
+use crate::policy::{Mode, Protocol, RuleId, Version, WorkloadPolicy};
 
 /// The decision the installed policy made (or would make) about a flow.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -23,36 +22,12 @@ pub enum Decision {
     Blocked,
 }
 
-impl Decision {
-    pub const ALL: [Decision; 4] =
-        [Decision::Observed, Decision::Allowed, Decision::WouldBlock, Decision::Blocked];
-
-    /// The name operators read and type (`flows list --decision blocked`).
-    pub fn name(self) -> &'static str {
-        match self {
-            Decision::Observed => "observed",
-            Decision::Allowed => "allowed",
-            Decision::WouldBlock => "would-block",
-            Decision::Blocked => "blocked",
-        }
-    }
-}
-
-impl fmt::Display for Decision {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Decision {
-    type Err = PolicyError;
-    fn from_str(s: &str) -> Result<Self, PolicyError> {
-        Decision::ALL
-            .into_iter()
-            .find(|d| d.name() == s)
-            .ok_or_else(|| PolicyError::UnknownName { what: "decision", text: s.to_owned() })
-    }
-}
+named_enum!(Decision, "decision", {
+    Observed => "observed",
+    Allowed => "allowed",
+    WouldBlock => "would-block",
+    Blocked => "blocked",
+});
 
 /// Why some evidence is missing (FLOW-2): a review shows these, never silence.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -67,25 +42,12 @@ pub enum GapKind {
     WindowKeyOverflow,
 }
 
-impl GapKind {
-    pub const ALL: [GapKind; 4] =
-        [GapKind::MapFull, GapKind::AgentRestart, GapKind::UploadBufferOverflow, GapKind::WindowKeyOverflow];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            GapKind::MapFull => "map-full",
-            GapKind::AgentRestart => "agent-restart",
-            GapKind::UploadBufferOverflow => "upload-buffer-overflow",
-            GapKind::WindowKeyOverflow => "window-key-overflow",
-        }
-    }
-}
-
-impl fmt::Display for GapKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
+named_enum!(GapKind, "gap kind", {
+    MapFull => "map-full",
+    AgentRestart => "agent-restart",
+    UploadBufferOverflow => "upload-buffer-overflow",
+    WindowKeyOverflow => "window-key-overflow",
+});
 
 /// One inbound flow key aggregated over a window. Times are Unix milliseconds.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -7,7 +7,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::IpAddr;
-use std::str::FromStr;
 
 use ipnet::IpNet;
 
@@ -22,33 +21,11 @@ pub enum Mode {
     Enforcement,
 }
 
-impl Mode {
-    pub const ALL: [Mode; 3] = [Mode::Visibility, Mode::Simulation, Mode::Enforcement];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Mode::Visibility => "visibility",
-            Mode::Simulation => "simulation",
-            Mode::Enforcement => "enforcement",
-        }
-    }
-}
-
-impl fmt::Display for Mode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Mode {
-    type Err = PolicyError;
-    fn from_str(s: &str) -> Result<Self, PolicyError> {
-        Mode::ALL
-            .into_iter()
-            .find(|m| m.name() == s)
-            .ok_or_else(|| PolicyError::UnknownName { what: "mode", text: s.to_owned() })
-    }
-}
+named_enum!(Mode, "mode", {
+    Visibility => "visibility",
+    Simulation => "simulation",
+    Enforcement => "enforcement",
+});
 
 /// The protocol of one resolved rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -59,38 +36,12 @@ pub enum Protocol {
     Icmpv6,
 }
 
+named_enum!(Protocol, "protocol", { Tcp => "tcp", Udp => "udp", Icmp => "icmp", Icmpv6 => "icmpv6" });
+
 impl Protocol {
-    pub const ALL: [Protocol; 4] = [Protocol::Tcp, Protocol::Udp, Protocol::Icmp, Protocol::Icmpv6];
-
-    /// The name used in rule ids (`<authored-rule-id>/<name>`) and on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            Protocol::Tcp => "tcp",
-            Protocol::Udp => "udp",
-            Protocol::Icmp => "icmp",
-            Protocol::Icmpv6 => "icmpv6",
-        }
-    }
-
     /// TCP and UDP rules match port ranges; ICMP and ICMPv6 rules have none.
     pub fn has_ports(self) -> bool {
         matches!(self, Protocol::Tcp | Protocol::Udp)
-    }
-}
-
-impl fmt::Display for Protocol {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Protocol {
-    type Err = PolicyError;
-    fn from_str(s: &str) -> Result<Self, PolicyError> {
-        Protocol::ALL
-            .into_iter()
-            .find(|p| p.name() == s)
-            .ok_or_else(|| PolicyError::UnknownName { what: "protocol", text: s.to_owned() })
     }
 }
 
