@@ -7,6 +7,11 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::{Arc, Mutex, PoisonError, mpsc};
 
+use nix::errno::Errno;
+use nix::sys::prctl;
+use nix::sys::signal::{self, Signal};
+use nix::unistd::{self, Pid};
+
 use super::{Error, io_error};
 
 /// A `postgres` started by [`Cluster::spawn_child`](super::Cluster::spawn_child): a direct child
@@ -23,21 +28,20 @@ impl ChildServer {
     /// and returns once it has started.
     pub(super) fn spawn(mut cmd: Command, port: u16) -> Result<Self, Error> {
         let program = PathBuf::from(cmd.get_program());
-        let parent = std::process::id();
+        let parent = unistd::getpid();
         #[allow(unsafe_code)]
         // SAFETY: the closure runs in the forked child before exec. It makes only
-        // async-signal-safe calls (prctl, getppid) and does not allocate. std runs it after
-        // setgid/setuid, which matters: a credential change clears the parent-death signal.
+        // async-signal-safe calls (prctl, getppid; nix's wrappers add only an errno read) and
+        // does not allocate (an `Errno` becomes an `io::Error` without allocating). std runs it
+        // after setgid/setuid, which matters: a credential change clears the parent-death signal.
         unsafe {
             cmd.pre_exec(move || {
                 // SIGQUIT is postgres's immediate shutdown: it stops its backends and frees its
                 // shared memory, which SIGKILL would leave behind.
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGQUIT as libc::c_ulong) != 0 {
-                    return Err(io::Error::last_os_error());
-                }
+                prctl::set_pdeathsig(Signal::SIGQUIT)?;
                 // The parent may have died before prctl took effect; the signal would never come.
-                if libc::getppid() as u32 != parent {
-                    return Err(io::Error::from_raw_os_error(libc::ESRCH));
+                if unistd::getppid() != parent {
+                    return Err(Errno::ESRCH.into());
                 }
                 Ok(())
             });
@@ -86,17 +90,11 @@ impl ChildServer {
     }
     /// Sends SIGQUIT (immediate shutdown) unless it has exited already.
     pub fn kill(&self) {
-        if self.exit_status().is_none() {
-            send_signal(self.pid, libc::SIGQUIT);
+        // Not yet reaped by the keeper thread, so the pid still names our child, not a reuse.
+        if self.exit_status().is_none()
+            && let Ok(pid) = i32::try_from(self.pid)
+        {
+            let _ = signal::kill(Pid::from_raw(pid), Signal::SIGQUIT);
         }
-    }
-}
-
-fn send_signal(pid: u32, signal: libc::c_int) {
-    let Ok(pid) = libc::pid_t::try_from(pid) else { return };
-    #[allow(unsafe_code)]
-    // SAFETY: kill has no memory-safety preconditions; `pid` is a child we have not yet reaped.
-    unsafe {
-        libc::kill(pid, signal);
     }
 }

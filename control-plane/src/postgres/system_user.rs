@@ -30,26 +30,14 @@ impl ServerUser {
 }
 
 fn running_as_root() -> bool {
-    #[allow(unsafe_code)]
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let euid = unsafe { libc::geteuid() };
-    euid == 0
+    nix::unistd::geteuid().is_root()
 }
 
+/// `(uid, gid)` of the account `name`, or `None` if there is none or the lookup fails.
 fn lookup_user(name: &str) -> Option<(u32, u32)> {
-    // getent goes through NSS, so accounts from LDAP or systemd-userdbd count too.
-    let output = Command::new("getent").args(["passwd", name]).output().ok()?;
-    if !output.status.success() {
-        return None;
-    }
-    parse_passwd_line(String::from_utf8_lossy(&output.stdout).lines().next()?)
-}
-
-/// `(uid, gid)` of a passwd(5) line.
-fn parse_passwd_line(line: &str) -> Option<(u32, u32)> {
-    let mut fields = line.split(':');
-    let (_name, _password) = (fields.next()?, fields.next()?);
-    Some((fields.next()?.parse().ok()?, fields.next()?.parse().ok()?))
+    // getpwnam_r goes through NSS, so accounts from LDAP or systemd-userdbd count too.
+    let user = nix::unistd::User::from_name(name).ok()??;
+    Some((user.uid.as_raw(), user.gid.as_raw()))
 }
 
 fn ensure_system_user(name: &str) -> Result<ServerUser, Error> {
@@ -92,11 +80,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn passwd_line() {
-        assert_eq!(
-            parse_passwd_line("innerwall:x:998:998::/home/innerwall:/usr/sbin/nologin"),
-            Some((998, 998))
-        );
-        assert_eq!(parse_passwd_line("broken:x:"), None);
+    fn accounts_are_looked_up() {
+        assert_eq!(lookup_user("root"), Some((0, 0)));
+        assert_eq!(lookup_user("innerwall-no-such-account"), None);
+        assert_eq!(lookup_user("nul\0byte"), None);
     }
 }
