@@ -1,0 +1,75 @@
+//! The `innerwall` CLI's embedded default: one daemonized cluster under the state directory,
+//! started on demand and shared by every invocation.
+
+use std::path::Path;
+
+use sqlx::postgres::PgConnection;
+use sqlx::{AssertSqlSafe, Connection};
+
+use super::cluster::{Cluster, wait_until_accepting};
+use super::url::{database_url, pick_free_port, quote_ident, redact_url};
+use super::{DATABASE, Error, START_TIMEOUT, SUPERUSER, blocking};
+
+/// The embedded default of the `innerwall` CLI: initializes the cluster under
+/// `<state_dir>/postgres` if missing, starts it as a daemon that outlives this process if it is not
+/// running, creates the `innerwall` database if missing and returns its URL.
+///
+/// Concurrent callers serialize on the cluster's lock file; the second finds the server running.
+pub async fn embedded(state_dir: &Path) -> Result<String, Error> {
+    let root = state_dir.join("postgres");
+    let (cluster, port, password, lock) = blocking(move || {
+        let cluster = Cluster::new(root)?;
+        let lock = cluster.lock()?;
+        if !cluster.is_initialized() {
+            cluster.init(true)?;
+        }
+        let password = cluster.password()?;
+        let mut port = cluster.port()?;
+        if !cluster.is_running()? {
+            let mut attempts = 0;
+            loop {
+                match cluster.start_daemon(port) {
+                    Ok(()) => break,
+                    // After a reboot another program may hold the recorded port: move once.
+                    Err(Error::PortInUse { .. }) if attempts < 3 => {
+                        attempts += 1;
+                        port = pick_free_port()?;
+                        cluster.write_port(port)?;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        Ok((cluster, port, password, lock))
+    })
+    .await?;
+    let admin_url = database_url(SUPERUSER, &password, port, "postgres");
+    wait_until_accepting(&admin_url, &cluster, port, START_TIMEOUT, || None).await?;
+    ensure_database(&admin_url, DATABASE).await?;
+    drop(lock);
+    Ok(database_url(SUPERUSER, &password, port, DATABASE))
+}
+
+/// The cluster [`embedded`] manages for `state_dir`, e.g. to stop it.
+pub fn embedded_cluster(state_dir: &Path) -> Result<Cluster, Error> {
+    Cluster::new(state_dir.join("postgres"))
+}
+
+async fn ensure_database(admin_url: &str, database: &str) -> Result<(), Error> {
+    let mut conn = PgConnection::connect(admin_url)
+        .await
+        .map_err(|source| Error::Connect { url: redact_url(admin_url), source })?;
+    let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
+        .bind(database)
+        .fetch_one(&mut conn)
+        .await
+        .map_err(|source| Error::Sql { action: format!("looking up database {database:?}"), source })?;
+    if !exists {
+        sqlx::raw_sql(AssertSqlSafe(format!("CREATE DATABASE {}", quote_ident(database))))
+            .execute(&mut conn)
+            .await
+            .map_err(|source| Error::Sql { action: format!("creating database {database:?}"), source })?;
+    }
+    let _ = conn.close().await;
+    Ok(())
+}

@@ -1,0 +1,160 @@
+//! PostgreSQL for the control plane: a private cluster run from the system's server binaries
+//! (the `innerwall` CLI's embedded default and the test harness's server) and the migrated pool.
+//!
+//! A cluster directory holds:
+//!
+//! ```text
+//! <root>/lock        flock'ed while a process inits, starts or stops the cluster
+//! <root>/port        the TCP port on 127.0.0.1, chosen once and reused by later invocations
+//! <root>/password    the superuser's password (0600, owned by the invoking user)
+//! <root>/server.log  the server's log
+//! <root>/data/       PGDATA, owned by the server user
+//! <root>/run/        the server's unix socket directory
+//! ```
+//!
+//! The server never runs as root (`initdb` and `postgres` refuse to): a root caller runs it as the
+//! dedicated system user [`SERVER_USER`], created on first use.
+//!
+//! Authentication: TCP on 127.0.0.1 takes the superuser's SCRAM password, because any local
+//! account can open a TCP connection there and `trust` would make it superuser. The unix socket
+//! uses `trust`: its directory is 0700, so only the server user and root reach it. The CLI hands
+//! out the TCP URL (with password); the test harness uses the socket, which spares every test
+//! connection a SCRAM exchange (tens of milliseconds in debug builds).
+//!
+//! Where things live: `cluster` (one cluster directory: binaries, init, start, stop, wait),
+//! `child` (a server that dies with this process), `system_user` (the account the server runs
+//! as), `embedded` (the CLI's default database), `test_server` (the test harness's private server)
+//! and `url` (URLs, ports, identifiers). This file keeps the shared constants, the module's
+//! [`Error`] and the migrated pool; the submodules are private and everything public is
+//! re-exported here.
+
+mod child;
+mod cluster;
+mod embedded;
+mod system_user;
+mod test_server;
+mod url;
+
+use std::io;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use sqlx::migrate::{MigrateError, Migrator};
+use sqlx::postgres::{PgPool, PgPoolOptions};
+
+pub use self::child::ChildServer;
+pub use self::cluster::{Binaries, Cluster};
+pub use self::embedded::{embedded, embedded_cluster};
+pub use self::system_user::ServerUser;
+pub use self::test_server::TestCluster;
+pub use self::url::{
+    database_url, parse_port, pick_free_port, quote_ident, redact_url, socket_url, with_database,
+};
+
+/// The control plane's schema, embedded at compile time.
+pub static MIGRATOR: Migrator = sqlx::migrate!("../migrations");
+
+/// The unprivileged system account a root caller runs the server as.
+pub const SERVER_USER: &str = "innerwall";
+/// The cluster's superuser role.
+pub const SUPERUSER: &str = "innerwall";
+/// The database the embedded cluster serves to the control plane.
+pub const DATABASE: &str = "innerwall";
+
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(
+        "`{binary}` not found on PATH or in /usr/lib/postgresql/*/bin: install the PostgreSQL server \
+         (apt install postgresql-15) or pass --database-url"
+    )]
+    BinaryNotFound { binary: &'static str },
+    #[error(
+        "postgres cannot run as root and the system user {user:?} is missing and could not be created \
+         ({detail}): create it with `useradd --system --no-create-home --shell /usr/sbin/nologin {user}` \
+         or run as an unprivileged user"
+    )]
+    ServerUser { user: String, detail: String },
+    #[error(
+        "{path} is not reachable by the server user {user:?} (a directory on the way lacks search \
+         permission): put the state directory under /var/lib or /tmp, or `chmod o+x` its parents"
+    )]
+    NotReachable { path: PathBuf, user: String },
+    #[error("cannot {action} {path}")]
+    Io {
+        action: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("`{command}` failed ({status}):\n{output}")]
+    Command { command: String, status: String, output: String },
+    #[error("invalid port file {path}: {content:?}; delete it to pick a new port")]
+    PortFile { path: PathBuf, content: String },
+    #[error(
+        "cluster directory {path} is damaged ({what}): stop any server using it and delete the \
+         directory to start over"
+    )]
+    Damaged { path: PathBuf, what: String },
+    #[error("port {port} on 127.0.0.1 is in use; server log {log} ends with:\n{log_tail}")]
+    PortInUse { port: u16, log: PathBuf, log_tail: String },
+    #[error(
+        "postgres in {data_dir} did not accept connections on 127.0.0.1:{port} within {waited:?}; \
+         server log {log} ends with:\n{log_tail}"
+    )]
+    StartTimeout { data_dir: PathBuf, port: u16, waited: Duration, log: PathBuf, log_tail: String },
+    #[error(
+        "postgres in {data_dir} exited while starting ({status}); server log {log} ends with:\n{log_tail}"
+    )]
+    Exited { data_dir: PathBuf, status: String, log: PathBuf, log_tail: String },
+    #[error(
+        "cannot connect to {url}: check that the server runs and that the URL's host, port, user, \
+         password and database are right"
+    )]
+    Connect {
+        url: String,
+        #[source]
+        source: sqlx::Error,
+    },
+    #[error("migrating the database at {url} failed: fix the migration or the database, then retry")]
+    Migrate {
+        url: String,
+        #[source]
+        source: MigrateError,
+    },
+    #[error("{action} failed")]
+    Sql {
+        action: String,
+        #[source]
+        source: sqlx::Error,
+    },
+}
+
+fn io_error(action: &'static str, path: impl Into<PathBuf>) -> impl FnOnce(io::Error) -> Error {
+    move |source| Error::Io { action, path: path.into(), source }
+}
+
+/// Connects to `url` and brings its schema up to date with [`MIGRATOR`].
+pub async fn connect(url: &str) -> Result<PgPool, Error> {
+    let pool = pool_options()
+        .connect(url)
+        .await
+        .map_err(|source| Error::Connect { url: redact_url(url), source })?;
+    MIGRATOR.run(&pool).await.map_err(|source| Error::Migrate { url: redact_url(url), source })?;
+    Ok(pool)
+}
+
+/// The pool settings [`connect`] uses; callers that manage migrations themselves start from here.
+pub fn pool_options() -> PgPoolOptions {
+    PgPoolOptions::new().max_connections(10).min_connections(0).acquire_timeout(Duration::from_secs(10))
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, Error> + Send + 'static,
+) -> Result<T, Error> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(result) => result,
+        Err(e) => std::panic::resume_unwind(e.into_panic()),
+    }
+}
