@@ -69,8 +69,6 @@ pub enum CaptureError {
     },
     #[error("eBPF diagnostics (aya-log): {0}")]
     Log(#[from] aya_log::Error),
-    #[error("listing interfaces: {0}")]
-    Io(#[from] std::io::Error),
 }
 
 /// One inbound flow record as drained: key plus counters summed over CPUs.
@@ -325,35 +323,6 @@ impl Capture {
         }
         Ok(totals)
     }
-
-    /// Non-loopback Ethernet-type interfaces of the calling thread's network namespace
-    /// (what the program can parse: it expects an Ethernet header), sorted. Asked of the kernel
-    /// over netlink (`ip -j link show`), not read from /sys/class/net, which shows the
-    /// namespace sysfs was mounted in rather than the caller's.
-    pub fn interfaces_of_host() -> Result<Vec<String>, CaptureError> {
-        let out = std::process::Command::new("ip").args(["-j", "link", "show"]).output()?;
-        if !out.status.success() {
-            return Err(CaptureError::Io(std::io::Error::other(format!(
-                "`ip -j link show` failed: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            ))));
-        }
-        ethernet_interfaces(&out.stdout).map_err(|e| CaptureError::Io(std::io::Error::other(e)))
-    }
-}
-
-/// The non-loopback Ethernet interfaces in `ip -j link show` output, sorted.
-fn ethernet_interfaces(ip_json: &[u8]) -> Result<Vec<String>, String> {
-    let links: Vec<serde_json::Value> =
-        serde_json::from_slice(ip_json).map_err(|e| format!("parsing `ip -j link show`: {e}"))?;
-    let mut names: Vec<String> = links
-        .iter()
-        .filter(|link| link["link_type"] == "ether")
-        .filter(|link| !link["flags"].as_array().is_some_and(|f| f.iter().any(|f| f == "LOOPBACK")))
-        .filter_map(|link| link["ifname"].as_str().map(str::to_owned))
-        .collect();
-    names.sort();
-    Ok(names)
 }
 
 /// Where the eBPF object is read from: `$INNERWALL_EBPF_OBJECT`, else
@@ -432,18 +401,6 @@ mod tests {
         let offset = realtime_minus_monotonic_ns();
         // After 2020 (1.5e18 ns since the epoch) once any monotonic value is added.
         assert!(offset > 1_500_000_000_000_000_000);
-    }
-
-    #[test]
-    fn only_non_loopback_ethernet_links_are_captured() {
-        let json = br#"[
-            {"ifname": "lo", "flags": ["LOOPBACK", "UP"], "link_type": "loopback"},
-            {"ifname": "veth1", "flags": ["BROADCAST", "UP"], "link_type": "ether"},
-            {"ifname": "eth0", "flags": ["BROADCAST", "UP"], "link_type": "ether"},
-            {"ifname": "wg0", "flags": ["POINTOPOINT", "UP"], "link_type": "none"}
-        ]"#;
-        assert_eq!(ethernet_interfaces(json).unwrap(), ["eth0", "veth1"]);
-        assert!(ethernet_interfaces(b"not json").is_err());
     }
 
     #[test]

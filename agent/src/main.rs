@@ -6,7 +6,8 @@ use std::process::ExitCode;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use innerwall_agent::daemon::{self, RunConfig};
+use innerwall_agent::connect::RunConfig;
+use innerwall_agent::daemon;
 use innerwall_agent::enforce::desired::DesiredTable;
 use innerwall_agent::enforce::{self, DEFAULT_STATE_DIR, LinuxPolicyStore, PolicyStore as _, status};
 use innerwall_agent::policy_file;
@@ -96,7 +97,7 @@ fn main() -> ExitCode {
     match run(Cli::parse().command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("error: {err:#}");
+            eprintln!("error: {}", innerwall_agent::error::chain(err.as_ref()));
             ExitCode::FAILURE
         }
     }
@@ -121,7 +122,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             runtime.block_on(daemon::run(config))?;
         }
         Command::Enroll { state, server, token, ca_bundle, force } => {
-            let ca = daemon::read_ca_bundle(&ca_bundle)?;
+            let ca = innerwall_agent::enroll::read_ca_bundle(&ca_bundle)?;
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()

@@ -155,10 +155,10 @@ pub async fn session<S: PolicyStore + Send + 'static>(
     enforcer: Arc<Enforcer<S>>,
     stats: &mut SessionStats,
 ) -> SessionEnd {
-    let facts = tokio::task::spawn_blocking(crate::enroll::host_facts).await.unwrap_or_default();
+    let facts = tokio::task::spawn_blocking(crate::facts::host_facts).await.unwrap_or_default();
     let hello = proto::Hello {
         applied_version: enforcer.applied_version(),
-        agent: Some(crate::enroll::agent_info()),
+        agent: Some(crate::facts::agent_info()),
         facts: Some(facts),
     };
     let (tx, rx) = mpsc::channel(64);
@@ -229,7 +229,7 @@ pub async fn session<S: PolicyStore + Send + 'static>(
                 }
             }
             _ = inventory.tick() => {
-                let facts = tokio::task::spawn_blocking(crate::enroll::host_facts).await.unwrap_or_default();
+                let facts = tokio::task::spawn_blocking(crate::facts::host_facts).await.unwrap_or_default();
                 let report = proto::InventoryReport { facts: Some(facts), listening_services: Vec::new() };
                 if tx.send(msg(sync_request::Msg::Inventory(report))).await.is_err() {
                     return SessionEnd::Closed("stream closed".into());

@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 use std::net::IpAddr;
 use std::time::Duration;
 
-use innerwall_agent::daemon;
+use innerwall_agent::connect::connect;
 use innerwall_agent::telemetry::{self, Queue};
 use innerwall_control_plane::authoring::{self, AddressGroupSpec, NewWorkload};
 use innerwall_wire::identity::WorkloadId;
@@ -93,7 +93,7 @@ async fn flows_end_to_end_with_label_snapshot() {
             record("192.0.2.1", 22, 1),
         ]))
         .unwrap();
-    let delivered = queue.upload(daemon::connect(&config).await.unwrap()).await.unwrap();
+    let delivered = queue.upload(connect(&config).await.unwrap()).await.unwrap();
     assert_eq!(delivered, 1);
     assert!(queue.is_empty());
 
@@ -142,11 +142,10 @@ async fn flows_end_to_end_with_label_snapshot() {
     // A malformed window is refused whole, with the reason; nothing of it is stored.
     let mut bad = window(vec![record("10.9.0.7", 5432, 1), record("not-an-ip", 1, 1)]);
     bad.window_id = uuid::Uuid::new_v4().to_string();
-    let err =
-        proto::telemetry_service_client::TelemetryServiceClient::new(daemon::connect(&config).await.unwrap())
-            .report_flows(proto::ReportFlowsRequest { window: Some(bad) })
-            .await
-            .unwrap_err();
+    let err = proto::telemetry_service_client::TelemetryServiceClient::new(connect(&config).await.unwrap())
+        .report_flows(proto::ReportFlowsRequest { window: Some(bad) })
+        .await
+        .unwrap_err();
     assert!(err.message().contains("record 1: source \"not-an-ip\" is not an address"), "{err}");
     let windows: i64 =
         sqlx::query_scalar("SELECT count(*) FROM flow_windows").fetch_one(plane.pool()).await.unwrap();
@@ -162,7 +161,7 @@ async fn flow_upload_is_idempotent() {
     // A retry after a lost response is the same window again.
     queue.push(w.clone()).unwrap();
     queue.push(w).unwrap();
-    assert_eq!(queue.upload(daemon::connect(&config).await.unwrap()).await.unwrap(), 2);
+    assert_eq!(queue.upload(connect(&config).await.unwrap()).await.unwrap(), 2);
     let (windows, records, packets): (i64, i64, i64) = sqlx::query_as(
         "SELECT (SELECT count(*) FROM flow_windows WHERE workload_id = $1),
                 (SELECT count(*) FROM flow_records WHERE workload_id = $1),

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use innerwall_agent::daemon::RunConfig;
+use innerwall_agent::connect::RunConfig;
 use innerwall_agent::enforce::{EnforceError, Installed, MemoryPolicyStore, PolicyStore};
 use innerwall_agent::identity::Credential;
 use innerwall_agent::sync::Enforcer;

@@ -5,17 +5,15 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use innerwall_agent::daemon;
+use innerwall_agent::connect::RunConfig;
 use innerwall_agent::sync::{Enforcer, WireUpdate};
+use innerwall_agent::{daemon, renew};
 use innerwall_wire::policy::diff;
 use innerwall_wire::proto;
 
 use crate::plane::{Plane, TestStore, credential, history};
 
-fn spawn_agent(
-    config: &daemon::RunConfig,
-    enforcer: &Arc<Enforcer<TestStore>>,
-) -> tokio::task::JoinHandle<()> {
+fn spawn_agent(config: &RunConfig, enforcer: &Arc<Enforcer<TestStore>>) -> tokio::task::JoinHandle<()> {
     let (config, enforcer) = (config.clone(), enforcer.clone());
     tokio::spawn(async move {
         daemon::hold_stream(&config, enforcer).await.unwrap();
@@ -172,7 +170,7 @@ async fn renewal_keeps_stream_open() {
     let before = credential(&config);
     let enforcer = Arc::new(Enforcer::new(TestStore::default()));
     let agent = spawn_agent(&config, &enforcer);
-    let renewal = tokio::spawn(daemon::renew_forever(config.clone(), enforcer.clone()));
+    let renewal = tokio::spawn(renew::renew_forever(config.clone(), enforcer.clone()));
     plane.wait_synced(id, 1).await;
     let epoch = |pool: sqlx::PgPool| async move {
         sqlx::query_scalar::<_, i64>("SELECT stream_epoch FROM workloads WHERE id = $1")
