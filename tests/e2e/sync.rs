@@ -73,7 +73,7 @@ async fn failed_apply_keeps_last_good_and_acks_failed() {
     // The same refusal, directly: a delta on the wrong base leaves the store untouched.
     let v3 = enforcer.current().unwrap();
     let wrong = WireUpdate::Delta(proto::PolicyDelta::from(&diff(&v1, &v1.clone().with_version(9))));
-    let err = enforcer.apply(&wrong).unwrap_err();
+    let err = enforcer.apply(&wrong).unwrap_err().to_string();
     assert!(err.contains("based on version 1 but version 3 is held"), "{err}");
     assert_eq!(enforcer.current().unwrap(), v3);
     agent.abort();

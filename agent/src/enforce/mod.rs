@@ -4,7 +4,9 @@
 //!
 //! - [`desired`]: pure — policy → desired table, its nft rendering, CIDR merging, element diff.
 //! - [`persist`]: the durable, checksummed policy file.
-//! - [`netlink`] / [`nft`]: the kernel edge (nftnl batches, readback, generation id).
+//! - [`netlink`]: the netfilter socket (one `sendmsg` per batch, dumps, generation id).
+//! - [`nft`]: the batches (full replace, element update, delete) built with nftnl.
+//! - [`state`]: the table's normalized state, comparison, and readback from the kernel.
 //! - [`linux`]: [`LinuxPolicyStore`], the backend that ties them together.
 //! - [`status`]: what `innerwall-agent status` reports.
 
@@ -13,6 +15,7 @@ pub mod linux;
 pub mod netlink;
 pub mod nft;
 pub mod persist;
+pub mod state;
 pub mod status;
 
 use std::time::SystemTime;

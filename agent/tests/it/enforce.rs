@@ -9,9 +9,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, SystemTime};
 
 use innerwall_agent::enforce::desired::DesiredTable;
-use innerwall_agent::enforce::nft;
 use innerwall_agent::enforce::status::{StatusReport, status};
 use innerwall_agent::enforce::{Installed, LinuxPolicyStore, PolicyFile, PolicyStore as _};
+use innerwall_agent::enforce::{nft, state};
 use innerwall_agent::policy_file;
 use innerwall_wire::policy::WorkloadPolicy;
 
@@ -117,13 +117,13 @@ fn netns_peer_delta_without_rebuild() {
         let mut store = LinuxPolicyStore::new(&state.0);
         assert_eq!(store.apply(&v1).expect("v1"), Installed::Full);
         expect_reach(&pair.client, &[(tcp(ALLOWED4, HOST4, 8080), false), (tcp(OTHER4, HOST4, 8080), true)]);
-        let before = nft::read_table().expect("read").expect("table");
+        let before = state::read_table().expect("read").expect("table");
 
         // Peer-only: one element batch; the table, its chain and rules (handles) stay.
         let how = store.apply(&v2).expect("v2");
         assert!(matches!(how, Installed::Elements { .. }), "{how:?}");
-        let after = nft::read_table().expect("read").expect("table");
-        let handles = |s: &nft::TableState| s.rules.iter().map(|r| r.handle).collect::<Vec<_>>();
+        let after = state::read_table().expect("read").expect("table");
+        let handles = |s: &state::TableState| s.rules.iter().map(|r| r.handle).collect::<Vec<_>>();
         assert_eq!(handles(&before), handles(&after), "no rule was re-created");
         let web_v4 = DesiredTable::from_policy(&v2)
             .sets
@@ -139,7 +139,7 @@ fn netns_peer_delta_without_rebuild() {
         pair.host.nft(&["delete", "element", "inet", "innerwall", &set, &format!("{{ {ALLOWED4} }}")]);
         let how = store.apply(&v3).expect("v3");
         assert_eq!(how, Installed::FullAfterRefusedElements);
-        let now = nft::read_table().expect("read").expect("table");
+        let now = state::read_table().expect("read").expect("table");
         assert!(now.differences(&nft::expected_state(&DesiredTable::from_policy(&v3))).is_empty());
         assert_eq!(store.current(), Some(&v3));
     });
@@ -364,7 +364,7 @@ fn netns_drift_is_repaired() {
                 store.check_drift(now).expect("check").unwrap_or_else(|| panic!("{edit:?} not detected"));
             assert!(event.detail.contains(expected), "{edit:?}: {}", event.detail);
             assert_eq!(event.at, now);
-            let repaired = nft::read_table().expect("read").expect("table restored");
+            let repaired = state::read_table().expect("read").expect("table restored");
             assert!(repaired.differences(&nft::expected_state(&DesiredTable::from_policy(&v1))).is_empty());
             let strip = |t: &str| t.lines().filter(|l| !l.contains("counter")).collect::<Vec<_>>().join("\n");
             assert_eq!(strip(&pair.host.nft(&["list", "table", "inet", "innerwall"])), strip(&pristine));
