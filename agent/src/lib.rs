@@ -2,7 +2,7 @@
 //!
 //! - Identity and enrollment: `identity` (the credential on disk), `enroll`, `renew`; `facts`
 //!   (what this host reports about itself); `connect` (run configuration and dialing).
-//! - Policy: `sync` (the policy stream), `enforce` (the owned nftables table), `policy_file`
+//! - Policy: `sync` (the policy stream), `enforce` (the owned nftables table), `policy_json`
 //!   (the JSON policy form of the dev commands `apply-file` / `render-file`).
 //! - Flow evidence: `capture` (the eBPF program), `flows` (pure windows), `evidence` (the
 //!   capture loop and window lifecycle), `telemetry` (queue and upload).
@@ -18,7 +18,7 @@ pub mod evidence;
 pub mod facts;
 pub mod flows;
 pub mod identity;
-pub mod policy_file;
+pub mod policy_json;
 pub mod renew;
 pub mod sync;
 pub mod telemetry;

@@ -10,7 +10,7 @@ use innerwall_agent::connect::RunConfig;
 use innerwall_agent::daemon;
 use innerwall_agent::enforce::desired::DesiredTable;
 use innerwall_agent::enforce::{self, DEFAULT_STATE_DIR, LinuxPolicyStore, PolicyStore as _, status};
-use innerwall_agent::policy_file;
+use innerwall_agent::policy_json;
 
 #[derive(Debug, Parser)]
 #[command(name = "innerwall-agent", version, about = "Innerwall host agent")]
@@ -71,15 +71,16 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Development: persist and install a policy from a file (JSON form or canonical bytes),
-    /// bypassing the control plane.
+    /// Development: persist and install a policy read from a file (a JSON policy or canonical
+    /// bytes), bypassing the control plane.
     #[command(hide = true)]
     ApplyFile {
         file: PathBuf,
         #[command(flatten)]
         state: StateDir,
     },
-    /// Development: print the nft rendering of a policy file's table.
+    /// Development: print the nft rendering of the table a JSON policy (or canonical bytes)
+    /// installs.
     #[command(hide = true)]
     RenderFile { file: PathBuf },
 }
@@ -105,7 +106,7 @@ fn main() -> ExitCode {
 
 fn read_policy(file: &Path) -> anyhow::Result<innerwall_wire::policy::WorkloadPolicy> {
     let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
-    policy_file::parse(&bytes).with_context(|| format!("parsing {}", file.display()))
+    policy_json::parse(&bytes).with_context(|| format!("parsing {}", file.display()))
 }
 
 fn run(command: Command) -> anyhow::Result<()> {

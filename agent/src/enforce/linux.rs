@@ -13,7 +13,7 @@ use innerwall_wire::policy::WorkloadPolicy;
 use super::desired::DesiredTable;
 use super::netlink;
 use super::nft;
-use super::persist::PolicyFile;
+use super::persist::PersistedPolicy;
 use super::state::{self, TableState};
 use super::{EnforceError, Installed, PolicyStore, TamperEvent};
 
@@ -32,7 +32,7 @@ struct Applied {
 /// The Linux enforcement backend.
 #[derive(Debug)]
 pub struct LinuxPolicyStore {
-    file: PolicyFile,
+    file: PersistedPolicy,
     applied: Option<Applied>,
     /// The ruleset generation at which the kernel table was last found equal to the expected
     /// one; `None` forces a full comparison at the next drift check.
@@ -58,7 +58,7 @@ impl LinuxPolicyStore {
     /// [`restore_persisted`](Self::restore_persisted) or [`apply`](PolicyStore::apply).
     pub fn new(state_dir: impl Into<PathBuf>) -> LinuxPolicyStore {
         LinuxPolicyStore {
-            file: PolicyFile::new(state_dir),
+            file: PersistedPolicy::new(state_dir),
             applied: None,
             verified_generation: None,
             full_comparisons: 0,
@@ -238,7 +238,7 @@ pub fn kill_switch(state_dir: &Path) -> Result<KillSwitchReport, EnforceError> {
     {
         tracing::warn!("could not write the kill switch marker in {}: {e}", state_dir.display());
     }
-    let (persisted_version, persisted_error) = match PolicyFile::new(state_dir).load() {
+    let (persisted_version, persisted_error) = match PersistedPolicy::new(state_dir).load() {
         Ok(p) => (p.map(|p| p.version()), None),
         Err(e) => (None, Some(e.to_string())),
     };

@@ -3,7 +3,8 @@
 //! netlink), fail-static restore, the kill switch, drift detection and repair, and status.
 //!
 //! - [`desired`]: pure — policy → desired table, its nft rendering, CIDR merging, element diff.
-//! - [`persist`]: the durable, checksummed policy file.
+//! - [`persist`]: the persisted policy: durable, checksummed, binary (not the JSON policy of
+//!   the dev commands, `crate::policy_json`).
 //! - [`netlink`]: the netfilter socket (one `sendmsg` per batch, dumps, generation id).
 //! - [`nft`]: the batches (full replace, element update, delete) built with nftnl.
 //! - [`state`]: the table's normalized state, comparison, and readback from the kernel.
@@ -24,7 +25,7 @@ use innerwall_wire::policy::WorkloadPolicy;
 
 pub use linux::{KillSwitchReport, LinuxPolicyStore, Restored, kill_switch};
 pub use netlink::NetlinkError;
-pub use persist::{PersistError, PolicyFile};
+pub use persist::{PersistError, PersistedPolicy};
 
 /// Default state directory of the agent.
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/innerwall-agent";

@@ -11,7 +11,7 @@ use super::EnforceError;
 use super::desired::{DesiredTable, TERMINAL_DROP, TERMINAL_WOULD_BLOCK, rule_comment};
 use super::linux::KILL_SWITCH_MARKER;
 use super::nft;
-use super::persist::PolicyFile;
+use super::persist::PersistedPolicy;
 use super::state::{self, RuleCounter};
 
 #[derive(Debug, Clone, Serialize)]
@@ -47,7 +47,7 @@ pub struct StatusReport {
 
 /// Reads the persisted policy and the kernel table.
 pub fn status(state_dir: &Path) -> Result<StatusReport, EnforceError> {
-    let (policy, persisted_error) = match PolicyFile::new(state_dir).load() {
+    let (policy, persisted_error) = match PersistedPolicy::new(state_dir).load() {
         Ok(p) => (p, None),
         Err(e) => (None, Some(e.to_string())),
     };

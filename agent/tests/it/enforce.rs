@@ -10,9 +10,9 @@ use std::time::{Duration, SystemTime};
 
 use innerwall_agent::enforce::desired::DesiredTable;
 use innerwall_agent::enforce::status::{StatusReport, status};
-use innerwall_agent::enforce::{Installed, LinuxPolicyStore, PolicyFile, PolicyStore as _};
+use innerwall_agent::enforce::{Installed, LinuxPolicyStore, PersistedPolicy, PolicyStore as _};
 use innerwall_agent::enforce::{nft, state};
-use innerwall_agent::policy_file;
+use innerwall_agent::policy_json;
 use innerwall_wire::policy::WorkloadPolicy;
 
 use crate::netns::*;
@@ -31,7 +31,7 @@ pub fn policy(version: u64, mode: &str, web_peers: &[&str]) -> WorkloadPolicy {
             {"id": "ping/icmpv6", "peers": [ALLOWED6]},
         ]
     });
-    policy_file::parse(json.to_string().as_bytes()).expect("test policy")
+    policy_json::parse(json.to_string().as_bytes()).expect("test policy")
 }
 
 /// The probes of the enforcement and simulation tests, with the enforcement outcome.
@@ -156,7 +156,7 @@ fn netns_failed_batch_is_atomic() {
         let mut store = LinuxPolicyStore::new(&state.0);
         store.apply(&v1).expect("v1");
         let before = ns.nft(&["-a", "list", "table", "inet", "innerwall"]);
-        let persisted = fs::read(PolicyFile::new(&state.0).path()).expect("persisted v1");
+        let persisted = fs::read(PersistedPolicy::new(&state.0).path()).expect("persisted v1");
 
         store.inject_fault_in_next_full_replace();
         let err = store.apply(&v2).expect_err("the kernel refuses the faulty batch").to_string();
@@ -166,7 +166,7 @@ fn netns_failed_batch_is_atomic() {
         let after = ns.nft(&["-a", "list", "table", "inet", "innerwall"]);
         assert_eq!(before, after, "the previous table is byte-identical");
         assert_eq!(
-            fs::read(PolicyFile::new(&state.0).path()).expect("persisted"),
+            fs::read(PersistedPolicy::new(&state.0).path()).expect("persisted"),
             persisted,
             "v1 stays persisted"
         );
@@ -233,8 +233,8 @@ impl Drop for Agent {
 
 fn apply_file(ns: &NetNs, state: &Path, policy: &WorkloadPolicy, dir: &Path) -> String {
     let file = dir.join(format!("policy-v{}.json", policy.version()));
-    let json = serde_json::to_string(&policy_file::PolicyJson::from_policy(policy)).expect("json");
-    fs::write(&file, json).expect("policy file");
+    let json = serde_json::to_string(&policy_json::PolicyJson::from_policy(policy)).expect("json");
+    fs::write(&file, json).expect("JSON policy file");
     let out = run(ns.command(AGENT).arg("apply-file").arg(&file).arg("--state-dir").arg(state));
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
@@ -294,7 +294,7 @@ fn netns_kill_switch_only_our_table() {
         store.apply(&policy(4, "enforcement", &[ALLOWED4])).expect("apply");
         store
     });
-    let persisted = fs::read(PolicyFile::new(&state.0).path()).expect("persisted");
+    let persisted = fs::read(PersistedPolicy::new(&state.0).path()).expect("persisted");
 
     let out = run(ns.command(AGENT).args(["down", "--state-dir"]).arg(&state.0));
     let out = String::from_utf8_lossy(&out.stdout);
@@ -304,7 +304,7 @@ fn netns_kill_switch_only_our_table() {
     let tables = ns.nft(&["list", "tables"]);
     assert!(!tables.contains("table inet innerwall"), "{tables}");
     assert_eq!(foreign(), foreign_before, "foreign tables untouched");
-    assert_eq!(fs::read(PolicyFile::new(&state.0).path()).expect("persisted"), persisted, "policy kept");
+    assert_eq!(fs::read(PersistedPolicy::new(&state.0).path()).expect("persisted"), persisted, "policy kept");
 
     // A running agent does not undo the kill switch as if it were drift…
     let event = ns.enter(|| store.check_drift(SystemTime::now())).expect("drift check");
