@@ -15,7 +15,7 @@ use super::netlink;
 use super::nft;
 use super::persist::PersistedPolicy;
 use super::state::{self, TableState};
-use super::{EnforceError, Installed, PolicyStore, TamperEvent};
+use super::store::{EnforceError, Installed, PolicyStore, TamperEvent};
 
 /// Marker left by `innerwall-agent down`: while it exists a running agent does not undo the
 /// kill switch by "repairing" the missing table. The next install removes it.

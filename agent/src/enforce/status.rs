@@ -7,12 +7,12 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use super::EnforceError;
 use super::desired::{DesiredTable, TERMINAL_DROP, TERMINAL_WOULD_BLOCK, rule_comment};
 use super::linux::KILL_SWITCH_MARKER;
 use super::nft;
 use super::persist::PersistedPolicy;
 use super::state::{self, RuleCounter};
+use super::store::EnforceError;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct RuleHits {
