@@ -8,7 +8,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use innerwall_wire::proto;
+use innerwall_wire::flows::GapKind;
 
 use crate::capture::{self, Capture, CaptureError};
 use crate::connect::RunConfig;
@@ -56,7 +56,7 @@ fn capture_forever<S: PolicyStore + Send + 'static>(
     let max_keys = || enforcer.flow_window_max_keys.load(Relaxed) as usize;
     let mut window = flows::Window::open(now_ms(), enforcer.current(), max_keys());
     if let Some(last) = std::fs::read_to_string(&marker).ok().and_then(|t| t.trim().parse::<i64>().ok()) {
-        window.gap(proto::EvidenceGapKind::AgentRestart, last, window.start_ms, 0);
+        window.gap(GapKind::AgentRestart, last, window.start_ms, 0);
     }
     let queue_window = |window: flows::Window, now: i64| {
         if let Err(e) = queue.push(window.close(now)) {

@@ -1,37 +1,13 @@
-//! Flow windows (FLOW-2, FLOW-3), pure: what the installed policy decides about an inbound
-//! flow, and the window that aggregates drained flow counters under one policy version with a
-//! bounded key count (overflow becomes an evidence gap, never silence).
+//! Flow windows (FLOW-2, FLOW-3), pure: the window that aggregates drained flow counters under
+//! one policy version with a bounded key count (overflow becomes an evidence gap, never
+//! silence), closed into the shared `innerwall_wire::flows::FlowWindow` with each record's
+//! decision from the one `decide`.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
+use innerwall_wire::flows::{EvidenceGap, FlowRecord, FlowWindow, GapKind, decide};
 use innerwall_wire::policy::{Mode, Protocol, WorkloadPolicy};
-use innerwall_wire::proto;
-
-/// The decision the policy installed at that moment makes (or would make) about a flow.
-pub fn decide(
-    policy: Option<&WorkloadPolicy>,
-    src: IpAddr,
-    dst_port: u16,
-    protocol: Protocol,
-) -> (proto::FlowDecision, String) {
-    let Some(policy) = policy else {
-        return (proto::FlowDecision::Observed, String::new());
-    };
-    if policy.mode() == Mode::Visibility {
-        return (proto::FlowDecision::Observed, String::new());
-    }
-    let matched = policy.rules().find(|r| {
-        r.protocol() == protocol
-            && (r.ports().is_empty() || r.ports().iter().any(|p| p.contains(dst_port)))
-            && r.peers().iter().any(|c| c.contains(&src))
-    });
-    match (matched, policy.mode()) {
-        (Some(rule), _) => (proto::FlowDecision::Allowed, rule.id().to_string()),
-        (None, Mode::Simulation) => (proto::FlowDecision::WouldBlock, String::new()),
-        (None, _) => (proto::FlowDecision::Blocked, String::new()),
-    }
-}
 
 /// The aggregation key of an inbound flow.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -76,7 +52,7 @@ pub struct Window {
     flows: BTreeMap<FlowKey, Counters>,
     overflow: u64,
     first_overflow_ms: Option<i64>,
-    gaps: Vec<proto::EvidenceGap>,
+    gaps: Vec<EvidenceGap>,
 }
 
 impl Window {
@@ -108,48 +84,42 @@ impl Window {
     }
 
     /// Something could not be recorded (map full, agent restart, …).
-    pub fn gap(&mut self, kind: proto::EvidenceGapKind, from_ms: i64, to_ms: i64, count: u64) {
-        self.gaps.push(proto::EvidenceGap {
-            kind: kind.into(),
-            from_unix_ms: from_ms,
-            to_unix_ms: to_ms.max(from_ms),
-            count,
-        });
+    pub fn gap(&mut self, kind: GapKind, from_ms: i64, to_ms: i64, count: u64) {
+        self.gaps.push(EvidenceGap { kind, from_ms, to_ms: to_ms.max(from_ms), count });
     }
 
     /// Closes the window: every record gets its decision under this window's policy.
-    pub fn close(mut self, end_ms: i64) -> proto::FlowWindow {
+    pub fn close(mut self, end_ms: i64) -> FlowWindow {
         if self.overflow > 0 {
             let from = self.first_overflow_ms.unwrap_or(self.start_ms);
-            self.gap(proto::EvidenceGapKind::WindowKeyOverflow, from, end_ms, self.overflow);
+            self.gap(GapKind::WindowKeyOverflow, from, end_ms, self.overflow);
         }
-        let mode = self.policy.as_ref().map_or(Mode::Visibility, WorkloadPolicy::mode);
         let records = self
             .flows
             .iter()
             .map(|(k, c)| {
-                let (decision, rule) = decide(self.policy.as_ref(), k.src, k.dst_port, k.protocol);
-                proto::FlowRecord {
-                    src_address: k.src.to_string(),
-                    dst_address: k.dst.to_string(),
-                    dst_port: u32::from(k.dst_port),
-                    protocol: proto::Protocol::from(k.protocol).into(),
-                    decision: decision.into(),
-                    matched_rule_id: rule,
+                let (decision, matched_rule) = decide(self.policy.as_ref(), k.src, k.dst_port, k.protocol);
+                FlowRecord {
+                    src: k.src,
+                    dst: k.dst,
+                    dst_port: k.dst_port,
+                    protocol: k.protocol,
+                    decision,
+                    matched_rule,
                     packets: c.packets,
                     bytes: c.bytes,
                     new_connections: c.new_connections,
-                    first_seen_unix_ms: c.first_seen_ms,
-                    last_seen_unix_ms: c.last_seen_ms,
+                    first_seen_ms: c.first_seen_ms,
+                    last_seen_ms: c.last_seen_ms,
                 }
             })
             .collect();
-        proto::FlowWindow {
-            window_id: self.id.to_string(),
-            start_unix_ms: self.start_ms,
-            end_unix_ms: end_ms.max(self.start_ms),
+        FlowWindow {
+            id: self.id,
+            start_ms: self.start_ms,
+            end_ms: end_ms.max(self.start_ms),
             policy_version: self.policy_version(),
-            mode: proto::EnforcementMode::from(mode).into(),
+            mode: self.policy.as_ref().map_or(Mode::Visibility, WorkloadPolicy::mode),
             records,
             gaps: self.gaps,
         }
@@ -190,52 +160,19 @@ pub fn absorb(
         window.add(key, counters, now_ms);
     }
     if map_full_drops > 0 {
-        window.gap(proto::EvidenceGapKind::MapFull, since_ms, now_ms, map_full_drops);
+        window.gap(GapKind::MapFull, since_ms, now_ms, map_full_drops);
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use innerwall_wire::policy::{Cidr, PortRange, ResolvedRule, RuleId};
+    use innerwall_wire::flows::Decision;
+    use innerwall_wire::testing::rule;
 
     use super::*;
 
     fn policy(mode: Mode) -> WorkloadPolicy {
-        let rule = ResolvedRule::new(
-            RuleId::new("db", Protocol::Tcp).unwrap(),
-            [PortRange::single(5432).unwrap()],
-            [Cidr::parse("10.0.0.0/24").unwrap()],
-        )
-        .unwrap();
-        let ping = ResolvedRule::new(
-            RuleId::new("ping", Protocol::Icmp).unwrap(),
-            [],
-            [Cidr::parse("0.0.0.0/0").unwrap()],
-        )
-        .unwrap();
-        WorkloadPolicy::new(4, mode, [rule, ping]).unwrap()
-    }
-
-    #[test]
-    fn decisions_follow_mode_and_rules() {
-        use proto::FlowDecision::*;
-        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
-        let check = |mode, src, port, proto, want: proto::FlowDecision, rule: &str| {
-            let p = policy(mode);
-            assert_eq!(
-                decide(Some(&p), ip(src), port, proto),
-                (want, rule.to_owned()),
-                "{mode} {src} {port} {proto}"
-            );
-        };
-        check(Mode::Enforcement, "10.0.0.9", 5432, Protocol::Tcp, Allowed, "db/tcp");
-        check(Mode::Enforcement, "10.0.1.9", 5432, Protocol::Tcp, Blocked, "");
-        check(Mode::Enforcement, "10.0.0.9", 5433, Protocol::Tcp, Blocked, "");
-        check(Mode::Enforcement, "10.0.0.9", 5432, Protocol::Udp, Blocked, "");
-        check(Mode::Simulation, "10.0.1.9", 5432, Protocol::Tcp, WouldBlock, "");
-        check(Mode::Simulation, "192.0.2.1", 0, Protocol::Icmp, Allowed, "ping/icmp");
-        check(Mode::Visibility, "10.0.1.9", 5432, Protocol::Tcp, Observed, "");
-        assert_eq!(decide(None, ip("10.0.0.9"), 5432, Protocol::Tcp), (Observed, String::new()));
+        WorkloadPolicy::new(4, mode, [rule("db", Protocol::Tcp, &[5432], &["10.0.0.0/24"])]).unwrap()
     }
 
     #[test]
@@ -264,15 +201,14 @@ mod tests {
         assert_eq!(closed.records.len(), 2);
         let first = &closed.records[0];
         assert_eq!(
-            (first.packets, first.new_connections, first.first_seen_unix_ms, first.last_seen_unix_ms),
+            (first.packets, first.new_connections, first.first_seen_ms, first.last_seen_ms),
             (5, 2, 1_050, 1_500)
         );
-        assert_eq!(first.decision, proto::FlowDecision::Allowed as i32);
-        assert_eq!(closed.gaps.len(), 1);
-        assert_eq!(closed.gaps[0].kind, proto::EvidenceGapKind::WindowKeyOverflow as i32);
+        assert_eq!(first.decision, Decision::Allowed);
+        assert_eq!(first.matched_rule.as_ref().map(ToString::to_string).as_deref(), Some("db/tcp"));
         assert_eq!(
-            (closed.gaps[0].count, closed.gaps[0].from_unix_ms, closed.gaps[0].to_unix_ms),
-            (2, 1_400, 2_000)
+            closed.gaps,
+            [EvidenceGap { kind: GapKind::WindowKeyOverflow, from_ms: 1_400, to_ms: 2_000, count: 2 }]
         );
     }
 }

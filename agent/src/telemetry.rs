@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use innerwall_wire::backoff;
+use innerwall_wire::flows::{EvidenceGap, FlowWindow, GapKind};
 use innerwall_wire::proto;
 use prost::Message;
 
@@ -51,17 +52,17 @@ impl Queue {
 
     /// Writes a closed window durably (temp file, fsync, rename), dropping the oldest windows
     /// beyond the bound and recording each as a gap on this one.
-    pub fn push(&self, mut window: proto::FlowWindow) -> std::io::Result<()> {
+    pub fn push(&self, mut window: FlowWindow) -> std::io::Result<()> {
         let files = self.files()?;
         let excess = (files.len() + 1).saturating_sub(self.max_windows);
         for old in files.iter().take(excess) {
             if let Ok(dropped) =
                 fs::read(old).map_err(drop).and_then(|b| proto::FlowWindow::decode(&b[..]).map_err(drop))
             {
-                window.gaps.push(proto::EvidenceGap {
-                    kind: proto::EvidenceGapKind::UploadBufferOverflow.into(),
-                    from_unix_ms: dropped.start_unix_ms,
-                    to_unix_ms: dropped.end_unix_ms,
+                window.gaps.push(EvidenceGap {
+                    kind: GapKind::UploadBufferOverflow,
+                    from_ms: dropped.start_unix_ms,
+                    to_ms: dropped.end_unix_ms,
                     count: dropped.records.len() as u64,
                 });
             }
@@ -73,7 +74,7 @@ impl Queue {
         let path = self.dir.join(format!("{seq:020}.window"));
         let tmp = path.with_extension("tmp");
         let mut file = fs::File::create(&tmp)?;
-        std::io::Write::write_all(&mut file, &window.encode_to_vec())?;
+        std::io::Write::write_all(&mut file, &proto::FlowWindow::from(&window).encode_to_vec())?;
         file.sync_all()?;
         fs::rename(&tmp, &path)?;
         fs::File::open(&self.dir)?.sync_all()

@@ -126,7 +126,7 @@ async fn upload(pool: PgPool, id: WorkloadId, verbose: bool) -> anyhow::Result<u
     let mut total = 0;
     for (w, wire) in wires.iter().enumerate() {
         let t = Instant::now();
-        let valid = flows::validate(wire).map_err(anyhow::Error::msg)?;
+        let valid = innerwall_wire::flows::FlowWindow::try_from(wire)?;
         let done = flows::ingest(&pool, id, &valid).await?;
         if done.duplicate || done.records != RECORDS {
             bail!("window {w} was not stored whole: {done:?}");

@@ -14,7 +14,8 @@ use uuid::Uuid;
 
 use crate::model::{Selector, ServiceEntry, validate_name};
 use crate::publish::{Changed, publish};
-use crate::store::{StoreError, mode_number, protocol_number, selector_to_json};
+use crate::store::{StoreError, selector_to_json};
+use innerwall_wire::convert::WireEnum;
 
 /// The result of a committed change: its value and the workloads whose version advanced.
 #[derive(Debug)]
@@ -180,7 +181,7 @@ async fn write_service_entries(
         } else {
             e.ports.iter().map(|r| Some((i32::from(r.start()), i32::from(r.end())))).collect()
         };
-        ranges.into_iter().map(move |r| (protocol_number(e.protocol), r))
+        ranges.into_iter().map(move |r| (e.protocol.code(), r))
     });
     for (ordinal, (protocol, range)) in rows.enumerate() {
         sqlx::query(
@@ -664,7 +665,7 @@ pub async fn set_mode(conn: &mut PgConnection, id: WorkloadId, mode: Mode) -> Re
     }
     sqlx::query("UPDATE workloads SET mode = $2 WHERE id = $1")
         .bind(id.uuid())
-        .bind(mode_number(mode))
+        .bind(mode.code())
         .execute(&mut *conn)
         .await?;
     Ok(())
@@ -717,7 +718,7 @@ pub async fn request_snapshot(pool: &PgPool, id: WorkloadId) -> Result<ResendReq
     let Some((state, last_seen, last_snapshot)) = row else {
         return Err(StoreError::NotFound { what: "workload", name: id.to_string() });
     };
-    if state == crate::session::SyncState::Offline.number() {
+    if state == crate::session::SyncState::Offline.code() {
         let seen = last_seen.map_or_else(|| "never".to_owned(), |t| t.to_rfc3339());
         return Err(StoreError::AgentOffline { id: id.to_string(), last_seen: seen });
     }

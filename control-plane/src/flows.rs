@@ -12,8 +12,9 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use chrono::{DateTime, Duration, NaiveDate, TimeZone, Utc};
+use innerwall_wire::convert::WireEnum;
+use innerwall_wire::flows::{Decision, FlowRecord, FlowWindow};
 use innerwall_wire::identity::WorkloadId;
-use innerwall_wire::policy::RuleId;
 use innerwall_wire::proto;
 use serde::Serialize;
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, Row};
@@ -21,141 +22,15 @@ use uuid::Uuid;
 
 use crate::store::StoreError;
 
-/// Bounds on one window.
-pub const MAX_RECORDS: usize = 100_000;
-pub const MAX_GAPS: usize = 1_000;
-pub const MAX_WINDOW: Duration = Duration::hours(24);
 /// Default retention of flow evidence.
 pub const DEFAULT_RETENTION_DAYS: i64 = 30;
 
 /// Key of the transaction-scoped advisory lock partition maintenance takes ("iw-flows").
 const PARTITION_LOCK_KEY: i64 = 0x6977_2d66_6c6f_7773;
 
-/// A window after validation.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Window {
-    pub id: Uuid,
-    pub start: DateTime<Utc>,
-    pub end: DateTime<Utc>,
-    pub policy_version: u64,
-    pub mode: i16,
-    pub records: Vec<Record>,
-    pub gaps: Vec<Gap>,
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct Record {
-    pub src: IpAddr,
-    pub dst: IpAddr,
-    pub dst_port: u16,
-    pub protocol: i16,
-    pub decision: i16,
-    pub matched_rule_id: String,
-    pub packets: u64,
-    pub bytes: u64,
-    pub new_connections: u64,
-    pub first_seen: DateTime<Utc>,
-    pub last_seen: DateTime<Utc>,
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct Gap {
-    pub kind: i16,
-    pub from: DateTime<Utc>,
-    pub to: DateTime<Utc>,
-    pub count: u64,
-}
-
-fn ms(what: &str, value: i64) -> Result<DateTime<Utc>, String> {
-    Utc.timestamp_millis_opt(value).single().ok_or_else(|| format!("{what} {value} is not a valid time"))
-}
-
-fn fits_i64(what: &str, n: u64) -> Result<u64, String> {
-    i64::try_from(n).map(|_| n).map_err(|_| format!("{what} {n} is out of range"))
-}
-
-/// Validates a whole window; the first problem refuses it, naming the record.
-pub fn validate(wire: &proto::FlowWindow) -> Result<Window, String> {
-    let id = Uuid::parse_str(&wire.window_id)
-        .map_err(|_| format!("window id {:?} is not a uuid", wire.window_id))?;
-    let (start, end) = (ms("window start", wire.start_unix_ms)?, ms("window end", wire.end_unix_ms)?);
-    if start > end || end - start > MAX_WINDOW {
-        return Err(format!("window [{start}, {end}) must be ordered and at most 24 h long"));
-    }
-    let mode = i16::try_from(wire.mode)
-        .ok()
-        .filter(|m| (1..=3).contains(m))
-        .ok_or(format!("unknown mode {}", wire.mode))?;
-    if wire.records.len() > MAX_RECORDS || wire.gaps.len() > MAX_GAPS {
-        return Err(format!("a window carries at most {MAX_RECORDS} records and {MAX_GAPS} gaps"));
-    }
-    fits_i64("policy version", wire.policy_version)?;
-    let records = wire
-        .records
-        .iter()
-        .enumerate()
-        .map(|(i, r)| record(r).map_err(|e| format!("record {i}: {e}")))
-        .collect::<Result<Vec<_>, _>>()?;
-    let gaps = wire
-        .gaps
-        .iter()
-        .enumerate()
-        .map(|(i, g)| {
-            let kind = i16::try_from(g.kind)
-                .ok()
-                .filter(|k| (1..=4).contains(k))
-                .ok_or(format!("gap {i}: unknown kind {}", g.kind))?;
-            let (from, to) = (ms("gap start", g.from_unix_ms)?, ms("gap end", g.to_unix_ms)?);
-            if from > to {
-                return Err(format!("gap {i}: interval is reversed"));
-            }
-            Ok(Gap { kind, from, to, count: fits_i64("gap count", g.count)? })
-        })
-        .collect::<Result<Vec<_>, String>>()?;
-    Ok(Window { id, start, end, policy_version: wire.policy_version, mode, records, gaps })
-}
-
-fn record(r: &proto::FlowRecord) -> Result<Record, String> {
-    let addr = |what: &str, text: &str| {
-        text.parse::<IpAddr>().map_err(|_| format!("{what} {text:?} is not an address"))
-    };
-    let protocol = i16::try_from(r.protocol)
-        .ok()
-        .filter(|p| (1..=4).contains(p))
-        .ok_or(format!("unknown protocol {}", r.protocol))?;
-    let decision = i16::try_from(r.decision)
-        .ok()
-        .filter(|d| (1..=4).contains(d))
-        .ok_or(format!("unknown decision {}", r.decision))?;
-    let dst_port = u16::try_from(r.dst_port).map_err(|_| format!("port {} is out of range", r.dst_port))?;
-    if protocol >= 3 && dst_port != 0 {
-        return Err("icmp flows carry no port".into());
-    }
-    let allowed = decision == proto::FlowDecision::Allowed as i16;
-    if allowed == r.matched_rule_id.is_empty() {
-        return Err("a matched rule id is required exactly for ALLOWED".into());
-    }
-    if allowed {
-        RuleId::parse(&r.matched_rule_id).map_err(|e| e.to_string())?;
-    }
-    let (first_seen, last_seen) =
-        (ms("first seen", r.first_seen_unix_ms)?, ms("last seen", r.last_seen_unix_ms)?);
-    if first_seen > last_seen {
-        return Err("first seen is after last seen".into());
-    }
-    Ok(Record {
-        src: addr("source", &r.src_address)?.to_canonical(),
-        dst: addr("destination", &r.dst_address)?.to_canonical(),
-        dst_port,
-        protocol,
-        decision,
-        matched_rule_id: r.matched_rule_id.clone(),
-        packets: fits_i64("packets", r.packets)?,
-        bytes: fits_i64("bytes", r.bytes)?,
-        new_connections: fits_i64("new connections", r.new_connections)?,
-        first_seen,
-        last_seen,
-    })
+/// A time the wire layer validated (`flows::TIME_RANGE_MS`), as the database stores it.
+fn time(ms: i64) -> DateTime<Utc> {
+    Utc.timestamp_millis_opt(ms).single().expect("validated at the wire boundary")
 }
 
 /// How a source address resolved at ingest.
@@ -261,23 +136,21 @@ struct Totals {
     packets: i64,
     bytes: i64,
     new_connections: i64,
-    /// Records per decision, indexed by the decision number (1 observed … 4 blocked).
-    records: [i32; 5],
+    /// Records per decision, in `Decision::ALL` order.
+    records: [i32; 4],
 }
 
 /// Sums a window's records. A window whose sums do not fit the columns is refused whole.
-fn window_totals(records: &[Record]) -> Result<Totals, StoreError> {
+fn window_totals(records: &[FlowRecord]) -> Result<Totals, StoreError> {
     let overflow = || StoreError::Invalid("window refused: its totals overflow 64 bits".into());
     let mut t = Totals::default();
     for r in records {
         t.packets = t.packets.checked_add(r.packets as i64).ok_or_else(overflow)?;
         t.bytes = t.bytes.checked_add(r.bytes as i64).ok_or_else(overflow)?;
         t.new_connections = t.new_connections.checked_add(r.new_connections as i64).ok_or_else(overflow)?;
-        match r.decision {
-            // At most MAX_RECORDS records: the count fits.
-            d @ 1..=4 => t.records[d as usize] += 1,
-            d => return Err(StoreError::Invalid(format!("window refused: unknown decision {d}"))),
-        }
+        // At most MAX_RECORDS records: the count fits.
+        t.records[Decision::ALL.iter().position(|d| *d == r.decision).expect("every decision is in ALL")] +=
+            1;
     }
     Ok(t)
 }
@@ -286,9 +159,13 @@ fn window_totals(records: &[Record]) -> Result<Totals, StoreError> {
 ///
 /// Records go in by binary `COPY` (no text parsing on the server), each source is resolved
 /// once per window, and the window's totals are summed here and stored on its row.
-pub async fn ingest(pool: &PgPool, workload: WorkloadId, window: &Window) -> Result<Ingested, StoreError> {
-    let names: Vec<String> =
-        partitions(window.start.date_naive()).into_iter().map(|(_, name)| name).collect();
+pub async fn ingest(
+    pool: &PgPool,
+    workload: WorkloadId,
+    window: &FlowWindow,
+) -> Result<Ingested, StoreError> {
+    let (start, end) = (time(window.start_ms), time(window.end_ms));
+    let names: Vec<String> = partitions(start.date_naive()).into_iter().map(|(_, name)| name).collect();
     let exists: bool =
         sqlx::query_scalar("SELECT bool_and(to_regclass(n) IS NOT NULL) FROM unnest($1::text[]) AS n")
             .bind(&names)
@@ -296,7 +173,7 @@ pub async fn ingest(pool: &PgPool, workload: WorkloadId, window: &Window) -> Res
             .await?;
     if !exists {
         let mut tx = pool.begin().await?;
-        ensure_partitions(&mut tx, window.start, window.start).await?;
+        ensure_partitions(&mut tx, start, start).await?;
         tx.commit().await?;
     }
 
@@ -312,19 +189,19 @@ pub async fn ingest(pool: &PgPool, workload: WorkloadId, window: &Window) -> Res
     )
     .bind(workload.uuid())
     .bind(window.id)
-    .bind(window.start)
-    .bind(window.end)
+    .bind(start)
+    .bind(end)
     .bind(window.policy_version as i64)
-    .bind(window.mode)
+    .bind(window.mode.code())
     .bind(window.records.len() as i32)
     .bind(window.gaps.len() as i32)
     .bind(totals.packets)
     .bind(totals.bytes)
     .bind(totals.new_connections)
+    .bind(totals.records[0])
     .bind(totals.records[1])
     .bind(totals.records[2])
     .bind(totals.records[3])
-    .bind(totals.records[4])
     .execute(&mut *tx)
     .await?;
     if fresh.rows_affected() == 0 {
@@ -332,7 +209,8 @@ pub async fn ingest(pool: &PgPool, workload: WorkloadId, window: &Window) -> Res
     }
     let mut sources: BTreeMap<IpAddr, DateTime<Utc>> = BTreeMap::new();
     for r in &window.records {
-        sources.entry(r.src).and_modify(|at| *at = (*at).min(r.first_seen)).or_insert(r.first_seen);
+        let seen = time(r.first_seen_ms);
+        sources.entry(r.src).and_modify(|at| *at = (*at).min(seen)).or_insert(seen);
     }
     let mut peers = resolve(&mut tx, &sources).await?;
     for src in sources.keys() {
@@ -345,19 +223,19 @@ pub async fn ingest(pool: &PgPool, workload: WorkloadId, window: &Window) -> Res
         rows.row(18);
         rows.uuid(workload.uuid());
         rows.uuid(window.id);
-        rows.timestamptz(window.start)?;
+        rows.timestamptz(start)?;
         rows.i64(window.policy_version as i64);
         rows.inet(r.src);
         rows.inet(r.dst);
         rows.i32(i32::from(r.dst_port));
-        rows.i16(r.protocol);
-        rows.i16(r.decision);
-        rows.text(&r.matched_rule_id);
+        rows.i16(r.protocol.code());
+        rows.i16(r.decision.code());
+        rows.text(r.matched_rule.as_ref().map(|id| id.as_str()).unwrap_or_default());
         rows.i64(r.packets as i64);
         rows.i64(r.bytes as i64);
         rows.i64(r.new_connections as i64);
-        rows.timestamptz(r.first_seen)?;
-        rows.timestamptz(r.last_seen)?;
+        rows.timestamptz(time(r.first_seen_ms))?;
+        rows.timestamptz(time(r.last_seen_ms))?;
         rows.i16(peer.kind);
         rows.text(&peer.key);
         rows.jsonb(&peer.labels);
@@ -378,10 +256,10 @@ pub async fn ingest(pool: &PgPool, workload: WorkloadId, window: &Window) -> Res
         )
         .bind(workload.uuid())
         .bind(window.id)
-        .bind(window.start)
-        .bind(window.gaps.iter().map(|g| g.kind).collect::<Vec<_>>())
-        .bind(window.gaps.iter().map(|g| g.from).collect::<Vec<_>>())
-        .bind(window.gaps.iter().map(|g| g.to).collect::<Vec<_>>())
+        .bind(start)
+        .bind(window.gaps.iter().map(|g| g.kind.code()).collect::<Vec<_>>())
+        .bind(window.gaps.iter().map(|g| time(g.from_ms)).collect::<Vec<_>>())
+        .bind(window.gaps.iter().map(|g| time(g.to_ms)).collect::<Vec<_>>())
         .bind(window.gaps.iter().map(|g| g.count as i64).collect::<Vec<_>>())
         .execute(&mut *tx)
         .await?;
@@ -556,7 +434,7 @@ pub async fn list(
     pool: &PgPool,
     workload: WorkloadId,
     since: DateTime<Utc>,
-    decision: Option<i16>,
+    decision: Option<Decision>,
     limit: i64,
 ) -> Result<Vec<FlowRow>, StoreError> {
     Ok(sqlx::query_as(
@@ -567,7 +445,7 @@ pub async fn list(
     )
     .bind(workload.uuid())
     .bind(since)
-    .bind(decision)
+    .bind(decision.map(Decision::code))
     .bind(limit)
     .fetch_all(pool)
     .await?)
@@ -597,26 +475,6 @@ pub async fn gaps(
     .await?)
 }
 
-pub fn decision_name(n: i16) -> &'static str {
-    match n {
-        1 => "observed",
-        2 => "allowed",
-        3 => "would-block",
-        4 => "blocked",
-        _ => "unknown",
-    }
-}
-
-pub fn gap_kind_name(n: i16) -> &'static str {
-    match n {
-        1 => "map-full",
-        2 => "agent-restart",
-        3 => "upload-buffer-overflow",
-        4 => "window-key-overflow",
-        _ => "unknown",
-    }
-}
-
 /// The telemetry service (SYNC-10: its own connection from the agent; same listener).
 #[derive(Debug, Clone)]
 pub struct Telemetry {
@@ -635,82 +493,12 @@ impl proto::telemetry_service_server::TelemetryService for Telemetry {
             .window
             .as_ref()
             .ok_or_else(|| tonic::Status::invalid_argument("window is missing"))?;
-        let window =
-            validate(wire).map_err(|e| tonic::Status::invalid_argument(format!("window refused: {e}")))?;
+        let window = FlowWindow::try_from(wire)
+            .map_err(|e| tonic::Status::invalid_argument(format!("window refused: {e}")))?;
         let done = ingest(&self.pool, workload, &window).await.map_err(crate::enroll::status)?;
         Ok(tonic::Response::new(proto::ReportFlowsResponse {
             accepted_records: done.records as u32,
             duplicate: done.duplicate,
         }))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn window(records: Vec<proto::FlowRecord>) -> proto::FlowWindow {
-        proto::FlowWindow {
-            window_id: Uuid::new_v4().to_string(),
-            start_unix_ms: 1_700_000_000_000,
-            end_unix_ms: 1_700_000_060_000,
-            policy_version: 3,
-            mode: 2,
-            records,
-            gaps: vec![],
-        }
-    }
-
-    fn rec() -> proto::FlowRecord {
-        proto::FlowRecord {
-            src_address: "10.0.0.1".into(),
-            dst_address: "10.0.0.2".into(),
-            dst_port: 5432,
-            protocol: 1,
-            decision: 3,
-            matched_rule_id: String::new(),
-            packets: 3,
-            bytes: 180,
-            new_connections: 1,
-            first_seen_unix_ms: 1_700_000_001_000,
-            last_seen_unix_ms: 1_700_000_002_000,
-        }
-    }
-
-    #[test]
-    fn windows_are_validated_whole() {
-        assert!(validate(&window(vec![rec()])).is_ok());
-        type Mutation = Box<dyn Fn(&mut proto::FlowRecord)>;
-        let bad: Vec<(Mutation, &str)> = vec![
-            (Box::new(|r| r.src_address = "nope".into()), "record 1: source \"nope\" is not an address"),
-            (Box::new(|r| r.dst_port = 70_000), "port 70000 is out of range"),
-            (Box::new(|r| r.protocol = 9), "unknown protocol 9"),
-            (Box::new(|r| r.decision = 0), "unknown decision 0"),
-            (Box::new(|r| r.decision = 2), "matched rule id is required exactly for ALLOWED"),
-            (
-                Box::new(|r| r.matched_rule_id = "r/tcp".into()),
-                "matched rule id is required exactly for ALLOWED",
-            ),
-            (Box::new(|r| r.first_seen_unix_ms = i64::MAX), "first seen"),
-            (Box::new(|r| r.packets = u64::MAX), "packets"),
-            (
-                Box::new(|r| {
-                    r.protocol = 3;
-                }),
-                "icmp flows carry no port",
-            ),
-        ];
-        for (mutate, want) in bad {
-            let mut second = rec();
-            mutate(&mut second);
-            let err = validate(&window(vec![rec(), second])).unwrap_err();
-            assert!(err.contains(want), "{err} lacks {want}");
-        }
-        let mut w = window(vec![]);
-        w.window_id = "x".into();
-        assert!(validate(&w).unwrap_err().contains("not a uuid"));
-        let mut w = window(vec![]);
-        w.end_unix_ms = w.start_unix_ms - 1;
-        assert!(validate(&w).is_err());
     }
 }

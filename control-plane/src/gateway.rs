@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use innerwall_wire::convert::WireEnum;
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::WorkloadPolicy;
 use innerwall_wire::proto::{self, sync_request, sync_response};
@@ -225,7 +226,7 @@ impl StreamTask {
              WHERE id = $1 AND stream_epoch = $8",
         )
         .bind(self.id.uuid())
-        .bind(r.state.number())
+        .bind(r.state.code())
         .bind(r.applied.map(|v| v as i64))
         .bind(r.detail.as_deref())
         .bind(r.acked)
@@ -492,7 +493,7 @@ async fn mark_offline(pool: &PgPool, id: WorkloadId, epoch: i64, reason: &str) {
         "UPDATE workloads SET sync_state = $2, sync_detail = $3 WHERE id = $1 AND stream_epoch = $4",
     )
     .bind(id.uuid())
-    .bind(SyncState::Offline.number())
+    .bind(SyncState::Offline.code())
     .bind(reason)
     .bind(epoch)
     .execute(pool)

@@ -427,7 +427,14 @@ async fn serve(cli: &Cli, args: &ServeArgs) -> anyhow::Result<()> {
 }
 
 async fn flows(pool: &PgPool, cmd: &FlowsCmd, json: bool) -> anyhow::Result<()> {
-    use innerwall_control_plane::flows::{self as f, decision_name, gap_kind_name};
+    use innerwall_control_plane::flows as f;
+    use innerwall_wire::convert::WireEnum;
+    use innerwall_wire::flows::{Decision, GapKind};
+    use innerwall_wire::policy::Protocol;
+    /// A stored enum number by name; "?" for a number this binary does not know.
+    fn stored<E: WireEnum + std::fmt::Display>(code: i16) -> String {
+        E::from_code(code).map_or_else(|_| "?".to_owned(), |e| e.to_string())
+    }
     let since = |d: &std::time::Duration| {
         chrono::Utc::now() - chrono::Duration::from_std(*d).unwrap_or(chrono::Duration::MAX)
     };
@@ -435,7 +442,7 @@ async fn flows(pool: &PgPool, cmd: &FlowsCmd, json: bool) -> anyhow::Result<()> 
         FlowsCmd::List { workload, since: back, decision, limit } => {
             let decision = match decision.as_deref() {
                 None => None,
-                Some(name) => Some((1..=4).find(|n| decision_name(*n) == name).ok_or_else(|| {
+                Some(name) => Some(name.parse::<Decision>().map_err(|_| {
                     anyhow::anyhow!(
                         "unknown decision {name:?}: use observed, allowed, would-block or blocked"
                     )
@@ -456,15 +463,14 @@ async fn flows(pool: &PgPool, cmd: &FlowsCmd, json: bool) -> anyhow::Result<()> 
                         2 => format!("group {}", r.peer_key),
                         _ => r.peer_key.clone(),
                     };
-                    let proto =
-                        ["", "tcp", "udp", "icmp", "icmpv6"].get(r.protocol as usize).copied().unwrap_or("?");
+                    let proto = stored::<Protocol>(r.protocol);
                     vec![
                         r.window_start.format("%F %T").to_string(),
                         format!("v{}", r.policy_version),
                         r.src_address,
                         peer,
                         format!("{proto}/{}", r.dst_port),
-                        decision_name(r.decision).to_owned(),
+                        stored::<Decision>(r.decision),
                         r.matched_rule_id,
                         r.new_connections.to_string(),
                         r.packets.to_string(),
@@ -490,7 +496,7 @@ async fn flows(pool: &PgPool, cmd: &FlowsCmd, json: bool) -> anyhow::Result<()> 
                 .map(|g| {
                     vec![
                         g.workload_id.to_string(),
-                        gap_kind_name(g.kind).to_owned(),
+                        stored::<GapKind>(g.kind),
                         g.gap_from.format("%F %T").to_string(),
                         g.gap_to.format("%F %T").to_string(),
                         g.count.to_string(),

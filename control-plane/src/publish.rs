@@ -89,21 +89,10 @@ pub async fn publish(conn: &mut PgConnection) -> Result<Vec<Changed>, StoreError
 
 #[cfg(test)]
 mod tests {
-    use innerwall_wire::policy::{Mode, PortRange, ResolvedRule, RuleId};
+    use innerwall_wire::policy::Mode;
+    use innerwall_wire::testing::policy;
 
     use super::*;
-
-    fn policy(version: u64, mode: Mode, ports: &[u16]) -> WorkloadPolicy {
-        let rules = ports.iter().map(|&p| {
-            ResolvedRule::new(
-                RuleId::new(&format!("r{p}"), innerwall_wire::policy::Protocol::Tcp).unwrap(),
-                [PortRange::single(p).unwrap()],
-                [],
-            )
-            .unwrap()
-        });
-        WorkloadPolicy::new(version, mode, rules).unwrap()
-    }
 
     #[test]
     fn first_render_is_version_one_even_when_empty() {

@@ -6,41 +6,7 @@
 use std::collections::VecDeque;
 
 use innerwall_wire::policy::{PolicyDelta, Version, WorkloadPolicy, diff};
-
-/// Convergence state of a workload (SYNC-6); stored as the protobuf number.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SyncState {
-    Pending,
-    Synced,
-    Degraded,
-    Offline,
-}
-
-impl SyncState {
-    pub fn number(self) -> i16 {
-        match self {
-            SyncState::Pending => 1,
-            SyncState::Synced => 2,
-            SyncState::Degraded => 3,
-            SyncState::Offline => 4,
-        }
-    }
-
-    pub fn from_number(n: i16) -> Option<Self> {
-        [SyncState::Pending, SyncState::Synced, SyncState::Degraded, SyncState::Offline]
-            .into_iter()
-            .find(|s| s.number() == n)
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            SyncState::Pending => "PENDING",
-            SyncState::Synced => "SYNCED",
-            SyncState::Degraded => "DEGRADED",
-            SyncState::Offline => "OFFLINE",
-        }
-    }
-}
+pub use innerwall_wire::sync::SyncState;
 
 /// An update the stream sends.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -220,20 +186,12 @@ impl Session {
 
 #[cfg(test)]
 mod tests {
-    use innerwall_wire::policy::{Mode, PortRange, Protocol, ResolvedRule, RuleId};
+    use innerwall_wire::policy::Mode;
 
     use super::*;
 
     fn policy(version: u64, ports: &[u16]) -> WorkloadPolicy {
-        let rules = ports.iter().map(|&p| {
-            ResolvedRule::new(
-                RuleId::new(&format!("r{p}"), Protocol::Tcp).unwrap(),
-                [PortRange::single(p).unwrap()],
-                [],
-            )
-            .unwrap()
-        });
-        WorkloadPolicy::new(version, Mode::Enforcement, rules).unwrap()
+        innerwall_wire::testing::policy(version, Mode::Enforcement, ports)
     }
 
     fn sends(actions: &[Action]) -> Vec<String> {

@@ -5,6 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
+use innerwall_wire::convert::WireEnum;
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::labels::{LabelKey, LabelValue};
 use innerwall_wire::policy::{Cidr, Mode, PolicyError, PortRange, Protocol, WorkloadPolicy};
@@ -54,38 +55,9 @@ impl From<PolicyError> for StoreError {
     }
 }
 
-/// Protobuf enum numbers, as the schema stores them.
-pub fn mode_number(mode: Mode) -> i16 {
-    match mode {
-        Mode::Visibility => 1,
-        Mode::Simulation => 2,
-        Mode::Enforcement => 3,
-    }
-}
-
-pub fn mode_from_number(n: i16) -> Result<Mode, StoreError> {
-    match n {
-        1 => Ok(Mode::Visibility),
-        2 => Ok(Mode::Simulation),
-        3 => Ok(Mode::Enforcement),
-        _ => Err(StoreError::Corrupt { what: "mode", detail: n.to_string() }),
-    }
-}
-
-pub fn protocol_number(p: Protocol) -> i16 {
-    match p {
-        Protocol::Tcp => 1,
-        Protocol::Udp => 2,
-        Protocol::Icmp => 3,
-        Protocol::Icmpv6 => 4,
-    }
-}
-
-fn protocol_from_number(n: i16) -> Result<Protocol, StoreError> {
-    Protocol::ALL
-        .into_iter()
-        .find(|p| protocol_number(*p) == n)
-        .ok_or_else(|| StoreError::Corrupt { what: "protocol", detail: n.to_string() })
+/// A stored enum number (the schema keeps protobuf numbers), refused as corrupt if unknown.
+fn stored<E: WireEnum>(n: i16) -> Result<E, StoreError> {
+    E::from_code(n).map_err(|_| StoreError::Corrupt { what: E::WHAT, detail: n.to_string() })
 }
 
 /// A selector as stored: `[{"key": k, "values": [v…]}]`.
@@ -118,7 +90,7 @@ fn service_entry(
     start: Option<i32>,
     end: Option<i32>,
 ) -> Result<(Protocol, Option<PortRange>), StoreError> {
-    let protocol = protocol_from_number(protocol)?;
+    let protocol = stored::<Protocol>(protocol)?;
     let range = match (start, end) {
         (Some(s), Some(e)) => Some(PortRange::new(s as u32, e as u32)?),
         _ => None,
@@ -258,7 +230,7 @@ pub async fn load_registry(conn: &mut PgConnection) -> Result<Vec<RegisteredWork
             let uuid: Uuid = row.get(0);
             Ok(RegisteredWorkload {
                 id: workload_id(uuid)?,
-                mode: mode_from_number(row.get(1))?,
+                mode: stored::<Mode>(row.get(1))?,
                 labels: labels.remove(&uuid).unwrap_or_default(),
                 addresses: addresses.remove(&uuid).unwrap_or_default(),
             })
@@ -487,7 +459,7 @@ pub async fn list_workloads(
             Ok(WorkloadView {
                 id: id.to_string(),
                 hostname: row.get(1),
-                mode: mode_from_number(row.get(2))?.to_string(),
+                mode: stored::<Mode>(row.get(2))?.to_string(),
                 labels: labels.remove(&id).unwrap_or_default(),
                 label_version: row.get(3),
                 addresses: addresses.remove(&id).unwrap_or_default(),
@@ -528,9 +500,7 @@ impl From<StateName> for &'static str {
 impl TryFrom<i16> for StateName {
     type Error = String;
     fn try_from(n: i16) -> Result<Self, String> {
-        crate::session::SyncState::from_number(n)
-            .map(StateName)
-            .ok_or_else(|| format!("unknown sync state {n}"))
+        crate::session::SyncState::from_code(n).map(StateName).map_err(|_| format!("unknown sync state {n}"))
     }
 }
 

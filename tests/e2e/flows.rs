@@ -9,25 +9,26 @@ use std::time::Duration;
 use innerwall_agent::connect::connect;
 use innerwall_agent::telemetry::{self, Queue};
 use innerwall_control_plane::authoring::{self, AddressGroupSpec, NewWorkload};
+use innerwall_wire::flows::{Decision, FlowRecord, FlowWindow};
 use innerwall_wire::identity::WorkloadId;
-use innerwall_wire::policy::Cidr;
+use innerwall_wire::policy::{Cidr, Mode, Protocol};
 use innerwall_wire::proto;
 
 use crate::plane::Plane;
 
-fn record(src: &str, port: u32, packets: u64) -> proto::FlowRecord {
-    proto::FlowRecord {
-        src_address: src.into(),
-        dst_address: "10.1.0.5".into(),
+fn record(src: &str, port: u16, packets: u64) -> FlowRecord {
+    FlowRecord {
+        src: src.parse().unwrap(),
+        dst: "10.1.0.5".parse().unwrap(),
         dst_port: port,
-        protocol: proto::Protocol::Tcp.into(),
-        decision: proto::FlowDecision::WouldBlock.into(),
-        matched_rule_id: String::new(),
+        protocol: Protocol::Tcp,
+        decision: Decision::WouldBlock,
+        matched_rule: None,
         packets,
         bytes: packets * 60,
         new_connections: 1,
-        first_seen_unix_ms: now_ms() - 5_000,
-        last_seen_unix_ms: now_ms() - 1_000,
+        first_seen_ms: now_ms() - 5_000,
+        last_seen_ms: now_ms() - 1_000,
     }
 }
 
@@ -35,13 +36,13 @@ fn now_ms() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64
 }
 
-fn window(records: Vec<proto::FlowRecord>) -> proto::FlowWindow {
-    proto::FlowWindow {
-        window_id: uuid::Uuid::new_v4().to_string(),
-        start_unix_ms: now_ms() - 60_000,
-        end_unix_ms: now_ms(),
+fn window(records: Vec<FlowRecord>) -> FlowWindow {
+    FlowWindow {
+        id: uuid::Uuid::new_v4(),
+        start_ms: now_ms() - 60_000,
+        end_ms: now_ms(),
         policy_version: 1,
-        mode: proto::EnforcementMode::Simulation.into(),
+        mode: Mode::Simulation,
         records,
         gaps: vec![],
     }
@@ -140,8 +141,9 @@ async fn flows_end_to_end_with_label_snapshot() {
     assert_eq!(labels, [&serde_json::json!({"app": "web", "env": "prod"})]);
 
     // A malformed window is refused whole, with the reason; nothing of it is stored.
-    let mut bad = window(vec![record("10.9.0.7", 5432, 1), record("not-an-ip", 1, 1)]);
-    bad.window_id = uuid::Uuid::new_v4().to_string();
+    let mut bad =
+        proto::FlowWindow::from(&window(vec![record("10.9.0.7", 5432, 1), record("192.0.2.9", 1, 1)]));
+    bad.records[1].src_address = "not-an-ip".into();
     let err = proto::telemetry_service_client::TelemetryServiceClient::new(connect(&config).await.unwrap())
         .report_flows(proto::ReportFlowsRequest { window: Some(bad) })
         .await

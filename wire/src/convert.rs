@@ -1,54 +1,89 @@
 //! The one boundary between generated protobuf types and the domain model. Everything that
-//! arrives from the wire is validated here; domain code never sees a prost `oneof`.
+//! arrives from the wire is validated here; domain code never sees a prost `oneof`, and no
+//! code outside this file knows a protobuf enum number (the database stores those numbers, so
+//! the store converts through [`WireEnum`] too).
 
 use std::collections::BTreeSet;
+use std::net::IpAddr;
 
 use prost::Message;
 
+use crate::flows::{Decision, EvidenceGap, FlowError, FlowRecord, FlowWindow, GapKind};
 use crate::policy::{
     Change, Cidr, Mode, PolicyDelta, PolicyError, PortRange, Protocol, ResolvedRule, RuleId, WorkloadPolicy,
 };
 use crate::proto;
+use crate::sync::SyncState;
 
-impl From<Mode> for proto::EnforcementMode {
-    fn from(mode: Mode) -> Self {
-        match mode {
-            Mode::Visibility => proto::EnforcementMode::Visibility,
-            Mode::Simulation => proto::EnforcementMode::Simulation,
-            Mode::Enforcement => proto::EnforcementMode::Enforcement,
-        }
+/// A domain enum with a protobuf counterpart. Its number is what travels on the wire and what
+/// the database stores; `UNSPECIFIED` (0) and unknown numbers are refused.
+pub trait WireEnum: Sized + Copy {
+    /// What the enum is, for error messages ("mode", "protocol", …).
+    const WHAT: &'static str;
+    fn number(self) -> i32;
+    fn from_number(field: &'static str, value: i32) -> Result<Self, PolicyError>;
+
+    /// The number as the schema's `smallint` columns hold it.
+    fn code(self) -> i16 {
+        i16::try_from(self.number()).expect("protobuf enum numbers here are small")
+    }
+
+    /// Decodes a stored `smallint`.
+    fn from_code(code: i16) -> Result<Self, PolicyError> {
+        Self::from_number(Self::WHAT, i32::from(code))
     }
 }
+
+/// Maps a domain enum one to one onto a prost enum (whose `Unspecified` is never a domain value).
+macro_rules! wire_enum {
+    ($domain:ty, $wire:ty, $what:literal, { $($d:ident <=> $w:ident),+ $(,)? }) => {
+        impl From<$domain> for $wire {
+            fn from(value: $domain) -> Self {
+                match value { $(<$domain>::$d => <$wire>::$w),+ }
+            }
+        }
+
+        impl WireEnum for $domain {
+            const WHAT: &'static str = $what;
+
+            fn number(self) -> i32 {
+                <$wire>::from(self) as i32
+            }
+
+            fn from_number(field: &'static str, value: i32) -> Result<Self, PolicyError> {
+                match <$wire>::try_from(value) {
+                    $(Ok(<$wire>::$w) => Ok(<$domain>::$d),)+
+                    _ => Err(PolicyError::Enum { field, value }),
+                }
+            }
+        }
+    };
+}
+
+wire_enum!(Mode, proto::EnforcementMode, "mode", {
+    Visibility <=> Visibility, Simulation <=> Simulation, Enforcement <=> Enforcement,
+});
+wire_enum!(Protocol, proto::Protocol, "protocol", { Tcp <=> Tcp, Udp <=> Udp, Icmp <=> Icmp, Icmpv6 <=> Icmpv6 });
+wire_enum!(SyncState, proto::SyncState, "sync state", {
+    Pending <=> Pending, Synced <=> Synced, Degraded <=> Degraded, Offline <=> Offline,
+});
+wire_enum!(Decision, proto::FlowDecision, "decision", {
+    Observed <=> Observed, Allowed <=> Allowed, WouldBlock <=> WouldBlock, Blocked <=> Blocked,
+});
+wire_enum!(GapKind, proto::EvidenceGapKind, "gap kind", {
+    MapFull <=> MapFull,
+    AgentRestart <=> AgentRestart,
+    UploadBufferOverflow <=> UploadBufferOverflow,
+    WindowKeyOverflow <=> WindowKeyOverflow,
+});
 
 /// Decodes an enum field, refusing unknown and unspecified values.
 pub fn mode_from_wire(field: &'static str, value: i32) -> Result<Mode, PolicyError> {
-    match proto::EnforcementMode::try_from(value) {
-        Ok(proto::EnforcementMode::Visibility) => Ok(Mode::Visibility),
-        Ok(proto::EnforcementMode::Simulation) => Ok(Mode::Simulation),
-        Ok(proto::EnforcementMode::Enforcement) => Ok(Mode::Enforcement),
-        Ok(proto::EnforcementMode::Unspecified) | Err(_) => Err(PolicyError::Enum { field, value }),
-    }
-}
-
-impl From<Protocol> for proto::Protocol {
-    fn from(protocol: Protocol) -> Self {
-        match protocol {
-            Protocol::Tcp => proto::Protocol::Tcp,
-            Protocol::Udp => proto::Protocol::Udp,
-            Protocol::Icmp => proto::Protocol::Icmp,
-            Protocol::Icmpv6 => proto::Protocol::Icmpv6,
-        }
-    }
+    Mode::from_number(field, value)
 }
 
 pub fn protocol_from_wire(field: &'static str, value: i32) -> Result<Protocol, PolicyError> {
-    match proto::Protocol::try_from(value) {
-        Ok(proto::Protocol::Tcp) => Ok(Protocol::Tcp),
-        Ok(proto::Protocol::Udp) => Ok(Protocol::Udp),
-        Ok(proto::Protocol::Icmp) => Ok(Protocol::Icmp),
-        Ok(proto::Protocol::Icmpv6) => Ok(Protocol::Icmpv6),
-        Ok(proto::Protocol::Unspecified) | Err(_) => Err(PolicyError::Enum { field, value }),
-    }
+    Protocol::from_number(field, value)
 }
 
 fn cidrs_to_wire<'a>(cidrs: impl IntoIterator<Item = &'a Cidr>) -> Vec<String> {
@@ -188,9 +223,286 @@ impl TryFrom<&proto::PolicyDelta> for PolicyDelta {
     }
 }
 
+impl From<&FlowRecord> for proto::FlowRecord {
+    fn from(r: &FlowRecord) -> Self {
+        proto::FlowRecord {
+            src_address: r.src.to_string(),
+            dst_address: r.dst.to_string(),
+            dst_port: u32::from(r.dst_port),
+            protocol: r.protocol.number(),
+            decision: r.decision.number(),
+            matched_rule_id: r.matched_rule.as_ref().map(ToString::to_string).unwrap_or_default(),
+            packets: r.packets,
+            bytes: r.bytes,
+            new_connections: r.new_connections,
+            first_seen_unix_ms: r.first_seen_ms,
+            last_seen_unix_ms: r.last_seen_ms,
+        }
+    }
+}
+
+impl From<&EvidenceGap> for proto::EvidenceGap {
+    fn from(g: &EvidenceGap) -> Self {
+        proto::EvidenceGap {
+            kind: g.kind.number(),
+            from_unix_ms: g.from_ms,
+            to_unix_ms: g.to_ms,
+            count: g.count,
+        }
+    }
+}
+
+impl From<&FlowWindow> for proto::FlowWindow {
+    fn from(w: &FlowWindow) -> Self {
+        proto::FlowWindow {
+            window_id: w.id.to_string(),
+            start_unix_ms: w.start_ms,
+            end_unix_ms: w.end_ms,
+            policy_version: w.policy_version,
+            mode: w.mode.number(),
+            records: w.records.iter().map(Into::into).collect(),
+            gaps: w.gaps.iter().map(Into::into).collect(),
+        }
+    }
+}
+
+fn time(what: &str, ms: i64) -> Result<i64, String> {
+    if crate::flows::TIME_RANGE_MS.contains(&ms) {
+        Ok(ms)
+    } else {
+        Err(format!("{what} {ms} is not a valid time (1970 to 9999)"))
+    }
+}
+
+/// Counters are stored as signed 64-bit numbers.
+fn counter(what: &str, n: u64) -> Result<u64, String> {
+    i64::try_from(n).map(|_| n).map_err(|_| format!("{what} {n} is out of range"))
+}
+
+fn enum_field<E: WireEnum>(value: i32) -> Result<E, String> {
+    E::from_number(E::WHAT, value).map_err(|_| format!("unknown {} {value}", E::WHAT))
+}
+
+/// Validates a whole window from an agent; the first problem refuses it, naming the record or
+/// gap. Addresses are stored in canonical form (an IPv4-mapped IPv6 source is its IPv4 address).
+impl TryFrom<&proto::FlowWindow> for FlowWindow {
+    type Error = FlowError;
+
+    fn try_from(wire: &proto::FlowWindow) -> Result<Self, FlowError> {
+        use crate::flows::{MAX_GAPS, MAX_RECORDS, MAX_WINDOW_MS};
+        let id = uuid::Uuid::parse_str(&wire.window_id)
+            .map_err(|_| FlowError::Window(format!("window id {:?} is not a uuid", wire.window_id)))?;
+        let start_ms = time("window start", wire.start_unix_ms).map_err(FlowError::Window)?;
+        let end_ms = time("window end", wire.end_unix_ms).map_err(FlowError::Window)?;
+        if start_ms > end_ms || end_ms - start_ms > MAX_WINDOW_MS {
+            return Err(FlowError::Window(format!(
+                "window [{start_ms}, {end_ms}) ms must be ordered and at most 24 h long"
+            )));
+        }
+        let mode = enum_field::<Mode>(wire.mode).map_err(FlowError::Window)?;
+        if wire.records.len() > MAX_RECORDS || wire.gaps.len() > MAX_GAPS {
+            return Err(FlowError::Window(format!(
+                "a window carries at most {MAX_RECORDS} records and {MAX_GAPS} gaps, not {} and {}",
+                wire.records.len(),
+                wire.gaps.len()
+            )));
+        }
+        counter("policy version", wire.policy_version).map_err(FlowError::Window)?;
+        let records = wire
+            .records
+            .iter()
+            .enumerate()
+            .map(|(index, r)| flow_record(r).map_err(|reason| FlowError::Record { index, reason }))
+            .collect::<Result<Vec<_>, _>>()?;
+        let gaps = wire
+            .gaps
+            .iter()
+            .enumerate()
+            .map(|(index, g)| evidence_gap(g).map_err(|reason| FlowError::Gap { index, reason }))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(FlowWindow { id, start_ms, end_ms, policy_version: wire.policy_version, mode, records, gaps })
+    }
+}
+
+fn flow_record(r: &proto::FlowRecord) -> Result<FlowRecord, String> {
+    let addr = |what: &str, text: &str| {
+        text.parse::<IpAddr>()
+            .map(|a| a.to_canonical())
+            .map_err(|_| format!("{what} {text:?} is not an address"))
+    };
+    let protocol: Protocol = enum_field(r.protocol)?;
+    let decision: Decision = enum_field(r.decision)?;
+    let dst_port = u16::try_from(r.dst_port).map_err(|_| format!("port {} is out of range", r.dst_port))?;
+    if !protocol.has_ports() && dst_port != 0 {
+        return Err("icmp flows carry no port".into());
+    }
+    let allowed = decision == Decision::Allowed;
+    if allowed == r.matched_rule_id.is_empty() {
+        return Err("a matched rule id is required exactly for ALLOWED".into());
+    }
+    let matched_rule =
+        if allowed { Some(RuleId::parse(&r.matched_rule_id).map_err(|e| e.to_string())?) } else { None };
+    let first_seen_ms = time("first seen", r.first_seen_unix_ms)?;
+    let last_seen_ms = time("last seen", r.last_seen_unix_ms)?;
+    if first_seen_ms > last_seen_ms {
+        return Err("first seen is after last seen".into());
+    }
+    Ok(FlowRecord {
+        src: addr("source", &r.src_address)?,
+        dst: addr("destination", &r.dst_address)?,
+        dst_port,
+        protocol,
+        decision,
+        matched_rule,
+        packets: counter("packets", r.packets)?,
+        bytes: counter("bytes", r.bytes)?,
+        new_connections: counter("new connections", r.new_connections)?,
+        first_seen_ms,
+        last_seen_ms,
+    })
+}
+
+fn evidence_gap(g: &proto::EvidenceGap) -> Result<EvidenceGap, String> {
+    let kind = GapKind::from_number("gap kind", g.kind).map_err(|_| format!("unknown kind {}", g.kind))?;
+    let (from_ms, to_ms) = (time("gap start", g.from_unix_ms)?, time("gap end", g.to_unix_ms)?);
+    if from_ms > to_ms {
+        return Err("interval is reversed".into());
+    }
+    Ok(EvidenceGap { kind, from_ms, to_ms, count: counter("gap count", g.count)? })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn wire_window(records: Vec<proto::FlowRecord>) -> proto::FlowWindow {
+        proto::FlowWindow {
+            window_id: uuid::Uuid::new_v4().to_string(),
+            start_unix_ms: 1_700_000_000_000,
+            end_unix_ms: 1_700_000_060_000,
+            policy_version: 3,
+            mode: proto::EnforcementMode::Simulation.into(),
+            records,
+            gaps: vec![],
+        }
+    }
+
+    fn wire_record() -> proto::FlowRecord {
+        proto::FlowRecord {
+            src_address: "::ffff:10.0.0.1".into(),
+            dst_address: "10.0.0.2".into(),
+            dst_port: 5432,
+            protocol: proto::Protocol::Tcp.into(),
+            decision: proto::FlowDecision::WouldBlock.into(),
+            matched_rule_id: String::new(),
+            packets: 3,
+            bytes: 180,
+            new_connections: 1,
+            first_seen_unix_ms: 1_700_000_001_000,
+            last_seen_unix_ms: 1_700_000_002_000,
+        }
+    }
+
+    #[test]
+    fn flow_windows_are_validated_whole() {
+        let good = FlowWindow::try_from(&wire_window(vec![wire_record()])).unwrap();
+        assert_eq!(
+            good.records[0].src,
+            "10.0.0.1".parse::<IpAddr>().unwrap(),
+            "mapped sources are canonical"
+        );
+        assert_eq!(good.records[0].decision, Decision::WouldBlock);
+        type Mutation = Box<dyn Fn(&mut proto::FlowRecord)>;
+        let bad: Vec<(Mutation, &str)> = vec![
+            (Box::new(|r| r.src_address = "nope".into()), "record 1: source \"nope\" is not an address"),
+            (Box::new(|r| r.dst_port = 70_000), "record 1: port 70000 is out of range"),
+            (Box::new(|r| r.protocol = 9), "record 1: unknown protocol 9"),
+            (Box::new(|r| r.decision = 0), "record 1: unknown decision 0"),
+            (Box::new(|r| r.decision = 2), "matched rule id is required exactly for ALLOWED"),
+            (
+                Box::new(|r| r.matched_rule_id = "r/tcp".into()),
+                "matched rule id is required exactly for ALLOWED",
+            ),
+            (
+                Box::new(|r| {
+                    r.decision = 2;
+                    r.matched_rule_id = "r/sctp".into();
+                }),
+                "rule id \"r/sctp\"",
+            ),
+            (
+                Box::new(|r| r.first_seen_unix_ms = i64::MAX),
+                "first seen 9223372036854775807 is not a valid time",
+            ),
+            (Box::new(|r| r.last_seen_unix_ms = -1), "last seen -1 is not a valid time"),
+            (Box::new(|r| r.first_seen_unix_ms = r.last_seen_unix_ms + 1), "first seen is after last seen"),
+            (Box::new(|r| r.packets = u64::MAX), "packets 18446744073709551615 is out of range"),
+            (Box::new(|r| r.protocol = proto::Protocol::Icmp.into()), "icmp flows carry no port"),
+        ];
+        for (mutate, want) in bad {
+            let mut second = wire_record();
+            mutate(&mut second);
+            let err =
+                FlowWindow::try_from(&wire_window(vec![wire_record(), second])).unwrap_err().to_string();
+            assert!(err.contains(want), "{err} lacks {want}");
+        }
+        let refused = |w: proto::FlowWindow| FlowWindow::try_from(&w).unwrap_err().to_string();
+        let mut w = wire_window(vec![]);
+        w.window_id = "x".into();
+        assert!(refused(w).contains("not a uuid"));
+        let mut w = wire_window(vec![]);
+        w.end_unix_ms = w.start_unix_ms - 1;
+        assert!(refused(w).contains("must be ordered"));
+        let mut w = wire_window(vec![]);
+        w.end_unix_ms = w.start_unix_ms + crate::flows::MAX_WINDOW_MS + 1;
+        assert!(refused(w).contains("at most 24 h"));
+        let mut w = wire_window(vec![]);
+        w.mode = 0;
+        assert!(refused(w).contains("unknown mode 0"));
+        let mut w = wire_window(vec![]);
+        w.gaps = vec![proto::EvidenceGap { kind: 7, from_unix_ms: 1, to_unix_ms: 2, count: 1 }];
+        assert!(refused(w).contains("gap 0: unknown kind 7"));
+        let mut w = wire_window(vec![]);
+        w.gaps = vec![proto::EvidenceGap { kind: 1, from_unix_ms: 2, to_unix_ms: 1, count: 1 }];
+        assert!(refused(w).contains("gap 0: interval is reversed"));
+        let mut w = wire_window(vec![]);
+        w.records = vec![wire_record(); crate::flows::MAX_RECORDS + 1];
+        assert!(refused(w).contains("at most 100000 records"));
+    }
+
+    #[test]
+    fn flow_windows_round_trip() {
+        let mut allowed = wire_record();
+        allowed.src_address = "10.0.0.1".into();
+        allowed.decision = proto::FlowDecision::Allowed.into();
+        allowed.matched_rule_id = "db/tcp".into();
+        let mut wire = wire_window(vec![allowed]);
+        wire.gaps = vec![proto::EvidenceGap { kind: 4, from_unix_ms: 10, to_unix_ms: 20, count: 3 }];
+        let domain = FlowWindow::try_from(&wire).unwrap();
+        assert_eq!(
+            domain.records[0].matched_rule.as_ref().map(ToString::to_string).as_deref(),
+            Some("db/tcp")
+        );
+        assert_eq!(domain.gaps[0].kind, GapKind::WindowKeyOverflow);
+        assert_eq!(proto::FlowWindow::from(&domain), wire);
+    }
+
+    #[test]
+    fn enum_numbers_round_trip_and_unspecified_is_refused() {
+        fn check<E: WireEnum + PartialEq + std::fmt::Debug>(all: &[E]) {
+            for &e in all {
+                assert_ne!(e.number(), 0);
+                assert_eq!(E::from_code(e.code()), Ok(e));
+            }
+            assert!(E::from_code(0).is_err());
+            assert!(E::from_code(99).is_err());
+        }
+        check(&Mode::ALL);
+        check(&Protocol::ALL);
+        check(&Decision::ALL);
+        check(&GapKind::ALL);
+        check(&SyncState::ALL);
+    }
 
     fn wire_rule(
         id: &str,

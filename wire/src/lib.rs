@@ -1,13 +1,17 @@
 //! The Innerwall agent contract: generated protobuf types and services, the rendered-policy
-//! domain model with the one diff/apply implementation (SYNC-1), and the identity and label
-//! grammar (IDN-3, IDN-6). Both the control plane and the agent link this crate; it depends on
+//! domain model with the one diff/apply implementation (SYNC-1), the flow evidence vocabulary
+//! with the one flow decision (FLOW-1..3), and the identity and label grammar (IDN-3, IDN-6). Both the control plane and the agent link this crate; it depends on
 //! nothing else in the workspace.
 
 pub mod backoff;
 pub mod convert;
+pub mod flows;
 pub mod identity;
 pub mod labels;
 pub mod policy;
+pub mod sync;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 
 /// Generated code for the `innerwall.agent.v1` package. Domain code converts at the boundary
 /// (`convert`) and never matches on these types directly.

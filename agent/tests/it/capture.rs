@@ -230,9 +230,9 @@ fn map_full_becomes_gap() {
     let gap = closed
         .gaps
         .iter()
-        .find(|g| g.kind == innerwall_wire::proto::EvidenceGapKind::MapFull as i32)
+        .find(|g| g.kind == innerwall_wire::flows::GapKind::MapFull)
         .expect("a map-full gap");
-    assert_eq!((gap.count, gap.from_unix_ms, gap.to_unix_ms), (drained.map_full_drops, 1_000, 2_000));
+    assert_eq!((gap.count, gap.from_ms, gap.to_ms), (drained.map_full_drops, 1_000, 2_000));
     assert_eq!(closed.records.len(), recorded, "recorded flows to the host's address are in the window");
 
     // The program said so itself, through aya-log, once per doubling of its per-CPU count.
@@ -253,8 +253,8 @@ fn map_full_becomes_gap() {
 }
 
 /// A matrix probe's protocol, and the rule of the test policy that allows it.
-fn protocol_and_rule(probe: &Probe) -> (innerwall_wire::proto::Protocol, &'static str) {
-    use innerwall_wire::proto::Protocol;
+fn protocol_and_rule(probe: &Probe) -> (innerwall_wire::policy::Protocol, &'static str) {
+    use innerwall_wire::policy::Protocol;
     match (probe.kind, probe.src.contains(':')) {
         ("tcp", _) => (Protocol::Tcp, "web/tcp"),
         ("udp", _) => (Protocol::Udp, "dns/udp"),
@@ -268,7 +268,7 @@ fn protocol_and_rule(probe: &Probe) -> (innerwall_wire::proto::Protocol, &'stati
 /// rule that let it, and in visibility everything is OBSERVED. Each window carries the version.
 #[test]
 fn netns_ebpf_records_flows_with_decisions() {
-    use innerwall_wire::proto::FlowDecision;
+    use innerwall_wire::flows::Decision as FlowDecision;
     let pair = Pair::new("decide");
     let _server = Server::start(&pair.host, &[8080, 8081], &[8080, 5353]);
     let state = TempDir::new("decide");
@@ -304,10 +304,10 @@ fn netns_ebpf_records_flows_with_decisions() {
                 .records
                 .iter()
                 .find(|r| {
-                    r.src_address == probe.src
-                        && r.dst_address == probe.dst
-                        && r.protocol == protocol as i32
-                        && r.dst_port == u32::from(probe.port)
+                    r.src.to_string() == probe.src
+                        && r.dst.to_string() == probe.dst
+                        && r.protocol == protocol
+                        && r.dst_port == probe.port
                 })
                 .unwrap_or_else(|| panic!("{mode}: no record for {probe:?} in {:#?}", closed.records));
             let expected = match (mode, allowed) {
@@ -316,11 +316,8 @@ fn netns_ebpf_records_flows_with_decisions() {
                 ("simulation", false) => (FlowDecision::WouldBlock, ""),
                 _ => (FlowDecision::Blocked, ""),
             };
-            assert_eq!(
-                (record.decision, record.matched_rule_id.as_str()),
-                (expected.0 as i32, expected.1),
-                "{mode}: {probe:?} -> {record:?}"
-            );
+            let matched = record.matched_rule.as_ref().map(ToString::to_string).unwrap_or_default();
+            assert_eq!((record.decision, matched.as_str()), expected, "{mode}: {probe:?} -> {record:?}");
             assert!(record.packets >= 1 && record.new_connections >= 1, "{mode}: {record:?}");
         }
     }

@@ -5,6 +5,7 @@ use std::collections::BTreeSet;
 use innerwall_control_plane::authoring::{self, NewWorkload};
 use innerwall_control_plane::flows;
 use innerwall_control_plane::testing::fresh_database;
+use innerwall_wire::flows::FlowWindow;
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::proto;
 
@@ -46,7 +47,7 @@ async fn retention_drops_whole_expired_partitions() {
         }],
         gaps: vec![proto::EvidenceGap { kind: 2, from_unix_ms: 0, to_unix_ms: 1, count: 0 }],
     };
-    flows::ingest(&db.pool, id, &flows::validate(&wire).unwrap()).await.unwrap();
+    flows::ingest(&db.pool, id, &FlowWindow::try_from(&wire).unwrap()).await.unwrap();
     let partitions = async || -> Vec<String> {
         sqlx::query_scalar(
             "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid WHERE c.relkind = 'r' ORDER BY 1",
@@ -173,7 +174,7 @@ async fn ingest_stores_records_resolved_and_totals_summed() {
         flow("10.8.2.2", "10.1.0.5", 443, Allowed, 5, seen),
         flow("::ffff:192.0.2.1", "10.1.0.5", 22, WouldBlock, 1, seen),
     ]);
-    let done = flows::ingest(&db.pool, id, &flows::validate(&first).unwrap()).await.unwrap();
+    let done = flows::ingest(&db.pool, id, &FlowWindow::try_from(&first).unwrap()).await.unwrap();
     assert_eq!(done, flows::Ingested { records: 5, duplicate: false });
 
     let rows: Vec<Stored> = sqlx::query_as(
@@ -226,8 +227,8 @@ async fn ingest_stores_records_resolved_and_totals_summed() {
 
     // A second window, and the first again (a retry): only the second adds to the totals.
     let second = wire(vec![flow("10.9.0.7", "10.1.0.5", 5432, WouldBlock, 10, (start + 2, start + 3))]);
-    flows::ingest(&db.pool, id, &flows::validate(&second).unwrap()).await.unwrap();
-    let again = flows::ingest(&db.pool, id, &flows::validate(&first).unwrap()).await.unwrap();
+    flows::ingest(&db.pool, id, &FlowWindow::try_from(&second).unwrap()).await.unwrap();
+    let again = flows::ingest(&db.pool, id, &FlowWindow::try_from(&first).unwrap()).await.unwrap();
     assert_eq!(again, flows::Ingested { records: 0, duplicate: true });
     // Each window's totals sit on its row: packets, bytes, connections, records per decision.
     let totals: Vec<WindowTotals> = sqlx::query_as(
@@ -269,7 +270,7 @@ async fn a_window_refused_at_ingest_stores_nothing() {
             ],
         )
     };
-    let window = flows::validate(&wire).unwrap();
+    let window = FlowWindow::try_from(&wire).unwrap();
     let err = flows::ingest(&db.pool, id, &window).await.unwrap_err();
     assert!(err.to_string().contains("overflow"), "{err}");
     let counts: (i64, i64, i64, i64) = sqlx::query_as(
@@ -307,9 +308,9 @@ async fn concurrent_uploads_create_partitions_once_and_all_land() {
                 })
                 .collect(),
         );
-        tasks.push(tokio::spawn(
-            async move { flows::ingest(&pool, id, &flows::validate(&wire).unwrap()).await },
-        ));
+        tasks.push(tokio::spawn(async move {
+            flows::ingest(&pool, id, &FlowWindow::try_from(&wire).unwrap()).await
+        }));
     }
     for task in tasks {
         assert_eq!(task.await.unwrap().unwrap(), flows::Ingested { records: 100, duplicate: false });
@@ -365,7 +366,7 @@ async fn label_snapshot_is_taken_at_the_time_the_flow_was_seen() {
     let after = chrono::Utc::now().timestamp_millis();
     for (port, seen) in [(5432, before), (5433, after)] {
         let wire = window_of(vec![flow("10.5.0.9", "10.1.0.5", port, WouldBlock, 1, (seen, seen))]);
-        flows::ingest(&db.pool, id, &flows::validate(&wire).unwrap()).await.unwrap();
+        flows::ingest(&db.pool, id, &FlowWindow::try_from(&wire).unwrap()).await.unwrap();
     }
     let snapshots: Vec<(i32, String, serde_json::Value)> = sqlx::query_as(
         "SELECT dst_port, peer_key, peer_labels FROM flow_records WHERE workload_id = $1 ORDER BY dst_port",

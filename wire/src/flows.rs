@@ -1,0 +1,230 @@
+//! The flow evidence vocabulary both sides share (FLOW-1..FLOW-3): the decision the installed
+//! policy makes about an inbound flow (`decide`, pure), and the window an agent reports —
+//! records aggregated under exactly one policy version, plus the gaps that say what could not
+//! be recorded. Conversion to and from the wire, and every check on a window that arrives from
+//! an agent, live in `convert`.
+
+use std::fmt;
+use std::net::IpAddr;
+use std::str::FromStr;
+
+use crate::policy::{Mode, PolicyError, Protocol, RuleId, Version, WorkloadPolicy};
+
+/// The decision the installed policy made (or would make) about a flow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Decision {
+    /// Visibility mode (or no policy yet): nothing was evaluated.
+    Observed,
+    /// A rule matched; the record names it.
+    Allowed,
+    /// Simulation mode: enforcement would have dropped it.
+    WouldBlock,
+    /// Enforcement mode: dropped.
+    Blocked,
+}
+
+impl Decision {
+    pub const ALL: [Decision; 4] =
+        [Decision::Observed, Decision::Allowed, Decision::WouldBlock, Decision::Blocked];
+
+    /// The name operators read and type (`flows list --decision blocked`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Decision::Observed => "observed",
+            Decision::Allowed => "allowed",
+            Decision::WouldBlock => "would-block",
+            Decision::Blocked => "blocked",
+        }
+    }
+}
+
+impl fmt::Display for Decision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Decision {
+    type Err = PolicyError;
+    fn from_str(s: &str) -> Result<Self, PolicyError> {
+        Decision::ALL
+            .into_iter()
+            .find(|d| d.name() == s)
+            .ok_or_else(|| PolicyError::UnknownName { what: "decision", text: s.to_owned() })
+    }
+}
+
+/// Why some evidence is missing (FLOW-2): a review shows these, never silence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum GapKind {
+    /// The kernel flow map was full; the count is the number of failed inserts.
+    MapFull,
+    /// The agent was not running; the interval is the time not covered.
+    AgentRestart,
+    /// Closed windows were dropped from the agent's upload queue.
+    UploadBufferOverflow,
+    /// A window reached its distinct-key cap; the count is the number of keys not recorded.
+    WindowKeyOverflow,
+}
+
+impl GapKind {
+    pub const ALL: [GapKind; 4] =
+        [GapKind::MapFull, GapKind::AgentRestart, GapKind::UploadBufferOverflow, GapKind::WindowKeyOverflow];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            GapKind::MapFull => "map-full",
+            GapKind::AgentRestart => "agent-restart",
+            GapKind::UploadBufferOverflow => "upload-buffer-overflow",
+            GapKind::WindowKeyOverflow => "window-key-overflow",
+        }
+    }
+}
+
+impl fmt::Display for GapKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One inbound flow key aggregated over a window. Times are Unix milliseconds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FlowRecord {
+    pub src: IpAddr,
+    pub dst: IpAddr,
+    /// 0 for ICMP and ICMPv6.
+    pub dst_port: u16,
+    pub protocol: Protocol,
+    pub decision: Decision,
+    /// The rule that allowed the flow: present exactly when the decision is `Allowed`.
+    pub matched_rule: Option<RuleId>,
+    pub packets: u64,
+    pub bytes: u64,
+    /// TCP SYN without ACK; the first packet of a UDP or ICMP key.
+    pub new_connections: u64,
+    pub first_seen_ms: i64,
+    pub last_seen_ms: i64,
+}
+
+/// What could not be recorded over `[from_ms, to_ms)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EvidenceGap {
+    pub kind: GapKind,
+    pub from_ms: i64,
+    pub to_ms: i64,
+    pub count: u64,
+}
+
+impl fmt::Display for EvidenceGap {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} over [{}, {}) ms, count {}", self.kind, self.from_ms, self.to_ms, self.count)
+    }
+}
+
+/// All evidence for `[start_ms, end_ms)`, evaluated against exactly one policy version (FLOW-3).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FlowWindow {
+    /// Chosen by the agent; with the workload identity, the idempotency key of an upload.
+    pub id: uuid::Uuid,
+    pub start_ms: i64,
+    pub end_ms: i64,
+    /// 0 when no policy was installed.
+    pub policy_version: Version,
+    pub mode: Mode,
+    pub records: Vec<FlowRecord>,
+    pub gaps: Vec<EvidenceGap>,
+}
+
+/// Bounds on one window from an agent: beyond them it is refused whole.
+pub const MAX_RECORDS: usize = 100_000;
+pub const MAX_GAPS: usize = 1_000;
+pub const MAX_WINDOW_MS: i64 = 24 * 3_600_000;
+/// Times outside `[1970-01-01, 10000-01-01)` are refused: they cannot name a daily partition
+/// or be stored as a timestamp.
+pub const TIME_RANGE_MS: std::ops::Range<i64> = 0..253_402_300_800_000;
+
+/// Why a window from the wire was refused. A refused window is stored nowhere.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FlowError {
+    #[error("{0}")]
+    Window(String),
+    #[error("record {index}: {reason}")]
+    Record { index: usize, reason: String },
+    #[error("gap {index}: {reason}")]
+    Gap { index: usize, reason: String },
+}
+
+/// The decision the policy installed at that moment makes (or would make) about a flow, with
+/// the rule that allowed it.
+pub fn decide(
+    policy: Option<&WorkloadPolicy>,
+    src: IpAddr,
+    dst_port: u16,
+    protocol: Protocol,
+) -> (Decision, Option<RuleId>) {
+    let Some(policy) = policy.filter(|p| p.mode() != Mode::Visibility) else {
+        return (Decision::Observed, None);
+    };
+    let matched = policy.rules().find(|r| {
+        r.protocol() == protocol
+            && (r.ports().is_empty() || r.ports().iter().any(|p| p.contains(dst_port)))
+            && r.peers().iter().any(|c| c.contains(&src))
+    });
+    match (matched, policy.mode()) {
+        (Some(rule), _) => (Decision::Allowed, Some(rule.id().clone())),
+        (None, Mode::Simulation) => (Decision::WouldBlock, None),
+        (None, _) => (Decision::Blocked, None),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::{Cidr, PortRange, ResolvedRule};
+
+    fn policy(mode: Mode) -> WorkloadPolicy {
+        let rule = ResolvedRule::new(
+            RuleId::new("db", Protocol::Tcp).unwrap(),
+            [PortRange::single(5432).unwrap()],
+            [Cidr::parse("10.0.0.0/24").unwrap()],
+        )
+        .unwrap();
+        let ping = ResolvedRule::new(
+            RuleId::new("ping", Protocol::Icmp).unwrap(),
+            [],
+            [Cidr::parse("0.0.0.0/0").unwrap()],
+        )
+        .unwrap();
+        WorkloadPolicy::new(4, mode, [rule, ping]).unwrap()
+    }
+
+    #[test]
+    fn decisions_follow_mode_and_rules() {
+        use Decision::*;
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let check = |mode, src, port, proto, want: Decision, rule: &str| {
+            let p = policy(mode);
+            let (decision, matched) = decide(Some(&p), ip(src), port, proto);
+            let matched = matched.map(|r| r.to_string()).unwrap_or_default();
+            assert_eq!((decision, matched.as_str()), (want, rule), "{mode} {src} {port} {proto}");
+        };
+        check(Mode::Enforcement, "10.0.0.9", 5432, Protocol::Tcp, Allowed, "db/tcp");
+        check(Mode::Enforcement, "10.0.1.9", 5432, Protocol::Tcp, Blocked, "");
+        check(Mode::Enforcement, "10.0.0.9", 5433, Protocol::Tcp, Blocked, "");
+        check(Mode::Enforcement, "10.0.0.9", 5432, Protocol::Udp, Blocked, "");
+        check(Mode::Simulation, "10.0.1.9", 5432, Protocol::Tcp, WouldBlock, "");
+        check(Mode::Simulation, "192.0.2.1", 0, Protocol::Icmp, Allowed, "ping/icmp");
+        check(Mode::Visibility, "10.0.1.9", 5432, Protocol::Tcp, Observed, "");
+        assert_eq!(decide(None, ip("10.0.0.9"), 5432, Protocol::Tcp), (Observed, None));
+    }
+
+    #[test]
+    fn names_round_trip_and_unknown_names_are_refused() {
+        for d in Decision::ALL {
+            assert_eq!(d.name().parse::<Decision>(), Ok(d));
+        }
+        assert!("would_block".parse::<Decision>().unwrap_err().to_string().contains("unknown decision"));
+        let names: Vec<_> = GapKind::ALL.iter().map(|k| k.to_string()).collect();
+        assert_eq!(names, ["map-full", "agent-restart", "upload-buffer-overflow", "window-key-overflow"]);
+    }
+}
