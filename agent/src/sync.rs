@@ -254,20 +254,13 @@ pub async fn session<S: PolicyStore + Send + 'static>(
 
 #[cfg(test)]
 mod tests {
-    use innerwall_wire::policy::{Mode, PortRange, Protocol, ResolvedRule, RuleId, diff};
+    use innerwall_wire::policy::{Mode, diff};
+    use innerwall_wire::testing;
 
     use super::*;
 
     fn policy(version: u64, ports: &[u16]) -> WorkloadPolicy {
-        let rules = ports.iter().map(|&p| {
-            ResolvedRule::new(
-                RuleId::new(&format!("r{p}"), Protocol::Tcp).unwrap(),
-                [PortRange::single(p).unwrap()],
-                [],
-            )
-            .unwrap()
-        });
-        WorkloadPolicy::new(version, Mode::Enforcement, rules).unwrap()
+        testing::policy(version, Mode::Enforcement, ports)
     }
 
     #[test]

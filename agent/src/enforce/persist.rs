@@ -158,16 +158,12 @@ pub fn decode(bytes: &[u8], path: &Path) -> Result<WorkloadPolicy, PersistError>
 #[cfg(test)]
 mod tests {
     use super::*;
-    use innerwall_wire::policy::{Cidr, Mode, PortRange, Protocol, ResolvedRule, RuleId};
+    use innerwall_wire::policy::{Mode, Protocol};
+    use innerwall_wire::testing::rule;
 
     fn policy() -> WorkloadPolicy {
-        let rule = ResolvedRule::new(
-            RuleId::new("db", Protocol::Tcp).unwrap(),
-            [PortRange::single(5432).unwrap()],
-            [Cidr::parse("10.1.0.0/16").unwrap(), Cidr::parse("fd00::/64").unwrap()],
-        )
-        .unwrap();
-        WorkloadPolicy::new(12, Mode::Enforcement, [rule]).unwrap()
+        let db = rule("db", Protocol::Tcp, &[5432], &["10.1.0.0/16", "fd00::/64"]);
+        WorkloadPolicy::new(12, Mode::Enforcement, [db]).unwrap()
     }
 
     fn temp_dir(name: &str) -> PathBuf {

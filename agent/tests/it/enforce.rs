@@ -13,25 +13,31 @@ use innerwall_agent::enforce::status::{StatusReport, status};
 use innerwall_agent::enforce::{Installed, LinuxPolicyStore, PersistedPolicy, PolicyStore as _};
 use innerwall_agent::enforce::{nft, state};
 use innerwall_agent::policy_json;
-use innerwall_wire::policy::WorkloadPolicy;
+use innerwall_wire::policy::{Protocol, WorkloadPolicy};
+use innerwall_wire::testing::rule;
 
 use crate::netns::*;
 
 const AGENT: &str = env!("CARGO_BIN_EXE_innerwall-agent");
 
-/// Allowed: tcp/8080 and udp/5353 from .2 and ::2, icmp from .2, icmpv6 from ::2.
+/// Allowed: tcp/8080 and udp/5353 from .2 and ::2, icmp from .2, icmpv6 from ::2. `web_peers`
+/// may be bare addresses (host routes) or CIDRs.
 pub fn policy(version: u64, mode: &str, web_peers: &[&str]) -> WorkloadPolicy {
-    let json = serde_json::json!({
-        "version": version,
-        "mode": mode,
-        "rules": [
-            {"id": "web/tcp", "ports": ["8080"], "peers": web_peers},
-            {"id": "dns/udp", "ports": ["5353"], "peers": [ALLOWED4, ALLOWED6]},
-            {"id": "ping/icmp", "peers": [ALLOWED4]},
-            {"id": "ping/icmpv6", "peers": [ALLOWED6]},
-        ]
-    });
-    policy_json::parse(json.to_string().as_bytes()).expect("test policy")
+    let host = |peer: &str| match peer {
+        p if p.contains('/') => p.to_owned(),
+        p if p.contains(':') => format!("{p}/128"),
+        p => format!("{p}/32"),
+    };
+    let web: Vec<String> = web_peers.iter().map(|p| host(p)).collect();
+    let web: Vec<&str> = web.iter().map(String::as_str).collect();
+    let (v4, v6) = (host(ALLOWED4), host(ALLOWED6));
+    let rules = [
+        rule("web", Protocol::Tcp, &[8080], &web),
+        rule("dns", Protocol::Udp, &[5353], &[&v4, &v6]),
+        rule("ping", Protocol::Icmp, &[], &[&v4]),
+        rule("ping", Protocol::Icmpv6, &[], &[&v6]),
+    ];
+    WorkloadPolicy::new(version, mode.parse().expect("test mode"), rules).expect("test policy")
 }
 
 /// The probes of the enforcement and simulation tests, with the enforcement outcome.
