@@ -1,16 +1,20 @@
 //! The flow evidence loop (FLOW-1..FLOW-3): a thread that drains the kernel's flow map every
 //! second into the open window, closes the window when its time is up or the applied policy
 //! version changes, and queues it for upload; restart gaps; and starting and stopping it
-//! together with the uploader. What a window is and how a drain is absorbed into it is pure
-//! and lives in `flows`.
+//! together with the uploader. The lifecycle itself ([`OpenWindow`]) takes time and the applied
+//! version as arguments; what a window is and how a drain is absorbed into it is pure and lives
+//! in `flows`.
 
+use std::collections::BTreeSet;
+use std::net::IpAddr;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use innerwall_wire::flows::GapKind;
+use innerwall_wire::flows::{FlowWindow, GapKind};
+use innerwall_wire::policy::WorkloadPolicy;
 
-use crate::capture::{self, Capture, CaptureError};
+use crate::capture::{self, Capture, CaptureError, Drained};
 use crate::connect::RunConfig;
 use crate::enforce::PolicyStore;
 use crate::facts::{self, FactsError};
@@ -36,6 +40,62 @@ fn now_ms() -> i64 {
     SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
 }
 
+/// The open flow window and when it closes, with time, the applied version and each drain
+/// passed in: the capture loop's state without its thread, clock or kernel, so a test can step
+/// it.
+#[derive(Debug)]
+pub struct OpenWindow {
+    window: flows::Window,
+    last_drain_ms: i64,
+}
+
+impl OpenWindow {
+    /// Opens the first window at `now_ms` under the applied `policy`.
+    pub fn new(now_ms: i64, policy: Option<WorkloadPolicy>, max_keys: usize) -> OpenWindow {
+        OpenWindow { window: flows::Window::open(now_ms, policy, max_keys), last_drain_ms: now_ms }
+    }
+
+    /// The agent was not running from `last_window_end_ms` (the end of the last window it
+    /// queued) until this window opened: an AGENT_RESTART gap on it.
+    pub fn restarted_after(&mut self, last_window_end_ms: i64) {
+        let start = self.window.start_ms;
+        self.window.gap(GapKind::AgentRestart, last_window_end_ms, start, 0);
+    }
+
+    /// Called before each drain. When the applied version is no longer the open window's
+    /// (evidence is about exactly one version) or the window is `length_ms` old, closes it at
+    /// `now_ms` and returns it, and opens the next under what `next` says is applied now.
+    pub fn rotate(
+        &mut self,
+        now_ms: i64,
+        applied_version: u64,
+        length_ms: i64,
+        next: impl FnOnce() -> (Option<WorkloadPolicy>, usize),
+    ) -> Option<FlowWindow> {
+        if applied_version == self.window.policy_version() && now_ms - self.window.start_ms < length_ms {
+            return None;
+        }
+        let (policy, max_keys) = next();
+        let closed = std::mem::replace(&mut self.window, flows::Window::open(now_ms, policy, max_keys));
+        Some(closed.close(now_ms))
+    }
+
+    /// Adds one drain at `now_ms` (`None`: the drain failed) to the open window: flows to the
+    /// `local` addresses, and the map-full drops as a gap since the previous drain.
+    pub fn absorb(&mut self, drained: Option<&Drained>, local: &BTreeSet<IpAddr>, now_ms: i64) {
+        if let Some(drained) = drained {
+            let (records, drops) = (&drained.records, drained.map_full_drops);
+            flows::absorb(&mut self.window, records, drops, local, self.last_drain_ms, now_ms);
+        }
+        self.last_drain_ms = now_ms;
+    }
+
+    /// Closes the open window at `now_ms` (a clean stop).
+    pub fn close(self, now_ms: i64) -> FlowWindow {
+        self.window.close(now_ms)
+    }
+}
+
 /// The flow evidence loop (FLOW-1..FLOW-3), on its own thread: drain the kernel map every
 /// second into the open window; close it when its time is up or the applied policy version
 /// changes (evidence is always about exactly one version), and queue it for upload. The time
@@ -54,12 +114,12 @@ fn capture_forever<S: PolicyStore + Send + 'static>(
     use std::sync::atomic::Ordering::Relaxed;
     let marker = state_dir.join("telemetry").join("last_window_end");
     let max_keys = || enforcer.flow_window_max_keys.load(Relaxed) as usize;
-    let mut window = flows::Window::open(now_ms(), enforcer.current(), max_keys());
+    let mut open = OpenWindow::new(now_ms(), enforcer.current(), max_keys());
     if let Some(last) = std::fs::read_to_string(&marker).ok().and_then(|t| t.trim().parse::<i64>().ok()) {
-        window.gap(GapKind::AgentRestart, last, window.start_ms, 0);
+        open.restarted_after(last);
     }
-    let queue_window = |window: flows::Window, now: i64| {
-        if let Err(e) = queue.push(window.close(now)) {
+    let queue_window = |window: FlowWindow, now: i64| {
+        if let Err(e) = queue.push(window) {
             tracing::error!("could not queue a flow window: {e}");
         }
         if let Err(e) = std::fs::write(&marker, now.to_string()) {
@@ -67,7 +127,6 @@ fn capture_forever<S: PolicyStore + Send + 'static>(
         }
     };
     let mut local = facts::local_addresses();
-    let mut last_drain = now_ms();
     loop {
         let stopping = sleep_unless_stopped(Duration::from_secs(1), stop);
         let now = now_ms();
@@ -75,21 +134,16 @@ fn capture_forever<S: PolicyStore + Send + 'static>(
         // under that version, not the one before it.
         let length = enforcer.flow_window_secs.load(Relaxed) as i64 * 1000;
         if !stopping
-            && (enforcer.applied_version() != window.policy_version() || now - window.start_ms >= length)
+            && let Some(closed) =
+                open.rotate(now, enforcer.applied_version(), length, || (enforcer.current(), max_keys()))
         {
-            let next = flows::Window::open(now, enforcer.current(), max_keys());
-            queue_window(std::mem::replace(&mut window, next), now);
+            queue_window(closed, now);
             local = facts::local_addresses();
         }
-        match capture.drain() {
-            Ok(drained) => {
-                flows::absorb(&mut window, &drained.records, drained.map_full_drops, &local, last_drain, now)
-            }
-            Err(e) => tracing::error!("draining the flow map failed: {e}"),
-        }
-        last_drain = now;
+        let drained = capture.drain().map_err(|e| tracing::error!("draining the flow map failed: {e}")).ok();
+        open.absorb(drained.as_ref(), &local, now);
         if stopping {
-            queue_window(window, now);
+            queue_window(open.close(now), now);
             return;
         }
     }
