@@ -351,18 +351,20 @@ fn effective_uid() -> u32 {
     unsafe { libc::geteuid() }
 }
 
-/// CLOCK_REALTIME − CLOCK_MONOTONIC (what `bpf_ktime_get_ns` counts) in ns, right now.
+/// A clock's reading in ns.
 #[allow(unsafe_code)]
+fn clock_ns(clock: libc::clockid_t) -> i128 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes one timespec into the valid pointer we pass.
+    unsafe { libc::clock_gettime(clock, &mut ts) };
+    i128::from(ts.tv_sec) * 1_000_000_000 + i128::from(ts.tv_nsec)
+}
+
+/// CLOCK_REALTIME − CLOCK_MONOTONIC (what `bpf_ktime_get_ns` counts) in ns, right now.
 fn realtime_minus_monotonic_ns() -> i128 {
-    let now = |clock| {
-        let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-        // SAFETY: clock_gettime writes one timespec into the valid pointer we pass.
-        unsafe { libc::clock_gettime(clock, &mut ts) };
-        i128::from(ts.tv_sec) * 1_000_000_000 + i128::from(ts.tv_nsec)
-    };
-    let mono_before = now(libc::CLOCK_MONOTONIC);
-    let real = now(libc::CLOCK_REALTIME);
-    let mono_after = now(libc::CLOCK_MONOTONIC);
+    let mono_before = clock_ns(libc::CLOCK_MONOTONIC);
+    let real = clock_ns(libc::CLOCK_REALTIME);
+    let mono_after = clock_ns(libc::CLOCK_MONOTONIC);
     real - (mono_before + mono_after) / 2
 }
 
@@ -397,15 +399,28 @@ mod tests {
     }
 
     #[test]
-    fn monotonic_offset_gives_a_plausible_wall_clock() {
+    fn monotonic_plus_offset_is_the_wall_clock() {
+        // What the program stamps (monotonic ns) plus the offset is what the wall clock says.
+        let stamped = clock_ns(libc::CLOCK_MONOTONIC);
         let offset = realtime_minus_monotonic_ns();
-        // After 2020 (1.5e18 ns since the epoch) once any monotonic value is added.
-        assert!(offset > 1_500_000_000_000_000_000);
+        let wall =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as i128;
+        let error_ms = (stamped + offset - wall).abs() / 1_000_000;
+        assert!(error_ms < 100, "monotonic + offset is {error_ms} ms off the wall clock");
     }
 
     #[test]
-    fn a_missing_object_names_the_build_command() {
-        let err = CaptureError::ObjectMissing(PathBuf::from("/nonexistent/innerwall-ebpf"));
-        assert!(err.to_string().contains("cargo xtask build-ebpf"), "{err}");
+    fn a_missing_object_is_refused_before_loading_and_names_the_build_command() {
+        let missing = Path::new("/nonexistent/innerwall-ebpf");
+        let err = Capture::attach(&["lo".to_owned()], missing, None, log::logger()).unwrap_err();
+        match effective_uid() {
+            0 => {
+                assert!(matches!(&err, CaptureError::ObjectMissing(p) if p == missing), "{err:?}");
+                let text = err.to_string();
+                assert!(text.contains("/nonexistent/innerwall-ebpf"), "{text}");
+                assert!(text.contains("cargo xtask build-ebpf"), "{text}");
+            }
+            uid => assert!(matches!(err, CaptureError::NotRoot(u) if u == uid), "{err:?}"),
+        }
     }
 }
