@@ -4,6 +4,8 @@
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use innerwall_agent::connect::connect;
@@ -14,7 +16,7 @@ use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::{Cidr, Mode, Protocol};
 use innerwall_wire::proto;
 
-use crate::plane::Plane;
+use crate::plane::{Plane, eventually};
 
 fn record(src: &str, port: u16, packets: u64) -> FlowRecord {
     FlowRecord {
@@ -181,6 +183,21 @@ async fn flow_buffer_survives_partition() {
     let mut plane = Plane::start().await;
     let (id, config) = plane.enroll("db-1", &["app=db"]).await;
     plane.down().await;
+    // In the control plane's place, a listener that counts connections and drops them: every
+    // upload attempt fails there.
+    let imposter = tokio::net::TcpListener::bind(("127.0.0.1", plane.port)).await.unwrap();
+    let attempts = Arc::new(AtomicU64::new(0));
+    let counting = tokio::spawn({
+        let attempts = attempts.clone();
+        async move {
+            loop {
+                if let Ok((connection, _)) = imposter.accept().await {
+                    attempts.fetch_add(1, Ordering::Relaxed);
+                    drop(connection);
+                }
+            }
+        }
+    });
     // The control plane is unreachable: five windows close, the queue holds three.
     let queue = Queue::new(&config.state_dir, 3).unwrap();
     for n in 0..5 {
@@ -189,8 +206,11 @@ async fn flow_buffer_survives_partition() {
     assert_eq!(queue.len(), 3);
     let uploader =
         tokio::spawn(telemetry::upload_forever(config.clone(), queue.clone(), Duration::from_millis(100)));
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Nothing is lost while uploads fail, checked once the uploader has tried and failed twice.
+    eventually(|| attempts.load(Ordering::Relaxed) >= 2, "two failed upload attempts").await;
     assert_eq!(queue.len(), 3, "nothing is lost while the control plane is away");
+    counting.abort();
+    let _ = counting.await;
 
     plane.up().await;
     for _ in 0..100 {
