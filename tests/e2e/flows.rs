@@ -185,7 +185,21 @@ async fn flow_buffer_survives_partition() {
     plane.down().await;
     // In the control plane's place, a listener that counts connections and drops them: every
     // upload attempt fails there.
-    let imposter = tokio::net::TcpListener::bind(("127.0.0.1", plane.port)).await.unwrap();
+    // (The stopped replica may still hold its listening socket for a moment.)
+    let mut imposter = None;
+    for _ in 0..100 {
+        match tokio::net::TcpListener::bind(("127.0.0.1", plane.port)).await {
+            Ok(listener) => {
+                imposter = Some(listener);
+                break;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            Err(e) => panic!("binding the control plane's port: {e}"),
+        }
+    }
+    let imposter = imposter.expect("the control plane's port stays in use after it stopped");
     let attempts = Arc::new(AtomicU64::new(0));
     let counting = tokio::spawn({
         let attempts = attempts.clone();
