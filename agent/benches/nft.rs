@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use innerwall_agent::enforce::desired::DesiredTable;
-use innerwall_agent::enforce::{LinuxPolicyStore, PolicyStore as _, netlink, nft};
+use innerwall_agent::enforce::{LinuxPolicyStore, PolicyStore as _, netlink, nft, state};
 use innerwall_wire::policy::{Cidr, Mode, PortRange, Protocol, ResolvedRule, RuleId, WorkloadPolicy};
 
 const RULES: u32 = 200;
@@ -98,7 +98,7 @@ fn bench(state: &std::path::Path) {
     let mut build = Vec::new();
     let mut full = Vec::new();
     for _ in 0..ITERATIONS {
-        let (t_build, batch) = time(|| nft::full_replace_batch(&da, false));
+        let (t_build, batch) = time(|| nft::full_replace_batch(&da));
         let (t_send, sent) = time(|| batch.send());
         sent.expect("full replace");
         build.push(t_build);
@@ -159,10 +159,10 @@ fn bench(state: &std::path::Path) {
     stats("PolicyStore::apply full (persist + fsync + install)", full_apply);
 
     let expected = nft::expected_state(&da);
-    nft::full_replace_batch(&da, false).send().expect("reinstall a");
+    nft::full_replace_batch(&da).send().expect("reinstall a");
     let mut readback = Vec::new();
     for _ in 0..ITERATIONS {
-        let (t, state) = time(|| nft::read_table().expect("read").expect("table"));
+        let (t, state) = time(|| state::read_table().expect("read").expect("table"));
         assert!(state.differences(&expected).is_empty());
         readback.push(t);
     }

@@ -1,14 +1,24 @@
-//! The innerwall host agent as a library: enrollment and the credential (`enroll`,
-//! `identity`), the policy stream (`sync`), enforcement into the owned nftables table
-//! (`enforce`), the `run` daemon (`daemon`) and the JSON policy form of the dev command
-//! `apply-file` (`policy_file`). `main.rs` is a thin CLI over it.
+//! The innerwall host agent as a library; `main.rs` is a thin CLI over it.
+//!
+//! - Identity and enrollment: `identity` (the credential on disk), `enroll`, `renew`; `facts`
+//!   (what this host reports about itself); `connect` (run configuration and dialing).
+//! - Policy: `sync` (the policy stream), `enforce` (the owned nftables table), `policy_json`
+//!   (the JSON policy form of the dev commands `apply-file` / `render-file`).
+//! - Flow evidence: `capture` (the eBPF program), `flows` (pure windows), `evidence` (the
+//!   capture loop and window lifecycle), `telemetry` (queue and upload).
+//! - `daemon`: `innerwall-agent run`, tying them together; `error`: how an error chain prints.
 
 pub mod capture;
+pub mod connect;
 pub mod daemon;
 pub mod enforce;
 pub mod enroll;
+pub mod error;
+pub mod evidence;
+pub mod facts;
 pub mod flows;
 pub mod identity;
-pub mod policy_file;
+pub mod policy_json;
+pub mod renew;
 pub mod sync;
 pub mod telemetry;

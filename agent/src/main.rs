@@ -6,10 +6,11 @@ use std::process::ExitCode;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use innerwall_agent::daemon::{self, RunConfig};
+use innerwall_agent::connect::RunConfig;
+use innerwall_agent::daemon;
 use innerwall_agent::enforce::desired::DesiredTable;
 use innerwall_agent::enforce::{self, DEFAULT_STATE_DIR, LinuxPolicyStore, PolicyStore as _, status};
-use innerwall_agent::policy_file;
+use innerwall_agent::policy_json;
 
 #[derive(Debug, Parser)]
 #[command(name = "innerwall-agent", version, about = "Innerwall host agent")]
@@ -70,15 +71,16 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Development: persist and install a policy from a file (JSON form or canonical bytes),
-    /// bypassing the control plane.
+    /// Development: persist and install a policy read from a file (a JSON policy or canonical
+    /// bytes), bypassing the control plane.
     #[command(hide = true)]
     ApplyFile {
         file: PathBuf,
         #[command(flatten)]
         state: StateDir,
     },
-    /// Development: print the nft rendering of a policy file's table.
+    /// Development: print the nft rendering of the table a JSON policy (or canonical bytes)
+    /// installs.
     #[command(hide = true)]
     RenderFile { file: PathBuf },
 }
@@ -96,7 +98,7 @@ fn main() -> ExitCode {
     match run(Cli::parse().command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("error: {err:#}");
+            eprintln!("error: {}", innerwall_agent::error::chain(err.as_ref()));
             ExitCode::FAILURE
         }
     }
@@ -104,7 +106,7 @@ fn main() -> ExitCode {
 
 fn read_policy(file: &Path) -> anyhow::Result<innerwall_wire::policy::WorkloadPolicy> {
     let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
-    policy_file::parse(&bytes).with_context(|| format!("parsing {}", file.display()))
+    policy_json::parse(&bytes).with_context(|| format!("parsing {}", file.display()))
 }
 
 fn run(command: Command) -> anyhow::Result<()> {
@@ -121,7 +123,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             runtime.block_on(daemon::run(config))?;
         }
         Command::Enroll { state, server, token, ca_bundle, force } => {
-            let ca = daemon::read_ca_bundle(&ca_bundle)?;
+            let ca = innerwall_agent::enroll::read_ca_bundle(&ca_bundle)?;
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()

@@ -6,12 +6,13 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use innerwall_wire::policy::{PolicyDelta, Version, WorkloadPolicy};
+use innerwall_wire::policy::{ApplyError, PolicyDelta, PolicyError, Version, WorkloadPolicy};
 use innerwall_wire::proto::{self, sync_request, sync_response};
 use tokio::sync::mpsc;
 use tonic::transport::Channel;
 
-use crate::enforce::{PolicyStore, TamperEvent};
+use crate::enforce::{EnforceError, PolicyStore, TamperEvent};
+use crate::error;
 
 /// An update as it arrived, before validation.
 #[derive(Debug, Clone)]
@@ -30,22 +31,33 @@ impl WireUpdate {
     }
 }
 
+/// Why an update was refused as a unit; its text is the detail of the FAILED ack.
+#[derive(Debug, thiserror::Error)]
+pub enum UpdateError {
+    #[error("malformed snapshot: {0}")]
+    MalformedSnapshot(#[source] PolicyError),
+    #[error("malformed delta: {0}")]
+    MalformedDelta(#[source] PolicyError),
+    #[error("delta from version {from_version} but no policy is held; a snapshot must come first")]
+    NoBase { from_version: Version },
+    #[error(transparent)]
+    Apply(#[from] ApplyError),
+    #[error(transparent)]
+    Store(#[from] EnforceError),
+}
+
 /// The complete next policy an update describes, given what the agent holds; or why it is
 /// refused as a unit (SYNC-4): malformed, or a delta whose base the agent does not hold.
-pub fn next_policy(held: Option<&WorkloadPolicy>, update: &WireUpdate) -> Result<WorkloadPolicy, String> {
+pub fn next_policy(
+    held: Option<&WorkloadPolicy>,
+    update: &WireUpdate,
+) -> Result<WorkloadPolicy, UpdateError> {
     match update {
-        WireUpdate::Snapshot(p) => {
-            WorkloadPolicy::try_from(p).map_err(|e| format!("malformed snapshot: {e}"))
-        }
+        WireUpdate::Snapshot(p) => WorkloadPolicy::try_from(p).map_err(UpdateError::MalformedSnapshot),
         WireUpdate::Delta(d) => {
-            let delta = PolicyDelta::try_from(d).map_err(|e| format!("malformed delta: {e}"))?;
-            let held = held.ok_or_else(|| {
-                format!(
-                    "delta from version {} but no policy is held; a snapshot must come first",
-                    delta.from_version
-                )
-            })?;
-            held.apply(&delta).map_err(|e| e.to_string())
+            let delta = PolicyDelta::try_from(d).map_err(UpdateError::MalformedDelta)?;
+            let held = held.ok_or(UpdateError::NoBase { from_version: delta.from_version })?;
+            Ok(held.apply(&delta)?)
         }
     }
 }
@@ -89,10 +101,11 @@ impl<S: PolicyStore> Enforcer<S> {
     }
 
     /// Applies one update atomically; on error nothing changed. Blocking (netlink).
-    pub fn apply(&self, update: &WireUpdate) -> Result<(), String> {
+    pub fn apply(&self, update: &WireUpdate) -> Result<(), UpdateError> {
         let mut store = self.store.lock().unwrap_or_else(PoisonError::into_inner);
         let next = next_policy(store.current(), update)?;
-        store.apply(&next).map(drop).map_err(|e| format!("{e:#}"))
+        store.apply(&next)?;
+        Ok(())
     }
 
     pub fn report_tamper(&self, event: TamperEvent) {
@@ -155,10 +168,10 @@ pub async fn session<S: PolicyStore + Send + 'static>(
     enforcer: Arc<Enforcer<S>>,
     stats: &mut SessionStats,
 ) -> SessionEnd {
-    let facts = tokio::task::spawn_blocking(crate::enroll::host_facts).await.unwrap_or_default();
+    let facts = tokio::task::spawn_blocking(crate::facts::host_facts).await.unwrap_or_default();
     let hello = proto::Hello {
         applied_version: enforcer.applied_version(),
-        agent: Some(crate::enroll::agent_info()),
+        agent: Some(crate::facts::agent_info()),
         facts: Some(facts),
     };
     let (tx, rx) = mpsc::channel(64);
@@ -208,7 +221,7 @@ pub async fn session<S: PolicyStore + Send + 'static>(
                 };
                 let version = update.version();
                 let e = enforcer.clone();
-                let result = tokio::task::spawn_blocking(move || e.apply(&update))
+                let result = tokio::task::spawn_blocking(move || e.apply(&update).map_err(|e| error::chain(&e)))
                     .await
                     .unwrap_or_else(|e| Err(format!("apply task failed: {e}")));
                 stats.updates += 1;
@@ -229,7 +242,7 @@ pub async fn session<S: PolicyStore + Send + 'static>(
                 }
             }
             _ = inventory.tick() => {
-                let facts = tokio::task::spawn_blocking(crate::enroll::host_facts).await.unwrap_or_default();
+                let facts = tokio::task::spawn_blocking(crate::facts::host_facts).await.unwrap_or_default();
                 let report = proto::InventoryReport { facts: Some(facts), listening_services: Vec::new() };
                 if tx.send(msg(sync_request::Msg::Inventory(report))).await.is_err() {
                     return SessionEnd::Closed("stream closed".into());
@@ -241,20 +254,13 @@ pub async fn session<S: PolicyStore + Send + 'static>(
 
 #[cfg(test)]
 mod tests {
-    use innerwall_wire::policy::{Mode, PortRange, Protocol, ResolvedRule, RuleId, diff};
+    use innerwall_wire::policy::{Mode, diff};
+    use innerwall_wire::testing;
 
     use super::*;
 
     fn policy(version: u64, ports: &[u16]) -> WorkloadPolicy {
-        let rules = ports.iter().map(|&p| {
-            ResolvedRule::new(
-                RuleId::new(&format!("r{p}"), Protocol::Tcp).unwrap(),
-                [PortRange::single(p).unwrap()],
-                [],
-            )
-            .unwrap()
-        });
-        WorkloadPolicy::new(version, Mode::Enforcement, rules).unwrap()
+        testing::policy(version, Mode::Enforcement, ports)
     }
 
     #[test]
@@ -262,15 +268,17 @@ mod tests {
         let v1 = policy(1, &[22]);
         let v2 = policy(2, &[22, 443]);
         let snap = WireUpdate::Snapshot((&v1).into());
-        assert_eq!(next_policy(None, &snap), Ok(v1.clone()));
+        assert_eq!(next_policy(None, &snap).unwrap(), v1);
         let delta = WireUpdate::Delta((&diff(&v1, &v2)).into());
-        assert_eq!(next_policy(Some(&v1), &delta), Ok(v2.clone()));
-        assert!(
-            next_policy(Some(&v2), &delta).unwrap_err().contains("based on version 1 but version 2 is held")
-        );
-        assert!(next_policy(None, &delta).unwrap_err().contains("no policy is held"));
+        assert_eq!(next_policy(Some(&v1), &delta).unwrap(), v2);
+        let wrong_base = next_policy(Some(&v2), &delta).unwrap_err();
+        assert!(matches!(wrong_base, UpdateError::Apply(_)), "{wrong_base}");
+        assert!(wrong_base.to_string().contains("based on version 1 but version 2 is held"), "{wrong_base}");
+        let no_base = next_policy(None, &delta).unwrap_err();
+        assert!(matches!(no_base, UpdateError::NoBase { from_version: 1 }), "{no_base}");
         let mut bad = proto::WorkloadPolicy::from(&v1);
         bad.mode = 42;
-        assert!(next_policy(None, &WireUpdate::Snapshot(bad)).unwrap_err().starts_with("malformed snapshot"));
+        let malformed = next_policy(None, &WireUpdate::Snapshot(bad)).unwrap_err();
+        assert!(malformed.to_string().starts_with("malformed snapshot"), "{malformed}");
     }
 }

@@ -13,7 +13,8 @@ use innerwall_wire::flows::{EvidenceGap, FlowWindow, GapKind};
 use innerwall_wire::proto;
 use prost::Message;
 
-use crate::daemon::{RunConfig, connect};
+use crate::connect::{RunConfig, connect};
+use crate::error;
 
 /// Default bound of the on-disk queue, in windows.
 pub const DEFAULT_MAX_WINDOWS: usize = 1_440;
@@ -115,7 +116,7 @@ pub async fn upload_forever(config: RunConfig, queue: Queue, poll: Duration) {
         if !queue.is_empty() {
             let result = match connect(&config).await {
                 Ok(channel) => queue.upload(channel).await.map_err(|s| s.message().to_owned()),
-                Err(e) => Err(format!("{e:#}")),
+                Err(e) => Err(error::chain(&e)),
             };
             match result {
                 Ok(_) => attempt = 0,

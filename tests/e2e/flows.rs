@@ -4,9 +4,11 @@
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use innerwall_agent::daemon;
+use innerwall_agent::connect::connect;
 use innerwall_agent::telemetry::{self, Queue};
 use innerwall_control_plane::policy::authoring;
 use innerwall_control_plane::policy::spec::{AddressGroupSpec, NewWorkload};
@@ -15,7 +17,7 @@ use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::{Cidr, Mode, Protocol};
 use innerwall_wire::proto;
 
-use crate::plane::Plane;
+use crate::plane::{Plane, eventually};
 
 fn record(src: &str, port: u16, packets: u64) -> FlowRecord {
     FlowRecord {
@@ -95,7 +97,7 @@ async fn flows_end_to_end_with_label_snapshot() {
             record("192.0.2.1", 22, 1),
         ]))
         .unwrap();
-    let delivered = queue.upload(daemon::connect(&config).await.unwrap()).await.unwrap();
+    let delivered = queue.upload(connect(&config).await.unwrap()).await.unwrap();
     assert_eq!(delivered, 1);
     assert!(queue.is_empty());
 
@@ -145,11 +147,10 @@ async fn flows_end_to_end_with_label_snapshot() {
     let mut bad =
         proto::FlowWindow::from(&window(vec![record("10.9.0.7", 5432, 1), record("192.0.2.9", 1, 1)]));
     bad.records[1].src_address = "not-an-ip".into();
-    let err =
-        proto::telemetry_service_client::TelemetryServiceClient::new(daemon::connect(&config).await.unwrap())
-            .report_flows(proto::ReportFlowsRequest { window: Some(bad) })
-            .await
-            .unwrap_err();
+    let err = proto::telemetry_service_client::TelemetryServiceClient::new(connect(&config).await.unwrap())
+        .report_flows(proto::ReportFlowsRequest { window: Some(bad) })
+        .await
+        .unwrap_err();
     assert!(err.message().contains("record 1: source \"not-an-ip\" is not an address"), "{err}");
     let windows: i64 =
         sqlx::query_scalar("SELECT count(*) FROM flow_windows").fetch_one(plane.pool()).await.unwrap();
@@ -165,7 +166,7 @@ async fn flow_upload_is_idempotent() {
     // A retry after a lost response is the same window again.
     queue.push(w.clone()).unwrap();
     queue.push(w).unwrap();
-    assert_eq!(queue.upload(daemon::connect(&config).await.unwrap()).await.unwrap(), 2);
+    assert_eq!(queue.upload(connect(&config).await.unwrap()).await.unwrap(), 2);
     let (windows, records, packets): (i64, i64, i64) = sqlx::query_as(
         "SELECT (SELECT count(*) FROM flow_windows WHERE workload_id = $1),
                 (SELECT count(*) FROM flow_records WHERE workload_id = $1),
@@ -183,6 +184,35 @@ async fn flow_buffer_survives_partition() {
     let mut plane = Plane::start().await;
     let (id, config) = plane.enroll("db-1", &["app=db"]).await;
     plane.down().await;
+    // In the control plane's place, a listener that counts connections and drops them: every
+    // upload attempt fails there.
+    // (The stopped replica may still hold its listening socket for a moment.)
+    let mut imposter = None;
+    for _ in 0..100 {
+        match tokio::net::TcpListener::bind(("127.0.0.1", plane.port)).await {
+            Ok(listener) => {
+                imposter = Some(listener);
+                break;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            Err(e) => panic!("binding the control plane's port: {e}"),
+        }
+    }
+    let imposter = imposter.expect("the control plane's port stays in use after it stopped");
+    let attempts = Arc::new(AtomicU64::new(0));
+    let counting = tokio::spawn({
+        let attempts = attempts.clone();
+        async move {
+            loop {
+                if let Ok((connection, _)) = imposter.accept().await {
+                    attempts.fetch_add(1, Ordering::Relaxed);
+                    drop(connection);
+                }
+            }
+        }
+    });
     // The control plane is unreachable: five windows close, the queue holds three.
     let queue = Queue::new(&config.state_dir, 3).unwrap();
     for n in 0..5 {
@@ -191,8 +221,11 @@ async fn flow_buffer_survives_partition() {
     assert_eq!(queue.len(), 3);
     let uploader =
         tokio::spawn(telemetry::upload_forever(config.clone(), queue.clone(), Duration::from_millis(100)));
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Nothing is lost while uploads fail, checked once the uploader has tried and failed twice.
+    eventually(|| attempts.load(Ordering::Relaxed) >= 2, "two failed upload attempts").await;
     assert_eq!(queue.len(), 3, "nothing is lost while the control plane is away");
+    counting.abort();
+    let _ = counting.await;
 
     plane.up().await;
     for _ in 0..100 {

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use innerwall_agent::daemon::RunConfig;
+use innerwall_agent::connect::RunConfig;
 use innerwall_agent::enforce::{EnforceError, Installed, MemoryPolicyStore, PolicyStore};
 use innerwall_agent::identity::Credential;
 use innerwall_agent::sync::Enforcer;
@@ -173,4 +173,20 @@ impl PolicyStore for TestStore {
 
 pub fn history(enforcer: &Enforcer<TestStore>) -> Vec<u64> {
     enforcer.store.lock().unwrap().inner.history().to_vec()
+}
+
+/// How many more times the store will refuse the version it was told to refuse.
+pub fn refusals_left(enforcer: &Enforcer<TestStore>) -> u32 {
+    enforcer.store.lock().unwrap().refuse.map_or(0, |(_, times)| times)
+}
+
+/// Polls `done` every 50 ms for up to 15 s; panics naming `what` if it never holds.
+pub async fn eventually(done: impl Fn() -> bool, what: &str) {
+    for _ in 0..300 {
+        if done() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("never happened: {what}");
 }

@@ -5,17 +5,15 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use innerwall_agent::daemon;
+use innerwall_agent::connect::RunConfig;
 use innerwall_agent::sync::{Enforcer, WireUpdate};
+use innerwall_agent::{daemon, renew};
 use innerwall_wire::policy::diff;
 use innerwall_wire::proto;
 
-use crate::plane::{Plane, TestStore, credential, history};
+use crate::plane::{Plane, TestStore, credential, eventually, history, refusals_left};
 
-fn spawn_agent(
-    config: &daemon::RunConfig,
-    enforcer: &Arc<Enforcer<TestStore>>,
-) -> tokio::task::JoinHandle<()> {
+fn spawn_agent(config: &RunConfig, enforcer: &Arc<Enforcer<TestStore>>) -> tokio::task::JoinHandle<()> {
     let (config, enforcer) = (config.clone(), enforcer.clone());
     tokio::spawn(async move {
         daemon::hold_stream(&config, enforcer).await.unwrap();
@@ -62,20 +60,25 @@ async fn failed_apply_keeps_last_good_and_acks_failed() {
     plane
         .wait(id, |s| s.0 == "DEGRADED" && s.3.contains("test refuses v2"), "DEGRADED with the refusal")
         .await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Both v2 updates (the delta and its recovery snapshot) reached the store and were refused:
+    // the store counts its refusals down.
+    eventually(|| refusals_left(&enforcer) == 0, "the store refused v2 twice").await;
     assert_eq!(enforcer.current().unwrap(), v1, "v1 stays installed, unchanged");
+    assert_eq!(history(&enforcer), [1], "nothing was applied after v1");
     assert_eq!(plane.status(id).await.1, 1, "applied is still v1");
 
     // The next version arrives as a delta from v2, a base the agent does not hold: refused as a
     // unit, then a recovery snapshot brings it to v3.
     plane.bump(1).await;
     plane.wait_synced(id, 3).await;
+    // v3 is the later marker: updates apply in stream order, so any other update sent after
+    // v1 (a v2 that slipped through) would show up before it.
     assert_eq!(history(&enforcer), [1, 3]);
 
     // The same refusal, directly: a delta on the wrong base leaves the store untouched.
     let v3 = enforcer.current().unwrap();
     let wrong = WireUpdate::Delta(proto::PolicyDelta::from(&diff(&v1, &v1.clone().with_version(9))));
-    let err = enforcer.apply(&wrong).unwrap_err();
+    let err = enforcer.apply(&wrong).unwrap_err().to_string();
     assert!(err.contains("based on version 1 but version 3 is held"), "{err}");
     assert_eq!(enforcer.current().unwrap(), v3);
     agent.abort();
@@ -96,6 +99,16 @@ async fn reconnect_is_fresh_hello_with_backoff() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(enforcer.dial_failures.load(Ordering::Relaxed) >= 3);
+    // The waits between dials: from the fourth attempt on, each is uniform in [0, 400 ms)
+    // (base 50 ms, cap 400 ms, full jitter), about ten dials in 2 s. A loop that does not wait
+    // makes hundreds (a refused loopback dial takes well under a millisecond); 40 dials would
+    // need the 40 waits to average under 50 ms, eight standard deviations below their mean.
+    let (before, since) = (enforcer.dial_failures.load(Ordering::Relaxed), std::time::Instant::now());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let dials = enforcer.dial_failures.load(Ordering::Relaxed) - before;
+    let elapsed = since.elapsed();
+    assert!(dials >= 2, "the agent keeps dialing under the 400 ms cap: {dials} dials in {elapsed:?}");
+    assert!(dials <= 40, "the agent waits between dials: {dials} dials in {elapsed:?}");
     assert_eq!(enforcer.streams.load(Ordering::Relaxed), 0);
     plane.up().await;
     plane.wait_synced(id, 1).await;
@@ -146,11 +159,14 @@ async fn sync_stream_end_to_end() {
     std::fs::write(&file, "name: web\nscope: {app: [web]}\nrules:\n- name: r\n  peers: [{cidr: 10.0.0.0/8}]\n  services: [web]\n").unwrap();
     cli(&["ruleset", "create", "-f", file.to_str().unwrap()]);
     plane.wait_synced(id, 2).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(history(&enforcer), [1, 2], "exactly one update after the snapshot");
+    // A later change is the marker: updates apply in stream order, so a second update for the
+    // operator's change would show up between v2 and v3.
+    plane.bump(0).await;
+    plane.wait_synced(id, 3).await;
+    assert_eq!(history(&enforcer), [1, 2, 3], "exactly one update for each change after the snapshot");
 
     // Restart the control plane: nothing re-renders, status and versions are kept, and the
-    // reconnecting agent gets v2 as a snapshot.
+    // reconnecting agent gets v3 as a snapshot.
     plane.down().await;
     plane.up().await;
     assert_eq!(
@@ -158,9 +174,9 @@ async fn sync_stream_end_to_end() {
         0,
         "the render after a restart changes nothing"
     );
-    plane.wait_synced(id, 2).await;
-    assert_eq!(plane.status(id).await.2, Some(2));
-    assert_eq!(history(&enforcer), [1, 2, 2]);
+    plane.wait_synced(id, 3).await;
+    assert_eq!(plane.status(id).await.2, Some(3));
+    assert_eq!(history(&enforcer), [1, 2, 3, 3]);
     agent.abort();
 }
 
@@ -172,7 +188,7 @@ async fn renewal_keeps_stream_open() {
     let before = credential(&config);
     let enforcer = Arc::new(Enforcer::new(TestStore::default()));
     let agent = spawn_agent(&config, &enforcer);
-    let renewal = tokio::spawn(daemon::renew_forever(config.clone(), enforcer.clone()));
+    let renewal = tokio::spawn(renew::renew_forever(config.clone(), enforcer.clone()));
     plane.wait_synced(id, 1).await;
     let epoch = |pool: sqlx::PgPool| async move {
         sqlx::query_scalar::<_, i64>("SELECT stream_epoch FROM workloads WHERE id = $1")

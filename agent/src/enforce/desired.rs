@@ -335,6 +335,23 @@ impl DesiredTable {
         DesiredTable { sets, rules: self.rules.clone() }
     }
 
+    /// This table with, half way through its rules, one that looks its peers up in a set the
+    /// table does not define: the kernel refuses the whole batch at that rule (for testing that
+    /// a refused batch changes nothing).
+    #[cfg(feature = "testing")]
+    pub fn with_rule_the_kernel_refuses(&self) -> DesiredTable {
+        let mut broken = self.clone();
+        let refused = RuleSpec::Policy {
+            id: "innerwall-test-refused/tcp".to_owned(),
+            family: Family::V4,
+            protocol: Protocol::Tcp,
+            set: "innerwall_no_such_set".to_owned(),
+            ports: PortMatch::None,
+        };
+        broken.rules.insert(broken.rules.len() / 2, refused);
+        broken
+    }
+
     pub fn set(&self, name: &str) -> Option<&SetSpec> {
         self.sets.iter().find(|s| s.name == name)
     }

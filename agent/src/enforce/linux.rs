@@ -12,9 +12,10 @@ use innerwall_wire::policy::WorkloadPolicy;
 
 use super::desired::DesiredTable;
 use super::netlink;
-use super::nft::{self, TableState};
-use super::persist::PolicyFile;
-use super::{EnforceError, Installed, PolicyStore, TamperEvent};
+use super::nft;
+use super::persist::PersistedPolicy;
+use super::state::{self, TableState};
+use super::store::{EnforceError, Installed, PolicyStore, TamperEvent};
 
 /// Marker left by `innerwall-agent down`: while it exists a running agent does not undo the
 /// kill switch by "repairing" the missing table. The next install removes it.
@@ -31,13 +32,14 @@ struct Applied {
 /// The Linux enforcement backend.
 #[derive(Debug)]
 pub struct LinuxPolicyStore {
-    file: PolicyFile,
+    file: PersistedPolicy,
     applied: Option<Applied>,
     /// The ruleset generation at which the kernel table was last found equal to the expected
     /// one; `None` forces a full comparison at the next drift check.
     verified_generation: Option<u32>,
-    fault_next_full_replace: bool,
     full_comparisons: u64,
+    #[cfg(feature = "testing")]
+    fault_next_full_replace: bool,
 }
 
 /// What [`LinuxPolicyStore::restore_persisted`] did.
@@ -56,11 +58,12 @@ impl LinuxPolicyStore {
     /// [`restore_persisted`](Self::restore_persisted) or [`apply`](PolicyStore::apply).
     pub fn new(state_dir: impl Into<PathBuf>) -> LinuxPolicyStore {
         LinuxPolicyStore {
-            file: PolicyFile::new(state_dir),
+            file: PersistedPolicy::new(state_dir),
             applied: None,
             verified_generation: None,
-            fault_next_full_replace: false,
             full_comparisons: 0,
+            #[cfg(feature = "testing")]
+            fault_next_full_replace: false,
         }
     }
 
@@ -77,11 +80,11 @@ impl LinuxPolicyStore {
         let desired = DesiredTable::from_policy(&policy);
         let expected = nft::expected_state(&desired);
         let version = policy.version();
-        let holds = nft::read_table()
+        let holds = state::read_table()
             .map_err(EnforceError::Read)?
             .is_some_and(|s| s.differences(&expected).is_empty());
         if !holds {
-            nft::full_replace_batch(&desired, false).send().map_err(EnforceError::Install)?;
+            nft::full_replace_batch(&desired).send().map_err(EnforceError::Install)?;
         }
         clear_kill_switch(self.state_dir());
         self.applied = Some(Applied { policy, desired, expected: Some(expected) });
@@ -103,7 +106,7 @@ impl LinuxPolicyStore {
         }
         self.full_comparisons += 1;
         let expected = applied.expected.get_or_insert_with(|| nft::expected_state(&applied.desired));
-        let differences = match nft::read_table().map_err(EnforceError::Read)? {
+        let differences = match state::read_table().map_err(EnforceError::Read)? {
             None => vec!["table inet innerwall is missing".to_owned()],
             Some(state) => state.differences(expected),
         };
@@ -117,7 +120,7 @@ impl LinuxPolicyStore {
             %detail,
             "table inet innerwall was changed outside the agent; restoring it"
         );
-        nft::full_replace_batch(&applied.desired, false).send().map_err(EnforceError::Install)?;
+        nft::full_replace_batch(&applied.desired).send().map_err(EnforceError::Install)?;
         self.verified_generation = None;
         Ok(Some(TamperEvent { at: now, detail }))
     }
@@ -127,8 +130,8 @@ impl LinuxPolicyStore {
         self.full_comparisons
     }
 
-    /// Test hook: the next full replace carries a message the kernel refuses half way.
-    #[doc(hidden)]
+    /// Test hook: the next full replace carries a rule the kernel refuses half way.
+    #[cfg(feature = "testing")]
     pub fn inject_fault_in_next_full_replace(&mut self) {
         self.fault_next_full_replace = true;
     }
@@ -159,8 +162,12 @@ impl LinuxPolicyStore {
     }
 
     fn full_replace(&mut self, desired: &DesiredTable) -> Result<(), EnforceError> {
-        let fault = std::mem::take(&mut self.fault_next_full_replace);
-        nft::full_replace_batch(desired, fault).send().map_err(EnforceError::Install)
+        #[cfg(feature = "testing")]
+        if std::mem::take(&mut self.fault_next_full_replace) {
+            let broken = desired.with_rule_the_kernel_refuses();
+            return nft::full_replace_batch(&broken).send().map_err(EnforceError::Install);
+        }
+        nft::full_replace_batch(desired).send().map_err(EnforceError::Install)
     }
 }
 
@@ -231,7 +238,7 @@ pub fn kill_switch(state_dir: &Path) -> Result<KillSwitchReport, EnforceError> {
     {
         tracing::warn!("could not write the kill switch marker in {}: {e}", state_dir.display());
     }
-    let (persisted_version, persisted_error) = match PolicyFile::new(state_dir).load() {
+    let (persisted_version, persisted_error) = match PersistedPolicy::new(state_dir).load() {
         Ok(p) => (p.map(|p| p.version()), None),
         Err(e) => (None, Some(e.to_string())),
     };

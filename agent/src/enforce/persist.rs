@@ -42,15 +42,15 @@ pub enum PersistError {
     },
 }
 
-/// The persisted-policy file of one state directory.
+/// The persisted policy of one state directory (`<state-dir>/policy.bin`).
 #[derive(Debug, Clone)]
-pub struct PolicyFile {
+pub struct PersistedPolicy {
     dir: PathBuf,
 }
 
-impl PolicyFile {
-    pub fn new(state_dir: impl Into<PathBuf>) -> PolicyFile {
-        PolicyFile { dir: state_dir.into() }
+impl PersistedPolicy {
+    pub fn new(state_dir: impl Into<PathBuf>) -> PersistedPolicy {
+        PersistedPolicy { dir: state_dir.into() }
     }
 
     pub fn path(&self) -> PathBuf {
@@ -137,7 +137,7 @@ pub fn decode(bytes: &[u8], path: &Path) -> Result<WorkloadPolicy, PersistError>
         return Err(corrupt(format!("{} bytes is shorter than the {HEADER_LEN}-byte header", bytes.len())));
     }
     if &bytes[..16] != MAGIC {
-        return Err(corrupt("bad magic: not an innerwall policy file".into()));
+        return Err(corrupt("bad magic: not an innerwall persisted policy".into()));
     }
     let version = u32::from_be_bytes(bytes[16..20].try_into().expect("4 bytes"));
     if version != FORMAT_VERSION {
@@ -158,16 +158,12 @@ pub fn decode(bytes: &[u8], path: &Path) -> Result<WorkloadPolicy, PersistError>
 #[cfg(test)]
 mod tests {
     use super::*;
-    use innerwall_wire::policy::{Cidr, Mode, PortRange, Protocol, ResolvedRule, RuleId};
+    use innerwall_wire::policy::{Mode, Protocol};
+    use innerwall_wire::testing::rule;
 
     fn policy() -> WorkloadPolicy {
-        let rule = ResolvedRule::new(
-            RuleId::new("db", Protocol::Tcp).unwrap(),
-            [PortRange::single(5432).unwrap()],
-            [Cidr::parse("10.1.0.0/16").unwrap(), Cidr::parse("fd00::/64").unwrap()],
-        )
-        .unwrap();
-        WorkloadPolicy::new(12, Mode::Enforcement, [rule]).unwrap()
+        let db = rule("db", Protocol::Tcp, &[5432], &["10.1.0.0/16", "fd00::/64"]);
+        WorkloadPolicy::new(12, Mode::Enforcement, [db]).unwrap()
     }
 
     fn temp_dir(name: &str) -> PathBuf {
@@ -179,7 +175,7 @@ mod tests {
     #[test]
     fn round_trip_and_durable_replace() {
         let dir = temp_dir("roundtrip");
-        let file = PolicyFile::new(&dir);
+        let file = PersistedPolicy::new(&dir);
         assert_eq!(file.load().unwrap(), None);
         file.store(&policy()).unwrap();
         assert_eq!(file.load().unwrap(), Some(policy()));
@@ -222,7 +218,7 @@ mod tests {
     #[test]
     fn a_corrupt_file_on_disk_is_reported_not_loaded() {
         let dir = temp_dir("corrupt");
-        let file = PolicyFile::new(&dir);
+        let file = PersistedPolicy::new(&dir);
         file.store(&policy()).unwrap();
         let bytes = fs::read(file.path()).unwrap();
         fs::write(file.path(), &bytes[..bytes.len() / 2]).unwrap();

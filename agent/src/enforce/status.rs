@@ -7,11 +7,12 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use super::EnforceError;
 use super::desired::{DesiredTable, TERMINAL_DROP, TERMINAL_WOULD_BLOCK, rule_comment};
 use super::linux::KILL_SWITCH_MARKER;
-use super::nft::{self, Counter2};
-use super::persist::PolicyFile;
+use super::nft;
+use super::persist::PersistedPolicy;
+use super::state::{self, RuleCounter};
+use super::store::EnforceError;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct RuleHits {
@@ -39,18 +40,18 @@ pub struct StatusReport {
     /// Hits per rule id (summed over address families), in rule order.
     pub rules: Vec<RuleHits>,
     /// Enforcement: packets dropped by the terminal rule.
-    pub dropped: Option<Counter2>,
+    pub dropped: Option<RuleCounter>,
     /// Simulation: packets the terminal rule would have blocked.
-    pub would_block: Option<Counter2>,
+    pub would_block: Option<RuleCounter>,
 }
 
 /// Reads the persisted policy and the kernel table.
 pub fn status(state_dir: &Path) -> Result<StatusReport, EnforceError> {
-    let (policy, persisted_error) = match PolicyFile::new(state_dir).load() {
+    let (policy, persisted_error) = match PersistedPolicy::new(state_dir).load() {
         Ok(p) => (p, None),
         Err(e) => (None, Some(e.to_string())),
     };
-    let table = nft::read_table().map_err(EnforceError::Read)?;
+    let table = state::read_table().map_err(EnforceError::Read)?;
     let mut report = StatusReport {
         state_dir: state_dir.display().to_string(),
         applied_version: policy.as_ref().map(|p| p.version()),
@@ -67,7 +68,7 @@ pub fn status(state_dir: &Path) -> Result<StatusReport, EnforceError> {
         would_block: None,
     };
     let Some(table) = table else { return Ok(report) };
-    report.sets = nft::interval_counts(&table);
+    report.sets = state::interval_counts(&table);
     if let Some(policy) = &policy {
         let expected = nft::expected_state(&DesiredTable::from_policy(policy));
         report.differences = table.differences(&expected);
@@ -75,7 +76,7 @@ pub fn status(state_dir: &Path) -> Result<StatusReport, EnforceError> {
     }
     // Rule ids in policy order when known, so rules with no hits still show; comments
     // otherwise.
-    let mut hits: BTreeMap<String, Counter2> = BTreeMap::new();
+    let mut hits: BTreeMap<String, RuleCounter> = BTreeMap::new();
     let mut order: Vec<String> = Vec::new();
     if let Some(policy) = &policy {
         for rule in policy.rules() {

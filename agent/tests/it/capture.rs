@@ -8,6 +8,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use innerwall_agent::capture::{Capture, Drained, FlowRecord, OBJECT_ENV};
 
 use innerwall_agent::enforce::{LinuxPolicyStore, PolicyStore as _};
+use innerwall_agent::evidence::OpenWindow;
+use innerwall_wire::flows::{Decision, FlowWindow};
 
 use crate::enforce::{matrix, policy};
 use crate::netns::{
@@ -265,19 +267,36 @@ fn protocol_and_rule(probe: &Probe) -> (innerwall_wire::policy::Protocol, &'stat
 
 /// Real packets against the real table: what the kernel dropped is recorded as BLOCKED, what
 /// it would have dropped in simulation as WOULD_BLOCK, what it let through as ALLOWED with the
-/// rule that let it, and in visibility everything is OBSERVED. Each window carries the version.
+/// rule that let it, and in visibility everything is OBSERVED. The window lifecycle runs as the
+/// agent's capture loop runs it, with the version the store reports: each new version closes
+/// the open window early, and the closed window is judged under the version it was open for.
 #[test]
 fn netns_ebpf_records_flows_with_decisions() {
-    use innerwall_wire::flows::Decision as FlowDecision;
+    const HOUR_MS: i64 = 3_600_000;
     let pair = Pair::new("decide");
     let _server = Server::start(&pair.host, &[8080, 8081], &[8080, 5353]);
     let state = TempDir::new("decide");
+    let mut store = LinuxPolicyStore::new(&state.0);
     let mut capture = attach(&pair, None);
     let local = [HOST4, HOST6].map(|a| a.parse::<IpAddr>().expect("host address")).into();
+    let mut open: Option<(OpenWindow, &str, i64)> = None;
     for (version, mode) in [(1, "enforcement"), (2, "simulation"), (3, "visibility")] {
-        let policy = policy(version, mode, &[ALLOWED4, ALLOWED6]);
-        pair.host.enter(|| LinuxPolicyStore::new(&state.0).apply(&policy)).expect("apply");
-        let start = now_ms();
+        pair.host.enter(|| store.apply(&policy(version, mode, &[ALLOWED4, ALLOWED6]))).expect("apply");
+        let now = now_ms();
+        let next = || (store.current().cloned(), 1_000);
+        match &mut open {
+            None => open = Some((OpenWindow::new(now, store.current().cloned(), 1_000), mode, now)),
+            Some((window, previous, opened)) => {
+                let closed = window
+                    .rotate(now, store.applied_version(), HOUR_MS, next)
+                    .unwrap_or_else(|| panic!("applying v{version} did not close the {previous} window"));
+                assert!(closed.end_ms - closed.start_ms < HOUR_MS, "closed early: {closed:?}");
+                assert_eq!((closed.start_ms, closed.end_ms), (*opened, now));
+                check_decisions(&closed, previous);
+                (*previous, *opened) = (mode, now);
+            }
+        }
+        let (window, ..) = open.as_mut().expect("a window is open");
         let (probes, allowed): (Vec<Probe>, Vec<bool>) = matrix().into_iter().unzip();
         let reached = probe_with_timeout(&pair.client, &probes, 1.5);
         if mode == "enforcement" {
@@ -286,39 +305,43 @@ fn netns_ebpf_records_flows_with_decisions() {
             assert!(reached.iter().all(|r| *r), "{mode} drops nothing: {reached:?}");
         }
         let drained = capture.drain().expect("drain");
-        let now = now_ms();
-        let mut window = innerwall_agent::flows::Window::open(start, Some(policy), 1_000);
-        innerwall_agent::flows::absorb(
-            &mut window,
-            &drained.records,
-            drained.map_full_drops,
-            &local,
-            start,
-            now,
-        );
-        let closed = window.close(now);
-        assert_eq!(closed.policy_version, version);
-        for (probe, allowed) in matrix() {
-            let (protocol, rule) = protocol_and_rule(&probe);
-            let record = closed
-                .records
-                .iter()
-                .find(|r| {
-                    r.src.to_string() == probe.src
-                        && r.dst.to_string() == probe.dst
-                        && r.protocol == protocol
-                        && r.dst_port == probe.port
-                })
-                .unwrap_or_else(|| panic!("{mode}: no record for {probe:?} in {:#?}", closed.records));
-            let expected = match (mode, allowed) {
-                ("visibility", _) => (FlowDecision::Observed, ""),
-                (_, true) => (FlowDecision::Allowed, rule),
-                ("simulation", false) => (FlowDecision::WouldBlock, ""),
-                _ => (FlowDecision::Blocked, ""),
-            };
-            let matched = record.matched_rule.as_ref().map(ToString::to_string).unwrap_or_default();
-            assert_eq!((record.decision, matched.as_str()), expected, "{mode}: {probe:?} -> {record:?}");
-            assert!(record.packets >= 1 && record.new_connections >= 1, "{mode}: {record:?}");
-        }
+        window.absorb(Some(&drained), &local, now_ms());
+        // The same version and a young window: nothing closes.
+        assert!(window.rotate(now_ms(), store.applied_version(), HOUR_MS, next).is_none());
+    }
+    let (window, last, _) = open.expect("a window is open");
+    check_decisions(&window.close(now_ms()), last);
+}
+
+/// Every matrix probe has a record in `closed` with the decision `mode`'s policy makes, and the
+/// window names that policy's version.
+fn check_decisions(closed: &FlowWindow, mode: &str) {
+    let version = match mode {
+        "enforcement" => 1,
+        "simulation" => 2,
+        _ => 3,
+    };
+    assert_eq!(closed.policy_version, version, "the {mode} window");
+    for (probe, allowed) in matrix() {
+        let (protocol, rule) = protocol_and_rule(&probe);
+        let record = closed
+            .records
+            .iter()
+            .find(|r| {
+                r.src.to_string() == probe.src
+                    && r.dst.to_string() == probe.dst
+                    && r.protocol == protocol
+                    && r.dst_port == probe.port
+            })
+            .unwrap_or_else(|| panic!("{mode}: no record for {probe:?} in {:#?}", closed.records));
+        let expected = match (mode, allowed) {
+            ("visibility", _) => (Decision::Observed, ""),
+            (_, true) => (Decision::Allowed, rule),
+            ("simulation", false) => (Decision::WouldBlock, ""),
+            _ => (Decision::Blocked, ""),
+        };
+        let matched = record.matched_rule.as_ref().map(ToString::to_string).unwrap_or_default();
+        assert_eq!((record.decision, matched.as_str()), expected, "{mode}: {probe:?} -> {record:?}");
+        assert!(record.packets >= 1 && record.new_connections >= 1, "{mode}: {record:?}");
     }
 }

@@ -9,29 +9,35 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, SystemTime};
 
 use innerwall_agent::enforce::desired::DesiredTable;
-use innerwall_agent::enforce::nft;
 use innerwall_agent::enforce::status::{StatusReport, status};
-use innerwall_agent::enforce::{Installed, LinuxPolicyStore, PolicyFile, PolicyStore as _};
-use innerwall_agent::policy_file;
-use innerwall_wire::policy::WorkloadPolicy;
+use innerwall_agent::enforce::{Installed, LinuxPolicyStore, PersistedPolicy, PolicyStore as _};
+use innerwall_agent::enforce::{nft, state};
+use innerwall_agent::policy_json;
+use innerwall_wire::policy::{Protocol, WorkloadPolicy};
+use innerwall_wire::testing::rule;
 
 use crate::netns::*;
 
 const AGENT: &str = env!("CARGO_BIN_EXE_innerwall-agent");
 
-/// Allowed: tcp/8080 and udp/5353 from .2 and ::2, icmp from .2, icmpv6 from ::2.
+/// Allowed: tcp/8080 and udp/5353 from .2 and ::2, icmp from .2, icmpv6 from ::2. `web_peers`
+/// may be bare addresses (host routes) or CIDRs.
 pub fn policy(version: u64, mode: &str, web_peers: &[&str]) -> WorkloadPolicy {
-    let json = serde_json::json!({
-        "version": version,
-        "mode": mode,
-        "rules": [
-            {"id": "web/tcp", "ports": ["8080"], "peers": web_peers},
-            {"id": "dns/udp", "ports": ["5353"], "peers": [ALLOWED4, ALLOWED6]},
-            {"id": "ping/icmp", "peers": [ALLOWED4]},
-            {"id": "ping/icmpv6", "peers": [ALLOWED6]},
-        ]
-    });
-    policy_file::parse(json.to_string().as_bytes()).expect("test policy")
+    let host = |peer: &str| match peer {
+        p if p.contains('/') => p.to_owned(),
+        p if p.contains(':') => format!("{p}/128"),
+        p => format!("{p}/32"),
+    };
+    let web: Vec<String> = web_peers.iter().map(|p| host(p)).collect();
+    let web: Vec<&str> = web.iter().map(String::as_str).collect();
+    let (v4, v6) = (host(ALLOWED4), host(ALLOWED6));
+    let rules = [
+        rule("web", Protocol::Tcp, &[8080], &web),
+        rule("dns", Protocol::Udp, &[5353], &[&v4, &v6]),
+        rule("ping", Protocol::Icmp, &[], &[&v4]),
+        rule("ping", Protocol::Icmpv6, &[], &[&v6]),
+    ];
+    WorkloadPolicy::new(version, mode.parse().expect("test mode"), rules).expect("test policy")
 }
 
 /// The probes of the enforcement and simulation tests, with the enforcement outcome.
@@ -117,13 +123,13 @@ fn netns_peer_delta_without_rebuild() {
         let mut store = LinuxPolicyStore::new(&state.0);
         assert_eq!(store.apply(&v1).expect("v1"), Installed::Full);
         expect_reach(&pair.client, &[(tcp(ALLOWED4, HOST4, 8080), false), (tcp(OTHER4, HOST4, 8080), true)]);
-        let before = nft::read_table().expect("read").expect("table");
+        let before = state::read_table().expect("read").expect("table");
 
         // Peer-only: one element batch; the table, its chain and rules (handles) stay.
         let how = store.apply(&v2).expect("v2");
         assert!(matches!(how, Installed::Elements { .. }), "{how:?}");
-        let after = nft::read_table().expect("read").expect("table");
-        let handles = |s: &nft::TableState| s.rules.iter().map(|r| r.handle).collect::<Vec<_>>();
+        let after = state::read_table().expect("read").expect("table");
+        let handles = |s: &state::TableState| s.rules.iter().map(|r| r.handle).collect::<Vec<_>>();
         assert_eq!(handles(&before), handles(&after), "no rule was re-created");
         let web_v4 = DesiredTable::from_policy(&v2)
             .sets
@@ -139,7 +145,7 @@ fn netns_peer_delta_without_rebuild() {
         pair.host.nft(&["delete", "element", "inet", "innerwall", &set, &format!("{{ {ALLOWED4} }}")]);
         let how = store.apply(&v3).expect("v3");
         assert_eq!(how, Installed::FullAfterRefusedElements);
-        let now = nft::read_table().expect("read").expect("table");
+        let now = state::read_table().expect("read").expect("table");
         assert!(now.differences(&nft::expected_state(&DesiredTable::from_policy(&v3))).is_empty());
         assert_eq!(store.current(), Some(&v3));
     });
@@ -156,7 +162,7 @@ fn netns_failed_batch_is_atomic() {
         let mut store = LinuxPolicyStore::new(&state.0);
         store.apply(&v1).expect("v1");
         let before = ns.nft(&["-a", "list", "table", "inet", "innerwall"]);
-        let persisted = fs::read(PolicyFile::new(&state.0).path()).expect("persisted v1");
+        let persisted = fs::read(PersistedPolicy::new(&state.0).path()).expect("persisted v1");
 
         store.inject_fault_in_next_full_replace();
         let err = store.apply(&v2).expect_err("the kernel refuses the faulty batch").to_string();
@@ -166,7 +172,7 @@ fn netns_failed_batch_is_atomic() {
         let after = ns.nft(&["-a", "list", "table", "inet", "innerwall"]);
         assert_eq!(before, after, "the previous table is byte-identical");
         assert_eq!(
-            fs::read(PolicyFile::new(&state.0).path()).expect("persisted"),
+            fs::read(PersistedPolicy::new(&state.0).path()).expect("persisted"),
             persisted,
             "v1 stays persisted"
         );
@@ -233,8 +239,8 @@ impl Drop for Agent {
 
 fn apply_file(ns: &NetNs, state: &Path, policy: &WorkloadPolicy, dir: &Path) -> String {
     let file = dir.join(format!("policy-v{}.json", policy.version()));
-    let json = serde_json::to_string(&policy_file::PolicyJson::from_policy(policy)).expect("json");
-    fs::write(&file, json).expect("policy file");
+    let json = serde_json::to_string(&policy_json::PolicyJson::from_policy(policy)).expect("json");
+    fs::write(&file, json).expect("JSON policy file");
     let out = run(ns.command(AGENT).arg("apply-file").arg(&file).arg("--state-dir").arg(state));
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
@@ -294,7 +300,7 @@ fn netns_kill_switch_only_our_table() {
         store.apply(&policy(4, "enforcement", &[ALLOWED4])).expect("apply");
         store
     });
-    let persisted = fs::read(PolicyFile::new(&state.0).path()).expect("persisted");
+    let persisted = fs::read(PersistedPolicy::new(&state.0).path()).expect("persisted");
 
     let out = run(ns.command(AGENT).args(["down", "--state-dir"]).arg(&state.0));
     let out = String::from_utf8_lossy(&out.stdout);
@@ -304,7 +310,7 @@ fn netns_kill_switch_only_our_table() {
     let tables = ns.nft(&["list", "tables"]);
     assert!(!tables.contains("table inet innerwall"), "{tables}");
     assert_eq!(foreign(), foreign_before, "foreign tables untouched");
-    assert_eq!(fs::read(PolicyFile::new(&state.0).path()).expect("persisted"), persisted, "policy kept");
+    assert_eq!(fs::read(PersistedPolicy::new(&state.0).path()).expect("persisted"), persisted, "policy kept");
 
     // A running agent does not undo the kill switch as if it were drift…
     let event = ns.enter(|| store.check_drift(SystemTime::now())).expect("drift check");
@@ -364,7 +370,7 @@ fn netns_drift_is_repaired() {
                 store.check_drift(now).expect("check").unwrap_or_else(|| panic!("{edit:?} not detected"));
             assert!(event.detail.contains(expected), "{edit:?}: {}", event.detail);
             assert_eq!(event.at, now);
-            let repaired = nft::read_table().expect("read").expect("table restored");
+            let repaired = state::read_table().expect("read").expect("table restored");
             assert!(repaired.differences(&nft::expected_state(&DesiredTable::from_policy(&v1))).is_empty());
             let strip = |t: &str| t.lines().filter(|l| !l.contains("counter")).collect::<Vec<_>>().join("\n");
             assert_eq!(strip(&pair.host.nft(&["list", "table", "inet", "innerwall"])), strip(&pristine));

@@ -1,5 +1,7 @@
-//! A hand-writable JSON form of a `WorkloadPolicy`, read by the hidden `apply-file` command
-//! (tests, the demo, break-glass debugging). Canonical bytes are accepted too.
+//! The JSON policy: a hand-writable JSON form of a `WorkloadPolicy`, read by the hidden dev
+//! commands `apply-file` and `render-file` (tests, the demo, break-glass debugging); canonical
+//! bytes are accepted too. Not the persisted policy (`enforce::persist`), which is binary and
+//! checksummed and only the agent writes.
 //!
 //! ```json
 //! {"version": 3, "mode": "enforcement",
@@ -29,7 +31,7 @@ pub struct RuleJson {
 }
 
 #[derive(Debug, thiserror::Error)]
-pub enum PolicyFileError {
+pub enum PolicyJsonError {
     #[error("policy JSON does not parse: {0}")]
     Json(#[from] serde_json::Error),
     #[error("invalid policy: {0}")]
@@ -39,14 +41,14 @@ pub enum PolicyFileError {
 }
 
 impl PolicyJson {
-    pub fn to_policy(&self) -> Result<WorkloadPolicy, PolicyFileError> {
+    pub fn to_policy(&self) -> Result<WorkloadPolicy, PolicyJsonError> {
         let mode: Mode = self.mode.parse()?;
         let mut rules = Vec::new();
         for r in &self.rules {
             let id = RuleId::parse(&r.id)?;
             let mut ports = Vec::new();
             for p in &r.ports {
-                let bad = || PolicyFileError::Ports(p.clone());
+                let bad = || PolicyJsonError::Ports(p.clone());
                 let (a, b) = p.split_once('-').unwrap_or((p, p));
                 let (a, b) = (a.trim().parse().map_err(|_| bad())?, b.trim().parse().map_err(|_| bad())?);
                 ports.push(PortRange::new(a, b)?);
@@ -73,8 +75,9 @@ impl PolicyJson {
     }
 }
 
-/// Parses a policy file: JSON when it starts with `{`, canonical bytes otherwise.
-pub fn parse(bytes: &[u8]) -> Result<WorkloadPolicy, PolicyFileError> {
+/// Parses what `apply-file` / `render-file` read: a JSON policy when it starts with `{`,
+/// canonical bytes otherwise.
+pub fn parse(bytes: &[u8]) -> Result<WorkloadPolicy, PolicyJsonError> {
     if bytes.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{') {
         serde_json::from_slice::<PolicyJson>(bytes)?.to_policy()
     } else {

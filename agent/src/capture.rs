@@ -69,8 +69,6 @@ pub enum CaptureError {
     },
     #[error("eBPF diagnostics (aya-log): {0}")]
     Log(#[from] aya_log::Error),
-    #[error("listing interfaces: {0}")]
-    Io(#[from] std::io::Error),
 }
 
 /// One inbound flow record as drained: key plus counters summed over CPUs.
@@ -325,35 +323,6 @@ impl Capture {
         }
         Ok(totals)
     }
-
-    /// Non-loopback Ethernet-type interfaces of the calling thread's network namespace
-    /// (what the program can parse: it expects an Ethernet header), sorted. Asked of the kernel
-    /// over netlink (`ip -j link show`), not read from /sys/class/net, which shows the
-    /// namespace sysfs was mounted in rather than the caller's.
-    pub fn interfaces_of_host() -> Result<Vec<String>, CaptureError> {
-        let out = std::process::Command::new("ip").args(["-j", "link", "show"]).output()?;
-        if !out.status.success() {
-            return Err(CaptureError::Io(std::io::Error::other(format!(
-                "`ip -j link show` failed: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            ))));
-        }
-        ethernet_interfaces(&out.stdout).map_err(|e| CaptureError::Io(std::io::Error::other(e)))
-    }
-}
-
-/// The non-loopback Ethernet interfaces in `ip -j link show` output, sorted.
-fn ethernet_interfaces(ip_json: &[u8]) -> Result<Vec<String>, String> {
-    let links: Vec<serde_json::Value> =
-        serde_json::from_slice(ip_json).map_err(|e| format!("parsing `ip -j link show`: {e}"))?;
-    let mut names: Vec<String> = links
-        .iter()
-        .filter(|link| link["link_type"] == "ether")
-        .filter(|link| !link["flags"].as_array().is_some_and(|f| f.iter().any(|f| f == "LOOPBACK")))
-        .filter_map(|link| link["ifname"].as_str().map(str::to_owned))
-        .collect();
-    names.sort();
-    Ok(names)
 }
 
 /// Where the eBPF object is read from: `$INNERWALL_EBPF_OBJECT`, else
@@ -382,18 +351,20 @@ fn effective_uid() -> u32 {
     unsafe { libc::geteuid() }
 }
 
-/// CLOCK_REALTIME − CLOCK_MONOTONIC (what `bpf_ktime_get_ns` counts) in ns, right now.
+/// A clock's reading in ns.
 #[allow(unsafe_code)]
+fn clock_ns(clock: libc::clockid_t) -> i128 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes one timespec into the valid pointer we pass.
+    unsafe { libc::clock_gettime(clock, &mut ts) };
+    i128::from(ts.tv_sec) * 1_000_000_000 + i128::from(ts.tv_nsec)
+}
+
+/// CLOCK_REALTIME − CLOCK_MONOTONIC (what `bpf_ktime_get_ns` counts) in ns, right now.
 fn realtime_minus_monotonic_ns() -> i128 {
-    let now = |clock| {
-        let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-        // SAFETY: clock_gettime writes one timespec into the valid pointer we pass.
-        unsafe { libc::clock_gettime(clock, &mut ts) };
-        i128::from(ts.tv_sec) * 1_000_000_000 + i128::from(ts.tv_nsec)
-    };
-    let mono_before = now(libc::CLOCK_MONOTONIC);
-    let real = now(libc::CLOCK_REALTIME);
-    let mono_after = now(libc::CLOCK_MONOTONIC);
+    let mono_before = clock_ns(libc::CLOCK_MONOTONIC);
+    let real = clock_ns(libc::CLOCK_REALTIME);
+    let mono_after = clock_ns(libc::CLOCK_MONOTONIC);
     real - (mono_before + mono_after) / 2
 }
 
@@ -428,27 +399,28 @@ mod tests {
     }
 
     #[test]
-    fn monotonic_offset_gives_a_plausible_wall_clock() {
+    fn monotonic_plus_offset_is_the_wall_clock() {
+        // What the program stamps (monotonic ns) plus the offset is what the wall clock says.
+        let stamped = clock_ns(libc::CLOCK_MONOTONIC);
         let offset = realtime_minus_monotonic_ns();
-        // After 2020 (1.5e18 ns since the epoch) once any monotonic value is added.
-        assert!(offset > 1_500_000_000_000_000_000);
+        let wall =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as i128;
+        let error_ms = (stamped + offset - wall).abs() / 1_000_000;
+        assert!(error_ms < 100, "monotonic + offset is {error_ms} ms off the wall clock");
     }
 
     #[test]
-    fn only_non_loopback_ethernet_links_are_captured() {
-        let json = br#"[
-            {"ifname": "lo", "flags": ["LOOPBACK", "UP"], "link_type": "loopback"},
-            {"ifname": "veth1", "flags": ["BROADCAST", "UP"], "link_type": "ether"},
-            {"ifname": "eth0", "flags": ["BROADCAST", "UP"], "link_type": "ether"},
-            {"ifname": "wg0", "flags": ["POINTOPOINT", "UP"], "link_type": "none"}
-        ]"#;
-        assert_eq!(ethernet_interfaces(json).unwrap(), ["eth0", "veth1"]);
-        assert!(ethernet_interfaces(b"not json").is_err());
-    }
-
-    #[test]
-    fn a_missing_object_names_the_build_command() {
-        let err = CaptureError::ObjectMissing(PathBuf::from("/nonexistent/innerwall-ebpf"));
-        assert!(err.to_string().contains("cargo xtask build-ebpf"), "{err}");
+    fn a_missing_object_is_refused_before_loading_and_names_the_build_command() {
+        let missing = Path::new("/nonexistent/innerwall-ebpf");
+        let err = Capture::attach(&["lo".to_owned()], missing, None, log::logger()).unwrap_err();
+        match effective_uid() {
+            0 => {
+                assert!(matches!(&err, CaptureError::ObjectMissing(p) if p == missing), "{err:?}");
+                let text = err.to_string();
+                assert!(text.contains("/nonexistent/innerwall-ebpf"), "{text}");
+                assert!(text.contains("cargo xtask build-ebpf"), "{text}");
+            }
+            uid => assert!(matches!(err, CaptureError::NotRoot(u) if u == uid), "{err:?}"),
+        }
     }
 }

@@ -1,0 +1,142 @@
+//! Host facts (hostname, OS, machine and boot id, interfaces with their addresses) that every
+//! enrollment, Hello and inventory report carries, and the interface listings the agent acts on:
+//! this host's own addresses and the Ethernet interfaces flow capture attaches to. Facts are
+//! informational: the control plane authorizes nothing on them. Read with iproute2's JSON
+//! output (`ip -j`), which asks the kernel over netlink for the calling thread's network
+//! namespace.
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+
+use innerwall_wire::proto;
+
+/// Why the interfaces could not be listed.
+#[derive(Debug, thiserror::Error)]
+pub enum FactsError {
+    #[error("running `ip -j link show`: {0}")]
+    Spawn(#[source] std::io::Error),
+    #[error("`ip -j link show` failed: {stderr}")]
+    Failed { stderr: String },
+    #[error("parsing `ip -j link show`: {0}")]
+    Parse(#[source] serde_json::Error),
+}
+
+fn read_trimmed(path: &str) -> String {
+    std::fs::read_to_string(path).map(|s| s.trim().to_owned()).unwrap_or_default()
+}
+
+fn os_info() -> proto::OsInfo {
+    let release = std::fs::read_to_string("/etc/os-release").unwrap_or_default();
+    let field = |key: &str| {
+        release
+            .lines()
+            .find_map(|l| l.strip_prefix(key).and_then(|v| v.strip_prefix('=')))
+            .map(|v| v.trim_matches('"').to_owned())
+            .unwrap_or_default()
+    };
+    proto::OsInfo {
+        family: "linux".into(),
+        name: field("NAME"),
+        version: field("VERSION_ID"),
+        kernel_version: read_trimmed("/proc/sys/kernel/osrelease"),
+        architecture: std::env::consts::ARCH.into(),
+    }
+}
+
+/// Interface addresses from `ip -j address show` (iproute2 is on every host we run on).
+fn interfaces() -> Vec<proto::NetworkInterface> {
+    let Ok(out) = std::process::Command::new("ip").args(["-j", "address", "show"]).output() else {
+        return Vec::new();
+    };
+    let Ok(list) = serde_json::from_slice::<Vec<serde_json::Value>>(&out.stdout) else {
+        return Vec::new();
+    };
+    list.iter()
+        .map(|link| proto::NetworkInterface {
+            name: link["ifname"].as_str().unwrap_or_default().to_owned(),
+            mac_address: link["address"].as_str().unwrap_or_default().to_owned(),
+            addresses: link["addr_info"]
+                .as_array()
+                .map(|addrs| {
+                    addrs
+                        .iter()
+                        .filter_map(|a| {
+                            Some(format!("{}/{}", a["local"].as_str()?, a["prefixlen"].as_u64()?))
+                        })
+                        .collect()
+                })
+                .unwrap_or_default(),
+        })
+        .collect()
+}
+
+pub fn host_facts() -> proto::HostFacts {
+    proto::HostFacts {
+        hostname: read_trimmed("/proc/sys/kernel/hostname"),
+        os: Some(os_info()),
+        interfaces: interfaces(),
+        machine_id: read_trimmed("/etc/machine-id"),
+        boot_id: read_trimmed("/proc/sys/kernel/random/boot_id"),
+    }
+}
+
+pub fn agent_info() -> proto::AgentInfo {
+    proto::AgentInfo {
+        version: env!("CARGO_PKG_VERSION").into(),
+        capabilities: vec!["nftables".into(), "policy-deltas".into()],
+    }
+}
+
+/// This host's own addresses: only flows to them are inbound flows of this workload.
+pub fn local_addresses() -> BTreeSet<IpAddr> {
+    host_facts()
+        .interfaces
+        .iter()
+        .flat_map(|i| i.addresses.iter())
+        .filter_map(|a| a.split('/').next()?.parse().ok())
+        .collect()
+}
+
+/// Non-loopback Ethernet-type interfaces of the calling thread's network namespace
+/// (what the capture program can parse: it expects an Ethernet header), sorted. Asked of the
+/// kernel over netlink (`ip -j link show`), not read from /sys/class/net, which shows the
+/// namespace sysfs was mounted in rather than the caller's.
+pub fn ethernet_interfaces() -> Result<Vec<String>, FactsError> {
+    let out =
+        std::process::Command::new("ip").args(["-j", "link", "show"]).output().map_err(FactsError::Spawn)?;
+    if !out.status.success() {
+        return Err(FactsError::Failed { stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned() });
+    }
+    parse_ethernet_interfaces(&out.stdout)
+}
+
+/// The non-loopback Ethernet interfaces in `ip -j link show` output, sorted.
+fn parse_ethernet_interfaces(ip_json: &[u8]) -> Result<Vec<String>, FactsError> {
+    let links: Vec<serde_json::Value> = serde_json::from_slice(ip_json).map_err(FactsError::Parse)?;
+    let mut names: Vec<String> = links
+        .iter()
+        .filter(|link| link["link_type"] == "ether")
+        .filter(|link| !link["flags"].as_array().is_some_and(|f| f.iter().any(|f| f == "LOOPBACK")))
+        .filter_map(|link| link["ifname"].as_str().map(str::to_owned))
+        .collect();
+    names.sort();
+    Ok(names)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_non_loopback_ethernet_links_are_captured() {
+        let json = br#"[
+            {"ifname": "lo", "flags": ["LOOPBACK", "UP"], "link_type": "loopback"},
+            {"ifname": "veth1", "flags": ["BROADCAST", "UP"], "link_type": "ether"},
+            {"ifname": "eth0", "flags": ["BROADCAST", "UP"], "link_type": "ether"},
+            {"ifname": "wg0", "flags": ["POINTOPOINT", "UP"], "link_type": "none"}
+        ]"#;
+        assert_eq!(parse_ethernet_interfaces(json).unwrap(), ["eth0", "veth1"]);
+        let err = parse_ethernet_interfaces(b"not json").unwrap_err();
+        assert!(matches!(err, FactsError::Parse(_)), "{err}");
+    }
+}

@@ -1,0 +1,103 @@
+//! Credential renewal (IDN-5): in the last third of each credential's life (jittered), a fresh
+//! key and CSR over the agent's own mutually authenticated connection, the certificate replaced
+//! atomically on disk. Failures are retried with backoff and reported in heartbeats; the policy
+//! stream is never dropped for it, since the next connection picks the new credential up.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use innerwall_wire::backoff;
+use innerwall_wire::identity::WorkloadId;
+use innerwall_wire::proto;
+
+use crate::connect::{ConnectError, RunConfig, connect};
+use crate::enforce::PolicyStore;
+use crate::error;
+use crate::identity::{self, Credential, CredentialError};
+use crate::sync::Enforcer;
+
+/// Why one renewal failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RenewError {
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
+    #[error(transparent)]
+    Credential(#[from] CredentialError),
+    #[error("renewal refused: {}", .0.message())]
+    Refused(tonic::Status),
+    #[error("the renewed certificate is not PEM text")]
+    NotPem(#[source] std::string::FromUtf8Error),
+    #[error("the renewed certificate names {renewed} instead of {held}")]
+    OtherWorkload { renewed: WorkloadId, held: WorkloadId },
+}
+
+async fn renew_once(config: &RunConfig, credential: &Credential) -> Result<Credential, RenewError> {
+    let channel = connect(config).await?;
+    let (key_pem, csr_pem) = identity::new_key_and_csr()?;
+    let response = proto::agent_service_client::AgentServiceClient::new(channel)
+        .renew_credential(proto::RenewCredentialRequest { csr_pem })
+        .await
+        .map_err(RenewError::Refused)?
+        .into_inner();
+    let cert_pem = String::from_utf8(response.certificate_pem).map_err(RenewError::NotPem)?;
+    let renewed = Credential::new(key_pem, cert_pem, credential.ca_pem.clone())?;
+    if renewed.id != credential.id {
+        return Err(RenewError::OtherWorkload { renewed: renewed.id, held: credential.id });
+    }
+    renewed.save(&config.state_dir)?;
+    Ok(renewed)
+}
+
+/// Renews in the last third of each credential's life (jittered); on failure retries with
+/// backoff and reports the failure in heartbeats; an expired credential is reported as
+/// needing re-enrollment.
+pub async fn renew_forever<S: PolicyStore + Send + 'static>(config: RunConfig, enforcer: Arc<Enforcer<S>>) {
+    loop {
+        let credential = match Credential::load(&config.state_dir) {
+            Ok(c) => c,
+            Err(_) => {
+                tokio::time::sleep(Duration::from_secs(30)).await;
+                continue;
+            }
+        };
+        let at = credential.renew_at(backoff::random_unit());
+        if let Ok(wait) = at.duration_since(SystemTime::now()) {
+            tokio::time::sleep(wait).await;
+        }
+        let mut attempt = 0;
+        loop {
+            match renew_once(&config, &credential).await {
+                Ok(renewed) => {
+                    enforcer.set_renewal_error(String::new());
+                    tracing::info!(workload = %renewed.id, "renewed the credential; valid until {:?}", renewed.not_after);
+                    break;
+                }
+                Err(e) => {
+                    let expired = credential.check_not_expired(SystemTime::now()).is_err();
+                    let message = if expired {
+                        format!(
+                            "credential expired; enroll this host again (innerwall-agent enroll --force): {}",
+                            error::chain(&e)
+                        )
+                    } else {
+                        error::chain(&e)
+                    };
+                    tracing::error!("credential renewal failed: {message}");
+                    enforcer.set_renewal_error(message);
+                    let wait = backoff::wait(
+                        attempt,
+                        Duration::from_secs(1),
+                        Duration::from_secs(300),
+                        backoff::random_unit(),
+                    );
+                    attempt = attempt.saturating_add(1);
+                    tokio::time::sleep(wait).await;
+                    if Credential::load(&config.state_dir).is_ok_and(|c| c.not_after != credential.not_after)
+                    {
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}
