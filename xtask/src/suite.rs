@@ -1,11 +1,12 @@
 //! `cargo xtask test` and `cargo xtask lint`: the full suite, and the formatting and lint checks
 //! CI runs after it.
 
-use std::{path::Path, process::Command};
+use std::path::{Path, PathBuf};
+use std::process::Command;
 
 use anyhow::Result;
 
-use crate::{cargo_env, cmd, ebpf, setup};
+use crate::{cargo_env, cmd, cycles, ebpf, setup};
 
 /// Setup, the verified eBPF build, then the workspace tests.
 pub fn test(root: &Path, cargo_args: &[String]) -> Result<()> {
@@ -15,13 +16,15 @@ pub fn test(root: &Path, cargo_args: &[String]) -> Result<()> {
     cmd::run(root_cargo(root).args(["test", "--workspace"]).args(cargo_args))
 }
 
-/// Formatting and clippy for both workspaces (`.ci/run` calls it after `test`).
+/// Formatting and clippy for both workspaces, and no import cycle between modules (`.ci/run`
+/// calls it after `test`).
 pub fn lint(root: &Path) -> Result<()> {
+    cycles::check(root, &cycles::CRATE_SOURCES.iter().map(PathBuf::from).collect::<Vec<_>>())?;
     cmd::run(root_cargo(root).args(["fmt", "--all", "--check"]))?;
     cmd::run(root_cargo(root).args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
     cmd::run(ebpf::crate_cargo(root).args(["fmt", "--all", "--check"]))?;
     cmd::run(ebpf::bpf_cargo(root, "clippy").args(["--", "-D", "warnings"]))?;
-    println!("lint: rustfmt and clippy passed for the workspace and agent-ebpf");
+    println!("lint: no import cycles; rustfmt and clippy passed for the workspace and agent-ebpf");
     Ok(())
 }
 
