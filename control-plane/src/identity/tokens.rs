@@ -456,6 +456,36 @@ fn counts(max_uses: Option<i32>, use_count: i32) -> Result<(Option<u32>, u32), T
     Ok((max_uses, u32::try_from(use_count).map_err(|_| corrupt())?))
 }
 
+/// `innerwall token mint`: mints as [`mint`] does and records who minted it (`token.mint`) in
+/// the same transaction, so a token never exists without its audit record.
+pub async fn mint_audited(
+    pool: &sqlx::PgPool,
+    actor: &str,
+    labels: &[Label],
+    ttl: chrono::Duration,
+    max_uses: Option<u32>,
+) -> Result<MintedToken, crate::error::Error> {
+    let mut tx = pool.begin().await?;
+    let minted = mint(&mut tx, labels, ttl, max_uses).await?;
+    let shown: Vec<String> = labels.iter().map(ToString::to_string).collect();
+    let detail = serde_json::json!({"labels": shown, "expires_at": minted.expires_at, "max_uses": max_uses});
+    let subject = minted.id.to_string();
+    crate::audit::write(&mut tx, &crate::audit::Record::new(actor, "token.mint", &subject).detail(detail))
+        .await?;
+    tx.commit().await?;
+    Ok(minted)
+}
+
+/// `innerwall token revoke`: revokes as [`revoke`] does and records it (`token.revoke`) in the
+/// same transaction.
+pub async fn revoke_audited(pool: &sqlx::PgPool, actor: &str, id: Uuid) -> Result<(), crate::error::Error> {
+    let mut tx = pool.begin().await?;
+    revoke(&mut tx, id).await?;
+    crate::audit::write(&mut tx, &crate::audit::Record::new(actor, "token.revoke", &id.to_string())).await?;
+    tx.commit().await?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,134 @@
+//! `innerwall`: the control-plane binary — service and operator CLI (OPS-1). A thin layer over
+//! the library: parse, connect, call, print (human tables by default, `--json` for scripts).
+//! This file owns the top-level flags, logging and dispatch; each command group has a module
+//! with its clap types next to its handlers.
+
+mod ca;
+mod ctx;
+mod duration;
+mod flows;
+mod output;
+mod policy;
+mod serve;
+mod tokens;
+mod workloads;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use crate::ctx::{Ctx, Database};
+
+#[derive(Debug, Parser)]
+#[command(name = "innerwall", version, about = "Innerwall control plane and operator CLI")]
+struct Cli {
+    /// Postgres to use. Without it, a private cluster under --state-dir is started and reused.
+    #[arg(long, env = "INNERWALL_DATABASE_URL", global = true, hide_env_values = true)]
+    database_url: Option<String>,
+    /// Where the embedded Postgres cluster lives (and the CA, unless --ca-dir says otherwise).
+    #[arg(long, env = "INNERWALL_STATE_DIR", global = true, default_value = "/var/lib/innerwall")]
+    state_dir: PathBuf,
+    /// The CA directory (ca.key, ca.crt), identical on every replica. Default: <state-dir>/ca.
+    #[arg(long, env = "INNERWALL_CA_DIR", global = true)]
+    ca_dir: Option<PathBuf>,
+    /// Print JSON instead of tables.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Print the agent contract package this build speaks.
+    Contract,
+    /// Apply database migrations and exit.
+    Migrate,
+    /// Run the control-plane service: agent listener, NOTIFY bridge; renders once at start.
+    Serve(serve::ServeArgs),
+    /// The certificate authority that issues workload identities.
+    #[command(subcommand)]
+    Ca(ca::CaCmd),
+    /// Provisioning tokens that enroll hosts with a label set.
+    #[command(subcommand)]
+    Token(tokens::TokenCmd),
+    /// Render every workload now (normally automatic on every change).
+    Render,
+    /// Named sets of (protocol, ports) that rules permit.
+    #[command(
+        subcommand,
+        mut_subcommand("create", |c| c.about("e.g. `service create web --entry tcp:80,443 --entry udp:443`")),
+        mut_subcommand("update", |c| c.about("Replace a service's entries and description")),
+    )]
+    Service(policy::ObjectCmd<policy::ServiceArgs>),
+    /// Named sets of CIDRs for peers without an agent.
+    #[command(
+        subcommand,
+        name = "address-group",
+        mut_subcommand("create", |c| c.about("e.g. `address-group create vpn --cidr 10.8.0.0/16 --cidr fd08::/48`")),
+    )]
+    AddressGroup(policy::ObjectCmd<policy::GroupArgs>),
+    /// Label-scoped sets of inbound rules, authored as YAML or JSON files.
+    #[command(
+        subcommand,
+        mut_subcommand("create", |c| c.about("Create from a YAML or JSON file (`-` for stdin)")),
+        mut_subcommand("update", |c| c.about("Replace the ruleset named in the file; rules keep their identity by name")),
+        mut_subcommand("show", |c| c.about("Print in the file format (YAML; `--json` for JSON)")),
+    )]
+    Ruleset(policy::ObjectCmd<policy::RulesetFile>),
+    /// Enrolled hosts: labels, mode, rendered policy.
+    #[command(subcommand)]
+    Workload(workloads::WorkloadCmd),
+    /// Flow evidence the agents reported.
+    #[command(subcommand)]
+    Flows(flows::FlowsCmd),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    init_logging();
+    let ca_dir = cli.ca_dir.unwrap_or_else(|| cli.state_dir.join("ca"));
+    let database = Database { url: cli.database_url, state_dir: cli.state_dir };
+    let connect = || Ctx::connect(&database, cli.json, &ca_dir);
+    match cli.command {
+        Command::Contract => println!("{}", innerwall_wire::CONTRACT_PACKAGE),
+        Command::Migrate => {
+            database.connect().await?;
+            println!("migrations applied");
+        }
+        Command::Serve(args) => serve::run(&args, &database, &ca_dir).await?,
+        Command::Ca(cmd) => ca::run(&cmd, &ca_dir)?,
+        Command::Token(cmd) => tokens::run(&connect().await?, &cmd).await?,
+        Command::Render => policy::render(&connect().await?).await?,
+        Command::Service(cmd) => policy::catalog(&connect().await?, &cmd).await?,
+        Command::AddressGroup(cmd) => policy::catalog(&connect().await?, &cmd).await?,
+        Command::Ruleset(cmd) => policy::ruleset(&connect().await?, &cmd).await?,
+        Command::Workload(cmd) => workloads::run(&connect().await?, &cmd).await?,
+        Command::Flows(cmd) => flows::run(&connect().await?, &cmd).await?,
+    }
+    Ok(())
+}
+
+fn init_logging() {
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_env("INNERWALL_LOG").unwrap_or_else(|_| "warn".into());
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}

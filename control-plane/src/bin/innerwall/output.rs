@@ -1,0 +1,52 @@
+//! How results are printed: plain tables for people (comfy-table, no borders, so they read well
+//! in logs too) and JSON for scripts (`--json`; the demo and the end-to-end tests parse it).
+
+use comfy_table::{Table, presets};
+use innerwall_control_plane::policy::authoring::Committed;
+use innerwall_control_plane::policy::publish::Changed;
+use serde::Serialize;
+
+/// A left-aligned table: upper-case headers, columns two spaces apart, no borders or rules.
+pub fn print_table(headers: &[&str], rows: Vec<Vec<String>>) {
+    let mut table = Table::new();
+    table.load_style(presets::NOTHING);
+    table.set_header(headers.iter().map(|h| h.to_uppercase()).collect::<Vec<_>>());
+    table.add_rows(rows);
+    for column in table.column_iter_mut() {
+        column.set_padding((0, 2));
+    }
+    println!("{}", table.trim_fmt());
+}
+
+pub fn print_json<T: Serialize>(value: &T) -> anyhow::Result<()> {
+    println!("{}", serde_json::to_string_pretty(value)?);
+    Ok(())
+}
+
+/// Prints the outcome of a committed change: the value, then each workload whose version moved.
+pub fn print_changed<T: Serialize>(json: bool, changed: &[Changed], value: &T) {
+    if json {
+        let changed: Vec<_> = changed
+            .iter()
+            .map(|c| serde_json::json!({"workload": c.workload.to_string(), "version": c.version}))
+            .collect();
+        println!("{}", serde_json::json!({"result": value, "changed": changed}));
+        return;
+    }
+    if changed.is_empty() {
+        println!("no workload's policy changed");
+    } else {
+        println!("policy version changed for {} workload(s):", changed.len());
+        for c in changed {
+            println!("  {}  v{}", c.workload, c.version);
+        }
+    }
+}
+
+/// Prints `what` (unless `--json`), then the outcome of the change.
+pub fn report<T: Serialize>(json: bool, what: &str, done: Committed<T>) {
+    if !json {
+        println!("{what}");
+    }
+    print_changed(json, &done.changed, &done.value);
+}

@@ -1,0 +1,299 @@
+//! `innerwall render`, `service`, `address-group` and `ruleset`: authoring the policy model.
+//! Services and address groups are the same kind of thing to the CLI — a named, versioned set
+//! of members given as flags — so one generic [`ObjectCmd`] and [`catalog`] serve both, each
+//! described by a [`Catalog`] impl.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+use clap::{Args, Subcommand};
+use innerwall_control_plane::error::Error;
+use innerwall_control_plane::policy::authoring;
+use innerwall_control_plane::policy::model::ServiceEntry;
+use innerwall_control_plane::policy::spec::{AddressGroupSpec, RulesetSpec, ServiceSpec};
+use innerwall_control_plane::policy::store::{self, AddressGroupView, ServiceView};
+use innerwall_wire::policy::Cidr;
+use serde::Serialize;
+use sqlx::PgConnection;
+
+use crate::ctx::Ctx;
+use crate::output::{print_changed, print_json, print_table, report};
+
+#[derive(Debug, Args)]
+pub struct Expect {
+    /// Refuse the write unless the object is still at this version (as `show` printed it).
+    #[arg(long)]
+    expect_version: Option<i64>,
+}
+
+/// The subcommands of a named, versioned object (`service`, `address-group`, `ruleset`): create
+/// and update from the flags `A`, delete, list and show by name. The per-object help of
+/// `create`, `update` and `show` is set where the object is mounted (`mut_subcommand` in
+/// `main.rs`).
+#[derive(Debug, Subcommand)]
+pub enum ObjectCmd<A: Args> {
+    Create(A),
+    Update {
+        #[command(flatten)]
+        object: A,
+        #[command(flatten)]
+        expect: Expect,
+    },
+    Delete {
+        name: String,
+        #[command(flatten)]
+        expect: Expect,
+    },
+    List,
+    Show {
+        name: String,
+    },
+}
+
+/// A named, versioned object an operator creates, updates, deletes and lists from flags: the
+/// flags (`Self`), the spec they parse into, and the library calls and view for it.
+pub trait Catalog: Args {
+    /// As messages name it: `service`, `address group`.
+    const NOUN: &'static str;
+    /// As audit actions start: `service`, `address-group`.
+    const ACTION: &'static str;
+    /// The members' table column and audit-detail key: `entries`, `cidrs`.
+    const MEMBERS: &'static str;
+    type Spec;
+    type View: Serialize;
+
+    fn spec(&self) -> anyhow::Result<Self::Spec>;
+    fn name(spec: &Self::Spec) -> &str;
+    fn members(spec: &Self::Spec) -> Vec<String>;
+    async fn create(conn: &mut PgConnection, spec: &Self::Spec) -> Result<(), Error>;
+    /// Returns the new version.
+    async fn update(conn: &mut PgConnection, spec: &Self::Spec, expected: Option<i64>) -> Result<i64, Error>;
+    async fn delete(conn: &mut PgConnection, name: &str, expected: Option<i64>) -> Result<(), Error>;
+    async fn list(conn: &mut PgConnection) -> Result<Vec<Self::View>, Error>;
+    fn view_name(view: &Self::View) -> &str;
+    /// name, version, members, description.
+    fn row(view: Self::View) -> Vec<String>;
+}
+
+#[derive(Debug, Args)]
+pub struct ServiceArgs {
+    name: String,
+    /// `tcp:80,443,8000-8080`, `udp:53`, `tcp:all`, `icmp`, `icmpv6`; repeatable.
+    #[arg(long = "entry", required = true)]
+    entries: Vec<String>,
+    #[arg(long, default_value = "")]
+    description: String,
+}
+
+#[derive(Debug, Args)]
+pub struct GroupArgs {
+    name: String,
+    /// A CIDR or a bare address (a host route); repeatable.
+    #[arg(long = "cidr", required = true)]
+    cidrs: Vec<String>,
+    #[arg(long, default_value = "")]
+    description: String,
+}
+
+/// Implements [`Catalog`] for a flags struct from the library calls of its kind. The members
+/// field has one name in the flags, the spec and the view (`entries`, `cidrs`), which is also
+/// the table column and the audit-detail key.
+macro_rules! catalog {
+    ($args:ty { $members:ident: $parse:path } => $spec:ident, $view:ident, $noun:literal, $action:literal,
+     [$create:ident, $update:ident, $delete:ident, $list:ident]) => {
+        impl Catalog for $args {
+            const NOUN: &'static str = $noun;
+            const ACTION: &'static str = $action;
+            const MEMBERS: &'static str = stringify!($members);
+            type Spec = $spec;
+            type View = $view;
+
+            fn spec(&self) -> anyhow::Result<$spec> {
+                let members = self.$members.iter().map(|text| $parse(text).map_err(anyhow::Error::from));
+                Ok($spec {
+                    name: self.name.clone(),
+                    description: self.description.clone(),
+                    $members: members.collect::<anyhow::Result<_>>()?,
+                })
+            }
+            fn name(spec: &$spec) -> &str {
+                &spec.name
+            }
+            fn members(spec: &$spec) -> Vec<String> {
+                spec.$members.iter().map(ToString::to_string).collect()
+            }
+            async fn create(conn: &mut PgConnection, spec: &$spec) -> Result<(), Error> {
+                authoring::$create(conn, spec).await.map(drop)
+            }
+            async fn update(
+                conn: &mut PgConnection,
+                spec: &$spec,
+                expected: Option<i64>,
+            ) -> Result<i64, Error> {
+                authoring::$update(conn, spec, expected).await
+            }
+            async fn delete(conn: &mut PgConnection, name: &str, expected: Option<i64>) -> Result<(), Error> {
+                authoring::$delete(conn, name, expected).await
+            }
+            async fn list(conn: &mut PgConnection) -> Result<Vec<$view>, Error> {
+                store::$list(conn).await
+            }
+            fn view_name(view: &$view) -> &str {
+                &view.name
+            }
+            fn row(view: $view) -> Vec<String> {
+                vec![view.name, view.version.to_string(), view.$members.join(" "), view.description]
+            }
+        }
+    };
+}
+
+catalog!(ServiceArgs { entries: ServiceEntry::parse } => ServiceSpec, ServiceView, "service", "service",
+    [create_service, update_service, delete_service, list_services]);
+catalog!(GroupArgs { cidrs: Cidr::parse_lenient } => AddressGroupSpec, AddressGroupView, "address group",
+    "address-group", [create_address_group, update_address_group, delete_address_group, list_address_groups]);
+
+/// The audit detail of a create or update: the members as written.
+fn members_detail<A: Catalog>(spec: &A::Spec) -> serde_json::Value {
+    serde_json::Value::Object(serde_json::Map::from_iter([(A::MEMBERS.to_owned(), A::members(spec).into())]))
+}
+
+pub async fn catalog<A: Catalog>(ctx: &Ctx, cmd: &ObjectCmd<A>) -> anyhow::Result<()> {
+    let (noun, pool, actor) = (A::NOUN, &ctx.pool, ctx.actor.as_str());
+    match cmd {
+        ObjectCmd::Create(args) => {
+            let spec = args.spec()?;
+            let name = A::name(&spec);
+            let action = format!("{}.create", A::ACTION);
+            let done = authoring::commit(pool, actor, &action, name, async |c| {
+                A::create(c, &spec).await?;
+                Ok(((), members_detail::<A>(&spec)))
+            })
+            .await?;
+            report(ctx.json, &format!("{noun} {name} created (version 1)"), done);
+        }
+        ObjectCmd::Update { object, expect } => {
+            let spec = object.spec()?;
+            let name = A::name(&spec);
+            let action = format!("{}.update", A::ACTION);
+            let done = authoring::commit(pool, actor, &action, name, async |c| {
+                let version = A::update(c, &spec, expect.expect_version).await?;
+                Ok((version, members_detail::<A>(&spec)))
+            })
+            .await?;
+            report(ctx.json, &format!("{noun} {name} updated (version {})", done.value), done);
+        }
+        ObjectCmd::Delete { name, expect } => {
+            let action = format!("{}.delete", A::ACTION);
+            let done = authoring::commit(pool, actor, &action, name, async |c| {
+                A::delete(c, name, expect.expect_version).await?;
+                Ok(((), serde_json::json!({})))
+            })
+            .await?;
+            report(ctx.json, &format!("{noun} {name} deleted"), done);
+        }
+        ObjectCmd::List | ObjectCmd::Show { .. } => {
+            let mut all = A::list(&mut *pool.acquire().await?).await?;
+            if let ObjectCmd::Show { name } = cmd {
+                all.retain(|view| A::view_name(view) == name);
+                if all.is_empty() {
+                    bail!("{noun} {name:?} not found");
+                }
+            }
+            if ctx.json {
+                return print_json(&all);
+            }
+            let rows = all.into_iter().map(A::row).collect();
+            print_table(&["name", "version", A::MEMBERS, "description"], rows);
+        }
+    }
+    Ok(())
+}
+
+pub async fn render(ctx: &Ctx) -> anyhow::Result<()> {
+    let changed = authoring::render_now(&ctx.pool).await?;
+    print_changed(ctx.json, &changed, &());
+    Ok(())
+}
+
+/// The ruleset file `ruleset create` and `ruleset update` read.
+#[derive(Debug, Args)]
+pub struct RulesetFile {
+    #[arg(short, long)]
+    file: PathBuf,
+}
+
+fn read_ruleset_file(path: &Path) -> anyhow::Result<RulesetSpec> {
+    let text = if path == Path::new("-") {
+        std::io::read_to_string(std::io::stdin()).context("while reading the ruleset from stdin")?
+    } else {
+        std::fs::read_to_string(path).with_context(|| format!("while reading {}", path.display()))?
+    };
+    // YAML is a superset of JSON, so one parser takes both.
+    serde_yaml::from_str(&text).with_context(|| format!("{} is not a valid ruleset file", path.display()))
+}
+
+pub async fn ruleset(ctx: &Ctx, cmd: &ObjectCmd<RulesetFile>) -> anyhow::Result<()> {
+    let (json, pool, actor) = (ctx.json, &ctx.pool, ctx.actor.as_str());
+    match cmd {
+        ObjectCmd::Create(RulesetFile { file }) => {
+            let spec = read_ruleset_file(file)?;
+            let done = authoring::commit(pool, actor, "ruleset.create", &spec.name.clone(), async |c| {
+                authoring::create_ruleset(c, &spec).await?;
+                Ok(((), serde_json::to_value(&spec).expect("plain data serializes")))
+            })
+            .await?;
+            report(json, &format!("ruleset {} created (version 1)", spec.name), done);
+        }
+        ObjectCmd::Update { object: RulesetFile { file }, expect } => {
+            let spec = read_ruleset_file(file)?;
+            let done = authoring::commit(pool, actor, "ruleset.update", &spec.name.clone(), async |c| {
+                let v = authoring::update_ruleset(c, &spec, expect.expect_version).await?;
+                Ok((v, serde_json::to_value(&spec).expect("plain data serializes")))
+            })
+            .await?;
+            report(json, &format!("ruleset {} updated (version {})", spec.name, done.value), done);
+        }
+        ObjectCmd::Delete { name, expect } => {
+            let done = authoring::commit(pool, actor, "ruleset.delete", name, async |c| {
+                authoring::delete_ruleset(c, name, expect.expect_version).await?;
+                Ok(((), serde_json::json!({})))
+            })
+            .await?;
+            report(json, &format!("ruleset {name} deleted"), done);
+        }
+        ObjectCmd::List => {
+            let all = store::list_rulesets(&mut *pool.acquire().await?).await?;
+            if json {
+                return print_json(&all);
+            }
+            let rows = all
+                .into_iter()
+                .map(|r| {
+                    let scope: Vec<String> =
+                        r.spec.scope.iter().map(|(k, vs)| format!("{k} in ({})", vs.join(", "))).collect();
+                    vec![
+                        r.spec.name,
+                        r.version.to_string(),
+                        if r.spec.enabled { "yes" } else { "no" }.into(),
+                        scope.join(" and "),
+                        r.spec.rules.len().to_string(),
+                    ]
+                })
+                .collect();
+            print_table(&["name", "version", "enabled", "scope", "rules"], rows);
+        }
+        ObjectCmd::Show { name } => {
+            let all = store::list_rulesets(&mut *pool.acquire().await?).await?;
+            let Some(view) = all.into_iter().find(|r| &r.spec.name == name) else {
+                bail!("ruleset {name:?} not found");
+            };
+            if json {
+                return print_json(&view);
+            }
+            println!("# version: {}", view.version);
+            print!("{}", serde_yaml::to_string(&view.spec)?);
+        }
+    }
+    Ok(())
+}

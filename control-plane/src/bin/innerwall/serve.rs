@@ -1,0 +1,89 @@
+//! `innerwall serve`: one control-plane replica, from start-up to a drained stop on SIGINT or
+//! SIGTERM.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::Args;
+use innerwall_control_plane::identity::ca::{self, FileCa};
+use innerwall_control_plane::service;
+use innerwall_control_plane::sync::gateway;
+
+use crate::ctx::Database;
+use crate::duration;
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// The one agent listener (enrollment, sync, telemetry). Port 0 picks a free port.
+    #[arg(long, env = "INNERWALL_LISTEN", default_value = "0.0.0.0:7443")]
+    listen: std::net::SocketAddr,
+    /// Names and addresses agents dial this replica by (server certificate SANs); repeatable.
+    /// Default: this host's name, localhost and 127.0.0.1.
+    #[arg(long = "server-name")]
+    server_names: Vec<String>,
+    /// Lifetime of issued workload certificates, e.g. 24h.
+    #[arg(long, default_value = "24h", value_parser = duration::arg)]
+    cert_lifetime: std::time::Duration,
+    /// Interval agents heartbeat at; a stream silent for three of them is closed.
+    #[arg(long, default_value = "30s", value_parser = duration::arg)]
+    heartbeat_interval: std::time::Duration,
+    /// Flow window length agents use.
+    #[arg(long, default_value = "60s", value_parser = duration::arg)]
+    flow_window: std::time::Duration,
+}
+
+/// Loads the CA before touching the database, so a replica without one fails at once.
+pub async fn run(args: &ServeArgs, database: &Database, ca_dir: &Path) -> anyhow::Result<()> {
+    let shutdown = shutdown_signal()?;
+    let signer: Arc<dyn ca::Signer> =
+        Arc::new(FileCa::load(ca_dir).context("while loading the CA (create it with `innerwall ca init`)")?);
+    let pool = database.connect().await?;
+    let config = service::ServiceConfig {
+        listen: args.listen,
+        server_names: if args.server_names.is_empty() {
+            default_server_names()
+        } else {
+            args.server_names.clone()
+        },
+        cert_lifetime: args.cert_lifetime,
+        gateway: gateway::GatewayConfig {
+            heartbeat: args.heartbeat_interval,
+            flow_window: args.flow_window,
+            ..Default::default()
+        },
+    };
+    let running = service::start(pool, signer, config).await?;
+    eprintln!(
+        "innerwall: startup render advanced {} workload(s); listening on {} as {}",
+        running.startup_changes,
+        running.local_addr,
+        running.server_names.join(", ")
+    );
+    shutdown.await;
+    running.stop().await?;
+    Ok(())
+}
+
+/// Resolves on SIGINT or SIGTERM. The handlers are installed when this is called, not when it
+/// is first polled, so a signal that arrives during start-up is not lost.
+fn shutdown_signal() -> anyhow::Result<impl Future<Output = ()>> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut interrupt = signal(SignalKind::interrupt()).context("while installing the SIGINT handler")?;
+    let mut terminate = signal(SignalKind::terminate()).context("while installing the SIGTERM handler")?;
+    Ok(async move {
+        tokio::select! {
+            _ = interrupt.recv() => {}
+            _ = terminate.recv() => {}
+        }
+    })
+}
+
+fn default_server_names() -> Vec<String> {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let mut names = vec!["localhost".to_owned(), "127.0.0.1".to_owned()];
+    if !host.trim().is_empty() {
+        names.insert(0, host.trim().to_owned());
+    }
+    names
+}
