@@ -30,13 +30,11 @@ pub enum Error {
     /// A request the caller may not make (a retired or deny-listed identity, …).
     #[error("{0}")]
     Refused(String),
-    /// A provisioning token was refused; `kind` says why (malformed, unknown, revoked, …).
-    #[error("{source}")]
-    Token {
-        kind: &'static str,
-        #[source]
-        source: BoxError,
-    },
+    /// A provisioning token was refused; `kind` says why (malformed, unknown, revoked, …). The
+    /// token error's text is this error's text, so it is kept as a field and not as a source
+    /// (a chain would print it twice).
+    #[error("{error}")]
+    Token { kind: &'static str, error: BoxError },
     #[error("agent-offline: workload {id} has no stream (last seen {last_seen})")]
     AgentOffline { id: String, last_seen: String },
     #[error("render failed: {0}")]
@@ -132,7 +130,7 @@ mod tests {
 
     #[test]
     fn each_kind_has_its_status() {
-        let token = Error::Token { kind: "revoked", source: "it was revoked".into() };
+        let token = Error::Token { kind: "revoked", error: "it was revoked".into() };
         let cases = [
             (Error::NotFound { what: "service", name: "web".into() }, tonic::Code::NotFound),
             (Error::Invalid("bad".into()), tonic::Code::InvalidArgument),
@@ -144,7 +142,7 @@ mod tests {
             let status = tonic::Status::from(error);
             assert_eq!(status.code(), code, "{status:?}");
         }
-        let status = tonic::Status::from(Error::Token { kind: "revoked", source: "it was revoked".into() });
+        let status = tonic::Status::from(Error::Token { kind: "revoked", error: "it was revoked".into() });
         assert_eq!(status.message(), "provisioning token revoked: it was revoked");
         let status = tonic::Status::from(Error::Render("rule x broke".into()));
         assert_eq!(status.message(), "internal error; see the control-plane log", "no detail leaks");

@@ -56,7 +56,7 @@ pub enum TokenError {
 
 impl From<TokenError> for crate::error::Error {
     fn from(e: TokenError) -> Self {
-        crate::error::Error::Token { kind: e.kind(), source: Box::new(e) }
+        crate::error::Error::Token { kind: e.kind(), error: Box::new(e) }
     }
 }
 
@@ -138,28 +138,6 @@ pub fn parse(text: &str) -> Result<TokenSecret, TokenError> {
         Ok(bytes) if bytes.len() == SECRET_BYTES => Ok(TokenSecret(text.to_owned())),
         _ => Err(malformed("its last character is not a valid ending".into())),
     }
-}
-
-/// `30d`, `12h`, `90m`, `3600s`: a positive whole number and one unit.
-pub fn parse_ttl(text: &str) -> Result<chrono::Duration, TokenError> {
-    let invalid =
-        |why: &str| TokenError::Invalid(format!("ttl {text:?} {why}; write e.g. 30d, 12h, 90m or 3600s"));
-    let text_trimmed = text.trim();
-    let split = text_trimmed.find(|c: char| !c.is_ascii_digit()).ok_or_else(|| invalid("has no unit"))?;
-    let (number, unit) = text_trimmed.split_at(split);
-    if number.is_empty() {
-        return Err(invalid("does not start with a number"));
-    }
-    let n: i64 = number.parse().map_err(|_| invalid("is too large"))?;
-    let seconds_per = match unit {
-        "d" => 86_400,
-        "h" => 3_600,
-        "m" => 60,
-        "s" => 1,
-        _ => return Err(invalid("has an unknown unit (use d, h, m or s)")),
-    };
-    let seconds = n.checked_mul(seconds_per).ok_or_else(|| invalid("is too large"))?;
-    chrono::Duration::try_seconds(seconds).ok_or_else(|| invalid("is too large"))
 }
 
 /// What `mint` returns; `secret` (the full token text) is shown once and stored nowhere.
@@ -554,30 +532,6 @@ mod tests {
         assert!(!hashes_equal(&b, &a));
         assert!(!hashes_equal(&a[..31], &a));
         assert!(!hashes_equal(&[], &a));
-    }
-
-    #[test]
-    fn ttl_parsing() {
-        let ok = |text: &str, secs: i64| assert_eq!(parse_ttl(text).unwrap().num_seconds(), secs, "{text}");
-        ok("30d", 30 * 86_400);
-        ok("12h", 12 * 3_600);
-        ok("90m", 5_400);
-        ok("3600s", 3_600);
-        ok("0s", 0);
-        let bad = |text: &str, want: &str| {
-            let e = parse_ttl(text).unwrap_err().to_string();
-            assert!(e.contains(want), "{text:?}: {e:?} lacks {want:?}");
-        };
-        bad("", "has no unit");
-        bad("30", "has no unit");
-        bad("d", "does not start with a number");
-        bad("-1d", "does not start with a number");
-        bad("1w", "unknown unit");
-        bad("1.5h", "unknown unit");
-        bad("30 d", "unknown unit");
-        bad("1dd", "unknown unit");
-        bad("99999999999999999999d", "too large");
-        bad("999999999999999d", "too large");
     }
 
     #[test]

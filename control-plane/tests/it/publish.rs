@@ -270,7 +270,7 @@ async fn concurrent_renders_serialize() {
             vec![PeerSpec::cidr(&format!("10.{i}.0.0/16"))],
             &[&format!("svc-{i}")],
         );
-        std::fs::write(dir.join(format!("rs-{i}.yaml")), serde_yaml::to_string(&rs).unwrap()).unwrap();
+        std::fs::write(dir.join(format!("rs-{i}.yaml")), serde_norway::to_string(&rs).unwrap()).unwrap();
     }
     // N separate processes, each with its own connection, commit at the same time; each adds a
     // ruleset payments-db can see, so each must claim exactly one new version.

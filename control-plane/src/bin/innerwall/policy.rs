@@ -230,7 +230,7 @@ fn read_ruleset_file(path: &Path) -> anyhow::Result<RulesetSpec> {
         std::fs::read_to_string(path).with_context(|| format!("while reading {}", path.display()))?
     };
     // YAML is a superset of JSON, so one parser takes both.
-    serde_yaml::from_str(&text).with_context(|| format!("{} is not a valid ruleset file", path.display()))
+    serde_norway::from_str(&text).with_context(|| format!("{} is not a valid ruleset file", path.display()))
 }
 
 pub async fn ruleset(ctx: &Ctx, cmd: &ObjectCmd<RulesetFile>) -> anyhow::Result<()> {
@@ -292,7 +292,7 @@ pub async fn ruleset(ctx: &Ctx, cmd: &ObjectCmd<RulesetFile>) -> anyhow::Result<
                 return print_json(&view);
             }
             println!("# version: {}", view.version);
-            print!("{}", serde_yaml::to_string(&view.spec)?);
+            print!("{}", serde_norway::to_string(&view.spec)?);
         }
     }
     Ok(())

@@ -1,7 +1,6 @@
 //! `innerwall token`: minting, listing and revoking provisioning tokens.
 
 use clap::Subcommand;
-use innerwall_control_plane::error::Error;
 use innerwall_control_plane::identity::{ca, tokens};
 use innerwall_wire::labels::Label;
 
@@ -40,9 +39,7 @@ pub async fn run(ctx: &Ctx, cmd: &TokenCmd) -> anyhow::Result<()> {
             let ttl = chrono::Duration::from_std(duration::parse("ttl", ttl)?).map_err(|_| {
                 anyhow::anyhow!("ttl {ttl:?} is too large; write e.g. 30d, 12h, 90m or 3600s")
             })?;
-            let minted = tokens::mint_audited(&ctx.pool, &ctx.actor, labels, ttl, *max_uses)
-                .await
-                .map_err(unwrap_token)?;
+            let minted = tokens::mint_audited(&ctx.pool, &ctx.actor, labels, ttl, *max_uses).await?;
             let bundle = ctx.ca_dir.join(ca::CA_CERT_FILE);
             let command = format!(
                 "innerwall-agent enroll --server {server} --token {} --ca-bundle {}",
@@ -81,18 +78,9 @@ pub async fn run(ctx: &Ctx, cmd: &TokenCmd) -> anyhow::Result<()> {
             print_table(&["id", "token", "labels", "expires", "uses", "status"], rows);
         }
         TokenCmd::Revoke { id } => {
-            tokens::revoke_audited(&ctx.pool, &ctx.actor, *id).await.map_err(unwrap_token)?;
+            tokens::revoke_audited(&ctx.pool, &ctx.actor, *id).await?;
             println!("token {id} revoked; it enrolls nothing from now on");
         }
     }
     Ok(())
-}
-
-/// The token error itself: `Error::Token` prints its source as its own message, so `{:#}` would
-/// say it twice.
-fn unwrap_token(e: Error) -> anyhow::Error {
-    match e {
-        Error::Token { source, .. } => anyhow::Error::from_boxed(source),
-        e => e.into(),
-    }
 }
