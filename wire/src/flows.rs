@@ -142,22 +142,11 @@ pub fn decide(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::{Cidr, PortRange, ResolvedRule};
+    use crate::testing::rule;
 
     fn policy(mode: Mode) -> WorkloadPolicy {
-        let rule = ResolvedRule::new(
-            RuleId::new("db", Protocol::Tcp).unwrap(),
-            [PortRange::single(5432).unwrap()],
-            [Cidr::parse("10.0.0.0/24").unwrap()],
-        )
-        .unwrap();
-        let ping = ResolvedRule::new(
-            RuleId::new("ping", Protocol::Icmp).unwrap(),
-            [],
-            [Cidr::parse("0.0.0.0/0").unwrap()],
-        )
-        .unwrap();
-        WorkloadPolicy::new(4, mode, [rule, ping]).unwrap()
+        let db = rule("db", Protocol::Tcp, &[5432], &["10.0.0.0/24"]);
+        WorkloadPolicy::new(4, mode, [db, rule("ping", Protocol::Icmp, &[], &["0.0.0.0/0"])]).unwrap()
     }
 
     #[test]
