@@ -14,8 +14,12 @@ use serde::{Deserialize, Serialize};
 use crate::error::Error;
 use crate::policy::model::{Selector, ServiceEntry, validate_name};
 
-/// At most this many interface addresses are accepted from one host.
-const MAX_ADDRESSES: usize = 256;
+/// At most this many routable addresses are accepted from one host.
+pub const MAX_ADDRESSES: usize = 256;
+/// At most this many reported interface addresses are looked at, routable or not: a Docker or
+/// Kubernetes node carries hundreds of link-local veth addresses, which are dropped before the
+/// routable cap counts, but the work done on one report stays bounded.
+pub const MAX_REPORTED_ADDRESSES: usize = 4_096;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServiceSpec {
@@ -163,12 +167,15 @@ pub struct NewWorkload {
 
 /// Addresses a workload can be reached at, from its reported interfaces: loopback,
 /// link-local, unspecified and multicast addresses are dropped; malformed ones are refused.
+/// At most [`MAX_ADDRESSES`] routable addresses out of at most [`MAX_REPORTED_ADDRESSES`].
 pub fn routable_addresses(facts: &proto::HostFacts) -> Result<BTreeSet<IpAddr>, Error> {
     let mut out = BTreeSet::new();
     let texts = facts.interfaces.iter().flat_map(|i| i.addresses.iter());
     for (n, text) in texts.enumerate() {
-        if n >= MAX_ADDRESSES {
-            return Err(Error::Invalid(format!("more than {MAX_ADDRESSES} interface addresses reported")));
+        if n >= MAX_REPORTED_ADDRESSES {
+            return Err(Error::Invalid(format!(
+                "more than {MAX_REPORTED_ADDRESSES} interface addresses reported"
+            )));
         }
         let addr = text.split_once('/').map_or(text.as_str(), |(a, _)| a);
         let ip: IpAddr = addr
@@ -180,7 +187,45 @@ pub fn routable_addresses(facts: &proto::HostFacts) -> Result<BTreeSet<IpAddr>, 
         };
         if !(ip.is_loopback() || ip.is_unspecified() || ip.is_multicast() || link_local) {
             out.insert(ip.to_canonical());
+            if out.len() > MAX_ADDRESSES {
+                return Err(Error::Invalid(format!("more than {MAX_ADDRESSES} routable addresses reported")));
+            }
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn facts(addresses: impl IntoIterator<Item = String>) -> proto::HostFacts {
+        let interface = proto::NetworkInterface {
+            name: "eth0".into(),
+            addresses: addresses.into_iter().collect(),
+            ..Default::default()
+        };
+        proto::HostFacts { interfaces: vec![interface], ..Default::default() }
+    }
+
+    #[test]
+    fn only_routable_addresses_count_against_the_cap() {
+        let veths = (0..1_000u32).map(|n| format!("fe80::{n:x}/64"));
+        let link_local_v4 = (0..1_000u32).map(|n| format!("169.254.{}.{}/16", n / 250, n % 250 + 1));
+        let routable = ["10.1.0.5/24".to_owned(), "::ffff:10.1.0.6".to_owned(), "127.0.0.1/8".to_owned()];
+        let got = routable_addresses(&facts(veths.chain(link_local_v4).chain(routable))).unwrap();
+        let want: BTreeSet<IpAddr> = ["10.1.0.5".parse().unwrap(), "10.1.0.6".parse().unwrap()].into();
+        assert_eq!(got, want);
+
+        let at_cap = (0..MAX_ADDRESSES as u32).map(|n| format!("10.2.{}.{}", n / 250, n % 250 + 1));
+        assert_eq!(routable_addresses(&facts(at_cap)).unwrap().len(), MAX_ADDRESSES);
+        let over = (0..=MAX_ADDRESSES as u32).map(|n| format!("10.2.{}.{}", n / 250, n % 250 + 1));
+        let err = routable_addresses(&facts(over)).unwrap_err().to_string();
+        assert_eq!(err, "more than 256 routable addresses reported");
+        let flood = (0..=MAX_REPORTED_ADDRESSES as u32).map(|n| format!("fe80::{n:x}"));
+        let err = routable_addresses(&facts(flood)).unwrap_err().to_string();
+        assert_eq!(err, "more than 4096 interface addresses reported");
+        let err = routable_addresses(&facts(["banana".to_owned()])).unwrap_err().to_string();
+        assert_eq!(err, "interface address \"banana\" is not an address");
+    }
 }

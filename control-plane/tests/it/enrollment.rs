@@ -84,12 +84,21 @@ impl Plane {
     }
 
     pub async fn enroll(&self, token: &str) -> Result<(WorkloadId, String, String), tonic::Status> {
+        self.enroll_reporting(token, &["10.1.0.5/24", "fe80::1/64", "127.0.0.1/8"]).await
+    }
+
+    /// Enrolls a host whose one interface reports `addresses`.
+    pub async fn enroll_reporting(
+        &self,
+        token: &str,
+        addresses: &[&str],
+    ) -> Result<(WorkloadId, String, String), tonic::Status> {
         let (key_pem, csr_pem) = key_and_csr();
         let facts = proto::HostFacts {
             hostname: "web-1".into(),
             interfaces: vec![proto::NetworkInterface {
                 name: "eth0".into(),
-                addresses: vec!["10.1.0.5/24".into(), "fe80::1/64".into(), "127.0.0.1/8".into()],
+                addresses: addresses.iter().map(|a| a.to_string()).collect(),
                 mac_address: String::new(),
             }],
             ..Default::default()
@@ -308,4 +317,30 @@ async fn deny_listed_identity_refused() {
         .await
         .unwrap();
     assert_eq!(state, 4, "a cut stream is OFFLINE");
+}
+
+/// A Docker or Kubernetes node: hundreds of link-local veth addresses and one routable address.
+/// Only the routable one counts against the cap, and only it is registered.
+#[tokio::test]
+async fn busy_node_enrolls() {
+    let plane = Plane::start(GatewayConfig::default()).await;
+    let token = plane.mint(&["app=web"], None).await;
+    let veths: Vec<String> = (0..300).map(|n| format!("fe80::{n:x}/64")).collect();
+    let mut reported: Vec<&str> = veths.iter().map(String::as_str).collect();
+    reported.push("10.1.0.5/24");
+    let (id, _, _) = plane.enroll_reporting(&token, &reported).await.expect("the busy node enrolls");
+    let stored: Vec<String> =
+        sqlx::query_scalar("SELECT host(address) FROM workload_addresses WHERE workload_id = $1")
+            .bind(id.uuid())
+            .fetch_all(&plane.db.pool)
+            .await
+            .unwrap();
+    assert_eq!(stored, ["10.1.0.5"]);
+
+    // More routable addresses than the cap is still refused, naming the cap.
+    let many: Vec<String> = (0..=256).map(|n| format!("10.2.{}.{}/16", n / 250, n % 250 + 1)).collect();
+    let many: Vec<&str> = many.iter().map(String::as_str).collect();
+    let err = plane.enroll_reporting(&token, &many).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("more than 256 routable addresses"), "{err:?}");
 }
