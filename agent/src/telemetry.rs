@@ -2,7 +2,9 @@
 //! travel on their own mutually authenticated connection with their own backoff, so flow
 //! uploads never queue behind or take down policy. The control plane stores a window once per
 //! (workload, window id), so a retried upload never counts twice. When the queue is full the
-//! oldest window is dropped and recorded as an UPLOAD_BUFFER_OVERFLOW gap on the newest.
+//! oldest window is dropped and recorded as an UPLOAD_BUFFER_OVERFLOW gap on the newest. A
+//! window the control plane refuses (e.g. its times are outside what it accepts) is not retried
+//! and not dropped silently: it becomes an UPLOAD_REFUSED gap on the next window queued.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -18,6 +20,19 @@ use crate::error;
 
 /// Default bound of the on-disk queue, in windows.
 pub const DEFAULT_MAX_WINDOWS: usize = 1_440;
+
+/// The refused windows not yet reported, as one gap: `<from_ms> <to_ms> <count>`.
+const REFUSED_FILE: &str = "refused.gap";
+
+/// Writes `bytes` to `path` durably: a temporary file, fsync, rename, fsync of the directory.
+fn write_durably(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    let mut file = fs::File::create(&tmp)?;
+    std::io::Write::write_all(&mut file, bytes)?;
+    file.sync_all()?;
+    fs::rename(&tmp, path)?;
+    fs::File::open(path.parent().expect("a file in the queue directory"))?.sync_all()
+}
 
 #[derive(Debug, Clone)]
 pub struct Queue {
@@ -69,15 +84,44 @@ impl Queue {
             fs::remove_file(old)?;
             tracing::warn!("telemetry queue full: dropped the oldest window, recorded as a gap");
         }
+        let refused = self.refused();
+        window.gaps.extend(refused);
         let seq =
             files.last().and_then(|p| p.file_stem()?.to_str()?.parse::<u64>().ok()).map_or(0, |n| n + 1);
         let path = self.dir.join(format!("{seq:020}.window"));
-        let tmp = path.with_extension("tmp");
-        let mut file = fs::File::create(&tmp)?;
-        std::io::Write::write_all(&mut file, &proto::FlowWindow::from(&window).encode_to_vec())?;
-        file.sync_all()?;
-        fs::rename(&tmp, &path)?;
-        fs::File::open(&self.dir)?.sync_all()
+        write_durably(&path, &proto::FlowWindow::from(&window).encode_to_vec())?;
+        if refused.is_some() {
+            // A crash before this line reports the refused windows twice, never not at all.
+            fs::remove_file(self.dir.join(REFUSED_FILE))?;
+        }
+        Ok(())
+    }
+
+    /// The refused windows not yet reported on a queued window, as one gap.
+    fn refused(&self) -> Option<EvidenceGap> {
+        let text = fs::read_to_string(self.dir.join(REFUSED_FILE)).ok()?;
+        let mut fields = text.split_whitespace().map(str::parse::<i64>);
+        match (fields.next(), fields.next(), fields.next()) {
+            (Some(Ok(from_ms)), Some(Ok(to_ms)), Some(Ok(count))) => {
+                Some(EvidenceGap { kind: GapKind::UploadRefused, from_ms, to_ms, count: count.max(0) as u64 })
+            }
+            _ => {
+                tracing::error!("unreadable {REFUSED_FILE}: {text:?}; its refused windows are not reported");
+                None
+            }
+        }
+    }
+
+    /// Adds a refused window's gap ([`refused_gap`]) to the UPLOAD_REFUSED gap the next queued
+    /// window carries, so nothing refused is lost however often it happens.
+    fn note_refused(&self, mut gap: EvidenceGap) -> std::io::Result<()> {
+        if let Some(earlier) = self.refused() {
+            gap.from_ms = gap.from_ms.min(earlier.from_ms);
+            gap.to_ms = gap.to_ms.max(earlier.to_ms);
+            gap.count = gap.count.saturating_add(earlier.count);
+        }
+        let text = format!("{} {} {}\n", gap.from_ms, gap.to_ms, gap.count);
+        write_durably(&self.dir.join(REFUSED_FILE), text.as_bytes())
     }
 
     /// Uploads queued windows oldest first; each is removed only once the control plane has
@@ -92,20 +136,39 @@ impl Queue {
                 let _ = fs::remove_file(&path);
                 continue;
             };
+            let if_refused = refused_gap(&window);
             match client.report_flows(proto::ReportFlowsRequest { window: Some(window) }).await {
                 Ok(_) => {
                     let _ = fs::remove_file(&path);
                     sent += 1;
                 }
                 Err(s) if s.code() == tonic::Code::InvalidArgument => {
-                    // Retrying a window the control plane refuses would block the queue forever.
+                    // Retrying a window the control plane refuses would block the queue forever;
+                    // it becomes a gap on the next window instead.
                     tracing::error!(path = %path.display(), "control plane refused a window: {}", s.message());
+                    self.note_refused(if_refused).map_err(|e| tonic::Status::internal(e.to_string()))?;
                     let _ = fs::remove_file(&path);
                 }
                 Err(s) => return Err(s),
             }
         }
         Ok(sent)
+    }
+}
+
+/// The gap a window leaves if the control plane refuses it: its interval spans the window and
+/// its own gaps, its count is the window's records plus the refused windows it was carrying.
+fn refused_gap(window: &proto::FlowWindow) -> EvidenceGap {
+    let carried = window
+        .gaps
+        .iter()
+        .filter(|g| EvidenceGap::try_from(*g).is_ok_and(|g| g.kind == GapKind::UploadRefused))
+        .map(|g| g.count);
+    EvidenceGap {
+        kind: GapKind::UploadRefused,
+        from_ms: window.gaps.iter().map(|g| g.from_unix_ms).fold(window.start_unix_ms, i64::min),
+        to_ms: window.gaps.iter().map(|g| g.to_unix_ms).fold(window.end_unix_ms, i64::max),
+        count: (window.records.len() as u64).saturating_add(carried.sum()),
     }
 }
 

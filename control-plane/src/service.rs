@@ -30,6 +30,8 @@ pub struct ServiceConfig {
     pub server_names: Vec<String>,
     pub cert_lifetime: Duration,
     pub gateway: GatewayConfig,
+    /// How old and how far ahead flow window times may be; the age is also the retention.
+    pub flow_bounds: crate::flows::TimeBounds,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -60,13 +62,11 @@ pub struct Running {
 }
 
 /// Drops expired flow partitions hourly (FLOW-5); replicas serialize on the partition lock.
-async fn retention_forever(pool: PgPool) {
+async fn retention_forever(pool: PgPool, days: i64) {
     let mut hourly = tokio::time::interval(Duration::from_secs(3600));
     loop {
         hourly.tick().await;
-        match crate::flows::apply_retention(&pool, crate::flows::DEFAULT_RETENTION_DAYS, chrono::Utc::now())
-            .await
-        {
+        match crate::flows::apply_retention(&pool, days, chrono::Utc::now()).await {
             Ok(dropped) if !dropped.is_empty() => tracing::info!(?dropped, "dropped expired flow partitions"),
             Ok(_) => {}
             Err(e) => tracing::warn!("flow retention failed: {e}"),
@@ -111,7 +111,7 @@ pub async fn start(
     let enroller = Enroller { pool: pool.clone(), signer: signer.clone(), lifetime: config.cert_lifetime };
     let gateway = Gateway::new(pool.clone(), config.gateway.clone(), enroller.clone());
     let bridge = tokio::spawn(bridge::run(pool.clone(), gateway.clone(), deny.clone()));
-    let retention = tokio::spawn(retention_forever(pool.clone()));
+    let retention = tokio::spawn(retention_forever(pool.clone(), config.flow_bounds.max_age.num_days()));
 
     let tls = listener::tls_config(signer.as_ref(), &config.server_names, deny)?;
     let tcp = tokio::net::TcpListener::bind(config.listen)
@@ -123,7 +123,7 @@ pub async fn start(
         .add_service(EnrollmentServiceServer::new(enroller))
         .add_service(AgentServiceServer::with_interceptor(gateway.clone(), listener::authenticate))
         .add_service(TelemetryServiceServer::with_interceptor(
-            crate::flows::Telemetry { pool: pool.clone() },
+            crate::flows::Telemetry { pool: pool.clone(), bounds: config.flow_bounds },
             listener::authenticate,
         ));
     let (stop, stopped) = oneshot::channel::<()>();

@@ -255,3 +255,92 @@ async fn flow_buffer_survives_partition() {
     );
     uploader.abort();
 }
+
+/// A window moved in time by `offset_ms`, records included.
+fn shifted(records: Vec<FlowRecord>, offset_ms: i64) -> FlowWindow {
+    let mut w = window(records);
+    w.start_ms += offset_ms;
+    w.end_ms += offset_ms;
+    for r in &mut w.records {
+        r.first_seen_ms += offset_ms;
+        r.last_seen_ms += offset_ms;
+    }
+    w
+}
+
+/// Windows far in the past or the future are refused with InvalidArgument before anything is
+/// written (no partition for their days); the agent does not retry them and does not drop them
+/// silently: the next window it queues carries one UPLOAD_REFUSED gap with their records'
+/// count, its interval clamped by the control plane into the range it keeps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ingest_refuses_times_out_of_range() {
+    const DAY: i64 = 86_400_000;
+    let plane = Plane::start().await;
+    let (id, config) = plane.enroll("db-1", &["app=db"]).await;
+    let partition_exists = |offset_ms: i64| {
+        let day = chrono::DateTime::from_timestamp_millis(now_ms() + offset_ms).unwrap().format("%Y%m%d");
+        let pool = plane.pool().clone();
+        async move {
+            sqlx::query_scalar::<_, bool>("SELECT to_regclass($1) IS NOT NULL")
+                .bind(format!("flow_records_{day}"))
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+
+    // Directly: the reason names the time and the bound.
+    let future = proto::FlowWindow::from(&shifted(vec![record("192.0.2.1", 22, 1)], DAY));
+    let err = proto::telemetry_service_client::TelemetryServiceClient::new(connect(&config).await.unwrap())
+        .report_flows(proto::ReportFlowsRequest { window: Some(future) })
+        .await
+        .unwrap_err();
+    assert!(err.message().starts_with("window refused: window start"), "{err:?}");
+    assert!(err.message().contains("ahead of the control plane's clock"), "{err:?}");
+
+    // Through the agent's queue: one window 40 days old (3 records), one a day ahead (2).
+    let queue = Queue::new(&config.state_dir, 10).unwrap();
+    let old = vec![record("192.0.2.1", 22, 1), record("192.0.2.2", 22, 1), record("192.0.2.3", 22, 1)];
+    queue.push(shifted(old, -40 * DAY)).unwrap();
+    queue.push(shifted(vec![record("192.0.2.4", 22, 1), record("192.0.2.5", 22, 1)], DAY)).unwrap();
+    assert_eq!(queue.upload(connect(&config).await.unwrap()).await.unwrap(), 0, "both refused");
+    assert!(queue.is_empty(), "refused windows are not retried");
+    assert!(
+        !partition_exists(-40 * DAY).await && !partition_exists(DAY).await,
+        "no partition for their days"
+    );
+    let windows: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM flow_windows").fetch_one(plane.pool()).await.unwrap();
+    assert_eq!(windows, 0);
+
+    // The next window carries them as one gap, and is stored.
+    queue.push(window(vec![record("192.0.2.9", 22, 1)])).unwrap();
+    assert_eq!(queue.upload(connect(&config).await.unwrap()).await.unwrap(), 1);
+    let gaps: Vec<(i16, i64, chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>)> =
+        sqlx::query_as("SELECT kind, count, gap_from, gap_to FROM flow_gaps WHERE workload_id = $1")
+            .bind(id.uuid())
+            .fetch_all(plane.pool())
+            .await
+            .unwrap();
+    assert_eq!(gaps.len(), 1, "{gaps:?}");
+    let (kind, count, from, to) = gaps[0];
+    assert_eq!((kind, count), (5, 5), "UPLOAD_REFUSED with the refused records' count");
+    let now = chrono::Utc::now();
+    assert!(from > now - chrono::Duration::days(31) && from < now - chrono::Duration::days(29), "{from}");
+    assert!(to > now && to <= now + chrono::Duration::minutes(5), "{to}");
+    let out = std::process::Command::new(innerwall_e2e::workspace_bin("innerwall"))
+        .args(["--database-url", &plane.db.url, "flows", "gaps", "--workload", &id.to_string()])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("upload-refused"), "{out:?}");
+
+    // Reported once: the window after that carries no gap.
+    queue.push(window(vec![record("192.0.2.10", 22, 1)])).unwrap();
+    assert_eq!(queue.upload(connect(&config).await.unwrap()).await.unwrap(), 1);
+    let total: i64 = sqlx::query_scalar("SELECT count(*) FROM flow_gaps WHERE workload_id = $1")
+        .bind(id.uuid())
+        .fetch_one(plane.pool())
+        .await
+        .unwrap();
+    assert_eq!(total, 1);
+}

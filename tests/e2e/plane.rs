@@ -56,6 +56,7 @@ impl Plane {
             server_names: vec!["localhost".into()],
             cert_lifetime: self.cert_lifetime,
             gateway: self.gateway.clone(),
+            flow_bounds: Default::default(),
         };
         self.running = Some(service::start(self.db.pool.clone(), self.signer.clone(), config).await.unwrap());
     }

@@ -75,6 +75,7 @@ wire_enum!(GapKind, proto::EvidenceGapKind, "gap kind", {
     AgentRestart <=> AgentRestart,
     UploadBufferOverflow <=> UploadBufferOverflow,
     WindowKeyOverflow <=> WindowKeyOverflow,
+    UploadRefused <=> UploadRefused,
 });
 
 /// Decodes an enum field, refusing unknown and unspecified values.
@@ -360,6 +361,15 @@ fn flow_record(r: &proto::FlowRecord) -> Result<FlowRecord, String> {
         first_seen_ms,
         last_seen_ms,
     })
+}
+
+/// One gap on its own (as the agent's queue reads back what it wrote).
+impl TryFrom<&proto::EvidenceGap> for EvidenceGap {
+    type Error = FlowError;
+
+    fn try_from(wire: &proto::EvidenceGap) -> Result<Self, FlowError> {
+        evidence_gap(wire).map_err(|reason| FlowError::Gap { index: 0, reason })
+    }
 }
 
 fn evidence_gap(g: &proto::EvidenceGap) -> Result<EvidenceGap, String> {

@@ -40,6 +40,9 @@ pub enum GapKind {
     UploadBufferOverflow,
     /// A window reached its distinct-key cap; the count is the number of keys not recorded.
     WindowKeyOverflow,
+    /// The control plane refused a window; the interval is the refused window's, the count its
+    /// records.
+    UploadRefused,
 }
 
 named_enum!(GapKind, "gap kind", {
@@ -47,6 +50,7 @@ named_enum!(GapKind, "gap kind", {
     AgentRestart => "agent-restart",
     UploadBufferOverflow => "upload-buffer-overflow",
     WindowKeyOverflow => "window-key-overflow",
+    UploadRefused => "upload-refused",
 });
 
 /// One inbound flow key aggregated over a window. Times are Unix milliseconds.
@@ -176,6 +180,9 @@ mod tests {
         }
         assert!("would_block".parse::<Decision>().unwrap_err().to_string().contains("unknown decision"));
         let names: Vec<_> = GapKind::ALL.iter().map(|k| k.to_string()).collect();
-        assert_eq!(names, ["map-full", "agent-restart", "upload-buffer-overflow", "window-key-overflow"]);
+        assert_eq!(
+            names,
+            ["map-full", "agent-restart", "upload-buffer-overflow", "window-key-overflow", "upload-refused"]
+        );
     }
 }

@@ -233,10 +233,70 @@ async fn copy_in(conn: &mut PgConnection, statement: &'static str, rows: copy::R
     Ok(())
 }
 
+/// How far the times in an agent's window may be from the control plane's clock (issue 11): a
+/// window is never older than retention, whose partitions are gone, nor further ahead than a
+/// clock skew, so no agent can make the server create partitions for days it chooses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TimeBounds {
+    /// Oldest accepted time before now: the retention.
+    pub max_age: chrono::Duration,
+    /// Furthest accepted time after now: the clock skew tolerated.
+    pub max_ahead: chrono::Duration,
+}
+
+impl Default for TimeBounds {
+    fn default() -> Self {
+        TimeBounds {
+            max_age: chrono::Duration::days(super::DEFAULT_RETENTION_DAYS),
+            max_ahead: chrono::Duration::minutes(5),
+        }
+    }
+}
+
+impl TimeBounds {
+    /// Refuses a window whose start, end or record times fall outside `[now - max_age, now +
+    /// max_ahead]`, naming the first such time. Gaps describe what is missing rather than what
+    /// was seen, and may be old news (windows dropped or refused while the control plane was
+    /// away): their intervals are clamped into the range, keeping their counts.
+    pub fn check(&self, window: &mut FlowWindow, now: DateTime<Utc>) -> Result<(), String> {
+        let (oldest, newest) =
+            ((now - self.max_age).timestamp_millis(), (now + self.max_ahead).timestamp_millis());
+        let check = |what: &str, ms: i64| {
+            if ms < oldest {
+                Err(format!(
+                    "{what} {} is older than the {} h the control plane keeps",
+                    time(ms),
+                    self.max_age.num_hours()
+                ))
+            } else if ms > newest {
+                Err(format!(
+                    "{what} {} is more than {} s ahead of the control plane's clock ({now}); check the agent's clock",
+                    time(ms),
+                    self.max_ahead.num_seconds()
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        check("window start", window.start_ms)?;
+        check("window end", window.end_ms)?;
+        for (i, r) in window.records.iter().enumerate() {
+            check("first seen", r.first_seen_ms).map_err(|e| format!("record {i}: {e}"))?;
+            check("last seen", r.last_seen_ms).map_err(|e| format!("record {i}: {e}"))?;
+        }
+        for g in &mut window.gaps {
+            g.from_ms = g.from_ms.clamp(oldest, newest);
+            g.to_ms = g.to_ms.clamp(oldest, newest);
+        }
+        Ok(())
+    }
+}
+
 /// The telemetry service (SYNC-10: its own connection from the agent; same listener).
 #[derive(Debug, Clone)]
 pub struct Telemetry {
     pub pool: PgPool,
+    pub bounds: TimeBounds,
 }
 
 #[tonic::async_trait]
@@ -251,12 +311,87 @@ impl proto::telemetry_service_server::TelemetryService for Telemetry {
             .window
             .as_ref()
             .ok_or_else(|| tonic::Status::invalid_argument("window is missing"))?;
-        let window = FlowWindow::try_from(wire)
-            .map_err(|e| tonic::Status::invalid_argument(format!("window refused: {e}")))?;
+        let refused =
+            |e: &dyn std::fmt::Display| tonic::Status::invalid_argument(format!("window refused: {e}"));
+        let mut window = FlowWindow::try_from(wire).map_err(|e| refused(&e))?;
+        self.bounds.check(&mut window, Utc::now()).map_err(|e| refused(&e))?;
         let done = ingest(&self.pool, workload, &window).await.map_err(tonic::Status::from)?;
         Ok(tonic::Response::new(proto::ReportFlowsResponse {
             accepted_records: done.records as u32,
             duplicate: done.duplicate,
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use innerwall_wire::flows::{Decision, EvidenceGap, FlowRecord, GapKind};
+    use innerwall_wire::policy::{Mode, Protocol};
+
+    use super::*;
+
+    const NOW: i64 = 1_800_000_000_000;
+    const MIN: i64 = 60_000;
+    const DAY: i64 = 24 * 60 * MIN;
+
+    fn window(start_ms: i64, seen_ms: i64) -> FlowWindow {
+        let record = FlowRecord {
+            src: "10.0.0.1".parse().unwrap(),
+            dst: "10.0.0.2".parse().unwrap(),
+            dst_port: 22,
+            protocol: Protocol::Tcp,
+            decision: Decision::Observed,
+            matched_rule: None,
+            packets: 1,
+            bytes: 60,
+            new_connections: 1,
+            first_seen_ms: seen_ms,
+            last_seen_ms: seen_ms,
+        };
+        FlowWindow {
+            id: uuid::Uuid::new_v4(),
+            start_ms,
+            end_ms: start_ms + MIN,
+            policy_version: 1,
+            mode: Mode::Visibility,
+            records: vec![record],
+            gaps: vec![],
+        }
+    }
+
+    #[test]
+    fn times_must_be_near_the_servers_clock() {
+        let bounds = TimeBounds::default();
+        let now = time(NOW);
+        let check = |mut w: FlowWindow| bounds.check(&mut w, now);
+        assert_eq!(check(window(NOW - 2 * MIN, NOW - MIN)), Ok(()));
+        assert_eq!(check(window(NOW - 30 * DAY, NOW - 30 * DAY + 1)), Ok(()), "exactly at the retention");
+        assert_eq!(check(window(NOW + 4 * MIN, NOW + 4 * MIN)), Ok(()), "within the skew");
+        let err = check(window(NOW - 31 * DAY, NOW - 31 * DAY)).unwrap_err();
+        assert!(
+            err.starts_with("window start 2026-12-15 08:00:00") && err.contains("older than the 720 h"),
+            "{err}"
+        );
+        let err = check(window(NOW + 4 * MIN + 1, NOW + 4 * MIN + 1)).unwrap_err();
+        assert!(err.starts_with("window end") && err.contains("more than 300 s ahead"), "{err}");
+        let err = check(window(NOW - 2 * MIN, NOW + DAY)).unwrap_err();
+        assert!(err.starts_with("record 0: first seen") && err.contains("ahead"), "{err}");
+        let err = check(window(NOW - 2 * MIN, 0)).unwrap_err();
+        assert!(err.starts_with("record 0: first seen 1970-01-01") && err.contains("older"), "{err}");
+    }
+
+    #[test]
+    fn gaps_are_clamped_not_refused() {
+        let mut w = window(NOW - 2 * MIN, NOW - MIN);
+        let gap = |from_ms, to_ms| EvidenceGap { kind: GapKind::UploadRefused, from_ms, to_ms, count: 7 };
+        w.gaps =
+            vec![gap(NOW - 90 * DAY, NOW - 60 * DAY), gap(NOW - 40 * DAY, NOW - MIN), gap(NOW, NOW + DAY)];
+        TimeBounds::default().check(&mut w, time(NOW)).unwrap();
+        let horizon = NOW - 30 * DAY;
+        assert_eq!(
+            w.gaps,
+            [gap(horizon, horizon), gap(horizon, NOW - MIN), gap(NOW, NOW + 5 * MIN)],
+            "intervals clamped into the accepted range, counts kept"
+        );
     }
 }

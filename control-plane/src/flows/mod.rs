@@ -7,6 +7,6 @@ mod ingest;
 mod query;
 mod retention;
 
-pub use ingest::{Ingested, Telemetry, ingest};
+pub use ingest::{Ingested, Telemetry, TimeBounds, ingest};
 pub use query::{FlowRow, GapRow, gaps, list};
-pub use retention::{DEFAULT_RETENTION_DAYS, apply_retention, ensure_partitions};
+pub use retention::{DEFAULT_RETENTION_DAYS, RETENTION_BATCH, apply_retention, ensure_partitions};

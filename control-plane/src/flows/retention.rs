@@ -45,35 +45,70 @@ pub async fn ensure_partitions(
     Ok(())
 }
 
-/// Drops daily partitions entirely older than `days` (FLOW-5), under the partition lock.
-/// Returns the dropped partitions.
+/// At most this many partitions are dropped in one transaction: each `DROP` holds its lock until
+/// commit, and a few thousand of them exhaust the lock table ("out of shared memory").
+pub const RETENTION_BATCH: usize = 16;
+
+/// The partitions among `names` whose whole day `[day, day + 1)` is before `cutoff`.
+fn expired(names: Vec<String>, cutoff: NaiveDate) -> Vec<String> {
+    names
+        .into_iter()
+        .filter(|name| {
+            name.rsplit('_')
+                .next()
+                .and_then(|d| NaiveDate::parse_from_str(d, "%Y%m%d").ok())
+                .is_some_and(|day| day < cutoff)
+        })
+        .collect()
+}
+
+/// Drops daily partitions entirely older than `days` (FLOW-5), under the partition lock, in
+/// transactions of at most [`RETENTION_BATCH`] partitions. Returns the dropped partitions.
 pub async fn apply_retention(pool: &PgPool, days: i64, now: DateTime<Utc>) -> Result<Vec<String>, Error> {
     let cutoff: NaiveDate = (now - Duration::days(days)).date_naive();
-    let mut tx = pool.begin().await?;
-    sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(PARTITION_LOCK_KEY).execute(&mut *tx).await?;
-    let names: Vec<String> = sqlx::query_scalar(
-        "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid JOIN pg_class p ON p.oid = i.inhparent
-         WHERE p.relname = ANY($1) ORDER BY 1",
-    )
-    .bind(PARTITIONED.as_slice())
-    .fetch_all(&mut *tx)
-    .await?;
     let mut dropped = Vec::new();
-    for name in names {
-        let Some(day) = name.rsplit('_').next().and_then(|d| NaiveDate::parse_from_str(d, "%Y%m%d").ok())
-        else {
-            continue;
-        };
-        // The partition holds [day, day + 1): drop it once that whole day is past the cutoff.
-        if day < cutoff {
+    loop {
+        let mut tx = pool.begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(PARTITION_LOCK_KEY).execute(&mut *tx).await?;
+        let names: Vec<String> = sqlx::query_scalar(
+            "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+             JOIN pg_class p ON p.oid = i.inhparent WHERE p.relname = ANY($1) ORDER BY 1",
+        )
+        .bind(PARTITIONED.as_slice())
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut batch = expired(names, cutoff);
+        let last = batch.len() <= RETENTION_BATCH;
+        batch.truncate(RETENTION_BATCH);
+        for name in &batch {
             sqlx::query(AssertSqlSafe(format!("DROP TABLE {name}"))).execute(&mut *tx).await?;
-            dropped.push(name);
+        }
+        if last {
+            sqlx::query("DELETE FROM flow_windows WHERE window_start < $1")
+                .bind(Utc.from_utc_datetime(&cutoff.and_hms_opt(0, 0, 0).expect("midnight exists")))
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        dropped.extend(batch);
+        if last {
+            return Ok(dropped);
         }
     }
-    sqlx::query("DELETE FROM flow_windows WHERE window_start < $1")
-        .bind(Utc.from_utc_datetime(&cutoff.and_hms_opt(0, 0, 0).expect("midnight exists")))
-        .execute(&mut *tx)
-        .await?;
-    tx.commit().await?;
-    Ok(dropped)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_whole_days_before_the_cutoff_expire() {
+        let names =
+            ["flow_gaps_20261101", "flow_records_20261101", "flow_records_20261102", "flow_records_x"];
+        let cutoff = NaiveDate::from_ymd_opt(2026, 11, 2).unwrap();
+        assert_eq!(
+            expired(names.map(String::from).to_vec(), cutoff),
+            ["flow_gaps_20261101", "flow_records_20261101"]
+        );
+    }
 }

@@ -42,6 +42,7 @@ impl Plane {
             server_names: vec!["localhost".into()],
             cert_lifetime: Duration::from_secs(3600),
             gateway,
+            flow_bounds: Default::default(),
         };
         self.running = Some(service::start(self.db.pool.clone(), self.signer.clone(), config).await.unwrap());
     }

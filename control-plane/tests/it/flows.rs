@@ -71,6 +71,35 @@ async fn retention_drops_whole_expired_partitions() {
     assert_eq!(windows, 0);
 }
 
+/// Hundreds of expired partitions (what a year of daily partitions, or a hostile agent before
+/// ingest bounded window times, leaves) are dropped in bounded batches, all of them, with the
+/// partitions still within retention kept.
+#[tokio::test]
+async fn retention_drops_many_partitions_in_batches() {
+    let db = fresh_database().await.unwrap();
+    let now = chrono::Utc::now();
+    let mut tx = db.pool.begin().await.unwrap();
+    flows::ensure_partitions(&mut tx, now - chrono::Duration::days(400), now).await.unwrap();
+    tx.commit().await.unwrap();
+    let count = || async {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_inherits i JOIN pg_class p ON p.oid = i.inhparent
+             WHERE p.relname IN ('flow_records', 'flow_gaps')",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        n as usize
+    };
+    assert_eq!(count().await, 2 * 401);
+    let dropped = flows::apply_retention(&db.pool, 30, now).await.unwrap();
+    // Days [now - 400, now - 31] are wholly before the cutoff day (now - 30): 370 days, two tables.
+    assert_eq!(dropped.len(), 2 * 370);
+    assert!(dropped.len() > 10 * flows::RETENTION_BATCH, "the test spans many batches");
+    assert_eq!(count().await, 2 * 31);
+    assert_eq!(flows::apply_retention(&db.pool, 30, now).await.unwrap(), Vec::<String>::new());
+}
+
 async fn register(pool: &sqlx::PgPool, labels: &[&str], addresses: &[&str]) -> WorkloadId {
     let new = NewWorkload {
         id: WorkloadId::new_random(),

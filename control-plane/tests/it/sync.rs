@@ -189,6 +189,7 @@ async fn second_replica(a: &Plane) -> innerwall_control_plane::service::Running 
             server_names: vec!["localhost".into()],
             cert_lifetime: Duration::from_secs(3600),
             gateway: GatewayConfig::default(),
+            flow_bounds: Default::default(),
         },
     )
     .await

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use anyhow::Context;
 use clap::Args;
 use innerwall_control_plane::identity::ca::{self, FileCa};
-use innerwall_control_plane::service;
 use innerwall_control_plane::sync::gateway;
+use innerwall_control_plane::{flows, service};
 
 use crate::ctx::Database;
 use crate::duration;
@@ -31,6 +31,21 @@ pub struct ServeArgs {
     /// Flow window length agents use.
     #[arg(long, default_value = "60s", value_parser = duration::arg)]
     flow_window: std::time::Duration,
+    /// How long flow evidence is kept (whole days); windows older than this are refused.
+    #[arg(long, default_value = "30d", value_parser = duration::arg)]
+    flow_retention: std::time::Duration,
+    /// How far ahead of this replica's clock a flow window's times may be (agents' clock skew).
+    #[arg(long, default_value = "5m", value_parser = duration::arg)]
+    flow_max_ahead: std::time::Duration,
+}
+
+/// A retention in whole days, at least one.
+fn days(d: std::time::Duration, flag: &str) -> anyhow::Result<chrono::Duration> {
+    let days = d.as_secs() / 86_400;
+    if days == 0 || !d.as_secs().is_multiple_of(86_400) {
+        anyhow::bail!("{flag} must be a whole number of days, at least 1d");
+    }
+    chrono::Duration::try_days(days as i64).with_context(|| format!("{flag} is too large"))
 }
 
 /// Loads the CA before touching the database, so a replica without one fails at once.
@@ -51,6 +66,11 @@ pub async fn run(args: &ServeArgs, database: &Database, ca_dir: &Path) -> anyhow
             heartbeat: args.heartbeat_interval,
             flow_window: args.flow_window,
             ..Default::default()
+        },
+        flow_bounds: flows::TimeBounds {
+            max_age: days(args.flow_retention, "--flow-retention")?,
+            max_ahead: chrono::Duration::from_std(args.flow_max_ahead)
+                .context("--flow-max-ahead is too large")?,
         },
     };
     let running = service::start(pool, signer, config).await?;
