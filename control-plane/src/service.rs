@@ -13,9 +13,10 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 use crate::error::Error;
+use crate::identity::admission::{self, Admission};
 use crate::identity::ca::Signer;
 use crate::identity::enroll::Enroller;
-use crate::identity::listener::{self, DenyList, ServerError};
+use crate::identity::listener::{self, Authenticate, ServerError};
 use crate::policy::authoring;
 use crate::sync::bridge;
 use crate::sync::gateway::{Gateway, GatewayConfig};
@@ -55,6 +56,8 @@ pub struct Running {
     pub server_names: Vec<String>,
     pub startup_changes: usize,
     pub gateway: Gateway,
+    /// Retired and deny-listed identities, and the agent connections open on this replica.
+    pub admission: Arc<Admission>,
     stop: oneshot::Sender<()>,
     server: JoinHandle<Result<(), ServerError>>,
     bridge: JoinHandle<()>,
@@ -107,13 +110,13 @@ pub async fn start(
     let changed = authoring::render_now(&pool).await?;
     tracing::info!(changed = changed.len(), "startup render done");
 
-    let deny = Arc::new(DenyList::new(bridge::load_deny_list(&pool).await?));
+    let admission = Arc::new(Admission::new(bridge::load_refused(&pool).await?, admission::END_GRACE));
     let enroller = Enroller { pool: pool.clone(), signer: signer.clone(), lifetime: config.cert_lifetime };
     let gateway = Gateway::new(pool.clone(), config.gateway.clone(), enroller.clone());
-    let bridge = tokio::spawn(bridge::run(pool.clone(), gateway.clone(), deny.clone()));
+    let bridge = tokio::spawn(bridge::run(pool.clone(), gateway.clone(), admission.clone()));
     let retention = tokio::spawn(retention_forever(pool.clone(), config.flow_bounds.max_age.num_days()));
 
-    let tls = listener::tls_config(signer.as_ref(), &config.server_names, deny)?;
+    let tls = listener::tls_config(signer.as_ref(), &config.server_names, admission.clone())?;
     let tcp = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|source| ServiceError::Bind { addr: config.listen, source })?;
@@ -121,13 +124,13 @@ pub async fn start(
     let router = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .add_service(EnrollmentServiceServer::new(enroller))
-        .add_service(AgentServiceServer::with_interceptor(gateway.clone(), listener::authenticate))
+        .add_service(AgentServiceServer::with_interceptor(gateway.clone(), Authenticate(admission.clone())))
         .add_service(TelemetryServiceServer::with_interceptor(
             crate::flows::Telemetry { pool: pool.clone(), bounds: config.flow_bounds },
-            listener::authenticate,
+            Authenticate(admission.clone()),
         ));
     let (stop, stopped) = oneshot::channel::<()>();
-    let server = tokio::spawn(listener::serve(tcp, tls, router, async move {
+    let server = tokio::spawn(listener::serve(tcp, tls, admission.clone(), router, async move {
         let _ = stopped.await;
     }));
     Ok(Running {
@@ -135,6 +138,7 @@ pub async fn start(
         server_names: config.server_names,
         startup_changes: changed.len(),
         gateway,
+        admission,
         stop,
         server,
         bridge,

@@ -4,9 +4,8 @@
 //! deny-listed identities (IDN-7), and the `authenticate` interceptor hands the certificate's
 //! workload id to handlers as [`AgentIdentity`].
 
-use std::collections::BTreeSet;
 use std::future::Future;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use innerwall_wire::identity::WorkloadId;
@@ -18,6 +17,7 @@ use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 use tonic::{Request, Status};
 
+use crate::identity::admission::{Admission, Refusal};
 use crate::identity::ca::{Signer, workload_id_from_certificate};
 
 /// How long a client may take to finish the TLS handshake before its connection is dropped.
@@ -38,36 +38,13 @@ pub enum ServerError {
     Transport(#[from] tonic::transport::Error),
 }
 
-/// Identities refused at the handshake. Loaded from the registry at start and extended by
-/// deny notifications; a set of uuids is small even for a large fleet.
-#[derive(Debug, Default)]
-pub struct DenyList(RwLock<BTreeSet<WorkloadId>>);
-
-impl DenyList {
-    pub fn new(ids: impl IntoIterator<Item = WorkloadId>) -> Self {
-        DenyList(RwLock::new(ids.into_iter().collect()))
-    }
-
-    pub fn deny(&self, id: WorkloadId) {
-        self.0.write().unwrap_or_else(|e| e.into_inner()).insert(id);
-    }
-
-    pub fn replace(&self, ids: impl IntoIterator<Item = WorkloadId>) {
-        *self.0.write().unwrap_or_else(|e| e.into_inner()) = ids.into_iter().collect();
-    }
-
-    pub fn contains(&self, id: WorkloadId) -> bool {
-        self.0.read().unwrap_or_else(|e| e.into_inner()).contains(&id)
-    }
-}
-
 /// The CA's chain check, then the identity rules: exactly one canonical workload URI, not
 /// deny-listed. A client without a certificate may still connect (enrollment); the
 /// interceptor refuses it on every other service.
 #[derive(Debug)]
 struct AgentCertVerifier {
     chain: Arc<dyn ClientCertVerifier>,
-    deny: Arc<DenyList>,
+    admission: Arc<Admission>,
 }
 
 impl ClientCertVerifier for AgentCertVerifier {
@@ -92,7 +69,7 @@ impl ClientCertVerifier for AgentCertVerifier {
         let verified = self.chain.verify_client_cert(end_entity, intermediates, now)?;
         let id = workload_id_from_certificate(end_entity.as_ref())
             .map_err(|e| rustls::Error::General(format!("client certificate identity: {e}")))?;
-        if self.deny.contains(id) {
+        if self.admission.refusal(id) == Some(Refusal::Denied) {
             tracing::warn!(workload = %id, "refused a deny-listed identity at the handshake");
             return Err(rustls::Error::General(format!("workload {id} is deny-listed")));
         }
@@ -131,7 +108,7 @@ fn tls_err(context: &str) -> impl FnOnce(rustls::Error) -> ServerError + '_ {
 pub fn tls_config(
     signer: &dyn Signer,
     names: &[String],
-    deny: Arc<DenyList>,
+    admission: Arc<Admission>,
 ) -> Result<Arc<ServerConfig>, ServerError> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut roots = RootCertStore::empty();
@@ -152,7 +129,7 @@ pub fn tls_config(
     let mut config = ServerConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(tls_err("protocol versions"))?
-        .with_client_cert_verifier(Arc::new(AgentCertVerifier { chain, deny }))
+        .with_client_cert_verifier(Arc::new(AgentCertVerifier { chain, admission }))
         .with_single_cert(certs, key)
         .map_err(tls_err("server certificate"))?;
     config.alpn_protocols = vec![b"h2".to_vec()];
@@ -160,10 +137,13 @@ pub fn tls_config(
 }
 
 /// Accepts TCP connections, completes TLS handshakes off the accept loop (bounded by a
-/// timeout), and serves `router` on them until `shutdown` resolves.
+/// timeout), and serves `router` on them until `shutdown` resolves. Each connection with a
+/// client certificate is registered in `admission` under its workload, so a retire or deny
+/// ends it.
 pub async fn serve(
     listener: TcpListener,
     tls: Arc<ServerConfig>,
+    admission: Arc<Admission>,
     router: tonic::transport::server::Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServerError> {
@@ -180,10 +160,16 @@ pub async fn serve(
                 }
             };
             let _ = tcp.set_nodelay(true);
-            let (acceptor, tx) = (acceptor.clone(), tx.clone());
+            let (acceptor, tx, admission) = (acceptor.clone(), tx.clone(), admission.clone());
             tokio::spawn(async move {
                 match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                     Ok(Ok(stream)) => {
+                        // The verifier accepted the chain and the identity; only its id is read here.
+                        let agent = stream.get_ref().1.peer_certificates().and_then(|certs| certs.first());
+                        let stream = match agent.map(|leaf| workload_id_from_certificate(leaf.as_ref())) {
+                            Some(Ok(id)) => admission.guard(id, stream),
+                            _ => Admission::unguarded(stream),
+                        };
                         let _ = tx.send(Ok::<_, std::io::Error>(stream)).await;
                     }
                     Ok(Err(e)) => tracing::info!(%peer, "tls handshake refused: {e}"),
@@ -198,28 +184,36 @@ pub async fn serve(
     Ok(result?)
 }
 
-/// The workload an agent RPC comes from, put into the request by [`authenticate`] and by
+/// The workload an agent RPC comes from, put into the request by [`Authenticate`] and by
 /// nothing else.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AgentIdentity(pub WorkloadId);
 
 /// Interceptor for every agent service but enrollment: requires the verified client
-/// certificate and extracts its workload id.
-#[allow(clippy::result_large_err)]
-pub fn authenticate(mut req: Request<()>) -> Result<Request<()>, Status> {
-    let certs = req.peer_certs().ok_or_else(|| {
-        Status::unauthenticated(
-            "a client certificate issued by the innerwall CA is required: enroll this host first",
-        )
-    })?;
-    let leaf = certs.first().ok_or_else(|| Status::unauthenticated("empty client certificate chain"))?;
-    let id =
-        workload_id_from_certificate(leaf.as_ref()).map_err(|e| Status::unauthenticated(e.to_string()))?;
-    req.extensions_mut().insert(AgentIdentity(id));
-    Ok(req)
+/// certificate, extracts its workload id, and refuses a retired or deny-listed workload on
+/// every call, whatever connection it arrives on.
+#[derive(Debug, Clone)]
+pub struct Authenticate(pub Arc<Admission>);
+
+impl tonic::service::Interceptor for Authenticate {
+    fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
+        let certs = req.peer_certs().ok_or_else(|| {
+            Status::unauthenticated(
+                "a client certificate issued by the innerwall CA is required: enroll this host first",
+            )
+        })?;
+        let leaf = certs.first().ok_or_else(|| Status::unauthenticated("empty client certificate chain"))?;
+        let id = workload_id_from_certificate(leaf.as_ref())
+            .map_err(|e| Status::unauthenticated(e.to_string()))?;
+        if let Some(refusal) = self.0.refusal(id) {
+            return Err(Status::permission_denied(refusal.message(id)));
+        }
+        req.extensions_mut().insert(AgentIdentity(id));
+        Ok(req)
+    }
 }
 
-/// The authenticated workload of a request that passed [`authenticate`].
+/// The authenticated workload of a request that passed [`Authenticate`].
 #[allow(clippy::result_large_err)]
 pub fn identity<T>(req: &Request<T>) -> Result<WorkloadId, Status> {
     req.extensions()

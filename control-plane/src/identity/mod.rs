@@ -1,6 +1,7 @@
 //! Identity (IDN-1..IDN-8): the CA, provisioning tokens, enrollment and renewal, and the one
 //! agent listener whose handshake decides who a connection is.
 
+pub mod admission;
 pub mod ca;
 pub mod enroll;
 pub mod listener;

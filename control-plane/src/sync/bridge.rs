@@ -12,18 +12,26 @@ use sqlx::PgPool;
 use sqlx::postgres::PgListener;
 
 use crate::error::Error;
-use crate::identity::listener::DenyList;
+use crate::identity::admission::{Admission, Refusal};
 use crate::notice::{CHANNEL, Notice};
 use crate::sync::gateway::Gateway;
 
 /// Every deny-listed identity, for the handshake check.
-pub async fn load_deny_list(pool: &PgPool) -> Result<Vec<WorkloadId>, Error> {
-    let ids: Vec<uuid::Uuid> =
-        sqlx::query_scalar("SELECT id FROM workloads WHERE denied_at IS NOT NULL").fetch_all(pool).await?;
-    Ok(ids.into_iter().filter_map(WorkloadId::from_uuid).collect())
+pub async fn load_refused(pool: &PgPool) -> Result<Vec<(WorkloadId, Refusal)>, Error> {
+    let rows: Vec<(uuid::Uuid, bool)> = sqlx::query_as(
+        "SELECT id, denied_at IS NOT NULL FROM workloads WHERE denied_at IS NOT NULL OR retired_at IS NOT NULL",
+    )
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .filter_map(|(id, denied)| {
+            Some((WorkloadId::from_uuid(id)?, if denied { Refusal::Denied } else { Refusal::Retired }))
+        })
+        .collect())
 }
 
-fn dispatch(gateway: &Gateway, deny: &DenyList, payload: &str) {
+fn dispatch(gateway: &Gateway, admission: &Arc<Admission>, payload: &str) {
     match Notice::parse(payload) {
         Some(Notice::Policy(id, version)) => gateway.announce(id, version),
         Some(Notice::Reconnect(id)) => {
@@ -31,9 +39,12 @@ fn dispatch(gateway: &Gateway, deny: &DenyList, payload: &str) {
                 tracing::info!(workload = %id, "sent a reconnect directive");
             }
         }
-        Some(Notice::Retire(id)) => gateway.cut(id, "workload retired"),
+        Some(Notice::Retire(id)) => {
+            admission.refuse(id, Refusal::Retired);
+            gateway.cut(id, "workload retired");
+        }
         Some(Notice::Deny(id)) => {
-            deny.deny(id);
+            admission.refuse(id, Refusal::Denied);
             gateway.cut(id, "workload deny-listed");
         }
         None => tracing::warn!(payload = %payload, "ignored a malformed notification"),
@@ -47,16 +58,16 @@ async fn listen(pool: &PgPool) -> Result<PgListener, sqlx::Error> {
 }
 
 /// Runs until the process ends. Reconnects with full-jitter backoff (base 0.5 s, cap 30 s).
-pub async fn run(pool: PgPool, gateway: Gateway, deny: Arc<DenyList>) {
+pub async fn run(pool: PgPool, gateway: Gateway, admission: Arc<Admission>) {
     let (base, cap) = (Duration::from_millis(500), Duration::from_secs(30));
     let mut attempt = 0;
     loop {
         match listen(&pool).await {
             Ok(mut listener) => {
                 attempt = 0;
-                match load_deny_list(&pool).await {
-                    Ok(ids) => deny.replace(ids),
-                    Err(e) => tracing::warn!("could not reload the deny list: {e}"),
+                match load_refused(&pool).await {
+                    Ok(refused) => admission.replace(refused),
+                    Err(e) => tracing::warn!("could not reload the retired and deny-listed workloads: {e}"),
                 }
                 gateway.reconcile_all();
                 tracing::info!(
@@ -65,7 +76,7 @@ pub async fn run(pool: PgPool, gateway: Gateway, deny: Arc<DenyList>) {
                 );
                 loop {
                     match listener.try_recv().await {
-                        Ok(Some(n)) => dispatch(&gateway, &deny, n.payload()),
+                        Ok(Some(n)) => dispatch(&gateway, &admission, n.payload()),
                         Ok(None) => {
                             tracing::warn!("lost the LISTEN connection; reconnecting");
                             break;

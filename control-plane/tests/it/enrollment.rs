@@ -345,3 +345,82 @@ async fn busy_node_enrolls() {
     assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
     assert!(err.message().contains("more than 256 routable addresses"), "{err:?}");
 }
+
+/// Uploads arrive on their own connection (SYNC-10), which the Sync stream's cut does not end:
+/// a retire or deny must end every connection of the workload and refuse every later call.
+#[tokio::test]
+async fn retired_and_denied_cannot_upload() {
+    let plane = Plane::start(GatewayConfig::default()).await;
+    let running = plane.running.as_ref().unwrap();
+    let now = chrono::Utc::now().timestamp_millis();
+    let window = || proto::FlowWindow {
+        window_id: uuid::Uuid::new_v4().to_string(),
+        start_unix_ms: now - 60_000,
+        end_unix_ms: now,
+        policy_version: 1,
+        mode: proto::EnforcementMode::Visibility.into(),
+        records: vec![],
+        gaps: vec![],
+    };
+    let windows = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM flow_windows")
+            .fetch_one(&plane.db.pool)
+            .await
+            .unwrap()
+    };
+    for (action, want) in
+        [("workload.retire", "retired; enroll the host again"), ("workload.deny", "deny-listed")]
+    {
+        let token = plane.mint(&["app=web"], None).await;
+        let (id, cert, key) = plane.enroll(&token).await.unwrap();
+        let mut uploads = proto::telemetry_service_client::TelemetryServiceClient::new(
+            plane.mutual(&cert, &key).await.unwrap(),
+        );
+        let before = windows().await;
+        uploads.report_flows(proto::ReportFlowsRequest { window: Some(window()) }).await.unwrap();
+        assert_eq!(windows().await, before + 1);
+        assert_eq!(running.admission.open_connections(id), 1, "the upload connection is registered");
+
+        authoring::commit(&plane.db.pool, "test", action, &id.to_string(), async |c| {
+            if action == "workload.retire" {
+                authoring::retire(c, id).await?
+            } else {
+                authoring::deny(c, id).await?
+            }
+            Ok(((), serde_json::json!({})))
+        })
+        .await
+        .unwrap();
+
+        // Uploads on the connection opened before the change are refused, saying why, once the
+        // replica hears of it (the bridge's notice) …
+        let mut refused = None;
+        for _ in 0..250 {
+            match uploads.report_flows(proto::ReportFlowsRequest { window: Some(window()) }).await {
+                Ok(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+                Err(err) => {
+                    refused = Some(err);
+                    break;
+                }
+            }
+        }
+        let err = refused.unwrap_or_else(|| panic!("{action}: uploads were still accepted after 5 s"));
+        assert_eq!(err.code(), tonic::Code::PermissionDenied, "{action}: {err:?}");
+        assert!(err.message().contains(want), "{action}: {err:?}");
+        let stored = windows().await;
+        // … and that connection ends.
+        for _ in 0..100 {
+            if running.admission.open_connections(id) == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(running.admission.open_connections(id), 0, "{action}: the upload connection ended");
+        // Through a new connection nothing is stored either.
+        let mut again = proto::telemetry_service_client::TelemetryServiceClient::new(
+            plane.mutual(&cert, &key).await.unwrap(),
+        );
+        assert!(again.report_flows(proto::ReportFlowsRequest { window: Some(window()) }).await.is_err());
+        assert_eq!(windows().await, stored, "{action}: nothing more is stored");
+    }
+}
