@@ -11,9 +11,10 @@ use innerwall_wire::proto::telemetry_service_server::TelemetryServiceServer;
 use sqlx::PgPool;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
+use tonic::service::interceptor::InterceptedService;
 
 use crate::error::Error;
-use crate::identity::admission::{self, Admission};
+use crate::identity::admission::{Admission, Limits};
 use crate::identity::ca::Signer;
 use crate::identity::enroll::Enroller;
 use crate::identity::listener::{self, Authenticate, ServerError};
@@ -33,7 +34,16 @@ pub struct ServiceConfig {
     pub gateway: GatewayConfig,
     /// How old and how far ahead flow window times may be; the age is also the retention.
     pub flow_bounds: crate::flows::TimeBounds,
+    /// Bounds on connections, handshakes and streams.
+    pub limits: Limits,
 }
+
+/// The largest message each service accepts: enrollment is small (a CSR, a token, host facts
+/// with at most 1,024 addresses); the agent service carries Hello, acks, heartbeats and
+/// inventory; only authenticated uploads carry large flow windows (at most 100,000 records).
+pub const ENROLL_MAX_MESSAGE: usize = 64 * 1024;
+pub const AGENT_MAX_MESSAGE: usize = 1024 * 1024;
+pub const TELEMETRY_MAX_MESSAGE: usize = 32 * 1024 * 1024;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServiceError {
@@ -110,7 +120,7 @@ pub async fn start(
     let changed = authoring::render_now(&pool).await?;
     tracing::info!(changed = changed.len(), "startup render done");
 
-    let admission = Arc::new(Admission::new(bridge::load_refused(&pool).await?, admission::END_GRACE));
+    let admission = Arc::new(Admission::new(bridge::load_refused(&pool).await?, config.limits.clone()));
     let enroller = Enroller { pool: pool.clone(), signer: signer.clone(), lifetime: config.cert_lifetime };
     let gateway = Gateway::new(pool.clone(), config.gateway.clone(), enroller.clone());
     let bridge = tokio::spawn(bridge::run(pool.clone(), gateway.clone(), admission.clone()));
@@ -121,12 +131,18 @@ pub async fn start(
         .await
         .map_err(|source| ServiceError::Bind { addr: config.listen, source })?;
     let local_addr = tcp.local_addr().map_err(ServerError::Io)?;
+    let telemetry = crate::flows::Telemetry { pool: pool.clone(), bounds: config.flow_bounds };
     let router = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
-        .add_service(EnrollmentServiceServer::new(enroller))
-        .add_service(AgentServiceServer::with_interceptor(gateway.clone(), Authenticate(admission.clone())))
-        .add_service(TelemetryServiceServer::with_interceptor(
-            crate::flows::Telemetry { pool: pool.clone(), bounds: config.flow_bounds },
+        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        .max_concurrent_streams(config.limits.max_streams_per_connection)
+        .add_service(EnrollmentServiceServer::new(enroller).max_decoding_message_size(ENROLL_MAX_MESSAGE))
+        .add_service(InterceptedService::new(
+            AgentServiceServer::new(gateway.clone()).max_decoding_message_size(AGENT_MAX_MESSAGE),
+            Authenticate(admission.clone()),
+        ))
+        .add_service(InterceptedService::new(
+            TelemetryServiceServer::new(telemetry).max_decoding_message_size(TELEMETRY_MAX_MESSAGE),
             Authenticate(admission.clone()),
         ));
     let (stop, stopped) = oneshot::channel::<()>();

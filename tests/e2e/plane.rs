@@ -57,6 +57,7 @@ impl Plane {
             cert_lifetime: self.cert_lifetime,
             gateway: self.gateway.clone(),
             flow_bounds: Default::default(),
+            limits: Default::default(),
         };
         self.running = Some(service::start(self.db.pool.clone(), self.signer.clone(), config).await.unwrap());
     }

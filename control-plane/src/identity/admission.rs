@@ -1,13 +1,17 @@
-//! Who may hold a connection to this replica (IDN-7, issue 11): the identities that are
-//! deny-listed (refused at the handshake too) or retired (refused by every RPC, so the agent
-//! hears why), and every open agent connection by identity, so that a deny or a retire ends
-//! all of that workload's connections, not only its Sync stream. Loaded from the registry at
-//! start and on every bridge reconnect; extended by retire and deny notices.
+//! Who may hold a connection to this replica, and for how long (IDN-7, REL, issue 11):
+//! - bounds on connections, overall and per source address, so one client cannot hold the
+//!   replica's memory or file descriptors;
+//! - connections without a client certificate (enrollment) end after a short lifetime;
+//! - the identities that are deny-listed (refused at the handshake too) or retired (refused by
+//!   every RPC, so the agent hears why), and every open agent connection by identity, so that a
+//!   deny or a retire ends all of that workload's connections, not only its Sync stream.
+//!   Loaded from the registry at start and on every bridge reconnect; extended by notices.
 
 use std::collections::BTreeMap;
 use std::io;
+use std::net::IpAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
@@ -33,27 +37,92 @@ impl Refusal {
     }
 }
 
-/// How long a refused identity's connections stay open after the refusal, so the calls on them
-/// can tell the agent why (an aborted Sync stream, a PERMISSION_DENIED upload) before they end.
-pub const END_GRACE: Duration = Duration::from_secs(1);
+/// Bounds on what clients may hold. Each has a `serve` flag of the same name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limits {
+    /// Connections held at once, all sources together (`--max-connections`). Each costs a file
+    /// descriptor and roughly 100 KiB; an operator raises `ulimit -n` above it.
+    pub max_connections: usize,
+    /// Connections held at once from one source address (`--max-connections-per-source`). Hosts
+    /// behind one NAT address share it.
+    pub max_connections_per_source: usize,
+    /// TLS handshakes in progress at once (`--max-handshakes`); more are dropped at accept.
+    pub max_handshakes: usize,
+    /// Concurrent HTTP/2 streams on one connection (`--max-streams-per-connection`); an agent
+    /// uses two (Sync, renewal) on its policy connection and one for uploads.
+    pub max_streams_per_connection: u32,
+    /// Connections without a client certificate held at once (`--max-unauthenticated-
+    /// connections`). With the enrollment message cap this bounds what clients that proved
+    /// nothing can make the replica buffer: connections × streams × 64 KiB (128 MiB by default).
+    pub max_unauthenticated_connections: usize,
+    /// How long a connection without a client certificate may stay open
+    /// (`--unauthenticated-lifetime`): enrollment is one short call.
+    pub unauthenticated_lifetime: Duration,
+    /// How long a refused identity's connections stay open after the refusal, so the calls on
+    /// them can tell the agent why (an aborted Sync stream, a PERMISSION_DENIED upload).
+    pub end_grace: Duration,
+}
 
-/// The refused identities and the open agent connections of this replica.
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_connections: 20_000,
+            max_connections_per_source: 64,
+            max_handshakes: 256,
+            max_streams_per_connection: 8,
+            max_unauthenticated_connections: 256,
+            unauthenticated_lifetime: Duration::from_secs(30),
+            end_grace: Duration::from_secs(1),
+        }
+    }
+}
+
+/// The refused identities and the open connections of this replica.
 #[derive(Debug)]
 pub struct Admission {
+    limits: Limits,
     refused: RwLock<BTreeMap<WorkloadId, Refusal>>,
     open: Mutex<BTreeMap<WorkloadId, BTreeMap<u64, Arc<Kill>>>>,
     next: AtomicU64,
-    grace: Duration,
+    sources: Mutex<BTreeMap<IpAddr, usize>>,
+    unauthenticated: Arc<AtomicUsize>,
 }
 
 impl Admission {
-    /// `grace`: how long connections outlive their identity's refusal ([`END_GRACE`]).
-    pub fn new(refused: impl IntoIterator<Item = (WorkloadId, Refusal)>, grace: Duration) -> Self {
+    pub fn new(refused: impl IntoIterator<Item = (WorkloadId, Refusal)>, limits: Limits) -> Self {
         Admission {
+            limits,
             refused: RwLock::new(refused.into_iter().collect()),
             open: Mutex::default(),
             next: AtomicU64::new(0),
-            grace,
+            sources: Mutex::default(),
+            unauthenticated: Arc::default(),
+        }
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// A place for one more connection from `source`, or `None` when the replica or that source
+    /// holds as many as allowed. The place is given back when the slot is dropped.
+    pub fn admit(self: &Arc<Self>, source: IpAddr) -> Option<Slot> {
+        let mut sources = self.sources.lock().unwrap_or_else(|e| e.into_inner());
+        let total: usize = sources.values().sum();
+        let from_source = sources.get(&source).copied().unwrap_or(0);
+        if total >= self.limits.max_connections || from_source >= self.limits.max_connections_per_source {
+            return None;
+        }
+        *sources.entry(source).or_default() += 1;
+        Some(Slot { admission: self.clone(), source })
+    }
+
+    /// Connections held from `source` (all sources when `None`).
+    pub fn connections(&self, source: Option<IpAddr>) -> usize {
+        let sources = self.sources.lock().unwrap_or_else(|e| e.into_inner());
+        match source {
+            Some(s) => sources.get(&s).copied().unwrap_or(0),
+            None => sources.values().sum(),
         }
     }
 
@@ -77,11 +146,11 @@ impl Admission {
     }
 
     fn end_connections_after_grace(self: &Arc<Self>, ids: Vec<WorkloadId>) {
-        if self.grace.is_zero() {
+        if self.limits.end_grace.is_zero() {
             ids.into_iter().for_each(|id| self.end_connections(id));
             return;
         }
-        let (this, grace) = (self.clone(), self.grace);
+        let (this, grace) = (self.clone(), self.limits.end_grace);
         tokio::spawn(async move {
             tokio::time::sleep(grace).await;
             ids.into_iter().for_each(|id| this.end_connections(id));
@@ -110,8 +179,8 @@ impl Admission {
     }
 
     /// Wraps an authenticated agent connection so that refusing `id` ends it; it leaves the
-    /// registry when dropped.
-    pub fn guard<S>(self: &Arc<Self>, id: WorkloadId, stream: S) -> Guarded<S> {
+    /// registry, and gives its slot back, when dropped.
+    pub fn guard<S>(self: &Arc<Self>, id: WorkloadId, stream: S, slot: Slot) -> Guarded<S> {
         let kill = Arc::new(Kill::default());
         let key = self.next.fetch_add(1, Ordering::Relaxed);
         self.open.lock().unwrap_or_else(|e| e.into_inner()).entry(id).or_default().insert(key, kill.clone());
@@ -120,12 +189,62 @@ impl Admission {
             kill.fire();
         }
         let registration = Registration { admission: self.clone(), id, key };
-        Guarded { inner: stream, kill: Some(kill), _registration: Some(registration) }
+        Guarded { inner: stream, kill, _held: Held::Agent { _registration: registration }, _slot: slot }
     }
 
-    /// A connection without an agent identity (enrollment): nothing to end it for.
-    pub fn unguarded<S>(stream: S) -> Guarded<S> {
-        Guarded { inner: stream, kill: None, _registration: None }
+    /// Wraps a connection without an agent identity (enrollment): it ends after the
+    /// unauthenticated lifetime. `None` when as many are held as allowed.
+    pub fn unauthenticated<S>(&self, stream: S, slot: Slot) -> Option<Guarded<S>> {
+        let held = self.unauthenticated.fetch_add(1, Ordering::SeqCst);
+        let count = Unauthenticated(self.unauthenticated.clone());
+        if held >= self.limits.max_unauthenticated_connections {
+            return None;
+        }
+        let kill = Arc::new(Kill::default());
+        let (weak, lifetime) = (Arc::downgrade(&kill), self.limits.unauthenticated_lifetime);
+        tokio::spawn(async move {
+            tokio::time::sleep(lifetime).await;
+            if let Some(kill) = weak.upgrade() {
+                kill.fire();
+            }
+        });
+        Some(Guarded { inner: stream, kill, _held: Held::Unauthenticated { _count: count }, _slot: slot })
+    }
+}
+
+/// One unauthenticated connection in the count.
+#[derive(Debug)]
+struct Unauthenticated(Arc<AtomicUsize>);
+
+impl Drop for Unauthenticated {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// What a connection holds until it is dropped (only for the fields' `Drop`).
+#[derive(Debug)]
+enum Held {
+    Agent { _registration: Registration },
+    Unauthenticated { _count: Unauthenticated },
+}
+
+/// One admitted connection's place in the per-source count.
+#[derive(Debug)]
+pub struct Slot {
+    admission: Arc<Admission>,
+    source: IpAddr,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut sources = self.admission.sources.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = sources.get_mut(&self.source) {
+            *n -= 1;
+            if *n == 0 {
+                sources.remove(&self.source);
+            }
+        }
     }
 }
 
@@ -175,18 +294,21 @@ impl Drop for Registration {
     }
 }
 
-/// A connection that ends when its agent identity (if it has one) is refused.
+/// An admitted connection: it ends when its agent identity is refused or, without one, when
+/// its lifetime is up.
 #[derive(Debug)]
 pub struct Guarded<S> {
     inner: S,
-    kill: Option<Arc<Kill>>,
-    /// Held for its `Drop`, which takes the connection out of the registry.
-    _registration: Option<Registration>,
+    kill: Arc<Kill>,
+    /// Held for their `Drop`: out of the registry or the unauthenticated count, the slot given
+    /// back.
+    _held: Held,
+    _slot: Slot,
 }
 
 impl<S> Guarded<S> {
     fn ended(&self, cx: &Context<'_>) -> bool {
-        self.kill.as_ref().is_some_and(|k| k.fired(cx))
+        self.kill.fired(cx)
     }
 }
 
@@ -199,7 +321,7 @@ impl<S: Connected> Connected for Guarded<S> {
 }
 
 fn ended() -> io::Error {
-    io::Error::new(io::ErrorKind::ConnectionAborted, "the workload was retired or deny-listed")
+    io::Error::new(io::ErrorKind::ConnectionAborted, "connection ended by the control plane")
 }
 
 impl<S: AsyncRead + Unpin> AsyncRead for Guarded<S> {
@@ -240,12 +362,14 @@ mod tests {
 
     #[tokio::test]
     async fn refusing_an_identity_ends_its_connections_and_only_its() {
-        let admission = Arc::new(Admission::new([], Duration::ZERO));
+        let admission =
+            Arc::new(Admission::new([], Limits { end_grace: Duration::ZERO, ..Limits::default() }));
         let (a, b) = (WorkloadId::new_random(), WorkloadId::new_random());
         let (a_end, mut a_peer) = tokio::io::duplex(64);
         let (b_end, mut b_peer) = tokio::io::duplex(64);
-        let mut a_conn = admission.guard(a, a_end);
-        let mut b_conn = admission.guard(b, b_end);
+        let slot = || admission.admit(LOCAL).unwrap();
+        let mut a_conn = admission.guard(a, a_end, slot());
+        let mut b_conn = admission.guard(b, b_end, slot());
         assert_eq!((admission.open_connections(a), admission.open_connections(b)), (1, 1));
 
         // A read pending on a's connection is woken and fails when a is refused.
@@ -270,11 +394,55 @@ mod tests {
         drop(a_conn);
         assert_eq!(admission.open_connections(a), 0);
         let (again, _peer) = tokio::io::duplex(64);
-        let mut again = admission.guard(a, again);
+        let mut again = admission.guard(a, again, slot());
         assert_eq!(again.write(b"x").await.map_err(|e| e.kind()), Err(io::ErrorKind::ConnectionAborted));
         assert_eq!(admission.refusal(a), Some(Refusal::Retired));
         admission.refuse(a, Refusal::Denied);
         admission.refuse(a, Refusal::Retired);
         assert_eq!(admission.refusal(a), Some(Refusal::Denied), "a deny outranks a retire");
+    }
+
+    const LOCAL: IpAddr = IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
+
+    #[tokio::test]
+    async fn connections_are_bounded_overall_and_per_source() {
+        let limits = Limits { max_connections: 3, max_connections_per_source: 2, ..Limits::default() };
+        let admission = Arc::new(Admission::new([], limits));
+        let other: IpAddr = "192.0.2.7".parse().unwrap();
+        let first = admission.admit(LOCAL).unwrap();
+        let second = admission.admit(LOCAL).unwrap();
+        assert!(admission.admit(LOCAL).is_none(), "a third from one source");
+        let third = admission.admit(other).unwrap();
+        assert!(admission.admit("192.0.2.8".parse().unwrap()).is_none(), "a fourth overall");
+        assert_eq!((admission.connections(Some(LOCAL)), admission.connections(None)), (2, 3));
+        drop(first);
+        assert_eq!(admission.connections(Some(LOCAL)), 1);
+        let again = admission.admit(LOCAL).expect("a place was given back");
+        drop((second, third, again));
+        assert_eq!(admission.connections(None), 0);
+    }
+
+    #[tokio::test]
+    async fn unauthenticated_connections_end_after_their_lifetime() {
+        let limits = Limits { unauthenticated_lifetime: Duration::from_millis(50), ..Limits::default() };
+        let admission = Arc::new(Admission::new([], limits));
+        let (end, _peer) = tokio::io::duplex(64);
+        let mut conn = admission.unauthenticated(end, admission.admit(LOCAL).unwrap()).unwrap();
+        let mut buf = [0u8; 1];
+        // Nothing is ever written by the peer: only the lifetime can end this read.
+        assert_eq!(conn.read(&mut buf).await.map_err(|e| e.kind()), Err(io::ErrorKind::ConnectionAborted));
+        drop(conn);
+        assert_eq!(admission.connections(None), 0);
+
+        let limits = Limits { max_unauthenticated_connections: 1, ..Limits::default() };
+        let admission = Arc::new(Admission::new([], limits));
+        let (a, _pa) = tokio::io::duplex(64);
+        let (b, _pb) = tokio::io::duplex(64);
+        let first = admission.unauthenticated(a, admission.admit(LOCAL).unwrap()).unwrap();
+        assert!(admission.unauthenticated(b, admission.admit(LOCAL).unwrap()).is_none());
+        assert_eq!(admission.connections(None), 1, "the refused one gave its slot back");
+        drop(first);
+        let (c, _pc) = tokio::io::duplex(64);
+        assert!(admission.unauthenticated(c, admission.admit(LOCAL).unwrap()).is_some());
     }
 }

@@ -148,8 +148,10 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServerError> {
     let acceptor = TlsAcceptor::from(tls);
+    let handshakes = Arc::new(tokio::sync::Semaphore::new(admission.limits().max_handshakes));
     let (tx, rx) = tokio::sync::mpsc::channel(128);
     let accept = tokio::spawn(async move {
+        let mut refusals = 0u64;
         loop {
             let (tcp, peer) = match listener.accept().await {
                 Ok(conn) => conn,
@@ -159,16 +161,34 @@ pub async fn serve(
                     continue;
                 }
             };
+            // Over a bound the connection is closed at once, before any TLS work.
+            let (Some(slot), Ok(handshake)) =
+                (admission.admit(peer.ip()), handshakes.clone().try_acquire_owned())
+            else {
+                refusals += 1;
+                if refusals.is_power_of_two() {
+                    tracing::warn!(%peer, refusals, "refused a connection over the connection or handshake limits");
+                }
+                continue;
+            };
             let _ = tcp.set_nodelay(true);
             let (acceptor, tx, admission) = (acceptor.clone(), tx.clone(), admission.clone());
             tokio::spawn(async move {
-                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                let handshake_result = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await;
+                drop(handshake);
+                match handshake_result {
                     Ok(Ok(stream)) => {
                         // The verifier accepted the chain and the identity; only its id is read here.
                         let agent = stream.get_ref().1.peer_certificates().and_then(|certs| certs.first());
                         let stream = match agent.map(|leaf| workload_id_from_certificate(leaf.as_ref())) {
-                            Some(Ok(id)) => admission.guard(id, stream),
-                            _ => Admission::unguarded(stream),
+                            Some(Ok(id)) => admission.guard(id, stream, slot),
+                            _ => match admission.unauthenticated(stream, slot) {
+                                Some(stream) => stream,
+                                None => {
+                                    tracing::info!(%peer, "refused: too many unauthenticated connections");
+                                    return;
+                                }
+                            },
                         };
                         let _ = tx.send(Ok::<_, std::io::Error>(stream)).await;
                     }

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use innerwall_control_plane::identity::admission::Limits;
 use innerwall_control_plane::identity::ca::{FileCa, Signer};
 use innerwall_control_plane::identity::tokens;
 use innerwall_control_plane::policy::authoring;
@@ -21,6 +22,7 @@ pub struct Plane {
     pub ca_dir: std::path::PathBuf,
     pub signer: Arc<FileCa>,
     pub running: Option<Running>,
+    pub limits: Limits,
 }
 
 impl Plane {
@@ -28,7 +30,7 @@ impl Plane {
         let db = fresh_database().await.unwrap();
         let ca_dir = std::env::temp_dir().join(format!("iw-ca-{}", uuid::Uuid::new_v4()));
         let signer = Arc::new(FileCa::init(&ca_dir).unwrap());
-        let mut plane = Plane { db, ca_dir, signer, running: None };
+        let mut plane = Plane { db, ca_dir, signer, running: None, limits: Limits::default() };
         plane.restart(config).await;
         plane
     }
@@ -43,6 +45,7 @@ impl Plane {
             cert_lifetime: Duration::from_secs(3600),
             gateway,
             flow_bounds: Default::default(),
+            limits: self.limits.clone(),
         };
         self.running = Some(service::start(self.db.pool.clone(), self.signer.clone(), config).await.unwrap());
     }
@@ -423,4 +426,105 @@ async fn retired_and_denied_cannot_upload() {
         assert!(again.report_flows(proto::ReportFlowsRequest { window: Some(window()) }).await.is_err());
         assert_eq!(windows().await, stored, "{action}: nothing more is stored");
     }
+}
+
+/// A TLS connection without a client certificate from `source` (a loopback address of its own,
+/// so the per-source bound is the attacker's alone), or the error that ended its handshake.
+async fn anonymous_tls(
+    plane: &Plane,
+    source: std::net::IpAddr,
+) -> std::io::Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls::pki_types::pem::PemObject::pem_slice_iter(plane.ca_pem().as_bytes()) {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let mut config =
+        rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let socket = tokio::net::TcpSocket::new_v4()?;
+    socket.bind(std::net::SocketAddr::new(source, 0))?;
+    let tcp = socket.connect(plane.running.as_ref().unwrap().local_addr).await?;
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    tokio_rustls::TlsConnector::from(Arc::new(config)).connect(name, tcp).await
+}
+
+/// A client that proved nothing is bounded: connections from one source beyond the bound are
+/// closed at accept, the ones admitted end after the unauthenticated lifetime, an oversized
+/// enrollment message is refused by its declared length, and an enrolled agent keeps its
+/// stream and its updates throughout.
+#[tokio::test]
+async fn unauthenticated_clients_are_bounded() {
+    use tokio::io::AsyncReadExt;
+
+    let mut plane = Plane::start(GatewayConfig::default()).await;
+    plane.limits = Limits {
+        max_connections_per_source: 8,
+        unauthenticated_lifetime: Duration::from_secs(2),
+        ..Limits::default()
+    };
+    plane.restart(GatewayConfig::default()).await;
+    let token = plane.mint(&["app=web"], None).await;
+    let (id, cert, key) = plane.enroll(&token).await.unwrap();
+    let (_, snapshot, mut inbound, _tx) = open_sync(plane.mutual(&cert, &key).await.unwrap()).await.unwrap();
+    let admission = plane.running.as_ref().unwrap().admission.clone();
+
+    // 30 idle connections from one source: 8 are admitted, the rest closed before TLS.
+    let attacker: std::net::IpAddr = "127.0.0.2".parse().unwrap();
+    let mut held = Vec::new();
+    let mut closed = 0;
+    for _ in 0..30 {
+        match anonymous_tls(&plane, attacker).await {
+            Ok(tls) => held.push(tls),
+            Err(_) => closed += 1,
+        }
+    }
+    assert_eq!((held.len(), closed), (8, 22));
+    assert_eq!(admission.connections(Some(attacker)), 8);
+
+    // An enrollment message larger than the cap is refused by its declared length.
+    let mut request = proto::EnrollRequest { provisioning_token: token.clone(), ..Default::default() };
+    request.csr_pem = vec![b'x'; 1 << 20];
+    let err = proto::enrollment_service_client::EnrollmentServiceClient::new(plane.anonymous().await)
+        .enroll(request)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::OutOfRange, "{err:?}");
+    assert!(err.message().contains("too large"), "{err:?}");
+
+    // The idle connections end after their lifetime: the server closes each of them.
+    for mut tls in held {
+        let mut buf = [0u8; 64];
+        let ended = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                match tls.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => continue, // the server's SETTINGS and the like
+                }
+            }
+        })
+        .await;
+        assert!(ended.is_ok(), "an unauthenticated connection outlived its lifetime");
+    }
+    for _ in 0..100 {
+        if admission.connections(Some(attacker)) == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(admission.connections(Some(attacker)), 0);
+
+    // The agent's stream outlived all of it and still carries updates.
+    innerwall_control_plane::testing::add_web_port(&plane.db.pool, 0).await.unwrap();
+    let update = tokio::time::timeout(Duration::from_secs(10), inbound.message()).await.unwrap().unwrap();
+    match update.and_then(|r| r.msg) {
+        Some(sync_response::Msg::Delta(d)) => {
+            assert_eq!((d.from_version, d.to_version), (snapshot.version, snapshot.version + 1))
+        }
+        other => panic!("expected a delta, got {other:?}"),
+    }
+    assert_eq!(admission.open_connections(id), 1);
 }

@@ -190,6 +190,7 @@ async fn second_replica(a: &Plane) -> innerwall_control_plane::service::Running 
             cert_lifetime: Duration::from_secs(3600),
             gateway: GatewayConfig::default(),
             flow_bounds: Default::default(),
+            limits: Default::default(),
         },
     )
     .await

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use clap::Args;
+use innerwall_control_plane::identity::admission::Limits;
 use innerwall_control_plane::identity::ca::{self, FileCa};
 use innerwall_control_plane::sync::gateway;
 use innerwall_control_plane::{flows, service};
@@ -37,6 +38,38 @@ pub struct ServeArgs {
     /// How far ahead of this replica's clock a flow window's times may be (agents' clock skew).
     #[arg(long, default_value = "5m", value_parser = duration::arg)]
     flow_max_ahead: std::time::Duration,
+    /// Connections held at once, all sources together; raise `ulimit -n` above it.
+    #[arg(long, default_value_t = Limits::default().max_connections)]
+    max_connections: usize,
+    /// Connections held at once from one source address (hosts behind one NAT share it).
+    #[arg(long, default_value_t = Limits::default().max_connections_per_source)]
+    max_connections_per_source: usize,
+    /// TLS handshakes in progress at once; connections beyond are closed at accept.
+    #[arg(long, default_value_t = Limits::default().max_handshakes)]
+    max_handshakes: usize,
+    /// Concurrent HTTP/2 streams on one connection.
+    #[arg(long, default_value_t = Limits::default().max_streams_per_connection)]
+    max_streams_per_connection: u32,
+    /// Connections without a client certificate (enrollment) held at once.
+    #[arg(long, default_value_t = Limits::default().max_unauthenticated_connections)]
+    max_unauthenticated_connections: usize,
+    /// How long a connection without a client certificate (enrollment) may stay open.
+    #[arg(long, default_value = "30s", value_parser = duration::arg)]
+    unauthenticated_lifetime: std::time::Duration,
+}
+
+impl ServeArgs {
+    fn limits(&self) -> Limits {
+        Limits {
+            max_connections: self.max_connections,
+            max_connections_per_source: self.max_connections_per_source,
+            max_handshakes: self.max_handshakes,
+            max_streams_per_connection: self.max_streams_per_connection,
+            max_unauthenticated_connections: self.max_unauthenticated_connections,
+            unauthenticated_lifetime: self.unauthenticated_lifetime,
+            ..Limits::default()
+        }
+    }
 }
 
 /// A retention in whole days, at least one.
@@ -72,6 +105,7 @@ pub async fn run(args: &ServeArgs, database: &Database, ca_dir: &Path) -> anyhow
             max_ahead: chrono::Duration::from_std(args.flow_max_ahead)
                 .context("--flow-max-ahead is too large")?,
         },
+        limits: args.limits(),
     };
     let running = service::start(pool, signer, config).await?;
     eprintln!(
@@ -106,4 +140,22 @@ fn default_server_names() -> Vec<String> {
         names.insert(0, host.trim().to_owned());
     }
     names
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    #[test]
+    fn flag_defaults_are_the_library_defaults() {
+        assert_eq!(Cli::parse_from(["serve"]).serve.limits(), Limits::default());
+    }
 }
