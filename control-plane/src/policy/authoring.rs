@@ -18,7 +18,8 @@ use crate::notice::{self, Notice};
 use crate::policy::model::{ServiceEntry, validate_name};
 use crate::policy::publish::{Changed, publish};
 use crate::policy::spec::{
-    AddressGroupSpec, NewWorkload, PeerRef, RulesetSpec, ServiceSpec, selector_of, validate_ruleset,
+    AddressGroupSpec, NewWorkload, PeerRef, RulesetSpec, ServiceSpec, check_label_count, selector_of,
+    validate_ruleset,
 };
 use crate::policy::store::selector_to_json;
 use innerwall_wire::convert::WireEnum;
@@ -192,6 +193,7 @@ async fn write_service_entries(
 }
 
 pub async fn create_service(conn: &mut PgConnection, spec: &ServiceSpec) -> Result<Uuid, Error> {
+    spec.check()?;
     let id = insert_named(conn, Kind::Service, &spec.name, &spec.description).await?;
     write_service_entries(conn, id, &spec.entries).await?;
     Ok(id)
@@ -202,6 +204,7 @@ pub async fn update_service(
     spec: &ServiceSpec,
     expected: Option<i64>,
 ) -> Result<i64, Error> {
+    spec.check()?;
     let (id, version) = lock_for_write(conn, Kind::Service, &spec.name, expected).await?;
     sqlx::query("UPDATE services SET description = $2 WHERE id = $1")
         .bind(id)
@@ -230,6 +233,7 @@ async fn write_group_cidrs(conn: &mut PgConnection, id: Uuid, cidrs: &BTreeSet<C
 }
 
 pub async fn create_address_group(conn: &mut PgConnection, spec: &AddressGroupSpec) -> Result<Uuid, Error> {
+    spec.check()?;
     let id = insert_named(conn, Kind::AddressGroup, &spec.name, &spec.description).await?;
     write_group_cidrs(conn, id, &spec.cidrs).await?;
     Ok(id)
@@ -240,6 +244,7 @@ pub async fn update_address_group(
     spec: &AddressGroupSpec,
     expected: Option<i64>,
 ) -> Result<i64, Error> {
+    spec.check()?;
     let (id, version) = lock_for_write(conn, Kind::AddressGroup, &spec.name, expected).await?;
     sqlx::query("UPDATE address_groups SET description = $2 WHERE id = $1")
         .bind(id)
@@ -373,6 +378,7 @@ pub async fn delete_ruleset(conn: &mut PgConnection, name: &str, expected: Optio
 // ---- workloads ----------------------------------------------------------------------------
 
 pub async fn register_workload(conn: &mut PgConnection, new: &NewWorkload) -> Result<(), Error> {
+    check_label_count(&format!("workload {}", new.id), new.labels.len())?;
     sqlx::query("INSERT INTO workloads (id, hostname) VALUES ($1, $2)")
         .bind(new.id.uuid())
         .bind(&new.hostname)
@@ -481,6 +487,12 @@ pub async fn edit_labels(
         .execute(&mut *conn)
         .await?;
     write_labels(conn, id, set).await?;
+    let count: i64 = sqlx::query_scalar("SELECT count(*) FROM workload_labels WHERE workload_id = $1")
+        .bind(id.uuid())
+        .fetch_one(&mut *conn)
+        .await?;
+    // Refused here, the caller's transaction rolls the edit back.
+    check_label_count(&format!("workload {id}"), count as usize)?;
     sqlx::query("UPDATE workloads SET label_version = label_version + 1 WHERE id = $1")
         .bind(id.uuid())
         .execute(&mut *conn)

@@ -14,6 +14,58 @@ use serde::{Deserialize, Serialize};
 use crate::error::Error;
 use crate::policy::model::{Selector, ServiceEntry, validate_name};
 
+/// Bounds on what operators author (issue 11): one change renders the estate, so its size and
+/// counts are bounded like anything else that arrives from outside.
+pub const MAX_DESCRIPTION: usize = 1_024;
+pub const MAX_SERVICE_ENTRIES: usize = 64;
+pub const MAX_GROUP_CIDRS: usize = 10_000;
+pub const MAX_RULES: usize = 500;
+pub const MAX_PEERS_PER_RULE: usize = 100;
+pub const MAX_SERVICES_PER_RULE: usize = 50;
+pub const MAX_SELECTOR_KEYS: usize = 16;
+pub const MAX_SELECTOR_VALUES: usize = 64;
+pub const MAX_LABELS: usize = 64;
+/// The largest ruleset file the CLI reads.
+pub const MAX_RULESET_FILE: u64 = 1024 * 1024;
+
+fn at_most(what: &str, count: usize, max: usize) -> Result<(), Error> {
+    if count > max {
+        return Err(Error::Invalid(format!("{what}: {count} is more than the {max} allowed")));
+    }
+    Ok(())
+}
+
+fn description(what: &str, text: &str) -> Result<(), Error> {
+    at_most(&format!("{what}: description bytes"), text.len(), MAX_DESCRIPTION)
+}
+
+fn selector_size(what: &str, map: &BTreeMap<String, Vec<String>>) -> Result<(), Error> {
+    at_most(&format!("{what}: selector keys"), map.len(), MAX_SELECTOR_KEYS)?;
+    map.iter()
+        .try_for_each(|(k, v)| at_most(&format!("{what}: values of {k:?}"), v.len(), MAX_SELECTOR_VALUES))
+}
+
+/// Label sets (a token's, a workload's after an edit) are bounded.
+pub fn check_label_count(what: &str, count: usize) -> Result<(), Error> {
+    at_most(&format!("{what}: labels"), count, MAX_LABELS)
+}
+
+impl ServiceSpec {
+    pub fn check(&self) -> Result<(), Error> {
+        let what = format!("service {:?}", self.name);
+        description(&what, &self.description)?;
+        at_most(&format!("{what}: entries"), self.entries.len(), MAX_SERVICE_ENTRIES)
+    }
+}
+
+impl AddressGroupSpec {
+    pub fn check(&self) -> Result<(), Error> {
+        let what = format!("address group {:?}", self.name);
+        description(&what, &self.description)?;
+        at_most(&format!("{what}: cidrs"), self.cidrs.len(), MAX_GROUP_CIDRS)
+    }
+}
+
 /// At most this many routable addresses are accepted from one host.
 pub const MAX_ADDRESSES: usize = 256;
 /// At most this many reported interface addresses are looked at, routable or not: a Docker or
@@ -120,6 +172,19 @@ pub(crate) fn selector_of(map: &BTreeMap<String, Vec<String>>) -> Result<Selecto
 /// Validates everything in the spec before anything is written.
 pub(crate) fn validate_ruleset(spec: &RulesetSpec) -> Result<(), Error> {
     validate_name("ruleset", &spec.name)?;
+    let what = format!("ruleset {:?}", spec.name);
+    description(&what, &spec.description)?;
+    selector_size(&format!("{what} scope"), &spec.scope)?;
+    at_most(&format!("{what}: rules"), spec.rules.len(), MAX_RULES)?;
+    for rule in &spec.rules {
+        let what = format!("{what} rule {:?}", rule.name);
+        description(&what, &rule.description)?;
+        at_most(&format!("{what}: peers"), rule.peers.len(), MAX_PEERS_PER_RULE)?;
+        at_most(&format!("{what}: services"), rule.services.len(), MAX_SERVICES_PER_RULE)?;
+        for map in rule.peers.iter().filter_map(|p| p.workloads.as_ref()) {
+            selector_size(&format!("{what} peer"), map)?;
+        }
+    }
     if selector_of(&spec.scope)?.is_empty() {
         return Err(Error::Invalid(format!(
             "ruleset {:?}: the scope selector is empty and would match nothing; name at least one label",
@@ -198,6 +263,69 @@ pub fn routable_addresses(facts: &proto::HostFacts) -> Result<BTreeSet<IpAddr>, 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn ruleset(rules: Vec<RuleSpec>) -> RulesetSpec {
+        RulesetSpec {
+            name: "web".into(),
+            description: String::new(),
+            enabled: true,
+            scope: [("app".to_owned(), vec!["web".to_owned()])].into(),
+            rules,
+        }
+    }
+
+    fn rule(peers: usize, services: usize) -> RuleSpec {
+        RuleSpec {
+            name: "r".into(),
+            description: String::new(),
+            enabled: true,
+            peers: vec![PeerSpec::cidr("10.0.0.0/8"); peers],
+            services: vec!["web".into(); services],
+        }
+    }
+
+    #[test]
+    fn authored_objects_are_bounded() {
+        let check = |spec: RulesetSpec, want: &str| {
+            let got = validate_ruleset(&spec).map_err(|e| e.to_string());
+            match got {
+                Ok(()) => assert_eq!(want, "", "accepted"),
+                Err(e) => assert!(!want.is_empty() && e.contains(want), "{e} lacks {want:?}"),
+            }
+        };
+        check(ruleset(vec![rule(MAX_PEERS_PER_RULE, MAX_SERVICES_PER_RULE)]), "");
+        let mut long = ruleset(vec![]);
+        long.description = "x".repeat(MAX_DESCRIPTION + 1);
+        check(long, "ruleset \"web\": description bytes: 1025 is more than the 1024 allowed");
+        check(
+            ruleset(vec![rule(MAX_PEERS_PER_RULE + 1, 1)]),
+            "rule \"r\": peers: 101 is more than the 100 allowed",
+        );
+        check(ruleset(vec![rule(1, MAX_SERVICES_PER_RULE + 1)]), "services: 51 is more than the 50 allowed");
+        let many: Vec<RuleSpec> =
+            (0..=MAX_RULES).map(|n| RuleSpec { name: format!("r{n}"), ..rule(1, 1) }).collect();
+        check(ruleset(many), "rules: 501 is more than the 500 allowed");
+        let mut wide = ruleset(vec![]);
+        wide.scope =
+            [("app".to_owned(), (0..=MAX_SELECTOR_VALUES).map(|n| format!("v{n}")).collect())].into();
+        check(wide, "values of \"app\": 65 is more than the 64 allowed");
+
+        let service =
+            ServiceSpec { name: "s".into(), description: "x".repeat(MAX_DESCRIPTION + 1), entries: vec![] };
+        assert!(service.check().unwrap_err().to_string().contains("description bytes"));
+        let group = AddressGroupSpec {
+            name: "g".into(),
+            description: String::new(),
+            cidrs: (0..=MAX_GROUP_CIDRS as u32)
+                .map(|n| Cidr::host(std::net::Ipv4Addr::from(0x0a00_0000 + n).into()).unwrap())
+                .collect(),
+        };
+        assert!(
+            group.check().unwrap_err().to_string().contains("cidrs: 10001 is more than the 10000 allowed")
+        );
+        assert!(check_label_count("workload w", MAX_LABELS).is_ok());
+        assert!(check_label_count("workload w", MAX_LABELS + 1).is_err());
+    }
 
     fn facts(addresses: impl IntoIterator<Item = String>) -> proto::HostFacts {
         let interface = proto::NetworkInterface {

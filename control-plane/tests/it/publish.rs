@@ -501,6 +501,13 @@ async fn cli_refuses_invalid_input_and_writes_nothing() {
         "name: x\nscope: {app: [db]}\nrules:\n- name: r\n  peers: [{cidr: 10.0.0.0/33}]\n  services: [nope]\n",
     );
     let bad_label = file("e.yaml", "name: x\nscope: {-app: [db]}\n");
+    // A valid ruleset with a 5 MiB description: the file is refused by its size …
+    let huge =
+        file("f.yaml", &format!("name: x\ndescription: {}\nscope: {{app: [db]}}\n", "d".repeat(5 << 20)));
+    // … and under the file bound, the description by its own.
+    let long_description =
+        file("g.yaml", &format!("name: x\ndescription: {}\nscope: {{app: [db]}}\n", "d".repeat(2_000)));
+    let long_text = "d".repeat(2_000);
     let cases: Vec<(Vec<&str>, &str)> = vec![
         (vec!["service", "create", "web", "--entry", "tcp:0"], "port 0 is not a port"),
         (vec!["service", "create", "web", "--entry", "tcp:70000"], "ports go up to 65535"),
@@ -514,6 +521,15 @@ async fn cli_refuses_invalid_input_and_writes_nothing() {
         (vec!["ruleset", "create", "-f", &unknown_service], "references unknown service \"nope\""),
         (vec!["ruleset", "create", "-f", &bad_cidr], "cidr \"10.0.0.0/33\""),
         (vec!["ruleset", "create", "-f", &bad_label], "label key \"-app\""),
+        (vec!["ruleset", "create", "-f", &huge], "larger than the 1048576 bytes a ruleset file may have"),
+        (
+            vec!["ruleset", "create", "-f", &long_description],
+            "description bytes: 2000 is more than the 1024 allowed",
+        ),
+        (
+            vec!["service", "create", "web", "--entry", "tcp:80", "--description", &long_text],
+            "description bytes: 2000 is more than the 1024 allowed",
+        ),
         (vec!["workload", "mode", "not-a-uuid", "simulation"], "invalid value 'not-a-uuid'"),
         (
             vec![
@@ -546,4 +562,43 @@ async fn cli_refuses_invalid_input_and_writes_nothing() {
             .unwrap();
         assert_eq!(n, 0, "{table} was written");
     }
+}
+
+/// A workload's label set is bounded: an edit that would pass the bound is refused whole and
+/// leaves labels, label version and audit log as they were.
+#[tokio::test]
+async fn label_sets_are_bounded() {
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    let labels: Vec<String> =
+        (0..innerwall_control_plane::policy::spec::MAX_LABELS).map(|n| format!("k{n}=v")).collect();
+    let labels: Vec<&str> = labels.iter().map(String::as_str).collect();
+    let id = register(pool, "full", &labels, &[]).await;
+    let audit = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM audit_log").fetch_one(pool).await.unwrap()
+    };
+    let before = audit().await;
+    let err = authoring::commit(pool, "test", "workload.label", "full", async |c| {
+        Ok((
+            authoring::edit_labels(c, id, 1, &["one=more".parse().unwrap()], &[]).await?,
+            serde_json::json!({}),
+        ))
+    })
+    .await
+    .unwrap_err();
+    assert!(err.to_string().contains("labels: 65 is more than the 64 allowed"), "{err}");
+    let (count, version): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM workload_labels WHERE workload_id = $1), label_version FROM workloads WHERE id = $1",
+    )
+    .bind(id.uuid())
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert_eq!((count, version, audit().await), (64, 1, before), "nothing changed");
+    // Replacing a value keeps the count: allowed.
+    authoring::commit(pool, "test", "workload.label", "full", async |c| {
+        Ok((authoring::edit_labels(c, id, 1, &["k0=w".parse().unwrap()], &[]).await?, serde_json::json!({})))
+    })
+    .await
+    .unwrap();
 }

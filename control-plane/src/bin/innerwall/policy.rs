@@ -10,7 +10,7 @@ use clap::{Args, Subcommand};
 use innerwall_control_plane::error::Error;
 use innerwall_control_plane::policy::authoring;
 use innerwall_control_plane::policy::model::ServiceEntry;
-use innerwall_control_plane::policy::spec::{AddressGroupSpec, RulesetSpec, ServiceSpec};
+use innerwall_control_plane::policy::spec::{AddressGroupSpec, MAX_RULESET_FILE, RulesetSpec, ServiceSpec};
 use innerwall_control_plane::policy::store::{self, AddressGroupView, ServiceView};
 use innerwall_wire::policy::Cidr;
 use serde::Serialize;
@@ -224,11 +224,20 @@ pub struct RulesetFile {
 }
 
 fn read_ruleset_file(path: &Path) -> anyhow::Result<RulesetSpec> {
-    let text = if path == Path::new("-") {
-        std::io::read_to_string(std::io::stdin()).context("while reading the ruleset from stdin")?
+    use std::io::Read as _;
+    let reader: Box<dyn std::io::Read> = if path == Path::new("-") {
+        Box::new(std::io::stdin())
     } else {
-        std::fs::read_to_string(path).with_context(|| format!("while reading {}", path.display()))?
+        Box::new(std::fs::File::open(path).with_context(|| format!("while reading {}", path.display()))?)
     };
+    let mut text = String::new();
+    reader
+        .take(MAX_RULESET_FILE + 1)
+        .read_to_string(&mut text)
+        .with_context(|| format!("while reading {}", path.display()))?;
+    if text.len() as u64 > MAX_RULESET_FILE {
+        bail!("{} is larger than the {MAX_RULESET_FILE} bytes a ruleset file may have", path.display());
+    }
     // YAML is a superset of JSON, so one parser takes both.
     serde_norway::from_str(&text).with_context(|| format!("{} is not a valid ruleset file", path.display()))
 }
