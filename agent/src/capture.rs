@@ -40,6 +40,17 @@ pub enum CaptureError {
     NotRoot(u32),
     #[error("eBPF object {0} not found: build it with `cargo xtask build-ebpf` (or set {OBJECT_ENV})")]
     ObjectMissing(PathBuf),
+    #[error(
+        "eBPF object {path} {reason}: it is loaded into the kernel as root, so it must be owned by root \
+         and writable by no one else"
+    )]
+    Untrusted { path: PathBuf, reason: String },
+    #[error("reading eBPF object {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("loading eBPF object {path}: {source}")]
     Load {
         path: PathBuf,
@@ -173,7 +184,8 @@ impl Capture {
             loader.map_max_entries(common::FLOWS_A, capacity);
             loader.map_max_entries(common::FLOWS_B, capacity);
         }
-        let mut ebpf = loader.load_file(object_path).map_err(|source| CaptureError::Load {
+        let bytes = read_trusted(object_path)?;
+        let mut ebpf = loader.load(&bytes).map_err(|source| CaptureError::Load {
             path: object_path.to_owned(),
             source: Box::new(source),
         })?;
@@ -325,6 +337,32 @@ impl Capture {
     }
 }
 
+/// Why an object file with this owner and mode must not be loaded, if it must not.
+fn untrusted(uid: u32, mode: u32) -> Option<String> {
+    if uid != 0 {
+        Some(format!("is owned by uid {uid}"))
+    } else if mode & 0o022 != 0 {
+        Some(format!("is writable by group or others (mode {:o})", mode & 0o777))
+    } else {
+        None
+    }
+}
+
+/// Reads the object through one open file, checking the owner and mode of exactly what is read.
+fn read_trusted(path: &Path) -> Result<Vec<u8>, CaptureError> {
+    use std::io::Read as _;
+    use std::os::unix::fs::MetadataExt as _;
+    let read = |source| CaptureError::Read { path: path.to_owned(), source };
+    let mut file = std::fs::File::open(path).map_err(read)?;
+    let meta = file.metadata().map_err(read)?;
+    if let Some(reason) = untrusted(meta.uid(), meta.mode()) {
+        return Err(CaptureError::Untrusted { path: path.to_owned(), reason });
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    file.read_to_end(&mut bytes).map_err(read)?;
+    Ok(bytes)
+}
+
 /// Where the eBPF object is read from: `$INNERWALL_EBPF_OBJECT`, else
 /// `<dir of the current executable>/../bpf/innerwall-ebpf` (`target/bpf/innerwall-ebpf`
 /// for `target/<profile>/innerwall-agent`).
@@ -371,6 +409,24 @@ fn realtime_minus_monotonic_ns() -> i128 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_root_owned_objects_nobody_else_can_write_are_loaded() {
+        assert_eq!(untrusted(0, 0o100644), None);
+        assert_eq!(untrusted(0, 0o100600), None);
+        assert_eq!(untrusted(1000, 0o100644).as_deref(), Some("is owned by uid 1000"));
+        assert_eq!(untrusted(0, 0o100664).as_deref(), Some("is writable by group or others (mode 664)"));
+        assert_eq!(untrusted(0, 0o100646).as_deref(), Some("is writable by group or others (mode 646)"));
+
+        // A real file that others may write is refused before a byte of it is used.
+        use std::os::unix::fs::PermissionsExt as _;
+        let path = std::env::temp_dir().join(format!("iw-object-{}", std::process::id()));
+        std::fs::write(&path, b"not even an ELF").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
+        let err = read_trusted(&path).unwrap_err().to_string();
+        assert!(err.contains("must be owned by root and writable by no one else"), "{err}");
+        std::fs::remove_file(&path).unwrap();
+    }
 
     #[test]
     fn addresses_decode_by_family() {

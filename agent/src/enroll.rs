@@ -20,6 +20,14 @@ pub enum EnrollError {
         #[source]
         source: std::io::Error,
     },
+    #[error("reading the token file {path}")]
+    TokenFile {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("token file {path} is {len} bytes; a token is 46 characters")]
+    TokenFileTooLarge { path: PathBuf, len: u64 },
     #[error(transparent)]
     Connect(#[from] ConnectError),
     #[error("enrollment refused: {}", .0.message())]
@@ -31,6 +39,18 @@ pub enum EnrollError {
 /// Reads the CA bundle an operator handed this host with its token.
 pub fn read_ca_bundle(path: &Path) -> Result<String, EnrollError> {
     std::fs::read_to_string(path).map_err(|source| EnrollError::CaBundle { path: path.to_owned(), source })
+}
+
+/// Reads a provisioning token from a file (surrounding whitespace ignored; at most 1 KiB).
+pub fn read_token_file(path: &Path) -> Result<String, EnrollError> {
+    use std::io::Read as _;
+    let failed = |source| EnrollError::TokenFile { path: path.to_owned(), source };
+    let mut text = String::new();
+    std::fs::File::open(path).map_err(failed)?.take(1025).read_to_string(&mut text).map_err(failed)?;
+    if text.len() > 1024 {
+        return Err(EnrollError::TokenFileTooLarge { path: path.to_owned(), len: text.len() as u64 });
+    }
+    Ok(text.trim().to_owned())
 }
 
 /// Generates a key locally, enrolls with the token over server-authenticated TLS, and stores
@@ -64,4 +84,20 @@ pub async fn enroll(
     let credential = Credential::new(key_pem, cert_pem, ca_pem.to_owned())?;
     credential.save(state_dir)?;
     Ok(credential)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_files_are_trimmed_and_bounded() {
+        let path = std::env::temp_dir().join(format!("iw-token-{}", std::process::id()));
+        std::fs::write(&path, "  iw_abc\n").unwrap();
+        assert_eq!(read_token_file(&path).unwrap(), "iw_abc");
+        std::fs::write(&path, "x".repeat(2048)).unwrap();
+        assert!(read_token_file(&path).unwrap_err().to_string().contains("a token is 46 characters"));
+        std::fs::remove_file(&path).unwrap();
+        assert!(read_token_file(&path).unwrap_err().to_string().starts_with("reading the token file"));
+    }
 }

@@ -122,7 +122,7 @@ fn capture_forever<S: PolicyStore + Send + 'static>(
         if let Err(e) = queue.push(window) {
             tracing::error!("could not queue a flow window: {e}");
         }
-        if let Err(e) = std::fs::write(&marker, now.to_string()) {
+        if let Err(e) = crate::private::write(&marker, now.to_string().as_bytes()) {
             tracing::error!("could not record the end of the last flow window: {e}");
         }
     };

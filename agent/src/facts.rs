@@ -43,9 +43,23 @@ fn os_info() -> proto::OsInfo {
     }
 }
 
+/// Where iproute2's `ip` may live. The agent runs as root, so it never searches `PATH`: only a
+/// root-owned binary nobody else can write, at one of these paths, is run.
+const IP_PATHS: [&str; 4] = ["/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip"];
+
+/// `ip` by absolute path (the first trustworthy one; the first path when none is, so the
+/// failure names it).
+fn ip() -> std::process::Command {
+    use std::os::unix::fs::MetadataExt as _;
+    let trusted = |path: &&&str| {
+        std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.uid() == 0 && m.mode() & 0o022 == 0)
+    };
+    std::process::Command::new(IP_PATHS.iter().find(trusted).unwrap_or(&IP_PATHS[0]))
+}
+
 /// Interface addresses from `ip -j address show` (iproute2 is on every host we run on).
 fn interfaces() -> Vec<proto::NetworkInterface> {
-    let Ok(out) = std::process::Command::new("ip").args(["-j", "address", "show"]).output() else {
+    let Ok(out) = ip().args(["-j", "address", "show"]).output() else {
         return Vec::new();
     };
     let Ok(list) = serde_json::from_slice::<Vec<serde_json::Value>>(&out.stdout) else {
@@ -102,8 +116,7 @@ pub fn local_addresses() -> BTreeSet<IpAddr> {
 /// kernel over netlink (`ip -j link show`), not read from /sys/class/net, which shows the
 /// namespace sysfs was mounted in rather than the caller's.
 pub fn ethernet_interfaces() -> Result<Vec<String>, FactsError> {
-    let out =
-        std::process::Command::new("ip").args(["-j", "link", "show"]).output().map_err(FactsError::Spawn)?;
+    let out = ip().args(["-j", "link", "show"]).output().map_err(FactsError::Spawn)?;
     if !out.status.success() {
         return Err(FactsError::Failed { stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned() });
     }
@@ -126,6 +139,13 @@ fn parse_ethernet_interfaces(ip_json: &[u8]) -> Result<Vec<String>, FactsError> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ip_is_run_by_absolute_path() {
+        let program = ip().get_program().to_owned();
+        assert!(std::path::Path::new(&program).is_absolute(), "{program:?}");
+        assert!(IP_PATHS.iter().any(|p| std::ffi::OsStr::new(p) == program));
+    }
 
     #[test]
     fn only_non_loopback_ethernet_links_are_captured() {

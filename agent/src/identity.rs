@@ -147,10 +147,10 @@ impl Credential {
     /// Writes all three files atomically (temp file, fsync, rename), the key with mode 0600 from
     /// creation on, then fsyncs the directory.
     pub fn save(&self, dir: &Path) -> Result<(), CredentialError> {
-        fs::create_dir_all(dir).map_err(io(dir))?;
+        crate::private::dir(dir).map_err(io(dir))?;
         write_atomic(&dir.join(KEY_FILE), self.key_pem.as_bytes(), 0o600)?;
-        write_atomic(&dir.join(CERT_FILE), self.cert_pem.as_bytes(), 0o644)?;
-        write_atomic(&dir.join(CA_FILE), self.ca_pem.as_bytes(), 0o644)?;
+        write_atomic(&dir.join(CERT_FILE), self.cert_pem.as_bytes(), 0o600)?;
+        write_atomic(&dir.join(CA_FILE), self.ca_pem.as_bytes(), 0o600)?;
         fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))
     }
 

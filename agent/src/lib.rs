@@ -19,6 +19,7 @@ pub mod facts;
 pub mod flows;
 pub mod identity;
 pub mod policy_json;
+pub mod private;
 pub mod renew;
 pub mod sync;
 pub mod telemetry;

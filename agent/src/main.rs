@@ -48,9 +48,13 @@ enum Command {
         /// Control-plane address, HOST:PORT (HOST must be a name in its certificate).
         #[arg(long, env = "INNERWALL_AGENT_SERVER")]
         server: String,
-        /// The provisioning token (iw_…).
-        #[arg(long, env = "INNERWALL_TOKEN", hide_env_values = true)]
-        token: String,
+        /// The provisioning token (iw_…). Prefer INNERWALL_TOKEN or --token-file: other users
+        /// can read a process's arguments.
+        #[arg(long, env = "INNERWALL_TOKEN", hide_env_values = true, required_unless_present = "token_file")]
+        token: Option<String>,
+        /// A file holding the provisioning token (surrounding whitespace ignored).
+        #[arg(long, conflicts_with = "token")]
+        token_file: Option<PathBuf>,
         /// The CA certificate delivered with the token; the only trust anchor for the server.
         #[arg(long)]
         ca_bundle: PathBuf,
@@ -122,7 +126,12 @@ fn run(command: Command) -> anyhow::Result<()> {
                 .context("starting the async runtime")?;
             runtime.block_on(daemon::run(config))?;
         }
-        Command::Enroll { state, server, token, ca_bundle, force } => {
+        Command::Enroll { state, server, token, token_file, ca_bundle, force } => {
+            let token = match (token, token_file) {
+                (Some(token), _) => token,
+                (None, Some(path)) => innerwall_agent::enroll::read_token_file(&path)?,
+                (None, None) => unreachable!("clap requires --token, INNERWALL_TOKEN or --token-file"),
+            };
             let ca = innerwall_agent::enroll::read_ca_bundle(&ca_bundle)?;
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()

@@ -16,23 +16,13 @@ use innerwall_wire::proto;
 use prost::Message;
 
 use crate::connect::{RunConfig, connect};
-use crate::error;
+use crate::{error, private};
 
 /// Default bound of the on-disk queue, in windows.
 pub const DEFAULT_MAX_WINDOWS: usize = 1_440;
 
 /// The refused windows not yet reported, as one gap: `<from_ms> <to_ms> <count>`.
 const REFUSED_FILE: &str = "refused.gap";
-
-/// Writes `bytes` to `path` durably: a temporary file, fsync, rename, fsync of the directory.
-fn write_durably(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let tmp = path.with_extension("tmp");
-    let mut file = fs::File::create(&tmp)?;
-    std::io::Write::write_all(&mut file, bytes)?;
-    file.sync_all()?;
-    fs::rename(&tmp, path)?;
-    fs::File::open(path.parent().expect("a file in the queue directory"))?.sync_all()
-}
 
 #[derive(Debug, Clone)]
 pub struct Queue {
@@ -43,7 +33,7 @@ pub struct Queue {
 impl Queue {
     pub fn new(state_dir: &Path, max_windows: usize) -> std::io::Result<Queue> {
         let dir = state_dir.join("telemetry");
-        fs::create_dir_all(&dir)?;
+        private::dir(&dir)?;
         Ok(Queue { dir, max_windows: max_windows.max(1) })
     }
 
@@ -89,7 +79,7 @@ impl Queue {
         let seq =
             files.last().and_then(|p| p.file_stem()?.to_str()?.parse::<u64>().ok()).map_or(0, |n| n + 1);
         let path = self.dir.join(format!("{seq:020}.window"));
-        write_durably(&path, &proto::FlowWindow::from(&window).encode_to_vec())?;
+        private::write(&path, &proto::FlowWindow::from(&window).encode_to_vec())?;
         if refused.is_some() {
             // A crash before this line reports the refused windows twice, never not at all.
             fs::remove_file(self.dir.join(REFUSED_FILE))?;
@@ -121,7 +111,7 @@ impl Queue {
             gap.count = gap.count.saturating_add(earlier.count);
         }
         let text = format!("{} {} {}\n", gap.from_ms, gap.to_ms, gap.count);
-        write_durably(&self.dir.join(REFUSED_FILE), text.as_bytes())
+        private::write(&self.dir.join(REFUSED_FILE), text.as_bytes())
     }
 
     /// Uploads queued windows oldest first; each is removed only once the control plane has

@@ -231,8 +231,8 @@ pub struct KillSwitchReport {
 pub fn kill_switch(state_dir: &Path) -> Result<KillSwitchReport, EnforceError> {
     let table_removed = nft::delete_table().map_err(EnforceError::Remove)?;
     if state_dir.is_dir()
-        && let Err(e) = fs::write(
-            state_dir.join(KILL_SWITCH_MARKER),
+        && let Err(e) = crate::private::write(
+            &state_dir.join(KILL_SWITCH_MARKER),
             b"table inet innerwall removed by the kill switch\n",
         )
     {

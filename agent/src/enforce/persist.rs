@@ -6,9 +6,8 @@
 //! `magic (16 bytes) | format version (u32 BE) | body length (u64 BE) | sha256(body) | body`
 //! where body is `WorkloadPolicy::canonical_bytes()`.
 
-use std::fs::{self, File, OpenOptions};
-use std::io::{self, Write as _};
-use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _};
+use std::fs;
+use std::io;
 use std::path::{Path, PathBuf};
 
 use innerwall_wire::policy::{PolicyError, WorkloadPolicy};
@@ -72,26 +71,9 @@ impl PersistedPolicy {
             let path = path.to_path_buf();
             move |source| PersistError::Io { what, path, source }
         };
-        fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(&self.dir)
-            .map_err(io("creating", &self.dir))?;
-        let tmp = self.dir.join(format!("{FILE_NAME}.tmp"));
-        let mut file = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&tmp)
-            .map_err(io("creating", &tmp))?;
-        file.write_all(bytes).map_err(io("writing", &tmp))?;
-        file.sync_all().map_err(io("fsyncing", &tmp))?;
-        drop(file);
+        crate::private::dir(&self.dir).map_err(io("creating", &self.dir))?;
         let path = self.path();
-        fs::rename(&tmp, &path).map_err(io("renaming into place", &path))?;
-        File::open(&self.dir).and_then(|d| d.sync_all()).map_err(io("fsyncing directory", &self.dir))?;
-        Ok(())
+        crate::private::write(&path, bytes).map_err(io("writing", &path))
     }
 
     /// Loads the persisted policy: `Ok(None)` when there is none, an error naming the file
@@ -182,7 +164,7 @@ mod tests {
         let next = policy().with_version(13);
         file.store(&next).unwrap();
         assert_eq!(file.load().unwrap(), Some(next));
-        assert!(!dir.join("policy.bin.tmp").exists(), "temp file renamed away");
+        assert!(!dir.join("policy.tmp").exists(), "temp file renamed away");
         fs::remove_dir_all(dir).unwrap();
     }
 

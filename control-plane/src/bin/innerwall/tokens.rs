@@ -41,8 +41,9 @@ pub async fn run(ctx: &Ctx, cmd: &TokenCmd) -> anyhow::Result<()> {
             })?;
             let minted = tokens::mint_audited(&ctx.pool, &ctx.actor, labels, ttl, *max_uses).await?;
             let bundle = ctx.ca_dir.join(ca::CA_CERT_FILE);
+            // By environment, not as an argument: other users can read a process's arguments.
             let command = format!(
-                "innerwall-agent enroll --server {server} --token {} --ca-bundle {}",
+                "INNERWALL_TOKEN={} innerwall-agent enroll --server {server} --ca-bundle {}",
                 minted.secret,
                 bundle.display()
             );
@@ -55,7 +56,11 @@ pub async fn run(ctx: &Ctx, cmd: &TokenCmd) -> anyhow::Result<()> {
                 "token {} (expires {}), shown once:\n\n  {}\n",
                 minted.id, minted.expires_at, minted.secret
             );
-            println!("enroll a host with:\n\n  {command}");
+            println!("enroll a host with:\n\n  {command}\n");
+            println!(
+                "or save the token in a file only root reads and pass --token-file; never pass --token on a \
+                 shared host, where other users can read it in the process list"
+            );
         }
         TokenCmd::List => {
             let all = tokens::list(&mut *ctx.pool.acquire().await?).await?;
