@@ -6,6 +6,7 @@ mod cycles;
 mod demo;
 mod ebpf;
 mod elf;
+mod fuzz;
 mod setup;
 mod suite;
 
@@ -40,6 +41,12 @@ enum Task {
     Lint,
     /// The main job (RUN-3): control plane and three agents in network namespaces, policy, traffic.
     Demo,
+    /// Run every cargo-fuzz target for a while (AddressSanitizer; installs cargo-fuzz once).
+    Fuzz {
+        /// How long each target runs.
+        #[arg(long, default_value_t = 60)]
+        seconds: u64,
+    },
     /// Report import cycles between the modules of each crate (top level, and within folders).
     CheckCycles {
         /// Crate `src` folders relative to the workspace root; default: control-plane, agent, wire, xtask.
@@ -67,6 +74,7 @@ fn run(cli: Cli) -> Result<()> {
         Task::Test { cargo_args } => suite::test(&root, &cargo_args),
         Task::Lint => suite::lint(&root),
         Task::Demo => demo::run(&root),
+        Task::Fuzz { seconds } => fuzz::run(&root, std::time::Duration::from_secs(seconds)),
         Task::CheckCycles { dirs } if dirs.is_empty() => {
             cycles::check(&root, &cycles::CRATE_SOURCES.iter().map(PathBuf::from).collect::<Vec<_>>())
         }

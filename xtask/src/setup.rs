@@ -114,6 +114,28 @@ fn bpf_linker() -> Result<()> {
     Ok(())
 }
 
+/// The cargo-fuzz the fuzz targets are run with (builds on stable).
+const CARGO_FUZZ_VERSION: &str = "0.13.2";
+
+/// Installs cargo-fuzz once; idempotent.
+pub fn cargo_fuzz() -> Result<()> {
+    if cmd::output(Command::new("cargo").args(["fuzz", "--version"]))
+        .is_ok_and(|v| v.contains(CARGO_FUZZ_VERSION))
+    {
+        println!("setup: cargo-fuzz {CARGO_FUZZ_VERSION}: already present");
+        return Ok(());
+    }
+    cmd::run(standalone_cargo().args([
+        "install",
+        "cargo-fuzz",
+        "--version",
+        CARGO_FUZZ_VERSION,
+        "--locked",
+    ]))?;
+    println!("setup: cargo-fuzz {CARGO_FUZZ_VERSION}: installed");
+    Ok(())
+}
+
 fn bpf_linker_version() -> Result<String> {
     cmd::output(Command::new("bpf-linker").arg("--version"))
 }

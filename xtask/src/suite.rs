@@ -3,17 +3,22 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
 use anyhow::Result;
 
-use crate::{cargo_env, cmd, cycles, ebpf, setup};
+use crate::{cargo_env, cmd, cycles, ebpf, fuzz, setup};
 
-/// Setup, the verified eBPF build, then the workspace tests.
+/// How long each fuzz target runs in the test command: long enough to catch a shallow panic.
+const FUZZ_IN_TESTS: Duration = Duration::from_secs(15);
+
+/// Setup, the verified eBPF build, the workspace tests, then a short run of every fuzz target.
 pub fn test(root: &Path, cargo_args: &[String]) -> Result<()> {
     // build-ebpf runs the rest of setup (rust-src, bpf-linker) itself.
     setup::apt_packages()?;
     ebpf::build(root)?;
-    cmd::run(root_cargo(root).args(["test", "--workspace"]).args(cargo_args))
+    cmd::run(root_cargo(root).args(["test", "--workspace"]).args(cargo_args))?;
+    fuzz::run(root, FUZZ_IN_TESTS)
 }
 
 /// Formatting and clippy for both workspaces, and no import cycle between modules (`.ci/run`
@@ -23,6 +28,7 @@ pub fn lint(root: &Path) -> Result<()> {
     cmd::run(root_cargo(root).args(["fmt", "--all", "--check"]))?;
     cmd::run(root_cargo(root).args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
     cmd::run(ebpf::crate_cargo(root).args(["fmt", "--all", "--check"]))?;
+    cmd::run(setup::standalone_cargo().current_dir(root.join("fuzz")).args(["fmt", "--check"]))?;
     cmd::run(ebpf::bpf_cargo(root, "clippy").args(["--", "-D", "warnings"]))?;
     println!("lint: no import cycles; rustfmt and clippy passed for the workspace and agent-ebpf");
     Ok(())

@@ -170,7 +170,7 @@ pub(crate) fn selector_of(map: &BTreeMap<String, Vec<String>>) -> Result<Selecto
 }
 
 /// Validates everything in the spec before anything is written.
-pub(crate) fn validate_ruleset(spec: &RulesetSpec) -> Result<(), Error> {
+pub fn validate_ruleset(spec: &RulesetSpec) -> Result<(), Error> {
     validate_name("ruleset", &spec.name)?;
     let what = format!("ruleset {:?}", spec.name);
     description(&what, &spec.description)?;

@@ -1,0 +1,36 @@
+//! `cargo xtask fuzz`: every cargo-fuzz target in `fuzz/` (its own workspace) for a while each,
+//! with AddressSanitizer, on stable Rust (`RUSTC_BOOTSTRAP=1` for that nested build only).
+//! `cargo xtask test` runs each briefly; a long run is `cargo xtask fuzz --seconds 3600`.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::Result;
+
+use crate::{cmd, setup};
+
+/// The targets, one per thing that arrives from outside (see `fuzz/fuzz_targets/`).
+pub const TARGETS: [&str; 4] = ["policy_delta", "flow_window", "csr", "ruleset"];
+
+/// Runs each target for `each`, starting from its seeds (`fuzz/seeds/<target>`, checked in)
+/// and its growing corpus (`fuzz/corpus/<target>`, not checked in). A finding fails the run
+/// and leaves its input under `fuzz/artifacts/<target>/`.
+pub fn run(root: &Path, each: Duration) -> Result<()> {
+    setup::cargo_fuzz()?;
+    let dir = root.join("fuzz");
+    for target in TARGETS {
+        let corpus = dir.join("corpus").join(target);
+        std::fs::create_dir_all(&corpus)?;
+        let mut cargo = setup::standalone_cargo();
+        cargo.current_dir(&dir).env("RUSTC_BOOTSTRAP", "1").args(["fuzz", "run", "-O", target]).arg(&corpus);
+        let seeds = dir.join("seeds").join(target);
+        if seeds.is_dir() {
+            cargo.arg(&seeds);
+        }
+        cargo.args(["--", &format!("-max_total_time={}", each.as_secs().max(1)), "-print_final_stats=1"]);
+        println!("fuzz: {target} for {} s", each.as_secs());
+        cmd::run(&mut cargo)?;
+    }
+    println!("fuzz: {} targets ran without a finding", TARGETS.len());
+    Ok(())
+}
