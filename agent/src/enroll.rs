@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use innerwall_wire::proto;
 
 use crate::connect::{self, ConnectError};
-use crate::facts;
+use crate::facts::{self, FactsError};
 use crate::identity::{self, Credential, CredentialError};
 
 #[derive(Debug, thiserror::Error)]
@@ -28,6 +28,8 @@ pub enum EnrollError {
     },
     #[error("token file {path} is {len} bytes; a token is 46 characters")]
     TokenFileTooLarge { path: PathBuf, len: u64 },
+    #[error("listing this host's interfaces (enrollment reports its addresses)")]
+    Facts(#[from] FactsError),
     #[error(transparent)]
     Connect(#[from] ConnectError),
     #[error("enrollment refused: {}", .0.message())]
@@ -71,7 +73,7 @@ pub async fn enroll(
     let request = proto::EnrollRequest {
         provisioning_token: token.trim().to_owned(),
         csr_pem,
-        facts: Some(facts::host_facts()),
+        facts: Some(facts::host_facts()?),
         agent: Some(facts::agent_info()),
     };
     let response = proto::enrollment_service_client::EnrollmentServiceClient::new(channel)

@@ -126,7 +126,14 @@ fn capture_forever<S: PolicyStore + Send + 'static>(
             tracing::error!("could not record the end of the last flow window: {e}");
         }
     };
-    let mut local = facts::local_addresses();
+    // This host's addresses: only flows to them are inbound. When they cannot be listed, the
+    // last known set stands.
+    let refresh = |local: &mut BTreeSet<IpAddr>| match facts::local_addresses() {
+        Ok(now) => *local = now,
+        Err(e) => tracing::warn!("keeping the last known local addresses: {}", error::chain(&e)),
+    };
+    let mut local = BTreeSet::new();
+    refresh(&mut local);
     loop {
         let stopping = sleep_unless_stopped(Duration::from_secs(1), stop);
         let now = now_ms();
@@ -138,7 +145,7 @@ fn capture_forever<S: PolicyStore + Send + 'static>(
                 open.rotate(now, enforcer.applied_version(), length, || (enforcer.current(), max_keys()))
         {
             queue_window(closed, now);
-            local = facts::local_addresses();
+            refresh(&mut local);
         }
         let drained = capture.drain().map_err(|e| tracing::error!("draining the flow map failed: {e}")).ok();
         open.absorb(drained.as_ref(), &local, now);

@@ -13,12 +13,20 @@ use innerwall_wire::proto;
 /// Why the interfaces could not be listed.
 #[derive(Debug, thiserror::Error)]
 pub enum FactsError {
-    #[error("running `ip -j link show`: {0}")]
-    Spawn(#[source] std::io::Error),
-    #[error("`ip -j link show` failed: {stderr}")]
-    Failed { stderr: String },
-    #[error("parsing `ip -j link show`: {0}")]
-    Parse(#[source] serde_json::Error),
+    #[error("running `ip -j {object} show`")]
+    Spawn {
+        object: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("`ip -j {object} show` failed: {stderr}")]
+    Failed { object: &'static str, stderr: String },
+    #[error("parsing `ip -j {object} show`")]
+    Parse {
+        object: &'static str,
+        #[source]
+        source: serde_json::Error,
+    },
 }
 
 fn read_trimmed(path: &str) -> String {
@@ -57,15 +65,32 @@ fn ip() -> std::process::Command {
     std::process::Command::new(IP_PATHS.iter().find(trusted).unwrap_or(&IP_PATHS[0]))
 }
 
+/// `ip -j <object> show`, parsed.
+fn ip_json(object: &'static str) -> Result<Vec<serde_json::Value>, FactsError> {
+    let out =
+        ip().args(["-j", object, "show"]).output().map_err(|source| FactsError::Spawn { object, source })?;
+    parse_ip_json(object, &out)
+}
+
+/// A failed or unparseable run is an error, never an empty list: a host that could not list
+/// its interfaces must not report that it has none.
+fn parse_ip_json(
+    object: &'static str,
+    out: &std::process::Output,
+) -> Result<Vec<serde_json::Value>, FactsError> {
+    if !out.status.success() {
+        return Err(FactsError::Failed {
+            object,
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+        });
+    }
+    serde_json::from_slice(&out.stdout).map_err(|source| FactsError::Parse { object, source })
+}
+
 /// Interface addresses from `ip -j address show` (iproute2 is on every host we run on).
-fn interfaces() -> Vec<proto::NetworkInterface> {
-    let Ok(out) = ip().args(["-j", "address", "show"]).output() else {
-        return Vec::new();
-    };
-    let Ok(list) = serde_json::from_slice::<Vec<serde_json::Value>>(&out.stdout) else {
-        return Vec::new();
-    };
-    list.iter()
+fn interfaces() -> Result<Vec<proto::NetworkInterface>, FactsError> {
+    Ok(ip_json("address")?
+        .iter()
         .map(|link| proto::NetworkInterface {
             name: link["ifname"].as_str().unwrap_or_default().to_owned(),
             mac_address: link["address"].as_str().unwrap_or_default().to_owned(),
@@ -81,17 +106,18 @@ fn interfaces() -> Vec<proto::NetworkInterface> {
                 })
                 .unwrap_or_default(),
         })
-        .collect()
+        .collect())
 }
 
-pub fn host_facts() -> proto::HostFacts {
-    proto::HostFacts {
+/// What this host reports about itself; an error when its interfaces cannot be listed.
+pub fn host_facts() -> Result<proto::HostFacts, FactsError> {
+    Ok(proto::HostFacts {
         hostname: read_trimmed("/proc/sys/kernel/hostname"),
         os: Some(os_info()),
-        interfaces: interfaces(),
+        interfaces: interfaces()?,
         machine_id: read_trimmed("/etc/machine-id"),
         boot_id: read_trimmed("/proc/sys/kernel/random/boot_id"),
-    }
+    })
 }
 
 pub fn agent_info() -> proto::AgentInfo {
@@ -102,13 +128,12 @@ pub fn agent_info() -> proto::AgentInfo {
 }
 
 /// This host's own addresses: only flows to them are inbound flows of this workload.
-pub fn local_addresses() -> BTreeSet<IpAddr> {
-    host_facts()
-        .interfaces
+pub fn local_addresses() -> Result<BTreeSet<IpAddr>, FactsError> {
+    Ok(interfaces()?
         .iter()
         .flat_map(|i| i.addresses.iter())
         .filter_map(|a| a.split('/').next()?.parse().ok())
-        .collect()
+        .collect())
 }
 
 /// Non-loopback Ethernet-type interfaces of the calling thread's network namespace
@@ -116,16 +141,11 @@ pub fn local_addresses() -> BTreeSet<IpAddr> {
 /// kernel over netlink (`ip -j link show`), not read from /sys/class/net, which shows the
 /// namespace sysfs was mounted in rather than the caller's.
 pub fn ethernet_interfaces() -> Result<Vec<String>, FactsError> {
-    let out = ip().args(["-j", "link", "show"]).output().map_err(FactsError::Spawn)?;
-    if !out.status.success() {
-        return Err(FactsError::Failed { stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned() });
-    }
-    parse_ethernet_interfaces(&out.stdout)
+    Ok(ethernet_names(&ip_json("link")?))
 }
 
 /// The non-loopback Ethernet interfaces in `ip -j link show` output, sorted.
-fn parse_ethernet_interfaces(ip_json: &[u8]) -> Result<Vec<String>, FactsError> {
-    let links: Vec<serde_json::Value> = serde_json::from_slice(ip_json).map_err(FactsError::Parse)?;
+fn ethernet_names(links: &[serde_json::Value]) -> Vec<String> {
     let mut names: Vec<String> = links
         .iter()
         .filter(|link| link["link_type"] == "ether")
@@ -133,7 +153,7 @@ fn parse_ethernet_interfaces(ip_json: &[u8]) -> Result<Vec<String>, FactsError> 
         .filter_map(|link| link["ifname"].as_str().map(str::to_owned))
         .collect();
     names.sort();
-    Ok(names)
+    names
 }
 
 #[cfg(test)]
@@ -155,8 +175,25 @@ mod tests {
             {"ifname": "eth0", "flags": ["BROADCAST", "UP"], "link_type": "ether"},
             {"ifname": "wg0", "flags": ["POINTOPOINT", "UP"], "link_type": "none"}
         ]"#;
-        assert_eq!(parse_ethernet_interfaces(json).unwrap(), ["eth0", "veth1"]);
-        let err = parse_ethernet_interfaces(b"not json").unwrap_err();
-        assert!(matches!(err, FactsError::Parse(_)), "{err}");
+        let links: Vec<serde_json::Value> = serde_json::from_slice(json).unwrap();
+        assert_eq!(ethernet_names(&links), ["eth0", "veth1"]);
+    }
+
+    /// `ip` failing or printing garbage is an error, never "no interfaces".
+    #[test]
+    fn a_failed_ip_run_is_an_error_not_an_empty_list() {
+        use std::os::unix::process::ExitStatusExt as _;
+        let run = |code: i32, stdout: &[u8]| std::process::Output {
+            status: std::process::ExitStatus::from_raw(code << 8),
+            stdout: stdout.to_vec(),
+            stderr: b"Cannot open netlink socket".to_vec(),
+        };
+        assert_eq!(parse_ip_json("address", &run(0, b"[]")).unwrap(), Vec::<serde_json::Value>::new());
+        let failed = parse_ip_json("address", &run(1, b"")).unwrap_err();
+        assert_eq!(failed.to_string(), "`ip -j address show` failed: Cannot open netlink socket");
+        assert!(matches!(
+            parse_ip_json("link", &run(0, b"not json")),
+            Err(FactsError::Parse { object: "link", .. })
+        ));
     }
 }

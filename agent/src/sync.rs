@@ -162,17 +162,30 @@ fn msg(m: sync_request::Msg) -> proto::SyncRequest {
     proto::SyncRequest { msg: Some(m) }
 }
 
+/// This host's facts, or `None` (logged) when its interfaces cannot be listed.
+async fn current_facts() -> Option<proto::HostFacts> {
+    match tokio::task::spawn_blocking(crate::facts::host_facts).await {
+        Ok(Ok(facts)) => Some(facts),
+        Ok(Err(e)) => {
+            tracing::warn!("not reporting host facts: {}", error::chain(&e));
+            None
+        }
+        Err(_) => None,
+    }
+}
+
 /// One sync stream on `channel`, until it ends.
 pub async fn session<S: PolicyStore + Send + 'static>(
     channel: Channel,
     enforcer: Arc<Enforcer<S>>,
     stats: &mut SessionStats,
 ) -> SessionEnd {
-    let facts = tokio::task::spawn_blocking(crate::facts::host_facts).await.unwrap_or_default();
+    // Without facts (interfaces could not be listed) the Hello says nothing about the host.
+    let facts = current_facts().await;
     let hello = proto::Hello {
         applied_version: enforcer.applied_version(),
         agent: Some(crate::facts::agent_info()),
-        facts: Some(facts),
+        facts,
     };
     let (tx, rx) = mpsc::channel(64);
     if tx.send(msg(sync_request::Msg::Hello(hello))).await.is_err() {
@@ -242,10 +255,13 @@ pub async fn session<S: PolicyStore + Send + 'static>(
                 }
             }
             _ = inventory.tick() => {
-                let facts = tokio::task::spawn_blocking(crate::facts::host_facts).await.unwrap_or_default();
-                let report = proto::InventoryReport { facts: Some(facts), listening_services: Vec::new() };
-                if tx.send(msg(sync_request::Msg::Inventory(report))).await.is_err() {
-                    return SessionEnd::Closed("stream closed".into());
+                // No report when the interfaces cannot be listed: the addresses the control plane
+                // knows stand, they never become "none".
+                if let Some(facts) = current_facts().await {
+                    let report = proto::InventoryReport { facts: Some(facts), listening_services: Vec::new() };
+                    if tx.send(msg(sync_request::Msg::Inventory(report))).await.is_err() {
+                        return SessionEnd::Closed("stream closed".into());
+                    }
                 }
             }
         }

@@ -445,7 +445,10 @@ impl StreamTask {
     }
 
     async fn inventory(&self, inv: &proto::InventoryReport) -> Result<(), Error> {
-        let addresses = crate::policy::spec::routable_addresses(&inv.facts.clone().unwrap_or_default())?;
+        // A report without facts (the agent could not list its interfaces) says nothing about
+        // addresses: the last known set stands, it never becomes "no addresses".
+        let Some(facts) = &inv.facts else { return Ok(()) };
+        let addresses = crate::policy::spec::routable_addresses(facts)?;
         let current: Vec<String> = sqlx::query_scalar(
             "SELECT host(address) FROM workload_addresses WHERE workload_id = $1 ORDER BY 1",
         )

@@ -383,3 +383,56 @@ async fn retire_closes_stream_refuses_renewal_and_leaves_renders() {
     assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err}");
     assert!(err.message().contains("retired"), "{err}");
 }
+
+/// An inventory report without facts (the agent could not run `ip`) leaves the addresses as
+/// they were: the next report with facts is the only address change recorded.
+#[tokio::test]
+async fn inventory_without_facts_changes_nothing() {
+    let plane = Plane::start(GatewayConfig::default()).await;
+    let pool = &plane.db.pool;
+    let (id, channel) = enrolled(&plane).await;
+    let mut agent = Scripted::open(channel, 0).await;
+    agent.update().await;
+    agent.ack(1, true, "").await;
+    let report = |addresses: Option<&[&str]>| {
+        let facts = addresses.map(|a| proto::HostFacts {
+            interfaces: vec![proto::NetworkInterface {
+                name: "eth0".into(),
+                addresses: a.iter().map(|s| s.to_string()).collect(),
+                mac_address: String::new(),
+            }],
+            ..Default::default()
+        });
+        proto::SyncRequest {
+            msg: Some(sync_request::Msg::Inventory(proto::InventoryReport {
+                facts,
+                listening_services: vec![],
+            })),
+        }
+    };
+    agent.tx.send(report(None)).await.unwrap();
+    // The marker: a report with facts, handled after the one without.
+    agent.tx.send(report(Some(&["10.1.0.6/24"]))).await.unwrap();
+    let addresses = || async {
+        sqlx::query_scalar::<_, String>("SELECT host(address) FROM workload_addresses WHERE workload_id = $1")
+            .bind(id.uuid())
+            .fetch_all(pool)
+            .await
+            .unwrap()
+    };
+    for _ in 0..150 {
+        if addresses().await == ["10.1.0.6"] {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(addresses().await, ["10.1.0.6"]);
+    let changes: Vec<serde_json::Value> = sqlx::query_scalar(
+        "SELECT detail FROM audit_log WHERE action = 'workload.inventory' AND subject = $1 ORDER BY id",
+    )
+    .bind(id.to_string())
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    assert_eq!(changes, [serde_json::json!({"addresses": ["10.1.0.6"]})], "never an empty set in between");
+}
