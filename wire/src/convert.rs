@@ -78,15 +78,6 @@ wire_enum!(GapKind, proto::EvidenceGapKind, "gap kind", {
     UploadRefused <=> UploadRefused,
 });
 
-/// Decodes an enum field, refusing unknown and unspecified values.
-pub fn mode_from_wire(field: &'static str, value: i32) -> Result<Mode, PolicyError> {
-    Mode::from_number(field, value)
-}
-
-pub fn protocol_from_wire(field: &'static str, value: i32) -> Result<Protocol, PolicyError> {
-    Protocol::from_number(field, value)
-}
-
 fn cidrs_to_wire<'a>(cidrs: impl IntoIterator<Item = &'a Cidr>) -> Vec<String> {
     cidrs.into_iter().map(ToString::to_string).collect()
 }
@@ -115,7 +106,7 @@ impl TryFrom<&proto::ResolvedRule> for ResolvedRule {
 
     fn try_from(wire: &proto::ResolvedRule) -> Result<Self, PolicyError> {
         let id = RuleId::parse(&wire.rule_id)?;
-        let protocol = protocol_from_wire("resolved_rule.protocol", wire.protocol)?;
+        let protocol = Protocol::from_number("resolved_rule.protocol", wire.protocol)?;
         if protocol != id.protocol() {
             return Err(PolicyError::ProtocolMismatch {
                 rule: wire.rule_id.clone(),
@@ -143,7 +134,7 @@ impl TryFrom<&proto::WorkloadPolicy> for WorkloadPolicy {
 
     fn try_from(wire: &proto::WorkloadPolicy) -> Result<Self, PolicyError> {
         let rules = wire.inbound_rules.iter().map(ResolvedRule::try_from).collect::<Result<Vec<_>, _>>()?;
-        WorkloadPolicy::new(wire.version, mode_from_wire("policy.mode", wire.mode)?, rules)
+        WorkloadPolicy::new(wire.version, Mode::from_number("policy.mode", wire.mode)?, rules)
     }
 }
 
@@ -197,7 +188,7 @@ impl TryFrom<&proto::DeltaChange> for Change {
                 rule: RuleId::parse(&pc.rule_id)?,
                 peers: cidrs_from_wire(&pc.peer_cidrs)?,
             },
-            W::SetMode(mode) => Change::SetMode(mode_from_wire("delta_change.set_mode", *mode)?),
+            W::SetMode(mode) => Change::SetMode(Mode::from_number("delta_change.set_mode", *mode)?),
         })
     }
 }

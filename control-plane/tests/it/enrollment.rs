@@ -13,6 +13,8 @@ use innerwall_control_plane::service::{self, Running, ServiceConfig};
 use innerwall_control_plane::sync::gateway::GatewayConfig;
 use innerwall_control_plane::testing::{TestDatabase, fresh_database};
 use innerwall_wire::identity::WorkloadId;
+
+use crate::eventually;
 use innerwall_wire::proto::{self, sync_request, sync_response};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
@@ -412,13 +414,8 @@ async fn retired_and_denied_cannot_upload() {
         assert!(err.message().contains(want), "{action}: {err:?}");
         let stored = windows().await;
         // … and that connection ends.
-        for _ in 0..100 {
-            if running.admission.open_connections(id) == 0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        assert_eq!(running.admission.open_connections(id), 0, "{action}: the upload connection ended");
+        let ended = format!("{action}: the upload connection ended");
+        eventually(&ended, async || running.admission.open_connections(id) == 0).await;
         // Through a new connection nothing is stored either.
         let mut again = proto::telemetry_service_client::TelemetryServiceClient::new(
             plane.mutual(&cert, &key).await.unwrap(),
@@ -509,13 +506,7 @@ async fn unauthenticated_clients_are_bounded() {
         .await;
         assert!(ended.is_ok(), "an unauthenticated connection outlived its lifetime");
     }
-    for _ in 0..100 {
-        if admission.connections(Some(attacker)) == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert_eq!(admission.connections(Some(attacker)), 0);
+    eventually("the attacker holds no connection", async || admission.connections(Some(attacker)) == 0).await;
 
     // The agent's stream outlived all of it and still carries updates.
     innerwall_control_plane::testing::add_web_port(&plane.db.pool, 0).await.unwrap();

@@ -6,3 +6,14 @@ mod identity;
 mod postgres;
 mod publish;
 mod sync;
+
+/// Polls `done` every 50 ms for up to 15 s; panics naming `what` if it never holds.
+pub async fn eventually(what: &str, done: impl AsyncFn() -> bool) {
+    for _ in 0..300 {
+        if done().await {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    panic!("never happened: {what}");
+}

@@ -14,6 +14,7 @@ use tokio::sync::mpsc;
 use tonic::transport::Channel;
 
 use crate::enrollment::Plane;
+use crate::eventually;
 
 /// A scripted agent on one stream.
 struct Scripted {
@@ -84,6 +85,16 @@ async fn bump(pool: &PgPool, n: u16) {
     innerwall_control_plane::testing::add_web_port(pool, n).await.unwrap();
 }
 
+/// An enrolled agent whose stream carried its first snapshot (v1) and is SYNCED.
+async fn synced(plane: &Plane) -> (WorkloadId, Scripted) {
+    let (id, channel) = enrolled(plane).await;
+    let mut agent = Scripted::open(channel, 0).await;
+    assert_eq!(agent.update().await, ("snapshot", 1, 1));
+    agent.ack(1, true, "").await;
+    wait_state(&plane.db.pool, id, "SYNCED").await;
+    (id, agent)
+}
+
 async fn enrolled(plane: &Plane) -> (WorkloadId, Channel) {
     let token = plane.mint(&["app=web"], None).await;
     let (id, cert, key) = plane.enroll(&token).await.unwrap();
@@ -94,11 +105,7 @@ async fn enrolled(plane: &Plane) -> (WorkloadId, Channel) {
 async fn recovery_snapshot_does_not_loop() {
     let plane = Plane::start(GatewayConfig::default()).await;
     let pool = &plane.db.pool;
-    let (id, channel) = enrolled(&plane).await;
-    let mut agent = Scripted::open(channel, 0).await;
-    assert_eq!(agent.update().await, ("snapshot", 1, 1));
-    agent.ack(1, true, "").await;
-    wait_state(pool, id, "SYNCED").await;
+    let (id, mut agent) = synced(&plane).await;
 
     // Three versions pipelined without acks; the first fails, the two in flight behind it too.
     for n in 0..3 {
@@ -130,11 +137,7 @@ async fn half_open_stream_goes_offline() {
     let config = GatewayConfig { heartbeat: Duration::from_secs(1), ..Default::default() };
     let plane = Plane::start(config).await;
     let pool = &plane.db.pool;
-    let (id, channel) = enrolled(&plane).await;
-    let mut agent = Scripted::open(channel, 0).await;
-    agent.update().await;
-    agent.ack(1, true, "").await;
-    wait_state(pool, id, "SYNCED").await;
+    let (id, agent) = synced(&plane).await;
     // The agent now neither reads nor heartbeats: the server must not keep it SYNCED forever.
     let started = std::time::Instant::now();
     let (_, _, _, detail) = wait_state(pool, id, "OFFLINE").await;
@@ -310,11 +313,7 @@ async fn two_replicas() {
 async fn listener_loss_reconciles() {
     let plane = Plane::start(GatewayConfig::default()).await;
     let pool = &plane.db.pool;
-    let (id, channel) = enrolled(&plane).await;
-    let mut agent = Scripted::open(channel, 0).await;
-    agent.update().await;
-    agent.ack(1, true, "").await;
-    wait_state(pool, id, "SYNCED").await;
+    let (id, mut agent) = synced(&plane).await;
 
     // Kill the LISTEN connection and change policy while it is down.
     let killed: Vec<bool> = sqlx::query_scalar(
@@ -390,10 +389,7 @@ async fn retire_closes_stream_refuses_renewal_and_leaves_renders() {
 async fn inventory_without_facts_changes_nothing() {
     let plane = Plane::start(GatewayConfig::default()).await;
     let pool = &plane.db.pool;
-    let (id, channel) = enrolled(&plane).await;
-    let mut agent = Scripted::open(channel, 0).await;
-    agent.update().await;
-    agent.ack(1, true, "").await;
+    let (id, agent) = synced(&plane).await;
     let report = |addresses: Option<&[&str]>| {
         let facts = addresses.map(|a| proto::HostFacts {
             interfaces: vec![proto::NetworkInterface {
@@ -420,13 +416,7 @@ async fn inventory_without_facts_changes_nothing() {
             .await
             .unwrap()
     };
-    for _ in 0..150 {
-        if addresses().await == ["10.1.0.6"] {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert_eq!(addresses().await, ["10.1.0.6"]);
+    eventually("the reported address is stored", async || addresses().await == ["10.1.0.6"]).await;
     let changes: Vec<serde_json::Value> = sqlx::query_scalar(
         "SELECT detail FROM audit_log WHERE action = 'workload.inventory' AND subject = $1 ORDER BY id",
     )
