@@ -79,10 +79,16 @@ impl Plane {
     pub async fn mint(&self, labels: &[&str]) -> String {
         let labels: Vec<_> = labels.iter().map(|l| l.parse().unwrap()).collect();
         let mut conn = self.db.pool.acquire().await.unwrap();
-        innerwall_control_plane::identity::tokens::mint(&mut conn, &labels, chrono::Duration::days(1), None)
-            .await
-            .unwrap()
-            .secret
+        innerwall_control_plane::identity::tokens::mint(
+            &mut conn,
+            &labels,
+            chrono::Duration::days(1),
+            None,
+            &[],
+        )
+        .await
+        .unwrap()
+        .secret
     }
 
     /// Enrolls a new agent state directory through the agent's own enrollment path.

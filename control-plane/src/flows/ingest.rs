@@ -48,8 +48,9 @@ async fn resolve(
     let texts: Vec<String> = sources.keys().map(IpAddr::to_string).collect();
     let times: Vec<DateTime<Utc>> = sources.values().copied().collect();
     let mut peers = BTreeMap::new();
-    // One statement over the distinct sources, each parsed once: workload matches first, then
-    // each remaining source's most specific group.
+    // One statement over the distinct sources, each parsed once: workload matches first (only
+    // addresses address trust accepted: standing 1), then each remaining source's most specific
+    // group.
     for row in sqlx::query(
         "WITH s AS MATERIALIZED (SELECT s, at FROM unnest($1::inet[], $2::timestamptz[]) AS t (s, at)),
          w AS MATERIALIZED (
@@ -59,7 +60,8 @@ async fn resolve(
                              ORDER BY h.valid_from DESC, h.label_version DESC LIMIT 1),
                             (SELECT jsonb_object_agg(l.key, l.value) FROM workload_labels l WHERE l.workload_id = w.id),
                             '{}')::text AS labels
-            FROM s JOIN workload_addresses a ON a.address = s.s JOIN workloads w ON w.id = a.workload_id
+            FROM s JOIN workload_addresses a ON a.address = s.s AND a.standing = 1
+                 JOIN workloads w ON w.id = a.workload_id
             WHERE w.retired_at IS NULL)
          SELECT host(s), 1::smallint, key, labels FROM w
          UNION ALL

@@ -87,6 +87,13 @@ impl Enroller {
             .bind(agent_version)
             .execute(&mut *c)
             .await?;
+            // The token's narrowing is the workload's own from now on: revoking or deleting the
+            // token never widens what the workload may claim.
+            sqlx::query("INSERT INTO workload_ranges (workload_id, cidr) SELECT $1, cidr FROM provisioning_token_ranges WHERE token_id = $2")
+                .bind(id.uuid())
+                .bind(token.id)
+                .execute(&mut *c)
+                .await?;
             let labels: Vec<String> = token.labels.iter().map(ToString::to_string).collect();
             let detail = serde_json::json!({"token": token.id, "hostname": hostname, "labels": labels});
             Ok((Enrolled { id, certificate, labels: token.labels }, detail))

@@ -12,11 +12,14 @@ use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use chrono::{DateTime, Utc};
 use innerwall_wire::labels::Label;
+use innerwall_wire::policy::Cidr;
 use ring::digest::{SHA256, digest};
 use ring::rand::{SecureRandom, SystemRandom};
 use serde::Serialize;
 use sqlx::{PgConnection, Row};
 use uuid::Uuid;
+
+use crate::policy::spec::MAX_TOKEN_RANGES;
 
 /// Every token starts with this, so secret scanners can spot a leaked one.
 pub const TOKEN_PREFIX: &str = "iw_";
@@ -208,6 +211,8 @@ pub struct TokenView {
     pub prefix_hint: String,
     /// `k=v`, sorted.
     pub labels: Vec<String>,
+    /// The address ranges workloads it enrolls may claim (empty: the estate ranges alone).
+    pub address_ranges: Vec<String>,
     pub created_at: DateTime<Utc>,
     pub expires_at: DateTime<Utc>,
     pub max_uses: Option<u32>,
@@ -222,6 +227,8 @@ pub struct ConsumedToken {
     pub id: Uuid,
     /// Sorted by key.
     pub labels: Vec<Label>,
+    /// The address ranges the token narrows its workloads to (empty: not narrowed).
+    pub ranges: Vec<Cidr>,
 }
 
 /// Mints a token for `labels`, valid for `ttl` (0 < ttl ≤ 365 days) and at most `max_uses`
@@ -232,6 +239,7 @@ pub async fn mint(
     labels: &[Label],
     ttl: chrono::Duration,
     max_uses: Option<u32>,
+    ranges: &[Cidr],
 ) -> Result<MintedToken, TokenError> {
     if ttl <= chrono::Duration::zero() {
         return Err(TokenError::Invalid(format!("ttl must be positive, got {ttl}")));
@@ -271,6 +279,13 @@ pub async fn mint(
         }
     }
 
+    if ranges.len() > MAX_TOKEN_RANGES {
+        return Err(TokenError::Invalid(format!(
+            "a token names at most {MAX_TOKEN_RANGES} address ranges, got {}",
+            ranges.len()
+        )));
+    }
+
     let secret = TokenSecret::generate()?;
     let id = Uuid::new_v4();
     let expires_at: DateTime<Utc> = sqlx::query_scalar(
@@ -295,6 +310,15 @@ pub async fn mint(
             .execute(&mut *conn)
             .await?;
     }
+    let ranges: Vec<String> = ranges.iter().map(ToString::to_string).collect();
+    sqlx::query(
+        "INSERT INTO provisioning_token_ranges (token_id, cidr) SELECT $1, c::cidr FROM unnest($2::text[]) AS t (c)
+         ON CONFLICT DO NOTHING",
+    )
+    .bind(id)
+    .bind(&ranges)
+    .execute(&mut *conn)
+    .await?;
     Ok(MintedToken { id, prefix_hint: secret.prefix_hint().to_owned(), secret: secret.0, expires_at })
 }
 
@@ -308,6 +332,14 @@ pub async fn list(conn: &mut PgConnection) -> Result<Vec<TokenView>, TokenError>
     {
         let (key, value): (String, String) = (row.get(1), row.get(2));
         labels.entry(row.get(0)).or_default().push(format!("{key}={value}"));
+    }
+    let mut ranges: BTreeMap<Uuid, Vec<String>> = BTreeMap::new();
+    for row in
+        sqlx::query("SELECT token_id, cidr::text FROM provisioning_token_ranges ORDER BY token_id, cidr")
+            .fetch_all(&mut *conn)
+            .await?
+    {
+        ranges.entry(row.get(0)).or_default().push(row.get(1));
     }
     let now: DateTime<Utc> = sqlx::query_scalar("SELECT now()").fetch_one(&mut *conn).await?;
     let rows = sqlx::query(
@@ -327,6 +359,7 @@ pub async fn list(conn: &mut PgConnection) -> Result<Vec<TokenView>, TokenError>
                 id,
                 prefix_hint: hint,
                 labels: labels.remove(&id).unwrap_or_default(),
+                address_ranges: ranges.remove(&id).unwrap_or_default(),
                 created_at: row.get(2),
                 expires_at,
                 max_uses,
@@ -410,11 +443,29 @@ pub async fn consume(
             .map_err(|e| TokenError::Invalid(format!("stored label of token {id} is invalid: {e}")))?;
         labels.push(label);
     }
+    let ranges = token_ranges(conn, id).await?;
     sqlx::query("UPDATE provisioning_tokens SET use_count = use_count + 1 WHERE id = $1")
         .bind(id)
         .execute(&mut *conn)
         .await?;
-    Ok(ConsumedToken { id, labels })
+    Ok(ConsumedToken { id, labels, ranges })
+}
+
+async fn token_ranges(conn: &mut PgConnection, id: Uuid) -> Result<Vec<Cidr>, TokenError> {
+    let texts: Vec<String> = sqlx::query_scalar(
+        "SELECT cidr::text FROM provisioning_token_ranges WHERE token_id = $1 ORDER BY cidr",
+    )
+    .bind(id)
+    .fetch_all(&mut *conn)
+    .await?;
+    texts
+        .iter()
+        .map(|t| {
+            Cidr::parse(t).map_err(|e| {
+                TokenError::Invalid(format!("stored address range of token {id} is invalid: {e}"))
+            })
+        })
+        .collect()
 }
 
 /// Constant-time equality of a stored hash with the presented one. (ring 0.17.14 deprecates its
@@ -442,11 +493,13 @@ pub async fn mint_audited(
     labels: &[Label],
     ttl: chrono::Duration,
     max_uses: Option<u32>,
+    ranges: &[Cidr],
 ) -> Result<MintedToken, crate::error::Error> {
     let mut tx = pool.begin().await?;
-    let minted = mint(&mut tx, labels, ttl, max_uses).await?;
+    let minted = mint(&mut tx, labels, ttl, max_uses, ranges).await?;
     let shown: Vec<String> = labels.iter().map(ToString::to_string).collect();
-    let detail = serde_json::json!({"labels": shown, "expires_at": minted.expires_at, "max_uses": max_uses});
+    let ranges: Vec<String> = ranges.iter().map(ToString::to_string).collect();
+    let detail = serde_json::json!({"labels": shown, "expires_at": minted.expires_at, "max_uses": max_uses, "address_ranges": ranges});
     let subject = minted.id.to_string();
     crate::audit::write(&mut tx, &crate::audit::Record::new(actor, "token.mint", &subject).detail(detail))
         .await?;

@@ -18,8 +18,8 @@ use crate::notice::{self, Notice};
 use crate::policy::model::{ServiceEntry, validate_name};
 use crate::policy::publish::{Changed, publish};
 use crate::policy::spec::{
-    AddressGroupSpec, NewWorkload, PeerRef, RulesetSpec, ServiceSpec, check_label_count, selector_of,
-    validate_ruleset,
+    AddressGroupSpec, NewWorkload, PeerRef, RulesetSpec, ServiceSpec, check_estate_range, check_label_count,
+    selector_of, validate_ruleset,
 };
 use crate::policy::store::selector_to_json;
 use innerwall_wire::convert::WireEnum;
@@ -429,22 +429,79 @@ async fn write_labels(conn: &mut PgConnection, id: WorkloadId, labels: &[Label])
     Ok(())
 }
 
-/// Replaces a workload's addresses (inventory); the caller's commit renders.
+/// Replaces a workload's reported addresses (inventory); the caller's commit renders, which
+/// judges the new ones. Addresses kept keep their standing, so only real changes are audited.
 pub async fn set_addresses(
     conn: &mut PgConnection,
     id: WorkloadId,
     addresses: &BTreeSet<IpAddr>,
 ) -> Result<(), Error> {
-    sqlx::query("DELETE FROM workload_addresses WHERE workload_id = $1")
-        .bind(id.uuid())
-        .execute(&mut *conn)
-        .await?;
     let texts: Vec<String> = addresses.iter().map(ToString::to_string).collect();
-    sqlx::query("INSERT INTO workload_addresses (workload_id, address) SELECT $1, a::inet FROM unnest($2::text[]) AS t (a)")
+    sqlx::query(
+        "DELETE FROM workload_addresses WHERE workload_id = $1 AND NOT (address = ANY($2::text[]::inet[]))",
+    )
+    .bind(id.uuid())
+    .bind(&texts)
+    .execute(&mut *conn)
+    .await?;
+    sqlx::query(
+        "INSERT INTO workload_addresses (workload_id, address) SELECT $1, a::inet FROM unnest($2::text[]) AS t (a)
+         ON CONFLICT (workload_id, address) DO NOTHING",
+    )
+    .bind(id.uuid())
+    .bind(&texts)
+    .execute(&mut *conn)
+    .await?;
+    sqlx::query("UPDATE workloads SET addresses_changed_at = now() WHERE id = $1")
         .bind(id.uuid())
-        .bind(&texts)
         .execute(&mut *conn)
         .await?;
+    Ok(())
+}
+
+/// Drops one workload's claim to an address (an operator resolving a conflict, or forgetting
+/// an address a host no longer has); the host's next inventory report claims it again if it
+/// still has it.
+pub async fn release_address(conn: &mut PgConnection, id: WorkloadId, address: IpAddr) -> Result<(), Error> {
+    let done = sqlx::query("DELETE FROM workload_addresses WHERE workload_id = $1 AND address = $2::inet")
+        .bind(id.uuid())
+        .bind(address.to_string())
+        .execute(&mut *conn)
+        .await?;
+    if done.rows_affected() == 0 {
+        return Err(Error::NotFound { what: "address claim", name: format!("{address} of workload {id}") });
+    }
+    Ok(())
+}
+
+// ---- estate ranges ------------------------------------------------------------------------
+
+/// Adds an estate range (addresses in it may be rendered as workload peers).
+pub async fn add_estate_range(conn: &mut PgConnection, range: Cidr, description: &str) -> Result<(), Error> {
+    let count: i64 = sqlx::query_scalar("SELECT count(*) FROM estate_ranges").fetch_one(&mut *conn).await?;
+    check_estate_range(count as usize, description)?;
+    let done = sqlx::query(
+        "INSERT INTO estate_ranges (cidr, description) VALUES ($1::cidr, $2) ON CONFLICT (cidr) DO NOTHING",
+    )
+    .bind(range.to_string())
+    .bind(description)
+    .execute(&mut *conn)
+    .await?;
+    if done.rows_affected() == 0 {
+        return Err(Error::Exists { what: "estate range", name: range.to_string() });
+    }
+    Ok(())
+}
+
+/// Removes an estate range; addresses only it admitted stop being rendered.
+pub async fn remove_estate_range(conn: &mut PgConnection, range: Cidr) -> Result<(), Error> {
+    let done = sqlx::query("DELETE FROM estate_ranges WHERE cidr = $1::cidr")
+        .bind(range.to_string())
+        .execute(&mut *conn)
+        .await?;
+    if done.rows_affected() == 0 {
+        return Err(Error::NotFound { what: "estate range", name: range.to_string() });
+    }
     Ok(())
 }
 

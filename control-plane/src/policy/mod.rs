@@ -1,6 +1,7 @@
 //! Policy: the authored model and every mutation of it, the pure renderer, and the publish
 //! transaction that versions and announces what changed (POL-1..POL-8).
 
+pub mod addresses;
 pub mod authoring;
 pub mod model;
 pub mod publish;

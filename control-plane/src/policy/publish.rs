@@ -10,8 +10,11 @@ use innerwall_wire::policy::{Version, WorkloadPolicy, diff};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
+use crate::audit;
 use crate::error::Error;
 use crate::notice::{self, Notice};
+use crate::policy::addresses::{self, Standing};
+use crate::policy::model::RegisteredWorkload;
 use crate::policy::render::render;
 use crate::policy::store;
 
@@ -45,6 +48,7 @@ pub async fn publish(conn: &mut PgConnection) -> Result<Vec<Changed>, Error> {
     sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(RENDER_LOCK_KEY).execute(&mut *conn).await?;
     let model = store::load_model(conn).await?;
     let registry = store::load_registry(conn).await?;
+    let registry = judge_addresses(conn, registry).await?;
     let rendered = render(&model, &registry)?;
     let persisted = store::load_persisted_policies(conn).await?;
     let next: BTreeMap<WorkloadId, WorkloadPolicy> = rendered
@@ -80,6 +84,49 @@ pub async fn publish(conn: &mut PgConnection) -> Result<Vec<Changed>, Error> {
     let notices: Vec<Notice> = next.iter().map(|(id, p)| Notice::Policy(*id, p.version())).collect();
     notice::publish(conn, &notices).await?;
     Ok(next.iter().map(|(id, p)| Changed { workload: *id, version: p.version() }).collect())
+}
+
+/// Address trust: judges every live workload's reported addresses, stores the standings that
+/// changed (auditing each workload whose addresses were refused, came into conflict, or were
+/// accepted again), and returns the workloads with only their accepted addresses, to render.
+async fn judge_addresses(
+    conn: &mut PgConnection,
+    registry: store::Registry,
+) -> Result<Vec<RegisteredWorkload>, Error> {
+    let claims = registry.workloads.iter().map(|w| addresses::Claim {
+        workload: w.id,
+        addresses: &w.addresses,
+        narrowed_to: registry.narrowed.get(&w.id).map_or(&[], Vec::as_slice),
+    });
+    let standings = addresses::judge(&registry.estate, claims);
+    let changes = addresses::changes(&registry.stored, &standings);
+    store::save_standings(conn, &changes).await?;
+    let conflicts = addresses::conflicts(&standings);
+    let mut noteworthy: BTreeMap<WorkloadId, Vec<serde_json::Value>> = BTreeMap::new();
+    for &(w, address, standing) in &changes {
+        let before = registry.stored.get(&(w, address)).copied().flatten();
+        // A new address that is accepted is recorded by the change that reported it.
+        if standing == Standing::Accepted && before.is_none() {
+            continue;
+        }
+        let mut entry = serde_json::json!({"address": address.to_string(), "standing": standing.name()});
+        if let Some(others) = conflicts.get(&address) {
+            let others: Vec<String> = others.iter().filter(|o| **o != w).map(ToString::to_string).collect();
+            entry["also_claimed_by"] = serde_json::json!(others);
+        }
+        noteworthy.entry(w).or_default().push(entry);
+    }
+    for (w, entries) in noteworthy {
+        let subject = w.to_string();
+        let record = audit::Record::new("control-plane", "workload.address-standing", &subject)
+            .detail(serde_json::json!({"addresses": entries}));
+        audit::write(conn, &record).await?;
+    }
+    Ok(registry
+        .workloads
+        .into_iter()
+        .map(|w| RegisteredWorkload { addresses: addresses::accepted(&standings, w.id), ..w })
+        .collect())
 }
 
 #[cfg(test)]

@@ -25,6 +25,10 @@ pub const MAX_SERVICES_PER_RULE: usize = 50;
 pub const MAX_SELECTOR_KEYS: usize = 16;
 pub const MAX_SELECTOR_VALUES: usize = 64;
 pub const MAX_LABELS: usize = 64;
+/// Estate ranges: every render checks each reported address against each.
+pub const MAX_ESTATE_RANGES: usize = 1_024;
+/// Ranges one provisioning token narrows its workloads to.
+pub const MAX_TOKEN_RANGES: usize = 64;
 /// The largest ruleset file the CLI reads.
 pub const MAX_RULESET_FILE: u64 = 1024 * 1024;
 
@@ -43,6 +47,17 @@ fn selector_size(what: &str, map: &BTreeMap<String, Vec<String>>) -> Result<(), 
     at_most(&format!("{what}: selector keys"), map.len(), MAX_SELECTOR_KEYS)?;
     map.iter()
         .try_for_each(|(k, v)| at_most(&format!("{what}: values of {k:?}"), v.len(), MAX_SELECTOR_VALUES))
+}
+
+/// An estate range's description, and room for one more range beside `existing`.
+pub fn check_estate_range(existing: usize, text: &str) -> Result<(), Error> {
+    description("estate range", text)?;
+    at_most("estate ranges", existing + 1, MAX_ESTATE_RANGES)
+}
+
+/// A token's address ranges.
+pub fn check_token_ranges(count: usize) -> Result<(), Error> {
+    at_most("token address ranges", count, MAX_TOKEN_RANGES)
 }
 
 /// Label sets (a token's, a workload's after an edit) are bounded.

@@ -14,6 +14,7 @@ use sqlx::{PgConnection, Row};
 use uuid::Uuid;
 
 use crate::error::Error;
+use crate::policy::addresses::Standing;
 use crate::policy::model::{
     AddressGroup, AuthoredModel, ModelError, Peer, RegisteredWorkload, Rule, Ruleset, Selector, Service,
     ServiceEntry,
@@ -161,8 +162,21 @@ pub async fn load_model(conn: &mut PgConnection) -> Result<AuthoredModel, Error>
     Ok(model)
 }
 
-/// Every live (not retired) workload with its labels and addresses, in id order.
-pub async fn load_registry(conn: &mut PgConnection) -> Result<Vec<RegisteredWorkload>, Error> {
+/// What a render reads about the registry: every live workload with its labels and every
+/// address it reported (accepted or not), and what address trust needs to judge those.
+#[derive(Debug, Clone, Default)]
+pub struct Registry {
+    /// Live (not retired, not deny-listed) workloads in id order.
+    pub workloads: Vec<RegisteredWorkload>,
+    /// The ranges each workload's enrolling token narrowed it to; absent: not narrowed.
+    pub narrowed: BTreeMap<WorkloadId, Vec<Cidr>>,
+    /// The estate's workload address ranges.
+    pub estate: Vec<Cidr>,
+    /// The standing each live workload's address has in the database (`None`: not judged yet).
+    pub stored: BTreeMap<(WorkloadId, IpAddr), Option<Standing>>,
+}
+
+pub async fn load_registry(conn: &mut PgConnection) -> Result<Registry, Error> {
     let mut labels: BTreeMap<Uuid, BTreeMap<LabelKey, LabelValue>> = BTreeMap::new();
     for row in
         sqlx::query("SELECT workload_id, key, value FROM workload_labels").fetch_all(&mut *conn).await?
@@ -175,20 +189,37 @@ pub async fn load_registry(conn: &mut PgConnection) -> Result<Vec<RegisteredWork
         );
     }
     let mut addresses: BTreeMap<Uuid, BTreeSet<IpAddr>> = BTreeMap::new();
-    for row in
-        sqlx::query("SELECT workload_id, host(address) FROM workload_addresses").fetch_all(&mut *conn).await?
+    let mut standings = BTreeMap::new();
+    for row in sqlx::query("SELECT workload_id, host(address), standing FROM workload_addresses")
+        .fetch_all(&mut *conn)
+        .await?
     {
         let text: String = row.get(1);
         let ip =
             text.parse().map_err(|_| Error::Corrupt { what: "workload address", detail: text.clone() })?;
+        let standing = row.get::<Option<i16>, _>(2).map(stored_standing).transpose()?;
+        standings.insert((workload_id(row.get(0))?, ip), standing);
         addresses.entry(row.get(0)).or_default().insert(ip);
     }
+    let mut narrowed: BTreeMap<WorkloadId, Vec<Cidr>> = BTreeMap::new();
+    for row in
+        sqlx::query("SELECT workload_id, cidr::text FROM workload_ranges").fetch_all(&mut *conn).await?
+    {
+        narrowed.entry(workload_id(row.get(0))?).or_default().push(stored_cidr(row.get(1))?);
+    }
+    let estate = sqlx::query_scalar::<_, String>("SELECT cidr::text FROM estate_ranges ORDER BY cidr")
+        .fetch_all(&mut *conn)
+        .await?
+        .into_iter()
+        .map(stored_cidr)
+        .collect::<Result<_, _>>()?;
     let rows = sqlx::query(
         "SELECT id, mode FROM workloads WHERE retired_at IS NULL AND denied_at IS NULL ORDER BY id",
     )
     .fetch_all(&mut *conn)
     .await?;
-    rows.into_iter()
+    let workloads = rows
+        .into_iter()
         .map(|row| {
             let uuid: Uuid = row.get(0);
             Ok(RegisteredWorkload {
@@ -198,7 +229,42 @@ pub async fn load_registry(conn: &mut PgConnection) -> Result<Vec<RegisteredWork
                 addresses: addresses.remove(&uuid).unwrap_or_default(),
             })
         })
-        .collect()
+        .collect::<Result<Vec<_>, Error>>()?;
+    // Claims of retired and deny-listed workloads are not judged: they are not rendered.
+    standings.retain(|(w, _), _| workloads.binary_search_by_key(w, |l| l.id).is_ok());
+    Ok(Registry { workloads, narrowed, estate, stored: standings })
+}
+
+fn stored_cidr(text: String) -> Result<Cidr, Error> {
+    Cidr::parse(&text).map_err(|_| Error::Corrupt { what: "address range", detail: text })
+}
+
+fn stored_standing(code: i16) -> Result<Standing, Error> {
+    Standing::from_code(code).ok_or(Error::Corrupt { what: "address standing", detail: code.to_string() })
+}
+
+/// Writes the standings that changed in a render.
+pub async fn save_standings(
+    conn: &mut PgConnection,
+    changes: &[(WorkloadId, IpAddr, Standing)],
+) -> Result<(), Error> {
+    if changes.is_empty() {
+        return Ok(());
+    }
+    let ids: Vec<Uuid> = changes.iter().map(|(w, _, _)| w.uuid()).collect();
+    let addresses: Vec<String> = changes.iter().map(|(_, a, _)| a.to_string()).collect();
+    let codes: Vec<i16> = changes.iter().map(|(_, _, s)| s.code()).collect();
+    sqlx::query(
+        "UPDATE workload_addresses AS a SET standing = t.s
+         FROM unnest($1::uuid[], $2::text[], $3::smallint[]) AS t (w, addr, s)
+         WHERE a.workload_id = t.w AND a.address = t.addr::inet",
+    )
+    .bind(&ids)
+    .bind(&addresses)
+    .bind(&codes)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
 }
 
 fn workload_id(uuid: Uuid) -> Result<WorkloadId, Error> {
@@ -383,9 +449,98 @@ pub struct WorkloadView {
     pub mode: String,
     pub labels: BTreeMap<String, String>,
     pub label_version: i64,
-    pub addresses: Vec<String>,
+    /// Every address the workload reported, with its standing.
+    pub addresses: Vec<AddressView>,
+    /// The ranges its enrolling token narrowed it to (empty: the estate ranges alone).
+    pub address_ranges: Vec<String>,
     pub policy_version: Option<i64>,
     pub retired: bool,
+}
+
+/// One reported address and whether it is rendered into peer sets (address trust).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct AddressView {
+    pub address: String,
+    /// `accepted`, `outside-estate-ranges`, `outside-token-ranges`, `conflict`; `pending` until
+    /// the next render judges it; `retired` for a retired or deny-listed workload.
+    pub standing: &'static str,
+    /// Why it is not rendered; absent when it is.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<&'static str>,
+    /// For a conflict: the other live workloads that claim it.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub also_claimed_by: Vec<String>,
+}
+
+impl AddressView {
+    pub fn accepted(&self) -> bool {
+        self.standing == Standing::Accepted.name()
+    }
+
+    /// `address`, or `address (standing[, with id…])` when it is not rendered.
+    pub fn brief(&self) -> String {
+        if self.accepted() {
+            return self.address.clone();
+        }
+        let with: Vec<&str> = self.also_claimed_by.iter().map(|id| id.get(..8).unwrap_or(id)).collect();
+        match with.is_empty() {
+            true => format!("{} ({})", self.address, self.standing),
+            false => format!("{} ({} with {})", self.address, self.standing, with.join(", ")),
+        }
+    }
+}
+
+/// Every reported address of one workload (or all), with its standing, by workload.
+pub async fn address_views(
+    conn: &mut PgConnection,
+    only: Option<WorkloadId>,
+) -> Result<BTreeMap<Uuid, Vec<AddressView>>, Error> {
+    let rows = sqlx::query(
+        "SELECT a.workload_id, host(a.address), a.standing, w.retired_at IS NOT NULL OR w.denied_at IS NOT NULL,
+                array_remove(array_agg(b.workload_id::text ORDER BY b.workload_id), NULL)
+         FROM workload_addresses a
+         JOIN workloads w ON w.id = a.workload_id
+         LEFT JOIN workload_addresses b
+                ON b.address = a.address AND b.workload_id <> a.workload_id AND a.standing = $2 AND b.standing = $2
+         WHERE $1::uuid IS NULL OR a.workload_id = $1
+         GROUP BY a.workload_id, a.address, a.standing, w.retired_at, w.denied_at
+         ORDER BY a.workload_id, a.address",
+    )
+    .bind(only.map(|id| id.uuid()))
+    .bind(Standing::Conflict.code())
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut out: BTreeMap<Uuid, Vec<AddressView>> = BTreeMap::new();
+    for row in rows {
+        let standing = row.get::<Option<i16>, _>(2).map(stored_standing).transpose()?;
+        let (standing, reason) = match (row.get::<bool, _>(3), standing) {
+            (true, _) => ("retired", Some("the workload is retired or deny-listed")),
+            (false, None) => ("pending", Some("not judged yet; the next render judges it")),
+            (false, Some(Standing::Accepted)) => (Standing::Accepted.name(), None),
+            (false, Some(s)) => (s.name(), Some(s.reason())),
+        };
+        out.entry(row.get(0)).or_default().push(AddressView {
+            address: row.get(1),
+            standing,
+            reason,
+            also_claimed_by: row.get(4),
+        });
+    }
+    Ok(out)
+}
+
+/// One estate range (address trust): addresses in it may be rendered as workload peers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
+pub struct EstateRangeView {
+    pub cidr: String,
+    pub description: String,
+    pub created_at: chrono::DateTime<chrono::Utc>,
+}
+
+pub async fn list_estate_ranges(conn: &mut PgConnection) -> Result<Vec<EstateRangeView>, Error> {
+    Ok(sqlx::query_as("SELECT cidr::text AS cidr, description, created_at FROM estate_ranges ORDER BY cidr")
+        .fetch_all(&mut *conn)
+        .await?)
 }
 
 pub async fn list_workloads(
@@ -398,12 +553,13 @@ pub async fn list_workloads(
     {
         labels.entry(row.get(0)).or_default().insert(row.get(1), row.get(2));
     }
-    let mut addresses: BTreeMap<Uuid, Vec<String>> = BTreeMap::new();
-    for row in sqlx::query("SELECT workload_id, host(address) FROM workload_addresses ORDER BY address")
+    let mut addresses = address_views(conn, only).await?;
+    let mut ranges: BTreeMap<Uuid, Vec<String>> = BTreeMap::new();
+    for row in sqlx::query("SELECT workload_id, cidr::text FROM workload_ranges ORDER BY workload_id, cidr")
         .fetch_all(&mut *conn)
         .await?
     {
-        addresses.entry(row.get(0)).or_default().push(row.get(1));
+        ranges.entry(row.get(0)).or_default().push(row.get(1));
     }
     let rows = sqlx::query(
         "SELECT w.id, w.hostname, w.mode, w.label_version, p.version, w.retired_at IS NOT NULL
@@ -423,6 +579,7 @@ pub async fn list_workloads(
                 labels: labels.remove(&id).unwrap_or_default(),
                 label_version: row.get(3),
                 addresses: addresses.remove(&id).unwrap_or_default(),
+                address_ranges: ranges.remove(&id).unwrap_or_default(),
                 policy_version: row.get(4),
                 retired: row.get(5),
             })
@@ -444,6 +601,9 @@ pub struct SyncStatusView {
     pub last_acked_at: Option<chrono::DateTime<chrono::Utc>>,
     pub last_snapshot_sent_at: Option<chrono::DateTime<chrono::Utc>>,
     pub last_apply_failed_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// Reported addresses that are not rendered, with the reason (address trust).
+    #[sqlx(skip)]
+    pub address_issues: Vec<AddressView>,
 }
 
 /// A sync state as its name (`PENDING`, `SYNCED`, `DEGRADED`, `OFFLINE`).
@@ -470,7 +630,7 @@ pub async fn sync_status(
     conn: &mut PgConnection,
     only: Option<WorkloadId>,
 ) -> Result<Vec<SyncStatusView>, Error> {
-    Ok(sqlx::query_as(
+    let mut views: Vec<SyncStatusView> = sqlx::query_as(
         "SELECT w.id, w.hostname, w.applied_version, p.version AS latest_version, w.sync_state AS state,
                 w.sync_detail AS detail, w.last_seen_at, w.last_acked_at, w.last_snapshot_sent_at,
                 w.last_apply_failed_at
@@ -480,5 +640,11 @@ pub async fn sync_status(
     )
     .bind(only.map(|id| id.uuid()))
     .fetch_all(&mut *conn)
-    .await?)
+    .await?;
+    let mut addresses = address_views(conn, only).await?;
+    for view in &mut views {
+        view.address_issues =
+            addresses.remove(&view.id).unwrap_or_default().into_iter().filter(|a| !a.accepted()).collect();
+    }
+    Ok(views)
 }

@@ -30,6 +30,10 @@ use crate::sync::session::{Ack, Action, Record, Session, SyncState, Update};
 pub struct GatewayConfig {
     pub heartbeat: Duration,
     pub inventory: Duration,
+    /// At most one inventory-driven address change per workload renders per interval; reports
+    /// in between coalesce into the latest (checked in the database, so reconnecting or a
+    /// second stream does not reset it).
+    pub inventory_min_interval: Duration,
     pub flow_window: Duration,
     pub flow_window_max_keys: u32,
     /// Updates queued towards one agent before the stream task waits (and coalesces).
@@ -41,6 +45,7 @@ impl Default for GatewayConfig {
         GatewayConfig {
             heartbeat: Duration::from_secs(30),
             inventory: Duration::from_secs(300),
+            inventory_min_interval: Duration::from_secs(5),
             flow_window: Duration::from_secs(60),
             flow_window_max_keys: 10_000,
             outbound_queue: 8,
@@ -319,8 +324,16 @@ impl StreamTask {
         if let Err(e) = self.execute(actions).await {
             return e;
         }
+        let mut inventory = Pending::default();
         loop {
+            let due = inventory.due;
             let event = tokio::select! {
+                () = sleep_until_due(due) => {
+                    if let Err(e) = self.apply_inventory(&mut inventory).await {
+                        return Ended::refused(Status::from(e));
+                    }
+                    continue;
+                }
                 msg = tokio::time::timeout(liveness, inbound.message()) => match msg {
                     Err(_) => return Ended::offline("silent for three heartbeat intervals"),
                     Ok(Ok(Some(req))) => Some(req),
@@ -348,7 +361,7 @@ impl StreamTask {
             };
             let result = match event {
                 None => self.catch_up(&mut session).await,
-                Some(req) => self.handle(&mut session, req).await,
+                Some(req) => self.handle(&mut session, &mut inventory, req).await,
             };
             if let Err(e) = result {
                 return e;
@@ -368,7 +381,12 @@ impl StreamTask {
         }
     }
 
-    async fn handle(&self, session: &mut Session, req: proto::SyncRequest) -> Result<(), Ended> {
+    async fn handle(
+        &self,
+        session: &mut Session,
+        inventory: &mut Pending,
+        req: proto::SyncRequest,
+    ) -> Result<(), Ended> {
         use sync_request::Msg;
         match req.msg {
             Some(Msg::Ack(a)) => {
@@ -386,7 +404,14 @@ impl StreamTask {
             }
             Some(Msg::Heartbeat(h)) => self.heartbeat(&h).await.map_err(|e| Ended::refused(Status::from(e))),
             Some(Msg::Inventory(inv)) => {
-                self.inventory(&inv).await.map_err(|e| Ended::refused(Status::from(e)))
+                // A report without facts (the agent could not list its interfaces) says nothing
+                // about addresses: the last known set stands, it never becomes "no addresses".
+                if let Some(facts) = &inv.facts {
+                    let addresses = crate::policy::spec::routable_addresses(facts)
+                        .map_err(|e| Ended::refused(Status::from(e)))?;
+                    inventory.report(addresses);
+                }
+                Ok(())
             }
             Some(Msg::Hello(_)) => {
                 Err(Ended::refused(Status::invalid_argument("Hello may only open a stream")))
@@ -444,11 +469,27 @@ impl StreamTask {
         Ok(())
     }
 
-    async fn inventory(&self, inv: &proto::InventoryReport) -> Result<(), Error> {
-        // A report without facts (the agent could not list its interfaces) says nothing about
-        // addresses: the last known set stands, it never becomes "no addresses".
-        let Some(facts) = &inv.facts else { return Ok(()) };
-        let addresses = crate::policy::spec::routable_addresses(facts)?;
+    /// Applies the latest pending inventory report, unless this workload's addresses changed
+    /// less than the minimum interval ago (on any stream or replica): then it waits until then.
+    async fn apply_inventory(&self, inventory: &mut Pending) -> Result<(), Error> {
+        let Some(addresses) = inventory.addresses.take() else {
+            inventory.due = None;
+            return Ok(());
+        };
+        let wait: Option<f64> = sqlx::query_scalar(
+            "SELECT EXTRACT(EPOCH FROM addresses_changed_at + make_interval(secs => $2) - now())::float8
+             FROM workloads WHERE id = $1",
+        )
+        .bind(self.id.uuid())
+        .bind(self.config().inventory_min_interval.as_secs_f64())
+        .fetch_one(self.pool())
+        .await?;
+        if let Some(wait) = wait.filter(|w| *w > 0.0) {
+            inventory.addresses = Some(addresses);
+            inventory.due = Some(tokio::time::Instant::now() + Duration::from_secs_f64(wait));
+            return Ok(());
+        }
+        inventory.due = None;
         let current: Vec<String> = sqlx::query_scalar(
             "SELECT host(address) FROM workload_addresses WHERE workload_id = $1 ORDER BY 1",
         )
@@ -460,7 +501,8 @@ impl StreamTask {
         if current == addresses {
             return Ok(());
         }
-        // A change of addresses changes peer sets: it renders like any other change (POL-4).
+        // A change of addresses changes peer sets: it renders like any other change (POL-4),
+        // and the render judges the new addresses (address trust).
         let id = self.id;
         crate::policy::authoring::commit(
             self.pool(),
@@ -481,6 +523,29 @@ impl StreamTask {
         let (actor, subject) = (format!("workload:{}", self.id), self.id.to_string());
         let mut conn = self.pool().acquire().await?;
         audit::write(&mut conn, &audit::Record::new(&actor, action, &subject).detail(detail)).await
+    }
+}
+
+/// The latest inventory report not yet applied, and when to apply it (coalescing, issue 11).
+#[derive(Debug, Default)]
+struct Pending {
+    addresses: Option<std::collections::BTreeSet<std::net::IpAddr>>,
+    due: Option<tokio::time::Instant>,
+}
+
+impl Pending {
+    /// The latest report replaces any earlier pending one; the first is due at once (the
+    /// database decides whether it must wait).
+    fn report(&mut self, addresses: std::collections::BTreeSet<std::net::IpAddr>) {
+        self.addresses = Some(addresses);
+        self.due.get_or_insert_with(tokio::time::Instant::now);
+    }
+}
+
+async fn sleep_until_due(due: Option<tokio::time::Instant>) {
+    match due {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 

@@ -63,7 +63,7 @@ impl Plane {
     pub async fn mint(&self, labels: &[&str], max_uses: Option<u32>) -> String {
         let labels: Vec<_> = labels.iter().map(|l| l.parse().unwrap()).collect();
         let mut conn = self.db.pool.acquire().await.unwrap();
-        tokens::mint(&mut conn, &labels, chrono::Duration::days(1), max_uses).await.unwrap().secret
+        tokens::mint(&mut conn, &labels, chrono::Duration::days(1), max_uses, &[]).await.unwrap().secret
     }
 
     async fn channel(&self, tls: ClientTlsConfig) -> Result<Channel, tonic::transport::Error> {

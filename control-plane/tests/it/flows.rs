@@ -182,6 +182,13 @@ struct Stored {
 async fn ingest_stores_records_resolved_and_totals_summed() {
     let db = fresh_database().await.unwrap();
     let id = register(&db.pool, &["app=db"], &[]).await;
+    // A public (documentation) range is a workload range only once an operator says so.
+    authoring::commit(&db.pool, "test", "estate-range.add", "2001:db8::/32", async |c| {
+        authoring::add_estate_range(c, innerwall_wire::policy::Cidr::parse("2001:db8::/32")?, "").await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await
+    .unwrap();
     let peer = register(&db.pool, &["app=web", "env=prod"], &["10.9.0.7", "2001:db8::7"]).await;
     group(&db.pool, "corp", "10.8.0.0/16").await;
     group(&db.pool, "office", "10.8.1.0/24").await;

@@ -475,12 +475,13 @@ async fn token_rejections_are_distinct_in_store() -> anyhow::Result<()> {
     let day = chrono::Duration::days(1);
 
     let minted_labels = labels(&["tier=web", "app=checkout", "k8s.io/env=prod"]);
-    let limited = tokens::mint(&mut conn, &minted_labels, day, Some(2)).await?;
+    let limited = tokens::mint(&mut conn, &minted_labels, day, Some(2), &[]).await?;
     assert!(limited.secret.starts_with("iw_") && limited.secret.len() == 46);
     assert_eq!(limited.prefix_hint, limited.secret[3..9]);
     assert!(!format!("{limited:?}").contains(&limited.secret), "Debug must not show the secret");
-    let short = tokens::mint(&mut conn, &labels(&["app=batch"]), chrono::Duration::hours(1), None).await?;
-    let revoked = tokens::mint(&mut conn, &labels(&["app=old"]), day, None).await?;
+    let short =
+        tokens::mint(&mut conn, &labels(&["app=batch"]), chrono::Duration::hours(1), None, &[]).await?;
+    let revoked = tokens::mint(&mut conn, &labels(&["app=old"]), day, None, &[]).await?;
     tokens::revoke(&mut conn, revoked.id).await?;
 
     // The secret is stored only as a hash.
@@ -580,14 +581,14 @@ async fn token_rejections_are_distinct_in_store() -> anyhow::Result<()> {
     let before = snapshot(&mut conn).await;
     let app = labels(&["app=x"]);
     let refusals = [
-        (tokens::mint(&mut conn, &app, chrono::Duration::zero(), None).await, "ttl must be positive"),
-        (tokens::mint(&mut conn, &app, chrono::Duration::days(366), None).await, "at most 365 days"),
-        (tokens::mint(&mut conn, &app, day, Some(0)).await, "max uses must be at least 1"),
+        (tokens::mint(&mut conn, &app, chrono::Duration::zero(), None, &[]).await, "ttl must be positive"),
+        (tokens::mint(&mut conn, &app, chrono::Duration::days(366), None, &[]).await, "at most 365 days"),
+        (tokens::mint(&mut conn, &app, day, Some(0), &[]).await, "max uses must be at least 1"),
         (
-            tokens::mint(&mut conn, &labels(&["app=x", "app=y"]), day, None).await,
+            tokens::mint(&mut conn, &labels(&["app=x", "app=y"]), day, None, &[]).await,
             "\"app\" is given more than once",
         ),
-        (tokens::mint(&mut conn, &[], day, None).await, "at least one label"),
+        (tokens::mint(&mut conn, &[], day, None, &[]).await, "at least one label"),
     ];
     for (result, want) in refusals {
         let err = result.unwrap_err();
@@ -595,7 +596,7 @@ async fn token_rejections_are_distinct_in_store() -> anyhow::Result<()> {
         assert!(err.to_string().contains(want), "{err} lacks {want:?}");
     }
     assert_eq!(snapshot(&mut conn).await, before);
-    tokens::mint(&mut conn, &app, chrono::Duration::days(365), Some(1)).await?;
+    tokens::mint(&mut conn, &app, chrono::Duration::days(365), Some(1), &[]).await?;
     Ok(())
 }
 
@@ -603,7 +604,8 @@ async fn token_rejections_are_distinct_in_store() -> anyhow::Result<()> {
 async fn token_use_limit_holds_under_concurrent_enrollment() -> anyhow::Result<()> {
     let db = fresh_database().await?;
     let mut conn = db.pool.acquire().await?;
-    let once = tokens::mint(&mut conn, &labels(&["app=web"]), chrono::Duration::days(1), Some(1)).await?;
+    let once =
+        tokens::mint(&mut conn, &labels(&["app=web"]), chrono::Duration::days(1), Some(1), &[]).await?;
     let now = Utc::now();
 
     // The first enrollment holds the row until it commits; the second waits, then sees it used up.

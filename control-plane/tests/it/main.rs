@@ -1,5 +1,6 @@
 //! The control plane's integration tests: one binary, one module per area.
 
+mod addresses;
 mod enrollment;
 mod flows;
 mod identity;

@@ -17,13 +17,13 @@ use crate::enrollment::Plane;
 use crate::eventually;
 
 /// A scripted agent on one stream.
-struct Scripted {
-    tx: mpsc::Sender<proto::SyncRequest>,
-    inbound: tonic::Streaming<proto::SyncResponse>,
+pub struct Scripted {
+    pub tx: mpsc::Sender<proto::SyncRequest>,
+    pub inbound: tonic::Streaming<proto::SyncResponse>,
 }
 
 impl Scripted {
-    async fn open(channel: Channel, applied: u64) -> Scripted {
+    pub async fn open(channel: Channel, applied: u64) -> Scripted {
         let (tx, rx) = mpsc::channel(16);
         let hello = proto::Hello { applied_version: applied, agent: None, facts: None };
         tx.send(proto::SyncRequest { msg: Some(sync_request::Msg::Hello(hello)) }).await.unwrap();
@@ -35,7 +35,7 @@ impl Scripted {
         s
     }
 
-    async fn next(&mut self) -> Option<sync_response::Msg> {
+    pub async fn next(&mut self) -> Option<sync_response::Msg> {
         tokio::time::timeout(Duration::from_secs(15), self.inbound.message())
             .await
             .expect("nothing arrived within 15 s")
@@ -45,7 +45,7 @@ impl Scripted {
     }
 
     /// The next update as ("snapshot" | "delta", from, to).
-    async fn update(&mut self) -> (&'static str, u64, u64) {
+    pub async fn update(&mut self) -> (&'static str, u64, u64) {
         match self.next().await {
             Some(sync_response::Msg::Snapshot(s)) => {
                 let v = s.policy.unwrap().version;
@@ -56,7 +56,7 @@ impl Scripted {
         }
     }
 
-    async fn ack(&self, version: u64, applied: bool, detail: &str) {
+    pub async fn ack(&self, version: u64, applied: bool, detail: &str) {
         let status = if applied { proto::AckStatus::Applied } else { proto::AckStatus::Failed };
         let ack = proto::PolicyAck { version, status: status.into(), detail: detail.into() };
         self.tx.send(proto::SyncRequest { msg: Some(sync_request::Msg::Ack(ack)) }).await.unwrap();
@@ -336,7 +336,8 @@ async fn retire_closes_stream_refuses_renewal_and_leaves_renders() {
     let plane = Plane::start(GatewayConfig::default()).await;
     let pool = &plane.db.pool;
     let db_token = plane.mint(&["app=db"], None).await;
-    let (db, _, _) = plane.enroll(&db_token).await.unwrap();
+    // Its own address: one claimed by two workloads would be rendered for neither.
+    let (db, _, _) = plane.enroll_reporting(&db_token, &["10.1.0.4/24"]).await.unwrap();
     let token = plane.mint(&["app=web"], None).await;
     let (id, cert, key) = plane.enroll(&token).await.unwrap();
     let channel = plane.mutual(&cert, &key).await.unwrap();

@@ -6,6 +6,7 @@
 mod ca;
 mod ctx;
 mod duration;
+mod estate;
 mod flows;
 mod output;
 mod policy;
@@ -77,6 +78,9 @@ enum Command {
         mut_subcommand("show", |c| c.about("Print in the file format (YAML; `--json` for JSON)")),
     )]
     Ruleset(policy::ObjectCmd<policy::RulesetFile>),
+    /// The estate's workload address ranges: only addresses in them are rendered as peers.
+    #[command(subcommand, name = "estate-range")]
+    EstateRange(estate::EstateRangeCmd),
     /// Enrolled hosts: labels, mode, rendered policy.
     #[command(subcommand)]
     Workload(workloads::WorkloadCmd),
@@ -121,6 +125,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Service(cmd) => policy::catalog(&connect().await?, &cmd).await?,
         Command::AddressGroup(cmd) => policy::catalog(&connect().await?, &cmd).await?,
         Command::Ruleset(cmd) => policy::ruleset(&connect().await?, &cmd).await?,
+        Command::EstateRange(cmd) => estate::run(&connect().await?, &cmd).await?,
         Command::Workload(cmd) => workloads::run(&connect().await?, &cmd).await?,
         Command::Flows(cmd) => flows::run(&connect().await?, &cmd).await?,
     }

@@ -29,6 +29,10 @@ pub struct ServeArgs {
     /// Interval agents heartbeat at; a stream silent for three of them is closed.
     #[arg(long, default_value = "30s", value_parser = duration::arg)]
     heartbeat_interval: std::time::Duration,
+    /// At most one address change from one workload's inventory reports renders per interval;
+    /// reports in between coalesce into the latest.
+    #[arg(long, default_value = "5s", value_parser = duration::arg)]
+    inventory_min_interval: std::time::Duration,
     /// Flow window length agents use.
     #[arg(long, default_value = "60s", value_parser = duration::arg)]
     flow_window: std::time::Duration,
@@ -98,6 +102,7 @@ pub async fn run(args: &ServeArgs, database: &Database, ca_dir: &Path) -> anyhow
         gateway: gateway::GatewayConfig {
             heartbeat: args.heartbeat_interval,
             flow_window: args.flow_window,
+            inventory_min_interval: args.inventory_min_interval,
             ..Default::default()
         },
         flow_bounds: flows::TimeBounds {

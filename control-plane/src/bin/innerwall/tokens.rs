@@ -3,6 +3,7 @@
 use clap::Subcommand;
 use innerwall_control_plane::identity::{ca, tokens};
 use innerwall_wire::labels::Label;
+use innerwall_wire::policy::Cidr;
 
 use crate::ctx::Ctx;
 use crate::duration;
@@ -20,6 +21,10 @@ pub enum TokenCmd {
         ttl: String,
         #[arg(long)]
         max_uses: Option<u32>,
+        /// Narrow the addresses workloads enrolled with this token may claim to this range
+        /// (within the estate ranges); repeatable. Without it, the estate ranges alone decide.
+        #[arg(long = "address-range", value_parser = crate::estate::parse_cidr)]
+        address_ranges: Vec<Cidr>,
         /// The HOST:PORT agents dial, for the printed enroll command.
         #[arg(long, default_value = "CONTROL-PLANE:7443")]
         server: String,
@@ -33,13 +38,14 @@ pub enum TokenCmd {
 
 pub async fn run(ctx: &Ctx, cmd: &TokenCmd) -> anyhow::Result<()> {
     match cmd {
-        TokenCmd::Mint { labels, ttl, max_uses, server } => {
+        TokenCmd::Mint { labels, ttl, max_uses, address_ranges, server } => {
             // Parsed here rather than by clap so a bad --ttl fails like the other mint checks
             // (exit status 1), which `tokens::mint` makes on the value.
             let ttl = chrono::Duration::from_std(duration::parse("ttl", ttl)?).map_err(|_| {
                 anyhow::anyhow!("ttl {ttl:?} is too large; write e.g. 30d, 12h, 90m or 3600s")
             })?;
-            let minted = tokens::mint_audited(&ctx.pool, &ctx.actor, labels, ttl, *max_uses).await?;
+            let minted =
+                tokens::mint_audited(&ctx.pool, &ctx.actor, labels, ttl, *max_uses, address_ranges).await?;
             let bundle = ctx.ca_dir.join(ca::CA_CERT_FILE);
             // By environment, not as an argument: other users can read a process's arguments.
             let command = format!(
@@ -74,13 +80,18 @@ pub async fn run(ctx: &Ctx, cmd: &TokenCmd) -> anyhow::Result<()> {
                         t.id.to_string(),
                         format!("iw_{}…", t.prefix_hint),
                         t.labels.join(","),
+                        if t.address_ranges.is_empty() {
+                            "estate".into()
+                        } else {
+                            t.address_ranges.join(" ")
+                        },
                         t.expires_at.to_rfc3339(),
                         format!("{}/{}", t.use_count, t.max_uses.map_or("∞".into(), |m| m.to_string())),
                         t.status.to_string(),
                     ]
                 })
                 .collect();
-            print_table(&["id", "token", "labels", "expires", "uses", "status"], rows);
+            print_table(&["id", "token", "labels", "address ranges", "expires", "uses", "status"], rows);
         }
         TokenCmd::Revoke { id } => {
             tokens::revoke_audited(&ctx.pool, &ctx.actor, *id).await?;

@@ -53,6 +53,12 @@ pub enum WorkloadCmd {
     Deny {
         id: WorkloadId,
     },
+    /// Drop the workload's claim to an address (resolves a conflict, or forgets an address the
+    /// host no longer has); if the host still reports it, its next inventory claims it again.
+    ReleaseAddress {
+        id: WorkloadId,
+        address: std::net::IpAddr,
+    },
 }
 
 pub async fn run(ctx: &Ctx, cmd: &WorkloadCmd) -> anyhow::Result<()> {
@@ -69,6 +75,10 @@ pub async fn run(ctx: &Ctx, cmd: &WorkloadCmd) -> anyhow::Result<()> {
             if json {
                 return print_json(&all);
             }
+            let addresses = match &all[..] {
+                [one] if only.is_some() => one.addresses.clone(),
+                _ => Vec::new(),
+            };
             let rows = all
                 .into_iter()
                 .map(|w| {
@@ -79,7 +89,7 @@ pub async fn run(ctx: &Ctx, cmd: &WorkloadCmd) -> anyhow::Result<()> {
                         if w.retired { format!("{} (retired)", w.mode) } else { w.mode },
                         labels.join(","),
                         w.label_version.to_string(),
-                        w.addresses.join(" "),
+                        w.addresses.iter().map(|a| a.brief()).collect::<Vec<_>>().join(" "),
                         w.policy_version.map_or("-".into(), |v| v.to_string()),
                     ]
                 })
@@ -88,6 +98,10 @@ pub async fn run(ctx: &Ctx, cmd: &WorkloadCmd) -> anyhow::Result<()> {
                 &["id", "hostname", "mode", "labels", "label version", "addresses", "policy version"],
                 rows,
             );
+            if !addresses.is_empty() {
+                println!();
+                print_addresses(addresses);
+            }
         }
         WorkloadCmd::Label { id, set, remove, expect_label_version } => {
             let done = authoring::commit(pool, actor, "workload.label", &id.to_string(), async |c| {
@@ -136,6 +150,7 @@ pub async fn run(ctx: &Ctx, cmd: &WorkloadCmd) -> anyhow::Result<()> {
                         behind,
                         w.state.0.name().to_owned(),
                         w.detail,
+                        w.address_issues.iter().map(|a| a.brief()).collect::<Vec<_>>().join(" "),
                         when(w.last_seen_at),
                         when(w.last_acked_at),
                         when(w.last_snapshot_sent_at),
@@ -149,6 +164,7 @@ pub async fn run(ctx: &Ctx, cmd: &WorkloadCmd) -> anyhow::Result<()> {
                     "applied/latest",
                     "state",
                     "detail",
+                    "addresses not rendered",
                     "last seen",
                     "last ack",
                     "last snapshot",
@@ -184,6 +200,15 @@ pub async fn run(ctx: &Ctx, cmd: &WorkloadCmd) -> anyhow::Result<()> {
                 "deny-listed: refused at the handshake, its stream is cut and it left every render"
             };
             report(json, &format!("{id} {what}"), done);
+        }
+        WorkloadCmd::ReleaseAddress { id, address } => {
+            let done =
+                authoring::commit(pool, actor, "workload.release-address", &id.to_string(), async |c| {
+                    authoring::release_address(c, *id, *address).await?;
+                    Ok(((), serde_json::json!({"address": address.to_string()})))
+                })
+                .await?;
+            report(json, &format!("{id} no longer claims {address}"), done);
         }
         WorkloadCmd::Policy { id } => {
             let Some((policy, rendered_at)) =
@@ -228,4 +253,19 @@ pub async fn run(ctx: &Ctx, cmd: &WorkloadCmd) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// One workload's reported addresses, each with its standing and why it is not rendered.
+fn print_addresses(addresses: Vec<store::AddressView>) {
+    let rows = addresses
+        .into_iter()
+        .map(|a| {
+            let mut why = a.reason.unwrap_or("").to_owned();
+            if !a.also_claimed_by.is_empty() {
+                why = format!("also claimed by {}; {why}", a.also_claimed_by.join(", "));
+            }
+            vec![a.address, a.standing.to_owned(), why]
+        })
+        .collect();
+    print_table(&["address", "standing", "why"], rows);
 }
