@@ -19,7 +19,14 @@ pub struct MintedToken {
 #[derive(Debug, Deserialize)]
 pub struct Workload {
     pub id: String,
-    pub addresses: Vec<String>,
+    pub addresses: Vec<Address>,
+}
+
+/// One reported address with its standing (address trust): `accepted` ones are rendered.
+#[derive(Debug, Deserialize)]
+pub struct Address {
+    pub address: String,
+    pub standing: String,
 }
 
 /// A row of `innerwall workload status --json`.
@@ -98,11 +105,13 @@ mod tests {
         assert!(!rows[1].converged());
 
         let workloads: Vec<Workload> = parse(
-            r#"[{"id": "5214682e", "labels": {"app": "batch"}, "addresses": ["10.77.0.30"], "retired": false}]"#,
+            r#"[{"id": "5214682e", "labels": {"app": "batch"},
+                 "addresses": [{"address": "10.77.0.30", "standing": "accepted"}], "retired": false}]"#,
             "workload list --json",
         )
         .unwrap();
-        assert_eq!(workloads[0].addresses, ["10.77.0.30"]);
+        assert_eq!(workloads[0].addresses[0].address, "10.77.0.30");
+        assert_eq!(workloads[0].addresses[0].standing, "accepted");
 
         let policy: RenderedPolicy = parse(
             r#"{"workload": "w", "version": 2, "mode": "enforcement", "rules": [

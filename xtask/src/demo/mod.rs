@@ -447,10 +447,17 @@ impl Demo {
         let list: Vec<Workload> =
             cli::parse(&self.iw(&["workload", "list", "--json"])?, "workload list --json")?;
         for host in HOSTS {
-            let found = list.iter().find(|workload| workload.addresses.iter().any(|a| a == host.addr));
+            let found =
+                list.iter().find(|workload| workload.addresses.iter().any(|a| a.address == host.addr));
             let Some(workload) = found else {
                 bail!("no enrolled workload reports address {} (host {})", host.addr, host.name);
             };
+            // The demo's addresses are private: address trust must accept them (issue 11).
+            if let Some(a) =
+                workload.addresses.iter().find(|a| a.address == host.addr && a.standing != "accepted")
+            {
+                bail!("address {} of host {} is {}, not accepted", a.address, host.name, a.standing);
+            }
             self.ids.insert(host.name, workload.id.clone());
         }
         Ok(())
