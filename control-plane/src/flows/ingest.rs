@@ -140,6 +140,18 @@ pub async fn ingest(pool: &PgPool, workload: WorkloadId, window: &FlowWindow) ->
     let mut tx = pool.begin().await?;
     // Shared: ingests run side by side; retention (exclusive) waits for them and they for it.
     sqlx::query("SELECT pg_advisory_xact_lock_shared($1)").bind(PARTITION_LOCK_KEY).execute(&mut *tx).await?;
+    // The workload must be live in this transaction: a retire or deny that committed before it
+    // refuses the window even if its notice has not reached this replica's admission yet, and
+    // one that comes later waits for it (it locks the row FOR UPDATE; state writes do not).
+    let live: Option<bool> = sqlx::query_scalar(
+        "SELECT retired_at IS NULL AND denied_at IS NULL FROM workloads WHERE id = $1 FOR KEY SHARE",
+    )
+    .bind(workload.uuid())
+    .fetch_optional(&mut *tx)
+    .await?;
+    if live != Some(true) {
+        return Err(Error::Refused(format!("workload {workload} is retired, deny-listed or unknown")));
+    }
     let fresh = sqlx::query(
         "INSERT INTO flow_windows (workload_id, window_id, window_start, window_end, policy_version, mode, record_count,
             gap_count, packets, bytes, new_connections, observed_records, allowed_records, would_block_records,

@@ -362,6 +362,30 @@ async fn concurrent_uploads_create_partitions_once_and_all_land() {
 }
 
 /// A one-minute simulation window from `start` (unix ms) with the given records.
+/// Ingest checks in its own transaction that the workload is live: a window that arrives after
+/// a retire committed is refused even before the retire's notice reaches a replica's admission
+/// (the library is called directly here, with no admission in front of it).
+#[tokio::test]
+async fn ingest_refuses_a_retired_workload_in_its_transaction() {
+    let db = fresh_database().await.unwrap();
+    let id = register(&db.pool, &["app=db"], &[]).await;
+    let start = chrono::Utc::now().timestamp_millis() - 60_000;
+    let record = || flow("192.0.2.1", "10.1.0.5", 22, proto::FlowDecision::WouldBlock, 1, (start, start));
+    let window = |records| FlowWindow::try_from(&window_at(start, records)).unwrap();
+    flows::ingest(&db.pool, id, &window(vec![record()])).await.unwrap();
+    authoring::commit(&db.pool, "test", "workload.retire", &id.to_string(), async |c| {
+        authoring::retire(c, id).await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await
+    .unwrap();
+    let err = flows::ingest(&db.pool, id, &window(vec![record()])).await.unwrap_err();
+    assert_eq!(tonic::Status::from(err).code(), tonic::Code::PermissionDenied);
+    let windows: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM flow_windows").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(windows, 1, "only the window from before the retire is stored");
+}
+
 fn window_at(start: i64, records: Vec<proto::FlowRecord>) -> proto::FlowWindow {
     proto::FlowWindow {
         window_id: uuid::Uuid::new_v4().to_string(),
