@@ -72,6 +72,7 @@ pub struct Running {
     server: JoinHandle<Result<(), ServerError>>,
     bridge: JoinHandle<()>,
     retention: JoinHandle<()>,
+    liveness: JoinHandle<()>,
 }
 
 /// Drops expired flow partitions hourly (FLOW-5); replicas serialize on the partition lock.
@@ -94,6 +95,7 @@ impl Running {
         let _ = self.stop.send(());
         self.bridge.abort();
         self.retention.abort();
+        self.liveness.abort();
         let mut server = self.server;
         let joined = match tokio::time::timeout(SHUTDOWN_GRACE, &mut server).await {
             Ok(joined) => joined,
@@ -125,6 +127,7 @@ pub async fn start(
     let gateway = Gateway::new(pool.clone(), config.gateway.clone(), enroller.clone());
     let bridge = tokio::spawn(bridge::run(pool.clone(), gateway.clone(), admission.clone()));
     let retention = tokio::spawn(retention_forever(pool.clone(), config.flow_bounds.max_age.num_days()));
+    let liveness = tokio::spawn(crate::sync::liveness::sweep_forever(pool.clone(), config.gateway.heartbeat));
 
     let tls = listener::tls_config(signer.as_ref(), &config.server_names, admission.clone())?;
     let tcp = tokio::net::TcpListener::bind(config.listen)
@@ -159,5 +162,6 @@ pub async fn start(
         server,
         bridge,
         retention,
+        liveness,
     })
 }

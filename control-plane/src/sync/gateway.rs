@@ -202,6 +202,8 @@ struct StreamTask {
     out: Outbound,
     /// This stream's epoch once Hello arrived; its writes apply only while it is the newest.
     epoch: std::sync::atomic::AtomicI64,
+    /// The state this stream last recorded (its code; 0 before the first).
+    state: std::sync::atomic::AtomicI16,
 }
 
 impl StreamTask {
@@ -242,6 +244,7 @@ impl StreamTask {
         .bind(self.epoch.load(Ordering::Relaxed))
         .execute(self.pool())
         .await?;
+        self.state.store(r.state.code(), Ordering::Relaxed);
         Ok(written.rows_affected() == 1)
     }
 
@@ -437,9 +440,11 @@ impl StreamTask {
             )));
         }
         let epoch: i64 = sqlx::query_scalar(
-            "UPDATE workloads SET stream_epoch = stream_epoch + 1 WHERE id = $1 RETURNING stream_epoch",
+            "UPDATE workloads SET stream_epoch = stream_epoch + 1, stream_liveness = make_interval(secs => $2)
+             WHERE id = $1 RETURNING stream_epoch",
         )
         .bind(self.id.uuid())
+        .bind(self.config().liveness().as_secs_f64())
         .fetch_one(self.pool())
         .await?;
         self.epoch.store(epoch, Ordering::Relaxed);
@@ -454,10 +459,19 @@ impl StreamTask {
     }
 
     async fn heartbeat(&self, h: &proto::Heartbeat) -> Result<(), Error> {
-        sqlx::query("UPDATE workloads SET last_seen_at = now() WHERE id = $1")
-            .bind(self.id.uuid())
-            .execute(self.pool())
-            .await?;
+        // A sweep that found this stream silent (a heartbeat write delayed past the bound) is
+        // answered by the stream's own state, if it is still the newest stream.
+        sqlx::query(
+            "UPDATE workloads SET last_seen_at = now(),
+                 sync_state = CASE WHEN sync_state = $2 AND stream_epoch = $3 AND $4 <> 0 THEN $4 ELSE sync_state END
+             WHERE id = $1",
+        )
+        .bind(self.id.uuid())
+        .bind(SyncState::Offline.code())
+        .bind(self.epoch.load(Ordering::Relaxed))
+        .bind(self.state.load(Ordering::Relaxed))
+        .execute(self.pool())
+        .await?;
         if !h.credential_renewal_error.is_empty() {
             tracing::warn!(workload = %self.id, "agent reports credential renewal failing: {}", truncate(&h.credential_renewal_error, 256));
         }
@@ -586,8 +600,13 @@ impl proto::agent_service_server::AgentService for Gateway {
         let (generation, poke, control) = self.register(id);
         let gateway = self.clone();
         tokio::spawn(async move {
-            let task =
-                StreamTask { gateway: gateway.clone(), id, out: out.clone(), epoch: Default::default() };
+            let task = StreamTask {
+                gateway: gateway.clone(),
+                id,
+                out: out.clone(),
+                epoch: Default::default(),
+                state: Default::default(),
+            };
             let ended = task.run(inbound, poke, control).await;
             let current = gateway.deregister(id, generation);
             tracing::info!(workload = %id, reason = %ended.reason, "stream ended");

@@ -427,3 +427,73 @@ async fn inventory_without_facts_changes_nothing() {
     .unwrap();
     assert_eq!(changes, [serde_json::json!({"addresses": ["10.1.0.6"]})], "never an empty set in between");
 }
+
+/// A replica killed with SIGKILL never marks its streams OFFLINE; the surviving replica's
+/// liveness sweep does, within three of the heartbeat intervals the dead one gave its agent.
+#[tokio::test]
+async fn dead_replica_workloads_go_offline() {
+    use std::io::BufRead;
+
+    let survivor =
+        Plane::start(GatewayConfig { heartbeat: Duration::from_secs(1), ..Default::default() }).await;
+    let pool = &survivor.db.pool;
+    let mut doomed = KillOnDrop(
+        std::process::Command::new(env!("CARGO_BIN_EXE_innerwall"))
+            .args(["--database-url", &survivor.db.url, "--ca-dir"])
+            .arg(&survivor.ca_dir)
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--server-name",
+                "localhost",
+                "--heartbeat-interval",
+                "1s",
+            ])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut line = String::new();
+    std::io::BufReader::new(doomed.0.stderr.take().unwrap()).read_line(&mut line).unwrap();
+    // "… listening on 127.0.0.1:PORT as localhost"
+    let address = line.split("listening on ").nth(1).and_then(|rest| rest.split_whitespace().next());
+    let port = address.and_then(|a| a.rsplit(':').next()).and_then(|p| p.parse::<u16>().ok());
+    let Some(port) = port else { panic!("no listening line from the replica: {line:?}") };
+
+    let token = survivor.mint(&["app=web"], None).await;
+    let (id, cert, key) = survivor.enroll(&token).await.unwrap();
+    let tls = tonic::transport::ClientTlsConfig::new()
+        .ca_certificate(tonic::transport::Certificate::from_pem(survivor.ca_pem()))
+        .identity(tonic::transport::Identity::from_pem(&cert, &key))
+        .domain_name("localhost");
+    let channel = tonic::transport::Endpoint::from_shared(format!("https://localhost:{port}"))
+        .unwrap()
+        .tls_config(tls)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut agent = Scripted::open(channel, 0).await;
+    assert_eq!(agent.update().await, ("snapshot", 1, 1));
+    agent.ack(1, true, "").await;
+    wait_state(pool, id, "SYNCED").await;
+
+    doomed.0.kill().unwrap();
+    doomed.0.wait().unwrap();
+    let (state, _, _, detail) = wait_state(pool, id, "OFFLINE").await;
+    assert_eq!(state, "OFFLINE");
+    assert!(detail.contains("no heartbeat for three intervals"), "{detail}");
+    drop(agent);
+}
+
+/// A child process killed (SIGKILL) when the test ends, however it ends.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
