@@ -6,6 +6,15 @@
 //! remaining 12 zero (see [`FAMILY_V4`]).
 #![no_std]
 
+/// The version of this crate's contract between program and loader: map names and kinds, key
+/// and value layouts, counter slots, program names. Bump it with any change to them. The
+/// program carries it in [`ABI_SECTION`]; the loader refuses an object whose version differs
+/// (one built from other sources than the agent) before it loads anything.
+pub const ABI_VERSION: u32 = 1;
+/// The ELF section holding the program's [`ABI_VERSION`] as one little-endian `u32` (the static
+/// `INNERWALL_ABI`). Not a data section, so aya never turns it into a map.
+pub const ABI_SECTION: &str = "innerwall_abi";
+
 /// Name of the first of the two flow maps (see [`ACTIVE_MAP`]).
 pub const FLOWS_A: &str = "FLOWS_A";
 /// Name of the second flow map.

@@ -24,9 +24,9 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::warn;
 use innerwall_ebpf_common::{
-    CONN_ENTRIES, COUNTER_CONN_INSERT_FAILED, COUNTER_FLOW_INSERT_FAILED, COUNTER_REPLIES_SKIPPED,
-    COUNTER_SLOTS, ConnKey, ConnValue, DEFAULT_FLOW_ENTRIES, DIR_INBOUND, DIR_OUTBOUND, FAMILY_V4, FAMILY_V6,
-    FlowKey, FlowValue, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
+    ABI_VERSION, CONN_ENTRIES, COUNTER_CONN_INSERT_FAILED, COUNTER_FLOW_INSERT_FAILED,
+    COUNTER_REPLIES_SKIPPED, COUNTER_SLOTS, ConnKey, ConnValue, DEFAULT_FLOW_ENTRIES, DIR_INBOUND,
+    DIR_OUTBOUND, FAMILY_V4, FAMILY_V6, FlowKey, FlowValue, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
 };
 
 const ETH_HDR_LEN: usize = 14;
@@ -464,6 +464,12 @@ fn count(index: u32) -> u64 {
         None => 0,
     }
 }
+
+/// The contract version this object was built against, read by the agent before it loads
+/// anything. `link_section` takes only a literal: it is `innerwall_ebpf_common::ABI_SECTION`.
+#[unsafe(link_section = "innerwall_abi")]
+#[unsafe(no_mangle)]
+static INNERWALL_ABI: u32 = ABI_VERSION;
 
 /// Declared explicitly so the kernel sees the crate's real licence. It is not GPL
 /// compatible, so GPL-only helpers are unavailable to these programs (none is used).

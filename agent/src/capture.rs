@@ -15,7 +15,10 @@
 //! The object is read from a file, never embedded, so a plain `cargo build` needs no BPF
 //! toolchain: [`default_object_path`] (`$INNERWALL_EBPF_OBJECT`, else
 //! `<dir of the executable>/../bpf/innerwall-ebpf`, which is `target/bpf/innerwall-ebpf` for
-//! cargo builds; `cargo xtask build-ebpf` puts it there).
+//! cargo builds; `cargo xtask build-ebpf` puts it there). Because it is built separately, the
+//! object carries the ABI version of the layouts it was built against
+//! (`innerwall_ebpf_common::ABI_VERSION` in its `innerwall_abi` section), and one with another
+//! version, or none, is refused before anything is loaded.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
@@ -51,6 +54,14 @@ pub enum CaptureError {
         #[source]
         source: std::io::Error,
     },
+    #[error(
+        "eBPF object {path} has {}, but this agent needs ABI version {expected}: build the object from the \
+         agent's own sources (`cargo xtask build-ebpf`)",
+        abi_text(.found)
+    )]
+    Abi { path: PathBuf, found: Option<u32>, expected: u32 },
+    #[error("reading the ABI version of eBPF object {path}: {reason}")]
+    AbiUnreadable { path: PathBuf, reason: String },
     #[error("loading eBPF object {path}: {source}")]
     Load {
         path: PathBuf,
@@ -185,6 +196,7 @@ impl Capture {
             loader.map_max_entries(common::FLOWS_B, capacity);
         }
         let bytes = read_trusted(object_path)?;
+        check_abi(object_path, &bytes)?;
         let mut ebpf = loader.load(&bytes).map_err(|source| CaptureError::Load {
             path: object_path.to_owned(),
             source: Box::new(source),
@@ -363,6 +375,41 @@ fn read_trusted(path: &Path) -> Result<Vec<u8>, CaptureError> {
     Ok(bytes)
 }
 
+/// The ABI version an object carries: the one `u32` in its [`common::ABI_SECTION`], in the
+/// object's byte order; `None` without that section.
+fn object_abi(elf: &[u8]) -> Result<Option<u32>, String> {
+    use object::{Object as _, ObjectSection as _};
+    let file = object::File::parse(elf).map_err(|e| format!("not an ELF object: {e}"))?;
+    let Some(section) = file.section_by_name(common::ABI_SECTION) else {
+        return Ok(None);
+    };
+    let data = section.data().map_err(|e| format!("section {}: {e}", common::ABI_SECTION))?;
+    let bytes: [u8; 4] = data
+        .try_into()
+        .map_err(|_| format!("section {} holds {} bytes, not one u32", common::ABI_SECTION, data.len()))?;
+    Ok(Some(if file.is_little_endian() { u32::from_le_bytes(bytes) } else { u32::from_be_bytes(bytes) }))
+}
+
+/// Refuses an object built against other layouts than this agent's, or against none at all.
+fn check_abi(path: &Path, elf: &[u8]) -> Result<(), CaptureError> {
+    let found =
+        object_abi(elf).map_err(|reason| CaptureError::AbiUnreadable { path: path.to_owned(), reason })?;
+    if found == Some(common::ABI_VERSION) {
+        return Ok(());
+    }
+    Err(CaptureError::Abi { path: path.to_owned(), found, expected: common::ABI_VERSION })
+}
+
+fn abi_text(found: &Option<u32>) -> String {
+    match found {
+        Some(version) => format!("ABI version {version}"),
+        None => format!(
+            "no ABI version (no `{}` section: built before ABI versions existed?)",
+            common::ABI_SECTION
+        ),
+    }
+}
+
 /// Where the eBPF object is read from: `$INNERWALL_EBPF_OBJECT`, else
 /// `<dir of the current executable>/../bpf/innerwall-ebpf` (`target/bpf/innerwall-ebpf`
 /// for `target/<profile>/innerwall-agent`).
@@ -426,6 +473,49 @@ mod tests {
         let err = read_trusted(&path).unwrap_err().to_string();
         assert!(err.contains("must be owned by root and writable by no one else"), "{err}");
         std::fs::remove_file(&path).unwrap();
+    }
+
+    /// A BPF ELF object with `sections` (name, contents), as the object crate writes one.
+    fn bpf_object(sections: &[(&str, &[u8])]) -> Vec<u8> {
+        use object::write::Object;
+        use object::{Architecture, BinaryFormat, Endianness, SectionKind};
+        let mut obj = Object::new(BinaryFormat::Elf, Architecture::Bpf, Endianness::Little);
+        for (name, data) in sections {
+            let id = obj.add_section(Vec::new(), name.as_bytes().to_vec(), SectionKind::ReadOnlyData);
+            obj.append_section_data(id, data, 4);
+        }
+        obj.write().unwrap()
+    }
+
+    fn check(sections: &[(&str, &[u8])]) -> Result<(), String> {
+        check_abi(Path::new("/obj"), &bpf_object(sections)).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn an_object_of_another_abi_version_is_refused_naming_both() {
+        let ours = common::ABI_VERSION.to_le_bytes();
+        assert_eq!(check(&[("license", b"GPL\0"), (common::ABI_SECTION, &ours)]), Ok(()));
+
+        let theirs = (common::ABI_VERSION + 1).to_le_bytes();
+        let err = check(&[(common::ABI_SECTION, &theirs)]).unwrap_err();
+        assert_eq!(
+            err,
+            format!(
+                "eBPF object /obj has ABI version {}, but this agent needs ABI version {}: build the object from \
+                 the agent's own sources (`cargo xtask build-ebpf`)",
+                common::ABI_VERSION + 1,
+                common::ABI_VERSION
+            )
+        );
+
+        let err = check(&[("license", b"GPL\0")]).unwrap_err();
+        assert!(err.starts_with("eBPF object /obj has no ABI version (no `innerwall_abi` section"), "{err}");
+        assert!(err.contains(&format!("this agent needs ABI version {}", common::ABI_VERSION)), "{err}");
+
+        let err = check(&[(common::ABI_SECTION, &[1, 0])]).unwrap_err();
+        assert!(err.contains("section innerwall_abi holds 2 bytes, not one u32"), "{err}");
+        let err = check_abi(Path::new("/obj"), b"not an ELF").unwrap_err().to_string();
+        assert!(err.starts_with("reading the ABI version of eBPF object /obj: not an ELF object"), "{err}");
     }
 
     #[test]

@@ -45,6 +45,17 @@ pub const ENROLL_MAX_MESSAGE: usize = 64 * 1024;
 pub const AGENT_MAX_MESSAGE: usize = 1024 * 1024;
 pub const TELEMETRY_MAX_MESSAGE: usize = 32 * 1024 * 1024;
 
+/// Concurrent HTTP/2 streams on a connection without a client certificate: enrollment is one
+/// call. The decoder reserves a message's declared length as soon as its five-byte prefix
+/// arrives, so every stream may cost up to `ENROLL_MAX_MESSAGE` whatever the client sends;
+/// with agents' stream limit (8) instead, 256 unauthenticated connections held 128 MiB.
+pub const UNAUTHENTICATED_STREAMS: u32 = 1;
+
+/// HTTP/2 flow-control windows (per stream and per connection) on a connection without a
+/// client certificate: one enrollment message. What the transport buffers for such a
+/// connection before the decoder reads it stays within this, not within hyper's default 1 MiB.
+pub const UNAUTHENTICATED_WINDOW: u32 = ENROLL_MAX_MESSAGE as u32;
+
 #[derive(Debug, thiserror::Error)]
 pub enum ServiceError {
     #[error(transparent)]
@@ -135,21 +146,39 @@ pub async fn start(
         .map_err(|source| ServiceError::Bind { addr: config.listen, source })?;
     let local_addr = tcp.local_addr().map_err(ServerError::Io)?;
     let telemetry = crate::flows::Telemetry { pool: pool.clone(), bounds: config.flow_bounds };
-    let router = tonic::transport::Server::builder()
-        .http2_keepalive_interval(Some(Duration::from_secs(30)))
-        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
-        .max_concurrent_streams(config.limits.max_streams_per_connection)
-        .add_service(EnrollmentServiceServer::new(enroller).max_decoding_message_size(ENROLL_MAX_MESSAGE))
-        .add_service(InterceptedService::new(
-            AgentServiceServer::new(gateway.clone()).max_decoding_message_size(AGENT_MAX_MESSAGE),
-            Authenticate(admission.clone()),
-        ))
-        .add_service(InterceptedService::new(
-            TelemetryServiceServer::new(telemetry).max_decoding_message_size(TELEMETRY_MAX_MESSAGE),
-            Authenticate(admission.clone()),
-        ));
+    // Every service on both: a client without a certificate calling an agent service hears
+    // from `Authenticate` that it must enroll first.
+    let routes = |server: tonic::transport::Server| {
+        server
+            .http2_keepalive_interval(Some(Duration::from_secs(30)))
+            .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+            .add_service(
+                EnrollmentServiceServer::new(enroller.clone()).max_decoding_message_size(ENROLL_MAX_MESSAGE),
+            )
+            .add_service(InterceptedService::new(
+                AgentServiceServer::new(gateway.clone()).max_decoding_message_size(AGENT_MAX_MESSAGE),
+                Authenticate(admission.clone()),
+            ))
+            .add_service(InterceptedService::new(
+                TelemetryServiceServer::new(telemetry.clone())
+                    .max_decoding_message_size(TELEMETRY_MAX_MESSAGE),
+                Authenticate(admission.clone()),
+            ))
+    };
+    let routers = listener::Routers {
+        agents: routes(
+            tonic::transport::Server::builder()
+                .max_concurrent_streams(config.limits.max_streams_per_connection),
+        ),
+        unauthenticated: routes(
+            tonic::transport::Server::builder()
+                .max_concurrent_streams(UNAUTHENTICATED_STREAMS)
+                .initial_stream_window_size(UNAUTHENTICATED_WINDOW)
+                .initial_connection_window_size(UNAUTHENTICATED_WINDOW),
+        ),
+    };
     let (stop, stopped) = oneshot::channel::<()>();
-    let server = tokio::spawn(listener::serve(tcp, tls, admission.clone(), router, async move {
+    let server = tokio::spawn(listener::serve(tcp, tls, admission.clone(), routers, async move {
         let _ = stopped.await;
     }));
     Ok(Running {

@@ -5,3 +5,4 @@ mod binaries;
 mod flows;
 mod plane;
 mod sync;
+mod unauthenticated;

@@ -5,7 +5,7 @@ use std::net::IpAddr;
 use std::path::PathBuf;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use innerwall_agent::capture::{Capture, Drained, FlowRecord, OBJECT_ENV};
+use innerwall_agent::capture::{Capture, CaptureError, Drained, FlowRecord, OBJECT_ENV};
 
 use innerwall_agent::enforce::{LinuxPolicyStore, PolicyStore as _};
 use innerwall_agent::evidence::OpenWindow;
@@ -14,7 +14,7 @@ use innerwall_wire::flows::{Decision, FlowWindow};
 use crate::enforce::{matrix, policy};
 use crate::netns::{
     ALLOWED4, ALLOWED6, HOST4, HOST6, OTHER4, OTHER6, Pair, Probe, Server, TempDir, icmp, probe_with_timeout,
-    tcp, udp,
+    require_root, tcp, udp,
 };
 
 const TCP: u8 = 6;
@@ -252,6 +252,49 @@ fn map_full_becomes_gap() {
     let drained = capture.drain().expect("drain");
     assert_eq!(drained.map_full_drops, 0, "{drained:?}");
     find(&drained, ALLOWED4, HOST4, 6011, UDP);
+}
+
+/// The real object, patched to carry the next ABI version, is refused before anything is
+/// loaded or attached, with an error naming both versions.
+#[test]
+fn an_object_of_another_abi_version_is_not_loaded() {
+    use innerwall_ebpf_common::{ABI_SECTION, ABI_VERSION};
+    use object::{Object as _, ObjectSection as _};
+    require_root();
+    let mut bytes = std::fs::read(object()).expect("reading the object");
+    let (offset, size) = object::File::parse(&*bytes)
+        .expect("the object is ELF")
+        .section_by_name(ABI_SECTION)
+        .unwrap_or_else(|| panic!("the built object has no {ABI_SECTION} section"))
+        .file_range()
+        .expect("the ABI section has file contents");
+    assert_eq!(size, 4);
+    let at = usize::try_from(offset).expect("offset");
+    assert_eq!(bytes[at..at + 4], ABI_VERSION.to_le_bytes(), "the built object carries this agent's version");
+    bytes[at..at + 4].copy_from_slice(&(ABI_VERSION + 1).to_le_bytes());
+    let dir = TempDir::new("abi");
+    let path = dir.0.join("innerwall-ebpf");
+    std::fs::write(&path, &bytes).expect("writing the patched object");
+
+    let pair = Pair::new("abi");
+    let err = pair
+        .host
+        .enter(|| Capture::attach(&["veth0".to_owned()], &path, None, log::logger()))
+        .expect_err("an object of another ABI version was loaded");
+    assert!(
+        matches!(err, CaptureError::Abi { found: Some(found), expected, .. }
+            if found == ABI_VERSION + 1 && expected == ABI_VERSION),
+        "{err:?}"
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains(&format!(
+            "has ABI version {}, but this agent needs ABI version {ABI_VERSION}",
+            ABI_VERSION + 1
+        )),
+        "{text}"
+    );
+    assert!(text.contains("cargo xtask build-ebpf"), "{text}");
 }
 
 /// A matrix probe's protocol, and the rule of the test policy that allows it.

@@ -48,12 +48,14 @@ pub struct Limits {
     pub max_connections_per_source: usize,
     /// TLS handshakes in progress at once (`--max-handshakes`); more are dropped at accept.
     pub max_handshakes: usize,
-    /// Concurrent HTTP/2 streams on one connection (`--max-streams-per-connection`); an agent
-    /// uses two (Sync, renewal) on its policy connection and one for uploads.
+    /// Concurrent HTTP/2 streams on an agent's connection (`--max-streams-per-connection`); an
+    /// agent uses two (Sync, renewal) on its policy connection and one for uploads. A connection
+    /// without a client certificate serves one (`service::UNAUTHENTICATED_STREAMS`).
     pub max_streams_per_connection: u32,
     /// Connections without a client certificate held at once (`--max-unauthenticated-
-    /// connections`). With the enrollment message cap this bounds what clients that proved
-    /// nothing can make the replica buffer: connections × streams × 64 KiB (128 MiB by default).
+    /// connections`). With one stream each, 64 KiB HTTP/2 windows and the enrollment message
+    /// cap, this bounds what clients that proved nothing can make the replica buffer to about
+    /// connections × 64 KiB (16 MiB by default).
     pub max_unauthenticated_connections: usize,
     /// How long a connection without a client certificate may stay open
     /// (`--unauthenticated-lifetime`): enrollment is one short call.

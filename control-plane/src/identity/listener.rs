@@ -136,20 +136,31 @@ pub fn tls_config(
     Ok(Arc::new(config))
 }
 
+/// The services, served twice over with HTTP/2 settings for who is calling: `agents` on
+/// connections with a client certificate, `unauthenticated` on connections without one
+/// (enrollment), whose settings bound what a client that proved nothing can make the replica
+/// buffer.
+#[derive(Debug)]
+pub struct Routers {
+    pub agents: tonic::transport::server::Router,
+    pub unauthenticated: tonic::transport::server::Router,
+}
+
 /// Accepts TCP connections, completes TLS handshakes off the accept loop (bounded by a
-/// timeout), and serves `router` on them until `shutdown` resolves. Each connection with a
+/// timeout), and serves `routers` on them until `shutdown` resolves. Each connection with a
 /// client certificate is registered in `admission` under its workload, so a retire or deny
 /// ends it.
 pub async fn serve(
     listener: TcpListener,
     tls: Arc<ServerConfig>,
     admission: Arc<Admission>,
-    router: tonic::transport::server::Router,
+    routers: Routers,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServerError> {
     let acceptor = TlsAcceptor::from(tls);
     let handshakes = Arc::new(tokio::sync::Semaphore::new(admission.limits().max_handshakes));
-    let (tx, rx) = tokio::sync::mpsc::channel(128);
+    let (agents_tx, agents_rx) = tokio::sync::mpsc::channel(128);
+    let (unauthenticated_tx, unauthenticated_rx) = tokio::sync::mpsc::channel(128);
     let accept = tokio::spawn(async move {
         let mut refusals = 0u64;
         loop {
@@ -172,7 +183,8 @@ pub async fn serve(
                 continue;
             };
             let _ = tcp.set_nodelay(true);
-            let (acceptor, tx, admission) = (acceptor.clone(), tx.clone(), admission.clone());
+            let (acceptor, admission) = (acceptor.clone(), admission.clone());
+            let (agents_tx, unauthenticated_tx) = (agents_tx.clone(), unauthenticated_tx.clone());
             tokio::spawn(async move {
                 let handshake_result = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await;
                 drop(handshake);
@@ -180,17 +192,20 @@ pub async fn serve(
                     Ok(Ok(stream)) => {
                         // The verifier accepted the chain and the identity; only its id is read here.
                         let agent = stream.get_ref().1.peer_certificates().and_then(|certs| certs.first());
-                        let stream = match agent.map(|leaf| workload_id_from_certificate(leaf.as_ref())) {
-                            Some(Ok(id)) => admission.guard(id, stream, slot),
+                        match agent.map(|leaf| workload_id_from_certificate(leaf.as_ref())) {
+                            Some(Ok(id)) => {
+                                let stream = admission.guard(id, stream, slot);
+                                let _ = agents_tx.send(Ok::<_, std::io::Error>(stream)).await;
+                            }
                             _ => match admission.unauthenticated(stream, slot) {
-                                Some(stream) => stream,
+                                Some(stream) => {
+                                    let _ = unauthenticated_tx.send(Ok::<_, std::io::Error>(stream)).await;
+                                }
                                 None => {
-                                    tracing::info!(%peer, "refused: too many unauthenticated connections");
-                                    return;
+                                    tracing::info!(%peer, "refused: too many unauthenticated connections")
                                 }
                             },
-                        };
-                        let _ = tx.send(Ok::<_, std::io::Error>(stream)).await;
+                        }
                     }
                     Ok(Err(e)) => tracing::info!(%peer, "tls handshake refused: {e}"),
                     Err(_) => tracing::info!(%peer, "tls handshake timed out"),
@@ -198,10 +213,27 @@ pub async fn serve(
             });
         }
     });
-    let result =
-        router.serve_with_incoming_shutdown(tokio_stream::wrappers::ReceiverStream::new(rx), shutdown).await;
+    // Both servers stop on the one shutdown signal.
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let signal = |mut stopped: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = stopped.wait_for(|stop| *stop).await;
+    };
+    let agents = routers.agents.serve_with_incoming_shutdown(
+        tokio_stream::wrappers::ReceiverStream::new(agents_rx),
+        signal(stopped.clone()),
+    );
+    let unauthenticated = routers.unauthenticated.serve_with_incoming_shutdown(
+        tokio_stream::wrappers::ReceiverStream::new(unauthenticated_rx),
+        signal(stopped),
+    );
+    let shutdown = async move {
+        shutdown.await;
+        let _ = stop.send(true);
+    };
+    let ((), agents, unauthenticated) = tokio::join!(shutdown, agents, unauthenticated);
     accept.abort();
-    Ok(result?)
+    agents?;
+    Ok(unauthenticated?)
 }
 
 /// The workload an agent RPC comes from, put into the request by [`Authenticate`] and by
