@@ -150,6 +150,17 @@ pub enum SessionEnd {
     Reenroll(String),
 }
 
+/// How a stream refused or ended by the control plane ends the session. PERMISSION_DENIED is
+/// the control plane refusing this identity (retired or deny-listed): no reconnect can change
+/// that, only a new enrollment.
+fn refused(what: &str, status: &tonic::Status) -> SessionEnd {
+    let reason = format!("{what}: {}", status.message());
+    match status.code() {
+        tonic::Code::PermissionDenied => SessionEnd::Reenroll(reason),
+        _ => SessionEnd::Closed(reason),
+    }
+}
+
 /// Counters the daemon and tests read.
 #[derive(Debug, Default)]
 pub struct SessionStats {
@@ -194,11 +205,11 @@ pub async fn session<S: PolicyStore + Send + 'static>(
     let mut client = proto::agent_service_client::AgentServiceClient::new(channel);
     let mut inbound = match client.sync(tokio_stream::wrappers::ReceiverStream::new(rx)).await {
         Ok(r) => r.into_inner(),
-        Err(s) => return SessionEnd::Closed(format!("sync refused: {}", s.message())),
+        Err(s) => return refused("sync refused", &s),
     };
     let config = match tokio::time::timeout(Duration::from_secs(30), inbound.message()).await {
         Ok(Ok(Some(proto::SyncResponse { msg: Some(sync_response::Msg::HelloAck(a)) }))) => a,
-        Ok(Err(s)) => return SessionEnd::Closed(format!("stream refused: {}", s.message())),
+        Ok(Err(s)) => return refused("stream refused", &s),
         _ => return SessionEnd::Closed("no HelloAck".into()),
     };
     stats.established = true;
@@ -230,7 +241,7 @@ pub async fn session<S: PolicyStore + Send + 'static>(
                     },
                     Ok(Some(_)) => continue,
                     Ok(None) => return SessionEnd::Closed("server closed the stream".into()),
-                    Err(s) => return SessionEnd::Closed(format!("stream ended: {}", s.message())),
+                    Err(s) => return refused("stream ended", &s),
                 };
                 let version = update.version();
                 let e = enforcer.clone();
@@ -274,6 +285,18 @@ mod tests {
     use innerwall_wire::testing;
 
     use super::*;
+
+    #[test]
+    fn a_refused_identity_ends_in_reenroll_anything_else_in_a_reconnect() {
+        let denied = tonic::Status::permission_denied("workload w is retired");
+        assert_eq!(
+            refused("sync refused", &denied),
+            SessionEnd::Reenroll("sync refused: workload w is retired".into())
+        );
+        for status in [tonic::Status::unavailable("down"), tonic::Status::unauthenticated("expired")] {
+            assert!(matches!(refused("stream ended", &status), SessionEnd::Closed(_)), "{status:?}");
+        }
+    }
 
     fn policy(version: u64, ports: &[u16]) -> WorkloadPolicy {
         testing::policy(version, Mode::Enforcement, ports)

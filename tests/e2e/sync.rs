@@ -233,3 +233,47 @@ async fn renewal_keeps_stream_open() {
     renewal.abort();
     agent.abort();
 }
+
+/// A retired workload's agent is told to enroll again and stops: on its open stream by the
+/// `Reenroll` directive, and when it reconnects (a restart) by the refusal of its identity,
+/// instead of redialing forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retired_agent_is_told_to_reenroll() {
+    let plane = Plane::start().await;
+    let (id, config) = plane.enroll("web-1", &["app=web"]).await;
+    let enforcer = Arc::new(Enforcer::new(TestStore::default()));
+    let agent = {
+        let (config, enforcer) = (config.clone(), enforcer.clone());
+        tokio::spawn(async move { daemon::hold_stream(&config, enforcer).await })
+    };
+    plane.wait_synced(id, 1).await;
+    innerwall_control_plane::policy::authoring::commit(
+        plane.pool(),
+        "test",
+        "workload.retire",
+        &id.to_string(),
+        async |c| {
+            innerwall_control_plane::policy::authoring::retire(c, id).await?;
+            Ok(((), serde_json::json!({})))
+        },
+    )
+    .await
+    .unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(15), agent)
+        .await
+        .expect("the agent kept its stream")
+        .unwrap();
+    match ended {
+        Err(daemon::RunError::Reenroll(reason)) => assert!(reason.contains("retired"), "{reason}"),
+        other => panic!("expected Reenroll, got {other:?}"),
+    }
+    // A restarted agent learns the same from the refusal, at its first attempt.
+    let again = tokio::time::timeout(Duration::from_secs(15), daemon::hold_stream(&config, enforcer.clone()))
+        .await
+        .expect("the restarted agent kept redialing");
+    match again {
+        Err(daemon::RunError::Reenroll(reason)) => assert!(reason.contains("retired"), "{reason}"),
+        other => panic!("expected Reenroll, got {other:?}"),
+    }
+    assert_eq!(enforcer.dial_failures.load(Ordering::Relaxed), 0, "no redial");
+}

@@ -14,7 +14,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::task::{Context, Poll, Waker};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use innerwall_wire::identity::WorkloadId;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -180,15 +180,26 @@ impl Admission {
         }
     }
 
-    /// Wraps an authenticated agent connection so that refusing `id` ends it; it leaves the
-    /// registry, and gives its slot back, when dropped.
-    pub fn guard<S>(self: &Arc<Self>, id: WorkloadId, stream: S, slot: Slot) -> Guarded<S> {
+    /// Wraps an authenticated agent connection so that refusing `id` ends it, and so does the
+    /// expiry of the certificate it was opened with (`not_after`, plus the refusal grace, so the
+    /// streams on it can say why first); it leaves the registry, and gives its slot back, when
+    /// dropped.
+    pub fn guard<S>(
+        self: &Arc<Self>,
+        id: WorkloadId,
+        stream: S,
+        slot: Slot,
+        not_after: SystemTime,
+    ) -> Guarded<S> {
         let kill = Arc::new(Kill::default());
+        let left = not_after.duration_since(SystemTime::now()).unwrap_or_default();
+        end_after(&kill, left + self.limits.end_grace);
         let key = self.next.fetch_add(1, Ordering::Relaxed);
         self.open.lock().unwrap_or_else(|e| e.into_inner()).entry(id).or_default().insert(key, kill.clone());
-        // Refused between the handshake and now: end at once.
+        // Already refused (a retired identity reconnecting, or refused since the handshake):
+        // ends after the grace, in which its calls hear why (so its agent stops redialing).
         if self.refusal(id).is_some() {
-            kill.fire();
+            end_after(&kill, self.limits.end_grace);
         }
         let registration = Registration { admission: self.clone(), id, key };
         Guarded { inner: stream, kill, _held: Held::Agent { _registration: registration }, _slot: slot }
@@ -203,15 +214,24 @@ impl Admission {
             return None;
         }
         let kill = Arc::new(Kill::default());
-        let (weak, lifetime) = (Arc::downgrade(&kill), self.limits.unauthenticated_lifetime);
-        tokio::spawn(async move {
-            tokio::time::sleep(lifetime).await;
-            if let Some(kill) = weak.upgrade() {
-                kill.fire();
-            }
-        });
+        end_after(&kill, self.limits.unauthenticated_lifetime);
         Some(Guarded { inner: stream, kill, _held: Held::Unauthenticated { _count: count }, _slot: slot })
     }
+}
+
+/// Ends the connection of `kill` after `lifetime`, unless it is gone by then.
+fn end_after(kill: &Arc<Kill>, lifetime: Duration) {
+    if lifetime.is_zero() {
+        kill.fire();
+        return;
+    }
+    let weak = Arc::downgrade(kill);
+    tokio::spawn(async move {
+        tokio::time::sleep(lifetime).await;
+        if let Some(kill) = weak.upgrade() {
+            kill.fire();
+        }
+    });
 }
 
 /// One unauthenticated connection in the count.
@@ -362,6 +382,27 @@ mod tests {
 
     use super::*;
 
+    fn in_an_hour() -> SystemTime {
+        SystemTime::now() + Duration::from_secs(3600)
+    }
+
+    #[tokio::test]
+    async fn a_connection_ends_when_its_certificate_expires() {
+        let admission =
+            Arc::new(Admission::new([], Limits { end_grace: Duration::ZERO, ..Limits::default() }));
+        let id = WorkloadId::new_random();
+        let (expired_end, _expired_peer) = tokio::io::duplex(64);
+        let (live_end, mut live_peer) = tokio::io::duplex(64);
+        let mut expired =
+            admission.guard(id, expired_end, admission.admit(LOCAL).unwrap(), SystemTime::now());
+        let mut live = admission.guard(id, live_end, admission.admit(LOCAL).unwrap(), in_an_hour());
+        let mut buf = [0u8; 8];
+        assert_eq!(expired.read(&mut buf).await.unwrap_err().kind(), io::ErrorKind::ConnectionAborted);
+        // The one whose certificate is still valid carries data after that.
+        live_peer.write_all(b"ok").await.unwrap();
+        assert_eq!(live.read(&mut buf).await.unwrap(), 2);
+    }
+
     #[tokio::test]
     async fn refusing_an_identity_ends_its_connections_and_only_its() {
         let admission =
@@ -370,8 +411,8 @@ mod tests {
         let (a_end, mut a_peer) = tokio::io::duplex(64);
         let (b_end, mut b_peer) = tokio::io::duplex(64);
         let slot = || admission.admit(LOCAL).unwrap();
-        let mut a_conn = admission.guard(a, a_end, slot());
-        let mut b_conn = admission.guard(b, b_end, slot());
+        let mut a_conn = admission.guard(a, a_end, slot(), in_an_hour());
+        let mut b_conn = admission.guard(b, b_end, slot(), in_an_hour());
         assert_eq!((admission.open_connections(a), admission.open_connections(b)), (1, 1));
 
         // A read pending on a's connection is woken and fails when a is refused.
@@ -392,11 +433,12 @@ mod tests {
         assert_eq!(&buf, b"ok");
         a_peer.write_all(b"late").await.unwrap_or_default();
 
-        // Dropping a connection unregisters it; a refused identity's new connection ends at once.
+        // Dropping a connection unregisters it; a refused identity's new connection ends after
+        // the grace (none here).
         drop(a_conn);
         assert_eq!(admission.open_connections(a), 0);
         let (again, _peer) = tokio::io::duplex(64);
-        let mut again = admission.guard(a, again, slot());
+        let mut again = admission.guard(a, again, slot(), in_an_hour());
         assert_eq!(again.write(b"x").await.map_err(|e| e.kind()), Err(io::ErrorKind::ConnectionAborted));
         assert_eq!(admission.refusal(a), Some(Refusal::Retired));
         admission.refuse(a, Refusal::Denied);

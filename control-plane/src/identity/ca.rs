@@ -149,6 +149,18 @@ pub enum CertIdentityError {
     BadUri(#[source] IdentityError),
 }
 
+/// When a presented leaf certificate expires. A connection, and the streams on it, must not
+/// outlive it (issue 16): the TLS layer checks validity only at the handshake.
+pub fn certificate_not_after(der: &[u8]) -> Result<SystemTime, CertIdentityError> {
+    let (_, cert) = x509_parser::parse_x509_certificate(der)
+        .map_err(|e| CertIdentityError::Unparseable { detail: e.to_string() })?;
+    let seconds = cert.validity().not_after.timestamp();
+    let seconds = u64::try_from(seconds).map_err(|_| CertIdentityError::Unparseable {
+        detail: format!("not after {seconds} is before 1970"),
+    })?;
+    Ok(SystemTime::UNIX_EPOCH + Duration::from_secs(seconds))
+}
+
 /// The workload identity of a presented leaf certificate: its one URI SAN, canonical form only.
 /// Chain validation against the CA is the TLS layer's job, not this function's.
 pub fn workload_id_from_certificate(der: &[u8]) -> Result<WorkloadId, CertIdentityError> {

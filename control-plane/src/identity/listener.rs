@@ -18,7 +18,7 @@ use tokio_rustls::TlsAcceptor;
 use tonic::{Request, Status};
 
 use crate::identity::admission::{Admission, Refusal};
-use crate::identity::ca::{Signer, workload_id_from_certificate};
+use crate::identity::ca::{Signer, certificate_not_after, workload_id_from_certificate};
 
 /// How long a client may take to finish the TLS handshake before its connection is dropped.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -192,9 +192,13 @@ pub async fn serve(
                     Ok(Ok(stream)) => {
                         // The verifier accepted the chain and the identity; only its id is read here.
                         let agent = stream.get_ref().1.peer_certificates().and_then(|certs| certs.first());
-                        match agent.map(|leaf| workload_id_from_certificate(leaf.as_ref())) {
-                            Some(Ok(id)) => {
-                                let stream = admission.guard(id, stream, slot);
+                        let identity = agent.map(|leaf| {
+                            let id = workload_id_from_certificate(leaf.as_ref());
+                            id.and_then(|id| Ok((id, certificate_not_after(leaf.as_ref())?)))
+                        });
+                        match identity {
+                            Some(Ok((id, not_after))) => {
+                                let stream = admission.guard(id, stream, slot, not_after);
                                 let _ = agents_tx.send(Ok::<_, std::io::Error>(stream)).await;
                             }
                             _ => match admission.unauthenticated(stream, slot) {
@@ -236,10 +240,13 @@ pub async fn serve(
     Ok(unauthenticated?)
 }
 
-/// The workload an agent RPC comes from, put into the request by [`Authenticate`] and by
-/// nothing else.
+/// The workload an agent RPC comes from and when the certificate it proved that with expires,
+/// put into the request by [`Authenticate`] and by nothing else.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AgentIdentity(pub WorkloadId);
+pub struct AgentIdentity {
+    pub id: WorkloadId,
+    pub not_after: SystemTime,
+}
 
 /// Interceptor for every agent service but enrollment: requires the verified client
 /// certificate, extracts its workload id, and refuses a retired or deny-listed workload on
@@ -257,10 +264,12 @@ impl tonic::service::Interceptor for Authenticate {
         let leaf = certs.first().ok_or_else(|| Status::unauthenticated("empty client certificate chain"))?;
         let id = workload_id_from_certificate(leaf.as_ref())
             .map_err(|e| Status::unauthenticated(e.to_string()))?;
+        let not_after =
+            certificate_not_after(leaf.as_ref()).map_err(|e| Status::unauthenticated(e.to_string()))?;
         if let Some(refusal) = self.0.refusal(id) {
             return Err(Status::permission_denied(refusal.message(id)));
         }
-        req.extensions_mut().insert(AgentIdentity(id));
+        req.extensions_mut().insert(AgentIdentity { id, not_after });
         Ok(req)
     }
 }
@@ -268,8 +277,15 @@ impl tonic::service::Interceptor for Authenticate {
 /// The authenticated workload of a request that passed [`Authenticate`].
 #[allow(clippy::result_large_err)]
 pub fn identity<T>(req: &Request<T>) -> Result<WorkloadId, Status> {
+    agent_identity(req).map(|i| i.id)
+}
+
+/// The authenticated workload of a request that passed [`Authenticate`], with its
+/// certificate's expiry.
+#[allow(clippy::result_large_err)]
+pub fn agent_identity<T>(req: &Request<T>) -> Result<AgentIdentity, Status> {
     req.extensions()
         .get::<AgentIdentity>()
-        .map(|i| i.0)
+        .copied()
         .ok_or_else(|| Status::internal("no authenticated identity: service mounted without its interceptor"))
 }

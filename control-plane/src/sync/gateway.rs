@@ -21,7 +21,7 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::audit;
 use crate::error::Error;
 use crate::identity::enroll::Enroller;
-use crate::identity::listener::identity;
+use crate::identity::listener::{AgentIdentity, agent_identity, identity};
 use crate::policy::store;
 use crate::sync::session::{Ack, Action, Record, Session, SyncState, Update};
 
@@ -65,9 +65,11 @@ impl GatewayConfig {
 enum Control {
     /// Tell the agent to reconnect (directed resend-snapshot, SYNC-8), then end the stream.
     Reconnect,
-    /// End the stream: superseded by a newer one from the same identity, or the workload was
-    /// retired or deny-listed.
+    /// End the stream: superseded by a newer one from the same identity, or the replica is
+    /// shutting down.
     End { reason: String, superseded: bool },
+    /// Tell the agent to enroll again (the workload was retired or deny-listed), then end.
+    Reenroll { reason: String },
 }
 
 #[derive(Debug)]
@@ -138,10 +140,11 @@ impl Gateway {
         self.streams().get(&id).is_some_and(|h| h.control.send(Control::Reconnect).is_ok())
     }
 
-    /// Ends the stream of a retired or deny-listed workload.
+    /// Ends the stream of a retired or deny-listed workload, telling its agent that only a new
+    /// enrollment can bring it back (`Reenroll`), so it stops reconnecting.
     pub fn cut(&self, id: WorkloadId, reason: &str) {
         if let Some(h) = self.streams().get(&id) {
-            let _ = h.control.send(Control::End { reason: reason.to_owned(), superseded: false });
+            let _ = h.control.send(Control::Reenroll { reason: reason.to_owned() });
         }
     }
 
@@ -296,7 +299,12 @@ impl StreamTask {
         mut inbound: Streaming<proto::SyncRequest>,
         mut poke: watch::Receiver<u64>,
         mut control: mpsc::UnboundedReceiver<Control>,
+        credential_expiry: std::time::SystemTime,
     ) -> Ended {
+        // An agent that cannot renew cannot hold a stream (seed 000): it ends when the
+        // certificate it was opened with expires (the agent renews well before, and reconnects).
+        let expiry = tokio::time::Instant::now()
+            + credential_expiry.duration_since(std::time::SystemTime::now()).unwrap_or_default();
         let liveness = self.config().liveness();
         let hello = match tokio::time::timeout(liveness, inbound.message()).await {
             Ok(Ok(Some(proto::SyncRequest { msg: Some(sync_request::Msg::Hello(h)) }))) => h,
@@ -331,6 +339,14 @@ impl StreamTask {
         loop {
             let due = inventory.due;
             let event = tokio::select! {
+                () = tokio::time::sleep_until(expiry) => {
+                    let reason = "its client certificate expired: renew before expiry, or enroll again";
+                    return Ended {
+                        reason: reason.into(),
+                        offline: true,
+                        status: Some(Status::unauthenticated(format!("the stream ended because {reason}"))),
+                    };
+                }
                 () = sleep_until_due(due) => {
                     if let Err(e) = self.apply_inventory(&mut inventory).await {
                         return Ended::refused(Status::from(e));
@@ -354,6 +370,12 @@ impl StreamTask {
                         let directive = proto::Directive { directive: Some(proto::directive::Directive::Reconnect(proto::Reconnect {})) };
                         let _ = self.send(sync_response::Msg::Directive(directive)).await;
                         return Ended::offline("directed reconnect");
+                    }
+                    Some(Control::Reenroll { reason }) => {
+                        let reenroll = proto::Reenroll { reason: format!("{reason}: enroll this host again") };
+                        let directive = proto::Directive { directive: Some(proto::directive::Directive::Reenroll(reenroll)) };
+                        let _ = self.send(sync_response::Msg::Directive(directive)).await;
+                        return Ended { reason, offline: true, status: None };
                     }
                     Some(Control::End { reason, superseded }) => {
                         let status = Status::aborted(reason.clone());
@@ -594,7 +616,7 @@ impl proto::agent_service_server::AgentService for Gateway {
         &self,
         request: Request<Streaming<proto::SyncRequest>>,
     ) -> Result<Response<SyncStream>, Status> {
-        let id = identity(&request)?;
+        let AgentIdentity { id, not_after } = agent_identity(&request)?;
         let inbound = request.into_inner();
         let (out, rx) = mpsc::channel(self.inner.config.outbound_queue.max(1));
         let (generation, poke, control) = self.register(id);
@@ -607,7 +629,7 @@ impl proto::agent_service_server::AgentService for Gateway {
                 epoch: Default::default(),
                 state: Default::default(),
             };
-            let ended = task.run(inbound, poke, control).await;
+            let ended = task.run(inbound, poke, control, not_after).await;
             let current = gateway.deregister(id, generation);
             tracing::info!(workload = %id, reason = %ended.reason, "stream ended");
             let epoch = task.epoch.load(Ordering::Relaxed);

@@ -25,6 +25,8 @@ pub struct Plane {
     pub signer: Arc<FileCa>,
     pub running: Option<Running>,
     pub limits: Limits,
+    /// Lifetime of the workload certificates it issues.
+    pub cert_lifetime: Duration,
 }
 
 impl Plane {
@@ -32,7 +34,14 @@ impl Plane {
         let db = fresh_database().await.unwrap();
         let ca_dir = std::env::temp_dir().join(format!("iw-ca-{}", uuid::Uuid::new_v4()));
         let signer = Arc::new(FileCa::init(&ca_dir).unwrap());
-        let mut plane = Plane { db, ca_dir, signer, running: None, limits: Limits::default() };
+        let mut plane = Plane {
+            db,
+            ca_dir,
+            signer,
+            running: None,
+            limits: Limits::default(),
+            cert_lifetime: Duration::from_secs(3600),
+        };
         plane.restart(config).await;
         plane
     }
@@ -44,7 +53,7 @@ impl Plane {
         let config = ServiceConfig {
             listen: "127.0.0.1:0".parse().unwrap(),
             server_names: vec!["localhost".into()],
-            cert_lifetime: Duration::from_secs(3600),
+            cert_lifetime: self.cert_lifetime,
             gateway,
             flow_bounds: Default::default(),
             limits: self.limits.clone(),
