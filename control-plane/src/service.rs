@@ -18,6 +18,7 @@ use crate::identity::admission::{Admission, Limits};
 use crate::identity::ca::Signer;
 use crate::identity::enroll::Enroller;
 use crate::identity::listener::{self, Authenticate, ServerError};
+use crate::identity::server_cert::ServerCertificate;
 use crate::policy::authoring;
 use crate::sync::bridge;
 use crate::sync::gateway::{Gateway, GatewayConfig};
@@ -31,6 +32,8 @@ pub struct ServiceConfig {
     /// Names and addresses agents dial this replica by (server certificate SANs).
     pub server_names: Vec<String>,
     pub cert_lifetime: Duration,
+    /// Lifetime of the listener's own certificate; it is reissued at half of it.
+    pub server_cert_lifetime: Duration,
     pub gateway: GatewayConfig,
     /// How old and how far ahead flow window times may be; the age is also the retention.
     pub flow_bounds: crate::flows::TimeBounds,
@@ -84,6 +87,9 @@ pub struct Running {
     bridge: JoinHandle<()>,
     retention: JoinHandle<()>,
     liveness: JoinHandle<()>,
+    renewal: JoinHandle<()>,
+    /// The listener's certificate, reissued before it expires.
+    pub certificate: Arc<ServerCertificate>,
 }
 
 /// Drops expired flow partitions hourly (FLOW-5); replicas serialize on the partition lock.
@@ -107,6 +113,7 @@ impl Running {
         self.bridge.abort();
         self.retention.abort();
         self.liveness.abort();
+        self.renewal.abort();
         let mut server = self.server;
         let joined = match tokio::time::timeout(SHUTDOWN_GRACE, &mut server).await {
             Ok(joined) => joined,
@@ -140,7 +147,14 @@ pub async fn start(
     let retention = tokio::spawn(retention_forever(pool.clone(), config.flow_bounds.max_age.num_days()));
     let liveness = tokio::spawn(crate::sync::liveness::sweep_forever(pool.clone(), config.gateway.heartbeat));
 
-    let tls = listener::tls_config(signer.as_ref(), &config.server_names, admission.clone())?;
+    let certificate = ServerCertificate::issue(
+        signer.clone(),
+        Arc::new(rustls::crypto::ring::default_provider()),
+        &config.server_names,
+        config.server_cert_lifetime,
+    )?;
+    let tls = listener::tls_config(signer.as_ref(), certificate.clone(), admission.clone())?;
+    let renewal = tokio::spawn(certificate.clone().renew_forever());
     let tcp = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|source| ServiceError::Bind { addr: config.listen, source })?;
@@ -192,5 +206,7 @@ pub async fn start(
         bridge,
         retention,
         liveness,
+        renewal,
+        certificate,
     })
 }

@@ -55,6 +55,7 @@ impl Plane {
             listen: format!("127.0.0.1:{}", self.port).parse().unwrap(),
             server_names: vec!["localhost".into()],
             cert_lifetime: self.cert_lifetime,
+            server_cert_lifetime: innerwall_control_plane::identity::server_cert::SERVER_CERT_LIFETIME,
             gateway: self.gateway.clone(),
             flow_bounds: Default::default(),
             limits: Default::default(),

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use innerwall_wire::identity::WorkloadId;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, UnixTime, pem::PemObject};
+use rustls::pki_types::{CertificateDer, UnixTime, pem::PemObject};
 use rustls::server::WebPkiClientVerifier;
 use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::{DigitallySignedStruct, DistinguishedName, RootCertStore, ServerConfig, SignatureScheme};
@@ -19,12 +19,10 @@ use tonic::{Request, Status};
 
 use crate::identity::admission::{Admission, Refusal};
 use crate::identity::ca::{Signer, certificate_not_after, workload_id_from_certificate};
+use crate::identity::server_cert::ServerCertificate;
 
 /// How long a client may take to finish the TLS handshake before its connection is dropped.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Lifetime of the listener's own certificate, issued from the CA at start.
-const SERVER_CERT_LIFETIME: Duration = Duration::from_secs(90 * 24 * 3600);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -103,11 +101,12 @@ fn tls_err(context: &str) -> impl FnOnce(rustls::Error) -> ServerError + '_ {
     move |e| ServerError::Tls(format!("{context}: {e}"))
 }
 
-/// The listener's TLS configuration: a server certificate for `names` issued from the CA now,
-/// TLS 1.3 only, HTTP/2 only, optional client certificates verified by [`AgentCertVerifier`].
+/// The listener's TLS configuration: the server certificate `certificate` presents (reissued
+/// from the CA before it expires), TLS 1.3 only, HTTP/2 only, optional client certificates
+/// verified by [`AgentCertVerifier`].
 pub fn tls_config(
     signer: &dyn Signer,
-    names: &[String],
+    certificate: Arc<ServerCertificate>,
     admission: Arc<Admission>,
 ) -> Result<Arc<ServerConfig>, ServerError> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
@@ -120,18 +119,11 @@ pub fn tls_config(
         .allow_unauthenticated()
         .build()
         .map_err(|e| ServerError::Tls(format!("client verifier: {e}")))?;
-    let (cert_pem, key_pem) = signer.issue_server(names, SERVER_CERT_LIFETIME, SystemTime::now())?;
-    let certs = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| ServerError::Tls(format!("server certificate: {e}")))?;
-    let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes())
-        .map_err(|e| ServerError::Tls(format!("server key: {e}")))?;
     let mut config = ServerConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(tls_err("protocol versions"))?
         .with_client_cert_verifier(Arc::new(AgentCertVerifier { chain, admission }))
-        .with_single_cert(certs, key)
-        .map_err(tls_err("server certificate"))?;
+        .with_cert_resolver(certificate);
     config.alpn_protocols = vec![b"h2".to_vec()];
     Ok(Arc::new(config))
 }

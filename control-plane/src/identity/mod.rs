@@ -5,4 +5,5 @@ pub mod admission;
 pub mod ca;
 pub mod enroll;
 pub mod listener;
+pub mod server_cert;
 pub mod tokens;

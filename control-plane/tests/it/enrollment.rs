@@ -27,6 +27,8 @@ pub struct Plane {
     pub limits: Limits,
     /// Lifetime of the workload certificates it issues.
     pub cert_lifetime: Duration,
+    /// Lifetime of its listener's own certificate.
+    pub server_cert_lifetime: Duration,
 }
 
 impl Plane {
@@ -41,6 +43,7 @@ impl Plane {
             running: None,
             limits: Limits::default(),
             cert_lifetime: Duration::from_secs(3600),
+            server_cert_lifetime: innerwall_control_plane::identity::server_cert::SERVER_CERT_LIFETIME,
         };
         plane.restart(config).await;
         plane
@@ -54,6 +57,7 @@ impl Plane {
             listen: "127.0.0.1:0".parse().unwrap(),
             server_names: vec!["localhost".into()],
             cert_lifetime: self.cert_lifetime,
+            server_cert_lifetime: self.server_cert_lifetime,
             gateway,
             flow_bounds: Default::default(),
             limits: self.limits.clone(),
@@ -527,4 +531,44 @@ async fn unauthenticated_clients_are_bounded() {
         other => panic!("expected a delta, got {other:?}"),
     }
     assert_eq!(admission.open_connections(id), 1);
+}
+
+/// The certificate the listener presents on a new connection (DER).
+async fn presented(plane: &Plane) -> Vec<u8> {
+    let tls = anonymous_tls(plane, "127.0.0.1".parse().unwrap()).await.unwrap();
+    tls.get_ref().1.peer_certificates().unwrap()[0].as_ref().to_vec()
+}
+
+/// The listener's certificate is reissued from the CA at half its lifetime and presented from
+/// the next handshake on: after the first one expired, hosts still enroll and agents still
+/// connect, and a stream opened under the first one carries on, all without a restart.
+#[tokio::test]
+async fn server_certificate_renews_without_restart() {
+    let mut plane = Plane::start(GatewayConfig::default()).await;
+    plane.server_cert_lifetime = Duration::from_secs(4);
+    plane.restart(GatewayConfig::default()).await;
+    let first = presented(&plane).await;
+    let first_expiry = innerwall_control_plane::identity::ca::certificate_not_after(&first).unwrap();
+    let token = plane.mint(&["app=web"], None).await;
+    let (_, cert, key) = plane.enroll(&token).await.unwrap();
+    let (_, snapshot, mut inbound, _tx) = open_sync(plane.mutual(&cert, &key).await.unwrap()).await.unwrap();
+
+    // The expiry of the first certificate, observed on the wall clock it is judged by.
+    while SystemTime::now() <= first_expiry + Duration::from_secs(1) {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let now = presented(&plane).await;
+    assert_ne!(now, first, "still presenting the first certificate");
+    let now_expiry = innerwall_control_plane::identity::ca::certificate_not_after(&now).unwrap();
+    assert!(now_expiry > SystemTime::now(), "the presented certificate is expired");
+    // Full handshakes that verify the server certificate: enrollment and a new agent stream.
+    let (_, cert2, key2) = plane.enroll(&token).await.unwrap();
+    open_sync(plane.mutual(&cert2, &key2).await.unwrap()).await.unwrap();
+    // The stream opened under the first certificate still carries updates.
+    innerwall_control_plane::testing::add_web_port(&plane.db.pool, 0).await.unwrap();
+    let update = tokio::time::timeout(Duration::from_secs(10), inbound.message()).await.unwrap().unwrap();
+    match update.and_then(|r| r.msg) {
+        Some(sync_response::Msg::Delta(d)) => assert_eq!(d.from_version, snapshot.version),
+        other => panic!("expected a delta, got {other:?}"),
+    }
 }

@@ -191,6 +191,7 @@ async fn second_replica(a: &Plane) -> innerwall_control_plane::service::Running 
             listen: "127.0.0.1:0".parse().unwrap(),
             server_names: vec!["localhost".into()],
             cert_lifetime: Duration::from_secs(3600),
+            server_cert_lifetime: innerwall_control_plane::identity::server_cert::SERVER_CERT_LIFETIME,
             gateway: GatewayConfig::default(),
             flow_bounds: Default::default(),
             limits: Default::default(),

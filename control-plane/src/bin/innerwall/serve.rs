@@ -26,6 +26,10 @@ pub struct ServeArgs {
     /// Lifetime of issued workload certificates, e.g. 24h.
     #[arg(long, default_value = "24h", value_parser = duration::arg)]
     cert_lifetime: std::time::Duration,
+    /// Lifetime of this replica's own listener certificate, issued from the CA at start and
+    /// reissued at half of it, without a restart.
+    #[arg(long, default_value = "90d", value_parser = duration::arg)]
+    server_cert_lifetime: std::time::Duration,
     /// Interval agents heartbeat at; a stream silent for three of them is closed.
     #[arg(long, default_value = "30s", value_parser = duration::arg)]
     heartbeat_interval: std::time::Duration,
@@ -99,6 +103,7 @@ pub async fn run(args: &ServeArgs, database: &Database, ca_dir: &Path) -> anyhow
             args.server_names.clone()
         },
         cert_lifetime: args.cert_lifetime,
+        server_cert_lifetime: args.server_cert_lifetime,
         gateway: gateway::GatewayConfig {
             heartbeat: args.heartbeat_interval,
             flow_window: args.flow_window,
