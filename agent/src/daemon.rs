@@ -72,6 +72,11 @@ pub async fn hold_stream<S: PolicyStore + Send + 'static>(
                         attempt = 0;
                         continue;
                     }
+                    SessionEnd::Renewed => {
+                        tracing::info!("credential renewed: reconnecting with the new certificate");
+                        attempt = 0;
+                        continue;
+                    }
                     SessionEnd::Reenroll(reason) => return Err(RunError::Reenroll(reason)),
                     SessionEnd::Closed(reason) => {
                         if stats.established {

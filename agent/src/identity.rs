@@ -1,20 +1,23 @@
 //! The agent's credential (IDN-2, IDN-5): a key generated here and never sent, the certificate
-//! the control plane issued for it, and the CA bundle delivered out of band. Stored in the state
-//! directory (key mode 0600), loaded into the TLS client for every connection, and replaced
-//! atomically on renewal.
+//! the control plane issued for it, and the CA bundle delivered out of band. Stored together in
+//! one file of the state directory (`credential.pem`, mode 0600: key, certificate, CA bundle),
+//! so renewal replaces all three with one rename and a crash at any moment leaves either the old
+//! credential or the new one, never a new key beside an old certificate (issue 16). The three
+//! files of earlier versions are still read, and replaced at the next save.
 
 use std::fs;
-use std::io::Write;
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
 use innerwall_wire::identity::WorkloadId;
 use tonic::transport::{Certificate, ClientTlsConfig, Identity};
 
-pub const KEY_FILE: &str = "key.pem";
-pub const CERT_FILE: &str = "cert.pem";
-pub const CA_FILE: &str = "ca.pem";
+pub const CREDENTIAL_FILE: &str = "credential.pem";
+/// The layout before `CREDENTIAL_FILE`: three files, replaced one at a time.
+const KEY_FILE: &str = "key.pem";
+const CERT_FILE: &str = "cert.pem";
+const CA_FILE: &str = "ca.pem";
 
 #[derive(Debug, thiserror::Error)]
 pub enum CredentialError {
@@ -36,6 +39,12 @@ pub enum CredentialError {
         "the credential expired at {expired:?}; this host must be enrolled again (innerwall-agent enroll --force …)"
     )]
     Expired { expired: SystemTime },
+    #[error(
+        "the key does not belong to the certificate; this host must be enrolled again (innerwall-agent enroll --force …)"
+    )]
+    Mismatch,
+    #[error("{path}: {detail}")]
+    Malformed { path: PathBuf, detail: String },
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CredentialError + '_ {
@@ -108,11 +117,19 @@ impl std::fmt::Debug for Credential {
 
 impl Credential {
     pub fn exists(dir: &Path) -> bool {
-        dir.join(KEY_FILE).exists() || dir.join(CERT_FILE).exists()
+        [CREDENTIAL_FILE, KEY_FILE, CERT_FILE].iter().any(|f| dir.join(f).exists())
     }
 
+    /// A credential from its parts; refused unless the key is the certificate's.
     pub fn new(key_pem: String, cert_pem: String, ca_pem: String) -> Result<Self, CredentialError> {
         let (id, not_before, not_after) = inspect(&cert_pem)?;
+        let key = rcgen::KeyPair::from_pem(&key_pem).map_err(|e| CredentialError::Key(e.to_string()))?;
+        let (_, pem) = x509_parser::pem::parse_x509_pem(cert_pem.as_bytes())
+            .map_err(|e| CredentialError::Certificate(e.to_string()))?;
+        let cert = pem.parse_x509().map_err(|e| CredentialError::Certificate(e.to_string()))?;
+        if cert.public_key().raw != rcgen::PublicKeyData::subject_public_key_info(&key).as_slice() {
+            return Err(CredentialError::Mismatch);
+        }
         Ok(Credential {
             id,
             key_pem,
@@ -128,30 +145,40 @@ impl Credential {
         if !Credential::exists(dir) {
             return Err(CredentialError::Missing { dir: dir.to_owned() });
         }
-        let key_path = dir.join(KEY_FILE);
-        let mode = fs::metadata(&key_path).map_err(io(&key_path))?.permissions().mode() & 0o777;
-        if mode & 0o077 != 0 {
-            return Err(CredentialError::KeyMode { path: key_path, mode });
-        }
-        let read = |name: &str| {
-            let path = dir.join(name);
-            fs::read_to_string(&path).map_err(|source| CredentialError::Io { path, source })
+        let one = dir.join(CREDENTIAL_FILE);
+        let (mut credential, stored) = if one.exists() {
+            let text = read_private(&one)?;
+            let (key, cert, ca) = split_bundle(&text)
+                .map_err(|detail| CredentialError::Malformed { path: one.clone(), detail })?;
+            (Credential::new(key, cert, ca)?, one)
+        } else {
+            let key = read_private(&dir.join(KEY_FILE))?;
+            let read = |name: &str| {
+                let path = dir.join(name);
+                fs::read_to_string(&path).map_err(|source| CredentialError::Io { path, source })
+            };
+            (Credential::new(key, read(CERT_FILE)?, read(CA_FILE)?)?, dir.join(CERT_FILE))
         };
-        let mut credential = Credential::new(read(KEY_FILE)?, read(CERT_FILE)?, read(CA_FILE)?)?;
-        let cert_path = dir.join(CERT_FILE);
-        credential.received_at =
-            fs::metadata(&cert_path).and_then(|m| m.modified()).map_err(io(&cert_path))?;
+        credential.received_at = fs::metadata(&stored).and_then(|m| m.modified()).map_err(io(&stored))?;
         Ok(credential)
     }
 
-    /// Writes all three files atomically (temp file, fsync, rename), the key with mode 0600 from
-    /// creation on, then fsyncs the directory.
+    /// Writes key, certificate and CA bundle as one file (a fresh 0600 temporary file, fsync,
+    /// one rename, fsync of the directory), then removes the files of the old layout.
     pub fn save(&self, dir: &Path) -> Result<(), CredentialError> {
         crate::private::dir(dir).map_err(io(dir))?;
-        write_atomic(&dir.join(KEY_FILE), self.key_pem.as_bytes(), 0o600)?;
-        write_atomic(&dir.join(CERT_FILE), self.cert_pem.as_bytes(), 0o600)?;
-        write_atomic(&dir.join(CA_FILE), self.ca_pem.as_bytes(), 0o600)?;
-        fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))
+        let path = dir.join(CREDENTIAL_FILE);
+        let bundle =
+            format!("{}\n{}\n{}", self.key_pem.trim_end(), self.cert_pem.trim_end(), self.ca_pem.trim_end());
+        crate::private::write(&path, format!("{bundle}\n").as_bytes()).map_err(io(&path))?;
+        for legacy in [KEY_FILE, CERT_FILE, CA_FILE] {
+            let legacy = dir.join(legacy);
+            match fs::remove_file(&legacy) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(&legacy)(e)),
+                _ => {}
+            }
+        }
+        Ok(())
     }
 
     /// TLS for agent RPCs: trust only the CA bundle, present this certificate.
@@ -185,18 +212,123 @@ pub fn enroll_tls(ca_pem: &str, server_name: &str) -> ClientTlsConfig {
     ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca_pem)).domain_name(server_name)
 }
 
-fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), CredentialError> {
-    let tmp = path.with_extension("tmp");
-    let _ = fs::remove_file(&tmp);
-    let mut file =
-        fs::OpenOptions::new().write(true).create_new(true).mode(mode).open(&tmp).map_err(io(&tmp))?;
-    file.write_all(bytes).and_then(|()| file.sync_all()).map_err(io(&tmp))?;
-    fs::rename(&tmp, path).map_err(io(path))
+/// Reads a file that holds a private key, refusing it if group or others can read it.
+fn read_private(path: &Path) -> Result<String, CredentialError> {
+    let mode = fs::metadata(path).map_err(io(path))?.permissions().mode() & 0o777;
+    if mode & 0o077 != 0 {
+        return Err(CredentialError::KeyMode { path: path.to_owned(), mode });
+    }
+    fs::read_to_string(path).map_err(io(path))
+}
+
+/// Splits a stored credential into (key, leaf certificate, CA bundle): the one private key
+/// block, the first certificate, and every certificate after it.
+fn split_bundle(text: &str) -> Result<(String, String, String), String> {
+    let (mut key, mut leaf, mut ca) = (None, None, Vec::new());
+    let mut rest = text;
+    while let Some(start) = rest.find("-----BEGIN ") {
+        let label_end = rest[start..].find("-----\n").ok_or("a PEM header is not terminated")? + start;
+        let label = &rest[start + "-----BEGIN ".len()..label_end];
+        let end_marker = format!("-----END {label}-----");
+        let end = rest[start..].find(&end_marker).ok_or_else(|| format!("no {end_marker}"))? + start;
+        let block = format!("{}\n", &rest[start..end + end_marker.len()]);
+        rest = &rest[end + end_marker.len()..];
+        match label {
+            l if l.ends_with("PRIVATE KEY") && key.is_none() => key = Some(block),
+            l if l.ends_with("PRIVATE KEY") => return Err("more than one private key".into()),
+            "CERTIFICATE" if leaf.is_none() => leaf = Some(block),
+            "CERTIFICATE" => ca.push(block),
+            other => return Err(format!("unexpected PEM block {other:?}")),
+        }
+    }
+    match (key, leaf, ca.is_empty()) {
+        (Some(key), Some(leaf), false) => Ok((key, leaf, ca.concat())),
+        _ => Err("a credential holds a private key, its certificate and the CA bundle".into()),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A key and a certificate naming `id`, self-signed (the chain is the TLS layer's business).
+    fn issued(id: WorkloadId) -> (String, String) {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::default();
+        params.subject_alt_names = vec![rcgen::SanType::URI(id.to_uri().try_into().unwrap())];
+        let cert = params.self_signed(&key).unwrap();
+        (key.serialize_pem(), cert.pem())
+    }
+
+    fn ca() -> String {
+        let key = rcgen::KeyPair::generate().unwrap();
+        rcgen::CertificateParams::default().self_signed(&key).unwrap().pem()
+    }
+
+    fn temp_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("iw-cred-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        dir
+    }
+
+    /// Every state a crash during renewal can leave on disk loads as one whole credential, the
+    /// old or the new, and the next save succeeds from it.
+    #[test]
+    fn renewal_is_crash_safe() {
+        let dir = temp_dir("crash");
+        let id = WorkloadId::new_random();
+        let (old_key, old_cert) = issued(id);
+        let (new_key, new_cert) = issued(id);
+        let old = Credential::new(old_key.clone(), old_cert.clone(), ca()).unwrap();
+        let new = Credential::new(new_key.clone(), new_cert.clone(), old.ca_pem.clone()).unwrap();
+        old.save(&dir).unwrap();
+        let usable = |want: &Credential| {
+            let got = Credential::load(&dir).unwrap();
+            assert_eq!((&got.key_pem, &got.cert_pem), (&want.key_pem, &want.cert_pem));
+        };
+        let tmp = dir.join(CREDENTIAL_FILE).with_extension("tmp");
+        // Crashed while writing the temporary file (empty, or cut short), or after it was
+        // complete but before the rename: the old credential stands.
+        for partial in [String::new(), new_key[..40].to_owned(), format!("{new_key}\n{new_cert}")] {
+            fs::write(&tmp, &partial).unwrap();
+            usable(&old);
+        }
+        // The save that follows a crash clears the leftover and completes.
+        new.save(&dir).unwrap();
+        usable(&new);
+        assert!(!tmp.exists());
+
+        // The old three-file layout, and a crash between its renames (new key, old certificate):
+        // the pair is refused by name rather than handed to TLS, and a whole credential replaces
+        // the files at the next save.
+        let legacy = temp_dir("legacy");
+        crate::private::dir(&legacy).unwrap();
+        for (name, text) in [(KEY_FILE, &old_key), (CERT_FILE, &old_cert), (CA_FILE, &old.ca_pem)] {
+            crate::private::write(&legacy.join(name), text.as_bytes()).unwrap();
+        }
+        assert_eq!(Credential::load(&legacy).unwrap().cert_pem, old_cert);
+        crate::private::write(&legacy.join(KEY_FILE), new_key.as_bytes()).unwrap();
+        assert!(matches!(Credential::load(&legacy), Err(CredentialError::Mismatch)));
+        new.save(&legacy).unwrap();
+        assert_eq!(Credential::load(&legacy).unwrap().cert_pem, new_cert);
+        for name in [KEY_FILE, CERT_FILE, CA_FILE] {
+            assert!(!legacy.join(name).exists(), "{name} left behind");
+        }
+        let _ = fs::remove_dir_all(&dir);
+        let _ = fs::remove_dir_all(&legacy);
+    }
+
+    #[test]
+    fn a_stored_credential_must_hold_key_certificate_and_ca() {
+        let (key, cert) = issued(WorkloadId::new_random());
+        let ca = ca();
+        assert!(split_bundle(&format!("{key}{cert}{ca}")).is_ok());
+        for bad in
+            [format!("{cert}{ca}"), format!("{key}{cert}"), format!("{key}{key}{cert}{ca}"), "junk".into()]
+        {
+            assert!(split_bundle(&bad).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn renewal_falls_in_the_last_third_before_expiry() {

@@ -60,15 +60,13 @@ pub async fn renew_forever<S: PolicyStore + Send + 'static>(config: RunConfig, e
                 continue;
             }
         };
-        let at = credential.renew_at(backoff::random_unit());
-        if let Ok(wait) = at.duration_since(SystemTime::now()) {
-            tokio::time::sleep(wait).await;
-        }
+        sleep_until_wall(credential.renew_at(backoff::random_unit())).await;
         let mut attempt = 0;
         loop {
             match renew_once(&config, &credential).await {
                 Ok(renewed) => {
                     enforcer.set_renewal_error(String::new());
+                    enforcer.renewals.send_modify(|n| *n += 1);
                     tracing::info!(workload = %renewed.id, "renewed the credential; valid until {:?}", renewed.not_after);
                     break;
                 }
@@ -99,5 +97,38 @@ pub async fn renew_forever<S: PolicyStore + Send + 'static>(config: RunConfig, e
                 }
             }
         }
+    }
+}
+
+/// The longest nap before the wall clock is looked at again.
+const NAP: Duration = Duration::from_secs(60);
+
+/// Sleeps until the wall clock reaches `at`, in naps of at most a minute: a host that was
+/// suspended (when the monotonic clock tokio sleeps on stands still) renews within a minute of
+/// waking, not a whole suspension late.
+async fn sleep_until_wall(at: SystemTime) {
+    while let Some(nap) = next_nap(SystemTime::now(), at) {
+        tokio::time::sleep(nap).await;
+    }
+}
+
+/// How long to nap at `now` before looking at the clock again; `None` once `at` has come.
+fn next_nap(now: SystemTime, at: SystemTime) -> Option<Duration> {
+    at.duration_since(now).ok().filter(|d| !d.is_zero()).map(|d| d.min(NAP))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn naps_are_short_so_a_suspended_host_renews_on_waking() {
+        let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let at = t0 + Duration::from_secs(3 * 3600);
+        assert_eq!(next_nap(t0, at), Some(NAP));
+        assert_eq!(next_nap(at - Duration::from_secs(5), at), Some(Duration::from_secs(5)));
+        // The host slept through the deadline: renew now.
+        assert_eq!(next_nap(at + Duration::from_secs(7200), at), None);
+        assert_eq!(next_nap(at, at), None);
     }
 }

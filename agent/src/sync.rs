@@ -76,6 +76,9 @@ pub struct Enforcer<S> {
     /// Flow window length and key cap the control plane set in the last HelloAck.
     pub flow_window_secs: std::sync::atomic::AtomicU64,
     pub flow_window_max_keys: std::sync::atomic::AtomicU64,
+    /// Counts credential renewals: the policy stream moves to the new certificate at once,
+    /// because the control plane ends a stream when the certificate it opened with expires.
+    pub renewals: tokio::sync::watch::Sender<u64>,
 }
 
 impl<S: PolicyStore> Enforcer<S> {
@@ -89,6 +92,7 @@ impl<S: PolicyStore> Enforcer<S> {
             streams: Default::default(),
             flow_window_secs: std::sync::atomic::AtomicU64::new(60),
             flow_window_max_keys: std::sync::atomic::AtomicU64::new(10_000),
+            renewals: tokio::sync::watch::Sender::new(0),
         }
     }
 
@@ -146,6 +150,8 @@ pub enum SessionEnd {
     Closed(String),
     /// The server asked for a reconnect (SYNC-8); reconnect at once.
     Reconnect,
+    /// The credential was renewed; reconnect at once, with the new certificate.
+    Renewed,
     /// The identity cannot be renewed; an operator must enroll the host again.
     Reenroll(String),
 }
@@ -202,6 +208,9 @@ pub async fn session<S: PolicyStore + Send + 'static>(
     if tx.send(msg(sync_request::Msg::Hello(hello))).await.is_err() {
         return SessionEnd::Closed("could not queue Hello".into());
     }
+    // A renewal from here on moves the stream to the new certificate (one made between the dial
+    // and here is caught by the stream's end at the old certificate's expiry, then a redial).
+    let mut renewals = enforcer.renewals.subscribe();
     let mut client = proto::agent_service_client::AgentServiceClient::new(channel);
     let mut inbound = match client.sync(tokio_stream::wrappers::ReceiverStream::new(rx)).await {
         Ok(r) => r.into_inner(),
@@ -260,6 +269,7 @@ pub async fn session<S: PolicyStore + Send + 'static>(
                     return SessionEnd::Closed("stream closed while acking".into());
                 }
             }
+            _ = renewals.changed() => return SessionEnd::Renewed,
             _ = heartbeat.tick() => {
                 if tx.send(msg(sync_request::Msg::Heartbeat(enforcer.heartbeat()))).await.is_err() {
                     return SessionEnd::Closed("stream closed".into());

@@ -181,7 +181,7 @@ async fn sync_stream_end_to_end() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn renewal_keeps_stream_open() {
+async fn renewal_moves_the_stream_to_the_new_certificate() {
     // Certificates live 12 s: the agent renews 8–10.8 s after receiving one.
     let plane = Plane::start_with(Duration::from_secs(12)).await;
     let (id, config) = plane.enroll("web-1", &["app=web"]).await;
@@ -219,17 +219,21 @@ async fn renewal_keeps_stream_open() {
         .unwrap();
     assert!(!serial.is_empty());
 
-    // Past the first certificate's expiry, the original stream still carries updates.
+    // The stream moves to the new certificate at once (the control plane ends a stream when
+    // the certificate it was opened with expires): one more stream, no failed dial.
+    eventually(
+        || enforcer.streams.load(Ordering::Relaxed) == 2,
+        "the stream reopened with the new certificate",
+    )
+    .await;
+    // Past the first certificate's expiry, the stream opened with the new one carries updates.
     tokio::time::sleep(before.not_after.duration_since(std::time::SystemTime::now()).unwrap_or_default())
         .await;
     plane.bump(0).await;
     plane.wait_synced(id, 2).await;
-    assert_eq!(
-        epoch(plane.pool().clone()).await,
-        opened,
-        "the stream opened before renewal is still the one"
-    );
-    assert_eq!(enforcer.streams.load(Ordering::Relaxed), 1);
+    assert_eq!(epoch(plane.pool().clone()).await, opened + 1, "exactly one reconnect, for the renewal");
+    assert_eq!(enforcer.streams.load(Ordering::Relaxed), 2);
+    assert_eq!(enforcer.dial_failures.load(Ordering::Relaxed), 0);
     renewal.abort();
     agent.abort();
 }
