@@ -35,6 +35,9 @@ pub enum Error {
     /// (a chain would print it twice).
     #[error("{error}")]
     Token { kind: &'static str, error: BoxError },
+    /// The database could not do it in bounded time (a lock held too long): retry later.
+    #[error("{0}")]
+    Busy(String),
     #[error("agent-offline: workload {id} has no stream (last seen {last_seen})")]
     AgentOffline { id: String, last_seen: String },
     #[error("render failed: {0}")]
@@ -56,6 +59,7 @@ pub enum Kind {
     Refused,
     Unauthenticated,
     AgentOffline,
+    Busy,
     /// Not the caller's fault: logged in full, reported without detail.
     Internal,
 }
@@ -71,6 +75,7 @@ impl Error {
             Error::Refused(_) => Kind::Refused,
             Error::Token { .. } => Kind::Unauthenticated,
             Error::AgentOffline { .. } => Kind::AgentOffline,
+            Error::Busy(_) => Kind::Busy,
             Error::Render(_) | Error::Corrupt { .. } | Error::Database(_) => Kind::Internal,
         }
     }
@@ -100,7 +105,7 @@ impl From<Error> for tonic::Status {
                 }
                 _ => Status::unauthenticated(message),
             },
-            Kind::AgentOffline => Status::unavailable(message),
+            Kind::AgentOffline | Kind::Busy => Status::unavailable(message),
             Kind::Internal => {
                 tracing::error!("agent request failed: {:#}", Chain(&e));
                 Status::internal("internal error; see the control-plane log")
@@ -135,6 +140,7 @@ mod tests {
             (Error::NotFound { what: "service", name: "web".into() }, tonic::Code::NotFound),
             (Error::Invalid("bad".into()), tonic::Code::InvalidArgument),
             (Error::Refused("no".into()), tonic::Code::PermissionDenied),
+            (Error::Busy("the render lock".into()), tonic::Code::Unavailable),
             (token, tonic::Code::Unauthenticated),
             (Error::Corrupt { what: "mode", detail: "9".into() }, tonic::Code::Internal),
         ];

@@ -45,7 +45,16 @@ pub fn next_version(persisted: Option<&WorkloadPolicy>, rendered: WorkloadPolicy
 /// advanced, in id order. The caller commits (which delivers the notifications) or rolls back
 /// (which delivers none).
 pub async fn publish(conn: &mut PgConnection) -> Result<Vec<Changed>, Error> {
-    sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(RENDER_LOCK_KEY).execute(&mut *conn).await?;
+    sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(RENDER_LOCK_KEY).execute(&mut *conn).await.map_err(
+        |e| match e.as_database_error().and_then(|d| d.code()).as_deref() {
+            // lock_not_available: the connection's lock_timeout passed (postgres::Timeouts).
+            Some("55P03") => Error::Busy(
+                "the render lock stayed held past the lock timeout: another render, or a client                  stalled in the middle of a change, holds it; nothing was written, retry"
+                    .into(),
+            ),
+            _ => Error::Database(e),
+        },
+    )?;
     let model = store::load_model(conn).await?;
     let registry = store::load_registry(conn).await?;
     let registry = judge_addresses(conn, registry).await?;

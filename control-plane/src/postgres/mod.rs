@@ -145,9 +145,51 @@ pub async fn connect(url: &str) -> Result<PgPool, Error> {
     Ok(pool)
 }
 
+/// Bounds on what one database connection may wait for (issue 16): no statement, lock wait or
+/// idle transaction holds the control plane up without limit. A CLI suspended in the middle of
+/// a commit loses its transaction (and the render lock) after `idle_in_transaction`; a render
+/// that cannot get the lock within `lock` fails and says so.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timeouts {
+    pub statement: Duration,
+    pub lock: Duration,
+    pub idle_in_transaction: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Timeouts {
+            statement: Duration::from_secs(60),
+            lock: Duration::from_secs(15),
+            idle_in_transaction: Duration::from_secs(60),
+        }
+    }
+}
+
 /// The pool settings [`connect`] uses; callers that manage migrations themselves start from here.
 pub fn pool_options() -> PgPoolOptions {
-    PgPoolOptions::new().max_connections(10).min_connections(0).acquire_timeout(Duration::from_secs(10))
+    pool_options_with(Timeouts::default())
+}
+
+/// [`pool_options`] with other timeouts, set on every connection the pool opens.
+pub fn pool_options_with(timeouts: Timeouts) -> PgPoolOptions {
+    let settings = format!(
+        "SET statement_timeout = {}; SET lock_timeout = {}; SET idle_in_transaction_session_timeout = {}",
+        timeouts.statement.as_millis(),
+        timeouts.lock.as_millis(),
+        timeouts.idle_in_transaction.as_millis(),
+    );
+    PgPoolOptions::new()
+        .max_connections(10)
+        .min_connections(0)
+        .acquire_timeout(Duration::from_secs(10))
+        .after_connect(move |conn, _meta| {
+            let settings = settings.clone();
+            Box::pin(async move {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(settings)).execute(conn).await?;
+                Ok(())
+            })
+        })
 }
 
 async fn blocking<T: Send + 'static>(

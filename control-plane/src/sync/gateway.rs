@@ -526,6 +526,25 @@ impl StreamTask {
             return Ok(());
         }
         inventory.due = None;
+        match self.commit_inventory(&addresses).await {
+            // The render lock stayed busy (a long render queue): keep the report and try again
+            // after an interval instead of ending the stream.
+            Err(Error::Busy(why)) => {
+                tracing::warn!(workload = %self.id, "inventory change deferred: {why}");
+                inventory.addresses.get_or_insert(addresses);
+                let retry = self.config().inventory_min_interval.max(Duration::from_secs(1));
+                inventory.due = Some(tokio::time::Instant::now() + retry);
+                Ok(())
+            }
+            other => other,
+        }
+    }
+
+    /// Stores `addresses` as the workload's reported addresses and renders, if they changed.
+    async fn commit_inventory(
+        &self,
+        addresses: &std::collections::BTreeSet<std::net::IpAddr>,
+    ) -> Result<(), Error> {
         let current: Vec<String> = sqlx::query_scalar(
             "SELECT host(address) FROM workload_addresses WHERE workload_id = $1 ORDER BY 1",
         )
@@ -534,7 +553,7 @@ impl StreamTask {
         .await?;
         let current: std::collections::BTreeSet<std::net::IpAddr> =
             current.iter().filter_map(|a| a.parse().ok()).collect();
-        if current == addresses {
+        if current == *addresses {
             return Ok(());
         }
         // A change of addresses changes peer sets: it renders like any other change (POL-4),
@@ -546,7 +565,7 @@ impl StreamTask {
             "workload.inventory",
             &id.to_string(),
             async |c| {
-                crate::policy::authoring::set_addresses(c, id, &addresses).await?;
+                crate::policy::authoring::set_addresses(c, id, addresses).await?;
                 let list: Vec<String> = addresses.iter().map(ToString::to_string).collect();
                 Ok(((), serde_json::json!({"addresses": list})))
             },

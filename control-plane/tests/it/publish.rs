@@ -5,6 +5,7 @@
 use std::collections::BTreeSet;
 use std::net::IpAddr;
 use std::process::Command;
+use std::time::Duration;
 
 use innerwall_control_plane::error::Error;
 use innerwall_control_plane::notice::CHANNEL as POLICY_CHANNEL;
@@ -601,4 +602,45 @@ async fn label_sets_are_bounded() {
     })
     .await
     .unwrap();
+}
+
+/// The database never holds the control plane up without bound: a render that cannot get the
+/// render lock fails within the lock timeout, names the lock and writes nothing; and a client
+/// stalled in the middle of a change (a suspended CLI holding the lock) loses its transaction
+/// after the idle-in-transaction timeout, so the next render goes through.
+#[tokio::test]
+async fn database_stalls_are_bounded() {
+    use innerwall_control_plane::policy::publish::RENDER_LOCK_KEY;
+    use innerwall_control_plane::postgres::{Timeouts, pool_options_with};
+
+    let db = fresh_database().await.unwrap();
+    let url = db.url.clone();
+    let short = async |t: Timeouts| pool_options_with(t).connect(&url).await.unwrap();
+    let impatient = short(Timeouts { lock: Duration::from_secs(1), ..Timeouts::default() }).await;
+    let stalls = short(Timeouts { idle_in_transaction: Duration::from_secs(1), ..Timeouts::default() }).await;
+
+    // Someone holds the render lock in an open transaction.
+    let mut holder = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(RENDER_LOCK_KEY)
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let err = innerwall_control_plane::testing::add_web_port(&impatient, 0).await.unwrap_err();
+    assert!(format!("{err:#}").contains("the render lock stayed held past the lock timeout"), "{err:#}");
+    let written: i64 = sqlx::query_scalar("SELECT count(*) FROM services").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(written, 0, "a refused change writes nothing");
+    holder.rollback().await.unwrap();
+
+    // A client takes the lock and stalls (a suspended CLI mid-commit): the server ends its
+    // transaction, and a render with the default lock timeout goes through.
+    let mut stalled = stalls.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(RENDER_LOCK_KEY)
+        .execute(&mut *stalled)
+        .await
+        .unwrap();
+    innerwall_control_plane::testing::add_web_port(&db.pool, 1).await.unwrap();
+    // Its connection is gone (the server closed it with the timeout's FATAL).
+    assert!(sqlx::query("SELECT 1").execute(&mut *stalled).await.is_err());
 }
