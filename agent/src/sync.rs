@@ -4,10 +4,11 @@
 //! [`next_policy`] is the pure core: what an update turns the held policy into, or why not.
 
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use innerwall_wire::policy::{ApplyError, PolicyDelta, PolicyError, Version, WorkloadPolicy};
 use innerwall_wire::proto::{self, sync_request, sync_response};
+use innerwall_wire::sync::{MAX_TAMPER_DETAIL, MAX_TAMPER_REPORTS};
 use tokio::sync::mpsc;
 use tonic::transport::Channel;
 
@@ -67,7 +68,7 @@ pub fn next_policy(
 #[derive(Debug)]
 pub struct Enforcer<S> {
     pub store: Mutex<S>,
-    tamper: Mutex<Vec<TamperEvent>>,
+    tamper: Mutex<TamperLog>,
     renewal_error: Mutex<String>,
     started: Instant,
     /// Connection attempts that failed, and streams that reached HelloAck (for status/tests).
@@ -85,7 +86,7 @@ impl<S: PolicyStore> Enforcer<S> {
     pub fn new(store: S) -> Self {
         Enforcer {
             store: Mutex::new(store),
-            tamper: Mutex::new(Vec::new()),
+            tamper: Mutex::new(TamperLog::default()),
             renewal_error: Mutex::new(String::new()),
             started: Instant::now(),
             dial_failures: Default::default(),
@@ -113,7 +114,7 @@ impl<S: PolicyStore> Enforcer<S> {
     }
 
     pub fn report_tamper(&self, event: TamperEvent) {
-        self.tamper.lock().unwrap_or_else(PoisonError::into_inner).push(event);
+        self.tamper.lock().unwrap_or_else(PoisonError::into_inner).record(event);
     }
 
     pub fn set_renewal_error(&self, error: String) {
@@ -121,7 +122,7 @@ impl<S: PolicyStore> Enforcer<S> {
     }
 
     fn heartbeat(&self) -> proto::Heartbeat {
-        let tamper = std::mem::take(&mut *self.tamper.lock().unwrap_or_else(PoisonError::into_inner));
+        let tamper = self.tamper.lock().unwrap_or_else(PoisonError::into_inner).take();
         proto::Heartbeat {
             uptime_seconds: self.started.elapsed().as_secs(),
             credential_renewal_error: self
@@ -129,16 +130,7 @@ impl<S: PolicyStore> Enforcer<S> {
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .clone(),
-            tamper_events: tamper
-                .into_iter()
-                .map(|t| proto::TamperEvent {
-                    detected_at_unix_ms: t
-                        .at
-                        .duration_since(std::time::UNIX_EPOCH)
-                        .map_or(0, |d| d.as_millis() as i64),
-                    detail: t.detail,
-                })
-                .collect(),
+            tamper_events: tamper,
         }
     }
 }
@@ -154,6 +146,49 @@ pub enum SessionEnd {
     Renewed,
     /// The identity cannot be renewed; an operator must enroll the host again.
     Reenroll(String),
+}
+
+/// Outside changes to the table since the last heartbeat, bounded however long the agent is
+/// disconnected: at most [`MAX_TAMPER_REPORTS`] distinct details, each with when it was first
+/// seen and how often, and one more entry counting the rest.
+#[derive(Debug, Default)]
+pub struct TamperLog {
+    entries: Vec<(TamperEvent, u32)>,
+    others: Option<(SystemTime, u32)>,
+}
+
+impl TamperLog {
+    pub fn record(&mut self, mut event: TamperEvent) {
+        if event.detail.chars().count() > MAX_TAMPER_DETAIL {
+            event.detail = event.detail.chars().take(MAX_TAMPER_DETAIL).collect();
+        }
+        if let Some((_, n)) = self.entries.iter_mut().find(|(e, _)| e.detail == event.detail) {
+            *n = n.saturating_add(1);
+        } else if self.entries.len() < MAX_TAMPER_REPORTS {
+            self.entries.push((event, 1));
+        } else {
+            let (_, n) = self.others.get_or_insert((event.at, 0));
+            *n = n.saturating_add(1);
+        }
+    }
+
+    /// What the next heartbeat carries; the log starts over.
+    pub fn take(&mut self) -> Vec<proto::TamperEvent> {
+        let ms =
+            |at: SystemTime| at.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
+        let mut out: Vec<proto::TamperEvent> = std::mem::take(&mut self.entries)
+            .into_iter()
+            .map(|(e, count)| proto::TamperEvent { detected_at_unix_ms: ms(e.at), detail: e.detail, count })
+            .collect();
+        if let Some((at, count)) = self.others.take() {
+            out.push(proto::TamperEvent {
+                detected_at_unix_ms: ms(at),
+                detail: format!("{count} more outside changes with other details"),
+                count,
+            });
+        }
+        out
+    }
 }
 
 /// How a stream refused or ended by the control plane ends the session. PERMISSION_DENIED is
@@ -295,6 +330,25 @@ mod tests {
     use innerwall_wire::testing;
 
     use super::*;
+
+    #[test]
+    fn tamper_reports_are_coalesced_and_bounded() {
+        let at = SystemTime::UNIX_EPOCH + Duration::from_secs(1);
+        let mut log = TamperLog::default();
+        for round in 0..1000 {
+            log.record(TamperEvent { at, detail: format!("change {}", round % 40) });
+        }
+        log.record(TamperEvent { at, detail: "x".repeat(5000) });
+        let sent = log.take();
+        assert_eq!(sent.len(), MAX_TAMPER_REPORTS + 1);
+        assert_eq!((sent[0].detail.as_str(), sent[0].count), ("change 0", 25));
+        let last = &sent[MAX_TAMPER_REPORTS];
+        assert_eq!(last.detail, "601 more outside changes with other details");
+        assert_eq!(sent.iter().map(|e| e.count).sum::<u32>(), 1001, "every change is counted");
+        assert!(log.take().is_empty(), "the log starts over");
+        log.record(TamperEvent { at, detail: "y".repeat(5000) });
+        assert_eq!(log.take()[0].detail.chars().count(), MAX_TAMPER_DETAIL);
+    }
 
     #[test]
     fn a_refused_identity_ends_in_reenroll_anything_else_in_a_reconnect() {

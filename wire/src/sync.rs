@@ -1,6 +1,13 @@
 //! The convergence state of a workload (SYNC-6), as the control plane records it and operators
 //! read it. The database stores it as its protobuf number (see `convert::WireEnum`).
 
+/// Distinct tamper details one heartbeat carries; further outside changes are only counted, in
+/// one more entry. The control plane audits at most this many plus that one.
+pub const MAX_TAMPER_REPORTS: usize = 16;
+
+/// The longest tamper detail an agent sends (characters).
+pub const MAX_TAMPER_DETAIL: usize = 1024;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum SyncState {
     /// An update is in flight.

@@ -497,10 +497,16 @@ impl StreamTask {
         if !h.credential_renewal_error.is_empty() {
             tracing::warn!(workload = %self.id, "agent reports credential renewal failing: {}", truncate(&h.credential_renewal_error, 256));
         }
-        for event in h.tamper_events.iter().take(16) {
-            tracing::warn!(workload = %self.id, "agent repaired its table after an outside change: {}", truncate(&event.detail, 256));
-            self.audit("workload.tamper", serde_json::json!({"detected_at_unix_ms": event.detected_at_unix_ms, "detail": truncate(&event.detail, 1024)}))
-                .await?;
+        // At most what an agent sends: the distinct details and one entry counting the rest.
+        for event in h.tamper_events.iter().take(innerwall_wire::sync::MAX_TAMPER_REPORTS + 1) {
+            let detail = truncate(&event.detail, innerwall_wire::sync::MAX_TAMPER_DETAIL);
+            let count = event.count.max(1);
+            tracing::warn!(workload = %self.id, count, "agent repaired its table after an outside change: {}", truncate(&detail, 256));
+            self.audit(
+                "workload.tamper",
+                serde_json::json!({"detected_at_unix_ms": event.detected_at_unix_ms, "detail": detail, "count": count}),
+            )
+            .await?;
         }
         Ok(())
     }

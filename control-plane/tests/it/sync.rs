@@ -524,6 +524,46 @@ async fn stream_ends_at_certificate_expiry() {
     assert!(detail.contains("client certificate expired"), "{detail}");
 }
 
+/// A heartbeat's tamper reports are audited with their counts, and at most as many as an
+/// agent may send (the distinct details and one entry counting the rest), however many arrive.
+#[tokio::test]
+async fn tamper_reports_are_bounded() {
+    let plane = Plane::start(GatewayConfig::default()).await;
+    let pool = &plane.db.pool;
+    let (id, agent) = synced(&plane).await;
+    let flood: Vec<proto::TamperEvent> = (0..40)
+        .map(|n| proto::TamperEvent {
+            detected_at_unix_ms: 1_000 + n,
+            detail: format!("change {n}"),
+            count: 3,
+        })
+        .collect();
+    let heartbeat = |tamper_events| proto::SyncRequest {
+        msg: Some(sync_request::Msg::Heartbeat(proto::Heartbeat { tamper_events, ..Default::default() })),
+    };
+    agent.tx.send(heartbeat(flood)).await.unwrap();
+    // The marker: a later heartbeat's single report, audited after the flood's.
+    let marker = proto::TamperEvent { detected_at_unix_ms: 9, detail: "marker".into(), count: 0 };
+    agent.tx.send(heartbeat(vec![marker])).await.unwrap();
+    let audited = async || -> Vec<serde_json::Value> {
+        sqlx::query_scalar(
+            "SELECT detail FROM audit_log WHERE action = 'workload.tamper' AND subject = $1 ORDER BY id",
+        )
+        .bind(id.to_string())
+        .fetch_all(pool)
+        .await
+        .unwrap()
+    };
+    eventually("the marker is audited", async || {
+        audited().await.last().is_some_and(|d| d["detail"] == "marker")
+    })
+    .await;
+    let all = audited().await;
+    assert_eq!(all.len(), innerwall_wire::sync::MAX_TAMPER_REPORTS + 1 + 1, "{all:?}");
+    assert_eq!(all[0]["count"], 3);
+    assert_eq!(all.last().unwrap()["count"], 1, "a report without a count was seen once");
+}
+
 /// A child process killed (SIGKILL) when the test ends, however it ends.
 struct KillOnDrop(std::process::Child);
 
