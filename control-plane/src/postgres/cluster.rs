@@ -157,6 +157,24 @@ impl Cluster {
         self.data_dir().join("PG_VERSION").is_file()
     }
 
+    /// Whether this cluster was once initialized completely (`<root>/initialized`, written by
+    /// the embedded default once it found the data directory complete): a data directory missing
+    /// after that is damage, not a first start.
+    pub fn was_initialized(&self) -> bool {
+        self.root.join("initialized").exists()
+    }
+
+    /// Records that the cluster is initialized (idempotent; also for clusters made before the
+    /// marker existed).
+    pub fn mark_initialized(&self) -> Result<(), Error> {
+        let path = self.root.join("initialized");
+        if path.exists() {
+            return Ok(());
+        }
+        fs::write(&path, "data/ was initialized; never initialize this cluster again\n")
+            .map_err(io_error("write", &path))
+    }
+
     /// Runs `initdb` as the server user. `durable: false` skips the fsyncs, for test clusters.
     /// Call with the lock held; a data directory left over by a failed init is replaced.
     pub fn init(&self, durable: bool) -> Result<(), Error> {

@@ -21,8 +21,21 @@ pub async fn embedded(state_dir: &Path) -> Result<String, Error> {
         let cluster = Cluster::new(root)?;
         let lock = cluster.lock()?;
         if !cluster.is_initialized() {
+            // A cluster that held data is never silently replaced by an empty one.
+            if cluster.was_initialized() {
+                return Err(Error::Damaged {
+                    path: cluster.root().to_owned(),
+                    what: format!(
+                        "{} is missing or incomplete, but this cluster was initialized before; restore it \
+                         from a backup, or delete {} to start over with an empty database",
+                        cluster.data_dir().display(),
+                        cluster.root().display()
+                    ),
+                });
+            }
             cluster.init(true)?;
         }
+        cluster.mark_initialized()?;
         let password = cluster.password()?;
         let mut port = cluster.port()?;
         if !cluster.is_running()? {

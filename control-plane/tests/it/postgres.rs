@@ -187,6 +187,19 @@ async fn embedded_cluster_is_initialized_once_and_reused() -> anyhow::Result<()>
     let v: i32 = sqlx::query_scalar("SELECT v FROM probe").fetch_one(&pool).await?;
     assert_eq!(v, 7);
     pool.close().await;
+    stop_and_check_gone(&cluster)?;
+
+    // A lost data directory is refused, never replaced by an empty cluster; put back, it runs.
+    let aside = state.0.join("data-aside");
+    std::fs::rename(cluster.data_dir(), &aside)?;
+    let err = postgres::embedded(&state.0).await.unwrap_err().to_string();
+    assert!(err.contains("was initialized before"), "{err}");
+    assert!(!cluster.data_dir().exists(), "no new data directory");
+    std::fs::rename(&aside, cluster.data_dir())?;
+    let pool = postgres::connect(&postgres::embedded(&state.0).await?).await?;
+    let v: i32 = sqlx::query_scalar("SELECT v FROM probe").fetch_one(&pool).await?;
+    assert_eq!(v, 7);
+    pool.close().await;
 
     stop_and_check_gone(&cluster)?;
     Ok(())
