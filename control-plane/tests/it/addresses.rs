@@ -118,20 +118,19 @@ fn issue(address: &str, standing: &str, also: &[WorkloadId]) -> Issue {
     (address.into(), standing.into(), also.iter().map(ToString::to_string).collect())
 }
 
-fn inventory(addresses: &[&str]) -> proto::SyncRequest {
-    let facts = proto::HostFacts {
+/// An inventory report of one interface with `addresses`; `None`: without facts (the agent
+/// could not list its interfaces).
+pub fn inventory(addresses: Option<&[&str]>) -> proto::SyncRequest {
+    let facts = addresses.map(|a| proto::HostFacts {
         interfaces: vec![proto::NetworkInterface {
             name: "eth0".into(),
-            addresses: addresses.iter().map(|s| s.to_string()).collect(),
+            addresses: a.iter().map(|s| s.to_string()).collect(),
             mac_address: String::new(),
         }],
         ..Default::default()
-    };
+    });
     proto::SyncRequest {
-        msg: Some(sync_request::Msg::Inventory(proto::InventoryReport {
-            facts: Some(facts),
-            listening_services: vec![],
-        })),
+        msg: Some(sync_request::Msg::Inventory(proto::InventoryReport { facts, listening_services: vec![] })),
     }
 }
 
@@ -197,7 +196,7 @@ async fn spoofed_addresses_never_reach_peer_sets() {
     // Inventory is judged the same way: web2 reports a public address and a new one of its range.
     let mut agent = Scripted::open(plane.mutual(&cert2, &key2).await.unwrap(), 0).await;
     agent.update().await;
-    agent.tx.send(inventory(&["10.2.0.9/16", "10.2.0.10/16", "8.8.4.4/32"])).await.unwrap();
+    agent.tx.send(inventory(Some(&["10.2.0.9/16", "10.2.0.10/16", "8.8.4.4/32"]))).await.unwrap();
     eventually("web2's new address is a peer of db", async || {
         peers(pool, db).await.0.contains(&"10.2.0.10/32".into())
     })
@@ -256,9 +255,9 @@ async fn inventory_storm_is_coalesced() {
     let mut agent = Scripted::open(plane.mutual(&cert, &key).await.unwrap(), 0).await;
     agent.update().await;
     for i in 0..299 {
-        agent.tx.send(inventory(&[&format!("10.1.1.{}/24", i % 250 + 1)])).await.unwrap();
+        agent.tx.send(inventory(Some(&[&format!("10.1.1.{}/24", i % 250 + 1)]))).await.unwrap();
     }
-    agent.tx.send(inventory(&["10.1.2.1/24"])).await.unwrap();
+    agent.tx.send(inventory(Some(&["10.1.2.1/24"]))).await.unwrap();
     eventually("the last report is applied", async || peers(pool, db).await.0 == ["10.1.2.1/32"]).await;
     let (_, after) = peers(pool, db).await;
     assert!(after - before <= 2, "300 reports moved db from v{before} to v{after}");
@@ -269,9 +268,9 @@ async fn inventory_storm_is_coalesced() {
     let mut again = Scripted::open(plane.mutual(&cert, &key).await.unwrap(), 0).await;
     again.update().await;
     for i in 0..99 {
-        again.tx.send(inventory(&[&format!("10.1.3.{}/24", i + 1)])).await.unwrap();
+        again.tx.send(inventory(Some(&[&format!("10.1.3.{}/24", i + 1)]))).await.unwrap();
     }
-    again.tx.send(inventory(&["10.1.2.2/24"])).await.unwrap();
+    again.tx.send(inventory(Some(&["10.1.2.2/24"]))).await.unwrap();
     eventually("the reconnected agent's last report is applied", async || {
         peers(pool, db).await.0 == ["10.1.2.2/32"]
     })

@@ -13,6 +13,7 @@ use sqlx::PgPool;
 use tokio::sync::mpsc;
 use tonic::transport::Channel;
 
+use crate::addresses::inventory;
 use crate::enrollment::Plane;
 use crate::eventually;
 
@@ -399,25 +400,9 @@ async fn inventory_without_facts_changes_nothing() {
     let plane = Plane::start(GatewayConfig::default()).await;
     let pool = &plane.db.pool;
     let (id, agent) = synced(&plane).await;
-    let report = |addresses: Option<&[&str]>| {
-        let facts = addresses.map(|a| proto::HostFacts {
-            interfaces: vec![proto::NetworkInterface {
-                name: "eth0".into(),
-                addresses: a.iter().map(|s| s.to_string()).collect(),
-                mac_address: String::new(),
-            }],
-            ..Default::default()
-        });
-        proto::SyncRequest {
-            msg: Some(sync_request::Msg::Inventory(proto::InventoryReport {
-                facts,
-                listening_services: vec![],
-            })),
-        }
-    };
-    agent.tx.send(report(None)).await.unwrap();
+    agent.tx.send(inventory(None)).await.unwrap();
     // The marker: a report with facts, handled after the one without.
-    agent.tx.send(report(Some(&["10.1.0.6/24"]))).await.unwrap();
+    agent.tx.send(inventory(Some(&["10.1.0.6/24"]))).await.unwrap();
     let addresses = || async {
         sqlx::query_scalar::<_, String>("SELECT host(address) FROM workload_addresses WHERE workload_id = $1")
             .bind(id.uuid())
