@@ -46,6 +46,11 @@ pub struct Limits {
     /// Connections held at once from one source address (`--max-connections-per-source`). Hosts
     /// behind one NAT address share it.
     pub max_connections_per_source: usize,
+    /// Connections held at once by one agent identity (`--max-connections-per-identity`): an
+    /// agent uses one for policy and renewal and one for uploads, and briefly one more while it
+    /// reconnects. With the streams per connection and the upload message cap this bounds what
+    /// one certificate can make a replica buffer.
+    pub max_connections_per_identity: usize,
     /// TLS handshakes in progress at once (`--max-handshakes`); more are dropped at accept.
     pub max_handshakes: usize,
     /// Concurrent HTTP/2 streams on an agent's connection (`--max-streams-per-connection`); an
@@ -70,6 +75,7 @@ impl Default for Limits {
         Limits {
             max_connections: 20_000,
             max_connections_per_source: 64,
+            max_connections_per_identity: 8,
             max_handshakes: 256,
             max_streams_per_connection: 8,
             max_unauthenticated_connections: 256,
@@ -183,26 +189,33 @@ impl Admission {
     /// Wraps an authenticated agent connection so that refusing `id` ends it, and so does the
     /// expiry of the certificate it was opened with (`not_after`, plus the refusal grace, so the
     /// streams on it can say why first); it leaves the registry, and gives its slot back, when
-    /// dropped.
+    /// dropped. `None` when the identity holds as many connections as allowed.
     pub fn guard<S>(
         self: &Arc<Self>,
         id: WorkloadId,
         stream: S,
         slot: Slot,
         not_after: SystemTime,
-    ) -> Guarded<S> {
+    ) -> Option<Guarded<S>> {
         let kill = Arc::new(Kill::default());
         let left = not_after.duration_since(SystemTime::now()).unwrap_or_default();
         end_after(&kill, left + self.limits.end_grace);
         let key = self.next.fetch_add(1, Ordering::Relaxed);
-        self.open.lock().unwrap_or_else(|e| e.into_inner()).entry(id).or_default().insert(key, kill.clone());
+        {
+            let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+            let held = open.entry(id).or_default();
+            if held.len() >= self.limits.max_connections_per_identity {
+                return None;
+            }
+            held.insert(key, kill.clone());
+        }
         // Already refused (a retired identity reconnecting, or refused since the handshake):
         // ends after the grace, in which its calls hear why (so its agent stops redialing).
         if self.refusal(id).is_some() {
             end_after(&kill, self.limits.end_grace);
         }
         let registration = Registration { admission: self.clone(), id, key };
-        Guarded { inner: stream, kill, _held: Held::Agent { _registration: registration }, _slot: slot }
+        Some(Guarded { inner: stream, kill, _held: Held::Agent { _registration: registration }, _slot: slot })
     }
 
     /// Wraps a connection without an agent identity (enrollment): it ends after the
@@ -387,6 +400,20 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn connections_per_identity_are_bounded() {
+        let limits = Limits { max_connections_per_identity: 2, ..Limits::default() };
+        let admission = Arc::new(Admission::new([], limits));
+        let (a, b) = (WorkloadId::new_random(), WorkloadId::new_random());
+        let guard = |id| admission.guard(id, (), admission.admit(LOCAL).unwrap(), in_an_hour());
+        let (first, second) = (guard(a).unwrap(), guard(a).unwrap());
+        assert!(guard(a).is_none(), "a third connection of one identity is refused");
+        assert!(guard(b).is_some(), "another identity is not affected");
+        drop(first);
+        assert!(guard(a).is_some(), "a closed connection makes room");
+        drop(second);
+    }
+
+    #[tokio::test]
     async fn a_connection_ends_when_its_certificate_expires() {
         let admission =
             Arc::new(Admission::new([], Limits { end_grace: Duration::ZERO, ..Limits::default() }));
@@ -394,8 +421,8 @@ mod tests {
         let (expired_end, _expired_peer) = tokio::io::duplex(64);
         let (live_end, mut live_peer) = tokio::io::duplex(64);
         let mut expired =
-            admission.guard(id, expired_end, admission.admit(LOCAL).unwrap(), SystemTime::now());
-        let mut live = admission.guard(id, live_end, admission.admit(LOCAL).unwrap(), in_an_hour());
+            admission.guard(id, expired_end, admission.admit(LOCAL).unwrap(), SystemTime::now()).unwrap();
+        let mut live = admission.guard(id, live_end, admission.admit(LOCAL).unwrap(), in_an_hour()).unwrap();
         let mut buf = [0u8; 8];
         assert_eq!(expired.read(&mut buf).await.unwrap_err().kind(), io::ErrorKind::ConnectionAborted);
         // The one whose certificate is still valid carries data after that.
@@ -411,8 +438,8 @@ mod tests {
         let (a_end, mut a_peer) = tokio::io::duplex(64);
         let (b_end, mut b_peer) = tokio::io::duplex(64);
         let slot = || admission.admit(LOCAL).unwrap();
-        let mut a_conn = admission.guard(a, a_end, slot(), in_an_hour());
-        let mut b_conn = admission.guard(b, b_end, slot(), in_an_hour());
+        let mut a_conn = admission.guard(a, a_end, slot(), in_an_hour()).unwrap();
+        let mut b_conn = admission.guard(b, b_end, slot(), in_an_hour()).unwrap();
         assert_eq!((admission.open_connections(a), admission.open_connections(b)), (1, 1));
 
         // A read pending on a's connection is woken and fails when a is refused.
@@ -438,7 +465,7 @@ mod tests {
         drop(a_conn);
         assert_eq!(admission.open_connections(a), 0);
         let (again, _peer) = tokio::io::duplex(64);
-        let mut again = admission.guard(a, again, slot(), in_an_hour());
+        let mut again = admission.guard(a, again, slot(), in_an_hour()).unwrap();
         assert_eq!(again.write(b"x").await.map_err(|e| e.kind()), Err(io::ErrorKind::ConnectionAborted));
         assert_eq!(admission.refusal(a), Some(Refusal::Retired));
         admission.refuse(a, Refusal::Denied);

@@ -189,10 +189,14 @@ pub async fn serve(
                             id.and_then(|id| Ok((id, certificate_not_after(leaf.as_ref())?)))
                         });
                         match identity {
-                            Some(Ok((id, not_after))) => {
-                                let stream = admission.guard(id, stream, slot, not_after);
-                                let _ = agents_tx.send(Ok::<_, std::io::Error>(stream)).await;
-                            }
+                            Some(Ok((id, not_after))) => match admission.guard(id, stream, slot, not_after) {
+                                Some(stream) => {
+                                    let _ = agents_tx.send(Ok::<_, std::io::Error>(stream)).await;
+                                }
+                                None => {
+                                    tracing::info!(%peer, workload = %id, "refused: too many connections of one identity")
+                                }
+                            },
                             _ => match admission.unauthenticated(stream, slot) {
                                 Some(stream) => {
                                     let _ = unauthenticated_tx.send(Ok::<_, std::io::Error>(stream)).await;

@@ -52,6 +52,9 @@ pub struct ServeArgs {
     /// Connections held at once from one source address (hosts behind one NAT share it).
     #[arg(long, default_value_t = Limits::default().max_connections_per_source)]
     max_connections_per_source: usize,
+    /// Connections held at once by one agent identity (policy, uploads, a reconnect).
+    #[arg(long, default_value_t = Limits::default().max_connections_per_identity)]
+    max_connections_per_identity: usize,
     /// TLS handshakes in progress at once; connections beyond are closed at accept.
     #[arg(long, default_value_t = Limits::default().max_handshakes)]
     max_handshakes: usize,
@@ -71,6 +74,7 @@ impl ServeArgs {
         Limits {
             max_connections: self.max_connections,
             max_connections_per_source: self.max_connections_per_source,
+            max_connections_per_identity: self.max_connections_per_identity,
             max_handshakes: self.max_handshakes,
             max_streams_per_connection: self.max_streams_per_connection,
             max_unauthenticated_connections: self.max_unauthenticated_connections,
