@@ -152,7 +152,8 @@ pub async fn start(
         Arc::new(rustls::crypto::ring::default_provider()),
         &config.server_names,
         config.server_cert_lifetime,
-    )?;
+    )
+    .map_err(ServerError::from)?;
     let tls = listener::tls_config(signer.as_ref(), certificate.clone(), admission.clone())?;
     let renewal = tokio::spawn(certificate.clone().renew_forever());
     let tcp = tokio::net::TcpListener::bind(config.listen)

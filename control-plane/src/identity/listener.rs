@@ -34,6 +34,8 @@ pub enum ServerError {
     Io(#[from] std::io::Error),
     #[error("grpc server: {0}")]
     Transport(#[from] tonic::transport::Error),
+    #[error(transparent)]
+    Certificate(#[from] crate::identity::server_cert::ServerCertError),
 }
 
 /// The CA's chain check, then the identity rules: exactly one canonical workload URI, not

@@ -12,8 +12,16 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 
-use crate::identity::ca::Signer;
-use crate::identity::listener::ServerError;
+use crate::identity::ca::{CaError, Signer};
+
+/// Why the listener's certificate could not be issued.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerCertError {
+    #[error(transparent)]
+    Ca(#[from] CaError),
+    #[error("server certificate: {0}")]
+    Unusable(String),
+}
 
 /// The default lifetime of the listener's certificate (`serve --server-cert-lifetime`).
 pub const SERVER_CERT_LIFETIME: Duration = Duration::from_secs(90 * 24 * 3600);
@@ -47,7 +55,7 @@ impl ServerCertificate {
         provider: Arc<CryptoProvider>,
         names: &[String],
         lifetime: Duration,
-    ) -> Result<Arc<Self>, ServerError> {
+    ) -> Result<Arc<Self>, ServerCertError> {
         let now = SystemTime::now();
         let first = certified(signer.as_ref(), &provider, names, lifetime, now)?;
         Ok(Arc::new(ServerCertificate {
@@ -69,7 +77,7 @@ impl ServerCertificate {
     }
 
     /// Issues a new certificate and presents it from the next handshake on.
-    pub fn reissue(&self) -> Result<(), ServerError> {
+    pub fn reissue(&self) -> Result<(), ServerCertError> {
         let now = SystemTime::now();
         let next = certified(self.signer.as_ref(), &self.provider, &self.names, self.lifetime, now)?;
         *self.current.write().unwrap_or_else(|e| e.into_inner()) = (next, now);
@@ -109,16 +117,16 @@ fn certified(
     names: &[String],
     lifetime: Duration,
     now: SystemTime,
-) -> Result<Arc<CertifiedKey>, ServerError> {
+) -> Result<Arc<CertifiedKey>, ServerCertError> {
     let (cert_pem, key_pem) = signer.issue_server(names, lifetime, now)?;
     let certs = CertificateDer::pem_slice_iter(cert_pem.as_bytes())
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| ServerError::Tls(format!("server certificate: {e}")))?;
+        .map_err(|e| ServerCertError::Unusable(e.to_string()))?;
     let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes())
-        .map_err(|e| ServerError::Tls(format!("server key: {e}")))?;
+        .map_err(|e| ServerCertError::Unusable(format!("key: {e}")))?;
     let key = provider
         .key_provider
         .load_private_key(key)
-        .map_err(|e| ServerError::Tls(format!("server key: {e}")))?;
+        .map_err(|e| ServerCertError::Unusable(format!("key: {e}")))?;
     Ok(Arc::new(CertifiedKey::new(certs, key)))
 }
