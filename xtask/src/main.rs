@@ -9,6 +9,7 @@ mod elf;
 mod fuzz;
 mod setup;
 mod suite;
+mod wire;
 
 use std::{
     path::{Path, PathBuf},
@@ -52,6 +53,17 @@ enum Task {
         /// Crate `src` folders relative to the workspace root; default: control-plane, agent, wire, xtask.
         dirs: Vec<PathBuf>,
     },
+    /// Fail on a breaking change of the wire contract (`wire/proto`) against the released one
+    /// (`wire/contract/innerwall.agent.v1.binpb`); `cargo xtask lint` runs it.
+    CheckWire {
+        /// Record the current contract as the released one: done at a release, and the file
+        /// committed with it.
+        #[arg(long)]
+        bless: bool,
+        /// Check this proto root instead of `wire/proto` (e.g. an edited copy).
+        #[arg(long, value_name = "DIR", conflicts_with = "bless")]
+        protos: Option<PathBuf>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -79,6 +91,10 @@ fn run(cli: Cli) -> Result<()> {
             cycles::check(&root, &cycles::CRATE_SOURCES.iter().map(PathBuf::from).collect::<Vec<_>>())
         }
         Task::CheckCycles { dirs } => cycles::check(&root, &dirs),
+        Task::CheckWire { bless: true, .. } => wire::bless(&root, &root.join(wire::PROTOS)),
+        Task::CheckWire { bless: false, protos } => {
+            wire::check(&root, &protos.unwrap_or_else(|| root.join(wire::PROTOS)))
+        }
     }
 }
 

@@ -1,5 +1,5 @@
-//! `cargo xtask test` and `cargo xtask lint`: the full suite, and the formatting and lint checks
-//! CI runs after it.
+//! `cargo xtask test` and `cargo xtask lint`: the full suite, and the checks CI runs after it
+//! (import cycles, wire breaking changes, formatting, clippy).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 
-use crate::{cargo_env, cmd, cycles, ebpf, fuzz, setup};
+use crate::{cargo_env, cmd, cycles, ebpf, fuzz, setup, wire};
 
 /// How long each fuzz target runs in the test command: long enough to catch a shallow panic.
 const FUZZ_IN_TESTS: Duration = Duration::from_secs(15);
@@ -21,16 +21,19 @@ pub fn test(root: &Path, cargo_args: &[String]) -> Result<()> {
     fuzz::run(root, FUZZ_IN_TESTS)
 }
 
-/// Formatting and clippy for both workspaces, and no import cycle between modules (`.ci/run`
-/// calls it after `test`).
+/// No import cycle between modules, no breaking change of the wire contract, then formatting
+/// and clippy for both workspaces (`.ci/run` calls it after `test`).
 pub fn lint(root: &Path) -> Result<()> {
     cycles::check(root, &cycles::CRATE_SOURCES.iter().map(PathBuf::from).collect::<Vec<_>>())?;
+    wire::check(root, &root.join(wire::PROTOS))?;
     cmd::run(root_cargo(root).args(["fmt", "--all", "--check"]))?;
     cmd::run(root_cargo(root).args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
     cmd::run(ebpf::crate_cargo(root).args(["fmt", "--all", "--check"]))?;
     cmd::run(setup::standalone_cargo().current_dir(root.join("fuzz")).args(["fmt", "--check"]))?;
     cmd::run(ebpf::bpf_cargo(root, "clippy").args(["--", "-D", "warnings"]))?;
-    println!("lint: no import cycles; rustfmt and clippy passed for the workspace and agent-ebpf");
+    println!(
+        "lint: no import cycles, no breaking wire change; rustfmt and clippy passed for the workspace and agent-ebpf"
+    );
     Ok(())
 }
 
