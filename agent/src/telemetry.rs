@@ -132,7 +132,7 @@ impl Queue {
                     let _ = fs::remove_file(&path);
                     sent += 1;
                 }
-                Err(s) if s.code() == tonic::Code::InvalidArgument => {
+                Err(s) if !retryable(s.code()) => {
                     // Retrying a window the control plane refuses would block the queue forever;
                     // it becomes a gap on the next window instead.
                     tracing::error!(path = %path.display(), "control plane refused a window: {}", s.message());
@@ -144,6 +144,25 @@ impl Queue {
         }
         Ok(sent)
     }
+}
+
+/// Whether an upload answered with `code` can succeed later as it is. The window itself is
+/// refused (invalid, too large, not acceptable in the server's state for it): retrying would
+/// block every later window, so it becomes a gap. The control plane or the connection is in
+/// trouble (unavailable, overloaded, an internal error, a credential being renewed, an identity
+/// being refused): the window waits and is sent again.
+fn retryable(code: tonic::Code) -> bool {
+    use tonic::Code;
+    !matches!(
+        code,
+        Code::InvalidArgument
+            | Code::OutOfRange
+            | Code::FailedPrecondition
+            | Code::NotFound
+            | Code::AlreadyExists
+            | Code::Unimplemented
+            | Code::DataLoss
+    )
 }
 
 /// The gap a window leaves if the control plane refuses it: its interval spans the window and
@@ -192,5 +211,30 @@ pub async fn upload_forever(config: RunConfig, queue: Queue, poll: Duration) {
             }
         }
         tokio::time::sleep(poll).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refused_window_never_blocks_the_queue_a_passing_trouble_does_not_lose_it() {
+        use tonic::Code;
+        for refused in
+            [Code::InvalidArgument, Code::OutOfRange, Code::FailedPrecondition, Code::Unimplemented]
+        {
+            assert!(!retryable(refused), "{refused:?} would be retried forever");
+        }
+        for trouble in [
+            Code::Unavailable,
+            Code::DeadlineExceeded,
+            Code::ResourceExhausted,
+            Code::Internal,
+            Code::Unauthenticated,
+            Code::PermissionDenied,
+        ] {
+            assert!(retryable(trouble), "{trouble:?} would drop a window that could still be delivered");
+        }
     }
 }
