@@ -269,7 +269,18 @@ impl Cluster {
 
     /// The postmaster's pid from `postmaster.pid`, if the file exists.
     pub fn postmaster_pid(&self) -> Option<u32> {
-        fs::read_to_string(self.data_dir().join("postmaster.pid")).ok()?.lines().next()?.trim().parse().ok()
+        self.postmaster_line(0)?.parse().ok()
+    }
+
+    /// The port the running postmaster listens on, from `postmaster.pid` (its fourth line): the
+    /// server's own word, where the `port` file may be stale or lost.
+    pub fn postmaster_port(&self) -> Option<u16> {
+        self.postmaster_line(3)?.parse().ok()
+    }
+
+    fn postmaster_line(&self, index: usize) -> Option<String> {
+        let text = fs::read_to_string(self.data_dir().join("postmaster.pid")).ok()?;
+        Some(text.lines().nth(index)?.trim().to_owned())
     }
 
     /// Starts the server as a daemon (`pg_ctl start`, which puts it in a session of its own) that

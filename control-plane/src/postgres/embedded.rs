@@ -38,7 +38,14 @@ pub async fn embedded(state_dir: &Path) -> Result<String, Error> {
         cluster.mark_initialized()?;
         let password = cluster.password()?;
         let mut port = cluster.port()?;
-        if !cluster.is_running()? {
+        if cluster.is_running()? {
+            // A running server says which port it has; a stale or lost port file is repaired
+            // instead of sending every caller to the wrong port.
+            if let Some(actual) = cluster.postmaster_port().filter(|p| *p != port) {
+                cluster.write_port(actual)?;
+                port = actual;
+            }
+        } else {
             let mut attempts = 0;
             loop {
                 match cluster.start_daemon(port) {
@@ -56,10 +63,11 @@ pub async fn embedded(state_dir: &Path) -> Result<String, Error> {
         Ok((cluster, port, password, lock))
     })
     .await?;
+    // The wait needs no lock: a concurrent caller finds the server running and waits too.
+    drop(lock);
     let admin_url = database_url(SUPERUSER, &password, port, "postgres");
     wait_until_accepting(&admin_url, &cluster, port, START_TIMEOUT, || None).await?;
     ensure_database(&admin_url, DATABASE).await?;
-    drop(lock);
     Ok(database_url(SUPERUSER, &password, port, DATABASE))
 }
 
@@ -72,16 +80,24 @@ async fn ensure_database(admin_url: &str, database: &str) -> Result<(), Error> {
     let mut conn = PgConnection::connect(admin_url)
         .await
         .map_err(|source| Error::Connect { url: redact_url(admin_url), source })?;
-    let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
-        .bind(database)
-        .fetch_one(&mut conn)
-        .await
-        .map_err(|source| Error::Sql { action: format!("looking up database {database:?}"), source })?;
-    if !exists {
-        sqlx::raw_sql(AssertSqlSafe(format!("CREATE DATABASE {}", quote_ident(database))))
-            .execute(&mut conn)
+    let exists = async |conn: &mut PgConnection| -> Result<bool, Error> {
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
+            .bind(database)
+            .fetch_one(conn)
             .await
-            .map_err(|source| Error::Sql { action: format!("creating database {database:?}"), source })?;
+            .map_err(|source| Error::Sql { action: format!("looking up database {database:?}"), source })
+    };
+    if !exists(&mut conn).await? {
+        let created = sqlx::raw_sql(AssertSqlSafe(format!("CREATE DATABASE {}", quote_ident(database))))
+            .execute(&mut conn)
+            .await;
+        // A concurrent caller may have created it first (callers wait for the server without
+        // the cluster lock): then it exists, whatever error this attempt got.
+        if let Err(source) = created
+            && !exists(&mut conn).await?
+        {
+            return Err(Error::Sql { action: format!("creating database {database:?}"), source });
+        }
     }
     let _ = conn.close().await;
     Ok(())

@@ -183,6 +183,11 @@ async fn embedded_cluster_is_initialized_once_and_reused() -> anyhow::Result<()>
     assert_ne!(cluster.postmaster_pid(), Some(pid));
     assert_eq!(identity(&pg_version)?, initialized);
     assert_eq!(ready_count(&cluster)?, 2);
+    // A stale port file does not send callers to the wrong port: the running server's
+    // postmaster.pid says where it listens, and the file is repaired.
+    std::fs::write(cluster.port_file(), "1\n")?;
+    assert_eq!(postgres::embedded(&state.0).await?, url1);
+    assert_eq!(cluster.port()?, port);
     let pool = postgres::connect(&url4).await?;
     let v: i32 = sqlx::query_scalar("SELECT v FROM probe").fetch_one(&pool).await?;
     assert_eq!(v, 7);
