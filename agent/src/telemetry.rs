@@ -76,6 +76,8 @@ impl Queue {
         }
         let refused = self.refused();
         window.gaps.extend(refused);
+        // However many gaps piled up, the window stays acceptable and every one is counted.
+        window.gaps = innerwall_wire::flows::bound_gaps(std::mem::take(&mut window.gaps));
         let seq =
             files.last().and_then(|p| p.file_stem()?.to_str()?.parse::<u64>().ok()).map_or(0, |n| n + 1);
         let path = self.dir.join(format!("{seq:020}.window"));

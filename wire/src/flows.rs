@@ -104,6 +104,26 @@ pub struct FlowWindow {
 /// Bounds on one window from an agent: beyond them it is refused whole.
 pub const MAX_RECORDS: usize = 100_000;
 pub const MAX_GAPS: usize = 1_000;
+
+/// Keeps a window's gaps within [`MAX_GAPS`] without losing any: over the bound, the gaps of
+/// each kind fold into one that spans them all and sums their counts (coarser, never silent).
+pub fn bound_gaps(gaps: Vec<EvidenceGap>) -> Vec<EvidenceGap> {
+    if gaps.len() <= MAX_GAPS {
+        return gaps;
+    }
+    let mut folded: std::collections::BTreeMap<GapKind, EvidenceGap> = std::collections::BTreeMap::new();
+    for gap in gaps {
+        folded
+            .entry(gap.kind)
+            .and_modify(|f| {
+                f.from_ms = f.from_ms.min(gap.from_ms);
+                f.to_ms = f.to_ms.max(gap.to_ms);
+                f.count = f.count.saturating_add(gap.count);
+            })
+            .or_insert(gap);
+    }
+    folded.into_values().collect()
+}
 pub const MAX_WINDOW_MS: i64 = 24 * 3_600_000;
 /// Times outside `[1970-01-01, 10000-01-01)` are refused: they cannot name a daily partition
 /// or be stored as a timestamp.
@@ -145,6 +165,30 @@ pub fn decide(
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn gaps_over_the_bound_fold_per_kind_and_lose_no_count() {
+        let gap = |kind, from_ms, count| EvidenceGap { kind, from_ms, to_ms: from_ms + 10, count };
+        let few = vec![gap(GapKind::MapFull, 0, 1), gap(GapKind::MapFull, 50, 2)];
+        assert_eq!(bound_gaps(few.clone()), few, "within the bound nothing changes");
+        let mut many: Vec<EvidenceGap> =
+            (0..MAX_GAPS as i64).map(|i| gap(GapKind::MapFull, i * 100, 1)).collect();
+        many.push(gap(GapKind::AgentRestart, 5, 7));
+        let bounded = bound_gaps(many);
+        assert_eq!(
+            bounded,
+            [
+                EvidenceGap {
+                    kind: GapKind::MapFull,
+                    from_ms: 0,
+                    to_ms: (MAX_GAPS as i64 - 1) * 100 + 10,
+                    count: MAX_GAPS as u64
+                },
+                gap(GapKind::AgentRestart, 5, 7),
+            ]
+        );
+    }
+
     use super::*;
     use crate::testing::rule;
 
