@@ -44,19 +44,7 @@ pub fn check(root: &Path, dirs: &[PathBuf]) -> Result<()> {
 
 /// Every `.rs` file under `src`, sorted, with its path relative to `src`.
 fn read_crate(src: &Path) -> Result<Vec<SourceFile>> {
-    let mut paths = Vec::new();
-    let mut pending = vec![src.to_path_buf()];
-    while let Some(dir) = pending.pop() {
-        for entry in fs::read_dir(&dir).with_context(|| format!("while listing {}", dir.display()))? {
-            let path = entry.with_context(|| format!("while listing {}", dir.display()))?.path();
-            if path.is_dir() {
-                pending.push(path);
-            } else if path.extension().is_some_and(|ext| ext == "rs") {
-                paths.push(path);
-            }
-        }
-    }
-    paths.sort();
+    let paths = crate::walk::files_with_extension(src, "rs")?;
     paths
         .into_iter()
         .map(|path| {

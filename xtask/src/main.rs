@@ -9,6 +9,7 @@ mod elf;
 mod fuzz;
 mod setup;
 mod suite;
+mod walk;
 mod wire;
 
 use std::{

@@ -145,20 +145,10 @@ fn protoc() -> Result<PathBuf> {
 
 /// The `.proto` files under `root`, relative to it, sorted.
 fn proto_files(root: &Path) -> Result<Vec<PathBuf>> {
-    let mut files = Vec::new();
-    let mut pending = vec![root.to_path_buf()];
-    while let Some(dir) = pending.pop() {
-        for entry in fs::read_dir(&dir).with_context(|| format!("while listing {}", dir.display()))? {
-            let path = entry.with_context(|| format!("while listing {}", dir.display()))?.path();
-            if path.is_dir() {
-                pending.push(path);
-            } else if path.extension().is_some_and(|ext| ext == "proto") {
-                files.push(path.strip_prefix(root).unwrap_or(&path).to_path_buf());
-            }
-        }
-    }
-    files.sort();
-    Ok(files)
+    Ok(crate::walk::files_with_extension(root, "proto")?
+        .into_iter()
+        .map(|path| path.strip_prefix(root).unwrap_or(&path).to_path_buf())
+        .collect())
 }
 
 #[cfg(test)]
