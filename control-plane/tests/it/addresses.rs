@@ -290,3 +290,33 @@ async fn inventory_storm_is_coalesced() {
         assert!(gap >= interval - Duration::from_millis(50), "two renders {gap:?} apart: {changes:?}");
     }
 }
+
+/// The estate's ranges are bounded: at the bound another one is refused, naming it, and
+/// nothing is written.
+#[tokio::test]
+async fn estate_ranges_are_bounded() {
+    use innerwall_control_plane::policy::spec::MAX_ESTATE_RANGES;
+
+    let db = innerwall_control_plane::testing::fresh_database().await.unwrap();
+    let count = async || -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM estate_ranges").fetch_one(&db.pool).await.unwrap()
+    };
+    let seeded = count().await;
+    // Fill up to the bound directly (each range a /32 in 100.64.0.0/10).
+    sqlx::query(
+        "INSERT INTO estate_ranges (cidr) SELECT ('100.64.0.0'::inet + n)::cidr FROM generate_series(1, $1) AS n",
+    )
+    .bind(MAX_ESTATE_RANGES as i64 - seeded)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(count().await, MAX_ESTATE_RANGES as i64);
+    let err = authoring::commit(&db.pool, "test", "estate-range.add", "198.51.100.0/24", async |c| {
+        authoring::add_estate_range(c, Cidr::parse("198.51.100.0/24")?, "").await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await
+    .unwrap_err();
+    assert!(err.to_string().contains("estate ranges: 1025 is more than the 1024 allowed"), "{err}");
+    assert_eq!(count().await, MAX_ESTATE_RANGES as i64, "nothing written");
+}

@@ -578,6 +578,10 @@ async fn token_rejections_are_distinct_in_store() -> anyhow::Result<()> {
     assert_eq!(consume_committed(&mut conn, &short.secret, now).await.unwrap_err().kind(), "revoked");
 
     // Mint refuses what it cannot honour, writing nothing.
+    let too_many_ranges: Vec<innerwall_wire::policy::Cidr> = (0
+        ..=innerwall_control_plane::policy::spec::MAX_TOKEN_RANGES)
+        .map(|n| innerwall_wire::policy::Cidr::parse(&format!("10.{n}.0.0/16")).unwrap())
+        .collect();
     let before = snapshot(&mut conn).await;
     let app = labels(&["app=x"]);
     let refusals = [
@@ -589,6 +593,7 @@ async fn token_rejections_are_distinct_in_store() -> anyhow::Result<()> {
             "\"app\" is given more than once",
         ),
         (tokens::mint(&mut conn, &[], day, None, &[]).await, "at least one label"),
+        (tokens::mint(&mut conn, &app, day, None, &too_many_ranges).await, "at most 64 address ranges"),
     ];
     for (result, want) in refusals {
         let err = result.unwrap_err();
