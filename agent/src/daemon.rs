@@ -37,6 +37,13 @@ pub fn restore_before_dialing(store: &mut LinuxPolicyStore) -> u64 {
             tracing::info!("re-applied persisted policy v{version} before dialing");
             version
         }
+        Ok(Restored::Suspended { version }) => {
+            tracing::warn!(
+                "kill switch engaged: holding persisted policy v{version} without installing it until \
+                 `innerwall-agent up`"
+            );
+            version
+        }
         Ok(Restored::AlreadyInstalled { version }) => {
             tracing::info!(
                 "re-applied persisted policy v{version} before dialing (the kernel still held it)"
@@ -118,6 +125,8 @@ fn spawn_drift_checks(
                 if let Ok(Some(event)) = &result {
                     e.report_tamper(event.clone());
                 }
+                // `down` and `up` run in another process: the check is where this one notices.
+                e.note_suspension();
                 result
             })
             .await;

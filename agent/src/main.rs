@@ -63,7 +63,15 @@ enum Command {
         force: bool,
     },
     /// Kill switch: remove table inet innerwall (and nothing else); keep the persisted policy.
+    /// Holds across restarts, reconnects and new versions (they are persisted, not installed)
+    /// until `up`.
     Down {
+        #[command(flatten)]
+        state: StateDir,
+    },
+    /// Release the kill switch: install the persisted policy (the latest the agent held) and
+    /// let a running agent enforce again.
+    Up {
         #[command(flatten)]
         state: StateDir,
     },
@@ -167,12 +175,24 @@ fn run(command: Command) -> anyhow::Result<()> {
             }
             match (report.persisted_version, report.persisted_error) {
                 (Some(v), _) => println!(
-                    "kept the persisted policy v{v} in {}: a running agent leaves the table down; the agent \
-                     re-applies it at its next start or when the next policy version arrives",
+                    "kept the persisted policy v{v} in {}: the agent holds every policy without installing \
+                     it, across restarts, until `innerwall-agent up`",
                     state.state_dir.display()
                 ),
                 (None, Some(err)) => println!("the persisted policy could not be read: {err}"),
                 (None, None) => println!("no persisted policy in {}", state.state_dir.display()),
+            }
+        }
+        Command::Up { state } => {
+            let report = enforce::release_kill_switch(&state.state_dir)?;
+            match report.installed_version {
+                Some(v) => println!("installed the persisted policy v{v} into table inet innerwall"),
+                None => println!("no persisted policy in {}: nothing to install", state.state_dir.display()),
+            }
+            if report.was_engaged {
+                println!("kill switch released: a running agent enforces every policy it receives again");
+            } else {
+                println!("the kill switch was not engaged");
             }
         }
         Command::Status { state, json } => {

@@ -37,6 +37,25 @@ pub fn write(path: &Path, bytes: &[u8]) -> io::Result<()> {
     fs::File::open(path.parent().unwrap_or(Path::new(".")))?.sync_all()
 }
 
+/// Opens (creating it 0600, never through a symlink) and exclusively locks `path` with
+/// `flock(2)`, blocking until it is free. The lock lasts as long as the returned file.
+#[allow(unsafe_code)]
+pub fn lock(path: &Path) -> io::Result<fs::File> {
+    use std::os::fd::AsRawFd as _;
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)?;
+    // SAFETY: flock(2) on a descriptor this function owns.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(file)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

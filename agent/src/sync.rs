@@ -12,7 +12,7 @@ use innerwall_wire::sync::{MAX_TAMPER_DETAIL, MAX_TAMPER_REPORTS};
 use tokio::sync::mpsc;
 use tonic::transport::Channel;
 
-use crate::enforce::{EnforceError, PolicyStore, TamperEvent};
+use crate::enforce::{EnforceError, Installed, PolicyStore, TamperEvent};
 use crate::error;
 
 /// An update as it arrived, before validation.
@@ -80,10 +80,13 @@ pub struct Enforcer<S> {
     /// Counts credential renewals: the policy stream moves to the new certificate at once,
     /// because the control plane ends a stream when the certificate it opened with expires.
     pub renewals: tokio::sync::watch::Sender<u64>,
+    /// Whether the kill switch is engaged, as last seen; the stream reports a change at once.
+    suspension: tokio::sync::watch::Sender<bool>,
 }
 
 impl<S: PolicyStore> Enforcer<S> {
     pub fn new(store: S) -> Self {
+        let suspended = store.suspended();
         Enforcer {
             store: Mutex::new(store),
             tamper: Mutex::new(TamperLog::default()),
@@ -94,7 +97,19 @@ impl<S: PolicyStore> Enforcer<S> {
             flow_window_secs: std::sync::atomic::AtomicU64::new(60),
             flow_window_max_keys: std::sync::atomic::AtomicU64::new(10_000),
             renewals: tokio::sync::watch::Sender::new(0),
+            suspension: tokio::sync::watch::Sender::new(suspended),
         }
+    }
+
+    /// Whether the kill switch is engaged now.
+    pub fn suspended(&self) -> bool {
+        self.store.lock().unwrap_or_else(PoisonError::into_inner).suspended()
+    }
+
+    /// Looks at the kill switch again; a change is reported on the stream at once.
+    pub fn note_suspension(&self) {
+        let now = self.suspended();
+        self.suspension.send_if_modified(|seen| std::mem::replace(seen, now) != now);
     }
 
     pub fn applied_version(&self) -> Version {
@@ -105,12 +120,16 @@ impl<S: PolicyStore> Enforcer<S> {
         self.store.lock().unwrap_or_else(PoisonError::into_inner).current().cloned()
     }
 
-    /// Applies one update atomically; on error nothing changed. Blocking (netlink).
-    pub fn apply(&self, update: &WireUpdate) -> Result<(), UpdateError> {
-        let mut store = self.store.lock().unwrap_or_else(PoisonError::into_inner);
-        let next = next_policy(store.current(), update)?;
-        store.apply(&next)?;
-        Ok(())
+    /// Applies one update atomically; on error nothing changed. Blocking (netlink). With the
+    /// kill switch engaged the result is [`Installed::Held`].
+    pub fn apply(&self, update: &WireUpdate) -> Result<Installed, UpdateError> {
+        let installed = {
+            let mut store = self.store.lock().unwrap_or_else(PoisonError::into_inner);
+            let next = next_policy(store.current(), update)?;
+            store.apply(&next)?
+        };
+        self.note_suspension();
+        Ok(installed)
     }
 
     pub fn report_tamper(&self, event: TamperEvent) {
@@ -131,6 +150,7 @@ impl<S: PolicyStore> Enforcer<S> {
                 .unwrap_or_else(PoisonError::into_inner)
                 .clone(),
             tamper_events: tamper,
+            suspended: *self.suspension.borrow(),
         }
     }
 }
@@ -234,10 +254,13 @@ pub async fn session<S: PolicyStore + Send + 'static>(
 ) -> SessionEnd {
     // Without facts (interfaces could not be listed) the Hello says nothing about the host.
     let facts = current_facts().await;
+    enforcer.note_suspension();
+    let mut suspension = enforcer.suspension.subscribe();
     let hello = proto::Hello {
         applied_version: enforcer.applied_version(),
         agent: Some(crate::facts::agent_info()),
         facts,
+        suspended: *suspension.borrow_and_update(),
     };
     let (tx, rx) = mpsc::channel(64);
     if tx.send(msg(sync_request::Msg::Hello(hello))).await.is_err() {
@@ -294,7 +317,11 @@ pub async fn session<S: PolicyStore + Send + 'static>(
                     .unwrap_or_else(|e| Err(format!("apply task failed: {e}")));
                 stats.updates += 1;
                 let ack = match result {
-                    Ok(()) => proto::PolicyAck { version, status: proto::AckStatus::Applied.into(), detail: String::new() },
+                    Ok(Installed::Held) => {
+                        tracing::warn!(version, "kill switch engaged: holding the policy without installing it");
+                        proto::PolicyAck { version, status: proto::AckStatus::Held.into(), detail: String::new() }
+                    }
+                    Ok(_) => proto::PolicyAck { version, status: proto::AckStatus::Applied.into(), detail: String::new() },
                     Err(detail) => {
                         tracing::warn!(version, "refused an update: {detail}");
                         proto::PolicyAck { version, status: proto::AckStatus::Failed.into(), detail }
@@ -305,6 +332,12 @@ pub async fn session<S: PolicyStore + Send + 'static>(
                 }
             }
             _ = renewals.changed() => return SessionEnd::Renewed,
+            // The kill switch engaged or released: said at once, not at the next heartbeat.
+            _ = suspension.changed() => {
+                if tx.send(msg(sync_request::Msg::Heartbeat(enforcer.heartbeat()))).await.is_err() {
+                    return SessionEnd::Closed("stream closed".into());
+                }
+            }
             _ = heartbeat.tick() => {
                 if tx.send(msg(sync_request::Msg::Heartbeat(enforcer.heartbeat()))).await.is_err() {
                     return SessionEnd::Closed("stream closed".into());

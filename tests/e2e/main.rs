@@ -3,6 +3,8 @@
 mod agent_restart;
 mod binaries;
 mod flows;
+mod host;
+mod kill_switch;
 mod plane;
 mod sync;
 mod unauthenticated;

@@ -66,6 +66,7 @@ wire_enum!(Mode, proto::EnforcementMode, "mode", {
 wire_enum!(Protocol, proto::Protocol, "protocol", { Tcp <=> Tcp, Udp <=> Udp, Icmp <=> Icmp, Icmpv6 <=> Icmpv6 });
 wire_enum!(SyncState, proto::SyncState, "sync state", {
     Pending <=> Pending, Synced <=> Synced, Degraded <=> Degraded, Offline <=> Offline,
+    Suspended <=> Suspended,
 });
 wire_enum!(Decision, proto::FlowDecision, "decision", {
     Observed <=> Observed, Allowed <=> Allowed, WouldBlock <=> WouldBlock, Blocked <=> Blocked,

@@ -18,6 +18,9 @@ pub enum SyncState {
     Degraded,
     /// No stream is open.
     Offline,
+    /// The kill switch is engaged on the host: the agent holds the latest version it was sent
+    /// (persisted) but enforces nothing until `innerwall-agent up`.
+    Suspended,
 }
 
 named_enum!(SyncState, "sync state", {
@@ -25,4 +28,5 @@ named_enum!(SyncState, "sync state", {
     Synced => "SYNCED",
     Degraded => "DEGRADED",
     Offline => "OFFLINE",
+    Suspended => "SUSPENDED",
 });

@@ -2,6 +2,13 @@
 //! changes as one element batch with a full-replace fallback (ENF-3); fail-static restore of
 //! the persisted policy (ENF-5); the kill switch (ENF-6); and drift detection and repair
 //! (ENF-7). Netlink sockets are opened per operation in the calling thread's network namespace.
+//!
+//! The kill switch is a state, held on disk by a marker file: `innerwall-agent down` removes the
+//! table and leaves the marker; until `innerwall-agent up` removes it, every policy that arrives
+//! (a resend, a reconnect's snapshot, a new version, the restore at start) is persisted and held
+//! but not installed, and drift repair is off. The running agent reports the state (SUSPENDED).
+//! `down`, `up` and the store's own installs and drift checks take one lock on the state
+//! directory, so an install in flight cannot put the table back after `down` removed it.
 
 use std::fs;
 use std::io;
@@ -13,13 +20,16 @@ use innerwall_wire::policy::WorkloadPolicy;
 use super::desired::DesiredTable;
 use super::netlink;
 use super::nft;
-use super::persist::PersistedPolicy;
+use super::persist::{PersistError, PersistedPolicy};
 use super::state::{self, TableState};
 use super::store::{EnforceError, Installed, PolicyStore, TamperEvent};
 
-/// Marker left by `innerwall-agent down`: while it exists a running agent does not undo the
-/// kill switch by "repairing" the missing table. The next install removes it.
+/// Marker left by `innerwall-agent down`: while it exists nothing is installed (policies are
+/// persisted and held) and drift is not repaired. Only `innerwall-agent up` removes it.
 pub const KILL_SWITCH_MARKER: &str = "down";
+
+/// The lock `down`, `up` and the store's installs take, in the state directory.
+const ENFORCE_LOCK: &str = "enforce.lock";
 
 #[derive(Debug)]
 struct Applied {
@@ -38,6 +48,9 @@ pub struct LinuxPolicyStore {
     /// one; `None` forces a full comparison at the next drift check.
     verified_generation: Option<u32>,
     full_comparisons: u64,
+    /// The kill switch was engaged when last looked at: once it is released, the held policy is
+    /// installed as a resumption, not repaired as drift.
+    was_suspended: bool,
     #[cfg(feature = "testing")]
     fault_next_full_replace: bool,
 }
@@ -51,6 +64,8 @@ pub enum Restored {
     AlreadyInstalled { version: u64 },
     /// The persisted policy was installed with a full replace.
     Installed { version: u64 },
+    /// The kill switch is engaged: the persisted policy is held, not installed.
+    Suspended { version: u64 },
 }
 
 impl LinuxPolicyStore {
@@ -62,6 +77,7 @@ impl LinuxPolicyStore {
             applied: None,
             verified_generation: None,
             full_comparisons: 0,
+            was_suspended: false,
             #[cfg(feature = "testing")]
             fault_next_full_replace: false,
         }
@@ -73,20 +89,21 @@ impl LinuxPolicyStore {
 
     /// Fail static (ENF-5): load the persisted policy and make the kernel hold it, before the
     /// agent dials anything. A corrupt file is an error naming it; the kernel is left as it is.
+    /// With the kill switch engaged the policy is loaded and held, not installed.
     pub fn restore_persisted(&mut self) -> Result<Restored, EnforceError> {
+        let _lock = lock(self.state_dir());
         let Some(policy) = self.file.load()? else {
             return Ok(Restored::Nothing);
         };
         let desired = DesiredTable::from_policy(&policy);
-        let expected = nft::expected_state(&desired);
         let version = policy.version();
-        let holds = state::read_table()
-            .map_err(EnforceError::Read)?
-            .is_some_and(|s| s.differences(&expected).is_empty());
-        if !holds {
-            nft::full_replace_batch(&desired).send().map_err(EnforceError::Install)?;
+        if self.suspended() {
+            self.was_suspended = true;
+            self.applied = Some(Applied { policy, desired, expected: None });
+            return Ok(Restored::Suspended { version });
         }
-        clear_kill_switch(self.state_dir());
+        let expected = nft::expected_state(&desired);
+        let holds = install_unless_held(&desired, &expected)?;
         self.applied = Some(Applied { policy, desired, expected: Some(expected) });
         self.verified_generation = None;
         Ok(if holds { Restored::AlreadyInstalled { version } } else { Restored::Installed { version } })
@@ -95,9 +112,29 @@ impl LinuxPolicyStore {
     /// Drift (ENF-7), cheap when nothing changed: compares the ruleset generation id with the
     /// last verified one; only when it moved is the table read back and compared in full. A
     /// difference is repaired with a full replace and returned as a tamper event.
+    ///
+    /// While the kill switch is engaged nothing is checked; once it is released, the held policy
+    /// is installed (unless `innerwall-agent up` already did) and that is not drift.
     pub fn check_drift(&mut self, now: SystemTime) -> Result<Option<TamperEvent>, EnforceError> {
-        let Some(applied) = self.applied.as_mut() else { return Ok(None) };
-        if kill_switch_engaged(self.file.state_dir()) {
+        let _lock = lock(self.state_dir());
+        let suspended = self.suspended();
+        let Some(applied) = self.applied.as_mut() else {
+            self.was_suspended = suspended;
+            return Ok(None);
+        };
+        if suspended {
+            self.was_suspended = true;
+            return Ok(None);
+        }
+        if self.was_suspended {
+            let expected = applied.expected.get_or_insert_with(|| nft::expected_state(&applied.desired));
+            install_unless_held(&applied.desired, expected)?;
+            self.was_suspended = false;
+            self.verified_generation = None;
+            tracing::info!(
+                version = applied.policy.version(),
+                "kill switch released: the held policy is enforced again"
+            );
             return Ok(None);
         }
         let generation = netlink::generation().map_err(EnforceError::Read)?;
@@ -123,6 +160,11 @@ impl LinuxPolicyStore {
         nft::full_replace_batch(&applied.desired).send().map_err(EnforceError::Install)?;
         self.verified_generation = None;
         Ok(Some(TamperEvent { at: now, detail }))
+    }
+
+    /// Whether the kill switch is engaged (`innerwall-agent down` until `innerwall-agent up`).
+    pub fn suspended(&self) -> bool {
+        self.state_dir().join(KILL_SWITCH_MARKER).exists()
     }
 
     /// How many drift checks read the table back (the rest stopped at the generation id).
@@ -173,13 +215,19 @@ impl LinuxPolicyStore {
 
 impl PolicyStore for LinuxPolicyStore {
     /// Persist (durably), then install; on an install failure the previous policy is
-    /// persisted again, so disk and kernel keep agreeing on the last applied policy.
+    /// persisted again, so disk and kernel keep agreeing on the last applied policy. With the
+    /// kill switch engaged the policy is persisted and held, not installed.
     fn apply(&mut self, next: &WorkloadPolicy) -> Result<Installed, EnforceError> {
+        let _lock = lock(self.state_dir());
         self.file.store(next)?;
         let desired = DesiredTable::from_policy(next);
+        if self.suspended() {
+            self.was_suspended = true;
+            self.applied = Some(Applied { policy: next.clone(), desired, expected: None });
+            return Ok(Installed::Held);
+        }
         match self.install(next, &desired) {
             Ok(how) => {
-                clear_kill_switch(self.state_dir());
                 self.applied = Some(Applied { policy: next.clone(), desired, expected: None });
                 self.verified_generation = None;
                 Ok(how)
@@ -202,18 +250,33 @@ impl PolicyStore for LinuxPolicyStore {
     fn current(&self) -> Option<&WorkloadPolicy> {
         self.applied.as_ref().map(|a| &a.policy)
     }
-}
 
-fn kill_switch_engaged(state_dir: &Path) -> bool {
-    state_dir.join(KILL_SWITCH_MARKER).exists()
-}
-
-fn clear_kill_switch(state_dir: &Path) {
-    match fs::remove_file(state_dir.join(KILL_SWITCH_MARKER)) {
-        Ok(()) => tracing::info!("kill switch marker cleared: the agent enforces again"),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => tracing::warn!("could not remove the kill switch marker: {e}"),
+    fn suspended(&self) -> bool {
+        LinuxPolicyStore::suspended(self)
     }
+}
+
+/// Installs `desired` with a full replace unless the kernel already holds exactly `expected`;
+/// returns whether it did.
+fn install_unless_held(desired: &DesiredTable, expected: &TableState) -> Result<bool, EnforceError> {
+    let holds =
+        state::read_table().map_err(EnforceError::Read)?.is_some_and(|s| s.differences(expected).is_empty());
+    if !holds {
+        nft::full_replace_batch(desired).send().map_err(EnforceError::Install)?;
+    }
+    Ok(holds)
+}
+
+/// The state directory's enforcement lock, when the directory exists (`down` may run where
+/// the agent never did). Without it the operation goes on: a lock that cannot be taken must not
+/// stop a kill switch.
+fn lock(state_dir: &Path) -> Option<fs::File> {
+    if !state_dir.is_dir() {
+        return None;
+    }
+    crate::private::lock(&state_dir.join(ENFORCE_LOCK))
+        .map_err(|e| tracing::warn!("could not lock {}: {e}", state_dir.join(ENFORCE_LOCK).display()))
+        .ok()
 }
 
 /// What `innerwall-agent down` did.
@@ -227,20 +290,55 @@ pub struct KillSwitchReport {
 }
 
 /// The kill switch (ENF-6): delete `table inet innerwall` and nothing else, keep the persisted
-/// policy, and leave a marker so a running agent does not restore the table as drift.
+/// policy, and leave the marker that holds every later policy uninstalled until
+/// [`release_kill_switch`]. The marker is written first: a table an install puts back in
+/// between is removed here, and none comes after it.
 pub fn kill_switch(state_dir: &Path) -> Result<KillSwitchReport, EnforceError> {
-    let table_removed = nft::delete_table().map_err(EnforceError::Remove)?;
+    let _lock = lock(state_dir);
     if state_dir.is_dir()
         && let Err(e) = crate::private::write(
             &state_dir.join(KILL_SWITCH_MARKER),
-            b"table inet innerwall removed by the kill switch\n",
+            b"table inet innerwall removed by the kill switch; `innerwall-agent up` releases it\n",
         )
     {
         tracing::warn!("could not write the kill switch marker in {}: {e}", state_dir.display());
     }
+    let table_removed = nft::delete_table().map_err(EnforceError::Remove)?;
     let (persisted_version, persisted_error) = match PersistedPolicy::new(state_dir).load() {
         Ok(p) => (p.map(|p| p.version()), None),
         Err(e) => (None, Some(e.to_string())),
     };
     Ok(KillSwitchReport { table_removed, persisted_version, persisted_error })
+}
+
+/// What `innerwall-agent up` did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReleaseReport {
+    /// The kill switch was engaged.
+    pub was_engaged: bool,
+    /// The persisted policy now installed (`None`: none persisted, nothing to install).
+    pub installed_version: Option<u64>,
+}
+
+/// Releases the kill switch: installs the persisted policy (the latest the agent held while
+/// down) and removes the marker. A running agent notices at its next drift check and reports
+/// it enforces again. On an install failure the switch stays engaged.
+pub fn release_kill_switch(state_dir: &Path) -> Result<ReleaseReport, EnforceError> {
+    let _lock = lock(state_dir);
+    let marker = state_dir.join(KILL_SWITCH_MARKER);
+    let was_engaged = marker.exists();
+    let policy = PersistedPolicy::new(state_dir).load()?;
+    if let Some(policy) = &policy {
+        let desired = DesiredTable::from_policy(policy);
+        install_unless_held(&desired, &nft::expected_state(&desired))?;
+    }
+    match fs::remove_file(&marker) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(source) => {
+            let what = "removing the kill switch marker";
+            return Err(EnforceError::Persist(PersistError::Io { what, path: marker, source }));
+        }
+    }
+    Ok(ReleaseReport { was_engaged, installed_version: policy.map(|p| p.version()) })
 }

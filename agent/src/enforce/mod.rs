@@ -21,7 +21,9 @@ pub mod state;
 pub mod status;
 pub mod store;
 
-pub use linux::{KillSwitchReport, LinuxPolicyStore, Restored, kill_switch};
+pub use linux::{
+    KillSwitchReport, LinuxPolicyStore, ReleaseReport, Restored, kill_switch, release_kill_switch,
+};
 pub use netlink::NetlinkError;
 pub use persist::{PersistError, PersistedPolicy};
 pub use store::{EnforceError, Installed, MemoryPolicyStore, PolicyStore, TamperEvent};

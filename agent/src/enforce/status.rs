@@ -147,7 +147,7 @@ impl StatusReport {
         if self.kill_switch_engaged {
             let _ = writeln!(
                 w,
-                "kill switch:      engaged (`innerwall-agent down`); cleared by the next install"
+                "kill switch:      engaged (`innerwall-agent down`): policies are held, not installed, until `innerwall-agent up`"
             );
         }
         if !self.sets.is_empty() {

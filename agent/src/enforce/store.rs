@@ -21,6 +21,8 @@ pub enum Installed {
     Full,
     /// The element batch was refused, and a full replace installed the policy instead.
     FullAfterRefusedElements,
+    /// The kill switch is engaged: persisted and held, not installed (acked `HELD`).
+    Held,
 }
 
 /// Why a policy could not be applied. When `apply` returns an error, the previously applied
@@ -49,6 +51,11 @@ pub trait PolicyStore {
     /// The applied version, 0 when none (what Hello reports).
     fn applied_version(&self) -> u64 {
         self.current().map_or(0, WorkloadPolicy::version)
+    }
+
+    /// Whether the kill switch is engaged: policies are then held, not installed.
+    fn suspended(&self) -> bool {
+        false
     }
 }
 

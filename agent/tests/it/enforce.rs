@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime};
 
 use innerwall_agent::enforce::desired::DesiredTable;
 use innerwall_agent::enforce::status::{StatusReport, status};
-use innerwall_agent::enforce::{Installed, LinuxPolicyStore, PersistedPolicy, PolicyStore as _};
+use innerwall_agent::enforce::{Installed, LinuxPolicyStore, PersistedPolicy, PolicyStore as _, Restored};
 use innerwall_agent::enforce::{nft, state};
 use innerwall_agent::policy_json;
 use innerwall_wire::policy::{Protocol, WorkloadPolicy};
@@ -312,14 +312,37 @@ fn netns_kill_switch_only_our_table() {
     assert_eq!(foreign(), foreign_before, "foreign tables untouched");
     assert_eq!(fs::read(PersistedPolicy::new(&state.0).path()).expect("persisted"), persisted, "policy kept");
 
-    // A running agent does not undo the kill switch as if it were drift…
+    // A running agent does not undo the kill switch as if it were drift, and holds what
+    // arrives (persisted, not installed)…
     let event = ns.enter(|| store.check_drift(SystemTime::now())).expect("drift check");
     assert_eq!(event, None);
+    assert!(store.suspended());
+    let v5 = policy(5, "enforcement", &[ALLOWED4, "10.77.9.9"]);
+    assert_eq!(ns.enter(|| store.apply(&v5)).expect("apply while down"), Installed::Held);
+    assert_eq!(store.applied_version(), 5);
+    assert_eq!(PersistedPolicy::new(&state.0).load().expect("load").map(|p| p.version()), Some(5));
     assert!(!ns.nft(&["list", "tables"]).contains("table inet innerwall"));
-    // …and the next start re-applies the kept policy.
-    ns.enter(|| LinuxPolicyStore::new(&state.0).restore_persisted()).expect("restore");
-    assert!(ns.nft(&["list", "tables"]).contains("table inet innerwall"));
+    // …and so does the next start.
+    let restored = ns.enter(|| LinuxPolicyStore::new(&state.0).restore_persisted()).expect("restore");
+    assert_eq!(restored, Restored::Suspended { version: 5 });
+    assert!(!ns.nft(&["list", "tables"]).contains("table inet innerwall"));
+
+    // `up` installs the held policy; the running store resumes without calling it drift.
+    let out = run(ns.command(AGENT).args(["up", "--state-dir"]).arg(&state.0));
+    let out = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.contains("installed the persisted policy v5") && out.contains("kill switch released"),
+        "{out}"
+    );
+    assert!(ns.nft(&["list", "table", "inet", "innerwall"]).contains("10.77.9.9"), "v5 is installed");
+    assert!(!store.suspended());
+    assert_eq!(ns.enter(|| store.check_drift(SystemTime::now())).expect("resume"), None, "not drift");
+    ns.nft(&["delete", "table", "inet", "innerwall"]);
+    let event = ns.enter(|| store.check_drift(SystemTime::now())).expect("drift check");
+    assert!(event.is_some_and(|e| e.detail.contains("missing")), "drift repair is back on");
     assert_eq!(foreign(), foreign_before);
+    let out = run(ns.command(AGENT).args(["up", "--state-dir"]).arg(&state.0));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("was not engaged"));
 
     // Down twice says there was nothing to remove.
     run(ns.command(AGENT).args(["down", "--state-dir"]).arg(&state.0));

@@ -606,7 +606,7 @@ pub struct SyncStatusView {
     pub address_issues: Vec<AddressView>,
 }
 
-/// A sync state as its name (`PENDING`, `SYNCED`, `DEGRADED`, `OFFLINE`).
+/// A sync state as its name (`PENDING`, `SYNCED`, `DEGRADED`, `OFFLINE`, `SUSPENDED`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(into = "&'static str")]
 pub struct StateName(pub innerwall_wire::sync::SyncState);

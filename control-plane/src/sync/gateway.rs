@@ -331,7 +331,7 @@ impl StreamTask {
             Ok(p) => p,
             Err(e) => return Ended::refused(Status::from(e)),
         };
-        let (mut session, actions) = Session::open(persisted, hello.applied_version);
+        let (mut session, actions) = Session::open(persisted, hello.applied_version, hello.suspended);
         if let Err(e) = self.execute(actions).await {
             return e;
         }
@@ -417,17 +417,21 @@ impl StreamTask {
             Some(Msg::Ack(a)) => {
                 let ack = match proto::AckStatus::try_from(a.status) {
                     Ok(proto::AckStatus::Applied) => Ack::Applied(a.version),
+                    Ok(proto::AckStatus::Held) => Ack::Held(a.version),
                     Ok(proto::AckStatus::Failed) => Ack::Failed(a.version, truncate(&a.detail, 1024)),
                     _ => {
                         return Err(Ended::refused(Status::invalid_argument(format!(
-                            "ack status {} is not APPLIED or FAILED",
+                            "ack status {} is not APPLIED, HELD or FAILED",
                             a.status
                         ))));
                     }
                 };
                 self.execute(session.ack(ack)).await
             }
-            Some(Msg::Heartbeat(h)) => self.heartbeat(&h).await.map_err(|e| Ended::refused(Status::from(e))),
+            Some(Msg::Heartbeat(h)) => {
+                self.heartbeat(&h).await.map_err(|e| Ended::refused(Status::from(e)))?;
+                self.execute(session.suspended(h.suspended)).await
+            }
             Some(Msg::Inventory(inv)) => {
                 // A report without facts (the agent could not list its interfaces) says nothing
                 // about addresses: the last known set stands, it never becomes "no addresses".

@@ -76,8 +76,14 @@ impl Sent {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Ack {
     Applied(Version),
+    /// Persisted but not installed: the kill switch is engaged on the host.
+    Held(Version),
     Failed(Version, String),
 }
+
+/// What a SUSPENDED workload's detail says.
+pub const SUSPENDED_DETAIL: &str =
+    "kill switch engaged on the host (innerwall-agent down): nothing is enforced until innerwall-agent up";
 
 /// One stream's view. Created when the stream opens with the persisted policy.
 #[derive(Debug, Clone)]
@@ -85,26 +91,57 @@ pub struct Session {
     tip: WorkloadPolicy,
     in_flight: VecDeque<Sent>,
     degraded: bool,
+    /// The agent's kill switch is engaged: whatever it acks, it enforces nothing.
+    suspended: bool,
+    /// The last version the agent applied or held.
+    acked: Option<Version>,
 }
 
 impl Session {
     /// A new stream always begins with a snapshot of the persisted policy, whatever version the
     /// agent claimed (SYNC-2); the claim is recorded as what the agent says it holds.
-    pub fn open(persisted: WorkloadPolicy, claimed: Version) -> (Session, Vec<Action>) {
+    pub fn open(persisted: WorkloadPolicy, claimed: Version, suspended: bool) -> (Session, Vec<Action>) {
         let version = persisted.version();
         let session = Session {
             tip: persisted.clone(),
             in_flight: VecDeque::from([Sent::Snapshot { version, recovery: false }]),
             degraded: false,
+            suspended,
+            acked: None,
         };
-        let record =
-            Record { applied: Some(claimed), snapshot_sent: true, ..Record::state(SyncState::Pending) };
+        let record = Record { applied: Some(claimed), snapshot_sent: true, ..session.record() };
         // Record first, so whoever sees the snapshot arrive also sees the state that sent it.
         (session, vec![Action::Record(record), Action::Send(Update::Snapshot(persisted))])
     }
 
     pub fn tip_version(&self) -> Version {
         self.tip.version()
+    }
+
+    /// The convergence state (SYNC-6): a suspended agent enforces nothing, whatever it holds;
+    /// SYNCED only when the tip is applied and nothing is in flight.
+    fn state(&self) -> SyncState {
+        if self.suspended {
+            SyncState::Suspended
+        } else if self.degraded {
+            SyncState::Degraded
+        } else if self.in_flight.is_empty() && self.acked == Some(self.tip.version()) {
+            SyncState::Synced
+        } else {
+            SyncState::Pending
+        }
+    }
+
+    /// The record of the current state. A degraded stream keeps the failure's detail until the
+    /// recovery snapshot is applied.
+    fn record(&self) -> Record {
+        let state = self.state();
+        let detail = match state {
+            SyncState::Suspended if !self.degraded => Some(SUSPENDED_DETAIL.to_owned()),
+            SyncState::Suspended | SyncState::Degraded => None,
+            _ => Some(String::new()),
+        };
+        Record { detail, ..Record::state(state) }
     }
 
     /// The persisted policy moved: send one delta from the tip, whatever happened in between
@@ -118,10 +155,20 @@ impl Session {
         self.tip = latest;
         let mut actions = Vec::new();
         if !self.degraded {
-            actions.push(Action::Record(Record::state(SyncState::Pending)));
+            actions.push(Action::Record(self.record()));
         }
         actions.push(Action::Send(Update::Delta(delta)));
         actions
+    }
+
+    /// The agent says whether its kill switch is engaged (Hello, every heartbeat, and at once
+    /// when it changes). Nothing to record if that did not change.
+    pub fn suspended(&mut self, suspended: bool) -> Vec<Action> {
+        if suspended == self.suspended {
+            return Vec::new();
+        }
+        self.suspended = suspended;
+        vec![Action::Record(self.record())]
     }
 
     /// Acks match updates in the order they were sent (SYNC-4). A failure earns one recovery
@@ -132,7 +179,7 @@ impl Session {
             return vec![Action::Close("ack received with no update in flight".into())];
         };
         let version = match &ack {
-            Ack::Applied(v) | Ack::Failed(v, _) => *v,
+            Ack::Applied(v) | Ack::Held(v) | Ack::Failed(v, _) => *v,
         };
         if version != sent.version() {
             return vec![Action::Close(format!(
@@ -141,42 +188,30 @@ impl Session {
             ))];
         }
         match ack {
-            Ack::Applied(v) => {
+            Ack::Applied(v) | Ack::Held(v) => {
                 if matches!(sent, Sent::Snapshot { recovery: true, .. }) {
                     self.degraded = false;
                 }
-                let state = if self.degraded {
-                    SyncState::Degraded
-                } else if self.in_flight.is_empty() && v == self.tip.version() {
-                    SyncState::Synced
-                } else {
-                    SyncState::Pending
-                };
-                let mut record = Record { applied: Some(v), acked: true, ..Record::state(state) };
-                if self.degraded {
-                    // Keep the failure's detail until the recovery snapshot is applied.
-                    record.detail = None;
-                }
-                vec![Action::Record(record)]
+                // A held version is the agent's, persisted; it installs it when the switch is
+                // released, and says so with its next heartbeat.
+                self.suspended = matches!(ack, Ack::Held(_));
+                self.acked = Some(v);
+                vec![Action::Record(Record { applied: Some(v), acked: true, ..self.record() })]
             }
             Ack::Failed(_, detail) => {
                 let stale = self.in_flight.iter().any(|s| matches!(s, Sent::Snapshot { recovery: true, .. }));
-                let record =
-                    Record { detail: Some(detail), failed: true, ..Record::state(SyncState::Degraded) };
+                let recovery_failed = matches!(sent, Sent::Snapshot { recovery: true, .. });
+                self.degraded = true;
+                let record = Record { detail: Some(detail), failed: true, ..Record::state(self.state()) };
                 // A failed recovery snapshot is not answered with another one: the next
                 // persisted version will be (a persistent refusal must not become a loop).
-                if stale || matches!(sent, Sent::Snapshot { recovery: true, .. }) {
+                if stale || recovery_failed {
                     return vec![Action::Record(record)];
                 }
-                self.degraded = true;
                 self.in_flight.push_back(Sent::Snapshot { version: self.tip.version(), recovery: true });
                 vec![
                     Action::Record(record),
-                    Action::Record(Record {
-                        snapshot_sent: true,
-                        detail: None,
-                        ..Record::state(SyncState::Degraded)
-                    }),
+                    Action::Record(Record { snapshot_sent: true, ..self.record() }),
                     Action::Send(Update::Snapshot(self.tip.clone())),
                 ]
             }
@@ -216,7 +251,7 @@ mod tests {
 
     #[test]
     fn open_sends_a_snapshot_whatever_the_claim() {
-        let (s, actions) = Session::open(policy(12, &[22]), 14);
+        let (s, actions) = Session::open(policy(12, &[22]), 14, false);
         assert_eq!(sends(&actions), ["snapshot v12"]);
         assert!(matches!(&actions[0], Action::Record(r) if r.applied == Some(14) && r.snapshot_sent));
         assert_eq!(s.tip_version(), 12);
@@ -226,7 +261,7 @@ mod tests {
     fn the_seed_walkthrough() {
         // Session 1 of the design record: snapshot v12, delta 12→13 applied, delta 13→14
         // failed, recovery snapshot v14.
-        let (mut s, _) = Session::open(policy(12, &[22]), 12);
+        let (mut s, _) = Session::open(policy(12, &[22]), 12, false);
         assert_eq!(last_state(&s.ack(Ack::Applied(12))), Some(SyncState::Synced));
         assert_eq!(sends(&s.persisted(policy(13, &[22, 80]))), ["delta v12→v13"]);
         assert_eq!(last_state(&s.ack(Ack::Applied(13))), Some(SyncState::Synced));
@@ -241,7 +276,7 @@ mod tests {
 
     #[test]
     fn recovery_snapshot_does_not_loop_on_in_flight_failures() {
-        let (mut s, _) = Session::open(policy(1, &[]), 0);
+        let (mut s, _) = Session::open(policy(1, &[]), 0, false);
         s.ack(Ack::Applied(1));
         s.persisted(policy(2, &[1]));
         s.persisted(policy(3, &[1, 2]));
@@ -273,7 +308,7 @@ mod tests {
 
     #[test]
     fn pending_until_the_latest_is_acked_and_coalesced_deltas_start_at_the_tip() {
-        let (mut s, _) = Session::open(policy(1, &[]), 0);
+        let (mut s, _) = Session::open(policy(1, &[]), 0, false);
         assert_eq!(last_state(&s.persisted(policy(3, &[1]))), Some(SyncState::Pending));
         assert_eq!(last_state(&s.ack(Ack::Applied(1))), Some(SyncState::Pending));
         assert_eq!(last_state(&s.ack(Ack::Applied(3))), Some(SyncState::Synced));
@@ -281,10 +316,39 @@ mod tests {
     }
 
     #[test]
+    fn a_suspended_agent_is_never_synced_whatever_it_acks() {
+        let (mut s, actions) = Session::open(policy(1, &[]), 1, true);
+        assert_eq!(last_state(&actions), Some(SyncState::Suspended));
+        assert_eq!(last_state(&s.ack(Ack::Held(1))), Some(SyncState::Suspended));
+        assert_eq!(last_state(&s.persisted(policy(2, &[1]))), Some(SyncState::Suspended));
+        let held = s.ack(Ack::Held(2));
+        assert!(matches!(&held[..], [Action::Record(r)] if r.state == SyncState::Suspended
+            && r.applied == Some(2) && r.detail.as_deref() == Some(SUSPENDED_DETAIL)));
+        // Released (`innerwall-agent up`): the held version is the tip, so SYNCED at once.
+        assert_eq!(last_state(&s.suspended(false)), Some(SyncState::Synced));
+        assert_eq!(s.suspended(false), vec![], "no change, nothing to record");
+        assert_eq!(last_state(&s.suspended(true)), Some(SyncState::Suspended));
+        // A failure while suspended keeps its detail and earns its recovery snapshot.
+        s.persisted(policy(3, &[1, 2]));
+        let failed = s.ack(Ack::Failed(3, "disk full".into()));
+        assert_eq!(sends(&failed), ["snapshot v3"]);
+        assert!(failed.iter().all(|a| !matches!(a, Action::Record(r) if r.state != SyncState::Suspended)));
+        assert!(matches!(&failed[0], Action::Record(r) if r.detail.as_deref() == Some("disk full")));
+        assert!(matches!(&failed[1], Action::Record(r) if r.detail.is_none()), "keeps the failure's detail");
+        assert_eq!(last_state(&s.ack(Ack::Held(3))), Some(SyncState::Suspended));
+        assert_eq!(last_state(&s.suspended(false)), Some(SyncState::Synced));
+        // Released before the tip arrived: PENDING until it is applied.
+        s.persisted(policy(4, &[3]));
+        s.suspended(true);
+        assert_eq!(last_state(&s.suspended(false)), Some(SyncState::Pending));
+        assert_eq!(last_state(&s.ack(Ack::Applied(4))), Some(SyncState::Synced));
+    }
+
+    #[test]
     fn out_of_order_or_unsolicited_acks_close_the_stream() {
-        let (mut s, _) = Session::open(policy(1, &[]), 0);
+        let (mut s, _) = Session::open(policy(1, &[]), 0, false);
         assert!(matches!(&s.ack(Ack::Applied(7))[..], [Action::Close(_)]));
-        let (mut s, _) = Session::open(policy(1, &[]), 0);
+        let (mut s, _) = Session::open(policy(1, &[]), 0, false);
         s.ack(Ack::Applied(1));
         assert!(matches!(&s.ack(Ack::Applied(1))[..], [Action::Close(_)]));
     }
