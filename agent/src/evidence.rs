@@ -7,18 +7,19 @@
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
-use innerwall_wire::flows::{FlowWindow, GapKind};
+use innerwall_wire::flows::{EvidenceGap, FlowWindow, GapKind};
 use innerwall_wire::policy::WorkloadPolicy;
+use innerwall_wire::proto;
 
 use crate::capture::{self, Capture, CaptureError, Drained};
 use crate::connect::RunConfig;
 use crate::enforce::PolicyStore;
 use crate::facts::{self, FactsError};
-use crate::sync::Enforcer;
+use crate::sync::{Enforcer, WindowClose};
 use crate::{error, flows, telemetry};
 
 /// Why flow capture could not start.
@@ -62,9 +63,11 @@ impl OpenWindow {
         self.window.gap(GapKind::AgentRestart, last_window_end_ms, start, 0);
     }
 
-    /// Called before each drain. When the applied version is no longer the open window's
-    /// (evidence is about exactly one version) or the window is `length_ms` old, closes it at
-    /// `now_ms` and returns it, and opens the next under what `next` says is applied now.
+    /// Called after each drain at `now_ms`. When the applied version is no longer the open
+    /// window's (evidence is about exactly one version) or the window is `length_ms` old,
+    /// closes it at `now_ms` and returns it, and opens the next at the same moment under what
+    /// `next` says is applied now: windows abut, and each drain's records fall in the window
+    /// that was open until that drain.
     pub fn rotate(
         &mut self,
         now_ms: i64,
@@ -80,12 +83,17 @@ impl OpenWindow {
         Some(closed.close(now_ms))
     }
 
-    /// Adds one drain at `now_ms` (`None`: the drain failed) to the open window: flows to the
-    /// `local` addresses, and the map-full drops as a gap since the previous drain.
+    /// Adds one drain at `now_ms` to the open window: flows to the `local` addresses, and the
+    /// map-full drops as a gap since the previous drain. `None` (no capture attached, or the
+    /// drain failed) is a CAPTURE_UNAVAILABLE gap since the previous drain: nothing was seen,
+    /// and the window says so.
     pub fn absorb(&mut self, drained: Option<&Drained>, local: &BTreeSet<IpAddr>, now_ms: i64) {
-        if let Some(drained) = drained {
-            let (records, drops) = (&drained.records, drained.map_full_drops);
-            flows::absorb(&mut self.window, records, drops, local, self.last_drain_ms, now_ms);
+        match drained {
+            Some(drained) => {
+                let (records, drops) = (&drained.records, drained.map_full_drops);
+                flows::absorb(&mut self.window, records, drops, local, self.last_drain_ms, now_ms);
+            }
+            None => self.window.gap(GapKind::CaptureUnavailable, self.last_drain_ms, now_ms, 1),
         }
         self.last_drain_ms = now_ms;
     }
@@ -96,20 +104,62 @@ impl OpenWindow {
     }
 }
 
+/// How often the capture loop drains the kernel's flow map.
+const DRAIN_EVERY: Duration = Duration::from_secs(1);
+
+/// What the capture loop's thread is asked to do between drains.
+#[derive(Debug)]
+enum Wake {
+    /// The applied version changed: close the window now, then answer.
+    CloseWindow(WindowClose),
+    /// Queue the open window and return.
+    Stop,
+}
+
+/// Closed windows on their way to the queue, and the windows the queue could not take: those
+/// become one QUEUE_FAILED gap on the next window it does take (FLOW-2), so a full disk costs
+/// evidence but never silently.
+struct Outbox {
+    queue: telemetry::Queue,
+    marker: PathBuf,
+    unqueued: Option<EvidenceGap>,
+}
+
+impl Outbox {
+    fn push(&mut self, mut window: FlowWindow, now: i64) {
+        window.gaps.extend(self.unqueued.take());
+        let lost = telemetry::lost(GapKind::QueueFailed, &proto::FlowWindow::from(&window));
+        match self.queue.push(window) {
+            Ok(()) => {
+                if let Err(e) = crate::private::write(&self.marker, now.to_string().as_bytes()) {
+                    tracing::error!("could not record the end of the last flow window: {e}");
+                }
+            }
+            Err(e) => {
+                tracing::error!("could not queue a flow window (kept as a gap for the next one): {e}");
+                self.unqueued = Some(lost);
+            }
+        }
+    }
+}
+
 /// The flow evidence loop (FLOW-1..FLOW-3), on its own thread: drain the kernel map every
-/// second into the open window; close it when its time is up or the applied policy version
-/// changes (evidence is always about exactly one version), and queue it for upload. The time
-/// the agent was not running becomes an AGENT_RESTART gap on the first window: from the end of
-/// the last window it queued (recorded in `telemetry/last_window_end`) to now. When `stop` is
-/// set, the open window is drained and queued one last time, so a clean stop leaves a gap of
-/// exactly the downtime; a crash loses the open window, and the gap then starts where the last
-/// queued window ended.
+/// second into the open window; close it when its time is up, and at once when the applied
+/// version changes (the apply waits for that before it acks: evidence is always about exactly
+/// one version, and what the host sees after an ack counts for the new one), and queue it for
+/// upload. The time the agent was not running becomes an AGENT_RESTART gap on the first window:
+/// from the end of the last window it queued (recorded in `telemetry/last_window_end`) to now.
+/// On [`Wake::Stop`] the open window is drained and queued one last time, so a clean stop
+/// leaves a gap of exactly the downtime; a crash loses the open window, and the gap then starts
+/// where the last queued window ended. Without a capture (it could not attach) windows go on,
+/// each carrying a CAPTURE_UNAVAILABLE gap, and attaching is tried again at each new window.
 fn capture_forever<S: PolicyStore + Send + 'static>(
-    mut capture: Capture,
+    mut capture: Option<Capture>,
     enforcer: Arc<Enforcer<S>>,
     queue: telemetry::Queue,
     state_dir: &Path,
-    stop: &std::sync::atomic::AtomicBool,
+    wakes: &std::sync::mpsc::Receiver<Wake>,
+    closes: &std::sync::mpsc::Receiver<WindowClose>,
 ) {
     use std::sync::atomic::Ordering::Relaxed;
     let marker = state_dir.join("telemetry").join("last_window_end");
@@ -118,14 +168,7 @@ fn capture_forever<S: PolicyStore + Send + 'static>(
     if let Some(last) = std::fs::read_to_string(&marker).ok().and_then(|t| t.trim().parse::<i64>().ok()) {
         open.restarted_after(last);
     }
-    let queue_window = |window: FlowWindow, now: i64| {
-        if let Err(e) = queue.push(window) {
-            tracing::error!("could not queue a flow window: {e}");
-        }
-        if let Err(e) = crate::private::write(&marker, now.to_string().as_bytes()) {
-            tracing::error!("could not record the end of the last flow window: {e}");
-        }
-    };
+    let mut outbox = Outbox { queue, marker, unqueued: None };
     // This host's addresses: only flows to them are inbound. When they cannot be listed, the
     // last known set stands.
     let refresh = |local: &mut BTreeSet<IpAddr>| match facts::local_addresses() {
@@ -134,47 +177,70 @@ fn capture_forever<S: PolicyStore + Send + 'static>(
     };
     let mut local = BTreeSet::new();
     refresh(&mut local);
+    let mut next_drain = Instant::now() + DRAIN_EVERY;
     loop {
-        let stopping = sleep_unless_stopped(Duration::from_secs(1), stop);
+        let wake = next_wake(wakes, closes, next_drain);
         let now = now_ms();
-        // Close first, then drain: traffic seen after a new version was applied is judged
-        // under that version, not the one before it.
-        let length = enforcer.flow_window_secs.load(Relaxed) as i64 * 1000;
-        if !stopping
-            && let Some(closed) =
-                open.rotate(now, enforcer.applied_version(), length, || (enforcer.current(), max_keys()))
-        {
-            queue_window(closed, now);
-            refresh(&mut local);
-        }
-        let drained = capture.drain().map_err(|e| tracing::error!("draining the flow map failed: {e}")).ok();
+        // Drain first, then close: everything drained was seen before `now`, under the version
+        // the open window is about.
+        let drained = capture.as_mut().and_then(|c| {
+            c.drain().map_err(|e| tracing::error!("draining the flow map failed: {}", error::chain(&e))).ok()
+        });
         open.absorb(drained.as_ref(), &local, now);
-        if stopping {
-            queue_window(open.close(now), now);
+        if matches!(wake, Some(Wake::Stop)) {
+            outbox.push(open.close(now), now);
             return;
+        }
+        let length = enforcer.flow_window_secs.load(Relaxed) as i64 * 1000;
+        if let Some(closed) =
+            open.rotate(now, enforcer.applied_version(), length, || (enforcer.current(), max_keys()))
+        {
+            outbox.push(closed, now);
+            refresh(&mut local);
+            if capture.is_none() {
+                capture = attach().map_err(|e| tracing::debug!("flow capture still unavailable: {e}")).ok();
+            }
+        }
+        if let Some(Wake::CloseWindow(done)) = wake {
+            let _ = done.send(());
+        } else {
+            next_drain = Instant::now() + DRAIN_EVERY;
         }
     }
 }
 
-/// Sleeps for `period`, waking early when `stop` is set; returns whether it is.
-fn sleep_unless_stopped(period: Duration, stop: &std::sync::atomic::AtomicBool) -> bool {
-    let step = Duration::from_millis(50);
-    let deadline = std::time::Instant::now() + period;
-    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        if left.is_zero() {
-            return false;
+/// Waits until `deadline` or a wake: a stop, or a window close asked for by an apply.
+fn next_wake(
+    wakes: &std::sync::mpsc::Receiver<Wake>,
+    closes: &std::sync::mpsc::Receiver<WindowClose>,
+    deadline: Instant,
+) -> Option<Wake> {
+    use std::sync::mpsc::TryRecvError;
+    // Two channels without a select: the stop channel is checked every few milliseconds, the
+    // window closes are waited on (they must be answered fast, a stop may wait a little).
+    loop {
+        match wakes.try_recv() {
+            Ok(wake) => return Some(wake),
+            Err(TryRecvError::Disconnected) => return Some(Wake::Stop),
+            Err(TryRecvError::Empty) => {}
         }
-        std::thread::sleep(left.min(step));
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return None;
+        }
+        match closes.recv_timeout(left.min(Duration::from_millis(50))) {
+            Ok(done) => return Some(Wake::CloseWindow(done)),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return Some(Wake::Stop),
+        }
     }
-    true
 }
 
 /// Flow capture and upload, as started by [`start`].
 #[derive(Debug)]
 pub struct FlowTasks {
     uploader: tokio::task::JoinHandle<()>,
-    stop: Arc<std::sync::atomic::AtomicBool>,
+    wake: std::sync::mpsc::Sender<Wake>,
     capture: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -182,7 +248,7 @@ impl FlowTasks {
     /// Queues the open window (see [`capture_forever`]) and stops uploading. What is queued
     /// and not yet delivered stays on disk for the next start.
     pub async fn stop(self) {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let _ = self.wake.send(Wake::Stop);
         if let Some(capture) = self.capture {
             let joined = tokio::task::spawn_blocking(move || capture.join());
             if tokio::time::timeout(Duration::from_secs(5), joined).await.is_err() {
@@ -194,7 +260,7 @@ impl FlowTasks {
 }
 
 /// Starts flow capture and upload. Without root or the BPF object, enforcement goes on and the
-/// reason is logged; flow evidence is then absent (and the restart gap will say so later).
+/// reason is logged; the windows then carry CAPTURE_UNAVAILABLE gaps until capture attaches.
 pub fn start<S: PolicyStore + Send + 'static>(
     config: &RunConfig,
     enforcer: Arc<Enforcer<S>>,
@@ -209,21 +275,65 @@ pub fn start<S: PolicyStore + Send + 'static>(
     let uploader =
         tokio::spawn(telemetry::upload_forever(config.clone(), queue.clone(), Duration::from_secs(1)));
     let state_dir = config.state_dir.clone();
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let stop_flag = stop.clone();
+    let (wake, wakes) = std::sync::mpsc::channel();
+    let closes = enforcer.window_closes();
     let spawned = std::thread::Builder::new().name("flow-capture".into()).spawn(move || {
-        let attached = attach();
-        match attached {
+        let capture = match attach() {
             Ok(capture) => {
                 tracing::info!(interfaces = ?capture.interfaces(), "flow capture attached");
-                capture_forever(capture, enforcer, queue, &state_dir, &stop_flag);
+                Some(capture)
             }
-            Err(e) => tracing::error!(
-                "flow capture unavailable: {}; enforcement continues without flow evidence",
-                error::chain(&e)
-            ),
-        }
+            Err(e) => {
+                tracing::error!(
+                    "flow capture unavailable: {}; enforcement continues, and flow windows carry \
+                     capture-unavailable gaps until it attaches",
+                    error::chain(&e)
+                );
+                None
+            }
+        };
+        capture_forever(capture, enforcer, queue, &state_dir, &wakes, &closes);
     });
     let capture = spawned.map_err(|e| tracing::error!("could not start the flow capture thread: {e}")).ok();
-    Some(FlowTasks { uploader, stop, capture })
+    Some(FlowTasks { uploader, wake, capture })
+}
+
+#[cfg(test)]
+mod tests {
+    use innerwall_wire::flows::EvidenceGap;
+
+    use super::*;
+
+    #[test]
+    fn every_loss_is_a_gap_including_failed_drains() {
+        let local = BTreeSet::new();
+        let mut open = OpenWindow::new(1_000, None, 10);
+        open.absorb(Some(&Drained::default()), &local, 2_000);
+        // Two failed drains in a row are one gap; a good drain ends it; the next failure is
+        // another.
+        open.absorb(None, &local, 3_000);
+        open.absorb(None, &local, 4_000);
+        open.absorb(Some(&Drained { map_full_drops: 5, ..Drained::default() }), &local, 5_000);
+        open.absorb(None, &local, 6_000);
+        let closed = open.rotate(6_000, 0, 5_000, || (None, 10)).expect("the window is 5 s old");
+        let gap = |kind, from_ms, to_ms, count| EvidenceGap { kind, from_ms, to_ms, count };
+        assert_eq!(
+            closed.gaps,
+            [
+                gap(GapKind::CaptureUnavailable, 2_000, 4_000, 2),
+                gap(GapKind::MapFull, 4_000, 5_000, 5),
+                gap(GapKind::CaptureUnavailable, 5_000, 6_000, 1),
+            ]
+        );
+        assert_eq!((closed.start_ms, closed.end_ms), (1_000, 6_000));
+        // The next window starts where this one ended; with no capture at all it is one gap
+        // over all of it.
+        open.absorb(None, &local, 7_000);
+        open.absorb(None, &local, 8_000);
+        let next = open.close(8_000);
+        assert_eq!(
+            (next.start_ms, next.gaps),
+            (6_000, vec![gap(GapKind::CaptureUnavailable, 6_000, 8_000, 2)])
+        );
+    }
 }

@@ -83,13 +83,30 @@ impl Window {
         self.flows.entry(key).or_default().merge(&counters);
     }
 
-    /// Something could not be recorded (map full, agent restart, …).
+    /// Something could not be recorded (map full, agent restart, …). A gap that continues the
+    /// last one of its kind (it starts where that one ends) extends it, so a loss that lasts
+    /// (capture unavailable for a whole window) is one gap, with the counts summed.
     pub fn gap(&mut self, kind: GapKind, from_ms: i64, to_ms: i64, count: u64) {
-        self.gaps.push(EvidenceGap { kind, from_ms, to_ms: to_ms.max(from_ms), count });
+        let to_ms = to_ms.max(from_ms);
+        if let Some(last) = self.gaps.iter_mut().rev().find(|g| g.kind == kind)
+            && last.to_ms == from_ms
+        {
+            last.to_ms = to_ms;
+            last.count = last.count.saturating_add(count);
+            return;
+        }
+        self.gaps.push(EvidenceGap { kind, from_ms, to_ms, count });
     }
 
-    /// Closes the window: every record gets its decision under this window's policy.
+    /// Closes the window at `end_ms`: every record gets its decision under this window's
+    /// policy, and its first and last seen are kept inside the window. (The kernel's clock is
+    /// converted to wall-clock time at each drain and the map switch races a program run by
+    /// microseconds, so a time can fall a millisecond past a bound; evidence about one window
+    /// never claims a moment outside it.)
     pub fn close(mut self, end_ms: i64) -> FlowWindow {
+        let end_ms = end_ms.max(self.start_ms);
+        let start_ms = self.start_ms;
+        let inside = move |t: i64| t.clamp(start_ms, end_ms);
         if self.overflow > 0 {
             let from = self.first_overflow_ms.unwrap_or(self.start_ms);
             self.gap(GapKind::WindowKeyOverflow, from, end_ms, self.overflow);
@@ -109,15 +126,15 @@ impl Window {
                     packets: c.packets,
                     bytes: c.bytes,
                     new_connections: c.new_connections,
-                    first_seen_ms: c.first_seen_ms,
-                    last_seen_ms: c.last_seen_ms,
+                    first_seen_ms: inside(c.first_seen_ms),
+                    last_seen_ms: inside(c.last_seen_ms),
                 }
             })
             .collect();
         FlowWindow {
             id: self.id,
             start_ms: self.start_ms,
-            end_ms: end_ms.max(self.start_ms),
+            end_ms,
             policy_version: self.policy_version(),
             mode: self.policy.as_ref().map_or(Mode::Visibility, WorkloadPolicy::mode),
             records,
@@ -170,6 +187,22 @@ mod tests {
     use innerwall_wire::testing::rule;
 
     use super::*;
+
+    #[test]
+    fn records_never_claim_a_moment_outside_their_window() {
+        let key = FlowKey {
+            src: IpAddr::from([10, 0, 0, 1]),
+            dst: IpAddr::from([10, 0, 0, 100]),
+            dst_port: 5432,
+            protocol: Protocol::Tcp,
+        };
+        let c =
+            Counters { packets: 1, bytes: 60, new_connections: 1, first_seen_ms: 999, last_seen_ms: 2_001 };
+        let mut w = Window::open(1_000, Some(policy(Mode::Simulation)), 10);
+        w.add(key, c, 2_000);
+        let closed = w.close(2_000);
+        assert_eq!((closed.records[0].first_seen_ms, closed.records[0].last_seen_ms), (1_000, 2_000));
+    }
 
     fn policy(mode: Mode) -> WorkloadPolicy {
         WorkloadPolicy::new(4, mode, [rule("db", Protocol::Tcp, &[5432], &["10.0.0.0/24"])]).unwrap()

@@ -82,7 +82,17 @@ pub struct Enforcer<S> {
     pub renewals: tokio::sync::watch::Sender<u64>,
     /// Whether the kill switch is engaged, as last seen; the stream reports a change at once.
     suspension: tokio::sync::watch::Sender<bool>,
+    /// The evidence loop, when one runs: asked to close its flow window at every version
+    /// change, before the change is acked (see [`Enforcer::window_closes`]).
+    evidence: Mutex<Option<std::sync::mpsc::Sender<WindowClose>>>,
 }
+
+/// A request to the evidence loop to close its open flow window now, because the applied
+/// version changed; it answers on the enclosed channel once it has.
+pub type WindowClose = std::sync::mpsc::SyncSender<()>;
+
+/// How long an apply waits for the evidence loop to close its window before acking anyway.
+const WINDOW_CLOSE_WAIT: Duration = Duration::from_secs(2);
 
 impl<S: PolicyStore> Enforcer<S> {
     pub fn new(store: S) -> Self {
@@ -98,6 +108,30 @@ impl<S: PolicyStore> Enforcer<S> {
             flow_window_max_keys: std::sync::atomic::AtomicU64::new(10_000),
             renewals: tokio::sync::watch::Sender::new(0),
             suspension: tokio::sync::watch::Sender::new(suspended),
+            evidence: Mutex::new(None),
+        }
+    }
+
+    /// For the evidence loop: a request arrives on the returned receiver each time the applied
+    /// version changes, right after the install and before its ack, so a window is about
+    /// exactly one version and whatever the agent sees after an ack counts for the new one.
+    pub fn window_closes(&self) -> std::sync::mpsc::Receiver<WindowClose> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        *self.evidence.lock().unwrap_or_else(PoisonError::into_inner) = Some(tx);
+        rx
+    }
+
+    /// Asks the evidence loop, if one runs, to close its window, and waits until it has
+    /// (bounded: the ack is never held up for long by evidence).
+    fn close_evidence_window(&self) {
+        let Some(loop_) = self.evidence.lock().unwrap_or_else(PoisonError::into_inner).clone() else {
+            return;
+        };
+        let (done, closed) = std::sync::mpsc::sync_channel(1);
+        if loop_.send(done).is_ok() && closed.recv_timeout(WINDOW_CLOSE_WAIT).is_err() {
+            tracing::warn!(
+                "the flow evidence loop did not close its window within {WINDOW_CLOSE_WAIT:?} of a version change"
+            );
         }
     }
 
@@ -123,12 +157,16 @@ impl<S: PolicyStore> Enforcer<S> {
     /// Applies one update atomically; on error nothing changed. Blocking (netlink). With the
     /// kill switch engaged the result is [`Installed::Held`].
     pub fn apply(&self, update: &WireUpdate) -> Result<Installed, UpdateError> {
-        let installed = {
+        let (installed, changed) = {
             let mut store = self.store.lock().unwrap_or_else(PoisonError::into_inner);
+            let before = store.applied_version();
             let next = next_policy(store.current(), update)?;
-            store.apply(&next)?
+            (store.apply(&next)?, store.applied_version() != before)
         };
         self.note_suspension();
+        if changed {
+            self.close_evidence_window();
+        }
         Ok(installed)
     }
 

@@ -4,7 +4,9 @@
 //! (workload, window id), so a retried upload never counts twice. When the queue is full the
 //! oldest window is dropped and recorded as an UPLOAD_BUFFER_OVERFLOW gap on the newest. A
 //! window the control plane refuses (e.g. its times are outside what it accepts) is not retried
-//! and not dropped silently: it becomes an UPLOAD_REFUSED gap on the next window queued.
+//! and not dropped silently: it becomes an UPLOAD_REFUSED gap on the next window queued; one
+//! that cannot be read back from the queue becomes a QUEUE_FAILED gap the same way (its
+//! interval is in its file name). Such gaps wait in `pending.gaps`, one per kind.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -21,8 +23,9 @@ use crate::{error, private};
 /// Default bound of the on-disk queue, in windows.
 pub const DEFAULT_MAX_WINDOWS: usize = 1_440;
 
-/// The refused windows not yet reported, as one gap: `<from_ms> <to_ms> <count>`.
-const REFUSED_FILE: &str = "refused.gap";
+/// The gaps of windows lost after they were queued, not yet reported on a queued window: one
+/// line per kind, `<kind> <from_ms> <to_ms> <count>`.
+const PENDING_FILE: &str = "pending.gaps";
 
 #[derive(Debug, Clone)]
 pub struct Queue {
@@ -37,7 +40,7 @@ impl Queue {
         Ok(Queue { dir, max_windows: max_windows.max(1) })
     }
 
-    /// Queued files, oldest first.
+    /// Queued files, oldest first. Each is named `<seq>-<start_ms>-<end_ms>.window`.
     fn files(&self) -> std::io::Result<Vec<PathBuf>> {
         let mut files: Vec<PathBuf> = fs::read_dir(&self.dir)?
             .filter_map(|e| e.ok().map(|e| e.path()))
@@ -74,46 +77,66 @@ impl Queue {
             fs::remove_file(old)?;
             tracing::warn!("telemetry queue full: dropped the oldest window, recorded as a gap");
         }
-        let refused = self.refused();
-        window.gaps.extend(refused);
+        let pending = self.pending();
+        window.gaps.extend(pending.iter().copied());
         // However many gaps piled up, the window stays acceptable and every one is counted.
         window.gaps = innerwall_wire::flows::bound_gaps(std::mem::take(&mut window.gaps));
-        let seq =
-            files.last().and_then(|p| p.file_stem()?.to_str()?.parse::<u64>().ok()).map_or(0, |n| n + 1);
-        let path = self.dir.join(format!("{seq:020}.window"));
+        let seq = files.last().and_then(|p| sequence(p)).map_or(0, |n| n + 1);
+        let path = self.dir.join(format!("{seq:020}-{}-{}.window", window.start_ms, window.end_ms));
         private::write(&path, &proto::FlowWindow::from(&window).encode_to_vec())?;
-        if refused.is_some() {
-            // A crash before this line reports the refused windows twice, never not at all.
-            fs::remove_file(self.dir.join(REFUSED_FILE))?;
+        if !pending.is_empty() {
+            // A crash before this line reports those gaps twice, never not at all.
+            fs::remove_file(self.dir.join(PENDING_FILE))?;
         }
         Ok(())
     }
 
-    /// The refused windows not yet reported on a queued window, as one gap.
-    fn refused(&self) -> Option<EvidenceGap> {
-        let text = fs::read_to_string(self.dir.join(REFUSED_FILE)).ok()?;
-        let mut fields = text.split_whitespace().map(str::parse::<i64>);
-        match (fields.next(), fields.next(), fields.next()) {
-            (Some(Ok(from_ms)), Some(Ok(to_ms)), Some(Ok(count))) => {
-                Some(EvidenceGap { kind: GapKind::UploadRefused, from_ms, to_ms, count: count.max(0) as u64 })
-            }
-            _ => {
-                tracing::error!("unreadable {REFUSED_FILE}: {text:?}; its refused windows are not reported");
-                None
-            }
-        }
+    /// The gaps of lost windows not yet reported on a queued window, one per kind.
+    fn pending(&self) -> Vec<EvidenceGap> {
+        let Ok(text) = fs::read_to_string(self.dir.join(PENDING_FILE)) else { return Vec::new() };
+        text.lines()
+            .filter_map(|line| {
+                let parsed = parse_gap(line);
+                if parsed.is_none() {
+                    tracing::error!(
+                        "unreadable line in {PENDING_FILE}: {line:?}; those lost windows are not reported"
+                    );
+                }
+                parsed
+            })
+            .collect()
     }
 
-    /// Adds a refused window's gap ([`refused_gap`]) to the UPLOAD_REFUSED gap the next queued
-    /// window carries, so nothing refused is lost however often it happens.
-    fn note_refused(&self, mut gap: EvidenceGap) -> std::io::Result<()> {
-        if let Some(earlier) = self.refused() {
-            gap.from_ms = gap.from_ms.min(earlier.from_ms);
-            gap.to_ms = gap.to_ms.max(earlier.to_ms);
-            gap.count = gap.count.saturating_add(earlier.count);
+    /// Adds a lost window's gap ([`lost`]) to the gap of its kind the next queued window
+    /// carries, so nothing lost goes unreported however often it happens.
+    fn note(&self, gap: EvidenceGap) -> std::io::Result<()> {
+        let mut gaps = self.pending();
+        match gaps.iter_mut().find(|g| g.kind == gap.kind) {
+            Some(earlier) => {
+                earlier.from_ms = gap.from_ms.min(earlier.from_ms);
+                earlier.to_ms = gap.to_ms.max(earlier.to_ms);
+                earlier.count = gap.count.saturating_add(earlier.count);
+            }
+            None => gaps.push(gap),
         }
-        let text = format!("{} {} {}\n", gap.from_ms, gap.to_ms, gap.count);
-        private::write(&self.dir.join(REFUSED_FILE), text.as_bytes())
+        let text: String =
+            gaps.iter().map(|g| format!("{} {} {} {}\n", g.kind, g.from_ms, g.to_ms, g.count)).collect();
+        private::write(&self.dir.join(PENDING_FILE), text.as_bytes())
+    }
+
+    /// A queued file that cannot be read back: removed, and reported as a QUEUE_FAILED gap over
+    /// the interval its name gives (for a file of an older agent, which named none, the moment
+    /// it was written).
+    fn unreadable(&self, path: &Path, why: &str) -> std::io::Result<()> {
+        tracing::error!(path = %path.display(), "a queued window cannot be read back ({why}); reported as a gap");
+        let written = || {
+            let at = fs::metadata(path).and_then(|m| m.modified()).ok()?;
+            let ms = at.duration_since(std::time::UNIX_EPOCH).ok()?.as_millis() as i64;
+            Some((ms, ms))
+        };
+        let (from_ms, to_ms) = interval(path).or_else(written).unwrap_or_default();
+        self.note(EvidenceGap { kind: GapKind::QueueFailed, from_ms, to_ms, count: 0 })?;
+        fs::remove_file(path)
     }
 
     /// Uploads queued windows oldest first; each is removed only once the control plane has
@@ -121,14 +144,20 @@ impl Queue {
     pub async fn upload(&self, channel: tonic::transport::Channel) -> Result<usize, tonic::Status> {
         let mut client = proto::telemetry_service_client::TelemetryServiceClient::new(channel);
         let mut sent = 0;
-        for path in self.files().map_err(|e| tonic::Status::internal(e.to_string()))? {
-            let Ok(bytes) = fs::read(&path) else { continue };
-            let Ok(window) = proto::FlowWindow::decode(&bytes[..]) else {
-                tracing::error!(path = %path.display(), "dropping an unreadable queued window");
-                let _ = fs::remove_file(&path);
-                continue;
+        let internal = |e: std::io::Error| tonic::Status::internal(e.to_string());
+        for path in self.files().map_err(internal)? {
+            let window = match fs::read(&path) {
+                Ok(bytes) => proto::FlowWindow::decode(&bytes[..]).map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
             };
-            let if_refused = refused_gap(&window);
+            let window = match window {
+                Ok(window) => window,
+                Err(why) => {
+                    self.unreadable(&path, &why).map_err(internal)?;
+                    continue;
+                }
+            };
+            let if_refused = lost(GapKind::UploadRefused, &window);
             match client.report_flows(proto::ReportFlowsRequest { window: Some(window) }).await {
                 Ok(_) => {
                     let _ = fs::remove_file(&path);
@@ -138,7 +167,7 @@ impl Queue {
                     // Retrying a window the control plane refuses would block the queue forever;
                     // it becomes a gap on the next window instead.
                     tracing::error!(path = %path.display(), "control plane refused a window: {}", s.message());
-                    self.note_refused(if_refused).map_err(|e| tonic::Status::internal(e.to_string()))?;
+                    self.note(if_refused).map_err(internal)?;
                     let _ = fs::remove_file(&path);
                 }
                 Err(s) => return Err(s),
@@ -167,20 +196,42 @@ fn retryable(code: tonic::Code) -> bool {
     )
 }
 
-/// The gap a window leaves if the control plane refuses it: its interval spans the window and
-/// its own gaps, its count is the window's records plus the refused windows it was carrying.
-fn refused_gap(window: &proto::FlowWindow) -> EvidenceGap {
+/// The gap of `kind` a window leaves when it is lost (refused by the control plane, or not
+/// written to the queue): its interval spans the window and its own gaps, its count is the
+/// window's records plus those of the lost windows of the same kind it was carrying.
+pub fn lost(kind: GapKind, window: &proto::FlowWindow) -> EvidenceGap {
     let carried = window
         .gaps
         .iter()
-        .filter(|g| EvidenceGap::try_from(*g).is_ok_and(|g| g.kind == GapKind::UploadRefused))
+        .filter(|g| EvidenceGap::try_from(*g).is_ok_and(|g| g.kind == kind))
         .map(|g| g.count);
     EvidenceGap {
-        kind: GapKind::UploadRefused,
+        kind,
         from_ms: window.gaps.iter().map(|g| g.from_unix_ms).fold(window.start_unix_ms, i64::min),
         to_ms: window.gaps.iter().map(|g| g.to_unix_ms).fold(window.end_unix_ms, i64::max),
         count: (window.records.len() as u64).saturating_add(carried.sum()),
     }
+}
+
+/// A queued file's sequence number.
+fn sequence(path: &Path) -> Option<u64> {
+    path.file_stem()?.to_str()?.split('-').next()?.parse().ok()
+}
+
+/// The window interval a queued file's name gives.
+fn interval(path: &Path) -> Option<(i64, i64)> {
+    let stem = path.file_stem()?.to_str()?;
+    let mut fields = stem.splitn(3, '-').skip(1).map(str::parse::<i64>);
+    Some((fields.next()?.ok()?, fields.next()?.ok()?))
+}
+
+/// One line of `pending.gaps`.
+fn parse_gap(line: &str) -> Option<EvidenceGap> {
+    let mut fields = line.split_whitespace();
+    let kind = fields.next()?.parse::<GapKind>().ok()?;
+    let mut numbers = fields.map(str::parse::<i64>);
+    let (from_ms, to_ms, count) = (numbers.next()?.ok()?, numbers.next()?.ok()?, numbers.next()?.ok()?);
+    Some(EvidenceGap { kind, from_ms, to_ms, count: count.max(0) as u64 })
 }
 
 /// Drains the queue forever on its own connection, with its own full-jitter backoff.
@@ -219,6 +270,44 @@ pub async fn upload_forever(config: RunConfig, queue: Queue, poll: Duration) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lost_windows_wait_as_one_gap_per_kind_and_queued_names_carry_their_interval() {
+        let dir = std::env::temp_dir().join(format!("iw-queue-{}", uuid::Uuid::new_v4()));
+        let queue = Queue::new(&dir, 10).unwrap();
+        let gap = |kind, from_ms, to_ms, count| EvidenceGap { kind, from_ms, to_ms, count };
+        queue.note(gap(GapKind::UploadRefused, 5_000, 6_000, 3)).unwrap();
+        queue.note(gap(GapKind::QueueFailed, 1_000, 2_000, 0)).unwrap();
+        queue.note(gap(GapKind::UploadRefused, 2_000, 3_000, 4)).unwrap();
+        assert_eq!(
+            queue.pending(),
+            [gap(GapKind::UploadRefused, 2_000, 6_000, 7), gap(GapKind::QueueFailed, 1_000, 2_000, 0)]
+        );
+        let window = |start_ms| FlowWindow {
+            id: uuid::Uuid::new_v4(),
+            start_ms,
+            end_ms: start_ms + 1_000,
+            policy_version: 1,
+            mode: innerwall_wire::policy::Mode::Simulation,
+            records: Vec::new(),
+            gaps: Vec::new(),
+        };
+        queue.push(window(10_000)).unwrap();
+        assert!(queue.pending().is_empty(), "reported on the window just queued");
+        queue.push(window(11_000)).unwrap();
+        let files = queue.files().unwrap();
+        assert_eq!(
+            files.iter().map(|f| (sequence(f), interval(f))).collect::<Vec<_>>(),
+            [(Some(0), Some((10_000, 11_000))), (Some(1), Some((11_000, 12_000)))]
+        );
+        let first = proto::FlowWindow::decode(&fs::read(&files[0]).unwrap()[..]).unwrap();
+        assert_eq!(first.gaps.len(), 2);
+        // A file that cannot be read back is a QUEUE_FAILED gap over the interval in its name.
+        queue.unreadable(&files[1], "test").unwrap();
+        assert_eq!(queue.pending(), [gap(GapKind::QueueFailed, 11_000, 12_000, 0)]);
+        assert_eq!(queue.len(), 1);
+        fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn a_refused_window_never_blocks_the_queue_a_passing_trouble_does_not_lose_it() {

@@ -43,6 +43,59 @@ impl Drop for Namespace {
     }
 }
 
+/// The address of the host's end of the veth pair (`iw0`).
+pub const HOST_ADDRESS: &str = "10.81.0.1";
+/// The address of the peer's end (`iw1`), once [`Peer::create`] moved it into the peer's own
+/// namespace.
+pub const PEER_ADDRESS: &str = "10.81.0.2";
+
+/// A second namespace holding the other end of the host's veth pair: packets sent from it
+/// arrive at the host's `iw0` from outside, as genuine inbound traffic.
+pub struct Peer(Namespace);
+
+impl Peer {
+    pub fn create(host: &Namespace) -> Peer {
+        let name = format!("{}-peer", host.0);
+        let status = Command::new("ip").args(["netns", "add", &name]).status().expect("running ip");
+        assert!(status.success(), "ip netns add {name} failed");
+        let peer = Peer(Namespace(name));
+        let address = format!("{PEER_ADDRESS}/24");
+        for args in [
+            vec!["-n", &host.0, "link", "set", "iw1", "netns", &peer.0.0],
+            vec!["-n", &peer.0.0, "address", "add", &address, "dev", "iw1"],
+            vec!["-n", &peer.0.0, "link", "set", "iw1", "up"],
+        ] {
+            let status = Command::new("ip").args(&args).status().expect("running ip");
+            assert!(status.success(), "ip {args:?} failed");
+        }
+        peer
+    }
+
+    /// Sends `count` UDP datagrams from the peer to the host's `port`, from a thread inside the
+    /// peer's namespace.
+    pub fn send_udp(&self, port: u16, count: usize) {
+        let name = self.0.0.clone();
+        std::thread::spawn(move || {
+            Namespace(name.clone()).enter_and_forget();
+            let socket = std::net::UdpSocket::bind((PEER_ADDRESS, 0)).expect("bind in the peer");
+            for _ in 0..count {
+                socket.send_to(b"innerwall", (HOST_ADDRESS, port)).expect("send");
+            }
+        })
+        .join()
+        .expect("sender thread");
+    }
+}
+
+impl Namespace {
+    /// [`Namespace::enter`] for a thread that only borrows the name: the namespace is not
+    /// deleted when this value goes.
+    fn enter_and_forget(self) {
+        self.enter();
+        std::mem::forget(self);
+    }
+}
+
 /// A running `innerwall-agent run`; killed by PID on drop.
 pub struct Agent(Child);
 
@@ -53,6 +106,11 @@ impl Agent {
 
     /// `innerwall-agent run` with `extra` flags.
     pub fn start_with(state: &Path, server: &str, extra: &[&str]) -> Agent {
+        Agent::spawn(state, server, extra, &[])
+    }
+
+    /// `innerwall-agent run` with `extra` flags and environment variables.
+    pub fn spawn(state: &Path, server: &str, extra: &[&str], env: &[(&str, &str)]) -> Agent {
         let log = File::options().create(true).append(true).open(state.join("agent.log")).expect("agent log");
         let child = Command::new(innerwall_e2e::workspace_bin("innerwall-agent"))
             .args(["run", "--state-dir"])
@@ -60,6 +118,7 @@ impl Agent {
             .args(["--server", server])
             .args(extra)
             .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
             .stderr(log)
             .spawn()
             .expect("spawning innerwall-agent");

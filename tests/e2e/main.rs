@@ -2,6 +2,7 @@
 
 mod agent_restart;
 mod binaries;
+mod evidence;
 mod flows;
 mod host;
 mod kill_switch;

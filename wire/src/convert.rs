@@ -77,6 +77,8 @@ wire_enum!(GapKind, proto::EvidenceGapKind, "gap kind", {
     UploadBufferOverflow <=> UploadBufferOverflow,
     WindowKeyOverflow <=> WindowKeyOverflow,
     UploadRefused <=> UploadRefused,
+    CaptureUnavailable <=> CaptureUnavailable,
+    QueueFailed <=> QueueFailed,
 });
 
 fn cidrs_to_wire<'a>(cidrs: impl IntoIterator<Item = &'a Cidr>) -> Vec<String> {
@@ -462,8 +464,8 @@ mod tests {
         w.mode = 0;
         assert!(refused(w).contains("unknown mode 0"));
         let mut w = wire_window(vec![]);
-        w.gaps = vec![proto::EvidenceGap { kind: 7, from_unix_ms: 1, to_unix_ms: 2, count: 1 }];
-        assert!(refused(w).contains("gap 0: unknown kind 7"));
+        w.gaps = vec![proto::EvidenceGap { kind: 99, from_unix_ms: 1, to_unix_ms: 2, count: 1 }];
+        assert!(refused(w).contains("gap 0: unknown kind 99"));
         let mut w = wire_window(vec![]);
         w.gaps = vec![proto::EvidenceGap { kind: 1, from_unix_ms: 2, to_unix_ms: 1, count: 1 }];
         assert!(refused(w).contains("gap 0: interval is reversed"));

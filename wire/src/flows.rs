@@ -43,6 +43,13 @@ pub enum GapKind {
     /// The control plane refused a window; the interval is the refused window's, the count its
     /// records.
     UploadRefused,
+    /// Nothing was captured: the capture program is not attached (missing object, no root, an
+    /// old kernel) or a drain of its flow map failed; the count is the drains (about one a
+    /// second) that captured nothing.
+    CaptureUnavailable,
+    /// A closed window was lost in the agent's on-disk queue: it could not be written (e.g. a
+    /// full disk) or not read back; the interval is the lost window's, the count its records.
+    QueueFailed,
 }
 
 named_enum!(GapKind, "gap kind", {
@@ -51,6 +58,8 @@ named_enum!(GapKind, "gap kind", {
     UploadBufferOverflow => "upload-buffer-overflow",
     WindowKeyOverflow => "window-key-overflow",
     UploadRefused => "upload-refused",
+    CaptureUnavailable => "capture-unavailable",
+    QueueFailed => "queue-failed",
 });
 
 /// One inbound flow key aggregated over a window. Times are Unix milliseconds.
@@ -226,7 +235,15 @@ mod tests {
         let names: Vec<_> = GapKind::ALL.iter().map(|k| k.to_string()).collect();
         assert_eq!(
             names,
-            ["map-full", "agent-restart", "upload-buffer-overflow", "window-key-overflow", "upload-refused"]
+            [
+                "map-full",
+                "agent-restart",
+                "upload-buffer-overflow",
+                "window-key-overflow",
+                "upload-refused",
+                "capture-unavailable",
+                "queue-failed"
+            ]
         );
     }
 }

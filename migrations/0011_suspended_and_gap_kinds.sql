@@ -3,3 +3,9 @@
 -- none of them until `innerwall-agent up`, so the workload is never shown SYNCED meanwhile.
 ALTER TABLE workloads DROP CONSTRAINT workloads_sync_state_check;
 ALTER TABLE workloads ADD CONSTRAINT workloads_sync_state_check CHECK (sync_state BETWEEN 1 AND 5);
+
+-- Evidence gap kinds 6, capture-unavailable (the capture program is not attached, or a drain of
+-- its flow map failed), and 7, queue-failed (a closed window could not be written to the
+-- agent's queue, or not read back from it) (issue 16, FLOW-2): losses that were silent.
+ALTER TABLE flow_gaps DROP CONSTRAINT flow_gaps_kind_check;
+ALTER TABLE flow_gaps ADD CONSTRAINT flow_gaps_kind_check CHECK (kind BETWEEN 1 AND 7);
