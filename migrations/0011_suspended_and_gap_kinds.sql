@@ -9,3 +9,7 @@ ALTER TABLE workloads ADD CONSTRAINT workloads_sync_state_check CHECK (sync_stat
 -- agent's queue, or not read back from it) (issue 16, FLOW-2): losses that were silent.
 ALTER TABLE flow_gaps DROP CONSTRAINT flow_gaps_kind_check;
 ALTER TABLE flow_gaps ADD CONSTRAINT flow_gaps_kind_check CHECK (kind BETWEEN 1 AND 7);
+
+-- Why a gap is there, where the agent has a reason to give (the control plane's refusal of a
+-- window, the error that lost a queued one, why capture is unavailable); at most 256 characters.
+ALTER TABLE flow_gaps ADD COLUMN detail text NOT NULL DEFAULT '' CHECK (char_length(detail) <= 256);

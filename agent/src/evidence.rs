@@ -60,7 +60,7 @@ impl OpenWindow {
     /// queued) until this window opened: an AGENT_RESTART gap on it.
     pub fn restarted_after(&mut self, last_window_end_ms: i64) {
         let start = self.window.start_ms;
-        self.window.gap(GapKind::AgentRestart, last_window_end_ms, start, 0);
+        self.window.gap(EvidenceGap::new(GapKind::AgentRestart, last_window_end_ms, start, 0));
     }
 
     /// Called after each drain at `now_ms`. When the applied version is no longer the open
@@ -84,16 +84,19 @@ impl OpenWindow {
     }
 
     /// Adds one drain at `now_ms` to the open window: flows to the `local` addresses, and the
-    /// map-full drops as a gap since the previous drain. `None` (no capture attached, or the
-    /// drain failed) is a CAPTURE_UNAVAILABLE gap since the previous drain: nothing was seen,
-    /// and the window says so.
-    pub fn absorb(&mut self, drained: Option<&Drained>, local: &BTreeSet<IpAddr>, now_ms: i64) {
+    /// map-full drops as a gap since the previous drain. An error (no capture attached, or the
+    /// drain failed: why) is a CAPTURE_UNAVAILABLE gap since the previous drain: nothing was
+    /// seen, and the window says so and why.
+    pub fn absorb(&mut self, drained: Result<&Drained, &str>, local: &BTreeSet<IpAddr>, now_ms: i64) {
         match drained {
-            Some(drained) => {
+            Ok(drained) => {
                 let (records, drops) = (&drained.records, drained.map_full_drops);
                 flows::absorb(&mut self.window, records, drops, local, self.last_drain_ms, now_ms);
             }
-            None => self.window.gap(GapKind::CaptureUnavailable, self.last_drain_ms, now_ms, 1),
+            Err(why) => {
+                let gap = EvidenceGap::new(GapKind::CaptureUnavailable, self.last_drain_ms, now_ms, 1);
+                self.window.gap(gap.because(why));
+            }
         }
         self.last_drain_ms = now_ms;
     }
@@ -137,7 +140,7 @@ impl Outbox {
             }
             Err(e) => {
                 tracing::error!("could not queue a flow window (kept as a gap for the next one): {e}");
-                self.unqueued = Some(lost);
+                self.unqueued = Some(lost.because(&format!("writing to the agent's queue: {e}")));
             }
         }
     }
@@ -154,7 +157,7 @@ impl Outbox {
 /// where the last queued window ended. Without a capture (it could not attach) windows go on,
 /// each carrying a CAPTURE_UNAVAILABLE gap, and attaching is tried again at each new window.
 fn capture_forever<S: PolicyStore + Send + 'static>(
-    mut capture: Option<Capture>,
+    mut capture: Result<Capture, String>,
     enforcer: Arc<Enforcer<S>>,
     queue: telemetry::Queue,
     state_dir: &Path,
@@ -183,10 +186,15 @@ fn capture_forever<S: PolicyStore + Send + 'static>(
         let now = now_ms();
         // Drain first, then close: everything drained was seen before `now`, under the version
         // the open window is about.
-        let drained = capture.as_mut().and_then(|c| {
-            c.drain().map_err(|e| tracing::error!("draining the flow map failed: {}", error::chain(&e))).ok()
-        });
-        open.absorb(drained.as_ref(), &local, now);
+        let drained = match capture.as_mut() {
+            Ok(c) => c.drain().map_err(|e| {
+                let why = format!("draining the flow map failed: {}", error::chain(&e));
+                tracing::error!("{why}");
+                why
+            }),
+            Err(why) => Err(why.clone()),
+        };
+        open.absorb(drained.as_ref().map_err(String::as_str), &local, now);
         if matches!(wake, Some(Wake::Stop)) {
             outbox.push(open.close(now), now);
             return;
@@ -197,8 +205,11 @@ fn capture_forever<S: PolicyStore + Send + 'static>(
         {
             outbox.push(closed, now);
             refresh(&mut local);
-            if capture.is_none() {
-                capture = attach().map_err(|e| tracing::debug!("flow capture still unavailable: {e}")).ok();
+            if capture.is_err() {
+                capture = attach().map_err(|e| format!("flow capture unavailable: {}", error::chain(&e)));
+                if let Ok(c) = &capture {
+                    tracing::info!(interfaces = ?c.interfaces(), "flow capture attached");
+                }
             }
         }
         if let Some(Wake::CloseWindow(done)) = wake {
@@ -278,20 +289,13 @@ pub fn start<S: PolicyStore + Send + 'static>(
     let (wake, wakes) = std::sync::mpsc::channel();
     let closes = enforcer.window_closes();
     let spawned = std::thread::Builder::new().name("flow-capture".into()).spawn(move || {
-        let capture = match attach() {
-            Ok(capture) => {
-                tracing::info!(interfaces = ?capture.interfaces(), "flow capture attached");
-                Some(capture)
-            }
-            Err(e) => {
-                tracing::error!(
-                    "flow capture unavailable: {}; enforcement continues, and flow windows carry \
-                     capture-unavailable gaps until it attaches",
-                    error::chain(&e)
-                );
-                None
-            }
-        };
+        let capture = attach().map_err(|e| format!("flow capture unavailable: {}", error::chain(&e)));
+        match &capture {
+            Ok(c) => tracing::info!(interfaces = ?c.interfaces(), "flow capture attached"),
+            Err(why) => tracing::error!(
+                "{why}; enforcement continues, and flow windows carry capture-unavailable gaps until it attaches"
+            ),
+        }
         capture_forever(capture, enforcer, queue, &state_dir, &wakes, &closes);
     });
     let capture = spawned.map_err(|e| tracing::error!("could not start the flow capture thread: {e}")).ok();
@@ -308,32 +312,30 @@ mod tests {
     fn every_loss_is_a_gap_including_failed_drains() {
         let local = BTreeSet::new();
         let mut open = OpenWindow::new(1_000, None, 10);
-        open.absorb(Some(&Drained::default()), &local, 2_000);
-        // Two failed drains in a row are one gap; a good drain ends it; the next failure is
-        // another.
-        open.absorb(None, &local, 3_000);
-        open.absorb(None, &local, 4_000);
-        open.absorb(Some(&Drained { map_full_drops: 5, ..Drained::default() }), &local, 5_000);
-        open.absorb(None, &local, 6_000);
+        open.absorb(Ok(&Drained::default()), &local, 2_000);
+        // Two failed drains in a row are one gap, with the later reason; a good drain ends it;
+        // the next failure is another.
+        open.absorb(Err("map gone"), &local, 3_000);
+        open.absorb(Err("map still gone"), &local, 4_000);
+        open.absorb(Ok(&Drained { map_full_drops: 5, ..Drained::default() }), &local, 5_000);
+        open.absorb(Err("map gone"), &local, 6_000);
         let closed = open.rotate(6_000, 0, 5_000, || (None, 10)).expect("the window is 5 s old");
-        let gap = |kind, from_ms, to_ms, count| EvidenceGap { kind, from_ms, to_ms, count };
+        let gap = |kind, from_ms, to_ms, count| EvidenceGap::new(kind, from_ms, to_ms, count);
         assert_eq!(
             closed.gaps,
             [
-                gap(GapKind::CaptureUnavailable, 2_000, 4_000, 2),
+                gap(GapKind::CaptureUnavailable, 2_000, 4_000, 2).because("map still gone"),
                 gap(GapKind::MapFull, 4_000, 5_000, 5),
-                gap(GapKind::CaptureUnavailable, 5_000, 6_000, 1),
+                gap(GapKind::CaptureUnavailable, 5_000, 6_000, 1).because("map gone"),
             ]
         );
         assert_eq!((closed.start_ms, closed.end_ms), (1_000, 6_000));
         // The next window starts where this one ended; with no capture at all it is one gap
         // over all of it.
-        open.absorb(None, &local, 7_000);
-        open.absorb(None, &local, 8_000);
+        open.absorb(Err("no object"), &local, 7_000);
+        open.absorb(Err("no object"), &local, 8_000);
         let next = open.close(8_000);
-        assert_eq!(
-            (next.start_ms, next.gaps),
-            (6_000, vec![gap(GapKind::CaptureUnavailable, 6_000, 8_000, 2)])
-        );
+        let all = gap(GapKind::CaptureUnavailable, 6_000, 8_000, 2).because("no object");
+        assert_eq!((next.start_ms, next.gaps), (6_000, vec![all]));
     }
 }

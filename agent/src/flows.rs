@@ -86,16 +86,15 @@ impl Window {
     /// Something could not be recorded (map full, agent restart, …). A gap that continues the
     /// last one of its kind (it starts where that one ends) extends it, so a loss that lasts
     /// (capture unavailable for a whole window) is one gap, with the counts summed.
-    pub fn gap(&mut self, kind: GapKind, from_ms: i64, to_ms: i64, count: u64) {
-        let to_ms = to_ms.max(from_ms);
-        if let Some(last) = self.gaps.iter_mut().rev().find(|g| g.kind == kind)
-            && last.to_ms == from_ms
+    pub fn gap(&mut self, mut gap: EvidenceGap) {
+        gap.to_ms = gap.to_ms.max(gap.from_ms);
+        if let Some(last) = self.gaps.iter_mut().rev().find(|g| g.kind == gap.kind)
+            && last.to_ms == gap.from_ms
         {
-            last.to_ms = to_ms;
-            last.count = last.count.saturating_add(count);
+            last.absorb(gap);
             return;
         }
-        self.gaps.push(EvidenceGap { kind, from_ms, to_ms, count });
+        self.gaps.push(gap);
     }
 
     /// Closes the window at `end_ms`: every record gets its decision under this window's
@@ -109,7 +108,7 @@ impl Window {
         let inside = move |t: i64| t.clamp(start_ms, end_ms);
         if self.overflow > 0 {
             let from = self.first_overflow_ms.unwrap_or(self.start_ms);
-            self.gap(GapKind::WindowKeyOverflow, from, end_ms, self.overflow);
+            self.gap(EvidenceGap::new(GapKind::WindowKeyOverflow, from, end_ms, self.overflow));
         }
         let records = self
             .flows
@@ -177,7 +176,7 @@ pub fn absorb(
         window.add(key, counters, now_ms);
     }
     if map_full_drops > 0 {
-        window.gap(GapKind::MapFull, since_ms, now_ms, map_full_drops);
+        window.gap(EvidenceGap::new(GapKind::MapFull, since_ms, now_ms, map_full_drops));
     }
 }
 
@@ -239,9 +238,6 @@ mod tests {
         );
         assert_eq!(first.decision, Decision::Allowed);
         assert_eq!(first.matched_rule.as_ref().map(ToString::to_string).as_deref(), Some("db/tcp"));
-        assert_eq!(
-            closed.gaps,
-            [EvidenceGap { kind: GapKind::WindowKeyOverflow, from_ms: 1_400, to_ms: 2_000, count: 2 }]
-        );
+        assert_eq!(closed.gaps, [EvidenceGap::new(GapKind::WindowKeyOverflow, 1_400, 2_000, 2)]);
     }
 }

@@ -67,31 +67,30 @@ impl Queue {
             if let Ok(dropped) =
                 fs::read(old).map_err(drop).and_then(|b| proto::FlowWindow::decode(&b[..]).map_err(drop))
             {
-                window.gaps.push(EvidenceGap {
-                    kind: GapKind::UploadBufferOverflow,
-                    from_ms: dropped.start_unix_ms,
-                    to_ms: dropped.end_unix_ms,
-                    count: dropped.records.len() as u64,
-                });
+                let (from_ms, to_ms) = (dropped.start_unix_ms, dropped.end_unix_ms);
+                let records = dropped.records.len() as u64;
+                window.gaps.push(EvidenceGap::new(GapKind::UploadBufferOverflow, from_ms, to_ms, records));
             }
             fs::remove_file(old)?;
             tracing::warn!("telemetry queue full: dropped the oldest window, recorded as a gap");
         }
         let pending = self.pending();
-        window.gaps.extend(pending.iter().copied());
+        let reported = !pending.is_empty();
+        window.gaps.extend(pending);
         // However many gaps piled up, the window stays acceptable and every one is counted.
         window.gaps = innerwall_wire::flows::bound_gaps(std::mem::take(&mut window.gaps));
         let seq = files.last().and_then(|p| sequence(p)).map_or(0, |n| n + 1);
         let path = self.dir.join(format!("{seq:020}-{}-{}.window", window.start_ms, window.end_ms));
         private::write(&path, &proto::FlowWindow::from(&window).encode_to_vec())?;
-        if !pending.is_empty() {
+        if reported {
             // A crash before this line reports those gaps twice, never not at all.
             fs::remove_file(self.dir.join(PENDING_FILE))?;
         }
         Ok(())
     }
 
-    /// The gaps of lost windows not yet reported on a queued window, one per kind.
+    /// The gaps of lost windows not yet reported on a queued window, one per kind. A line is
+    /// `<kind> <from_ms> <to_ms> <count> <detail>` (the detail to the end of the line).
     fn pending(&self) -> Vec<EvidenceGap> {
         let Ok(text) = fs::read_to_string(self.dir.join(PENDING_FILE)) else { return Vec::new() };
         text.lines()
@@ -112,15 +111,14 @@ impl Queue {
     fn note(&self, gap: EvidenceGap) -> std::io::Result<()> {
         let mut gaps = self.pending();
         match gaps.iter_mut().find(|g| g.kind == gap.kind) {
-            Some(earlier) => {
-                earlier.from_ms = gap.from_ms.min(earlier.from_ms);
-                earlier.to_ms = gap.to_ms.max(earlier.to_ms);
-                earlier.count = gap.count.saturating_add(earlier.count);
-            }
+            Some(earlier) => earlier.absorb(gap),
             None => gaps.push(gap),
         }
-        let text: String =
-            gaps.iter().map(|g| format!("{} {} {} {}\n", g.kind, g.from_ms, g.to_ms, g.count)).collect();
+        let line = |g: &EvidenceGap| {
+            let detail = g.detail.replace(['\n', '\r'], " ");
+            format!("{} {} {} {} {detail}\n", g.kind, g.from_ms, g.to_ms, g.count)
+        };
+        let text: String = gaps.iter().map(line).collect();
         private::write(&self.dir.join(PENDING_FILE), text.as_bytes())
     }
 
@@ -135,7 +133,7 @@ impl Queue {
             Some((ms, ms))
         };
         let (from_ms, to_ms) = interval(path).or_else(written).unwrap_or_default();
-        self.note(EvidenceGap { kind: GapKind::QueueFailed, from_ms, to_ms, count: 0 })?;
+        self.note(EvidenceGap::new(GapKind::QueueFailed, from_ms, to_ms, 0).because(why))?;
         fs::remove_file(path)
     }
 
@@ -167,7 +165,7 @@ impl Queue {
                     // Retrying a window the control plane refuses would block the queue forever;
                     // it becomes a gap on the next window instead.
                     tracing::error!(path = %path.display(), "control plane refused a window: {}", s.message());
-                    self.note(if_refused).map_err(internal)?;
+                    self.note(if_refused.because(s.message())).map_err(internal)?;
                     let _ = fs::remove_file(&path);
                 }
                 Err(s) => return Err(s),
@@ -206,6 +204,7 @@ pub fn lost(kind: GapKind, window: &proto::FlowWindow) -> EvidenceGap {
         .filter(|g| EvidenceGap::try_from(*g).is_ok_and(|g| g.kind == kind))
         .map(|g| g.count);
     EvidenceGap {
+        detail: String::new(),
         kind,
         from_ms: window.gaps.iter().map(|g| g.from_unix_ms).fold(window.start_unix_ms, i64::min),
         to_ms: window.gaps.iter().map(|g| g.to_unix_ms).fold(window.end_unix_ms, i64::max),
@@ -227,11 +226,12 @@ fn interval(path: &Path) -> Option<(i64, i64)> {
 
 /// One line of `pending.gaps`.
 fn parse_gap(line: &str) -> Option<EvidenceGap> {
-    let mut fields = line.split_whitespace();
+    let mut fields = line.splitn(5, ' ');
     let kind = fields.next()?.parse::<GapKind>().ok()?;
-    let mut numbers = fields.map(str::parse::<i64>);
-    let (from_ms, to_ms, count) = (numbers.next()?.ok()?, numbers.next()?.ok()?, numbers.next()?.ok()?);
-    Some(EvidenceGap { kind, from_ms, to_ms, count: count.max(0) as u64 })
+    let mut number = || fields.next()?.parse::<i64>().ok();
+    let (from_ms, to_ms, count) = (number()?, number()?, number()?);
+    let detail = fields.next().unwrap_or("").trim_end();
+    Some(EvidenceGap::new(kind, from_ms, to_ms, count.max(0) as u64).because(detail))
 }
 
 /// Drains the queue forever on its own connection, with its own full-jitter backoff.
@@ -275,13 +275,16 @@ mod tests {
     fn lost_windows_wait_as_one_gap_per_kind_and_queued_names_carry_their_interval() {
         let dir = std::env::temp_dir().join(format!("iw-queue-{}", uuid::Uuid::new_v4()));
         let queue = Queue::new(&dir, 10).unwrap();
-        let gap = |kind, from_ms, to_ms, count| EvidenceGap { kind, from_ms, to_ms, count };
-        queue.note(gap(GapKind::UploadRefused, 5_000, 6_000, 3)).unwrap();
-        queue.note(gap(GapKind::QueueFailed, 1_000, 2_000, 0)).unwrap();
+        let gap = |kind, from_ms, to_ms, count| EvidenceGap::new(kind, from_ms, to_ms, count);
+        queue.note(gap(GapKind::UploadRefused, 5_000, 6_000, 3).because("too old")).unwrap();
+        queue.note(gap(GapKind::QueueFailed, 1_000, 2_000, 0).because("bad\nbytes")).unwrap();
         queue.note(gap(GapKind::UploadRefused, 2_000, 3_000, 4)).unwrap();
         assert_eq!(
             queue.pending(),
-            [gap(GapKind::UploadRefused, 2_000, 6_000, 7), gap(GapKind::QueueFailed, 1_000, 2_000, 0)]
+            [
+                gap(GapKind::UploadRefused, 2_000, 6_000, 7).because("too old"),
+                gap(GapKind::QueueFailed, 1_000, 2_000, 0).because("bad bytes")
+            ]
         );
         let window = |start_ms| FlowWindow {
             id: uuid::Uuid::new_v4(),
@@ -304,7 +307,7 @@ mod tests {
         assert_eq!(first.gaps.len(), 2);
         // A file that cannot be read back is a QUEUE_FAILED gap over the interval in its name.
         queue.unreadable(&files[1], "test").unwrap();
-        assert_eq!(queue.pending(), [gap(GapKind::QueueFailed, 11_000, 12_000, 0)]);
+        assert_eq!(queue.pending(), [gap(GapKind::QueueFailed, 11_000, 12_000, 0).because("test")]);
         assert_eq!(queue.len(), 1);
         fs::remove_dir_all(&dir).unwrap();
     }

@@ -68,6 +68,7 @@ fn window(n: usize, start_ms: i64) -> proto::FlowWindow {
             from_unix_ms: start_ms,
             to_unix_ms: start_ms + 10,
             count: 3,
+            detail: String::new(),
         }],
     }
 }

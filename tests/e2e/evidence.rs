@@ -48,10 +48,11 @@ async fn records(pool: &PgPool, id: WorkloadId) -> Vec<(uuid::Uuid, i32, i64, i6
     .expect("records")
 }
 
-/// The stored gaps of `kind`: from, to (unix ms) and count.
-async fn gaps(pool: &PgPool, id: WorkloadId, kind: i16) -> Vec<(i64, i64, i64)> {
+/// The stored gaps of `kind`: from, to (unix ms), count and why.
+async fn gaps(pool: &PgPool, id: WorkloadId, kind: i16) -> Vec<(i64, i64, i64, String)> {
     sqlx::query_as(
-        "SELECT (extract(epoch FROM gap_from) * 1000)::bigint, (extract(epoch FROM gap_to) * 1000)::bigint, count
+        "SELECT (extract(epoch FROM gap_from) * 1000)::bigint, (extract(epoch FROM gap_to) * 1000)::bigint, count,
+                detail
          FROM flow_gaps WHERE workload_id = $1 AND kind = $2 ORDER BY gap_from",
     )
     .bind(id.uuid())
@@ -209,6 +210,7 @@ async fn every_loss_is_a_gap() {
     })
     .await;
     assert!(full_gap.0 >= full_from - 2_000, "the gap is the windows lost while full: {full_gap:?}");
+    assert!(full_gap.3.contains("No space left on device"), "why: {full_gap:?}");
 
     // A queued window that cannot be read back, and one the control plane refuses (its times
     // are older than the control plane keeps): each becomes a gap, and neither blocks the
@@ -233,11 +235,13 @@ async fn every_loss_is_a_gap() {
     })
     .await;
     assert_eq!((garbled.0, garbled.1), (garbled_from, garbled_to), "the interval its name gave");
+    assert!(garbled.3.contains("decod"), "why: {garbled:?}");
     let refused_gap = wait_until("an UPLOAD_REFUSED gap", &state, async || {
-        gaps(&pool, id, UPLOAD_REFUSED).await.first().copied()
+        gaps(&pool, id, UPLOAD_REFUSED).await.first().cloned()
     })
     .await;
     assert_eq!(refused_gap.2, 0, "the refused window had no records: {refused_gap:?}");
+    assert!(refused_gap.3.contains("older than"), "the control plane's reason: {refused_gap:?}");
     wait_until("windows stored after the refusal", &state, async || {
         let later = windows(&pool, id).await.into_iter().filter(|w| w.1 >= refused_from).count();
         (later >= 2).then_some(())
@@ -250,10 +254,14 @@ async fn every_loss_is_a_gap() {
     let missing = state.join("no-such-object");
     let _agent =
         Agent::spawn(&state, &server, &[], &[("INNERWALL_EBPF_OBJECT", missing.to_str().expect("utf-8"))]);
-    let covered = wait_until("a window that is all CAPTURE_UNAVAILABLE gap", &state, async || {
+    let (covered, why) = wait_until("a window that is all CAPTURE_UNAVAILABLE gap", &state, async || {
         let unavailable = gaps(&pool, id, CAPTURE_UNAVAILABLE).await;
-        windows(&pool, id).await.into_iter().find(|w| unavailable.iter().any(|g| (g.0, g.1) == (w.1, w.2)))
+        windows(&pool, id)
+            .await
+            .into_iter()
+            .find_map(|w| unavailable.iter().find(|g| (g.0, g.1) == (w.1, w.2)).map(|g| (w, g.3.clone())))
     })
     .await;
     assert!(covered.2 > covered.1, "a window of some length: {covered:?}");
+    assert!(why.contains("no-such-object") && why.contains("not found"), "why: {why}");
 }

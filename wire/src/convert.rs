@@ -243,6 +243,7 @@ impl From<&EvidenceGap> for proto::EvidenceGap {
             from_unix_ms: g.from_ms,
             to_unix_ms: g.to_ms,
             count: g.count,
+            detail: g.detail.clone(),
         }
     }
 }
@@ -372,7 +373,10 @@ fn evidence_gap(g: &proto::EvidenceGap) -> Result<EvidenceGap, String> {
     if from_ms > to_ms {
         return Err("interval is reversed".into());
     }
-    Ok(EvidenceGap { kind, from_ms, to_ms, count: counter("gap count", g.count)? })
+    if g.detail.chars().count() > crate::flows::MAX_GAP_DETAIL {
+        return Err(format!("detail is longer than {} characters", crate::flows::MAX_GAP_DETAIL));
+    }
+    Ok(EvidenceGap { kind, from_ms, to_ms, count: counter("gap count", g.count)?, detail: g.detail.clone() })
 }
 
 #[cfg(test)]
@@ -464,11 +468,27 @@ mod tests {
         w.mode = 0;
         assert!(refused(w).contains("unknown mode 0"));
         let mut w = wire_window(vec![]);
-        w.gaps = vec![proto::EvidenceGap { kind: 99, from_unix_ms: 1, to_unix_ms: 2, count: 1 }];
+        w.gaps = vec![proto::EvidenceGap {
+            kind: 99,
+            from_unix_ms: 1,
+            to_unix_ms: 2,
+            count: 1,
+            detail: String::new(),
+        }];
         assert!(refused(w).contains("gap 0: unknown kind 99"));
         let mut w = wire_window(vec![]);
-        w.gaps = vec![proto::EvidenceGap { kind: 1, from_unix_ms: 2, to_unix_ms: 1, count: 1 }];
+        w.gaps = vec![proto::EvidenceGap {
+            kind: 1,
+            from_unix_ms: 2,
+            to_unix_ms: 1,
+            count: 1,
+            detail: String::new(),
+        }];
         assert!(refused(w).contains("gap 0: interval is reversed"));
+        let mut w = wire_window(vec![]);
+        let detail = "é".repeat(crate::flows::MAX_GAP_DETAIL + 1);
+        w.gaps = vec![proto::EvidenceGap { kind: 5, from_unix_ms: 1, to_unix_ms: 2, count: 1, detail }];
+        assert!(refused(w).contains("gap 0: detail is longer than 256 characters"));
         let mut w = wire_window(vec![]);
         w.records = vec![wire_record(); crate::flows::MAX_RECORDS + 1];
         assert!(refused(w).contains("at most 100000 records"));
@@ -481,7 +501,13 @@ mod tests {
         allowed.decision = proto::FlowDecision::Allowed.into();
         allowed.matched_rule_id = "db/tcp".into();
         let mut wire = wire_window(vec![allowed]);
-        wire.gaps = vec![proto::EvidenceGap { kind: 4, from_unix_ms: 10, to_unix_ms: 20, count: 3 }];
+        wire.gaps = vec![proto::EvidenceGap {
+            kind: 4,
+            from_unix_ms: 10,
+            to_unix_ms: 20,
+            count: 3,
+            detail: String::new(),
+        }];
         let domain = FlowWindow::try_from(&wire).unwrap();
         assert_eq!(
             domain.records[0].matched_rule.as_ref().map(ToString::to_string).as_deref(),

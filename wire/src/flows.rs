@@ -82,17 +82,52 @@ pub struct FlowRecord {
 }
 
 /// What could not be recorded over `[from_ms, to_ms)`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EvidenceGap {
     pub kind: GapKind,
     pub from_ms: i64,
     pub to_ms: i64,
     pub count: u64,
+    /// Why, where there is a reason to give (the control plane's refusal, the error that lost a
+    /// queued window, why capture is unavailable); empty otherwise. At most [`MAX_GAP_DETAIL`]
+    /// characters.
+    pub detail: String,
+}
+
+/// The longest gap detail (characters); a window carrying a longer one is refused.
+pub const MAX_GAP_DETAIL: usize = 256;
+
+impl EvidenceGap {
+    /// A gap without a detail.
+    pub fn new(kind: GapKind, from_ms: i64, to_ms: i64, count: u64) -> EvidenceGap {
+        EvidenceGap { kind, from_ms, to_ms, count, detail: String::new() }
+    }
+
+    /// The gap with `detail`, cut to [`MAX_GAP_DETAIL`] characters.
+    pub fn because(mut self, detail: &str) -> EvidenceGap {
+        self.detail = detail.chars().take(MAX_GAP_DETAIL).collect();
+        self
+    }
+
+    /// Widens this gap to cover `other` too (same kind): the interval spans both, the counts
+    /// add up, and the later non-empty detail wins.
+    pub fn absorb(&mut self, other: EvidenceGap) {
+        self.from_ms = self.from_ms.min(other.from_ms);
+        self.to_ms = self.to_ms.max(other.to_ms);
+        self.count = self.count.saturating_add(other.count);
+        if !other.detail.is_empty() {
+            self.detail = other.detail;
+        }
+    }
 }
 
 impl fmt::Display for EvidenceGap {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} over [{}, {}) ms, count {}", self.kind, self.from_ms, self.to_ms, self.count)
+        write!(f, "{} over [{}, {}) ms, count {}", self.kind, self.from_ms, self.to_ms, self.count)?;
+        if !self.detail.is_empty() {
+            write!(f, ": {}", self.detail)?;
+        }
+        Ok(())
     }
 }
 
@@ -122,14 +157,12 @@ pub fn bound_gaps(gaps: Vec<EvidenceGap>) -> Vec<EvidenceGap> {
     }
     let mut folded: std::collections::BTreeMap<GapKind, EvidenceGap> = std::collections::BTreeMap::new();
     for gap in gaps {
-        folded
-            .entry(gap.kind)
-            .and_modify(|f| {
-                f.from_ms = f.from_ms.min(gap.from_ms);
-                f.to_ms = f.to_ms.max(gap.to_ms);
-                f.count = f.count.saturating_add(gap.count);
-            })
-            .or_insert(gap);
+        match folded.entry(gap.kind) {
+            std::collections::btree_map::Entry::Occupied(mut f) => f.get_mut().absorb(gap),
+            std::collections::btree_map::Entry::Vacant(v) => {
+                v.insert(gap);
+            }
+        }
     }
     folded.into_values().collect()
 }
@@ -177,7 +210,7 @@ mod tests {
 
     #[test]
     fn gaps_over_the_bound_fold_per_kind_and_lose_no_count() {
-        let gap = |kind, from_ms, count| EvidenceGap { kind, from_ms, to_ms: from_ms + 10, count };
+        let gap = |kind, from_ms, count| EvidenceGap::new(kind, from_ms, from_ms + 10, count);
         let few = vec![gap(GapKind::MapFull, 0, 1), gap(GapKind::MapFull, 50, 2)];
         assert_eq!(bound_gaps(few.clone()), few, "within the bound nothing changes");
         let mut many: Vec<EvidenceGap> =
@@ -187,12 +220,7 @@ mod tests {
         assert_eq!(
             bounded,
             [
-                EvidenceGap {
-                    kind: GapKind::MapFull,
-                    from_ms: 0,
-                    to_ms: (MAX_GAPS as i64 - 1) * 100 + 10,
-                    count: MAX_GAPS as u64
-                },
+                EvidenceGap::new(GapKind::MapFull, 0, (MAX_GAPS as i64 - 1) * 100 + 10, MAX_GAPS as u64),
                 gap(GapKind::AgentRestart, 5, 7),
             ]
         );

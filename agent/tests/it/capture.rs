@@ -348,7 +348,7 @@ fn netns_ebpf_records_flows_with_decisions() {
             assert!(reached.iter().all(|r| *r), "{mode} drops nothing: {reached:?}");
         }
         let drained = capture.drain().expect("drain");
-        window.absorb(Some(&drained), &local, now_ms());
+        window.absorb(Ok(&drained), &local, now_ms());
         // The same version and a young window: nothing closes.
         assert!(window.rotate(now_ms(), store.applied_version(), HOUR_MS, next).is_none());
     }

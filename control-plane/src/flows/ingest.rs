@@ -222,8 +222,9 @@ pub async fn ingest(pool: &PgPool, workload: WorkloadId, window: &FlowWindow) ->
 
     if !window.gaps.is_empty() {
         sqlx::query(
-            "INSERT INTO flow_gaps (workload_id, window_id, window_start, kind, gap_from, gap_to, count)
-             SELECT $1, $2, $3, k, f, t, c FROM unnest($4::smallint[], $5::timestamptz[], $6::timestamptz[], $7::bigint[]) AS x (k, f, t, c)",
+            "INSERT INTO flow_gaps (workload_id, window_id, window_start, kind, gap_from, gap_to, count, detail)
+             SELECT $1, $2, $3, k, f, t, c, d
+             FROM unnest($4::smallint[], $5::timestamptz[], $6::timestamptz[], $7::bigint[], $8::text[]) AS x (k, f, t, c, d)",
         )
         .bind(workload.uuid())
         .bind(window.id)
@@ -232,6 +233,7 @@ pub async fn ingest(pool: &PgPool, workload: WorkloadId, window: &FlowWindow) ->
         .bind(window.gaps.iter().map(|g| time(g.from_ms)).collect::<Vec<_>>())
         .bind(window.gaps.iter().map(|g| time(g.to_ms)).collect::<Vec<_>>())
         .bind(window.gaps.iter().map(|g| g.count as i64).collect::<Vec<_>>())
+        .bind(window.gaps.iter().map(|g| g.detail.as_str()).collect::<Vec<_>>())
         .execute(&mut *tx)
         .await?;
     }
@@ -397,7 +399,7 @@ mod tests {
     #[test]
     fn gaps_are_clamped_not_refused() {
         let mut w = window(NOW - 2 * MIN, NOW - MIN);
-        let gap = |from_ms, to_ms| EvidenceGap { kind: GapKind::UploadRefused, from_ms, to_ms, count: 7 };
+        let gap = |from_ms, to_ms| EvidenceGap::new(GapKind::UploadRefused, from_ms, to_ms, 7);
         w.gaps =
             vec![gap(NOW - 90 * DAY, NOW - 60 * DAY), gap(NOW - 40 * DAY, NOW - MIN), gap(NOW, NOW + DAY)];
         TimeBounds::default().check(&mut w, time(NOW)).unwrap();

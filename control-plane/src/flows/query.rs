@@ -56,6 +56,8 @@ pub struct GapRow {
     pub gap_from: DateTime<Utc>,
     pub gap_to: DateTime<Utc>,
     pub count: i64,
+    /// Why, where the agent gave a reason.
+    pub detail: String,
 }
 
 pub async fn gaps(
@@ -64,7 +66,7 @@ pub async fn gaps(
     since: DateTime<Utc>,
 ) -> Result<Vec<GapRow>, Error> {
     Ok(sqlx::query_as(
-        "SELECT workload_id, kind, gap_from, gap_to, count FROM flow_gaps
+        "SELECT workload_id, kind, gap_from, gap_to, count, detail FROM flow_gaps
          WHERE ($1::uuid IS NULL OR workload_id = $1) AND window_start >= $2 ORDER BY gap_from DESC LIMIT 1000",
     )
     .bind(workload.map(|w| w.uuid()))

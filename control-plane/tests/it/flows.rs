@@ -46,7 +46,13 @@ async fn retention_drops_whole_expired_partitions() {
             first_seen_unix_ms: now.timestamp_millis() - 1_000,
             last_seen_unix_ms: now.timestamp_millis(),
         }],
-        gaps: vec![proto::EvidenceGap { kind: 2, from_unix_ms: 0, to_unix_ms: 1, count: 0 }],
+        gaps: vec![proto::EvidenceGap {
+            kind: 2,
+            from_unix_ms: 0,
+            to_unix_ms: 1,
+            count: 0,
+            detail: String::new(),
+        }],
     };
     flows::ingest(&db.pool, id, &FlowWindow::try_from(&wire).unwrap()).await.unwrap();
     let partitions = async || -> Vec<String> {
@@ -202,7 +208,13 @@ async fn ingest_stores_records_resolved_and_totals_summed() {
         policy_version: 9,
         mode: 2,
         records,
-        gaps: vec![proto::EvidenceGap { kind: 1, from_unix_ms: start, to_unix_ms: start + 5, count: 4 }],
+        gaps: vec![proto::EvidenceGap {
+            kind: 1,
+            from_unix_ms: start,
+            to_unix_ms: start + 5,
+            count: 4,
+            detail: String::new(),
+        }],
     };
     let first = wire(vec![
         flow("10.9.0.7", "10.1.0.5", 5432, WouldBlock, 3, seen),
@@ -298,7 +310,13 @@ async fn a_window_refused_at_ingest_stores_nothing() {
     let start = chrono::Utc::now().timestamp_millis() - 60_000;
     let huge = i64::MAX as u64;
     let wire = proto::FlowWindow {
-        gaps: vec![proto::EvidenceGap { kind: 1, from_unix_ms: start, to_unix_ms: start, count: 1 }],
+        gaps: vec![proto::EvidenceGap {
+            kind: 1,
+            from_unix_ms: start,
+            to_unix_ms: start,
+            count: 1,
+            detail: String::new(),
+        }],
         ..window_at(
             start,
             vec![

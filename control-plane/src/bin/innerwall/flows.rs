@@ -111,10 +111,11 @@ pub async fn run(ctx: &Ctx, cmd: &FlowsCmd) -> anyhow::Result<()> {
                         g.gap_from.format("%F %T").to_string(),
                         g.gap_to.format("%F %T").to_string(),
                         g.count.to_string(),
+                        g.detail,
                     ]
                 })
                 .collect();
-            print_table(&["workload", "kind", "from", "to", "count"], rows);
+            print_table(&["workload", "kind", "from", "to", "count", "why"], rows);
         }
     }
     Ok(())
