@@ -30,10 +30,13 @@ pub enum EvidenceError {
     Capture(#[from] CaptureError),
 }
 
-/// Loads and attaches the capture program on this host's Ethernet interfaces.
+/// Loads the capture program and attaches it to this host's interfaces of a captured kind,
+/// following them as they come and go (`Capture::follow_links`).
 fn attach() -> Result<Capture, EvidenceError> {
-    let interfaces = facts::ethernet_interfaces().map_err(EvidenceError::Interfaces)?;
-    Ok(Capture::attach(&interfaces, &capture::default_object_path(), None, log::logger())?)
+    let options = capture::CaptureOptions::default();
+    let mut capture = Capture::load(&capture::default_object_path(), options, log::logger())?;
+    capture.follow_links()?;
+    Ok(capture)
 }
 
 fn now_ms() -> i64 {
@@ -147,6 +150,7 @@ fn capture_forever<S: PolicyStore + Send + 'static>(
             queue_window(closed, now);
             refresh(&mut local);
         }
+        capture.follow_link_changes();
         let drained = capture.drain().map_err(|e| tracing::error!("draining the flow map failed: {e}")).ok();
         open.absorb(drained.as_ref(), &local, now);
         if stopping {
