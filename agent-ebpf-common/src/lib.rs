@@ -10,7 +10,7 @@
 /// and value layouts, counter slots, program names. Bump it with any change to them. The
 /// program carries it in [`ABI_SECTION`]; the loader refuses an object whose version differs
 /// (one built from other sources than the agent) before it loads anything.
-pub const ABI_VERSION: u32 = 1;
+pub const ABI_VERSION: u32 = 2;
 /// The ELF section holding the program's [`ABI_VERSION`] as one little-endian `u32` (the static
 /// `INNERWALL_ABI`). Not a data section, so aya never turns it into a map.
 pub const ABI_SECTION: &str = "innerwall_abi";
@@ -27,15 +27,25 @@ pub const ACTIVE_MAP: &str = "ACTIVE_MAP";
 pub const COUNTERS: &str = "COUNTERS";
 /// Name of the LRU map of connections with a known direction (the conntrack-like state).
 pub const CONNS: &str = "CONNS";
-/// Name of the ingress classifier.
+/// Name of the ingress classifier for interfaces whose packets start with an Ethernet header.
 pub const PROG_INGRESS: &str = "innerwall_ingress";
-/// Name of the egress classifier.
+/// Name of the egress classifier for Ethernet interfaces.
 pub const PROG_EGRESS: &str = "innerwall_egress";
+/// Name of the ingress classifier for layer-3 interfaces (WireGuard, tun): packets start at
+/// the IP header and `skb->protocol` says which IP.
+pub const PROG_INGRESS_L3: &str = "innerwall_ingress_l3";
+/// Name of the egress classifier for layer-3 interfaces.
+pub const PROG_EGRESS_L3: &str = "innerwall_egress_l3";
 
 /// Default capacity of each flow map (the agent may resize it before load).
 pub const DEFAULT_FLOW_ENTRIES: u32 = 65_536;
-/// Capacity of the connection-direction LRU map.
-pub const CONN_ENTRIES: u32 = 65_536;
+/// Default capacity of the connection-direction LRU map (the agent may resize it before load).
+/// An element costs 112 bytes of preallocated kernel memory (40-byte key, 8-byte value, the
+/// hash table's and LRU's per-element bookkeeping; the kernel's memlock figure for an LRU hash
+/// of this shape), so this is 29 MB: four times Linux's usual `nf_conntrack_max` of 65,536, so
+/// this table is not the smaller one: a connection the kernel still tracks is rarely one that
+/// was evicted here.
+pub const CONN_ENTRIES: u32 = 262_144;
 
 /// `COUNTERS` index: flow records that could not be inserted (map full), monotonic.
 pub const COUNTER_FLOW_INSERT_FAILED: u32 = 0;
@@ -43,8 +53,22 @@ pub const COUNTER_FLOW_INSERT_FAILED: u32 = 0;
 pub const COUNTER_REPLIES_SKIPPED: u32 = 1;
 /// `COUNTERS` index: conntrack inserts that failed (LRU maps evict, so this stays ~0).
 pub const COUNTER_CONN_INSERT_FAILED: u32 = 2;
+/// `COUNTERS` index: connections newly inserted into `CONNS` (a key that was not there).
+/// Entries are never deleted, only evicted, so every insert beyond the map's capacity evicted
+/// at least one entry: the agent reports `inserted - capacity` as a lower bound of evictions.
+pub const COUNTER_CONN_INSERTED: u32 = 3;
+/// `COUNTERS` index: ICMP / ICMPv6 errors (destination unreachable, time exceeded, …) about a
+/// packet in a connection `CONNS` knows. Never recorded as inbound flows (diagnostic).
+pub const COUNTER_ICMP_ERRORS_RELATED: u32 = 4;
+/// `COUNTERS` index: ICMP / ICMPv6 errors whose quoted packet is in no known connection
+/// (evicted, started before the program was attached, or forged). Not recorded either.
+pub const COUNTER_ICMP_ERRORS_UNMATCHED: u32 = 5;
+/// `COUNTERS` index: UDP datagrams from a remote port below 1024 to a local ephemeral port
+/// with no `CONNS` entry: what a reply whose entry was evicted looks like. Still recorded as
+/// inbound (a genuine datagram, e.g. a scan from source port 53, looks the same), and counted.
+pub const COUNTER_UDP_REPLY_LIKE_UNMATCHED: u32 = 6;
 /// Number of `COUNTERS` slots.
-pub const COUNTER_SLOTS: u32 = 4;
+pub const COUNTER_SLOTS: u32 = 8;
 
 /// [`FlowKey::family`] for IPv4.
 pub const FAMILY_V4: u8 = 4;
@@ -90,7 +114,8 @@ pub struct FlowKey {
 pub struct FlowValue {
     /// Packets seen.
     pub packets: u64,
-    /// Bytes seen (`skb->len` at tc: the L2 frame without FCS).
+    /// Bytes seen (`skb->len` at tc: the L2 frame without FCS; the IP packet on IP-framed
+    /// interfaces such as WireGuard and tun).
     pub bytes: u64,
     /// New connections: TCP SYN without ACK; UDP / ICMP echo: first packet of a conversation
     /// (5-tuple / echo id) the connection table did not know; other ICMP: first packet of the key.

@@ -7,6 +7,35 @@
 //!   destination-options, fragment and AH headers) / TCP / UDP / ICMP / ICMPv6, skips packets
 //!   that belong to a connection this host initiated (the reversed tuple is in `CONNS` as
 //!   outbound), and aggregates the rest per `FlowKey` into the active flow map.
+//! - `innerwall_ingress_l3` / `innerwall_egress_l3` are the same for layer-3 interfaces
+//!   (WireGuard, tun), whose packets start at the IP header: the family comes from
+//!   `skb->protocol` instead of an EtherType.
+//!
+//! ICMP errors (v4: destination unreachable, source quench, redirect, time exceeded, parameter
+//! problem; v6: destination unreachable, packet too big, time exceeded, parameter problem) are
+//! never inbound flows: an error is by definition about a packet this host sent (or one forged
+//! to look so), not a connection a peer starts. The program reads the quoted IP header and the
+//! first 8 bytes of its L4 header (ports, or an echo identifier), looks the quoted packet up in
+//! `CONNS` from this host's side (quoted source = local), and only counts it: related when the
+//! connection is known — whichever side started it, so an error about our reply to an inbound
+//! connection is related too — unmatched otherwise (evicted, older than the program, forged).
+//! Extension headers in a quoted IPv6 packet are not walked (its ports then read as 0 and the
+//! error counts as unmatched); it is still not recorded.
+//!
+//! Connection table sizing: the kernel's own conntrack cannot be asked from here. The
+//! `bpf_skb_ct_lookup` kfunc needs a GPL-compatible program (this object is Apache-2.0) and a
+//! loader that resolves kfunc calls against kernel BTF, which aya 0.14 does not. So `CONNS` is
+//! an LRU map sized above conntrack's usual table (see `CONN_ENTRIES`), and every packet of a
+//! known connection, in either direction, looks its entry up, which marks it referenced. The
+//! kernel's LRU evicts entries never referenced since they were inserted (one-off datagrams,
+//! scans) before referenced ones, so a conversation that keeps sending outlives a flood of new
+//! connections; among entries that are all in use it approximates least-recently-used. New
+//! entries are counted (`COUNTER_CONN_INSERTED`), which gives the agent a lower bound of
+//! evictions; a UDP datagram that looks like a reply to an evicted entry (remote port below
+//! 1024 to a local ephemeral port, no entry) is still recorded but counted. What stays: a
+//! reply whose entry was evicted (a conversation idle while more than the table's capacity of
+//! new connections came and went) is recorded as inbound, as conntrack would call it new once
+//! its own entry timed out.
 //!
 //! Diagnostics go through aya-log (a ring buffer the agent reads at each drain), off the hot
 //! path: a failure counter logs only when it reaches a power of two, so a full map costs a
@@ -24,13 +53,17 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::warn;
 use innerwall_ebpf_common::{
-    ABI_VERSION, CONN_ENTRIES, COUNTER_CONN_INSERT_FAILED, COUNTER_FLOW_INSERT_FAILED,
-    COUNTER_REPLIES_SKIPPED, COUNTER_SLOTS, ConnKey, ConnValue, DEFAULT_FLOW_ENTRIES, DIR_INBOUND,
-    DIR_OUTBOUND, FAMILY_V4, FAMILY_V6, FlowKey, FlowValue, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
+    ABI_VERSION, CONN_ENTRIES, COUNTER_CONN_INSERT_FAILED, COUNTER_CONN_INSERTED, COUNTER_FLOW_INSERT_FAILED,
+    COUNTER_ICMP_ERRORS_RELATED, COUNTER_ICMP_ERRORS_UNMATCHED, COUNTER_REPLIES_SKIPPED, COUNTER_SLOTS,
+    COUNTER_UDP_REPLY_LIKE_UNMATCHED, ConnKey, ConnValue, DEFAULT_FLOW_ENTRIES, DIR_INBOUND, DIR_OUTBOUND,
+    FAMILY_V4, FAMILY_V6, FlowKey, FlowValue, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
 };
 
 const ETH_HDR_LEN: usize = 14;
 const ETH_TYPE_OFFSET: usize = 12;
+/// Bytes before the IP header on layer-3 interfaces (WireGuard, tun).
+const NO_L2_HDR: usize = 0;
+const IPV4_MIN_HDR_LEN: usize = 20;
 const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86DD;
 const IPV6_HDR_LEN: usize = 40;
@@ -47,6 +80,19 @@ const ICMP_ECHO_REPLY: u8 = 0;
 const ICMP_ECHO_REQUEST: u8 = 8;
 const ICMPV6_ECHO_REQUEST: u8 = 128;
 const ICMPV6_ECHO_REPLY: u8 = 129;
+const ICMP_DEST_UNREACH: u8 = 3;
+const ICMP_SOURCE_QUENCH: u8 = 4;
+const ICMP_REDIRECT: u8 = 5;
+const ICMP_TIME_EXCEEDED: u8 = 11;
+const ICMP_PARAMETER_PROBLEM: u8 = 12;
+const ICMPV6_DEST_UNREACH: u8 = 1;
+const ICMPV6_PACKET_TOO_BIG: u8 = 2;
+const ICMPV6_TIME_EXCEEDED: u8 = 3;
+const ICMPV6_PARAMETER_PROBLEM: u8 = 4;
+/// An ICMP error's header before the quoted packet (type, code, checksum, 4 bytes that vary).
+const ICMP_ERROR_HDR_LEN: usize = 8;
+/// Remote ports below this are well-known service ports (see `COUNTER_UDP_REPLY_LIKE_UNMATCHED`).
+const WELL_KNOWN_PORT_END: u16 = 1024;
 /// Start of Linux's default ephemeral port range (`ip_local_port_range`).
 const EPHEMERAL_PORT_MIN: u16 = 32768;
 const EEXIST: i32 = 17;
@@ -72,19 +118,37 @@ static COUNTERS: PerCpuArray<u64, { COUNTER_SLOTS as usize }> = PerCpuArray::new
 #[btf_map]
 static CONNS: LruHashMap<ConnKey, ConnValue, { CONN_ENTRIES as usize }> = LruHashMap::new();
 
-/// Records inbound flows; never drops.
+/// Records inbound flows on an Ethernet interface; never drops.
 #[classifier]
 pub fn innerwall_ingress(ctx: TcContext) -> i32 {
-    if let Some(packet) = parse(&ctx) {
+    if let Some(packet) = parse::<ETH_HDR_LEN>(&ctx) {
         ingress(&ctx, &packet);
     }
     TC_ACT_PIPE
 }
 
-/// Remembers outbound initiations; never drops.
+/// Remembers outbound initiations on an Ethernet interface; never drops.
 #[classifier]
 pub fn innerwall_egress(ctx: TcContext) -> i32 {
-    if let Some(packet) = parse(&ctx) {
+    if let Some(packet) = parse::<ETH_HDR_LEN>(&ctx) {
+        egress(&ctx, &packet);
+    }
+    TC_ACT_PIPE
+}
+
+/// Records inbound flows on a layer-3 interface (no Ethernet header); never drops.
+#[classifier]
+pub fn innerwall_ingress_l3(ctx: TcContext) -> i32 {
+    if let Some(packet) = parse::<NO_L2_HDR>(&ctx) {
+        ingress(&ctx, &packet);
+    }
+    TC_ACT_PIPE
+}
+
+/// Remembers outbound initiations on a layer-3 interface; never drops.
+#[classifier]
+pub fn innerwall_egress_l3(ctx: TcContext) -> i32 {
+    if let Some(packet) = parse::<NO_L2_HDR>(&ctx) {
         egress(&ctx, &packet);
     }
     TC_ACT_PIPE
@@ -104,6 +168,9 @@ struct Packet {
     icmp_code: u8,
     /// Whether the L4 header was read.
     has_l4: bool,
+    /// For an ICMP / ICMPv6 error (see the module comment), the offset of the packet it
+    /// quotes; 0 otherwise.
+    quote_offset: usize,
 }
 
 /// Reads a `T` at `offset` into the packet: straight from the linear data when it is there
@@ -122,9 +189,16 @@ fn read<T: Copy>(ctx: &TcContext, offset: usize) -> Option<T> {
     }
 }
 
+/// Parses a packet whose IP header starts at `L2` ([`ETH_HDR_LEN`], or [`NO_L2_HDR`] on
+/// layer-3 interfaces, where `skb->protocol` gives the EtherType).
 #[inline(always)]
-fn parse(ctx: &TcContext) -> Option<Packet> {
-    let ether_type = u16::from_be(read::<u16>(ctx, ETH_TYPE_OFFSET)?);
+fn parse<const L2: usize>(ctx: &TcContext) -> Option<Packet> {
+    let ether_type = if L2 == NO_L2_HDR {
+        // `skb->protocol` holds the big-endian EtherType in its low 16 bits.
+        u16::from_be(ctx.skb.protocol() as u16)
+    } else {
+        u16::from_be(read::<u16>(ctx, ETH_TYPE_OFFSET)?)
+    };
     let mut packet = Packet {
         family: 0,
         protocol: 0,
@@ -136,34 +210,37 @@ fn parse(ctx: &TcContext) -> Option<Packet> {
         icmp_type: 0,
         icmp_code: 0,
         has_l4: false,
+        quote_offset: 0,
     };
     let l4_offset;
     match ether_type {
         ETH_P_IP => {
-            let version_ihl = read::<u8>(ctx, ETH_HDR_LEN)?;
+            // Two bytes, not one: at offset 0 (layer-3 interfaces) the one-byte bounds check
+            // compiles to `data < data_end`, from which the verifier grants no range.
+            let version_ihl = read::<[u8; 2]>(ctx, L2)?[0];
             let ihl = usize::from(version_ihl & 0x0f) * 4;
-            if ihl < 20 {
+            if ihl < IPV4_MIN_HDR_LEN {
                 return None;
             }
             packet.family = FAMILY_V4;
-            packet.protocol = read::<u8>(ctx, ETH_HDR_LEN + 9)?;
-            let src = read::<[u8; 4]>(ctx, ETH_HDR_LEN + 12)?;
-            let dst = read::<[u8; 4]>(ctx, ETH_HDR_LEN + 16)?;
+            packet.protocol = read::<u8>(ctx, L2 + 9)?;
+            let src = read::<[u8; 4]>(ctx, L2 + 12)?;
+            let dst = read::<[u8; 4]>(ctx, L2 + 16)?;
             packet.src[..4].copy_from_slice(&src);
             packet.dst[..4].copy_from_slice(&dst);
-            let frag = u16::from_be(read::<u16>(ctx, ETH_HDR_LEN + 6)?);
+            let frag = u16::from_be(read::<u16>(ctx, L2 + 6)?);
             if frag & 0x1fff != 0 {
                 // A non-first fragment carries no L4 header.
                 return Some(packet);
             }
-            l4_offset = ETH_HDR_LEN + ihl;
+            l4_offset = L2 + ihl;
         }
         ETH_P_IPV6 => {
             packet.family = FAMILY_V6;
-            packet.src = read::<[u8; 16]>(ctx, ETH_HDR_LEN + 8)?;
-            packet.dst = read::<[u8; 16]>(ctx, ETH_HDR_LEN + 24)?;
-            let mut next = read::<u8>(ctx, ETH_HDR_LEN + 6)?;
-            let mut offset = ETH_HDR_LEN + IPV6_HDR_LEN;
+            packet.src = read::<[u8; 16]>(ctx, L2 + 8)?;
+            packet.dst = read::<[u8; 16]>(ctx, L2 + 24)?;
+            let mut next = read::<u8>(ctx, L2 + 6)?;
+            let mut offset = L2 + IPV6_HDR_LEN;
             let mut first_fragment = true;
             for _ in 0..MAX_IPV6_EXT_HEADERS {
                 let len = match next {
@@ -211,10 +288,91 @@ fn parse(ctx: &TcContext) -> Option<Packet> {
                 packet.dst_port = id;
             }
             packet.has_l4 = true;
+            if is_icmp_error(packet.protocol, packet.icmp_type) {
+                packet.quote_offset = l4_offset + ICMP_ERROR_HDR_LEN;
+            }
         }
         _ => {}
     }
     Some(packet)
+}
+
+#[inline(always)]
+fn is_icmp_error(protocol: u8, icmp_type: u8) -> bool {
+    match protocol {
+        PROTO_ICMP => matches!(
+            icmp_type,
+            ICMP_DEST_UNREACH
+                | ICMP_SOURCE_QUENCH
+                | ICMP_REDIRECT
+                | ICMP_TIME_EXCEEDED
+                | ICMP_PARAMETER_PROBLEM
+        ),
+        PROTO_ICMPV6 => matches!(
+            icmp_type,
+            ICMPV6_DEST_UNREACH | ICMPV6_PACKET_TOO_BIG | ICMPV6_TIME_EXCEEDED | ICMPV6_PARAMETER_PROBLEM
+        ),
+        _ => false,
+    }
+}
+
+/// The connection of the packet an ICMP error quotes at `offset`, from this host's side: the
+/// quoted packet went out, so its source is local. Ports are read from the quoted L4 header's
+/// first 8 bytes (always quoted); an echo request quotes its identifier as both ports, as
+/// `CONNS` keys echoes. `None` if the quote is too short or malformed.
+#[inline(always)]
+fn parse_quoted(ctx: &TcContext, family: u8, offset: usize) -> Option<ConnKey> {
+    // Whole headers in one `bpf_skb_load_bytes` each (errors are rare; no fast path): one
+    // buffer per header keeps this frame small enough to sit on top of the ingress path's.
+    let mut conn = ConnKey { family, ..ConnKey::default() };
+    let l4: [u8; 8] = if family == FAMILY_V4 {
+        let ip = ctx.load::<[u8; IPV4_MIN_HDR_LEN]>(offset).ok()?;
+        let ihl = usize::from(ip[0] & 0x0f) * 4;
+        if ip[0] >> 4 != 4 || ihl < IPV4_MIN_HDR_LEN {
+            return None;
+        }
+        conn.protocol = ip[9];
+        conn.local[..4].copy_from_slice(&ip[12..16]);
+        conn.remote[..4].copy_from_slice(&ip[16..20]);
+        if u16::from_be_bytes([ip[6], ip[7]]) & 0x1fff != 0 {
+            return Some(conn);
+        }
+        ctx.load::<[u8; 8]>(offset + ihl).ok()?
+    } else {
+        let ip = ctx.load::<[u8; IPV6_HDR_LEN + 8]>(offset).ok()?;
+        conn.protocol = ip[6];
+        conn.local.copy_from_slice(&ip[8..24]);
+        conn.remote.copy_from_slice(&ip[24..40]);
+        let mut l4 = [0; 8];
+        l4.copy_from_slice(&ip[IPV6_HDR_LEN..]);
+        l4
+    };
+    match conn.protocol {
+        PROTO_TCP | PROTO_UDP => {
+            conn.local_port = u16::from_be_bytes([l4[0], l4[1]]);
+            conn.remote_port = u16::from_be_bytes([l4[2], l4[3]]);
+        }
+        PROTO_ICMP | PROTO_ICMPV6 => {
+            let echo_request =
+                if conn.protocol == PROTO_ICMP { ICMP_ECHO_REQUEST } else { ICMPV6_ECHO_REQUEST };
+            if l4[0] == echo_request {
+                let id = u16::from_be_bytes([l4[4], l4[5]]);
+                conn.local_port = id;
+                conn.remote_port = id;
+            }
+        }
+        _ => {}
+    }
+    Some(conn)
+}
+
+/// Counts an ICMP error as related to a known connection or unmatched. Not inlined: its
+/// stack frame then does not add to the ingress path's.
+#[inline(never)]
+fn icmp_error(ctx: &TcContext, packet: &Packet) {
+    let related =
+        parse_quoted(ctx, packet.family, packet.quote_offset).is_some_and(|conn| direction(&conn) != 0);
+    count(if related { COUNTER_ICMP_ERRORS_RELATED } else { COUNTER_ICMP_ERRORS_UNMATCHED });
 }
 
 #[inline(always)]
@@ -268,15 +426,41 @@ fn ingress_conn(packet: &Packet) -> ConnKey {
     }
 }
 
+/// Records `conn` with `direction` unless it is already known (first writer wins).
 #[inline(always)]
-fn set_direction(ctx: &TcContext, conn: &ConnKey, direction: u8, flags: u64) {
+fn learn(ctx: &TcContext, conn: &ConnKey, direction: u8) {
+    insert_direction(ctx, conn, direction, u64::from(BPF_NOEXIST));
+}
+
+/// Records `conn` with `direction`, replacing what was known (a new SYN or echo request
+/// restarts the conversation); no write if the direction is already that one.
+#[inline(always)]
+fn relearn(ctx: &TcContext, conn: &ConnKey, known: u8, direction: u8) {
+    if known != direction {
+        insert_direction(
+            ctx,
+            conn,
+            direction,
+            if known == 0 { u64::from(BPF_NOEXIST) } else { u64::from(BPF_ANY) },
+        );
+    }
+}
+
+#[inline(always)]
+fn insert_direction(ctx: &TcContext, conn: &ConnKey, direction: u8, flags: u64) {
     let value = ConnValue { direction, _pad: [0; 7] };
-    if let Err(err) = CONNS.insert(conn, value, flags)
-        && err != -EEXIST
-    {
-        let failed = count(COUNTER_CONN_INSERT_FAILED);
-        if failed.is_power_of_two() {
-            warn!(ctx, "connection table insert failed (error {}): {} failures on this CPU", err, failed);
+    match CONNS.insert(conn, value, flags) {
+        Ok(()) => {
+            if flags == u64::from(BPF_NOEXIST) {
+                count(COUNTER_CONN_INSERTED);
+            }
+        }
+        Err(err) if err == -EEXIST => {}
+        Err(err) => {
+            let failed = count(COUNTER_CONN_INSERT_FAILED);
+            if failed.is_power_of_two() {
+                warn!(ctx, "connection table insert failed (error {}): {} failures on this CPU", err, failed);
+            }
         }
     }
 }
@@ -295,16 +479,20 @@ fn egress(ctx: &TcContext, packet: &Packet) {
     }
     match packet.protocol {
         PROTO_TCP if packet.tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN => {
-            set_direction(ctx, &egress_conn(packet), DIR_OUTBOUND, u64::from(BPF_ANY));
+            let conn = egress_conn(packet);
+            relearn(ctx, &conn, direction(&conn), DIR_OUTBOUND);
         }
         PROTO_UDP => {
+            // The lookup on every datagram also marks a known entry referenced, so the LRU
+            // keeps an active conversation.
             let conn = egress_conn(packet);
             if direction(&conn) == 0 {
-                set_direction(ctx, &conn, DIR_OUTBOUND, u64::from(BPF_NOEXIST));
+                learn(ctx, &conn, DIR_OUTBOUND);
             }
         }
         PROTO_ICMP | PROTO_ICMPV6 if is_echo_request(packet) => {
-            set_direction(ctx, &egress_conn(packet), DIR_OUTBOUND, u64::from(BPF_ANY));
+            let conn = egress_conn(packet);
+            relearn(ctx, &conn, direction(&conn), DIR_OUTBOUND);
         }
         _ => {}
     }
@@ -312,6 +500,11 @@ fn egress(ctx: &TcContext, packet: &Packet) {
 
 #[inline(always)]
 fn ingress(ctx: &TcContext, packet: &Packet) {
+    if packet.quote_offset != 0 {
+        // Never a flow (see the module comment).
+        icmp_error(ctx, packet);
+        return;
+    }
     // 0: not a connection start; 1: a new connection; 2: new if the key is new.
     let new_connection: u64 = if !packet.has_l4 {
         2
@@ -320,7 +513,7 @@ fn ingress(ctx: &TcContext, packet: &Packet) {
             PROTO_TCP => {
                 let conn = ingress_conn(packet);
                 if packet.tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK) == TCP_FLAG_SYN {
-                    set_direction(ctx, &conn, DIR_INBOUND, u64::from(BPF_ANY));
+                    relearn(ctx, &conn, direction(&conn), DIR_INBOUND);
                     1
                 } else {
                     match direction(&conn) {
@@ -331,10 +524,10 @@ fn ingress(ctx: &TcContext, packet: &Packet) {
                             // an ephemeral local port talking to a service port is taken as a
                             // connection this host initiated.
                             if packet.dst_port >= EPHEMERAL_PORT_MIN && packet.src_port < EPHEMERAL_PORT_MIN {
-                                set_direction(ctx, &conn, DIR_OUTBOUND, u64::from(BPF_NOEXIST));
+                                learn(ctx, &conn, DIR_OUTBOUND);
                                 return skip_reply();
                             }
-                            set_direction(ctx, &conn, DIR_INBOUND, u64::from(BPF_NOEXIST));
+                            learn(ctx, &conn, DIR_INBOUND);
                             0
                         }
                     }
@@ -346,7 +539,10 @@ fn ingress(ctx: &TcContext, packet: &Packet) {
                     DIR_OUTBOUND => return skip_reply(),
                     DIR_INBOUND => 0,
                     _ => {
-                        set_direction(ctx, &conn, DIR_INBOUND, u64::from(BPF_NOEXIST));
+                        if packet.dst_port >= EPHEMERAL_PORT_MIN && packet.src_port < WELL_KNOWN_PORT_END {
+                            count(COUNTER_UDP_REPLY_LIKE_UNMATCHED);
+                        }
+                        learn(ctx, &conn, DIR_INBOUND);
                         1
                     }
                 }
@@ -355,8 +551,8 @@ fn ingress(ctx: &TcContext, packet: &Packet) {
                 let conn = ingress_conn(packet);
                 match direction(&conn) {
                     DIR_INBOUND => 0,
-                    _ => {
-                        set_direction(ctx, &conn, DIR_INBOUND, u64::from(BPF_ANY));
+                    known => {
+                        relearn(ctx, &conn, known, DIR_INBOUND);
                         1
                     }
                 }

@@ -2,6 +2,12 @@
 //! attaches its tc classifiers (ingress records, egress tracks what this host initiates) to
 //! the given interfaces, and drains the inbound flow records per window.
 //!
+//! Interfaces are attached one at a time and each keeps its own links, so detaching one drops
+//! only its classifiers. [`Capture::follow_links`] makes the capture follow the host's links
+//! (`links::LinkWatcher`): existing and hotplugged interfaces of a captured kind are attached
+//! (Ethernet or layer-3 programs, see `links::framing`), removed ones detached; one interface
+//! failing to attach is logged and reported and never stops capture on the others.
+//!
 //! Drain consistency: the program writes to one of two per-CPU flow maps, chosen by
 //! `ACTIVE_MAP[0]`. [`Capture::drain`] flips the index, waits [`DRAIN_GRACE`] so program runs
 //! that read the old index finish (a tc program run takes microseconds), then reads and deletes
@@ -24,11 +30,16 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use std::collections::BTreeMap;
+
 use aya::maps::{Array, MapData, MapError, PerCpuArray, PerCpuHashMap};
+use aya::programs::tc::SchedClassifierLink;
 use aya::programs::{ProgramError, SchedClassifier, TcAttachType};
 use aya::{Ebpf, EbpfError, EbpfLoader};
 use innerwall_ebpf_common as common;
 use innerwall_ebpf_common::{FlowKey, FlowValue};
+
+use crate::links::{Framing, LinkError, LinkEvent, LinkWatcher};
 
 /// How long [`Capture::drain`] waits after switching maps before reading the idle one.
 pub const DRAIN_GRACE: Duration = Duration::from_millis(20);
@@ -91,6 +102,8 @@ pub enum CaptureError {
     },
     #[error("eBPF diagnostics (aya-log): {0}")]
     Log(#[from] aya_log::Error),
+    #[error("following the host's interfaces")]
+    Links(#[from] LinkError),
 }
 
 /// One inbound flow record as drained: key plus counters summed over CPUs.
@@ -106,7 +119,7 @@ pub struct FlowRecord {
     pub protocol: u8,
     /// Packets.
     pub packets: u64,
-    /// Bytes (L2 frame length as tc sees it).
+    /// Bytes (L2 frame length as tc sees it; IP packet length on WireGuard / tun).
     pub bytes: u64,
     /// New connections: TCP SYNs without ACK; new UDP 5-tuples / ICMP echo ids.
     pub new_connections: u64,
@@ -136,6 +149,44 @@ pub struct Drained {
     /// Inbound packets skipped since the previous drain as replies to connections this host
     /// initiated (diagnostic).
     pub replies_skipped: u64,
+    /// ICMP / ICMPv6 errors since the previous drain about a packet of a known connection
+    /// (diagnostic: errors are never recorded as flows).
+    pub icmp_errors_related: u64,
+    /// ICMP / ICMPv6 errors since the previous drain whose quoted packet is in no known
+    /// connection (evicted, older than the program, or forged; not recorded either).
+    pub icmp_errors_unmatched: u64,
+    /// UDP datagrams since the previous drain from a remote port below 1024 to a local
+    /// ephemeral port without a connection entry: what a reply whose entry was evicted looks
+    /// like. They are recorded as inbound (a genuine one looks the same); this says how many.
+    pub udp_reply_like_unmatched: u64,
+    /// A lower bound of connection-table evictions since the previous drain: connections
+    /// inserted beyond the table's capacity (entries are only ever evicted, never deleted).
+    pub conn_evictions_at_least: u64,
+    /// When this drain switched the program to the other map, in unix ms, converted from the
+    /// monotonic clock read right after the switch the same way as the records' times. The
+    /// records of this drain were seen between the previous drain's switch and this one (give
+    /// or take one program run, microseconds, at either end).
+    pub flipped_at_unix_ms: i64,
+}
+
+/// Map sizes to load the object with; `None` keeps the object's default.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CaptureOptions {
+    /// Capacity of each of the two flow maps (default [`common::DEFAULT_FLOW_ENTRIES`]).
+    pub flow_capacity: Option<u32>,
+    /// Capacity of the connection-direction LRU map (default [`common::CONN_ENTRIES`]).
+    pub conn_capacity: Option<u32>,
+}
+
+/// What following the host's links did to one interface (see [`Capture::follow_links`]).
+#[derive(Debug)]
+pub enum LinkChange {
+    /// A new interface of a captured kind, now captured with the programs for its framing.
+    Attached { interface: String, framing: Framing },
+    /// An interface went away (or was renamed); its classifiers were dropped.
+    Detached { interface: String },
+    /// Attaching failed; the other interfaces are captured as before.
+    AttachFailed { interface: String, error: CaptureError },
 }
 
 /// Kernel accounting for one classifier (see [`Capture::program_stats`]).
@@ -149,9 +200,20 @@ pub struct ProgramStats {
     pub run_time: Duration,
 }
 
-/// The loaded and attached capture program. Dropping it detaches everything.
+/// The classifiers attached to one interface; dropping them detaches them.
+struct Attached {
+    framing: Framing,
+    // Egress first, as attached; only held, so dropping them detaches.
+    _links: Vec<SchedClassifierLink>,
+}
+
+/// The loaded capture program and the interfaces it is attached to. Dropping it detaches
+/// everything.
 pub struct Capture {
-    // Owns the programs and their TCX links: dropping detaches.
+    // Dropped first: detaching needs nothing else.
+    attached: BTreeMap<String, Attached>,
+    watcher: Option<LinkWatcher>,
+    // Owns the programs.
     ebpf: Ebpf,
     logger: aya_log::EbpfLogger<&'static dyn log::Log>,
     flows: [PerCpuHashMap<MapData, FlowKey, FlowValue>; 2],
@@ -159,28 +221,59 @@ pub struct Capture {
     counters: PerCpuArray<MapData, u64>,
     active: u32,
     last_counters: [u64; common::COUNTER_SLOTS as usize],
-    interfaces: Vec<String>,
+    conn_capacity: u32,
+    legacy_tc: bool,
 }
 
 impl std::fmt::Debug for Capture {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Capture")
-            .field("interfaces", &self.interfaces)
+            .field("interfaces", &self.interfaces())
+            .field("following_links", &self.watcher.is_some())
             .field("active", &self.active)
             .field("last_counters", &self.last_counters)
             .finish_non_exhaustive()
     }
 }
 
+/// The (egress, ingress) classifiers for a framing.
+fn programs(framing: Framing) -> [(&'static str, TcAttachType); 2] {
+    match framing {
+        Framing::Ethernet => {
+            [(common::PROG_EGRESS, TcAttachType::Egress), (common::PROG_INGRESS, TcAttachType::Ingress)]
+        }
+        Framing::Ip => {
+            [(common::PROG_EGRESS_L3, TcAttachType::Egress), (common::PROG_INGRESS_L3, TcAttachType::Ingress)]
+        }
+    }
+}
+
 impl Capture {
     /// Loads the object at `object_path` (flow maps resized to `map_capacity` if given) and
     /// attaches ingress and egress classifiers to each interface (TCX on kernels ≥ 6.6,
-    /// clsact filters before). Interface names resolve in the calling thread's network
-    /// namespace. The program's diagnostics go to `log` (usually `log::logger()`). Needs root.
+    /// clsact filters before), all taken to be Ethernet; any failure is an error. Interface
+    /// names resolve in the calling thread's network namespace. The program's diagnostics go
+    /// to `log` (usually `log::logger()`). Needs root.
     pub fn attach(
         interfaces: &[String],
         object_path: &Path,
         map_capacity: Option<u32>,
+        log: &'static dyn log::Log,
+    ) -> Result<Capture, CaptureError> {
+        let options = CaptureOptions { flow_capacity: map_capacity, ..CaptureOptions::default() };
+        let mut capture = Capture::load(object_path, options, log)?;
+        for interface in interfaces {
+            capture.attach_interface(interface, Framing::Ethernet)?;
+        }
+        Ok(capture)
+    }
+
+    /// Loads the object at `object_path` with the map sizes of `options` and its programs,
+    /// attached nowhere yet ([`Capture::attach_interface`], [`Capture::follow_links`]). The
+    /// program's diagnostics go to `log`. Needs root.
+    pub fn load(
+        object_path: &Path,
+        options: CaptureOptions,
         log: &'static dyn log::Log,
     ) -> Result<Capture, CaptureError> {
         let uid = effective_uid();
@@ -191,9 +284,12 @@ impl Capture {
             return Err(CaptureError::ObjectMissing(object_path.to_owned()));
         }
         let mut loader = EbpfLoader::new();
-        if let Some(capacity) = map_capacity {
+        if let Some(capacity) = options.flow_capacity {
             loader.map_max_entries(common::FLOWS_A, capacity);
             loader.map_max_entries(common::FLOWS_B, capacity);
+        }
+        if let Some(capacity) = options.conn_capacity {
+            loader.map_max_entries(common::CONNS, capacity);
         }
         let bytes = read_trusted(object_path)?;
         check_abi(object_path, &bytes)?;
@@ -206,27 +302,12 @@ impl Capture {
         let legacy_tc = !aya::util::KernelVersion::current()
             .map(|v| v >= aya::util::KernelVersion::new(6, 6, 0))
             .unwrap_or(false);
-        // Egress first: initiations are tracked before ingress starts judging replies.
-        for (program, attach_type) in
-            [(common::PROG_EGRESS, TcAttachType::Egress), (common::PROG_INGRESS, TcAttachType::Ingress)]
+        for program in
+            [common::PROG_EGRESS, common::PROG_INGRESS, common::PROG_EGRESS_L3, common::PROG_INGRESS_L3]
         {
-            let prog: &mut SchedClassifier = ebpf
-                .program_mut(program)
-                .ok_or(CaptureError::Missing(program))?
-                .try_into()
+            classifier(&mut ebpf, program)?
+                .load()
                 .map_err(|source| CaptureError::Program { program, source })?;
-            prog.load().map_err(|source| CaptureError::Program { program, source })?;
-            for interface in interfaces {
-                if legacy_tc {
-                    // Already present is fine; a real failure shows up in attach below.
-                    let _ = aya::programs::tc::qdisc_add_clsact(interface);
-                }
-                prog.attach(interface, attach_type).map_err(|source| CaptureError::Attach {
-                    program,
-                    interface: interface.clone(),
-                    source,
-                })?;
-            }
         }
         let mut take = |name: &'static str| ebpf.take_map(name).ok_or(CaptureError::Missing(name));
         let map_err = |map: &'static str| move |source| CaptureError::Map { map, source };
@@ -235,6 +316,8 @@ impl Capture {
         let active_map = Array::try_from(take(common::ACTIVE_MAP)?).map_err(map_err(common::ACTIVE_MAP))?;
         let counters = PerCpuArray::try_from(take(common::COUNTERS)?).map_err(map_err(common::COUNTERS))?;
         let mut capture = Capture {
+            attached: BTreeMap::new(),
+            watcher: None,
             ebpf,
             logger,
             flows: [flows_a, flows_b],
@@ -242,15 +325,115 @@ impl Capture {
             counters,
             active: 0,
             last_counters: [0; common::COUNTER_SLOTS as usize],
-            interfaces: interfaces.to_vec(),
+            conn_capacity: options.conn_capacity.unwrap_or(common::CONN_ENTRIES),
+            legacy_tc,
         };
         capture.active = capture.active_map.get(&0, 0).map_err(map_err(common::ACTIVE_MAP))?;
+        capture.last_counters = capture.counter_totals()?;
         Ok(capture)
     }
 
-    /// The interfaces this capture is attached to.
-    pub fn interfaces(&self) -> &[String] {
-        &self.interfaces
+    /// Attaches the egress and ingress classifiers for `framing` to `interface` (resolved in
+    /// the calling thread's network namespace). Already attached: nothing changes. On failure
+    /// nothing of it stays attached.
+    pub fn attach_interface(&mut self, interface: &str, framing: Framing) -> Result<(), CaptureError> {
+        if self.attached.contains_key(interface) {
+            return Ok(());
+        }
+        if self.legacy_tc {
+            // Already present is fine; a real failure shows up in attach below.
+            let _ = aya::programs::tc::qdisc_add_clsact(interface);
+        }
+        let mut links = Vec::with_capacity(2);
+        // Egress first: initiations are tracked before ingress starts judging replies.
+        for (program, attach_type) in programs(framing) {
+            let prog = classifier(&mut self.ebpf, program)?;
+            let attach_err =
+                |source| CaptureError::Attach { program, interface: interface.to_owned(), source };
+            let id = prog.attach(interface, attach_type).map_err(attach_err)?;
+            // Owned from here on: dropping it (also on a later error) detaches it.
+            links.push(prog.take_link(id).map_err(attach_err)?);
+        }
+        self.attached.insert(interface.to_owned(), Attached { framing, _links: links });
+        Ok(())
+    }
+
+    /// Detaches the classifiers from `interface`; whether it was attached. The other
+    /// interfaces stay captured. An interface already gone from the kernel took its
+    /// attachment with it; this then only forgets it.
+    pub fn detach_interface(&mut self, interface: &str) -> bool {
+        self.attached.remove(interface).is_some()
+    }
+
+    /// The framing `interface` is captured with, if it is attached.
+    pub fn framing(&self, interface: &str) -> Option<Framing> {
+        self.attached.get(interface).map(|a| a.framing)
+    }
+
+    /// Starts following the host's links (in the calling thread's network namespace): every
+    /// existing interface of a captured kind is attached now, later ones as
+    /// [`Capture::follow_link_changes`] sees them. Returns what changed; an interface that
+    /// could not be attached is in it (and logged), never an error for the others.
+    pub fn follow_links(&mut self) -> Result<Vec<LinkChange>, CaptureError> {
+        self.watcher = Some(LinkWatcher::open()?);
+        Ok(self.follow_link_changes())
+    }
+
+    /// Applies the link notifications that arrived since the last call, without blocking:
+    /// attaches added interfaces of a captured kind, detaches removed ones. Call it on the
+    /// thread that called [`Capture::follow_links`] (names resolve in its namespace). Each
+    /// change is logged and returned; without [`Capture::follow_links`] nothing happens.
+    pub fn follow_link_changes(&mut self) -> Vec<LinkChange> {
+        let Some(watcher) = self.watcher.as_mut() else {
+            return Vec::new();
+        };
+        let events = match watcher.poll() {
+            Ok(events) => events,
+            Err(e) => {
+                tracing::warn!("reading link notifications failed: {}", crate::error::chain(&e));
+                return Vec::new();
+            }
+        };
+        let mut changes = Vec::new();
+        for event in events {
+            match event {
+                LinkEvent::Removed(link) => {
+                    if self.detach_interface(&link.name) {
+                        tracing::info!(interface = %link.name, "flow capture detached from a removed interface");
+                        changes.push(LinkChange::Detached { interface: link.name });
+                    }
+                }
+                LinkEvent::Added(link) => {
+                    let Some(framing) = link.framing() else {
+                        tracing::debug!(interface = %link.name, kind = ?link.kind, "interface kind not captured");
+                        continue;
+                    };
+                    if self.attached.contains_key(&link.name) {
+                        continue;
+                    }
+                    match self.attach_interface(&link.name, framing) {
+                        Ok(()) => {
+                            tracing::info!(interface = %link.name, ?framing, "flow capture attached");
+                            changes.push(LinkChange::Attached { interface: link.name, framing });
+                        }
+                        Err(error) => {
+                            tracing::error!(
+                                interface = %link.name,
+                                "flow capture could not attach; the other interfaces are still captured: {}",
+                                crate::error::chain(&error)
+                            );
+                            changes.push(LinkChange::AttachFailed { interface: link.name, error });
+                        }
+                    }
+                }
+            }
+        }
+        changes
+    }
+
+    /// The interfaces this capture is attached to, sorted.
+    pub fn interfaces(&self) -> Vec<&str> {
+        self.attached.keys().map(String::as_str).collect()
     }
 
     /// Run count and total run time of each classifier, as the kernel accounts them. The
@@ -280,12 +463,13 @@ impl Capture {
         let idle = self.active as usize;
         let next = 1 - self.active;
         self.active_map.set(0, next, 0).map_err(map_err(common::ACTIVE_MAP))?;
+        let flipped_ns = clock_ns(libc::CLOCK_MONOTONIC);
         self.active = next;
         std::thread::sleep(DRAIN_GRACE);
 
         let name = if idle == 0 { common::FLOWS_A } else { common::FLOWS_B };
         let offset_ns = realtime_minus_monotonic_ns();
-        let to_unix_ms = |mono_ns: u64| ((i128::from(mono_ns) + offset_ns) / 1_000_000) as i64;
+        let to_unix_ms = |mono_ns: i128| ((mono_ns + offset_ns) / 1_000_000) as i64;
         let map = &mut self.flows[idle];
         let keys: Vec<FlowKey> = map.keys().collect::<Result<_, _>>().map_err(map_err(name))?;
         let mut records = Vec::with_capacity(keys.len());
@@ -320,16 +504,23 @@ impl Capture {
                 packets: sum.packets,
                 bytes: sum.bytes,
                 new_connections: sum.new_connections,
-                first_seen_unix_ms: to_unix_ms(first),
-                last_seen_unix_ms: to_unix_ms(sum.last_seen_ns),
+                first_seen_unix_ms: to_unix_ms(first.into()),
+                last_seen_unix_ms: to_unix_ms(sum.last_seen_ns.into()),
             });
         }
         let totals = self.counter_totals()?;
         let delta = |i: u32| totals[i as usize].wrapping_sub(self.last_counters[i as usize]);
+        let inserted = common::COUNTER_CONN_INSERTED as usize;
+        let beyond = |inserted: u64| inserted.saturating_sub(u64::from(self.conn_capacity));
         let drained = Drained {
             records,
             map_full_drops: delta(common::COUNTER_FLOW_INSERT_FAILED),
             replies_skipped: delta(common::COUNTER_REPLIES_SKIPPED),
+            icmp_errors_related: delta(common::COUNTER_ICMP_ERRORS_RELATED),
+            icmp_errors_unmatched: delta(common::COUNTER_ICMP_ERRORS_UNMATCHED),
+            udp_reply_like_unmatched: delta(common::COUNTER_UDP_REPLY_LIKE_UNMATCHED),
+            conn_evictions_at_least: beyond(totals[inserted]) - beyond(self.last_counters[inserted]),
+            flipped_at_unix_ms: to_unix_ms(flipped_ns),
         };
         self.last_counters = totals;
         self.logger.flush();
@@ -347,6 +538,17 @@ impl Capture {
         }
         Ok(totals)
     }
+}
+
+/// The classifier `program` of the object.
+fn classifier<'a>(
+    ebpf: &'a mut Ebpf,
+    program: &'static str,
+) -> Result<&'a mut SchedClassifier, CaptureError> {
+    ebpf.program_mut(program)
+        .ok_or(CaptureError::Missing(program))?
+        .try_into()
+        .map_err(|source| CaptureError::Program { program, source })
 }
 
 /// Why an object file with this owner and mode must not be loaded, if it must not.

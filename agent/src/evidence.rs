@@ -18,23 +18,17 @@ use innerwall_wire::proto;
 use crate::capture::{self, Capture, CaptureError, Drained};
 use crate::connect::RunConfig;
 use crate::enforce::PolicyStore;
-use crate::facts::{self, FactsError};
+use crate::facts;
 use crate::sync::{Enforcer, WindowClose};
 use crate::{error, flows, telemetry};
 
-/// Why flow capture could not start.
-#[derive(Debug, thiserror::Error)]
-pub enum EvidenceError {
-    #[error("listing the interfaces to capture on")]
-    Interfaces(#[source] FactsError),
-    #[error(transparent)]
-    Capture(#[from] CaptureError),
-}
-
-/// Loads and attaches the capture program on this host's Ethernet interfaces.
-fn attach() -> Result<Capture, EvidenceError> {
-    let interfaces = facts::ethernet_interfaces().map_err(EvidenceError::Interfaces)?;
-    Ok(Capture::attach(&interfaces, &capture::default_object_path(), None, log::logger())?)
+/// Loads the capture program and attaches it to this host's interfaces of a captured kind,
+/// following them as they come and go (`Capture::follow_links`).
+fn attach() -> Result<Capture, CaptureError> {
+    let options = capture::CaptureOptions::default();
+    let mut capture = Capture::load(&capture::default_object_path(), options, log::logger())?;
+    capture.follow_links()?;
+    Ok(capture)
 }
 
 fn now_ms() -> i64 {
@@ -187,11 +181,16 @@ fn capture_forever<S: PolicyStore + Send + 'static>(
         // Drain first, then close: everything drained was seen before `now`, under the version
         // the open window is about.
         let drained = match capture.as_mut() {
-            Ok(c) => c.drain().map_err(|e| {
-                let why = format!("draining the flow map failed: {}", error::chain(&e));
-                tracing::error!("{why}");
-                why
-            }),
+            Ok(c) => {
+                // Interfaces added or removed since the last drain are attached or detached
+                // first, so a new interface's traffic is in this window's next drain.
+                c.follow_link_changes();
+                c.drain().map_err(|e| {
+                    let why = format!("draining the flow map failed: {}", error::chain(&e));
+                    tracing::error!("{why}");
+                    why
+                })
+            }
             Err(why) => Err(why.clone()),
         };
         open.absorb(drained.as_ref().map_err(String::as_str), &local, now);

@@ -136,26 +136,6 @@ pub fn local_addresses() -> Result<BTreeSet<IpAddr>, FactsError> {
         .collect())
 }
 
-/// Non-loopback Ethernet-type interfaces of the calling thread's network namespace
-/// (what the capture program can parse: it expects an Ethernet header), sorted. Asked of the
-/// kernel over netlink (`ip -j link show`), not read from /sys/class/net, which shows the
-/// namespace sysfs was mounted in rather than the caller's.
-pub fn ethernet_interfaces() -> Result<Vec<String>, FactsError> {
-    Ok(ethernet_names(&ip_json("link")?))
-}
-
-/// The non-loopback Ethernet interfaces in `ip -j link show` output, sorted.
-fn ethernet_names(links: &[serde_json::Value]) -> Vec<String> {
-    let mut names: Vec<String> = links
-        .iter()
-        .filter(|link| link["link_type"] == "ether")
-        .filter(|link| !link["flags"].as_array().is_some_and(|f| f.iter().any(|f| f == "LOOPBACK")))
-        .filter_map(|link| link["ifname"].as_str().map(str::to_owned))
-        .collect();
-    names.sort();
-    names
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -165,18 +145,6 @@ mod tests {
         let program = ip().get_program().to_owned();
         assert!(std::path::Path::new(&program).is_absolute(), "{program:?}");
         assert!(IP_PATHS.iter().any(|p| std::ffi::OsStr::new(p) == program));
-    }
-
-    #[test]
-    fn only_non_loopback_ethernet_links_are_captured() {
-        let json = br#"[
-            {"ifname": "lo", "flags": ["LOOPBACK", "UP"], "link_type": "loopback"},
-            {"ifname": "veth1", "flags": ["BROADCAST", "UP"], "link_type": "ether"},
-            {"ifname": "eth0", "flags": ["BROADCAST", "UP"], "link_type": "ether"},
-            {"ifname": "wg0", "flags": ["POINTOPOINT", "UP"], "link_type": "none"}
-        ]"#;
-        let links: Vec<serde_json::Value> = serde_json::from_slice(json).unwrap();
-        assert_eq!(ethernet_names(&links), ["eth0", "veth1"]);
     }
 
     /// `ip` failing or printing garbage is an error, never "no interfaces".

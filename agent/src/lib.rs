@@ -4,8 +4,9 @@
 //!   (what this host reports about itself); `connect` (run configuration and dialing).
 //! - Policy: `sync` (the policy stream), `enforce` (the owned nftables table), `policy_json`
 //!   (the JSON policy form of the dev commands `apply-file` / `render-file`).
-//! - Flow evidence: `capture` (the eBPF program), `flows` (pure windows), `evidence` (the
-//!   capture loop and window lifecycle), `telemetry` (queue and upload).
+//! - Flow evidence: `capture` (the eBPF program), `links` (interfaces as they come and go),
+//!   `flows` (pure windows), `evidence` (the capture loop and window lifecycle), `telemetry`
+//!   (queue and upload).
 //! - `daemon`: `innerwall-agent run`, tying them together; `error`: how an error chain prints.
 
 pub mod capture;
@@ -18,6 +19,7 @@ pub mod evidence;
 pub mod facts;
 pub mod flows;
 pub mod identity;
+pub mod links;
 pub mod policy_json;
 pub mod private;
 pub mod renew;
