@@ -126,7 +126,7 @@ fn spawn_drift_checks(
                     e.report_tamper(event.clone());
                 }
                 // `down` and `up` run in another process: the check is where this one notices.
-                e.note_suspension();
+                e.refresh_suspension();
                 result
             })
             .await;

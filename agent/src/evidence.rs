@@ -57,19 +57,20 @@ impl OpenWindow {
         self.window.gap(EvidenceGap::new(GapKind::AgentRestart, last_window_end_ms, start, 0));
     }
 
-    /// Called after each drain at `now_ms`. When the applied version is no longer the open
-    /// window's (evidence is about exactly one version) or the window is `length_ms` old,
+    /// Called after each drain at `now_ms`. When flows are no longer judged as in the open
+    /// window (`judged_as`, a version and a mode: evidence is about exactly one version, and the
+    /// kill switch changes what an enforcing one does) or the window is `length_ms` old,
     /// closes it at `now_ms` and returns it, and opens the next at the same moment under what
-    /// `next` says is applied now: windows abut, and each drain's records fall in the window
-    /// that was open until that drain.
+    /// `next` says flows are judged under now: windows abut, and each drain's records fall in
+    /// the window that was open until that drain.
     pub fn rotate(
         &mut self,
         now_ms: i64,
-        applied_version: u64,
+        judged_as: flows::JudgedAs,
         length_ms: i64,
         next: impl FnOnce() -> (Option<WorkloadPolicy>, usize),
     ) -> Option<FlowWindow> {
-        if applied_version == self.window.policy_version() && now_ms - self.window.start_ms < length_ms {
+        if judged_as == self.window.judged_as() && now_ms - self.window.start_ms < length_ms {
             return None;
         }
         let (policy, max_keys) = next();
@@ -161,7 +162,7 @@ fn capture_forever<S: PolicyStore + Send + 'static>(
     use std::sync::atomic::Ordering::Relaxed;
     let marker = state_dir.join("telemetry").join("last_window_end");
     let max_keys = || enforcer.flow_window_max_keys.load(Relaxed) as usize;
-    let mut open = OpenWindow::new(now_ms(), enforcer.current(), max_keys());
+    let mut open = OpenWindow::new(now_ms(), enforcer.judged(), max_keys());
     if let Some(last) = std::fs::read_to_string(&marker).ok().and_then(|t| t.trim().parse::<i64>().ok()) {
         open.restarted_after(last);
     }
@@ -200,7 +201,7 @@ fn capture_forever<S: PolicyStore + Send + 'static>(
         }
         let length = enforcer.flow_window_secs.load(Relaxed) as i64 * 1000;
         if let Some(closed) =
-            open.rotate(now, enforcer.applied_version(), length, || (enforcer.current(), max_keys()))
+            open.rotate(now, enforcer.judged_as(), length, || (enforcer.judged(), max_keys()))
         {
             outbox.push(closed, now);
             refresh(&mut local);
@@ -318,7 +319,7 @@ mod tests {
         open.absorb(Err("map still gone"), &local, 4_000);
         open.absorb(Ok(&Drained { map_full_drops: 5, ..Drained::default() }), &local, 5_000);
         open.absorb(Err("map gone"), &local, 6_000);
-        let closed = open.rotate(6_000, 0, 5_000, || (None, 10)).expect("the window is 5 s old");
+        let closed = open.rotate(6_000, flows::judged_as(None), 5_000, || (None, 10)).expect("5 s old");
         let gap = |kind, from_ms, to_ms, count| EvidenceGap::new(kind, from_ms, to_ms, count);
         assert_eq!(
             closed.gaps,

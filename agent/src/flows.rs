@@ -42,6 +42,29 @@ impl Counters {
     }
 }
 
+/// What a window's flows are judged under: a policy version and a mode.
+pub type JudgedAs = (u64, Mode);
+
+/// What flows are judged under with `policy` (version 0 in visibility when there is none).
+pub fn judged_as(policy: Option<&WorkloadPolicy>) -> JudgedAs {
+    policy.map_or((0, Mode::Visibility), |p| (p.version(), p.mode()))
+}
+
+/// The mode flows are judged in under a policy of `mode`: the same, except that with the kill
+/// switch engaged (`suspended`) nothing is enforced, so an enforcing policy's drops are judged
+/// as what they then are — would-blocks (its simulation).
+pub fn judged_mode(mode: Mode, suspended: bool) -> Mode {
+    if suspended && mode == Mode::Enforcement { Mode::Simulation } else { mode }
+}
+
+/// The policy flows are judged under while `applied` is held ([`judged_mode`]).
+pub fn judged(applied: Option<WorkloadPolicy>, suspended: bool) -> Option<WorkloadPolicy> {
+    applied.map(|p| {
+        let mode = judged_mode(p.mode(), suspended);
+        p.with_mode(mode)
+    })
+}
+
 /// One open window, evaluated against exactly one policy version.
 #[derive(Debug, Clone)]
 pub struct Window {
@@ -71,6 +94,11 @@ impl Window {
 
     pub fn policy_version(&self) -> u64 {
         self.policy.as_ref().map_or(0, WorkloadPolicy::version)
+    }
+
+    /// The version and mode this window's flows are judged under.
+    pub fn judged_as(&self) -> JudgedAs {
+        judged_as(self.policy.as_ref())
     }
 
     /// Adds drained counters; keys beyond the cap are counted as a gap.
@@ -186,6 +214,21 @@ mod tests {
     use innerwall_wire::testing::rule;
 
     use super::*;
+
+    #[test]
+    fn with_the_kill_switch_engaged_nothing_is_judged_blocked() {
+        for (mode, suspended, expected) in [
+            (Mode::Enforcement, true, Mode::Simulation),
+            (Mode::Enforcement, false, Mode::Enforcement),
+            (Mode::Simulation, true, Mode::Simulation),
+            (Mode::Visibility, true, Mode::Visibility),
+        ] {
+            let held = judged(Some(policy(mode)), suspended).expect("a policy");
+            assert_eq!((held.version(), held.mode()), (4, expected), "{mode} suspended={suspended}");
+            assert_eq!(judged_mode(mode, suspended), expected);
+        }
+        assert_eq!(judged(None, true), None);
+    }
 
     #[test]
     fn records_never_claim_a_moment_outside_their_window() {

@@ -13,7 +13,7 @@ use tokio::sync::mpsc;
 use tonic::transport::Channel;
 
 use crate::enforce::{EnforceError, Installed, PolicyStore, TamperEvent};
-use crate::error;
+use crate::{error, flows};
 
 /// An update as it arrived, before validation.
 #[derive(Debug, Clone)]
@@ -140,10 +140,32 @@ impl<S: PolicyStore> Enforcer<S> {
         self.store.lock().unwrap_or_else(PoisonError::into_inner).suspended()
     }
 
-    /// Looks at the kill switch again; a change is reported on the stream at once.
-    pub fn note_suspension(&self) {
+    /// The policy flows are judged under now ([`flows::judged`]).
+    pub fn judged(&self) -> Option<WorkloadPolicy> {
+        let store = self.store.lock().unwrap_or_else(PoisonError::into_inner);
+        flows::judged(store.current().cloned(), store.suspended())
+    }
+
+    /// The version and mode flows are judged under now, without copying the policy.
+    pub fn judged_as(&self) -> flows::JudgedAs {
+        let store = self.store.lock().unwrap_or_else(PoisonError::into_inner);
+        let (version, mode) = flows::judged_as(store.current());
+        (version, flows::judged_mode(mode, store.suspended()))
+    }
+
+    /// Looks at the kill switch again; a change is reported on the stream at once. Returns
+    /// whether it changed.
+    pub fn note_suspension(&self) -> bool {
         let now = self.suspended();
-        self.suspension.send_if_modified(|seen| std::mem::replace(seen, now) != now);
+        self.suspension.send_if_modified(|seen| std::mem::replace(seen, now) != now)
+    }
+
+    /// [`note_suspension`](Self::note_suspension), and on a change the evidence loop closes its
+    /// window (what an enforcing policy does changed). Blocking.
+    pub fn refresh_suspension(&self) {
+        if self.note_suspension() {
+            self.close_evidence_window();
+        }
     }
 
     pub fn applied_version(&self) -> Version {
@@ -163,8 +185,7 @@ impl<S: PolicyStore> Enforcer<S> {
             let next = next_policy(store.current(), update)?;
             (store.apply(&next)?, store.applied_version() != before)
         };
-        self.note_suspension();
-        if changed {
+        if self.note_suspension() || changed {
             self.close_evidence_window();
         }
         Ok(installed)

@@ -49,6 +49,20 @@ async fn stream(pool: &PgPool, id: WorkloadId, since: chrono::DateTime<chrono::U
     (innerwall_wire::sync::SyncState::from_code(state).expect("state").name().to_owned(), applied, acked)
 }
 
+/// Modes as the database stores them (protobuf numbers).
+const SIMULATION: i16 = 2;
+const ENFORCEMENT: i16 = 3;
+
+/// The modes of the stored windows of `version`.
+async fn window_modes(pool: &PgPool, id: WorkloadId, version: i64) -> Vec<i16> {
+    sqlx::query_scalar("SELECT mode FROM flow_windows WHERE workload_id = $1 AND policy_version = $2")
+        .bind(id.uuid())
+        .bind(version)
+        .fetch_all(pool)
+        .await
+        .expect("windows")
+}
+
 async fn db_now(pool: &PgPool) -> chrono::DateTime<chrono::Utc> {
     sqlx::query_scalar("SELECT now()").fetch_one(pool).await.expect("now")
 }
@@ -76,16 +90,20 @@ async fn wait_held(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_switch_holds_across_reconnects_and_versions() {
     require_root();
-    let gateway = GatewayConfig { heartbeat: Duration::from_secs(1), ..GatewayConfig::default() };
+    let gateway = GatewayConfig {
+        heartbeat: Duration::from_secs(1),
+        flow_window: Duration::from_secs(1),
+        ..GatewayConfig::default()
+    };
     let mut plane = Plane::create(Duration::from_secs(3600), gateway).await;
     let ns = Namespace::create(format!("iw-kill-{}", std::process::id()));
     ns.enter();
     plane.up().await;
     plane.bump(1).await;
     let (id, config) = plane.enroll("kill", &["app=web"]).await;
-    // Simulation, so the table holds the rules (visibility installs none).
+    // Enforcement, so the table holds the rules (visibility installs none) and drops.
     authoring::commit(plane.pool(), "test", "workload.mode", &id.to_string(), async |c| {
-        authoring::set_mode(c, id, Mode::Simulation).await?;
+        authoring::set_mode(c, id, Mode::Enforcement).await?;
         Ok(((), serde_json::json!({})))
     })
     .await
@@ -125,12 +143,21 @@ async fn kill_switch_holds_across_reconnects_and_versions() {
     assert!(table().is_none(), "a new version does not undo the kill switch");
     let status = agent_cli("status", &state);
     assert!(status.contains("kill switch:      engaged"), "{status}");
+    // Nothing is enforced: the flows of those moments are judged as would-blocks, not blocks.
+    wait_until("a window of v2 judged in simulation", &state, async || {
+        (window_modes(&pool, id, v2).await.contains(&SIMULATION)).then_some(())
+    })
+    .await;
 
     // Up installs the latest version the agent held, and the workload is SYNCED at it.
     let out = agent_cli("up", &state);
     assert!(out.contains(&format!("installed the persisted policy v{v2}")), "{out}");
     assert!(table().is_some_and(|t| t.contains("8001") && t.contains("8002")), "v{v2} installed");
     plane.wait_synced(id, v2).await;
+    wait_until("a window of v2 judged in enforcement", &state, async || {
+        (window_modes(&pool, id, v2).await.contains(&ENFORCEMENT)).then_some(())
+    })
+    .await;
     // Nothing was ever reported as an outside change: the held table was never "repaired".
     let tampers: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM audit_log WHERE action = 'workload.tamper' AND subject = $1",

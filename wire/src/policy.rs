@@ -308,6 +308,12 @@ impl WorkloadPolicy {
         self
     }
 
+    /// The same rules under another mode.
+    pub fn with_mode(mut self, mode: Mode) -> Self {
+        self.mode = mode;
+        self
+    }
+
     /// Rules in id order.
     pub fn rules(&self) -> impl ExactSizeIterator<Item = &ResolvedRule> {
         self.rules.values()

@@ -12,6 +12,7 @@ use innerwall_agent::links::Framing;
 
 use innerwall_agent::enforce::{LinuxPolicyStore, PolicyStore as _};
 use innerwall_agent::evidence::OpenWindow;
+use innerwall_agent::flows::judged_as;
 use innerwall_wire::flows::{Decision, FlowWindow};
 
 use crate::enforce::{matrix, policy};
@@ -334,7 +335,7 @@ fn netns_ebpf_records_flows_with_decisions() {
             None => open = Some((OpenWindow::new(now, store.current().cloned(), 1_000), mode, now)),
             Some((window, previous, opened)) => {
                 let closed = window
-                    .rotate(now, store.applied_version(), HOUR_MS, next)
+                    .rotate(now, judged_as(store.current()), HOUR_MS, next)
                     .unwrap_or_else(|| panic!("applying v{version} did not close the {previous} window"));
                 assert!(closed.end_ms - closed.start_ms < HOUR_MS, "closed early: {closed:?}");
                 assert_eq!((closed.start_ms, closed.end_ms), (*opened, now));
@@ -353,7 +354,7 @@ fn netns_ebpf_records_flows_with_decisions() {
         let drained = capture.drain().expect("drain");
         window.absorb(Ok(&drained), &local, now_ms());
         // The same version and a young window: nothing closes.
-        assert!(window.rotate(now_ms(), store.applied_version(), HOUR_MS, next).is_none());
+        assert!(window.rotate(now_ms(), judged_as(store.current()), HOUR_MS, next).is_none());
     }
     let (window, last, _) = open.expect("a window is open");
     check_decisions(&window.close(now_ms()), last);
