@@ -9,6 +9,7 @@ use innerwall_control_plane::identity::admission::Limits;
 use innerwall_control_plane::identity::ca::{FileCa, Signer};
 use innerwall_control_plane::identity::tokens;
 use innerwall_control_plane::policy::authoring;
+use innerwall_control_plane::postgres::Pools;
 use innerwall_control_plane::service::{self, Running, ServiceConfig};
 use innerwall_control_plane::sync::gateway::GatewayConfig;
 use innerwall_control_plane::testing::{TestDatabase, fresh_database};
@@ -62,7 +63,9 @@ impl Plane {
             flow_bounds: Default::default(),
             limits: self.limits.clone(),
         };
-        self.running = Some(service::start(self.db.pool.clone(), self.signer.clone(), config).await.unwrap());
+        self.running = Some(
+            service::start(Pools::shared(self.db.pool.clone()), self.signer.clone(), config).await.unwrap(),
+        );
     }
 
     pub fn addr(&self) -> String {
