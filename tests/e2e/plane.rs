@@ -104,10 +104,11 @@ impl Plane {
             &token,
             &self.signer.ca_bundle_pem(),
             &state,
-            false,
+            Default::default(),
         )
         .await
-        .unwrap();
+        .unwrap()
+        .credential;
         let mut config = RunConfig::new(state, self.server());
         config.backoff_base = Duration::from_millis(50);
         config.backoff_cap = Duration::from_millis(400);
