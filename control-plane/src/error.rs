@@ -49,10 +49,19 @@ pub enum Error {
     Database(#[from] sqlx::Error),
 }
 
-/// Whether the database could not be reached or gave no connection in time (a stopped server,
-/// a full pool): passing trouble, worth a retry, not the caller's fault nor a bug.
+/// Whether the database could not be reached, gave no connection in time or could not finish
+/// in its bounds (a stopped or restarting server, a full pool, a statement timeout): passing
+/// trouble, worth a retry, not the caller's fault nor a bug.
 fn database_unavailable(e: &sqlx::Error) -> bool {
-    matches!(e, sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Io(_))
+    match e {
+        sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Io(_) => true,
+        // query_canceled (statement timeout), admin_shutdown (also a postmaster that died under
+        // the connection), crash_shutdown, cannot_connect_now, too_many_connections.
+        sqlx::Error::Database(d) => {
+            matches!(d.code().as_deref(), Some("57014" | "57P01" | "57P02" | "57P03" | "53300"))
+        }
+        _ => false,
+    }
 }
 
 fn describe_database(e: &sqlx::Error) -> String {
