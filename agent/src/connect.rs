@@ -1,8 +1,8 @@
 //! Dialing the control plane: the run configuration ([`RunConfig`]: state directory, server,
 //! backoff, timeouts) and the one way a channel is made — `HOST:PORT` becomes
 //! `https://HOST:PORT` with `HOST` verified against the CA bundle, mutually authenticated with
-//! the credential on disk ([`connect`]), or server-authenticated only, for enrollment
-//! ([`connect_for_enrollment`]).
+//! the credential on disk ([`connect`]), or server-authenticated, for enrollment
+//! ([`connect_for_enrollment`], presenting the replaced credential on a re-enrollment).
 
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
@@ -82,14 +82,19 @@ pub async fn connect(config: &RunConfig) -> Result<Channel, ConnectError> {
         .map_err(transport)
 }
 
-/// A channel that authenticates the server against `ca_pem` and presents no certificate:
-/// the enrollment connection, before this host has a credential.
-pub async fn connect_for_enrollment(server: &str, ca_pem: &str) -> Result<Channel, ConnectError> {
+/// A channel that authenticates the server against `ca_pem`: the enrollment connection. It
+/// presents no certificate, or `previous` — the credential of the identity this enrollment
+/// replaces, as proof that this host held it.
+pub async fn connect_for_enrollment(
+    server: &str,
+    ca_pem: &str,
+    previous: Option<&Credential>,
+) -> Result<Channel, ConnectError> {
     let (url, host) = endpoint(server)?;
     let transport = |source| ConnectError::Transport { server: server.to_owned(), source };
     Endpoint::from_shared(url)
         .map_err(transport)?
-        .tls_config(identity::enroll_tls(ca_pem, &host))
+        .tls_config(identity::enroll_tls(ca_pem, &host, previous))
         .map_err(transport)?
         .connect()
         .await

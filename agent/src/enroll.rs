@@ -1,9 +1,17 @@
 //! `innerwall-agent enroll` (IDN-2): a key generated here, the provisioning token presented over
 //! server-authenticated TLS (the CA bundle delivered with the token is the only trust anchor),
 //! and the issued credential stored in the state directory.
+//!
+//! Re-enrolling (`--force`) replaces the identity in the state directory: the old credential,
+//! if still usable, is presented as the TLS client certificate, which proves this host held
+//! it, and the control plane retires that workload in the enrollment's transaction (issue 16).
+//! `--keep-replaced` leaves it live; an old credential that cannot prove anything (unreadable,
+//! expired, from another CA) leaves it live too, and the operator is told to retire it.
 
 use std::path::{Path, PathBuf};
+use std::time::SystemTime;
 
+use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::proto;
 
 use crate::connect::{self, ConnectError};
@@ -34,6 +42,13 @@ pub enum EnrollError {
     Connect(#[from] ConnectError),
     #[error("enrollment refused: {}", .0.message())]
     Refused(tonic::Status),
+    #[error(
+        "enrollment presenting this host's previous credential (workload {old}) as proof failed: {}; \
+         if the control plane refuses that credential (deny-listed, issued by another CA), enroll \
+         with --keep-replaced and retire the old workload with `innerwall workload retire {old}`",
+        .status.message()
+    )]
+    ReplacingRefused { old: WorkloadId, status: tonic::Status },
     #[error(transparent)]
     Credential(#[from] CredentialError),
 }
@@ -55,37 +70,133 @@ pub fn read_token_file(path: &Path) -> Result<String, EnrollError> {
     Ok(text.trim().to_owned())
 }
 
+/// What to do about an identity the state directory already holds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EnrollOptions {
+    /// Replace it (`--force`); without this, enrolling a host that holds one is refused.
+    pub force: bool,
+    /// Leave the replaced workload live (`--keep-replaced`) instead of having it retired.
+    pub keep_replaced: bool,
+}
+
+/// What became of the identity an enrollment replaced.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Replaced {
+    /// The state directory held none.
+    Nothing,
+    /// The control plane retired it in the enrollment's transaction (or it was retired already).
+    Retired(WorkloadId),
+    /// Left live, as asked (`--keep-replaced`); `None` when the old credential was unreadable.
+    Kept(Option<WorkloadId>),
+    /// Left live because this host could not prove it held it (`why`).
+    Unproven { id: Option<WorkloadId>, why: String },
+}
+
+impl Replaced {
+    /// What the operator should hear about a replaced workload left live.
+    pub fn warning(&self) -> Option<String> {
+        let retire = |id: &Option<WorkloadId>| match id {
+            Some(id) => format!("`innerwall workload retire {id}`"),
+            None => "`innerwall workload retire <id>` (find it with `innerwall workload list`)".to_owned(),
+        };
+        let named = |id: &Option<WorkloadId>| id.map(|id| format!(" (workload {id})")).unwrap_or_default();
+        match self {
+            Replaced::Nothing | Replaced::Retired(_) => None,
+            Replaced::Kept(id) => Some(format!(
+                "this host's previous identity{} stays live, as --keep-replaced asked; retire it with {} \
+                 once nothing needs it",
+                named(id),
+                retire(id)
+            )),
+            Replaced::Unproven { id, why } => Some(format!(
+                "this host's previous identity{} was not retired ({why}) and stays in every render; \
+                 retire it with {}",
+                named(id),
+                retire(id)
+            )),
+        }
+    }
+}
+
+/// What an enrollment stored and what became of the identity it replaced.
+#[derive(Debug, Clone)]
+pub struct Enrollment {
+    pub credential: Credential,
+    pub replaced: Replaced,
+}
+
+/// Why `old` cannot prove this host held it, if it cannot: the server would refuse it in the
+/// handshake, which would fail the enrollment.
+fn unusable(old: &Credential, ca_pem: &str, now: SystemTime) -> Option<String> {
+    if old.check_not_expired(now).is_err() {
+        return Some("its certificate has expired".to_owned());
+    }
+    if old.ca_pem.trim() != ca_pem.trim() {
+        return Some("it was issued under another CA bundle than --ca-bundle".to_owned());
+    }
+    None
+}
+
 /// Generates a key locally, enrolls with the token over server-authenticated TLS, and stores
-/// key, certificate and CA bundle in `state_dir`.
+/// key, certificate and CA bundle in `state_dir`. With `options.force` an identity already
+/// there is replaced (see the module docs for what becomes of it).
 pub async fn enroll(
     server: &str,
     token: &str,
     ca_pem: &str,
     state_dir: &Path,
-    force: bool,
-) -> Result<Credential, EnrollError> {
-    if !force && Credential::exists(state_dir) {
-        let id = Credential::load(state_dir).map(|c| c.id.to_string()).unwrap_or_else(|_| "unknown".into());
+    options: EnrollOptions,
+) -> Result<Enrollment, EnrollError> {
+    let previous = Credential::exists(state_dir).then(|| Credential::load(state_dir));
+    if !options.force
+        && let Some(previous) = &previous
+    {
+        let id = previous.as_ref().map(|c| c.id.to_string()).unwrap_or_else(|_| "unknown".into());
         return Err(EnrollError::AlreadyEnrolled { dir: state_dir.display().to_string(), id });
     }
-    let channel = connect::connect_for_enrollment(server, ca_pem).await?;
+    let (proof, replaced) = match previous {
+        None => (None, Replaced::Nothing),
+        Some(Ok(old)) if options.keep_replaced => (None, Replaced::Kept(Some(old.id))),
+        Some(Err(_)) if options.keep_replaced => (None, Replaced::Kept(None)),
+        Some(Ok(old)) => match unusable(&old, ca_pem, SystemTime::now()) {
+            None => (Some(old), Replaced::Nothing),
+            Some(why) => (None, Replaced::Unproven { id: Some(old.id), why }),
+        },
+        Some(Err(e)) => {
+            let why = format!("its credential is unusable: {}", crate::error::chain(&e));
+            (None, Replaced::Unproven { id: None, why })
+        }
+    };
+    let channel = connect::connect_for_enrollment(server, ca_pem, proof.as_ref()).await?;
     let (key_pem, csr_pem) = identity::new_key_and_csr()?;
     let request = proto::EnrollRequest {
         provisioning_token: token.trim().to_owned(),
         csr_pem,
         facts: Some(facts::host_facts()?),
         agent: Some(facts::agent_info()),
+        replace: proof.is_some(),
     };
     let response = proto::enrollment_service_client::EnrollmentServiceClient::new(channel)
         .enroll(request)
         .await
-        .map_err(EnrollError::Refused)?
+        .map_err(|status| match &proof {
+            Some(old) => EnrollError::ReplacingRefused { old: old.id, status },
+            None => EnrollError::Refused(status),
+        })?
         .into_inner();
+    let replaced = match proof {
+        Some(old) if response.replaced_workload_id == old.id.to_uri() => Replaced::Retired(old.id),
+        Some(old) => Replaced::Unproven {
+            id: Some(old.id),
+            why: "the control plane did not confirm retiring it (a version without replacement?)".into(),
+        },
+        None => replaced,
+    };
     let cert_pem = String::from_utf8(response.certificate_pem)
         .map_err(|_| CredentialError::Certificate("the issued certificate is not PEM text".into()))?;
     let credential = Credential::new(key_pem, cert_pem, ca_pem.to_owned())?;
     credential.save(state_dir)?;
-    Ok(credential)
+    Ok(Enrollment { credential, replaced })
 }
 
 #[cfg(test)]

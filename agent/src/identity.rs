@@ -208,8 +208,14 @@ impl Credential {
 }
 
 /// TLS for enrollment: trust only the CA bundle, present no certificate.
-pub fn enroll_tls(ca_pem: &str, server_name: &str) -> ClientTlsConfig {
-    ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca_pem)).domain_name(server_name)
+/// Server-authenticated TLS against `ca_pem` for enrollment, presenting `previous` (this host's
+/// old credential) as the client certificate when it re-enrolls to replace that identity.
+pub fn enroll_tls(ca_pem: &str, server_name: &str, previous: Option<&Credential>) -> ClientTlsConfig {
+    let tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca_pem)).domain_name(server_name);
+    match previous {
+        Some(old) => tls.identity(Identity::from_pem(&old.cert_pem, &old.key_pem)),
+        None => tls,
+    }
 }
 
 /// Reads a file that holds a private key, refusing it if group or others can read it.

@@ -58,9 +58,14 @@ enum Command {
         /// The CA certificate delivered with the token; the only trust anchor for the server.
         #[arg(long)]
         ca_bundle: PathBuf,
-        /// Replace an existing identity.
+        /// Replace an existing identity. Its workload is retired by the control plane (it leaves
+        /// every render), proven by presenting the old credential; if that credential cannot be
+        /// used (expired, unreadable), a warning names the workload to retire by hand.
         #[arg(long)]
         force: bool,
+        /// With --force: leave the replaced workload live instead of retiring it.
+        #[arg(long, requires = "force")]
+        keep_replaced: bool,
     },
     /// Kill switch: remove table inet innerwall (and nothing else); keep the persisted policy.
     /// Holds across restarts, reconnects and new versions (they are persisted, not installed)
@@ -134,7 +139,7 @@ fn run(command: Command) -> anyhow::Result<()> {
                 .context("starting the async runtime")?;
             runtime.block_on(daemon::run(config))?;
         }
-        Command::Enroll { state, server, token, token_file, ca_bundle, force } => {
+        Command::Enroll { state, server, token, token_file, ca_bundle, force, keep_replaced } => {
             let token = match (token, token_file) {
                 (Some(token), _) => token,
                 (None, Some(path)) => innerwall_agent::enroll::read_token_file(&path)?,
@@ -145,13 +150,14 @@ fn run(command: Command) -> anyhow::Result<()> {
                 .enable_all()
                 .build()
                 .context("starting the async runtime")?;
-            let credential = runtime.block_on(innerwall_agent::enroll::enroll(
+            let enrollment = runtime.block_on(innerwall_agent::enroll::enroll(
                 &server,
                 &token,
                 &ca,
                 &state.state_dir,
-                force,
+                innerwall_agent::enroll::EnrollOptions { force, keep_replaced },
             ))?;
+            let credential = &enrollment.credential;
             println!(
                 "enrolled as workload {} (certificate valid for {}h); identity stored in {}",
                 credential.id,
@@ -161,6 +167,12 @@ fn run(command: Command) -> anyhow::Result<()> {
                     .map_or(0, |d| d.as_secs() / 3600),
                 state.state_dir.display()
             );
+            if let innerwall_agent::enroll::Replaced::Retired(old) = &enrollment.replaced {
+                println!("replaced workload {old}: the control plane retired it (it left every render)");
+            }
+            if let Some(warning) = enrollment.replaced.warning() {
+                eprintln!("warning: {warning}");
+            }
             println!(
                 "start the agent with: innerwall-agent run --server {server} --state-dir {}",
                 state.state_dir.display()

@@ -35,7 +35,8 @@ pub enum Error {
     /// (a chain would print it twice).
     #[error("{error}")]
     Token { kind: &'static str, error: BoxError },
-    /// The database could not do it in bounded time (a lock held too long): retry later.
+    /// The database could not do it in bounded time (a lock held too long; also a database that
+    /// is down or gives no connection in time, see [`Kind::Busy`]): retry later.
     #[error("{0}")]
     Busy(String),
     #[error("agent-offline: workload {id} has no stream (last seen {last_seen})")]
@@ -44,8 +45,33 @@ pub enum Error {
     Render(#[source] BoxError),
     #[error("stored {what} is corrupt: {detail}")]
     Corrupt { what: &'static str, detail: String },
-    #[error("database: {0}")]
+    #[error("database: {}", describe_database(.0))]
     Database(#[from] sqlx::Error),
+}
+
+/// Whether the database could not be reached, gave no connection in time or could not finish
+/// in its bounds (a stopped or restarting server, a full pool, a statement timeout): passing
+/// trouble, worth a retry, not the caller's fault nor a bug.
+fn database_unavailable(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Io(_) => true,
+        // query_canceled (statement timeout), admin_shutdown (also a postmaster that died under
+        // the connection), crash_shutdown, cannot_connect_now, too_many_connections.
+        sqlx::Error::Database(d) => {
+            matches!(d.code().as_deref(), Some("57014" | "57P01" | "57P02" | "57P03" | "53300"))
+        }
+        _ => false,
+    }
+}
+
+fn describe_database(e: &sqlx::Error) -> String {
+    match e {
+        sqlx::Error::PoolTimedOut => "unavailable: no connection within the pool's acquire timeout (the \
+                                      server is down or every connection is busy); retry later"
+            .into(),
+        e if database_unavailable(e) => format!("unavailable: {e}; retry later"),
+        e => e.to_string(),
+    }
 }
 
 /// What kind of failure an [`Error`] is, for a transport to choose its status.
@@ -76,6 +102,7 @@ impl Error {
             Error::Token { .. } => Kind::Unauthenticated,
             Error::AgentOffline { .. } => Kind::AgentOffline,
             Error::Busy(_) => Kind::Busy,
+            Error::Database(e) if database_unavailable(e) => Kind::Busy,
             Error::Render(_) | Error::Corrupt { .. } | Error::Database(_) => Kind::Internal,
         }
     }
@@ -141,6 +168,8 @@ mod tests {
             (Error::Invalid("bad".into()), tonic::Code::InvalidArgument),
             (Error::Refused("no".into()), tonic::Code::PermissionDenied),
             (Error::Busy("the render lock".into()), tonic::Code::Unavailable),
+            (Error::Database(sqlx::Error::PoolTimedOut), tonic::Code::Unavailable),
+            (Error::Database(sqlx::Error::RowNotFound), tonic::Code::Internal),
             (token, tonic::Code::Unauthenticated),
             (Error::Corrupt { what: "mode", detail: "9".into() }, tonic::Code::Internal),
         ];
@@ -150,6 +179,8 @@ mod tests {
         }
         let status = tonic::Status::from(Error::Token { kind: "revoked", error: "it was revoked".into() });
         assert_eq!(status.message(), "provisioning token revoked: it was revoked");
+        let status = tonic::Status::from(Error::Database(sqlx::Error::PoolTimedOut));
+        assert!(status.message().contains("the server is down or every connection is busy"), "{status:?}");
         let status = tonic::Status::from(Error::Render("rule x broke".into()));
         assert_eq!(status.message(), "internal error; see the control-plane log", "no detail leaks");
     }

@@ -20,6 +20,7 @@ use crate::identity::enroll::Enroller;
 use crate::identity::listener::{self, Authenticate, ServerError};
 use crate::identity::server_cert::ServerCertificate;
 use crate::policy::authoring;
+use crate::postgres::Pools;
 use crate::sync::bridge;
 use crate::sync::gateway::{Gateway, GatewayConfig};
 
@@ -131,21 +132,28 @@ impl Running {
     }
 }
 
+/// Starts a replica on `pools`: each job uses its own pool (stream state, the bridge and the
+/// liveness sweep `streams`; uploads and retention `ingest`; enrollment, renewal and every render
+/// `authoring`), so no job can take the connections another needs.
 pub async fn start(
-    pool: PgPool,
+    pools: Pools,
     signer: Arc<dyn Signer>,
     config: ServiceConfig,
 ) -> Result<Running, ServiceError> {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let changed = authoring::render_now(&pool).await?;
+    let changed = authoring::render_now(&pools.authoring).await?;
     tracing::info!(changed = changed.len(), "startup render done");
 
-    let admission = Arc::new(Admission::new(bridge::load_refused(&pool).await?, config.limits.clone()));
-    let enroller = Enroller { pool: pool.clone(), signer: signer.clone(), lifetime: config.cert_lifetime };
-    let gateway = Gateway::new(pool.clone(), config.gateway.clone(), enroller.clone());
-    let bridge = tokio::spawn(bridge::run(pool.clone(), gateway.clone(), admission.clone()));
-    let retention = tokio::spawn(retention_forever(pool.clone(), config.flow_bounds.max_age.num_days()));
-    let liveness = tokio::spawn(crate::sync::liveness::sweep_forever(pool.clone(), config.gateway.heartbeat));
+    let admission =
+        Arc::new(Admission::new(bridge::load_refused(&pools.streams).await?, config.limits.clone()));
+    let enroller =
+        Enroller { pool: pools.authoring.clone(), signer: signer.clone(), lifetime: config.cert_lifetime };
+    let gateway = Gateway::new(&pools, config.gateway.clone(), enroller.clone());
+    let bridge = tokio::spawn(bridge::run(pools.streams.clone(), gateway.clone(), admission.clone()));
+    let retention =
+        tokio::spawn(retention_forever(pools.ingest.clone(), config.flow_bounds.max_age.num_days()));
+    let liveness =
+        tokio::spawn(crate::sync::liveness::sweep_forever(pools.streams.clone(), config.gateway.heartbeat));
 
     let certificate = ServerCertificate::issue(
         signer.clone(),
@@ -160,7 +168,7 @@ pub async fn start(
         .await
         .map_err(|source| ServiceError::Bind { addr: config.listen, source })?;
     let local_addr = tcp.local_addr().map_err(ServerError::Io)?;
-    let telemetry = crate::flows::Telemetry { pool: pool.clone(), bounds: config.flow_bounds };
+    let telemetry = crate::flows::Telemetry { pool: pools.ingest.clone(), bounds: config.flow_bounds };
     // Every service on both: a client without a certificate calling an agent service hears
     // from `Authenticate` that it must enroll first.
     let routes = |server: tonic::transport::Server| {

@@ -2,6 +2,7 @@
 
 mod agent_restart;
 mod binaries;
+mod enroll;
 mod evidence;
 mod flows;
 mod host;

@@ -11,6 +11,7 @@ use innerwall_agent::identity::Credential;
 use innerwall_agent::sync::Enforcer;
 use innerwall_control_plane::identity::ca::{FileCa, Signer};
 use innerwall_control_plane::policy::store;
+use innerwall_control_plane::postgres::Pools;
 use innerwall_control_plane::service::{self, Running, ServiceConfig};
 use innerwall_control_plane::sync::gateway::GatewayConfig;
 use innerwall_control_plane::testing::{TestDatabase, fresh_database};
@@ -60,7 +61,9 @@ impl Plane {
             flow_bounds: Default::default(),
             limits: Default::default(),
         };
-        self.running = Some(service::start(self.db.pool.clone(), self.signer.clone(), config).await.unwrap());
+        self.running = Some(
+            service::start(Pools::shared(self.db.pool.clone()), self.signer.clone(), config).await.unwrap(),
+        );
     }
 
     pub async fn down(&mut self) {
@@ -101,10 +104,11 @@ impl Plane {
             &token,
             &self.signer.ca_bundle_pem(),
             &state,
-            false,
+            Default::default(),
         )
         .await
-        .unwrap();
+        .unwrap()
+        .credential;
         let mut config = RunConfig::new(state, self.server());
         config.backoff_base = Duration::from_millis(50);
         config.backoff_cap = Duration::from_millis(400);

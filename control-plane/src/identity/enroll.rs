@@ -1,7 +1,8 @@
 //! Enrollment and renewal (IDN-2, IDN-3, IDN-5): a provisioning token and a CSR become a new
 //! workload with the token's labels and a certificate naming it; a live identity renews over
 //! mutual TLS. Nothing the agent says about itself is trusted for authorization: its id comes
-//! from us (enroll) or its certificate (renew), its labels from the token.
+//! from us (enroll) or its certificate (renew), its labels from the token, and the workload a
+//! re-enrollment replaces from the client certificate of the enrollment connection.
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -10,6 +11,7 @@ use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::proto;
 use sqlx::PgPool;
 
+use crate::audit;
 use crate::error::Error;
 use crate::identity::ca::{IssuedCertificate, Signer};
 use crate::policy::authoring;
@@ -38,6 +40,8 @@ pub struct Enrolled {
     pub id: WorkloadId,
     pub certificate: IssuedCertificate,
     pub labels: Vec<innerwall_wire::labels::Label>,
+    /// The workload this enrollment replaced (retired now, or retired already).
+    pub replaced: Option<WorkloadId>,
 }
 
 fn bounded<'a>(what: &str, text: &'a str, max: usize) -> Result<&'a str, Error> {
@@ -48,10 +52,17 @@ fn bounded<'a>(what: &str, text: &'a str, max: usize) -> Result<&'a str, Error> 
 }
 
 impl Enroller {
-    /// Validates everything, then in one transaction consumes a token use, registers the
-    /// workload with the token's labels, renders (so version 1 exists from enrollment on),
-    /// issues the certificate and audits. Any failure writes nothing.
-    pub async fn enroll(&self, req: &proto::EnrollRequest) -> Result<Enrolled, Error> {
+    /// Validates everything, then in one transaction consumes a token use, retires the workload
+    /// it replaces (`replacing`: the identity the enrollment connection's client certificate
+    /// proved, when the request asks to replace it; audited as replaced by the new one),
+    /// registers the workload with the token's labels, renders (so version 1 exists from
+    /// enrollment on, and the replaced workload has left every render), issues the certificate
+    /// and audits. Any failure writes nothing.
+    pub async fn enroll(
+        &self,
+        req: &proto::EnrollRequest,
+        replacing: Option<WorkloadId>,
+    ) -> Result<Enrolled, Error> {
         if req.provisioning_token.len() > MAX_TOKEN_LEN {
             return Err(Error::Invalid("provisioning token is too long".into()));
         }
@@ -69,8 +80,14 @@ impl Enroller {
         let id = WorkloadId::new_random();
         let token_hint: String = req.provisioning_token.chars().take(9).collect();
         let now = SystemTime::now();
-        let done = authoring::commit(&self.pool, &format!("enroll:{token_hint}"), "workload.enroll", &id.to_string(), async |c| {
+        let actor = format!("enroll:{token_hint}");
+        let done = authoring::commit(&self.pool, &actor, "workload.enroll", &id.to_string(), async |c| {
             let token = crate::identity::tokens::consume(c, &req.provisioning_token, chrono::Utc::now()).await?;
+            // Before the render: the replaced workload's addresses are the new one's, and a
+            // live claim by both would render them for neither.
+            if let Some(old) = replacing {
+                retire_replaced(c, &actor, old, id).await?;
+            }
             let certificate = self.signer.issue_workload(id, &req.csr_pem, self.lifetime, now)?;
             let new = NewWorkload { id, hostname: hostname.clone(), labels: token.labels.clone(), addresses: addresses.clone() };
             authoring::register_workload(c, &new).await?;
@@ -95,11 +112,17 @@ impl Enroller {
                 .execute(&mut *c)
                 .await?;
             let labels: Vec<String> = token.labels.iter().map(ToString::to_string).collect();
-            let detail = serde_json::json!({"token": token.id, "hostname": hostname, "labels": labels});
-            Ok((Enrolled { id, certificate, labels: token.labels }, detail))
+            let replaces = replacing.map(|old| old.to_string());
+            let detail = serde_json::json!({"token": token.id, "hostname": hostname, "labels": labels, "replaces": replaces});
+            Ok((Enrolled { id, certificate, labels: token.labels, replaced: replacing }, detail))
         })
         .await?;
-        tracing::info!(workload = %id, hostname = %hostname, "enrolled");
+        match replacing {
+            Some(old) => {
+                tracing::info!(workload = %id, hostname = %hostname, replaced = %old, "enrolled, replacing a workload")
+            }
+            None => tracing::info!(workload = %id, hostname = %hostname, "enrolled"),
+        }
         Ok(done.value)
     }
 
@@ -139,13 +162,55 @@ impl Enroller {
     }
 }
 
+/// Retires `old`, replaced by the enrollment of `new`, and audits it naming both. A workload
+/// retired already stays retired (the host re-enrolls after an operator retired it).
+async fn retire_replaced(
+    conn: &mut sqlx::PgConnection,
+    actor: &str,
+    old: WorkloadId,
+    new: WorkloadId,
+) -> Result<(), Error> {
+    let retired: Option<bool> =
+        sqlx::query_scalar("SELECT retired_at IS NOT NULL FROM workloads WHERE id = $1 FOR UPDATE")
+            .bind(old.uuid())
+            .fetch_optional(&mut *conn)
+            .await?;
+    match retired {
+        None => Err(Error::NotFound { what: "workload", name: old.to_string() }),
+        Some(true) => Ok(()),
+        Some(false) => {
+            authoring::retire(conn, old).await?;
+            let detail =
+                serde_json::json!({"replaced_by": new.to_string(), "reason": "the host enrolled again"});
+            audit::write(conn, &audit::Record::new(actor, "workload.retire", &old.to_string()).detail(detail))
+                .await
+        }
+    }
+}
+
+/// The workload named by the verified client certificate of the connection `request` came on;
+/// the listener accepted the connection only after checking the chain and the deny-list, and
+/// the TLS handshake proved the client holds the certificate's key.
+#[allow(clippy::result_large_err)]
+fn presented_identity<T>(request: &tonic::Request<T>) -> Result<WorkloadId, tonic::Status> {
+    let leaf = request.peer_certs().and_then(|certs| certs.first().cloned()).ok_or_else(|| {
+        tonic::Status::invalid_argument(
+            "replace needs the replaced identity's credential as the TLS client certificate of the \
+             enrollment connection",
+        )
+    })?;
+    crate::identity::ca::workload_id_from_certificate(leaf.as_ref())
+        .map_err(|e| tonic::Status::unauthenticated(e.to_string()))
+}
+
 #[tonic::async_trait]
 impl proto::enrollment_service_server::EnrollmentService for Enroller {
     async fn enroll(
         &self,
         request: tonic::Request<proto::EnrollRequest>,
     ) -> Result<tonic::Response<proto::EnrollResponse>, tonic::Status> {
-        let enrolled = self.enroll(request.get_ref()).await.map_err(tonic::Status::from)?;
+        let replacing = if request.get_ref().replace { Some(presented_identity(&request)?) } else { None };
+        let enrolled = self.enroll(request.get_ref(), replacing).await.map_err(tonic::Status::from)?;
         Ok(tonic::Response::new(proto::EnrollResponse {
             workload_id: enrolled.id.to_uri(),
             certificate_pem: enrolled.certificate.pem.into_bytes(),
@@ -155,6 +220,7 @@ impl proto::enrollment_service_server::EnrollmentService for Enroller {
                 .iter()
                 .map(|l| proto::Label { key: l.key.to_string(), value: l.value.to_string() })
                 .collect(),
+            replaced_workload_id: enrolled.replaced.map(|old| old.to_uri()).unwrap_or_default(),
         }))
     }
 }

@@ -1,5 +1,6 @@
 //! The one agent listener (IDN-4): TLS 1.3 on a single port serving enrollment (no client
-//! certificate) and the agent and telemetry services (client certificate chained to the CA).
+//! certificate, or on a re-enrollment the credential it replaces) and the agent and telemetry
+//! services (client certificate chained to the CA).
 //! Identity comes from the connection only: the handshake verifies the chain and refuses
 //! deny-listed identities (IDN-7), and the `authenticate` interceptor hands the certificate's
 //! workload id to handlers as [`AgentIdentity`].

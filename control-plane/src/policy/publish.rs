@@ -49,7 +49,8 @@ pub async fn publish(conn: &mut PgConnection) -> Result<Vec<Changed>, Error> {
         |e| match e.as_database_error().and_then(|d| d.code()).as_deref() {
             // lock_not_available: the connection's lock_timeout passed (postgres::Timeouts).
             Some("55P03") => Error::Busy(
-                "the render lock stayed held past the lock timeout: another render, or a client                  stalled in the middle of a change, holds it; nothing was written, retry"
+                "the render lock stayed held past the lock timeout: another render, or a client \
+                 stalled in the middle of a change, holds it; nothing was written, retry"
                     .into(),
             ),
             _ => Error::Database(e),

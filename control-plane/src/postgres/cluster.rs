@@ -272,6 +272,36 @@ impl Cluster {
         self.postmaster_line(0)?.parse().ok()
     }
 
+    /// The pid of a live postmaster on this data directory: the one `postmaster.pid` names, if
+    /// that process exists, is no zombie and is a `postgres` (a pid left by a crash and reused
+    /// by another program does not count).
+    pub fn postmaster_alive(&self) -> Option<u32> {
+        let pid = self.postmaster_pid()?;
+        let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let (comm, rest) = stat.split_once(" (")?.1.rsplit_once(") ")?;
+        (comm == "postgres" && !rest.starts_with('Z')).then_some(pid)
+    }
+
+    /// Waits until the process `postmaster.pid` names is gone, or `timeout` passed: a postmaster
+    /// that died stays a zombie until init reaps it, and until then `pg_ctl` and a new
+    /// postmaster both take it for a live server.
+    pub fn wait_until_reaped(&self, timeout: Duration) -> Result<(), Error> {
+        let Some(pid) = self.postmaster_pid() else { return Ok(()) };
+        let started = Instant::now();
+        while Path::new(&format!("/proc/{pid}")).exists() {
+            if started.elapsed() > timeout {
+                return Err(Error::NotRunning {
+                    path: self.root.clone(),
+                    detail: format!(
+                        "its postmaster (pid {pid}) died and was not reaped within {timeout:?}; retry"
+                    ),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(())
+    }
+
     /// The port the running postmaster listens on, from `postmaster.pid` (its fourth line): the
     /// server's own word, where the `port` file may be stale or lost.
     pub fn postmaster_port(&self) -> Option<u16> {

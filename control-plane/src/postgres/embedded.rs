@@ -10,6 +10,9 @@ use super::cluster::{Cluster, wait_until_accepting};
 use super::url::{database_url, pick_free_port, quote_ident, redact_url};
 use super::{DATABASE, Error, START_TIMEOUT, SUPERUSER, blocking};
 
+/// How long a dead postmaster may stay a zombie before starting a new one is given up.
+const REAP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The embedded default of the `innerwall` CLI: initializes the cluster under
 /// `<state_dir>/postgres` if missing, starts it as a daemon that outlives this process if it is not
 /// running, creates the `innerwall` database if missing and returns its URL.
@@ -38,7 +41,13 @@ pub async fn embedded(state_dir: &Path) -> Result<String, Error> {
         cluster.mark_initialized()?;
         let password = cluster.password()?;
         let mut port = cluster.port()?;
-        if cluster.is_running()? {
+        let mut running = cluster.is_running()?;
+        if running && cluster.postmaster_alive().is_none() {
+            // Died moments ago and not reaped yet (a supervisor notices that fast).
+            cluster.wait_until_reaped(REAP_TIMEOUT)?;
+            running = false;
+        }
+        if running {
             // A running server says which port it has; a stale or lost port file is repaired
             // instead of sending every caller to the wrong port.
             if let Some(actual) = cluster.postmaster_port().filter(|p| *p != port) {

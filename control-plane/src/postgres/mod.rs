@@ -23,14 +23,15 @@
 //!
 //! Where things live: `cluster` (one cluster directory: binaries, init, start, stop, wait),
 //! `child` (a server that dies with this process), `system_user` (the account the server runs
-//! as), `embedded` (the CLI's default database), `test_server` (the test harness's private server)
-//! and `url` (URLs, ports, identifiers). This file keeps the shared constants, the module's
-//! [`Error`] and the migrated pool; the submodules are private and everything public is
+//! as), `embedded` (the CLI's default database), `supervise` (restarting it under `serve`),
+//! `test_server` (the test harness's private server) and `url` (URLs, ports, identifiers). This
+//! file keeps the shared constants, the module's [`Error`] and the migrated pools (one per job); the submodules are private and everything public is
 //! re-exported here.
 
 mod child;
 mod cluster;
 mod embedded;
+mod supervise;
 mod system_user;
 mod test_server;
 mod url;
@@ -40,11 +41,12 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use sqlx::migrate::{MigrateError, Migrator};
-use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 
 pub use self::child::ChildServer;
 pub use self::cluster::{Binaries, Cluster};
 pub use self::embedded::{embedded, embedded_cluster};
+pub use self::supervise::{Health, Supervisor};
 pub use self::system_user::ServerUser;
 pub use self::test_server::TestCluster;
 pub use self::url::{
@@ -97,6 +99,8 @@ pub enum Error {
          directory to start over"
     )]
     Damaged { path: PathBuf, what: String },
+    #[error("the embedded postgres in {path} is not running: {detail}; its log is server.log there")]
+    NotRunning { path: PathBuf, detail: String },
     #[error("port {port} on 127.0.0.1 is in use; server log {log} ends with:\n{log_tail}")]
     PortInUse { port: u16, log: PathBuf, log_tail: String },
     #[error(
@@ -135,7 +139,8 @@ fn io_error(action: &'static str, path: impl Into<PathBuf>) -> impl FnOnce(io::E
     move |source| Error::Io { action, path: path.into(), source }
 }
 
-/// Connects to `url` and brings its schema up to date with [`MIGRATOR`].
+/// Connects to `url` and brings its schema up to date with [`MIGRATOR`]: one pool with the
+/// authoring settings ([`PoolConfig::AUTHORING`], ten connections), as the CLI uses.
 pub async fn connect(url: &str) -> Result<PgPool, Error> {
     let pool = pool_options()
         .connect(url)
@@ -157,12 +162,122 @@ pub struct Timeouts {
 }
 
 impl Default for Timeouts {
+    /// The authoring settings: long enough for a render of 10,000 workloads.
     fn default() -> Self {
-        Timeouts {
+        PoolConfig::AUTHORING.timeouts
+    }
+}
+
+/// One pool's settings: its size, the [`Timeouts`] of every connection it opens, and how long a
+/// caller waits for a connection (a stopped server or a full pool fails the call after this).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolConfig {
+    pub size: u32,
+    pub timeouts: Timeouts,
+    pub acquire: Duration,
+}
+
+impl PoolConfig {
+    /// Agent streams (Hello, state records, heartbeats, the liveness sweep, the NOTIFY bridge):
+    /// single-row statements that take milliseconds. Short bounds give a stuck connection back
+    /// soon, and a stream whose write fails ends and is redialed. The lock wait still outlasts
+    /// the row lock an authoring change holds on a workload while it renders (PERF-1: < 1 s).
+    pub const STREAMS: PoolConfig = PoolConfig {
+        size: 8,
+        timeouts: Timeouts {
+            statement: Duration::from_secs(15),
+            lock: Duration::from_secs(10),
+            idle_in_transaction: Duration::from_secs(15),
+        },
+        acquire: Duration::from_secs(10),
+    };
+    /// Flow ingest and retention: a window of up to 100,000 records in one `COPY` (PERF-7:
+    /// 100,000 records/s), so moderate bounds; few connections, so a flood of uploads waits for
+    /// its own pool and never for the streams' or authoring's.
+    pub const INGEST: PoolConfig = PoolConfig {
+        size: 4,
+        timeouts: Timeouts {
+            statement: Duration::from_secs(30),
+            lock: Duration::from_secs(10),
+            idle_in_transaction: Duration::from_secs(30),
+        },
+        acquire: Duration::from_secs(10),
+    };
+    /// Authoring and renders (enrollment, inventory changes, renewal, the startup render, the
+    /// CLI): a publish of 10,000 workloads fits the statement bound many times over; renders
+    /// serialize on the render lock, so more connections would only queue there.
+    pub const AUTHORING: PoolConfig = PoolConfig {
+        size: 4,
+        timeouts: Timeouts {
             statement: Duration::from_secs(60),
             lock: Duration::from_secs(15),
             idle_in_transaction: Duration::from_secs(60),
+        },
+        acquire: Duration::from_secs(10),
+    };
+
+    /// The pool options of this configuration.
+    pub fn options(&self) -> PgPoolOptions {
+        pool_options_with(self.timeouts).max_connections(self.size).acquire_timeout(self.acquire)
+    }
+}
+
+/// The settings of the three pools of one replica ([`Pools`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolsConfig {
+    pub streams: PoolConfig,
+    pub ingest: PoolConfig,
+    pub authoring: PoolConfig,
+}
+
+impl Default for PoolsConfig {
+    fn default() -> Self {
+        PoolsConfig {
+            streams: PoolConfig::STREAMS,
+            ingest: PoolConfig::INGEST,
+            authoring: PoolConfig::AUTHORING,
         }
+    }
+}
+
+/// A replica's connections, one pool per job (REL-5), so that one job cannot take every
+/// connection from the others: a flood of flow uploads waits in `ingest` while stream state
+/// writes and enrollment go on. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Pools {
+    /// Agent streams: Hello, state records, heartbeats, liveness, the NOTIFY bridge.
+    pub streams: PgPool,
+    /// Flow ingest and retention.
+    pub ingest: PgPool,
+    /// Authoring and renders: enrollment, renewal, inventory renders, the startup render.
+    pub authoring: PgPool,
+}
+
+impl Pools {
+    /// Opens the three pools on `url` and migrates (through `authoring`).
+    pub async fn connect(url: &str, config: &PoolsConfig) -> Result<Pools, Error> {
+        let open = async |c: &PoolConfig| {
+            c.options().connect(url).await.map_err(|source| Error::Connect { url: redact_url(url), source })
+        };
+        let authoring = open(&config.authoring).await?;
+        MIGRATOR.run(&authoring).await.map_err(|source| Error::Migrate { url: redact_url(url), source })?;
+        Ok(Pools { streams: open(&config.streams).await?, ingest: open(&config.ingest).await?, authoring })
+    }
+
+    /// One pool serving every job (tests, tools): no isolation between jobs.
+    pub fn shared(pool: PgPool) -> Pools {
+        Pools { streams: pool.clone(), ingest: pool.clone(), authoring: pool }
+    }
+
+    /// Points every pool at `url` from the next connection on (the embedded cluster moved to
+    /// another port); connections already open stay until they fail.
+    pub fn set_url(&self, url: &str) -> Result<(), Error> {
+        let options: PgConnectOptions =
+            url.parse().map_err(|source| Error::Connect { url: redact_url(url), source })?;
+        for pool in [&self.streams, &self.ingest, &self.authoring] {
+            pool.set_connect_options(options.clone());
+        }
+        Ok(())
     }
 }
 

@@ -23,6 +23,7 @@ use crate::error::Error;
 use crate::identity::enroll::Enroller;
 use crate::identity::listener::{AgentIdentity, agent_identity, identity};
 use crate::policy::store;
+use crate::postgres::Pools;
 use crate::sync::session::{Ack, Action, Record, Session, SyncState, Update};
 
 /// Timing the gateway hands each agent in `HelloAck`, and the liveness bound derived from it.
@@ -81,7 +82,10 @@ struct Handle {
 
 #[derive(Debug)]
 struct Inner {
+    /// Stream state: Hello, records, heartbeats, reads of the persisted policy.
     pool: PgPool,
+    /// Renders a stream causes (inventory changes, the repair render).
+    renders: PgPool,
     config: GatewayConfig,
     enroller: Enroller,
     streams: Mutex<BTreeMap<WorkloadId, Handle>>,
@@ -97,10 +101,11 @@ pub struct Gateway {
 type Outbound = mpsc::Sender<Result<proto::SyncResponse, Status>>;
 
 impl Gateway {
-    pub fn new(pool: PgPool, config: GatewayConfig, enroller: Enroller) -> Self {
+    pub fn new(pools: &Pools, config: GatewayConfig, enroller: Enroller) -> Self {
         Gateway {
             inner: Arc::new(Inner {
-                pool,
+                pool: pools.streams.clone(),
+                renders: pools.authoring.clone(),
                 config,
                 enroller,
                 streams: Mutex::new(BTreeMap::new()),
@@ -214,6 +219,10 @@ impl StreamTask {
         &self.gateway.inner.pool
     }
 
+    fn renders(&self) -> &PgPool {
+        &self.gateway.inner.renders
+    }
+
     fn config(&self) -> &GatewayConfig {
         &self.gateway.inner.config
     }
@@ -288,7 +297,7 @@ impl StreamTask {
             return Ok(p);
         }
         tracing::warn!(workload = %self.id, "no persisted policy when its stream opened: repair render");
-        crate::policy::authoring::render_now(self.pool()).await?;
+        crate::policy::authoring::render_now(self.renders()).await?;
         store::persisted_policy(&mut conn, self.id).await?.map(|(p, _)| p).ok_or_else(|| {
             Error::Invalid(format!("workload {} has no policy even after a repair render", self.id))
         })
@@ -570,7 +579,7 @@ impl StreamTask {
         // and the render judges the new addresses (address trust).
         let id = self.id;
         crate::policy::authoring::commit(
-            self.pool(),
+            self.renders(),
             &format!("workload:{id}"),
             "workload.inventory",
             &id.to_string(),

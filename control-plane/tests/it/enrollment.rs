@@ -9,6 +9,7 @@ use innerwall_control_plane::identity::admission::Limits;
 use innerwall_control_plane::identity::ca::{FileCa, Signer};
 use innerwall_control_plane::identity::tokens;
 use innerwall_control_plane::policy::authoring;
+use innerwall_control_plane::postgres::Pools;
 use innerwall_control_plane::service::{self, Running, ServiceConfig};
 use innerwall_control_plane::sync::gateway::GatewayConfig;
 use innerwall_control_plane::testing::{TestDatabase, fresh_database};
@@ -62,7 +63,9 @@ impl Plane {
             flow_bounds: Default::default(),
             limits: self.limits.clone(),
         };
-        self.running = Some(service::start(self.db.pool.clone(), self.signer.clone(), config).await.unwrap());
+        self.running = Some(
+            service::start(Pools::shared(self.db.pool.clone()), self.signer.clone(), config).await.unwrap(),
+        );
     }
 
     pub fn addr(&self) -> String {
@@ -112,6 +115,19 @@ impl Plane {
         token: &str,
         addresses: &[&str],
     ) -> Result<(WorkloadId, String, String), tonic::Status> {
+        let enrolled = self.enroll_replacing(token, addresses, None, false).await?;
+        Ok((enrolled.id, enrolled.cert, enrolled.key))
+    }
+
+    /// Enrolls a host reporting `addresses`, presenting `previous` (certificate and key PEM) as
+    /// the client certificate, and asking to replace it when `replace`.
+    pub async fn enroll_replacing(
+        &self,
+        token: &str,
+        addresses: &[&str],
+        previous: Option<(&str, &str)>,
+        replace: bool,
+    ) -> Result<Enrolled, tonic::Status> {
         let (key_pem, csr_pem) = key_and_csr();
         let facts = proto::HostFacts {
             hostname: "web-1".into(),
@@ -127,14 +143,31 @@ impl Plane {
             csr_pem,
             facts: Some(facts),
             agent: None,
+            replace,
         };
-        let response = proto::enrollment_service_client::EnrollmentServiceClient::new(self.anonymous().await)
+        let channel = match previous {
+            Some((cert, key)) => self.mutual(cert, key).await.unwrap(),
+            None => self.anonymous().await,
+        };
+        let response = proto::enrollment_service_client::EnrollmentServiceClient::new(channel)
             .enroll(request)
             .await?
             .into_inner();
-        let id = WorkloadId::parse_uri(&response.workload_id).unwrap();
-        Ok((id, String::from_utf8(response.certificate_pem).unwrap(), key_pem))
+        Ok(Enrolled {
+            id: WorkloadId::parse_uri(&response.workload_id).unwrap(),
+            cert: String::from_utf8(response.certificate_pem).unwrap(),
+            key: key_pem,
+            replaced: response.replaced_workload_id,
+        })
     }
+}
+
+/// What an enrollment returned: the identity and its credential, and the workload it replaced.
+pub struct Enrolled {
+    pub id: WorkloadId,
+    pub cert: String,
+    pub key: String,
+    pub replaced: String,
 }
 
 impl Drop for Plane {
@@ -282,8 +315,7 @@ async fn token_rejections_are_distinct() {
     let request = proto::EnrollRequest {
         provisioning_token: good.clone(),
         csr_pem: b"not a csr".to_vec(),
-        facts: None,
-        agent: None,
+        ..Default::default()
     };
     let err = proto::enrollment_service_client::EnrollmentServiceClient::new(plane.anonymous().await)
         .enroll(request)
@@ -578,4 +610,125 @@ async fn server_certificate_renews_without_restart() {
         Some(sync_response::Msg::Delta(d)) => assert_eq!(d.from_version, snapshot.version),
         other => panic!("expected a delta, got {other:?}"),
     }
+}
+
+/// Issue 16 item 3: re-enrolling a host (`innerwall-agent enroll --force`) replaces its
+/// workload. The old credential, presented as the enrollment connection's client certificate,
+/// proves the host held that identity; the control plane retires the old workload in the
+/// enrollment's transaction, audited naming both, and it leaves every render (so the new
+/// workload's claim on the same address is its alone: a live claim by both would render the
+/// address for neither). A certificate without `replace` retires nothing (`--keep-replaced`),
+/// a certificate can replace only its own workload, and `replace` without one is refused.
+#[tokio::test]
+async fn enroll_force_retires_the_workload_it_replaces() {
+    use innerwall_control_plane::policy::model::ServiceEntry;
+    use innerwall_control_plane::policy::spec::{PeerSpec, RuleSpec, RulesetSpec, ServiceSpec};
+    use innerwall_control_plane::policy::store;
+
+    let plane = Plane::start(GatewayConfig::default()).await;
+    let pool = &plane.db.pool;
+    // db admits every app=web workload: its peer set shows which web workloads are rendered.
+    let db_token = plane.mint(&["app=db"], None).await;
+    let (db, _, _) = plane.enroll_reporting(&db_token, &["10.1.0.4/24"]).await.unwrap();
+    let service = ServiceSpec {
+        name: "pg".into(),
+        description: String::new(),
+        entries: vec![ServiceEntry::parse("tcp:5432").unwrap()],
+    };
+    let ruleset = RulesetSpec {
+        name: "db".into(),
+        description: String::new(),
+        enabled: true,
+        scope: [("app".to_owned(), vec!["db".to_owned()])].into(),
+        rules: vec![RuleSpec {
+            name: "r".into(),
+            description: String::new(),
+            enabled: true,
+            peers: vec![PeerSpec::workloads([("app".to_owned(), vec!["web".to_owned()])].into())],
+            services: vec!["pg".into()],
+        }],
+    };
+    authoring::commit(pool, "test", "setup", "db", async |c| {
+        authoring::create_service(c, &service).await?;
+        authoring::create_ruleset(c, &ruleset).await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await
+    .unwrap();
+    let peers = async || {
+        let (p, _) = store::persisted_policy(&mut pool.acquire().await.unwrap(), db).await.unwrap().unwrap();
+        let mut peers: Vec<String> =
+            p.rules().flat_map(|r| r.peers().iter().map(ToString::to_string)).collect();
+        peers.sort();
+        peers
+    };
+    let live = async |id: WorkloadId| -> bool {
+        sqlx::query_scalar("SELECT retired_at IS NULL FROM workloads WHERE id = $1")
+            .bind(id.uuid())
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    };
+
+    let token = plane.mint(&["app=web"], None).await;
+    let a = plane.enroll_replacing(&token, &["10.1.0.5/24"], None, false).await.unwrap();
+    let b = plane.enroll_replacing(&token, &["10.1.0.6/24"], None, false).await.unwrap();
+    assert!(a.replaced.is_empty());
+    assert_eq!(peers().await, ["10.1.0.5/32", "10.1.0.6/32"]);
+
+    // Host a enrolls again, proving it held a: a is retired, the new workload takes its place.
+    let a2 = plane.enroll_replacing(&token, &["10.1.0.5/24"], Some((&a.cert, &a.key)), true).await.unwrap();
+    assert_eq!(a2.replaced, a.id.to_uri());
+    assert_eq!((live(a.id).await, live(a2.id).await, live(b.id).await), (false, true, true));
+    assert_eq!(peers().await, ["10.1.0.5/32", "10.1.0.6/32"], "a left the render, a2 holds its address");
+    // Audited in the enrollment's transaction, each record naming the other workload.
+    let audit: Vec<(String, String, String, serde_json::Value)> = sqlx::query_as(
+        "SELECT actor, action, subject, detail FROM audit_log
+         WHERE subject IN ($1, $2) AND action IN ('workload.enroll', 'workload.retire') ORDER BY id",
+    )
+    .bind(a.id.to_string())
+    .bind(a2.id.to_string())
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    let summary: Vec<(&str, String, serde_json::Value)> = audit
+        .iter()
+        .map(|(_, action, subject, detail)| {
+            let other = detail.get("replaced_by").or_else(|| detail.get("replaces")).cloned();
+            (action.as_str(), subject.clone(), other.unwrap_or_default())
+        })
+        .collect();
+    assert_eq!(
+        summary,
+        [
+            ("workload.enroll", a.id.to_string(), serde_json::Value::Null),
+            ("workload.retire", a.id.to_string(), serde_json::json!(a2.id.to_string())),
+            ("workload.enroll", a2.id.to_string(), serde_json::json!(a.id.to_string())),
+        ]
+    );
+    assert!(audit[1].0.starts_with("enroll:iw_"), "the enrollment is the actor: {:?}", audit[1].0);
+
+    // A certificate without `replace` (`--keep-replaced`) retires nothing.
+    let b2 = plane.enroll_replacing(&token, &["10.1.0.7/24"], Some((&b.cert, &b.key)), false).await.unwrap();
+    assert!(b2.replaced.is_empty());
+    assert_eq!((live(b.id).await, live(b2.id).await), (true, true));
+
+    // A certificate replaces only its own workload: b's retires b, and a2 stays live.
+    let b3 = plane.enroll_replacing(&token, &["10.1.0.6/24"], Some((&b.cert, &b.key)), true).await.unwrap();
+    assert_eq!(b3.replaced, b.id.to_uri());
+    assert_eq!(
+        (live(b.id).await, live(a2.id).await, live(b2.id).await, live(b3.id).await),
+        (false, true, true, true)
+    );
+    assert_eq!(peers().await, ["10.1.0.5/32", "10.1.0.6/32", "10.1.0.7/32"]);
+
+    // `replace` with no certificate to prove anything is refused and writes nothing.
+    let count = async || -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM workloads").fetch_one(pool).await.unwrap()
+    };
+    let before = count().await;
+    let err = plane.enroll_replacing(&token, &["10.1.0.8/24"], None, true).await.err().unwrap();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("client certificate"), "{err:?}");
+    assert_eq!(count().await, before);
 }

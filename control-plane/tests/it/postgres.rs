@@ -2,11 +2,14 @@
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context;
+use innerwall_control_plane::identity::tokens;
 use innerwall_control_plane::postgres::{self, Cluster, MIGRATOR};
 use innerwall_control_plane::testing::{TestDatabase, fresh_database};
+use innerwall_wire::proto;
 
 async fn probe_table_exists(db: &TestDatabase) -> anyhow::Result<bool> {
     Ok(sqlx::query_scalar("SELECT to_regclass('public.probe') IS NOT NULL").fetch_one(&db.pool).await?)
@@ -236,5 +239,133 @@ fn cli_without_database_url_runs_and_reuses_the_embedded_cluster() -> anyhow::Re
     assert_eq!(services[0]["entries"], serde_json::json!(["tcp:443"]));
     assert_eq!(cluster.postmaster_pid(), Some(pid), "reused, not restarted");
     assert_eq!(ready_count(&cluster)?, 1);
+    stop_and_check_gone(&cluster)
+}
+
+/// Enrolls one host on the replica at `addr` with `token` (server-authenticated TLS, as agents
+/// enroll).
+async fn enroll_at(
+    addr: std::net::SocketAddr,
+    ca_pem: &str,
+    token: &str,
+) -> Result<proto::EnrollResponse, tonic::Status> {
+    use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
+    let tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca_pem)).domain_name("localhost");
+    let channel = Endpoint::from_shared(format!("https://localhost:{}", addr.port()))
+        .unwrap()
+        .tls_config(tls)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let (_, csr_pem) = crate::enrollment::key_and_csr();
+    let request = proto::EnrollRequest { provisioning_token: token.into(), csr_pem, ..Default::default() };
+    proto::enrollment_service_client::EnrollmentServiceClient::new(channel)
+        .enroll(request)
+        .await
+        .map(tonic::Response::into_inner)
+}
+
+/// Issue 16, item 4: under `serve`, the embedded cluster's postmaster dies (SIGKILL, by the pid
+/// in `postmaster.pid`). While it is down — held down here by holding the cluster lock, as a
+/// concurrent `innerwall` command starting it would — every pool and the service fail with a
+/// clear UNAVAILABLE error after the acquire timeout instead of hanging; the supervisor
+/// restarts it when it can, and the same replica then enrolls again on the same data.
+#[tokio::test]
+async fn database_stalls_are_bounded_when_the_postmaster_dies() -> anyhow::Result<()> {
+    use innerwall_control_plane::identity::ca::{FileCa, Signer};
+    use innerwall_control_plane::postgres::{Health, PoolConfig, Pools, PoolsConfig, Supervisor};
+    use innerwall_control_plane::service::{self, ServiceConfig};
+
+    let state = StateDir::new()?;
+    let url = postgres::embedded(&state.0).await?;
+    let cluster = postgres::embedded_cluster(&state.0)?;
+    // Short acquire waits keep the test quick; the bound they set is what is checked.
+    let quick = |c: PoolConfig| PoolConfig { acquire: Duration::from_secs(2), ..c };
+    let config = PoolsConfig {
+        streams: quick(PoolConfig::STREAMS),
+        ingest: quick(PoolConfig::INGEST),
+        authoring: quick(PoolConfig::AUTHORING),
+    };
+    let pools = Pools::connect(&url, &config).await?;
+    let supervisor = Supervisor::new(&state.0, url.clone()).await?.check_every(Duration::from_millis(100));
+    let mut health = supervisor.health();
+    let supervising = tokio::spawn(supervisor.run(pools.clone()));
+
+    let ca_dir = state.0.join("ca");
+    let signer = Arc::new(FileCa::init(&ca_dir)?);
+    let running = service::start(
+        pools.clone(),
+        signer.clone(),
+        ServiceConfig {
+            listen: "127.0.0.1:0".parse()?,
+            server_names: vec!["localhost".into()],
+            cert_lifetime: Duration::from_secs(3600),
+            server_cert_lifetime: innerwall_control_plane::identity::server_cert::SERVER_CERT_LIFETIME,
+            gateway: Default::default(),
+            flow_bounds: Default::default(),
+            limits: Default::default(),
+        },
+    )
+    .await?;
+    let token = {
+        let mut conn = pools.authoring.acquire().await?;
+        let labels = vec!["app=web".parse()?];
+        tokens::mint(&mut conn, &labels, chrono::Duration::days(1), None, &[]).await?.secret
+    };
+    let first = enroll_at(running.local_addr, &signer.ca_bundle_pem(), &token).await?;
+
+    // Hold the cluster lock so that nothing can start it again, then kill the postmaster.
+    let lock = cluster.lock()?;
+    let pid = cluster.postmaster_pid().context("no postmaster.pid")?;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL)?;
+    tokio::time::timeout(Duration::from_secs(60), health.wait_for(|h| matches!(h, Health::Down { .. })))
+        .await
+        .context("the supervisor never noticed the dead postmaster")??;
+
+    // Bounded and clear: each call returns (the guard only catches a hang) with an error that
+    // says the database is unavailable, and the service maps it to UNAVAILABLE.
+    let hang_guard = Duration::from_secs(60);
+    for (job, pool) in
+        [("streams", &pools.streams), ("ingest", &pools.ingest), ("authoring", &pools.authoring)]
+    {
+        let result = tokio::time::timeout(hang_guard, sqlx::query("SELECT 1").execute(pool))
+            .await
+            .with_context(|| format!("a query on the {job} pool hung while the database was down"))?;
+        let err = innerwall_control_plane::error::Error::from(result.expect_err("the database is down"));
+        assert_eq!(err.kind(), innerwall_control_plane::error::Kind::Busy, "{job}: {err}");
+        assert!(err.to_string().starts_with("database: unavailable"), "{job}: {err}");
+    }
+    let refused =
+        tokio::time::timeout(hang_guard, enroll_at(running.local_addr, &signer.ca_bundle_pem(), &token))
+            .await
+            .context("enrollment hung while the database was down")?
+            .expect_err("enrollment cannot succeed without a database");
+    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+    assert!(refused.message().contains("the server is down or every connection is busy"), "{refused:?}");
+
+    // Let it be started: the supervisor brings it back, and the same replica works again.
+    drop(lock);
+    tokio::time::timeout(
+        Duration::from_secs(120),
+        health.wait_for(|h| matches!(h, Health::Up { restarts: 1, .. })),
+    )
+    .await
+    .context("the supervisor never brought the postmaster back")??;
+    let Health::Up { pid: new_pid, .. } = health.borrow().clone() else { unreachable!() };
+    assert_ne!(new_pid, pid);
+    assert_eq!(cluster.postmaster_alive(), Some(new_pid));
+    let second = enroll_at(running.local_addr, &signer.ca_bundle_pem(), &token).await?;
+    let enrolled: Vec<String> =
+        sqlx::query_scalar("SELECT 'innerwall://workload/' || id FROM workloads ORDER BY created_at")
+            .fetch_all(&pools.streams)
+            .await?;
+    assert_eq!(enrolled, [first.workload_id, second.workload_id], "the same data, not a new cluster");
+
+    running.stop().await?;
+    supervising.abort();
+    pools.streams.close().await;
+    pools.ingest.close().await;
+    pools.authoring.close().await;
     stop_and_check_gone(&cluster)
 }

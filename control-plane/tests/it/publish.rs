@@ -607,7 +607,8 @@ async fn label_sets_are_bounded() {
 /// The database never holds the control plane up without bound: a render that cannot get the
 /// render lock fails within the lock timeout, names the lock and writes nothing; and a client
 /// stalled in the middle of a change (a suspended CLI holding the lock) loses its transaction
-/// after the idle-in-transaction timeout, so the next render goes through.
+/// after the idle-in-transaction timeout, so the next render goes through; a statement past the
+/// statement timeout is cancelled and classified as passing trouble.
 #[tokio::test]
 async fn database_stalls_are_bounded() {
     use innerwall_control_plane::policy::publish::RENDER_LOCK_KEY;
@@ -643,4 +644,11 @@ async fn database_stalls_are_bounded() {
     innerwall_control_plane::testing::add_web_port(&db.pool, 1).await.unwrap();
     // Its connection is gone (the server closed it with the timeout's FATAL).
     assert!(sqlx::query("SELECT 1").execute(&mut *stalled).await.is_err());
+
+    // A statement past its bound is cancelled by the server and reported as passing trouble
+    // (UNAVAILABLE to an agent), not as an internal error.
+    let slow = short(Timeouts { statement: Duration::from_millis(200), ..Timeouts::default() }).await;
+    let err = Error::from(sqlx::query("SELECT pg_sleep(60)").execute(&slow).await.unwrap_err());
+    assert_eq!(err.kind(), innerwall_control_plane::error::Kind::Busy, "{err}");
+    assert!(err.to_string().contains("statement timeout"), "{err}");
 }

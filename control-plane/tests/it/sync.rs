@@ -186,7 +186,7 @@ async fn resend_snapshot() {
 /// A second replica of `a`: same database and CA, its own listener and LISTEN connection.
 async fn second_replica(a: &Plane) -> innerwall_control_plane::service::Running {
     innerwall_control_plane::service::start(
-        a.db.pool.clone(),
+        innerwall_control_plane::postgres::Pools::shared(a.db.pool.clone()),
         a.signer.clone(),
         innerwall_control_plane::service::ServiceConfig {
             listen: "127.0.0.1:0".parse().unwrap(),

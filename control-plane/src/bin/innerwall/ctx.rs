@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use innerwall_control_plane::postgres;
+use innerwall_control_plane::postgres::{self, Pools, PoolsConfig, Supervisor};
 use sqlx::PgPool;
 
 /// Where the database is: `--database-url`, or the embedded cluster under `--state-dir`.
@@ -18,13 +18,32 @@ pub struct Database {
 impl Database {
     /// Connects and applies migrations, starting the embedded cluster first when no URL is given.
     pub async fn connect(&self) -> anyhow::Result<PgPool> {
-        let url = match &self.url {
-            Some(url) => url.clone(),
+        Ok(postgres::connect(&self.url().await?).await?)
+    }
+
+    /// A replica's pools (one per job, sized by `config`); on the embedded cluster also its
+    /// [`Supervisor`], for the caller to run beside the service.
+    pub async fn connect_pools(&self, config: &PoolsConfig) -> anyhow::Result<(Pools, Option<Supervisor>)> {
+        let url = self.url().await?;
+        let pools = Pools::connect(&url, config).await?;
+        let supervisor = match &self.url {
+            Some(_) => None,
+            None => Some(
+                Supervisor::new(&self.state_dir, url)
+                    .await
+                    .context("while starting to supervise the embedded database")?,
+            ),
+        };
+        Ok((pools, supervisor))
+    }
+
+    async fn url(&self) -> anyhow::Result<String> {
+        match &self.url {
+            Some(url) => Ok(url.clone()),
             None => postgres::embedded(&self.state_dir).await.with_context(|| {
                 format!("while starting the embedded database in {}", self.state_dir.display())
-            })?,
-        };
-        Ok(postgres::connect(&url).await?)
+            }),
+        }
     }
 }
 

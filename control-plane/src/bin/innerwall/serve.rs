@@ -8,6 +8,7 @@ use anyhow::Context;
 use clap::Args;
 use innerwall_control_plane::identity::admission::Limits;
 use innerwall_control_plane::identity::ca::{self, FileCa};
+use innerwall_control_plane::postgres::{PoolConfig, PoolsConfig};
 use innerwall_control_plane::sync::gateway;
 use innerwall_control_plane::{flows, service};
 
@@ -67,9 +68,29 @@ pub struct ServeArgs {
     /// How long a connection without a client certificate (enrollment) may stay open.
     #[arg(long, default_value = "30s", value_parser = duration::arg)]
     unauthenticated_lifetime: std::time::Duration,
+    /// Database connections for agent streams (Hello, state records, heartbeats, liveness, the
+    /// NOTIFY bridge); statements there are bounded to 15 s.
+    #[arg(long, default_value_t = PoolConfig::STREAMS.size, value_parser = clap::value_parser!(u32).range(1..))]
+    db_stream_connections: u32,
+    /// Database connections for flow ingest and retention; a flood of uploads waits for these
+    /// and never for the others. Statements bounded to 30 s.
+    #[arg(long, default_value_t = PoolConfig::INGEST.size, value_parser = clap::value_parser!(u32).range(1..))]
+    db_ingest_connections: u32,
+    /// Database connections for enrollment, renewal and renders; statements bounded to 60 s.
+    #[arg(long, default_value_t = PoolConfig::AUTHORING.size, value_parser = clap::value_parser!(u32).range(1..))]
+    db_authoring_connections: u32,
 }
 
 impl ServeArgs {
+    fn pools(&self) -> PoolsConfig {
+        let defaults = PoolsConfig::default();
+        PoolsConfig {
+            streams: PoolConfig { size: self.db_stream_connections, ..defaults.streams },
+            ingest: PoolConfig { size: self.db_ingest_connections, ..defaults.ingest },
+            authoring: PoolConfig { size: self.db_authoring_connections, ..defaults.authoring },
+        }
+    }
+
     fn limits(&self) -> Limits {
         Limits {
             max_connections: self.max_connections,
@@ -98,7 +119,9 @@ pub async fn run(args: &ServeArgs, database: &Database, ca_dir: &Path) -> anyhow
     let shutdown = shutdown_signal()?;
     let signer: Arc<dyn ca::Signer> =
         Arc::new(FileCa::load(ca_dir).context("while loading the CA (create it with `innerwall ca init`)")?);
-    let pool = database.connect().await?;
+    let (pools, supervisor) = database.connect_pools(&args.pools()).await?;
+    // On the embedded cluster, a postmaster that dies is restarted (and logged) while we run.
+    let supervisor = supervisor.map(|s| tokio::spawn(s.run(pools.clone())));
     let config = service::ServiceConfig {
         listen: args.listen,
         server_names: if args.server_names.is_empty() {
@@ -121,7 +144,7 @@ pub async fn run(args: &ServeArgs, database: &Database, ca_dir: &Path) -> anyhow
         },
         limits: args.limits(),
     };
-    let running = service::start(pool, signer, config).await?;
+    let running = service::start(pools, signer, config).await?;
     eprintln!(
         "innerwall: startup render advanced {} workload(s); listening on {} as {}",
         running.startup_changes,
@@ -129,6 +152,9 @@ pub async fn run(args: &ServeArgs, database: &Database, ca_dir: &Path) -> anyhow
         running.server_names.join(", ")
     );
     shutdown.await;
+    if let Some(supervisor) = supervisor {
+        supervisor.abort();
+    }
     running.stop().await?;
     Ok(())
 }
@@ -170,6 +196,11 @@ mod tests {
 
     #[test]
     fn flag_defaults_are_the_library_defaults() {
-        assert_eq!(Cli::parse_from(["serve"]).serve.limits(), Limits::default());
+        let args = Cli::parse_from(["serve"]).serve;
+        assert_eq!(args.limits(), Limits::default());
+        assert_eq!(args.pools(), PoolsConfig::default());
+        let args = Cli::parse_from(["serve", "--db-ingest-connections", "2"]).serve;
+        assert_eq!(args.pools().ingest, PoolConfig { size: 2, ..PoolConfig::INGEST });
+        assert!(Cli::try_parse_from(["serve", "--db-stream-connections", "0"]).is_err());
     }
 }
