@@ -39,6 +39,18 @@ pub enum Error {
     /// is down or gives no connection in time, see [`Kind::Busy`]): retry later.
     #[error("{0}")]
     Busy(String),
+    /// A mode change named its set with a count that is not what the set resolves to now.
+    #[error(
+        "match-count-mismatch: {matched} workload(s) matched, you expected {expected}: {}; nothing was changed",
+        if names.is_empty() { "none".to_owned() } else { names.join(", ") }
+    )]
+    CountMismatch { expected: usize, matched: usize, names: Vec<String> },
+    /// A move to enforcement without a SAFE verdict (and without an override).
+    #[error(
+        "evidence-insufficient: the verdict is {outcome}, not SAFE: {reasons}; nothing was changed. \
+         Gather more evidence, fix the policy, or pass --override with a reason"
+    )]
+    EvidenceInsufficient { outcome: &'static str, reasons: String },
     #[error("agent-offline: workload {id} has no stream (last seen {last_seen})")]
     AgentOffline { id: String, last_seen: String },
     #[error("render failed: {0}")]
@@ -86,6 +98,10 @@ pub enum Kind {
     Unauthenticated,
     AgentOffline,
     Busy,
+    /// A mode change's expected count differs from the set it names (409 match-count-mismatch).
+    CountMismatch,
+    /// A move to enforcement the evidence does not support (409 evidence-insufficient).
+    EvidenceInsufficient,
     /// Not the caller's fault: logged in full, reported without detail.
     Internal,
 }
@@ -103,6 +119,8 @@ impl Error {
             Error::AgentOffline { .. } => Kind::AgentOffline,
             Error::Busy(_) => Kind::Busy,
             Error::Database(e) if database_unavailable(e) => Kind::Busy,
+            Error::CountMismatch { .. } => Kind::CountMismatch,
+            Error::EvidenceInsufficient { .. } => Kind::EvidenceInsufficient,
             Error::Render(_) | Error::Corrupt { .. } | Error::Database(_) => Kind::Internal,
         }
     }
@@ -123,7 +141,9 @@ impl From<Error> for tonic::Status {
         match e.kind() {
             Kind::NotFound => Status::not_found(message),
             Kind::Exists => Status::already_exists(message),
-            Kind::Stale | Kind::InUse => Status::failed_precondition(message),
+            Kind::Stale | Kind::InUse | Kind::CountMismatch | Kind::EvidenceInsufficient => {
+                Status::failed_precondition(message)
+            }
             Kind::Invalid => Status::invalid_argument(message),
             Kind::Refused => Status::permission_denied(message),
             Kind::Unauthenticated => match &e {

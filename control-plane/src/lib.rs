@@ -8,6 +8,7 @@
 pub mod audit;
 pub mod error;
 pub mod flows;
+pub mod gate;
 pub mod identity;
 pub mod notice;
 pub mod policy;

@@ -5,6 +5,7 @@ mod binaries;
 mod enroll;
 mod evidence;
 mod flows;
+mod gate;
 mod host;
 mod kill_switch;
 mod plane;

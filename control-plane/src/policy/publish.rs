@@ -41,10 +41,10 @@ pub fn next_version(persisted: Option<&WorkloadPolicy>, rendered: WorkloadPolicy
     }
 }
 
-/// Renders and persists inside the caller's transaction. Returns the workloads whose version
-/// advanced, in id order. The caller commits (which delivers the notifications) or rolls back
-/// (which delivers none).
-pub async fn publish(conn: &mut PgConnection) -> Result<Vec<Changed>, Error> {
+/// Takes the render lock for the rest of the caller's transaction (again is fine: it stacks),
+/// waiting at most the connection's lock timeout. Whatever the transaction reads after it, no
+/// render or authored change commits in between.
+pub async fn lock_renders(conn: &mut PgConnection) -> Result<(), Error> {
     sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(RENDER_LOCK_KEY).execute(&mut *conn).await.map_err(
         |e| match e.as_database_error().and_then(|d| d.code()).as_deref() {
             // lock_not_available: the connection's lock_timeout passed (postgres::Timeouts).
@@ -56,6 +56,14 @@ pub async fn publish(conn: &mut PgConnection) -> Result<Vec<Changed>, Error> {
             _ => Error::Database(e),
         },
     )?;
+    Ok(())
+}
+
+/// Renders and persists inside the caller's transaction. Returns the workloads whose version
+/// advanced, in id order. The caller commits (which delivers the notifications) or rolls back
+/// (which delivers none).
+pub async fn publish(conn: &mut PgConnection) -> Result<Vec<Changed>, Error> {
+    lock_renders(conn).await?;
     let model = store::load_model(conn).await?;
     let registry = store::load_registry(conn).await?;
     let registry = judge_addresses(conn, registry).await?;

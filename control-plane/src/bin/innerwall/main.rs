@@ -10,6 +10,7 @@ mod estate;
 mod flows;
 mod output;
 mod policy;
+mod promotions;
 mod serve;
 mod tokens;
 mod workloads;
@@ -87,6 +88,9 @@ enum Command {
     /// Flow evidence the agents reported.
     #[command(subcommand)]
     Flows(flows::FlowsCmd),
+    /// The records of mode changes and the evidence they stood on.
+    #[command(subcommand)]
+    Promotions(promotions::PromotionsCmd),
 }
 
 fn main() -> ExitCode {
@@ -128,6 +132,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::EstateRange(cmd) => estate::run(&connect().await?, &cmd).await?,
         Command::Workload(cmd) => workloads::run(&connect().await?, &cmd).await?,
         Command::Flows(cmd) => flows::run(&connect().await?, &cmd).await?,
+        Command::Promotions(cmd) => promotions::run(&connect().await?, &cmd).await?,
     }
     Ok(())
 }

@@ -3,12 +3,14 @@
 
 use anyhow::bail;
 use clap::Subcommand;
+use innerwall_control_plane::gate::{self, Params, Scope, Verdict};
 use innerwall_control_plane::policy::{authoring, store};
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::labels::{Label, LabelKey};
 use innerwall_wire::policy::Mode;
 
 use crate::ctx::Ctx;
+use crate::duration;
 use crate::output::{print_json, print_table, report};
 
 #[derive(Debug, Subcommand)]
@@ -28,10 +30,34 @@ pub enum WorkloadCmd {
         #[arg(long)]
         expect_label_version: i64,
     },
-    /// Set the enforcement mode: visibility, simulation or enforcement.
+    /// Set one workload's mode (visibility, simulation or enforcement), as `promote` does for a
+    /// set: enforcement needs a SAFE verdict or --override; every change is recorded.
     Mode {
         id: WorkloadId,
         mode: Mode,
+        #[command(flatten)]
+        change: ChangeArgs,
+    },
+    /// Is it safe to enforce this scope now? Judges the version each workload runs on the
+    /// evidence its agent delivered (FLOW-7).
+    Verdict {
+        #[command(flatten)]
+        scope: ScopeArgs,
+        #[command(flatten)]
+        evidence: EvidenceArgs,
+    },
+    /// Change the mode of exactly the set a scope names, if it names as many as you expect;
+    /// enforcement needs a SAFE verdict or --override (FLOW-8).
+    Promote {
+        #[command(flatten)]
+        scope: ScopeArgs,
+        /// How many workloads you expect the scope to name; any other number changes nothing.
+        #[arg(long)]
+        expect_count: usize,
+        #[arg(long)]
+        to: Mode,
+        #[command(flatten)]
+        change: ChangeArgs,
     },
     /// Show the rendered policy and its version.
     Policy {
@@ -59,6 +85,151 @@ pub enum WorkloadCmd {
         id: WorkloadId,
         address: std::net::IpAddr,
     },
+}
+
+/// The workloads a verdict or mode change is about.
+#[derive(Debug, clap::Args)]
+#[group(required = true, multiple = false)]
+pub struct ScopeArgs {
+    /// A label selector, `key=value[,key=value…]`, resolved to the live workloads in it now.
+    #[arg(long)]
+    scope: Option<String>,
+    /// Workload ids (repeat the flag).
+    #[arg(long = "id")]
+    ids: Vec<WorkloadId>,
+}
+
+impl ScopeArgs {
+    fn scope(&self) -> anyhow::Result<Scope> {
+        Ok(match &self.scope {
+            Some(text) => Scope::parse_selector(text)?,
+            None => Scope::Ids(self.ids.clone()),
+        })
+    }
+}
+
+/// The evidence a verdict judges.
+#[derive(Debug, clap::Args)]
+pub struct EvidenceArgs {
+    /// The evidence range: from this long ago until now.
+    #[arg(long, default_value = "24h", value_parser = duration::arg)]
+    evidence_since: std::time::Duration,
+    /// A shorter range is never enough evidence.
+    #[arg(long, default_value = "24h", value_parser = duration::arg)]
+    min_evidence: std::time::Duration,
+}
+
+impl EvidenceArgs {
+    fn params(&self) -> Params {
+        let to = chrono::Utc::now().timestamp_millis();
+        let ms = |d: std::time::Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
+        Params {
+            from_ms: to.saturating_sub(ms(self.evidence_since)),
+            to_ms: to,
+            min_duration_ms: ms(self.min_evidence),
+            top_peers: 5,
+        }
+    }
+}
+
+/// Why a mode changes, and on what evidence.
+#[derive(Debug, clap::Args)]
+pub struct ChangeArgs {
+    /// Why: kept on the promotion record.
+    #[arg(long)]
+    reason: Option<String>,
+    /// Enforce without a SAFE verdict, for this reason (kept on the record).
+    #[arg(long = "override")]
+    override_reason: Option<String>,
+    #[command(flatten)]
+    evidence: EvidenceArgs,
+}
+
+/// Changes modes through the promotion path and prints the record. Without `--reason`, the
+/// reason is `default_reason` (none: the change is refused).
+async fn change_mode(
+    ctx: &Ctx,
+    scope: Scope,
+    expect_count: usize,
+    to: Mode,
+    change: &ChangeArgs,
+    default_reason: &str,
+) -> anyhow::Result<()> {
+    let request = gate::Request {
+        scope,
+        expect_count,
+        to,
+        params: change.evidence.params(),
+        reason: change.reason.clone().unwrap_or_else(|| default_reason.to_owned()),
+        override_reason: change.override_reason.clone(),
+    };
+    let promotion = gate::promote(&ctx.pool, &ctx.actor, &request).await?;
+    if ctx.json {
+        return print_json(&promotion);
+    }
+    let names: Vec<String> =
+        promotion.workloads.iter().map(|m| format!("{} (was {})", m.name(), m.mode)).collect();
+    println!("{} workload(s) now in {} mode: {}", names.len(), promotion.to_mode, names.join(", "));
+    if let Some(reason) = &promotion.override_reason {
+        println!("OVERRIDE of the evidence gate: {reason}");
+    }
+    println!("promotion record {}", promotion.id);
+    Ok(())
+}
+
+fn print_verdict(verdict: &Verdict) {
+    println!("verdict: {}", verdict.outcome.name());
+    let rows = verdict
+        .workloads
+        .iter()
+        .map(|w| {
+            let e = &w.evidence;
+            let replayed: Vec<String> = e.replayed_from.iter().map(|v| format!("v{v}")).collect();
+            vec![
+                w.id.to_string(),
+                w.hostname.clone(),
+                w.outcome().name().to_owned(),
+                w.latest_version.map_or("-".into(), |v| format!("v{v}")),
+                format!("{} · {}", w.mode, w.state),
+                format!("{}%", if e.range_ms > 0 { e.covered_ms * 100 / e.range_ms } else { 0 }),
+                format!("{} win / {} s", e.native_windows, e.native_ms / 1000),
+                if replayed.is_empty() {
+                    "-".into()
+                } else {
+                    format!(
+                        "{} win / {} s from {}",
+                        e.replayed_windows,
+                        e.replayed_ms / 1000,
+                        replayed.join(",")
+                    )
+                },
+                e.would_block_flows.to_string(),
+            ]
+        })
+        .collect();
+    print_table(
+        &[
+            "id",
+            "hostname",
+            "verdict",
+            "judged",
+            "mode · state",
+            "covered",
+            "native",
+            "replayed",
+            "would block",
+        ],
+        rows,
+    );
+    for w in verdict.workloads.iter().filter(|w| !w.reasons.is_empty()) {
+        println!("{} ({}):", w.hostname, w.id);
+        for reason in &w.reasons {
+            println!("  - {reason}");
+        }
+    }
+    if verdict.workloads.is_empty() {
+        println!("the scope matches no workload");
+    }
 }
 
 pub async fn run(ctx: &Ctx, cmd: &WorkloadCmd) -> anyhow::Result<()> {
@@ -113,13 +284,18 @@ pub async fn run(ctx: &Ctx, cmd: &WorkloadCmd) -> anyhow::Result<()> {
             .await?;
             report(json, &format!("labels of {id} updated (label version {})", done.value), done);
         }
-        WorkloadCmd::Mode { id, mode } => {
-            let done = authoring::commit(pool, actor, "workload.mode", &id.to_string(), async |c| {
-                authoring::set_mode(c, *id, *mode).await?;
-                Ok(((), serde_json::json!({"mode": mode.name()})))
-            })
-            .await?;
-            report(json, &format!("{id} is now in {mode} mode"), done);
+        WorkloadCmd::Mode { id, mode, change } => {
+            change_mode(ctx, Scope::Ids(vec![*id]), 1, *mode, change, "innerwall workload mode").await?;
+        }
+        WorkloadCmd::Verdict { scope, evidence } => {
+            let verdict = gate::judge(pool, &scope.scope()?, &evidence.params()).await?;
+            if json {
+                return print_json(&verdict);
+            }
+            print_verdict(&verdict);
+        }
+        WorkloadCmd::Promote { scope, expect_count, to, change } => {
+            change_mode(ctx, scope.scope()?, *expect_count, *to, change, "").await?;
         }
         WorkloadCmd::Status { id } => {
             let all = store::sync_status(&mut *pool.acquire().await?, *id).await?;

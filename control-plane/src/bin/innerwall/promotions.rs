@@ -1,0 +1,77 @@
+//! `innerwall promotions`: the records every mode change leaves (FLOW-8) — who, when, why,
+//! which workloads, and the verdict a move to enforcement stood on.
+
+use clap::Subcommand;
+use innerwall_control_plane::gate::{Promotion, promote};
+
+use crate::ctx::Ctx;
+use crate::output::{print_json, print_table};
+
+#[derive(Debug, Subcommand)]
+pub enum PromotionsCmd {
+    /// The latest records, newest first.
+    List {
+        #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(i64).range(1..=1000))]
+        limit: i64,
+    },
+    /// One record with its verdict and evidence.
+    Show { id: uuid::Uuid },
+}
+
+fn outcome(p: &Promotion) -> String {
+    let verdict = p.verdict.as_ref().and_then(|v| v.get("outcome")).and_then(|o| o.as_str());
+    match (verdict, &p.override_reason) {
+        (Some(v), Some(_)) => format!("{v} (overridden)"),
+        (Some(v), None) => v.to_owned(),
+        (None, _) => "-".to_owned(),
+    }
+}
+
+pub async fn run(ctx: &Ctx, cmd: &PromotionsCmd) -> anyhow::Result<()> {
+    let mut conn = ctx.pool.acquire().await?;
+    match cmd {
+        PromotionsCmd::List { limit } => {
+            let all = promote::list(&mut conn, *limit).await?;
+            if ctx.json {
+                return print_json(&all);
+            }
+            let rows = all
+                .iter()
+                .map(|p| {
+                    vec![
+                        p.id.to_string(),
+                        p.at.format("%F %T").to_string(),
+                        p.actor.clone(),
+                        p.to_mode.to_owned(),
+                        format!("{} ({})", p.scope, p.workloads.len()),
+                        outcome(p),
+                        p.reason.clone(),
+                    ]
+                })
+                .collect();
+            print_table(&["id", "at", "who", "to", "scope (workloads)", "verdict", "why"], rows);
+        }
+        PromotionsCmd::Show { id } => {
+            let p = promote::show(&mut conn, *id).await?;
+            if ctx.json {
+                return print_json(&p);
+            }
+            println!("promotion {} · {} · by {}", p.id, p.at.format("%F %T"), p.actor);
+            println!(
+                "to {} mode · scope {} · expected {} · why: {}",
+                p.to_mode, p.scope, p.expected_count, p.reason
+            );
+            if let Some(reason) = &p.override_reason {
+                println!("OVERRIDE of the evidence gate: {reason}");
+            }
+            for m in &p.workloads {
+                println!("  {} (was {})", m.name(), m.mode);
+            }
+            match &p.verdict {
+                Some(v) => println!("verdict it stood on:\n{}", serde_json::to_string_pretty(v)?),
+                None => println!("no verdict: a move away from enforcement needs no evidence"),
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,276 @@
+//! What the verdict reads from Postgres (FLOW-7): a scope resolved to the live workloads in it
+//! now, and for each its state, latest policy and the evidence its agent delivered for a range
+//! — windows, gaps and flows summed per key and version. Through one connection, so a
+//! promotion reads it inside its own transaction.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use innerwall_wire::convert::WireEnum;
+use innerwall_wire::flows::{Decision, EvidenceGap, GapKind};
+use innerwall_wire::identity::WorkloadId;
+use innerwall_wire::labels::{LabelKey, LabelValue};
+use innerwall_wire::policy::{Mode, Protocol};
+use innerwall_wire::sync::SyncState;
+use serde::Serialize;
+use sqlx::{PgConnection, Row};
+use uuid::Uuid;
+
+use crate::error::Error;
+use crate::gate::verdict::{FlowFacts, Params, WindowFacts, WorkloadFacts};
+use crate::policy::model::Selector;
+use crate::policy::store;
+
+/// The most workloads one verdict or promotion names by id.
+pub const MAX_SCOPE_IDS: usize = 1_000;
+
+/// How a verdict or a mode change names its workloads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Scope {
+    /// The live workloads whose labels the selector selects now.
+    Selector(Selector),
+    /// These workloads, each of which must exist and be live.
+    Ids(Vec<WorkloadId>),
+}
+
+impl std::fmt::Display for Scope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Scope::Selector(s) => {
+                let terms: Vec<String> = s
+                    .matches()
+                    .iter()
+                    .map(|(k, vs)| {
+                        let values: Vec<&str> = vs.iter().map(|v| v.as_str()).collect();
+                        format!("{}={}", k.as_str(), values.join("|"))
+                    })
+                    .collect();
+                write!(f, "{}", terms.join(","))
+            }
+            Scope::Ids(ids) => {
+                let ids: Vec<String> = ids.iter().map(ToString::to_string).collect();
+                write!(f, "{}", ids.join(","))
+            }
+        }
+    }
+}
+
+impl Scope {
+    /// A selector as the command line writes it: `key=value[,key=value…]`; a key given twice
+    /// matches either value (`app=web,app=api`), different keys must all match.
+    pub fn parse_selector(text: &str) -> Result<Scope, Error> {
+        let mut terms: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for term in text.split(',').map(str::trim).filter(|t| !t.is_empty()) {
+            let (key, value) = term
+                .split_once('=')
+                .ok_or_else(|| Error::Invalid(format!("scope term {term:?} is not key=value")))?;
+            terms.entry(key.trim().to_owned()).or_default().push(value.trim().to_owned());
+        }
+        if terms.is_empty() {
+            return Err(Error::Invalid("an empty scope selects nothing: write key=value".into()));
+        }
+        let selector = Selector::from_strings(terms).map_err(|e| Error::InvalidInput(Box::new(e)))?;
+        Ok(Scope::Selector(selector))
+    }
+}
+
+/// A workload a scope resolved to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Member {
+    #[serde(serialize_with = "crate::gate::serialize_id")]
+    pub id: WorkloadId,
+    pub hostname: String,
+    pub mode: &'static str,
+}
+
+impl Member {
+    pub fn name(&self) -> String {
+        format!("{} ({})", self.hostname, self.id)
+    }
+}
+
+/// The live workloads `scope` names now, in id order.
+pub async fn resolve(conn: &mut PgConnection, scope: &Scope) -> Result<Vec<Member>, Error> {
+    let live = sqlx::query(
+        "SELECT id, hostname, mode FROM workloads WHERE retired_at IS NULL AND denied_at IS NULL ORDER BY id",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut members = BTreeMap::new();
+    for row in live {
+        let id = workload_id(row.get(0))?;
+        let mode = Mode::from_code(row.get(2)).map_err(|_| Error::Corrupt {
+            what: "workload mode",
+            detail: row.get::<i16, _>(2).to_string(),
+        })?;
+        members.insert(id, Member { id, hostname: row.get(1), mode: mode.name() });
+    }
+    match scope {
+        Scope::Ids(ids) => {
+            if ids.len() > MAX_SCOPE_IDS {
+                return Err(Error::Invalid(format!(
+                    "at most {MAX_SCOPE_IDS} workload ids, not {}",
+                    ids.len()
+                )));
+            }
+            let mut chosen = BTreeMap::new();
+            for id in ids {
+                let member = members
+                    .get(id)
+                    .cloned()
+                    .ok_or_else(|| Error::NotFound { what: "live workload", name: id.to_string() })?;
+                chosen.insert(*id, member);
+            }
+            Ok(chosen.into_values().collect())
+        }
+        Scope::Selector(selector) => {
+            let mut labels: BTreeMap<Uuid, BTreeMap<LabelKey, LabelValue>> = BTreeMap::new();
+            for row in sqlx::query("SELECT workload_id, key, value FROM workload_labels")
+                .fetch_all(&mut *conn)
+                .await?
+            {
+                let (key, value): (String, String) = (row.get(1), row.get(2));
+                let corrupt = |_| Error::Corrupt { what: "workload label", detail: format!("{key}={value}") };
+                labels
+                    .entry(row.get(0))
+                    .or_default()
+                    .insert(LabelKey::new(&key).map_err(corrupt)?, LabelValue::new(&value).map_err(corrupt)?);
+            }
+            let empty = BTreeMap::new();
+            Ok(members
+                .into_values()
+                .filter(|m| selector.selects(labels.get(&m.id.uuid()).unwrap_or(&empty)))
+                .collect())
+        }
+    }
+}
+
+fn workload_id(uuid: Uuid) -> Result<WorkloadId, Error> {
+    WorkloadId::from_uuid(uuid)
+        .ok_or_else(|| Error::Corrupt { what: "workload id", detail: uuid.to_string() })
+}
+
+fn time(ms: i64) -> DateTime<Utc> {
+    DateTime::from_timestamp_millis(ms).unwrap_or(DateTime::UNIX_EPOCH)
+}
+
+/// How far before a range a window may start and still reach into it: the longest window an
+/// agent may send (`wire::flows::MAX_WINDOW_MS`). Records and gaps are found through their
+/// window's start, which their partitions are keyed on.
+const WINDOW_REACH: chrono::Duration = chrono::Duration::days(1);
+
+/// Gaps may describe losses older than the window that carries them (windows dropped or
+/// refused while the agent was cut off, at most the queue's day of windows).
+const GAP_REACH: chrono::Duration = chrono::Duration::days(2);
+
+/// Everything the verdict needs of `members` over `params`' range.
+pub async fn facts(
+    conn: &mut PgConnection,
+    members: &[Member],
+    params: &Params,
+) -> Result<Vec<WorkloadFacts>, Error> {
+    let ids: Vec<Uuid> = members.iter().map(|m| m.id.uuid()).collect();
+    let (from, to) = (time(params.from_ms), time(params.to_ms));
+    let mut facts = BTreeMap::new();
+    for row in sqlx::query(
+        "SELECT id, hostname, mode, sync_state, applied_version FROM workloads WHERE id = ANY($1)",
+    )
+    .bind(&ids)
+    .fetch_all(&mut *conn)
+    .await?
+    {
+        let id = workload_id(row.get(0))?;
+        let corrupt = |what: &'static str, n: i16| Error::Corrupt { what, detail: n.to_string() };
+        let latest = store::persisted_policy(conn, id).await?.map(|(p, _)| p);
+        facts.insert(
+            id,
+            WorkloadFacts {
+                id,
+                hostname: row.get(1),
+                mode: Mode::from_code(row.get(2)).map_err(|_| corrupt("workload mode", row.get(2)))?,
+                state: SyncState::from_code(row.get(3)).map_err(|_| corrupt("sync state", row.get(3)))?,
+                applied_version: row.get::<i64, _>(4).max(0) as u64,
+                latest,
+                windows: Vec::new(),
+                gaps: Vec::new(),
+                flows: Vec::new(),
+            },
+        );
+    }
+    for row in sqlx::query(
+        "SELECT workload_id, window_start, window_end, policy_version FROM flow_windows
+         WHERE workload_id = ANY($1) AND window_end > $2 AND window_start < $3 AND window_start >= $4",
+    )
+    .bind(&ids)
+    .bind(from)
+    .bind(to)
+    .bind(from - WINDOW_REACH)
+    .fetch_all(&mut *conn)
+    .await?
+    {
+        if let Some(w) = facts.get_mut(&workload_id(row.get(0))?) {
+            w.windows.push(WindowFacts {
+                start_ms: row.get::<DateTime<Utc>, _>(1).timestamp_millis(),
+                end_ms: row.get::<DateTime<Utc>, _>(2).timestamp_millis(),
+                policy_version: row.get::<i64, _>(3).max(0) as u64,
+            });
+        }
+    }
+    for row in sqlx::query(
+        "SELECT workload_id, kind, gap_from, gap_to, count, detail FROM flow_gaps
+         WHERE workload_id = ANY($1) AND gap_to >= $2 AND gap_from <= $3 AND window_start >= $4",
+    )
+    .bind(&ids)
+    .bind(from)
+    .bind(to)
+    .bind(from - GAP_REACH)
+    .fetch_all(&mut *conn)
+    .await?
+    {
+        let kind = GapKind::from_code(row.get(1))
+            .map_err(|_| Error::Corrupt { what: "gap kind", detail: row.get::<i16, _>(1).to_string() })?;
+        if let Some(w) = facts.get_mut(&workload_id(row.get(0))?) {
+            let gap = EvidenceGap::new(
+                kind,
+                row.get::<DateTime<Utc>, _>(2).timestamp_millis(),
+                row.get::<DateTime<Utc>, _>(3).timestamp_millis(),
+                row.get::<i64, _>(4).max(0) as u64,
+            );
+            w.gaps.push(gap.because(row.get::<&str, _>(5)));
+        }
+    }
+    for row in sqlx::query(
+        "SELECT r.workload_id, r.policy_version, host(r.src_address), r.dst_port, r.protocol, r.decision,
+                sum(r.new_connections)::bigint, sum(r.packets)::bigint, (array_agg(r.peer_labels))[1]
+         FROM flow_records r
+         JOIN flow_windows w ON w.workload_id = r.workload_id AND w.window_id = r.window_id
+         WHERE r.workload_id = ANY($1) AND r.window_start >= $4 AND r.window_start < $3 AND w.window_end > $2
+         GROUP BY 1, 2, 3, 4, 5, 6",
+    )
+    .bind(&ids)
+    .bind(from)
+    .bind(to)
+    .bind(from - WINDOW_REACH)
+    .fetch_all(&mut *conn)
+    .await?
+    {
+        let src: String = row.get(2);
+        let corrupt = |what: &'static str, detail: String| Error::Corrupt { what, detail };
+        let flow = FlowFacts {
+            policy_version: row.get::<i64, _>(1).max(0) as u64,
+            src: src.parse().map_err(|_| corrupt("flow source", src.clone()))?,
+            dst_port: u16::try_from(row.get::<i32, _>(3)).map_err(|_| corrupt("flow port", String::new()))?,
+            protocol: Protocol::from_code(row.get(4))
+                .map_err(|_| corrupt("flow protocol", row.get::<i16, _>(4).to_string()))?,
+            decision: Decision::from_code(row.get(5))
+                .map_err(|_| corrupt("flow decision", row.get::<i16, _>(5).to_string()))?,
+            connections: row.get::<i64, _>(6).max(0) as u64,
+            packets: row.get::<i64, _>(7).max(0) as u64,
+            peer_labels: row.get(8),
+        };
+        if let Some(w) = facts.get_mut(&workload_id(row.get(0))?) {
+            w.flows.push(flow);
+        }
+    }
+    Ok(facts.into_values().collect())
+}

@@ -1,0 +1,217 @@
+//! Mode changes on evidence (FLOW-8): a set named by selector or ids with the count the operator
+//! expects, resolved, counted, judged and flipped in one transaction under the render lock, and
+//! a promotion record of who, when, why, which ids and what evidence — so an auditor sees what a
+//! change of mode stood on. A move to enforcement needs a SAFE verdict or an override with a
+//! reason; a move away from it (or between visibility and simulation) needs no evidence.
+
+use chrono::{DateTime, Utc};
+use innerwall_wire::convert::WireEnum;
+use innerwall_wire::identity::WorkloadId;
+use innerwall_wire::policy::Mode;
+use serde::Serialize;
+use sqlx::{PgConnection, PgPool, Row};
+use uuid::Uuid;
+
+use crate::audit;
+use crate::error::Error;
+use crate::gate::evidence::{self, Member, Scope};
+use crate::gate::verdict::{self, Outcome, Params, Verdict};
+use crate::policy::{authoring, publish};
+
+/// The longest reason (characters) a mode change carries.
+pub const MAX_REASON: usize = 1_024;
+
+/// A mode change as the operator asks for it.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub scope: Scope,
+    /// How many workloads the operator expects the scope to name; anything else changes nothing.
+    pub expect_count: usize,
+    pub to: Mode,
+    /// The evidence a move to enforcement is judged on.
+    pub params: Params,
+    pub reason: String,
+    /// Enforce without a SAFE verdict, for this reason (audited on the record).
+    pub override_reason: Option<String>,
+}
+
+/// A stored promotion record.
+#[derive(Debug, Clone, Serialize)]
+pub struct Promotion {
+    pub id: Uuid,
+    pub at: DateTime<Utc>,
+    pub actor: String,
+    pub reason: String,
+    pub override_reason: Option<String>,
+    pub to_mode: &'static str,
+    pub scope: String,
+    pub expected_count: i32,
+    /// Each workload with the mode it left.
+    pub workloads: Vec<Member>,
+    /// The verdict the change stood on, with its inputs (a move to enforcement only).
+    pub verdict: Option<serde_json::Value>,
+}
+
+fn check_text(what: &str, text: &str, required: bool) -> Result<(), Error> {
+    if required && text.trim().is_empty() {
+        return Err(Error::Invalid(format!("a mode change needs a {what}: say why")));
+    }
+    if text.chars().count() > MAX_REASON {
+        return Err(Error::Invalid(format!("the {what} is longer than {MAX_REASON} characters")));
+    }
+    Ok(())
+}
+
+/// The verdict on `scope` now (FLOW-7), read in one transaction.
+pub async fn judge(pool: &PgPool, scope: &Scope, params: &Params) -> Result<Verdict, Error> {
+    let mut tx = pool.begin().await?;
+    let members = evidence::resolve(&mut tx, scope).await?;
+    let facts = evidence::facts(&mut tx, &members, params).await?;
+    tx.commit().await?;
+    Ok(verdict::judge(params, &facts))
+}
+
+/// Changes the mode of exactly the set the request names, or nothing (FLOW-8).
+pub async fn promote(pool: &PgPool, actor: &str, request: &Request) -> Result<Promotion, Error> {
+    check_text("reason", &request.reason, true)?;
+    if let Some(text) = &request.override_reason {
+        check_text("override reason", text, true)?;
+    }
+    let mut tx = pool.begin().await?;
+    // Nothing that renders commits between resolving the set and flipping it.
+    publish::lock_renders(&mut tx).await?;
+    let members = evidence::resolve(&mut tx, &request.scope).await?;
+    if members.len() != request.expect_count {
+        return Err(Error::CountMismatch {
+            expected: request.expect_count,
+            matched: members.len(),
+            names: members.iter().map(Member::name).collect(),
+        });
+    }
+    if members.is_empty() {
+        return Err(Error::Invalid("the scope names no workload: nothing to change".into()));
+    }
+    let verdict = if request.to == Mode::Enforcement {
+        let facts = evidence::facts(&mut tx, &members, &request.params).await?;
+        let verdict = verdict::judge(&request.params, &facts);
+        if verdict.outcome != Outcome::Safe && request.override_reason.is_none() {
+            return Err(Error::EvidenceInsufficient {
+                outcome: verdict.outcome.name(),
+                reasons: verdict.summary(),
+            });
+        }
+        Some(serde_json::to_value(&verdict).map_err(|e| Error::Render(Box::new(e)))?)
+    } else {
+        None
+    };
+    for member in &members {
+        authoring::set_mode(&mut tx, member.id, request.to).await?;
+    }
+    let changed = publish::publish(&mut tx).await?;
+    let promotion_id = Uuid::new_v4();
+    let at: DateTime<Utc> = sqlx::query_scalar(
+        "INSERT INTO promotions (id, actor, reason, override_reason, to_mode, scope, expected_count, workloads, verdict)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) RETURNING at",
+    )
+    .bind(promotion_id)
+    .bind(actor)
+    .bind(&request.reason)
+    .bind(&request.override_reason)
+    .bind(request.to.code())
+    .bind(request.scope.to_string())
+    .bind(request.expect_count as i32)
+    .bind(serde_json::to_value(&members).map_err(|e| Error::Render(Box::new(e)))?)
+    .bind(&verdict)
+    .fetch_one(&mut *tx)
+    .await?;
+    let action = if request.to == Mode::Enforcement { "workload.promote" } else { "workload.demote" };
+    let scope = request.scope.to_string();
+    let record = audit::Record {
+        detail: serde_json::json!({
+            "promotion": promotion_id,
+            "to": request.to.name(),
+            "scope": scope,
+            "workloads": members.iter().map(|m| m.id.to_string()).collect::<Vec<_>>(),
+            "reason": request.reason,
+            "override": request.override_reason,
+            "verdict": verdict.as_ref().and_then(|v| v.get("outcome")).cloned(),
+        }),
+        workload_versions: changed.iter().map(|c| (c.workload.to_string(), c.version)).collect(),
+        ..audit::Record::new(actor, action, &scope)
+    };
+    audit::write(&mut tx, &record).await?;
+    tx.commit().await?;
+    Ok(Promotion {
+        id: promotion_id,
+        at,
+        actor: actor.to_owned(),
+        reason: request.reason.clone(),
+        override_reason: request.override_reason.clone(),
+        to_mode: request.to.name(),
+        scope: request.scope.to_string(),
+        expected_count: request.expect_count as i32,
+        workloads: members,
+        verdict,
+    })
+}
+
+/// Promotion records, newest first, at most `limit`.
+pub async fn list(conn: &mut PgConnection, limit: i64) -> Result<Vec<Promotion>, Error> {
+    let rows = sqlx::query(
+        "SELECT id, at, actor, reason, override_reason, to_mode, scope, expected_count, workloads, verdict
+         FROM promotions ORDER BY at DESC, id LIMIT $1",
+    )
+    .bind(limit)
+    .fetch_all(&mut *conn)
+    .await?;
+    rows.into_iter().map(promotion).collect()
+}
+
+/// One promotion record.
+pub async fn show(conn: &mut PgConnection, id: Uuid) -> Result<Promotion, Error> {
+    let row = sqlx::query(
+        "SELECT id, at, actor, reason, override_reason, to_mode, scope, expected_count, workloads, verdict
+         FROM promotions WHERE id = $1",
+    )
+    .bind(id)
+    .fetch_optional(&mut *conn)
+    .await?
+    .ok_or_else(|| Error::NotFound { what: "promotion", name: id.to_string() })?;
+    promotion(row)
+}
+
+fn promotion(row: sqlx::postgres::PgRow) -> Result<Promotion, Error> {
+    let corrupt = |what: &'static str, detail: String| Error::Corrupt { what, detail };
+    let mode = Mode::from_code(row.get(5))
+        .map_err(|_| corrupt("promotion mode", row.get::<i16, _>(5).to_string()))?;
+    let workloads: Vec<StoredMember> =
+        serde_json::from_value(row.get(8)).map_err(|e| corrupt("promotion workloads", e.to_string()))?;
+    Ok(Promotion {
+        id: row.get(0),
+        at: row.get(1),
+        actor: row.get(2),
+        reason: row.get(3),
+        override_reason: row.get(4),
+        to_mode: mode.name(),
+        scope: row.get(6),
+        expected_count: row.get(7),
+        workloads: workloads
+            .into_iter()
+            .map(|m| {
+                let id = WorkloadId::from_uuid(m.id)
+                    .ok_or_else(|| corrupt("promotion workload", m.id.to_string()))?;
+                let mode = m.mode.parse::<Mode>().map_or("unknown", Mode::name);
+                Ok(Member { id, hostname: m.hostname, mode })
+            })
+            .collect::<Result<_, Error>>()?,
+        verdict: row.get(9),
+    })
+}
+
+/// A member as the record stores it.
+#[derive(serde::Deserialize)]
+struct StoredMember {
+    id: Uuid,
+    hostname: String,
+    mode: String,
+}
