@@ -1,9 +1,10 @@
 //! The Innerwall control plane as a library: the `innerwall` binary is a thin CLI over it, and
 //! end-to-end tests drive it directly. Its rooms, lowest first (a module imports only from the
 //! ones before it): `policy` (authored model, render, publish), `identity` (CA, tokens,
-//! enrollment, the agent listener), `flows` (evidence ingest, retention, queries), `sync`
-//! (stream state machine, gateway, NOTIFY bridge), `service` (one replica), with `postgres` (the
-//! database and its clusters) underneath all of them.
+//! enrollment, the agent listener), `flows` (evidence ingest, retention, queries), `gate` (the
+//! verdict and promotions on that evidence), `sync` (stream state machine, gateway, NOTIFY
+//! bridge), `service` (one replica), with `postgres` (the database and its clusters) underneath
+//! all of them.
 
 pub mod audit;
 pub mod error;

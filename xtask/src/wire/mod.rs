@@ -200,7 +200,7 @@ mod tests {
     fn wire_check_accepts_an_added_field() {
         let root = crate::workspace_root().unwrap();
         let copy =
-            edited_copy(TELEMETRY, "  uint64 count = 4;\n", "  uint64 count = 4;\n  string note = 5;\n");
+            edited_copy(TELEMETRY, "  uint64 count = 4;\n", "  uint64 count = 4;\n  string note = 99;\n");
         check(&root, copy.path()).unwrap();
     }
 
