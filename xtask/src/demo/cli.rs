@@ -64,6 +64,7 @@ pub struct RenderedRule {
 #[derive(Debug, Deserialize)]
 pub struct FlowRecord {
     pub src_address: String,
+    pub dst_port: u64,
     pub decision: u64,
 }
 
@@ -71,6 +72,35 @@ impl FlowRecord {
     /// The control plane's decision numbers (`flows::decision_name`).
     pub const ALLOWED: u64 = 2;
     pub const BLOCKED: u64 = 4;
+}
+
+/// `innerwall workload verdict --json`.
+#[derive(Debug, Deserialize)]
+pub struct VerdictJson {
+    pub outcome: String,
+    pub workloads: Vec<VerdictWorkload>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct VerdictWorkload {
+    pub id: String,
+    pub latest_version: Option<u64>,
+    pub reasons: Vec<serde_json::Value>,
+}
+
+impl VerdictJson {
+    /// Whether a workload's reasons name `addr` among the peers it would block.
+    pub fn would_block_from(&self, addr: &str) -> bool {
+        self.workloads.iter().flat_map(|w| &w.reasons).any(|r| {
+            r["reason"] == "would-block"
+                && r["peers"].as_array().is_some_and(|peers| peers.iter().any(|p| p["src"] == addr))
+        })
+    }
+
+    /// The version the verdict judged for workload `id`.
+    pub fn judged_version(&self, id: &str) -> Option<u64> {
+        self.workloads.iter().find(|w| w.id == id).and_then(|w| w.latest_version)
+    }
 }
 
 /// `innerwall-agent status --json`.

@@ -26,7 +26,7 @@ use std::{
 use anyhow::{Context, Result, bail};
 
 use self::{
-    cli::{AgentStatus, FlowRecord, MintedToken, RenderedPolicy, SyncStatus, Workload},
+    cli::{AgentStatus, FlowRecord, MintedToken, RenderedPolicy, SyncStatus, VerdictJson, Workload},
     network::{BATCH, BRIDGE, DB, HOSTS, Host, WEB},
     processes::{POLL, Processes, capture},
 };
@@ -35,6 +35,13 @@ use crate::{cmd, setup, suite::root_cargo};
 const SERVER_NAME: &str = "10.77.0.1";
 const SERVER: &str = "10.77.0.1:7443";
 const DB_PORT: &str = "5432";
+/// A port db's policy never allows: in enforcement its SYNs are dropped.
+const OTHER_PORT: &str = "5433";
+/// The evidence a verdict judges: the last 45 s, at least 10 s of it (a real estate would use
+/// the default 24 h).
+const EVIDENCE_SINCE: &str = "45s";
+const MIN_EVIDENCE: &str = "10s";
+const VERDICT_TIMEOUT: Duration = Duration::from_secs(90);
 const DIR_PREFIX: &str = "innerwall-demo-";
 
 const CLI_TIMEOUT: Duration = Duration::from_secs(30);
@@ -230,30 +237,70 @@ impl Demo {
         self.spawn("listener", listener)?;
         self.wait_for_log("listener", "listening", Duration::from_secs(10))?;
         println!("  a TCP server listens on {}:{DB_PORT} inside {}", DB.addr, DB.netns);
-        let outcome = self.connect(&BATCH)?;
+        let outcome = self.connect(&BATCH, DB_PORT)?;
         self.expect(
             "visibility: batch -> db:5432 connects (the rule exists, nothing is dropped yet)",
             outcome.connected(),
             &outcome,
         );
 
-        section("5", "Enforcement", "db moves to enforcement; every agent converges to its latest version");
+        section(
+            "5",
+            "Simulation",
+            "db moves to simulation by a count-pinned promotion; nothing is dropped yet",
+        );
         let db = self.id(&DB).to_owned();
-        self.iw_print(&["workload", "mode", &db, "enforcement"])?;
+        let scope = "app=payments-db";
+        self.iw_print(&[
+            "workload",
+            "promote",
+            "--scope",
+            scope,
+            "--expect-count",
+            "1",
+            "--to",
+            "simulation",
+            "--reason",
+            "demo: gather evidence before enforcing",
+        ])?;
         self.wait_converged()?;
-        self.iw_print(&["workload", "status"])?;
-
-        section("6", "Traffic", "the kernel on db allows web and drops batch");
-        let outcome = self.connect(&WEB)?;
-        self.expect("web -> db:5432 connects (allowed by payments/from-web)", outcome.connected(), &outcome);
-        let outcome = self.connect(&BATCH)?;
+        let outcome = self.connect(&BATCH, DB_PORT)?;
+        self.expect("simulation: batch -> db:5432 still connects", outcome.connected(), &outcome);
+        let outcome = self.connect(&WEB, DB_PORT)?;
+        self.expect("simulation: web -> db:5432 connects", outcome.connected(), &outcome);
+        let mut wrong = self.iw_command(&[
+            "workload",
+            "promote",
+            "--scope",
+            scope,
+            "--expect-count",
+            "2",
+            "--to",
+            "enforcement",
+            "--reason",
+            "demo",
+        ]);
+        println!("  $ {}", self.display(&wrong));
+        let out = capture(&mut wrong, CLI_TIMEOUT)?;
+        println!("    {}", out.stderr.trim());
         self.expect(
-            "batch -> db:5432 is blocked (SYN dropped, connection times out)",
-            outcome == Outcome::TimedOut,
-            &outcome,
+            "a promotion naming the wrong count is refused and changes nothing",
+            !out.status.success()
+                && out.stderr.contains("match-count-mismatch: 1 workload(s) matched, you expected 2"),
+            &out.stderr.trim(),
         );
 
-        section("7", "Relabel", "batch becomes app=web; only db's peer set changes");
+        section("6", "Verdict", "is it safe to enforce? the evidence says batch would be blocked");
+        let verdict =
+            self.wait_verdict(scope, |v| v.outcome == "UNSAFE" && v.would_block_from(BATCH.addr))?;
+        self.iw_print(&verdict_args(scope, &[]))?;
+        self.expect(
+            "the verdict is UNSAFE and names batch's attempt as would-block",
+            verdict.outcome == "UNSAFE" && verdict.would_block_from(BATCH.addr),
+            &verdict.outcome,
+        );
+
+        section("7", "Fix", "batch becomes app=web: only db's peer set changes, and the verdict follows");
         let before = self.policy(&db)?;
         let hits_before = self.rule_hits(&DB)?;
         let batch = self.id(&BATCH).to_owned();
@@ -268,17 +315,45 @@ impl Demo {
                 && after.has_peer(&format!("{}/32", BATCH.addr)),
             &format!("v{} {:?} -> v{} {:?}", before.version, before.rules, after.version, after.rules),
         );
-        let outcome = self.connect(&BATCH)?;
-        self.expect("batch -> db:5432 now connects", outcome.connected(), &outcome);
         let hits_after = self.rule_hits(&DB)?;
-        if hits_after == hits_before + 1 {
-            println!(
-                "  rule hits on db: {hits_before} -> {hits_after}: the counters survived the \
-                 update, so the agent changed a set element instead of rebuilding the table"
-            );
-        } else {
-            println!("  rule hits on db: {hits_before} -> {hits_after}");
-        }
+        println!("  rule hits on db: {hits_before} -> {hits_after} (a peer-only update keeps the counters)");
+        let verdict = self.wait_verdict(scope, |v| v.outcome == "SAFE")?;
+        self.iw_print(&verdict_args(scope, &[]))?;
+        self.expect(
+            "the verdict is SAFE on the new version (older windows replayed through it)",
+            verdict.outcome == "SAFE" && verdict.judged_version(&db) == Some(after.version),
+            &verdict.outcome,
+        );
+
+        section("8", "Enforcement", "a count-pinned promotion on the SAFE verdict, with its record");
+        self.iw_print(&[
+            "workload",
+            "promote",
+            "--scope",
+            scope,
+            "--expect-count",
+            "1",
+            "--to",
+            "enforcement",
+            "--evidence-since",
+            EVIDENCE_SINCE,
+            "--min-evidence",
+            MIN_EVIDENCE,
+            "--reason",
+            "demo: the verdict is SAFE on the fixed policy",
+        ])?;
+        self.wait_converged()?;
+        self.iw_print(&["promotions", "list"])?;
+        let outcome = self.connect(&WEB, DB_PORT)?;
+        self.expect("web -> db:5432 connects (allowed by payments/from-web)", outcome.connected(), &outcome);
+        let outcome = self.connect(&BATCH, DB_PORT)?;
+        self.expect("batch, now app=web, -> db:5432 connects", outcome.connected(), &outcome);
+        let outcome = self.connect(&WEB, OTHER_PORT)?;
+        self.expect(
+            "web -> db:5433 is blocked (no rule; SYN dropped, the connection times out)",
+            outcome == Outcome::TimedOut,
+            &outcome,
+        );
         let mut status = self.in_netns(&DB, "innerwall-agent");
         status.arg("status").arg("--state-dir").arg(self.agent_state(&DB));
         self.run_print(&mut status)?;
@@ -287,9 +362,9 @@ impl Demo {
         let peers: Vec<&str> = log.lines().filter_map(|line| line.strip_prefix("accepted ")).collect();
         println!("  the db server accepted connections from: {}", peers.join(", "));
 
-        section("8", "Flows", "what db's eBPF capture saw, with the decision its policy made");
-        // Windows close every 5 s and upload on their own connection; wait for batch's blocked
-        // attempt (decision 4) and web's allowed connection (decision 2) to arrive.
+        section("9", "Flows", "what db's eBPF capture saw, with the decision its policy made");
+        // Windows close every 5 s and upload on their own connection; wait for web's blocked
+        // attempt on 5433 and its allowed connection on 5432 to arrive.
         let deadline = Instant::now() + Duration::from_secs(40);
         let (mut blocked, mut allowed) = (false, false);
         while Instant::now() < deadline && !(blocked && allowed) {
@@ -304,13 +379,13 @@ impl Demo {
                 "--json",
             ]))?;
             let rows: Vec<FlowRecord> = cli::parse(&out, "flows list --json")?;
-            for row in rows {
-                blocked |= row.src_address == BATCH.addr && row.decision == FlowRecord::BLOCKED;
-                allowed |= row.src_address == WEB.addr && row.decision == FlowRecord::ALLOWED;
+            for row in rows.iter().filter(|row| row.src_address == WEB.addr) {
+                blocked |= row.decision == FlowRecord::BLOCKED && row.dst_port.to_string() == OTHER_PORT;
+                allowed |= row.decision == FlowRecord::ALLOWED && row.dst_port.to_string() == DB_PORT;
             }
         }
         self.iw_print(&["flows", "list", "--workload", &db, "--since", "10m"])?;
-        self.expect("db's flows show batch's attempt as BLOCKED", blocked, &"no blocked record from batch");
+        self.expect("db's flows show web's attempt on 5433 as BLOCKED", blocked, &"no blocked record");
         self.expect(
             "db's flows show web's connection as ALLOWED with its rule",
             allowed,
@@ -321,16 +396,32 @@ impl Demo {
         self.summary()
     }
 
+    /// Asks for the verdict on `scope` until `done` holds of it (evidence arrives in 5 s
+    /// windows); the last verdict either way.
+    fn wait_verdict(&self, scope: &str, done: impl Fn(&VerdictJson) -> bool) -> Result<VerdictJson> {
+        let started = Instant::now();
+        loop {
+            let args = verdict_args(scope, &["--json"]);
+            let verdict: VerdictJson = cli::parse(&self.iw(&args)?, "workload verdict --json")?;
+            if done(&verdict) || started.elapsed() > VERDICT_TIMEOUT {
+                println!("  verdict {} after {:.1?}", verdict.outcome, started.elapsed());
+                return Ok(verdict);
+            }
+            thread::sleep(POLL);
+        }
+    }
+
     fn summary(&self) -> Result<()> {
         section("9", "Summary", "");
         println!(
             "  shown: token enrollment of three agents over mTLS, each inside its own network\n  \
              namespace; label-based policy rendered per host and streamed to the agents; the\n  \
-             visibility -> enforcement switch; nftables on db allowing app=web and dropping\n  \
-             app=batch on 5432/tcp; a relabel converging as a peer-only update, seen in\n  \
-             `workload status`, the agent's kernel counters and the rendered policy; the flows\n  \
-             db's eBPF capture recorded, with the decision its installed policy made.\n  \
-             not shown yet: simulation review, verdicts and promotion (FLOW-6..FLOW-8)."
+             visibility -> simulation -> enforcement path on evidence: a count-pinned promotion\n  \
+             (a wrong count refused), the verdict UNSAFE naming batch's would-block attempt, a\n  \
+             relabel converging as a peer-only update, the verdict SAFE on the new version with\n  \
+             the older windows replayed, the promotion to enforcement and its record; nftables on\n  \
+             db allowing app=web and dropping what no rule allows; the flows db's eBPF capture\n  \
+             recorded, with the decision its installed policy made."
         );
         if self.failures.is_empty() {
             println!("\nRESULT: PASS, every expectation held");
@@ -496,9 +587,9 @@ impl Demo {
         )
     }
 
-    fn connect(&self, from: &Host) -> Result<Outcome> {
+    fn connect(&self, from: &Host, port: &str) -> Result<Outcome> {
         let mut client = self.in_netns(from, "/usr/bin/python3");
-        client.args(["-c", CLIENT_PY, DB.addr, DB_PORT, CONNECT_TIMEOUT_SECS]);
+        client.args(["-c", CLIENT_PY, DB.addr, port, CONNECT_TIMEOUT_SECS]);
         println!("  $ {}   # from {}", self.display(&client), from.name);
         let out = capture(&mut client, Duration::from_secs(15))?;
         println!("    {}", out.stdout.trim());
@@ -635,6 +726,22 @@ fn clean_leftovers() -> Result<()> {
 }
 
 // --- output -------------------------------------------------------------------------------
+
+/// `innerwall workload verdict` on `scope` over the demo's evidence range, then `extra`.
+fn verdict_args<'a>(scope: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec![
+        "workload",
+        "verdict",
+        "--scope",
+        scope,
+        "--evidence-since",
+        EVIDENCE_SINCE,
+        "--min-evidence",
+        MIN_EVIDENCE,
+    ];
+    args.extend_from_slice(extra);
+    args
+}
 
 fn section(number: &str, title: &str, shows: &str) {
     let mut header =
