@@ -202,27 +202,56 @@ impl Drop for TestDatabase {
 /// Adds service `svc-<n>` (tcp/8000+n) and ruleset `rs-<n>` allowing it from 192.0.2.0/24 to
 /// every `app=web` workload: one new policy version for each of them, committed as the CLI does.
 pub async fn add_web_port(pool: &PgPool, n: u16) -> anyhow::Result<()> {
+    use crate::policy::spec::PeerSpec;
+    let (service, ruleset) = (format!("svc-{n}"), format!("rs-{n}"));
+    let entry = format!("tcp:{}", 8000 + u32::from(n));
+    allow(pool, &service, &ruleset, ("app", "web"), PeerSpec::cidr("192.0.2.0/24"), &entry).await
+}
+
+/// Creates service `name` with `entry` (e.g. `tcp:5432`) and ruleset `name` with one rule `r`
+/// admitting it to the workloads labelled `scope` from the workloads labelled `peers`, committed
+/// as the CLI does.
+pub async fn admit(
+    pool: &PgPool,
+    name: &str,
+    scope: (&str, &str),
+    peers: (&str, &str),
+    entry: &str,
+) -> anyhow::Result<()> {
+    use crate::policy::spec::PeerSpec;
+    let peer = PeerSpec::workloads([(peers.0.to_owned(), vec![peers.1.to_owned()])].into());
+    allow(pool, name, name, scope, peer, entry).await
+}
+
+async fn allow(
+    pool: &PgPool,
+    service: &str,
+    ruleset: &str,
+    scope: (&str, &str),
+    peer: crate::policy::spec::PeerSpec,
+    entry: &str,
+) -> anyhow::Result<()> {
     use crate::policy::authoring;
-    use crate::policy::spec::{PeerSpec, RuleSpec, RulesetSpec, ServiceSpec};
+    use crate::policy::spec::{RuleSpec, RulesetSpec, ServiceSpec};
     let service = ServiceSpec {
-        name: format!("svc-{n}"),
+        name: service.to_owned(),
         description: String::new(),
-        entries: vec![crate::policy::model::ServiceEntry::parse(&format!("tcp:{}", 8000 + u32::from(n)))?],
+        entries: vec![crate::policy::model::ServiceEntry::parse(entry)?],
     };
     let ruleset = RulesetSpec {
-        name: format!("rs-{n}"),
+        name: ruleset.to_owned(),
         description: String::new(),
         enabled: true,
-        scope: [("app".to_owned(), vec!["web".to_owned()])].into(),
+        scope: [(scope.0.to_owned(), vec![scope.1.to_owned()])].into(),
         rules: vec![RuleSpec {
             name: "r".into(),
             description: String::new(),
             enabled: true,
-            peers: vec![PeerSpec::cidr("192.0.2.0/24")],
+            peers: vec![peer],
             services: vec![service.name.clone()],
         }],
     };
-    authoring::commit(pool, "test", "bump", "web", async |c| {
+    authoring::commit(pool, "test", "ruleset.create", &ruleset.name, async |c| {
         authoring::create_service(c, &service).await?;
         authoring::create_ruleset(c, &ruleset).await?;
         Ok(((), serde_json::json!({})))

@@ -15,7 +15,8 @@ use innerwall_agent::telemetry::Queue;
 use innerwall_control_plane::error::Error;
 use innerwall_control_plane::gate::{self, Outcome, Params, Scope};
 use innerwall_control_plane::policy::authoring;
-use innerwall_control_plane::policy::spec::{NewWorkload, PeerSpec, RuleSpec, RulesetSpec, ServiceSpec};
+use innerwall_control_plane::policy::spec::NewWorkload;
+use innerwall_control_plane::testing;
 use innerwall_wire::flows::{EvidenceGap, FlowWindow, GapKind};
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::{Mode, Protocol};
@@ -46,33 +47,10 @@ async fn register_peer(plane: &Plane, hostname: &str, labels: &[&str], addr: &st
     new.id
 }
 
-/// `app=db` accepts tcp/5432 from workloads labelled `app=<from>`.
+/// `app=db` accepts tcp/5432 from workloads labelled `app=<from>` (ruleset `db-from-<from>`).
 async fn allow_db_from(plane: &Plane, from: &str) {
-    let service = ServiceSpec {
-        name: format!("pg-{from}"),
-        description: String::new(),
-        entries: vec![innerwall_control_plane::policy::model::ServiceEntry::parse("tcp:5432").unwrap()],
-    };
-    let ruleset = RulesetSpec {
-        name: format!("db-from-{from}"),
-        description: String::new(),
-        enabled: true,
-        scope: [("app".to_owned(), vec!["db".to_owned()])].into(),
-        rules: vec![RuleSpec {
-            name: "pg".into(),
-            description: String::new(),
-            enabled: true,
-            peers: vec![PeerSpec::workloads(BTreeMap::from([("app".to_owned(), vec![from.to_owned()])]))],
-            services: vec![service.name.clone()],
-        }],
-    };
-    authoring::commit(plane.pool(), "test", "ruleset", &ruleset.name, async |c| {
-        authoring::create_service(c, &service).await?;
-        authoring::create_ruleset(c, &ruleset).await?;
-        Ok(((), serde_json::json!({})))
-    })
-    .await
-    .unwrap();
+    let name = format!("db-from-{from}");
+    testing::admit(plane.pool(), &name, ("app", "db"), ("app", from), "tcp:5432").await.unwrap();
 }
 
 /// An enrolled `app=db` host running the real sync loop with an in-memory store.
@@ -335,31 +313,7 @@ async fn verdict_refuses_stale_evidence() {
     register_peer(&plane, "web-1", &["app=web"], WEB).await;
     allow_db_from(&plane, "web").await;
     // Workloads labelled tier=1 also accept web on tcp/6432.
-    let service = ServiceSpec {
-        name: "pgbouncer".into(),
-        description: String::new(),
-        entries: vec![innerwall_control_plane::policy::model::ServiceEntry::parse("tcp:6432").unwrap()],
-    };
-    let tier = RulesetSpec {
-        name: "tier-1".into(),
-        description: String::new(),
-        enabled: true,
-        scope: [("tier".to_owned(), vec!["1".to_owned()])].into(),
-        rules: vec![RuleSpec {
-            name: "bouncer".into(),
-            description: String::new(),
-            enabled: true,
-            peers: vec![PeerSpec::workloads(BTreeMap::from([("app".to_owned(), vec!["web".to_owned()])]))],
-            services: vec!["pgbouncer".into()],
-        }],
-    };
-    authoring::commit(plane.pool(), "test", "ruleset", "tier-1", async |c| {
-        authoring::create_service(c, &service).await?;
-        authoring::create_ruleset(c, &tier).await?;
-        Ok(((), serde_json::json!({})))
-    })
-    .await
-    .unwrap();
+    testing::admit(plane.pool(), "tier-1", ("tier", "1"), ("app", "web"), "tcp:6432").await.unwrap();
     let names = ["offline", "degraded", "no-window", "hole", "gap", "good"];
     let mut hosts = Vec::new();
     for name in names {

@@ -163,6 +163,18 @@ const WINDOW_REACH: chrono::Duration = chrono::Duration::days(1);
 /// refused while the agent was cut off, at most the queue's day of windows).
 const GAP_REACH: chrono::Duration = chrono::Duration::days(2);
 
+/// The rows of `sql` for the workloads `ids` over the range `[from, to)`: its `$1` is the ids,
+/// `$2` and `$3` the range, `$4` the oldest window start that can reach into it.
+async fn in_range(
+    conn: &mut PgConnection,
+    sql: &'static str,
+    ids: &[Uuid],
+    (from, to): (DateTime<Utc>, DateTime<Utc>),
+    oldest: DateTime<Utc>,
+) -> Result<Vec<sqlx::postgres::PgRow>, Error> {
+    Ok(sqlx::query(sql).bind(ids).bind(from).bind(to).bind(oldest).fetch_all(&mut *conn).await?)
+}
+
 /// Everything the verdict needs of `members` over `params`' range.
 pub async fn facts(
     conn: &mut PgConnection,
@@ -197,17 +209,9 @@ pub async fn facts(
             },
         );
     }
-    for row in sqlx::query(
-        "SELECT workload_id, window_start, window_end, policy_version FROM flow_windows
-         WHERE workload_id = ANY($1) AND window_end > $2 AND window_start < $3 AND window_start >= $4",
-    )
-    .bind(&ids)
-    .bind(from)
-    .bind(to)
-    .bind(from - WINDOW_REACH)
-    .fetch_all(&mut *conn)
-    .await?
-    {
+    let sql = "SELECT workload_id, window_start, window_end, policy_version FROM flow_windows
+         WHERE workload_id = ANY($1) AND window_end > $2 AND window_start < $3 AND window_start >= $4";
+    for row in in_range(conn, sql, &ids, (from, to), from - WINDOW_REACH).await? {
         if let Some(w) = facts.get_mut(&workload_id(row.get(0))?) {
             w.windows.push(WindowFacts {
                 start_ms: row.get::<DateTime<Utc>, _>(1).timestamp_millis(),
@@ -216,17 +220,9 @@ pub async fn facts(
             });
         }
     }
-    for row in sqlx::query(
-        "SELECT workload_id, kind, gap_from, gap_to, count, detail FROM flow_gaps
-         WHERE workload_id = ANY($1) AND gap_to >= $2 AND gap_from <= $3 AND window_start >= $4",
-    )
-    .bind(&ids)
-    .bind(from)
-    .bind(to)
-    .bind(from - GAP_REACH)
-    .fetch_all(&mut *conn)
-    .await?
-    {
+    let sql = "SELECT workload_id, kind, gap_from, gap_to, count, detail FROM flow_gaps
+         WHERE workload_id = ANY($1) AND gap_to >= $2 AND gap_from <= $3 AND window_start >= $4";
+    for row in in_range(conn, sql, &ids, (from, to), from - GAP_REACH).await? {
         let kind = GapKind::from_code(row.get(1))
             .map_err(|_| Error::Corrupt { what: "gap kind", detail: row.get::<i16, _>(1).to_string() })?;
         if let Some(w) = facts.get_mut(&workload_id(row.get(0))?) {
@@ -239,21 +235,14 @@ pub async fn facts(
             w.gaps.push(gap.because(row.get::<&str, _>(5)));
         }
     }
-    for row in sqlx::query(
+    let sql =
         "SELECT r.workload_id, r.policy_version, host(r.src_address), r.dst_port, r.protocol, r.decision,
                 sum(r.new_connections)::bigint, sum(r.packets)::bigint, (array_agg(r.peer_labels))[1]
          FROM flow_records r
          JOIN flow_windows w ON w.workload_id = r.workload_id AND w.window_id = r.window_id
          WHERE r.workload_id = ANY($1) AND r.window_start >= $4 AND r.window_start < $3 AND w.window_end > $2
-         GROUP BY 1, 2, 3, 4, 5, 6",
-    )
-    .bind(&ids)
-    .bind(from)
-    .bind(to)
-    .bind(from - WINDOW_REACH)
-    .fetch_all(&mut *conn)
-    .await?
-    {
+         GROUP BY 1, 2, 3, 4, 5, 6";
+    for row in in_range(conn, sql, &ids, (from, to), from - WINDOW_REACH).await? {
         let src: String = row.get(2);
         let corrupt = |what: &'static str, detail: String| Error::Corrupt { what, detail };
         let flow = FlowFacts {

@@ -6,8 +6,7 @@
 use std::time::Duration;
 
 use innerwall_control_plane::identity::tokens;
-use innerwall_control_plane::policy::spec::{PeerSpec, RuleSpec, RulesetSpec, ServiceSpec};
-use innerwall_control_plane::policy::{authoring, model::ServiceEntry, store};
+use innerwall_control_plane::policy::{authoring, store};
 use innerwall_control_plane::sync::gateway::GatewayConfig;
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::Cidr;
@@ -19,32 +18,10 @@ use crate::eventually;
 use crate::sync::Scripted;
 
 /// `app=db` admits `app=web` on tcp/5432.
-async fn db_admits_web(pool: &PgPool) {
-    let service = ServiceSpec {
-        name: "pg".into(),
-        description: String::new(),
-        entries: vec![ServiceEntry::parse("tcp:5432").unwrap()],
-    };
-    let ruleset = RulesetSpec {
-        name: "db".into(),
-        description: String::new(),
-        enabled: true,
-        scope: [("app".to_owned(), vec!["db".to_owned()])].into(),
-        rules: vec![RuleSpec {
-            name: "from-web".into(),
-            description: String::new(),
-            enabled: true,
-            peers: vec![PeerSpec::workloads([("app".to_owned(), vec!["web".to_owned()])].into())],
-            services: vec!["pg".into()],
-        }],
-    };
-    authoring::commit(pool, "test", "setup", "db", async |c| {
-        authoring::create_service(c, &service).await?;
-        authoring::create_ruleset(c, &ruleset).await?;
-        Ok(((), serde_json::json!({})))
-    })
-    .await
-    .unwrap();
+pub async fn db_admits_web(pool: &PgPool) {
+    innerwall_control_plane::testing::admit(pool, "db", ("app", "db"), ("app", "web"), "tcp:5432")
+        .await
+        .unwrap();
 }
 
 /// The peers of `id`'s persisted policy, and its version.

@@ -621,8 +621,6 @@ async fn server_certificate_renews_without_restart() {
 /// a certificate can replace only its own workload, and `replace` without one is refused.
 #[tokio::test]
 async fn enroll_force_retires_the_workload_it_replaces() {
-    use innerwall_control_plane::policy::model::ServiceEntry;
-    use innerwall_control_plane::policy::spec::{PeerSpec, RuleSpec, RulesetSpec, ServiceSpec};
     use innerwall_control_plane::policy::store;
 
     let plane = Plane::start(GatewayConfig::default()).await;
@@ -630,31 +628,7 @@ async fn enroll_force_retires_the_workload_it_replaces() {
     // db admits every app=web workload: its peer set shows which web workloads are rendered.
     let db_token = plane.mint(&["app=db"], None).await;
     let (db, _, _) = plane.enroll_reporting(&db_token, &["10.1.0.4/24"]).await.unwrap();
-    let service = ServiceSpec {
-        name: "pg".into(),
-        description: String::new(),
-        entries: vec![ServiceEntry::parse("tcp:5432").unwrap()],
-    };
-    let ruleset = RulesetSpec {
-        name: "db".into(),
-        description: String::new(),
-        enabled: true,
-        scope: [("app".to_owned(), vec!["db".to_owned()])].into(),
-        rules: vec![RuleSpec {
-            name: "r".into(),
-            description: String::new(),
-            enabled: true,
-            peers: vec![PeerSpec::workloads([("app".to_owned(), vec!["web".to_owned()])].into())],
-            services: vec!["pg".into()],
-        }],
-    };
-    authoring::commit(pool, "test", "setup", "db", async |c| {
-        authoring::create_service(c, &service).await?;
-        authoring::create_ruleset(c, &ruleset).await?;
-        Ok(((), serde_json::json!({})))
-    })
-    .await
-    .unwrap();
+    crate::addresses::db_admits_web(pool).await;
     let peers = async || {
         let (p, _) = store::persisted_policy(&mut pool.acquire().await.unwrap(), db).await.unwrap().unwrap();
         let mut peers: Vec<String> =
