@@ -164,7 +164,9 @@ async fn verdict_scenario_unsafe_then_safe() {
     assert_eq!(verdict.outcome, Outcome::Unsafe, "{}", verdict.summary());
     let summary = verdict.summary();
     assert!(
-        summary.contains(&format!("{BATCH} {{\"app\":\"batch\",\"team\":\"data\"}} to tcp/5432 (native)")),
+        summary.contains(&format!(
+            "{BATCH} {{\"app\":\"batch\",\"team\":\"data\"}} to tcp/5432 (native, captured under v{v1})"
+        )),
         "{summary}"
     );
     assert!(!summary.contains(WEB), "web is allowed: {summary}");
@@ -410,6 +412,7 @@ async fn verdict_replays_older_versions() {
     let verdict = gate::judge(plane.pool(), &db(), &params(base, base + 15 * SECOND)).await.unwrap();
     assert_eq!(verdict.outcome, Outcome::Unsafe, "{}", verdict.summary());
     let summary = verdict.summary();
-    assert!(summary.contains(&format!("{WEB} {{\"app\":\"web\"}} to tcp/5432 (by replay)")), "{summary}");
+    let found = format!("{WEB} {{\"app\":\"web\"}} to tcp/5432 (by replay, captured under v{vn},v{vn1})");
+    assert!(summary.contains(&found), "{summary}");
     assert_eq!(verdict.workloads[0].latest_version, Some(vn2 as u64));
 }

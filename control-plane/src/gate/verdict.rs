@@ -187,17 +187,20 @@ impl std::fmt::Display for Reason {
                 let named: Vec<String> = peers
                     .iter()
                     .map(|p| {
-                        let found: Vec<&str> = p
-                            .found
-                            .iter()
-                            .map(|f| if *f == Found::Native { "native" } else { "by replay" })
-                            .collect();
+                        let versions: Vec<String> = p.versions.iter().map(|v| format!("v{v}")).collect();
+                        let found = match (p.found.contains(&Found::Native), p.found.contains(&Found::Replay))
+                        {
+                            (true, true) => "native and by replay",
+                            (true, false) => "native",
+                            _ => "by replay",
+                        };
+                        let services: Vec<&str> = p.services.iter().map(String::as_str).collect();
                         format!(
-                            "{} {} to {} ({})",
+                            "{} {} to {} ({found}, captured under {})",
                             p.src,
                             p.labels,
-                            p.services.iter().cloned().collect::<Vec<_>>().join(","),
-                            found.join(" and ")
+                            services.join(","),
+                            versions.join(",")
                         )
                     })
                     .collect();
@@ -499,7 +502,9 @@ mod tests {
         assert_eq!(peers[0].found, BTreeSet::from([Found::Replay]));
         assert_eq!(peers[0].labels, serde_json::json!({"app": "batch"}));
         assert!(
-            verdict.summary().contains("10.9.0.7 {\"app\":\"batch\"} to tcp/5432 (by replay)"),
+            verdict
+                .summary()
+                .contains("10.9.0.7 {\"app\":\"batch\"} to tcp/5432 (by replay, captured under v1)"),
             "{}",
             verdict.summary()
         );
