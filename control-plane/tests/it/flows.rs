@@ -636,7 +636,7 @@ async fn ingest_hours(pool: &sqlx::PgPool, dsts: &[WorkloadId], base: i64, hours
                 let mut records = Vec::new();
                 for (i, src) in SOURCES.iter().enumerate() {
                     for (j, port) in [22u32, 443, 5432].into_iter().enumerate() {
-                        if (i + j + d + slot as usize) % 3 == 0 {
+                        if (i + j + d + slot as usize).is_multiple_of(3) {
                             continue;
                         }
                         let decision = if port == 443 { Allowed } else { WouldBlock };
