@@ -93,11 +93,18 @@ pub struct Running {
     pub certificate: Arc<ServerCertificate>,
 }
 
-/// Drops expired flow partitions hourly (FLOW-5); replicas serialize on the partition lock.
-async fn retention_forever(pool: PgPool, days: i64) {
-    let mut hourly = tokio::time::interval(Duration::from_secs(3600));
-    loop {
-        hourly.tick().await;
+/// Rolls up the records of closed hours every minute (FLOW-6) and drops expired flow partitions
+/// hourly (FLOW-5); replicas serialize on their locks.
+async fn flow_upkeep_forever(pool: PgPool, days: i64) {
+    let mut minutely = tokio::time::interval(Duration::from_secs(60));
+    for minute in 0u64.. {
+        minutely.tick().await;
+        if let Err(e) = crate::flows::roll_up(&pool, chrono::Utc::now()).await {
+            tracing::warn!("flow roll-up failed: {e:#}");
+        }
+        if minute % 60 != 0 {
+            continue;
+        }
         match crate::flows::apply_retention(&pool, days, chrono::Utc::now()).await {
             Ok(dropped) if !dropped.is_empty() => tracing::info!(?dropped, "dropped expired flow partitions"),
             Ok(_) => {}
@@ -151,7 +158,7 @@ pub async fn start(
     let gateway = Gateway::new(&pools, config.gateway.clone(), enroller.clone());
     let bridge = tokio::spawn(bridge::run(pools.streams.clone(), gateway.clone(), admission.clone()));
     let retention =
-        tokio::spawn(retention_forever(pools.ingest.clone(), config.flow_bounds.max_age.num_days()));
+        tokio::spawn(flow_upkeep_forever(pools.ingest.clone(), config.flow_bounds.max_age.num_days()));
     let liveness =
         tokio::spawn(crate::sync::liveness::sweep_forever(pools.streams.clone(), config.gateway.heartbeat));
 

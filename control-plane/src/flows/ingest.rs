@@ -156,7 +156,9 @@ pub async fn ingest(pool: &PgPool, workload: WorkloadId, window: &FlowWindow) ->
         "INSERT INTO flow_windows (workload_id, window_id, window_start, window_end, policy_version, mode, record_count,
             gap_count, packets, bytes, new_connections, observed_records, allowed_records, would_block_records,
             blocked_records)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15) ON CONFLICT DO NOTHING",
+         SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15
+         WHERE NOT EXISTS (SELECT 1 FROM flow_windows WHERE workload_id = $1 AND window_id = $2)
+         ON CONFLICT DO NOTHING",
     )
     .bind(workload.uuid())
     .bind(window.id)
@@ -175,6 +177,8 @@ pub async fn ingest(pool: &PgPool, workload: WorkloadId, window: &FlowWindow) ->
     .bind(totals.records[3])
     .execute(&mut *tx)
     .await?;
+    // Windows are partitioned by start, so the key alone only catches a retry of the same start
+    // (concurrent retries wait on it); the NOT EXISTS above catches the id reused on another day.
     if fresh.rows_affected() == 0 {
         return Ok(Ingested { records: 0, duplicate: true });
     }
@@ -190,8 +194,8 @@ pub async fn ingest(pool: &PgPool, workload: WorkloadId, window: &FlowWindow) ->
     let resolved: Vec<&Peer> = window.records.iter().map(|r| &peers[&r.src]).collect();
 
     let mut rows = copy::Rows::new();
-    for (r, peer) in window.records.iter().zip(&resolved) {
-        rows.row(18);
+    for (ordinal, (r, peer)) in window.records.iter().zip(&resolved).enumerate() {
+        rows.row(19);
         rows.uuid(workload.uuid());
         rows.uuid(window.id);
         rows.timestamptz(start)?;
@@ -210,21 +214,24 @@ pub async fn ingest(pool: &PgPool, workload: WorkloadId, window: &FlowWindow) ->
         rows.i16(peer.kind);
         rows.text(&peer.key);
         rows.jsonb(&peer.labels);
+        // At most MAX_RECORDS records: the position fits.
+        rows.i32(ordinal as i32);
     }
     copy_in(
         &mut tx,
         "COPY flow_records (workload_id, window_id, window_start, policy_version, src_address, dst_address,
             dst_port, protocol, decision, matched_rule_id, packets, bytes, new_connections, first_seen, last_seen,
-            peer_kind, peer_key, peer_labels) FROM STDIN (FORMAT binary)",
+            peer_kind, peer_key, peer_labels, ordinal) FROM STDIN (FORMAT binary)",
         rows,
     )
     .await?;
 
     if !window.gaps.is_empty() {
         sqlx::query(
-            "INSERT INTO flow_gaps (workload_id, window_id, window_start, kind, gap_from, gap_to, count, detail)
-             SELECT $1, $2, $3, k, f, t, c, d
-             FROM unnest($4::smallint[], $5::timestamptz[], $6::timestamptz[], $7::bigint[], $8::text[]) AS x (k, f, t, c, d)",
+            "INSERT INTO flow_gaps (workload_id, window_id, window_start, kind, gap_from, gap_to, count, detail, ordinal)
+             SELECT $1, $2, $3, k, f, t, c, d, n - 1
+             FROM unnest($4::smallint[], $5::timestamptz[], $6::timestamptz[], $7::bigint[], $8::text[])
+                  WITH ORDINALITY AS x (k, f, t, c, d, n)",
         )
         .bind(workload.uuid())
         .bind(window.id)

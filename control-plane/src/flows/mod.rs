@@ -1,12 +1,19 @@
-//! Flow evidence (FLOW-2, FLOW-4, FLOW-5): ingest of validated windows from agents (`ingest`,
-//! with its binary `COPY` encoder in `copy`), daily partitions with retention (`retention`),
-//! and the queries operators read (`query`).
+//! Flow evidence (FLOW-2, FLOW-4..FLOW-6): ingest of validated windows from agents (`ingest`,
+//! with its binary `COPY` encoder in `copy`), daily partitions with retention (`retention`), the
+//! hourly pre-aggregation of closed hours (`hourly`), and what operators read: records and gaps
+//! (`query`) and rollups (`rollup`), a bounded page at a time (`page`).
 
 mod copy;
+mod hourly;
 mod ingest;
+mod page;
 mod query;
 mod retention;
+mod rollup;
 
+pub use hourly::{ROLLUP_BATCH_RECORDS, ROLLUP_BATCH_WINDOWS, roll_up};
 pub use ingest::{Ingested, Telemetry, TimeBounds, ingest};
-pub use query::{FlowRow, GapRow, gaps, list};
+pub use page::{MAX_PAGE, Page, PageRequest};
+pub use query::{FlowRow, GapRow, RecordFilter, gaps, list};
 pub use retention::{DEFAULT_RETENTION_DAYS, RETENTION_BATCH, apply_retention, ensure_partitions};
+pub use rollup::{Grouping, RollupFilter, RollupRow, parse_selector, rollup, workloads_in};

@@ -1,20 +1,27 @@
-//! What operators read of flow evidence: a workload's records and the evidence gaps.
+//! What operators read of flow evidence: a workload's records and the evidence gaps, a bounded
+//! page at a time (`page`), never cut at a limit without saying so.
 
 use chrono::{DateTime, Utc};
 use innerwall_wire::convert::WireEnum;
 use innerwall_wire::flows::Decision;
 use innerwall_wire::identity::WorkloadId;
 use serde::Serialize;
-use sqlx::PgPool;
+use sqlx::{PgPool, Postgres, QueryBuilder};
 use uuid::Uuid;
 
+use super::page::{self, Page, PageRequest};
 use crate::error::Error;
 
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
 pub struct FlowRow {
     pub window_start: DateTime<Utc>,
+    pub window_id: Uuid,
+    /// Position in its window (0 for records stored before positions were kept).
+    #[serde(skip)]
+    pub ordinal: i32,
     pub policy_version: i64,
     pub src_address: String,
+    pub dst_address: String,
     pub peer_kind: i16,
     pub peer_key: String,
     pub peer_labels: serde_json::Value,
@@ -27,31 +34,87 @@ pub struct FlowRow {
     pub new_connections: i64,
 }
 
-/// Records of one workload since `since`, newest first, at most `limit`.
+/// Which records [`list`] reads: one workload's since `since`, optionally of one decision and one
+/// policy version ("which version decided this").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordFilter {
+    pub workload: WorkloadId,
+    pub since: DateTime<Utc>,
+    pub decision: Option<Decision>,
+    pub version: Option<u64>,
+}
+
+const RECORDS: &str = "records";
+
+/// Records of one workload, newest window first (in upload order within a window), a page at a
+/// time. The sort key is (window start, window, position; then the flow key for records stored
+/// before positions were kept).
 pub async fn list(
     pool: &PgPool,
-    workload: WorkloadId,
-    since: DateTime<Utc>,
-    decision: Option<Decision>,
-    limit: i64,
-) -> Result<Vec<FlowRow>, Error> {
-    Ok(sqlx::query_as(
-        "SELECT window_start, policy_version, host(src_address) AS src_address, peer_kind, peer_key, peer_labels,
-                dst_port, protocol, decision, matched_rule_id, packets, bytes, new_connections
-         FROM flow_records WHERE workload_id = $1 AND window_start >= $2 AND ($3::smallint IS NULL OR decision = $3)
-         ORDER BY window_start DESC, src_address, dst_port LIMIT $4",
+    filter: &RecordFilter,
+    request: &PageRequest,
+) -> Result<Page<FlowRow>, Error> {
+    let limit = request.checked_limit()?;
+    let mut q = QueryBuilder::<Postgres>::new(
+        "SELECT window_start, window_id, ordinal, policy_version, host(src_address) AS src_address,
+                host(dst_address) AS dst_address, peer_kind, peer_key, peer_labels, dst_port, protocol, decision,
+                matched_rule_id, packets, bytes, new_connections
+         FROM flow_records WHERE workload_id = ",
+    );
+    q.push_bind(filter.workload.uuid()).push(" AND window_start >= ").push_bind(filter.since);
+    if let Some(decision) = filter.decision {
+        q.push(" AND decision = ").push_bind(decision.code());
+    }
+    if let Some(version) = filter.version {
+        q.push(" AND policy_version = ").push_bind(version_code(version)?);
+    }
+    if let Some(after) = request.after(RECORDS)? {
+        q.push(" AND (window_start, window_id, -ordinal, src_address, dst_address, dst_port, protocol) < (")
+            .push_bind(page::field::<DateTime<Utc>>(&after, 0, RECORDS)?)
+            .push(", ")
+            .push_bind(page::field::<Uuid>(&after, 1, RECORDS)?)
+            .push(", ")
+            .push_bind(-page::field::<i32>(&after, 2, RECORDS)?)
+            .push(", ")
+            .push_bind(page::field::<String>(&after, 3, RECORDS)?)
+            .push("::inet, ")
+            .push_bind(page::field::<String>(&after, 4, RECORDS)?)
+            .push("::inet, ")
+            .push_bind(page::field::<i32>(&after, 5, RECORDS)?)
+            .push(", ")
+            .push_bind(page::field::<i16>(&after, 6, RECORDS)?)
+            .push(")");
+    }
+    q.push(
+        " ORDER BY window_start DESC, window_id DESC, -ordinal DESC, src_address DESC, dst_address DESC,
+                   dst_port DESC, protocol DESC LIMIT ",
     )
-    .bind(workload.uuid())
-    .bind(since)
-    .bind(decision.map(Decision::code))
-    .bind(limit)
-    .fetch_all(pool)
-    .await?)
+    .push_bind(limit + 1);
+    let rows: Vec<FlowRow> = q.build_query_as().fetch_all(pool).await?;
+    Ok(page::page(rows, limit, RECORDS, |r| {
+        serde_json::json!([
+            r.window_start,
+            r.window_id,
+            r.ordinal,
+            r.src_address,
+            r.dst_address,
+            r.dst_port,
+            r.protocol
+        ])
+    }))
+}
+
+/// A policy version as the database stores it.
+pub(super) fn version_code(version: u64) -> Result<i64, Error> {
+    i64::try_from(version).map_err(|_| Error::Invalid(format!("policy version {version} does not exist")))
 }
 
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
 pub struct GapRow {
     pub workload_id: Uuid,
+    pub window_id: Uuid,
+    #[serde(skip)]
+    pub ordinal: i32,
     pub kind: i16,
     pub gap_from: DateTime<Utc>,
     pub gap_to: DateTime<Utc>,
@@ -60,17 +123,60 @@ pub struct GapRow {
     pub detail: String,
 }
 
+const GAPS: &str = "gaps";
+
+/// Evidence gaps of windows since `since` (of one workload, or all), latest gap first, a page at
+/// a time.
 pub async fn gaps(
     pool: &PgPool,
     workload: Option<WorkloadId>,
     since: DateTime<Utc>,
-) -> Result<Vec<GapRow>, Error> {
-    Ok(sqlx::query_as(
-        "SELECT workload_id, kind, gap_from, gap_to, count, detail FROM flow_gaps
-         WHERE ($1::uuid IS NULL OR workload_id = $1) AND window_start >= $2 ORDER BY gap_from DESC LIMIT 1000",
+    request: &PageRequest,
+) -> Result<Page<GapRow>, Error> {
+    let limit = request.checked_limit()?;
+    let mut q = QueryBuilder::<Postgres>::new(
+        "SELECT workload_id, window_id, ordinal, kind, gap_from, gap_to, count, detail FROM flow_gaps
+         WHERE window_start >= ",
+    );
+    q.push_bind(since);
+    if let Some(workload) = workload {
+        q.push(" AND workload_id = ").push_bind(workload.uuid());
+    }
+    if let Some(after) = request.after(GAPS)? {
+        q.push(" AND (gap_from, workload_id, window_id, ordinal, kind, gap_to, count, detail) < (")
+            .push_bind(page::field::<DateTime<Utc>>(&after, 0, GAPS)?)
+            .push(", ")
+            .push_bind(page::field::<Uuid>(&after, 1, GAPS)?)
+            .push(", ")
+            .push_bind(page::field::<Uuid>(&after, 2, GAPS)?)
+            .push(", ")
+            .push_bind(page::field::<i32>(&after, 3, GAPS)?)
+            .push(", ")
+            .push_bind(page::field::<i16>(&after, 4, GAPS)?)
+            .push(", ")
+            .push_bind(page::field::<DateTime<Utc>>(&after, 5, GAPS)?)
+            .push(", ")
+            .push_bind(page::field::<i64>(&after, 6, GAPS)?)
+            .push(", ")
+            .push_bind(page::field::<String>(&after, 7, GAPS)?)
+            .push(")");
+    }
+    q.push(
+        " ORDER BY gap_from DESC, workload_id DESC, window_id DESC, ordinal DESC, kind DESC, gap_to DESC,
+                   count DESC, detail DESC LIMIT ",
     )
-    .bind(workload.map(|w| w.uuid()))
-    .bind(since)
-    .fetch_all(pool)
-    .await?)
+    .push_bind(limit + 1);
+    let rows: Vec<GapRow> = q.build_query_as().fetch_all(pool).await?;
+    Ok(page::page(rows, limit, GAPS, |g| {
+        serde_json::json!([
+            g.gap_from,
+            g.workload_id,
+            g.window_id,
+            g.ordinal,
+            g.kind,
+            g.gap_to,
+            g.count,
+            g.detail
+        ])
+    }))
 }

@@ -1,8 +1,8 @@
-//! Retention of flow evidence (FLOW-5): records and gaps live in daily partitions, created on
-//! demand and dropped whole once past the retention. Ingests hold the partition lock shared,
+//! Retention of flow evidence (FLOW-5): windows, records, gaps and hourly rollups live in daily
+//! partitions, created on demand and dropped whole once past the retention. Ingests hold the partition lock shared,
 //! so uploads run side by side; creating and dropping partitions holds it exclusively.
 
-use chrono::{DateTime, Duration, NaiveDate, TimeZone, Utc};
+use chrono::{DateTime, Duration, NaiveDate, Utc};
 use sqlx::{AssertSqlSafe, PgConnection, PgPool};
 
 use crate::error::Error;
@@ -14,10 +14,10 @@ pub const DEFAULT_RETENTION_DAYS: i64 = 30;
 pub(super) const PARTITION_LOCK_KEY: i64 = 0x6977_2d66_6c6f_7773;
 
 /// The partitioned flow tables, each with a partition a day.
-const PARTITIONED: [&str; 2] = ["flow_records", "flow_gaps"];
+const PARTITIONED: [&str; 4] = ["flow_windows", "flow_records", "flow_gaps", "flow_rollups"];
 
 /// Each partitioned table with the name of its partition for `day`.
-pub(super) fn partitions(day: NaiveDate) -> [(&'static str, String); 2] {
+pub(super) fn partitions(day: NaiveDate) -> [(&'static str, String); 4] {
     let suffix = day.format("%Y%m%d");
     PARTITIONED.map(|table| (table, format!("{table}_{suffix}")))
 }
@@ -82,12 +82,6 @@ pub async fn apply_retention(pool: &PgPool, days: i64, now: DateTime<Utc>) -> Re
         batch.truncate(RETENTION_BATCH);
         for name in &batch {
             sqlx::query(AssertSqlSafe(format!("DROP TABLE {name}"))).execute(&mut *tx).await?;
-        }
-        if last {
-            sqlx::query("DELETE FROM flow_windows WHERE window_start < $1")
-                .bind(Utc.from_utc_datetime(&cutoff.and_hms_opt(0, 0, 0).expect("midnight exists")))
-                .execute(&mut *tx)
-                .await?;
         }
         tx.commit().await?;
         dropped.extend(batch);

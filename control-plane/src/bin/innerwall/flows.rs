@@ -1,10 +1,14 @@
-//! `innerwall flows`: the flow evidence agents reported, and the gaps in it.
+//! `innerwall flows`: the flow evidence agents reported, the gaps in it, and rollups of it
+//! (FLOW-6), each a bounded page that says when more follow and how to ask for them.
+
+use std::collections::BTreeSet;
 
 use clap::Subcommand;
-use innerwall_control_plane::flows as f;
+use innerwall_control_plane::flows::{self as f, Grouping, Page, PageRequest, RollupFilter, RollupRow};
 use innerwall_wire::convert::WireEnum;
 use innerwall_wire::flows::{Decision, GapKind};
 use innerwall_wire::identity::WorkloadId;
+use innerwall_wire::labels::Label;
 use innerwall_wire::policy::Protocol;
 
 use crate::ctx::Ctx;
@@ -23,8 +27,14 @@ pub enum FlowsCmd {
         /// observed, allowed, would-block or blocked.
         #[arg(long)]
         decision: Option<String>,
+        /// Only records decided under this policy version.
+        #[arg(long)]
+        version: Option<u64>,
         #[arg(long, default_value_t = 100)]
-        limit: i64,
+        limit: u32,
+        /// Continue after the page that printed this cursor.
+        #[arg(long)]
+        cursor: Option<String>,
     },
     /// Evidence gaps: what could not be recorded (never silence).
     Gaps {
@@ -32,6 +42,48 @@ pub enum FlowsCmd {
         workload: Option<WorkloadId>,
         #[arg(long, default_value = "24h", value_parser = duration::arg)]
         since: std::time::Duration,
+        #[arg(long, default_value_t = 1000)]
+        limit: u32,
+        /// Continue after the page that printed this cursor.
+        #[arg(long)]
+        cursor: Option<String>,
+    },
+    /// Flows summed by rule, rule-peer, src-dst, dst-service or peer-service, with the policy
+    /// versions that decided them; e.g. `flows rollup --by rule-peer --scope app=db --decision
+    /// would-block --since 24h`.
+    Rollup {
+        /// rule, rule-peer, src-dst, dst-service or peer-service.
+        #[arg(long)]
+        by: String,
+        /// Flows to this workload (repeat for several).
+        #[arg(long)]
+        workload: Vec<WorkloadId>,
+        /// Flows to the workloads the selector matches now, e.g. 'app=web,env=prod|staging'.
+        #[arg(long)]
+        scope: Option<String>,
+        /// The peer had this label when the flow was recorded, e.g. app=batch (repeat: all of them).
+        #[arg(long)]
+        peer_label: Vec<String>,
+        /// observed, allowed, would-block or blocked (repeat for several).
+        #[arg(long)]
+        decision: Vec<String>,
+        /// Decided under this policy version (repeat for several).
+        #[arg(long)]
+        version: Vec<u64>,
+        /// How far back, e.g. 1h, 7d (instead of --from/--to).
+        #[arg(long, value_parser = duration::arg, conflicts_with_all = ["from", "to"])]
+        since: Option<std::time::Duration>,
+        /// Start of the range (RFC 3339, e.g. 2026-01-01T00:00:00Z).
+        #[arg(long)]
+        from: Option<chrono::DateTime<chrono::Utc>>,
+        /// End of the range (RFC 3339); default now.
+        #[arg(long, requires = "from")]
+        to: Option<chrono::DateTime<chrono::Utc>>,
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+        /// Continue after the page that printed this cursor.
+        #[arg(long)]
+        cursor: Option<String>,
     },
 }
 
@@ -48,41 +100,65 @@ fn since(back: &std::time::Duration) -> chrono::DateTime<chrono::Utc> {
         .map_or(chrono::DateTime::UNIX_EPOCH, |at| at.max(chrono::DateTime::UNIX_EPOCH))
 }
 
+fn decision(name: &str) -> anyhow::Result<Decision> {
+    name.parse::<Decision>().map_err(|_| {
+        anyhow::anyhow!("unknown decision {name:?}: use observed, allowed, would-block or blocked")
+    })
+}
+
+/// How a peer reads in a table: a workload with its labels then, a group, or an address.
+fn peer(kind: i16, key: &str, labels: &serde_json::Value) -> String {
+    match kind {
+        1 => format!("workload {key} {labels}"),
+        2 => format!("group {key}"),
+        _ => key.to_owned(),
+    }
+}
+
+/// The last line under a table: whether the page is the whole answer.
+fn print_more<T>(page: &Page<T>, command: &str) {
+    if let Some(cursor) = &page.next_cursor {
+        println!("truncated: more rows follow; next page: {command} … --cursor {cursor}");
+    } else {
+        println!("{} row(s), complete", page.rows.len());
+    }
+}
+
+/// `--json` of `list` and `gaps` stays the array of rows it always was; a page that does not
+/// hold every row says so on stderr with the cursor to the rest.
+fn print_rows_json<T: serde::Serialize>(page: &Page<T>, command: &str) -> anyhow::Result<()> {
+    if let Some(cursor) = &page.next_cursor {
+        eprintln!("truncated: more rows follow; next page: {command} … --cursor {cursor}");
+    }
+    print_json(&page.rows)
+}
+
 pub async fn run(ctx: &Ctx, cmd: &FlowsCmd) -> anyhow::Result<()> {
     match cmd {
-        FlowsCmd::List { workload, since: back, decision, limit } => {
-            let decision = match decision.as_deref() {
-                None => None,
-                Some(name) => Some(name.parse::<Decision>().map_err(|_| {
-                    anyhow::anyhow!(
-                        "unknown decision {name:?}: use observed, allowed, would-block or blocked"
-                    )
-                })?),
+        FlowsCmd::List { workload, since: back, decision: name, version, limit, cursor } => {
+            let filter = f::RecordFilter {
+                workload: *workload,
+                since: since(back),
+                decision: name.as_deref().map(decision).transpose()?,
+                version: *version,
             };
-            if !(1..=10_000).contains(limit) {
-                anyhow::bail!("--limit must be between 1 and 10000");
-            }
-            let rows = f::list(&ctx.pool, *workload, since(back), decision, *limit).await?;
+            let page =
+                f::list(&ctx.pool, &filter, &PageRequest { limit: *limit, cursor: cursor.clone() }).await?;
             if ctx.json {
-                return print_json(&rows);
+                return print_rows_json(&page, "innerwall flows list");
             }
-            let rows = rows
-                .into_iter()
+            let rows = page
+                .rows
+                .iter()
                 .map(|r| {
-                    let peer = match r.peer_kind {
-                        1 => format!("workload {} {}", r.peer_key, r.peer_labels),
-                        2 => format!("group {}", r.peer_key),
-                        _ => r.peer_key.clone(),
-                    };
-                    let proto = stored::<Protocol>(r.protocol);
                     vec![
                         r.window_start.format("%F %T").to_string(),
                         format!("v{}", r.policy_version),
-                        r.src_address,
-                        peer,
-                        format!("{proto}/{}", r.dst_port),
+                        r.src_address.clone(),
+                        peer(r.peer_kind, &r.peer_key, &r.peer_labels),
+                        format!("{}/{}", stored::<Protocol>(r.protocol), r.dst_port),
                         stored::<Decision>(r.decision),
-                        r.matched_rule_id,
+                        r.matched_rule_id.clone(),
                         r.new_connections.to_string(),
                         r.packets.to_string(),
                         r.bytes.to_string(),
@@ -96,14 +172,17 @@ pub async fn run(ctx: &Ctx, cmd: &FlowsCmd) -> anyhow::Result<()> {
                 ],
                 rows,
             );
+            print_more(&page, "innerwall flows list");
         }
-        FlowsCmd::Gaps { workload, since: back } => {
-            let rows = f::gaps(&ctx.pool, *workload, since(back)).await?;
+        FlowsCmd::Gaps { workload, since: back, limit, cursor } => {
+            let request = PageRequest { limit: *limit, cursor: cursor.clone() };
+            let page = f::gaps(&ctx.pool, *workload, since(back), &request).await?;
             if ctx.json {
-                return print_json(&rows);
+                return print_rows_json(&page, "innerwall flows gaps");
             }
-            let rows = rows
-                .into_iter()
+            let rows = page
+                .rows
+                .iter()
                 .map(|g| {
                     vec![
                         g.workload_id.to_string(),
@@ -111,12 +190,126 @@ pub async fn run(ctx: &Ctx, cmd: &FlowsCmd) -> anyhow::Result<()> {
                         g.gap_from.format("%F %T").to_string(),
                         g.gap_to.format("%F %T").to_string(),
                         g.count.to_string(),
-                        g.detail,
+                        g.detail.clone(),
                     ]
                 })
                 .collect();
             print_table(&["workload", "kind", "from", "to", "count", "why"], rows);
+            print_more(&page, "innerwall flows gaps");
+        }
+        FlowsCmd::Rollup {
+            by,
+            workload,
+            scope,
+            peer_label,
+            decision: names,
+            version,
+            since: back,
+            from,
+            to,
+            limit,
+            cursor,
+        } => {
+            let by: Grouping = by.parse()?;
+            let now = chrono::Utc::now();
+            let (start, end) = match (back, from) {
+                (_, Some(from)) => (*from, to.unwrap_or(now)),
+                (Some(back), None) => (since(back), now),
+                (None, None) => (since(&std::time::Duration::from_secs(3600)), now),
+            };
+            let mut filter = RollupFilter {
+                decisions: names.iter().map(|n| decision(n)).collect::<anyhow::Result<_>>()?,
+                peer_labels: peer_label
+                    .iter()
+                    .map(|l| l.parse::<Label>().map_err(|e| anyhow::anyhow!("--peer-label {l:?}: {e}")))
+                    .collect::<anyhow::Result<_>>()?,
+                versions: version.clone(),
+                ..RollupFilter::range(start, end)
+            };
+            if !workload.is_empty() {
+                filter = filter.within(workload.iter().copied().collect());
+            }
+            if let Some(scope) = scope {
+                let selector = f::parse_selector(scope)?;
+                let ids: BTreeSet<WorkloadId> = f::workloads_in(&ctx.pool, &selector).await?;
+                if ids.is_empty() && !ctx.json {
+                    eprintln!("note: no live workload matches the scope {selector} now");
+                }
+                filter = filter.within(ids);
+            }
+            let page =
+                f::rollup(&ctx.pool, by, &filter, &PageRequest { limit: *limit, cursor: cursor.clone() })
+                    .await?;
+            if ctx.json {
+                return print_json(&page);
+            }
+            print_rollup(by, &page);
+            print_more(&page, "innerwall flows rollup");
         }
     }
     Ok(())
+}
+
+fn print_rollup(by: Grouping, page: &Page<RollupRow>) {
+    let key: &[&str] = match by {
+        Grouping::Rule => &["rule"],
+        Grouping::RulePeer => &["rule", "peer"],
+        Grouping::SrcDst => &["source", "peer", "workload", "destination"],
+        Grouping::DstService => &["workload", "service"],
+        Grouping::PeerService => &["peer", "service"],
+    };
+    let mut headers = key.to_vec();
+    headers.extend([
+        "conns",
+        "packets",
+        "bytes",
+        "records",
+        "first seen",
+        "last seen",
+        "versions",
+        "decisions",
+    ]);
+    let text = |v: &Option<String>| v.clone().unwrap_or_default();
+    let rows = page
+        .rows
+        .iter()
+        .map(|r| {
+            let rule = match r.rule.as_deref() {
+                Some("") => "(none)".to_owned(),
+                other => other.unwrap_or_default().to_owned(),
+            };
+            let peer = match (r.peer_kind, &r.peer_key) {
+                (Some(kind), Some(key)) => {
+                    peer(kind, key, r.peer_labels.as_ref().unwrap_or(&serde_json::json!({})))
+                }
+                _ => String::new(),
+            };
+            let service = match (r.protocol, r.dst_port) {
+                (Some(protocol), Some(port)) => format!("{}/{port}", stored::<Protocol>(protocol)),
+                _ => String::new(),
+            };
+            let workload = r.workload_id.map(|w| w.to_string()).unwrap_or_default();
+            let mut row: Vec<String> = match by {
+                Grouping::Rule => vec![rule],
+                Grouping::RulePeer => vec![rule, peer],
+                Grouping::SrcDst => vec![text(&r.src_address), peer, workload, text(&r.dst_address)],
+                Grouping::DstService => vec![workload, service],
+                Grouping::PeerService => vec![peer, service],
+            };
+            let versions: Vec<String> = r.policy_versions.iter().map(|v| format!("v{v}")).collect();
+            let decisions: Vec<String> = r.decisions.iter().map(|d| stored::<Decision>(*d)).collect();
+            row.extend([
+                r.connections.to_string(),
+                r.packets.to_string(),
+                r.bytes.to_string(),
+                r.records.to_string(),
+                r.first_seen.format("%F %T").to_string(),
+                r.last_seen.format("%F %T").to_string(),
+                versions.join(","),
+                decisions.join(","),
+            ]);
+            row
+        })
+        .collect();
+    print_table(&headers, rows);
 }

@@ -1,0 +1,214 @@
+//! PERF-8: review rollups over 10 M flow records (target p95 < 200 ms). 1,000 workloads report
+//! over the last 30 days, each from a stable handful of peers (other workloads with their labels,
+//! a group, bare addresses) on a few services, allowed or would-block, under policy versions that
+//! advance over time. Prints the p50/p95 of each grouping's first page (100 rows) for one
+//! workload scope (a selector matching 20 workloads, resolved now) over 24 h, the whole estate
+//! over 1 h and the whole estate over 24 h: first with nothing rolled up yet (every record read
+//! raw), then after `flows::roll_up` (timed: records/s).
+//!
+//! Setup loads the tables directly with server-side `INSERT … SELECT generate_series` (workloads,
+//! labels, windows with their totals, records with their peers as ingest resolves them), not
+//! through ingest: 10 M records through ingest would take minutes and measure PERF-7 instead.
+//! Then `ANALYZE`, as autovacuum would. Runs on the test harness's server (not durable; reads are
+//! what is measured).
+//!
+//! `INNERWALL_BENCH_RECORDS` sets the size (default 10,000,000; e.g. 200000 for a quick check).
+//! Run with `cargo bench -p innerwall-control-plane --bench rollup`.
+
+use std::collections::BTreeSet;
+use std::time::Instant;
+
+use chrono::{DateTime, TimeDelta, Utc};
+use innerwall_control_plane::flows::{self, Grouping, PageRequest, RollupFilter};
+use innerwall_control_plane::testing::fresh_database;
+use innerwall_wire::identity::WorkloadId;
+use sqlx::PgPool;
+
+const WORKLOADS: i64 = 1_000;
+const DAYS: i64 = 30;
+const RECORDS_PER_WINDOW: i64 = 7;
+/// Timed runs per query (after two warm-up runs).
+const RUNS: usize = 25;
+
+/// Workloads, labels (app=a0..a49: 20 workloads each; env=prod), and `windows` windows of
+/// `RECORDS_PER_WINDOW` records spread evenly over `[start, start + DAYS)`.
+async fn load(pool: &PgPool, start: DateTime<Utc>, windows: i64) -> anyhow::Result<()> {
+    let mut tx = pool.begin().await?;
+    flows::ensure_partitions(&mut tx, start, start + TimeDelta::days(DAYS)).await?;
+    tx.commit().await?;
+    sqlx::query(
+        "INSERT INTO workloads (id, hostname) SELECT md5('w' || n)::uuid, 'host-' || n FROM generate_series(0, $1 - 1) n",
+    )
+    .bind(WORKLOADS)
+    .execute(pool)
+    .await?;
+    sqlx::query(
+        "INSERT INTO workload_labels (workload_id, key, value)
+         SELECT md5('w' || n)::uuid, 'app', 'a' || (n % 50) FROM generate_series(0, $1 - 1) n
+         UNION ALL SELECT md5('w' || n)::uuid, 'env', 'prod' FROM generate_series(0, $1 - 1) n",
+    )
+    .bind(WORKLOADS)
+    .execute(pool)
+    .await?;
+    // Window i: workload i % W, its slot i / W, starting at start + slot * spacing + a per-workload
+    // offset. Record r of it: flow key k = (w + 3 slot + r) % 9 of that workload's nine.
+    let per_workload = (windows + WORKLOADS - 1) / WORKLOADS;
+    let spacing_ms = DAYS * 86_400_000 / per_workload.max(1);
+    let chunk = 100_000;
+    let mut from = 0;
+    while from < windows {
+        let to = (from + chunk).min(windows);
+        sqlx::query(
+            "WITH w AS (
+                SELECT i, i % $3 AS wl, i / $3 AS slot,
+                       $4::timestamptz + ((i / $3) * $5 + (i % $3) * ($5 / $3 / 2)) * interval '1 millisecond' AS ws
+                FROM generate_series($1, $2 - 1) i)
+             INSERT INTO flow_windows (workload_id, window_id, window_start, window_end, policy_version, mode,
+                 record_count, gap_count, packets, bytes, new_connections, allowed_records, would_block_records)
+             SELECT md5('w' || wl)::uuid, md5('x' || i)::uuid, ws, ws + interval '60 seconds', 1 + slot / 200, 2,
+                    $6, 0, 0, 0, 0, 0, 0
+             FROM w",
+        )
+        .bind(from)
+        .bind(to)
+        .bind(WORKLOADS)
+        .bind(start)
+        .bind(spacing_ms)
+        .bind(RECORDS_PER_WINDOW as i32)
+        .execute(pool)
+        .await?;
+        sqlx::query(
+            "WITH w AS (
+                SELECT i, i % $3 AS wl, i / $3 AS slot,
+                       $4::timestamptz + ((i / $3) * $5 + (i % $3) * ($5 / $3 / 2)) * interval '1 millisecond' AS ws
+                FROM generate_series($1, $2 - 1) i),
+             r AS (SELECT w.*, rn, (wl + 3 * slot + rn) % 9 AS k, (wl * 37 + ((wl + 3 * slot + rn) % 9) * 101) % $3 AS peer
+                   FROM w, generate_series(0, $6 - 1) rn)
+             INSERT INTO flow_records (workload_id, window_id, window_start, policy_version, src_address, dst_address,
+                 dst_port, protocol, decision, matched_rule_id, packets, bytes, new_connections, first_seen, last_seen,
+                 peer_kind, peer_key, peer_labels, ordinal)
+             SELECT md5('w' || wl)::uuid, md5('x' || i)::uuid, ws, 1 + slot / 200,
+                    CASE WHEN k < 6 THEN ('10.1.0.0'::inet + peer)
+                         WHEN k = 6 THEN ('172.16.0.0'::inet + (i % 4096))
+                         ELSE ('198.51.100.0'::inet + (i % 256)) END,
+                    '10.0.0.0'::inet + wl,
+                    (ARRAY[5432, 443, 22, 8080, 9090, 6379, 5432, 443, 3306])[k + 1], 1,
+                    CASE WHEN k IN (1, 6, 7) THEN 2 ELSE 3 END,
+                    CASE WHEN k IN (1, 6, 7) THEN 'rule-' || (k % 4) || '/tcp' ELSE '' END,
+                    10 + rn, 1000 + 13 * rn, 1, ws + interval '1 second', ws + interval '50 seconds',
+                    CASE WHEN k < 6 THEN 1 WHEN k = 6 THEN 2 ELSE 0 END,
+                    CASE WHEN k < 6 THEN md5('w' || peer)::uuid::text WHEN k = 6 THEN 'corp'
+                         ELSE host('198.51.100.0'::inet + (i % 256)) END,
+                    CASE WHEN k < 6 THEN jsonb_build_object('app', 'a' || (peer % 50), 'env', 'prod') ELSE '{}' END,
+                    rn
+             FROM r",
+        )
+        .bind(from)
+        .bind(to)
+        .bind(WORKLOADS)
+        .bind(start)
+        .bind(spacing_ms)
+        .bind(RECORDS_PER_WINDOW as i32)
+        .execute(pool)
+        .await?;
+        from = to;
+    }
+    sqlx::query("ANALYZE").execute(pool).await?;
+    Ok(())
+}
+
+struct Case {
+    name: &'static str,
+    scope: Option<&'static str>,
+    hours: i64,
+}
+
+const CASES: [Case; 3] = [
+    Case { name: "scope app=a7 (20 workloads), 24 h", scope: Some("app=a7"), hours: 24 },
+    Case { name: "whole estate, 1 h", scope: None, hours: 1 },
+    Case { name: "whole estate, 24 h", scope: None, hours: 24 },
+];
+
+/// p50 and p95 in ms of one case and grouping; the scope is resolved in each run (as the CLI does).
+async fn measure(
+    pool: &PgPool,
+    case: &Case,
+    by: Grouping,
+    now: DateTime<Utc>,
+) -> anyhow::Result<(f64, f64, usize)> {
+    let mut times = Vec::new();
+    let mut rows = 0;
+    for run in 0..RUNS + 2 {
+        let t = Instant::now();
+        let mut filter = RollupFilter::range(now - TimeDelta::hours(case.hours), now);
+        if let Some(scope) = case.scope {
+            let ids: BTreeSet<WorkloadId> = flows::workloads_in(pool, &flows::parse_selector(scope)?).await?;
+            filter = filter.within(ids);
+        }
+        let page = flows::rollup(pool, by, &filter, &PageRequest::first(100)).await?;
+        if run >= 2 {
+            times.push(t.elapsed().as_secs_f64() * 1000.0);
+        }
+        rows = page.rows.len();
+    }
+    times.sort_by(f64::total_cmp);
+    let pct = |p: f64| times[((times.len() as f64 * p).ceil() as usize).saturating_sub(1)];
+    Ok((pct(0.50), pct(0.95), rows))
+}
+
+async fn report(pool: &PgPool, now: DateTime<Utc>) -> anyhow::Result<Vec<f64>> {
+    let mut p95s = Vec::new();
+    for case in &CASES {
+        println!("  {}:", case.name);
+        for by in Grouping::ALL {
+            let (p50, p95, rows) = measure(pool, case, by, now).await?;
+            println!(
+                "    {:<13} p50 {p50:>7.1} ms  p95 {p95:>7.1} ms  ({rows} rows on the first page)",
+                by.name()
+            );
+            p95s.push(p95);
+        }
+    }
+    Ok(p95s)
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let records: i64 = match std::env::var("INNERWALL_BENCH_RECORDS") {
+        Ok(text) => text.parse()?,
+        Err(_) => 10_000_000,
+    };
+    let windows = (records / RECORDS_PER_WINDOW).max(WORKLOADS);
+    println!(
+        "PERF-8 review rollups (target p95 < 200 ms): {} records in {windows} windows, {WORKLOADS} workloads, {DAYS} days",
+        windows * RECORDS_PER_WINDOW
+    );
+    let db = fresh_database().await?;
+    let now = Utc::now();
+    let t = Instant::now();
+    load(&db.pool, now - TimeDelta::days(DAYS), windows).await?;
+    println!("loaded in {:.1} s (direct inserts, see the header)", t.elapsed().as_secs_f64());
+
+    println!("nothing rolled up yet (raw records only):");
+    report(&db.pool, now).await?;
+
+    let t = Instant::now();
+    let rolled = flows::roll_up(&db.pool, now).await?;
+    let secs = t.elapsed().as_secs_f64();
+    let (rollup_rows, pending): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM flow_rollups), (SELECT count(*) FROM flow_windows WHERE NOT rolled_up)",
+    )
+    .fetch_one(&db.pool)
+    .await?;
+    println!(
+        "roll_up: {rolled} windows ({:.0} records/s) into {rollup_rows} rollup rows in {secs:.1} s; {pending} windows of the open hour left raw",
+        (rolled as i64 * RECORDS_PER_WINDOW) as f64 / secs
+    );
+    sqlx::query("ANALYZE").execute(&db.pool).await?;
+
+    println!("rolled up (closed hours from flow_rollups):");
+    let p95s = report(&db.pool, now).await?;
+    let worst = p95s.iter().copied().fold(0.0, f64::max);
+    println!("PERF-8: worst p95 over every grouping and range, rolled up: {worst:.1} ms (target < 200 ms)");
+    Ok(())
+}

@@ -1,0 +1,85 @@
+//! Hourly pre-aggregation of flow records (FLOW-6, PERF-8): the records of windows that started
+//! before the current hour are summed per (hour, workload, version, decision, rule, peer with its
+//! labels then, source, destination, service) into `flow_rollups`, and each window is marked
+//! `rolled_up` in the same transaction. Ingest writes nothing of this (PERF-7), and reviews stay
+//! exact at every moment: they read the rollups of windows marked and the raw records of the
+//! rest. The raw records remain the source of truth; rollups expire with them (`retention`).
+
+use chrono::{DateTime, DurationRound, TimeDelta, Utc};
+use sqlx::PgPool;
+
+use super::retention::PARTITION_LOCK_KEY;
+use crate::error::Error;
+
+/// At most this many windows are rolled up in one transaction…
+pub const ROLLUP_BATCH_WINDOWS: i64 = 5_000;
+/// …and at most about this many records (a window is never split).
+pub const ROLLUP_BATCH_RECORDS: i64 = 500_000;
+
+/// Key of the transaction-scoped advisory lock the roll-up job takes ("iw-rollu"): one replica
+/// rolls up at a time; the others skip their turn.
+const ROLLUP_LOCK_KEY: i64 = 0x6977_2d72_6f6c_6c75;
+
+/// The start of the hour (UTC) `t` falls in.
+pub(super) fn hour_floor(t: DateTime<Utc>) -> DateTime<Utc> {
+    t.duration_trunc(TimeDelta::hours(1)).expect("times the database stores truncate to hours")
+}
+
+/// Rolls up every window that started before the hour of `now` and is not rolled up yet, in
+/// bounded transactions; late windows of hours rolled up before are added as they come. Returns
+/// how many windows were rolled up (0 also when another replica is at it).
+pub async fn roll_up(pool: &PgPool, now: DateTime<Utc>) -> Result<u64, Error> {
+    let horizon = hour_floor(now);
+    let mut total = 0;
+    loop {
+        let mut tx = pool.begin().await?;
+        // Shared, like ingest: retention does not drop a partition under the job.
+        sqlx::query("SELECT pg_advisory_xact_lock_shared($1)")
+            .bind(PARTITION_LOCK_KEY)
+            .execute(&mut *tx)
+            .await?;
+        let ours: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
+            .bind(ROLLUP_LOCK_KEY)
+            .fetch_one(&mut *tx)
+            .await?;
+        if !ours {
+            return Ok(total);
+        }
+        let windows: i64 = sqlx::query_scalar(
+            "WITH oldest AS (
+                SELECT workload_id, window_id, window_start, record_count FROM flow_windows
+                WHERE NOT rolled_up AND window_start < $1 ORDER BY window_start LIMIT $2),
+             candidates AS (
+                SELECT workload_id, window_id, window_start,
+                       sum(record_count) OVER (ORDER BY window_start, workload_id, window_id) - record_count AS before
+                FROM oldest),
+             marked AS (
+                UPDATE flow_windows w SET rolled_up = true FROM candidates c
+                WHERE c.before < $3 AND w.workload_id = c.workload_id AND w.window_id = c.window_id
+                  AND w.window_start = c.window_start AND NOT w.rolled_up
+                RETURNING w.workload_id, w.window_id, w.window_start),
+             added AS (
+                INSERT INTO flow_rollups (hour, workload_id, policy_version, decision, matched_rule_id, peer_kind,
+                    peer_key, peer_labels, src_address, dst_address, dst_port, protocol, records, new_connections,
+                    packets, bytes, first_seen, last_seen)
+                SELECT date_trunc('hour', r.window_start, 'UTC'), r.workload_id, r.policy_version, r.decision,
+                       r.matched_rule_id, r.peer_kind, r.peer_key, r.peer_labels, r.src_address, r.dst_address,
+                       r.dst_port, r.protocol, count(*), sum(r.new_connections), sum(r.packets), sum(r.bytes),
+                       min(r.first_seen), max(r.last_seen)
+                FROM flow_records r JOIN marked m ON r.workload_id = m.workload_id
+                     AND r.window_start = m.window_start AND r.window_id = m.window_id
+                GROUP BY 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
+             SELECT count(*) FROM marked",
+        )
+        .bind(horizon)
+        .bind(ROLLUP_BATCH_WINDOWS)
+        .bind(ROLLUP_BATCH_RECORDS)
+        .fetch_one(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        total += windows as u64;
+        if windows == 0 {
+            return Ok(total);
+        }
+    }
+}
