@@ -286,10 +286,14 @@ pub fn pool_options() -> PgPoolOptions {
     pool_options_with(Timeouts::default())
 }
 
-/// [`pool_options`] with other timeouts, set on every connection the pool opens.
+/// [`pool_options`] with other timeouts, set on every connection the pool opens. JIT
+/// compilation is off: the planner estimates a query over the daily flow partitions as
+/// expensive enough to compile, and compiling costs more than it saves (a 1 h rollup over 10 M
+/// records: 363 ms with it, 79 ms without).
 pub fn pool_options_with(timeouts: Timeouts) -> PgPoolOptions {
     let settings = format!(
-        "SET statement_timeout = {}; SET lock_timeout = {}; SET idle_in_transaction_session_timeout = {}",
+        "SET jit = off; SET statement_timeout = {}; SET lock_timeout = {}; \
+         SET idle_in_transaction_session_timeout = {}",
         timeouts.statement.as_millis(),
         timeouts.lock.as_millis(),
         timeouts.idle_in_transaction.as_millis(),
