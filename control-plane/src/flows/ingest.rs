@@ -143,14 +143,20 @@ pub async fn ingest(pool: &PgPool, workload: WorkloadId, window: &FlowWindow) ->
     // The workload must be live in this transaction: a retire or deny that committed before it
     // refuses the window even if its notice has not reached this replica's admission yet, and
     // one that comes later waits for it (it locks the row FOR UPDATE; state writes do not).
-    let live: Option<bool> = sqlx::query_scalar(
-        "SELECT retired_at IS NULL AND denied_at IS NULL FROM workloads WHERE id = $1 FOR KEY SHARE",
+    let gone: Option<(bool, bool)> = sqlx::query_as(
+        "SELECT retired_at IS NOT NULL, denied_at IS NOT NULL FROM workloads WHERE id = $1 FOR KEY SHARE",
     )
     .bind(workload.uuid())
     .fetch_optional(&mut *tx)
     .await?;
-    if live != Some(true) {
-        return Err(Error::Refused(format!("workload {workload} is retired, deny-listed or unknown")));
+    // The same words as the admission's refusal, whichever of the two speaks first.
+    match gone {
+        Some((false, false)) => {}
+        Some((_, true)) => return Err(Error::Refused(format!("workload {workload} is deny-listed"))),
+        Some((true, false)) => {
+            return Err(Error::Refused(format!("workload {workload} is retired; enroll the host again")));
+        }
+        None => return Err(Error::Refused(format!("workload {workload} is unknown"))),
     }
     let fresh = sqlx::query(
         "INSERT INTO flow_windows (workload_id, window_id, window_start, window_end, policy_version, mode, record_count,
