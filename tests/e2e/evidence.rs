@@ -9,7 +9,6 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use innerwall_control_plane::policy::authoring;
 use innerwall_control_plane::sync::gateway::GatewayConfig;
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::Mode;
@@ -69,15 +68,6 @@ async fn db_now_ms(pool: &PgPool) -> i64 {
         .expect("now")
 }
 
-async fn simulation(plane: &Plane, id: WorkloadId) {
-    authoring::commit(plane.pool(), "test", "workload.mode", &id.to_string(), async |c| {
-        authoring::set_mode(c, id, Mode::Simulation).await?;
-        Ok(((), serde_json::json!({})))
-    })
-    .await
-    .expect("simulation mode");
-}
-
 /// The host's namespace with its peer, a replica listening in it, and one enrolled workload.
 async fn host(name: &str, flow_window: Duration) -> (Plane, Namespace, WorkloadId, PathBuf) {
     let gateway = GatewayConfig { flow_window, ..GatewayConfig::default() };
@@ -87,7 +77,7 @@ async fn host(name: &str, flow_window: Duration) -> (Plane, Namespace, WorkloadI
     plane.up().await;
     plane.bump(1).await;
     let (id, config) = plane.enroll(name, &["app=web"]).await;
-    simulation(&plane, id).await;
+    plane.set_mode(id, Mode::Simulation).await;
     (plane, ns, id, config.state_dir)
 }
 

@@ -3,7 +3,6 @@
 //! retries, and buffering across a partition with overflow recorded as a gap.
 
 use std::collections::BTreeSet;
-use std::net::IpAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -11,9 +10,8 @@ use std::time::Duration;
 use innerwall_agent::connect::connect;
 use innerwall_agent::telemetry::{self, Queue};
 use innerwall_control_plane::policy::authoring;
-use innerwall_control_plane::policy::spec::{AddressGroupSpec, NewWorkload};
+use innerwall_control_plane::policy::spec::AddressGroupSpec;
 use innerwall_wire::flows::{Decision, FlowRecord, FlowWindow};
-use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::{Cidr, Mode, Protocol};
 use innerwall_wire::proto;
 
@@ -51,22 +49,6 @@ fn window(records: Vec<FlowRecord>) -> FlowWindow {
     }
 }
 
-async fn register_peer(plane: &Plane, labels: &[&str], addr: &str) -> WorkloadId {
-    let new = NewWorkload {
-        id: WorkloadId::new_random(),
-        hostname: "peer".into(),
-        labels: labels.iter().map(|l| l.parse().unwrap()).collect(),
-        addresses: BTreeSet::from([addr.parse::<IpAddr>().unwrap()]),
-    };
-    authoring::commit(plane.pool(), "test", "register", "peer", async |c| {
-        authoring::register_workload(c, &new).await?;
-        Ok(((), serde_json::json!({})))
-    })
-    .await
-    .unwrap();
-    new.id
-}
-
 async fn group(plane: &Plane, name: &str, cidr: &str) {
     let spec = AddressGroupSpec {
         name: name.into(),
@@ -85,7 +67,7 @@ async fn group(plane: &Plane, name: &str, cidr: &str) {
 async fn flows_end_to_end_with_label_snapshot() {
     let plane = Plane::start().await;
     let (id, config) = plane.enroll("db-1", &["app=db"]).await;
-    let peer = register_peer(&plane, &["app=web", "env=prod"], "10.9.0.7").await;
+    let peer = plane.register("peer", &["app=web", "env=prod"], "10.9.0.7").await;
     group(&plane, "corp", "10.8.0.0/16").await;
     group(&plane, "office", "10.8.1.0/24").await;
 
@@ -120,14 +102,7 @@ async fn flows_end_to_end_with_label_snapshot() {
     );
 
     // Relabel the peer: the stored snapshot still says what it was then.
-    authoring::commit(plane.pool(), "test", "label", "peer", async |c| {
-        Ok((
-            authoring::edit_labels(c, peer, 1, &["app=checkout".parse().unwrap()], &[]).await?,
-            serde_json::json!({}),
-        ))
-    })
-    .await
-    .unwrap();
+    plane.relabel(peer, 1, "app=checkout").await;
     let out = std::process::Command::new(innerwall_e2e::workspace_bin("innerwall"))
         .args(["--database-url", &plane.db.url, "--json", "flows", "list", "--workload", &id.to_string()])
         .output()

@@ -4,7 +4,6 @@
 //! count-pinned promotions with their records.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::IpAddr;
 use std::sync::Arc;
 
 use innerwall_agent::connect::{RunConfig, connect};
@@ -15,7 +14,6 @@ use innerwall_agent::telemetry::Queue;
 use innerwall_control_plane::error::Error;
 use innerwall_control_plane::gate::{self, Outcome, Params, Scope};
 use innerwall_control_plane::policy::authoring;
-use innerwall_control_plane::policy::spec::NewWorkload;
 use innerwall_control_plane::testing;
 use innerwall_wire::flows::{EvidenceGap, FlowWindow, GapKind};
 use innerwall_wire::identity::WorkloadId;
@@ -29,22 +27,6 @@ const SECOND: i64 = 1_000;
 
 fn now_ms() -> i64 {
     chrono::Utc::now().timestamp_millis()
-}
-
-async fn register_peer(plane: &Plane, hostname: &str, labels: &[&str], addr: &str) -> WorkloadId {
-    let new = NewWorkload {
-        id: WorkloadId::new_random(),
-        hostname: hostname.into(),
-        labels: labels.iter().map(|l| l.parse().unwrap()).collect(),
-        addresses: BTreeSet::from([addr.parse::<IpAddr>().unwrap()]),
-    };
-    authoring::commit(plane.pool(), "test", "register", hostname, async |c| {
-        authoring::register_workload(c, &new).await?;
-        Ok(((), serde_json::json!({})))
-    })
-    .await
-    .unwrap();
-    new.id
 }
 
 /// `app=db` accepts tcp/5432 from workloads labelled `app=<from>` (ruleset `db-from-<from>`).
@@ -147,8 +129,8 @@ async fn count(plane: &Plane, sql: &str) -> i64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn verdict_scenario_unsafe_then_safe() {
     let plane = Plane::start().await;
-    register_peer(&plane, "web-1", &["app=web"], WEB).await;
-    register_peer(&plane, "batch-1", &["app=batch", "team=data"], BATCH).await;
+    plane.register("web-1", &["app=web"], WEB).await;
+    plane.register("batch-1", &["app=batch", "team=data"], BATCH).await;
     allow_db_from(&plane, "web").await;
     let (a, b) = (Host::start(&plane, "db-1").await, Host::start(&plane, "db-2").await);
     set_mode(&plane, db(), 2, Mode::Simulation).await;
@@ -202,7 +184,7 @@ async fn verdict_scenario_unsafe_then_safe() {
     }
 
     // Promotion with the right count flips exactly those two, and records the evidence.
-    let other = register_peer(&plane, "cache-1", &["app=cache"], "10.9.0.9").await;
+    let other = plane.register("cache-1", &["app=cache"], "10.9.0.9").await;
     let request = gate::Request { params: range, ..request };
     let promotion = gate::promote(plane.pool(), "alice", &request).await.unwrap();
     let ids: BTreeSet<WorkloadId> = promotion.workloads.iter().map(|m| m.id).collect();
@@ -272,15 +254,8 @@ async fn promotion_count_mismatch_changes_nothing() {
     // three now, so the count the operator read refuses it.
     let verdict = gate::judge(plane.pool(), &db(), &params(now_ms() - 10 * SECOND, now_ms())).await.unwrap();
     assert_eq!(verdict.workloads.len(), 2);
-    let third = register_peer(&plane, "db-3", &["app=cache"], "10.9.0.10").await;
-    authoring::commit(plane.pool(), "test", "label", "db-3", async |c| {
-        Ok((
-            authoring::edit_labels(c, third, 1, &["app=db".parse().unwrap()], &[]).await?,
-            serde_json::json!({}),
-        ))
-    })
-    .await
-    .unwrap();
+    let third = plane.register("db-3", &["app=cache"], "10.9.0.10").await;
+    plane.relabel(third, 1, "app=db").await;
     let before = snapshot().await;
     let err = gate::promote(plane.pool(), "test", &to_visibility(2)).await.unwrap_err();
     assert!(matches!(err, Error::CountMismatch { expected: 2, matched: 3, .. }), "{err}");
@@ -299,20 +274,13 @@ async fn promotion_count_mismatch_changes_nothing() {
 
 /// Labels a host `tier=1`: a ruleset scoped to it gives it, and only it, a new version.
 async fn new_version_for(plane: &Plane, host: &Host) {
-    authoring::commit(plane.pool(), "test", "label", "tier", async |c| {
-        Ok((
-            authoring::edit_labels(c, host.id, 1, &["tier=1".parse().unwrap()], &[]).await?,
-            serde_json::json!({}),
-        ))
-    })
-    .await
-    .unwrap();
+    plane.relabel(host.id, 1, "tier=1").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn verdict_refuses_stale_evidence() {
     let plane = Plane::start().await;
-    register_peer(&plane, "web-1", &["app=web"], WEB).await;
+    plane.register("web-1", &["app=web"], WEB).await;
     allow_db_from(&plane, "web").await;
     // Workloads labelled tier=1 also accept web on tcp/6432.
     testing::admit(plane.pool(), "tier-1", ("tier", "1"), ("app", "web"), "tcp:6432").await.unwrap();
@@ -372,7 +340,7 @@ async fn verdict_refuses_stale_evidence() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn verdict_replays_older_versions() {
     let plane = Plane::start().await;
-    register_peer(&plane, "web-1", &["app=web"], WEB).await;
+    plane.register("web-1", &["app=web"], WEB).await;
     allow_db_from(&plane, "web").await;
     let host = Host::start(&plane, "db-1").await;
     set_mode(&plane, db(), 1, Mode::Simulation).await;
@@ -381,7 +349,7 @@ async fn verdict_replays_older_versions() {
     host.deliver(base, base + 5 * SECOND, &[WEB], &[]).await;
 
     // A peer-only change (a second web host): version N+1 with the same rules.
-    register_peer(&plane, "web-2", &["app=web"], "10.9.0.11").await;
+    plane.register("web-2", &["app=web"], "10.9.0.11").await;
     let vn1 = synced(&plane, &[&host]).await;
     assert_eq!(vn1, vn + 1);
     let range = params(base, base + 10 * SECOND);

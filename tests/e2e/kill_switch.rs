@@ -102,12 +102,7 @@ async fn kill_switch_holds_across_reconnects_and_versions() {
     plane.bump(1).await;
     let (id, config) = plane.enroll("kill", &["app=web"]).await;
     // Enforcement, so the table holds the rules (visibility installs none) and drops.
-    authoring::commit(plane.pool(), "test", "workload.mode", &id.to_string(), async |c| {
-        authoring::set_mode(c, id, Mode::Enforcement).await?;
-        Ok(((), serde_json::json!({})))
-    })
-    .await
-    .expect("simulation mode");
+    plane.set_mode(id, Mode::Enforcement).await;
     let (pool, state, server) = (plane.pool().clone(), config.state_dir.clone(), plane.server());
     let flags = ["--drift-interval-ms", "100"];
     let agent = Agent::start_with(&state, &server, &flags);

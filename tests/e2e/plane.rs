@@ -1,6 +1,8 @@
 //! A control plane and agents for end-to-end tests: a replica on a fresh database with its own
 //! CA on a loopback port, and agents enrolled through the real enrollment path.
 
+use std::collections::BTreeSet;
+use std::net::IpAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,13 +12,14 @@ use innerwall_agent::enforce::{EnforceError, Installed, MemoryPolicyStore, Polic
 use innerwall_agent::identity::Credential;
 use innerwall_agent::sync::Enforcer;
 use innerwall_control_plane::identity::ca::{FileCa, Signer};
-use innerwall_control_plane::policy::store;
+use innerwall_control_plane::policy::spec::NewWorkload;
+use innerwall_control_plane::policy::{authoring, store};
 use innerwall_control_plane::postgres::Pools;
 use innerwall_control_plane::service::{self, Running, ServiceConfig};
 use innerwall_control_plane::sync::gateway::GatewayConfig;
 use innerwall_control_plane::testing::{TestDatabase, fresh_database};
 use innerwall_wire::identity::WorkloadId;
-use innerwall_wire::policy::WorkloadPolicy;
+use innerwall_wire::policy::{Mode, WorkloadPolicy};
 use sqlx::PgPool;
 
 pub struct Plane {
@@ -113,6 +116,43 @@ impl Plane {
         config.backoff_base = Duration::from_millis(50);
         config.backoff_cap = Duration::from_millis(400);
         (credential.id, config)
+    }
+
+    /// Registers a workload without an agent (a peer) with its labels and one address.
+    pub async fn register(&self, hostname: &str, labels: &[&str], addr: &str) -> WorkloadId {
+        let new = NewWorkload {
+            id: WorkloadId::new_random(),
+            hostname: hostname.into(),
+            labels: labels.iter().map(|l| l.parse().unwrap()).collect(),
+            addresses: BTreeSet::from([addr.parse::<IpAddr>().unwrap()]),
+        };
+        authoring::commit(self.pool(), "test", "register", hostname, async |c| {
+            authoring::register_workload(c, &new).await?;
+            Ok(((), serde_json::json!({})))
+        })
+        .await
+        .unwrap();
+        new.id
+    }
+
+    /// Sets `label` on `id`, whose label version is `expected`, as `workload label` does.
+    pub async fn relabel(&self, id: WorkloadId, expected: i64, label: &str) {
+        authoring::commit(self.pool(), "test", "workload.label", &id.to_string(), async |c| {
+            let version = authoring::edit_labels(c, id, expected, &[label.parse().unwrap()], &[]).await?;
+            Ok((version, serde_json::json!({})))
+        })
+        .await
+        .unwrap();
+    }
+
+    /// Sets one workload's mode directly (the evidence gate's own tests go through `gate`).
+    pub async fn set_mode(&self, id: WorkloadId, mode: Mode) {
+        authoring::commit(self.pool(), "test", "workload.mode", &id.to_string(), async |c| {
+            authoring::set_mode(c, id, mode).await?;
+            Ok(((), serde_json::json!({})))
+        })
+        .await
+        .unwrap();
     }
 
     /// One more port for every `app=web` workload: one version each.

@@ -3,13 +3,12 @@
 //! — windows, gaps and flows summed per key and version. Through one connection, so a
 //! promotion reads it inside its own transaction.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use chrono::{DateTime, Utc};
 use innerwall_wire::convert::WireEnum;
 use innerwall_wire::flows::{Decision, EvidenceGap, GapKind};
 use innerwall_wire::identity::WorkloadId;
-use innerwall_wire::labels::{LabelKey, LabelValue};
 use innerwall_wire::policy::{Mode, Protocol};
 use innerwall_wire::sync::SyncState;
 use serde::Serialize;
@@ -56,21 +55,10 @@ impl std::fmt::Display for Scope {
 }
 
 impl Scope {
-    /// A selector as the command line writes it: `key=value[,key=value…]`; a key given twice
-    /// matches either value (`app=web,app=api`), different keys must all match.
+    /// A selector as operators write it everywhere (`flows::parse_selector`): `key=value`, several
+    /// values as `key=v1|v2`, several keys ANDed with commas (`app=web,env=prod|staging`).
     pub fn parse_selector(text: &str) -> Result<Scope, Error> {
-        let mut terms: BTreeMap<String, Vec<String>> = BTreeMap::new();
-        for term in text.split(',').map(str::trim).filter(|t| !t.is_empty()) {
-            let (key, value) = term
-                .split_once('=')
-                .ok_or_else(|| Error::Invalid(format!("scope term {term:?} is not key=value")))?;
-            terms.entry(key.trim().to_owned()).or_default().push(value.trim().to_owned());
-        }
-        if terms.is_empty() {
-            return Err(Error::Invalid("an empty scope selects nothing: write key=value".into()));
-        }
-        let selector = Selector::from_strings(terms).map_err(|e| Error::InvalidInput(Box::new(e)))?;
-        Ok(Scope::Selector(selector))
+        crate::flows::parse_selector(text).map(Scope::Selector)
     }
 }
 
@@ -124,23 +112,14 @@ pub async fn resolve(conn: &mut PgConnection, scope: &Scope) -> Result<Vec<Membe
             Ok(chosen.into_values().collect())
         }
         Scope::Selector(selector) => {
-            let mut labels: BTreeMap<Uuid, BTreeMap<LabelKey, LabelValue>> = BTreeMap::new();
-            for row in sqlx::query("SELECT workload_id, key, value FROM workload_labels")
-                .fetch_all(&mut *conn)
-                .await?
-            {
-                let (key, value): (String, String) = (row.get(1), row.get(2));
-                let corrupt = |_| Error::Corrupt { what: "workload label", detail: format!("{key}={value}") };
-                labels
-                    .entry(row.get(0))
-                    .or_default()
-                    .insert(LabelKey::new(&key).map_err(corrupt)?, LabelValue::new(&value).map_err(corrupt)?);
-            }
-            let empty = BTreeMap::new();
-            Ok(members
-                .into_values()
-                .filter(|m| selector.selects(labels.get(&m.id.uuid()).unwrap_or(&empty)))
-                .collect())
+            let registry = store::load_registry(conn).await?;
+            let selected: BTreeSet<WorkloadId> = registry
+                .workloads
+                .into_iter()
+                .filter(|w| selector.selects(&w.labels))
+                .map(|w| w.id)
+                .collect();
+            Ok(members.into_values().filter(|m| selected.contains(&m.id)).collect())
         }
     }
 }

@@ -91,7 +91,8 @@ pub enum WorkloadCmd {
 #[derive(Debug, clap::Args)]
 #[group(required = true, multiple = false)]
 pub struct ScopeArgs {
-    /// A label selector, `key=value[,key=value…]`, resolved to the live workloads in it now.
+    /// A label selector, `key=value`, several values `key=v1|v2`, keys ANDed with commas
+    /// (`app=web,env=prod|staging`), resolved to the live workloads in it now.
     #[arg(long)]
     scope: Option<String>,
     /// Workload ids (repeat the flag).
