@@ -270,6 +270,24 @@ async fn promotion_count_mismatch_changes_nothing() {
     .unwrap_err();
     assert!(matches!(gone, Error::NotFound { .. }), "{gone}");
     assert_eq!(snapshot().await, before);
+    // The bounds on what a client sends: ids per request and the length of a reason.
+    let ids = vec![a.id; gate::evidence::MAX_SCOPE_IDS + 1];
+    let many =
+        gate::promote(plane.pool(), "test", &gate::Request { scope: Scope::Ids(ids), ..to_visibility(1) })
+            .await
+            .unwrap_err();
+    assert!(many.to_string().contains("at most 1000 workload ids, not 1001"), "{many}");
+    let long = "x".repeat(gate::promote::MAX_REASON + 1);
+    let wordy = gate::promote(plane.pool(), "test", &gate::Request { reason: long, ..to_visibility(2) })
+        .await
+        .unwrap_err();
+    assert!(wordy.to_string().contains("longer than 1024 characters"), "{wordy}");
+    let silent =
+        gate::promote(plane.pool(), "test", &gate::Request { reason: " ".into(), ..to_visibility(2) })
+            .await
+            .unwrap_err();
+    assert!(silent.to_string().contains("needs a reason"), "{silent}");
+    assert_eq!(snapshot().await, before);
 }
 
 /// Labels a host `tier=1`: a ruleset scoped to it gives it, and only it, a new version.
