@@ -9,10 +9,13 @@
 //! Setup loads the tables directly with server-side `INSERT … SELECT generate_series` (workloads,
 //! labels, windows with their totals, records with their peers as ingest resolves them), not
 //! through ingest: 10 M records through ingest would take minutes and measure PERF-7 instead.
-//! Then `ANALYZE`, as autovacuum would. Runs on the test harness's server (not durable; reads are
+//! Then `VACUUM ANALYZE`, as autovacuum would. Runs on the test harness's server (not durable; reads are
 //! what is measured).
 //!
 //! `INNERWALL_BENCH_RECORDS` sets the size (default 10,000,000; e.g. 200000 for a quick check).
+//! `INNERWALL_BENCH_KEEP=1` with `INNERWALL_TEST_DATABASE_URL` leaves the loaded database on that
+//! server (its URL is printed) to look at plans with `EXPLAIN`; `INNERWALL_BENCH_REUSE=<url>`
+//! measures such a database again without loading it.
 //! Run with `cargo bench -p innerwall-control-plane --bench rollup`.
 
 use std::collections::BTreeSet;
@@ -113,7 +116,7 @@ async fn load(pool: &PgPool, start: DateTime<Utc>, windows: i64) -> anyhow::Resu
         .await?;
         from = to;
     }
-    sqlx::query("ANALYZE").execute(pool).await?;
+    sqlx::query("VACUUM ANALYZE").execute(pool).await?;
     Ok(())
 }
 
@@ -183,6 +186,15 @@ async fn main() -> anyhow::Result<()> {
         "PERF-8 review rollups (target p95 < 200 ms): {} records in {windows} windows, {WORKLOADS} workloads, {DAYS} days",
         windows * RECORDS_PER_WINDOW
     );
+    if let Ok(url) = std::env::var("INNERWALL_BENCH_REUSE") {
+        // A database an earlier run kept: measure its rollups again, as of its latest window.
+        let pool = sqlx::PgPool::connect(&url).await?;
+        let latest: DateTime<Utc> =
+            sqlx::query_scalar("SELECT max(window_start) FROM flow_windows").fetch_one(&pool).await?;
+        println!("reusing {url}, as of its latest window {latest}:");
+        report(&pool, latest + TimeDelta::minutes(1)).await?;
+        return Ok(());
+    }
     let db = fresh_database().await?;
     let now = Utc::now();
     let t = Instant::now();
@@ -204,11 +216,15 @@ async fn main() -> anyhow::Result<()> {
         "roll_up: {rolled} windows ({:.0} records/s) into {rollup_rows} rollup rows in {secs:.1} s; {pending} windows of the open hour left raw",
         (rolled as i64 * RECORDS_PER_WINDOW) as f64 / secs
     );
-    sqlx::query("ANALYZE").execute(&db.pool).await?;
+    sqlx::query("VACUUM ANALYZE").execute(&db.pool).await?;
 
     println!("rolled up (closed hours from flow_rollups):");
     let p95s = report(&db.pool, now).await?;
     let worst = p95s.iter().copied().fold(0.0, f64::max);
     println!("PERF-8: worst p95 over every grouping and range, rolled up: {worst:.1} ms (target < 200 ms)");
+    if std::env::var_os("INNERWALL_BENCH_KEEP").is_some() {
+        println!("kept the database: {}", db.url);
+        std::mem::forget(db);
+    }
     Ok(())
 }

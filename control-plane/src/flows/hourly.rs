@@ -1,7 +1,8 @@
 //! Hourly pre-aggregation of flow records (FLOW-6, PERF-8): the records of windows that started
 //! before the current hour are summed per (hour, workload, version, decision, rule, peer with its
-//! labels then, source, destination, service) into `flow_rollups`, and each window is marked
-//! `rolled_up` in the same transaction. Ingest writes nothing of this (PERF-7), and reviews stay
+//! labels then, source, destination, service) into `flow_rollups`, and over the whole estate per
+//! (hour, version, decision, rule) into `flow_rule_rollups`, and each window is marked `rolled_up`
+//! in the same transaction. Ingest writes nothing of this (PERF-7), and reviews stay
 //! exact at every moment: they read the rollups of windows marked and the raw records of the
 //! rest. The raw records remain the source of truth; rollups expire with them (`retention`).
 
@@ -68,7 +69,15 @@ pub async fn roll_up(pool: &PgPool, now: DateTime<Utc>) -> Result<u64, Error> {
                        min(r.first_seen), max(r.last_seen)
                 FROM flow_records r JOIN marked m ON r.workload_id = m.workload_id
                      AND r.window_start = m.window_start AND r.window_id = m.window_id
-                GROUP BY 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
+                GROUP BY 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12
+                RETURNING hour, policy_version, decision, matched_rule_id, records, new_connections, packets, bytes,
+                          first_seen, last_seen),
+             by_rule AS (
+                INSERT INTO flow_rule_rollups (hour, policy_version, decision, matched_rule_id, records,
+                    new_connections, packets, bytes, first_seen, last_seen)
+                SELECT hour, policy_version, decision, matched_rule_id, sum(records), sum(new_connections),
+                       sum(packets), sum(bytes), min(first_seen), max(last_seen)
+                FROM added GROUP BY 1, 2, 3, 4)
              SELECT count(*) FROM marked",
         )
         .bind(horizon)

@@ -14,10 +14,11 @@ pub const DEFAULT_RETENTION_DAYS: i64 = 30;
 pub(super) const PARTITION_LOCK_KEY: i64 = 0x6977_2d66_6c6f_7773;
 
 /// The partitioned flow tables, each with a partition a day.
-const PARTITIONED: [&str; 4] = ["flow_windows", "flow_records", "flow_gaps", "flow_rollups"];
+const PARTITIONED: [&str; 5] =
+    ["flow_windows", "flow_records", "flow_gaps", "flow_rollups", "flow_rule_rollups"];
 
 /// Each partitioned table with the name of its partition for `day`.
-pub(super) fn partitions(day: NaiveDate) -> [(&'static str, String); 4] {
+pub(super) fn partitions(day: NaiveDate) -> [(&'static str, String); 5] {
     let suffix = day.format("%Y%m%d");
     PARTITIONED.map(|table| (table, format!("{table}_{suffix}")))
 }

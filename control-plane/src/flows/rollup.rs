@@ -7,6 +7,14 @@
 //! partial hours at its ends and the windows of whole hours not rolled up yet from the raw
 //! records, all in one statement (one snapshot), so a result is exact whatever the roll-up job
 //! has done. Results come a bounded page at a time, ordered by the group key (`page`).
+//!
+//! A page costs what its groups cost, not what the range holds (PERF-8): each source is summed
+//! on its own in key order (`flow_rollups` has an index in each grouping's order, migration
+//! 0014) and stops after a page of groups; the first page of groups of every source together
+//! holds the first page of groups overall, so the statement sorts those few partial groups and
+//! [`merge`] adds up the ones several sources share. The rule grouping has a handful of groups,
+//! so over the whole estate it reads `flow_rule_rollups`, summed over workloads and peers. Peers
+//! order by their labels' digest, not by the labels.
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -63,10 +71,10 @@ impl Grouping {
         use Column::*;
         match self {
             Grouping::Rule => &[Rule],
-            Grouping::RulePeer => &[Rule, PeerKind, PeerKey, PeerLabels],
-            Grouping::SrcDst => &[Src, PeerKind, PeerKey, PeerLabels, Workload, Dst],
+            Grouping::RulePeer => &[Rule, PeerKind, PeerKey, PeerDigest],
+            Grouping::SrcDst => &[Src, PeerKind, PeerKey, PeerDigest, Workload, Dst],
             Grouping::DstService => &[Workload, Port, Protocol],
-            Grouping::PeerService => &[PeerKind, PeerKey, PeerLabels, Port, Protocol],
+            Grouping::PeerService => &[PeerKind, PeerKey, PeerDigest, Port, Protocol],
         }
     }
 }
@@ -88,13 +96,15 @@ impl FromStr for Grouping {
     }
 }
 
-/// A column of a group key: its name in `flow_records` and `flow_rollups`, and in the output.
+/// A column of a group key: its name in `flow_rollups` (and the expression over `flow_records`
+/// giving it), and in the output.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Column {
     Rule,
     PeerKind,
     PeerKey,
-    PeerLabels,
+    /// The digest of the peer's labels then: peers order by it; the labels are output with it.
+    PeerDigest,
     Src,
     Workload,
     Dst,
@@ -102,12 +112,15 @@ enum Column {
     Protocol,
 }
 
+/// The digest of a record's peer labels, as `flow_rollups.peer_digest` stores it.
+const RAW_PEER_DIGEST: &str = "md5(peer_labels::text)::uuid";
+
 impl Column {
     const ALL: [Column; 9] = [
         Column::Rule,
         Column::PeerKind,
         Column::PeerKey,
-        Column::PeerLabels,
+        Column::PeerDigest,
         Column::Src,
         Column::Workload,
         Column::Dst,
@@ -115,12 +128,13 @@ impl Column {
         Column::Protocol,
     ];
 
-    fn stored(self) -> &'static str {
+    /// Its name in `flow_rollups` and in a source's output.
+    fn name(self) -> &'static str {
         match self {
             Column::Rule => "matched_rule_id",
             Column::PeerKind => "peer_kind",
             Column::PeerKey => "peer_key",
-            Column::PeerLabels => "peer_labels",
+            Column::PeerDigest => "peer_digest",
             Column::Src => "src_address",
             Column::Workload => "workload_id",
             Column::Dst => "dst_address",
@@ -129,23 +143,36 @@ impl Column {
         }
     }
 
-    /// The output column when grouped by it; NULL of its type otherwise.
+    /// Its value in a source reading `flow_records` (`raw`) or the rollups.
+    fn stored(self, raw: bool) -> &'static str {
+        match (self, raw) {
+            (Column::PeerDigest, true) => RAW_PEER_DIGEST,
+            _ => self.name(),
+        }
+    }
+
+    fn ty(self) -> &'static str {
+        match self {
+            Column::Rule | Column::PeerKey => "text",
+            Column::PeerKind | Column::Protocol => "smallint",
+            Column::PeerDigest | Column::Workload => "uuid",
+            Column::Src | Column::Dst => "inet",
+            Column::Port => "integer",
+        }
+    }
+
+    /// The output column of the page: the merged sources' column when grouped by it (addresses
+    /// as text), NULL of its type otherwise.
     fn output(self, grouped: bool) -> String {
-        let (name, ty) = match self {
-            Column::Rule => ("rule", "text"),
-            Column::PeerKind => ("peer_kind", "smallint"),
-            Column::PeerKey => ("peer_key", "text"),
-            Column::PeerLabels => ("peer_labels", "jsonb"),
-            Column::Src => ("src_address", "text"),
-            Column::Workload => ("workload_id", "uuid"),
-            Column::Dst => ("dst_address", "text"),
-            Column::Port => ("dst_port", "integer"),
-            Column::Protocol => ("protocol", "smallint"),
+        let name = match self {
+            Column::Rule => "rule",
+            _ => self.name(),
         };
         match (grouped, self) {
-            (false, _) => format!("NULL::{ty} AS {name}"),
-            (true, Column::Src | Column::Dst) => format!("host({}) AS {name}", self.stored()),
-            (true, _) => format!("{} AS {name}", self.stored()),
+            (false, Column::Src | Column::Dst) => format!("NULL::text AS {name}"),
+            (false, _) => format!("NULL::{} AS {name}", self.ty()),
+            (true, Column::Src | Column::Dst) => format!("host({}) AS {name}", self.name()),
+            (true, _) => format!("{} AS {name}", self.name()),
         }
     }
 
@@ -155,7 +182,7 @@ impl Column {
             Column::Rule => serde_json::json!(row.rule),
             Column::PeerKind => serde_json::json!(row.peer_kind),
             Column::PeerKey => serde_json::json!(row.peer_key),
-            Column::PeerLabels => serde_json::json!(row.peer_labels),
+            Column::PeerDigest => serde_json::json!(row.peer_digest),
             Column::Src => serde_json::json!(row.src_address),
             Column::Workload => serde_json::json!(row.workload_id),
             Column::Dst => serde_json::json!(row.dst_address),
@@ -175,11 +202,8 @@ impl Column {
         match self {
             Column::Rule | Column::PeerKey => q.push_bind(page::field::<String>(key, i, kind)?),
             Column::PeerKind | Column::Protocol => q.push_bind(page::field::<i16>(key, i, kind)?),
-            Column::PeerLabels => {
-                q.push_bind(page::field::<serde_json::Value>(key, i, kind)?).push("::jsonb")
-            }
             Column::Src | Column::Dst => q.push_bind(page::field::<String>(key, i, kind)?).push("::inet"),
-            Column::Workload => q.push_bind(page::field::<Uuid>(key, i, kind)?),
+            Column::PeerDigest | Column::Workload => q.push_bind(page::field::<Uuid>(key, i, kind)?),
             Column::Port => q.push_bind(page::field::<i32>(key, i, kind)?),
         };
         Ok(())
@@ -219,7 +243,7 @@ impl RollupFilter {
 }
 
 /// One group of a rollup: its key (the fields of the grouping; the others absent) and its sums.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct RollupRow {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rule: Option<String>,
@@ -227,6 +251,9 @@ pub struct RollupRow {
     pub peer_kind: Option<i16>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peer_key: Option<String>,
+    /// The digest of `peer_labels`, by which peers with the same key order (and cursors point).
+    #[serde(skip)]
+    pub peer_digest: Option<Uuid>,
     /// The peer's labels when its flows were ingested.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peer_labels: Option<serde_json::Value>,
@@ -278,12 +305,41 @@ pub fn parse_selector(text: &str) -> Result<Selector, Error> {
     Ok(Selector::from_strings(matches)?)
 }
 
+/// One source's part of a group, as the statement returns it.
+#[derive(sqlx::FromRow)]
+struct Part {
+    rule: Option<String>,
+    peer_kind: Option<i16>,
+    peer_key: Option<String>,
+    peer_digest: Option<Uuid>,
+    peer_labels: Option<serde_json::Value>,
+    src_address: Option<String>,
+    workload_id: Option<Uuid>,
+    dst_address: Option<String>,
+    dst_port: Option<i32>,
+    protocol: Option<i16>,
+    connections: i64,
+    packets: i64,
+    bytes: i64,
+    records: i64,
+    first_seen: DateTime<Utc>,
+    last_seen: DateTime<Utc>,
+    policy_versions: Vec<i64>,
+    /// Bit `d` set: decision `d` is among the flows.
+    decision_bits: i32,
+}
+
+/// A scope of at most 1/8 of the estate's workloads is narrow (see [`rollup`]): beyond, reading
+/// in key order and skipping the rest costs less than sorting the scope's rows.
+const NARROW_SCOPE: i64 = 8;
+
+/// The sums of one source (`records` is the column or expression counting raw records).
 const SUMS: &str = "sum(new_connections)::bigint AS connections, sum(packets)::bigint AS packets,
-    sum(bytes)::bigint AS bytes, sum(records)::bigint AS records, min(first_seen) AS first_seen,
-    max(last_seen) AS last_seen, array_agg(DISTINCT policy_version ORDER BY policy_version) AS policy_versions,
-    array_agg(DISTINCT decision ORDER BY decision) AS decisions";
+    sum(bytes)::bigint AS bytes, min(first_seen) AS first_seen, max(last_seen) AS last_seen,
+    array_agg(DISTINCT policy_version) AS policy_versions, bit_or(1 << decision) AS decision_bits";
 
 /// Where one part of a rollup's input comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Source {
     /// `flow_rollups` rows of the whole hours `[from, to)`.
     Hours(DateTime<Utc>, DateTime<Utc>),
@@ -334,37 +390,58 @@ pub async fn rollup(
     let labels = label_object(&filter.peer_labels)?;
     let versions = filter.versions.iter().map(|v| version_code(*v)).collect::<Result<Vec<_>, _>>()?;
     let key = by.key();
-    let stored_key: Vec<&str> = key.iter().map(|c| c.stored()).collect();
-    let stored_key = stored_key.join(", ");
-    let inputs = format!(
-        "{stored_key}, policy_version, decision, new_connections, packets, bytes, first_seen, last_seen"
-    );
+    // Over the whole estate, whole hours by rule come from the rollups summed over everything else.
+    let by_rule = by == Grouping::Rule && filter.workloads.is_none() && labels.is_none();
+    // A scope of a small part of the estate is read through the workload index and sorted: a
+    // source read in key order would pass over the rest of the estate to fill a page, and the
+    // planner, taking the scope's rows to be spread evenly, would choose that (OFFSET 0 keeps
+    // the key order out of the scope's scan).
+    let narrow = match &filter.workloads {
+        Some(ids) => {
+            let estate: i64 = sqlx::query_scalar("SELECT count(*) FROM workloads").fetch_one(pool).await?;
+            ids.len() as i64 * NARROW_SCOPE <= estate
+        }
+        None => false,
+    };
 
     let mut q = QueryBuilder::<Postgres>::new("SELECT ");
     for column in Column::ALL {
         q.push(column.output(key.contains(&column))).push(", ");
     }
-    q.push(SUMS).push(" FROM (");
+    let labels_out =
+        if key.contains(&Column::PeerDigest) { "peer_labels" } else { "NULL::jsonb AS peer_labels" };
+    q.push(format!(
+        "{labels_out}, connections, packets, bytes, records, first_seen, last_seen, policy_versions, decision_bits FROM ("
+    ));
     for (n, source) in sources(filter.from, filter.to).into_iter().enumerate() {
         if n > 0 {
             q.push(" UNION ALL ");
         }
+        let raw = !matches!(source, Source::Hours(..));
+        let stored: Vec<&str> = key.iter().map(|c| c.stored(raw)).collect();
+        let stored = stored.join(", ");
+        q.push("(SELECT ");
+        for column in key {
+            q.push(format!("{} AS {}, ", column.stored(raw), column.name()));
+        }
+        if key.contains(&Column::PeerDigest) {
+            q.push("(array_agg(peer_labels))[1] AS peer_labels, ");
+        }
+        q.push(SUMS).push(if raw { ", count(*) AS records" } else { ", sum(records)::bigint AS records" });
+        q.push(if narrow { " FROM (SELECT * FROM " } else { " FROM " });
         match source {
             Source::Hours(from, to) => {
-                q.push(format!("SELECT {inputs}, records FROM flow_rollups WHERE hour >= "));
-                q.push_bind(from).push(" AND hour < ").push_bind(to);
+                q.push(if by_rule { "flow_rule_rollups" } else { "flow_rollups" });
+                q.push(" WHERE hour >= ").push_bind(from).push(" AND hour < ").push_bind(to);
             }
             Source::Raw(from, to) => {
-                q.push(format!(
-                    "SELECT {inputs}, 1::bigint AS records FROM flow_records WHERE window_start >= "
-                ));
-                q.push_bind(from).push(" AND window_start < ").push_bind(to);
+                q.push("flow_records WHERE window_start >= ").push_bind(from);
+                q.push(" AND window_start < ").push_bind(to);
             }
             Source::Pending(from, to) => {
-                q.push(format!(
-                    "SELECT {inputs}, 1::bigint AS records FROM flow_records WHERE window_start >= "
-                ));
-                q.push_bind(from).push(" AND window_start < ").push_bind(to);
+                // Driven by the few windows not rolled up (a partial index), not by the hours.
+                q.push("flow_records WHERE window_start >= ").push_bind(from);
+                q.push(" AND window_start < ").push_bind(to);
                 q.push(
                     " AND (workload_id, window_id, window_start) IN (SELECT workload_id, window_id, window_start
                        FROM flow_windows WHERE NOT rolled_up AND window_start >= ",
@@ -389,7 +466,7 @@ pub async fn rollup(
         }
         // Groups after the cursor are made of exactly the rows whose key is after it.
         if let Some(after) = &after {
-            q.push(format!(" AND ({stored_key}) > ("));
+            q.push(format!(" AND ({stored}) > ("));
             for (i, column) in key.iter().enumerate() {
                 if i > 0 {
                     q.push(", ");
@@ -398,10 +475,82 @@ pub async fn rollup(
             }
             q.push(")");
         }
+        if narrow {
+            q.push(" OFFSET 0) AS s");
+        }
+        q.push(format!(" GROUP BY {stored} ORDER BY {stored} LIMIT ")).push_bind(limit + 1).push(")");
     }
-    q.push(format!(") AS f GROUP BY {stored_key} ORDER BY {stored_key} LIMIT ")).push_bind(limit + 1);
-    let rows: Vec<RollupRow> = q.build_query_as().fetch_all(pool).await?;
+    // Qualified: the sources' columns (addresses as inet), not the page's (addresses as text).
+    let names: Vec<String> = key.iter().map(|c| format!("f.{}", c.name())).collect();
+    q.push(format!(") AS f ORDER BY {}", names.join(", ")));
+    let parts: Vec<Part> = q.build_query_as().fetch_all(pool).await?;
+    let rows = merge(parts, limit as usize + 1);
     Ok(page::page(rows, limit, &kind, |row| key.iter().map(|c| c.of(row)).collect()))
+}
+
+/// The first `groups` groups of the parts (in key order, a group's parts next to each other),
+/// each group's parts added up.
+fn merge(parts: Vec<Part>, groups: usize) -> Vec<RollupRow> {
+    let mut rows: Vec<RollupRow> = Vec::new();
+    for part in parts {
+        let decisions: Vec<i16> = (0..16).filter(|d| part.decision_bits & (1 << d) != 0).collect();
+        if let Some(last) = rows.last_mut()
+            && same_group(last, &part)
+        {
+            last.connections += part.connections;
+            last.packets += part.packets;
+            last.bytes += part.bytes;
+            last.records += part.records;
+            last.first_seen = last.first_seen.min(part.first_seen);
+            last.last_seen = last.last_seen.max(part.last_seen);
+            last.policy_versions.extend(part.policy_versions);
+            last.policy_versions.sort_unstable();
+            last.policy_versions.dedup();
+            last.decisions.extend(decisions);
+            last.decisions.sort_unstable();
+            last.decisions.dedup();
+            continue;
+        }
+        if rows.len() == groups {
+            break;
+        }
+        let mut policy_versions = part.policy_versions;
+        policy_versions.sort_unstable();
+        rows.push(RollupRow {
+            rule: part.rule,
+            peer_kind: part.peer_kind,
+            peer_key: part.peer_key,
+            peer_digest: part.peer_digest,
+            peer_labels: part.peer_labels,
+            src_address: part.src_address,
+            workload_id: part.workload_id,
+            dst_address: part.dst_address,
+            dst_port: part.dst_port,
+            protocol: part.protocol,
+            connections: part.connections,
+            packets: part.packets,
+            bytes: part.bytes,
+            records: part.records,
+            first_seen: part.first_seen,
+            last_seen: part.last_seen,
+            policy_versions,
+            decisions,
+        });
+    }
+    rows
+}
+
+/// The part is of the row's group: every key field is equal (absent ones are absent in both).
+fn same_group(row: &RollupRow, part: &Part) -> bool {
+    row.rule == part.rule
+        && row.peer_kind == part.peer_kind
+        && row.peer_key == part.peer_key
+        && row.peer_digest == part.peer_digest
+        && row.src_address == part.src_address
+        && row.workload_id == part.workload_id
+        && row.dst_address == part.dst_address
+        && row.dst_port == part.dst_port
+        && row.protocol == part.protocol
 }
 
 /// The labels a peer must have had, as the JSON object `peer_labels` must contain.

@@ -64,8 +64,8 @@ async fn retention_drops_whole_expired_partitions() {
         .unwrap()
     };
     let day = (now - chrono::Duration::seconds(60)).format("%Y%m%d").to_string();
-    let expected =
-        ["flow_gaps", "flow_records", "flow_rollups", "flow_windows"].map(|t| format!("{t}_{day}"));
+    let expected = ["flow_gaps", "flow_records", "flow_rollups", "flow_rule_rollups", "flow_windows"]
+        .map(|t| format!("{t}_{day}"));
     assert_eq!(partitions().await, expected);
 
     // Within retention nothing goes; 31 days later the whole day's partitions are dropped.
@@ -100,9 +100,9 @@ async fn retention_drops_many_partitions_in_batches() {
     };
     assert_eq!(count().await, 2 * 401);
     let dropped = flows::apply_retention(&db.pool, 30, now).await.unwrap();
-    // Days [now - 400, now - 31] are wholly before the cutoff day (now - 30): 370 days, four
-    // tables (windows, records, gaps, rollups).
-    assert_eq!(dropped.len(), 4 * 370);
+    // Days [now - 400, now - 31] are wholly before the cutoff day (now - 30): 370 days, five
+    // tables (windows, records, gaps, rollups, rule rollups).
+    assert_eq!(dropped.len(), 5 * 370);
     assert!(dropped.len() > 10 * flows::RETENTION_BATCH, "the test spans many batches");
     assert_eq!(count().await, 2 * 31);
     assert_eq!(flows::apply_retention(&db.pool, 30, now).await.unwrap(), Vec::<String>::new());
@@ -827,10 +827,35 @@ async fn rollup_filters_select_by_decision_version_workload_scope_now_and_peer_l
     })
     .await;
     let one: BTreeSet<WorkloadId> = [dsts[1]].into();
-    check("one workload", Grouping::DstService, all.clone().within(one), &|r| {
+    check("one workload", Grouping::DstService, all.clone().within(one.clone()), &|r| {
         r.workload_id == dsts[1].uuid()
     })
     .await;
+    // By rule over the whole estate (the rollups summed over workloads and peers), and not.
+    let would_block =
+        RollupFilter { decisions: vec![innerwall_wire::flows::Decision::WouldBlock], ..all.clone() };
+    check("rule, would-block only", Grouping::Rule, would_block, &|r| r.decision == 3).await;
+    check("rule, version 2", Grouping::Rule, RollupFilter { versions: vec![2], ..all.clone() }, &|r| {
+        r.policy_version == 2
+    })
+    .await;
+    check("rule, one workload", Grouping::Rule, all.clone().within(one), &|r| {
+        r.workload_id == dsts[1].uuid()
+    })
+    .await;
+
+    // A scope of at most an eighth of the estate is read through the workload index and sorted
+    // (not in key order): the same groups, every grouping, page by page.
+    for n in 0..8 {
+        register(&db.pool, &[&format!("app=idle-{n}")], &[]).await;
+    }
+    let one: BTreeSet<WorkloadId> = [dsts[1]].into();
+    for by in Grouping::ALL {
+        check("one workload of 13", by, all.clone().within(one.clone()), &|r| {
+            r.workload_id == dsts[1].uuid()
+        })
+        .await;
+    }
 
     // Scope now: app=db is dsts 0 and 1; relabel dsts[2] (app=cache) to app=db and it joins,
     // with all of its history.
@@ -864,6 +889,8 @@ async fn rollup_filters_select_by_decision_version_workload_scope_now_and_peer_l
     // Peer labels then: the batch peer's old flows answer app=batch, its new one app=etl only.
     let then = |l: &str| RollupFilter { peer_labels: vec![l.parse().unwrap()], ..all.clone() };
     check("peer app=batch then", Grouping::RulePeer, then("app=batch"), &|r| labels(r, "app", "batch")).await;
+    check("rule, peer app=batch then", Grouping::Rule, then("app=batch"), &|r| labels(r, "app", "batch"))
+        .await;
     let (etl, _) = walk(&db.pool, Grouping::RulePeer, &then("app=etl"), 10).await;
     assert_eq!(etl.len(), 1, "only the flow seen after the relabel: {etl:?}");
     let (_, sums) = etl.into_iter().next().unwrap();
