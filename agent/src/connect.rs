@@ -21,6 +21,8 @@ pub struct RunConfig {
     pub backoff_base: Duration,
     pub backoff_cap: Duration,
     pub dial_timeout: Duration,
+    /// Where `run` serves `/metrics` (plain HTTP, unauthenticated); nowhere if `None`.
+    pub metrics_listen: Option<std::net::SocketAddr>,
 }
 
 impl RunConfig {
@@ -32,6 +34,7 @@ impl RunConfig {
             backoff_base: backoff::BASE,
             backoff_cap: backoff::CAP,
             dial_timeout: Duration::from_secs(10),
+            metrics_listen: None,
         }
     }
 }

@@ -21,6 +21,12 @@ pub enum RunError {
     Reenroll(String),
     #[error("installing the SIGTERM handler")]
     Signal(#[source] std::io::Error),
+    #[error("binding the metrics listener on {addr} (--metrics-listen)")]
+    Metrics {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// Fail static (ENF-5): re-applies the persisted policy and logs what it did. Returns the
@@ -67,13 +73,19 @@ pub async fn hold_stream<S: PolicyStore + Send + 'static>(
     enforcer: Arc<Enforcer<S>>,
 ) -> Result<(), RunError> {
     let mut attempt: u32 = 0;
+    let mut first = true;
     loop {
+        if !std::mem::take(&mut first) {
+            enforcer.metrics.reconnecting();
+        }
         let failure = match connect(config).await {
             Err(e) => error::chain(&e),
             Ok(channel) => {
                 tracing::info!(server = %config.server, applied_version = enforcer.applied_version(), "connected to the control plane");
                 let mut stats = SessionStats::default();
-                match sync::session(channel, enforcer.clone(), &mut stats).await {
+                let end = sync::session(channel, enforcer.clone(), &mut stats).await;
+                enforcer.metrics.stream_connected(false);
+                match end {
                     SessionEnd::Reconnect => {
                         tracing::info!("the control plane asked for a reconnect");
                         attempt = 0;
@@ -132,6 +144,7 @@ fn spawn_drift_checks(
             .await;
             match checked {
                 Ok(Ok(Some(event))) => {
+                    enforcer.metrics.drift_repaired();
                     tracing::warn!(detail = %event.detail, "repaired drift of table inet innerwall; reported with the next heartbeat")
                 }
                 Ok(Err(e)) => tracing::error!("drift check failed: {}", error::chain(&e)),
@@ -143,9 +156,22 @@ fn spawn_drift_checks(
 
 /// Runs the agent until SIGINT/SIGTERM. Kernel rules stay in place when it returns.
 pub async fn run(config: RunConfig) -> Result<(), RunError> {
+    // Bound first: a taken address fails the start before anything is touched.
+    let metrics = match config.metrics_listen {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr).await.map_err(|source| RunError::Metrics { addr, source })?,
+        ),
+        None => None,
+    };
     let mut store = LinuxPolicyStore::new(&config.state_dir);
     restore_before_dialing(&mut store);
     let enforcer = Arc::new(Enforcer::new(store));
+    let metrics = metrics.map(|tcp| {
+        if let Ok(addr) = tcp.local_addr() {
+            tracing::info!(%addr, "serving metrics at /metrics (plain HTTP, unauthenticated)");
+        }
+        tokio::spawn(crate::metrics::serve(tcp, enforcer.metrics.clone()))
+    });
     let drift = spawn_drift_checks(enforcer.clone(), config.drift_interval);
     let renewal = tokio::spawn(renew::renew_forever(config.clone(), enforcer.clone()));
     let flows = evidence::start(&config, enforcer.clone());
@@ -159,6 +185,9 @@ pub async fn run(config: RunConfig) -> Result<(), RunError> {
     };
     drift.abort();
     renewal.abort();
+    if let Some(metrics) = metrics {
+        metrics.abort();
+    }
     if let Some(flows) = flows {
         flows.stop().await;
     }

@@ -121,11 +121,13 @@ struct Outbox {
     queue: telemetry::Queue,
     marker: PathBuf,
     unqueued: Option<EvidenceGap>,
+    metrics: Arc<crate::metrics::Metrics>,
 }
 
 impl Outbox {
     fn push(&mut self, mut window: FlowWindow, now: i64) {
         window.gaps.extend(self.unqueued.take());
+        self.metrics.window_closed(window.records.len(), window.gaps.len());
         let lost = telemetry::lost(GapKind::QueueFailed, &proto::FlowWindow::from(&window));
         match self.queue.push(window) {
             Ok(()) => {
@@ -166,7 +168,7 @@ fn capture_forever<S: PolicyStore + Send + 'static>(
     if let Some(last) = std::fs::read_to_string(&marker).ok().and_then(|t| t.trim().parse::<i64>().ok()) {
         open.restarted_after(last);
     }
-    let mut outbox = Outbox { queue, marker, unqueued: None };
+    let mut outbox = Outbox { queue, marker, unqueued: None, metrics: enforcer.metrics.clone() };
     // This host's addresses: only flows to them are inbound. When they cannot be listed, the
     // last known set stands.
     let refresh = |local: &mut BTreeSet<IpAddr>| match facts::local_addresses() {
@@ -283,6 +285,7 @@ pub fn start<S: PolicyStore + Send + 'static>(
             return None;
         }
     };
+    enforcer.metrics.watch_queue(queue.clone());
     let uploader =
         tokio::spawn(telemetry::upload_forever(config.clone(), queue.clone(), Duration::from_secs(1)));
     let state_dir = config.state_dir.clone();

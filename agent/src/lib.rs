@@ -7,7 +7,8 @@
 //! - Flow evidence: `capture` (the eBPF program), `links` (interfaces as they come and go),
 //!   `flows` (pure windows), `evidence` (the capture loop and window lifecycle), `telemetry`
 //!   (queue and upload).
-//! - `daemon`: `innerwall-agent run`, tying them together; `error`: how an error chain prints.
+//! - `daemon`: `innerwall-agent run`, tying them together; `metrics`: what it exposes to
+//!   Prometheus; `error`: how an error chain prints.
 
 pub mod capture;
 pub mod connect;
@@ -20,6 +21,7 @@ pub mod facts;
 pub mod flows;
 pub mod identity;
 pub mod links;
+pub mod metrics;
 pub mod policy_json;
 pub mod private;
 pub mod renew;

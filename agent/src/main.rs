@@ -15,8 +15,18 @@ use innerwall_agent::policy_json;
 #[derive(Debug, Parser)]
 #[command(name = "innerwall-agent", version, about = "Innerwall host agent")]
 struct Cli {
+    /// How stderr logs read: text, or one JSON object per line (filter: RUST_LOG).
+    #[arg(long, global = true, value_enum, default_value_t)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    #[default]
+    Text,
+    Json,
 }
 
 #[derive(Debug, clap::Args)]
@@ -40,6 +50,10 @@ enum Command {
         /// How often the owned table is checked for outside changes, in milliseconds.
         #[arg(long, default_value_t = 2000)]
         drift_interval_ms: u64,
+        /// Serve Prometheus metrics at http://ADDR/metrics. Plain HTTP without authentication:
+        /// bind it to loopback or a private address. Off by default.
+        #[arg(long, env = "INNERWALL_AGENT_METRICS_LISTEN", value_name = "ADDR")]
+        metrics_listen: Option<std::net::SocketAddr>,
     },
     /// Enroll this host: generate a key here, present the token, store the issued identity.
     Enroll {
@@ -104,18 +118,23 @@ enum Command {
 
 fn main() -> ExitCode {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
-    match run(Cli::parse().command) {
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let logs = tracing_subscriber::fmt().with_writer(std::io::stderr).with_env_filter(filter);
+    match cli.log_format {
+        LogFormat::Text => logs.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).init(),
+        LogFormat::Json => logs.json().init(),
+    }
+    match run(cli.command, cli.log_format) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("error: {}", innerwall_agent::error::chain(err.as_ref()));
+            let chain = innerwall_agent::error::chain(err.as_ref());
+            // With JSON logs every line on stderr is JSON, the last word included.
+            match cli.log_format {
+                LogFormat::Text => eprintln!("error: {chain}"),
+                LogFormat::Json => tracing::error!("{chain}"),
+            }
             ExitCode::FAILURE
         }
     }
@@ -126,12 +145,13 @@ fn read_policy(file: &Path) -> anyhow::Result<innerwall_wire::policy::WorkloadPo
     policy_json::parse(&bytes).with_context(|| format!("parsing {}", file.display()))
 }
 
-fn run(command: Command) -> anyhow::Result<()> {
+fn run(command: Command, log_format: LogFormat) -> anyhow::Result<()> {
     match command {
         Command::Contract => println!("{}", innerwall_wire::CONTRACT_PACKAGE),
-        Command::Run { state, server, drift_interval_ms } => {
+        Command::Run { state, server, drift_interval_ms, metrics_listen } => {
             let mut config = RunConfig::new(state.state_dir, server);
             config.drift_interval = std::time::Duration::from_millis(drift_interval_ms.max(100));
+            config.metrics_listen = metrics_listen;
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
                 .enable_all()
@@ -171,7 +191,10 @@ fn run(command: Command) -> anyhow::Result<()> {
                 println!("replaced workload {old}: the control plane retired it (it left every render)");
             }
             if let Some(warning) = enrollment.replaced.warning() {
-                eprintln!("warning: {warning}");
+                match log_format {
+                    LogFormat::Text => eprintln!("warning: {warning}"),
+                    LogFormat::Json => tracing::warn!("{warning}"),
+                }
             }
             println!(
                 "start the agent with: innerwall-agent run --server {server} --state-dir {}",

@@ -60,11 +60,13 @@ pub async fn renew_forever<S: PolicyStore + Send + 'static>(config: RunConfig, e
                 continue;
             }
         };
+        enforcer.metrics.certificate(credential.not_after);
         sleep_until_wall(credential.renew_at(backoff::random_unit())).await;
         let mut attempt = 0;
         loop {
             match renew_once(&config, &credential).await {
                 Ok(renewed) => {
+                    enforcer.metrics.certificate(renewed.not_after);
                     enforcer.set_renewal_error(String::new());
                     enforcer.renewals.send_modify(|n| *n += 1);
                     tracing::info!(workload = %renewed.id, "renewed the credential; valid until {:?}", renewed.not_after);

@@ -13,6 +13,7 @@ use tokio::sync::mpsc;
 use tonic::transport::Channel;
 
 use crate::enforce::{EnforceError, Installed, PolicyStore, TamperEvent};
+use crate::metrics::{ApplyResult, Metrics};
 use crate::{error, flows};
 
 /// An update as it arrived, before validation.
@@ -85,6 +86,8 @@ pub struct Enforcer<S> {
     /// The evidence loop, when one runs: asked to close its flow window at every version
     /// change, before the change is acked (see [`Enforcer::window_closes`]).
     evidence: Mutex<Option<std::sync::mpsc::Sender<WindowClose>>>,
+    /// What the agent exposes to Prometheus (`run --metrics-listen`).
+    pub metrics: Arc<Metrics>,
 }
 
 /// A request to the evidence loop to close its open flow window now, because the applied
@@ -97,6 +100,8 @@ const WINDOW_CLOSE_WAIT: Duration = Duration::from_secs(2);
 impl<S: PolicyStore> Enforcer<S> {
     pub fn new(store: S) -> Self {
         let suspended = store.suspended();
+        let metrics = Arc::new(Metrics::new());
+        metrics.set_applied_version(store.applied_version());
         Enforcer {
             store: Mutex::new(store),
             tamper: Mutex::new(TamperLog::default()),
@@ -109,6 +114,7 @@ impl<S: PolicyStore> Enforcer<S> {
             renewals: tokio::sync::watch::Sender::new(0),
             suspension: tokio::sync::watch::Sender::new(suspended),
             evidence: Mutex::new(None),
+            metrics,
         }
     }
 
@@ -179,11 +185,19 @@ impl<S: PolicyStore> Enforcer<S> {
     /// Applies one update atomically; on error nothing changed. Blocking (netlink). With the
     /// kill switch engaged the result is [`Installed::Held`].
     pub fn apply(&self, update: &WireUpdate) -> Result<Installed, UpdateError> {
+        let started = Instant::now();
         let (installed, changed) = {
             let mut store = self.store.lock().unwrap_or_else(PoisonError::into_inner);
             let before = store.applied_version();
-            let next = next_policy(store.current(), update)?;
-            (store.apply(&next)?, store.applied_version() != before)
+            let applied = next_policy(store.current(), update)
+                .and_then(|next| store.apply(&next).map_err(UpdateError::from));
+            let result = match &applied {
+                Ok(Installed::Held) => ApplyResult::Held,
+                Ok(_) => ApplyResult::Applied,
+                Err(_) => ApplyResult::Failed,
+            };
+            self.metrics.applied(result, started.elapsed(), store.applied_version());
+            (applied?, store.applied_version() != before)
         };
         if self.note_suspension() || changed {
             self.close_evidence_window();
@@ -343,6 +357,7 @@ pub async fn session<S: PolicyStore + Send + 'static>(
     enforcer.flow_window_secs.store(u64::from(config.flow_window_seconds.clamp(1, 3600)), Relaxed);
     enforcer.flow_window_max_keys.store(u64::from(config.flow_window_max_keys.clamp(1, 1_000_000)), Relaxed);
     enforcer.streams.fetch_add(1, Relaxed);
+    enforcer.metrics.stream_connected(true);
     let every = |secs: u32| Duration::from_secs(u64::from(secs.max(1)));
     let mut heartbeat = tokio::time::interval(every(config.heartbeat_interval_seconds));
     let mut inventory = tokio::time::interval(every(config.inventory_interval_seconds));

@@ -3,14 +3,16 @@
 //! ones before it): `policy` (authored model, render, publish), `identity` (CA, tokens,
 //! enrollment, the agent listener), `flows` (evidence ingest, retention, queries), `gate` (the
 //! verdict and promotions on that evidence), `sync` (stream state machine, gateway, NOTIFY
-//! bridge), `service` (one replica), with `postgres` (the database and its clusters) underneath
-//! all of them.
+//! bridge), `service` (one replica), with `postgres` (the database and its clusters) and
+//! `metrics` (the replica's Prometheus metrics, which the rooms record into) underneath all of
+//! them.
 
 pub mod audit;
 pub mod error;
 pub mod flows;
 pub mod gate;
 pub mod identity;
+pub mod metrics;
 pub mod notice;
 pub mod policy;
 pub mod postgres;

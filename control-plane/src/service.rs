@@ -1,5 +1,6 @@
 //! One control-plane replica as a running service: startup render (POL-6), the NOTIFY bridge,
-//! and the agent listener. `innerwall serve` runs it; tests start several against one database.
+//! the agent listener, and the metrics listener if asked for. `innerwall serve` runs it; tests
+//! start several against one database.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -19,6 +20,7 @@ use crate::identity::ca::Signer;
 use crate::identity::enroll::Enroller;
 use crate::identity::listener::{self, Authenticate, ServerError};
 use crate::identity::server_cert::ServerCertificate;
+use crate::metrics::Metrics;
 use crate::policy::authoring;
 use crate::postgres::Pools;
 use crate::sync::bridge;
@@ -40,6 +42,9 @@ pub struct ServiceConfig {
     pub flow_bounds: crate::flows::TimeBounds,
     /// Bounds on connections, handshakes and streams.
     pub limits: Limits,
+    /// Where `/metrics` is served (plain HTTP, unauthenticated: a private address); none if
+    /// `None`.
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 /// The largest message each service accepts: enrollment is small (a CSR, a token, host facts
@@ -72,6 +77,12 @@ pub enum ServiceError {
         #[source]
         source: std::io::Error,
     },
+    #[error("binding the metrics listener on {addr} (--metrics-listen)")]
+    BindMetrics {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// A started replica. Dropping it without `stop` leaves its tasks running until the runtime ends.
@@ -91,6 +102,10 @@ pub struct Running {
     renewal: JoinHandle<()>,
     /// The listener's certificate, reissued before it expires.
     pub certificate: Arc<ServerCertificate>,
+    /// This replica's metrics, and where they are served (if they are).
+    pub metrics: Arc<Metrics>,
+    pub metrics_addr: Option<SocketAddr>,
+    metrics_server: Option<JoinHandle<()>>,
 }
 
 /// Rolls up the records of closed hours every minute (FLOW-6) and drops expired flow partitions
@@ -122,6 +137,9 @@ impl Running {
         self.retention.abort();
         self.liveness.abort();
         self.renewal.abort();
+        if let Some(metrics) = &self.metrics_server {
+            metrics.abort();
+        }
         let mut server = self.server;
         let joined = match tokio::time::timeout(SHUTDOWN_GRACE, &mut server).await {
             Ok(joined) => joined,
@@ -148,6 +166,16 @@ pub async fn start(
     config: ServiceConfig,
 ) -> Result<Running, ServiceError> {
     let _ = rustls::crypto::ring::default_provider().install_default();
+    // Bound first: a taken metrics address fails the start before anything runs.
+    let metrics_tcp = match config.metrics_listen {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|source| ServiceError::BindMetrics { addr, source })?,
+        ),
+        None => None,
+    };
+    let metrics = Arc::new(Metrics::new());
     let changed = authoring::render_now(&pools.authoring).await?;
     tracing::info!(changed = changed.len(), "startup render done");
 
@@ -155,8 +183,9 @@ pub async fn start(
         Arc::new(Admission::new(bridge::load_refused(&pools.streams).await?, config.limits.clone()));
     let enroller =
         Enroller { pool: pools.authoring.clone(), signer: signer.clone(), lifetime: config.cert_lifetime };
-    let gateway = Gateway::new(&pools, config.gateway.clone(), enroller.clone());
-    let bridge = tokio::spawn(bridge::run(pools.streams.clone(), gateway.clone(), admission.clone()));
+    let gateway = Gateway::new(&pools, config.gateway.clone(), enroller.clone(), metrics.clone());
+    let bridge =
+        tokio::spawn(bridge::run(pools.streams.clone(), gateway.clone(), admission.clone(), metrics.clone()));
     let retention =
         tokio::spawn(flow_upkeep_forever(pools.ingest.clone(), config.flow_bounds.max_age.num_days()));
     let liveness =
@@ -175,7 +204,11 @@ pub async fn start(
         .await
         .map_err(|source| ServiceError::Bind { addr: config.listen, source })?;
     let local_addr = tcp.local_addr().map_err(ServerError::Io)?;
-    let telemetry = crate::flows::Telemetry { pool: pools.ingest.clone(), bounds: config.flow_bounds };
+    let telemetry = crate::flows::Telemetry {
+        pool: pools.ingest.clone(),
+        bounds: config.flow_bounds,
+        metrics: metrics.clone(),
+    };
     // Every service on both: a client without a certificate calling an agent service hears
     // from `Authenticate` that it must enroll first.
     let routes = |server: tonic::transport::Server| {
@@ -211,6 +244,13 @@ pub async fn start(
     let server = tokio::spawn(listener::serve(tcp, tls, admission.clone(), routers, async move {
         let _ = stopped.await;
     }));
+    let metrics_addr = metrics_tcp.as_ref().map(|t| t.local_addr()).transpose().map_err(ServerError::Io)?;
+    // The fleet's counts are read with the streams' pool: one short query per scrape.
+    let metrics_server = metrics_tcp
+        .map(|tcp| tokio::spawn(crate::metrics::serve(tcp, metrics.clone(), pools.streams.clone())));
+    if let Some(addr) = metrics_addr {
+        tracing::info!(%addr, "serving metrics at /metrics (plain HTTP, unauthenticated)");
+    }
     Ok(Running {
         local_addr,
         server_names: config.server_names,
@@ -224,5 +264,8 @@ pub async fn start(
         liveness,
         renewal,
         certificate,
+        metrics,
+        metrics_addr,
+        metrics_server,
     })
 }

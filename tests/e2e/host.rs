@@ -71,6 +71,19 @@ impl Peer {
         peer
     }
 
+    /// Runs `f` on a thread inside the peer's namespace, so processes it starts run there.
+    pub fn inside<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
+        let name = self.0.0.clone();
+        std::thread::scope(|s| {
+            s.spawn(move || {
+                Namespace(name).enter_and_forget();
+                f()
+            })
+            .join()
+            .expect("thread in the peer's namespace")
+        })
+    }
+
     /// Sends `count` UDP datagrams from the peer to the host's `port`, from a thread inside the
     /// peer's namespace.
     pub fn send_udp(&self, port: u16, count: usize) {

@@ -8,6 +8,7 @@ mod flows;
 mod gate;
 mod host;
 mod kill_switch;
+mod metrics;
 mod plane;
 mod sync;
 mod unauthenticated;

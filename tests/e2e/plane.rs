@@ -29,6 +29,12 @@ pub struct Plane {
     pub port: u16,
     pub cert_lifetime: Duration,
     pub gateway: GatewayConfig,
+    /// The address the listener binds (loopback unless a test needs agents in other
+    /// namespaces to reach it) and the names it presents.
+    pub listen_ip: IpAddr,
+    pub server_names: Vec<String>,
+    /// Where the replica serves `/metrics`, if anywhere.
+    pub metrics_listen: Option<std::net::SocketAddr>,
     pub running: Option<Running>,
 }
 
@@ -49,20 +55,32 @@ impl Plane {
         let dir = std::env::temp_dir().join(format!("iw-e2e-{}", uuid::Uuid::new_v4()));
         let signer = Arc::new(FileCa::init(&dir.join("ca")).unwrap());
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        Plane { db, dir, signer, port, cert_lifetime, gateway, running: None }
+        Plane {
+            db,
+            dir,
+            signer,
+            port,
+            cert_lifetime,
+            gateway,
+            listen_ip: IpAddr::from([127, 0, 0, 1]),
+            server_names: vec!["localhost".into()],
+            metrics_listen: None,
+            running: None,
+        }
     }
 
     /// Starts the replica on its port (again, after `down`), in the calling thread's network
     /// namespace.
     pub async fn up(&mut self) {
         let config = ServiceConfig {
-            listen: format!("127.0.0.1:{}", self.port).parse().unwrap(),
-            server_names: vec!["localhost".into()],
+            listen: std::net::SocketAddr::new(self.listen_ip, self.port),
+            server_names: self.server_names.clone(),
             cert_lifetime: self.cert_lifetime,
             server_cert_lifetime: innerwall_control_plane::identity::server_cert::SERVER_CERT_LIFETIME,
             gateway: self.gateway.clone(),
             flow_bounds: Default::default(),
             limits: Default::default(),
+            metrics_listen: self.metrics_listen,
         };
         self.running = Some(
             service::start(Pools::shared(self.db.pool.clone()), self.signer.clone(), config).await.unwrap(),

@@ -21,6 +21,8 @@ use sqlx::{PgConnection, PgPool, Row};
 use super::copy;
 use super::retention::{PARTITION_LOCK_KEY, ensure_partitions, partitions};
 use crate::error::Error;
+use crate::metrics::{Metrics, Refusal};
+
 /// A time the wire layer validated (`flows::TIME_RANGE_MS`), as the database stores it.
 fn time(ms: i64) -> DateTime<Utc> {
     Utc.timestamp_millis_opt(ms).single().expect("validated at the wire boundary")
@@ -326,6 +328,7 @@ impl TimeBounds {
 pub struct Telemetry {
     pub pool: PgPool,
     pub bounds: TimeBounds,
+    pub metrics: std::sync::Arc<Metrics>,
 }
 
 #[tonic::async_trait]
@@ -335,16 +338,31 @@ impl proto::telemetry_service_server::TelemetryService for Telemetry {
         request: tonic::Request<proto::ReportFlowsRequest>,
     ) -> Result<tonic::Response<proto::ReportFlowsResponse>, tonic::Status> {
         let workload = crate::identity::listener::identity(&request)?;
-        let wire = request
-            .get_ref()
-            .window
-            .as_ref()
-            .ok_or_else(|| tonic::Status::invalid_argument("window is missing"))?;
-        let refused =
-            |e: &dyn std::fmt::Display| tonic::Status::invalid_argument(format!("window refused: {e}"));
-        let mut window = FlowWindow::try_from(wire).map_err(|e| refused(&e))?;
-        self.bounds.check(&mut window, Utc::now()).map_err(|e| refused(&e))?;
-        let done = ingest(&self.pool, workload, &window).await.map_err(tonic::Status::from)?;
+        let Some(wire) = request.get_ref().window.as_ref() else {
+            self.metrics.window_refused(Refusal::Invalid, 0, 0);
+            return Err(tonic::Status::invalid_argument("window is missing"));
+        };
+        let refused = |reason: Refusal, e: &dyn std::fmt::Display| {
+            self.metrics.window_refused(reason, wire.records.len(), wire.gaps.len());
+            tonic::Status::invalid_argument(format!("window refused: {e}"))
+        };
+        let mut window = FlowWindow::try_from(wire).map_err(|e| refused(Refusal::Invalid, &e))?;
+        self.bounds.check(&mut window, Utc::now()).map_err(|e| refused(Refusal::OutOfRange, &e))?;
+        let started = std::time::Instant::now();
+        let done = match ingest(&self.pool, workload, &window).await {
+            Ok(done) if done.duplicate => {
+                self.metrics.window_duplicate(started.elapsed());
+                done
+            }
+            Ok(done) => {
+                self.metrics.window_stored(done.records, window.gaps.len(), started.elapsed());
+                done
+            }
+            Err(e) => {
+                self.metrics.window_refused(Refusal::of(&e), window.records.len(), window.gaps.len());
+                return Err(tonic::Status::from(e));
+            }
+        };
         Ok(tonic::Response::new(proto::ReportFlowsResponse {
             accepted_records: done.records as u32,
             duplicate: done.duplicate,

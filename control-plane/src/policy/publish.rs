@@ -64,6 +64,14 @@ pub async fn lock_renders(conn: &mut PgConnection) -> Result<(), Error> {
 /// (which delivers none).
 pub async fn publish(conn: &mut PgConnection) -> Result<Vec<Changed>, Error> {
     lock_renders(conn).await?;
+    let started = std::time::Instant::now();
+    let changed = render_and_persist(conn).await?;
+    crate::metrics::observe_render(started.elapsed(), changed.len());
+    Ok(changed)
+}
+
+/// `publish` under the render lock.
+async fn render_and_persist(conn: &mut PgConnection) -> Result<Vec<Changed>, Error> {
     let model = store::load_model(conn).await?;
     let registry = store::load_registry(conn).await?;
     let registry = judge_addresses(conn, registry).await?;

@@ -13,6 +13,7 @@ use sqlx::postgres::PgListener;
 
 use crate::error::Error;
 use crate::identity::admission::{Admission, Refusal};
+use crate::metrics::Metrics;
 use crate::notice::{CHANNEL, Notice};
 use crate::sync::gateway::Gateway;
 
@@ -58,13 +59,16 @@ async fn listen(pool: &PgPool) -> Result<PgListener, sqlx::Error> {
 }
 
 /// Runs until the process ends. Reconnects with full-jitter backoff (base 0.5 s, cap 30 s).
-pub async fn run(pool: PgPool, gateway: Gateway, admission: Arc<Admission>) {
+pub async fn run(pool: PgPool, gateway: Gateway, admission: Arc<Admission>, metrics: Arc<Metrics>) {
     let (base, cap) = (Duration::from_millis(500), Duration::from_secs(30));
     let mut attempt = 0;
+    let mut connected_before = false;
     loop {
         match listen(&pool).await {
             Ok(mut listener) => {
                 attempt = 0;
+                metrics.bridge_connected(connected_before);
+                connected_before = true;
                 match load_refused(&pool).await {
                     Ok(refused) => admission.replace(refused),
                     Err(e) => tracing::warn!("could not reload the retired and deny-listed workloads: {e}"),
@@ -87,6 +91,7 @@ pub async fn run(pool: PgPool, gateway: Gateway, admission: Arc<Admission>) {
                         }
                     }
                 }
+                metrics.bridge_lost();
             }
             Err(e) => tracing::warn!("cannot LISTEN on {CHANNEL}: {e}"),
         }

@@ -22,6 +22,7 @@ use crate::audit;
 use crate::error::Error;
 use crate::identity::enroll::Enroller;
 use crate::identity::listener::{AgentIdentity, agent_identity, identity};
+use crate::metrics::{AckStatus, Metrics};
 use crate::policy::store;
 use crate::postgres::Pools;
 use crate::sync::session::{Ack, Action, Record, Session, SyncState, Update};
@@ -90,6 +91,7 @@ struct Inner {
     enroller: Enroller,
     streams: Mutex<BTreeMap<WorkloadId, Handle>>,
     generations: AtomicU64,
+    metrics: Arc<Metrics>,
 }
 
 /// The streams this replica holds. Cheap to clone.
@@ -101,7 +103,7 @@ pub struct Gateway {
 type Outbound = mpsc::Sender<Result<proto::SyncResponse, Status>>;
 
 impl Gateway {
-    pub fn new(pools: &Pools, config: GatewayConfig, enroller: Enroller) -> Self {
+    pub fn new(pools: &Pools, config: GatewayConfig, enroller: Enroller, metrics: Arc<Metrics>) -> Self {
         Gateway {
             inner: Arc::new(Inner {
                 pool: pools.streams.clone(),
@@ -110,6 +112,7 @@ impl Gateway {
                 enroller,
                 streams: Mutex::new(BTreeMap::new()),
                 generations: AtomicU64::new(0),
+                metrics,
             }),
         }
     }
@@ -165,7 +168,12 @@ impl Gateway {
         let generation = self.inner.generations.fetch_add(1, Ordering::Relaxed);
         let (poke, poke_rx) = watch::channel(0);
         let (control, control_rx) = mpsc::unbounded_channel();
-        let old = self.streams().insert(id, Handle { generation, poke, control });
+        let old = {
+            let mut streams = self.streams();
+            let old = streams.insert(id, Handle { generation, poke, control });
+            self.inner.metrics.set_streams_open(streams.len());
+            old
+        };
         if let Some(old) = old {
             tracing::info!(workload = %id, "a new stream supersedes the previous one");
             let _ = old
@@ -180,6 +188,7 @@ impl Gateway {
         let mut streams = self.streams();
         if streams.get(&id).is_some_and(|h| h.generation == generation) {
             streams.remove(&id);
+            self.inner.metrics.set_streams_open(streams.len());
             true
         } else {
             false
@@ -212,6 +221,8 @@ struct StreamTask {
     epoch: std::sync::atomic::AtomicI64,
     /// The state this stream last recorded (its code; 0 before the first).
     state: std::sync::atomic::AtomicI16,
+    /// When the versions this stream sent as deltas were committed, until they are acked.
+    pushes: Mutex<Pushes>,
 }
 
 impl StreamTask {
@@ -225,6 +236,14 @@ impl StreamTask {
 
     fn config(&self) -> &GatewayConfig {
         &self.gateway.inner.config
+    }
+
+    fn metrics(&self) -> &Metrics {
+        &self.gateway.inner.metrics
+    }
+
+    fn pushes(&self) -> std::sync::MutexGuard<'_, Pushes> {
+        self.pushes.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     async fn send(&self, msg: sync_response::Msg) -> Result<(), Ended> {
@@ -409,10 +428,16 @@ impl StreamTask {
             .await
             .map_err(|e| Ended::offline(format!("reading the persisted policy: {e}")))?;
         drop(conn);
-        match latest {
-            Some((p, _)) => self.execute(session.persisted(p)).await,
-            None => Ok(()),
+        let Some((p, committed)) = latest else { return Ok(()) };
+        let version = p.version();
+        let actions = session.persisted(p);
+        let delta = actions.iter().any(|a| matches!(a, Action::Send(Update::Delta(_))));
+        self.execute(actions).await?;
+        if delta {
+            self.metrics().pushed(committed, chrono::Utc::now());
+            self.pushes().sent(version, committed);
         }
+        Ok(())
     }
 
     async fn handle(
@@ -435,7 +460,22 @@ impl StreamTask {
                         ))));
                     }
                 };
-                self.execute(session.ack(ack)).await
+                let committed = self.pushes().acked(a.version);
+                let status = match ack {
+                    Ack::Applied(_) => AckStatus::Applied,
+                    Ack::Held(_) => AckStatus::Held,
+                    Ack::Failed(..) => AckStatus::Failed,
+                };
+                self.metrics().ack(status);
+                if let (AckStatus::Applied, Some(committed)) = (status, committed) {
+                    self.metrics().applied(committed, chrono::Utc::now());
+                }
+                let actions = session.ack(ack);
+                // The only snapshots an ack earns are recovery snapshots (SYNC-5).
+                for _ in actions.iter().filter(|a| matches!(a, Action::Send(Update::Snapshot(_)))) {
+                    self.metrics().recovery_snapshot();
+                }
+                self.execute(actions).await
             }
             Some(Msg::Heartbeat(h)) => {
                 self.heartbeat(&h).await.map_err(|e| Ended::refused(Status::from(e)))?;
@@ -600,6 +640,30 @@ impl StreamTask {
     }
 }
 
+/// The commit times of versions a stream sent as deltas and the agent has not acked yet, for
+/// the push latencies. Bounded: an agent that never acks cannot grow it.
+#[derive(Debug, Default)]
+struct Pushes(BTreeMap<u64, chrono::DateTime<chrono::Utc>>);
+
+impl Pushes {
+    const MAX: usize = 64;
+
+    fn sent(&mut self, version: u64, committed: chrono::DateTime<chrono::Utc>) {
+        self.0.insert(version, committed);
+        while self.0.len() > Self::MAX {
+            self.0.pop_first();
+        }
+    }
+
+    /// The commit time of `version` if it was sent as a delta; it and every older version are
+    /// settled (acks come in send order).
+    fn acked(&mut self, version: u64) -> Option<chrono::DateTime<chrono::Utc>> {
+        let later = self.0.split_off(&(version.saturating_add(1)));
+        let settled = std::mem::replace(&mut self.0, later);
+        settled.get(&version).copied()
+    }
+}
+
 /// The latest inventory report not yet applied, and when to apply it (coalescing, issue 11).
 #[derive(Debug, Default)]
 struct Pending {
@@ -666,6 +730,7 @@ impl proto::agent_service_server::AgentService for Gateway {
                 out: out.clone(),
                 epoch: Default::default(),
                 state: Default::default(),
+                pushes: Default::default(),
             };
             let ended = task.run(inbound, poke, control, not_after).await;
             let current = gateway.deregister(id, generation);
@@ -692,5 +757,29 @@ impl proto::agent_service_server::AgentService for Gateway {
             certificate_pem: cert.pem.into_bytes(),
             ca_bundle_pem: enroller.signer.ca_bundle_pem().into_bytes(),
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pushes_settle_in_send_order_and_stay_bounded() {
+        let at = |s: i64| chrono::DateTime::from_timestamp(1_800_000_000 + s, 0).unwrap();
+        let mut pushes = Pushes::default();
+        pushes.sent(2, at(2));
+        pushes.sent(3, at(3));
+        pushes.sent(5, at(5));
+        assert_eq!(pushes.acked(1), None, "the opening snapshot was no push");
+        assert_eq!(pushes.acked(3), Some(at(3)));
+        assert_eq!(pushes.acked(2), None, "settled with 3");
+        assert_eq!(pushes.acked(5), Some(at(5)));
+        for v in 10..200 {
+            pushes.sent(v, at(v as i64));
+        }
+        assert_eq!(pushes.0.len(), Pushes::MAX);
+        assert_eq!(pushes.acked(199), Some(at(199)));
+        assert!(pushes.0.is_empty());
     }
 }

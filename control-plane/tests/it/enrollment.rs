@@ -62,6 +62,7 @@ impl Plane {
             gateway,
             flow_bounds: Default::default(),
             limits: self.limits.clone(),
+            metrics_listen: None,
         };
         self.running = Some(
             service::start(Pools::shared(self.db.pool.clone()), self.signer.clone(), config).await.unwrap(),

@@ -196,6 +196,7 @@ async fn second_replica(a: &Plane) -> innerwall_control_plane::service::Running 
             gateway: GatewayConfig::default(),
             flow_bounds: Default::default(),
             limits: Default::default(),
+            metrics_listen: None,
         },
     )
     .await

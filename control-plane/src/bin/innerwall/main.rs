@@ -1,13 +1,14 @@
 //! `innerwall`: the control-plane binary — service and operator CLI (OPS-1). A thin layer over
 //! the library: parse, connect, call, print (human tables by default, `--json` for scripts).
-//! This file owns the top-level flags, logging and dispatch; each command group has a module
-//! with its clap types next to its handlers.
+//! This file owns the top-level flags and dispatch (logging is set up by `logs`); each command
+//! group has a module with its clap types next to its handlers.
 
 mod ca;
 mod ctx;
 mod duration;
 mod estate;
 mod flows;
+mod logs;
 mod output;
 mod policy;
 mod promotions;
@@ -37,6 +38,9 @@ struct Cli {
     /// Print JSON instead of tables.
     #[arg(long, global = true)]
     json: bool,
+    /// How stderr logs read: text, or one JSON object per line (filter: INNERWALL_LOG).
+    #[arg(long, global = true, value_enum, default_value_t)]
+    log_format: logs::LogFormat,
     #[command(subcommand)]
     command: Command,
 }
@@ -95,24 +99,24 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    logs::init(cli.log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("error: cannot start the async runtime: {e}");
+            tracing::error!(target: logs::NOTICE, "error: cannot start the async runtime: {e}");
             return ExitCode::FAILURE;
         }
     };
     match runtime.block_on(run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            tracing::error!(target: logs::NOTICE, "error: {e:#}");
             ExitCode::FAILURE
         }
     }
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
-    init_logging();
     let ca_dir = cli.ca_dir.unwrap_or_else(|| cli.state_dir.join("ca"));
     let database = Database { url: cli.database_url, state_dir: cli.state_dir };
     let connect = || Ctx::connect(&database, cli.json, &ca_dir);
@@ -135,10 +139,4 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Promotions(cmd) => promotions::run(&connect().await?, &cmd).await?,
     }
     Ok(())
-}
-
-fn init_logging() {
-    let filter =
-        tracing_subscriber::EnvFilter::try_from_env("INNERWALL_LOG").unwrap_or_else(|_| "warn".into());
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
 }

@@ -79,6 +79,10 @@ pub struct ServeArgs {
     /// Database connections for enrollment, renewal and renders; statements bounded to 60 s.
     #[arg(long, default_value_t = PoolConfig::AUTHORING.size, value_parser = clap::value_parser!(u32).range(1..))]
     db_authoring_connections: u32,
+    /// Serve Prometheus metrics at http://ADDR/metrics. Plain HTTP without authentication:
+    /// bind it to a private address. Off by default.
+    #[arg(long, env = "INNERWALL_METRICS_LISTEN", value_name = "ADDR")]
+    metrics_listen: Option<std::net::SocketAddr>,
 }
 
 impl ServeArgs {
@@ -143,14 +147,19 @@ pub async fn run(args: &ServeArgs, database: &Database, ca_dir: &Path) -> anyhow
                 .context("--flow-max-ahead is too large")?,
         },
         limits: args.limits(),
+        metrics_listen: args.metrics_listen,
     };
     let running = service::start(pools, signer, config).await?;
-    eprintln!(
+    tracing::info!(
+        target: crate::logs::NOTICE,
         "innerwall: startup render advanced {} workload(s); listening on {} as {}",
         running.startup_changes,
         running.local_addr,
         running.server_names.join(", ")
     );
+    if let Some(addr) = running.metrics_addr {
+        tracing::info!(target: crate::logs::NOTICE, "innerwall: metrics at http://{addr}/metrics (unauthenticated)");
+    }
     shutdown.await;
     if let Some(supervisor) = supervisor {
         supervisor.abort();
