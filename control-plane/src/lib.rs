@@ -3,15 +3,17 @@
 //! ones before it): `policy` (authored model, render, publish), `identity` (CA, tokens,
 //! enrollment, the agent listener), `flows` (evidence ingest, retention, queries), `gate` (the
 //! verdict and promotions on that evidence), `sync` (stream state machine, gateway, NOTIFY
-//! bridge), `service` (one replica), with `postgres` (the database and its clusters) underneath
-//! all of them.
+//! bridge), `api` (the operator HTTP API over all of them), `service` (one replica), with
+//! `postgres` (the database and its clusters) and `page` (bounded results) underneath all of them.
 
+pub mod api;
 pub mod audit;
 pub mod error;
 pub mod flows;
 pub mod gate;
 pub mod identity;
 pub mod notice;
+pub mod page;
 pub mod policy;
 pub mod postgres;
 pub mod service;

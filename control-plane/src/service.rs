@@ -1,5 +1,6 @@
 //! One control-plane replica as a running service: startup render (POL-6), the NOTIFY bridge,
-//! and the agent listener. `innerwall serve` runs it; tests start several against one database.
+//! and the agent listener; and, when asked (`Running::start_api`), the operator HTTP API on a
+//! listener of its own. `innerwall serve` runs it; tests start several against one database.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -66,6 +67,8 @@ pub enum ServiceError {
     Store(#[from] Error),
     #[error(transparent)]
     Server(#[from] ServerError),
+    #[error(transparent)]
+    Api(#[from] crate::api::ApiStartError),
     #[error("binding the agent listener on {addr}: {source}")]
     Bind {
         addr: SocketAddr,
@@ -91,6 +94,11 @@ pub struct Running {
     renewal: JoinHandle<()>,
     /// The listener's certificate, reissued before it expires.
     pub certificate: Arc<ServerCertificate>,
+    /// What the operator API needs to start: the authoring pool and the CA.
+    authoring: PgPool,
+    signer: Arc<dyn Signer>,
+    /// The operator API, once started.
+    api: Option<crate::api::ApiServer>,
 }
 
 /// Rolls up the records of closed hours every minute (FLOW-6) and drops expired flow partitions
@@ -114,8 +122,26 @@ async fn flow_upkeep_forever(pool: PgPool, days: i64) {
 }
 
 impl Running {
-    /// Stops accepting, ends the bridge and waits for the server to finish.
-    pub async fn stop(self) -> Result<(), ServiceError> {
+    /// Starts the operator HTTP API (OPS-2) on its own TLS listener, on the authoring pool; `stop`
+    /// drains it first. Returns the address it listens on.
+    pub async fn start_api(&mut self, config: crate::api::ApiConfig) -> Result<SocketAddr, ServiceError> {
+        let server = crate::api::start(self.authoring.clone(), self.signer.clone(), config).await?;
+        let addr = server.local_addr;
+        self.api = Some(server);
+        Ok(addr)
+    }
+
+    /// The operator API, if started.
+    pub fn api(&self) -> Option<&crate::api::ApiServer> {
+        self.api.as_ref()
+    }
+
+    /// Stops accepting, drains the operator API, ends the bridge and waits for the server to
+    /// finish.
+    pub async fn stop(mut self) -> Result<(), ServiceError> {
+        if let Some(api) = self.api.take() {
+            api.stop(SHUTDOWN_GRACE).await;
+        }
         self.gateway.end_all("control plane shutting down");
         let _ = self.stop.send(());
         self.bridge.abort();
@@ -224,5 +250,8 @@ pub async fn start(
         liveness,
         renewal,
         certificate,
+        authoring: pools.authoring.clone(),
+        signer,
+        api: None,
     })
 }
