@@ -16,7 +16,7 @@ use utoipa::openapi::{Components, OpenApi, Ref, RefOr};
 
 use super::problem::{PROBLEM_JSON, Problem, ProblemType};
 use super::router::Route;
-use super::{catalog, flows, gate, tokens, workloads};
+use super::{catalog, flows, gate, operators, tokens, workloads};
 use crate::identity::operators::Role;
 
 /// Where the document is served.
@@ -49,6 +49,7 @@ pub const CHECKED_IN: &str = "openapi.json";
         tokens::list, tokens::mint, tokens::revoke,
         flows::list_records, flows::gaps, flows::rollup,
         gate::verdict, gate::list, gate::show, gate::promote,
+        operators::list, operators::mint, operators::revoke,
     ),
     components(schemas(Problem, ProblemType, Role)),
     tags(
@@ -57,6 +58,7 @@ pub const CHECKED_IN: &str = "openapi.json";
         (name = "provisioning-tokens", description = "Tokens hosts enroll with"),
         (name = "flows", description = "Flow evidence: records, gaps, rollups"),
         (name = "gate", description = "Verdicts and promotions: the evidence gate"),
+        (name = "operator-tokens", description = "The tokens of this API (admins only)"),
         (name = "meta", description = "This document"),
     )
 )]

@@ -14,7 +14,7 @@ use axum::routing::MethodFilter;
 
 use super::extract::BodyLimit;
 use super::problem::ApiError;
-use super::{ApiLimits, ApiState, auth, catalog, flows, gate, openapi, tokens, workloads};
+use super::{ApiLimits, ApiState, auth, catalog, flows, gate, openapi, operators, tokens, workloads};
 use crate::identity::operators::Role;
 
 /// One mounted route: what the router serves it for, and who may call it (`None`: anyone).
@@ -94,7 +94,10 @@ pub fn build(state: ApiState) -> (Router, Vec<Route>) {
         .mount("GET", "/api/v1/verdict", Some(Viewer), gate::verdict)
         .mount("GET", "/api/v1/promotions", Some(Viewer), gate::list)
         .mount("POST", "/api/v1/promotions", Some(Promoter), gate::promote)
-        .mount("GET", "/api/v1/promotions/{id}", Some(Viewer), gate::show);
+        .mount("GET", "/api/v1/promotions/{id}", Some(Viewer), gate::show)
+        .mount("GET", "/api/v1/operator-tokens", Some(Admin), operators::list)
+        .mount("POST", "/api/v1/operator-tokens", Some(Admin), operators::mint)
+        .mount("DELETE", "/api/v1/operator-tokens/{id}", Some(Admin), operators::revoke);
     // The document is made from the table, itself included, and served as made at start.
     let mut routes = table.routes.clone();
     routes.push(Route { path: openapi::PATH, method: "GET", role: None });

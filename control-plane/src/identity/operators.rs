@@ -205,7 +205,7 @@ pub async fn authenticate(pool: &PgPool, text: &str) -> Result<Operator, Refused
 
 /// What `mint_audited` returns; `secret` (the whole token) is shown once and stored nowhere.
 /// `Debug` leaves the secret out.
-#[derive(Clone, Serialize)]
+#[derive(Clone, Serialize, utoipa::ToSchema)]
 pub struct MintedOperatorToken {
     pub id: String,
     pub name: String,
@@ -227,7 +227,7 @@ impl fmt::Debug for MintedOperatorToken {
 }
 
 /// One row of `innerwall operator token list`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct OperatorTokenView {
     pub id: String,
     pub name: String,

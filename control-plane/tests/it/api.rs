@@ -406,6 +406,47 @@ async fn labels_conditional_write_race() {
     plane.stop().await;
 }
 
+#[tokio::test]
+async fn operator_tokens_are_revoked_at_once() {
+    let plane = Plane::start(ApiLimits::default()).await;
+    let admin = mint(plane.pool(), "root", Role::Admin).await;
+    let editor = mint(plane.pool(), "ed", Role::Editor).await;
+    let tokens = "/api/v1/operator-tokens";
+    plane.get(tokens, Some(&editor.token)).await.problem(403, ProblemType::Forbidden);
+
+    // An admin mints a viewer over the API; it works at once, and stops working at once.
+    let reply =
+        plane.write("POST", tokens, &admin.token, None, &json!({"name": "vera", "role": "viewer"})).await;
+    assert_eq!(reply.status, 201, "{reply:?}");
+    let minted = reply.json();
+    let token = minted["token"].as_str().unwrap().to_owned();
+    assert!(token.starts_with("iwo_") && token.len() == operators::TOKEN_LEN, "{minted}");
+    assert_eq!(plane.get("/api/v1/workloads", Some(&token)).await.status, 200);
+    let listed = plane.get(tokens, Some(&admin.token)).await.json();
+    assert!(!listed.to_string().contains(&token[12..]), "a list never shows a secret: {listed}");
+    let reply =
+        plane.write("POST", tokens, &admin.token, None, &json!({"name": "vera", "role": "admin"})).await;
+    reply.problem(409, ProblemType::DuplicateName);
+    let id = minted["id"].as_str().unwrap();
+    let reply =
+        plane.call("DELETE", &format!("{tokens}/{id}"), Some(&admin.token), &[], full(Bytes::new())).await;
+    assert_eq!(reply.json()["status"], "revoked", "{reply:?}");
+    let doc = plane.get("/api/v1/workloads", Some(&token)).await.problem(401, ProblemType::Unauthorized);
+    assert!(doc["detail"].as_str().unwrap().contains("revoked"), "{doc}");
+    let actors: Vec<(String, String)> = sqlx::query_as(
+        "SELECT action, actor FROM audit_log WHERE action LIKE 'operator-token.%' AND subject LIKE 'vera/%' ORDER BY id",
+    )
+    .fetch_all(plane.pool())
+    .await
+    .unwrap();
+    let by = format!("operator:root/{}", admin.id);
+    assert_eq!(
+        actors,
+        vec![("operator-token.mint".into(), by.clone()), ("operator-token.revoke".into(), by)]
+    );
+    plane.stop().await;
+}
+
 /// A path of the document with its parameters filled in.
 fn concrete(path: &str) -> String {
     path.replace("{id}", "00000000-0000-4000-8000-000000000001").replace("{name}", "x")
