@@ -86,6 +86,14 @@ pub struct ApiConfig {
     pub limits: ApiLimits,
 }
 
+/// One mounted route: what the router serves it for, and who may call it (`None`: anyone).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Route {
+    pub path: &'static str,
+    pub method: &'static str,
+    pub role: Option<crate::identity::operators::Role>,
+}
+
 /// What every handler gets.
 #[derive(Debug, Clone)]
 pub struct ApiState {

@@ -14,16 +14,8 @@ use axum::routing::MethodFilter;
 
 use super::extract::BodyLimit;
 use super::problem::ApiError;
-use super::{ApiLimits, ApiState, auth, catalog, flows, gate, openapi, operators, tokens, workloads};
+use super::{ApiLimits, ApiState, Route, auth, catalog, flows, gate, openapi, operators, tokens, workloads};
 use crate::identity::operators::Role;
-
-/// One mounted route: what the router serves it for, and who may call it (`None`: anyone).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub struct Route {
-    pub path: &'static str,
-    pub method: &'static str,
-    pub role: Option<Role>,
-}
 
 /// The router being built and the record of what it mounted.
 struct Table {
@@ -132,4 +124,31 @@ async fn no_route(uri: Uri) -> ApiError {
 
 async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
     ApiError::MethodNotAllowed { method: method.to_string(), path: uri.path().chars().take(256).collect() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::openapi::{CHECKED_IN, json};
+
+    /// The checked-in document is the generated one. `INNERWALL_BLESS=1` rewrites it.
+    #[tokio::test]
+    async fn openapi_document_is_checked_in() {
+        let pool =
+            sqlx::postgres::PgPoolOptions::new().connect_lazy("postgres://unused@localhost/unused").unwrap();
+        let (_, routes) = build(ApiState { pool, limits: ApiLimits::default() });
+        let generated = json(&routes);
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(CHECKED_IN);
+        if std::env::var_os("INNERWALL_BLESS").is_some() {
+            std::fs::write(&path, &generated).unwrap();
+        }
+        let checked_in = std::fs::read_to_string(&path).unwrap_or_default();
+        assert!(
+            checked_in == generated,
+            "{} is not the document the code generates; regenerate it with\n  \
+             INNERWALL_BLESS=1 cargo test -p innerwall-control-plane --lib openapi_document_is_checked_in\n\
+             and review the diff",
+            path.display()
+        );
+    }
 }
