@@ -447,6 +447,58 @@ async fn operator_tokens_are_revoked_at_once() {
     plane.stop().await;
 }
 
+#[tokio::test]
+async fn api_listener_is_bounded_and_drains() {
+    let limits =
+        ApiLimits { max_connections: 2, handshake_timeout: Duration::from_secs(1), ..ApiLimits::default() };
+    let mut plane = Plane::start(limits).await;
+    let editor = mint(plane.pool(), "ed", Role::Editor).await;
+    let connect = async || {
+        let tcp = tokio::net::TcpStream::connect(plane.addr).await.unwrap();
+        plane.tls.connect(ServerName::try_from("localhost").unwrap(), tcp).await
+    };
+
+    // Two connections that send nothing hold both slots; a third is closed before any TLS.
+    let (first, second) = (connect().await.unwrap(), connect().await.unwrap());
+    assert!(connect().await.is_err(), "a connection over the bound is refused");
+    // Connections that send no request within the header timeout are closed, freeing their slots.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    assert_eq!(plane.get("/api/v1/services", Some(&editor.token)).await.status, 200);
+    drop((first, second));
+
+    // A request in flight when the replica stops is answered before its connection closes.
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, Infallible>>(4);
+    let body = StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)).boxed();
+    let request = hyper::Request::builder()
+        .method("POST")
+        .uri("/api/v1/services")
+        .header("host", "localhost")
+        .header("authorization", format!("Bearer {}", editor.token))
+        .header("content-type", "application/json")
+        .body(body)
+        .unwrap();
+    tx.send(Ok(Frame::data(Bytes::from_static(b"{\"name\": \"web\", ")))).await.unwrap();
+    let running = plane.running.take().unwrap();
+    let in_flight = plane.send(request);
+    let finish = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let stopping = tokio::spawn(running.stop());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        tx.send(Ok(Frame::data(Bytes::from_static(b"\"entries\": [\"tcp:443\"]}")))).await.unwrap();
+        drop(tx);
+        // Stopping ends only once the request in flight is answered.
+        stopping.await.unwrap().unwrap();
+    };
+    let (reply, ()) = tokio::join!(in_flight, finish);
+    assert_eq!(reply.status, 201, "{reply:?}");
+    let services: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM services").fetch_one(plane.pool()).await.unwrap();
+    assert_eq!(services, 1);
+    let stopped = tokio::net::TcpStream::connect(plane.addr).await;
+    assert!(stopped.is_err(), "the listener is closed after stop");
+    plane.stop().await;
+}
+
 /// A path of the document with its parameters filled in.
 fn concrete(path: &str) -> String {
     path.replace("{id}", "00000000-0000-4000-8000-000000000001").replace("{name}", "x")
