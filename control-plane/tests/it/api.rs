@@ -499,6 +499,125 @@ async fn api_listener_is_bounded_and_drains() {
     plane.stop().await;
 }
 
+#[tokio::test]
+async fn api_serves_the_fleet_and_the_catalog() {
+    let plane = Plane::start(ApiLimits::default()).await;
+    let pool = plane.pool().clone();
+    let editor = mint(&pool, "ed", Role::Editor).await;
+    let token = Some(editor.token.as_str());
+    let web = register(&pool, "web-1", &["app=web"]).await;
+    let db = register(&pool, "db-1", &["app=db"]).await;
+    let batch = register(&pool, "batch-1", &["app=batch"]).await;
+    let set_state = async |id: WorkloadId, state: innerwall_wire::sync::SyncState, seen: &str| {
+        use innerwall_wire::convert::WireEnum;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE workloads SET sync_state = $2, last_seen_at = now() - interval '{seen}' WHERE id = $1"
+        )))
+        .bind(id.uuid())
+        .bind(state.code())
+        .execute(&pool)
+        .await
+        .unwrap();
+    };
+    set_state(web, innerwall_wire::sync::SyncState::Synced, "1 second").await;
+    set_state(db, innerwall_wire::sync::SyncState::Degraded, "1 hour").await;
+    set_state(batch, innerwall_wire::sync::SyncState::Synced, "1 minute").await;
+
+    // Attention order across pages: degraded first, then synced by most recently seen.
+    let mut seen = Vec::new();
+    let mut path = "/api/v1/workloads?limit=1".to_owned();
+    loop {
+        let page = plane.get(&path, token).await.json();
+        seen.extend(
+            page["rows"].as_array().unwrap().iter().map(|r| r["hostname"].as_str().unwrap().to_owned()),
+        );
+        match page["next_cursor"].as_str() {
+            Some(cursor) => path = format!("/api/v1/workloads?limit=1&cursor={cursor}"),
+            None => break,
+        }
+    }
+    assert_eq!(seen, ["db-1", "web-1", "batch-1"]);
+    let page =
+        plane.get("/api/v1/workloads?sync_state=synced&selector=app%3Dweb%7Cbatch", token).await.json();
+    let rows: Vec<&str> =
+        page["rows"].as_array().unwrap().iter().map(|r| r["hostname"].as_str().unwrap()).collect();
+    assert_eq!(rows, ["web-1", "batch-1"], "{page}");
+    assert_eq!(page["truncated"], false);
+    let page = plane.get("/api/v1/workloads?mode=enforcement", token).await.json();
+    assert_eq!(page["rows"], json!([]));
+
+    // Detail and policy read what the CLI prints.
+    let detail = plane.get(&format!("/api/v1/workloads/{web}"), token).await.json();
+    assert_eq!(detail["workload"]["labels"], json!({"app": "web"}));
+    assert_eq!(detail["sync"]["state"], "SYNCED");
+    let policy = plane.get(&format!("/api/v1/workloads/{web}/policy"), token).await.json();
+    assert_eq!(
+        (policy["workload"].as_str(), policy["version"].as_u64()),
+        (Some(web.to_string().as_str()), Some(1))
+    );
+    let history = plane.get(&format!("/api/v1/workloads/{web}/policy/history"), token).await.json();
+    assert_eq!(history["rows"].as_array().unwrap().len(), 1);
+    let unknown = WorkloadId::new_random();
+    plane.get(&format!("/api/v1/workloads/{unknown}"), token).await.problem(404, ProblemType::NotFound);
+    let reply = plane
+        .write("POST", &format!("/api/v1/workloads/{batch}/resend-snapshot"), &editor.token, None, &json!({}))
+        .await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    set_state(batch, innerwall_wire::sync::SyncState::Offline, "1 day").await;
+    let reply = plane
+        .write("POST", &format!("/api/v1/workloads/{batch}/resend-snapshot"), &editor.token, None, &json!({}))
+        .await;
+    assert!(reply.problem(409, ProblemType::AgentOffline)["last_seen"].is_string());
+
+    // The catalog: a ruleset that uses a service renders; the service is then in use; stale
+    // versions are refused with the current one.
+    let service = json!({"name": "https", "entries": ["tcp:443"]});
+    assert_eq!(plane.write("POST", "/api/v1/services", &editor.token, None, &service).await.status, 201);
+    let ruleset = json!({"name": "web-in", "scope": {"app": ["web"]},
+        "rules": [{"name": "from-db", "peers": [{"workloads": {"app": ["db"]}}], "services": ["https"]}]});
+    let reply = plane.write("POST", "/api/v1/rulesets", &editor.token, None, &ruleset).await;
+    assert_eq!(reply.status, 201, "{reply:?}");
+    assert_eq!(reply.json()["changed"][0]["workload"], web.to_string(), "the commit rendered web-1");
+    let reply =
+        plane.write("DELETE", "/api/v1/services/https", &editor.token, Some("\"1\""), &json!({})).await;
+    assert_eq!(reply.problem(409, ProblemType::InUse)["referrers"], json!(["ruleset web-in rule from-db"]));
+    let shown = plane.get("/api/v1/rulesets/web-in", token).await;
+    assert_eq!(shown.header("etag"), "\"1\"");
+    assert_eq!(shown.json()["rules"][0]["services"], json!(["https"]));
+    let renamed = json!({"name": "other", "scope": {"app": ["web"]}});
+    let reply = plane.write("PUT", "/api/v1/rulesets/web-in", &editor.token, Some("\"1\""), &renamed).await;
+    reply.problem(400, ProblemType::Invalid);
+    let emptied = json!({"name": "web-in", "scope": {"app": ["web"]}});
+    let reply = plane.write("PUT", "/api/v1/rulesets/web-in", &editor.token, Some("\"1\""), &emptied).await;
+    assert_eq!((reply.status, reply.header("etag")), (200, "\"2\""), "{reply:?}");
+    let reply = plane.write("PUT", "/api/v1/rulesets/web-in", &editor.token, Some("\"1\""), &emptied).await;
+    assert_eq!(reply.problem(412, ProblemType::PreconditionFailed)["current_version"], 2);
+    let reply =
+        plane.write("DELETE", "/api/v1/services/https", &editor.token, Some("\"1\""), &json!({})).await;
+    assert_eq!(reply.status, 200, "no longer in use: {reply:?}");
+    plane.get("/api/v1/services/https", token).await.problem(404, ProblemType::NotFound);
+
+    // Provisioning tokens: minted once with the secret, listed without it, revoked.
+    let reply = plane
+        .write("POST", "/api/v1/provisioning-tokens", &editor.token, None, &json!({"labels": ["app=web"]}))
+        .await;
+    assert_eq!(reply.status, 201, "{reply:?}");
+    let minted = reply.json();
+    let secret = minted["token"].as_str().unwrap();
+    assert!(secret.starts_with("iw_"));
+    let listed = plane.get("/api/v1/provisioning-tokens", token).await.json();
+    assert!(!listed.to_string().contains(&secret[3..]));
+    let id = minted["id"].as_str().unwrap();
+    let reply = plane
+        .call("DELETE", &format!("/api/v1/provisioning-tokens/{id}"), token, &[], full(Bytes::new()))
+        .await;
+    assert_eq!(reply.json()["status"], "revoked");
+    let reply =
+        plane.write("POST", "/api/v1/provisioning-tokens", &editor.token, None, &json!({"labels": []})).await;
+    reply.problem(400, ProblemType::Invalid);
+    plane.stop().await;
+}
+
 /// A path of the document with its parameters filled in.
 fn concrete(path: &str) -> String {
     path.replace("{id}", "00000000-0000-4000-8000-000000000001").replace("{name}", "x")
