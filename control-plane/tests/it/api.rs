@@ -618,6 +618,54 @@ async fn api_serves_the_fleet_and_the_catalog() {
     plane.stop().await;
 }
 
+#[tokio::test]
+async fn promotions_over_the_api() {
+    let plane = Plane::start(ApiLimits::default()).await;
+    let pool = plane.pool().clone();
+    let editor = mint(&pool, "ed", Role::Editor).await;
+    let promoter = mint(&pool, "pat", Role::Promoter).await;
+    let web = register(&pool, "web-1", &["app=web"]).await;
+    register(&pool, "web-2", &["app=web"]).await;
+    let promotions = "/api/v1/promotions";
+    let to_simulation =
+        json!({"scope": "app=web", "expect_count": 2, "to": "simulation", "reason": "try it"});
+    plane
+        .write("POST", promotions, &editor.token, None, &to_simulation)
+        .await
+        .problem(403, ProblemType::Forbidden);
+
+    // The count is pinned: a set of another size changes nothing.
+    let wrong = json!({"scope": "app=web", "expect_count": 3, "to": "simulation", "reason": "try it"});
+    let doc = plane
+        .write("POST", promotions, &promoter.token, None, &wrong)
+        .await
+        .problem(409, ProblemType::MatchCountMismatch);
+    assert_eq!((doc["expected"].as_u64(), doc["matched"].as_u64()), (Some(3), Some(2)), "{doc}");
+    assert_eq!(doc["names"].as_array().unwrap().len(), 2);
+
+    let reply = plane.write("POST", promotions, &promoter.token, None, &to_simulation).await;
+    assert_eq!(reply.status, 201, "{reply:?}");
+    let record = reply.json();
+    assert_eq!(record["actor"], format!("operator:pat/{}", promoter.id));
+    assert_eq!(record["to_mode"], "simulation");
+
+    // Enforcement without evidence is refused with the verdict's reasons; the verdict says why.
+    let enforce = json!({"ids": [web.to_string()], "expect_count": 1, "to": "enforcement", "reason": "go"});
+    let doc = plane
+        .write("POST", promotions, &promoter.token, None, &enforce)
+        .await
+        .problem(409, ProblemType::EvidenceInsufficient);
+    assert_eq!(doc["outcome"], "INSUFFICIENT", "{doc}");
+    assert!(doc["reasons"].as_str().is_some_and(|r| r.contains("web-1")), "{doc}");
+    let verdict = plane.get(&format!("/api/v1/verdict?ids={web}"), Some(&editor.token)).await.json();
+    assert_eq!(verdict["outcome"], "INSUFFICIENT");
+    let listed = plane.get(promotions, Some(&editor.token)).await.json();
+    assert_eq!(listed.as_array().unwrap().len(), 1, "only the change that happened is recorded: {listed}");
+    let id = record["id"].as_str().unwrap();
+    assert_eq!(plane.get(&format!("{promotions}/{id}"), Some(&editor.token)).await.json(), record);
+    plane.stop().await;
+}
+
 /// A path of the document with its parameters filled in.
 fn concrete(path: &str) -> String {
     path.replace("{id}", "00000000-0000-4000-8000-000000000001").replace("{name}", "x")
