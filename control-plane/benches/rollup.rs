@@ -188,7 +188,7 @@ async fn main() -> anyhow::Result<()> {
     );
     if let Ok(url) = std::env::var("INNERWALL_BENCH_REUSE") {
         // A database an earlier run kept: measure its rollups again, as of its latest window.
-        let pool = sqlx::PgPool::connect(&url).await?;
+        let pool = PgPool::connect(&url).await?;
         let latest: DateTime<Utc> =
             sqlx::query_scalar("SELECT max(window_start) FROM flow_windows").fetch_one(&pool).await?;
         println!("reusing {url}, as of its latest window {latest}:");

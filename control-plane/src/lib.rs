@@ -3,10 +3,11 @@
 //! ones before it): `policy` (authored model, render, publish), `identity` (CA, tokens,
 //! enrollment, the agent listener), `flows` (evidence ingest, retention, queries), `gate` (the
 //! verdict and promotions on that evidence), `sync` (stream state machine, gateway, NOTIFY
-//! bridge), `service` (one replica), with `postgres` (the database and its clusters) and
-//! `metrics` (the replica's Prometheus metrics, which the rooms record into) underneath all of
-//! them.
+//! bridge), `api` (the operator HTTP API over all of them), `service` (one replica), with
+//! `postgres` (the database and its clusters), `page` (bounded results) and `metrics` (the
+//! replica's Prometheus metrics, which the rooms record into) underneath all of them.
 
+pub mod api;
 pub mod audit;
 pub mod error;
 pub mod flows;
@@ -14,6 +15,7 @@ pub mod gate;
 pub mod identity;
 pub mod metrics;
 pub mod notice;
+pub mod page;
 pub mod policy;
 pub mod postgres;
 pub mod service;

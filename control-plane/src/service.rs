@@ -1,6 +1,7 @@
 //! One control-plane replica as a running service: startup render (POL-6), the NOTIFY bridge,
-//! the agent listener, and the metrics listener if asked for. `innerwall serve` runs it; tests
-//! start several against one database.
+//! the agent listener, and the metrics listener if asked for; and, when asked
+//! (`Running::start_api`), the operator HTTP API on a listener of its own. `innerwall serve` runs
+//! it; tests start several against one database.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -71,6 +72,8 @@ pub enum ServiceError {
     Store(#[from] Error),
     #[error(transparent)]
     Server(#[from] ServerError),
+    #[error(transparent)]
+    Api(#[from] crate::api::ApiStartError),
     #[error("binding the agent listener on {addr}: {source}")]
     Bind {
         addr: SocketAddr,
@@ -106,6 +109,11 @@ pub struct Running {
     pub metrics: Arc<Metrics>,
     pub metrics_addr: Option<SocketAddr>,
     metrics_server: Option<JoinHandle<()>>,
+    /// What the operator API needs to start: the authoring pool and the CA.
+    authoring: PgPool,
+    signer: Arc<dyn Signer>,
+    /// The operator API, once started.
+    api: Option<crate::api::ApiServer>,
 }
 
 /// Rolls up the records of closed hours every minute (FLOW-6) and drops expired flow partitions
@@ -129,8 +137,26 @@ async fn flow_upkeep_forever(pool: PgPool, days: i64) {
 }
 
 impl Running {
-    /// Stops accepting, ends the bridge and waits for the server to finish.
-    pub async fn stop(self) -> Result<(), ServiceError> {
+    /// Starts the operator HTTP API (OPS-2) on its own TLS listener, on the authoring pool; `stop`
+    /// drains it first. Returns the address it listens on.
+    pub async fn start_api(&mut self, config: crate::api::ApiConfig) -> Result<SocketAddr, ServiceError> {
+        let server = crate::api::start(self.authoring.clone(), self.signer.clone(), config).await?;
+        let addr = server.local_addr;
+        self.api = Some(server);
+        Ok(addr)
+    }
+
+    /// The operator API, if started.
+    pub fn api(&self) -> Option<&crate::api::ApiServer> {
+        self.api.as_ref()
+    }
+
+    /// Stops accepting, drains the operator API, ends the bridge and waits for the server to
+    /// finish.
+    pub async fn stop(mut self) -> Result<(), ServiceError> {
+        if let Some(api) = self.api.take() {
+            api.stop(SHUTDOWN_GRACE).await;
+        }
         self.gateway.end_all("control plane shutting down");
         let _ = self.stop.send(());
         self.bridge.abort();
@@ -267,5 +293,8 @@ pub async fn start(
         metrics,
         metrics_addr,
         metrics_server,
+        authoring: pools.authoring.clone(),
+        signer,
+        api: None,
     })
 }

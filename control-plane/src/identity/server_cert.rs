@@ -71,6 +71,12 @@ impl ServerCertificate {
         self.current.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// The SHA-256 fingerprint of the certificate presented now (`AB:CD:…`), for clients that
+    /// pin it.
+    pub fn fingerprint(&self) -> String {
+        self.current().0.cert.first().map_or_else(String::new, |der| fingerprint(der))
+    }
+
     /// When the presented certificate is due for reissue: half its lifetime after issue.
     pub fn renew_at(&self) -> SystemTime {
         self.current().1 + self.lifetime / 2
@@ -109,6 +115,13 @@ impl ResolvesServerCert for ServerCertificate {
     fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
         Some(self.current().0)
     }
+}
+
+/// The SHA-256 fingerprint of a DER certificate, as upper-case hex pairs joined by colons.
+pub fn fingerprint(der: &[u8]) -> String {
+    let digest = ring::digest::digest(&ring::digest::SHA256, der);
+    let pairs: Vec<String> = digest.as_ref().iter().map(|b| format!("{b:02X}")).collect();
+    pairs.join(":")
 }
 
 fn certified(

@@ -57,9 +57,18 @@ pub enum TokenError {
     Database(#[from] sqlx::Error),
 }
 
+/// A refused token is `Error::Token` (who presented it is not authenticated); a bad mint is
+/// invalid input, an unknown id not found, and the database the database, so minting and
+/// revoking through the API answer 400, 404 or 503, never 401.
 impl From<TokenError> for crate::error::Error {
     fn from(e: TokenError) -> Self {
-        crate::error::Error::Token { kind: e.kind(), error: Box::new(e) }
+        use crate::error::Error;
+        match e {
+            TokenError::Invalid(text) => Error::Invalid(text),
+            TokenError::NotFound(id) => Error::NotFound { what: "provisioning token", name: id.to_string() },
+            TokenError::Database(e) => Error::Database(e),
+            e => Error::Token { kind: e.kind(), error: Box::new(e) },
+        }
     }
 }
 
@@ -164,7 +173,7 @@ impl fmt::Debug for MintedToken {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum TokenStatus {
     Active,
@@ -204,7 +213,7 @@ pub fn status_at(
 }
 
 /// One row of `innerwall token list`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct TokenView {
     pub id: Uuid,
     /// The first six characters after `iw_`, as stored (show it as `iw_<hint>…`).

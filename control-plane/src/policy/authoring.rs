@@ -558,6 +558,68 @@ pub async fn edit_labels(
     Ok(current + 1)
 }
 
+/// What [`replace_labels`] changed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+pub struct LabelsReplaced {
+    /// The label-set version now (unchanged when the set was already `labels`).
+    pub version: i64,
+    pub set: Vec<String>,
+    pub removed: Vec<String>,
+}
+
+/// Replaces a workload's whole label set, conditional on the label-set version the operator
+/// read (IDN-6): the HTTP API's `PUT …/labels`. A set equal to the current one changes nothing
+/// and keeps the version.
+pub async fn replace_labels(
+    conn: &mut PgConnection,
+    id: WorkloadId,
+    expected: i64,
+    labels: &[Label],
+) -> Result<LabelsReplaced, Error> {
+    check_label_count(&format!("workload {id}"), labels.len())?;
+    let mut wanted: BTreeMap<&str, &Label> = BTreeMap::new();
+    for label in labels {
+        if wanted.insert(label.key.as_str(), label).is_some() {
+            return Err(Error::Invalid(format!("label key {} is given more than once", label.key)));
+        }
+    }
+    let (current, retired) = lock_workload(conn, id).await?;
+    if retired {
+        return Err(Error::Invalid(format!("workload {id} is retired; its labels are frozen")));
+    }
+    if current != expected {
+        return Err(Error::Stale { what: "workload labels of", name: id.to_string(), expected, current });
+    }
+    let now: BTreeMap<String, String> =
+        sqlx::query_as("SELECT key, value FROM workload_labels WHERE workload_id = $1")
+            .bind(id.uuid())
+            .fetch_all(&mut *conn)
+            .await?
+            .into_iter()
+            .collect();
+    let set: Vec<Label> = wanted
+        .values()
+        .filter(|l| now.get(l.key.as_str()).map(String::as_str) != Some(l.value.as_str()))
+        .map(|l| (*l).clone())
+        .collect();
+    let remove: Vec<LabelKey> = now
+        .keys()
+        .filter(|k| !wanted.contains_key(k.as_str()))
+        .map(|k| k.parse::<LabelKey>())
+        .collect::<Result<_, _>>()
+        .map_err(|e| Error::Corrupt { what: "stored label key", detail: e.to_string() })?;
+    let shown = LabelsReplaced {
+        version: current,
+        set: set.iter().map(ToString::to_string).collect(),
+        removed: remove.iter().map(ToString::to_string).collect(),
+    };
+    if set.is_empty() && remove.is_empty() {
+        return Ok(shown);
+    }
+    let version = edit_labels(conn, id, expected, &set, &remove).await?;
+    Ok(LabelsReplaced { version, ..shown })
+}
+
 pub async fn set_mode(conn: &mut PgConnection, id: WorkloadId, mode: Mode) -> Result<(), Error> {
     let (_, retired) = lock_workload(conn, id).await?;
     if retired {
@@ -600,7 +662,7 @@ pub async fn deny(conn: &mut PgConnection, id: WorkloadId) -> Result<(), Error> 
 }
 
 /// The answer to a directed reconnect request (SYNC-8).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct ResendRequested {
     /// Observe success by this advancing.
     pub last_snapshot_sent_at: Option<chrono::DateTime<chrono::Utc>>,

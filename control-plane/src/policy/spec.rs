@@ -103,7 +103,7 @@ pub struct AddressGroupSpec {
 }
 
 /// A ruleset as an operator writes it (YAML or JSON file), and as `ruleset show` prints it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RulesetSpec {
     pub name: String,
@@ -117,7 +117,7 @@ pub struct RulesetSpec {
     pub rules: Vec<RuleSpec>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RuleSpec {
     /// Unique within the ruleset; keeps the rule's identity (and rendered ids) across edits.
@@ -133,7 +133,7 @@ pub struct RuleSpec {
 
 /// Exactly one of the three, written as a one-key map: `{workloads: {app: [web]}}`,
 /// `{address_group: vpn}` or `{cidr: 10.0.0.0/8}`.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PeerSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]

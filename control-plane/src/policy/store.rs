@@ -317,7 +317,7 @@ pub async fn policy_history(conn: &mut PgConnection, id: WorkloadId) -> Result<V
 
 // ---- read views for the CLI and API ------------------------------------------------------
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct ServiceView {
     pub name: String,
     pub description: String,
@@ -354,7 +354,7 @@ pub async fn list_services(conn: &mut PgConnection) -> Result<Vec<ServiceView>, 
         .collect())
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct AddressGroupView {
     pub name: String,
     pub description: String,
@@ -373,7 +373,7 @@ pub async fn list_address_groups(conn: &mut PgConnection) -> Result<Vec<AddressG
         .collect())
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct RulesetView {
     pub version: i64,
     #[serde(flatten)]
@@ -442,7 +442,7 @@ pub async fn list_rulesets(conn: &mut PgConnection) -> Result<Vec<RulesetView>, 
         .collect())
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct WorkloadView {
     pub id: String,
     pub hostname: String,
@@ -458,7 +458,7 @@ pub struct WorkloadView {
 }
 
 /// One reported address and whether it is rendered into peer sets (address trust).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct AddressView {
     pub address: String,
     /// `accepted`, `outside-estate-ranges`, `outside-token-ranges`, `conflict`; `pending` until
@@ -588,13 +588,14 @@ pub async fn list_workloads(
 }
 
 /// Convergence of one workload (SYNC-6): applied against latest, read in one query.
-#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, Serialize, sqlx::FromRow, utoipa::ToSchema)]
 pub struct SyncStatusView {
     pub id: Uuid,
     pub hostname: String,
     pub applied_version: i64,
     pub latest_version: Option<i64>,
     #[sqlx(try_from = "i16")]
+    #[schema(value_type = String)]
     pub state: StateName,
     pub detail: String,
     pub last_seen_at: Option<chrono::DateTime<chrono::Utc>>,
@@ -647,4 +648,240 @@ pub async fn sync_status(
             addresses.remove(&view.id).unwrap_or_default().into_iter().filter(|a| !a.accepted()).collect();
     }
     Ok(views)
+}
+
+// ---- the fleet, a page at a time (the HTTP API) ------------------------------------------
+
+/// The sync states in the order a fleet list shows them: what needs attention first.
+const ATTENTION: [innerwall_wire::sync::SyncState; 5] = {
+    use innerwall_wire::sync::SyncState::*;
+    [Degraded, Offline, Suspended, Pending, Synced]
+};
+
+/// Which workloads [`workload_page`] lists.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WorkloadFilter {
+    /// Workloads whose labels the selector selects now.
+    pub selector: Option<Selector>,
+    pub mode: Option<Mode>,
+    pub sync_state: Option<innerwall_wire::sync::SyncState>,
+    /// Also retired and deny-listed workloads (by default only live ones).
+    pub include_retired: bool,
+}
+
+/// One workload in a fleet list: who it is, its labels and mode, and how far it has converged.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+pub struct WorkloadRow {
+    pub id: String,
+    pub hostname: String,
+    pub mode: String,
+    pub labels: BTreeMap<String, String>,
+    pub label_version: i64,
+    /// `PENDING`, `SYNCED`, `DEGRADED`, `OFFLINE` or `SUSPENDED`.
+    pub sync_state: String,
+    pub applied_version: i64,
+    /// The latest rendered version (absent: never rendered).
+    pub latest_version: Option<i64>,
+    pub last_seen_at: Option<chrono::DateTime<chrono::Utc>>,
+    pub retired: bool,
+    pub denied: bool,
+}
+
+const WORKLOADS: &str = "workloads";
+
+/// A page of the fleet in attention order — degraded, offline, suspended, pending, synced; then
+/// the most recently seen first; then by id — filtered by `filter`.
+pub async fn workload_page(
+    conn: &mut PgConnection,
+    filter: &WorkloadFilter,
+    request: &crate::page::PageRequest,
+) -> Result<crate::page::Page<WorkloadRow>, Error> {
+    use crate::page;
+    let limit = request.checked_limit()?;
+    let attention: Vec<i16> = ATTENTION.iter().map(|s| s.code()).collect();
+    let mut q = sqlx::QueryBuilder::<sqlx::Postgres>::new(
+        "SELECT * FROM (SELECT w.id, w.hostname, w.mode, w.label_version, w.sync_state, w.applied_version,
+                p.version AS latest_version, w.last_seen_at, w.retired_at IS NOT NULL AS retired,
+                w.denied_at IS NOT NULL AS denied,
+                coalesce(array_position(",
+    );
+    q.push_bind(attention).push(
+        "::smallint[], w.sync_state), 99) AS rank,
+                coalesce((extract(epoch FROM w.last_seen_at) * 1000000)::bigint, -1) AS seen_us
+         FROM workloads w LEFT JOIN workload_policies p ON p.workload_id = w.id) AS f WHERE true",
+    );
+    if !filter.include_retired {
+        q.push(" AND NOT retired AND NOT denied");
+    }
+    if let Some(mode) = filter.mode {
+        q.push(" AND mode = ").push_bind(mode.code());
+    }
+    if let Some(state) = filter.sync_state {
+        q.push(" AND sync_state = ").push_bind(state.code());
+    }
+    if let Some(selector) = &filter.selector {
+        if selector.matches().is_empty() {
+            q.push(" AND false");
+        }
+        for (key, values) in selector.matches() {
+            let values: Vec<String> = values.iter().map(ToString::to_string).collect();
+            q.push(" AND EXISTS (SELECT 1 FROM workload_labels l WHERE l.workload_id = f.id AND l.key = ")
+                .push_bind(key.to_string())
+                .push(" AND l.value = ANY(")
+                .push_bind(values)
+                .push("))");
+        }
+    }
+    if let Some(after) = request.after(WORKLOADS)? {
+        let rank = page::field::<i32>(&after, 0, WORKLOADS)?;
+        let seen = page::field::<i64>(&after, 1, WORKLOADS)?;
+        let id = page::field::<Uuid>(&after, 2, WORKLOADS)?;
+        q.push(" AND (rank > ")
+            .push_bind(rank)
+            .push(" OR (rank = ")
+            .push_bind(rank)
+            .push(" AND (seen_us < ")
+            .push_bind(seen)
+            .push(" OR (seen_us = ")
+            .push_bind(seen)
+            .push(" AND id > ")
+            .push_bind(id)
+            .push("))))");
+    }
+    q.push(" ORDER BY rank, seen_us DESC, id LIMIT ").push_bind(limit + 1);
+    let rows = q.build().fetch_all(&mut *conn).await?;
+    let ids: Vec<Uuid> = rows.iter().map(|r| r.get::<Uuid, _>("id")).collect();
+    let mut labels: BTreeMap<Uuid, BTreeMap<String, String>> = BTreeMap::new();
+    for row in sqlx::query("SELECT workload_id, key, value FROM workload_labels WHERE workload_id = ANY($1)")
+        .bind(&ids)
+        .fetch_all(&mut *conn)
+        .await?
+    {
+        labels.entry(row.get(0)).or_default().insert(row.get(1), row.get(2));
+    }
+    let rows = rows
+        .into_iter()
+        .map(|row| {
+            let id: Uuid = row.get("id");
+            let key = (row.get::<i32, _>("rank"), row.get::<i64, _>("seen_us"), id);
+            let state = stored::<innerwall_wire::sync::SyncState>(row.get("sync_state"))?;
+            let view = WorkloadRow {
+                id: id.to_string(),
+                hostname: row.get("hostname"),
+                mode: stored::<Mode>(row.get("mode"))?.to_string(),
+                labels: labels.remove(&id).unwrap_or_default(),
+                label_version: row.get("label_version"),
+                sync_state: state.name().to_owned(),
+                applied_version: row.get("applied_version"),
+                latest_version: row.get("latest_version"),
+                last_seen_at: row.get("last_seen_at"),
+                retired: row.get("retired"),
+                denied: row.get("denied"),
+            };
+            Ok((key, view))
+        })
+        .collect::<Result<Vec<_>, Error>>()?;
+    let page = page::page(rows, limit, WORKLOADS, |(key, _)| serde_json::json!([key.0, key.1, key.2]));
+    Ok(page::Page {
+        rows: page.rows.into_iter().map(|(_, view)| view).collect(),
+        truncated: page.truncated,
+        next_cursor: page.next_cursor,
+    })
+}
+
+/// What the registry knows of a workload beyond its labels and convergence: its lifecycle and
+/// credential.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow, utoipa::ToSchema)]
+pub struct WorkloadFacts {
+    pub enrolled_at: chrono::DateTime<chrono::Utc>,
+    /// The provisioning token that enrolled it (absent once the token is deleted).
+    pub enrolled_by_token: Option<Uuid>,
+    pub agent_version: String,
+    pub os: String,
+    pub credential_serial: String,
+    pub credential_expires_at: Option<chrono::DateTime<chrono::Utc>>,
+    pub last_renewed_at: Option<chrono::DateTime<chrono::Utc>>,
+    pub retired_at: Option<chrono::DateTime<chrono::Utc>>,
+    pub denied_at: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+pub async fn workload_facts(conn: &mut PgConnection, id: WorkloadId) -> Result<Option<WorkloadFacts>, Error> {
+    Ok(sqlx::query_as(
+        "SELECT created_at AS enrolled_at, enrolled_by_token, agent_version, os, credential_serial,
+                credential_expires_at, last_renewed_at, retired_at, denied_at
+         FROM workloads WHERE id = $1",
+    )
+    .bind(id.uuid())
+    .fetch_optional(&mut *conn)
+    .await?)
+}
+
+/// A rendered policy as operators read it (`workload policy --json`, the API).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+pub struct PolicyView {
+    pub workload: String,
+    pub version: u64,
+    pub mode: String,
+    pub rendered_at: chrono::DateTime<chrono::Utc>,
+    pub rules: Vec<RuleView>,
+}
+
+/// One resolved rule of a rendered policy.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+pub struct RuleView {
+    /// `<authored rule id>/<protocol>`.
+    pub rule_id: String,
+    pub protocol: String,
+    pub ports: Vec<String>,
+    pub peers: Vec<String>,
+}
+
+impl PolicyView {
+    pub fn of(id: WorkloadId, policy: &WorkloadPolicy, rendered_at: chrono::DateTime<chrono::Utc>) -> Self {
+        PolicyView {
+            workload: id.to_string(),
+            version: policy.version(),
+            mode: policy.mode().name().to_owned(),
+            rendered_at,
+            rules: policy
+                .rules()
+                .map(|r| RuleView {
+                    rule_id: r.id().to_string(),
+                    protocol: r.protocol().name().to_owned(),
+                    ports: r.ports().iter().map(ToString::to_string).collect(),
+                    peers: r.peers().iter().map(ToString::to_string).collect(),
+                })
+                .collect(),
+        }
+    }
+}
+
+const HISTORY: &str = "policy history";
+
+/// A workload's persisted policy versions, newest first, a page at a time.
+pub async fn policy_history_page(
+    conn: &mut PgConnection,
+    id: WorkloadId,
+    request: &crate::page::PageRequest,
+) -> Result<crate::page::Page<PolicyView>, Error> {
+    use crate::page;
+    let limit = request.checked_limit()?;
+    let before = match request.after(HISTORY)? {
+        Some(after) => page::field::<i64>(&after, 0, HISTORY)?,
+        None => i64::MAX,
+    };
+    let rows = sqlx::query(
+        "SELECT policy, rendered_at FROM workload_policy_history WHERE workload_id = $1 AND version < $2
+         ORDER BY version DESC LIMIT $3",
+    )
+    .bind(id.uuid())
+    .bind(before)
+    .bind(limit + 1)
+    .fetch_all(&mut *conn)
+    .await?;
+    let views = rows
+        .into_iter()
+        .map(|row| Ok(PolicyView::of(id, &decode_policy(&row.get::<Vec<u8>, _>(0))?, row.get(1))))
+        .collect::<Result<Vec<_>, Error>>()?;
+    Ok(page::page(views, limit, HISTORY, |v| serde_json::json!([v.version])))
 }

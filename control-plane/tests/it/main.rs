@@ -1,6 +1,7 @@
 //! The control plane's integration tests: one binary, one module per area.
 
 mod addresses;
+mod api;
 mod enrollment;
 mod flows;
 mod identity;

@@ -9,6 +9,7 @@ mod duration;
 mod estate;
 mod flows;
 mod logs;
+mod operators;
 mod output;
 mod policy;
 mod promotions;
@@ -95,6 +96,9 @@ enum Command {
     /// The records of mode changes and the evidence they stood on.
     #[command(subcommand)]
     Promotions(promotions::PromotionsCmd),
+    /// Operator tokens of the HTTP API (`serve --api-listen`), on this host's database.
+    #[command(subcommand)]
+    Operator(operators::OperatorCmd),
 }
 
 fn main() -> ExitCode {
@@ -137,6 +141,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Workload(cmd) => workloads::run(&connect().await?, &cmd).await?,
         Command::Flows(cmd) => flows::run(&connect().await?, &cmd).await?,
         Command::Promotions(cmd) => promotions::run(&connect().await?, &cmd).await?,
+        Command::Operator(cmd) => operators::run(&connect().await?, &cmd).await?,
     }
     Ok(())
 }

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use clap::Args;
+use innerwall_control_plane::api::{self, ApiLimits};
 use innerwall_control_plane::identity::admission::Limits;
 use innerwall_control_plane::identity::ca::{self, FileCa};
 use innerwall_control_plane::postgres::{PoolConfig, PoolsConfig};
@@ -47,6 +48,8 @@ pub struct ServeArgs {
     /// How far ahead of this replica's clock a flow window's times may be (agents' clock skew).
     #[arg(long, default_value = "5m", value_parser = duration::arg)]
     flow_max_ahead: std::time::Duration,
+    #[command(flatten)]
+    api: ApiArgs,
     /// Connections held at once, all sources together; raise `ulimit -n` above it.
     #[arg(long, default_value_t = Limits::default().max_connections)]
     max_connections: usize,
@@ -109,6 +112,58 @@ impl ServeArgs {
     }
 }
 
+/// The operator HTTP API's listener (issue 12): off unless `--api-listen` is given.
+#[derive(Debug, Args)]
+pub struct ApiArgs {
+    /// Serve the operator HTTP API (HTTPS) on this address, e.g. 0.0.0.0:8443. Off without it.
+    #[arg(long, env = "INNERWALL_API_LISTEN")]
+    api_listen: Option<std::net::SocketAddr>,
+    /// The API's certificate chain (PEM); with --api-key. Without them a certificate is issued
+    /// from the CA for the --server-name names at start (its SHA-256 fingerprint is printed).
+    #[arg(long, requires = "api_key")]
+    api_cert: Option<std::path::PathBuf>,
+    /// The private key (PEM) of --api-cert.
+    #[arg(long, requires = "api_cert")]
+    api_key: Option<std::path::PathBuf>,
+    /// The largest request body the API reads, in bytes.
+    #[arg(long, default_value_t = ApiLimits::default().max_body)]
+    api_max_body: usize,
+    /// How long one API request may take.
+    #[arg(long, default_value = "30s", value_parser = duration::arg)]
+    api_request_timeout: std::time::Duration,
+    /// API connections held at once; more are closed at accept.
+    #[arg(long, default_value_t = ApiLimits::default().max_connections)]
+    api_max_connections: usize,
+}
+
+impl ApiArgs {
+    /// The API's configuration, if it is to listen; its certificate lives as long as the agent
+    /// listener's would, issued for the same names.
+    fn config(
+        &self,
+        names: &[String],
+        lifetime: std::time::Duration,
+    ) -> anyhow::Result<Option<api::ApiConfig>> {
+        let Some(listen) = self.api_listen else { return Ok(None) };
+        let tls = match (&self.api_cert, &self.api_key) {
+            (Some(cert), Some(key)) => api::ApiTls::Files { cert: cert.clone(), key: key.clone() },
+            _ => api::ApiTls::FromCa { names: names.to_vec(), lifetime },
+        };
+        if self.api_max_body == 0 || self.api_max_connections == 0 || self.api_request_timeout.is_zero() {
+            anyhow::bail!(
+                "--api-max-body, --api-max-connections and --api-request-timeout must be more than 0"
+            );
+        }
+        let limits = ApiLimits {
+            max_body: self.api_max_body,
+            request_timeout: self.api_request_timeout,
+            max_connections: self.api_max_connections,
+            ..ApiLimits::default()
+        };
+        Ok(Some(api::ApiConfig { listen, tls, limits }))
+    }
+}
+
 /// A retention in whole days, at least one.
 fn days(d: std::time::Duration, flag: &str) -> anyhow::Result<chrono::Duration> {
     let days = d.as_secs() / 86_400;
@@ -149,7 +204,15 @@ pub async fn run(args: &ServeArgs, database: &Database, ca_dir: &Path) -> anyhow
         limits: args.limits(),
         metrics_listen: args.metrics_listen,
     };
-    let running = service::start(pools, signer, config).await?;
+    let mut running = service::start(pools, signer, config).await?;
+    if let Some(api) = args.api.config(&running.server_names, args.server_cert_lifetime)? {
+        let addr = running.start_api(api).await?;
+        let fingerprint = running.api().map_or("", |a| a.fingerprint.as_str());
+        tracing::info!(
+            target: crate::logs::NOTICE,
+            "innerwall: operator API on https://{addr}/api/v1 (certificate SHA-256 {fingerprint})"
+        );
+    }
     tracing::info!(
         target: crate::logs::NOTICE,
         "innerwall: startup render advanced {} workload(s); listening on {} as {}",

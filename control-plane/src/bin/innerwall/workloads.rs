@@ -393,25 +393,8 @@ pub async fn run(ctx: &Ctx, cmd: &WorkloadCmd) -> anyhow::Result<()> {
             else {
                 bail!("workload {id} has no rendered policy (unknown workload, or not rendered yet)");
             };
-            let rules: Vec<serde_json::Value> = policy
-                .rules()
-                .map(|r| {
-                    serde_json::json!({
-                        "rule_id": r.id().to_string(),
-                        "protocol": r.protocol().name(),
-                        "ports": r.ports().iter().map(ToString::to_string).collect::<Vec<_>>(),
-                        "peers": r.peers().iter().map(ToString::to_string).collect::<Vec<_>>(),
-                    })
-                })
-                .collect();
             if json {
-                return print_json(&serde_json::json!({
-                    "workload": id.to_string(),
-                    "version": policy.version(),
-                    "mode": policy.mode().name(),
-                    "rendered_at": rendered_at,
-                    "rules": rules,
-                }));
+                return print_json(&store::PolicyView::of(*id, &policy, rendered_at));
             }
             println!(
                 "workload {id}: version {} · mode {} · rendered {rendered_at}",

@@ -1,0 +1,337 @@
+//! `/api/v1/services`, `/api/v1/address-groups`, `/api/v1/rulesets`: the authored model, named
+//! and versioned. Creates answer 201 with `ETag: "1"`; updates and deletes require `If-Match`
+//! with the version read (428 without, 412 with the current version when stale); a delete of
+//! something rules still use is 409 in-use naming them; a taken name is 409 duplicate-name.
+//! Every change is `authoring::commit` — written, rendered, audited in one transaction — with
+//! the same audit actions and details as the CLI's.
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use innerwall_wire::policy::Cidr;
+use serde::Deserialize;
+use utoipa::ToSchema;
+
+use super::auth::Caller;
+use super::extract::{JsonBody, Path, etag, if_match};
+use super::problem::{ApiError, Problem};
+use super::workloads::created;
+use super::{ApiState, Changed, Nothing};
+use crate::error::Error;
+use crate::policy::authoring;
+use crate::policy::model::ServiceEntry;
+use crate::policy::spec::{AddressGroupSpec, RulesetSpec, ServiceSpec};
+use crate::policy::store::{self, AddressGroupView, RulesetView, ServiceView};
+
+fn entries(texts: &[String]) -> Result<Vec<ServiceEntry>, Error> {
+    texts.iter().map(|t| ServiceEntry::parse(t).map_err(Error::from)).collect()
+}
+
+fn cidrs(texts: &[String]) -> Result<std::collections::BTreeSet<Cidr>, Error> {
+    texts.iter().map(|t| Cidr::parse_lenient(t).map_err(Error::from)).collect()
+}
+
+async fn conn(state: &ApiState) -> Result<sqlx::pool::PoolConnection<sqlx::Postgres>, ApiError> {
+    Ok(state.pool.acquire().await.map_err(Error::from)?)
+}
+
+// ---- services -----------------------------------------------------------------------------
+
+/// A new service.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NewService {
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    /// `tcp:80,443,8000-8080`, `udp:53`, `tcp:all`, `icmp`, `icmpv6`.
+    pub entries: Vec<String>,
+}
+
+/// A service's new entries and description.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ServiceBody {
+    #[serde(default)]
+    pub description: String,
+    pub entries: Vec<String>,
+}
+
+#[utoipa::path(get, path = "/api/v1/services", tag = "catalog",
+    responses((status = 200, description = "Every service, by name", body = Vec<ServiceView>)))]
+pub async fn list_services(State(state): State<ApiState>) -> Result<Json<Vec<ServiceView>>, ApiError> {
+    Ok(Json(store::list_services(&mut *conn(&state).await?).await?))
+}
+
+#[utoipa::path(post, path = "/api/v1/services", tag = "catalog", request_body = NewService,
+    responses((status = 201, description = "Created at version 1", body = Changed<Nothing>),
+        (status = 409, description = "duplicate-name", body = Problem, content_type = "application/problem+json")))]
+pub async fn create_service(
+    State(state): State<ApiState>,
+    caller: Caller,
+    JsonBody(body): JsonBody<NewService>,
+) -> Result<Response, ApiError> {
+    let spec =
+        ServiceSpec { name: body.name, description: body.description, entries: entries(&body.entries)? };
+    let detail = serde_json::json!({"entries": body.entries});
+    let done = authoring::commit(&state.pool, &caller.actor(), "service.create", &spec.name, async |c| {
+        authoring::create_service(c, &spec).await?;
+        Ok(((), detail))
+    })
+    .await?;
+    Ok(created(format!("/api/v1/services/{}", spec.name), 1, Changed::<Nothing>::from(done)))
+}
+
+#[utoipa::path(get, path = "/api/v1/services/{name}", tag = "catalog",
+    params(("name" = String, Path, description = "The service's name")),
+    responses((status = 200, description = "The service; `ETag` is its version", body = ServiceView)))]
+pub async fn show_service(
+    State(state): State<ApiState>,
+    Path(name): Path<String>,
+) -> Result<Response, ApiError> {
+    let all = store::list_services(&mut *conn(&state).await?).await?;
+    let view = all.into_iter().find(|v| v.name == name).ok_or(Error::NotFound { what: "service", name })?;
+    Ok(([etag(view.version)], Json(view)).into_response())
+}
+
+#[utoipa::path(put, path = "/api/v1/services/{name}", tag = "catalog", request_body = ServiceBody,
+    params(("name" = String, Path, description = "The service's name"),
+        ("If-Match" = String, Header, description = "The version read, quoted")),
+    responses((status = 200, description = "Updated; the result is the new version", body = Changed<i64>),
+        (status = 412, description = "Stale: `current_version`", body = Problem, content_type = "application/problem+json"),
+        (status = 428, description = "No If-Match", body = Problem, content_type = "application/problem+json")))]
+pub async fn update_service(
+    State(state): State<ApiState>,
+    caller: Caller,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+    JsonBody(body): JsonBody<ServiceBody>,
+) -> Result<Response, ApiError> {
+    let expected = if_match(&headers, "a service")?;
+    let spec = ServiceSpec { name, description: body.description, entries: entries(&body.entries)? };
+    let detail = serde_json::json!({"entries": body.entries});
+    let done = authoring::commit(&state.pool, &caller.actor(), "service.update", &spec.name, async |c| {
+        Ok((authoring::update_service(c, &spec, Some(expected)).await?, detail))
+    })
+    .await?;
+    Ok(([etag(done.value)], Json(Changed::from(done))).into_response())
+}
+
+#[utoipa::path(delete, path = "/api/v1/services/{name}", tag = "catalog",
+    params(("name" = String, Path, description = "The service's name"),
+        ("If-Match" = String, Header, description = "The version read, quoted")),
+    responses((status = 200, description = "Deleted", body = Changed<Nothing>),
+        (status = 409, description = "in-use: `referrers` names the rules", body = Problem, content_type = "application/problem+json"),
+        (status = 412, description = "Stale: `current_version`", body = Problem, content_type = "application/problem+json"),
+        (status = 428, description = "No If-Match", body = Problem, content_type = "application/problem+json")))]
+pub async fn delete_service(
+    State(state): State<ApiState>,
+    caller: Caller,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+) -> Result<Json<Changed<Nothing>>, ApiError> {
+    let expected = if_match(&headers, "a service")?;
+    let done = authoring::commit(&state.pool, &caller.actor(), "service.delete", &name, async |c| {
+        authoring::delete_service(c, &name, Some(expected)).await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await?;
+    Ok(Json(Changed::from(done)))
+}
+
+// ---- address groups -----------------------------------------------------------------------
+
+/// A new address group.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NewGroup {
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    /// CIDRs, or bare addresses (host routes).
+    pub cidrs: Vec<String>,
+}
+
+/// An address group's new CIDRs and description.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct GroupBody {
+    #[serde(default)]
+    pub description: String,
+    pub cidrs: Vec<String>,
+}
+
+#[utoipa::path(get, path = "/api/v1/address-groups", tag = "catalog",
+    responses((status = 200, description = "Every address group, by name", body = Vec<AddressGroupView>)))]
+pub async fn list_groups(State(state): State<ApiState>) -> Result<Json<Vec<AddressGroupView>>, ApiError> {
+    Ok(Json(store::list_address_groups(&mut *conn(&state).await?).await?))
+}
+
+#[utoipa::path(post, path = "/api/v1/address-groups", tag = "catalog", request_body = NewGroup,
+    responses((status = 201, description = "Created at version 1", body = Changed<Nothing>),
+        (status = 409, description = "duplicate-name", body = Problem, content_type = "application/problem+json")))]
+pub async fn create_group(
+    State(state): State<ApiState>,
+    caller: Caller,
+    JsonBody(body): JsonBody<NewGroup>,
+) -> Result<Response, ApiError> {
+    let spec =
+        AddressGroupSpec { name: body.name, description: body.description, cidrs: cidrs(&body.cidrs)? };
+    let detail = serde_json::json!({"cidrs": spec.cidrs.iter().map(ToString::to_string).collect::<Vec<_>>()});
+    let done =
+        authoring::commit(&state.pool, &caller.actor(), "address-group.create", &spec.name, async |c| {
+            authoring::create_address_group(c, &spec).await?;
+            Ok(((), detail))
+        })
+        .await?;
+    Ok(created(format!("/api/v1/address-groups/{}", spec.name), 1, Changed::<Nothing>::from(done)))
+}
+
+#[utoipa::path(get, path = "/api/v1/address-groups/{name}", tag = "catalog",
+    params(("name" = String, Path, description = "The address group's name")),
+    responses((status = 200, description = "The address group; `ETag` is its version", body = AddressGroupView)))]
+pub async fn show_group(
+    State(state): State<ApiState>,
+    Path(name): Path<String>,
+) -> Result<Response, ApiError> {
+    let all = store::list_address_groups(&mut *conn(&state).await?).await?;
+    let view =
+        all.into_iter().find(|v| v.name == name).ok_or(Error::NotFound { what: "address group", name })?;
+    Ok(([etag(view.version)], Json(view)).into_response())
+}
+
+#[utoipa::path(put, path = "/api/v1/address-groups/{name}", tag = "catalog", request_body = GroupBody,
+    params(("name" = String, Path, description = "The address group's name"),
+        ("If-Match" = String, Header, description = "The version read, quoted")),
+    responses((status = 200, description = "Updated; the result is the new version", body = Changed<i64>),
+        (status = 412, description = "Stale: `current_version`", body = Problem, content_type = "application/problem+json"),
+        (status = 428, description = "No If-Match", body = Problem, content_type = "application/problem+json")))]
+pub async fn update_group(
+    State(state): State<ApiState>,
+    caller: Caller,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+    JsonBody(body): JsonBody<GroupBody>,
+) -> Result<Response, ApiError> {
+    let expected = if_match(&headers, "an address group")?;
+    let spec = AddressGroupSpec { name, description: body.description, cidrs: cidrs(&body.cidrs)? };
+    let detail = serde_json::json!({"cidrs": spec.cidrs.iter().map(ToString::to_string).collect::<Vec<_>>()});
+    let done =
+        authoring::commit(&state.pool, &caller.actor(), "address-group.update", &spec.name, async |c| {
+            Ok((authoring::update_address_group(c, &spec, Some(expected)).await?, detail))
+        })
+        .await?;
+    Ok(([etag(done.value)], Json(Changed::from(done))).into_response())
+}
+
+#[utoipa::path(delete, path = "/api/v1/address-groups/{name}", tag = "catalog",
+    params(("name" = String, Path, description = "The address group's name"),
+        ("If-Match" = String, Header, description = "The version read, quoted")),
+    responses((status = 200, description = "Deleted", body = Changed<Nothing>),
+        (status = 409, description = "in-use: `referrers` names the rules", body = Problem, content_type = "application/problem+json"),
+        (status = 412, description = "Stale: `current_version`", body = Problem, content_type = "application/problem+json"),
+        (status = 428, description = "No If-Match", body = Problem, content_type = "application/problem+json")))]
+pub async fn delete_group(
+    State(state): State<ApiState>,
+    caller: Caller,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+) -> Result<Json<Changed<Nothing>>, ApiError> {
+    let expected = if_match(&headers, "an address group")?;
+    let done = authoring::commit(&state.pool, &caller.actor(), "address-group.delete", &name, async |c| {
+        authoring::delete_address_group(c, &name, Some(expected)).await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await?;
+    Ok(Json(Changed::from(done)))
+}
+
+// ---- rulesets -----------------------------------------------------------------------------
+
+#[utoipa::path(get, path = "/api/v1/rulesets", tag = "catalog",
+    responses((status = 200, description = "Every ruleset in the shape it is written", body = Vec<RulesetView>)))]
+pub async fn list_rulesets(State(state): State<ApiState>) -> Result<Json<Vec<RulesetView>>, ApiError> {
+    Ok(Json(store::list_rulesets(&mut *conn(&state).await?).await?))
+}
+
+#[utoipa::path(post, path = "/api/v1/rulesets", tag = "catalog", request_body = RulesetSpec,
+    responses((status = 201, description = "Created at version 1", body = Changed<Nothing>),
+        (status = 409, description = "duplicate-name", body = Problem, content_type = "application/problem+json")))]
+pub async fn create_ruleset(
+    State(state): State<ApiState>,
+    caller: Caller,
+    JsonBody(spec): JsonBody<RulesetSpec>,
+) -> Result<Response, ApiError> {
+    let detail = serde_json::to_value(&spec).map_err(|e| ApiError::Malformed(e.to_string()))?;
+    let done = authoring::commit(&state.pool, &caller.actor(), "ruleset.create", &spec.name, async |c| {
+        authoring::create_ruleset(c, &spec).await?;
+        Ok(((), detail))
+    })
+    .await?;
+    Ok(created(format!("/api/v1/rulesets/{}", spec.name), 1, Changed::<Nothing>::from(done)))
+}
+
+#[utoipa::path(get, path = "/api/v1/rulesets/{name}", tag = "catalog",
+    params(("name" = String, Path, description = "The ruleset's name")),
+    responses((status = 200, description = "The ruleset; `ETag` is its version", body = RulesetView)))]
+pub async fn show_ruleset(
+    State(state): State<ApiState>,
+    Path(name): Path<String>,
+) -> Result<Response, ApiError> {
+    let all = store::list_rulesets(&mut *conn(&state).await?).await?;
+    let view =
+        all.into_iter().find(|v| v.spec.name == name).ok_or(Error::NotFound { what: "ruleset", name })?;
+    Ok(([etag(view.version)], Json(view)).into_response())
+}
+
+/// Replaces the ruleset (rules keep their identity by name); the body names the same ruleset
+/// as the path (a ruleset is not renamed).
+#[utoipa::path(put, path = "/api/v1/rulesets/{name}", tag = "catalog", request_body = RulesetSpec,
+    params(("name" = String, Path, description = "The ruleset's name"),
+        ("If-Match" = String, Header, description = "The version read, quoted")),
+    responses((status = 200, description = "Updated; the result is the new version", body = Changed<i64>),
+        (status = 412, description = "Stale: `current_version`", body = Problem, content_type = "application/problem+json"),
+        (status = 428, description = "No If-Match", body = Problem, content_type = "application/problem+json")))]
+pub async fn update_ruleset(
+    State(state): State<ApiState>,
+    caller: Caller,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+    JsonBody(spec): JsonBody<RulesetSpec>,
+) -> Result<Response, ApiError> {
+    let expected = if_match(&headers, "a ruleset")?;
+    if spec.name != name {
+        return Err(ApiError::Malformed(format!(
+            "the body names ruleset {:?} and the path {name:?}; a ruleset is not renamed (create the new one, delete the old)",
+            spec.name
+        )));
+    }
+    let detail = serde_json::to_value(&spec).map_err(|e| ApiError::Malformed(e.to_string()))?;
+    let done = authoring::commit(&state.pool, &caller.actor(), "ruleset.update", &name, async |c| {
+        Ok((authoring::update_ruleset(c, &spec, Some(expected)).await?, detail))
+    })
+    .await?;
+    Ok(([etag(done.value)], Json(Changed::from(done))).into_response())
+}
+
+#[utoipa::path(delete, path = "/api/v1/rulesets/{name}", tag = "catalog",
+    params(("name" = String, Path, description = "The ruleset's name"),
+        ("If-Match" = String, Header, description = "The version read, quoted")),
+    responses((status = 200, description = "Deleted", body = Changed<Nothing>),
+        (status = 412, description = "Stale: `current_version`", body = Problem, content_type = "application/problem+json"),
+        (status = 428, description = "No If-Match", body = Problem, content_type = "application/problem+json")))]
+pub async fn delete_ruleset(
+    State(state): State<ApiState>,
+    caller: Caller,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+) -> Result<Json<Changed<Nothing>>, ApiError> {
+    let expected = if_match(&headers, "a ruleset")?;
+    let done = authoring::commit(&state.pool, &caller.actor(), "ruleset.delete", &name, async |c| {
+        authoring::delete_ruleset(c, &name, Some(expected)).await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await?;
+    Ok(Json(Changed::from(done)))
+}

@@ -1,0 +1,148 @@
+//! What handlers take from a request, each bounded and refused as a problem document: a JSON
+//! body (`application/json`, at most the listener's `max_body` bytes, read within the request
+//! timeout), a query, path parameters, and the `If-Match` precondition; and the `ETag` a
+//! versioned answer carries.
+
+use axum::body::Body;
+use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::http::header::{CONTENT_LENGTH, CONTENT_TYPE, ETAG, IF_MATCH};
+use axum::http::request::Parts;
+use axum::http::{HeaderMap, HeaderValue};
+use serde::de::DeserializeOwned;
+
+use super::ApiState;
+use super::problem::ApiError;
+
+/// The body limit in force, put in every request's extensions by the router.
+#[derive(Debug, Clone, Copy)]
+pub struct BodyLimit(pub usize);
+
+/// A JSON body, refused with 415 unless `application/json`, 413 over the limit (by its
+/// `Content-Length` before reading, or while reading a chunked one), 400 if it does not parse
+/// (unknown fields included where the type denies them).
+#[derive(Debug)]
+pub struct JsonBody<T>(pub T);
+
+impl<T: DeserializeOwned> FromRequest<ApiState> for JsonBody<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(request: Request<Body>, state: &ApiState) -> Result<Self, ApiError> {
+        let limit = request.extensions().get::<BodyLimit>().map_or(state.limits.max_body, |l| l.0);
+        let content_type = request.headers().get(CONTENT_TYPE).map(|v| v.to_str().unwrap_or("?").to_owned());
+        match content_type.as_deref().map(|t| t.split(';').next().unwrap_or("").trim().to_ascii_lowercase()) {
+            Some(t) if t == "application/json" => {}
+            _ => {
+                return Err(ApiError::UnsupportedMediaType(content_type.unwrap_or_else(|| "nothing".into())));
+            }
+        }
+        let declared =
+            request.headers().get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > limit as u64) {
+            return Err(ApiError::PayloadTooLarge { limit });
+        }
+        let bytes = axum::body::to_bytes(request.into_body(), limit).await.map_err(|e| {
+            let too_large =
+                std::iter::successors(Some(&e as &(dyn std::error::Error + 'static)), |e| e.source())
+                    .any(|e| e.is::<http_body_util::LengthLimitError>());
+            if too_large {
+                ApiError::PayloadTooLarge { limit }
+            } else {
+                ApiError::Malformed(format!("the request body could not be read: {e}"))
+            }
+        })?;
+        serde_json::from_slice(&bytes).map(JsonBody).map_err(|e| {
+            ApiError::Malformed(format!("the request body is not what this operation takes: {e}"))
+        })
+    }
+}
+
+/// A query string, refused with 400 when it does not parse.
+#[derive(Debug)]
+pub struct Query<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for Query<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        axum::extract::Query::<T>::from_request_parts(parts, state)
+            .await
+            .map(|q| Query(q.0))
+            .map_err(|e| ApiError::Malformed(format!("the query string: {}", e.body_text())))
+    }
+}
+
+/// Path parameters, refused with 400 when one does not parse (a malformed workload id, …).
+#[derive(Debug)]
+pub struct Path<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for Path<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        axum::extract::Path::<T>::from_request_parts(parts, state)
+            .await
+            .map(|p| Path(p.0))
+            .map_err(|e| ApiError::Malformed(format!("the path: {}", e.body_text())))
+    }
+}
+
+/// The version a conditional write is conditioned on: `If-Match: "<version>"` as the `ETag`
+/// read gave it. Missing (or `*`) is 428; a weak or unparsable tag is 400, since no version of
+/// ours is spelled so.
+pub fn if_match(headers: &HeaderMap, what: &str) -> Result<i64, ApiError> {
+    let values: Vec<&HeaderValue> = headers.get_all(IF_MATCH).iter().collect();
+    let value = match values[..] {
+        [] => {
+            return Err(ApiError::PreconditionRequired(format!(
+                "changing {what} is a conditional write: send If-Match with the ETag of the version you read"
+            )));
+        }
+        [one] => one.to_str().unwrap_or("").trim(),
+        _ => return Err(ApiError::Malformed("send one If-Match header, with one ETag".into())),
+    };
+    if value == "*" {
+        return Err(ApiError::PreconditionRequired(format!(
+            "If-Match: * names no version; send the ETag of the version of {what} you read"
+        )));
+    }
+    let tag = value.strip_prefix('"').and_then(|v| v.strip_suffix('"')).unwrap_or(value);
+    match tag.parse::<i64>() {
+        Ok(version) if version >= 0 && !tag.starts_with('+') => Ok(version),
+        _ => Err(ApiError::Malformed(format!(
+            "If-Match {:?} is not an ETag of this API (a version in quotes, e.g. \"3\"; weak tags never match)",
+            value.chars().take(64).collect::<String>()
+        ))),
+    }
+}
+
+/// The `ETag` header of a versioned object.
+pub fn etag(version: i64) -> (axum::http::HeaderName, HeaderValue) {
+    (ETAG, HeaderValue::from_str(&format!("\"{version}\"")).expect("digits and quotes are a header value"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(values: &[&str]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for v in values {
+            h.append(IF_MATCH, HeaderValue::from_str(v).unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn if_match_reads_our_etags_only() {
+        assert_eq!(if_match(&headers(&["\"3\""]), "x").unwrap(), 3);
+        assert_eq!(if_match(&headers(&[" \"12\" "]), "x").unwrap(), 12);
+        assert_eq!(if_match(&headers(&["7"]), "x").unwrap(), 7);
+        assert!(matches!(if_match(&headers(&[]), "x"), Err(ApiError::PreconditionRequired(_))));
+        assert!(matches!(if_match(&headers(&["*"]), "x"), Err(ApiError::PreconditionRequired(_))));
+        for bad in ["W/\"3\"", "\"-1\"", "\"x\"", "\"+3\"", "\"\""] {
+            assert!(matches!(if_match(&headers(&[bad]), "x"), Err(ApiError::Malformed(_))), "{bad}");
+        }
+        assert!(matches!(if_match(&headers(&["\"1\"", "\"2\""]), "x"), Err(ApiError::Malformed(_))));
+        assert_eq!(etag(4).1, "\"4\"");
+    }
+}

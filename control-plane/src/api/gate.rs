@@ -1,0 +1,198 @@
+//! `/api/v1/verdict` and `/api/v1/promotions`: is it safe to enforce a scope (FLOW-7), and
+//! count-pinned mode changes with their records (FLOW-8) — `gate::judge` and `gate::promote`,
+//! as `innerwall workload verdict|promote` call them, with the caller as the promotion's actor.
+
+// utoipa's `params(…)` expansion names the `IntoParams` types by a path it could shorten.
+#![allow(unused_qualifications)]
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use innerwall_wire::identity::WorkloadId;
+use innerwall_wire::policy::Mode;
+use serde::Deserialize;
+use utoipa::{IntoParams, ToSchema};
+
+use super::ApiState;
+use super::auth::Caller;
+use super::extract::{JsonBody, Path, Query};
+use super::problem::{ApiError, Problem};
+use crate::error::Error;
+use crate::gate::{self, Params, Scope, promote as promotions};
+
+/// The most a verdict may look back, and the default (24 h).
+const MAX_EVIDENCE: std::time::Duration = std::time::Duration::from_secs(90 * 86_400);
+const DEFAULT_EVIDENCE: &str = "24h";
+
+fn duration(what: &str, text: Option<&str>) -> Result<std::time::Duration, ApiError> {
+    let text = text.unwrap_or(DEFAULT_EVIDENCE);
+    let d = humantime::parse_duration(text)
+        .map_err(|e| ApiError::Malformed(format!("{what} {text:?}: {e}; write e.g. 24h, 7d")))?;
+    if d > MAX_EVIDENCE {
+        return Err(ApiError::Malformed(format!(
+            "{what} {text:?} is longer than {} days",
+            MAX_EVIDENCE.as_secs() / 86_400
+        )));
+    }
+    Ok(d)
+}
+
+/// The evidence a verdict judges: from `evidence_since` ago until now, at least `min_evidence`.
+fn params(evidence_since: Option<&str>, min_evidence: Option<&str>) -> Result<Params, ApiError> {
+    let to = chrono::Utc::now().timestamp_millis();
+    let ms = |d: std::time::Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
+    Ok(Params {
+        from_ms: to.saturating_sub(ms(duration("evidence_since", evidence_since)?)),
+        to_ms: to,
+        min_duration_ms: ms(duration("min_evidence", min_evidence)?),
+        top_peers: 5,
+    })
+}
+
+/// A scope by selector or by ids, exactly one of them.
+fn scope(selector: Option<&str>, ids: &[String]) -> Result<Scope, ApiError> {
+    match (selector, ids) {
+        (Some(text), []) => Ok(Scope::parse_selector(text)?),
+        (None, ids) if !ids.is_empty() => {
+            if ids.len() > gate::evidence::MAX_SCOPE_IDS {
+                return Err(ApiError::Malformed(format!(
+                    "at most {} workload ids",
+                    gate::evidence::MAX_SCOPE_IDS
+                )));
+            }
+            let ids = ids
+                .iter()
+                .map(|id| {
+                    id.trim().parse::<WorkloadId>().map_err(|_| {
+                        ApiError::Malformed(format!(
+                            "{:?} is not a workload id",
+                            id.chars().take(64).collect::<String>()
+                        ))
+                    })
+                })
+                .collect::<Result<_, _>>()?;
+            Ok(Scope::Ids(ids))
+        }
+        _ => Err(ApiError::Malformed(
+            "name the workloads by scope (a selector) or by ids, exactly one of them".into(),
+        )),
+    }
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct VerdictQuery {
+    /// A selector: `key=value`, several values `key=v1|v2`, keys ANDed with commas.
+    scope: Option<String>,
+    /// Workload ids, comma-separated (instead of `scope`).
+    ids: Option<String>,
+    /// The evidence range: from this long ago until now (default 24h).
+    evidence_since: Option<String>,
+    /// A shorter range is never enough evidence (default 24h).
+    min_evidence: Option<String>,
+}
+
+/// The verdict on a scope now: SAFE to enforce, UNSAFE (would block flows), or INSUFFICIENT,
+/// with every workload's evidence and reasons (as `workload verdict --json` prints it).
+#[utoipa::path(get, path = "/api/v1/verdict", tag = "gate", params(VerdictQuery),
+    responses((status = 200, description = "The verdict", body = serde_json::Value)))]
+pub async fn verdict(
+    State(state): State<ApiState>,
+    Query(q): Query<VerdictQuery>,
+) -> Result<Json<gate::Verdict>, ApiError> {
+    let ids: Vec<String> =
+        q.ids.as_deref().map(|t| t.split(',').map(str::to_owned).collect()).unwrap_or_default();
+    let scope = scope(q.scope.as_deref(), &ids)?;
+    let params = params(q.evidence_since.as_deref(), q.min_evidence.as_deref())?;
+    Ok(Json(gate::judge(&state.pool, &scope, &params).await?))
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct ListQuery {
+    /// How many of the latest records (1 to 1,000; default 50).
+    limit: Option<i64>,
+}
+
+/// The latest promotion records, newest first.
+#[utoipa::path(get, path = "/api/v1/promotions", tag = "gate", params(ListQuery),
+    responses((status = 200, description = "Promotion records (as `promotions list --json` prints them)",
+        body = Vec<serde_json::Value>)))]
+pub async fn list(
+    State(state): State<ApiState>,
+    Query(q): Query<ListQuery>,
+) -> Result<Json<Vec<promotions::Promotion>>, ApiError> {
+    let limit = q.limit.unwrap_or(50);
+    if !(1..=1_000).contains(&limit) {
+        return Err(ApiError::Malformed(format!("limit {limit}: 1 to 1,000 records")));
+    }
+    let mut conn = state.pool.acquire().await.map_err(Error::from)?;
+    Ok(Json(promotions::list(&mut conn, limit).await?))
+}
+
+#[utoipa::path(get, path = "/api/v1/promotions/{id}", tag = "gate",
+    params(("id" = String, Path, description = "The promotion record's id")),
+    responses((status = 200, description = "One record with the verdict it stood on", body = serde_json::Value)))]
+pub async fn show(
+    State(state): State<ApiState>,
+    Path(id): Path<String>,
+) -> Result<Json<promotions::Promotion>, ApiError> {
+    let id: uuid::Uuid = id.parse().map_err(|_| {
+        ApiError::Malformed(format!(
+            "{:?} is not a promotion id (a UUID)",
+            id.chars().take(64).collect::<String>()
+        ))
+    })?;
+    let mut conn = state.pool.acquire().await.map_err(Error::from)?;
+    Ok(Json(promotions::show(&mut conn, id).await?))
+}
+
+/// A mode change of exactly the set a scope names, if it names as many as expected.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PromotionRequest {
+    /// A selector (`app=web,env=prod|staging`) …
+    pub scope: Option<String>,
+    /// … or workload ids.
+    #[serde(default)]
+    pub ids: Vec<String>,
+    /// How many workloads the scope must name now; any other number changes nothing (409).
+    pub expect_count: usize,
+    /// `visibility`, `simulation` or `enforcement`.
+    pub to: String,
+    /// Why (kept on the record).
+    pub reason: String,
+    /// Enforce without a SAFE verdict, for this reason (kept on the record).
+    pub override_reason: Option<String>,
+    /// The evidence range a move to enforcement is judged on (default 24h).
+    pub evidence_since: Option<String>,
+    /// A shorter range is never enough evidence (default 24h).
+    pub min_evidence: Option<String>,
+}
+
+#[utoipa::path(post, path = "/api/v1/promotions", tag = "gate", request_body = PromotionRequest,
+    responses((status = 201, description = "Changed; the promotion record", body = serde_json::Value),
+        (status = 409, description = "match-count-mismatch (`expected`, `matched`, `names`) or evidence-insufficient \
+            (`outcome`, `reasons`); nothing was changed", body = Problem, content_type = "application/problem+json")))]
+pub async fn promote(
+    State(state): State<ApiState>,
+    caller: Caller,
+    JsonBody(body): JsonBody<PromotionRequest>,
+) -> Result<Response, ApiError> {
+    let request = gate::Request {
+        scope: scope(body.scope.as_deref(), &body.ids)?,
+        expect_count: body.expect_count,
+        to: body.to.parse::<Mode>().map_err(|_| {
+            ApiError::Malformed(format!(
+                "unknown mode {:?}: use visibility, simulation or enforcement",
+                body.to
+            ))
+        })?,
+        params: params(body.evidence_since.as_deref(), body.min_evidence.as_deref())?,
+        reason: body.reason,
+        override_reason: body.override_reason,
+    };
+    let promotion = gate::promote(&state.pool, &caller.actor(), &request).await?;
+    Ok((StatusCode::CREATED, Json(promotion)).into_response())
+}

@@ -1,0 +1,69 @@
+//! `/api/v1/operator-tokens`: the API's own tokens, for admins — listed, minted (the token is in
+//! the answer once, stored only as its hash) and revoked through `identity::operators`, audited
+//! with the calling admin as the actor, as `innerwall operator token` does on a host.
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use utoipa::ToSchema;
+
+use super::ApiState;
+use super::auth::Caller;
+use super::extract::{JsonBody, Path};
+use super::problem::ApiError;
+use crate::error::Error;
+use crate::identity::operators::{self, MintedOperatorToken, OperatorTokenView, Role};
+
+#[utoipa::path(get, path = "/api/v1/operator-tokens", tag = "operator-tokens",
+    responses((status = 200, description = "Every operator token, newest first (never a secret)",
+        body = Vec<OperatorTokenView>)))]
+pub async fn list(State(state): State<ApiState>) -> Result<Json<Vec<OperatorTokenView>>, ApiError> {
+    let mut conn = state.pool.acquire().await.map_err(Error::from)?;
+    Ok(Json(operators::list(&mut conn).await?))
+}
+
+/// An operator token to mint.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NewOperatorToken {
+    /// Who holds it: 1–63 of `A-Z a-z 0-9 . _ -`, unique among live tokens.
+    pub name: String,
+    pub role: Role,
+    /// Validity in seconds (at most three years); without it the token is valid until revoked.
+    pub expires_in_seconds: Option<u64>,
+}
+
+#[utoipa::path(post, path = "/api/v1/operator-tokens", tag = "operator-tokens", request_body = NewOperatorToken,
+    responses((status = 201, description = "Minted; `token` is in this answer only", body = MintedOperatorToken)))]
+pub async fn mint(
+    State(state): State<ApiState>,
+    caller: Caller,
+    JsonBody(body): JsonBody<NewOperatorToken>,
+) -> Result<Response, ApiError> {
+    let expires = body
+        .expires_in_seconds
+        .map(|s| {
+            i64::try_from(s)
+                .ok()
+                .and_then(chrono::Duration::try_seconds)
+                .ok_or_else(|| ApiError::Malformed(format!("expires_in_seconds {s} is too large")))
+        })
+        .transpose()?;
+    let minted =
+        operators::mint_audited(&state.pool, &caller.actor(), &body.name, body.role, expires).await?;
+    Ok((StatusCode::CREATED, Json(minted)).into_response())
+}
+
+/// Revokes a token by id (or the live token of that name); refused from its next request on.
+#[utoipa::path(delete, path = "/api/v1/operator-tokens/{id}", tag = "operator-tokens",
+    params(("id" = String, Path, description = "The token's id, or the name of a live token")),
+    responses((status = 200, description = "Revoked", body = OperatorTokenView)))]
+pub async fn revoke(
+    State(state): State<ApiState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<Json<OperatorTokenView>, ApiError> {
+    Ok(Json(operators::revoke_audited(&state.pool, &caller.actor(), &id).await?))
+}

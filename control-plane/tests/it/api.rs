@@ -1,0 +1,887 @@
+//! The operator HTTP API (issue 12, OPS-2) over real HTTPS against an in-process replica on a
+//! real Postgres: authentication and roles, bounded and validated bodies that write nothing when
+//! refused, conditional label writes under a race, the OpenAPI document against the mounted
+//! routes, and the closed set of problem types.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::{Bytes, Frame};
+use hyper_util::rt::TokioIo;
+use innerwall_control_plane::api::problem::{ApiError, ProblemType};
+use innerwall_control_plane::api::{self, ApiConfig, ApiLimits, ApiState, ApiTls, openapi, router};
+use innerwall_control_plane::error::Error;
+use innerwall_control_plane::identity::ca::{FileCa, Signer};
+use innerwall_control_plane::identity::operators::{self, Refused, Role};
+use innerwall_control_plane::policy::authoring;
+use innerwall_control_plane::policy::spec::NewWorkload;
+use innerwall_control_plane::postgres::Pools;
+use innerwall_control_plane::service::{self, Running, ServiceConfig};
+use innerwall_control_plane::testing::{TestDatabase, fresh_database};
+use innerwall_wire::identity::WorkloadId;
+use rustls::pki_types::{CertificateDer, ServerName, pem::PemObject};
+use serde_json::{Value, json};
+use sqlx::PgPool;
+
+type Body = BoxBody<Bytes, Infallible>;
+
+/// A replica with its API on loopback, and a client that trusts the replica's CA.
+struct Plane {
+    db: TestDatabase,
+    dir: PathBuf,
+    running: Option<Running>,
+    addr: SocketAddr,
+    tls: tokio_rustls::TlsConnector,
+}
+
+/// One answer: status, headers, body.
+#[derive(Debug)]
+struct Reply {
+    status: u16,
+    headers: hyper::HeaderMap,
+    body: Vec<u8>,
+}
+
+impl Reply {
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&self.body)))
+    }
+
+    fn header(&self, name: &str) -> &str {
+        self.headers.get(name).map_or("", |v| v.to_str().unwrap())
+    }
+
+    /// Asserts a problem document of `kind` with `status`, and returns it.
+    #[track_caller]
+    fn problem(&self, status: u16, kind: ProblemType) -> Value {
+        assert_eq!(self.status, status, "{self:?}");
+        assert_eq!(self.header("content-type"), "application/problem+json", "{self:?}");
+        let doc = self.json();
+        assert_eq!(doc["type"], kind.urn(), "{doc}");
+        assert_eq!(doc["status"], status, "{doc}");
+        assert!(doc["detail"].as_str().is_some_and(|d| !d.is_empty()), "{doc}");
+        doc
+    }
+}
+
+fn full(bytes: impl Into<Bytes>) -> Body {
+    Full::new(bytes.into()).boxed()
+}
+
+impl Plane {
+    async fn start(limits: ApiLimits) -> Plane {
+        let db = fresh_database().await.unwrap();
+        let dir = std::env::temp_dir().join(format!("iw-api-{}", uuid::Uuid::new_v4()));
+        let signer = Arc::new(FileCa::init(&dir.join("ca")).unwrap());
+        let config = ServiceConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            server_names: vec!["localhost".into()],
+            cert_lifetime: Duration::from_secs(3600),
+            server_cert_lifetime: innerwall_control_plane::identity::server_cert::SERVER_CERT_LIFETIME,
+            gateway: Default::default(),
+            flow_bounds: Default::default(),
+            limits: Default::default(),
+            metrics_listen: None,
+        };
+        let mut running =
+            service::start(Pools::shared(db.pool.clone()), signer.clone(), config).await.unwrap();
+        let api = ApiConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            tls: ApiTls::FromCa { names: vec!["localhost".into()], lifetime: Duration::from_secs(3600) },
+            limits,
+        };
+        let addr = running.start_api(api).await.unwrap();
+        assert_eq!(running.api().unwrap().fingerprint.len(), 32 * 3 - 1, "SHA-256 as hex pairs");
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in CertificateDer::pem_slice_iter(signer.ca_bundle_pem().as_bytes()) {
+            roots.add(cert.unwrap()).unwrap();
+        }
+        let client =
+            rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()
+                .unwrap()
+                .with_root_certificates(roots)
+                .with_no_client_auth();
+        let tls = tokio_rustls::TlsConnector::from(Arc::new(client));
+        Plane { db, dir, running: Some(running), addr, tls }
+    }
+
+    fn pool(&self) -> &PgPool {
+        &self.db.pool
+    }
+
+    async fn stop(mut self) {
+        if let Some(running) = self.running.take() {
+            running.stop().await.unwrap();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+
+    /// Sends one request on a connection of its own.
+    async fn send(&self, request: hyper::Request<Body>) -> Reply {
+        let tcp = tokio::net::TcpStream::connect(self.addr).await.unwrap();
+        let stream = self.tls.connect(ServerName::try_from("localhost").unwrap(), tcp).await.unwrap();
+        let (mut sender, connection) =
+            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
+        tokio::spawn(connection);
+        let response = sender.send_request(request).await.unwrap();
+        let (parts, body) = response.into_parts();
+        let body = body.collect().await.unwrap().to_bytes().to_vec();
+        Reply { status: parts.status.as_u16(), headers: parts.headers, body }
+    }
+
+    /// A request with an optional bearer token and extra headers.
+    async fn call(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        headers: &[(&str, &str)],
+        body: Body,
+    ) -> Reply {
+        let mut request = hyper::Request::builder().method(method).uri(path).header("host", "localhost");
+        if let Some(token) = token {
+            request = request.header("authorization", format!("Bearer {token}"));
+        }
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        self.send(request.body(body).unwrap()).await
+    }
+
+    async fn get(&self, path: &str, token: Option<&str>) -> Reply {
+        self.call("GET", path, token, &[], full(Bytes::new())).await
+    }
+
+    /// A JSON request body with `If-Match` when given.
+    async fn write(
+        &self,
+        method: &str,
+        path: &str,
+        token: &str,
+        if_match: Option<&str>,
+        body: &Value,
+    ) -> Reply {
+        let mut headers = vec![("content-type", "application/json")];
+        if let Some(tag) = if_match {
+            headers.push(("if-match", tag));
+        }
+        self.call(method, path, Some(token), &headers, full(serde_json::to_vec(body).unwrap())).await
+    }
+}
+
+async fn mint(pool: &PgPool, name: &str, role: Role) -> operators::MintedOperatorToken {
+    operators::mint_audited(pool, "cli:test", name, role, None).await.unwrap()
+}
+
+async fn register(pool: &PgPool, hostname: &str, labels: &[&str]) -> WorkloadId {
+    let id = WorkloadId::new_random();
+    let new = NewWorkload {
+        id,
+        hostname: hostname.into(),
+        labels: labels.iter().map(|l| l.parse().unwrap()).collect(),
+        addresses: BTreeSet::new(),
+    };
+    authoring::commit(pool, "test", "register", hostname, async |c| {
+        authoring::register_workload(c, &new).await?;
+        Ok(((), json!({})))
+    })
+    .await
+    .unwrap();
+    id
+}
+
+/// What a refused request must leave as it was: the audit log, the authored model, labels.
+async fn written(pool: &PgPool) -> (i64, i64, BTreeMap<String, i64>) {
+    let audit: i64 = sqlx::query_scalar("SELECT count(*) FROM audit_log").fetch_one(pool).await.unwrap();
+    let services: i64 = sqlx::query_scalar("SELECT count(*) FROM services").fetch_one(pool).await.unwrap();
+    let labels: Vec<(String, i64)> =
+        sqlx::query_as("SELECT id::text, label_version FROM workloads").fetch_all(pool).await.unwrap();
+    (audit, services, labels.into_iter().collect())
+}
+
+#[tokio::test]
+async fn api_rejects_bad_auth_and_bodies() {
+    let plane = Plane::start(ApiLimits::default()).await;
+    let pool = plane.pool().clone();
+    let viewer = mint(&pool, "vera", Role::Viewer).await;
+    let editor = mint(&pool, "ed", Role::Editor).await;
+    let expired =
+        operators::mint_audited(&pool, "cli:test", "old", Role::Admin, Some(chrono::Duration::hours(1)))
+            .await
+            .unwrap();
+    sqlx::query("UPDATE operator_tokens SET expires_at = now() - interval '1 second' WHERE id = $1")
+        .bind(&expired.id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let revoked = mint(&pool, "gone", Role::Admin).await;
+    operators::revoke_audited(&pool, "cli:test", "gone").await.unwrap();
+    let workload = register(&pool, "web-1", &["app=web"]).await;
+    let before = written(&pool).await;
+
+    // 401: no token, a bad one, a forged secret for a real id, expired, revoked, an oversized
+    // header — each a problem document with WWW-Authenticate, none saying whether an id exists.
+    let services = "/api/v1/services";
+    let forged_secret = format!("{}{}", &viewer.token[..12], "A".repeat(43));
+    let unknown_id = format!("iwo_{}{}", "Zz9-_Zz9", &viewer.token[12..]);
+    let mut not_valid = Vec::new();
+    for (what, token) in [
+        ("none", None),
+        ("malformed", Some("iwo_short".to_owned())),
+        ("provisioning-style", Some(format!("iw_{}", &viewer.token[4..]))),
+        ("forged secret", Some(forged_secret)),
+        ("unknown id", Some(unknown_id)),
+        ("expired", Some(expired.token.clone())),
+        ("revoked", Some(revoked.token.clone())),
+        ("oversized", Some(format!("iwo_{}", "a".repeat(400)))),
+    ] {
+        let reply = plane.get(services, token.as_deref()).await;
+        let doc = reply.problem(401, ProblemType::Unauthorized);
+        assert!(reply.header("www-authenticate").starts_with("Bearer"), "{what}: {reply:?}");
+        let detail = doc["detail"].as_str().unwrap().to_owned();
+        if let Some(secret) = token.as_deref().and_then(|t| t.get(12..)).filter(|s| s.len() >= 8) {
+            assert!(!detail.contains(secret), "{what}: the secret is echoed: {detail}");
+        }
+        match what {
+            "expired" => assert!(detail.contains("expired"), "{detail}"),
+            "revoked" => assert!(detail.contains("revoked"), "{detail}"),
+            "forged secret" | "unknown id" => not_valid.push(detail),
+            _ => {}
+        }
+    }
+    assert_eq!(not_valid[0], not_valid[1], "a forged secret and an unknown id get the same answer");
+
+    // A viewer reads, and may not write: 403 naming the role needed; the body is never read.
+    assert_eq!(plane.get(services, Some(&viewer.token)).await.status, 200);
+    let service = json!({"name": "web", "entries": ["tcp:443"]});
+    let reply = plane.write("POST", services, &viewer.token, None, &service).await;
+    assert_eq!(reply.problem(403, ProblemType::Forbidden)["required_role"], "editor");
+    let labels = format!("/api/v1/workloads/{workload}/labels");
+    let reply =
+        plane.write("PUT", &labels, &viewer.token, Some("\"1\""), &json!({"labels": {"app": "x"}})).await;
+    reply.problem(403, ProblemType::Forbidden);
+    let retire = format!("/api/v1/workloads/{workload}/retire");
+    let reply = plane.write("POST", &retire, &editor.token, None, &json!({})).await;
+    assert_eq!(reply.problem(403, ProblemType::Forbidden)["required_role"], "admin");
+
+    // Bodies: too large (declared, and chunked without a length), not JSON, not the shape, not
+    // valid — each refused before anything is written.
+    let huge = json!({"name": "web", "entries": ["tcp:443"], "description": "x".repeat(70 * 1024)});
+    plane
+        .write("POST", services, &editor.token, None, &huge)
+        .await
+        .problem(413, ProblemType::PayloadTooLarge);
+    let chunks: Vec<Result<Frame<Bytes>, Infallible>> =
+        (0..70).map(|_| Ok(Frame::data(Bytes::from(vec![b' '; 1024])))).collect();
+    let chunked = StreamBody::new(tokio_stream::iter(chunks)).boxed();
+    let reply = plane
+        .call("POST", services, Some(&editor.token), &[("content-type", "application/json")], chunked)
+        .await;
+    reply.problem(413, ProblemType::PayloadTooLarge);
+    let reply = plane
+        .call(
+            "POST",
+            services,
+            Some(&editor.token),
+            &[("content-type", "application/json")],
+            full("{\"name\": \"web\", \"entries\": ["),
+        )
+        .await;
+    reply.problem(400, ProblemType::Invalid);
+    let reply = plane
+        .call(
+            "POST",
+            services,
+            Some(&editor.token),
+            &[("content-type", "text/plain")],
+            full(service.to_string()),
+        )
+        .await;
+    reply.problem(415, ProblemType::UnsupportedMediaType);
+    let unknown_field = json!({"name": "web", "entries": ["tcp:443"], "owner": "me"});
+    plane
+        .write("POST", services, &editor.token, None, &unknown_field)
+        .await
+        .problem(400, ProblemType::Invalid);
+    let bad_port = json!({"name": "web", "entries": ["tcp:99999"]});
+    plane.write("POST", services, &editor.token, None, &bad_port).await.problem(400, ProblemType::Invalid);
+    let bad_name = json!({"name": "Web Server", "entries": ["tcp:443"]});
+    plane.write("POST", services, &editor.token, None, &bad_name).await.problem(400, ProblemType::Invalid);
+    let reply =
+        plane.write("PUT", &labels, &editor.token, Some("\"1\""), &json!({"labels": {"app": "-bad-"}})).await;
+    reply.problem(400, ProblemType::Invalid);
+    plane
+        .write("PUT", &labels, &editor.token, Some("W/\"1\""), &json!({"labels": {}}))
+        .await
+        .problem(400, ProblemType::Invalid);
+    plane.get("/api/v1/workloads/not-a-uuid", Some(&viewer.token)).await.problem(400, ProblemType::Invalid);
+    plane.get("/api/v1/workloads?limit=100000", Some(&viewer.token)).await.problem(400, ProblemType::Invalid);
+    plane.get("/api/v1/nothing-here", Some(&viewer.token)).await.problem(404, ProblemType::NotFound);
+    let reply = plane.call("PATCH", services, Some(&editor.token), &[], full(Bytes::new())).await;
+    reply.problem(405, ProblemType::MethodNotAllowed);
+    assert_eq!(reply.header("allow"), "GET,HEAD,POST", "{reply:?}");
+
+    assert_eq!(written(&pool).await, before, "a refused request writes nothing");
+
+    // The same body, well formed, from an editor: created, and audited under the token's name.
+    let reply = plane.write("POST", services, &editor.token, None, &service).await;
+    assert_eq!(reply.status, 201, "{reply:?}");
+    assert_eq!(reply.header("etag"), "\"1\"");
+    assert_eq!(reply.header("location"), "/api/v1/services/web");
+    let actor: String = sqlx::query_scalar("SELECT actor FROM audit_log WHERE action = 'service.create'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(actor, format!("operator:ed/{}", editor.id));
+    plane
+        .write("POST", services, &editor.token, None, &service)
+        .await
+        .problem(409, ProblemType::DuplicateName);
+    plane.stop().await;
+}
+
+#[tokio::test]
+async fn labels_conditional_write_race() {
+    let plane = Plane::start(ApiLimits::default()).await;
+    let pool = plane.pool().clone();
+    let alice = mint(&pool, "alice", Role::Editor).await;
+    let bob = mint(&pool, "bob", Role::Editor).await;
+    let workload = register(&pool, "web-1", &["app=web", "env=prod"]).await;
+    let path = format!("/api/v1/workloads/{workload}/labels");
+
+    // Both read the same version.
+    let (a, b) = tokio::join!(plane.get(&path, Some(&alice.token)), plane.get(&path, Some(&bob.token)));
+    assert_eq!((a.status, b.status), (200, 200));
+    assert_eq!(a.header("etag"), "\"1\"");
+    assert_eq!(a.json(), json!({"labels": {"app": "web", "env": "prod"}, "version": 1}));
+    let tag = a.header("etag").to_owned();
+
+    // A PUT without If-Match changes nothing.
+    let before = written(&pool).await;
+    let reply = plane.write("PUT", &path, &alice.token, None, &json!({"labels": {"app": "api"}})).await;
+    reply.problem(428, ProblemType::PreconditionRequired);
+    assert_eq!(written(&pool).await, before);
+
+    // Both PUT at once against the version they read: exactly one wins.
+    let (alices, bobs) =
+        (json!({"labels": {"app": "api", "env": "prod"}}), json!({"labels": {"app": "batch"}}));
+    let (a, b) = tokio::join!(
+        plane.write("PUT", &path, &alice.token, Some(&tag), &alices),
+        plane.write("PUT", &path, &bob.token, Some(&tag), &bobs),
+    );
+    let (won, lost, winner) = match (a.status, b.status) {
+        (200, 412) => (a, b, &alice),
+        (412, 200) => (b, a, &bob),
+        other => panic!("expected one 200 and one 412, got {other:?}: {a:?} {b:?}"),
+    };
+    assert_eq!(won.header("etag"), "\"2\"");
+    assert_eq!(won.json()["result"]["version"], 2);
+    let problem = lost.problem(412, ProblemType::PreconditionFailed);
+    assert_eq!(problem["current_version"], 2, "{problem}");
+
+    // The winner's labels stand, once, under its token's name.
+    let now = plane.get(&path, Some(&alice.token)).await;
+    let expected =
+        if winner.name == "alice" { json!({"app": "api", "env": "prod"}) } else { json!({"app": "batch"}) };
+    assert_eq!(now.json(), json!({"labels": expected, "version": 2}));
+    let actors: Vec<String> =
+        sqlx::query_scalar("SELECT actor FROM audit_log WHERE action = 'workload.label' ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(actors, vec![format!("operator:{}/{}", winner.name, winner.id)]);
+
+    // The loser re-reads and retries with the current version.
+    let reply =
+        plane.write("PUT", &path, &alice.token, Some("\"2\""), &json!({"labels": {"app": "web"}})).await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert_eq!(reply.header("etag"), "\"3\"");
+    plane.stop().await;
+}
+
+#[tokio::test]
+async fn operator_tokens_are_revoked_at_once() {
+    let plane = Plane::start(ApiLimits::default()).await;
+    let admin = mint(plane.pool(), "root", Role::Admin).await;
+    let editor = mint(plane.pool(), "ed", Role::Editor).await;
+    let tokens = "/api/v1/operator-tokens";
+    plane.get(tokens, Some(&editor.token)).await.problem(403, ProblemType::Forbidden);
+
+    // An admin mints a viewer over the API; it works at once, and stops working at once.
+    let reply =
+        plane.write("POST", tokens, &admin.token, None, &json!({"name": "vera", "role": "viewer"})).await;
+    assert_eq!(reply.status, 201, "{reply:?}");
+    let minted = reply.json();
+    let token = minted["token"].as_str().unwrap().to_owned();
+    assert!(token.starts_with("iwo_") && token.len() == operators::TOKEN_LEN, "{minted}");
+    assert_eq!(plane.get("/api/v1/workloads", Some(&token)).await.status, 200);
+    let listed = plane.get(tokens, Some(&admin.token)).await.json();
+    assert!(!listed.to_string().contains(&token[12..]), "a list never shows a secret: {listed}");
+    let reply =
+        plane.write("POST", tokens, &admin.token, None, &json!({"name": "vera", "role": "admin"})).await;
+    reply.problem(409, ProblemType::DuplicateName);
+    let id = minted["id"].as_str().unwrap();
+    let reply =
+        plane.call("DELETE", &format!("{tokens}/{id}"), Some(&admin.token), &[], full(Bytes::new())).await;
+    assert_eq!(reply.json()["status"], "revoked", "{reply:?}");
+    let doc = plane.get("/api/v1/workloads", Some(&token)).await.problem(401, ProblemType::Unauthorized);
+    assert!(doc["detail"].as_str().unwrap().contains("revoked"), "{doc}");
+    let actors: Vec<(String, String)> = sqlx::query_as(
+        "SELECT action, actor FROM audit_log WHERE action LIKE 'operator-token.%' AND subject LIKE 'vera/%' ORDER BY id",
+    )
+    .fetch_all(plane.pool())
+    .await
+    .unwrap();
+    let by = format!("operator:root/{}", admin.id);
+    assert_eq!(
+        actors,
+        vec![("operator-token.mint".into(), by.clone()), ("operator-token.revoke".into(), by)]
+    );
+    plane.stop().await;
+}
+
+#[tokio::test]
+async fn api_listener_is_bounded_and_drains() {
+    let limits =
+        ApiLimits { max_connections: 2, handshake_timeout: Duration::from_secs(1), ..ApiLimits::default() };
+    let mut plane = Plane::start(limits).await;
+    let editor = mint(plane.pool(), "ed", Role::Editor).await;
+    let connect = async || {
+        let tcp = tokio::net::TcpStream::connect(plane.addr).await.unwrap();
+        plane.tls.connect(ServerName::try_from("localhost").unwrap(), tcp).await
+    };
+
+    // Two connections that send nothing hold both slots; a third is closed before any TLS.
+    let (first, second) = (connect().await.unwrap(), connect().await.unwrap());
+    assert!(connect().await.is_err(), "a connection over the bound is refused");
+    // Connections that send no request within the header timeout are closed, freeing their slots.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    assert_eq!(plane.get("/api/v1/services", Some(&editor.token)).await.status, 200);
+    drop((first, second));
+
+    // A request in flight when the replica stops is answered before its connection closes.
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, Infallible>>(4);
+    let body = StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)).boxed();
+    let request = hyper::Request::builder()
+        .method("POST")
+        .uri("/api/v1/services")
+        .header("host", "localhost")
+        .header("authorization", format!("Bearer {}", editor.token))
+        .header("content-type", "application/json")
+        .body(body)
+        .unwrap();
+    tx.send(Ok(Frame::data(Bytes::from_static(b"{\"name\": \"web\", ")))).await.unwrap();
+    let running = plane.running.take().unwrap();
+    let in_flight = plane.send(request);
+    let finish = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let stopping = tokio::spawn(running.stop());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        tx.send(Ok(Frame::data(Bytes::from_static(b"\"entries\": [\"tcp:443\"]}")))).await.unwrap();
+        drop(tx);
+        // Stopping ends only once the request in flight is answered.
+        stopping.await.unwrap().unwrap();
+    };
+    let (reply, ()) = tokio::join!(in_flight, finish);
+    assert_eq!(reply.status, 201, "{reply:?}");
+    let services: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM services").fetch_one(plane.pool()).await.unwrap();
+    assert_eq!(services, 1);
+    let stopped = tokio::net::TcpStream::connect(plane.addr).await;
+    assert!(stopped.is_err(), "the listener is closed after stop");
+    plane.stop().await;
+}
+
+#[tokio::test]
+async fn api_serves_the_fleet_and_the_catalog() {
+    let plane = Plane::start(ApiLimits::default()).await;
+    let pool = plane.pool().clone();
+    let editor = mint(&pool, "ed", Role::Editor).await;
+    let token = Some(editor.token.as_str());
+    let web = register(&pool, "web-1", &["app=web"]).await;
+    let db = register(&pool, "db-1", &["app=db"]).await;
+    let batch = register(&pool, "batch-1", &["app=batch"]).await;
+    let set_state = async |id: WorkloadId, state: innerwall_wire::sync::SyncState, seen: &str| {
+        use innerwall_wire::convert::WireEnum;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE workloads SET sync_state = $2, last_seen_at = now() - interval '{seen}' WHERE id = $1"
+        )))
+        .bind(id.uuid())
+        .bind(state.code())
+        .execute(&pool)
+        .await
+        .unwrap();
+    };
+    set_state(web, innerwall_wire::sync::SyncState::Synced, "1 second").await;
+    set_state(db, innerwall_wire::sync::SyncState::Degraded, "1 hour").await;
+    set_state(batch, innerwall_wire::sync::SyncState::Synced, "1 minute").await;
+
+    // Attention order across pages: degraded first, then synced by most recently seen.
+    let mut seen = Vec::new();
+    let mut path = "/api/v1/workloads?limit=1".to_owned();
+    loop {
+        let page = plane.get(&path, token).await.json();
+        seen.extend(
+            page["rows"].as_array().unwrap().iter().map(|r| r["hostname"].as_str().unwrap().to_owned()),
+        );
+        match page["next_cursor"].as_str() {
+            Some(cursor) => path = format!("/api/v1/workloads?limit=1&cursor={cursor}"),
+            None => break,
+        }
+    }
+    assert_eq!(seen, ["db-1", "web-1", "batch-1"]);
+    let page =
+        plane.get("/api/v1/workloads?sync_state=synced&selector=app%3Dweb%7Cbatch", token).await.json();
+    let rows: Vec<&str> =
+        page["rows"].as_array().unwrap().iter().map(|r| r["hostname"].as_str().unwrap()).collect();
+    assert_eq!(rows, ["web-1", "batch-1"], "{page}");
+    assert_eq!(page["truncated"], false);
+    let page = plane.get("/api/v1/workloads?mode=enforcement", token).await.json();
+    assert_eq!(page["rows"], json!([]));
+
+    // Detail and policy read what the CLI prints.
+    let detail = plane.get(&format!("/api/v1/workloads/{web}"), token).await.json();
+    assert_eq!(detail["workload"]["labels"], json!({"app": "web"}));
+    assert_eq!(detail["sync"]["state"], "SYNCED");
+    let policy = plane.get(&format!("/api/v1/workloads/{web}/policy"), token).await.json();
+    assert_eq!(
+        (policy["workload"].as_str(), policy["version"].as_u64()),
+        (Some(web.to_string().as_str()), Some(1))
+    );
+    let history = plane.get(&format!("/api/v1/workloads/{web}/policy/history"), token).await.json();
+    assert_eq!(history["rows"].as_array().unwrap().len(), 1);
+    let unknown = WorkloadId::new_random();
+    plane.get(&format!("/api/v1/workloads/{unknown}"), token).await.problem(404, ProblemType::NotFound);
+    let reply = plane
+        .write("POST", &format!("/api/v1/workloads/{batch}/resend-snapshot"), &editor.token, None, &json!({}))
+        .await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    set_state(batch, innerwall_wire::sync::SyncState::Offline, "1 day").await;
+    let reply = plane
+        .write("POST", &format!("/api/v1/workloads/{batch}/resend-snapshot"), &editor.token, None, &json!({}))
+        .await;
+    assert!(reply.problem(409, ProblemType::AgentOffline)["last_seen"].is_string());
+
+    // The catalog: a ruleset that uses a service renders; the service is then in use; stale
+    // versions are refused with the current one.
+    let service = json!({"name": "https", "entries": ["tcp:443"]});
+    assert_eq!(plane.write("POST", "/api/v1/services", &editor.token, None, &service).await.status, 201);
+    let ruleset = json!({"name": "web-in", "scope": {"app": ["web"]},
+        "rules": [{"name": "from-db", "peers": [{"workloads": {"app": ["db"]}}], "services": ["https"]}]});
+    let reply = plane.write("POST", "/api/v1/rulesets", &editor.token, None, &ruleset).await;
+    assert_eq!(reply.status, 201, "{reply:?}");
+    assert_eq!(reply.json()["changed"][0]["workload"], web.to_string(), "the commit rendered web-1");
+    let reply =
+        plane.write("DELETE", "/api/v1/services/https", &editor.token, Some("\"1\""), &json!({})).await;
+    assert_eq!(reply.problem(409, ProblemType::InUse)["referrers"], json!(["ruleset web-in rule from-db"]));
+    let shown = plane.get("/api/v1/rulesets/web-in", token).await;
+    assert_eq!(shown.header("etag"), "\"1\"");
+    assert_eq!(shown.json()["rules"][0]["services"], json!(["https"]));
+    let renamed = json!({"name": "other", "scope": {"app": ["web"]}});
+    let reply = plane.write("PUT", "/api/v1/rulesets/web-in", &editor.token, Some("\"1\""), &renamed).await;
+    reply.problem(400, ProblemType::Invalid);
+    let emptied = json!({"name": "web-in", "scope": {"app": ["web"]}});
+    let reply = plane.write("PUT", "/api/v1/rulesets/web-in", &editor.token, Some("\"1\""), &emptied).await;
+    assert_eq!((reply.status, reply.header("etag")), (200, "\"2\""), "{reply:?}");
+    let reply = plane.write("PUT", "/api/v1/rulesets/web-in", &editor.token, Some("\"1\""), &emptied).await;
+    assert_eq!(reply.problem(412, ProblemType::PreconditionFailed)["current_version"], 2);
+    let reply =
+        plane.write("DELETE", "/api/v1/services/https", &editor.token, Some("\"1\""), &json!({})).await;
+    assert_eq!(reply.status, 200, "no longer in use: {reply:?}");
+    plane.get("/api/v1/services/https", token).await.problem(404, ProblemType::NotFound);
+
+    // Provisioning tokens: minted once with the secret, listed without it, revoked.
+    let reply = plane
+        .write("POST", "/api/v1/provisioning-tokens", &editor.token, None, &json!({"labels": ["app=web"]}))
+        .await;
+    assert_eq!(reply.status, 201, "{reply:?}");
+    let minted = reply.json();
+    let secret = minted["token"].as_str().unwrap();
+    assert!(secret.starts_with("iw_"));
+    let listed = plane.get("/api/v1/provisioning-tokens", token).await.json();
+    assert!(!listed.to_string().contains(&secret[3..]));
+    let id = minted["id"].as_str().unwrap();
+    let reply = plane
+        .call("DELETE", &format!("/api/v1/provisioning-tokens/{id}"), token, &[], full(Bytes::new()))
+        .await;
+    assert_eq!(reply.json()["status"], "revoked");
+    let reply =
+        plane.write("POST", "/api/v1/provisioning-tokens", &editor.token, None, &json!({"labels": []})).await;
+    reply.problem(400, ProblemType::Invalid);
+    plane.stop().await;
+}
+
+#[tokio::test]
+async fn promotions_over_the_api() {
+    let plane = Plane::start(ApiLimits::default()).await;
+    let pool = plane.pool().clone();
+    let editor = mint(&pool, "ed", Role::Editor).await;
+    let promoter = mint(&pool, "pat", Role::Promoter).await;
+    let web = register(&pool, "web-1", &["app=web"]).await;
+    register(&pool, "web-2", &["app=web"]).await;
+    let promotions = "/api/v1/promotions";
+    let to_simulation =
+        json!({"scope": "app=web", "expect_count": 2, "to": "simulation", "reason": "try it"});
+    plane
+        .write("POST", promotions, &editor.token, None, &to_simulation)
+        .await
+        .problem(403, ProblemType::Forbidden);
+
+    // The count is pinned: a set of another size changes nothing.
+    let wrong = json!({"scope": "app=web", "expect_count": 3, "to": "simulation", "reason": "try it"});
+    let doc = plane
+        .write("POST", promotions, &promoter.token, None, &wrong)
+        .await
+        .problem(409, ProblemType::MatchCountMismatch);
+    assert_eq!((doc["expected"].as_u64(), doc["matched"].as_u64()), (Some(3), Some(2)), "{doc}");
+    assert_eq!(doc["names"].as_array().unwrap().len(), 2);
+
+    let reply = plane.write("POST", promotions, &promoter.token, None, &to_simulation).await;
+    assert_eq!(reply.status, 201, "{reply:?}");
+    let record = reply.json();
+    assert_eq!(record["actor"], format!("operator:pat/{}", promoter.id));
+    assert_eq!(record["to_mode"], "simulation");
+
+    // Enforcement without evidence is refused with the verdict's reasons; the verdict says why.
+    let enforce = json!({"ids": [web.to_string()], "expect_count": 1, "to": "enforcement", "reason": "go"});
+    let doc = plane
+        .write("POST", promotions, &promoter.token, None, &enforce)
+        .await
+        .problem(409, ProblemType::EvidenceInsufficient);
+    assert_eq!(doc["outcome"], "INSUFFICIENT", "{doc}");
+    assert!(doc["reasons"].as_str().is_some_and(|r| r.contains("web-1")), "{doc}");
+    let verdict = plane.get(&format!("/api/v1/verdict?ids={web}"), Some(&editor.token)).await.json();
+    assert_eq!(verdict["outcome"], "INSUFFICIENT");
+    let listed = plane.get(promotions, Some(&editor.token)).await.json();
+    assert_eq!(listed.as_array().unwrap().len(), 1, "only the change that happened is recorded: {listed}");
+    let id = record["id"].as_str().unwrap();
+    assert_eq!(plane.get(&format!("{promotions}/{id}"), Some(&editor.token)).await.json(), record);
+    plane.stop().await;
+}
+
+/// A path of the document with its parameters filled in.
+fn concrete(path: &str) -> String {
+    path.replace("{id}", "00000000-0000-4000-8000-000000000001").replace("{name}", "x")
+}
+
+#[tokio::test]
+async fn openapi_covers_mounted_routes() {
+    let plane = Plane::start(ApiLimits::default()).await;
+    let (_, routes) = router::build(ApiState { pool: plane.pool().clone(), limits: ApiLimits::default() });
+    let doc = openapi::document(&routes);
+
+    // The document lists exactly the routes the router mounted, with their methods.
+    let mounted: BTreeSet<(String, &str)> = routes.iter().map(|r| (r.path.to_owned(), r.method)).collect();
+    let documented: BTreeSet<(String, &str)> = openapi::operations(&doc).into_iter().collect();
+    assert_eq!(mounted.len(), routes.len(), "a route is mounted twice");
+    let undocumented: Vec<_> = mounted.difference(&documented).collect();
+    let unmounted: Vec<_> = documented.difference(&mounted).collect();
+    assert!(
+        undocumented.is_empty() && unmounted.is_empty(),
+        "mounted, not documented: {undocumented:?}; documented, not mounted: {unmounted:?}"
+    );
+
+    // Each operation's security is the role it is mounted with.
+    let value = serde_json::to_value(&doc).unwrap();
+    for route in &routes {
+        let op = &value["paths"][route.path][route.method.to_lowercase()];
+        let expected = match route.role {
+            Some(role) => json!([{ openapi::SECURITY_SCHEME: [role.name()] }]),
+            None => json!([{}]),
+        };
+        assert_eq!(op["security"], expected, "{} {}", route.method, route.path);
+    }
+
+    // And the running listener serves them: without a token every route but the document
+    // answers 401 (so it exists and is guarded), and a method the document does not list
+    // answers 405 naming exactly the documented ones.
+    let viewer = mint(plane.pool(), "vera", Role::Viewer).await;
+    let mut by_path: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+    for route in &routes {
+        by_path.entry(route.path).or_default().insert(route.method);
+        let reply = plane.call(route.method, &concrete(route.path), None, &[], full(Bytes::new())).await;
+        match route.role {
+            Some(_) => {
+                reply.problem(401, ProblemType::Unauthorized);
+            }
+            None => assert_eq!(reply.status, 200, "{} {}: {reply:?}", route.method, route.path),
+        }
+    }
+    for (path, methods) in by_path {
+        let reply = plane.call("PATCH", &concrete(path), Some(&viewer.token), &[], full(Bytes::new())).await;
+        reply.problem(405, ProblemType::MethodNotAllowed);
+        let mut allowed: BTreeSet<&str> = reply.header("allow").split(',').collect();
+        if methods.contains("GET") {
+            assert!(allowed.remove("HEAD"), "GET answers HEAD too: {path}");
+        }
+        assert_eq!(allowed, methods, "{path}");
+    }
+
+    // The served document is the generated one.
+    let served = plane.get(openapi::PATH, None).await;
+    assert_eq!(served.header("content-type"), "application/json");
+    assert_eq!(String::from_utf8(served.body).unwrap(), openapi::json(&routes));
+    plane.stop().await;
+}
+
+#[tokio::test]
+async fn problem_types_are_closed() {
+    // One of every library error and every refusal at the edge. The matches below have no
+    // wildcard, so a new variant does not compile until it has a sample here.
+    fn library_variant(e: &Error) -> &'static str {
+        match e {
+            Error::NotFound { .. } => "not found",
+            Error::Exists { .. } => "exists",
+            Error::Stale { .. } => "stale",
+            Error::InUse { .. } => "in use",
+            Error::Invalid(_) => "invalid",
+            Error::InvalidInput(_) => "invalid input",
+            Error::Refused(_) => "refused",
+            Error::Token { .. } => "token",
+            Error::Busy(_) => "busy",
+            Error::CountMismatch { .. } => "count mismatch",
+            Error::EvidenceInsufficient { .. } => "evidence insufficient",
+            Error::AgentOffline { .. } => "agent offline",
+            Error::Render(_) => "render",
+            Error::Corrupt { .. } => "corrupt",
+            Error::Database(_) => "database",
+        }
+    }
+    fn edge_variant(e: &ApiError) -> &'static str {
+        match e {
+            ApiError::Domain(_) => "domain",
+            ApiError::NoToken(_) => "no token",
+            ApiError::Refused(_) => "refused",
+            ApiError::Forbidden { .. } => "forbidden",
+            ApiError::PreconditionRequired(_) => "precondition required",
+            ApiError::PayloadTooLarge { .. } => "payload too large",
+            ApiError::UnsupportedMediaType(_) => "unsupported media type",
+            ApiError::Malformed(_) => "malformed",
+            ApiError::NoRoute(_) => "no route",
+            ApiError::MethodNotAllowed { .. } => "method not allowed",
+            ApiError::Timeout(_) => "timeout",
+        }
+    }
+    let library = vec![
+        (Error::NotFound { what: "service", name: "web".into() }, ProblemType::NotFound),
+        (Error::Exists { what: "service", name: "web".into() }, ProblemType::DuplicateName),
+        (
+            Error::Stale { what: "service", name: "web".into(), expected: 1, current: 2 },
+            ProblemType::PreconditionFailed,
+        ),
+        (
+            Error::InUse { what: "service", name: "web".into(), referrers: vec!["ruleset a rule r".into()] },
+            ProblemType::InUse,
+        ),
+        (Error::Invalid("bad".into()), ProblemType::Invalid),
+        (Error::InvalidInput("bad".into()), ProblemType::Invalid),
+        (Error::Refused("no".into()), ProblemType::Forbidden),
+        (Error::Token { kind: "revoked", error: "revoked".into() }, ProblemType::Unauthorized),
+        (Error::Busy("the render lock".into()), ProblemType::Busy),
+        (
+            Error::CountMismatch { expected: 2, matched: 1, names: vec!["a".into()] },
+            ProblemType::MatchCountMismatch,
+        ),
+        (
+            Error::EvidenceInsufficient { outcome: "UNSAFE", reasons: "x".into() },
+            ProblemType::EvidenceInsufficient,
+        ),
+        (Error::AgentOffline { id: "w".into(), last_seen: "never".into() }, ProblemType::AgentOffline),
+        (Error::Render("broke".into()), ProblemType::Internal),
+        (Error::Corrupt { what: "mode", detail: "9".into() }, ProblemType::Internal),
+        (Error::Database(sqlx::Error::PoolTimedOut), ProblemType::Busy),
+        (Error::Database(sqlx::Error::RowNotFound), ProblemType::Internal),
+    ];
+    let edge = vec![
+        (ApiError::NoToken("none"), ProblemType::Unauthorized),
+        (ApiError::Refused(Refused::Malformed), ProblemType::Unauthorized),
+        (ApiError::Refused(Refused::NotValid), ProblemType::Unauthorized),
+        (
+            ApiError::Refused(Refused::Expired { id: "x".into(), at: chrono::Utc::now() }),
+            ProblemType::Unauthorized,
+        ),
+        (
+            ApiError::Refused(Refused::Revoked { id: "x".into(), at: chrono::Utc::now() }),
+            ProblemType::Unauthorized,
+        ),
+        (
+            ApiError::Refused(Refused::Unavailable(Error::Database(sqlx::Error::PoolTimedOut))),
+            ProblemType::Busy,
+        ),
+        (
+            ApiError::Forbidden { needed: Role::Admin, has: Role::Viewer, token: "x".into() },
+            ProblemType::Forbidden,
+        ),
+        (ApiError::PreconditionRequired("x".into()), ProblemType::PreconditionRequired),
+        (ApiError::PayloadTooLarge { limit: 1 }, ProblemType::PayloadTooLarge),
+        (ApiError::UnsupportedMediaType("text/plain".into()), ProblemType::UnsupportedMediaType),
+        (ApiError::Malformed("x".into()), ProblemType::Invalid),
+        (ApiError::NoRoute("/x".into()), ProblemType::NotFound),
+        (
+            ApiError::MethodNotAllowed { method: "PATCH".into(), path: "/x".into() },
+            ProblemType::MethodNotAllowed,
+        ),
+        (ApiError::Timeout(Duration::from_secs(1)), ProblemType::Busy),
+    ];
+    let library_variants: BTreeSet<&str> = library.iter().map(|(e, _)| library_variant(e)).collect();
+    assert_eq!(library_variants.len(), 15, "a sample of every library error");
+    let edge_variants: BTreeSet<&str> = edge.iter().map(|(e, _)| edge_variant(e)).collect();
+    assert_eq!(
+        edge_variants.len() + 1,
+        11,
+        "a sample of every refusal at the edge (Domain is the library's)"
+    );
+
+    let mut produced = BTreeSet::new();
+    let errors = library.into_iter().map(|(e, t)| (ApiError::Domain(e), t)).chain(edge);
+    for (error, expected) in errors {
+        let problem = error.problem();
+        assert_eq!(problem.kind, expected, "{error:?}");
+        assert_eq!(problem.status, expected.status().as_u16(), "{error:?}");
+        let json = serde_json::to_value(&problem).unwrap();
+        assert_eq!(json["type"], expected.urn());
+        produced.insert(expected);
+    }
+    // Members the CLI's errors carry reach the document.
+    let stale =
+        ApiError::Domain(Error::Stale { what: "s", name: "w".into(), expected: 1, current: 7 }).problem();
+    assert_eq!(stale.current_version, Some(7));
+    let mismatch =
+        ApiError::Domain(Error::CountMismatch { expected: 2, matched: 1, names: vec!["a".into()] }).problem();
+    assert_eq!(
+        (mismatch.expected, mismatch.matched, mismatch.names),
+        (Some(2), Some(1), Some(vec!["a".to_owned()]))
+    );
+    let in_use =
+        ApiError::Domain(Error::InUse { what: "s", name: "w".into(), referrers: vec!["r".into()] }).problem();
+    assert_eq!(in_use.referrers, Some(vec!["r".to_owned()]));
+
+    // Every type is produced by something, and the document lists exactly the closed set.
+    let all: BTreeSet<ProblemType> = ProblemType::ALL.into_iter().collect();
+    assert_eq!(produced, all, "a documented type nothing produces, or one produced and not documented");
+    let pool =
+        sqlx::postgres::PgPoolOptions::new().connect_lazy("postgres://unused@localhost/unused").unwrap();
+    let (_, routes) = router::build(ApiState { pool, limits: ApiLimits::default() });
+    let doc = serde_json::to_value(openapi::document(&routes)).unwrap();
+    let listed: BTreeSet<String> = doc["components"]["schemas"]["ProblemType"]["enum"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap().to_owned())
+        .collect();
+    let urns: BTreeSet<String> = ProblemType::ALL.iter().map(|t| t.urn()).collect();
+    assert_eq!(listed, urns);
+    assert_eq!(
+        doc["components"]["schemas"]["Problem"]["properties"]["type"]["$ref"],
+        "#/components/schemas/ProblemType"
+    );
+    let _ = api::DEFAULT_MAX_BODY;
+}
