@@ -10,5 +10,6 @@ mod host;
 mod kill_switch;
 mod metrics;
 mod plane;
+mod remote;
 mod sync;
 mod unauthenticated;

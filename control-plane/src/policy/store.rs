@@ -317,7 +317,7 @@ pub async fn policy_history(conn: &mut PgConnection, id: WorkloadId) -> Result<V
 
 // ---- read views for the CLI and API ------------------------------------------------------
 
-#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize, utoipa::ToSchema)]
 pub struct ServiceView {
     pub name: String,
     pub description: String,
@@ -354,7 +354,7 @@ pub async fn list_services(conn: &mut PgConnection) -> Result<Vec<ServiceView>, 
         .collect())
 }
 
-#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize, utoipa::ToSchema)]
 pub struct AddressGroupView {
     pub name: String,
     pub description: String,

@@ -3,6 +3,7 @@
 //! This file owns the top-level flags and dispatch (logging is set up by `logs`); each command
 //! group has a module with its clap types next to its handlers.
 
+mod api;
 mod ca;
 mod ctx;
 mod duration;
@@ -36,6 +37,17 @@ struct Cli {
     /// The CA directory (ca.key, ca.crt), identical on every replica. Default: <state-dir>/ca.
     #[arg(long, env = "INNERWALL_CA_DIR", global = true)]
     ca_dir: Option<PathBuf>,
+    /// A remote control plane's operator API (`https://cp:8443`): operator commands go through
+    /// it instead of the database. Host administration (serve, migrate, ca, operator,
+    /// contract) stays local and is refused with it.
+    #[arg(long, env = "INNERWALL_API", global = true)]
+    api: Option<String>,
+    /// The operator token for --api (minted on the host: `innerwall operator token mint`).
+    #[arg(long, env = "INNERWALL_TOKEN", global = true, hide_env_values = true)]
+    token: Option<String>,
+    /// The PEM bundle that issued the API's certificate (the host's <ca-dir>/ca.crt).
+    #[arg(long, env = "INNERWALL_API_CA", global = true)]
+    api_ca: Option<PathBuf>,
     /// Print JSON instead of tables.
     #[arg(long, global = true)]
     json: bool,
@@ -121,6 +133,9 @@ fn main() -> ExitCode {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
+    if let Some(api) = &cli.api {
+        return remote(api, &cli).await;
+    }
     let ca_dir = cli.ca_dir.unwrap_or_else(|| cli.state_dir.join("ca"));
     let database = Database { url: cli.database_url, state_dir: cli.state_dir };
     let connect = || Ctx::connect(&database, cli.json, &ca_dir);
@@ -144,4 +159,44 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Operator(cmd) => operators::run(&connect().await?, &cmd).await?,
     }
     Ok(())
+}
+
+/// A command with `--api`: through the remote control plane's API, never this host's database.
+async fn remote(api: &str, cli: &Cli) -> anyhow::Result<()> {
+    let host_only = match &cli.command {
+        Command::Contract => Some("contract"),
+        Command::Migrate => Some("migrate"),
+        Command::Serve(_) => Some("serve"),
+        Command::Ca(_) => Some("ca"),
+        Command::Operator(_) => Some("operator"),
+        _ => None,
+    };
+    if let Some(name) = host_only {
+        anyhow::bail!(
+            "`innerwall {name}` administers this host and does not take --api; run it on the control-plane host without --api (and without INNERWALL_API)"
+        );
+    }
+    let client = api::ApiClient::new(api, cli.token.as_deref(), cli.api_ca.as_deref())?;
+    match &cli.command {
+        Command::Service(cmd) => policy::catalog_remote(&client, cli.json, cmd).await,
+        Command::AddressGroup(cmd) => policy::catalog_remote(&client, cli.json, cmd).await,
+        Command::Ruleset(cmd) => policy::ruleset_remote(&client, cli.json, cmd).await,
+        Command::Token(_) => not_yet("token"),
+        Command::Render => not_yet("render"),
+        Command::EstateRange(_) => not_yet("estate-range"),
+        Command::Workload(_) => not_yet("workload"),
+        Command::Flows(_) => not_yet("flows"),
+        Command::Promotions(_) => not_yet("promotions"),
+        Command::Contract | Command::Migrate | Command::Serve(_) | Command::Ca(_) | Command::Operator(_) => {
+            unreachable!("host-only commands were refused above")
+        }
+    }
+}
+
+/// A command group whose remote mode is not written yet (issue 12 part 6): refused, so it never
+/// falls back to a database the operator did not point at.
+fn not_yet(name: &str) -> anyhow::Result<()> {
+    anyhow::bail!(
+        "`innerwall {name}` is not available remotely yet (issue 12 part 6); run it on the control-plane host without --api"
+    )
 }

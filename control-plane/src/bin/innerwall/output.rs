@@ -43,6 +43,37 @@ pub fn print_changed<T: Serialize>(json: bool, changed: &[Changed], value: &T) {
     }
 }
 
+/// The API's answer to a change (`{"result": …, "changed": [{workload, version}]}`), printed
+/// exactly as [`report`] prints a local [`Committed`].
+#[derive(Debug, serde::Deserialize)]
+pub struct Outcome<T> {
+    pub result: T,
+    pub changed: Vec<ChangedRow>,
+}
+
+#[derive(Debug, Serialize, serde::Deserialize)]
+pub struct ChangedRow {
+    pub workload: String,
+    pub version: u64,
+}
+
+/// [`report`] for an [`Outcome`] the API answered.
+pub fn report_outcome<T: Serialize>(json: bool, what: &str, done: &Outcome<T>) {
+    if json {
+        println!("{}", serde_json::json!({"result": done.result, "changed": done.changed}));
+        return;
+    }
+    println!("{what}");
+    if done.changed.is_empty() {
+        println!("no workload's policy changed");
+    } else {
+        println!("policy version changed for {} workload(s):", done.changed.len());
+        for c in &done.changed {
+            println!("  {}  v{}", c.workload, c.version);
+        }
+    }
+}
+
 /// Prints `what` (unless `--json`), then the outcome of the change.
 pub fn report<T: Serialize>(json: bool, what: &str, done: Committed<T>) {
     if !json {

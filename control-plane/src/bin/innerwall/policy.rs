@@ -16,8 +16,9 @@ use innerwall_wire::policy::Cidr;
 use serde::Serialize;
 use sqlx::PgConnection;
 
+use crate::api::{ApiClient, segment};
 use crate::ctx::Ctx;
-use crate::output::{print_changed, print_json, print_table, report};
+use crate::output::{Outcome, print_changed, print_json, print_table, report, report_outcome};
 
 #[derive(Debug, Args)]
 pub struct Expect {
@@ -59,10 +60,15 @@ pub trait Catalog: Args {
     const ACTION: &'static str;
     /// The members' table column and audit-detail key: `entries`, `cidrs`.
     const MEMBERS: &'static str;
+    /// The API's collection: `/api/v1/services`, `/api/v1/address-groups`.
+    const PATH: &'static str;
     type Spec;
-    type View: Serialize;
+    type View: Serialize + serde::de::DeserializeOwned;
 
     fn spec(&self) -> anyhow::Result<Self::Spec>;
+    /// The API's body for a create (with the name) or an update (without).
+    fn body(&self, with_name: bool) -> serde_json::Value;
+    fn arg_name(&self) -> &str;
     fn name(spec: &Self::Spec) -> &str;
     fn members(spec: &Self::Spec) -> Vec<String>;
     async fn create(conn: &mut PgConnection, spec: &Self::Spec) -> Result<(), Error>;
@@ -100,11 +106,12 @@ pub struct GroupArgs {
 /// the table column and the audit-detail key.
 macro_rules! catalog {
     ($args:ty { $members:ident: $parse:path } => $spec:ident, $view:ident, $noun:literal, $action:literal,
-     [$create:ident, $update:ident, $delete:ident, $list:ident]) => {
+     $path:literal, [$create:ident, $update:ident, $delete:ident, $list:ident]) => {
         impl Catalog for $args {
             const NOUN: &'static str = $noun;
             const ACTION: &'static str = $action;
             const MEMBERS: &'static str = stringify!($members);
+            const PATH: &'static str = $path;
             type Spec = $spec;
             type View = $view;
 
@@ -115,6 +122,19 @@ macro_rules! catalog {
                     description: self.description.clone(),
                     $members: members.collect::<anyhow::Result<_>>()?,
                 })
+            }
+            fn body(&self, with_name: bool) -> serde_json::Value {
+                let mut body = serde_json::json!({
+                    "description": self.description,
+                    stringify!($members): self.$members,
+                });
+                if with_name {
+                    body["name"] = self.name.clone().into();
+                }
+                body
+            }
+            fn arg_name(&self) -> &str {
+                &self.name
             }
             fn name(spec: &$spec) -> &str {
                 &spec.name
@@ -149,9 +169,9 @@ macro_rules! catalog {
 }
 
 catalog!(ServiceArgs { entries: ServiceEntry::parse } => ServiceSpec, ServiceView, "service", "service",
-    [create_service, update_service, delete_service, list_services]);
+    "/api/v1/services", [create_service, update_service, delete_service, list_services]);
 catalog!(GroupArgs { cidrs: Cidr::parse_lenient } => AddressGroupSpec, AddressGroupView, "address group",
-    "address-group", [create_address_group, update_address_group, delete_address_group, list_address_groups]);
+    "address-group", "/api/v1/address-groups", [create_address_group, update_address_group, delete_address_group, list_address_groups]);
 
 /// The audit detail of a create or update: the members as written.
 fn members_detail<A: Catalog>(spec: &A::Spec) -> serde_json::Value {
@@ -205,6 +225,108 @@ pub async fn catalog<A: Catalog>(ctx: &Ctx, cmd: &ObjectCmd<A>) -> anyhow::Resul
             }
             let rows = all.into_iter().map(A::row).collect();
             print_table(&["name", "version", A::MEMBERS, "description"], rows);
+        }
+    }
+    Ok(())
+}
+
+/// The version to send as `If-Match`: the one given, or (as the local write, which checks
+/// none) the one current now.
+async fn version_for(api: &ApiClient, path: &str, given: Option<i64>) -> anyhow::Result<i64> {
+    match given {
+        Some(v) => Ok(v),
+        None => {
+            let current: serde_json::Value = api.get(path).await?;
+            current["version"].as_i64().with_context(|| format!("GET {path}: the answer has no version"))
+        }
+    }
+}
+
+/// [`catalog`] over the API: the same messages, tables and `--json`.
+pub async fn catalog_remote<A: Catalog>(
+    api: &ApiClient,
+    json: bool,
+    cmd: &ObjectCmd<A>,
+) -> anyhow::Result<()> {
+    let noun = A::NOUN;
+    match cmd {
+        ObjectCmd::Create(args) => {
+            args.spec()?;
+            let name = args.arg_name();
+            let done: Outcome<()> = api.write("POST", A::PATH, None, Some(&args.body(true))).await?;
+            report_outcome(json, &format!("{noun} {name} created (version 1)"), &done);
+        }
+        ObjectCmd::Update { object, expect } => {
+            object.spec()?;
+            let name = object.arg_name();
+            let path = format!("{}/{}", A::PATH, segment(name));
+            let version = version_for(api, &path, expect.expect_version).await?;
+            let done: Outcome<i64> =
+                api.write("PUT", &path, Some(version), Some(&object.body(false))).await?;
+            report_outcome(json, &format!("{noun} {name} updated (version {})", done.result), &done);
+        }
+        ObjectCmd::Delete { name, expect } => {
+            let path = format!("{}/{}", A::PATH, segment(name));
+            let version = version_for(api, &path, expect.expect_version).await?;
+            let done: Outcome<()> = api.write("DELETE", &path, Some(version), None).await?;
+            report_outcome(json, &format!("{noun} {name} deleted"), &done);
+        }
+        ObjectCmd::List | ObjectCmd::Show { .. } => {
+            let mut all: Vec<A::View> = api.get(A::PATH).await?;
+            if let ObjectCmd::Show { name } = cmd {
+                all.retain(|view| A::view_name(view) == name);
+                if all.is_empty() {
+                    bail!("{noun} {name:?} not found");
+                }
+            }
+            if json {
+                return print_json(&all);
+            }
+            let rows = all.into_iter().map(A::row).collect();
+            print_table(&["name", "version", A::MEMBERS, "description"], rows);
+        }
+    }
+    Ok(())
+}
+
+/// A [`store::RulesetView`] from the API's JSON (the spec is flattened beside `version`).
+fn ruleset_view(mut value: serde_json::Value) -> anyhow::Result<store::RulesetView> {
+    let version = value
+        .as_object_mut()
+        .and_then(|o| o.remove("version"))
+        .and_then(|v| v.as_i64())
+        .context("a ruleset in the answer has no version")?;
+    Ok(store::RulesetView { version, spec: serde_json::from_value(value)? })
+}
+
+/// [`ruleset`] over the API: the same messages, tables, YAML and `--json`.
+pub async fn ruleset_remote(api: &ApiClient, json: bool, cmd: &ObjectCmd<RulesetFile>) -> anyhow::Result<()> {
+    const PATH: &str = "/api/v1/rulesets";
+    match cmd {
+        ObjectCmd::Create(RulesetFile { file }) => {
+            let spec = read_ruleset_file(file)?;
+            let body = serde_json::to_value(&spec)?;
+            let done: Outcome<()> = api.write("POST", PATH, None, Some(&body)).await?;
+            report_outcome(json, &format!("ruleset {} created (version 1)", spec.name), &done);
+        }
+        ObjectCmd::Update { object: RulesetFile { file }, expect } => {
+            let spec = read_ruleset_file(file)?;
+            let path = format!("{PATH}/{}", segment(&spec.name));
+            let version = version_for(api, &path, expect.expect_version).await?;
+            let body = serde_json::to_value(&spec)?;
+            let done: Outcome<i64> = api.write("PUT", &path, Some(version), Some(&body)).await?;
+            report_outcome(json, &format!("ruleset {} updated (version {})", spec.name, done.result), &done);
+        }
+        ObjectCmd::Delete { name, expect } => {
+            let path = format!("{PATH}/{}", segment(name));
+            let version = version_for(api, &path, expect.expect_version).await?;
+            let done: Outcome<()> = api.write("DELETE", &path, Some(version), None).await?;
+            report_outcome(json, &format!("ruleset {name} deleted"), &done);
+        }
+        ObjectCmd::List | ObjectCmd::Show { .. } => {
+            let all: Vec<serde_json::Value> = api.get(PATH).await?;
+            let all = all.into_iter().map(ruleset_view).collect::<anyhow::Result<Vec<_>>>()?;
+            print_rulesets(json, cmd, all)?;
         }
     }
     Ok(())
@@ -271,38 +393,48 @@ pub async fn ruleset(ctx: &Ctx, cmd: &ObjectCmd<RulesetFile>) -> anyhow::Result<
             .await?;
             report(json, &format!("ruleset {name} deleted"), done);
         }
-        ObjectCmd::List => {
+        ObjectCmd::List | ObjectCmd::Show { .. } => {
             let all = store::list_rulesets(&mut *pool.acquire().await?).await?;
-            if json {
-                return print_json(&all);
-            }
-            let rows = all
-                .into_iter()
-                .map(|r| {
-                    let scope: Vec<String> =
-                        r.spec.scope.iter().map(|(k, vs)| format!("{k} in ({})", vs.join(", "))).collect();
-                    vec![
-                        r.spec.name,
-                        r.version.to_string(),
-                        if r.spec.enabled { "yes" } else { "no" }.into(),
-                        scope.join(" and "),
-                        r.spec.rules.len().to_string(),
-                    ]
-                })
-                .collect();
-            print_table(&["name", "version", "enabled", "scope", "rules"], rows);
-        }
-        ObjectCmd::Show { name } => {
-            let all = store::list_rulesets(&mut *pool.acquire().await?).await?;
-            let Some(view) = all.into_iter().find(|r| &r.spec.name == name) else {
-                bail!("ruleset {name:?} not found");
-            };
-            if json {
-                return print_json(&view);
-            }
-            println!("# version: {}", view.version);
-            print!("{}", serde_norway::to_string(&view.spec)?);
+            print_rulesets(json, cmd, all)?;
         }
     }
+    Ok(())
+}
+
+/// `ruleset list` (a table) and `ruleset show NAME` (the file format), from either source.
+fn print_rulesets(
+    json: bool,
+    cmd: &ObjectCmd<RulesetFile>,
+    all: Vec<store::RulesetView>,
+) -> anyhow::Result<()> {
+    if let ObjectCmd::Show { name } = cmd {
+        let Some(view) = all.into_iter().find(|r| &r.spec.name == name) else {
+            bail!("ruleset {name:?} not found");
+        };
+        if json {
+            return print_json(&view);
+        }
+        println!("# version: {}", view.version);
+        print!("{}", serde_norway::to_string(&view.spec)?);
+        return Ok(());
+    }
+    if json {
+        return print_json(&all);
+    }
+    let rows = all
+        .into_iter()
+        .map(|r| {
+            let scope: Vec<String> =
+                r.spec.scope.iter().map(|(k, vs)| format!("{k} in ({})", vs.join(", "))).collect();
+            vec![
+                r.spec.name,
+                r.version.to_string(),
+                if r.spec.enabled { "yes" } else { "no" }.into(),
+                scope.join(" and "),
+                r.spec.rules.len().to_string(),
+            ]
+        })
+        .collect();
+    print_table(&["name", "version", "enabled", "scope", "rules"], rows);
     Ok(())
 }
