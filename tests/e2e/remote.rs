@@ -1,7 +1,7 @@
 //! Issue 12 part 6, `remote_cli_matches_local`: the same authoring script through the local CLI
 //! (database A) and through `--api` against a real `innerwall serve --api-listen` (database B)
 //! prints the same tables, messages and `--json`; a bad token is the 401 problem's detail and a
-//! non-zero exit; a host-only command and a group not yet remote-capable refuse `--api`.
+//! non-zero exit; a host-only command refuses `--api`.
 //!
 //! Two databases rather than one with distinct names, so the outputs can be compared byte for
 //! byte with nothing normalized: the script creates no workloads, so no id, timestamp or actor
@@ -18,13 +18,13 @@ use innerwall_control_plane::sync::gateway::GatewayConfig;
 use crate::plane::Plane;
 
 /// `innerwall serve` with the API on; killed on drop.
-struct Serve {
+pub(crate) struct Serve {
     child: Child,
     lines: mpsc::Receiver<String>,
 }
 
 impl Serve {
-    fn start(plane: &Plane, api: &str) -> Serve {
+    pub(crate) fn start(plane: &Plane, api: &str) -> Serve {
         let mut child = Command::new(innerwall_e2e::workspace_bin("innerwall"))
             .args(["--database-url", &plane.db.url, "--ca-dir"])
             .arg(plane.dir.join("ca"))
@@ -62,7 +62,7 @@ impl Drop for Serve {
 
 /// `innerwall <args>`: exit code, stdout, stderr. `INNERWALL_*` from the test's environment
 /// never leaks in.
-fn innerwall(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String, String) {
+pub(crate) fn innerwall(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String, String) {
     let mut command = Command::new(innerwall_e2e::workspace_bin("innerwall"));
     for var in ["INNERWALL_API", "INNERWALL_TOKEN", "INNERWALL_API_CA", "INNERWALL_DATABASE_URL"] {
         command.env_remove(var);
@@ -180,25 +180,7 @@ async fn remote_cli_matches_local() {
     let api = format!("https://localhost:{port}");
     let _serve = Serve::start(&remote, &format!("127.0.0.1:{port}"));
 
-    // An editor's token, minted on the host.
-    let (code, token, stderr) = innerwall(
-        &[
-            "--json",
-            "--database-url",
-            &remote.db.url,
-            "operator",
-            "token",
-            "mint",
-            "--name",
-            "e2e-editor",
-            "--role",
-            "editor",
-        ],
-        &[],
-    );
-    assert_eq!(code, Some(0), "{stderr}");
-    let token: serde_json::Value = serde_json::from_str(&token).unwrap();
-    let token = token["token"].as_str().expect("the token").to_owned();
+    let token = mint_token(&remote, "e2e-editor", "editor");
 
     let local_flags = vec!["--database-url".to_owned(), local.db.url.clone()];
     let remote_flags: Vec<String> =
@@ -237,9 +219,26 @@ async fn remote_cli_matches_local() {
         assert_eq!(code, Some(1), "{host_only:?}: {stderr}");
         assert!(stderr.contains("administers this host and does not take --api"), "{host_only:?}: {stderr}");
     }
-    // A group not remote-capable yet says so instead of using a database.
-    let (code, _, stderr) =
-        innerwall(&["--api", &api, "--token", &token, "--api-ca", ca, "workload", "list"], &[]);
-    assert_eq!(code, Some(1));
-    assert!(stderr.contains("not available remotely yet"), "{stderr}");
+}
+
+/// An operator token with `role`, minted on `plane`'s host by the CLI.
+pub(crate) fn mint_token(plane: &Plane, name: &str, role: &str) -> String {
+    let (code, token, stderr) = innerwall(
+        &[
+            "--json",
+            "--database-url",
+            &plane.db.url,
+            "operator",
+            "token",
+            "mint",
+            "--name",
+            name,
+            "--role",
+            role,
+        ],
+        &[],
+    );
+    assert_eq!(code, Some(0), "{stderr}");
+    let token: serde_json::Value = serde_json::from_str(&token).unwrap();
+    token["token"].as_str().expect("the token").to_owned()
 }
