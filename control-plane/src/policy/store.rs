@@ -420,10 +420,14 @@ pub async fn list_rulesets(conn: &mut PgConnection) -> Result<Vec<RulesetView>, 
                             Peer::Cidr(c) => PeerSpec::cidr(&c.to_string()),
                         })
                         .collect(),
+                    // A rule's services are a set: shown by name, the same on every database
+                    // (the model holds them in id order, which differs between databases).
                     services: r
                         .services
                         .iter()
                         .filter_map(|id| model.services.get(id).map(|s| s.name.clone()))
+                        .collect::<BTreeSet<_>>()
+                        .into_iter()
                         .collect(),
                 })
                 .collect();

@@ -652,3 +652,19 @@ async fn database_stalls_are_bounded() {
     assert_eq!(err.kind(), innerwall_control_plane::error::Kind::Busy, "{err}");
     assert!(err.to_string().contains("statement timeout"), "{err}");
 }
+
+/// A rule's services are a set, shown by name whatever order their ids (random per database)
+/// or the authored file put them in: `ruleset show` is the same on every database.
+#[tokio::test]
+async fn ruleset_view_lists_services_by_name() {
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    let names = ["svc-e", "svc-b", "svc-d", "svc-a", "svc-c"];
+    for (i, name) in names.iter().enumerate() {
+        service(pool, name, &[&format!("tcp:{}", 1000 + i)]).await;
+    }
+    create_ruleset(pool, &ruleset("web-in", "web", vec![PeerSpec::cidr("10.9.0.0/16")], &names)).await;
+    let views = store::list_rulesets(&mut pool.acquire().await.unwrap()).await.unwrap();
+    assert_eq!(views.len(), 1);
+    assert_eq!(views[0].spec.rules[0].services, ["svc-a", "svc-b", "svc-c", "svc-d", "svc-e"]);
+}
