@@ -88,6 +88,8 @@ pub struct Enforcer<S> {
     evidence: Mutex<Option<std::sync::mpsc::Sender<WindowClose>>>,
     /// What the agent exposes to Prometheus (`run --metrics-listen`).
     pub metrics: Arc<Metrics>,
+    /// Host facts to report instead of this host's own (see [`Enforcer::report_facts`]).
+    fixed_facts: Mutex<Option<proto::HostFacts>>,
 }
 
 /// A request to the evidence loop to close its open flow window now, because the applied
@@ -115,6 +117,24 @@ impl<S: PolicyStore> Enforcer<S> {
             suspension: tokio::sync::watch::Sender::new(suspended),
             evidence: Mutex::new(None),
             metrics,
+            fixed_facts: Mutex::new(None),
+        }
+    }
+
+    /// Reports `facts` in every Hello and inventory instead of listing this host's interfaces:
+    /// for agents that stand for other hosts (the load generator runs thousands in one process,
+    /// each with its own addresses).
+    pub fn report_facts(&self, facts: proto::HostFacts) {
+        *self.fixed_facts.lock().unwrap_or_else(PoisonError::into_inner) = Some(facts);
+    }
+
+    /// The facts the stream reports: the fixed ones, or this host's (`None`, logged, when its
+    /// interfaces cannot be listed).
+    async fn facts(&self) -> Option<proto::HostFacts> {
+        let fixed = self.fixed_facts.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        match fixed {
+            Some(facts) => Some(facts),
+            None => current_facts().await,
         }
     }
 
@@ -326,7 +346,7 @@ pub async fn session<S: PolicyStore + Send + 'static>(
     stats: &mut SessionStats,
 ) -> SessionEnd {
     // Without facts (interfaces could not be listed) the Hello says nothing about the host.
-    let facts = current_facts().await;
+    let facts = enforcer.facts().await;
     enforcer.note_suspension();
     let mut suspension = enforcer.suspension.subscribe();
     let hello = proto::Hello {
@@ -420,7 +440,7 @@ pub async fn session<S: PolicyStore + Send + 'static>(
             _ = inventory.tick() => {
                 // No report when the interfaces cannot be listed: the addresses the control plane
                 // knows stand, they never become "none".
-                if let Some(facts) = current_facts().await {
+                if let Some(facts) = enforcer.facts().await {
                     let report = proto::InventoryReport { facts: Some(facts), listening_services: Vec::new() };
                     if tx.send(msg(sync_request::Msg::Inventory(report))).await.is_err() {
                         return SessionEnd::Closed("stream closed".into());

@@ -1,0 +1,406 @@
+//! The fleet under load: a fresh database and CA, replicas of `innerwall serve`, a policy that
+//! scopes every agent, and N simulated agents — each enrolled through the real enrollment path
+//! (its own key, CSR and certificate), each holding its own mTLS connection and Sync stream with
+//! the agent's own loop (`daemon::hold_stream`: session, `next_policy`, acks, heartbeats,
+//! full-jitter backoff), installing into memory instead of nftables.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use innerwall_agent::connect::RunConfig;
+use innerwall_agent::enforce::{EnforceError, Installed, MemoryPolicyStore, PolicyStore};
+use innerwall_agent::sync::Enforcer;
+use innerwall_control_plane::identity::ca::{FileCa, Signer as _};
+use innerwall_control_plane::policy::spec::NewWorkload;
+use innerwall_control_plane::policy::{authoring, store};
+use innerwall_control_plane::testing::{self, TestDatabase};
+use innerwall_wire::identity::WorkloadId;
+use innerwall_wire::policy::{Cidr, WorkloadPolicy};
+use innerwall_wire::proto;
+use sqlx::PgPool;
+
+use crate::replica::{Replica, ReplicaConfig};
+
+/// Agents' addresses: one each, from this range (the estate range and the token's range).
+const AGENT_RANGE: &str = "10.200.0.0/16";
+/// Agents and agentless peers a fleet can have: their addresses do not overlap.
+pub const MAX_AGENTS: usize = 65_000;
+pub const MAX_PEERS: usize = 250;
+/// Enrollments in flight at once (the replica admits 256 unauthenticated connections).
+const ENROLL_CONCURRENCY: usize = 64;
+
+/// What the fleet is made of.
+#[derive(Debug, Clone)]
+pub struct FleetConfig {
+    pub agents: usize,
+    pub replicas: usize,
+    pub heartbeat: Duration,
+    /// Agentless peers that `change` can move into every agent's peer set, one per change.
+    pub spare_peers: usize,
+}
+
+pub struct Fleet {
+    pub db: TestDatabase,
+    pub dir: PathBuf,
+    pub replicas: Vec<Replica>,
+    pub agents: Vec<Agent>,
+    spares: Vec<WorkloadId>,
+    ca_pem: String,
+    /// Enrolled, not started yet: (index, id, state directory).
+    enrolled: Vec<(usize, WorkloadId, PathBuf)>,
+}
+
+impl std::fmt::Debug for Fleet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Fleet({} agents, {} replicas)", self.agents.len(), self.replicas.len())
+    }
+}
+
+/// One simulated agent.
+#[derive(Debug)]
+pub struct Agent {
+    pub id: WorkloadId,
+    pub enforcer: Arc<Enforcer<LoadStore>>,
+    pub log: Arc<ApplyLog>,
+    task: tokio::task::JoinHandle<String>,
+}
+
+impl Agent {
+    /// Why its loop ended, if it did (a re-enrollment order: an error in every scenario).
+    pub fn ended(&self) -> bool {
+        self.task.is_finished()
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// What a simulated agent installed and when.
+#[derive(Debug, Default)]
+pub struct ApplyLog {
+    /// Every install, a snapshot or a delta.
+    pub installs: AtomicU64,
+    times: Mutex<Vec<(u64, Instant)>>,
+}
+
+impl ApplyLog {
+    /// When `version` or a later one was first installed (the agent acks right after), if yet.
+    pub fn installed_at(&self, version: u64) -> Option<Instant> {
+        let times = self.times.lock().unwrap_or_else(PoisonError::into_inner);
+        times.iter().find(|(v, _)| *v >= version).map(|(_, at)| *at)
+    }
+}
+
+/// The agent's in-memory store, noting the time of every install.
+#[derive(Debug)]
+pub struct LoadStore {
+    inner: MemoryPolicyStore,
+    log: Arc<ApplyLog>,
+}
+
+impl PolicyStore for LoadStore {
+    fn apply(&mut self, next: &WorkloadPolicy) -> Result<Installed, EnforceError> {
+        let installed = self.inner.apply(next)?;
+        self.log.installs.fetch_add(1, Ordering::Relaxed);
+        let mut times = self.log.times.lock().unwrap_or_else(PoisonError::into_inner);
+        // Bounded: a long run keeps the latest installs only.
+        if times.len() >= 64 {
+            times.drain(..32);
+        }
+        times.push((next.version(), Instant::now()));
+        Ok(installed)
+    }
+
+    fn current(&self) -> Option<&WorkloadPolicy> {
+        self.inner.current()
+    }
+}
+
+impl Fleet {
+    /// A database, a CA, the replicas, the policy and the spare peers; no agents yet.
+    pub async fn create(config: &FleetConfig) -> anyhow::Result<Fleet> {
+        if config.agents > MAX_AGENTS || config.spare_peers >= MAX_PEERS {
+            bail!("at most {MAX_AGENTS} agents and {} spare peers", MAX_PEERS - 1);
+        }
+        let db = testing::fresh_database().await.context("starting Postgres")?;
+        let dir = std::env::temp_dir().join(format!("iw-loadgen-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir)?;
+        let ca_pem = FileCa::init(&dir.join("ca")).context("creating the CA")?.ca_bundle_pem();
+        let bin = std::env::current_exe()?.with_file_name("innerwall");
+        if !bin.is_file() {
+            bail!("{} is missing: build it with the load generator (cargo xtask bench does)", bin.display());
+        }
+        let mut replicas = Vec::new();
+        for i in 0..config.replicas.max(1) {
+            let replica_config = ReplicaConfig {
+                bin: bin.clone(),
+                database_url: db.url.clone(),
+                ca_dir: dir.join("ca"),
+                heartbeat: config.heartbeat,
+                log: dir.join(format!("replica-{i}.log")),
+            };
+            replicas.push(Replica::start(&replica_config).await?);
+        }
+        let pool = db.pool.clone();
+        // Every agent is app=web; web admits tcp/443 from app=client. One client exists; the
+        // spares (app=idle) join the clients one per change, which moves every agent's peers.
+        testing::admit(&pool, "fleet", ("app", "web"), ("app", "client"), "tcp:443").await?;
+        let range = Cidr::parse(AGENT_RANGE)?;
+        authoring::commit(&pool, "loadgen", "estate-range.add", AGENT_RANGE, async |c| {
+            authoring::add_estate_range(c, range, "load generator agents").await?;
+            Ok(((), serde_json::json!({})))
+        })
+        .await?;
+        register(&pool, "client-0", "app=client", peer_address(0)).await?;
+        let mut spares = Vec::new();
+        for i in 0..config.spare_peers {
+            spares.push(register(&pool, &format!("spare-{i}"), "app=idle", peer_address(i + 1)).await?);
+        }
+        Ok(Fleet { db, dir, replicas, agents: Vec::new(), spares, ca_pem, enrolled: Vec::new() })
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.db.pool
+    }
+
+    /// Enrolls `n` agents through replica 0: one token for all of them (`max_uses` n), and for
+    /// each its own key, CSR and certificate. Returns how long it took.
+    pub async fn enroll(&mut self, n: usize) -> anyhow::Result<Duration> {
+        let started = Instant::now();
+        let token = {
+            let mut conn = self.pool().acquire().await?;
+            let labels = vec!["app=web".parse()?];
+            let uses = u32::try_from(n).context("too many agents")?;
+            innerwall_control_plane::identity::tokens::mint(
+                &mut conn,
+                &labels,
+                chrono::Duration::days(1),
+                Some(uses),
+                &[Cidr::parse(AGENT_RANGE)?],
+            )
+            .await?
+            .secret
+        };
+        let enroll_server = self.replicas[0].server();
+        let first = self.agents.len() + self.enrolled.len();
+        let semaphore = Arc::new(tokio::sync::Semaphore::new(ENROLL_CONCURRENCY));
+        let mut enrollments = tokio::task::JoinSet::new();
+        for i in first..first + n {
+            let (server, token, ca_pem) = (enroll_server.clone(), token.clone(), self.ca_pem.clone());
+            let state = self.dir.join("agents").join(format!("a{i}"));
+            let permit = semaphore.clone().acquire_owned().await?;
+            enrollments.spawn(async move {
+                let _permit = permit;
+                let enrolled =
+                    innerwall_agent::enroll::enroll(&server, &token, &ca_pem, &state, Default::default())
+                        .await;
+                (i, state, enrolled.map(|e| e.credential.id))
+            });
+        }
+        while let Some(joined) = enrollments.join_next().await {
+            let (i, state, id) = joined?;
+            self.enrolled.push((i, id.with_context(|| format!("enrolling agent {i}"))?, state));
+        }
+        Ok(started.elapsed())
+    }
+
+    /// Starts every enrolled agent, agent `i` on its own connection to replica `i % replicas`.
+    pub fn connect(&mut self) {
+        self.enrolled.sort_by_key(|(i, _, _)| *i);
+        for (i, id, state) in std::mem::take(&mut self.enrolled) {
+            let server = self.replicas[i % self.replicas.len()].server();
+            self.agents.push(start_agent(i, id, RunConfig::new(state, server)));
+        }
+    }
+
+    /// Waits until every agent is SYNCED at its latest version in the database and has a
+    /// stream open (`streams` at least `min_streams` each), the replicas together hold one
+    /// stream per agent, and no agent's loop ended. Returns how long that took.
+    pub async fn wait_converged(
+        &self,
+        min_streams: &HashMap<WorkloadId, u64>,
+        limit: Duration,
+    ) -> anyhow::Result<Duration> {
+        let started = Instant::now();
+        let poll =
+            if self.agents.len() > 2_000 { Duration::from_millis(200) } else { Duration::from_millis(25) };
+        loop {
+            if let Some(agent) = self.agents.iter().find(|a| a.ended()) {
+                bail!("agent {} stopped: the control plane ordered a re-enrollment", agent.id);
+            }
+            let streams_ok = self.agents.iter().all(|a| {
+                a.enforcer.streams.load(Ordering::Relaxed) >= min_streams.get(&a.id).copied().unwrap_or(1)
+            });
+            if streams_ok
+                && self.synced().await? == self.agents.len()
+                && self.streams_open().await? == self.agents.len()
+            {
+                return Ok(started.elapsed());
+            }
+            if started.elapsed() > limit {
+                bail!(
+                    "not converged within {limit:?}: {} of {} SYNCED, {} streams open; replica log: {}",
+                    self.synced().await?,
+                    self.agents.len(),
+                    self.streams_open().await?,
+                    crate::replica::tail(&self.dir.join("replica-0.log"))
+                );
+            }
+            tokio::time::sleep(poll).await;
+        }
+    }
+
+    /// Agents the database says are SYNCED with applied = latest.
+    pub async fn synced(&self) -> anyhow::Result<usize> {
+        let mut conn = self.pool().acquire().await?;
+        let ours: std::collections::HashSet<uuid::Uuid> = self.agents.iter().map(|a| a.id.uuid()).collect();
+        Ok(store::sync_status(&mut conn, None)
+            .await?
+            .iter()
+            .filter(|s| ours.contains(&s.id))
+            .filter(|s| s.state.0.name() == "SYNCED" && s.latest_version == Some(s.applied_version))
+            .count())
+    }
+
+    /// Streams the replicas hold, by their metrics.
+    pub async fn streams_open(&self) -> anyhow::Result<usize> {
+        let mut open = 0.0;
+        for replica in &self.replicas {
+            open += replica.metric("innerwall_streams_open").await.unwrap_or(0.0);
+        }
+        Ok(open as usize)
+    }
+
+    /// Moves the next spare peer into `app=client`: every agent's peer set gains its address,
+    /// one new version each. Returns the versions by workload and when the commit returned.
+    pub async fn change(&mut self) -> anyhow::Result<(HashMap<WorkloadId, u64>, Instant)> {
+        let Some(spare) = self.spares.pop() else { bail!("no spare peers left to move") };
+        let pool = self.pool().clone();
+        let mut conn = pool.acquire().await?;
+        let expected = store::list_workloads(&mut conn, Some(spare)).await?.remove(0).label_version;
+        drop(conn);
+        let label = "app=client".parse()?;
+        let done = authoring::commit(&pool, "loadgen", "workload.label", &spare.to_string(), async |c| {
+            let version = authoring::edit_labels(c, spare, expected, &[label], &[]).await?;
+            Ok((version, serde_json::json!({})))
+        })
+        .await?;
+        let committed = Instant::now();
+        Ok((done.changed.iter().map(|c| (c.workload, c.version)).collect(), committed))
+    }
+
+    /// Each agent's latency from `committed` to installing its version of `targets` (waits up
+    /// to `limit` for the last one).
+    pub async fn propagation(
+        &self,
+        targets: &HashMap<WorkloadId, u64>,
+        committed: Instant,
+        limit: Duration,
+    ) -> anyhow::Result<Vec<Duration>> {
+        let mut latencies = Vec::with_capacity(self.agents.len());
+        for agent in &self.agents {
+            let Some(version) = targets.get(&agent.id) else {
+                bail!("the change did not give agent {} a new version", agent.id);
+            };
+            loop {
+                if let Some(at) = agent.log.installed_at(*version) {
+                    latencies.push(at.saturating_duration_since(committed));
+                    break;
+                }
+                if committed.elapsed() > limit {
+                    bail!("agent {} did not install v{version} within {limit:?}", agent.id);
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+        Ok(latencies)
+    }
+
+    /// Streams established so far, per agent.
+    pub fn streams(&self) -> HashMap<WorkloadId, u64> {
+        self.agents.iter().map(|a| (a.id, a.enforcer.streams.load(Ordering::Relaxed))).collect()
+    }
+
+    pub fn installs(&self) -> u64 {
+        self.agents.iter().map(|a| a.log.installs.load(Ordering::Relaxed)).sum()
+    }
+
+    pub fn dial_failures(&self) -> u64 {
+        self.agents.iter().map(|a| a.enforcer.dial_failures.load(Ordering::Relaxed)).sum()
+    }
+
+    pub fn replica_pids(&self) -> Vec<u32> {
+        self.replicas.iter().map(Replica::pid).collect()
+    }
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        self.agents.clear();
+        self.replicas.clear();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Starts agent `i` on the real stream loop with its own facts (hostname, one address).
+fn start_agent(i: usize, id: WorkloadId, config: RunConfig) -> Agent {
+    let log = Arc::new(ApplyLog::default());
+    let enforcer =
+        Arc::new(Enforcer::new(LoadStore { inner: MemoryPolicyStore::new(None), log: log.clone() }));
+    enforcer.report_facts(facts(i));
+    let task = tokio::spawn({
+        let enforcer = enforcer.clone();
+        async move {
+            match innerwall_agent::daemon::hold_stream(&config, enforcer).await {
+                Ok(()) => "stream loop ended".to_owned(),
+                Err(e) => e.to_string(),
+            }
+        }
+    });
+    Agent { id, enforcer, log, task }
+}
+
+/// What agent `i` reports as its host: its own name, machine id and address.
+fn facts(i: usize) -> proto::HostFacts {
+    let n = u32::try_from(i + 1).unwrap_or(u32::MAX);
+    let address = IpAddr::from([10, 200, (n >> 8) as u8, (n & 0xff) as u8]);
+    proto::HostFacts {
+        hostname: format!("load-{i}"),
+        os: None,
+        interfaces: vec![proto::NetworkInterface {
+            name: "eth0".into(),
+            addresses: vec![format!("{address}/16")],
+            mac_address: String::new(),
+        }],
+        machine_id: format!("{:032x}", i + 1),
+        boot_id: String::new(),
+    }
+}
+
+/// The address of agentless peer `i` (< [`MAX_PEERS`]): the top of the agents' range.
+fn peer_address(i: usize) -> IpAddr {
+    IpAddr::from([10, 200, 255, u8::try_from(i + 1).unwrap_or(255)])
+}
+
+async fn register(pool: &PgPool, hostname: &str, label: &str, address: IpAddr) -> anyhow::Result<WorkloadId> {
+    let new = NewWorkload {
+        id: WorkloadId::new_random(),
+        hostname: hostname.into(),
+        labels: vec![label.parse()?],
+        addresses: [address].into(),
+    };
+    authoring::commit(pool, "loadgen", "register", hostname, async |c| {
+        authoring::register_workload(c, &new).await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await?;
+    Ok(new.id)
+}

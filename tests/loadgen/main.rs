@@ -1,0 +1,299 @@
+//! `innerwall-loadgen`: fleet-scale benchmarks (issue 13; DESIGN.md §11 PERF-2, 3, 4). N
+//! simulated agents in one process against real `innerwall serve` replicas and a real Postgres:
+//! each agent enrolled for real and holding its own mTLS connection and Sync stream with the
+//! agent's own loop (see `fleet`). Three scenarios, each printing its figures as text and as
+//! `FIGURE {json}` lines that `cargo xtask bench` collects:
+//!
+//! - `propagation` (PERF-2): a label change that moves every agent's peer set; from the commit
+//!   to each agent's install (it acks right after), p50/p99/max, and the replicas' CPU and RSS.
+//! - `storm` (PERF-3): every replica killed and restarted; the time until every agent is SYNCED
+//!   again over fresh streams, with the agents' real backoff and full handshakes.
+//! - `density` (PERF-4): idle streams one replica holds and its RSS per stream.
+
+mod fleet;
+mod replica;
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use serde_json::json;
+
+use crate::fleet::{Fleet, FleetConfig};
+use crate::replica::Sampler;
+
+#[derive(Debug, Parser)]
+#[command(name = "innerwall-loadgen", about = "Fleet-scale benchmarks against real control-plane replicas")]
+struct Cli {
+    #[command(subcommand)]
+    scenario: Scenario,
+}
+
+#[derive(Debug, clap::Args)]
+struct Knobs {
+    /// Simulated agents, each with its own identity, connection and stream.
+    #[arg(long)]
+    agents: usize,
+    /// Replicas of `innerwall serve` the agents are spread over.
+    #[arg(long, default_value_t = 1)]
+    replicas: usize,
+    /// The heartbeat interval the replicas give agents.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    heartbeat: Duration,
+    /// Label changes per minute committed in the background while the scenario runs (policy
+    /// churn: each gives every agent a new version); 0 for none.
+    #[arg(long, default_value_t = 0)]
+    churn_per_minute: u32,
+}
+
+#[derive(Debug, Subcommand)]
+enum Scenario {
+    /// PERF-2: commit → every agent APPLIED, for label changes that move every agent's peers.
+    Propagation {
+        #[command(flatten)]
+        knobs: Knobs,
+        /// Changes measured one after the other (each waits for the previous to land).
+        #[arg(long, default_value_t = 5)]
+        changes: usize,
+    },
+    /// PERF-3: kill and restart every replica; time until all agents are SYNCED again.
+    Storm {
+        #[command(flatten)]
+        knobs: Knobs,
+    },
+    /// PERF-4: idle streams held by one replica and its RSS per stream.
+    Density {
+        #[command(flatten)]
+        knobs: Knobs,
+        /// Idle time after the last stream opened before RSS is read.
+        #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+        settle: Duration,
+    },
+}
+
+/// How long a fleet may take to converge, by size: generous, it is a bound, not a figure.
+fn converge_limit(agents: usize) -> Duration {
+    Duration::from_secs(120 + agents as u64 / 20)
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    raise_file_limit()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(async {
+        match cli.scenario {
+            Scenario::Propagation { knobs, changes } => propagation(&knobs, changes).await,
+            Scenario::Storm { knobs } => storm(&knobs).await,
+            Scenario::Density { knobs, settle } => density(&knobs, settle).await,
+        }
+    })
+}
+
+/// Every agent is a connection on both sides of loopback: raise this process's open-file limit
+/// (replicas inherit it) to what the fleet needs. The product's defaults are left alone; the
+/// operator's equivalent is `LimitNOFILE=` in the replica's unit (BENCHMARKS.md).
+fn raise_file_limit() -> anyhow::Result<()> {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    const WANT: u64 = 1 << 20;
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
+    if soft < WANT {
+        setrlimit(Resource::RLIMIT_NOFILE, WANT, hard.max(WANT))
+            .or_else(|_| setrlimit(Resource::RLIMIT_NOFILE, hard, hard))
+            .context("raising the open-file limit")?;
+    }
+    Ok(())
+}
+
+async fn fleet(knobs: &Knobs, spare_peers: usize) -> anyhow::Result<Fleet> {
+    let config = FleetConfig {
+        agents: knobs.agents,
+        replicas: knobs.replicas,
+        heartbeat: knobs.heartbeat,
+        spare_peers,
+    };
+    let mut fleet = Fleet::create(&config).await?;
+    let took = fleet.enroll(knobs.agents).await?;
+    println!(
+        "enrolled {} agents in {:.1} s ({:.0}/s): token, key, CSR and certificate each",
+        knobs.agents,
+        took.as_secs_f64(),
+        knobs.agents as f64 / took.as_secs_f64().max(1e-3)
+    );
+    Ok(fleet)
+}
+
+/// Connects the enrolled agents and waits until all are SYNCED.
+async fn connect(fleet: &mut Fleet) -> anyhow::Result<()> {
+    fleet.connect();
+    let took = fleet.wait_converged(&Default::default(), converge_limit(fleet.agents.len())).await?;
+    println!(
+        "{} agents connected and SYNCED in {:.1} s over {} replica(s)",
+        fleet.agents.len(),
+        took.as_secs_f64(),
+        fleet.replicas.len()
+    );
+    Ok(())
+}
+
+/// Background label changes at `per_minute` while the returned task runs (it stops when
+/// dropped by abort). Each change moves a spare peer in and back out.
+fn churn(pool: sqlx::PgPool, per_minute: u32) -> Option<tokio::task::JoinHandle<()>> {
+    if per_minute == 0 {
+        return None;
+    }
+    let every = Duration::from_secs_f64(60.0 / f64::from(per_minute));
+    Some(tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        let mut n = 0u64;
+        loop {
+            tick.tick().await;
+            n += 1;
+            let _ =
+                innerwall_control_plane::testing::add_web_port(&pool, u16::try_from(n % 50_000).unwrap_or(0))
+                    .await;
+        }
+    }))
+}
+
+async fn propagation(knobs: &Knobs, changes: usize) -> anyhow::Result<()> {
+    let mut fleet = fleet(knobs, changes).await?;
+    connect(&mut fleet).await?;
+    let churn = churn(fleet.pool().clone(), knobs.churn_per_minute);
+    let mut latencies = Vec::new();
+    let mut commits = Vec::new();
+    let mut recorded = Vec::new();
+    let sampler = Sampler::start(fleet.replica_pids());
+    for _ in 0..changes {
+        let started = Instant::now();
+        let (targets, committed) = fleet.change().await?;
+        commits.push(committed - started);
+        latencies.extend(fleet.propagation(&targets, committed, converge_limit(fleet.agents.len())).await?);
+        // The replicas' view: every ack recorded (SYNCED at the new version) in the database.
+        fleet.wait_converged(&Default::default(), converge_limit(fleet.agents.len())).await?;
+        recorded.push(committed.elapsed());
+    }
+    let (cores, peak_rss) = sampler.finish().await;
+    if let Some(churn) = churn {
+        churn.abort();
+    }
+    latencies.sort();
+    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+    let at =
+        |q: f64| ms(latencies[((latencies.len() as f64 * q).ceil() as usize).clamp(1, latencies.len()) - 1]);
+    let scope = format!("{} agents, {} replica(s), {changes} changes", knobs.agents, knobs.replicas);
+    let commit_ms = commits.iter().map(|d| ms(*d)).fold(0.0, f64::max);
+    let recorded_ms = recorded.iter().map(|d| ms(*d)).fold(0.0, f64::max);
+    println!("PERF-2 propagation ({scope}): commit → installed and acked, per agent");
+    println!(
+        "  p50 {:.1} ms · p99 {:.1} ms · max {:.1} ms (goal p99 < 250 ms); commit itself (render + persist) up to {commit_ms:.1} ms",
+        at(0.50),
+        at(0.99),
+        at(1.0)
+    );
+    println!(
+        "  every ack recorded in the database within {recorded_ms:.1} ms of the commit; replicas used {cores:.2} cores on average, peak RSS {peak_rss:.1} MiB"
+    );
+    let base = json!({"agents": knobs.agents, "replicas": knobs.replicas, "changes": changes});
+    figure("PERF-2", "propagation p50", at(0.50), "ms", None, &base);
+    figure("PERF-2", "propagation p99", at(0.99), "ms", Some(("<", 250.0)), &base);
+    figure("PERF-2", "propagation max", at(1.0), "ms", None, &base);
+    figure("PERF-2", "commit duration max", commit_ms, "ms", None, &base);
+    figure("PERF-2", "all acks recorded max", recorded_ms, "ms", None, &base);
+    figure("PERF-2", "replica CPU", cores, "cores", None, &base);
+    figure("PERF-2", "replica peak RSS", peak_rss, "MiB", None, &base);
+    Ok(())
+}
+
+async fn storm(knobs: &Knobs) -> anyhow::Result<()> {
+    let mut fleet = fleet(knobs, 0).await?;
+    connect(&mut fleet).await?;
+    let churn = churn(fleet.pool().clone(), knobs.churn_per_minute);
+    let streams_before = fleet.streams();
+    let installs_before = fleet.installs();
+    let dials_before = fleet.dial_failures();
+    let killed = Instant::now();
+    for replica in &mut fleet.replicas {
+        replica.kill()?;
+    }
+    for replica in &mut fleet.replicas {
+        replica.restart().await?;
+    }
+    let restarted = killed.elapsed();
+    let sampler = Sampler::start(fleet.replica_pids());
+    // Every agent on a new stream (its count moved past the one before the kill), SYNCED.
+    let min_streams = streams_before.iter().map(|(id, n)| (*id, n + 1)).collect();
+    let recovered = fleet.wait_converged(&min_streams, converge_limit(fleet.agents.len())).await;
+    let (cores, peak_rss) = sampler.finish().await;
+    if let Some(churn) = churn {
+        churn.abort();
+    }
+    let total = killed.elapsed();
+    let mut failed = 0.0;
+    for replica in &fleet.replicas {
+        failed += replica.metric_labeled("innerwall_acks_total", "status=\"FAILED\"").await?;
+    }
+    let ended = fleet.agents.iter().filter(|a| a.ended()).count();
+    let errors = failed as usize + ended + usize::from(recovered.is_err());
+    let snapshots = (fleet.installs() - installs_before) as f64 / fleet.agents.len() as f64;
+    let dials = fleet.dial_failures() - dials_before;
+    let scope = format!("{} agents, {} replica(s)", knobs.agents, knobs.replicas);
+    println!("PERF-3 reconnect storm ({scope}): replicas killed (SIGKILL) and restarted");
+    println!(
+        "  every agent SYNCED on a new stream {:.1} s after the kill (replicas back after {:.1} s; goal < 60 s)",
+        total.as_secs_f64(),
+        restarted.as_secs_f64()
+    );
+    println!(
+        "  errors {errors} (FAILED acks {failed}, agents ordered to re-enroll {ended}; goal 0); installs per agent {snapshots:.2} (goal ≤ 1); failed dials, retried with backoff: {dials}; replicas used {cores:.2} cores, peak RSS {peak_rss:.1} MiB"
+    );
+    if let Err(e) = &recovered {
+        println!("  NOT RECOVERED: {e:#}");
+    }
+    let base = json!({"agents": knobs.agents, "replicas": knobs.replicas});
+    figure("PERF-3", "reconnect storm recovery", total.as_secs_f64(), "s", Some(("<", 60.0)), &base);
+    figure("PERF-3", "reconnect storm errors", errors as f64, "errors", Some(("<=", 0.0)), &base);
+    figure("PERF-3", "snapshots per agent", snapshots, "per agent", Some(("<=", 1.0)), &base);
+    figure("PERF-3", "failed dials", dials as f64, "dials", None, &base);
+    figure("PERF-3", "replica CPU during recovery", cores, "cores", None, &base);
+    recovered.map(drop)
+}
+
+async fn density(knobs: &Knobs, settle: Duration) -> anyhow::Result<()> {
+    let mut fleet = fleet(knobs, 0).await?;
+    // Baseline after enrollment, before any stream: what the streams add is what is measured.
+    let before = fleet.replicas.iter().map(|r| r.usage().map(|u| u.rss_kib)).sum::<anyhow::Result<u64>>()?;
+    connect(&mut fleet).await?;
+    tokio::time::sleep(settle).await;
+    let churn = churn(fleet.pool().clone(), knobs.churn_per_minute);
+    let after = fleet.replicas.iter().map(|r| r.usage().map(|u| u.rss_kib)).sum::<anyhow::Result<u64>>()?;
+    if let Some(churn) = churn {
+        churn.abort();
+    }
+    let streams = fleet.streams_open().await?;
+    let per_stream = after.saturating_sub(before) as f64 / streams.max(1) as f64;
+    println!(
+        "PERF-4 stream density ({} replica(s)): {streams} idle streams held; RSS {:.1} → {:.1} MiB, {per_stream:.1} KiB per stream (goal ≥ 10,000 streams at < 20 KiB each)",
+        knobs.replicas,
+        before as f64 / 1024.0,
+        after as f64 / 1024.0
+    );
+    let base = json!({"agents": knobs.agents, "replicas": knobs.replicas});
+    figure("PERF-4", "idle streams held", streams as f64, "streams", Some((">=", 10_000.0)), &base);
+    figure("PERF-4", "RSS per stream", per_stream, "KiB", Some(("<", 20.0)), &base);
+    Ok(())
+}
+
+/// One `FIGURE {json}` line: what `cargo xtask bench` collects.
+fn figure(
+    id: &str,
+    name: &str,
+    value: f64,
+    unit: &str,
+    goal: Option<(&str, f64)>,
+    context: &serde_json::Value,
+) {
+    let goal = goal.map(|(op, bound)| json!({"op": op, "bound": bound}));
+    let line =
+        json!({"id": id, "name": name, "value": value, "unit": unit, "goal": goal, "context": context});
+    println!("FIGURE {line}");
+}
