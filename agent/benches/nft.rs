@@ -32,14 +32,25 @@ fn policy(version: u64, replaced: impl Fn(u32, u32) -> bool + Copy) -> WorkloadP
     WorkloadPolicy::new(version, Mode::Enforcement, rules).expect("policy")
 }
 
-fn stats(name: &str, mut samples: Vec<Duration>) {
+/// Prints the median and max of `samples`; returns the median in ms.
+fn stats(name: &str, mut samples: Vec<Duration>) -> f64 {
     samples.sort();
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let median = ms(samples[samples.len() / 2]);
     println!(
-        "{name:<58} median {:>8.2} ms   max {:>8.2} ms   ({} runs)",
-        ms(samples[samples.len() / 2]),
+        "{name:<58} median {median:>8.2} ms   max {:>8.2} ms   ({} runs)",
         ms(*samples.last().expect("samples")),
         samples.len()
+    );
+    median
+}
+
+/// A `FIGURE` line for `cargo xtask bench`: a median in ms and its goal.
+fn figure(name: &str, median: f64, bound: Option<f64>) {
+    let goal = bound.map_or("null".to_owned(), |b| format!("{{\"op\":\"<\",\"bound\":{b}}}"));
+    println!(
+        "FIGURE {{\"id\":\"PERF-5\",\"name\":\"{name}\",\"value\":{median:.3},\"unit\":\"ms\",\"goal\":{goal},\"context\":{{\"rules\":{RULES},\"cidrs\":{}}}}}",
+        RULES * CIDRS_PER_RULE
     );
 }
 
@@ -104,7 +115,7 @@ fn bench(state: &std::path::Path) {
         build.push(t_build);
         full.push(t_build + t_send);
     }
-    stats("full replace (build + one atomic batch)", full);
+    figure("full replace", stats("full replace (build + one atomic batch)", full), Some(500.0));
     stats("  of which building the batch", build);
 
     let forward = db.element_update_from(&da).expect("peer-only");
@@ -121,7 +132,9 @@ fn bench(state: &std::path::Path) {
         sent.expect("element delta");
         delta.push(t);
     }
-    stats(&format!("peer delta 100+100 peers over 100 sets ({} element ops)", count(&forward)), delta);
+    let spread =
+        stats(&format!("peer delta 100+100 peers over 100 sets ({} element ops)", count(&forward)), delta);
+    figure("peer-only delta, 100+100 peers over 100 sets", spread, Some(20.0));
     let (forward, backward) =
         (dc.element_update_from(&da).expect("peer-only"), da.element_update_from(&dc).expect("peer-only"));
     let mut delta = Vec::new();
@@ -131,7 +144,8 @@ fn bench(state: &std::path::Path) {
         sent.expect("element delta");
         delta.push(t);
     }
-    stats(&format!("peer delta 100+100 peers in 1 set ({} element ops)", count(&forward)), delta);
+    let one = stats(&format!("peer delta 100+100 peers in 1 set ({} element ops)", count(&forward)), delta);
+    figure("peer-only delta, 100+100 peers in 1 set", one, Some(20.0));
 
     let mut store = LinuxPolicyStore::new(state);
     store.apply(&a).expect("apply a");

@@ -28,6 +28,11 @@ use innerwall_wire::proto;
 use sqlx::{Connection, PgConnection, PgPool};
 
 const WINDOWS: i64 = 10;
+
+/// Windows each agent uploads: [`WINDOWS`], or 2 with `INNERWALL_BENCH_QUICK` (a smoke run).
+fn windows() -> i64 {
+    if std::env::var_os("INNERWALL_BENCH_QUICK").is_some() { 2 } else { WINDOWS }
+}
 const RECORDS: usize = 10_000;
 /// Agents uploading at once in the concurrent run.
 const AGENTS: usize = 4;
@@ -124,7 +129,7 @@ async fn uploader(pool: &PgPool, n: usize) -> anyhow::Result<WorkloadId> {
 /// One agent's uploads, one after another; prints each window's time when `verbose`.
 async fn upload(pool: PgPool, id: WorkloadId, verbose: bool) -> anyhow::Result<usize> {
     let now = chrono::Utc::now().timestamp_millis();
-    let wires: Vec<_> = (0..WINDOWS).map(|w| window(RECORDS, now - 600_000 + w * 60_000)).collect();
+    let wires: Vec<_> = (0..windows()).map(|w| window(RECORDS, now - 600_000 + w * 60_000)).collect();
     let mut total = 0;
     for (w, wire) in wires.iter().enumerate() {
         let t = Instant::now();
@@ -172,7 +177,7 @@ async fn concurrent(pool: &PgPool, agents: usize) -> anyhow::Result<f64> {
     let rate = total as f64 / secs;
     println!(
         "  {agents} agents at once: {total} records in {secs:.2} s ({:.1} ms per window): {rate:.0} records/s",
-        secs * 1000.0 / (agents as f64 * WINDOWS as f64)
+        secs * 1000.0 / (agents as f64 * windows() as f64)
     );
     Ok(rate)
 }
@@ -233,7 +238,7 @@ impl ProductionServer {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    println!("PERF-7 flow ingest (target ≥ 100,000 records/s), {WINDOWS} windows of {RECORDS} records");
+    println!("PERF-7 flow ingest (target ≥ 100,000 records/s), {} windows of {RECORDS} records", windows());
 
     println!("production settings (durable; the PERF-7 figure):");
     let server = ProductionServer::start().await?;
@@ -259,6 +264,13 @@ async fn main() -> anyhow::Result<()> {
 
     println!(
         "PERF-7 with production settings: {one:.0} records/s from one agent, {many:.0} records/s from {AGENTS} agents at once"
+    );
+    let context = format!("{{\"windows\":{},\"records_per_window\":{RECORDS}}}", windows());
+    println!(
+        "FIGURE {{\"id\":\"PERF-7\",\"name\":\"ingest, one agent\",\"value\":{one:.0},\"unit\":\"records/s\",\"goal\":{{\"op\":\">=\",\"bound\":100000}},\"context\":{context}}}"
+    );
+    println!(
+        "FIGURE {{\"id\":\"PERF-7\",\"name\":\"ingest, {AGENTS} agents at once\",\"value\":{many:.0},\"unit\":\"records/s\",\"goal\":null,\"context\":{context}}}"
     );
     Ok(())
 }

@@ -93,7 +93,11 @@ fn main() {
         "{:>10} {:>9} {:>7} {:>14} {:>12} {:>14} {:>16}",
         "workloads", "rulesets", "rules", "resolved rules", "render ms", "peak RSS MiB", "output KiB/wl"
     );
-    for scale in [1usize, 2, 4] {
+    // `INNERWALL_BENCH_QUICK`: the smallest size only (a smoke run).
+    let scales: &[usize] =
+        if std::env::var_os("INNERWALL_BENCH_QUICK").is_some() { &[1] } else { &[1, 2, 4] };
+    let mut last = (0, 0.0);
+    for &scale in scales {
         let (workloads, rulesets) = (2_500 * scale, 250 * scale);
         let estate = estate(workloads);
         let model = model(rulesets, 5);
@@ -113,5 +117,10 @@ fn main() {
             peak_rss_kib() as f64 / 1024.0,
             bytes as f64 / 1024.0 / workloads as f64
         );
+        last = (workloads, best);
     }
+    let (workloads, best) = last;
+    println!(
+        "FIGURE {{\"id\":\"PERF-1\",\"name\":\"pure render\",\"value\":{best:.3},\"unit\":\"ms\",\"goal\":{{\"op\":\"<\",\"bound\":1000}},\"context\":{{\"workloads\":{workloads}}}}}"
+    );
 }

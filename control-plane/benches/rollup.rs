@@ -222,6 +222,10 @@ async fn main() -> anyhow::Result<()> {
     let p95s = report(&db.pool, now).await?;
     let worst = p95s.iter().copied().fold(0.0, f64::max);
     println!("PERF-8: worst p95 over every grouping and range, rolled up: {worst:.1} ms (target < 200 ms)");
+    println!(
+        "FIGURE {{\"id\":\"PERF-8\",\"name\":\"rollup worst p95\",\"value\":{worst:.3},\"unit\":\"ms\",\"goal\":{{\"op\":\"<\",\"bound\":200}},\"context\":{{\"records\":{}}}}}",
+        windows * RECORDS_PER_WINDOW
+    );
     if std::env::var_os("INNERWALL_BENCH_KEEP").is_some() {
         println!("kept the database: {}", db.url);
         std::mem::forget(db);

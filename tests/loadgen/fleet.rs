@@ -4,7 +4,7 @@
 //! the agent's own loop (`daemon::hold_stream`: session, `next_policy`, acks, heartbeats,
 //! full-jitter backoff), installing into memory instead of nftables.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -226,7 +226,7 @@ impl Fleet {
     /// stream per agent, and no agent's loop ended. Returns how long that took.
     pub async fn wait_converged(
         &self,
-        min_streams: &HashMap<WorkloadId, u64>,
+        min_streams: &BTreeMap<WorkloadId, u64>,
         limit: Duration,
     ) -> anyhow::Result<Duration> {
         let started = Instant::now();
@@ -261,7 +261,7 @@ impl Fleet {
     /// Agents the database says are SYNCED with applied = latest.
     pub async fn synced(&self) -> anyhow::Result<usize> {
         let mut conn = self.pool().acquire().await?;
-        let ours: std::collections::HashSet<uuid::Uuid> = self.agents.iter().map(|a| a.id.uuid()).collect();
+        let ours: std::collections::BTreeSet<uuid::Uuid> = self.agents.iter().map(|a| a.id.uuid()).collect();
         Ok(store::sync_status(&mut conn, None)
             .await?
             .iter()
@@ -281,7 +281,7 @@ impl Fleet {
 
     /// Moves the next spare peer into `app=client`: every agent's peer set gains its address,
     /// one new version each. Returns the versions by workload and when the commit returned.
-    pub async fn change(&mut self) -> anyhow::Result<(HashMap<WorkloadId, u64>, Instant)> {
+    pub async fn change(&mut self) -> anyhow::Result<(BTreeMap<WorkloadId, u64>, Instant)> {
         let Some(spare) = self.spares.pop() else { bail!("no spare peers left to move") };
         let pool = self.pool().clone();
         let mut conn = pool.acquire().await?;
@@ -301,7 +301,7 @@ impl Fleet {
     /// to `limit` for the last one).
     pub async fn propagation(
         &self,
-        targets: &HashMap<WorkloadId, u64>,
+        targets: &BTreeMap<WorkloadId, u64>,
         committed: Instant,
         limit: Duration,
     ) -> anyhow::Result<Vec<Duration>> {
@@ -325,7 +325,7 @@ impl Fleet {
     }
 
     /// Streams established so far, per agent.
-    pub fn streams(&self) -> HashMap<WorkloadId, u64> {
+    pub fn streams(&self) -> BTreeMap<WorkloadId, u64> {
         self.agents.iter().map(|a| (a.id, a.enforcer.streams.load(Ordering::Relaxed))).collect()
     }
 

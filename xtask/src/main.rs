@@ -1,5 +1,6 @@
 //! `cargo xtask`: the command line that dispatches to setup, the eBPF build and the suites.
 
+mod bench;
 mod cargo_env;
 mod cmd;
 mod cycles;
@@ -41,6 +42,15 @@ enum Task {
     },
     /// rustfmt and clippy (-D warnings) for both workspaces; `.ci/run` runs it after `test`.
     Lint,
+    /// Run the benchmarks of DESIGN.md §11 (all, or those named) and print their figures with
+    /// their goals; JSON under target/bench/.
+    Bench {
+        /// render, propagation, propagation-2, storm, density, nft, capture, ingest, rollup.
+        names: Vec<String>,
+        /// Small sizes: proves each benchmark still works (CI), judges no figure.
+        #[arg(long)]
+        quick: bool,
+    },
     /// The main job (RUN-3): control plane and three agents in network namespaces, policy, traffic.
     Demo,
     /// Run every cargo-fuzz target for a while (AddressSanitizer; installs cargo-fuzz once).
@@ -86,6 +96,7 @@ fn run(cli: Cli) -> Result<()> {
         Task::BuildEbpf => ebpf::build(&root).map(drop),
         Task::Test { cargo_args } => suite::test(&root, &cargo_args),
         Task::Lint => suite::lint(&root),
+        Task::Bench { names, quick } => bench::run(&root, &names, quick),
         Task::Demo => demo::run(&root),
         Task::Fuzz { seconds } => fuzz::run(&root, std::time::Duration::from_secs(seconds)),
         Task::CheckCycles { dirs } if dirs.is_empty() => {

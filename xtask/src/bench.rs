@@ -1,0 +1,295 @@
+//! `cargo xtask bench [NAME…] [--quick]`: every benchmark of DESIGN.md §11, one after the
+//! other, each printing its figures as `FIGURE {json}` lines among its own output. Collected,
+//! they are printed one line each with their goal, the core count and the commit, and written to
+//! `target/bench/bench-<unix time>.json` (and `latest.json`). `--quick` runs small sizes to
+//! prove every benchmark still works (`.ci/run` does); its figures judge nothing.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use anyhow::{Context, Result, bail};
+use serde_json::{Value, json};
+
+use crate::{cmd, ebpf, setup, suite};
+
+/// Where the agent (and its capture bench) reads the eBPF object from.
+const OBJECT_ENV: &str = "INNERWALL_EBPF_OBJECT";
+
+/// One benchmark: what runs it at full size, and the environment or arguments of `--quick`.
+struct Bench {
+    name: &'static str,
+    what: &'static str,
+    run: Run,
+}
+
+enum Run {
+    /// `cargo bench -p PACKAGE --bench TARGET`, with these variables in quick mode.
+    Cargo { package: &'static str, target: &'static str, quick: &'static [(&'static str, &'static str)] },
+    /// `innerwall-loadgen SCENARIO ARGS…`, with `quick` instead of `full`.
+    Loadgen { full: &'static [&'static str], quick: &'static [&'static str] },
+}
+
+const BENCHES: &[Bench] = &[
+    Bench {
+        name: "render",
+        what: "PERF-1 pure render, 10,000 workloads / 1,000 rulesets",
+        run: Run::Cargo {
+            package: "innerwall-control-plane",
+            target: "render",
+            quick: &[("INNERWALL_BENCH_QUICK", "1")],
+        },
+    },
+    Bench {
+        name: "propagation",
+        what: "PERF-2 commit → APPLIED, 1,000 agents on one replica",
+        run: Run::Loadgen {
+            full: &["propagation", "--agents", "1000", "--replicas", "1"],
+            quick: &["propagation", "--agents", "20", "--replicas", "1", "--changes", "2"],
+        },
+    },
+    Bench {
+        name: "propagation-2",
+        what: "PERF-2 commit → APPLIED, 1,000 agents over two replicas",
+        run: Run::Loadgen {
+            full: &["propagation", "--agents", "1000", "--replicas", "2"],
+            quick: &["propagation", "--agents", "20", "--replicas", "2", "--changes", "2"],
+        },
+    },
+    Bench {
+        name: "storm",
+        what: "PERF-3 reconnect storm, 5,000 agents",
+        run: Run::Loadgen { full: &["storm", "--agents", "5000"], quick: &["storm", "--agents", "50"] },
+    },
+    Bench {
+        name: "density",
+        what: "PERF-4 idle streams on one replica, 10,000 agents",
+        run: Run::Loadgen {
+            full: &["density", "--agents", "10000"],
+            quick: &["density", "--agents", "100", "--settle", "1s"],
+        },
+    },
+    Bench {
+        name: "nft",
+        what: "PERF-5 nftables full replace and peer-only deltas",
+        run: Run::Cargo { package: "innerwall-agent", target: "nft", quick: &[] },
+    },
+    Bench {
+        name: "capture",
+        what: "PERF-6 eBPF capture overhead on veth traffic",
+        run: Run::Cargo {
+            package: "innerwall-agent",
+            target: "capture",
+            quick: &[("CAPTURE_BENCH_SECS", "0.5"), ("CAPTURE_BENCH_ROUNDS", "1")],
+        },
+    },
+    Bench {
+        name: "ingest",
+        what: "PERF-7 flow ingest into Postgres",
+        run: Run::Cargo {
+            package: "innerwall-control-plane",
+            target: "ingest",
+            quick: &[("INNERWALL_BENCH_QUICK", "1")],
+        },
+    },
+    Bench {
+        name: "rollup",
+        what: "PERF-8 review rollups over 10 M records",
+        run: Run::Cargo {
+            package: "innerwall-control-plane",
+            target: "rollup",
+            quick: &[("INNERWALL_BENCH_RECORDS", "100000")],
+        },
+    },
+];
+
+pub fn run(root: &Path, names: &[String], quick: bool) -> Result<()> {
+    let unknown: Vec<&String> = names.iter().filter(|n| !BENCHES.iter().any(|b| b.name == *n)).collect();
+    if !unknown.is_empty() {
+        let known: Vec<&str> = BENCHES.iter().map(|b| b.name).collect();
+        bail!("unknown benchmark(s) {unknown:?}; they are: {}", known.join(", "));
+    }
+    let chosen: Vec<&Bench> =
+        BENCHES.iter().filter(|b| names.is_empty() || names.contains(&b.name.to_owned())).collect();
+    setup::apt_packages()?;
+    let object = ebpf::build(root)?;
+    if chosen.iter().any(|b| matches!(b.run, Run::Loadgen { .. })) {
+        cmd::run(suite::root_cargo(root).args([
+            "build",
+            "--release",
+            "-p",
+            "innerwall-e2e",
+            "--bin",
+            "innerwall-loadgen",
+            "-p",
+            "innerwall-control-plane",
+            "--bin",
+            "innerwall",
+        ]))?;
+    }
+    let cores = std::thread::available_parallelism().map_or(0, usize::from);
+    let commit = commit(root);
+    let mut figures = Vec::new();
+    for bench in &chosen {
+        println!("\n=== {} ({}){}", bench.name, bench.what, if quick { ", quick" } else { "" });
+        let mut command = match &bench.run {
+            Run::Cargo { package, target, quick: vars } => {
+                let mut c = suite::root_cargo(root);
+                c.args(["bench", "-p", package, "--bench", target]);
+                if quick {
+                    c.envs(vars.iter().copied());
+                }
+                c
+            }
+            Run::Loadgen { full, quick: small } => {
+                let mut c = Command::new(target_dir(root).join("release").join("innerwall-loadgen"));
+                c.args(if quick { *small } else { *full });
+                c
+            }
+        };
+        command.env(OBJECT_ENV, &object);
+        let found = run_collecting(&mut command)?;
+        if found.is_empty() {
+            bail!("benchmark {} printed no FIGURE line", bench.name);
+        }
+        figures.extend(found.into_iter().map(|mut f| {
+            f["bench"] = json!(bench.name);
+            f
+        }));
+    }
+    println!(
+        "\n=== figures ({cores} cores, commit {commit}{})",
+        if quick { ", --quick: sizes too small to judge" } else { "" }
+    );
+    let mut missed = 0;
+    for f in &figures {
+        let verdict = match (&f["goal"], quick) {
+            (Value::Null, _) => String::new(),
+            (goal, true) => format!("  (goal {} {})", goal["op"].as_str().unwrap_or("?"), goal["bound"]),
+            (goal, false) => {
+                let met = meets(f["value"].as_f64().unwrap_or(f64::NAN), goal);
+                missed += usize::from(!met);
+                format!(
+                    "  goal {} {}: {}",
+                    goal["op"].as_str().unwrap_or("?"),
+                    goal["bound"],
+                    if met { "met" } else { "MISSED" }
+                )
+            }
+        };
+        println!(
+            "{} {}: {} {}{verdict}  {}",
+            f["id"].as_str().unwrap_or("?"),
+            f["name"].as_str().unwrap_or("?"),
+            shown(f["value"].as_f64().unwrap_or(f64::NAN)),
+            f["unit"].as_str().unwrap_or(""),
+            f["context"]
+        );
+    }
+    let report = json!({
+        "commit": commit,
+        "cores": cores,
+        "quick": quick,
+        "at_unix": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        "figures": figures,
+    });
+    let dir = target_dir(root).join("bench");
+    std::fs::create_dir_all(&dir)?;
+    let file = dir.join(format!("bench-{}.json", report["at_unix"]));
+    let text = serde_json::to_string_pretty(&report)?;
+    std::fs::write(&file, &text)?;
+    std::fs::write(dir.join("latest.json"), &text)?;
+    println!("wrote {} ({} figures)", file.display(), figures.len());
+    if !quick && missed > 0 {
+        println!("{missed} goal(s) missed");
+    }
+    Ok(())
+}
+
+/// Runs `command` with its output passed through, and returns the figures it printed.
+fn run_collecting(command: &mut Command) -> Result<Vec<Value>> {
+    println!("$ {}", cmd::describe(command));
+    let mut child = command.stdout(Stdio::piped()).spawn().with_context(|| cmd::describe(command))?;
+    let mut figures = Vec::new();
+    for line in BufReader::new(child.stdout.take().context("piped stdout")?).lines() {
+        let line = line?;
+        println!("{line}");
+        if let Some(json) = line.strip_prefix("FIGURE ") {
+            figures.push(
+                serde_json::from_str::<Value>(json).with_context(|| format!("malformed figure: {json}"))?,
+            );
+        }
+    }
+    let status = child.wait()?;
+    if !status.success() {
+        bail!("{} failed ({status})", cmd::describe(command));
+    }
+    Ok(figures)
+}
+
+fn meets(value: f64, goal: &Value) -> bool {
+    let bound = goal["bound"].as_f64().unwrap_or(f64::NAN);
+    match goal["op"].as_str() {
+        Some("<") => value < bound,
+        Some("<=") => value <= bound,
+        Some(">") => value > bound,
+        Some(">=") => value >= bound,
+        _ => false,
+    }
+}
+
+/// A figure as people read it: thousands separated, one decimal below 100.
+fn shown(value: f64) -> String {
+    if value.abs() >= 100.0 {
+        let digits = format!("{:.0}", value.abs());
+        let mut out = String::new();
+        for (i, c) in digits.chars().enumerate() {
+            if i > 0 && (digits.len() - i) % 3 == 0 {
+                out.push(',');
+            }
+            out.push(c);
+        }
+        if value < 0.0 { format!("-{out}") } else { out }
+    } else {
+        format!("{value:.1}")
+    }
+}
+
+/// Where cargo builds: `CARGO_TARGET_DIR`, else `<root>/target`.
+fn target_dir(root: &Path) -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from)
+}
+
+/// The commit benchmarked, `+dirty` when the tree has changes.
+fn commit(root: &Path) -> String {
+    let git = |args: &[&str]| cmd::output(Command::new("git").current_dir(root).args(args));
+    let head =
+        git(&["rev-parse", "--short=10", "HEAD"]).map_or_else(|_| "unknown".into(), |s| s.trim().to_owned());
+    let dirty = git(&["status", "--porcelain"]).is_ok_and(|s| !s.trim().is_empty());
+    if dirty { format!("{head}+dirty") } else { head }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn figures_read_and_judge_as_written() {
+        assert_eq!(shown(112_836.4), "112,836");
+        assert_eq!(shown(89.94), "89.9");
+        assert_eq!(shown(-1234.0), "-1,234");
+        assert!(meets(19.3, &json!({"op": "<", "bound": 250.0})));
+        assert!(!meets(250.0, &json!({"op": "<", "bound": 250.0})));
+        assert!(meets(0.0, &json!({"op": "<=", "bound": 0.0})));
+        assert!(!meets(9_999.0, &json!({"op": ">=", "bound": 10_000.0})));
+        assert!(!meets(1.0, &json!({"op": "~", "bound": 1.0})), "an unknown goal is never met");
+    }
+
+    #[test]
+    fn every_benchmark_name_is_unique() {
+        let mut names: Vec<&str> = BENCHES.iter().map(|b| b.name).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), BENCHES.len());
+    }
+}
