@@ -61,6 +61,12 @@ pub async fn render_now(pool: &PgPool) -> Result<Vec<Changed>, Error> {
     Ok(changed)
 }
 
+/// [`render_now`] on an operator's request (`innerwall render`, `POST /api/v1/render`): the
+/// render and its audit record (`policy.render`, with the versions it moved) in one transaction.
+pub async fn render_audited(pool: &PgPool, actor: &str) -> Result<Committed<()>, Error> {
+    commit(pool, actor, "policy.render", "all", async |_| Ok(((), serde_json::json!({})))).await
+}
+
 /// Authored object kinds that carry a name and a version.
 #[derive(Debug, Clone, Copy)]
 enum Kind {

@@ -534,7 +534,7 @@ pub async fn address_views(
 }
 
 /// One estate range (address trust): addresses in it may be rendered as workload peers.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, sqlx::FromRow, utoipa::ToSchema)]
 pub struct EstateRangeView {
     pub cidr: String,
     pub description: String,
