@@ -181,11 +181,14 @@ async fn remote(api: &str, cli: &Cli) -> anyhow::Result<()> {
         Command::Service(cmd) => policy::catalog_remote(&client, cli.json, cmd).await,
         Command::AddressGroup(cmd) => policy::catalog_remote(&client, cli.json, cmd).await,
         Command::Ruleset(cmd) => policy::ruleset_remote(&client, cli.json, cmd).await,
-        Command::Token(_) => not_yet("token"),
-        Command::Render => not_yet("render"),
-        Command::EstateRange(_) => not_yet("estate-range"),
+        Command::Token(cmd) => {
+            let ca_dir = cli.ca_dir.clone().unwrap_or_else(|| cli.state_dir.join("ca"));
+            tokens::run_remote(&client, cli.json, &ca_dir, cmd).await
+        }
+        Command::Render => policy::render_remote(&client, cli.json).await,
+        Command::EstateRange(cmd) => estate::run_remote(&client, cli.json, cmd).await,
         Command::Workload(_) => not_yet("workload"),
-        Command::Flows(_) => not_yet("flows"),
+        Command::Flows(cmd) => flows::run_remote(&client, cli.json, cmd).await,
         Command::Promotions(_) => not_yet("promotions"),
         Command::Contract | Command::Migrate | Command::Serve(_) | Command::Ca(_) | Command::Operator(_) => {
             unreachable!("host-only commands were refused above")
