@@ -184,9 +184,9 @@ async fn remote(api: &str, cli: &Cli) -> anyhow::Result<()> {
         Command::Token(_) => not_yet("token"),
         Command::Render => not_yet("render"),
         Command::EstateRange(_) => not_yet("estate-range"),
-        Command::Workload(_) => not_yet("workload"),
+        Command::Workload(cmd) => workloads::run_remote(&client, cli.json, cmd).await,
         Command::Flows(_) => not_yet("flows"),
-        Command::Promotions(_) => not_yet("promotions"),
+        Command::Promotions(cmd) => promotions::run_remote(&client, cli.json, cmd).await,
         Command::Contract | Command::Migrate | Command::Serve(_) | Command::Ca(_) | Command::Operator(_) => {
             unreachable!("host-only commands were refused above")
         }
