@@ -43,9 +43,13 @@ impl Params {
     ) -> Result<Params, crate::error::Error> {
         for (what, d) in [("an evidence range", since), ("a minimum evidence range", min)] {
             if d > MAX_EVIDENCE {
+                let days = d.as_secs() / 86_400;
+                let shown = match d == std::time::Duration::from_secs(days * 86_400) {
+                    true => format!("{days} days"),
+                    false => humantime::format_duration(d).to_string(),
+                };
                 return Err(crate::error::Error::Invalid(format!(
-                    "{what} of {} is longer than the {} days a verdict may look back",
-                    humantime::format_duration(d),
+                    "{what} of {shown} is longer than the {} days a verdict may look back",
                     MAX_EVIDENCE.as_secs() / 86_400
                 )));
             }
