@@ -11,5 +11,6 @@ mod kill_switch;
 mod metrics;
 mod plane;
 mod remote;
+mod remote_workloads;
 mod sync;
 mod unauthenticated;
