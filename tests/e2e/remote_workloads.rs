@@ -37,23 +37,45 @@ use sqlx::PgPool;
 use crate::plane::Plane;
 use crate::remote::{Serve, innerwall, mint_token};
 
-/// The estate: hostname, id number, labels, address, sync state, last seen (seconds after the
-/// epoch below; distinct, so the list's attention order is the same in both databases).
-const WORKLOADS: &[(&str, u128, &[&str], &str, SyncState, i64)] = &[
-    ("web-1", 0xa1, &["app=web", "env=prod"], "10.20.0.1", SyncState::Synced, 50),
-    ("web-2", 0xa2, &["app=web", "env=prod"], "10.20.0.2", SyncState::Synced, 40),
-    ("db-1", 0xa3, &["app=db"], "10.20.0.3", SyncState::Offline, 30),
-    ("batch-1", 0xa4, &["app=batch"], "10.20.0.4", SyncState::Offline, 20),
-    ("batch-2", 0xa5, &["app=batch"], "10.20.0.5", SyncState::Offline, 10),
+/// One workload of the estate.
+struct Host {
+    hostname: &'static str,
+    /// Its id is made from this, the same in both databases.
+    n: u128,
+    labels: &'static [&'static str],
+    address: &'static str,
+    state: SyncState,
+    /// Seconds after [`EPOCH`]; distinct, so the list's attention order is the same in both
+    /// databases.
+    seen: i64,
+}
+
+const fn host(
+    hostname: &'static str,
+    n: u128,
+    labels: &'static [&'static str],
+    address: &'static str,
+    state: SyncState,
+    seen: i64,
+) -> Host {
+    Host { hostname, n, labels, address, state, seen }
+}
+
+const WORKLOADS: &[Host] = &[
+    host("web-1", 0xa1, &["app=web", "env=prod"], "10.20.0.1", SyncState::Synced, 50),
+    host("web-2", 0xa2, &["app=web", "env=prod"], "10.20.0.2", SyncState::Synced, 40),
+    host("db-1", 0xa3, &["app=db"], "10.20.0.3", SyncState::Offline, 30),
+    host("batch-1", 0xa4, &["app=batch"], "10.20.0.4", SyncState::Offline, 20),
+    host("batch-2", 0xa5, &["app=batch"], "10.20.0.5", SyncState::Offline, 10),
     // Claims web-1's address: both are a conflict until it releases it.
-    ("dup-1", 0xa6, &["app=dup"], "10.20.0.1", SyncState::Offline, 5),
+    host("dup-1", 0xa6, &["app=dup"], "10.20.0.1", SyncState::Offline, 5),
 ];
 
 /// 2026-01-01T00:00:00Z.
 const EPOCH: i64 = 1_767_225_600;
 
 fn id(hostname: &str) -> String {
-    let n = WORKLOADS.iter().find(|w| w.0 == hostname).expect("a workload of the estate").1;
+    let n = WORKLOADS.iter().find(|w| w.hostname == hostname).expect("a workload of the estate").n;
     let uuid = uuid::Uuid::parse_str(&format!("{n:08x}-0000-4000-8000-{n:012x}")).unwrap();
     WorkloadId::from_uuid(uuid).unwrap().to_string()
 }
@@ -75,12 +97,12 @@ async fn estate(plane: &Plane) {
     })
     .await
     .unwrap();
-    for (hostname, _, labels, addr, state, seen) in WORKLOADS {
+    for Host { hostname, labels, address, state, seen, .. } in WORKLOADS {
         let new = NewWorkload {
             id: id(hostname).parse().unwrap(),
             hostname: (*hostname).into(),
             labels: labels.iter().map(|l| l.parse().unwrap()).collect(),
-            addresses: BTreeSet::from([addr.parse::<IpAddr>().unwrap()]),
+            addresses: BTreeSet::from([address.parse::<IpAddr>().unwrap()]),
         };
         authoring::commit(pool, "test", "register", hostname, async |c| {
             authoring::register_workload(c, &new).await?;
@@ -328,7 +350,7 @@ impl Normalize {
 
     fn across(&mut self, text: &str, collapse: bool) -> String {
         let text = Normalize::now(text);
-        let workloads: BTreeSet<String> = WORKLOADS.iter().map(|w| id(w.0)).collect();
+        let workloads: BTreeSet<String> = WORKLOADS.iter().map(|w| id(w.hostname)).collect();
         let mut out = String::new();
         let mut rest = text.as_str();
         while let Some(c) = rest.chars().next() {
