@@ -63,11 +63,16 @@ impl Scope {
 
     /// These workloads, at most [`MAX_SCOPE_IDS`] of them.
     pub fn ids(ids: Vec<WorkloadId>) -> Result<Scope, Error> {
-        if ids.len() > MAX_SCOPE_IDS {
-            return Err(Error::Invalid(format!("at most {MAX_SCOPE_IDS} workload ids, not {}", ids.len())));
-        }
+        check_id_count(ids.len())?;
         Ok(Scope::Ids(ids))
     }
+}
+
+fn check_id_count(n: usize) -> Result<(), Error> {
+    if n > MAX_SCOPE_IDS {
+        return Err(Error::Invalid(format!("at most {MAX_SCOPE_IDS} workload ids, not {n}")));
+    }
+    Ok(())
 }
 
 /// A workload a scope resolved to.
@@ -104,7 +109,7 @@ pub async fn resolve(conn: &mut PgConnection, scope: &Scope) -> Result<Vec<Membe
     }
     match scope {
         Scope::Ids(ids) => {
-            Scope::ids(ids.clone())?;
+            check_id_count(ids.len())?;
             let mut chosen = BTreeMap::new();
             for id in ids {
                 let member = members

@@ -43,10 +43,12 @@ impl Params {
     ) -> Result<Params, crate::error::Error> {
         for (what, d) in [("an evidence range", since), ("a minimum evidence range", min)] {
             if d > MAX_EVIDENCE {
+                // In days (humantime would say months), the rest as humantime has it.
                 let days = d.as_secs() / 86_400;
-                let shown = match d == std::time::Duration::from_secs(days * 86_400) {
+                let rest = d - std::time::Duration::from_secs(days * 86_400);
+                let shown = match rest.is_zero() {
                     true => format!("{days} days"),
-                    false => humantime::format_duration(d).to_string(),
+                    false => format!("{days} days {}", humantime::format_duration(rest)),
                 };
                 return Err(crate::error::Error::Invalid(format!(
                     "{what} of {shown} is longer than the {} days a verdict may look back",
@@ -612,5 +614,41 @@ mod tests {
         let short = Params { min_duration_ms: 20 * MIN, ..params() };
         assert!(judge(&short, &[base()]).summary().contains("less than the minimum 1200 s"));
         assert_eq!(judge(&params(), &[]).outcome, Outcome::Insufficient);
+    }
+
+    /// The remote CLI prints what it reads back from the API: every kind of reason, the names
+    /// from closed sets and the ids survive the trip, and an unknown name is refused.
+    #[test]
+    fn a_verdict_reads_back_as_written() {
+        let base = || workload(&[1, 1, 1, 1, 1, 2, 2, 2, 2], vec![flow(1, "10.9.0.7", Decision::Allowed)]);
+        let gap = EvidenceGap::new(GapKind::MapFull, 3 * MIN, 3 * MIN + 5, 7);
+        let facts = [
+            base(),
+            WorkloadFacts { mode: Mode::Visibility, state: SyncState::Degraded, gaps: vec![gap], ..base() },
+            WorkloadFacts { latest: None, windows: vec![], ..base() },
+        ];
+        let verdict = judge(&Params { min_duration_ms: 20 * MIN, ..params() }, &facts);
+        let json = serde_json::to_string(&verdict).unwrap();
+        let back: Verdict = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, verdict);
+        assert_eq!(back.summary(), verdict.summary());
+        for (from, to) in [("\"visibility\"", "\"sideways\""), ("\"DEGRADED\"", "\"degraded\"")] {
+            assert!(json.contains(from), "{json}");
+            let err = serde_json::from_str::<Verdict>(&json.replacen(from, to, 1)).unwrap_err();
+            assert!(err.to_string().contains("unknown name"), "{err}");
+        }
+    }
+
+    #[test]
+    fn evidence_ranges_are_bounded() {
+        let day = std::time::Duration::from_secs(86_400);
+        let p = Params::ending_at(100 * MIN, std::time::Duration::from_millis(2 * MIN as u64), day).unwrap();
+        assert_eq!((p.from_ms, p.to_ms, p.min_duration_ms), (98 * MIN, 100 * MIN, 86_400_000));
+        assert!(Params::ending_at(0, 90 * day, 90 * day).is_ok());
+        let err = Params::ending_at(0, 100 * day, day).unwrap_err().to_string();
+        assert_eq!(err, "an evidence range of 100 days is longer than the 90 days a verdict may look back");
+        let err =
+            Params::ending_at(0, day, 90 * day + std::time::Duration::from_secs(1)).unwrap_err().to_string();
+        assert!(err.starts_with("a minimum evidence range of 90 days 1s is longer"), "{err}");
     }
 }
