@@ -12,5 +12,6 @@ mod metrics;
 mod plane;
 mod remote;
 mod remote_fleet;
+mod remote_workloads;
 mod sync;
 mod unauthenticated;

@@ -42,6 +42,7 @@ pub const CHECKED_IN: &str = "openapi.json";
     paths(
         workloads::list, workloads::show, workloads::labels, workloads::put_labels, workloads::policy,
         workloads::history, workloads::resend_snapshot, workloads::retire, workloads::deny,
+        workloads::release_address, workloads::sync_statuses, workloads::sync_status,
         catalog::list_services, catalog::create_service, catalog::show_service, catalog::update_service,
         catalog::delete_service, catalog::list_groups, catalog::create_group, catalog::show_group,
         catalog::update_group, catalog::delete_group, catalog::list_rulesets, catalog::create_ruleset,

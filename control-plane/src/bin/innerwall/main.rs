@@ -187,19 +187,11 @@ async fn remote(api: &str, cli: &Cli) -> anyhow::Result<()> {
         }
         Command::Render => policy::render_remote(&client, cli.json).await,
         Command::EstateRange(cmd) => estate::run_remote(&client, cli.json, cmd).await,
-        Command::Workload(_) => not_yet("workload"),
+        Command::Workload(cmd) => workloads::run_remote(&client, cli.json, cmd).await,
         Command::Flows(cmd) => flows::run_remote(&client, cli.json, cmd).await,
-        Command::Promotions(_) => not_yet("promotions"),
+        Command::Promotions(cmd) => promotions::run_remote(&client, cli.json, cmd).await,
         Command::Contract | Command::Migrate | Command::Serve(_) | Command::Ca(_) | Command::Operator(_) => {
             unreachable!("host-only commands were refused above")
         }
     }
-}
-
-/// A command group whose remote mode is not written yet (issue 12 part 6): refused, so it never
-/// falls back to a database the operator did not point at.
-fn not_yet(name: &str) -> anyhow::Result<()> {
-    anyhow::bail!(
-        "`innerwall {name}` is not available remotely yet (issue 12 part 6); run it on the control-plane host without --api"
-    )
 }
