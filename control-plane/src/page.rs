@@ -13,7 +13,7 @@ use crate::error::Error;
 pub const MAX_PAGE: u32 = 10_000;
 
 /// One page of a bounded query.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Page<T> {
     pub rows: Vec<T>,
     /// More rows follow; `next_cursor` asks for them.

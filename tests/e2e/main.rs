@@ -11,5 +11,7 @@ mod kill_switch;
 mod metrics;
 mod plane;
 mod remote;
+mod remote_fleet;
+mod remote_workloads;
 mod sync;
 mod unauthenticated;

@@ -21,33 +21,21 @@ use super::problem::{ApiError, Problem};
 use crate::error::Error;
 use crate::gate::{self, Params, Scope, promote as promotions};
 
-/// The most a verdict may look back, and the default (24 h).
-const MAX_EVIDENCE: std::time::Duration = std::time::Duration::from_secs(90 * 86_400);
+/// The evidence range and minimum when a request names none.
 const DEFAULT_EVIDENCE: &str = "24h";
 
 fn duration(what: &str, text: Option<&str>) -> Result<std::time::Duration, ApiError> {
     let text = text.unwrap_or(DEFAULT_EVIDENCE);
-    let d = humantime::parse_duration(text)
-        .map_err(|e| ApiError::Malformed(format!("{what} {text:?}: {e}; write e.g. 24h, 7d")))?;
-    if d > MAX_EVIDENCE {
-        return Err(ApiError::Malformed(format!(
-            "{what} {text:?} is longer than {} days",
-            MAX_EVIDENCE.as_secs() / 86_400
-        )));
-    }
-    Ok(d)
+    humantime::parse_duration(text)
+        .map_err(|e| ApiError::Malformed(format!("{what} {text:?}: {e}; write e.g. 24h, 7d")))
 }
 
-/// The evidence a verdict judges: from `evidence_since` ago until now, at least `min_evidence`.
+/// The evidence a verdict judges: from `evidence_since` ago until now, at least `min_evidence`
+/// (each at most `gate::MAX_EVIDENCE`).
 fn params(evidence_since: Option<&str>, min_evidence: Option<&str>) -> Result<Params, ApiError> {
-    let to = chrono::Utc::now().timestamp_millis();
-    let ms = |d: std::time::Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
-    Ok(Params {
-        from_ms: to.saturating_sub(ms(duration("evidence_since", evidence_since)?)),
-        to_ms: to,
-        min_duration_ms: ms(duration("min_evidence", min_evidence)?),
-        top_peers: 5,
-    })
+    let since = duration("evidence_since", evidence_since)?;
+    let min = duration("min_evidence", min_evidence)?;
+    Ok(Params::ending_at(chrono::Utc::now().timestamp_millis(), since, min)?)
 }
 
 /// A scope by selector or by ids, exactly one of them.
@@ -55,12 +43,6 @@ fn scope(selector: Option<&str>, ids: &[String]) -> Result<Scope, ApiError> {
     match (selector, ids) {
         (Some(text), []) => Ok(Scope::parse_selector(text)?),
         (None, ids) if !ids.is_empty() => {
-            if ids.len() > gate::evidence::MAX_SCOPE_IDS {
-                return Err(ApiError::Malformed(format!(
-                    "at most {} workload ids",
-                    gate::evidence::MAX_SCOPE_IDS
-                )));
-            }
             let ids = ids
                 .iter()
                 .map(|id| {
@@ -72,7 +54,7 @@ fn scope(selector: Option<&str>, ids: &[String]) -> Result<Scope, ApiError> {
                     })
                 })
                 .collect::<Result<_, _>>()?;
-            Ok(Scope::Ids(ids))
+            Ok(Scope::ids(ids)?)
         }
         _ => Err(ApiError::Malformed(
             "name the workloads by scope (a selector) or by ids, exactly one of them".into(),

@@ -11,8 +11,9 @@
 //! - [`openapi`]: the OpenAPI 3.1 document generated from the handlers, served at
 //!   `/api/v1/openapi.json` and checked in as `control-plane/openapi.json`.
 //! - one module per resource group — [`workloads`], [`catalog`] (services, address groups,
-//!   rulesets), [`tokens`] (provisioning tokens), [`flows`], [`gate`] (verdict, promotions),
-//!   [`operators`] (the API's own tokens, for admins) —
+//!   rulesets), [`estate`] (estate ranges), [`render`], [`tokens`] (provisioning tokens),
+//!   [`flows`], [`gate`] (verdict, promotions), [`operators`] (the API's own tokens, for
+//!   admins) —
 //!   whose handlers call the same library functions the CLI does and answer with the structs its
 //!   `--json` prints; changes go through `authoring::commit` (or the library call that audits
 //!   itself) with the caller's `operator:<name>/<token id>` as the actor.
@@ -23,12 +24,14 @@
 
 pub mod auth;
 pub mod catalog;
+pub mod estate;
 pub mod extract;
 pub mod flows;
 pub mod gate;
 pub mod openapi;
 pub mod operators;
 pub mod problem;
+pub mod render;
 pub mod router;
 pub mod server;
 pub mod tokens;

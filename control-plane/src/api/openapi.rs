@@ -16,7 +16,7 @@ use utoipa::openapi::{Components, OpenApi, Ref, RefOr};
 
 use super::Route;
 use super::problem::{PROBLEM_JSON, Problem, ProblemType};
-use super::{catalog, flows, gate, operators, tokens, workloads};
+use super::{catalog, estate, flows, gate, operators, render, tokens, workloads};
 use crate::identity::operators::Role;
 
 /// Where the document is served.
@@ -32,7 +32,7 @@ pub const CHECKED_IN: &str = "openapi.json";
         title = "Innerwall operator API",
         version = "1",
         description = "Operate an Innerwall estate over HTTPS: workloads, the authored policy model, \
-            provisioning tokens, flow evidence, verdicts and promotions. Authenticate with \
+            estate ranges, provisioning tokens, flow evidence, verdicts and promotions. Authenticate with \
             `Authorization: Bearer iwo_…` (mint a token on a control-plane host with `innerwall operator \
             token mint --name NAME --role viewer|editor|promoter|admin`); each operation names the role it \
             needs as the scope of its security requirement. Conditional writes need `If-Match` with the \
@@ -42,10 +42,12 @@ pub const CHECKED_IN: &str = "openapi.json";
     paths(
         workloads::list, workloads::show, workloads::labels, workloads::put_labels, workloads::policy,
         workloads::history, workloads::resend_snapshot, workloads::retire, workloads::deny,
+        workloads::release_address, workloads::sync_statuses, workloads::sync_status,
         catalog::list_services, catalog::create_service, catalog::show_service, catalog::update_service,
         catalog::delete_service, catalog::list_groups, catalog::create_group, catalog::show_group,
         catalog::update_group, catalog::delete_group, catalog::list_rulesets, catalog::create_ruleset,
         catalog::show_ruleset, catalog::update_ruleset, catalog::delete_ruleset,
+        estate::list, estate::add, estate::remove, render::render,
         tokens::list, tokens::mint, tokens::revoke,
         flows::list_records, flows::gaps, flows::rollup,
         gate::verdict, gate::list, gate::show, gate::promote,
@@ -55,6 +57,8 @@ pub const CHECKED_IN: &str = "openapi.json";
     tags(
         (name = "workloads", description = "Enrolled hosts: labels, convergence, rendered policy, lifecycle"),
         (name = "catalog", description = "The authored model: services, address groups, rulesets"),
+        (name = "estate-ranges", description = "The address ranges whose reported workload addresses may become peers"),
+        (name = "render", description = "Render every workload on request"),
         (name = "provisioning-tokens", description = "Tokens hosts enroll with"),
         (name = "flows", description = "Flow evidence: records, gaps, rollups"),
         (name = "gate", description = "Verdicts and promotions: the evidence gate"),

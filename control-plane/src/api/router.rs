@@ -14,7 +14,10 @@ use axum::routing::MethodFilter;
 
 use super::extract::BodyLimit;
 use super::problem::ApiError;
-use super::{ApiLimits, ApiState, Route, auth, catalog, flows, gate, openapi, operators, tokens, workloads};
+use super::{
+    ApiLimits, ApiState, Route, auth, catalog, estate, flows, gate, openapi, operators, render, tokens,
+    workloads,
+};
 use crate::identity::operators::Role;
 
 /// The router being built and the record of what it mounted.
@@ -62,6 +65,9 @@ pub fn build(state: ApiState) -> (Router, Vec<Route>) {
         .mount("POST", "/api/v1/workloads/{id}/resend-snapshot", Some(Editor), workloads::resend_snapshot)
         .mount("POST", "/api/v1/workloads/{id}/retire", Some(Admin), workloads::retire)
         .mount("POST", "/api/v1/workloads/{id}/deny", Some(Admin), workloads::deny)
+        .mount("POST", "/api/v1/workloads/{id}/release-address", Some(Editor), workloads::release_address)
+        .mount("GET", "/api/v1/sync-status", Some(Viewer), workloads::sync_statuses)
+        .mount("GET", "/api/v1/sync-status/{id}", Some(Viewer), workloads::sync_status)
         .mount("GET", "/api/v1/services", Some(Viewer), catalog::list_services)
         .mount("POST", "/api/v1/services", Some(Editor), catalog::create_service)
         .mount("GET", "/api/v1/services/{name}", Some(Viewer), catalog::show_service)
@@ -77,6 +83,13 @@ pub fn build(state: ApiState) -> (Router, Vec<Route>) {
         .mount("GET", "/api/v1/rulesets/{name}", Some(Viewer), catalog::show_ruleset)
         .mount("PUT", "/api/v1/rulesets/{name}", Some(Editor), catalog::update_ruleset)
         .mount("DELETE", "/api/v1/rulesets/{name}", Some(Editor), catalog::delete_ruleset)
+        // Estate ranges decide which reported addresses enter other hosts' allow sets: a trust
+        // decision like retire and deny, so changing them is for admins.
+        .mount("GET", "/api/v1/estate-ranges", Some(Viewer), estate::list)
+        .mount("POST", "/api/v1/estate-ranges", Some(Admin), estate::add)
+        .mount("DELETE", "/api/v1/estate-ranges/{address}/{prefix}", Some(Admin), estate::remove)
+        // A render changes no authored object; it is what every editor's change does anyway.
+        .mount("POST", "/api/v1/render", Some(Editor), render::render)
         .mount("GET", "/api/v1/provisioning-tokens", Some(Viewer), tokens::list)
         .mount("POST", "/api/v1/provisioning-tokens", Some(Editor), tokens::mint)
         .mount("DELETE", "/api/v1/provisioning-tokens/{id}", Some(Editor), tokens::revoke)

@@ -1,7 +1,8 @@
-//! `/api/v1/workloads`: the fleet a page at a time in attention order, one workload's detail,
-//! its labels (conditional on the label version), its rendered policy and history, and the
-//! operator's levers on it (resend snapshot, retire, deny) — through the library calls the CLI's
-//! `innerwall workload` makes.
+//! `/api/v1/workloads` and `/api/v1/sync-status`: the fleet a page at a time in attention order,
+//! one workload's detail, its labels (conditional on the label version), its rendered policy and
+//! history, convergence (all, by hostname, a page at a time, or one), and the operator's levers
+//! on it (resend snapshot, release an address, retire, deny) — through the library calls the
+//! CLI's `innerwall workload` makes.
 
 // utoipa's `params(…)` expansion names the `IntoParams` types by a path it could shorten.
 #![allow(unused_qualifications)]
@@ -121,8 +122,7 @@ pub async fn show(
 ) -> Result<Json<WorkloadDetail>, ApiError> {
     let id = workload(&id)?;
     let mut conn = state.pool.acquire().await.map_err(Error::from)?;
-    let view =
-        store::list_workloads(&mut conn, Some(id)).await?.into_iter().next().ok_or_else(|| not_found(id))?;
+    let view = store::workload_view(&mut conn, id).await?;
     let sync = store::sync_status(&mut conn, Some(id)).await?.into_iter().next();
     let facts = store::workload_facts(&mut conn, id).await?.ok_or_else(|| not_found(id))?;
     Ok(Json(WorkloadDetail { workload: view, sync, facts }))
@@ -144,8 +144,7 @@ pub struct Labels {
 pub async fn labels(State(state): State<ApiState>, Path(id): Path<String>) -> Result<Response, ApiError> {
     let id = workload(&id)?;
     let mut conn = state.pool.acquire().await.map_err(Error::from)?;
-    let view =
-        store::list_workloads(&mut conn, Some(id)).await?.into_iter().next().ok_or_else(|| not_found(id))?;
+    let view = store::workload_view(&mut conn, id).await?;
     Ok(([etag(view.label_version)], Json(Labels { labels: view.labels, version: view.label_version }))
         .into_response())
 }
@@ -205,10 +204,7 @@ pub async fn policy(
 ) -> Result<Json<PolicyView>, ApiError> {
     let id = workload(&id)?;
     let mut conn = state.pool.acquire().await.map_err(Error::from)?;
-    let (policy, rendered_at) = store::persisted_policy(&mut conn, id)
-        .await?
-        .ok_or_else(|| Error::NotFound { what: "rendered policy of workload", name: id.to_string() })?;
-    Ok(Json(PolicyView::of(id, &policy, rendered_at)))
+    Ok(Json(store::policy_view(&mut conn, id).await?))
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
@@ -234,6 +230,84 @@ pub async fn history(
     let mut conn = state.pool.acquire().await.map_err(Error::from)?;
     store::workload_facts(&mut conn, id).await?.ok_or_else(|| not_found(id))?;
     Ok(Json(store::policy_history_page(&mut conn, id, &request).await?))
+}
+
+/// The convergence of every workload that is not retired, by hostname (as `workload status
+/// --json` prints it, a page at a time).
+#[utoipa::path(get, path = "/api/v1/sync-status", tag = "workloads", params(StatusQuery),
+    responses((status = 200, description = "A page of sync states", body = Page<SyncStatusView>)))]
+pub async fn sync_statuses(
+    State(state): State<ApiState>,
+    Query(q): Query<StatusQuery>,
+) -> Result<Json<Page<SyncStatusView>>, ApiError> {
+    let request = page_request(q.limit, q.cursor, 100)?;
+    let mut conn = state.pool.acquire().await.map_err(Error::from)?;
+    Ok(Json(store::sync_status_page(&mut conn, &request).await?))
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct StatusQuery {
+    /// Rows per page, 1 to 1,000 (default 100).
+    limit: Option<u32>,
+    /// The `next_cursor` of the previous page.
+    cursor: Option<String>,
+}
+
+/// One workload's convergence: applied against latest, sync state, last seen, acked and
+/// snapshot, addresses not rendered. A retired workload has none (404).
+#[utoipa::path(get, path = "/api/v1/sync-status/{id}", tag = "workloads",
+    params(("id" = String, Path, description = "The workload id")),
+    responses((status = 200, description = "Its sync state", body = SyncStatusView)))]
+pub async fn sync_status(
+    State(state): State<ApiState>,
+    Path(id): Path<String>,
+) -> Result<Json<SyncStatusView>, ApiError> {
+    let id = workload(&id)?;
+    let mut conn = state.pool.acquire().await.map_err(Error::from)?;
+    Ok(Json(store::sync_status_of(&mut conn, id).await?))
+}
+
+/// The address whose claim is dropped.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseAddress {
+    /// An IPv4 or IPv6 address the workload reported.
+    pub address: String,
+}
+
+/// Drops the workload's claim to an address (resolves a conflict, or forgets an address the host
+/// no longer has); if the host still reports it, its next inventory claims it again. Renders
+/// before it answers.
+#[utoipa::path(post, path = "/api/v1/workloads/{id}/release-address", tag = "workloads",
+    params(("id" = String, Path, description = "The workload id")),
+    request_body = ReleaseAddress,
+    responses((status = 200, description = "Released", body = Changed<Nothing>)))]
+pub async fn release_address(
+    State(state): State<ApiState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    JsonBody(body): JsonBody<ReleaseAddress>,
+) -> Result<Json<Changed<Nothing>>, ApiError> {
+    let id = workload(&id)?;
+    let address: std::net::IpAddr = body.address.trim().parse().map_err(|_| {
+        ApiError::Malformed(format!(
+            "{:?} is not an IP address",
+            body.address.chars().take(64).collect::<String>()
+        ))
+    })?;
+    let done = authoring::commit(
+        &state.pool,
+        &caller.actor(),
+        "workload.release-address",
+        &id.to_string(),
+        async |c| {
+            authoring::release_address(c, id, address).await?;
+            Ok(((), serde_json::json!({"address": address.to_string()})))
+        },
+    )
+    .await?;
+    Ok(Json(Changed::from(done)))
 }
 
 /// Asks the replica holding the agent's stream to reconnect it (a fresh snapshot follows).

@@ -5,14 +5,14 @@ use chrono::{DateTime, Utc};
 use innerwall_wire::convert::WireEnum;
 use innerwall_wire::flows::Decision;
 use innerwall_wire::identity::WorkloadId;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use sqlx::{PgPool, Postgres, QueryBuilder};
 use uuid::Uuid;
 
 use super::page::{self, Page, PageRequest};
 use crate::error::Error;
 
-#[derive(Debug, Clone, Serialize, sqlx::FromRow, utoipa::ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow, utoipa::ToSchema)]
 pub struct FlowRow {
     pub window_start: DateTime<Utc>,
     pub window_id: Uuid,
@@ -109,7 +109,7 @@ pub(super) fn version_code(version: u64) -> Result<i64, Error> {
     i64::try_from(version).map_err(|_| Error::Invalid(format!("policy version {version} does not exist")))
 }
 
-#[derive(Debug, Clone, Serialize, sqlx::FromRow, utoipa::ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow, utoipa::ToSchema)]
 pub struct GapRow {
     pub workload_id: Uuid,
     pub window_id: Uuid,

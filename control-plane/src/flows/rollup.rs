@@ -25,7 +25,7 @@ use innerwall_wire::convert::WireEnum;
 use innerwall_wire::flows::Decision;
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::labels::Label;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use sqlx::{PgPool, Postgres, QueryBuilder};
 use uuid::Uuid;
 
@@ -243,7 +243,7 @@ impl RollupFilter {
 }
 
 /// One group of a rollup: its key (the fields of the grouping; the others absent) and its sums.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RollupRow {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rule: Option<String>,

@@ -60,15 +60,29 @@ impl Scope {
     pub fn parse_selector(text: &str) -> Result<Scope, Error> {
         crate::flows::parse_selector(text).map(Scope::Selector)
     }
+
+    /// These workloads, at most [`MAX_SCOPE_IDS`] of them.
+    pub fn ids(ids: Vec<WorkloadId>) -> Result<Scope, Error> {
+        check_id_count(ids.len())?;
+        Ok(Scope::Ids(ids))
+    }
+}
+
+fn check_id_count(n: usize) -> Result<(), Error> {
+    if n > MAX_SCOPE_IDS {
+        return Err(Error::Invalid(format!("at most {MAX_SCOPE_IDS} workload ids, not {n}")));
+    }
+    Ok(())
 }
 
 /// A workload a scope resolved to.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
 pub struct Member {
-    #[serde(serialize_with = "crate::gate::serialize_id")]
+    #[serde(serialize_with = "crate::gate::serialize_id", deserialize_with = "crate::gate::deserialize_id")]
     pub id: WorkloadId,
     pub hostname: String,
-    pub mode: &'static str,
+    #[serde(deserialize_with = "crate::gate::mode_name")]
+    pub mode: crate::gate::Name,
 }
 
 impl Member {
@@ -95,12 +109,7 @@ pub async fn resolve(conn: &mut PgConnection, scope: &Scope) -> Result<Vec<Membe
     }
     match scope {
         Scope::Ids(ids) => {
-            if ids.len() > MAX_SCOPE_IDS {
-                return Err(Error::Invalid(format!(
-                    "at most {MAX_SCOPE_IDS} workload ids, not {}",
-                    ids.len()
-                )));
-            }
+            check_id_count(ids.len())?;
             let mut chosen = BTreeMap::new();
             for id in ids {
                 let member = members

@@ -36,14 +36,15 @@ pub struct Request {
 }
 
 /// A stored promotion record.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct Promotion {
     pub id: Uuid,
     pub at: DateTime<Utc>,
     pub actor: String,
     pub reason: String,
     pub override_reason: Option<String>,
-    pub to_mode: &'static str,
+    #[serde(deserialize_with = "crate::gate::mode_name")]
+    pub to_mode: crate::gate::Name,
     pub scope: String,
     pub expected_count: i32,
     /// Each workload with the mode it left.

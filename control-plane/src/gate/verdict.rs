@@ -15,10 +15,10 @@ use innerwall_wire::flows::{Decision, EvidenceGap, decide};
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::{Mode, Protocol, Version, WorkloadPolicy};
 use innerwall_wire::sync::SyncState;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// What the verdict is asked: the evidence range and how much of it is enough.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Params {
     /// The evidence range, unix milliseconds, `[from_ms, to_ms)`.
     pub from_ms: i64,
@@ -27,6 +27,38 @@ pub struct Params {
     pub min_duration_ms: i64,
     /// How many would-block peers each workload's reasons name.
     pub top_peers: usize,
+}
+
+/// The longest evidence range a verdict looks back over (and the longest minimum it asks for).
+pub const MAX_EVIDENCE: std::time::Duration = std::time::Duration::from_secs(90 * 86_400);
+
+impl Params {
+    /// The evidence from `since` before `to_ms` until `to_ms`, judged enough only if the range is
+    /// at least `min` long; refused beyond [`MAX_EVIDENCE`]. The CLI (local or remote) and the
+    /// API build their parameters here, with `to_ms` their own now.
+    pub fn ending_at(
+        to_ms: i64,
+        since: std::time::Duration,
+        min: std::time::Duration,
+    ) -> Result<Params, crate::error::Error> {
+        for (what, d) in [("an evidence range", since), ("a minimum evidence range", min)] {
+            if d > MAX_EVIDENCE {
+                // In days (humantime would say months), the rest as humantime has it.
+                let days = d.as_secs() / 86_400;
+                let rest = d - std::time::Duration::from_secs(days * 86_400);
+                let shown = match rest.is_zero() {
+                    true => format!("{days} days"),
+                    false => format!("{days} days {}", humantime::format_duration(rest)),
+                };
+                return Err(crate::error::Error::Invalid(format!(
+                    "{what} of {shown} is longer than the {} days a verdict may look back",
+                    MAX_EVIDENCE.as_secs() / 86_400
+                )));
+            }
+        }
+        let ms = |d: std::time::Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
+        Ok(Params { from_ms: to_ms.saturating_sub(ms(since)), to_ms, min_duration_ms: ms(min), top_peers: 5 })
+    }
 }
 
 /// The most two windows may be apart and still count as abutting (rounding, clock steps).
@@ -76,7 +108,7 @@ pub struct WorkloadFacts {
     pub flows: Vec<FlowFacts>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum Outcome {
     Safe,
@@ -95,7 +127,7 @@ impl Outcome {
 }
 
 /// How a would-block flow was found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Found {
     /// Recorded WOULD_BLOCK by the agent under the latest version itself.
@@ -105,7 +137,7 @@ pub enum Found {
 }
 
 /// A peer whose flows the latest version would block.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BlockedPeer {
     pub src: IpAddr,
     /// Its labels as they were when the flow was ingested.
@@ -120,21 +152,46 @@ pub struct BlockedPeer {
 }
 
 /// Why a workload is not SAFE.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "reason", rename_all = "kebab-case")]
 pub enum Reason {
-    RangeTooShort { range_ms: i64, min_ms: i64 },
-    WrongMode { mode: &'static str },
+    RangeTooShort {
+        range_ms: i64,
+        min_ms: i64,
+    },
+    WrongMode {
+        #[serde(deserialize_with = "crate::gate::mode_name")]
+        mode: crate::gate::Name,
+    },
     NoPolicy,
     Offline,
     Degraded,
     Suspended,
     Converging,
-    BehindOnVersion { applied: Version, latest: Version },
-    NoWindowUnderLatest { latest: Version },
-    CoverageHole { from_ms: i64, to_ms: i64 },
-    Gap { kind: &'static str, from_ms: i64, to_ms: i64, count: u64, detail: String },
-    WouldBlock { flows: usize, connections: u64, peers: Vec<BlockedPeer> },
+    BehindOnVersion {
+        applied: Version,
+        latest: Version,
+    },
+    NoWindowUnderLatest {
+        latest: Version,
+    },
+    CoverageHole {
+        from_ms: i64,
+        to_ms: i64,
+    },
+    Gap {
+        #[serde(deserialize_with = "crate::gate::gap_kind_name")]
+        kind: crate::gate::Name,
+        from_ms: i64,
+        to_ms: i64,
+        count: u64,
+        detail: String,
+    },
+    WouldBlock {
+        flows: usize,
+        connections: u64,
+        peers: Vec<BlockedPeer>,
+    },
 }
 
 impl Reason {
@@ -219,7 +276,7 @@ fn time(ms: i64) -> String {
 }
 
 /// How much evidence a workload has, and where it came from.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Evidence {
     /// Windows (and their milliseconds inside the range) captured under the latest version.
     pub native_windows: usize,
@@ -237,13 +294,15 @@ pub struct Evidence {
 }
 
 /// One workload's verdict.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WorkloadVerdict {
-    #[serde(serialize_with = "crate::gate::serialize_id")]
+    #[serde(serialize_with = "crate::gate::serialize_id", deserialize_with = "crate::gate::deserialize_id")]
     pub id: WorkloadId,
     pub hostname: String,
-    pub mode: &'static str,
-    pub state: &'static str,
+    #[serde(deserialize_with = "crate::gate::mode_name")]
+    pub mode: crate::gate::Name,
+    #[serde(deserialize_with = "crate::gate::state_name")]
+    pub state: crate::gate::Name,
     pub applied_version: Version,
     /// The version judged: the latest rendered one.
     pub latest_version: Option<Version>,
@@ -264,7 +323,7 @@ impl WorkloadVerdict {
 }
 
 /// The verdict on a scope.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Verdict {
     pub outcome: Outcome,
     pub params: Params,
@@ -555,5 +614,41 @@ mod tests {
         let short = Params { min_duration_ms: 20 * MIN, ..params() };
         assert!(judge(&short, &[base()]).summary().contains("less than the minimum 1200 s"));
         assert_eq!(judge(&params(), &[]).outcome, Outcome::Insufficient);
+    }
+
+    /// The remote CLI prints what it reads back from the API: every kind of reason, the names
+    /// from closed sets and the ids survive the trip, and an unknown name is refused.
+    #[test]
+    fn a_verdict_reads_back_as_written() {
+        let base = || workload(&[1, 1, 1, 1, 1, 2, 2, 2, 2], vec![flow(1, "10.9.0.7", Decision::Allowed)]);
+        let gap = EvidenceGap::new(GapKind::MapFull, 3 * MIN, 3 * MIN + 5, 7);
+        let facts = [
+            base(),
+            WorkloadFacts { mode: Mode::Visibility, state: SyncState::Degraded, gaps: vec![gap], ..base() },
+            WorkloadFacts { latest: None, windows: vec![], ..base() },
+        ];
+        let verdict = judge(&Params { min_duration_ms: 20 * MIN, ..params() }, &facts);
+        let json = serde_json::to_string(&verdict).unwrap();
+        let back: Verdict = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, verdict);
+        assert_eq!(back.summary(), verdict.summary());
+        for (from, to) in [("\"visibility\"", "\"sideways\""), ("\"DEGRADED\"", "\"degraded\"")] {
+            assert!(json.contains(from), "{json}");
+            let err = serde_json::from_str::<Verdict>(&json.replacen(from, to, 1)).unwrap_err();
+            assert!(err.to_string().contains("unknown name"), "{err}");
+        }
+    }
+
+    #[test]
+    fn evidence_ranges_are_bounded() {
+        let day = std::time::Duration::from_secs(86_400);
+        let p = Params::ending_at(100 * MIN, std::time::Duration::from_millis(2 * MIN as u64), day).unwrap();
+        assert_eq!((p.from_ms, p.to_ms, p.min_duration_ms), (98 * MIN, 100 * MIN, 86_400_000));
+        assert!(Params::ending_at(0, 90 * day, 90 * day).is_ok());
+        let err = Params::ending_at(0, 100 * day, day).unwrap_err().to_string();
+        assert_eq!(err, "an evidence range of 100 days is longer than the 90 days a verdict may look back");
+        let err =
+            Params::ending_at(0, day, 90 * day + std::time::Duration::from_secs(1)).unwrap_err().to_string();
+        assert!(err.starts_with("a minimum evidence range of 90 days 1s is longer"), "{err}");
     }
 }

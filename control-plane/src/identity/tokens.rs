@@ -15,7 +15,7 @@ use innerwall_wire::labels::Label;
 use innerwall_wire::policy::Cidr;
 use ring::digest::{SHA256, digest};
 use ring::rand::{SecureRandom, SystemRandom};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use sqlx::{PgConnection, Row};
 use uuid::Uuid;
 
@@ -173,7 +173,7 @@ impl fmt::Debug for MintedToken {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum TokenStatus {
     Active,
@@ -213,7 +213,7 @@ pub fn status_at(
 }
 
 /// One row of `innerwall token list`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct TokenView {
     pub id: Uuid,
     /// The first six characters after `iw_`, as stored (show it as `iw_<hint>…`).

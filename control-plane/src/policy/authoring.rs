@@ -8,7 +8,7 @@ use std::net::IpAddr;
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::labels::{Label, LabelKey};
 use innerwall_wire::policy::{Cidr, Mode};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, Row};
 use uuid::Uuid;
 
@@ -59,6 +59,12 @@ pub async fn render_now(pool: &PgPool) -> Result<Vec<Changed>, Error> {
     let changed = publish(&mut tx).await?;
     tx.commit().await?;
     Ok(changed)
+}
+
+/// [`render_now`] on an operator's request (`innerwall render`, `POST /api/v1/render`): the
+/// render and its audit record (`policy.render`, with the versions it moved) in one transaction.
+pub async fn render_audited(pool: &PgPool, actor: &str) -> Result<Committed<()>, Error> {
+    commit(pool, actor, "policy.render", "all", async |_| Ok(((), serde_json::json!({})))).await
 }
 
 /// Authored object kinds that carry a name and a version.
@@ -515,8 +521,59 @@ async fn lock_workload(conn: &mut PgConnection, id: WorkloadId) -> Result<(i64, 
     Ok((row.get(0), row.get(1)))
 }
 
+/// The checks of a label edit that need no database: something to change, no key set twice,
+/// none both set and removed. The remote CLI makes them before it asks the API for anything.
+pub fn check_label_edit(set: &[Label], remove: &[LabelKey]) -> Result<(), Error> {
+    if set.is_empty() && remove.is_empty() {
+        return Err(Error::Invalid("nothing to change: give --set key=value or --remove key".into()));
+    }
+    distinct_keys(set)?;
+    if let Some(key) = remove.iter().find(|k| set.iter().any(|l| &l.key == *k)) {
+        return Err(Error::Invalid(format!("label {key} is both set and removed")));
+    }
+    Ok(())
+}
+
+fn distinct_keys(labels: &[Label]) -> Result<BTreeMap<&str, &Label>, Error> {
+    let mut by_key = BTreeMap::new();
+    for label in labels {
+        if by_key.insert(label.key.as_str(), label).is_some() {
+            return Err(Error::Invalid(format!("label key {} is given more than once", label.key)));
+        }
+    }
+    Ok(by_key)
+}
+
+/// The refusal of a label change conditioned on a version that is not the current one.
+pub fn stale_labels(id: WorkloadId, expected: i64, current: i64) -> Error {
+    Error::Stale { what: "workload labels of", name: id.to_string(), expected, current }
+}
+
+/// Locks the workload for a label change conditioned on `expected`: refused if unknown, retired
+/// (its labels are frozen) or at another version. Returns the version and the labels now.
+async fn labels_at(
+    conn: &mut PgConnection,
+    id: WorkloadId,
+    expected: i64,
+) -> Result<(i64, BTreeMap<String, String>), Error> {
+    let (current, retired) = lock_workload(conn, id).await?;
+    if retired {
+        return Err(Error::Invalid(format!("workload {id} is retired; its labels are frozen")));
+    }
+    if current != expected {
+        return Err(stale_labels(id, expected, current));
+    }
+    let now = sqlx::query_as("SELECT key, value FROM workload_labels WHERE workload_id = $1")
+        .bind(id.uuid())
+        .fetch_all(&mut *conn)
+        .await?
+        .into_iter()
+        .collect();
+    Ok((current, now))
+}
+
 /// Sets and removes labels, conditional on the label-set version the operator read (IDN-6).
-/// Returns the new label-set version.
+/// Returns the label-set version now (unchanged when the edit changes nothing).
 pub async fn edit_labels(
     conn: &mut PgConnection,
     id: WorkloadId,
@@ -524,47 +581,32 @@ pub async fn edit_labels(
     set: &[Label],
     remove: &[LabelKey],
 ) -> Result<i64, Error> {
-    if set.is_empty() && remove.is_empty() {
-        return Err(Error::Invalid("nothing to change: give --set key=value or --remove key".into()));
-    }
-    if let Some(key) = remove.iter().find(|k| set.iter().any(|l| &l.key == *k)) {
-        return Err(Error::Invalid(format!("label {key} is both set and removed")));
-    }
-    let (current, retired) = lock_workload(conn, id).await?;
-    if retired {
-        return Err(Error::Invalid(format!("workload {id} is retired; its labels are frozen")));
-    }
-    if current != expected {
-        return Err(Error::Stale { what: "workload labels of", name: id.to_string(), expected, current });
-    }
-    let removed: Vec<&str> = remove.iter().map(LabelKey::as_str).collect();
-    sqlx::query("DELETE FROM workload_labels WHERE workload_id = $1 AND key = ANY($2)")
-        .bind(id.uuid())
-        .bind(&removed)
-        .execute(&mut *conn)
-        .await?;
-    write_labels(conn, id, set).await?;
-    let count: i64 = sqlx::query_scalar("SELECT count(*) FROM workload_labels WHERE workload_id = $1")
-        .bind(id.uuid())
-        .fetch_one(&mut *conn)
-        .await?;
-    // Refused here, the caller's transaction rolls the edit back.
-    check_label_count(&format!("workload {id}"), count as usize)?;
-    sqlx::query("UPDATE workloads SET label_version = label_version + 1 WHERE id = $1")
-        .bind(id.uuid())
-        .execute(&mut *conn)
-        .await?;
-    record_label_history(conn, id).await?;
-    Ok(current + 1)
+    Ok(change_labels(conn, id, expected, set, remove).await?.version)
 }
 
-/// What [`replace_labels`] changed.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+/// What a label change did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct LabelsReplaced {
-    /// The label-set version now (unchanged when the set was already `labels`).
+    /// The label-set version now (unchanged when the change changed nothing).
     pub version: i64,
+    /// `key=value` of each label set to a new value, by key.
     pub set: Vec<String>,
+    /// Each key removed, in order.
     pub removed: Vec<String>,
+}
+
+/// Sets and removes labels, conditional on the label-set version the operator read (IDN-6):
+/// `innerwall workload label`. An edit that leaves the set as it is keeps the version.
+pub async fn change_labels(
+    conn: &mut PgConnection,
+    id: WorkloadId,
+    expected: i64,
+    set: &[Label],
+    remove: &[LabelKey],
+) -> Result<LabelsReplaced, Error> {
+    check_label_edit(set, remove)?;
+    let (current, now) = labels_at(conn, id, expected).await?;
+    apply_labels(conn, id, current, &now, set, remove).await
 }
 
 /// Replaces a workload's whole label set, conditional on the label-set version the operator
@@ -576,38 +618,43 @@ pub async fn replace_labels(
     expected: i64,
     labels: &[Label],
 ) -> Result<LabelsReplaced, Error> {
-    check_label_count(&format!("workload {id}"), labels.len())?;
-    let mut wanted: BTreeMap<&str, &Label> = BTreeMap::new();
-    for label in labels {
-        if wanted.insert(label.key.as_str(), label).is_some() {
-            return Err(Error::Invalid(format!("label key {} is given more than once", label.key)));
-        }
-    }
-    let (current, retired) = lock_workload(conn, id).await?;
-    if retired {
-        return Err(Error::Invalid(format!("workload {id} is retired; its labels are frozen")));
-    }
-    if current != expected {
-        return Err(Error::Stale { what: "workload labels of", name: id.to_string(), expected, current });
-    }
-    let now: BTreeMap<String, String> =
-        sqlx::query_as("SELECT key, value FROM workload_labels WHERE workload_id = $1")
-            .bind(id.uuid())
-            .fetch_all(&mut *conn)
-            .await?
-            .into_iter()
-            .collect();
-    let set: Vec<Label> = wanted
-        .values()
-        .filter(|l| now.get(l.key.as_str()).map(String::as_str) != Some(l.value.as_str()))
-        .map(|l| (*l).clone())
-        .collect();
+    let wanted = distinct_keys(labels)?;
+    let (current, now) = labels_at(conn, id, expected).await?;
     let remove: Vec<LabelKey> = now
         .keys()
         .filter(|k| !wanted.contains_key(k.as_str()))
         .map(|k| k.parse::<LabelKey>())
         .collect::<Result<_, _>>()
         .map_err(|e| Error::Corrupt { what: "stored label key", detail: e.to_string() })?;
+    apply_labels(conn, id, current, &now, labels, &remove).await
+}
+
+/// Applies an edit to the labels `now` (at version `current`, locked and checked): what it
+/// really changes is written, with a new version and a label-history row; nothing if nothing.
+async fn apply_labels(
+    conn: &mut PgConnection,
+    id: WorkloadId,
+    current: i64,
+    now: &BTreeMap<String, String>,
+    set: &[Label],
+    remove: &[LabelKey],
+) -> Result<LabelsReplaced, Error> {
+    let mut after = now.clone();
+    for key in remove {
+        after.remove(key.as_str());
+    }
+    for label in set {
+        after.insert(label.key.to_string(), label.value.to_string());
+    }
+    check_label_count(&format!("workload {id}"), after.len())?;
+    let mut set: Vec<&Label> = set
+        .iter()
+        .filter(|l| now.get(l.key.as_str()).map(String::as_str) != Some(l.value.as_str()))
+        .collect();
+    set.sort_by(|a, b| a.key.as_str().cmp(b.key.as_str()));
+    let mut remove: Vec<&LabelKey> = remove.iter().filter(|k| now.contains_key(k.as_str())).collect();
+    remove.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+    remove.dedup();
     let shown = LabelsReplaced {
         version: current,
         set: set.iter().map(ToString::to_string).collect(),
@@ -616,8 +663,20 @@ pub async fn replace_labels(
     if set.is_empty() && remove.is_empty() {
         return Ok(shown);
     }
-    let version = edit_labels(conn, id, expected, &set, &remove).await?;
-    Ok(LabelsReplaced { version, ..shown })
+    let removed: Vec<&str> = remove.iter().map(|k| k.as_str()).collect();
+    sqlx::query("DELETE FROM workload_labels WHERE workload_id = $1 AND key = ANY($2)")
+        .bind(id.uuid())
+        .bind(&removed)
+        .execute(&mut *conn)
+        .await?;
+    let set: Vec<Label> = set.into_iter().cloned().collect();
+    write_labels(conn, id, &set).await?;
+    sqlx::query("UPDATE workloads SET label_version = label_version + 1 WHERE id = $1")
+        .bind(id.uuid())
+        .execute(&mut *conn)
+        .await?;
+    record_label_history(conn, id).await?;
+    Ok(LabelsReplaced { version: current + 1, ..shown })
 }
 
 pub async fn set_mode(conn: &mut PgConnection, id: WorkloadId, mode: Mode) -> Result<(), Error> {
@@ -662,7 +721,7 @@ pub async fn deny(conn: &mut PgConnection, id: WorkloadId) -> Result<(), Error> 
 }
 
 /// The answer to a directed reconnect request (SYNC-8).
-#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ResendRequested {
     /// Observe success by this advancing.
     pub last_snapshot_sent_at: Option<chrono::DateTime<chrono::Utc>>,

@@ -446,7 +446,7 @@ pub async fn list_rulesets(conn: &mut PgConnection) -> Result<Vec<RulesetView>, 
         .collect())
 }
 
-#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct WorkloadView {
     pub id: String,
     pub hostname: String,
@@ -462,17 +462,17 @@ pub struct WorkloadView {
 }
 
 /// One reported address and whether it is rendered into peer sets (address trust).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct AddressView {
     pub address: String,
     /// `accepted`, `outside-estate-ranges`, `outside-token-ranges`, `conflict`; `pending` until
     /// the next render judges it; `retired` for a retired or deny-listed workload.
-    pub standing: &'static str,
+    pub standing: String,
     /// Why it is not rendered; absent when it is.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub reason: Option<&'static str>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
     /// For a conflict: the other live workloads that claim it.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub also_claimed_by: Vec<String>,
 }
 
@@ -494,10 +494,11 @@ impl AddressView {
     }
 }
 
-/// Every reported address of one workload (or all), with its standing, by workload.
+/// Every reported address of the workloads `only` names (or of all), with its standing, by
+/// workload.
 pub async fn address_views(
     conn: &mut PgConnection,
-    only: Option<WorkloadId>,
+    only: Option<&[Uuid]>,
 ) -> Result<BTreeMap<Uuid, Vec<AddressView>>, Error> {
     let rows = sqlx::query(
         "SELECT a.workload_id, host(a.address), a.standing, w.retired_at IS NOT NULL OR w.denied_at IS NOT NULL,
@@ -506,11 +507,11 @@ pub async fn address_views(
          JOIN workloads w ON w.id = a.workload_id
          LEFT JOIN workload_addresses b
                 ON b.address = a.address AND b.workload_id <> a.workload_id AND a.standing = $2 AND b.standing = $2
-         WHERE $1::uuid IS NULL OR a.workload_id = $1
+         WHERE $1::uuid[] IS NULL OR a.workload_id = ANY($1)
          GROUP BY a.workload_id, a.address, a.standing, w.retired_at, w.denied_at
          ORDER BY a.workload_id, a.address",
     )
-    .bind(only.map(|id| id.uuid()))
+    .bind(only)
     .bind(Standing::Conflict.code())
     .fetch_all(&mut *conn)
     .await?;
@@ -525,8 +526,8 @@ pub async fn address_views(
         };
         out.entry(row.get(0)).or_default().push(AddressView {
             address: row.get(1),
-            standing,
-            reason,
+            standing: standing.to_owned(),
+            reason: reason.map(str::to_owned),
             also_claimed_by: row.get(4),
         });
     }
@@ -534,7 +535,7 @@ pub async fn address_views(
 }
 
 /// One estate range (address trust): addresses in it may be rendered as workload peers.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, sqlx::FromRow, utoipa::ToSchema)]
 pub struct EstateRangeView {
     pub cidr: String,
     pub description: String,
@@ -552,12 +553,17 @@ pub async fn list_workloads(
     only: Option<WorkloadId>,
 ) -> Result<Vec<WorkloadView>, Error> {
     let mut labels: BTreeMap<Uuid, BTreeMap<String, String>> = BTreeMap::new();
-    for row in
-        sqlx::query("SELECT workload_id, key, value FROM workload_labels").fetch_all(&mut *conn).await?
+    for row in sqlx::query(
+        "SELECT workload_id, key, value FROM workload_labels WHERE $1::uuid IS NULL OR workload_id = $1",
+    )
+    .bind(only.map(|id| id.uuid()))
+    .fetch_all(&mut *conn)
+    .await?
     {
         labels.entry(row.get(0)).or_default().insert(row.get(1), row.get(2));
     }
-    let mut addresses = address_views(conn, only).await?;
+    let only_ids = only.map(|id| [id.uuid()]);
+    let mut addresses = address_views(conn, only_ids.as_ref().map(|ids| &ids[..])).await?;
     let mut ranges: BTreeMap<Uuid, Vec<String>> = BTreeMap::new();
     for row in sqlx::query("SELECT workload_id, cidr::text FROM workload_ranges ORDER BY workload_id, cidr")
         .fetch_all(&mut *conn)
@@ -591,8 +597,16 @@ pub async fn list_workloads(
         .collect()
 }
 
+/// One workload, retired or not (`workload show`).
+pub async fn workload_view(conn: &mut PgConnection, id: WorkloadId) -> Result<WorkloadView, Error> {
+    list_workloads(conn, Some(id))
+        .await?
+        .pop()
+        .ok_or_else(|| Error::NotFound { what: "workload", name: id.to_string() })
+}
+
 /// Convergence of one workload (SYNC-6): applied against latest, read in one query.
-#[derive(Debug, Clone, Serialize, sqlx::FromRow, utoipa::ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, sqlx::FromRow, utoipa::ToSchema)]
 pub struct SyncStatusView {
     pub id: Uuid,
     pub hostname: String,
@@ -612,9 +626,16 @@ pub struct SyncStatusView {
 }
 
 /// A sync state as its name (`PENDING`, `SYNCED`, `DEGRADED`, `OFFLINE`, `SUSPENDED`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(into = "&'static str")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(into = "&'static str", try_from = "String")]
 pub struct StateName(pub innerwall_wire::sync::SyncState);
+
+impl TryFrom<String> for StateName {
+    type Error = innerwall_wire::policy::PolicyError;
+    fn try_from(name: String) -> Result<Self, Self::Error> {
+        name.parse().map(StateName)
+    }
+}
 
 impl From<StateName> for &'static str {
     fn from(s: StateName) -> Self {
@@ -631,27 +652,73 @@ impl TryFrom<i16> for StateName {
     }
 }
 
+/// The columns of a [`SyncStatusView`], for the statements below to complete.
+const SYNC_STATUS: &str =
+    "SELECT w.id, w.hostname, w.applied_version, p.version AS latest_version, w.sync_state AS state,
+            w.sync_detail AS detail, w.last_seen_at, w.last_acked_at, w.last_snapshot_sent_at,
+            w.last_apply_failed_at
+     FROM workloads w LEFT JOIN workload_policies p ON p.workload_id = w.id
+     WHERE w.retired_at IS NULL";
+
+/// The convergence of every workload that is not retired (or of `only`), by hostname.
 pub async fn sync_status(
     conn: &mut PgConnection,
     only: Option<WorkloadId>,
 ) -> Result<Vec<SyncStatusView>, Error> {
-    let mut views: Vec<SyncStatusView> = sqlx::query_as(
-        "SELECT w.id, w.hostname, w.applied_version, p.version AS latest_version, w.sync_state AS state,
-                w.sync_detail AS detail, w.last_seen_at, w.last_acked_at, w.last_snapshot_sent_at,
-                w.last_apply_failed_at
-         FROM workloads w LEFT JOIN workload_policies p ON p.workload_id = w.id
-         WHERE ($1::uuid IS NULL OR w.id = $1) AND w.retired_at IS NULL
-         ORDER BY w.hostname, w.id",
-    )
-    .bind(only.map(|id| id.uuid()))
-    .fetch_all(&mut *conn)
-    .await?;
-    let mut addresses = address_views(conn, only).await?;
-    for view in &mut views {
+    let sql = format!("{SYNC_STATUS} AND ($1::uuid IS NULL OR w.id = $1) ORDER BY w.hostname, w.id");
+    let mut views: Vec<SyncStatusView> =
+        sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(only.map(|id| id.uuid())).fetch_all(&mut *conn).await?;
+    with_address_issues(conn, &mut views).await?;
+    Ok(views)
+}
+
+/// One workload's convergence; a retired (or unknown) workload has none.
+pub async fn sync_status_of(conn: &mut PgConnection, id: WorkloadId) -> Result<SyncStatusView, Error> {
+    sync_status(conn, Some(id))
+        .await?
+        .pop()
+        .ok_or_else(|| Error::NotFound { what: "live workload", name: id.to_string() })
+}
+
+const SYNC_STATUS_KIND: &str = "sync status";
+
+/// The convergence of the workloads that are not retired, by hostname, a page at a time.
+pub async fn sync_status_page(
+    conn: &mut PgConnection,
+    request: &crate::page::PageRequest,
+) -> Result<crate::page::Page<SyncStatusView>, Error> {
+    use crate::page;
+    let limit = request.checked_limit()?;
+    let after = match request.after(SYNC_STATUS_KIND)? {
+        Some(after) => Some((
+            page::field::<String>(&after, 0, SYNC_STATUS_KIND)?,
+            page::field::<Uuid>(&after, 1, SYNC_STATUS_KIND)?,
+        )),
+        None => None,
+    };
+    let sql = format!(
+        "{SYNC_STATUS} AND ($1::text IS NULL OR (w.hostname, w.id) > ($1, $2::uuid))
+         ORDER BY w.hostname, w.id LIMIT $3"
+    );
+    let mut views: Vec<SyncStatusView> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
+        .bind(after.as_ref().map(|a| &a.0))
+        .bind(after.as_ref().map(|a| a.1))
+        .bind(limit + 1)
+        .fetch_all(&mut *conn)
+        .await?;
+    with_address_issues(conn, &mut views).await?;
+    Ok(page::page(views, limit, SYNC_STATUS_KIND, |v| serde_json::json!([v.hostname, v.id])))
+}
+
+/// Fills in each view's addresses that are not rendered.
+async fn with_address_issues(conn: &mut PgConnection, views: &mut [SyncStatusView]) -> Result<(), Error> {
+    let ids: Vec<Uuid> = views.iter().map(|v| v.id).collect();
+    let mut addresses = address_views(conn, Some(&ids)).await?;
+    for view in views {
         view.address_issues =
             addresses.remove(&view.id).unwrap_or_default().into_iter().filter(|a| !a.accepted()).collect();
     }
-    Ok(views)
+    Ok(())
 }
 
 // ---- the fleet, a page at a time (the HTTP API) ------------------------------------------
@@ -673,8 +740,9 @@ pub struct WorkloadFilter {
     pub include_retired: bool,
 }
 
-/// One workload in a fleet list: who it is, its labels and mode, and how far it has converged.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+/// One workload in a fleet list: who it is, its labels, mode and addresses, and how far it has
+/// converged (`workload list --json` prints these).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct WorkloadRow {
     pub id: String,
     pub hostname: String,
@@ -689,6 +757,8 @@ pub struct WorkloadRow {
     pub last_seen_at: Option<chrono::DateTime<chrono::Utc>>,
     pub retired: bool,
     pub denied: bool,
+    /// Every address it reported, with its standing.
+    pub addresses: Vec<AddressView>,
 }
 
 const WORKLOADS: &str = "workloads";
@@ -763,6 +833,7 @@ pub async fn workload_page(
     {
         labels.entry(row.get(0)).or_default().insert(row.get(1), row.get(2));
     }
+    let mut addresses = address_views(conn, Some(&ids)).await?;
     let rows = rows
         .into_iter()
         .map(|row| {
@@ -781,6 +852,7 @@ pub async fn workload_page(
                 last_seen_at: row.get("last_seen_at"),
                 retired: row.get("retired"),
                 denied: row.get("denied"),
+                addresses: addresses.remove(&id).unwrap_or_default(),
             };
             Ok((key, view))
         })
@@ -821,7 +893,7 @@ pub async fn workload_facts(conn: &mut PgConnection, id: WorkloadId) -> Result<O
 }
 
 /// A rendered policy as operators read it (`workload policy --json`, the API).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct PolicyView {
     pub workload: String,
     pub version: u64,
@@ -831,7 +903,7 @@ pub struct PolicyView {
 }
 
 /// One resolved rule of a rendered policy.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct RuleView {
     /// `<authored rule id>/<protocol>`.
     pub rule_id: String,
@@ -858,6 +930,14 @@ impl PolicyView {
                 .collect(),
         }
     }
+}
+
+/// A workload's latest rendered policy (`workload policy`).
+pub async fn policy_view(conn: &mut PgConnection, id: WorkloadId) -> Result<PolicyView, Error> {
+    let (policy, rendered_at) = persisted_policy(conn, id)
+        .await?
+        .ok_or_else(|| Error::NotFound { what: "rendered policy of workload", name: id.to_string() })?;
+    Ok(PolicyView::of(id, &policy, rendered_at))
 }
 
 const HISTORY: &str = "policy history";

@@ -667,9 +667,113 @@ async fn promotions_over_the_api() {
     plane.stop().await;
 }
 
+/// The audit records of `action`: (actor, subject).
+async fn audited(pool: &PgPool, action: &str) -> Vec<(String, String)> {
+    sqlx::query_as("SELECT actor, subject FROM audit_log WHERE action = $1 ORDER BY id")
+        .bind(action)
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+async fn estate_ranges(pool: &PgPool) -> Vec<String> {
+    sqlx::query_scalar("SELECT cidr::text FROM estate_ranges ORDER BY cidr").fetch_all(pool).await.unwrap()
+}
+
+#[tokio::test]
+async fn estate_ranges_and_render_over_the_api() {
+    let plane = Plane::start(ApiLimits::default()).await;
+    let pool = plane.pool().clone();
+    let viewer = mint(&pool, "vera", Role::Viewer).await;
+    let editor = mint(&pool, "ed", Role::Editor).await;
+    let admin = mint(&pool, "ada", Role::Admin).await;
+    let ranges = "/api/v1/estate-ranges";
+    let seeded = estate_ranges(&pool).await;
+    let listed = plane.get(ranges, Some(&viewer.token)).await.json();
+    let cidrs: Vec<&str> = listed.as_array().unwrap().iter().map(|r| r["cidr"].as_str().unwrap()).collect();
+    assert_eq!(cidrs, seeded, "{listed}");
+
+    // Writing ranges is for admins; refused or invalid requests write nothing.
+    let public = json!({"cidr": "198.51.100.0/24", "description": "dmz"});
+    let before = written(&pool).await;
+    let doc =
+        plane.write("POST", ranges, &editor.token, None, &public).await.problem(403, ProblemType::Forbidden);
+    assert_eq!(doc["required_role"], "admin", "{doc}");
+    for bad in
+        [json!({"cidr": "198.51.100.1/24"}), json!({"cidr": "nope"}), json!({"cidr": "10.1.0.0/16", "x": 1})]
+    {
+        plane.write("POST", ranges, &admin.token, None, &bad).await.problem(400, ProblemType::Invalid);
+    }
+    let long = json!({"cidr": "10.1.0.0/16", "description": "d".repeat(2000)});
+    plane.write("POST", ranges, &admin.token, None, &long).await.problem(400, ProblemType::Invalid);
+    plane
+        .call("DELETE", &format!("{ranges}/10.0.0.0/8"), Some(&editor.token), &[], full(Bytes::new()))
+        .await
+        .problem(403, ProblemType::Forbidden);
+    plane
+        .call("DELETE", &format!("{ranges}/10.0.0.0/99"), Some(&admin.token), &[], full(Bytes::new()))
+        .await
+        .problem(400, ProblemType::Invalid);
+    assert_eq!(written(&pool).await, before);
+    assert_eq!(estate_ranges(&pool).await, seeded);
+
+    // Added (audited with the operator token), then a second add is a duplicate.
+    let reply = plane.write("POST", ranges, &admin.token, None, &public).await;
+    assert_eq!(reply.status, 201, "{reply:?}");
+    assert_eq!(reply.header("location"), "/api/v1/estate-ranges/198.51.100.0/24");
+    assert_eq!(reply.header("etag"), "", "a range has no version");
+    assert_eq!(reply.json(), json!({"result": null, "changed": []}));
+    let actor = format!("operator:ada/{}", admin.id);
+    assert_eq!(audited(&pool, "estate-range.add").await, [(actor.clone(), "198.51.100.0/24".to_owned())]);
+    let doc = plane
+        .write("POST", ranges, &admin.token, None, &public)
+        .await
+        .problem(409, ProblemType::DuplicateName);
+    assert_eq!(doc["detail"], "estate range \"198.51.100.0/24\" already exists");
+    let v6 = json!({"cidr": "fd08::/48"});
+    assert_eq!(plane.write("POST", ranges, &admin.token, None, &v6).await.status, 201);
+
+    // Removed by address and prefix (an IPv6 address percent-encoded or not); then not found.
+    for path in ["198.51.100.0/24", "fd08%3A%3A/48"] {
+        let reply = plane
+            .call("DELETE", &format!("{ranges}/{path}"), Some(&admin.token), &[], full(Bytes::new()))
+            .await;
+        assert_eq!(reply.status, 200, "{path}: {reply:?}");
+    }
+    let doc = plane
+        .call("DELETE", &format!("{ranges}/198.51.100.0/24"), Some(&admin.token), &[], full(Bytes::new()))
+        .await
+        .problem(404, ProblemType::NotFound);
+    assert_eq!(doc["detail"], "estate range \"198.51.100.0/24\" not found");
+    assert_eq!(estate_ranges(&pool).await, seeded);
+    assert_eq!(
+        audited(&pool, "estate-range.remove").await,
+        [(actor.clone(), "198.51.100.0/24".to_owned()), (actor, "fd08::/48".to_owned())]
+    );
+
+    // A render on request: editors may, viewers may not; audited with the token.
+    plane
+        .call("POST", "/api/v1/render", Some(&viewer.token), &[], full(Bytes::new()))
+        .await
+        .problem(403, ProblemType::Forbidden);
+    assert_eq!(audited(&pool, "policy.render").await, []);
+    register(&pool, "web-1", &["app=web"]).await;
+    let reply = plane.call("POST", "/api/v1/render", Some(&editor.token), &[], full(Bytes::new())).await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert_eq!(reply.json(), json!({"result": null, "changed": []}), "the policy was current");
+    assert_eq!(
+        audited(&pool, "policy.render").await,
+        [(format!("operator:ed/{}", editor.id), "all".to_owned())]
+    );
+    plane.stop().await;
+}
+
 /// A path of the document with its parameters filled in.
 fn concrete(path: &str) -> String {
-    path.replace("{id}", "00000000-0000-4000-8000-000000000001").replace("{name}", "x")
+    path.replace("{id}", "00000000-0000-4000-8000-000000000001")
+        .replace("{name}", "x")
+        .replace("{address}", "198.51.100.0")
+        .replace("{prefix}", "24")
 }
 
 #[tokio::test]

@@ -163,3 +163,9 @@ pub fn segment(name: &str) -> String {
     }
     out
 }
+
+/// `path?name=value&…`, each value percent-encoded (the caller leaves out what it does not send).
+pub fn with_query(path: &str, pairs: &[(&str, String)]) -> String {
+    let query: Vec<String> = pairs.iter().map(|(name, value)| format!("{name}={}", segment(value))).collect();
+    if query.is_empty() { path.to_owned() } else { format!("{path}?{}", query.join("&")) }
+}

@@ -1,12 +1,16 @@
 //! `innerwall estate-range`: the estate's workload address ranges (address trust). A reported
 //! address is rendered into other workloads' peer sets only if one of these ranges holds it.
+//! On this host's database ([`run`]) or through a control plane's API ([`run_remote`]),
+//! printed alike.
 
 use clap::Subcommand;
-use innerwall_control_plane::policy::{authoring, store};
+use innerwall_control_plane::policy::authoring;
+use innerwall_control_plane::policy::store::{self, EstateRangeView};
 use innerwall_wire::policy::Cidr;
 
+use crate::api::{ApiClient, segment};
 use crate::ctx::Ctx;
-use crate::output::{print_json, print_table, report};
+use crate::output::{Outcome, print_json, print_table, report, report_outcome};
 
 #[derive(Debug, Subcommand)]
 pub enum EstateRangeCmd {
@@ -31,22 +35,34 @@ pub fn parse_cidr(text: &str) -> Result<Cidr, String> {
     Cidr::parse(text).map_err(|e| e.to_string())
 }
 
+fn print_ranges(json: bool, all: Vec<EstateRangeView>) -> anyhow::Result<()> {
+    if json {
+        return print_json(&all);
+    }
+    if all.is_empty() {
+        println!("no estate ranges: no reported workload address is rendered into any peer set");
+    }
+    let rows = all
+        .into_iter()
+        .map(|r| vec![r.cidr, r.description, r.created_at.format("%F %T").to_string()])
+        .collect();
+    print_table(&["range", "description", "added"], rows);
+    Ok(())
+}
+
+fn added(cidr: &Cidr) -> String {
+    format!("estate range {cidr} added")
+}
+
+fn removed(cidr: &Cidr) -> String {
+    format!("estate range {cidr} removed")
+}
+
 pub async fn run(ctx: &Ctx, cmd: &EstateRangeCmd) -> anyhow::Result<()> {
     let (json, pool, actor) = (ctx.json, &ctx.pool, ctx.actor.as_str());
     match cmd {
         EstateRangeCmd::List => {
-            let all = store::list_estate_ranges(&mut *pool.acquire().await?).await?;
-            if json {
-                return print_json(&all);
-            }
-            if all.is_empty() {
-                println!("no estate ranges: no reported workload address is rendered into any peer set");
-            }
-            let rows = all
-                .into_iter()
-                .map(|r| vec![r.cidr, r.description, r.created_at.format("%F %T").to_string()])
-                .collect();
-            print_table(&["range", "description", "added"], rows);
+            print_ranges(json, store::list_estate_ranges(&mut *pool.acquire().await?).await?)?
         }
         EstateRangeCmd::Add { cidr, description } => {
             let done = authoring::commit(pool, actor, "estate-range.add", &cidr.to_string(), async |c| {
@@ -54,7 +70,7 @@ pub async fn run(ctx: &Ctx, cmd: &EstateRangeCmd) -> anyhow::Result<()> {
                 Ok(((), serde_json::json!({"description": description})))
             })
             .await?;
-            report(json, &format!("estate range {cidr} added"), done);
+            report(json, &added(cidr), done);
         }
         EstateRangeCmd::Remove { cidr } => {
             let done = authoring::commit(pool, actor, "estate-range.remove", &cidr.to_string(), async |c| {
@@ -62,7 +78,28 @@ pub async fn run(ctx: &Ctx, cmd: &EstateRangeCmd) -> anyhow::Result<()> {
                 Ok(((), serde_json::json!({})))
             })
             .await?;
-            report(json, &format!("estate range {cidr} removed"), done);
+            report(json, &removed(cidr), done);
+        }
+    }
+    Ok(())
+}
+
+const PATH: &str = "/api/v1/estate-ranges";
+
+/// [`run`] over the API.
+pub async fn run_remote(api: &ApiClient, json: bool, cmd: &EstateRangeCmd) -> anyhow::Result<()> {
+    match cmd {
+        EstateRangeCmd::List => print_ranges(json, api.get(PATH).await?)?,
+        EstateRangeCmd::Add { cidr, description } => {
+            let body = serde_json::json!({"cidr": cidr.to_string(), "description": description});
+            let done: Outcome<()> = api.write("POST", PATH, None, Some(&body)).await?;
+            report_outcome(json, &added(cidr), &done);
+        }
+        EstateRangeCmd::Remove { cidr } => {
+            let net = cidr.net();
+            let path = format!("{PATH}/{}/{}", segment(&net.network().to_string()), net.prefix_len());
+            let done: Outcome<()> = api.write("DELETE", &path, None, None).await?;
+            report_outcome(json, &removed(cidr), &done);
         }
     }
     Ok(())

@@ -1,16 +1,26 @@
 //! `innerwall flows`: the flow evidence agents reported, the gaps in it, and rollups of it
-//! (FLOW-6), each a bounded page that says when more follow and how to ask for them.
+//! (FLOW-6), each a bounded page that says when more follow and how to ask for them. On this
+//! host's database ([`run`]) or through a control plane's API ([`run_remote`]): both check the
+//! flags the same way before asking, pass `--limit` and `--cursor` through, measure `--since`
+//! back from "now" on the side that holds the database (the API gets the duration, not an
+//! instant), and print the answer with the same functions.
 
 use std::collections::BTreeSet;
+use std::time::Duration;
 
+use chrono::{DateTime, SecondsFormat, Utc};
 use clap::Subcommand;
-use innerwall_control_plane::flows::{self as f, Grouping, Page, PageRequest, RollupFilter, RollupRow};
+use innerwall_control_plane::flows::{
+    self as f, FlowRow, GapRow, Grouping, MAX_PAGE, Page, PageRequest, RollupFilter, RollupRow,
+};
+use innerwall_control_plane::policy::model::Selector;
 use innerwall_wire::convert::WireEnum;
 use innerwall_wire::flows::{Decision, GapKind};
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::labels::Label;
 use innerwall_wire::policy::Protocol;
 
+use crate::api::{ApiClient, with_query};
 use crate::ctx::Ctx;
 use crate::duration;
 use crate::output::{print_json, print_table};
@@ -23,14 +33,14 @@ pub enum FlowsCmd {
         workload: WorkloadId,
         /// How far back, e.g. 1h, 7d.
         #[arg(long, default_value = "1h", value_parser = duration::arg)]
-        since: std::time::Duration,
+        since: Duration,
         /// observed, allowed, would-block or blocked.
         #[arg(long)]
         decision: Option<String>,
         /// Only records decided under this policy version.
         #[arg(long)]
         version: Option<u64>,
-        #[arg(long, default_value_t = 100)]
+        #[arg(long, default_value_t = 100, value_parser = limit())]
         limit: u32,
         /// Continue after the page that printed this cursor.
         #[arg(long)]
@@ -41,8 +51,8 @@ pub enum FlowsCmd {
         #[arg(long)]
         workload: Option<WorkloadId>,
         #[arg(long, default_value = "24h", value_parser = duration::arg)]
-        since: std::time::Duration,
-        #[arg(long, default_value_t = 1000)]
+        since: Duration,
+        #[arg(long, default_value_t = 1000, value_parser = limit())]
         limit: u32,
         /// Continue after the page that printed this cursor.
         #[arg(long)]
@@ -72,19 +82,24 @@ pub enum FlowsCmd {
         version: Vec<u64>,
         /// How far back, e.g. 1h, 7d (instead of --from/--to).
         #[arg(long, value_parser = duration::arg, conflicts_with_all = ["from", "to"])]
-        since: Option<std::time::Duration>,
+        since: Option<Duration>,
         /// Start of the range (RFC 3339, e.g. 2026-01-01T00:00:00Z).
         #[arg(long)]
-        from: Option<chrono::DateTime<chrono::Utc>>,
+        from: Option<DateTime<Utc>>,
         /// End of the range (RFC 3339); default now.
         #[arg(long, requires = "from")]
-        to: Option<chrono::DateTime<chrono::Utc>>,
-        #[arg(long, default_value_t = 100)]
+        to: Option<DateTime<Utc>>,
+        #[arg(long, default_value_t = 100, value_parser = limit())]
         limit: u32,
         /// Continue after the page that printed this cursor.
         #[arg(long)]
         cursor: Option<String>,
     },
+}
+
+/// `--limit`: rows per page, within what a query may return (the API may allow fewer).
+fn limit() -> clap::builder::RangedI64ValueParser<u32> {
+    clap::value_parser!(u32).range(1..=i64::from(MAX_PAGE))
 }
 
 /// A stored enum number by name; "?" for a number this binary does not know.
@@ -93,11 +108,20 @@ fn stored<E: WireEnum + std::fmt::Display>(code: i16) -> String {
 }
 
 /// The instant `back` before now; a span reaching past 1970 (no evidence is older) means all.
-fn since(back: &std::time::Duration) -> chrono::DateTime<chrono::Utc> {
+fn since(back: &Duration) -> DateTime<Utc> {
     chrono::Duration::from_std(*back)
         .ok()
-        .and_then(|back| chrono::Utc::now().checked_sub_signed(back))
-        .map_or(chrono::DateTime::UNIX_EPOCH, |at| at.max(chrono::DateTime::UNIX_EPOCH))
+        .and_then(|back| Utc::now().checked_sub_signed(back))
+        .map_or(DateTime::UNIX_EPOCH, |at| at.max(DateTime::UNIX_EPOCH))
+}
+
+/// `back` as the API's `since` parameter, exactly (the API measures it back from its now, as
+/// [`since`] does here).
+fn since_param(back: &Duration) -> String {
+    match back.subsec_nanos() {
+        0 => format!("{}s", back.as_secs()),
+        nanos => format!("{}s {nanos}ns", back.as_secs()),
+    }
 }
 
 fn decision(name: &str) -> anyhow::Result<Decision> {
@@ -133,71 +157,84 @@ fn print_rows_json<T: serde::Serialize>(page: &Page<T>, command: &str) -> anyhow
     print_json(&page.rows)
 }
 
-pub async fn run(ctx: &Ctx, cmd: &FlowsCmd) -> anyhow::Result<()> {
-    match cmd {
-        FlowsCmd::List { workload, since: back, decision: name, version, limit, cursor } => {
-            let filter = f::RecordFilter {
-                workload: *workload,
-                since: since(back),
-                decision: name.as_deref().map(decision).transpose()?,
-                version: *version,
-            };
-            let page =
-                f::list(&ctx.pool, &filter, &PageRequest { limit: *limit, cursor: cursor.clone() }).await?;
-            if ctx.json {
-                return print_rows_json(&page, "innerwall flows list");
-            }
-            let rows = page
-                .rows
-                .iter()
-                .map(|r| {
-                    vec![
-                        r.window_start.format("%F %T").to_string(),
-                        format!("v{}", r.policy_version),
-                        r.src_address.clone(),
-                        peer(r.peer_kind, &r.peer_key, &r.peer_labels),
-                        format!("{}/{}", stored::<Protocol>(r.protocol), r.dst_port),
-                        stored::<Decision>(r.decision),
-                        r.matched_rule_id.clone(),
-                        r.new_connections.to_string(),
-                        r.packets.to_string(),
-                        r.bytes.to_string(),
-                    ]
-                })
-                .collect();
-            print_table(
-                &[
-                    "window", "policy", "source", "peer", "service", "decision", "rule", "conns", "packets",
-                    "bytes",
-                ],
-                rows,
-            );
-            print_more(&page, "innerwall flows list");
-        }
-        FlowsCmd::Gaps { workload, since: back, limit, cursor } => {
-            let request = PageRequest { limit: *limit, cursor: cursor.clone() };
-            let page = f::gaps(&ctx.pool, *workload, since(back), &request).await?;
-            if ctx.json {
-                return print_rows_json(&page, "innerwall flows gaps");
-            }
-            let rows = page
-                .rows
-                .iter()
-                .map(|g| {
-                    vec![
-                        g.workload_id.to_string(),
-                        stored::<GapKind>(g.kind),
-                        g.gap_from.format("%F %T").to_string(),
-                        g.gap_to.format("%F %T").to_string(),
-                        g.count.to_string(),
-                        g.detail.clone(),
-                    ]
-                })
-                .collect();
-            print_table(&["workload", "kind", "from", "to", "count", "why"], rows);
-            print_more(&page, "innerwall flows gaps");
-        }
-        FlowsCmd::Rollup {
+/// `flows list`'s page, from either source.
+fn print_records(json: bool, page: &Page<FlowRow>) -> anyhow::Result<()> {
+    const COMMAND: &str = "innerwall flows list";
+    if json {
+        return print_rows_json(page, COMMAND);
+    }
+    let rows = page
+        .rows
+        .iter()
+        .map(|r| {
+            vec![
+                r.window_start.format("%F %T").to_string(),
+                format!("v{}", r.policy_version),
+                r.src_address.clone(),
+                peer(r.peer_kind, &r.peer_key, &r.peer_labels),
+                format!("{}/{}", stored::<Protocol>(r.protocol), r.dst_port),
+                stored::<Decision>(r.decision),
+                r.matched_rule_id.clone(),
+                r.new_connections.to_string(),
+                r.packets.to_string(),
+                r.bytes.to_string(),
+            ]
+        })
+        .collect();
+    print_table(
+        &["window", "policy", "source", "peer", "service", "decision", "rule", "conns", "packets", "bytes"],
+        rows,
+    );
+    print_more(page, COMMAND);
+    Ok(())
+}
+
+/// `flows gaps`'s page, from either source.
+fn print_gaps(json: bool, page: &Page<GapRow>) -> anyhow::Result<()> {
+    const COMMAND: &str = "innerwall flows gaps";
+    if json {
+        return print_rows_json(page, COMMAND);
+    }
+    let rows = page
+        .rows
+        .iter()
+        .map(|g| {
+            vec![
+                g.workload_id.to_string(),
+                stored::<GapKind>(g.kind),
+                g.gap_from.format("%F %T").to_string(),
+                g.gap_to.format("%F %T").to_string(),
+                g.count.to_string(),
+                g.detail.clone(),
+            ]
+        })
+        .collect();
+    print_table(&["workload", "kind", "from", "to", "count", "why"], rows);
+    print_more(page, COMMAND);
+    Ok(())
+}
+
+/// The range of a rollup as given: `--from`/`--to`, `--since`, or the last hour.
+enum Range {
+    Between { from: DateTime<Utc>, to: Option<DateTime<Utc>> },
+    Since(Duration),
+}
+
+/// A rollup's flags, checked (in this order, in both modes) before anything is asked.
+struct Rollup {
+    by: Grouping,
+    range: Range,
+    decisions: Vec<Decision>,
+    peer_labels: Vec<Label>,
+    versions: Vec<u64>,
+    workloads: Vec<WorkloadId>,
+    /// The scope as written (the API parses it the same way) and parsed.
+    scope: Option<(String, Selector)>,
+}
+
+impl Rollup {
+    fn from_cmd(cmd: &FlowsCmd) -> anyhow::Result<Rollup> {
+        let FlowsCmd::Rollup {
             by,
             workload,
             scope,
@@ -207,50 +244,177 @@ pub async fn run(ctx: &Ctx, cmd: &FlowsCmd) -> anyhow::Result<()> {
             since: back,
             from,
             to,
-            limit,
-            cursor,
-        } => {
-            let by: Grouping = by.parse()?;
-            let now = chrono::Utc::now();
-            let (start, end) = match (back, from) {
-                (_, Some(from)) => (*from, to.unwrap_or(now)),
-                (Some(back), None) => (since(back), now),
-                (None, None) => (since(&std::time::Duration::from_secs(3600)), now),
-            };
-            let mut filter = RollupFilter {
-                decisions: names.iter().map(|n| decision(n)).collect::<anyhow::Result<_>>()?,
-                peer_labels: peer_label
-                    .iter()
-                    .map(|l| l.parse::<Label>().map_err(|e| anyhow::anyhow!("--peer-label {l:?}: {e}")))
-                    .collect::<anyhow::Result<_>>()?,
-                versions: version.clone(),
-                ..RollupFilter::range(start, end)
-            };
-            if !workload.is_empty() {
-                filter = filter.within(workload.iter().copied().collect());
-            }
-            if let Some(scope) = scope {
-                let selector = f::parse_selector(scope)?;
-                let ids: BTreeSet<WorkloadId> = f::workloads_in(&ctx.pool, &selector).await?;
-                if ids.is_empty() && !ctx.json {
-                    eprintln!("note: no live workload matches the scope {selector} now");
-                }
-                filter = filter.within(ids);
-            }
-            let page =
-                f::rollup(&ctx.pool, by, &filter, &PageRequest { limit: *limit, cursor: cursor.clone() })
-                    .await?;
-            if ctx.json {
-                return print_json(&page);
-            }
-            print_rollup(by, &page);
-            print_more(&page, "innerwall flows rollup");
+            ..
+        } = cmd
+        else {
+            unreachable!("only a rollup command is a rollup")
+        };
+        let by: Grouping = by.parse()?;
+        let range = match (back, from) {
+            (_, Some(from)) => Range::Between { from: *from, to: *to },
+            (Some(back), None) => Range::Since(*back),
+            (None, None) => Range::Since(Duration::from_secs(3600)),
+        };
+        let decisions = names.iter().map(|n| decision(n)).collect::<anyhow::Result<_>>()?;
+        let peer_labels = peer_label
+            .iter()
+            .map(|l| l.parse::<Label>().map_err(|e| anyhow::anyhow!("--peer-label {l:?}: {e}")))
+            .collect::<anyhow::Result<_>>()?;
+        let scope = match scope {
+            Some(text) => Some((text.clone(), f::parse_selector(text)?)),
+            None => None,
+        };
+        Ok(Rollup {
+            by,
+            range,
+            decisions,
+            peer_labels,
+            versions: version.clone(),
+            workloads: workload.clone(),
+            scope,
+        })
+    }
+
+    /// Says on stderr (tables only) that the scope holds no live workload now.
+    fn note_empty_scope(&self, json: bool, empty: bool) {
+        if let (Some((_, selector)), true, false) = (&self.scope, empty, json) {
+            eprintln!("note: no live workload matches the scope {selector} now");
         }
     }
-    Ok(())
+
+    /// The query string of `GET /api/v1/flows/rollup`.
+    fn query(&self, request: &PageRequest) -> String {
+        let joined = |values: Vec<String>| values.join(",");
+        let mut q = vec![("by", self.by.name().to_owned())];
+        if !self.workloads.is_empty() {
+            q.push(("workload", joined(self.workloads.iter().map(ToString::to_string).collect())));
+        }
+        if let Some((text, _)) = &self.scope {
+            q.push(("scope", text.clone()));
+        }
+        if !self.peer_labels.is_empty() {
+            q.push(("peer_label", joined(self.peer_labels.iter().map(ToString::to_string).collect())));
+        }
+        if !self.decisions.is_empty() {
+            q.push(("decision", joined(self.decisions.iter().map(|d| d.name().to_owned()).collect())));
+        }
+        if !self.versions.is_empty() {
+            q.push(("version", joined(self.versions.iter().map(ToString::to_string).collect())));
+        }
+        match &self.range {
+            Range::Between { from, to } => {
+                q.push(("from", from.to_rfc3339_opts(SecondsFormat::AutoSi, true)));
+                if let Some(to) = to {
+                    q.push(("to", to.to_rfc3339_opts(SecondsFormat::AutoSi, true)));
+                }
+            }
+            Range::Since(back) => q.push(("since", since_param(back))),
+        }
+        push_page(&mut q, request);
+        with_query("/api/v1/flows/rollup", &q)
+    }
 }
 
-fn print_rollup(by: Grouping, page: &Page<RollupRow>) {
+/// `limit` and `cursor`, passed through as given.
+fn push_page(q: &mut Vec<(&'static str, String)>, request: &PageRequest) {
+    q.push(("limit", request.limit.to_string()));
+    if let Some(cursor) = &request.cursor {
+        q.push(("cursor", cursor.clone()));
+    }
+}
+
+fn page_request(limit: u32, cursor: &Option<String>) -> PageRequest {
+    PageRequest { limit, cursor: cursor.clone() }
+}
+
+pub async fn run(ctx: &Ctx, cmd: &FlowsCmd) -> anyhow::Result<()> {
+    match cmd {
+        FlowsCmd::List { workload, since: back, decision: name, version, limit, cursor } => {
+            let filter = f::RecordFilter {
+                workload: *workload,
+                since: since(back),
+                decision: name.as_deref().map(decision).transpose()?,
+                version: *version,
+            };
+            print_records(ctx.json, &f::list(&ctx.pool, &filter, &page_request(*limit, cursor)).await?)
+        }
+        FlowsCmd::Gaps { workload, since: back, limit, cursor } => {
+            let page = f::gaps(&ctx.pool, *workload, since(back), &page_request(*limit, cursor)).await?;
+            print_gaps(ctx.json, &page)
+        }
+        FlowsCmd::Rollup { limit, cursor, .. } => {
+            let rollup = Rollup::from_cmd(cmd)?;
+            let now = Utc::now();
+            let (start, end) = match rollup.range {
+                Range::Between { from, to } => (from, to.unwrap_or(now)),
+                Range::Since(back) => (since(&back), now),
+            };
+            let mut filter = RollupFilter {
+                decisions: rollup.decisions.clone(),
+                peer_labels: rollup.peer_labels.clone(),
+                versions: rollup.versions.clone(),
+                ..RollupFilter::range(start, end)
+            };
+            if !rollup.workloads.is_empty() {
+                filter = filter.within(rollup.workloads.iter().copied().collect());
+            }
+            if let Some((_, selector)) = &rollup.scope {
+                let ids: BTreeSet<WorkloadId> = f::workloads_in(&ctx.pool, selector).await?;
+                rollup.note_empty_scope(ctx.json, ids.is_empty());
+                filter = filter.within(ids);
+            }
+            let page = f::rollup(&ctx.pool, rollup.by, &filter, &page_request(*limit, cursor)).await?;
+            print_rollup(ctx.json, rollup.by, &page)
+        }
+    }
+}
+
+/// [`run`] over the API: the same checks first, then `GET /api/v1/flows…` with the same
+/// filters, limit and cursor.
+pub async fn run_remote(api: &ApiClient, json: bool, cmd: &FlowsCmd) -> anyhow::Result<()> {
+    match cmd {
+        FlowsCmd::List { workload, since: back, decision: name, version, limit, cursor } => {
+            let mut q = vec![("workload", workload.to_string()), ("since", since_param(back))];
+            if let Some(name) = name {
+                q.push(("decision", decision(name)?.name().to_owned()));
+            }
+            if let Some(version) = version {
+                q.push(("version", version.to_string()));
+            }
+            push_page(&mut q, &page_request(*limit, cursor));
+            print_records(json, &api.get(&with_query("/api/v1/flows", &q)).await?)
+        }
+        FlowsCmd::Gaps { workload, since: back, limit, cursor } => {
+            let mut q = vec![("since", since_param(back))];
+            if let Some(workload) = workload {
+                q.push(("workload", workload.to_string()));
+            }
+            push_page(&mut q, &page_request(*limit, cursor));
+            print_gaps(json, &api.get(&with_query("/api/v1/flows/gaps", &q)).await?)
+        }
+        FlowsCmd::Rollup { limit, cursor, .. } => {
+            let rollup = Rollup::from_cmd(cmd)?;
+            if let (Some((text, _)), false) = (&rollup.scope, json) {
+                // The API resolves the scope itself; whether it holds anyone is asked as the
+                // fleet list answers it (live workloads the selector matches now).
+                let path =
+                    with_query("/api/v1/workloads", &[("selector", text.clone()), ("limit", "1".to_owned())]);
+                let fleet: serde_json::Value = api.get(&path).await?;
+                let empty = fleet["rows"].as_array().is_none_or(Vec::is_empty);
+                rollup.note_empty_scope(json, empty);
+            }
+            let page = api.get(&rollup.query(&page_request(*limit, cursor))).await?;
+            print_rollup(json, rollup.by, &page)
+        }
+    }
+}
+
+/// `flows rollup`'s page, from either source: the whole page with `--json`, else a table whose
+/// key columns are the grouping's.
+fn print_rollup(json: bool, by: Grouping, page: &Page<RollupRow>) -> anyhow::Result<()> {
+    if json {
+        return print_json(page);
+    }
     let key: &[&str] = match by {
         Grouping::Rule => &["rule"],
         Grouping::RulePeer => &["rule", "peer"],
@@ -312,4 +476,6 @@ fn print_rollup(by: Grouping, page: &Page<RollupRow>) {
         })
         .collect();
     print_table(&headers, rows);
+    print_more(page, "innerwall flows rollup");
+    Ok(())
 }

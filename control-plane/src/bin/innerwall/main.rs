@@ -181,22 +181,17 @@ async fn remote(api: &str, cli: &Cli) -> anyhow::Result<()> {
         Command::Service(cmd) => policy::catalog_remote(&client, cli.json, cmd).await,
         Command::AddressGroup(cmd) => policy::catalog_remote(&client, cli.json, cmd).await,
         Command::Ruleset(cmd) => policy::ruleset_remote(&client, cli.json, cmd).await,
-        Command::Token(_) => not_yet("token"),
-        Command::Render => not_yet("render"),
-        Command::EstateRange(_) => not_yet("estate-range"),
-        Command::Workload(_) => not_yet("workload"),
-        Command::Flows(_) => not_yet("flows"),
-        Command::Promotions(_) => not_yet("promotions"),
+        Command::Token(cmd) => {
+            let ca_dir = cli.ca_dir.clone().unwrap_or_else(|| cli.state_dir.join("ca"));
+            tokens::run_remote(&client, cli.json, &ca_dir, cmd).await
+        }
+        Command::Render => policy::render_remote(&client, cli.json).await,
+        Command::EstateRange(cmd) => estate::run_remote(&client, cli.json, cmd).await,
+        Command::Workload(cmd) => workloads::run_remote(&client, cli.json, cmd).await,
+        Command::Flows(cmd) => flows::run_remote(&client, cli.json, cmd).await,
+        Command::Promotions(cmd) => promotions::run_remote(&client, cli.json, cmd).await,
         Command::Contract | Command::Migrate | Command::Serve(_) | Command::Ca(_) | Command::Operator(_) => {
             unreachable!("host-only commands were refused above")
         }
     }
-}
-
-/// A command group whose remote mode is not written yet (issue 12 part 6): refused, so it never
-/// falls back to a database the operator did not point at.
-fn not_yet(name: &str) -> anyhow::Result<()> {
-    anyhow::bail!(
-        "`innerwall {name}` is not available remotely yet (issue 12 part 6); run it on the control-plane host without --api"
-    )
 }

@@ -25,13 +25,23 @@ pub fn print_json<T: Serialize>(value: &T) -> anyhow::Result<()> {
 
 /// Prints the outcome of a committed change: the value, then each workload whose version moved.
 pub fn print_changed<T: Serialize>(json: bool, changed: &[Changed], value: &T) {
+    print_outcome(json, None, value, &rows(changed));
+}
+
+/// The workloads a local change moved, as the API names them.
+fn rows(changed: &[Changed]) -> Vec<ChangedRow> {
+    changed.iter().map(|c| ChangedRow { workload: c.workload.to_string(), version: c.version }).collect()
+}
+
+/// The one printer of a change's outcome, local or remote: `what` (unless `--json`), then each
+/// workload whose version moved; with `--json` the value and those workloads.
+fn print_outcome<T: Serialize>(json: bool, what: Option<&str>, value: &T, changed: &[ChangedRow]) {
     if json {
-        let changed: Vec<_> = changed
-            .iter()
-            .map(|c| serde_json::json!({"workload": c.workload.to_string(), "version": c.version}))
-            .collect();
         println!("{}", serde_json::json!({"result": value, "changed": changed}));
         return;
+    }
+    if let Some(what) = what {
+        println!("{what}");
     }
     if changed.is_empty() {
         println!("no workload's policy changed");
@@ -59,25 +69,15 @@ pub struct ChangedRow {
 
 /// [`report`] for an [`Outcome`] the API answered.
 pub fn report_outcome<T: Serialize>(json: bool, what: &str, done: &Outcome<T>) {
-    if json {
-        println!("{}", serde_json::json!({"result": done.result, "changed": done.changed}));
-        return;
-    }
-    println!("{what}");
-    if done.changed.is_empty() {
-        println!("no workload's policy changed");
-    } else {
-        println!("policy version changed for {} workload(s):", done.changed.len());
-        for c in &done.changed {
-            println!("  {}  v{}", c.workload, c.version);
-        }
-    }
+    print_outcome(json, Some(what), &done.result, &done.changed);
+}
+
+/// [`print_changed`] for an [`Outcome`] the API answered.
+pub fn print_changed_outcome<T: Serialize>(json: bool, done: &Outcome<T>) {
+    print_outcome(json, None, &done.result, &done.changed);
 }
 
 /// Prints `what` (unless `--json`), then the outcome of the change.
 pub fn report<T: Serialize>(json: bool, what: &str, done: Committed<T>) {
-    if !json {
-        println!("{what}");
-    }
-    print_changed(json, &done.changed, &done.value);
+    print_outcome(json, Some(what), &done.value, &rows(&done.changed));
 }

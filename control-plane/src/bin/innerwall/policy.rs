@@ -1,4 +1,5 @@
-//! `innerwall render`, `service`, `address-group` and `ruleset`: authoring the policy model.
+//! `innerwall render`, `service`, `address-group` and `ruleset`: authoring the policy model,
+//! on this host's database or (`*_remote`) through a control plane's API, printed alike.
 //! Services and address groups are the same kind of thing to the CLI — a named, versioned set
 //! of members given as flags — so one generic [`ObjectCmd`] and [`catalog`] serve both, each
 //! described by a [`Catalog`] impl.
@@ -18,7 +19,9 @@ use sqlx::PgConnection;
 
 use crate::api::{ApiClient, segment};
 use crate::ctx::Ctx;
-use crate::output::{Outcome, print_changed, print_json, print_table, report, report_outcome};
+use crate::output::{
+    Outcome, print_changed, print_changed_outcome, print_json, print_table, report, report_outcome,
+};
 
 #[derive(Debug, Args)]
 pub struct Expect {
@@ -332,9 +335,18 @@ pub async fn ruleset_remote(api: &ApiClient, json: bool, cmd: &ObjectCmd<Ruleset
     Ok(())
 }
 
+/// `innerwall render`: every workload rendered now, recorded in the audit log with the
+/// versions it moved.
 pub async fn render(ctx: &Ctx) -> anyhow::Result<()> {
-    let changed = authoring::render_now(&ctx.pool).await?;
-    print_changed(ctx.json, &changed, &());
+    let done = authoring::render_audited(&ctx.pool, &ctx.actor).await?;
+    print_changed(ctx.json, &done.changed, &done.value);
+    Ok(())
+}
+
+/// [`render`] over the API.
+pub async fn render_remote(api: &ApiClient, json: bool) -> anyhow::Result<()> {
+    let done: Outcome<()> = api.write("POST", "/api/v1/render", None, None).await?;
+    print_changed_outcome(json, &done);
     Ok(())
 }
 

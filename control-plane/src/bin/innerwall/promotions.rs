@@ -1,9 +1,11 @@
 //! `innerwall promotions`: the records every mode change leaves (FLOW-8) — who, when, why,
-//! which workloads, and the verdict a move to enforcement stood on.
+//! which workloads, and the verdict a move to enforcement stood on; read from the database
+//! ([`run`]) or a control plane's API ([`run_remote`]) and printed by the same functions.
 
 use clap::Subcommand;
 use innerwall_control_plane::gate::{Promotion, promote};
 
+use crate::api::ApiClient;
 use crate::ctx::Ctx;
 use crate::output::{print_json, print_table};
 
@@ -30,48 +32,60 @@ fn outcome(p: &Promotion) -> String {
 pub async fn run(ctx: &Ctx, cmd: &PromotionsCmd) -> anyhow::Result<()> {
     let mut conn = ctx.pool.acquire().await?;
     match cmd {
+        PromotionsCmd::List { limit } => print_list(ctx.json, &promote::list(&mut conn, *limit).await?),
+        PromotionsCmd::Show { id } => print_show(ctx.json, &promote::show(&mut conn, *id).await?),
+    }
+}
+
+/// [`run`] through a control plane's API.
+pub async fn run_remote(api: &ApiClient, json: bool, cmd: &PromotionsCmd) -> anyhow::Result<()> {
+    match cmd {
         PromotionsCmd::List { limit } => {
-            let all = promote::list(&mut conn, *limit).await?;
-            if ctx.json {
-                return print_json(&all);
-            }
-            let rows = all
-                .iter()
-                .map(|p| {
-                    vec![
-                        p.id.to_string(),
-                        p.at.format("%F %T").to_string(),
-                        p.actor.clone(),
-                        p.to_mode.to_owned(),
-                        format!("{} ({})", p.scope, p.workloads.len()),
-                        outcome(p),
-                        p.reason.clone(),
-                    ]
-                })
-                .collect();
-            print_table(&["id", "at", "who", "to", "scope (workloads)", "verdict", "why"], rows);
+            print_list(json, &api.get::<Vec<Promotion>>(&format!("/api/v1/promotions?limit={limit}")).await?)
         }
         PromotionsCmd::Show { id } => {
-            let p = promote::show(&mut conn, *id).await?;
-            if ctx.json {
-                return print_json(&p);
-            }
-            println!("promotion {} · {} · by {}", p.id, p.at.format("%F %T"), p.actor);
-            println!(
-                "to {} mode · scope {} · expected {} · why: {}",
-                p.to_mode, p.scope, p.expected_count, p.reason
-            );
-            if let Some(reason) = &p.override_reason {
-                println!("OVERRIDE of the evidence gate: {reason}");
-            }
-            for m in &p.workloads {
-                println!("  {} (was {})", m.name(), m.mode);
-            }
-            match &p.verdict {
-                Some(v) => println!("verdict it stood on:\n{}", serde_json::to_string_pretty(v)?),
-                None => println!("no verdict: a move away from enforcement needs no evidence"),
-            }
+            print_show(json, &api.get::<Promotion>(&format!("/api/v1/promotions/{id}")).await?)
         }
+    }
+}
+
+fn print_list(json: bool, all: &[Promotion]) -> anyhow::Result<()> {
+    if json {
+        return print_json(&all);
+    }
+    let rows = all
+        .iter()
+        .map(|p| {
+            vec![
+                p.id.to_string(),
+                p.at.format("%F %T").to_string(),
+                p.actor.clone(),
+                p.to_mode.to_owned(),
+                format!("{} ({})", p.scope, p.workloads.len()),
+                outcome(p),
+                p.reason.clone(),
+            ]
+        })
+        .collect();
+    print_table(&["id", "at", "who", "to", "scope (workloads)", "verdict", "why"], rows);
+    Ok(())
+}
+
+fn print_show(json: bool, p: &Promotion) -> anyhow::Result<()> {
+    if json {
+        return print_json(p);
+    }
+    println!("promotion {} · {} · by {}", p.id, p.at.format("%F %T"), p.actor);
+    println!("to {} mode · scope {} · expected {} · why: {}", p.to_mode, p.scope, p.expected_count, p.reason);
+    if let Some(reason) = &p.override_reason {
+        println!("OVERRIDE of the evidence gate: {reason}");
+    }
+    for m in &p.workloads {
+        println!("  {} (was {})", m.name(), m.mode);
+    }
+    match &p.verdict {
+        Some(v) => println!("verdict it stood on:\n{}", serde_json::to_string_pretty(v)?),
+        None => println!("no verdict: a move away from enforcement needs no evidence"),
     }
     Ok(())
 }

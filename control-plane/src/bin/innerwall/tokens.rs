@@ -1,10 +1,17 @@
-//! `innerwall token`: minting, listing and revoking provisioning tokens.
+//! `innerwall token`: minting, listing and revoking provisioning tokens, on this host's
+//! database ([`run`]) or through a control plane's API ([`run_remote`]), printed alike.
 
+use std::path::Path;
+
+use chrono::{DateTime, Utc};
 use clap::Subcommand;
-use innerwall_control_plane::identity::{ca, tokens};
+use innerwall_control_plane::identity::ca;
+use innerwall_control_plane::identity::tokens::{self, TokenView};
 use innerwall_wire::labels::Label;
 use innerwall_wire::policy::Cidr;
+use uuid::Uuid;
 
+use crate::api::ApiClient;
 use crate::ctx::Ctx;
 use crate::duration;
 use crate::output::{print_json, print_table};
@@ -32,70 +39,123 @@ pub enum TokenCmd {
     List,
     /// Revoke a token: it enrolls nothing more, effective immediately.
     Revoke {
-        id: uuid::Uuid,
+        id: Uuid,
     },
+}
+
+/// A `--ttl` as the mint takes it. Parsed here rather than by clap so a bad one fails like the
+/// other mint checks (exit status 1), which `tokens::mint` makes on the value. Whole seconds
+/// only: the API takes the ttl in seconds, and both modes accept the same values.
+fn ttl(text: &str) -> anyhow::Result<chrono::Duration> {
+    let ttl = duration::parse("ttl", text)?;
+    if ttl.subsec_nanos() != 0 {
+        anyhow::bail!("ttl {text:?} is not a whole number of seconds; write e.g. 30d, 12h, 90m or 3600s");
+    }
+    chrono::Duration::from_std(ttl)
+        .map_err(|_| anyhow::anyhow!("ttl {text:?} is too large; write e.g. 30d, 12h, 90m or 3600s"))
+}
+
+/// A minted token, printed once with the enroll command line.
+fn print_minted(
+    json: bool,
+    id: Uuid,
+    secret: &str,
+    expires_at: DateTime<Utc>,
+    server: &str,
+    ca_dir: &Path,
+) -> anyhow::Result<()> {
+    let bundle = ca_dir.join(ca::CA_CERT_FILE);
+    // By environment, not as an argument: other users can read a process's arguments.
+    let command = format!(
+        "INNERWALL_TOKEN={secret} innerwall-agent enroll --server {server} --ca-bundle {}",
+        bundle.display()
+    );
+    if json {
+        return print_json(&serde_json::json!({
+            "id": id, "token": secret, "expires_at": expires_at, "enroll_command": command,
+        }));
+    }
+    println!("token {id} (expires {expires_at}), shown once:\n\n  {secret}\n");
+    println!("enroll a host with:\n\n  {command}\n");
+    println!(
+        "or save the token in a file only root reads and pass --token-file; never pass --token on a \
+         shared host, where other users can read it in the process list"
+    );
+    Ok(())
+}
+
+fn print_tokens(json: bool, all: Vec<TokenView>) -> anyhow::Result<()> {
+    if json {
+        return print_json(&all);
+    }
+    let rows = all
+        .into_iter()
+        .map(|t| {
+            vec![
+                t.id.to_string(),
+                format!("iw_{}…", t.prefix_hint),
+                t.labels.join(","),
+                if t.address_ranges.is_empty() { "estate".into() } else { t.address_ranges.join(" ") },
+                t.expires_at.to_rfc3339(),
+                format!("{}/{}", t.use_count, t.max_uses.map_or("∞".into(), |m| m.to_string())),
+                t.status.to_string(),
+            ]
+        })
+        .collect();
+    print_table(&["id", "token", "labels", "address ranges", "expires", "uses", "status"], rows);
+    Ok(())
+}
+
+fn print_revoked(id: Uuid) {
+    println!("token {id} revoked; it enrolls nothing from now on");
 }
 
 pub async fn run(ctx: &Ctx, cmd: &TokenCmd) -> anyhow::Result<()> {
     match cmd {
-        TokenCmd::Mint { labels, ttl, max_uses, address_ranges, server } => {
-            // Parsed here rather than by clap so a bad --ttl fails like the other mint checks
-            // (exit status 1), which `tokens::mint` makes on the value.
-            let ttl = chrono::Duration::from_std(duration::parse("ttl", ttl)?).map_err(|_| {
-                anyhow::anyhow!("ttl {ttl:?} is too large; write e.g. 30d, 12h, 90m or 3600s")
-            })?;
+        TokenCmd::Mint { labels, ttl: text, max_uses, address_ranges, server } => {
+            let ttl = ttl(text)?;
             let minted =
                 tokens::mint_audited(&ctx.pool, &ctx.actor, labels, ttl, *max_uses, address_ranges).await?;
-            let bundle = ctx.ca_dir.join(ca::CA_CERT_FILE);
-            // By environment, not as an argument: other users can read a process's arguments.
-            let command = format!(
-                "INNERWALL_TOKEN={} innerwall-agent enroll --server {server} --ca-bundle {}",
-                minted.secret,
-                bundle.display()
-            );
-            if ctx.json {
-                return print_json(&serde_json::json!({
-                    "id": minted.id, "token": minted.secret, "expires_at": minted.expires_at, "enroll_command": command,
-                }));
-            }
-            println!(
-                "token {} (expires {}), shown once:\n\n  {}\n",
-                minted.id, minted.expires_at, minted.secret
-            );
-            println!("enroll a host with:\n\n  {command}\n");
-            println!(
-                "or save the token in a file only root reads and pass --token-file; never pass --token on a \
-                 shared host, where other users can read it in the process list"
-            );
+            print_minted(ctx.json, minted.id, &minted.secret, minted.expires_at, server, &ctx.ca_dir)?;
         }
-        TokenCmd::List => {
-            let all = tokens::list(&mut *ctx.pool.acquire().await?).await?;
-            if ctx.json {
-                return print_json(&all);
-            }
-            let rows = all
-                .into_iter()
-                .map(|t| {
-                    vec![
-                        t.id.to_string(),
-                        format!("iw_{}…", t.prefix_hint),
-                        t.labels.join(","),
-                        if t.address_ranges.is_empty() {
-                            "estate".into()
-                        } else {
-                            t.address_ranges.join(" ")
-                        },
-                        t.expires_at.to_rfc3339(),
-                        format!("{}/{}", t.use_count, t.max_uses.map_or("∞".into(), |m| m.to_string())),
-                        t.status.to_string(),
-                    ]
-                })
-                .collect();
-            print_table(&["id", "token", "labels", "address ranges", "expires", "uses", "status"], rows);
-        }
+        TokenCmd::List => print_tokens(ctx.json, tokens::list(&mut *ctx.pool.acquire().await?).await?)?,
         TokenCmd::Revoke { id } => {
             tokens::revoke_audited(&ctx.pool, &ctx.actor, *id).await?;
-            println!("token {id} revoked; it enrolls nothing from now on");
+            print_revoked(*id);
+        }
+    }
+    Ok(())
+}
+
+/// What the API answers a mint with.
+#[derive(Debug, serde::Deserialize)]
+struct Minted {
+    id: Uuid,
+    token: String,
+    expires_at: DateTime<Utc>,
+}
+
+const PATH: &str = "/api/v1/provisioning-tokens";
+
+/// [`run`] over the API. `ca_dir` is where the printed enroll command says the CA bundle is, as
+/// locally (`--ca-dir`, default `<state-dir>/ca`).
+pub async fn run_remote(api: &ApiClient, json: bool, ca_dir: &Path, cmd: &TokenCmd) -> anyhow::Result<()> {
+    match cmd {
+        TokenCmd::Mint { labels, ttl: text, max_uses, address_ranges, server } => {
+            let ttl = ttl(text)?;
+            let body = serde_json::json!({
+                "labels": labels.iter().map(ToString::to_string).collect::<Vec<_>>(),
+                "ttl_seconds": ttl.num_seconds(),
+                "max_uses": max_uses,
+                "address_ranges": address_ranges.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            });
+            let minted: Minted = api.write("POST", PATH, None, Some(&body)).await?;
+            print_minted(json, minted.id, &minted.token, minted.expires_at, server, ca_dir)?;
+        }
+        TokenCmd::List => print_tokens(json, api.get(PATH).await?)?,
+        TokenCmd::Revoke { id } => {
+            let _: TokenView = api.write("DELETE", &format!("{PATH}/{id}"), None, None).await?;
+            print_revoked(*id);
         }
     }
     Ok(())

@@ -1,17 +1,26 @@
 //! `innerwall workload`: enrolled hosts — listing, labels, mode, rendered policy, convergence
-//! status, and the operator's levers on a stream (resend snapshot, retire, deny).
+//! status, and the operator's levers on a stream (resend snapshot, release an address, retire,
+//! deny). [`run`] reads and writes the database, [`run_remote`] the same through a control
+//! plane's API; both hand the values they get to one set of printers, so the two print the same.
+
+use std::collections::BTreeMap;
 
 use anyhow::bail;
 use clap::Subcommand;
-use innerwall_control_plane::gate::{self, Params, Scope, Verdict};
-use innerwall_control_plane::policy::{authoring, store};
+use innerwall_control_plane::api::workloads::Labels;
+use innerwall_control_plane::gate::{self, Params, Promotion, Scope, Verdict};
+use innerwall_control_plane::page::{Page, PageRequest};
+use innerwall_control_plane::policy::authoring::{self, LabelsReplaced, ResendRequested};
+use innerwall_control_plane::policy::store::{self, PolicyView, SyncStatusView, WorkloadRow, WorkloadView};
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::labels::{Label, LabelKey};
 use innerwall_wire::policy::Mode;
+use sqlx::PgPool;
 
+use crate::api::{ApiClient, segment};
 use crate::ctx::Ctx;
 use crate::duration;
-use crate::output::{print_json, print_table, report};
+use crate::output::{Outcome, print_json, print_table, report, report_outcome};
 
 #[derive(Debug, Subcommand)]
 pub enum WorkloadCmd {
@@ -104,7 +113,7 @@ impl ScopeArgs {
     fn scope(&self) -> anyhow::Result<Scope> {
         Ok(match &self.scope {
             Some(text) => Scope::parse_selector(text)?,
-            None => Scope::Ids(self.ids.clone()),
+            None => Scope::ids(self.ids.clone())?,
         })
     }
 }
@@ -121,15 +130,17 @@ pub struct EvidenceArgs {
 }
 
 impl EvidenceArgs {
-    fn params(&self) -> Params {
-        let to = chrono::Utc::now().timestamp_millis();
-        let ms = |d: std::time::Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
-        Params {
-            from_ms: to.saturating_sub(ms(self.evidence_since)),
-            to_ms: to,
-            min_duration_ms: ms(self.min_evidence),
-            top_peers: 5,
-        }
+    /// The evidence until now. The remote CLI checks it here too, and sends the durations for
+    /// the API to end at its own now.
+    fn params(&self) -> anyhow::Result<Params> {
+        let now = chrono::Utc::now().timestamp_millis();
+        Ok(Params::ending_at(now, self.evidence_since, self.min_evidence)?)
+    }
+
+    /// `evidence_since` and `min_evidence` as the API reads them.
+    fn texts(&self) -> (String, String) {
+        let text = |d| humantime::format_duration(d).to_string();
+        (text(self.evidence_since), text(self.min_evidence))
     }
 }
 
@@ -146,27 +157,355 @@ pub struct ChangeArgs {
     evidence: EvidenceArgs,
 }
 
-/// Changes modes through the promotion path and prints the record. Without `--reason`, the
-/// reason is `default_reason` (none: the change is refused).
-async fn change_mode(
-    ctx: &Ctx,
+/// How many workloads a page the CLI asks for holds (each row carries up to 256 addresses, so
+/// a page stays well under the client's response bound).
+const PAGE: u32 = 200;
+
+/// The most `--id`s a remote verdict sends: they travel in the query string, which the API
+/// bounds with its headers.
+const MAX_QUERY_IDS: usize = 200;
+
+/// Every workload, retired and deny-listed ones too, in attention order: the database's pages.
+async fn fleet(pool: &PgPool) -> anyhow::Result<Vec<WorkloadRow>> {
+    let filter = store::WorkloadFilter { include_retired: true, ..Default::default() };
+    let mut conn = pool.acquire().await?;
+    let mut request = PageRequest::first(PAGE);
+    let mut rows = Vec::new();
+    loop {
+        let page = store::workload_page(&mut conn, &filter, &request).await?;
+        rows.extend(page.rows);
+        match page.next_cursor {
+            Some(cursor) => request.cursor = Some(cursor),
+            None => return Ok(rows),
+        }
+    }
+}
+
+/// The convergence of every workload that is not retired, by hostname: the database's pages.
+async fn statuses(pool: &PgPool) -> anyhow::Result<Vec<SyncStatusView>> {
+    let mut conn = pool.acquire().await?;
+    let mut request = PageRequest::first(PAGE);
+    let mut rows = Vec::new();
+    loop {
+        let page = store::sync_status_page(&mut conn, &request).await?;
+        rows.extend(page.rows);
+        match page.next_cursor {
+            Some(cursor) => request.cursor = Some(cursor),
+            None => return Ok(rows),
+        }
+    }
+}
+
+/// Every row of a paged API collection (`path` has a query string), following the cursors.
+async fn all_pages<T: serde::de::DeserializeOwned>(api: &ApiClient, path: &str) -> anyhow::Result<Vec<T>> {
+    let mut rows = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let mut url = format!("{path}&limit={PAGE}");
+        if let Some(cursor) = &cursor {
+            url.push_str(&format!("&cursor={}", segment(cursor)));
+        }
+        let page: Page<T> = api.get(&url).await?;
+        rows.extend(page.rows);
+        match page.next_cursor {
+            Some(next) if Some(&next) == cursor.as_ref() => {
+                bail!("GET {path}: the API answered the same cursor twice; stopped")
+            }
+            Some(next) => cursor = Some(next),
+            None => return Ok(rows),
+        }
+    }
+}
+
+/// A mode change as the promotion path takes it: `default_reason` stands in for no `--reason`
+/// (none: the change is refused).
+fn mode_request(
     scope: Scope,
     expect_count: usize,
     to: Mode,
     change: &ChangeArgs,
     default_reason: &str,
-) -> anyhow::Result<()> {
-    let request = gate::Request {
+) -> anyhow::Result<gate::Request> {
+    Ok(gate::Request {
         scope,
         expect_count,
         to,
-        params: change.evidence.params(),
+        params: change.evidence.params()?,
         reason: change.reason.clone().unwrap_or_else(|| default_reason.to_owned()),
         override_reason: change.override_reason.clone(),
+    })
+}
+
+pub async fn run(ctx: &Ctx, cmd: &WorkloadCmd) -> anyhow::Result<()> {
+    let (json, pool, actor) = (ctx.json, &ctx.pool, ctx.actor.as_str());
+    match cmd {
+        WorkloadCmd::List => print_list(json, fleet(pool).await?)?,
+        WorkloadCmd::Show { id } => {
+            print_show(json, store::workload_view(&mut *pool.acquire().await?, *id).await?)?;
+        }
+        WorkloadCmd::Label { id, set, remove, expect_label_version } => {
+            let done = authoring::commit(pool, actor, "workload.label", &id.to_string(), async |c| {
+                let changed = authoring::change_labels(c, *id, *expect_label_version, set, remove).await?;
+                let detail = serde_json::json!({"set": changed.set, "removed": changed.removed});
+                Ok((changed, detail))
+            })
+            .await?;
+            report(json, &labels_changed(*id, &done.value), done);
+        }
+        WorkloadCmd::Mode { id, mode, change } => {
+            let scope = Scope::ids(vec![*id])?;
+            let request = mode_request(scope, 1, *mode, change, "innerwall workload mode")?;
+            print_mode_change(json, &gate::promote(pool, actor, &request).await?)?;
+        }
+        WorkloadCmd::Verdict { scope, evidence } => {
+            print_verdict(json, &gate::judge(pool, &scope.scope()?, &evidence.params()?).await?)?;
+        }
+        WorkloadCmd::Promote { scope, expect_count, to, change } => {
+            let request = mode_request(scope.scope()?, *expect_count, *to, change, "")?;
+            print_mode_change(json, &gate::promote(pool, actor, &request).await?)?;
+        }
+        WorkloadCmd::Status { id } => {
+            let all = match id {
+                Some(id) => vec![store::sync_status_of(&mut *pool.acquire().await?, *id).await?],
+                None => statuses(pool).await?,
+            };
+            print_status(json, all)?;
+        }
+        WorkloadCmd::ResendSnapshot { id } => {
+            print_resend(json, *id, &authoring::request_snapshot(pool, *id).await?)?;
+        }
+        WorkloadCmd::Retire { id } | WorkloadCmd::Deny { id } => {
+            let retire = matches!(cmd, WorkloadCmd::Retire { .. });
+            let action = if retire { "workload.retire" } else { "workload.deny" };
+            let done = authoring::commit(pool, actor, action, &id.to_string(), async |c| {
+                if retire {
+                    authoring::retire(c, *id).await?
+                } else {
+                    authoring::deny(c, *id).await?
+                }
+                Ok(((), serde_json::json!({})))
+            })
+            .await?;
+            report(json, &lifecycle_done(*id, retire), done);
+        }
+        WorkloadCmd::ReleaseAddress { id, address } => {
+            let done =
+                authoring::commit(pool, actor, "workload.release-address", &id.to_string(), async |c| {
+                    authoring::release_address(c, *id, *address).await?;
+                    Ok(((), serde_json::json!({"address": address.to_string()})))
+                })
+                .await?;
+            report(json, &format!("{id} no longer claims {address}"), done);
+        }
+        WorkloadCmd::Policy { id } => {
+            print_policy(json, &store::policy_view(&mut *pool.acquire().await?, *id).await?)?;
+        }
+    }
+    Ok(())
+}
+
+/// [`run`] through a control plane's API: the same checks before anything is sent, the same
+/// printers after.
+pub async fn run_remote(api: &ApiClient, json: bool, cmd: &WorkloadCmd) -> anyhow::Result<()> {
+    let workload = |id: &WorkloadId| format!("/api/v1/workloads/{id}");
+    match cmd {
+        WorkloadCmd::List => {
+            print_list(json, all_pages(api, "/api/v1/workloads?include_retired=true").await?)?
+        }
+        WorkloadCmd::Show { id } => {
+            /// The part of `GET /api/v1/workloads/{id}` that `workload show` prints.
+            #[derive(serde::Deserialize)]
+            struct Detail {
+                workload: WorkloadView,
+            }
+            let detail: Detail = api.get(&workload(id)).await?;
+            print_show(json, detail.workload)?;
+        }
+        WorkloadCmd::Label { id, set, remove, expect_label_version } => {
+            authoring::check_label_edit(set, remove)?;
+            let path = format!("{}/labels", workload(id));
+            let read: Labels = api.get(&path).await?;
+            // The new set is computed from the labels read, so it is only sent conditioned on
+            // the version read; a newer version named than the one read cannot be current.
+            if read.version < *expect_label_version {
+                bail!(authoring::stale_labels(*id, *expect_label_version, read.version));
+            }
+            let mut labels: BTreeMap<String, String> = read.labels;
+            for key in remove {
+                labels.remove(key.as_str());
+            }
+            for label in set {
+                labels.insert(label.key.to_string(), label.value.to_string());
+            }
+            let body = serde_json::json!({ "labels": labels });
+            let done: Outcome<LabelsReplaced> =
+                api.write("PUT", &path, Some(*expect_label_version), Some(&body)).await?;
+            report_outcome(json, &labels_changed(*id, &done.result), &done);
+        }
+        WorkloadCmd::Mode { id, mode, change } => {
+            let request = mode_request(Scope::ids(vec![*id])?, 1, *mode, change, "innerwall workload mode")?;
+            print_mode_change(json, &promote_remote(api, &request, None, &[*id], &change.evidence).await?)?;
+        }
+        WorkloadCmd::Verdict { scope, evidence } => {
+            scope.scope()?;
+            evidence.params()?;
+            if scope.ids.len() > MAX_QUERY_IDS {
+                bail!(
+                    "{} --id flags: with --api a verdict names at most {MAX_QUERY_IDS} workloads by id (they travel in the URL); name more with --scope",
+                    scope.ids.len()
+                );
+            }
+            let (since, min) = evidence.texts();
+            let mut path =
+                format!("/api/v1/verdict?evidence_since={}&min_evidence={}", segment(&since), segment(&min));
+            match &scope.scope {
+                Some(text) => path.push_str(&format!("&scope={}", segment(text))),
+                None => {
+                    let ids: Vec<String> = scope.ids.iter().map(ToString::to_string).collect();
+                    path.push_str(&format!("&ids={}", segment(&ids.join(","))));
+                }
+            }
+            print_verdict(json, &api.get::<Verdict>(&path).await?)?;
+        }
+        WorkloadCmd::Promote { scope, expect_count, to, change } => {
+            let request = mode_request(scope.scope()?, *expect_count, *to, change, "")?;
+            let promotion =
+                promote_remote(api, &request, scope.scope.as_deref(), &scope.ids, &change.evidence).await?;
+            print_mode_change(json, &promotion)?;
+        }
+        WorkloadCmd::Status { id } => {
+            let all = match id {
+                Some(id) => vec![api.get::<SyncStatusView>(&format!("/api/v1/sync-status/{id}")).await?],
+                None => all_pages(api, "/api/v1/sync-status?").await?,
+            };
+            print_status(json, all)?;
+        }
+        WorkloadCmd::ResendSnapshot { id } => {
+            let path = format!("{}/resend-snapshot", workload(id));
+            print_resend(json, *id, &api.write::<ResendRequested>("POST", &path, None, None).await?)?;
+        }
+        WorkloadCmd::Retire { id } | WorkloadCmd::Deny { id } => {
+            let retire = matches!(cmd, WorkloadCmd::Retire { .. });
+            let path = format!("{}/{}", workload(id), if retire { "retire" } else { "deny" });
+            let done: Outcome<()> = api.write("POST", &path, None, None).await?;
+            report_outcome(json, &lifecycle_done(*id, retire), &done);
+        }
+        WorkloadCmd::ReleaseAddress { id, address } => {
+            let path = format!("{}/release-address", workload(id));
+            let body = serde_json::json!({ "address": address.to_string() });
+            let done: Outcome<()> = api.write("POST", &path, None, Some(&body)).await?;
+            report_outcome(json, &format!("{id} no longer claims {address}"), &done);
+        }
+        WorkloadCmd::Policy { id } => {
+            print_policy(json, &api.get::<PolicyView>(&format!("{}/policy", workload(id))).await?)?;
+        }
+    }
+    Ok(())
+}
+
+/// `POST /api/v1/promotions` for a request checked here as [`run`] checks it; the scope as the
+/// operator wrote it (`selector`, or `ids`), the evidence as durations the API ends at its now.
+async fn promote_remote(
+    api: &ApiClient,
+    request: &gate::Request,
+    selector: Option<&str>,
+    ids: &[WorkloadId],
+    evidence: &EvidenceArgs,
+) -> anyhow::Result<Promotion> {
+    let (since, min) = evidence.texts();
+    let ids: Vec<String> = ids.iter().map(ToString::to_string).collect();
+    let body = serde_json::json!({
+        "scope": selector,
+        "ids": if selector.is_some() { Vec::new() } else { ids },
+        "expect_count": request.expect_count,
+        "to": request.to.name(),
+        "reason": request.reason,
+        "override_reason": request.override_reason,
+        "evidence_since": since,
+        "min_evidence": min,
+    });
+    api.write("POST", "/api/v1/promotions", None, Some(&body)).await
+}
+
+// ---- printers, fed by the database or by the API --------------------------------------------
+
+fn print_list(json: bool, rows: Vec<WorkloadRow>) -> anyhow::Result<()> {
+    if json {
+        return print_json(&rows);
+    }
+    let rows = rows
+        .into_iter()
+        .map(|w| {
+            let labels: Vec<String> = w.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            let mode = match (w.retired, w.denied) {
+                (_, true) => format!("{} (deny-listed)", w.mode),
+                (true, false) => format!("{} (retired)", w.mode),
+                (false, false) => w.mode,
+            };
+            vec![
+                w.id,
+                w.hostname,
+                mode,
+                w.sync_state,
+                labels.join(","),
+                w.label_version.to_string(),
+                w.addresses.iter().map(|a| a.brief()).collect::<Vec<_>>().join(" "),
+                w.latest_version.map_or("-".into(), |v| v.to_string()),
+            ]
+        })
+        .collect();
+    print_table(
+        &["id", "hostname", "mode", "state", "labels", "label version", "addresses", "policy version"],
+        rows,
+    );
+    Ok(())
+}
+
+/// `workload show`: one workload as a list of one (`--json` too), then its addresses.
+fn print_show(json: bool, w: WorkloadView) -> anyhow::Result<()> {
+    if json {
+        return print_json(&[w]);
+    }
+    let labels: Vec<String> = w.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let row = vec![
+        w.id,
+        w.hostname,
+        if w.retired { format!("{} (retired)", w.mode) } else { w.mode },
+        labels.join(","),
+        w.label_version.to_string(),
+        w.addresses.iter().map(|a| a.brief()).collect::<Vec<_>>().join(" "),
+        w.policy_version.map_or("-".into(), |v| v.to_string()),
+    ];
+    print_table(
+        &["id", "hostname", "mode", "labels", "label version", "addresses", "policy version"],
+        vec![row],
+    );
+    if !w.addresses.is_empty() {
+        println!();
+        print_addresses(w.addresses);
+    }
+    Ok(())
+}
+
+fn labels_changed(id: WorkloadId, done: &LabelsReplaced) -> String {
+    match done.set.is_empty() && done.removed.is_empty() {
+        true => format!("labels of {id} unchanged (label version {})", done.version),
+        false => format!("labels of {id} updated (label version {})", done.version),
+    }
+}
+
+fn lifecycle_done(id: WorkloadId, retire: bool) -> String {
+    let what = if retire {
+        "retired: it left every render and its stream is closed"
+    } else {
+        "deny-listed: refused at the handshake, its stream is cut and it left every render"
     };
-    let promotion = gate::promote(&ctx.pool, &ctx.actor, &request).await?;
-    if ctx.json {
-        return print_json(&promotion);
+    format!("{id} {what}")
+}
+
+fn print_mode_change(json: bool, promotion: &Promotion) -> anyhow::Result<()> {
+    if json {
+        return print_json(promotion);
     }
     let names: Vec<String> =
         promotion.workloads.iter().map(|m| format!("{} (was {})", m.name(), m.mode)).collect();
@@ -178,7 +517,10 @@ async fn change_mode(
     Ok(())
 }
 
-fn print_verdict(verdict: &Verdict) {
+fn print_verdict(json: bool, verdict: &Verdict) -> anyhow::Result<()> {
+    if json {
+        return print_json(verdict);
+    }
     println!("verdict: {}", verdict.outcome.name());
     let rows = verdict
         .workloads
@@ -231,187 +573,78 @@ fn print_verdict(verdict: &Verdict) {
     if verdict.workloads.is_empty() {
         println!("the scope matches no workload");
     }
+    Ok(())
 }
 
-pub async fn run(ctx: &Ctx, cmd: &WorkloadCmd) -> anyhow::Result<()> {
-    let (json, pool, actor) = (ctx.json, &ctx.pool, ctx.actor.as_str());
-    match cmd {
-        WorkloadCmd::List | WorkloadCmd::Show { .. } => {
-            let only = if let WorkloadCmd::Show { id } = cmd { Some(*id) } else { None };
-            let all = store::list_workloads(&mut *pool.acquire().await?, only).await?;
-            if let Some(id) = only
-                && all.is_empty()
-            {
-                bail!("workload {id} not found");
-            }
-            if json {
-                return print_json(&all);
-            }
-            let addresses = match &all[..] {
-                [one] if only.is_some() => one.addresses.clone(),
-                _ => Vec::new(),
-            };
-            let rows = all
-                .into_iter()
-                .map(|w| {
-                    let labels: Vec<String> = w.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
-                    vec![
-                        w.id,
-                        w.hostname,
-                        if w.retired { format!("{} (retired)", w.mode) } else { w.mode },
-                        labels.join(","),
-                        w.label_version.to_string(),
-                        w.addresses.iter().map(|a| a.brief()).collect::<Vec<_>>().join(" "),
-                        w.policy_version.map_or("-".into(), |v| v.to_string()),
-                    ]
-                })
-                .collect();
-            print_table(
-                &["id", "hostname", "mode", "labels", "label version", "addresses", "policy version"],
-                rows,
-            );
-            if !addresses.is_empty() {
-                println!();
-                print_addresses(addresses);
-            }
-        }
-        WorkloadCmd::Label { id, set, remove, expect_label_version } => {
-            let done = authoring::commit(pool, actor, "workload.label", &id.to_string(), async |c| {
-                let v = authoring::edit_labels(c, *id, *expect_label_version, set, remove).await?;
-                let set: Vec<String> = set.iter().map(ToString::to_string).collect();
-                let removed: Vec<String> = remove.iter().map(ToString::to_string).collect();
-                Ok((v, serde_json::json!({"set": set, "removed": removed})))
-            })
-            .await?;
-            report(json, &format!("labels of {id} updated (label version {})", done.value), done);
-        }
-        WorkloadCmd::Mode { id, mode, change } => {
-            change_mode(ctx, Scope::Ids(vec![*id]), 1, *mode, change, "innerwall workload mode").await?;
-        }
-        WorkloadCmd::Verdict { scope, evidence } => {
-            let verdict = gate::judge(pool, &scope.scope()?, &evidence.params()).await?;
-            if json {
-                return print_json(&verdict);
-            }
-            print_verdict(&verdict);
-        }
-        WorkloadCmd::Promote { scope, expect_count, to, change } => {
-            change_mode(ctx, scope.scope()?, *expect_count, *to, change, "").await?;
-        }
-        WorkloadCmd::Status { id } => {
-            let all = store::sync_status(&mut *pool.acquire().await?, *id).await?;
-            if let Some(id) = id
-                && all.is_empty()
-            {
-                bail!("workload {id} not found (or retired)");
-            }
-            if json {
-                return print_json(&all);
-            }
-            let when = |t: Option<chrono::DateTime<chrono::Utc>>| {
-                t.map_or("-".into(), |t| t.format("%F %T").to_string())
-            };
-            let rows = all
-                .into_iter()
-                .map(|w| {
-                    let latest = w.latest_version.map_or("-".into(), |v| v.to_string());
-                    let behind = match w.latest_version {
-                        Some(l) if l != w.applied_version => {
-                            format!("{}/{latest} (behind)", w.applied_version)
-                        }
-                        _ => format!("{}/{latest}", w.applied_version),
-                    };
-                    vec![
-                        w.id.to_string(),
-                        w.hostname,
-                        behind,
-                        w.state.0.name().to_owned(),
-                        w.detail,
-                        w.address_issues.iter().map(|a| a.brief()).collect::<Vec<_>>().join(" "),
-                        when(w.last_seen_at),
-                        when(w.last_acked_at),
-                        when(w.last_snapshot_sent_at),
-                    ]
-                })
-                .collect();
-            print_table(
-                &[
-                    "id",
-                    "hostname",
-                    "applied/latest",
-                    "state",
-                    "detail",
-                    "addresses not rendered",
-                    "last seen",
-                    "last ack",
-                    "last snapshot",
-                ],
-                rows,
-            );
-        }
-        WorkloadCmd::ResendSnapshot { id } => {
-            let requested = authoring::request_snapshot(pool, *id).await?;
-            if json {
-                return print_json(&requested);
-            }
-            let at = requested.last_snapshot_sent_at.map_or("never".into(), |t| t.to_rfc3339());
-            println!(
-                "asked the replica holding {id}'s stream to reconnect it; success shows as last snapshot advancing past {at}"
-            );
-        }
-        WorkloadCmd::Retire { id } | WorkloadCmd::Deny { id } => {
-            let retire = matches!(cmd, WorkloadCmd::Retire { .. });
-            let action = if retire { "workload.retire" } else { "workload.deny" };
-            let done = authoring::commit(pool, actor, action, &id.to_string(), async |c| {
-                if retire {
-                    authoring::retire(c, *id).await?
-                } else {
-                    authoring::deny(c, *id).await?
-                }
-                Ok(((), serde_json::json!({})))
-            })
-            .await?;
-            let what = if retire {
-                "retired: it left every render and its stream is closed"
-            } else {
-                "deny-listed: refused at the handshake, its stream is cut and it left every render"
-            };
-            report(json, &format!("{id} {what}"), done);
-        }
-        WorkloadCmd::ReleaseAddress { id, address } => {
-            let done =
-                authoring::commit(pool, actor, "workload.release-address", &id.to_string(), async |c| {
-                    authoring::release_address(c, *id, *address).await?;
-                    Ok(((), serde_json::json!({"address": address.to_string()})))
-                })
-                .await?;
-            report(json, &format!("{id} no longer claims {address}"), done);
-        }
-        WorkloadCmd::Policy { id } => {
-            let Some((policy, rendered_at)) =
-                store::persisted_policy(&mut *pool.acquire().await?, *id).await?
-            else {
-                bail!("workload {id} has no rendered policy (unknown workload, or not rendered yet)");
-            };
-            if json {
-                return print_json(&store::PolicyView::of(*id, &policy, rendered_at));
-            }
-            println!(
-                "workload {id}: version {} · mode {} · rendered {rendered_at}",
-                policy.version(),
-                policy.mode()
-            );
-            let rows = policy
-                .rules()
-                .map(|r| {
-                    let ports: Vec<String> = r.ports().iter().map(ToString::to_string).collect();
-                    let peers: Vec<String> = r.peers().iter().map(ToString::to_string).collect();
-                    vec![r.id().to_string(), r.protocol().to_string(), ports.join(","), peers.join(" ")]
-                })
-                .collect();
-            print_table(&["rule", "protocol", "ports", "peers"], rows);
-        }
+fn print_status(json: bool, all: Vec<SyncStatusView>) -> anyhow::Result<()> {
+    if json {
+        return print_json(&all);
     }
+    let when =
+        |t: Option<chrono::DateTime<chrono::Utc>>| t.map_or("-".into(), |t| t.format("%F %T").to_string());
+    let rows = all
+        .into_iter()
+        .map(|w| {
+            let latest = w.latest_version.map_or("-".into(), |v| v.to_string());
+            let behind = match w.latest_version {
+                Some(l) if l != w.applied_version => format!("{}/{latest} (behind)", w.applied_version),
+                _ => format!("{}/{latest}", w.applied_version),
+            };
+            vec![
+                w.id.to_string(),
+                w.hostname,
+                behind,
+                w.state.0.name().to_owned(),
+                w.detail,
+                w.address_issues.iter().map(|a| a.brief()).collect::<Vec<_>>().join(" "),
+                when(w.last_seen_at),
+                when(w.last_acked_at),
+                when(w.last_snapshot_sent_at),
+            ]
+        })
+        .collect();
+    print_table(
+        &[
+            "id",
+            "hostname",
+            "applied/latest",
+            "state",
+            "detail",
+            "addresses not rendered",
+            "last seen",
+            "last ack",
+            "last snapshot",
+        ],
+        rows,
+    );
+    Ok(())
+}
+
+fn print_resend(json: bool, id: WorkloadId, requested: &ResendRequested) -> anyhow::Result<()> {
+    if json {
+        return print_json(requested);
+    }
+    let at = requested.last_snapshot_sent_at.map_or("never".into(), |t| t.to_rfc3339());
+    println!(
+        "asked the replica holding {id}'s stream to reconnect it; success shows as last snapshot advancing past {at}"
+    );
+    Ok(())
+}
+
+fn print_policy(json: bool, policy: &PolicyView) -> anyhow::Result<()> {
+    if json {
+        return print_json(policy);
+    }
+    println!(
+        "workload {}: version {} · mode {} · rendered {}",
+        policy.workload, policy.version, policy.mode, policy.rendered_at
+    );
+    let rows = policy
+        .rules
+        .iter()
+        .map(|r| vec![r.rule_id.clone(), r.protocol.clone(), r.ports.join(","), r.peers.join(" ")])
+        .collect();
+    print_table(&["rule", "protocol", "ports", "peers"], rows);
     Ok(())
 }
 
@@ -420,11 +653,11 @@ fn print_addresses(addresses: Vec<store::AddressView>) {
     let rows = addresses
         .into_iter()
         .map(|a| {
-            let mut why = a.reason.unwrap_or("").to_owned();
+            let mut why = a.reason.unwrap_or_default();
             if !a.also_claimed_by.is_empty() {
                 why = format!("also claimed by {}; {why}", a.also_claimed_by.join(", "));
             }
-            vec![a.address, a.standing.to_owned(), why]
+            vec![a.address, a.standing, why]
         })
         .collect();
     print_table(&["address", "standing", "why"], rows);

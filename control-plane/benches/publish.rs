@@ -1,0 +1,161 @@
+//! PERF-1 end to end: the publish transaction — load, render, diff and persist under the render
+//! lock, committed as the CLI commits — at 10,000 workloads, 1,000 rulesets and 5,000 rules, on
+//! a real Postgres (the test harness's server). Times the first full render (every workload's
+//! policy persisted), a render that changes nothing, and a single label change. Run with
+//! `cargo bench -p innerwall-control-plane --bench publish` (`INNERWALL_BENCH_QUICK=1`: a tenth).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, Ipv4Addr};
+use std::time::{Duration, Instant};
+
+use innerwall_control_plane::policy::authoring;
+use innerwall_control_plane::policy::model::ServiceEntry;
+use innerwall_control_plane::policy::spec::{
+    AddressGroupSpec, NewWorkload, PeerSpec, RuleSpec, RulesetSpec, ServiceSpec,
+};
+use innerwall_control_plane::testing::fresh_database;
+use innerwall_wire::identity::WorkloadId;
+use innerwall_wire::policy::Cidr;
+
+const APPS: usize = 500;
+const RULES_PER_SET: usize = 5;
+const RUNS: usize = 5;
+
+fn selector(key: &str, value: String) -> BTreeMap<String, Vec<String>> {
+    BTreeMap::from([(key.to_owned(), vec![value])])
+}
+
+fn rulesets(count: usize) -> Vec<RulesetSpec> {
+    (0..count)
+        .map(|j| RulesetSpec {
+            name: format!("rs{j}"),
+            description: String::new(),
+            enabled: true,
+            scope: selector("app", format!("app{}", j % APPS)),
+            rules: (0..RULES_PER_SET)
+                .map(|k| RuleSpec {
+                    name: format!("r{k}"),
+                    description: String::new(),
+                    enabled: true,
+                    peers: vec![
+                        PeerSpec::workloads(selector("app", format!("app{}", (j * 7 + k) % APPS))),
+                        PeerSpec::address_group(&format!("g{}", (j + k) % 100)),
+                        PeerSpec::cidr(&format!("192.168.{k}.0/24")),
+                    ],
+                    services: vec![format!("s{}", (j + k) % 200), format!("s{}", (j * 3 + k + 1) % 200)],
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+fn median(mut samples: Vec<Duration>) -> f64 {
+    samples.sort();
+    samples[samples.len() / 2].as_secs_f64() * 1000.0
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let quick = std::env::var_os("INNERWALL_BENCH_QUICK").is_some();
+    let (workloads, sets) = if quick { (1_000, 100) } else { (10_000, 1_000) };
+    println!(
+        "PERF-1 end to end (target < 1 s): the publish transaction at {workloads} workloads, {sets} rulesets, {} rules",
+        sets * RULES_PER_SET
+    );
+    let db = fresh_database().await?;
+    let pool = &db.pool;
+
+    let specs = rulesets(sets);
+    authoring::commit(pool, "bench", "setup", "catalog", async |c| {
+        for i in 0..200 {
+            let entries = vec![ServiceEntry::parse(&format!("tcp:{},{}", 1000 + i, 2000 + i))?];
+            authoring::create_service(
+                c,
+                &ServiceSpec { name: format!("s{i}"), description: String::new(), entries },
+            )
+            .await?;
+        }
+        for i in 0..100 {
+            let cidrs: BTreeSet<Cidr> =
+                (0..10).map(|j| Cidr::parse(&format!("172.{i}.{j}.0/24"))).collect::<Result<_, _>>()?;
+            authoring::create_address_group(
+                c,
+                &AddressGroupSpec { name: format!("g{i}"), description: String::new(), cidrs },
+            )
+            .await?;
+        }
+        for spec in &specs {
+            authoring::create_ruleset(c, spec).await?;
+        }
+        Ok(((), serde_json::json!({})))
+    })
+    .await?;
+
+    // Every workload registered in one commit: its publish is the first full render.
+    let ids: Vec<WorkloadId> = (0..workloads).map(|_| WorkloadId::new_random()).collect();
+    let started = Instant::now();
+    let mut inserts = Duration::ZERO;
+    let done = authoring::commit(pool, "bench", "setup", "estate", async |c| {
+        let t = Instant::now();
+        for (i, id) in ids.iter().enumerate() {
+            let new = NewWorkload {
+                id: *id,
+                hostname: format!("h{i}"),
+                labels: vec![format!("app=app{}", i % APPS).parse()?, format!("env=env{}", i % 5).parse()?],
+                addresses: BTreeSet::from([IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i as u32 + 1))]),
+            };
+            authoring::register_workload(c, &new).await?;
+        }
+        inserts = t.elapsed();
+        Ok(((), serde_json::json!({})))
+    })
+    .await?;
+    let full = started.elapsed().saturating_sub(inserts).as_secs_f64() * 1000.0;
+    println!(
+        "  first full render: {full:.1} ms (load + render + diff + persist {} policies + commit; the {workloads} registrations before it took {:.1} ms)",
+        done.changed.len(),
+        inserts.as_secs_f64() * 1000.0
+    );
+
+    let mut nothing = Vec::new();
+    for _ in 0..RUNS {
+        let t = Instant::now();
+        let changed = authoring::render_now(pool).await?;
+        nothing.push(t.elapsed());
+        anyhow::ensure!(
+            changed.is_empty(),
+            "a render of an unchanged estate changed {} policies",
+            changed.len()
+        );
+    }
+    let nothing = median(nothing);
+    println!("  render that changes nothing: median {nothing:.1} ms ({RUNS} runs)");
+
+    // Workload 0 moves between two apps and back: the workloads whose rules select either app
+    // see a peer leave or join.
+    let mut label = Vec::new();
+    let mut moved = 0;
+    for run in 0..RUNS {
+        let value = if run % 2 == 0 { "app=moved" } else { "app=app0" };
+        let t = Instant::now();
+        let done = authoring::commit(pool, "bench", "workload.label", "h0", async |c| {
+            let version = authoring::edit_labels(c, ids[0], run as i64 + 1, &[value.parse()?], &[]).await?;
+            Ok((version, serde_json::json!({})))
+        })
+        .await?;
+        label.push(t.elapsed());
+        moved = moved.max(done.changed.len());
+    }
+    let label = median(label);
+    println!(
+        "  single label change: median {label:.1} ms ({RUNS} runs; up to {moved} workloads' policies changed)"
+    );
+    for (name, value) in
+        [("first full render", full), ("render, nothing changed", nothing), ("single label change", label)]
+    {
+        println!(
+            "FIGURE {{\"id\":\"PERF-1\",\"name\":\"publish: {name}\",\"value\":{value:.3},\"unit\":\"ms\",\"goal\":{{\"op\":\"<\",\"bound\":1000}},\"context\":{{\"workloads\":{workloads},\"rulesets\":{sets}}}}}"
+        );
+    }
+    Ok(())
+}
