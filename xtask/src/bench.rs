@@ -41,6 +41,15 @@ const BENCHES: &[Bench] = &[
         },
     },
     Bench {
+        name: "publish",
+        what: "PERF-1 end to end: the publish transaction at 10,000 workloads / 1,000 rulesets",
+        run: Run::Cargo {
+            package: "innerwall-control-plane",
+            target: "publish",
+            quick: &[("INNERWALL_BENCH_QUICK", "1")],
+        },
+    },
+    Bench {
         name: "propagation",
         what: "PERF-2 commit → APPLIED, 1,000 agents on one replica",
         run: Run::Loadgen {

@@ -45,7 +45,7 @@ enum Task {
     /// Run the benchmarks of DESIGN.md §11 (all, or those named) and print their figures with
     /// their goals; JSON under target/bench/.
     Bench {
-        /// render, propagation, propagation-2, storm, density, nft, capture, ingest, rollup.
+        /// render, publish, propagation, propagation-2, storm, density, nft, capture, ingest, rollup.
         names: Vec<String>,
         /// Small sizes: proves each benchmark still works (CI), judges no figure.
         #[arg(long)]
