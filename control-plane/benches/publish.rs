@@ -15,6 +15,7 @@ use innerwall_control_plane::policy::spec::{
 };
 use innerwall_control_plane::testing::fresh_database;
 use innerwall_wire::identity::WorkloadId;
+use innerwall_wire::labels::Label;
 use innerwall_wire::policy::Cidr;
 
 const APPS: usize = 500;
@@ -92,19 +93,21 @@ async fn main() -> anyhow::Result<()> {
     .await?;
 
     // Every workload registered in one commit: its publish is the first full render.
-    let ids: Vec<WorkloadId> = (0..workloads).map(|_| WorkloadId::new_random()).collect();
+    let mut estate = Vec::with_capacity(workloads);
+    for i in 0..workloads {
+        estate.push(NewWorkload {
+            id: WorkloadId::new_random(),
+            hostname: format!("h{i}"),
+            labels: vec![format!("app=app{}", i % APPS).parse()?, format!("env=env{}", i % 5).parse()?],
+            addresses: BTreeSet::from([IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i as u32 + 1))]),
+        });
+    }
     let started = Instant::now();
     let mut inserts = Duration::ZERO;
     let done = authoring::commit(pool, "bench", "setup", "estate", async |c| {
         let t = Instant::now();
-        for (i, id) in ids.iter().enumerate() {
-            let new = NewWorkload {
-                id: *id,
-                hostname: format!("h{i}"),
-                labels: vec![format!("app=app{}", i % APPS).parse()?, format!("env=env{}", i % 5).parse()?],
-                addresses: BTreeSet::from([IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i as u32 + 1))]),
-            };
-            authoring::register_workload(c, &new).await?;
+        for new in &estate {
+            authoring::register_workload(c, new).await?;
         }
         inserts = t.elapsed();
         Ok(((), serde_json::json!({})))
@@ -136,10 +139,12 @@ async fn main() -> anyhow::Result<()> {
     let mut label = Vec::new();
     let mut moved = 0;
     for run in 0..RUNS {
-        let value = if run % 2 == 0 { "app=moved" } else { "app=app0" };
+        let value: Label = if run % 2 == 0 { "app=moved" } else { "app=app0" }.parse()?;
         let t = Instant::now();
         let done = authoring::commit(pool, "bench", "workload.label", "h0", async |c| {
-            let version = authoring::edit_labels(c, ids[0], run as i64 + 1, &[value.parse()?], &[]).await?;
+            let version =
+                authoring::edit_labels(c, estate[0].id, run as i64 + 1, std::slice::from_ref(&value), &[])
+                    .await?;
             Ok((version, serde_json::json!({})))
         })
         .await?;

@@ -276,17 +276,36 @@ fn decode_policy(bytes: &[u8]) -> Result<WorkloadPolicy, Error> {
         .map_err(|e| Error::Corrupt { what: "rendered policy", detail: e.to_string() })
 }
 
-/// The latest persisted policy of every workload that has one.
-pub async fn load_persisted_policies(
-    conn: &mut PgConnection,
-) -> Result<BTreeMap<WorkloadId, WorkloadPolicy>, Error> {
-    let rows = sqlx::query("SELECT workload_id, policy FROM workload_policies").fetch_all(&mut *conn).await?;
+/// The latest persisted policy of every workload that has one, as stored: its version and its
+/// canonical bytes, undecoded (a render compares bytes first and decodes only what differs).
+pub async fn load_persisted_bytes(conn: &mut PgConnection) -> Result<BTreeMap<WorkloadId, Persisted>, Error> {
+    let rows = sqlx::query("SELECT workload_id, version, policy FROM workload_policies")
+        .fetch_all(&mut *conn)
+        .await?;
     rows.into_iter()
         .map(|row| {
-            let bytes: Vec<u8> = row.get(1);
-            Ok((workload_id(row.get(0))?, decode_policy(&bytes)?))
+            let version: i64 = row.get(1);
+            let version = u64::try_from(version).map_err(|_| Error::Corrupt {
+                what: "rendered policy",
+                detail: format!("version {version}"),
+            })?;
+            Ok((workload_id(row.get(0))?, Persisted { version, bytes: row.get(2) }))
         })
         .collect()
+}
+
+/// One workload's latest persisted policy, undecoded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Persisted {
+    pub version: u64,
+    /// [`WorkloadPolicy::canonical_bytes`] of the policy at `version`.
+    pub bytes: Vec<u8>,
+}
+
+impl Persisted {
+    pub fn decode(&self) -> Result<WorkloadPolicy, Error> {
+        decode_policy(&self.bytes)
+    }
 }
 
 /// A workload's persisted policy with the time it was rendered.

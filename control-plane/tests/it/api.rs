@@ -989,3 +989,68 @@ async fn problem_types_are_closed() {
     );
     let _ = api::DEFAULT_MAX_BODY;
 }
+
+/// `serve --api-cert/--api-key`: the operator's own certificate, from a CA of their own, is what
+/// clients see (its fingerprint logged) and trust; a client trusting only the control plane's CA
+/// refuses it; a key that is not the certificate's, or a file that is missing, refuses the start
+/// naming the file.
+#[tokio::test]
+async fn api_serves_an_operator_certificate() {
+    let db = fresh_database().await.unwrap();
+    let dir = std::env::temp_dir().join(format!("iw-api-{}", uuid::Uuid::new_v4()));
+    let signer = Arc::new(FileCa::init(&dir.join("ca")).unwrap());
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = rcgen::Issuer::new(ca_params, ca_key);
+    let leaf_key = rcgen::KeyPair::generate().unwrap();
+    let leaf = rcgen::CertificateParams::new(vec!["localhost".to_owned()])
+        .unwrap()
+        .signed_by(&leaf_key, &issuer)
+        .unwrap();
+    let (cert, key, other) = (dir.join("api.crt"), dir.join("api.key"), dir.join("other.key"));
+    std::fs::write(&cert, leaf.pem()).unwrap();
+    std::fs::write(&key, leaf_key.serialize_pem()).unwrap();
+    std::fs::write(&other, rcgen::KeyPair::generate().unwrap().serialize_pem()).unwrap();
+    let config = |cert: &std::path::Path, key: &std::path::Path| ApiConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        tls: ApiTls::Files { cert: cert.to_owned(), key: key.to_owned() },
+        limits: ApiLimits::default(),
+    };
+
+    let server = api::start(db.pool.clone(), signer.clone(), config(&cert, &key)).await.unwrap();
+    assert_eq!(server.fingerprint, innerwall_control_plane::identity::server_cert::fingerprint(leaf.der()));
+    let connector = |pem: &str| {
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in CertificateDer::pem_slice_iter(pem.as_bytes()) {
+            roots.add(cert.unwrap()).unwrap();
+        }
+        let client =
+            rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()
+                .unwrap()
+                .with_root_certificates(roots)
+                .with_no_client_auth();
+        tokio_rustls::TlsConnector::from(Arc::new(client))
+    };
+    let addr = server.local_addr;
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let refused =
+        connector(&signer.ca_bundle_pem()).connect(ServerName::try_from("localhost").unwrap(), tcp).await;
+    assert!(refused.is_err(), "the control plane's CA did not issue the operator's certificate");
+    let plane = Plane { db, dir: dir.clone(), running: None, addr, tls: connector(&ca_cert.pem()) };
+    let viewer = mint(plane.pool(), "viewer", Role::Viewer).await;
+    let reply = plane.get("/api/v1/services", Some(&viewer.token)).await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert_eq!(reply.json(), json!([]));
+    server.stop(Duration::from_secs(1)).await;
+
+    for (cert, key, named) in [(&cert, &other, &other), (&dir.join("nope.crt"), &key, &dir.join("nope.crt"))]
+    {
+        let error = api::start(plane.pool().clone(), signer.clone(), config(cert, key)).await.unwrap_err();
+        let shown = error.to_string();
+        assert!(shown.contains(&named.display().to_string()), "{shown}");
+    }
+    plane.stop().await;
+}
