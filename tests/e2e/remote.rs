@@ -24,7 +24,18 @@ pub(crate) struct Serve {
 }
 
 impl Serve {
-    pub(crate) fn start(plane: &Plane, api: &str) -> Serve {
+    /// `serve` on `plane` with its API on a free loopback port: the server, the API's URL, and
+    /// the path of the CA bundle to pass as `--api-ca`.
+    pub(crate) fn api(plane: &Plane) -> (Serve, String, String) {
+        std::fs::create_dir_all(&plane.dir).unwrap();
+        let ca = plane.dir.join("api-ca.pem");
+        std::fs::write(&ca, plane.signer.ca_bundle_pem()).unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let serve = Serve::start(plane, &format!("127.0.0.1:{port}"));
+        (serve, format!("https://localhost:{port}"), ca.to_str().unwrap().to_owned())
+    }
+
+    fn start(plane: &Plane, api: &str) -> Serve {
         let mut child = Command::new(innerwall_e2e::workspace_bin("innerwall"))
             .args(["--database-url", &plane.db.url, "--ca-dir"])
             .arg(plane.dir.join("ca"))
@@ -172,13 +183,8 @@ async fn remote_cli_matches_local() {
     let file = remote.dir.join("web-in.yaml");
     std::fs::write(&file, RULESET).unwrap();
     let file = file.to_str().unwrap();
-    let ca = remote.dir.join("api-ca.pem");
-    std::fs::write(&ca, remote.signer.ca_bundle_pem()).unwrap();
-    let ca = ca.to_str().unwrap();
-
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let api = format!("https://localhost:{port}");
-    let _serve = Serve::start(&remote, &format!("127.0.0.1:{port}"));
+    let (_serve, api, ca) = Serve::api(&remote);
+    let ca = ca.as_str();
 
     let token = mint_token(&remote, "e2e-editor", "editor");
 

@@ -19,7 +19,6 @@ use std::collections::BTreeMap;
 
 use chrono::{DateTime, SubsecRound, Utc};
 use innerwall_control_plane::flows;
-use innerwall_control_plane::identity::ca::Signer as _;
 use innerwall_control_plane::policy::authoring;
 use innerwall_control_plane::policy::model::ServiceEntry;
 use innerwall_control_plane::policy::spec::{AddressGroupSpec, NewWorkload, RulesetSpec, ServiceSpec};
@@ -419,13 +418,8 @@ async fn remote_cli_matches_local_fleet() {
     estate(local.pool(), base).await;
     estate(remote.pool(), base).await;
 
-    std::fs::create_dir_all(&remote.dir).unwrap();
-    let ca = remote.dir.join("api-ca.pem");
-    std::fs::write(&ca, remote.signer.ca_bundle_pem()).unwrap();
-    let ca = ca.to_str().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let api = format!("https://localhost:{port}");
-    let _serve = Serve::start(&remote, &format!("127.0.0.1:{port}"));
+    let (_serve, api, ca) = Serve::api(&remote);
+    let ca = ca.as_str();
     let admin = mint_token(&remote, "e2e-admin", "admin");
     let editor = mint_token(&remote, "e2e-editor", "editor");
     let viewer = mint_token(&remote, "e2e-viewer", "viewer");

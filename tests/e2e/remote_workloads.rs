@@ -24,7 +24,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::time::Duration;
 
-use innerwall_control_plane::identity::ca::Signer as _;
 use innerwall_control_plane::policy::authoring;
 use innerwall_control_plane::policy::spec::NewWorkload;
 use innerwall_control_plane::sync::gateway::GatewayConfig;
@@ -449,12 +448,8 @@ async fn remote_cli_matches_local_workloads() {
     let remote = Plane::create(Duration::from_secs(3600), GatewayConfig::default()).await;
     estate(&local).await;
     estate(&remote).await;
-    let ca = remote.dir.join("api-ca.pem");
-    std::fs::write(&ca, remote.signer.ca_bundle_pem()).unwrap();
-    let ca = ca.to_str().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let api = format!("https://localhost:{port}");
-    let _serve = Serve::start(&remote, &format!("127.0.0.1:{port}"));
+    let (_serve, api, ca) = Serve::api(&remote);
+    let ca = ca.as_str();
     let tokens: BTreeMap<Role, String> = [
         (Role::Viewer, "viewer"),
         (Role::Editor, "editor"),

@@ -71,6 +71,21 @@ impl Reply {
     }
 }
 
+/// A TLS client that trusts only the certificates in `pem`.
+fn connector(pem: &str) -> tokio_rustls::TlsConnector {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(pem.as_bytes()) {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let client =
+        rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+    tokio_rustls::TlsConnector::from(Arc::new(client))
+}
+
 fn full(bytes: impl Into<Bytes>) -> Body {
     Full::new(bytes.into()).boxed()
 }
@@ -99,17 +114,7 @@ impl Plane {
         };
         let addr = running.start_api(api).await.unwrap();
         assert_eq!(running.api().unwrap().fingerprint.len(), 32 * 3 - 1, "SHA-256 as hex pairs");
-        let mut roots = rustls::RootCertStore::empty();
-        for cert in CertificateDer::pem_slice_iter(signer.ca_bundle_pem().as_bytes()) {
-            roots.add(cert.unwrap()).unwrap();
-        }
-        let client =
-            rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-                .with_safe_default_protocol_versions()
-                .unwrap()
-                .with_root_certificates(roots)
-                .with_no_client_auth();
-        let tls = tokio_rustls::TlsConnector::from(Arc::new(client));
+        let tls = connector(&signer.ca_bundle_pem());
         Plane { db, dir, running: Some(running), addr, tls }
     }
 
@@ -1021,19 +1026,6 @@ async fn api_serves_an_operator_certificate() {
 
     let server = api::start(db.pool.clone(), signer.clone(), config(&cert, &key)).await.unwrap();
     assert_eq!(server.fingerprint, innerwall_control_plane::identity::server_cert::fingerprint(leaf.der()));
-    let connector = |pem: &str| {
-        let mut roots = rustls::RootCertStore::empty();
-        for cert in CertificateDer::pem_slice_iter(pem.as_bytes()) {
-            roots.add(cert.unwrap()).unwrap();
-        }
-        let client =
-            rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-                .with_safe_default_protocol_versions()
-                .unwrap()
-                .with_root_certificates(roots)
-                .with_no_client_auth();
-        tokio_rustls::TlsConnector::from(Arc::new(client))
-    };
     let addr = server.local_addr;
     let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
     let refused =
