@@ -20,6 +20,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "proto/innerwall/agent/v1/sync.proto",
         "proto/innerwall/agent/v1/telemetry.proto",
     ];
-    tonic_prost_build::configure().compile_protos(&files, &["proto"])?;
+    // Every service uses the contract's own codec: small starting buffers (see `src/codec.rs`).
+    tonic_prost_build::configure()
+        .codec_path("crate::codec::LeanCodec")
+        .compile_protos(&files, &["proto"])?;
     Ok(())
 }

@@ -82,7 +82,7 @@ wire_enum!(GapKind, proto::EvidenceGapKind, "gap kind", {
 });
 
 fn cidrs_to_wire<'a>(cidrs: impl IntoIterator<Item = &'a Cidr>) -> Vec<String> {
-    cidrs.into_iter().map(ToString::to_string).collect()
+    cidrs.into_iter().map(Cidr::text).collect()
 }
 
 fn cidrs_from_wire(texts: &[String]) -> Result<BTreeSet<Cidr>, PolicyError> {
@@ -92,7 +92,7 @@ fn cidrs_from_wire(texts: &[String]) -> Result<BTreeSet<Cidr>, PolicyError> {
 impl From<&ResolvedRule> for proto::ResolvedRule {
     fn from(rule: &ResolvedRule) -> Self {
         proto::ResolvedRule {
-            rule_id: rule.id().to_string(),
+            rule_id: rule.id().as_str().to_owned(),
             peer_cidrs: cidrs_to_wire(rule.peers()),
             protocol: proto::Protocol::from(rule.protocol()).into(),
             ports: rule

@@ -38,6 +38,7 @@ macro_rules! named_enum {
 }
 
 pub mod backoff;
+pub mod codec;
 pub mod convert;
 pub mod flows;
 pub mod identity;

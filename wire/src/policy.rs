@@ -124,7 +124,7 @@ impl Cidr {
         if net.trunc() != net {
             return Err(cidr_error(text, "host bits are set"));
         }
-        Self::checked(net, text).and_then(|c| {
+        Self::checked(net, || text.to_owned()).and_then(|c| {
             if c.to_string() == text { Ok(c) } else { Err(cidr_error(text, "not in canonical spelling")) }
         })
     }
@@ -140,22 +140,44 @@ impl Cidr {
                 Err(_) => return Err(cidr_error(text, "not an address or address/prefix-length")),
             },
         };
-        Self::checked(net, text)
+        Self::checked(net, || text.to_owned())
     }
 
     /// The host route (/32 or /128) of one address, as managed peers are rendered.
     pub fn host(ip: IpAddr) -> Result<Self, PolicyError> {
-        Self::checked(IpNet::from(ip), &ip.to_string())
+        Self::checked(IpNet::from(ip), || ip.to_string())
     }
 
-    fn checked(net: IpNet, text: &str) -> Result<Self, PolicyError> {
+    /// `text` is what the caller was given, spelled only when refused: a render makes a host
+    /// route for every managed peer.
+    fn checked(net: IpNet, text: impl FnOnce() -> String) -> Result<Self, PolicyError> {
         if let IpNet::V6(v6) = net
             && v6.addr().to_ipv4_mapped().is_some()
             && v6.prefix_len() >= 96
         {
-            return Err(cidr_error(text, "IPv4-mapped IPv6 prefixes never match; write the IPv4 prefix"));
+            return Err(PolicyError::Cidr {
+                text: text(),
+                reason: "IPv4-mapped IPv6 prefixes never match; write the IPv4 prefix",
+            });
         }
         Ok(Cidr(net))
+    }
+
+    /// The canonical spelling, exactly as `Display` writes it, without the formatting machinery
+    /// for IPv4: every persisted policy is encoded on every render to compare it, millions of
+    /// prefixes at fleet scale (PERF-1).
+    pub fn text(&self) -> String {
+        let IpNet::V4(net) = self.0 else { return self.to_string() };
+        let mut text = String::with_capacity(18);
+        for (i, octet) in net.addr().octets().into_iter().enumerate() {
+            if i > 0 {
+                text.push('.');
+            }
+            push_decimal(&mut text, octet);
+        }
+        text.push('/');
+        push_decimal(&mut text, net.prefix_len());
+        text
     }
 
     pub fn net(&self) -> IpNet {
@@ -169,6 +191,17 @@ impl Cidr {
     pub fn contains(&self, ip: &IpAddr) -> bool {
         self.0.contains(ip)
     }
+}
+
+/// Appends `n` in decimal, without leading zeros.
+fn push_decimal(text: &mut String, n: u8) {
+    if n >= 100 {
+        text.push(char::from(b'0' + n / 100));
+    }
+    if n >= 10 {
+        text.push(char::from(b'0' + n / 10 % 10));
+    }
+    text.push(char::from(b'0' + n % 10));
 }
 
 fn cidr_error(text: &str, reason: &'static str) -> PolicyError {
@@ -512,6 +545,23 @@ mod tests {
             assert!(e.contains(why), "{e}");
         }
         assert!(PortRange::new(65535, 65535).is_ok());
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn cidr_text_is_its_display(bits: u32, len in 0u8..=32, v6: u128, len6 in 0u8..=128) {
+            let v4 = Cidr(IpNet::V4(ipnet::Ipv4Net::new(bits.into(), len).unwrap().trunc()));
+            proptest::prop_assert_eq!(v4.text(), v4.to_string());
+            let v6 = Cidr(IpNet::V6(ipnet::Ipv6Net::new(v6.into(), len6).unwrap().trunc()));
+            proptest::prop_assert_eq!(v6.text(), v6.to_string());
+        }
+    }
+
+    #[test]
+    fn cidr_text_spells_every_octet_width() {
+        for text in ["0.0.0.0/0", "9.10.99.100/32", "255.255.255.255/32", "10.200.1.0/24", "fd00::/64"] {
+            assert_eq!(Cidr::parse(text).unwrap().text(), text);
+        }
     }
 
     #[test]

@@ -342,7 +342,7 @@ impl StreamTask {
             Ok(Ok(None)) | Ok(Err(_)) => return Ended::offline("closed before Hello"),
             Err(_) => return Ended::offline("no Hello within the liveness bound"),
         };
-        if let Err(e) = self.note_hello(&hello).await {
+        if let Err(e) = Box::pin(self.note_hello(&hello)).await {
             return Ended::refused(Status::from(e));
         }
         let c = self.config();
@@ -355,12 +355,12 @@ impl StreamTask {
         if let Err(e) = self.send(sync_response::Msg::HelloAck(ack)).await {
             return e;
         }
-        let persisted = match self.persisted().await {
+        let persisted = match Box::pin(self.persisted()).await {
             Ok(p) => p,
             Err(e) => return Ended::refused(Status::from(e)),
         };
         let (mut session, actions) = Session::open(persisted, hello.applied_version, hello.suspended);
-        if let Err(e) = self.execute(actions).await {
+        if let Err(e) = Box::pin(self.execute(actions)).await {
             return e;
         }
         let mut inventory = Pending::default();
@@ -376,7 +376,7 @@ impl StreamTask {
                     };
                 }
                 () = sleep_until_due(due) => {
-                    if let Err(e) = self.apply_inventory(&mut inventory).await {
+                    if let Err(e) = Box::pin(self.apply_inventory(&mut inventory)).await {
                         return Ended::refused(Status::from(e));
                     }
                     continue;
@@ -412,9 +412,11 @@ impl StreamTask {
                     None => return Ended::offline("gateway dropped the stream"),
                 },
             };
+            // Boxed: what a stream does between waits is allocated while it does it, so an idle
+            // stream's task holds only its waits (PERF-4: the task is most of a stream's memory).
             let result = match event {
-                None => self.catch_up(&mut session).await,
-                Some(req) => self.handle(&mut session, &mut inventory, req).await,
+                None => Box::pin(self.catch_up(&mut session)).await,
+                Some(req) => Box::pin(self.handle(&mut session, &mut inventory, req)).await,
             };
             if let Err(e) = result {
                 return e;

@@ -668,3 +668,43 @@ async fn ruleset_view_lists_services_by_name() {
     assert_eq!(views.len(), 1);
     assert_eq!(views[0].spec.rules[0].services, ["svc-a", "svc-b", "svc-c", "svc-d", "svc-e"]);
 }
+
+/// Migration 0016: rendered policies large enough to be compressed are stored with lz4 in both
+/// the latest and the history table, and read back byte for byte.
+#[tokio::test]
+async fn large_policies_are_stored_lz4_compressed_and_read_back_whole() {
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    service(pool, "postgres", &["tcp:5432"]).await;
+    // 400 host routes: a policy of ~6 KB, past the 2 KB at which Postgres compresses a value.
+    let cidrs = (0..400u32)
+        .map(|i| innerwall_wire::policy::Cidr::parse(&format!("10.9.{}.{}/32", i / 256, i % 256)))
+        .collect::<Result<BTreeSet<_>, _>>()
+        .unwrap();
+    let group = AddressGroupSpec { name: "clients".into(), description: String::new(), cidrs };
+    authoring::commit(pool, "t", "g", "clients", async |c| {
+        authoring::create_address_group(c, &group).await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await
+    .unwrap();
+    let db_host = register(pool, "db", &["app=db"], &["10.0.0.1"]).await;
+    create_ruleset(pool, &ruleset("db", "db", vec![PeerSpec::address_group("clients")], &["postgres"])).await;
+
+    for table in ["workload_policies", "workload_policy_history"] {
+        // `table` is one of the two names above.
+        let (method, size): (Option<String>, i32) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT pg_column_compression(policy), octet_length(policy) FROM {table}
+             WHERE workload_id = $1 ORDER BY version DESC LIMIT 1"
+        )))
+        .bind(db_host.uuid())
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        assert!(size > 4_000, "{table}: the policy is {size} bytes, too small to be compressed");
+        assert_eq!(method.as_deref(), Some("lz4"), "{table}");
+    }
+    let (policy, _) = store::persisted_policy(&mut pool.acquire().await.unwrap(), db_host).await.unwrap().unwrap();
+    assert_eq!(policy.version(), 2);
+    assert_eq!(policy.rules().map(|r| r.peers().len()).sum::<usize>(), 400);
+}
