@@ -116,13 +116,14 @@ async fn render_and_persist(conn: &mut PgConnection) -> Result<Vec<Changed>, Err
     .bind(&bytes)
     .execute(&mut *conn)
     .await?;
+    // Copied on the server from the rows just written: the bytes cross the socket once, and
+    // Postgres keeps them as already compressed.
     sqlx::query(
         "INSERT INTO workload_policy_history (workload_id, version, policy, rendered_at)
-         SELECT w, v, p, now() FROM unnest($1::uuid[], $2::bigint[], $3::bytea[]) AS t (w, v, p)",
+         SELECT workload_id, version, policy, rendered_at FROM workload_policies
+         WHERE workload_id = ANY($1)",
     )
     .bind(&ids)
-    .bind(&versions)
-    .bind(&bytes)
     .execute(&mut *conn)
     .await?;
     let notices: Vec<Notice> = next.iter().map(|(id, p)| Notice::Policy(*id, p.version())).collect();

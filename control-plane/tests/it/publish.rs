@@ -704,7 +704,8 @@ async fn large_policies_are_stored_lz4_compressed_and_read_back_whole() {
         assert!(size > 4_000, "{table}: the policy is {size} bytes, too small to be compressed");
         assert_eq!(method.as_deref(), Some("lz4"), "{table}");
     }
-    let (policy, _) = store::persisted_policy(&mut pool.acquire().await.unwrap(), db_host).await.unwrap().unwrap();
+    let (policy, _) =
+        store::persisted_policy(&mut pool.acquire().await.unwrap(), db_host).await.unwrap().unwrap();
     assert_eq!(policy.version(), 2);
     assert_eq!(policy.rules().map(|r| r.peers().len()).sum::<usize>(), 400);
 }
