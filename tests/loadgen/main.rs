@@ -280,6 +280,27 @@ async fn density(knobs: &Knobs, settle: Duration) -> anyhow::Result<()> {
     let base = json!({"agents": knobs.agents, "replicas": knobs.replicas});
     figure("PERF-4", "idle streams held", streams as f64, "streams", Some((">=", 10_000.0)), &base);
     figure("PERF-4", "RSS per stream", per_stream, "KiB", Some(("<", 20.0)), &base);
+
+    // What holding the idle fleet costs: over one heartbeat interval every stream sends one
+    // heartbeat, which the replica writes to Postgres.
+    let replicas_cpu =
+        || fleet.replicas.iter().map(|r| r.usage().map(|u| u.cpu_secs)).sum::<anyhow::Result<f64>>();
+    let own_cpu = || replica::Usage::of(std::process::id()).map(|u| u.cpu_secs);
+    let (machine0, replicas0, own0) = (replica::machine_busy_secs()?, replicas_cpu()?, own_cpu()?);
+    let started = Instant::now();
+    tokio::time::sleep(knobs.heartbeat).await;
+    let secs = started.elapsed().as_secs_f64();
+    let replicas_cores = (replicas_cpu()? - replicas0) / secs;
+    let own_cores = (own_cpu()? - own0) / secs;
+    let rest_cores =
+        ((replica::machine_busy_secs()? - machine0) / secs - replicas_cores - own_cores).max(0.0);
+    println!(
+        "PERF-4 idle fleet over one heartbeat interval ({secs:.1} s, {:.0} heartbeats/s): replica(s) {replicas_cores:.3} cores, Postgres and the rest of the machine {rest_cores:.3} cores, the simulated agents {own_cores:.3} cores",
+        streams as f64 / knobs.heartbeat.as_secs_f64()
+    );
+    let context = json!({"agents": knobs.agents, "replicas": knobs.replicas, "heartbeat_s": knobs.heartbeat.as_secs_f64()});
+    figure("PERF-4", "replica CPU, idle fleet", replicas_cores, "cores", None, &context);
+    figure("PERF-4", "Postgres and the rest of the machine, idle fleet", rest_cores, "cores", None, &context);
     Ok(())
 }
 

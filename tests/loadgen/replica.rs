@@ -186,6 +186,18 @@ impl Usage {
     }
 }
 
+/// CPU seconds the whole machine has spent busy (every state but idle and iowait) since boot.
+pub fn machine_busy_secs() -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string("/proc/stat")?;
+    let cpu =
+        stat.lines().next().and_then(|l| l.strip_prefix("cpu ")).context("no cpu line in /proc/stat")?;
+    let ticks: Vec<u64> = cpu.split_whitespace().filter_map(|f| f.parse().ok()).collect();
+    // user nice system idle iowait irq softirq steal …; guest time is already in user.
+    let busy: u64 =
+        ticks.iter().take(8).enumerate().filter(|(i, _)| *i != 3 && *i != 4).map(|(_, t)| t).sum();
+    Ok(busy as f64 / clock_ticks() as f64)
+}
+
 /// `sysconf(_SC_CLK_TCK)`, asked of `getconf` once (the workspace forbids `unsafe`).
 fn clock_ticks() -> u64 {
     static TICKS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();

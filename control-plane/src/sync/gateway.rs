@@ -25,6 +25,7 @@ use crate::identity::listener::{AgentIdentity, agent_identity, identity};
 use crate::metrics::{AckStatus, Metrics};
 use crate::policy::store;
 use crate::postgres::Pools;
+use crate::sync::beats::{Beat, Beats};
 use crate::sync::session::{Ack, Action, Record, Session, SyncState, Update};
 
 /// Timing the gateway hands each agent in `HelloAck`, and the liveness bound derived from it.
@@ -92,6 +93,8 @@ struct Inner {
     streams: Mutex<BTreeMap<WorkloadId, Handle>>,
     generations: AtomicU64,
     metrics: Arc<Metrics>,
+    /// Every stream's heartbeats, written in batches on `pool`.
+    beats: Beats,
 }
 
 /// The streams this replica holds. Cheap to clone.
@@ -113,6 +116,7 @@ impl Gateway {
                 streams: Mutex::new(BTreeMap::new()),
                 generations: AtomicU64::new(0),
                 metrics,
+                beats: Beats::start(pools.streams.clone()),
             }),
         }
     }
@@ -538,17 +542,12 @@ impl StreamTask {
     async fn heartbeat(&self, h: &proto::Heartbeat) -> Result<(), Error> {
         // A sweep that found this stream silent (a heartbeat write delayed past the bound) is
         // answered by the stream's own state, if it is still the newest stream.
-        sqlx::query(
-            "UPDATE workloads SET last_seen_at = now(),
-                 sync_state = CASE WHEN sync_state = $2 AND stream_epoch = $3 AND $4 <> 0 THEN $4 ELSE sync_state END
-             WHERE id = $1",
-        )
-        .bind(self.id.uuid())
-        .bind(SyncState::Offline.code())
-        .bind(self.epoch.load(Ordering::Relaxed))
-        .bind(self.state.load(Ordering::Relaxed))
-        .execute(self.pool())
-        .await?;
+        let beat = Beat {
+            workload: self.id.uuid(),
+            epoch: self.epoch.load(Ordering::Relaxed),
+            state: self.state.load(Ordering::Relaxed),
+        };
+        self.gateway.inner.beats.write(beat).await?;
         if !h.credential_renewal_error.is_empty() {
             tracing::warn!(workload = %self.id, "agent reports credential renewal failing: {}", truncate(&h.credential_renewal_error, 256));
         }

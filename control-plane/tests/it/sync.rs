@@ -559,3 +559,82 @@ impl Drop for KillOnDrop {
         let _ = self.0.wait();
     }
 }
+
+/// Heartbeats that arrive together are one statement (one commit: every row gets the same
+/// `now()`), and a batch that fails is written beat by beat, so only the stream whose row is
+/// stuck hears the failure.
+#[tokio::test]
+async fn heartbeats_are_written_in_batches_and_a_failed_batch_beat_by_beat() {
+    use innerwall_control_plane::postgres::{Timeouts, pool_options_with};
+    use innerwall_control_plane::sync::beats::{Beat, Beats};
+
+    let db = innerwall_control_plane::testing::fresh_database().await.unwrap();
+    let mut ids = Vec::new();
+    for i in 0..40 {
+        let new = innerwall_control_plane::policy::spec::NewWorkload {
+            id: WorkloadId::new_random(),
+            hostname: format!("beat-{i}"),
+            labels: vec![],
+            addresses: Default::default(),
+        };
+        authoring::commit(&db.pool, "test", "workload.register", "beat", async |c| {
+            authoring::register_workload(c, &new).await?;
+            Ok(((), serde_json::json!({})))
+        })
+        .await
+        .unwrap();
+        ids.push(new.id);
+    }
+    let short_locks = Timeouts {
+        lock: Duration::from_millis(300),
+        ..innerwall_control_plane::postgres::PoolConfig::STREAMS.timeouts
+    };
+    let pool = pool_options_with(short_locks).connect(&db.url).await.unwrap();
+    let beats = Beats::start(pool);
+    // Every beat at once, each from its own task as streams send them; results in `ids` order.
+    let write_all = async |ids: &[WorkloadId]| {
+        let tasks: Vec<_> = ids
+            .iter()
+            .map(|id| {
+                let (beats, beat) = (beats.clone(), Beat { workload: id.uuid(), epoch: 0, state: 0 });
+                tokio::spawn(async move { beats.write(beat).await })
+            })
+            .collect();
+        let mut written = Vec::new();
+        for task in tasks {
+            written.push(task.await.unwrap());
+        }
+        written
+    };
+
+    let written = write_all(&ids).await;
+    assert!(written.iter().all(Result::is_ok), "{written:?}");
+    let (rows, stamps): (i64, i64) = sqlx::query_as(
+        "SELECT count(last_seen_at), count(DISTINCT last_seen_at) FROM workloads WHERE id = ANY($1)",
+    )
+    .bind(ids.iter().map(WorkloadId::uuid).collect::<Vec<_>>())
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!((rows, stamps), (40, 1), "40 heartbeats, one statement");
+
+    // One row locked by another transaction: the batch times out on it, the other beats are
+    // written alone, and only the locked one fails.
+    let mut holder = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM workloads WHERE id = $1 FOR UPDATE")
+        .bind(ids[0].uuid())
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let written = write_all(&ids[..5]).await;
+    holder.rollback().await.unwrap();
+    assert!(written[0].is_err(), "the locked row's heartbeat must fail");
+    assert!(written[1..].iter().all(Result::is_ok), "{written:?}");
+    let stamps: i64 =
+        sqlx::query_scalar("SELECT count(DISTINCT last_seen_at) FROM workloads WHERE id = ANY($1)")
+            .bind(ids[1..5].iter().map(WorkloadId::uuid).collect::<Vec<_>>())
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(stamps, 4, "written one by one after the batch failed");
+}
