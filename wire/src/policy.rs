@@ -125,7 +125,7 @@ impl Cidr {
             return Err(cidr_error(text, "host bits are set"));
         }
         Self::checked(net, || text.to_owned()).and_then(|c| {
-            if c.to_string() == text { Ok(c) } else { Err(cidr_error(text, "not in canonical spelling")) }
+            if c.text() == text { Ok(c) } else { Err(cidr_error(text, "not in canonical spelling")) }
         })
     }
 

@@ -417,7 +417,7 @@ impl StreamTask {
                 },
             };
             // Boxed: what a stream does between waits is allocated while it does it, so an idle
-            // stream's task holds only its waits (PERF-4: the task is most of a stream's memory).
+            // stream's task holds only its waits (PERF-4: every idle stream holds its task).
             let result = match event {
                 None => Box::pin(self.catch_up(&mut session)).await,
                 Some(req) => Box::pin(self.handle(&mut session, &mut inventory, req)).await,

@@ -23,7 +23,7 @@ use innerwall_wire::policy::{Change, Mode, diff};
 use sqlx::PgPool;
 use sqlx::postgres::PgListener;
 
-async fn register(pool: &PgPool, host: &str, labels: &[&str], addrs: &[&str]) -> WorkloadId {
+pub async fn register(pool: &PgPool, host: &str, labels: &[&str], addrs: &[&str]) -> WorkloadId {
     let new = NewWorkload {
         id: WorkloadId::new_random(),
         hostname: host.into(),

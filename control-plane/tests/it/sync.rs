@@ -571,19 +571,7 @@ async fn heartbeats_are_written_in_batches_and_a_failed_batch_beat_by_beat() {
     let db = innerwall_control_plane::testing::fresh_database().await.unwrap();
     let mut ids = Vec::new();
     for i in 0..40 {
-        let new = innerwall_control_plane::policy::spec::NewWorkload {
-            id: WorkloadId::new_random(),
-            hostname: format!("beat-{i}"),
-            labels: vec![],
-            addresses: Default::default(),
-        };
-        authoring::commit(&db.pool, "test", "workload.register", "beat", async |c| {
-            authoring::register_workload(c, &new).await?;
-            Ok(((), serde_json::json!({})))
-        })
-        .await
-        .unwrap();
-        ids.push(new.id);
+        ids.push(crate::publish::register(&db.pool, &format!("beat-{i}"), &[], &[]).await);
     }
     let short_locks = Timeouts {
         lock: Duration::from_millis(300),
