@@ -2,7 +2,9 @@
 //! scopes every agent, and N simulated agents — each enrolled through the real enrollment path
 //! (its own key, CSR and certificate), each holding its own mTLS connection and Sync stream with
 //! the agent's own loop (`daemon::hold_stream`: session, `next_policy`, acks, heartbeats,
-//! full-jitter backoff), installing into memory instead of nftables.
+//! full-jitter backoff), installing into memory instead of nftables. Optionally each agent also
+//! closes flow windows judged under its applied policy and ships them with the agent's own
+//! queue and uploader (`telemetry::Queue`, `upload_forever`: a connection of its own per drain).
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -14,13 +16,15 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use innerwall_agent::connect::RunConfig;
 use innerwall_agent::enforce::{EnforceError, Installed, MemoryPolicyStore, PolicyStore};
+use innerwall_agent::flows::{Counters, FlowKey, Window};
 use innerwall_agent::sync::Enforcer;
+use innerwall_agent::telemetry::{DEFAULT_MAX_WINDOWS, Queue, upload_forever};
 use innerwall_control_plane::identity::ca::{FileCa, Signer as _};
 use innerwall_control_plane::policy::spec::NewWorkload;
 use innerwall_control_plane::policy::{authoring, store};
 use innerwall_control_plane::testing::{self, TestDatabase};
 use innerwall_wire::identity::WorkloadId;
-use innerwall_wire::policy::{Cidr, WorkloadPolicy};
+use innerwall_wire::policy::{Cidr, Protocol, WorkloadPolicy};
 use innerwall_wire::proto;
 use sqlx::PgPool;
 
@@ -42,6 +46,15 @@ pub struct FleetConfig {
     pub heartbeat: Duration,
     /// Agentless peers that `change` can move into every agent's peer set, one per change.
     pub spare_peers: usize,
+    /// Flow windows each agent closes and uploads, if any.
+    pub flows: Option<FlowLoad>,
+}
+
+/// Flow evidence each agent produces: `windows_per_minute` windows of `records` records each.
+#[derive(Debug, Clone, Copy)]
+pub struct FlowLoad {
+    pub windows_per_minute: u32,
+    pub records: usize,
 }
 
 pub struct Fleet {
@@ -53,6 +66,7 @@ pub struct Fleet {
     ca_pem: String,
     /// Enrolled, not started yet: (index, id, state directory).
     enrolled: Vec<(usize, WorkloadId, PathBuf)>,
+    flows: Option<FlowLoad>,
 }
 
 impl std::fmt::Debug for Fleet {
@@ -164,7 +178,16 @@ impl Fleet {
         for i in 0..config.spare_peers {
             spares.push(register(&pool, &format!("spare-{i}"), "app=idle", peer_address(i + 1)).await?);
         }
-        Ok(Fleet { db, dir, replicas, agents: Vec::new(), spares, ca_pem, enrolled: Vec::new() })
+        Ok(Fleet {
+            db,
+            dir,
+            replicas,
+            agents: Vec::new(),
+            spares,
+            ca_pem,
+            enrolled: Vec::new(),
+            flows: config.flows,
+        })
     }
 
     pub fn pool(&self) -> &PgPool {
@@ -217,7 +240,7 @@ impl Fleet {
         self.enrolled.sort_by_key(|(i, _, _)| *i);
         for (i, id, state) in std::mem::take(&mut self.enrolled) {
             let server = self.replicas[i % self.replicas.len()].server();
-            self.agents.push(start_agent(i, id, RunConfig::new(state, server)));
+            self.agents.push(start_agent(i, id, RunConfig::new(state, server), self.flows));
         }
     }
 
@@ -351,11 +374,20 @@ impl Drop for Fleet {
 }
 
 /// Starts agent `i` on the real stream loop with its own facts (hostname, one address).
-fn start_agent(i: usize, id: WorkloadId, config: RunConfig) -> Agent {
+fn start_agent(i: usize, id: WorkloadId, config: RunConfig, flows: Option<FlowLoad>) -> Agent {
     let log = Arc::new(ApplyLog::default());
     let enforcer =
         Arc::new(Enforcer::new(LoadStore { inner: MemoryPolicyStore::new(None), log: log.clone() }));
     enforcer.report_facts(facts(i));
+    if let Some(load) = flows {
+        match Queue::new(&config.state_dir, DEFAULT_MAX_WINDOWS) {
+            Ok(queue) => {
+                tokio::spawn(produce_flows(i, enforcer.clone(), queue.clone(), load));
+                tokio::spawn(upload_forever(config.clone(), queue, Duration::from_secs(1)));
+            }
+            Err(e) => eprintln!("agent {i}: no flow queue, so no flows: {e}"),
+        }
+    }
     let task = tokio::spawn({
         let enforcer = enforcer.clone();
         async move {
@@ -368,10 +400,39 @@ fn start_agent(i: usize, id: WorkloadId, config: RunConfig) -> Agent {
     Agent { id, enforcer, log, task }
 }
 
+/// Agent `i`'s flow windows: every `60 s / windows_per_minute`, a window of `records` inbound
+/// TCP flows to its address, judged under its applied policy, queued durably for the uploader.
+/// Agents start at spread offsets, so windows do not all close at once.
+async fn produce_flows(i: usize, enforcer: Arc<Enforcer<LoadStore>>, queue: Queue, load: FlowLoad) {
+    let period = Duration::from_secs(60) / load.windows_per_minute.max(1);
+    tokio::time::sleep(period.mul_f64((i % 1_000) as f64 / 1_000.0)).await;
+    let dst = agent_address(i);
+    loop {
+        let start_ms = chrono::Utc::now().timestamp_millis();
+        tokio::time::sleep(period).await;
+        let now_ms = chrono::Utc::now().timestamp_millis();
+        let mut window = Window::open(start_ms, enforcer.judged(), load.records);
+        for r in 0..load.records {
+            let src = IpAddr::from([172, 16, (r >> 8) as u8, (r & 0xff) as u8]);
+            let key = FlowKey { src, dst, dst_port: 443, protocol: Protocol::Tcp };
+            let counters = Counters {
+                packets: 10,
+                bytes: 1_500,
+                new_connections: 1,
+                first_seen_ms: start_ms,
+                last_seen_ms: now_ms,
+            };
+            window.add(key, counters, now_ms);
+        }
+        if let Err(e) = queue.push(window.close(now_ms)) {
+            eprintln!("agent {i}: queueing a flow window failed: {e}");
+        }
+    }
+}
+
 /// What agent `i` reports as its host: its own name, machine id and address.
 fn facts(i: usize) -> proto::HostFacts {
-    let n = u32::try_from(i + 1).unwrap_or(u32::MAX);
-    let address = IpAddr::from([10, 200, (n >> 8) as u8, (n & 0xff) as u8]);
+    let address = agent_address(i);
     proto::HostFacts {
         hostname: format!("load-{i}"),
         os: None,
@@ -383,6 +444,12 @@ fn facts(i: usize) -> proto::HostFacts {
         machine_id: format!("{:032x}", i + 1),
         boot_id: String::new(),
     }
+}
+
+/// Agent `i`'s address, in [`AGENT_RANGE`].
+fn agent_address(i: usize) -> IpAddr {
+    let n = u32::try_from(i + 1).unwrap_or(u32::MAX);
+    IpAddr::from([10, 200, (n >> 8) as u8, (n & 0xff) as u8])
 }
 
 /// The address of agentless peer `i` (< [`MAX_PEERS`]): the top of the agents' range.

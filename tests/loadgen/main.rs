@@ -19,7 +19,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use serde_json::json;
 
-use crate::fleet::{Fleet, FleetConfig};
+use crate::fleet::{Fleet, FleetConfig, FlowLoad};
 use crate::replica::Sampler;
 
 #[derive(Debug, Parser)]
@@ -44,6 +44,13 @@ struct Knobs {
     /// churn: each gives every agent a new version); 0 for none.
     #[arg(long, default_value_t = 0)]
     churn_per_minute: u32,
+    /// Flow windows each agent closes and uploads per minute (the agent's own queue and
+    /// uploader, on a connection of its own); 0 for none.
+    #[arg(long, default_value_t = 0)]
+    flows_per_minute: u32,
+    /// Records in each of those windows.
+    #[arg(long, default_value_t = 100)]
+    records_per_window: usize,
 }
 
 #[derive(Debug, Subcommand)]
@@ -110,6 +117,10 @@ async fn fleet(knobs: &Knobs, spare_peers: usize) -> anyhow::Result<Fleet> {
         replicas: knobs.replicas,
         heartbeat: knobs.heartbeat,
         spare_peers,
+        flows: (knobs.flows_per_minute > 0).then_some(FlowLoad {
+            windows_per_minute: knobs.flows_per_minute,
+            records: knobs.records_per_window,
+        }),
     };
     let mut fleet = Fleet::create(&config).await?;
     let took = fleet.enroll(knobs.agents).await?;
@@ -286,10 +297,17 @@ async fn density(knobs: &Knobs, settle: Duration) -> anyhow::Result<()> {
     let replicas_cpu =
         || fleet.replicas.iter().map(|r| r.usage().map(|u| u.cpu_secs)).sum::<anyhow::Result<f64>>();
     let own_cpu = || replica::Usage::of(std::process::id()).map(|u| u.cpu_secs);
+    let stored = async || -> anyhow::Result<(i64, i64)> {
+        Ok(sqlx::query_as("SELECT (SELECT count(*) FROM flow_windows), (SELECT count(*) FROM flow_records)")
+            .fetch_one(fleet.pool())
+            .await?)
+    };
+    let stored0 = stored().await?;
     let (machine0, replicas0, own0) = (replica::machine_busy_secs()?, replicas_cpu()?, own_cpu()?);
     let started = Instant::now();
     tokio::time::sleep(knobs.heartbeat).await;
     let secs = started.elapsed().as_secs_f64();
+    let stored1 = stored().await?;
     let replicas_cores = (replicas_cpu()? - replicas0) / secs;
     let own_cores = (own_cpu()? - own0) / secs;
     let rest_cores =
@@ -301,6 +319,16 @@ async fn density(knobs: &Knobs, settle: Duration) -> anyhow::Result<()> {
     let context = json!({"agents": knobs.agents, "replicas": knobs.replicas, "heartbeat_s": knobs.heartbeat.as_secs_f64()});
     figure("PERF-4", "replica CPU, idle fleet", replicas_cores, "cores", None, &context);
     figure("PERF-4", "Postgres and the rest of the machine, idle fleet", rest_cores, "cores", None, &context);
+    if knobs.flows_per_minute > 0 {
+        let (windows, records) =
+            ((stored1.0 - stored0.0) as f64 / secs, (stored1.1 - stored0.1) as f64 / secs);
+        println!(
+            "PERF-4 flows during that interval: {windows:.1} windows/s, {records:.0} records/s stored ({} per agent per minute, {} records each)",
+            knobs.flows_per_minute, knobs.records_per_window
+        );
+        anyhow::ensure!(windows > 0.0, "flows were on, yet no flow window was stored in {secs:.1} s");
+        figure("PERF-4", "flow windows stored, idle fleet", windows, "windows/s", None, &context);
+    }
     Ok(())
 }
 

@@ -75,7 +75,17 @@ const BENCHES: &[Bench] = &[
         what: "PERF-4 idle streams on one replica, 10,000 agents",
         run: Run::Loadgen {
             full: &["density", "--agents", "10000"],
-            quick: &["density", "--agents", "100", "--settle", "1s", "--heartbeat", "2s"],
+            quick: &[
+                "density",
+                "--agents",
+                "100",
+                "--settle",
+                "1s",
+                "--heartbeat",
+                "2s",
+                "--flows-per-minute",
+                "60",
+            ],
         },
     },
     Bench {
