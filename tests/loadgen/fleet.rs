@@ -424,8 +424,11 @@ async fn produce_flows(i: usize, enforcer: Arc<Enforcer<LoadStore>>, queue: Queu
             };
             window.add(key, counters, now_ms);
         }
-        if let Err(e) = queue.push(window.close(now_ms)) {
-            eprintln!("agent {i}: queueing a flow window failed: {e}");
+        match queue.push(window.close(now_ms)) {
+            Ok(()) => {}
+            // The fleet's directory is gone: the scenario is over.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
+            Err(e) => eprintln!("agent {i}: queueing a flow window failed: {e}"),
         }
     }
 }
