@@ -269,8 +269,11 @@ fn shown(value: f64) -> String {
             out.push(c);
         }
         if value < 0.0 { format!("-{out}") } else { out }
-    } else {
+    } else if value.abs() >= 1.0 || value == 0.0 {
         format!("{value:.1}")
+    } else {
+        // Below one (cores, say): three significant digits, not a rounded 0.0.
+        format!("{value:.3}")
     }
 }
 
@@ -297,6 +300,8 @@ mod tests {
         assert_eq!(shown(112_836.4), "112,836");
         assert_eq!(shown(89.94), "89.9");
         assert_eq!(shown(-1234.0), "-1,234");
+        assert_eq!(shown(0.0694), "0.069");
+        assert_eq!(shown(0.0), "0.0");
         assert!(meets(19.3, &json!({"op": "<", "bound": 250.0})));
         assert!(!meets(250.0, &json!({"op": "<", "bound": 250.0})));
         assert!(meets(0.0, &json!({"op": "<=", "bound": 0.0})));
