@@ -10,7 +10,7 @@ use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::labels::{LabelKey, LabelValue};
 use innerwall_wire::policy::{Cidr, Mode, PortRange, Protocol, WorkloadPolicy};
 use serde::{Deserialize, Serialize};
-use sqlx::{PgConnection, Row};
+use sqlx::{PgConnection, PgPool, Row};
 use uuid::Uuid;
 
 use crate::error::Error;
@@ -271,7 +271,7 @@ fn workload_id(uuid: Uuid) -> Result<WorkloadId, Error> {
     WorkloadId::from_uuid(uuid).ok_or(Error::Corrupt { what: "workload id", detail: "nil uuid".into() })
 }
 
-fn decode_policy(bytes: &[u8]) -> Result<WorkloadPolicy, Error> {
+pub fn decode_policy(bytes: &[u8]) -> Result<WorkloadPolicy, Error> {
     WorkloadPolicy::from_canonical_bytes(bytes)
         .map_err(|e| Error::Corrupt { what: "rendered policy", detail: e.to_string() })
 }
@@ -306,6 +306,21 @@ impl Persisted {
     pub fn decode(&self) -> Result<WorkloadPolicy, Error> {
         decode_policy(&self.bytes)
     }
+}
+
+/// The latest persisted policies of `ids` (those that have one), undecoded, with the time each
+/// was rendered: one query for many streams catching up at once (`sync::reads`).
+pub async fn persisted_bytes_of(
+    pool: &PgPool,
+    ids: &[Uuid],
+) -> Result<BTreeMap<WorkloadId, (Vec<u8>, chrono::DateTime<chrono::Utc>)>, Error> {
+    let rows = sqlx::query(
+        "SELECT workload_id, policy, rendered_at FROM workload_policies WHERE workload_id = ANY($1)",
+    )
+    .bind(ids)
+    .fetch_all(pool)
+    .await?;
+    rows.into_iter().map(|row| Ok((workload_id(row.get(0))?, (row.get(1), row.get(2))))).collect()
 }
 
 /// A workload's persisted policy with the time it was rendered.

@@ -23,9 +23,9 @@ use crate::error::Error;
 use crate::identity::enroll::Enroller;
 use crate::identity::listener::{AgentIdentity, agent_identity, identity};
 use crate::metrics::{AckStatus, Metrics};
-use crate::policy::store;
 use crate::postgres::Pools;
 use crate::sync::beats::{Beat, Beats};
+use crate::sync::reads::Reads;
 use crate::sync::session::{Ack, Action, Record, Session, SyncState, Update};
 
 /// Timing the gateway hands each agent in `HelloAck`, and the liveness bound derived from it.
@@ -84,7 +84,8 @@ struct Handle {
 
 #[derive(Debug)]
 struct Inner {
-    /// Stream state: Hello, records, heartbeats, reads of the persisted policy.
+    /// Stream state: Hello, records, heartbeats (through `beats`), reads of the persisted policy
+    /// (through `reads`).
     pool: PgPool,
     /// Renders a stream causes (inventory changes, the repair render).
     renders: PgPool,
@@ -95,6 +96,8 @@ struct Inner {
     metrics: Arc<Metrics>,
     /// Every stream's heartbeats, written in batches on `pool`.
     beats: Beats,
+    /// Every stream's reads of its persisted policy, shared on `pool`.
+    reads: Reads,
 }
 
 /// The streams this replica holds. Cheap to clone.
@@ -117,6 +120,7 @@ impl Gateway {
                 generations: AtomicU64::new(0),
                 metrics,
                 beats: Beats::start(pools.streams.clone()),
+                reads: Reads::start(pools.streams.clone()),
             }),
         }
     }
@@ -315,13 +319,13 @@ impl StreamTask {
 
     /// The persisted policy, rendering it first if the workload has none (POL-6 repair).
     async fn persisted(&self) -> Result<WorkloadPolicy, Error> {
-        let mut conn = self.pool().acquire().await?;
-        if let Some((p, _)) = store::persisted_policy(&mut conn, self.id).await? {
+        let reads = &self.gateway.inner.reads;
+        if let Some((p, _)) = reads.latest(self.id).await? {
             return Ok(p);
         }
         tracing::warn!(workload = %self.id, "no persisted policy when its stream opened: repair render");
         crate::policy::authoring::render_now(self.renders()).await?;
-        store::persisted_policy(&mut conn, self.id).await?.map(|(p, _)| p).ok_or_else(|| {
+        reads.latest(self.id).await?.map(|(p, _)| p).ok_or_else(|| {
             Error::Invalid(format!("workload {} has no policy even after a repair render", self.id))
         })
     }
@@ -429,11 +433,8 @@ impl StreamTask {
     }
 
     async fn catch_up(&self, session: &mut Session) -> Result<(), Ended> {
-        let mut conn = self.pool().acquire().await.map_err(|e| Ended::offline(format!("database: {e}")))?;
-        let latest = store::persisted_policy(&mut conn, self.id)
-            .await
-            .map_err(|e| Ended::offline(format!("reading the persisted policy: {e}")))?;
-        drop(conn);
+        let latest = self.gateway.inner.reads.latest(self.id).await;
+        let latest = latest.map_err(|e| Ended::offline(format!("reading the persisted policy: {e}")))?;
         let Some((p, committed)) = latest else { return Ok(()) };
         let version = p.version();
         let actions = session.persisted(p);

@@ -626,3 +626,43 @@ async fn heartbeats_are_written_in_batches_and_a_failed_batch_beat_by_beat() {
             .unwrap();
     assert_eq!(stamps, 4, "written one by one after the batch failed");
 }
+
+/// Streams catching up at once share one query: every answer is the stream's own policy (or none
+/// for a workload without one), and 40 concurrent reads cost one query.
+#[tokio::test]
+async fn concurrent_policy_reads_share_a_query_and_each_gets_its_own_policy() {
+    use innerwall_control_plane::sync::reads::Reads;
+
+    let db = innerwall_control_plane::testing::fresh_database().await.unwrap();
+    let mut ids = Vec::new();
+    for i in 0..40 {
+        ids.push(crate::publish::register(&db.pool, &format!("read-{i}"), &[], &[]).await);
+    }
+    let unknown = WorkloadId::new_random();
+    let reads = Reads::start(db.pool.clone());
+    let tasks: Vec<_> = ids
+        .iter()
+        .chain([&unknown])
+        .map(|id| {
+            let (reads, id) = (reads.clone(), *id);
+            tokio::spawn(async move { reads.latest(id).await })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for task in tasks {
+        answers.push(task.await.unwrap().unwrap());
+    }
+    let mut conn = db.pool.acquire().await.unwrap();
+    for (id, answer) in ids.iter().zip(&answers) {
+        let expected = store::persisted_policy(&mut conn, *id).await.unwrap();
+        assert_eq!(answer, &expected, "{id}");
+        assert!(answer.is_some());
+    }
+    assert_eq!(answers.last(), Some(&None), "a workload without a policy has none");
+    // The runtime is single-threaded: every request is queued before the reader first runs.
+    assert_eq!(reads.queries(), 1, "41 concurrent reads, one query");
+
+    // The second time: a read after the first batch is its own query.
+    assert!(reads.latest(ids[0]).await.unwrap().is_some());
+    assert_eq!(reads.queries(), 2);
+}
