@@ -15,8 +15,9 @@ use tokio::sync::{mpsc, oneshot};
 use crate::error::Error;
 use crate::policy::store;
 
-/// Requests in one query at most.
-pub const MAX_BATCH: usize = 1_000;
+/// Requests in one query at most: the first streams get their answers while later ones are
+/// read, and a query's result stays bounded (100 policies of a large estate are ~5 MB).
+pub const MAX_BATCH: usize = 100;
 
 /// Requests waiting for the reader at most; a stream asking one more waits for room.
 const QUEUE: usize = 4 * MAX_BATCH;
