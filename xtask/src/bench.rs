@@ -272,7 +272,7 @@ fn shown(value: f64) -> String {
     } else if value.abs() >= 1.0 || value == 0.0 {
         format!("{value:.1}")
     } else {
-        // Below one (cores, say): three significant digits, not a rounded 0.0.
+        // Below one (cores, say): three decimals, not a rounded 0.0.
         format!("{value:.3}")
     }
 }

@@ -15,6 +15,7 @@ use uuid::Uuid;
 use innerwall_wire::convert::WireEnum;
 
 use crate::error::Error;
+use crate::sync::batch;
 use crate::sync::session::SyncState;
 
 /// How long the writer waits for more heartbeats after the first of a batch: at most this much
@@ -84,15 +85,7 @@ impl Beats {
 type Pending = mpsc::Receiver<(Beat, oneshot::Sender<Result<(), Error>>)>;
 
 async fn write_forever(pool: PgPool, mut pending: Pending) {
-    while let Some(first) = pending.recv().await {
-        let mut batch = vec![first];
-        let until = tokio::time::Instant::now() + LINGER;
-        while batch.len() < MAX_BATCH {
-            match tokio::time::timeout_at(until, pending.recv()).await {
-                Ok(Some(next)) => batch.push(next),
-                Ok(None) | Err(_) => break,
-            }
-        }
+    while let Some(batch) = batch::next(&mut pending, MAX_BATCH, LINGER).await {
         match write_batch(&pool, batch.iter().map(|(b, _)| *b)).await {
             Ok(()) => {
                 for (_, done) in batch {

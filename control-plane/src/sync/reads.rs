@@ -6,6 +6,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::WorkloadPolicy;
@@ -14,6 +15,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::error::Error;
 use crate::policy::store;
+use crate::sync::batch;
 
 /// Requests in one query at most: the first streams get their answers while later ones are
 /// read, and a query's result stays bounded (100 policies of a large estate are ~5 MB).
@@ -68,14 +70,7 @@ async fn read_forever(
     mut pending: mpsc::Receiver<(WorkloadId, Answer)>,
     queries: Arc<AtomicU64>,
 ) {
-    while let Some(first) = pending.recv().await {
-        let mut batch = vec![first];
-        while batch.len() < MAX_BATCH {
-            match pending.try_recv() {
-                Ok(next) => batch.push(next),
-                Err(_) => break,
-            }
-        }
+    while let Some(batch) = batch::next(&mut pending, MAX_BATCH, Duration::ZERO).await {
         let mut ids: Vec<uuid::Uuid> = batch.iter().map(|(id, _)| id.uuid()).collect();
         ids.sort_unstable();
         ids.dedup();

@@ -560,6 +560,16 @@ impl Drop for KillOnDrop {
     }
 }
 
+/// A fresh database with 40 registered workloads, `<prefix>-0` … `<prefix>-39`, each with a policy.
+async fn forty_workloads(prefix: &str) -> (innerwall_control_plane::testing::TestDatabase, Vec<WorkloadId>) {
+    let db = innerwall_control_plane::testing::fresh_database().await.unwrap();
+    let mut ids = Vec::new();
+    for i in 0..40 {
+        ids.push(crate::publish::register(&db.pool, &format!("{prefix}-{i}"), &[], &[]).await);
+    }
+    (db, ids)
+}
+
 /// Heartbeats that arrive together are one statement (one commit: every row gets the same
 /// `now()`), and a batch that fails is written beat by beat, so only the stream whose row is
 /// stuck hears the failure.
@@ -568,11 +578,7 @@ async fn heartbeats_are_written_in_batches_and_a_failed_batch_beat_by_beat() {
     use innerwall_control_plane::postgres::{Timeouts, pool_options_with};
     use innerwall_control_plane::sync::beats::{Beat, Beats};
 
-    let db = innerwall_control_plane::testing::fresh_database().await.unwrap();
-    let mut ids = Vec::new();
-    for i in 0..40 {
-        ids.push(crate::publish::register(&db.pool, &format!("beat-{i}"), &[], &[]).await);
-    }
+    let (db, ids) = forty_workloads("beat").await;
     let short_locks = Timeouts {
         lock: Duration::from_millis(300),
         ..innerwall_control_plane::postgres::PoolConfig::STREAMS.timeouts
@@ -633,11 +639,7 @@ async fn heartbeats_are_written_in_batches_and_a_failed_batch_beat_by_beat() {
 async fn concurrent_policy_reads_share_a_query_and_each_gets_its_own_policy() {
     use innerwall_control_plane::sync::reads::Reads;
 
-    let db = innerwall_control_plane::testing::fresh_database().await.unwrap();
-    let mut ids = Vec::new();
-    for i in 0..40 {
-        ids.push(crate::publish::register(&db.pool, &format!("read-{i}"), &[], &[]).await);
-    }
+    let (db, ids) = forty_workloads("read").await;
     let unknown = WorkloadId::new_random();
     let reads = Reads::start(db.pool.clone());
     let tasks: Vec<_> = ids
