@@ -108,8 +108,8 @@ fn main() {
             let start = Instant::now();
             let out = render(&model, &estate).unwrap();
             best = best.min(start.elapsed().as_secs_f64() * 1000.0);
-            resolved = out.values().map(|p| p.rules().len()).sum::<usize>();
-            bytes = out.values().map(|p| p.canonical_bytes().len()).sum::<usize>();
+            resolved = out.iter().map(|(_, p)| p.rules().len()).sum::<usize>();
+            bytes = out.iter().map(|(_, p)| p.canonical_bytes().len()).sum::<usize>();
         }
         println!(
             "{workloads:>10} {rulesets:>9} {:>7} {resolved:>14} {best:>12.1} {:>14.1} {:>16.2}",

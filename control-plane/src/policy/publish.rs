@@ -4,6 +4,7 @@
 //! Postgres only when the caller's transaction commits.
 
 use std::collections::BTreeMap;
+use std::collections::btree_map::Entry;
 
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::{Version, WorkloadPolicy, diff};
@@ -15,7 +16,7 @@ use crate::error::Error;
 use crate::notice::{self, Notice};
 use crate::policy::addresses::{self, Standing};
 use crate::policy::model::RegisteredWorkload;
-use crate::policy::render::render;
+use crate::policy::render::{Rendered, render};
 use crate::policy::store;
 
 /// Key of the transaction-scoped advisory lock every render takes (ASCII "iw-rendr").
@@ -41,20 +42,12 @@ pub fn next_version(persisted: Option<&WorkloadPolicy>, rendered: WorkloadPolicy
     }
 }
 
-/// [`next_version`] against a persisted policy as stored. Canonical bytes are one-to-one with
-/// policies, so equal bytes at the persisted version mean nothing changed, without decoding; only
-/// a workload whose bytes differ has its persisted policy decoded and diffed. (Decoding every
-/// persisted policy on every render dominated a render of a large estate.)
-fn advance(
-    persisted: Option<&store::Persisted>,
-    rendered: WorkloadPolicy,
-) -> Result<Option<WorkloadPolicy>, Error> {
-    let Some(persisted) = persisted else { return Ok(next_version(None, rendered)) };
-    let same = rendered.with_version(persisted.version);
-    if same.canonical_bytes() == persisted.bytes {
-        return Ok(None);
-    }
-    Ok(next_version(Some(&persisted.decode()?), same))
+/// Whether `rendered` really differs from a persisted policy whose content has another digest.
+/// Canonical bytes are one-to-one with policies, so it does, unless the stored bytes are from
+/// before contents were shared (with the version inside them): the decoded policies decide. Bytes
+/// that are not a policy are an error, not a silent new version.
+fn really_changed(persisted: &store::Persisted, rendered: &WorkloadPolicy) -> Result<bool, Error> {
+    Ok(next_version(Some(&persisted.decode()?), rendered.clone()).is_some())
 }
 
 /// Takes the render lock for the rest of the caller's transaction (again is fine: it stacks),
@@ -92,43 +85,110 @@ async fn render_and_persist(conn: &mut PgConnection) -> Result<Vec<Changed>, Err
     let registry = store::load_registry(conn).await?;
     let registry = judge_addresses(conn, registry).await?;
     let rendered = render(&model, &registry)?;
-    let persisted = store::load_persisted_bytes(conn).await?;
-    let mut next: BTreeMap<WorkloadId, WorkloadPolicy> = BTreeMap::new();
-    for (id, policy) in rendered {
-        if let Some(p) = advance(persisted.get(&id), policy)? {
-            next.insert(id, p);
-        }
-    }
+    let contents: Vec<store::Content> = rendered.policies().iter().map(store::Content::of).collect();
+    let latest = store::load_latest(conn).await?;
+    let next = next_versions(conn, &rendered, &contents, &latest).await?;
     if next.is_empty() {
         return Ok(Vec::new());
     }
-    let ids: Vec<Uuid> = next.keys().map(WorkloadId::uuid).collect();
-    let versions: Vec<i64> = next.values().map(|p| p.version() as i64).collect();
-    let bytes: Vec<Vec<u8>> = next.values().map(WorkloadPolicy::canonical_bytes).collect();
+    persist(conn, &next, &contents).await?;
+    let notices: Vec<Notice> = next.iter().map(|n| Notice::Policy(n.workload, n.version)).collect();
+    notice::publish(conn, &notices).await?;
+    Ok(next.iter().map(|n| Changed { workload: n.workload, version: n.version }).collect())
+}
+
+/// A workload whose persisted policy advances: to `version`, with content `contents[content]`.
+struct Next {
+    workload: WorkloadId,
+    version: Version,
+    content: usize,
+}
+
+/// The workloads whose policy really changed, in id order. Equal digests are equal policies; for
+/// a workload whose digest differs, the stored content is read and decoded once per pair of
+/// stored and rendered contents (a label change moves groups of workloads that share both).
+async fn next_versions(
+    conn: &mut PgConnection,
+    rendered: &Rendered,
+    contents: &[store::Content],
+    latest: &BTreeMap<WorkloadId, store::Latest>,
+) -> Result<Vec<Next>, Error> {
+    let mut next = Vec::new();
+    let mut differ = Vec::new();
+    for (workload, content) in rendered.shares() {
+        match latest.get(&workload) {
+            None => next.push(Next { workload, version: 1, content }),
+            Some(held) if held.digest == contents[content].digest => {}
+            Some(held) => differ.push((workload, held, content)),
+        }
+    }
+    if differ.is_empty() {
+        return Ok(next);
+    }
+    let mut wanted: Vec<Vec<u8>> = differ.iter().map(|(_, held, _)| held.digest.clone()).collect();
+    wanted.sort_unstable();
+    wanted.dedup();
+    let stored = store::load_contents(conn, &wanted).await?;
+    let mut decided: BTreeMap<(&[u8], usize), bool> = BTreeMap::new();
+    for (workload, held, content) in differ {
+        let changed = match decided.entry((&held.digest, content)) {
+            Entry::Occupied(e) => *e.get(),
+            Entry::Vacant(e) => {
+                let bytes = stored.get(&held.digest).ok_or_else(|| Error::Corrupt {
+                    what: "rendered policy",
+                    detail: format!("workload {workload}'s content is missing"),
+                })?;
+                let persisted = store::Persisted { version: held.version, bytes: bytes.clone() };
+                *e.insert(really_changed(&persisted, &rendered.policies()[content])?)
+            }
+        };
+        if changed {
+            next.push(Next { workload, version: held.version + 1, content });
+        }
+    }
+    next.sort_unstable_by_key(|n| n.workload);
+    Ok(next)
+}
+
+/// Writes the contents `next` refers to (each once; a stored one stays), each workload's latest
+/// row, and its history row.
+async fn persist(conn: &mut PgConnection, next: &[Next], contents: &[store::Content]) -> Result<(), Error> {
+    // Groups that render equal policies share a digest: one row.
+    let new: BTreeMap<&[u8], &[u8]> = next
+        .iter()
+        .map(|n| (contents[n.content].digest.as_slice(), contents[n.content].bytes.as_slice()))
+        .collect();
+    let (digests, bytes): (Vec<&[u8]>, Vec<&[u8]>) = new.into_iter().unzip();
     sqlx::query(
-        "INSERT INTO workload_policies (workload_id, version, policy, rendered_at)
-         SELECT w, v, p, now() FROM unnest($1::uuid[], $2::bigint[], $3::bytea[]) AS t (w, v, p)
-         ON CONFLICT (workload_id) DO UPDATE
-         SET version = excluded.version, policy = excluded.policy, rendered_at = excluded.rendered_at",
+        "INSERT INTO policy_contents (digest, policy) SELECT * FROM unnest($1::bytea[], $2::bytea[])
+         ON CONFLICT (digest) DO NOTHING",
     )
-    .bind(&ids)
-    .bind(&versions)
+    .bind(&digests)
     .bind(&bytes)
     .execute(&mut *conn)
     .await?;
-    // Copied on the server from the rows just written: the bytes cross the socket once, and
-    // Postgres keeps them as already compressed.
+    let ids: Vec<Uuid> = next.iter().map(|n| n.workload.uuid()).collect();
+    let versions: Vec<i64> = next.iter().map(|n| n.version as i64).collect();
+    let digests: Vec<&[u8]> = next.iter().map(|n| contents[n.content].digest.as_slice()).collect();
     sqlx::query(
-        "INSERT INTO workload_policy_history (workload_id, version, policy, rendered_at)
-         SELECT workload_id, version, policy, rendered_at FROM workload_policies
-         WHERE workload_id = ANY($1)",
+        "INSERT INTO workload_policies (workload_id, version, digest, rendered_at)
+         SELECT w, v, d, now() FROM unnest($1::uuid[], $2::bigint[], $3::bytea[]) AS t (w, v, d)
+         ON CONFLICT (workload_id) DO UPDATE
+         SET version = excluded.version, digest = excluded.digest, rendered_at = excluded.rendered_at",
+    )
+    .bind(&ids)
+    .bind(&versions)
+    .bind(&digests)
+    .execute(&mut *conn)
+    .await?;
+    sqlx::query(
+        "INSERT INTO workload_policy_history (workload_id, version, digest, rendered_at)
+         SELECT workload_id, version, digest, rendered_at FROM workload_policies WHERE workload_id = ANY($1)",
     )
     .bind(&ids)
     .execute(&mut *conn)
     .await?;
-    let notices: Vec<Notice> = next.iter().map(|(id, p)| Notice::Policy(*id, p.version())).collect();
-    notice::publish(conn, &notices).await?;
-    Ok(next.iter().map(|(id, p)| Changed { workload: *id, version: p.version() }).collect())
+    Ok(())
 }
 
 /// Address trust: judges every live workload's reported addresses, stores the standings that
@@ -203,21 +263,32 @@ mod tests {
         );
     }
 
-    /// Against the stored bytes: the same answers as [`next_version`] on the decoded policy;
+    /// Against stored content: a rendered policy equal to it, whether the content was stored
+    /// without its version (as now) or with it (before contents were shared), is no change;
     /// bytes that are not a policy are an error, not a silent new version.
     #[test]
-    fn stored_bytes_advance_as_the_decoded_policy_does() {
+    fn stored_content_changes_only_when_the_decoded_policy_does() {
         let held = policy(7, Mode::Enforcement, &[22]);
-        let stored = store::Persisted { version: 7, bytes: held.canonical_bytes() };
-        assert_eq!(advance(Some(&stored), policy(0, Mode::Enforcement, &[22])).unwrap(), None);
-        for next in [policy(0, Mode::Enforcement, &[22, 443]), policy(0, Mode::Simulation, &[22])] {
-            assert_eq!(advance(Some(&stored), next.clone()).unwrap(), next_version(Some(&held), next));
+        for bytes in [store::Content::of(&held).bytes, held.canonical_bytes()] {
+            let stored = store::Persisted { version: 7, bytes };
+            assert_eq!(stored.decode().unwrap(), held);
+            assert!(!really_changed(&stored, &policy(0, Mode::Enforcement, &[22])).unwrap());
+            for next in [policy(0, Mode::Enforcement, &[22, 443]), policy(0, Mode::Simulation, &[22])] {
+                assert!(really_changed(&stored, &next).unwrap());
+            }
         }
-        assert_eq!(
-            advance(None, policy(0, Mode::Visibility, &[])).unwrap(),
-            Some(policy(1, Mode::Visibility, &[]))
-        );
         let corrupt = store::Persisted { version: 7, bytes: vec![0xff, 0x01] };
-        assert!(advance(Some(&corrupt), policy(0, Mode::Enforcement, &[22])).is_err());
+        assert!(really_changed(&corrupt, &policy(0, Mode::Enforcement, &[22])).is_err());
+    }
+
+    #[test]
+    fn content_is_the_policy_without_its_version() {
+        let (one, two) = (policy(1, Mode::Enforcement, &[22]), policy(2, Mode::Enforcement, &[22]));
+        assert_eq!(store::Content::of(&one), store::Content::of(&two));
+        assert_eq!(store::Content::of(&one).bytes, policy(0, Mode::Enforcement, &[22]).canonical_bytes());
+        assert_ne!(
+            store::Content::of(&one).digest,
+            store::Content::of(&policy(1, Mode::Simulation, &[22])).digest
+        );
     }
 }

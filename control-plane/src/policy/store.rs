@@ -271,41 +271,90 @@ fn workload_id(uuid: Uuid) -> Result<WorkloadId, Error> {
     WorkloadId::from_uuid(uuid).ok_or(Error::Corrupt { what: "workload id", detail: "nil uuid".into() })
 }
 
-pub fn decode_policy(bytes: &[u8]) -> Result<WorkloadPolicy, Error> {
+fn decode_policy(bytes: &[u8]) -> Result<WorkloadPolicy, Error> {
     WorkloadPolicy::from_canonical_bytes(bytes)
         .map_err(|e| Error::Corrupt { what: "rendered policy", detail: e.to_string() })
 }
 
-/// The latest persisted policy of every workload that has one, as stored: its version and its
-/// canonical bytes, undecoded (a render compares bytes first and decodes only what differs).
-pub async fn load_persisted_bytes(conn: &mut PgConnection) -> Result<BTreeMap<WorkloadId, Persisted>, Error> {
-    let rows = sqlx::query("SELECT workload_id, version, policy FROM workload_policies")
+/// A policy's content as stored: its canonical bytes at version 0 (the version is the row's that
+/// refers to it) and their SHA-256, the key it is stored under once, however many workloads and
+/// versions share it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Content {
+    pub digest: Vec<u8>,
+    pub bytes: Vec<u8>,
+}
+
+impl Content {
+    pub fn of(policy: &WorkloadPolicy) -> Content {
+        let bytes = if policy.version() == 0 {
+            policy.canonical_bytes()
+        } else {
+            policy.clone().with_version(0).canonical_bytes()
+        };
+        Content { digest: ring::digest::digest(&ring::digest::SHA256, &bytes).as_ref().to_vec(), bytes }
+    }
+}
+
+/// Where a workload's latest persisted policy stands: its version and its content's digest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Latest {
+    pub version: u64,
+    pub digest: Vec<u8>,
+}
+
+fn stored_version(version: i64) -> Result<u64, Error> {
+    u64::try_from(version)
+        .map_err(|_| Error::Corrupt { what: "rendered policy", detail: format!("version {version}") })
+}
+
+/// The latest version and content digest of every workload that has a persisted policy (a render
+/// compares digests, and reads the content of only those that differ).
+pub async fn load_latest(conn: &mut PgConnection) -> Result<BTreeMap<WorkloadId, Latest>, Error> {
+    let rows = sqlx::query("SELECT workload_id, version, digest FROM workload_policies")
         .fetch_all(&mut *conn)
         .await?;
     rows.into_iter()
         .map(|row| {
-            let version: i64 = row.get(1);
-            let version = u64::try_from(version).map_err(|_| Error::Corrupt {
-                what: "rendered policy",
-                detail: format!("version {version}"),
-            })?;
-            Ok((workload_id(row.get(0))?, Persisted { version, bytes: row.get(2) }))
+            Ok((
+                workload_id(row.get(0))?,
+                Latest { version: stored_version(row.get(1))?, digest: row.get(2) },
+            ))
         })
         .collect()
 }
 
-/// One workload's latest persisted policy, undecoded.
+/// The stored contents with these digests, by digest.
+pub async fn load_contents(
+    conn: &mut PgConnection,
+    digests: &[Vec<u8>],
+) -> Result<BTreeMap<Vec<u8>, Vec<u8>>, Error> {
+    let rows = sqlx::query("SELECT digest, policy FROM policy_contents WHERE digest = ANY($1)")
+        .bind(digests)
+        .fetch_all(&mut *conn)
+        .await?;
+    Ok(rows.into_iter().map(|row| (row.get(0), row.get(1))).collect())
+}
+
+/// One workload's persisted policy, undecoded: its version and its content's bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Persisted {
     pub version: u64,
-    /// [`WorkloadPolicy::canonical_bytes`] of the policy at `version`.
+    /// The content [`Content::bytes`]; rows from before contents were shared carry the version
+    /// inside them too (the same one).
     pub bytes: Vec<u8>,
 }
 
 impl Persisted {
     pub fn decode(&self) -> Result<WorkloadPolicy, Error> {
-        decode_policy(&self.bytes)
+        Ok(decode_policy(&self.bytes)?.with_version(self.version))
     }
+}
+
+/// A persisted policy row joined to its content, decoded: (version, content, rendered_at).
+fn decode_row(row: &sqlx::postgres::PgRow) -> Result<(WorkloadPolicy, chrono::DateTime<chrono::Utc>), Error> {
+    let persisted = Persisted { version: stored_version(row.get("version"))?, bytes: row.get("policy") };
+    Ok((persisted.decode()?, row.get("rendered_at")))
 }
 
 /// The latest persisted policies of `ids` (those that have one), undecoded, with the time each
@@ -313,14 +362,21 @@ impl Persisted {
 pub async fn persisted_bytes_of(
     pool: &PgPool,
     ids: &[Uuid],
-) -> Result<BTreeMap<WorkloadId, (Vec<u8>, chrono::DateTime<chrono::Utc>)>, Error> {
+) -> Result<BTreeMap<WorkloadId, (Persisted, chrono::DateTime<chrono::Utc>)>, Error> {
     let rows = sqlx::query(
-        "SELECT workload_id, policy, rendered_at FROM workload_policies WHERE workload_id = ANY($1)",
+        "SELECT p.workload_id, p.version, c.policy, p.rendered_at
+         FROM workload_policies p JOIN policy_contents c ON c.digest = p.digest
+         WHERE p.workload_id = ANY($1)",
     )
     .bind(ids)
     .fetch_all(pool)
     .await?;
-    rows.into_iter().map(|row| Ok((workload_id(row.get(0))?, (row.get(1), row.get(2))))).collect()
+    rows.into_iter()
+        .map(|row| {
+            let persisted = Persisted { version: stored_version(row.get(1))?, bytes: row.get(2) };
+            Ok((workload_id(row.get(0))?, (persisted, row.get(3))))
+        })
+        .collect()
 }
 
 /// A workload's persisted policy with the time it was rendered.
@@ -328,25 +384,28 @@ pub async fn persisted_policy(
     conn: &mut PgConnection,
     id: WorkloadId,
 ) -> Result<Option<(WorkloadPolicy, chrono::DateTime<chrono::Utc>)>, Error> {
-    let row = sqlx::query("SELECT policy, rendered_at FROM workload_policies WHERE workload_id = $1")
-        .bind(id.uuid())
-        .fetch_optional(&mut *conn)
-        .await?;
-    row.map(|row| {
-        let bytes: Vec<u8> = row.get(0);
-        Ok((decode_policy(&bytes)?, row.get(1)))
-    })
+    sqlx::query(
+        "SELECT p.version, c.policy, p.rendered_at
+         FROM workload_policies p JOIN policy_contents c ON c.digest = p.digest WHERE p.workload_id = $1",
+    )
+    .bind(id.uuid())
+    .fetch_optional(&mut *conn)
+    .await?
+    .map(|row| decode_row(&row))
     .transpose()
 }
 
 /// Every persisted version of a workload's policy, oldest first.
 pub async fn policy_history(conn: &mut PgConnection, id: WorkloadId) -> Result<Vec<WorkloadPolicy>, Error> {
-    let rows =
-        sqlx::query("SELECT policy FROM workload_policy_history WHERE workload_id = $1 ORDER BY version")
-            .bind(id.uuid())
-            .fetch_all(&mut *conn)
-            .await?;
-    rows.into_iter().map(|row| decode_policy(&row.get::<Vec<u8>, _>(0))).collect()
+    let rows = sqlx::query(
+        "SELECT h.version, c.policy, h.rendered_at
+         FROM workload_policy_history h JOIN policy_contents c ON c.digest = h.digest
+         WHERE h.workload_id = $1 ORDER BY h.version",
+    )
+    .bind(id.uuid())
+    .fetch_all(&mut *conn)
+    .await?;
+    rows.iter().map(|row| Ok(decode_row(row)?.0)).collect()
 }
 
 // ---- read views for the CLI and API ------------------------------------------------------
@@ -989,8 +1048,9 @@ pub async fn policy_history_page(
         None => i64::MAX,
     };
     let rows = sqlx::query(
-        "SELECT policy, rendered_at FROM workload_policy_history WHERE workload_id = $1 AND version < $2
-         ORDER BY version DESC LIMIT $3",
+        "SELECT h.version, c.policy, h.rendered_at
+         FROM workload_policy_history h JOIN policy_contents c ON c.digest = h.digest
+         WHERE h.workload_id = $1 AND h.version < $2 ORDER BY h.version DESC LIMIT $3",
     )
     .bind(id.uuid())
     .bind(before)
@@ -998,8 +1058,11 @@ pub async fn policy_history_page(
     .fetch_all(&mut *conn)
     .await?;
     let views = rows
-        .into_iter()
-        .map(|row| Ok(PolicyView::of(id, &decode_policy(&row.get::<Vec<u8>, _>(0))?, row.get(1))))
+        .iter()
+        .map(|row| {
+            let (policy, rendered_at) = decode_row(row)?;
+            Ok(PolicyView::of(id, &policy, rendered_at))
+        })
         .collect::<Result<Vec<_>, Error>>()?;
     Ok(page::page(views, limit, HISTORY, |v| serde_json::json!([v.version])))
 }

@@ -24,8 +24,8 @@ pub const MAX_BATCH: usize = 100;
 /// Requests waiting for the reader at most; a stream asking one more waits for room.
 const QUEUE: usize = 4 * MAX_BATCH;
 
-/// A stored policy as read: its canonical bytes and when it was rendered.
-type Stored = (Vec<u8>, chrono::DateTime<chrono::Utc>);
+/// A stored policy as read, undecoded, and when it was rendered.
+type Stored = (store::Persisted, chrono::DateTime<chrono::Utc>);
 type Answer = oneshot::Sender<Result<Option<Stored>, String>>;
 
 /// The asking side, held by the gateway. Cheap to clone.
@@ -53,7 +53,7 @@ impl Reads {
         let stopped = || Error::Busy("the policy reader has stopped".into());
         self.queue.send((id, answer)).await.map_err(|_| stopped())?;
         match answered.await.map_err(|_| stopped())? {
-            Ok(Some((bytes, rendered_at))) => Ok(Some((store::decode_policy(&bytes)?, rendered_at))),
+            Ok(Some((persisted, rendered_at))) => Ok(Some((persisted.decode()?, rendered_at))),
             Ok(None) => Ok(None),
             Err(why) => Err(Error::Busy(format!("reading persisted policies: {why}"))),
         }

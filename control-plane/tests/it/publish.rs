@@ -669,8 +669,8 @@ async fn ruleset_view_lists_services_by_name() {
     assert_eq!(views[0].spec.rules[0].services, ["svc-a", "svc-b", "svc-c", "svc-d", "svc-e"]);
 }
 
-/// Migration 0016: rendered policies large enough to be compressed are stored with lz4 in both
-/// the latest and the history table, and read back byte for byte.
+/// Migrations 0016 and 0017: a rendered policy large enough to be compressed is stored with lz4,
+/// once, in the contents both the latest and the history row refer to, and read back whole.
 #[tokio::test]
 async fn large_policies_are_stored_lz4_compressed_and_read_back_whole() {
     let db = fresh_database().await.unwrap();
@@ -689,23 +689,141 @@ async fn large_policies_are_stored_lz4_compressed_and_read_back_whole() {
     .await
     .unwrap();
     let db_host = register(pool, "db", &["app=db"], &["10.0.0.1"]).await;
-    create_ruleset(pool, &ruleset("db", "db", vec![PeerSpec::address_group("clients")], &["postgres"])).await;
+    create_ruleset(pool, &rs_db_clients()).await;
 
-    for table in ["workload_policies", "workload_policy_history"] {
-        // `table` is one of the two names above.
-        let (method, size): (Option<String>, i32) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-            "SELECT pg_column_compression(policy), octet_length(policy) FROM {table}
-             WHERE workload_id = $1 ORDER BY version DESC LIMIT 1"
-        )))
-        .bind(db_host.uuid())
-        .fetch_one(pool)
-        .await
-        .unwrap();
-        assert!(size > 4_000, "{table}: the policy is {size} bytes, too small to be compressed");
-        assert_eq!(method.as_deref(), Some("lz4"), "{table}");
-    }
+    let (method, size, in_history): (Option<String>, i32, bool) = sqlx::query_as(
+        "SELECT pg_column_compression(c.policy), octet_length(c.policy),
+                EXISTS (SELECT FROM workload_policy_history h
+                        WHERE h.workload_id = p.workload_id AND h.version = p.version AND h.digest = p.digest)
+         FROM workload_policies p JOIN policy_contents c ON c.digest = p.digest WHERE p.workload_id = $1",
+    )
+    .bind(db_host.uuid())
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert!(size > 4_000, "the policy is {size} bytes, too small to be compressed");
+    assert_eq!(method.as_deref(), Some("lz4"));
+    assert!(in_history, "the history row refers to the same content");
     let (policy, _) =
         store::persisted_policy(&mut pool.acquire().await.unwrap(), db_host).await.unwrap().unwrap();
     assert_eq!(policy.version(), 2);
     assert_eq!(policy.rules().map(|r| r.peers().len()).sum::<usize>(), 400);
+}
+
+fn rs_db_clients() -> RulesetSpec {
+    ruleset("db", "db", vec![PeerSpec::address_group("clients")], &["postgres"])
+}
+
+async fn count(pool: &PgPool, sql: &'static str) -> i64 {
+    sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
+}
+
+/// Migration 0017: workloads with the same policy share one stored content, whatever their
+/// versions; each still reads back its own version and history, and a render that changes nothing
+/// stores nothing.
+#[tokio::test]
+async fn workloads_with_the_same_policy_share_one_stored_content() {
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    service(pool, "postgres", &["tcp:5432"]).await;
+    let client = register(pool, "client-1", &["app=client"], &["10.0.0.9"]).await;
+    let dbs = [
+        register(pool, "db-1", &["app=db"], &["10.0.0.1"]).await,
+        register(pool, "db-2", &["app=db"], &["10.0.0.2"]).await,
+        register(pool, "db-3", &["app=db"], &["10.0.0.3"]).await,
+    ];
+    // Until now every policy was empty: one content.
+    assert_eq!(count(pool, "SELECT count(*) FROM policy_contents").await, 1);
+    let rs = ruleset("db", "db", vec![PeerSpec::workloads(sel(&[("app", "client")]))], &["postgres"]);
+    let done = create_ruleset(pool, &rs).await;
+    assert_eq!(done, changed(&[(dbs[0], 2), (dbs[1], 2), (dbs[2], 2)]));
+    assert_eq!(count(pool, "SELECT count(*) FROM policy_contents").await, 2);
+    assert_eq!(count(pool, "SELECT count(DISTINCT digest) FROM workload_policies").await, 2);
+
+    // db-1 leaves and comes back: versions 3 and 4, still one content for the three db hosts.
+    for (n, app) in [(1, "app=other"), (2, "app=db")] {
+        let label: Label = app.parse().unwrap();
+        authoring::commit(pool, "test", "workload.label", "db-1", async |c| {
+            Ok((
+                authoring::edit_labels(c, dbs[0], n, std::slice::from_ref(&label), &[]).await?,
+                serde_json::json!({}),
+            ))
+        })
+        .await
+        .unwrap();
+    }
+    assert_eq!(versions(pool, &dbs).await, [4, 2, 2]);
+    assert_eq!(count(pool, "SELECT count(*) FROM policy_contents").await, 2);
+    let mut conn = pool.acquire().await.unwrap();
+    let mut shared = Vec::new();
+    for id in dbs {
+        shared.push(store::persisted_policy(&mut conn, id).await.unwrap().unwrap().0);
+    }
+    assert!(shared.iter().all(|p| p.rules().eq(shared[0].rules())), "the same rules for every db host");
+    assert_eq!(shared[0].rules().next().unwrap().peers().len(), 1);
+    let history = store::policy_history(&mut conn, dbs[0]).await.unwrap();
+    assert_eq!(
+        history.iter().map(|p| (p.version(), p.rules().len())).collect::<Vec<_>>(),
+        [(1, 0), (2, 1), (3, 0), (4, 1)]
+    );
+    assert_eq!(assert_history_obeys_contract(pool, dbs[0]).await, 4);
+    assert_eq!(version(pool, client).await, 1);
+
+    assert_eq!(authoring::render_now(pool).await.unwrap(), []);
+    assert_eq!(count(pool, "SELECT count(*) FROM policy_contents").await, 2);
+    assert_eq!(count(pool, "SELECT count(*) FROM workload_policy_history").await, 4 + 2 + 2 + 1);
+}
+
+async fn versions(pool: &PgPool, ids: &[WorkloadId]) -> Vec<u64> {
+    let mut out = Vec::new();
+    for &id in ids {
+        out.push(version(pool, id).await);
+    }
+    out
+}
+
+/// A row stored before contents were shared holds the policy's bytes with the version inside
+/// (migration 0017 keeps them as they were): it reads back at its row's version, a render that
+/// changes nothing leaves it alone, a real change advances it; and a content whose digest is not
+/// its bytes' SHA-256 is refused by the schema.
+#[tokio::test]
+async fn contents_stored_with_their_version_inside_still_compare_and_read_back() {
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    service(pool, "postgres", &["tcp:5432"]).await;
+    let host = register(pool, "db-1", &["app=db"], &["10.0.0.1"]).await;
+    register(pool, "client-1", &["app=client"], &["10.0.0.9"]).await;
+    let rs = ruleset("db", "db", vec![PeerSpec::workloads(sel(&[("app", "client")]))], &["postgres"]);
+    create_ruleset(pool, &rs).await;
+    let mut conn = pool.acquire().await.unwrap();
+    let (held, _) = store::persisted_policy(&mut conn, host).await.unwrap().unwrap();
+    assert_eq!(held.version(), 2);
+    let legacy = held.canonical_bytes();
+    assert_ne!(legacy, store::Content::of(&held).bytes, "the version is inside");
+    sqlx::query("INSERT INTO policy_contents (digest, policy) VALUES (sha256($1), $1)")
+        .bind(&legacy)
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE workload_policies SET digest = sha256($1) WHERE workload_id = $2")
+        .bind(&legacy)
+        .bind(host.uuid())
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    assert_eq!(store::persisted_policy(&mut conn, host).await.unwrap().unwrap().0, held);
+    assert_eq!(authoring::render_now(pool).await.unwrap(), [], "the same policy is no change");
+
+    register(pool, "client-2", &["app=client"], &["10.0.0.8"]).await;
+    let (now, _) = store::persisted_policy(&mut conn, host).await.unwrap().unwrap();
+    assert_eq!(now.version(), 3);
+    assert_eq!(now.rules().next().unwrap().peers().len(), 2);
+    assert_eq!(assert_history_obeys_contract(pool, host).await, 3);
+
+    let forged = sqlx::query("INSERT INTO policy_contents (digest, policy) VALUES (sha256('x'), $1)")
+        .bind(&legacy)
+        .execute(&mut *conn)
+        .await
+        .unwrap_err();
+    assert_eq!(forged.as_database_error().and_then(|e| e.code()).as_deref(), Some("23514"), "{forged}");
 }
