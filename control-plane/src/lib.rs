@@ -4,11 +4,13 @@
 //! enrollment, the agent listener), `flows` (evidence ingest, retention, queries), `gate` (the
 //! verdict and promotions on that evidence), `sync` (stream state machine, gateway, NOTIFY
 //! bridge), `api` (the operator HTTP API over all of them), `service` (one replica), with
-//! `postgres` (the database and its clusters), `page` (bounded results) and `metrics` (the
-//! replica's Prometheus metrics, which the rooms record into) underneath all of them.
+//! `postgres` (the database and its clusters), `copy` (binary `COPY` rows), `page` (bounded
+//! results) and `metrics` (the replica's Prometheus metrics, which the rooms record into)
+//! underneath all of them.
 
 pub mod api;
 pub mod audit;
+pub mod copy;
 pub mod error;
 pub mod flows;
 pub mod gate;

@@ -18,8 +18,8 @@ use innerwall_wire::proto;
 use serde::Serialize;
 use sqlx::{PgConnection, PgPool, Row};
 
-use super::copy;
 use super::retention::{PARTITION_LOCK_KEY, ensure_partitions, partitions};
+use crate::copy::{self, copy_in};
 use crate::error::Error;
 use crate::metrics::{Metrics, Refusal};
 
@@ -201,7 +201,7 @@ pub async fn ingest(pool: &PgPool, workload: WorkloadId, window: &FlowWindow) ->
     }
     let resolved: Vec<&Peer> = window.records.iter().map(|r| &peers[&r.src]).collect();
 
-    let mut rows = copy::Rows::new();
+    let mut rows = copy::Rows::default();
     for (ordinal, (r, peer)) in window.records.iter().zip(&resolved).enumerate() {
         rows.row(19);
         rows.uuid(workload.uuid());
@@ -254,14 +254,6 @@ pub async fn ingest(pool: &PgPool, workload: WorkloadId, window: &FlowWindow) ->
     }
     tx.commit().await?;
     Ok(Ingested { records: window.records.len(), duplicate: false })
-}
-
-/// Sends `rows` with one binary `COPY … FROM STDIN` statement.
-async fn copy_in(conn: &mut PgConnection, statement: &'static str, rows: copy::Rows) -> Result<(), Error> {
-    let mut copy = conn.copy_in_raw(statement).await?;
-    copy.send(rows.finish()).await?;
-    copy.finish().await?;
-    Ok(())
 }
 
 /// How far the times in an agent's window may be from the control plane's clock (issue 11): a

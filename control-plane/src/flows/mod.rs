@@ -1,9 +1,8 @@
 //! Flow evidence (FLOW-2, FLOW-4..FLOW-6): ingest of validated windows from agents (`ingest`,
-//! with its binary `COPY` encoder in `copy`), daily partitions with retention (`retention`), the
+//! written with the crate's binary `COPY`), daily partitions with retention (`retention`), the
 //! hourly pre-aggregation of closed hours (`hourly`), and what operators read: records and gaps
 //! (`query`) and rollups (`rollup`), a bounded page at a time (`page`).
 
-mod copy;
 mod hourly;
 mod ingest;
 mod page;

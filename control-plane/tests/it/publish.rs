@@ -784,8 +784,8 @@ async fn versions(pool: &PgPool, ids: &[WorkloadId]) -> Vec<u64> {
 
 /// A row stored before contents were shared holds the policy's bytes with the version inside
 /// (migration 0017 keeps them as they were): it reads back at its row's version, a render that
-/// changes nothing leaves it alone, a real change advances it; and a content whose digest is not
-/// its bytes' SHA-256 is refused by the schema.
+/// changes nothing leaves it alone, a real change advances it; and the schema refuses a content
+/// whose digest is not its bytes' SHA-256, and any change to a stored one.
 #[tokio::test]
 async fn contents_stored_with_their_version_inside_still_compare_and_read_back() {
     let db = fresh_database().await.unwrap();
@@ -826,4 +826,14 @@ async fn contents_stored_with_their_version_inside_still_compare_and_read_back()
         .await
         .unwrap_err();
     assert_eq!(forged.as_database_error().and_then(|e| e.code()).as_deref(), Some("23514"), "{forged}");
+    // History refers to contents without a foreign key: none may go or change.
+    for statement in [
+        "DELETE FROM policy_contents",
+        "UPDATE policy_contents SET policy = policy",
+        "TRUNCATE policy_contents CASCADE",
+    ] {
+        let err = sqlx::query(statement).execute(&mut *conn).await.unwrap_err();
+        assert!(err.to_string().contains("never changed or deleted"), "{statement}: {err}");
+    }
+    assert_eq!(assert_history_obeys_contract(pool, host).await, 3);
 }

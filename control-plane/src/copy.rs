@@ -1,10 +1,13 @@
 //! Rows in PostgreSQL's binary `COPY` format
 //! (<https://www.postgresql.org/docs/15/sql-copy.html#id-1.9.3.55.9.4>): a header, then per row
 //! a field count and length-prefixed fields in each type's binary send format, then a trailer.
+//! The bulk writes use it (flow records; rendered policy contents): the server reads rows as
+//! they stream in, where a statement with array parameters parses one message of all of them.
 
 use std::net::IpAddr;
 
 use chrono::{DateTime, TimeZone, Utc};
+use sqlx::PgConnection;
 use uuid::Uuid;
 
 use crate::error::Error;
@@ -18,9 +21,17 @@ pub struct Rows {
     buf: Vec<u8>,
 }
 
+impl Default for Rows {
+    fn default() -> Self {
+        Rows::with_capacity(1 << 20)
+    }
+}
+
 impl Rows {
-    pub fn new() -> Self {
-        let mut buf = Vec::with_capacity(1 << 20);
+
+    /// Rows expected to take about `bytes`.
+    pub fn with_capacity(bytes: usize) -> Self {
+        let mut buf = Vec::with_capacity(bytes);
         buf.extend_from_slice(b"PGCOPY\n\xff\r\n\0");
         buf.extend_from_slice(&0i32.to_be_bytes()); // flags: no OIDs
         buf.extend_from_slice(&0i32.to_be_bytes()); // no header extension
@@ -51,6 +62,9 @@ impl Rows {
     }
     pub fn text(&mut self, v: &str) {
         self.field(v.as_bytes());
+    }
+    pub fn bytea(&mut self, v: &[u8]) {
+        self.field(v);
     }
 
     /// jsonb's binary format: version 1, then the JSON text.
@@ -91,4 +105,18 @@ impl Rows {
         self.buf.extend_from_slice(&(-1i16).to_be_bytes());
         self.buf
     }
+}
+
+/// Bytes per `CopyData` message: the server reads each message whole before it parses a row of
+/// it, so tens of megabytes in one message would wait in memory (and be copied as it grows).
+const MESSAGE: usize = 256 * 1024;
+
+/// Sends `rows` with one binary `COPY … FROM STDIN` statement.
+pub async fn copy_in(conn: &mut PgConnection, statement: &'static str, rows: Rows) -> Result<(), Error> {
+    let mut copy = conn.copy_in_raw(statement).await?;
+    for message in rows.finish().chunks(MESSAGE) {
+        copy.send(message).await?;
+    }
+    copy.finish().await?;
+    Ok(())
 }
