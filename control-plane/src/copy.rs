@@ -28,7 +28,6 @@ impl Default for Rows {
 }
 
 impl Rows {
-
     /// Rows expected to take about `bytes`.
     pub fn with_capacity(bytes: usize) -> Self {
         let mut buf = Vec::with_capacity(bytes);

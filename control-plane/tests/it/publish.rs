@@ -689,7 +689,7 @@ async fn large_policies_are_stored_lz4_compressed_and_read_back_whole() {
     .await
     .unwrap();
     let db_host = register(pool, "db", &["app=db"], &["10.0.0.1"]).await;
-    create_ruleset(pool, &rs_db_clients()).await;
+    create_ruleset(pool, &ruleset("db", "db", vec![PeerSpec::address_group("clients")], &["postgres"])).await;
 
     let (method, size, in_history): (Option<String>, i32, bool) = sqlx::query_as(
         "SELECT pg_column_compression(c.policy), octet_length(c.policy),
@@ -710,8 +710,9 @@ async fn large_policies_are_stored_lz4_compressed_and_read_back_whole() {
     assert_eq!(policy.rules().map(|r| r.peers().len()).sum::<usize>(), 400);
 }
 
-fn rs_db_clients() -> RulesetSpec {
-    ruleset("db", "db", vec![PeerSpec::address_group("clients")], &["postgres"])
+/// app=db hosts take postgres from app=client workloads.
+fn clients_to_db() -> RulesetSpec {
+    ruleset("db", "db", vec![PeerSpec::workloads(sel(&[("app", "client")]))], &["postgres"])
 }
 
 async fn count(pool: &PgPool, sql: &'static str) -> i64 {
@@ -734,7 +735,7 @@ async fn workloads_with_the_same_policy_share_one_stored_content() {
     ];
     // Until now every policy was empty: one content.
     assert_eq!(count(pool, "SELECT count(*) FROM policy_contents").await, 1);
-    let rs = ruleset("db", "db", vec![PeerSpec::workloads(sel(&[("app", "client")]))], &["postgres"]);
+    let rs = clients_to_db();
     let done = create_ruleset(pool, &rs).await;
     assert_eq!(done, changed(&[(dbs[0], 2), (dbs[1], 2), (dbs[2], 2)]));
     assert_eq!(count(pool, "SELECT count(*) FROM policy_contents").await, 2);
@@ -793,7 +794,7 @@ async fn contents_stored_with_their_version_inside_still_compare_and_read_back()
     service(pool, "postgres", &["tcp:5432"]).await;
     let host = register(pool, "db-1", &["app=db"], &["10.0.0.1"]).await;
     register(pool, "client-1", &["app=client"], &["10.0.0.9"]).await;
-    let rs = ruleset("db", "db", vec![PeerSpec::workloads(sel(&[("app", "client")]))], &["postgres"]);
+    let rs = clients_to_db();
     create_ruleset(pool, &rs).await;
     let mut conn = pool.acquire().await.unwrap();
     let (held, _) = store::persisted_policy(&mut conn, host).await.unwrap().unwrap();
