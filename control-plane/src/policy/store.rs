@@ -351,10 +351,16 @@ impl Persisted {
     }
 }
 
-/// A persisted policy row joined to its content, decoded: (version, content, rendered_at).
-fn decode_row(row: &sqlx::postgres::PgRow) -> Result<(WorkloadPolicy, chrono::DateTime<chrono::Utc>), Error> {
+/// A policy row joined to its content (columns `version`, `policy`, `rendered_at`), undecoded.
+fn persisted_row(row: &sqlx::postgres::PgRow) -> Result<(Persisted, chrono::DateTime<chrono::Utc>), Error> {
     let persisted = Persisted { version: stored_version(row.get("version"))?, bytes: row.get("policy") };
-    Ok((persisted.decode()?, row.get("rendered_at")))
+    Ok((persisted, row.get("rendered_at")))
+}
+
+/// [`persisted_row`], decoded.
+fn decode_row(row: &sqlx::postgres::PgRow) -> Result<(WorkloadPolicy, chrono::DateTime<chrono::Utc>), Error> {
+    let (persisted, rendered_at) = persisted_row(row)?;
+    Ok((persisted.decode()?, rendered_at))
 }
 
 /// The latest persisted policies of `ids` (those that have one), undecoded, with the time each
@@ -371,12 +377,7 @@ pub async fn persisted_bytes_of(
     .bind(ids)
     .fetch_all(pool)
     .await?;
-    rows.into_iter()
-        .map(|row| {
-            let persisted = Persisted { version: stored_version(row.get(1))?, bytes: row.get(2) };
-            Ok((workload_id(row.get(0))?, (persisted, row.get(3))))
-        })
-        .collect()
+    rows.iter().map(|row| Ok((workload_id(row.get("workload_id"))?, persisted_row(row)?))).collect()
 }
 
 /// A workload's persisted policy with the time it was rendered.
