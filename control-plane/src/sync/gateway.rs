@@ -15,7 +15,7 @@ use innerwall_wire::policy::WorkloadPolicy;
 use innerwall_wire::proto::{self, sync_request, sync_response};
 use sqlx::PgPool;
 use tokio::sync::{mpsc, watch};
-use tokio_stream::Stream;
+use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::audit;
@@ -75,11 +75,34 @@ enum Control {
     Reenroll { reason: String },
 }
 
+/// What a stream's task is told from outside, on one watch channel per stream (PERF-4: an
+/// idle stream holds one small channel, not a channel per kind of news).
+#[derive(Debug, Default)]
+struct Signal {
+    /// The newest version a render announced for this workload.
+    announced: u64,
+    /// The first instruction to end the stream; every one ends it, so later ones are moot.
+    control: Option<Control>,
+}
+
 #[derive(Debug)]
 struct Handle {
     generation: u64,
-    poke: watch::Sender<u64>,
-    control: mpsc::UnboundedSender<Control>,
+    signal: watch::Sender<Signal>,
+}
+
+impl Handle {
+    /// Hands `control` to the stream's task; false if the task is gone.
+    fn control(&self, control: Control) -> bool {
+        self.signal.send_if_modified(|signal| {
+            let first = signal.control.is_none();
+            if first {
+                signal.control = Some(control);
+            }
+            first
+        });
+        !self.signal.is_closed()
+    }
 }
 
 #[derive(Debug)]
@@ -106,7 +129,9 @@ pub struct Gateway {
     inner: Arc<Inner>,
 }
 
-type Outbound = mpsc::Sender<Result<proto::SyncResponse, Status>>;
+/// A stream's queue to its agent. Messages are boxed: the channel allocates its first block of
+/// slots whole, and boxed slots keep that block a third of the size (PERF-4).
+type Outbound = mpsc::Sender<Result<Box<proto::SyncResponse>, Status>>;
 
 impl Gateway {
     pub fn new(pools: &Pools, config: GatewayConfig, enroller: Enroller, metrics: Arc<Metrics>) -> Self {
@@ -137,9 +162,9 @@ impl Gateway {
     /// A render announced `version` for `id`: the stream holding it (if here) catches up.
     pub fn announce(&self, id: WorkloadId, version: u64) {
         if let Some(h) = self.streams().get(&id) {
-            h.poke.send_if_modified(|seen| {
-                let newer = version > *seen;
-                *seen = (*seen).max(version);
+            h.signal.send_if_modified(|signal| {
+                let newer = version > signal.announced;
+                signal.announced = signal.announced.max(version);
                 newer
             });
         }
@@ -148,47 +173,44 @@ impl Gateway {
     /// After the listener (re)connects: every stream re-reads its persisted policy (SYNC-7).
     pub fn reconcile_all(&self) {
         for h in self.streams().values() {
-            h.poke.send_modify(|_| {});
+            h.signal.send_modify(|_| {});
         }
     }
 
     pub fn reconnect(&self, id: WorkloadId) -> bool {
-        self.streams().get(&id).is_some_and(|h| h.control.send(Control::Reconnect).is_ok())
+        self.streams().get(&id).is_some_and(|h| h.control(Control::Reconnect))
     }
 
     /// Ends the stream of a retired or deny-listed workload, telling its agent that only a new
     /// enrollment can bring it back (`Reenroll`), so it stops reconnecting.
     pub fn cut(&self, id: WorkloadId, reason: &str) {
         if let Some(h) = self.streams().get(&id) {
-            let _ = h.control.send(Control::Reenroll { reason: reason.to_owned() });
+            h.control(Control::Reenroll { reason: reason.to_owned() });
         }
     }
 
     /// Ends every stream this replica holds (shutdown); agents reconnect elsewhere.
     pub fn end_all(&self, reason: &str) {
         for h in self.streams().values() {
-            let _ = h.control.send(Control::End { reason: reason.to_owned(), superseded: false });
+            h.control(Control::End { reason: reason.to_owned(), superseded: false });
         }
     }
 
     /// Registers a new stream, superseding any earlier one of the same identity (IDN-7).
-    fn register(&self, id: WorkloadId) -> (u64, watch::Receiver<u64>, mpsc::UnboundedReceiver<Control>) {
+    fn register(&self, id: WorkloadId) -> (u64, watch::Receiver<Signal>) {
         let generation = self.inner.generations.fetch_add(1, Ordering::Relaxed);
-        let (poke, poke_rx) = watch::channel(0);
-        let (control, control_rx) = mpsc::unbounded_channel();
+        let (signal, signal_rx) = watch::channel(Signal::default());
         let old = {
             let mut streams = self.streams();
-            let old = streams.insert(id, Handle { generation, poke, control });
+            let old = streams.insert(id, Handle { generation, signal });
             self.inner.metrics.set_streams_open(streams.len());
             old
         };
         if let Some(old) = old {
             tracing::info!(workload = %id, "a new stream supersedes the previous one");
-            let _ = old
-                .control
-                .send(Control::End { reason: "superseded by a newer stream".into(), superseded: true });
+            old.control(Control::End { reason: "superseded by a newer stream".into(), superseded: true });
         }
-        (generation, poke_rx, control_rx)
+        (generation, signal_rx)
     }
 
     /// Removes the stream if it is still the registered one; true if it was.
@@ -256,7 +278,7 @@ impl StreamTask {
 
     async fn send(&self, msg: sync_response::Msg) -> Result<(), Ended> {
         self.out
-            .send(Ok(proto::SyncResponse { msg: Some(msg) }))
+            .send(Ok(Box::new(proto::SyncResponse { msg: Some(msg) })))
             .await
             .map_err(|_| Ended::offline("agent went away"))
     }
@@ -333,8 +355,7 @@ impl StreamTask {
     async fn run(
         &self,
         mut inbound: Streaming<proto::SyncRequest>,
-        mut poke: watch::Receiver<u64>,
-        mut control: mpsc::UnboundedReceiver<Control>,
+        mut signal: watch::Receiver<Signal>,
         credential_expiry: std::time::SystemTime,
     ) -> Ended {
         // An agent that cannot renew cannot hold a stream (seed 000): it ends when the
@@ -395,30 +416,30 @@ impl StreamTask {
                     Ok(Ok(None)) => return Ended::offline("agent closed the stream"),
                     Ok(Err(s)) => return Ended::offline(format!("stream error: {}", s.message())),
                 },
-                changed = poke.changed() => {
+                changed = signal.changed() => {
                     if changed.is_err() {
                         return Ended::offline("gateway dropped the stream");
                     }
-                    None
+                    let control = signal.borrow_and_update().control.clone();
+                    match control {
+                        None => None,
+                        Some(Control::Reconnect) => {
+                            let directive = proto::Directive { directive: Some(proto::directive::Directive::Reconnect(proto::Reconnect {})) };
+                            let _ = self.send(sync_response::Msg::Directive(directive)).await;
+                            return Ended::offline("directed reconnect");
+                        }
+                        Some(Control::Reenroll { reason }) => {
+                            let reenroll = proto::Reenroll { reason: format!("{reason}: enroll this host again") };
+                            let directive = proto::Directive { directive: Some(proto::directive::Directive::Reenroll(reenroll)) };
+                            let _ = self.send(sync_response::Msg::Directive(directive)).await;
+                            return Ended { reason, offline: true, status: None };
+                        }
+                        Some(Control::End { reason, superseded }) => {
+                            let status = Status::aborted(reason.clone());
+                            return Ended { reason, offline: !superseded, status: Some(status) };
+                        }
+                    }
                 }
-                ctl = control.recv() => match ctl {
-                    Some(Control::Reconnect) => {
-                        let directive = proto::Directive { directive: Some(proto::directive::Directive::Reconnect(proto::Reconnect {})) };
-                        let _ = self.send(sync_response::Msg::Directive(directive)).await;
-                        return Ended::offline("directed reconnect");
-                    }
-                    Some(Control::Reenroll { reason }) => {
-                        let reenroll = proto::Reenroll { reason: format!("{reason}: enroll this host again") };
-                        let directive = proto::Directive { directive: Some(proto::directive::Directive::Reenroll(reenroll)) };
-                        let _ = self.send(sync_response::Msg::Directive(directive)).await;
-                        return Ended { reason, offline: true, status: None };
-                    }
-                    Some(Control::End { reason, superseded }) => {
-                        let status = Status::aborted(reason.clone());
-                        return Ended { reason, offline: !superseded, status: Some(status) };
-                    }
-                    None => return Ended::offline("gateway dropped the stream"),
-                },
             };
             // Boxed: what a stream does between waits is allocated while it does it, so an idle
             // stream's task holds only its waits (PERF-4: every idle stream holds its task).
@@ -723,7 +744,7 @@ impl proto::agent_service_server::AgentService for Gateway {
         let AgentIdentity { id, not_after } = agent_identity(&request)?;
         let inbound = request.into_inner();
         let (out, rx) = mpsc::channel(self.inner.config.outbound_queue.max(1));
-        let (generation, poke, control) = self.register(id);
+        let (generation, signal) = self.register(id);
         let gateway = self.clone();
         tokio::spawn(async move {
             let task = StreamTask {
@@ -734,7 +755,7 @@ impl proto::agent_service_server::AgentService for Gateway {
                 state: Default::default(),
                 pushes: Default::default(),
             };
-            let ended = task.run(inbound, poke, control, not_after).await;
+            let ended = task.run(inbound, signal, not_after).await;
             let current = gateway.deregister(id, generation);
             tracing::info!(workload = %id, reason = %ended.reason, "stream ended");
             let epoch = task.epoch.load(Ordering::Relaxed);
@@ -745,7 +766,8 @@ impl proto::agent_service_server::AgentService for Gateway {
                 let _ = out.send(Err(status)).await;
             }
         });
-        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+        let responses = tokio_stream::wrappers::ReceiverStream::new(rx).map(|r| r.map(|boxed| *boxed));
+        Ok(Response::new(Box::pin(responses)))
     }
 
     async fn renew_credential(
