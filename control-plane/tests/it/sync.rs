@@ -223,6 +223,46 @@ async fn mutual_to(
         .unwrap()
 }
 
+/// The agent opened a second stream on the same replica: the first ends at once with ABORTED
+/// "superseded" (never as a dropped stream, which could read as the agent going offline), the
+/// workload stays SYNCED, and the new stream carries the updates. Twice, so the second
+/// supersede is checked too.
+#[tokio::test]
+async fn a_newer_stream_on_the_same_replica_supersedes_the_old_one() {
+    let mut a = Plane::start(GatewayConfig::default()).await;
+    let pool = a.db.pool.clone();
+    let token = a.mint(&["app=web"], None).await;
+    let (id, cert, key) = a.enroll(&token).await.unwrap();
+    let mut old = Scripted::open(a.mutual(&cert, &key).await.unwrap(), 0).await;
+    assert_eq!(old.update().await, ("snapshot", 1, 1));
+    old.ack(1, true, "").await;
+    wait_state(&pool, id, "SYNCED").await;
+    for round in 0..2u64 {
+        let mut new = Scripted::open(a.mutual(&cert, &key).await.unwrap(), 1 + round).await;
+        let ended = match tokio::time::timeout(Duration::from_secs(15), old.inbound.message()).await {
+            Ok(Err(status)) => status,
+            other => panic!("round {round}: the superseded stream did not end with a status: {other:?}"),
+        };
+        assert_eq!(ended.code(), tonic::Code::Aborted, "round {round}: {ended:?}");
+        assert!(ended.message().contains("superseded by a newer stream"), "round {round}: {ended:?}");
+        assert_eq!(
+            new.update().await,
+            ("snapshot", 1 + round, 1 + round),
+            "round {round}: snapshot on connect"
+        );
+        new.ack(1 + round, true, "").await;
+        bump(&pool, round as u16).await;
+        assert_eq!(new.update().await, ("delta", 1 + round, 2 + round), "round {round}");
+        new.ack(2 + round, true, "").await;
+        let (state, applied, ..) = wait_state(&pool, id, "SYNCED").await;
+        assert_eq!(applied, 2 + round as i64, "round {round}");
+        assert_eq!(state, "SYNCED", "round {round}: a superseded stream must not mark the workload offline");
+        old = new;
+    }
+    assert_eq!(a.running.as_ref().unwrap().gateway.stream_count(), 1);
+    a.running.take().unwrap().stop().await.unwrap();
+}
+
 /// The agent reconnected to another replica while the first still holds its old stream: the
 /// old stream ends (ABORTED, superseded) at its first state write instead of speaking for the
 /// identity, and the new one carries the updates.
