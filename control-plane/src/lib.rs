@@ -10,6 +10,7 @@
 
 pub mod api;
 pub mod audit;
+mod batch;
 pub mod copy;
 pub mod error;
 pub mod flows;

@@ -207,8 +207,7 @@ pub async fn start(
 
     let admission =
         Arc::new(Admission::new(bridge::load_refused(&pools.streams).await?, config.limits.clone()));
-    let enroller =
-        Enroller { pool: pools.authoring.clone(), signer: signer.clone(), lifetime: config.cert_lifetime };
+    let enroller = Enroller::new(pools.authoring.clone(), signer.clone(), config.cert_lifetime);
     let gateway = Gateway::new(&pools, config.gateway.clone(), enroller.clone(), metrics.clone());
     let bridge =
         tokio::spawn(bridge::run(pools.streams.clone(), gateway.clone(), admission.clone(), metrics.clone()));

@@ -9,12 +9,14 @@ use std::time::{Duration, SystemTime};
 
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::proto;
-use sqlx::PgPool;
+use sqlx::{Connection, PgConnection, PgPool};
+use tokio::sync::{mpsc, oneshot};
 
 use crate::audit;
 use crate::error::Error;
 use crate::identity::ca::{IssuedCertificate, Signer};
 use crate::policy::authoring;
+use crate::policy::publish::publish;
 use crate::policy::spec::NewWorkload;
 use crate::policy::spec::routable_addresses;
 
@@ -27,11 +29,20 @@ const MAX_CSR_LEN: usize = 16 * 1024;
 const MAX_HOSTNAME_LEN: usize = 253;
 const MAX_FACT_LEN: usize = 256;
 
+/// Enrollments waiting for the writer; beyond this an enrollment waits to be queued.
+const QUEUE: usize = 1024;
+/// Enrollments written in one transaction and rendered once, at most.
+const MAX_BATCH: usize = 128;
+
+/// Enrolls workloads. Enrollments that arrive while the previous ones are being written are
+/// written together (each in a savepoint of its own) and rendered once: every enrollment
+/// renders the estate, so one at a time a fleet's enrollment rate falls as the fleet grows.
 #[derive(Debug, Clone)]
 pub struct Enroller {
     pub pool: PgPool,
     pub signer: Arc<dyn Signer>,
     pub lifetime: Duration,
+    queue: mpsc::Sender<Queued>,
 }
 
 /// What a successful enrollment returns to the agent.
@@ -44,6 +55,28 @@ pub struct Enrolled {
     pub replaced: Option<WorkloadId>,
 }
 
+/// An enrollment request that passed every check that needs no database, with the id the new
+/// workload will have.
+#[derive(Debug)]
+pub struct Checked {
+    id: WorkloadId,
+    token: String,
+    csr_pem: Vec<u8>,
+    hostname: String,
+    machine_id: String,
+    os: String,
+    agent_version: String,
+    addresses: std::collections::BTreeSet<std::net::IpAddr>,
+    replacing: Option<WorkloadId>,
+    actor: String,
+}
+
+#[derive(Debug)]
+struct Queued {
+    checked: Checked,
+    reply: oneshot::Sender<Result<Enrolled, Error>>,
+}
+
 fn bounded<'a>(what: &str, text: &'a str, max: usize) -> Result<&'a str, Error> {
     if text.len() > max || text.chars().any(char::is_control) {
         return Err(Error::Invalid(format!("{what} must be at most {max} printable characters")));
@@ -51,18 +84,10 @@ fn bounded<'a>(what: &str, text: &'a str, max: usize) -> Result<&'a str, Error> 
     Ok(text)
 }
 
-impl Enroller {
-    /// Validates everything, then in one transaction consumes a token use, retires the workload
-    /// it replaces (`replacing`: the identity the enrollment connection's client certificate
-    /// proved, when the request asks to replace it; audited as replaced by the new one),
-    /// registers the workload with the token's labels, renders (so version 1 exists from
-    /// enrollment on, and the replaced workload has left every render), issues the certificate
-    /// and audits. Any failure writes nothing.
-    pub async fn enroll(
-        &self,
-        req: &proto::EnrollRequest,
-        replacing: Option<WorkloadId>,
-    ) -> Result<Enrolled, Error> {
+impl Checked {
+    /// Bounds every field an enrollee sends before any work is done; `replacing` is the identity
+    /// the enrollment connection's client certificate proved, when the request asks to replace it.
+    pub fn new(req: &proto::EnrollRequest, replacing: Option<WorkloadId>) -> Result<Checked, Error> {
         if req.provisioning_token.len() > MAX_TOKEN_LEN {
             return Err(Error::Invalid("provisioning token is too long".into()));
         }
@@ -70,60 +95,74 @@ impl Enroller {
             return Err(Error::Invalid(format!("csr is larger than {MAX_CSR_LEN} bytes")));
         }
         let facts = req.facts.clone().unwrap_or_default();
-        let hostname = bounded("hostname", &facts.hostname, MAX_HOSTNAME_LEN)?.to_owned();
-        let machine_id = bounded("machine id", &facts.machine_id, MAX_FACT_LEN)?.to_owned();
         let os = facts.os.as_ref().map(|os| format!("{} {} ({})", os.name, os.version, os.kernel_version));
-        let os = bounded("os", os.as_deref().unwrap_or(""), MAX_FACT_LEN)?.to_owned();
-        let agent_version =
-            bounded("agent version", req.agent.as_ref().map_or("", |a| &a.version), MAX_FACT_LEN)?;
-        let addresses = routable_addresses(&facts)?;
-        let id = WorkloadId::new_random();
         let token_hint: String = req.provisioning_token.chars().take(9).collect();
-        let now = SystemTime::now();
-        let actor = format!("enroll:{token_hint}");
-        let done = authoring::commit(&self.pool, &actor, "workload.enroll", &id.to_string(), async |c| {
-            let token = crate::identity::tokens::consume(c, &req.provisioning_token, chrono::Utc::now()).await?;
-            // Before the render: the replaced workload's addresses are the new one's, and a
-            // live claim by both would render them for neither.
-            if let Some(old) = replacing {
-                retire_replaced(c, &actor, old, id).await?;
-            }
-            let certificate = self.signer.issue_workload(id, &req.csr_pem, self.lifetime, now)?;
-            let new = NewWorkload { id, hostname: hostname.clone(), labels: token.labels.clone(), addresses: addresses.clone() };
-            authoring::register_workload(c, &new).await?;
-            sqlx::query(
-                "UPDATE workloads SET enrolled_by_token = $2, credential_serial = $3, credential_expires_at = $4,
-                 machine_id = $5, os = $6, agent_version = $7 WHERE id = $1",
-            )
-            .bind(id.uuid())
-            .bind(token.id)
-            .bind(&certificate.serial_hex)
-            .bind(chrono::DateTime::<chrono::Utc>::from(certificate.not_after))
-            .bind(&machine_id)
-            .bind(&os)
-            .bind(agent_version)
-            .execute(&mut *c)
-            .await?;
-            // The token's narrowing is the workload's own from now on: revoking or deleting the
-            // token never widens what the workload may claim.
-            sqlx::query("INSERT INTO workload_ranges (workload_id, cidr) SELECT $1, cidr FROM provisioning_token_ranges WHERE token_id = $2")
-                .bind(id.uuid())
-                .bind(token.id)
-                .execute(&mut *c)
-                .await?;
-            let labels: Vec<String> = token.labels.iter().map(ToString::to_string).collect();
-            let replaces = replacing.map(|old| old.to_string());
-            let detail = serde_json::json!({"token": token.id, "hostname": hostname, "labels": labels, "replaces": replaces});
-            Ok((Enrolled { id, certificate, labels: token.labels, replaced: replacing }, detail))
+        Ok(Checked {
+            id: WorkloadId::new_random(),
+            token: req.provisioning_token.clone(),
+            csr_pem: req.csr_pem.clone(),
+            hostname: bounded("hostname", &facts.hostname, MAX_HOSTNAME_LEN)?.to_owned(),
+            machine_id: bounded("machine id", &facts.machine_id, MAX_FACT_LEN)?.to_owned(),
+            os: bounded("os", os.as_deref().unwrap_or(""), MAX_FACT_LEN)?.to_owned(),
+            agent_version: bounded(
+                "agent version",
+                req.agent.as_ref().map_or("", |a| &a.version),
+                MAX_FACT_LEN,
+            )?
+            .to_owned(),
+            addresses: routable_addresses(&facts)?,
+            replacing,
+            actor: format!("enroll:{token_hint}"),
         })
-        .await?;
-        match replacing {
-            Some(old) => {
-                tracing::info!(workload = %id, hostname = %hostname, replaced = %old, "enrolled, replacing a workload")
+    }
+}
+
+impl Enroller {
+    /// An enroller and its writer task, which ends when the last clone is dropped.
+    pub fn new(pool: PgPool, signer: Arc<dyn Signer>, lifetime: Duration) -> Enroller {
+        let (queue, mut pending) = mpsc::channel::<Queued>(QUEUE);
+        let enroller = Enroller { pool, signer, lifetime, queue };
+        let writer = enroller.writer();
+        tokio::spawn(async move {
+            while let Some(batch) = crate::batch::next(&mut pending, MAX_BATCH, Duration::ZERO).await {
+                let (checked, replies): (Vec<_>, Vec<_>) =
+                    batch.into_iter().map(|q| (q.checked, q.reply)).unzip();
+                for (result, reply) in writer.enroll_together(checked).await.into_iter().zip(replies) {
+                    let _ = reply.send(result);
+                }
             }
-            None => tracing::info!(workload = %id, hostname = %hostname, "enrolled"),
-        }
-        Ok(done.value)
+        });
+        enroller
+    }
+
+    /// Validates everything, then (with whatever other enrollments are waiting) in one
+    /// transaction: consumes a token use, retires the workload it replaces (`replacing`: the
+    /// identity the enrollment connection's client certificate proved, when the request asks to
+    /// replace it; audited as replaced by the new one), registers the workload with the token's
+    /// labels, issues the certificate and audits, each enrollment in a savepoint of its own;
+    /// then renders (so version 1 exists from enrollment on, and the replaced workload has left
+    /// every render) and commits. A failed enrollment writes nothing.
+    pub async fn enroll(
+        &self,
+        req: &proto::EnrollRequest,
+        replacing: Option<WorkloadId>,
+    ) -> Result<Enrolled, Error> {
+        let checked = Checked::new(req, replacing)?;
+        let (reply, done) = oneshot::channel();
+        let gone =
+            || Error::Busy("the enrollment writer has stopped (the replica is shutting down); retry".into());
+        self.queue.send(Queued { checked, reply }).await.map_err(|_| gone())?;
+        done.await.map_err(|_| gone())?
+    }
+
+    /// Writes `enrollments` in one transaction with one render, as [`Enroller::enroll`] does
+    /// with the enrollments waiting together; the results are in the same order.
+    pub async fn enroll_together(&self, enrollments: Vec<Checked>) -> Vec<Result<Enrolled, Error>> {
+        self.writer().enroll_together(enrollments).await
+    }
+
+    fn writer(&self) -> Writer {
+        Writer { pool: self.pool.clone(), signer: self.signer.clone(), lifetime: self.lifetime }
     }
 
     /// Reissues the same identity with a new serial and validity window (IDN-5). Refused for
@@ -162,10 +201,126 @@ impl Enroller {
     }
 }
 
+/// What the enrollment writer needs: the database and the CA.
+struct Writer {
+    pool: PgPool,
+    signer: Arc<dyn Signer>,
+    lifetime: Duration,
+}
+
+impl Writer {
+    /// One transaction for the batch; if it fails as a whole (the render, the commit), each
+    /// enrollment is written again alone, so one cannot fail another and each hears its own error.
+    async fn enroll_together(&self, batch: Vec<Checked>) -> Vec<Result<Enrolled, Error>> {
+        if batch.len() > 1 {
+            match self.write(&batch).await {
+                Ok(results) => return results,
+                Err(e) => tracing::warn!(
+                    enrollments = batch.len(),
+                    "an enrollment batch failed as a whole ({e}); writing each alone"
+                ),
+            }
+        }
+        let mut results = Vec::with_capacity(batch.len());
+        for one in batch {
+            let result = self.write(std::slice::from_ref(&one)).await;
+            results.push(result.and_then(|mut r| r.remove(0)));
+        }
+        results
+    }
+
+    /// Each enrollment in a savepoint (a failed one is rolled back alone and reported), then
+    /// one render for all that succeeded, audited with every version it moved, and the commit.
+    async fn write(&self, batch: &[Checked]) -> Result<Vec<Result<Enrolled, Error>>, Error> {
+        let now = SystemTime::now();
+        let mut tx = self.pool.begin().await?;
+        let mut results = Vec::with_capacity(batch.len());
+        for checked in batch {
+            let mut savepoint = tx.begin().await?;
+            match self.write_one(&mut savepoint, checked, now).await {
+                Ok(enrolled) => {
+                    savepoint.commit().await?;
+                    results.push(Ok(enrolled));
+                }
+                Err(e) => {
+                    savepoint.rollback().await?;
+                    results.push(Err(e));
+                }
+            }
+        }
+        let enrolled: Vec<String> = results.iter().flatten().map(|e| e.id.to_string()).collect();
+        if enrolled.is_empty() {
+            return Ok(results);
+        }
+        let changed = publish(&mut tx).await?;
+        let record = audit::Record {
+            detail: serde_json::json!({"enrollments": enrolled}),
+            workload_versions: changed.iter().map(|c| (c.workload.to_string(), c.version)).collect(),
+            ..audit::Record::new("enroll", "policy.render", "enrollments")
+        };
+        audit::write(&mut tx, &record).await?;
+        tx.commit().await?;
+        for (checked, result) in batch.iter().zip(&results) {
+            if result.is_ok() {
+                match checked.replacing {
+                    Some(old) => {
+                        tracing::info!(workload = %checked.id, hostname = %checked.hostname, replaced = %old, "enrolled, replacing a workload")
+                    }
+                    None => tracing::info!(workload = %checked.id, hostname = %checked.hostname, "enrolled"),
+                }
+            }
+        }
+        Ok(results)
+    }
+
+    async fn write_one(&self, c: &mut PgConnection, e: &Checked, now: SystemTime) -> Result<Enrolled, Error> {
+        let token = crate::identity::tokens::consume(c, &e.token, chrono::Utc::now()).await?;
+        // Before the render: the replaced workload's addresses are the new one's, and a live
+        // claim by both would render them for neither.
+        if let Some(old) = e.replacing {
+            retire_replaced(c, &e.actor, old, e.id).await?;
+        }
+        let certificate = self.signer.issue_workload(e.id, &e.csr_pem, self.lifetime, now)?;
+        let new = NewWorkload {
+            id: e.id,
+            hostname: e.hostname.clone(),
+            labels: token.labels.clone(),
+            addresses: e.addresses.clone(),
+        };
+        authoring::register_workload(c, &new).await?;
+        sqlx::query(
+            "UPDATE workloads SET enrolled_by_token = $2, credential_serial = $3, credential_expires_at = $4,
+             machine_id = $5, os = $6, agent_version = $7 WHERE id = $1",
+        )
+        .bind(e.id.uuid())
+        .bind(token.id)
+        .bind(&certificate.serial_hex)
+        .bind(chrono::DateTime::<chrono::Utc>::from(certificate.not_after))
+        .bind(&e.machine_id)
+        .bind(&e.os)
+        .bind(&e.agent_version)
+        .execute(&mut *c)
+        .await?;
+        // The token's narrowing is the workload's own from now on: revoking or deleting the
+        // token never widens what the workload may claim.
+        sqlx::query("INSERT INTO workload_ranges (workload_id, cidr) SELECT $1, cidr FROM provisioning_token_ranges WHERE token_id = $2")
+            .bind(e.id.uuid())
+            .bind(token.id)
+            .execute(&mut *c)
+            .await?;
+        let labels: Vec<String> = token.labels.iter().map(ToString::to_string).collect();
+        let replaces = e.replacing.map(|old| old.to_string());
+        let detail = serde_json::json!({"token": token.id, "hostname": e.hostname, "labels": labels, "replaces": replaces});
+        audit::write(c, &audit::Record::new(&e.actor, "workload.enroll", &e.id.to_string()).detail(detail))
+            .await?;
+        Ok(Enrolled { id: e.id, certificate, labels: token.labels, replaced: e.replacing })
+    }
+}
+
 /// Retires `old`, replaced by the enrollment of `new`, and audits it naming both. A workload
 /// retired already stays retired (the host re-enrolls after an operator retired it).
 async fn retire_replaced(
-    conn: &mut sqlx::PgConnection,
+    conn: &mut PgConnection,
     actor: &str,
     old: WorkloadId,
     new: WorkloadId,

@@ -14,8 +14,8 @@ use uuid::Uuid;
 
 use innerwall_wire::convert::WireEnum;
 
+use crate::batch;
 use crate::error::Error;
-use crate::sync::batch;
 use crate::sync::session::SyncState;
 
 /// How long the writer waits for more heartbeats after the first of a batch: at most this much

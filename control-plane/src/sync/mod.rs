@@ -2,7 +2,6 @@
 //! drives one per agent (with batched heartbeat writes and shared policy reads), the NOTIFY
 //! bridge between replicas, and the liveness sweep every replica runs.
 
-mod batch;
 pub mod beats;
 pub mod bridge;
 pub mod gateway;

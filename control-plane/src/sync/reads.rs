@@ -13,9 +13,9 @@ use innerwall_wire::policy::WorkloadPolicy;
 use sqlx::PgPool;
 use tokio::sync::{mpsc, oneshot};
 
+use crate::batch;
 use crate::error::Error;
 use crate::policy::store;
-use crate::sync::batch;
 
 /// Requests in one query at most: the first streams get their answers while later ones are
 /// read, and a query's result stays bounded (100 policies of a large estate are ~5 MB).

@@ -129,23 +129,7 @@ impl Plane {
         previous: Option<(&str, &str)>,
         replace: bool,
     ) -> Result<Enrolled, tonic::Status> {
-        let (key_pem, csr_pem) = key_and_csr();
-        let facts = proto::HostFacts {
-            hostname: "web-1".into(),
-            interfaces: vec![proto::NetworkInterface {
-                name: "eth0".into(),
-                addresses: addresses.iter().map(|a| a.to_string()).collect(),
-                mac_address: String::new(),
-            }],
-            ..Default::default()
-        };
-        let request = proto::EnrollRequest {
-            provisioning_token: token.into(),
-            csr_pem,
-            facts: Some(facts),
-            agent: None,
-            replace,
-        };
+        let (key_pem, request) = enroll_request(token, addresses, replace);
         let channel = match previous {
             Some((cert, key)) => self.mutual(cert, key).await.unwrap(),
             None => self.anonymous().await,
@@ -175,6 +159,29 @@ impl Drop for Plane {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.ca_dir);
     }
+}
+
+/// A fresh key and the enrollment request of a host named web-1 whose one interface reports
+/// `addresses`, with a CSR for that key.
+pub fn enroll_request(token: &str, addresses: &[&str], replace: bool) -> (String, proto::EnrollRequest) {
+    let (key_pem, csr_pem) = key_and_csr();
+    let facts = proto::HostFacts {
+        hostname: "web-1".into(),
+        interfaces: vec![proto::NetworkInterface {
+            name: "eth0".into(),
+            addresses: addresses.iter().map(|a| a.to_string()).collect(),
+            mac_address: String::new(),
+        }],
+        ..Default::default()
+    };
+    let request = proto::EnrollRequest {
+        provisioning_token: token.into(),
+        csr_pem,
+        facts: Some(facts),
+        agent: None,
+        replace,
+    };
+    (key_pem, request)
 }
 
 pub fn key_and_csr() -> (String, Vec<u8>) {
@@ -611,6 +618,145 @@ async fn server_certificate_renews_without_restart() {
         Some(sync_response::Msg::Delta(d)) => assert_eq!(d.from_version, snapshot.version),
         other => panic!("expected a delta, got {other:?}"),
     }
+}
+
+/// Enrollments written together, as concurrent ones are: each in a savepoint of its own, so a
+/// refused one writes nothing (its token use included) and the others commit; one render gives
+/// the enrolled workloads version 1, audited once with every version it moved and the
+/// enrollments it rendered. A second batch on the same estate does it again.
+#[tokio::test]
+async fn enrollments_written_together_render_once_and_fail_alone() {
+    use innerwall_control_plane::identity::enroll::{Checked, Enroller};
+    use innerwall_control_plane::policy::store;
+
+    let plane = Plane::start(GatewayConfig::default()).await;
+    let pool = &plane.db.pool;
+    let db_token = plane.mint(&["app=db"], None).await;
+    let (db, _, _) = plane.enroll_reporting(&db_token, &["10.1.0.4/24"]).await.unwrap();
+    crate::addresses::db_admits_web(pool).await;
+    let enroller = Enroller::new(pool.clone(), plane.signer.clone(), plane.cert_lifetime);
+    let checked =
+        |token: &str, address: &str| Checked::new(&enroll_request(token, &[address], false).1, None).unwrap();
+    let renders = async || -> Vec<(serde_json::Value, serde_json::Value)> {
+        sqlx::query_as(
+            "SELECT detail->'enrollments', workload_versions FROM audit_log
+             WHERE actor = 'enroll' AND action = 'policy.render' ORDER BY id",
+        )
+        .fetch_all(pool)
+        .await
+        .unwrap()
+    };
+    let versions = async |id: WorkloadId| -> Vec<i64> {
+        sqlx::query_scalar(
+            "SELECT version FROM workload_policy_history WHERE workload_id = $1 ORDER BY version",
+        )
+        .bind(id.uuid())
+        .fetch_all(pool)
+        .await
+        .unwrap()
+    };
+    let peers = async || {
+        let (p, _) = store::persisted_policy(&mut pool.acquire().await.unwrap(), db).await.unwrap().unwrap();
+        let mut peers: Vec<String> =
+            p.rules().flat_map(|r| r.peers().iter().map(ToString::to_string)).collect();
+        peers.sort();
+        peers
+    };
+    let before = renders().await.len();
+
+    for round in 0..2u8 {
+        let token = plane.mint(&["app=web"], Some(2)).await;
+        let address = |host: u8| format!("10.1.{}.{host}/24", 1 + round);
+        let bad_csr = proto::EnrollRequest {
+            csr_pem: b"not a csr".to_vec(),
+            ..enroll_request(&token, &[&address(6)], false).1
+        };
+        let bad_csr = Checked::new(&bad_csr, None).unwrap();
+        let batch = vec![
+            checked(&token, &address(5)),
+            bad_csr,
+            checked("iw_0000000_notatoken", &address(7)),
+            checked(&token, &address(8)),
+            checked(&token, &address(9)),
+        ];
+        let results = enroller.enroll_together(batch).await;
+        let outcome: Vec<Result<(), String>> =
+            results.iter().map(|r| r.as_ref().map(|_| ()).map_err(ToString::to_string)).collect();
+        assert!(outcome[0].is_ok() && outcome[3].is_ok(), "round {round}: {outcome:?}");
+        assert!(
+            outcome[1].as_ref().is_err_and(|e| e.contains("csr") || e.contains("CSR")),
+            "round {round}: {outcome:?}"
+        );
+        assert!(outcome[2].is_err(), "round {round}: an unknown token: {outcome:?}");
+        // The token had two uses: the one the bad CSR took was rolled back with it, so the
+        // fourth enrollment had one, and the fifth found none.
+        assert!(
+            outcome[4].as_ref().is_err_and(|e| e.contains("is used up (2 of 2 uses)")),
+            "round {round}: {outcome:?}"
+        );
+        let (a, b) = (results[0].as_ref().unwrap().id, results[3].as_ref().unwrap().id);
+        assert_eq!((versions(a).await, versions(b).await), (vec![1], vec![1]), "round {round}");
+        let workloads: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM workloads").fetch_one(pool).await.unwrap();
+        assert_eq!(
+            workloads,
+            3 + 2 * i64::from(round),
+            "round {round}: only the enrollments that succeeded wrote a workload"
+        );
+        let enrolled: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM audit_log WHERE action = 'workload.enroll' AND subject IN ($1, $2)",
+        )
+        .bind(a.to_string())
+        .bind(b.to_string())
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        assert_eq!(enrolled, 2, "round {round}");
+        let renders = renders().await;
+        assert_eq!(renders.len(), before + 1 + usize::from(round), "round {round}: one render for the batch");
+        let (enrollments, moved) = renders.last().unwrap();
+        assert_eq!(enrollments, &serde_json::json!([a.to_string(), b.to_string()]), "round {round}");
+        assert_eq!((moved[a.to_string()].as_u64(), moved[b.to_string()].as_u64()), (Some(1), Some(1)));
+        assert!(moved[db.to_string()].as_u64().is_some(), "round {round}: db's peers moved: {moved}");
+        let mut want = vec!["10.1.1.5/32".to_owned(), "10.1.1.8/32".to_owned()];
+        if round == 1 {
+            want.extend(["10.1.2.5/32".to_owned(), "10.1.2.8/32".to_owned()]);
+        }
+        assert_eq!(peers().await, want, "round {round}");
+    }
+}
+
+/// A batch that fails as a whole (here the database refuses its render's audit record because
+/// it names more than one enrollment) is written again one enrollment at a time: every
+/// enrollment still succeeds, each with a render of its own.
+#[tokio::test]
+async fn a_batch_that_fails_whole_is_written_one_enrollment_at_a_time() {
+    use innerwall_control_plane::identity::enroll::{Checked, Enroller};
+
+    let plane = Plane::start(GatewayConfig::default()).await;
+    let pool = &plane.db.pool;
+    sqlx::query(
+        "ALTER TABLE audit_log ADD CONSTRAINT test_one_enrollment_per_render
+         CHECK (jsonb_array_length(COALESCE(detail->'enrollments', '[]'::jsonb)) < 2)",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+    let enroller = Enroller::new(pool.clone(), plane.signer.clone(), plane.cert_lifetime);
+    let token = plane.mint(&["app=web"], None).await;
+    let batch = ["10.1.0.5/24", "10.1.0.6/24", "10.1.0.7/24"]
+        .map(|a| Checked::new(&enroll_request(&token, &[a], false).1, None).unwrap());
+    let results = enroller.enroll_together(batch.into()).await;
+    let ids: Vec<String> = results.iter().map(|r| r.as_ref().unwrap().id.to_string()).collect();
+    let renders: Vec<serde_json::Value> = sqlx::query_scalar(
+        "SELECT detail->'enrollments' FROM audit_log WHERE actor = 'enroll' AND action = 'policy.render' ORDER BY id",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    assert_eq!(renders, ids.iter().map(|id| serde_json::json!([id])).collect::<Vec<_>>());
+    let workloads: i64 = sqlx::query_scalar("SELECT count(*) FROM workloads").fetch_one(pool).await.unwrap();
+    assert_eq!(workloads, 3);
 }
 
 /// Issue 16 item 3: re-enrolling a host (`innerwall-agent enroll --force`) replaces its

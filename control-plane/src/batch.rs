@@ -1,5 +1,5 @@
-//! Gathering requests into batches: what the heartbeat writer (`beats`) and the policy reader
-//! (`reads`) share.
+//! Gathering requests into batches: what the heartbeat writer (`beats`), the policy reader
+//! (`reads`) and the enrollment writer (`identity::enroll`) share.
 
 use std::time::Duration;
 
