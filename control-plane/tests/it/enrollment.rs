@@ -620,6 +620,24 @@ async fn server_certificate_renews_without_restart() {
     }
 }
 
+/// An enrolled app=db workload that admits every app=web workload: its peer set shows which
+/// web workloads are rendered.
+async fn db_admitting_web(plane: &Plane) -> WorkloadId {
+    let db_token = plane.mint(&["app=db"], None).await;
+    let (db, _, _) = plane.enroll_reporting(&db_token, &["10.1.0.4/24"]).await.unwrap();
+    crate::addresses::db_admits_web(&plane.db.pool).await;
+    db
+}
+
+/// The peers of `id`'s persisted policy, sorted.
+async fn peers_of(pool: &sqlx::PgPool, id: WorkloadId) -> Vec<String> {
+    use innerwall_control_plane::policy::store;
+    let (p, _) = store::persisted_policy(&mut pool.acquire().await.unwrap(), id).await.unwrap().unwrap();
+    let mut peers: Vec<String> = p.rules().flat_map(|r| r.peers().iter().map(ToString::to_string)).collect();
+    peers.sort();
+    peers
+}
+
 /// Enrollments written together, as concurrent ones are: each in a savepoint of its own, so a
 /// refused one writes nothing (its token use included) and the others commit; one render gives
 /// the enrolled workloads version 1, audited once with every version it moved and the
@@ -627,13 +645,10 @@ async fn server_certificate_renews_without_restart() {
 #[tokio::test]
 async fn enrollments_written_together_render_once_and_fail_alone() {
     use innerwall_control_plane::identity::enroll::{Checked, Enroller};
-    use innerwall_control_plane::policy::store;
 
     let plane = Plane::start(GatewayConfig::default()).await;
     let pool = &plane.db.pool;
-    let db_token = plane.mint(&["app=db"], None).await;
-    let (db, _, _) = plane.enroll_reporting(&db_token, &["10.1.0.4/24"]).await.unwrap();
-    crate::addresses::db_admits_web(pool).await;
+    let db = db_admitting_web(&plane).await;
     let enroller = Enroller::new(pool.clone(), plane.signer.clone(), plane.cert_lifetime);
     let checked =
         |token: &str, address: &str| Checked::new(&enroll_request(token, &[address], false).1, None).unwrap();
@@ -655,13 +670,7 @@ async fn enrollments_written_together_render_once_and_fail_alone() {
         .await
         .unwrap()
     };
-    let peers = async || {
-        let (p, _) = store::persisted_policy(&mut pool.acquire().await.unwrap(), db).await.unwrap().unwrap();
-        let mut peers: Vec<String> =
-            p.rules().flat_map(|r| r.peers().iter().map(ToString::to_string)).collect();
-        peers.sort();
-        peers
-    };
+    let peers = async || peers_of(pool, db).await;
     let before = renders().await.len();
 
     for round in 0..2u8 {
@@ -768,21 +777,10 @@ async fn a_batch_that_fails_whole_is_written_one_enrollment_at_a_time() {
 /// a certificate can replace only its own workload, and `replace` without one is refused.
 #[tokio::test]
 async fn enroll_force_retires_the_workload_it_replaces() {
-    use innerwall_control_plane::policy::store;
-
     let plane = Plane::start(GatewayConfig::default()).await;
     let pool = &plane.db.pool;
-    // db admits every app=web workload: its peer set shows which web workloads are rendered.
-    let db_token = plane.mint(&["app=db"], None).await;
-    let (db, _, _) = plane.enroll_reporting(&db_token, &["10.1.0.4/24"]).await.unwrap();
-    crate::addresses::db_admits_web(pool).await;
-    let peers = async || {
-        let (p, _) = store::persisted_policy(&mut pool.acquire().await.unwrap(), db).await.unwrap().unwrap();
-        let mut peers: Vec<String> =
-            p.rules().flat_map(|r| r.peers().iter().map(ToString::to_string)).collect();
-        peers.sort();
-        peers
-    };
+    let db = db_admitting_web(&plane).await;
+    let peers = async || peers_of(pool, db).await;
     let live = async |id: WorkloadId| -> bool {
         sqlx::query_scalar("SELECT retired_at IS NULL FROM workloads WHERE id = $1")
             .bind(id.uuid())

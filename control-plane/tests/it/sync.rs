@@ -88,12 +88,19 @@ async fn bump(pool: &PgPool, n: u16) {
 
 /// An enrolled agent whose stream carried its first snapshot (v1) and is SYNCED.
 async fn synced(plane: &Plane) -> (WorkloadId, Scripted) {
-    let (id, channel) = enrolled(plane).await;
-    let mut agent = Scripted::open(channel, 0).await;
+    let (id, _, _, agent) = synced_with_credential(plane).await;
+    (id, agent)
+}
+
+/// [`synced`], with the agent's certificate and key (PEM) for a second connection.
+async fn synced_with_credential(plane: &Plane) -> (WorkloadId, String, String, Scripted) {
+    let token = plane.mint(&["app=web"], None).await;
+    let (id, cert, key) = plane.enroll(&token).await.unwrap();
+    let mut agent = Scripted::open(plane.mutual(&cert, &key).await.unwrap(), 0).await;
     assert_eq!(agent.update().await, ("snapshot", 1, 1));
     agent.ack(1, true, "").await;
     wait_state(&plane.db.pool, id, "SYNCED").await;
-    (id, agent)
+    (id, cert, key, agent)
 }
 
 async fn enrolled(plane: &Plane) -> (WorkloadId, Channel) {
@@ -231,12 +238,7 @@ async fn mutual_to(
 async fn a_newer_stream_on_the_same_replica_supersedes_the_old_one() {
     let mut a = Plane::start(GatewayConfig::default()).await;
     let pool = a.db.pool.clone();
-    let token = a.mint(&["app=web"], None).await;
-    let (id, cert, key) = a.enroll(&token).await.unwrap();
-    let mut old = Scripted::open(a.mutual(&cert, &key).await.unwrap(), 0).await;
-    assert_eq!(old.update().await, ("snapshot", 1, 1));
-    old.ack(1, true, "").await;
-    wait_state(&pool, id, "SYNCED").await;
+    let (id, cert, key, mut old) = synced_with_credential(&a).await;
     for round in 0..2u64 {
         let mut new = Scripted::open(a.mutual(&cert, &key).await.unwrap(), 1 + round).await;
         let ended = match tokio::time::timeout(Duration::from_secs(15), old.inbound.message()).await {
@@ -271,12 +273,7 @@ async fn stale_stream_on_another_replica_ends() {
     let mut a = Plane::start(GatewayConfig::default()).await;
     let b = second_replica(&a).await;
     let pool = a.db.pool.clone();
-    let token = a.mint(&["app=web"], None).await;
-    let (id, cert, key) = a.enroll(&token).await.unwrap();
-    let mut old = Scripted::open(a.mutual(&cert, &key).await.unwrap(), 0).await;
-    assert_eq!(old.update().await, ("snapshot", 1, 1));
-    old.ack(1, true, "").await;
-    wait_state(&pool, id, "SYNCED").await;
+    let (id, cert, key, mut old) = synced_with_credential(&a).await;
 
     let mut new = Scripted::open(mutual_to(&a, &b, &cert, &key).await, 1).await;
     assert_eq!(new.update().await, ("snapshot", 1, 1), "snapshot on connect");
