@@ -56,8 +56,7 @@ pub struct Enrolled {
 }
 
 /// An enrollment request that passed every check that needs no database, with the id the new
-/// workload will have.
-#[derive(Debug)]
+/// workload will have. Its `Debug` leaves out the token (a secret) and the CSR.
 pub struct Checked {
     id: WorkloadId,
     token: String,
@@ -69,6 +68,18 @@ pub struct Checked {
     addresses: std::collections::BTreeSet<std::net::IpAddr>,
     replacing: Option<WorkloadId>,
     actor: String,
+}
+
+impl std::fmt::Debug for Checked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checked")
+            .field("id", &self.id)
+            .field("hostname", &self.hostname)
+            .field("addresses", &self.addresses)
+            .field("replacing", &self.replacing)
+            .field("actor", &self.actor)
+            .finish_non_exhaustive()
+    }
 }
 
 #[derive(Debug)]

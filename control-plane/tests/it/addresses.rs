@@ -25,7 +25,8 @@ pub async fn db_admits_web(pool: &PgPool) {
 }
 
 /// The peers of `id`'s persisted policy, and its version.
-async fn peers(pool: &PgPool, id: WorkloadId) -> (Vec<String>, u64) {
+/// The distinct peers of `id`'s persisted policy, sorted, and its version.
+pub async fn peers(pool: &PgPool, id: WorkloadId) -> (Vec<String>, u64) {
     let (policy, _) = store::persisted_policy(&mut pool.acquire().await.unwrap(), id).await.unwrap().unwrap();
     let mut peers: Vec<String> =
         policy.rules().flat_map(|r| r.peers().iter().map(ToString::to_string)).collect();

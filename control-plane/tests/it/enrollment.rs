@@ -629,15 +629,6 @@ async fn db_admitting_web(plane: &Plane) -> WorkloadId {
     db
 }
 
-/// The peers of `id`'s persisted policy, sorted.
-async fn peers_of(pool: &sqlx::PgPool, id: WorkloadId) -> Vec<String> {
-    use innerwall_control_plane::policy::store;
-    let (p, _) = store::persisted_policy(&mut pool.acquire().await.unwrap(), id).await.unwrap().unwrap();
-    let mut peers: Vec<String> = p.rules().flat_map(|r| r.peers().iter().map(ToString::to_string)).collect();
-    peers.sort();
-    peers
-}
-
 /// Enrollments written together, as concurrent ones are: each in a savepoint of its own, so a
 /// refused one writes nothing (its token use included) and the others commit; one render gives
 /// the enrolled workloads version 1, audited once with every version it moved and the
@@ -670,7 +661,7 @@ async fn enrollments_written_together_render_once_and_fail_alone() {
         .await
         .unwrap()
     };
-    let peers = async || peers_of(pool, db).await;
+    let peers = async || crate::addresses::peers(pool, db).await.0;
     let before = renders().await.len();
 
     for round in 0..2u8 {
@@ -780,7 +771,7 @@ async fn enroll_force_retires_the_workload_it_replaces() {
     let plane = Plane::start(GatewayConfig::default()).await;
     let pool = &plane.db.pool;
     let db = db_admitting_web(&plane).await;
-    let peers = async || peers_of(pool, db).await;
+    let peers = async || crate::addresses::peers(pool, db).await.0;
     let live = async |id: WorkloadId| -> bool {
         sqlx::query_scalar("SELECT retired_at IS NULL FROM workloads WHERE id = $1")
             .bind(id.uuid())
