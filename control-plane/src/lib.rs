@@ -6,7 +6,7 @@
 //! bridge), `api` (the operator HTTP API over all of them), `service` (one replica), with
 //! `postgres` (the database and its clusters), `copy` (binary `COPY` rows), `page` (bounded
 //! results) and `metrics` (the replica's Prometheus metrics, which the rooms record into)
-//! underneath all of them.
+//! underneath all of them; `retention` (of the control plane's own tables) reads across them.
 
 pub mod api;
 pub mod audit;
@@ -21,6 +21,7 @@ pub mod notice;
 pub mod page;
 pub mod policy;
 pub mod postgres;
+pub mod retention;
 pub mod service;
 pub mod sync;
 #[cfg(any(test, feature = "testing"))]

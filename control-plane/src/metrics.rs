@@ -438,10 +438,13 @@ impl Metrics {
         let _one_at_a_time = self.scrape.lock().await;
         let rows = tokio::time::timeout(
             FLEET_QUERY_TIMEOUT,
-            sqlx::query_as::<_, (i16, i16, i64)>(
-                "SELECT sync_state, mode, count(*) FROM workloads
-                 WHERE retired_at IS NULL AND denied_at IS NULL GROUP BY 1, 2",
-            )
+            // The state as shown (`sync::shown`), so a fleet with no replica left to sweep
+            // counts its silent workloads OFFLINE.
+            sqlx::query_as::<_, (i16, i16, i64)>(sqlx::AssertSqlSafe(format!(
+                "SELECT {}, w.mode, count(*) FROM workloads w
+                 WHERE w.retired_at IS NULL AND w.denied_at IS NULL GROUP BY 1, 2",
+                crate::sync::shown::STATE
+            )))
             .fetch_all(pool),
         )
         .await;

@@ -43,6 +43,8 @@ pub struct ServiceConfig {
     pub flow_bounds: crate::flows::TimeBounds,
     /// Bounds on connections, handshakes and streams.
     pub limits: Limits,
+    /// How long the control plane's own rows are kept (audit, history, retired, tokens).
+    pub retention: crate::retention::Retention,
     /// Where `/metrics` is served (plain HTTP, unauthenticated: a private address); none if
     /// `None`.
     pub metrics_listen: Option<SocketAddr>,
@@ -116,9 +118,10 @@ pub struct Running {
     api: Option<crate::api::ApiServer>,
 }
 
-/// Rolls up the records of closed hours every minute (FLOW-6) and drops expired flow partitions
-/// hourly (FLOW-5); replicas serialize on their locks.
-async fn flow_upkeep_forever(pool: PgPool, days: i64) {
+/// Rolls up the records of closed hours every minute (FLOW-6), drops expired flow partitions
+/// hourly (FLOW-5) and then deletes the control plane's expired rows (`retention`); replicas
+/// serialize on their locks.
+async fn flow_upkeep_forever(pool: PgPool, days: i64, retention: crate::retention::Retention) {
     let mut minutely = tokio::time::interval(Duration::from_secs(60));
     for minute in 0u64.. {
         minutely.tick().await;
@@ -132,6 +135,13 @@ async fn flow_upkeep_forever(pool: PgPool, days: i64) {
             Ok(dropped) if !dropped.is_empty() => tracing::info!(?dropped, "dropped expired flow partitions"),
             Ok(_) => {}
             Err(e) => tracing::warn!("flow retention failed: {e}"),
+        }
+        match crate::retention::apply(&pool, &retention, chrono::Utc::now()).await {
+            Ok(removed) if removed.total() > 0 => {
+                tracing::info!(?removed, "deleted expired control-plane rows")
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!("control-plane retention failed: {e}"),
         }
     }
 }
@@ -211,8 +221,11 @@ pub async fn start(
     let gateway = Gateway::new(&pools, config.gateway.clone(), enroller.clone(), metrics.clone());
     let bridge =
         tokio::spawn(bridge::run(pools.streams.clone(), gateway.clone(), admission.clone(), metrics.clone()));
-    let retention =
-        tokio::spawn(flow_upkeep_forever(pools.ingest.clone(), config.flow_bounds.max_age.num_days()));
+    let retention = tokio::spawn(flow_upkeep_forever(
+        pools.ingest.clone(),
+        config.flow_bounds.max_age.num_days(),
+        config.retention.clone(),
+    ));
     let liveness =
         tokio::spawn(crate::sync::liveness::sweep_forever(pools.streams.clone(), config.gateway.heartbeat));
 

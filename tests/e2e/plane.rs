@@ -80,6 +80,7 @@ impl Plane {
             gateway: self.gateway.clone(),
             flow_bounds: Default::default(),
             limits: Default::default(),
+            retention: Default::default(),
             metrics_listen: self.metrics_listen,
         };
         self.running = Some(

@@ -728,14 +728,16 @@ pub struct ResendRequested {
 }
 
 /// Asks the replica holding the workload's stream to make the agent reconnect, which begins a
-/// new stream with a snapshot. Best effort by design; refused when the stored state is OFFLINE.
+/// new stream with a snapshot. Best effort by design; refused when the shown state is OFFLINE.
 pub async fn request_snapshot(pool: &PgPool, id: WorkloadId) -> Result<ResendRequested, Error> {
     type Time = Option<chrono::DateTime<chrono::Utc>>;
-    let row: Option<(i16, Time, Time)> =
-        sqlx::query_as("SELECT sync_state, last_seen_at, last_snapshot_sent_at FROM workloads WHERE id = $1")
-            .bind(id.uuid())
-            .fetch_optional(pool)
-            .await?;
+    let row: Option<(i16, Time, Time)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT {}, w.last_seen_at, w.last_snapshot_sent_at FROM workloads w WHERE w.id = $1",
+        crate::sync::shown::STATE
+    )))
+    .bind(id.uuid())
+    .fetch_optional(pool)
+    .await?;
     let Some((state, last_seen, last_snapshot)) = row else {
         return Err(Error::NotFound { what: "workload", name: id.to_string() });
     };

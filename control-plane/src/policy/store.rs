@@ -553,6 +553,12 @@ pub struct WorkloadView {
     pub address_ranges: Vec<String>,
     pub policy_version: Option<i64>,
     pub retired: bool,
+    /// The sync state as shown (`sync::shown`: a silent workload is OFFLINE whatever its row
+    /// says), and why.
+    #[serde(default)]
+    pub sync_state: String,
+    #[serde(default)]
+    pub sync_detail: String,
 }
 
 /// One reported address and whether it is rendered into peer sets (address trust).
@@ -665,14 +671,15 @@ pub async fn list_workloads(
     {
         ranges.entry(row.get(0)).or_default().push(row.get(1));
     }
-    let rows = sqlx::query(
-        "SELECT w.id, w.hostname, w.mode, w.label_version, p.version, w.retired_at IS NOT NULL
+    let sql = format!(
+        "SELECT w.id, w.hostname, w.mode, w.label_version, p.version, w.retired_at IS NOT NULL, {}, {}
          FROM workloads w LEFT JOIN workload_policies p ON p.workload_id = w.id
          WHERE $1::uuid IS NULL OR w.id = $1 ORDER BY w.hostname, w.id",
-    )
-    .bind(only.map(|id| id.uuid()))
-    .fetch_all(&mut *conn)
-    .await?;
+        crate::sync::shown::STATE,
+        crate::sync::shown::DETAIL
+    );
+    let rows =
+        sqlx::query(sqlx::AssertSqlSafe(sql)).bind(only.map(|id| id.uuid())).fetch_all(&mut *conn).await?;
     rows.into_iter()
         .map(|row| {
             let id: Uuid = row.get(0);
@@ -686,6 +693,8 @@ pub async fn list_workloads(
                 address_ranges: ranges.remove(&id).unwrap_or_default(),
                 policy_version: row.get(4),
                 retired: row.get(5),
+                sync_state: stored::<innerwall_wire::sync::SyncState>(row.get(6))?.name().to_owned(),
+                sync_detail: row.get(7),
             })
         })
         .collect()
@@ -746,20 +755,27 @@ impl TryFrom<i16> for StateName {
     }
 }
 
-/// The columns of a [`SyncStatusView`], for the statements below to complete.
-const SYNC_STATUS: &str =
-    "SELECT w.id, w.hostname, w.applied_version, p.version AS latest_version, w.sync_state AS state,
-            w.sync_detail AS detail, w.last_seen_at, w.last_acked_at, w.last_snapshot_sent_at,
-            w.last_apply_failed_at
-     FROM workloads w LEFT JOIN workload_policies p ON p.workload_id = w.id
-     WHERE w.retired_at IS NULL";
+/// The columns of a [`SyncStatusView`], for the statements below to complete: the state and
+/// detail as shown (`sync::shown`), not as stored.
+fn sync_status_sql() -> String {
+    use crate::sync::shown;
+    format!(
+        "SELECT w.id, w.hostname, w.applied_version, p.version AS latest_version, {} AS state,
+                {} AS detail, w.last_seen_at, w.last_acked_at, w.last_snapshot_sent_at,
+                w.last_apply_failed_at
+         FROM workloads w LEFT JOIN workload_policies p ON p.workload_id = w.id
+         WHERE w.retired_at IS NULL",
+        shown::STATE,
+        shown::DETAIL
+    )
+}
 
 /// The convergence of every workload that is not retired (or of `only`), by hostname.
 pub async fn sync_status(
     conn: &mut PgConnection,
     only: Option<WorkloadId>,
 ) -> Result<Vec<SyncStatusView>, Error> {
-    let sql = format!("{SYNC_STATUS} AND ($1::uuid IS NULL OR w.id = $1) ORDER BY w.hostname, w.id");
+    let sql = format!("{} AND ($1::uuid IS NULL OR w.id = $1) ORDER BY w.hostname, w.id", sync_status_sql());
     let mut views: Vec<SyncStatusView> =
         sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(only.map(|id| id.uuid())).fetch_all(&mut *conn).await?;
     with_address_issues(conn, &mut views).await?;
@@ -791,8 +807,9 @@ pub async fn sync_status_page(
         None => None,
     };
     let sql = format!(
-        "{SYNC_STATUS} AND ($1::text IS NULL OR (w.hostname, w.id) > ($1, $2::uuid))
-         ORDER BY w.hostname, w.id LIMIT $3"
+        "{} AND ($1::text IS NULL OR (w.hostname, w.id) > ($1, $2::uuid))
+         ORDER BY w.hostname, w.id LIMIT $3",
+        sync_status_sql()
     );
     let mut views: Vec<SyncStatusView> = sqlx::query_as(sqlx::AssertSqlSafe(sql))
         .bind(after.as_ref().map(|a| &a.0))
@@ -868,13 +885,17 @@ pub async fn workload_page(
     let limit = request.checked_limit()?;
     let attention: Vec<i16> = ATTENTION.iter().map(|s| s.code()).collect();
     let mut q = sqlx::QueryBuilder::<sqlx::Postgres>::new(
-        "SELECT * FROM (SELECT w.id, w.hostname, w.mode, w.label_version, w.sync_state, w.applied_version,
+        "SELECT * FROM (SELECT w.id, w.hostname, w.mode, w.label_version, ",
+    );
+    // The state as shown (`sync::shown`): the filter and the attention order see it too.
+    q.push(crate::sync::shown::STATE).push(
+        " AS sync_state, w.applied_version,
                 p.version AS latest_version, w.last_seen_at, w.retired_at IS NOT NULL AS retired,
                 w.denied_at IS NOT NULL AS denied,
                 coalesce(array_position(",
     );
-    q.push_bind(attention).push(
-        "::smallint[], w.sync_state), 99) AS rank,
+    q.push_bind(attention).push("::smallint[], ").push(crate::sync::shown::STATE).push(
+        "), 99) AS rank,
                 coalesce((extract(epoch FROM w.last_seen_at) * 1000000)::bigint, -1) AS seen_us
          FROM workloads w LEFT JOIN workload_policies p ON p.workload_id = w.id) AS f WHERE true",
     );

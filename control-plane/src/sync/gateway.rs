@@ -543,7 +543,10 @@ impl StreamTask {
             )));
         }
         let epoch: i64 = sqlx::query_scalar(
-            "UPDATE workloads SET stream_epoch = stream_epoch + 1, stream_liveness = make_interval(secs => $2)
+            // A Hello is a sign of life: readers judge silence from `last_seen_at` against the
+            // liveness written here (`sync::shown`), so both move together.
+            "UPDATE workloads SET stream_epoch = stream_epoch + 1, stream_liveness = make_interval(secs => $2),
+                 last_seen_at = now()
              WHERE id = $1 RETURNING stream_epoch",
         )
         .bind(self.id.uuid())

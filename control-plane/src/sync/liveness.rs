@@ -4,7 +4,8 @@
 //! heartbeat and state write) is older than the silence its stream tolerates is OFFLINE,
 //! whoever held the stream. The holder itself would have closed a stream that silent, so the
 //! sweep never contradicts a live one; if a slow heartbeat write ever lets it, the stream's
-//! next heartbeat restores its state (`gateway`), under the epoch rules.
+//! next heartbeat restores its state (`gateway`), under the epoch rules. No reader depends on a
+//! sweep having run: each judges the row against the clock itself (`sync::shown`).
 
 use std::time::Duration;
 
@@ -16,11 +17,16 @@ use uuid::Uuid;
 
 use crate::error::Error;
 
-/// Marks every workload whose stream has been silent longer than it tolerates OFFLINE; returns
-/// them.
+/// Marks every workload whose stream has been silent longer than it tolerates OFFLINE, and
+/// records when a sweep last ran (readers say so of a silent row no sweep has caught:
+/// `sync::shown`); returns them.
 pub async fn sweep(pool: &PgPool) -> Result<Vec<WorkloadId>, Error> {
     let ids: Vec<Uuid> = sqlx::query_scalar(
-        "UPDATE workloads
+        "WITH swept AS (
+             INSERT INTO liveness_sweeps (one, swept_at) VALUES (true, now())
+             ON CONFLICT (one) DO UPDATE SET swept_at = excluded.swept_at
+         )
+         UPDATE workloads
          SET sync_state = $1,
              sync_detail = 'silent since ' || to_char(last_seen_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS')
                  || ' UTC: no heartbeat for three intervals (the replica holding its stream is gone, or the host is)'

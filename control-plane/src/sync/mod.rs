@@ -8,3 +8,4 @@ pub mod gateway;
 pub mod liveness;
 pub mod reads;
 pub mod session;
+pub mod shown;

@@ -103,6 +103,7 @@ impl Plane {
             gateway: Default::default(),
             flow_bounds: Default::default(),
             limits: Default::default(),
+            retention: Default::default(),
             metrics_listen: None,
         };
         let mut running =

@@ -62,6 +62,7 @@ impl Plane {
             gateway,
             flow_bounds: Default::default(),
             limits: self.limits.clone(),
+            retention: Default::default(),
             metrics_listen: None,
         };
         self.running = Some(

@@ -7,6 +7,8 @@ mod flows;
 mod identity;
 mod postgres;
 mod publish;
+mod retention;
+mod states;
 mod sync;
 
 /// Polls `done` every 50 ms for up to 15 s; panics naming `what` if it never holds.

@@ -305,6 +305,7 @@ async fn database_stalls_are_bounded_when_the_postmaster_dies() -> anyhow::Resul
             gateway: Default::default(),
             flow_bounds: Default::default(),
             limits: Default::default(),
+            retention: Default::default(),
             metrics_listen: None,
         },
     )

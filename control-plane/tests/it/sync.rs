@@ -203,6 +203,7 @@ async fn second_replica(a: &Plane) -> innerwall_control_plane::service::Running 
             gateway: GatewayConfig::default(),
             flow_bounds: Default::default(),
             limits: Default::default(),
+            retention: Default::default(),
             metrics_listen: None,
         },
     )

@@ -49,6 +49,8 @@ pub struct ServeArgs {
     #[arg(long, default_value = "5m", value_parser = duration::arg)]
     flow_max_ahead: std::time::Duration,
     #[command(flatten)]
+    retention: RetentionArgs,
+    #[command(flatten)]
     api: ApiArgs,
     /// Connections held at once, all sources together; raise `ulimit -n` above it.
     #[arg(long, default_value_t = Limits::default().max_connections)]
@@ -109,6 +111,63 @@ impl ServeArgs {
             unauthenticated_lifetime: self.unauthenticated_lifetime,
             ..Limits::default()
         }
+    }
+}
+
+/// Retention of the control plane's own tables (issue 25), run hourly after flow retention.
+#[derive(Debug, Args)]
+pub struct RetentionArgs {
+    /// How long audit records are kept (whole days).
+    #[arg(long, default_value = "365d", value_parser = duration::arg)]
+    audit_retention: std::time::Duration,
+    /// How long a superseded policy version is kept (whole days, at least --flow-retention);
+    /// versions a promotion record, a retained flow window or the workload refers to stay.
+    #[arg(long, default_value = "90d", value_parser = duration::arg)]
+    policy_history_retention: std::time::Duration,
+    /// How long a replaced label set is kept (whole days, at least --flow-retention).
+    #[arg(long, default_value = "90d", value_parser = duration::arg)]
+    label_history_retention: std::time::Duration,
+    /// How long a retired workload is kept (whole days); one a promotion record names or a
+    /// retained flow window belongs to stays, as does one whose credential is still valid.
+    #[arg(long, default_value = "90d", value_parser = duration::arg)]
+    retired_workload_retention: std::time::Duration,
+    /// How long provisioning and operator tokens are kept after they expired or were revoked.
+    #[arg(long, default_value = "30d", value_parser = duration::arg)]
+    token_retention: std::time::Duration,
+    /// At most this many rows are deleted per transaction.
+    #[arg(long, default_value_t = innerwall_control_plane::retention::Retention::default().batch,
+          value_parser = clap::value_parser!(i64).range(1..=100_000))]
+    retention_batch: i64,
+}
+
+impl RetentionArgs {
+    /// The retention, refused if history would go before the flow windows it explains.
+    fn retention(
+        &self,
+        flows: chrono::Duration,
+    ) -> anyhow::Result<innerwall_control_plane::retention::Retention> {
+        let retention = innerwall_control_plane::retention::Retention {
+            audit: days(self.audit_retention, "--audit-retention")?,
+            policy_history: days(self.policy_history_retention, "--policy-history-retention")?,
+            label_history: days(self.label_history_retention, "--label-history-retention")?,
+            retired_workloads: days(self.retired_workload_retention, "--retired-workload-retention")?,
+            tokens: days(self.token_retention, "--token-retention")?,
+            batch: self.retention_batch,
+        };
+        for (flag, kept) in [
+            ("--policy-history-retention", retention.policy_history),
+            ("--label-history-retention", retention.label_history),
+        ] {
+            if kept < flows {
+                anyhow::bail!(
+                    "{flag} ({} days) must be at least --flow-retention ({} days): retained flow windows \
+                     are resolved against that history",
+                    kept.num_days(),
+                    flows.num_days()
+                );
+            }
+        }
+        Ok(retention)
     }
 }
 
@@ -202,6 +261,7 @@ pub async fn run(args: &ServeArgs, database: &Database, ca_dir: &Path) -> anyhow
                 .context("--flow-max-ahead is too large")?,
         },
         limits: args.limits(),
+        retention: args.retention.retention(days(args.flow_retention, "--flow-retention")?)?,
         metrics_listen: args.metrics_listen,
     };
     let mut running = service::start(pools, signer, config).await?;

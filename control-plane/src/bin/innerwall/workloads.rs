@@ -475,11 +475,15 @@ fn print_show(json: bool, w: WorkloadView) -> anyhow::Result<()> {
         w.label_version.to_string(),
         w.addresses.iter().map(|a| a.brief()).collect::<Vec<_>>().join(" "),
         w.policy_version.map_or("-".into(), |v| v.to_string()),
+        w.sync_state,
     ];
     print_table(
-        &["id", "hostname", "mode", "labels", "label version", "addresses", "policy version"],
+        &["id", "hostname", "mode", "labels", "label version", "addresses", "policy version", "state"],
         vec![row],
     );
+    if !w.sync_detail.is_empty() {
+        println!("state: {}", w.sync_detail);
+    }
     if !w.addresses.is_empty() {
         println!();
         print_addresses(w.addresses);
