@@ -553,10 +553,11 @@ pub struct WorkloadView {
     pub address_ranges: Vec<String>,
     pub policy_version: Option<i64>,
     pub retired: bool,
-    /// The sync state as shown (`sync::shown`: a silent workload is OFFLINE whatever its row
-    /// says), and why.
+    /// `PENDING`, `SYNCED`, `DEGRADED`, `OFFLINE` or `SUSPENDED`, judged when read: a workload
+    /// silent longer than its stream tolerates is OFFLINE whatever was stored.
     #[serde(default)]
     pub sync_state: String,
+    /// Why it is in that state.
     #[serde(default)]
     pub sync_detail: String,
 }
