@@ -13,5 +13,6 @@ mod plane;
 mod remote;
 mod remote_fleet;
 mod remote_workloads;
+mod states;
 mod sync;
 mod unauthenticated;
