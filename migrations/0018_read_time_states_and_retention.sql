@@ -21,7 +21,7 @@ CREATE FUNCTION policy_contents_delete_orphans_only() RETURNS trigger LANGUAGE p
 BEGIN
     IF EXISTS (SELECT 1 FROM workload_policies WHERE digest = OLD.digest)
        OR EXISTS (SELECT 1 FROM workload_policy_history WHERE digest = OLD.digest) THEN
-        RAISE EXCEPTION 'policy content % is referred to by a rendered policy and is kept',
+        RAISE EXCEPTION 'policy content % is referred to by a rendered policy: referenced contents are never changed or deleted',
             encode(OLD.digest, 'hex');
     END IF;
     RETURN OLD;
