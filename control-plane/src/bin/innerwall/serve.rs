@@ -335,4 +335,24 @@ mod tests {
         assert_eq!(args.pools().ingest, PoolConfig { size: 2, ..PoolConfig::INGEST });
         assert!(Cli::try_parse_from(["serve", "--db-stream-connections", "0"]).is_err());
     }
+
+    #[test]
+    fn retention_flags_default_to_the_library_and_keep_history_as_long_as_flows() {
+        let thirty = chrono::Duration::days(30);
+        let args = Cli::parse_from(["serve"]).serve;
+        assert_eq!(
+            args.retention.retention(thirty).unwrap(),
+            innerwall_control_plane::retention::Retention::default()
+        );
+        let args = Cli::parse_from(["serve", "--policy-history-retention", "7d"]).serve;
+        let err = args.retention.retention(thirty).unwrap_err().to_string();
+        assert!(
+            err.contains("--policy-history-retention (7 days) must be at least --flow-retention (30 days)"),
+            "{err}"
+        );
+        let args = Cli::parse_from(["serve", "--audit-retention", "36h"]).serve;
+        let err = args.retention.retention(thirty).unwrap_err().to_string();
+        assert!(err.contains("--audit-retention must be a whole number of days"), "{err}");
+        assert!(Cli::try_parse_from(["serve", "--retention-batch", "0"]).is_err());
+    }
 }
