@@ -35,6 +35,8 @@ pub struct Plane {
     pub server_names: Vec<String>,
     /// Where the replica serves `/metrics`, if anywhere.
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// The times ingest accepts, with the clock skew allowed.
+    pub flow_bounds: innerwall_control_plane::flows::TimeBounds,
     pub running: Option<Running>,
 }
 
@@ -65,6 +67,7 @@ impl Plane {
             listen_ip: IpAddr::from([127, 0, 0, 1]),
             server_names: vec!["localhost".into()],
             metrics_listen: None,
+            flow_bounds: Default::default(),
             running: None,
         }
     }
@@ -78,7 +81,7 @@ impl Plane {
             cert_lifetime: self.cert_lifetime,
             server_cert_lifetime: innerwall_control_plane::identity::server_cert::SERVER_CERT_LIFETIME,
             gateway: self.gateway.clone(),
-            flow_bounds: Default::default(),
+            flow_bounds: self.flow_bounds,
             limits: Default::default(),
             metrics_listen: self.metrics_listen,
         };
