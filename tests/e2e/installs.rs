@@ -73,12 +73,12 @@ async fn install(plane: &Plane, id: WorkloadId, version: i64) -> (i64, i64) {
     (from.timestamp_millis(), by.timestamp_millis())
 }
 
-/// `flow_windows_refused` for `reason` in the replica's metrics.
+/// `innerwall_flow_windows_refused_total` for `reason` in the replica's metrics.
 fn refused(plane: &Plane, reason: &str) -> u64 {
     let text = plane.running.as_ref().unwrap().metrics.encode();
     let label = format!("reason=\"{reason}\"");
     text.lines()
-        .find(|l| l.starts_with("flow_windows_refused") && l.contains(&label))
+        .find(|l| l.starts_with("innerwall_flow_windows_refused_total{") && l.contains(&label))
         .and_then(|l| l.rsplit(' ').next())
         .map_or(0, |n| n.parse().unwrap())
 }

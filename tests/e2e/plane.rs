@@ -139,6 +139,22 @@ impl Plane {
         (credential.id, config)
     }
 
+    /// Runs the agent's real sync loop for `config` (a test store for its policy) until `id` is
+    /// SYNCED at its latest version, which its acknowledgement recorded as installed: windows
+    /// claiming that version are then the host's own. Abort the task to stop the agent.
+    pub async fn hold(
+        &self,
+        id: WorkloadId,
+        config: &RunConfig,
+    ) -> (Arc<Enforcer<TestStore>>, tokio::task::JoinHandle<()>) {
+        let enforcer = Arc::new(Enforcer::new(TestStore::default()));
+        let (c, e) = (config.clone(), enforcer.clone());
+        let task = tokio::spawn(async move { innerwall_agent::daemon::hold_stream(&c, e).await.unwrap() });
+        let latest = self.status(id).await.2.expect("a rendered policy");
+        self.wait_synced(id, latest).await;
+        (enforcer, task)
+    }
+
     /// Registers a workload without an agent (a peer) with its labels and one address.
     pub async fn register(&self, hostname: &str, labels: &[&str], addr: &str) -> WorkloadId {
         let new = NewWorkload {

@@ -1001,3 +1001,57 @@ async fn flow_list_and_gaps_page_every_row_once() {
     }
     assert_eq!(gaps, 10, "every gap once, identical ones too");
 }
+
+/// FLOW-5: a flow is attributed to the workload that holds its source address now. A host is
+/// deny-listed and another live host takes its address: flows from the address are the live
+/// host's only, and the schema refuses a second accepted claim of it whatever writes it.
+#[tokio::test]
+async fn deny_listed_addresses_are_not_attributed() {
+    use proto::FlowDecision::WouldBlock;
+    let db = fresh_database().await.unwrap();
+    let dst = register(&db.pool, &["app=db"], &[]).await;
+    let old = register(&db.pool, &["app=web"], &["10.9.0.7"]).await;
+    let start = chrono::Utc::now().timestamp_millis() - 180_000;
+    let upload = async |n: i64| {
+        let s = start + n * 60_000;
+        let wire = window_at(s, vec![flow("10.9.0.7", "10.1.0.5", 5432, WouldBlock, 1 + n as u64, (s, s))]);
+        flows::ingest(&db.pool, dst, &FlowWindow::try_from(&wire).unwrap()).await.unwrap();
+    };
+    upload(0).await;
+
+    authoring::commit(&db.pool, "test", "workload.deny", &old.to_string(), async |c| {
+        authoring::deny(c, old).await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await
+    .unwrap();
+    let new = register(&db.pool, &["app=batch"], &["10.9.0.7"]).await;
+    upload(1).await;
+    upload(2).await;
+
+    let peers: Vec<(i64, String)> =
+        sqlx::query_as("SELECT packets, peer_key FROM flow_records WHERE workload_id = $1 ORDER BY packets")
+            .bind(dst.uuid())
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        peers,
+        [(1, old.to_string()), (2, new.to_string()), (3, new.to_string())],
+        "before the deny the old host's; after it, the live host's only"
+    );
+    let accepted: Vec<uuid::Uuid> = sqlx::query_scalar(
+        "SELECT workload_id FROM workload_addresses WHERE address = '10.9.0.7' AND standing = 1",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(accepted, [new.uuid()]);
+    // Impossible in the schema too: a second accepted claim does not commit.
+    let err = sqlx::query("UPDATE workload_addresses SET standing = 1 WHERE workload_id = $1")
+        .bind(old.uuid())
+        .execute(&db.pool)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("workload_addresses_accepted_once"), "{err}");
+}
