@@ -146,13 +146,8 @@ pub(super) async fn claim(
     version: u64,
     created_at: DateTime<Utc>,
 ) -> Result<Claim, Error> {
-    let (known, mode, from, by, next_by): (
-        bool,
-        Option<i16>,
-        Option<DateTime<Utc>>,
-        Option<DateTime<Utc>>,
-        Option<DateTime<Utc>>,
-    ) = sqlx::query_as(
+    type Row = (bool, Option<i16>, Option<DateTime<Utc>>, Option<DateTime<Utc>>, Option<DateTime<Utc>>);
+    let (known, mode, from, by, next_by): Row = sqlx::query_as(
         "SELECT EXISTS (SELECT 1 FROM workload_policy_history WHERE workload_id = $1 AND version = $2),
                 i.mode, i.installed_from, i.installed_by,
                 (SELECT min(n.installed_by) FROM workload_installs n WHERE n.workload_id = $1 AND n.version > $2)
