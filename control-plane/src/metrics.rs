@@ -617,6 +617,11 @@ mod tests {
                 "innerwall_flow_records_refused_total{reason=\"invalid\"} 0",
                 "innerwall_flow_records_refused_total{reason=\"out_of_range\"} 7",
                 "innerwall_flow_records_refused_total{reason=\"workload_refused\"} 0",
+                "innerwall_flow_records_refused_total{reason=\"version_unknown\"} 0",
+                "innerwall_flow_records_refused_total{reason=\"version_not_installed\"} 0",
+                "innerwall_flow_records_refused_total{reason=\"mode_mismatch\"} 0",
+                "innerwall_flow_records_refused_total{reason=\"overlap\"} 0",
+                "innerwall_flow_records_refused_total{reason=\"version_pending\"} 0",
                 "innerwall_flow_records_refused_total{reason=\"unavailable\"} 0",
                 "innerwall_flow_records_refused_total{reason=\"internal\"} 0",
             ]
