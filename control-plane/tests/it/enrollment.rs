@@ -12,7 +12,7 @@ use innerwall_control_plane::policy::authoring;
 use innerwall_control_plane::postgres::Pools;
 use innerwall_control_plane::service::{self, Running, ServiceConfig};
 use innerwall_control_plane::sync::gateway::GatewayConfig;
-use innerwall_control_plane::testing::{self, TestDatabase, fresh_database};
+use innerwall_control_plane::testing::{TestDatabase, fresh_database};
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::Mode;
 
@@ -446,7 +446,9 @@ async fn retired_and_denied_cannot_upload() {
         let (id, cert, key) = plane.enroll(&token).await.unwrap();
         // The version its windows claim, as if its agent had acked it.
         let since = chrono::Utc::now() - chrono::Duration::hours(1);
-        testing::installed(&plane.db.pool, id, &[(1, Mode::Visibility, since)]).await.unwrap();
+        innerwall_control_plane::testing::installed(&plane.db.pool, id, &[(1, Mode::Visibility, since)])
+            .await
+            .unwrap();
         let mut uploads = proto::telemetry_service_client::TelemetryServiceClient::new(
             plane.mutual(&cert, &key).await.unwrap(),
         );
