@@ -123,6 +123,14 @@ async fn uploader(pool: &PgPool, n: usize) -> anyhow::Result<WorkloadId> {
     let labels = vec!["app=db".parse()?];
     register(pool, &NewWorkload { id, hostname: format!("db-{n}"), labels, addresses: BTreeSet::new() })
         .await?;
+    // The version its windows claim, installed before them (as its agent's ack would record).
+    let since = chrono::Utc::now() - chrono::Duration::hours(1);
+    innerwall_control_plane::testing::installed(
+        pool,
+        id,
+        &[(1, innerwall_wire::policy::Mode::Simulation, since)],
+    )
+    .await?;
     Ok(id)
 }
 

@@ -102,6 +102,17 @@ pub enum Refusal {
     OutOfRange,
     /// Its workload is retired, deny-listed or unknown.
     WorkloadRefused,
+    /// Its version is none the workload ever had (FLOW-5).
+    VersionUnknown,
+    /// Its version was never installed on the host, or not during the window (FLOW-5).
+    VersionNotInstalled,
+    /// Its mode is not its version's (FLOW-5).
+    ModeMismatch,
+    /// It overlaps a window the workload already reported (FLOW-5).
+    Overlap,
+    /// Its version has no acknowledgement yet (one lost with its connection is reported by the
+    /// agent's next Hello); the agent sends it again.
+    VersionPending,
     /// The database could not take it in time; the agent sends it again.
     Unavailable,
     /// Anything else (logged by the error mapping).
@@ -114,6 +125,11 @@ impl ClosedLabel for Refusal {
         Refusal::Invalid,
         Refusal::OutOfRange,
         Refusal::WorkloadRefused,
+        Refusal::VersionUnknown,
+        Refusal::VersionNotInstalled,
+        Refusal::ModeMismatch,
+        Refusal::Overlap,
+        Refusal::VersionPending,
         Refusal::Unavailable,
         Refusal::Internal,
     ];
@@ -122,6 +138,11 @@ impl ClosedLabel for Refusal {
             Refusal::Invalid => "invalid",
             Refusal::OutOfRange => "out_of_range",
             Refusal::WorkloadRefused => "workload_refused",
+            Refusal::VersionUnknown => "version_unknown",
+            Refusal::VersionNotInstalled => "version_not_installed",
+            Refusal::ModeMismatch => "mode_mismatch",
+            Refusal::Overlap => "overlap",
+            Refusal::VersionPending => "version_pending",
             Refusal::Unavailable => "unavailable",
             Refusal::Internal => "internal",
         }
@@ -599,6 +620,11 @@ mod tests {
                 "innerwall_flow_records_refused_total{reason=\"invalid\"} 0",
                 "innerwall_flow_records_refused_total{reason=\"out_of_range\"} 7",
                 "innerwall_flow_records_refused_total{reason=\"workload_refused\"} 0",
+                "innerwall_flow_records_refused_total{reason=\"version_unknown\"} 0",
+                "innerwall_flow_records_refused_total{reason=\"version_not_installed\"} 0",
+                "innerwall_flow_records_refused_total{reason=\"mode_mismatch\"} 0",
+                "innerwall_flow_records_refused_total{reason=\"overlap\"} 0",
+                "innerwall_flow_records_refused_total{reason=\"version_pending\"} 0",
                 "innerwall_flow_records_refused_total{reason=\"unavailable\"} 0",
                 "innerwall_flow_records_refused_total{reason=\"internal\"} 0",
             ]

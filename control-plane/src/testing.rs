@@ -260,6 +260,34 @@ async fn allow(
     Ok(())
 }
 
+/// Stands in for agents' acknowledgements (and, where a test claims a version no render of its
+/// made, for that render) for tests that upload synthetic windows without an agent: each
+/// `(version, mode, at)` becomes a version `id` had (a history row with its latest content, if
+/// it has none of that version) installed at `at`, written with the gateway's own
+/// `flows::installs::record`. Tests of the installs themselves use a real agent's acks.
+pub async fn installed(
+    pool: &PgPool,
+    id: innerwall_wire::identity::WorkloadId,
+    versions: &[(u64, innerwall_wire::policy::Mode, chrono::DateTime<chrono::Utc>)],
+) -> anyhow::Result<()> {
+    let mut conn = pool.acquire().await?;
+    for (version, mode, at) in versions {
+        sqlx::query(
+            "INSERT INTO workload_policy_history (workload_id, version, digest, rendered_at)
+             SELECT workload_id, $2, digest, $3 FROM workload_policies WHERE workload_id = $1
+             ON CONFLICT DO NOTHING",
+        )
+        .bind(id.uuid())
+        .bind(*version as i64)
+        .bind(at)
+        .execute(&mut *conn)
+        .await
+        .context("a history row for an installed version")?;
+        crate::flows::installs::record(&mut conn, id, *version, *mode, Some(*at), Some(*at)).await?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

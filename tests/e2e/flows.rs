@@ -4,7 +4,7 @@
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use innerwall_agent::connect::connect;
@@ -37,13 +37,19 @@ fn now_ms() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64
 }
 
+/// A window under version 1 (in its mode, visibility), which `Plane::hold` has the agent
+/// install first; each one after the last (a workload's windows do not overlap).
 fn window(records: Vec<FlowRecord>) -> FlowWindow {
+    static LAST: AtomicI64 = AtomicI64::new(0);
+    let now = now_ms();
+    let start = LAST.fetch_max(now, Ordering::Relaxed).max(now);
+    LAST.fetch_max(start + 2, Ordering::Relaxed);
     FlowWindow {
         id: uuid::Uuid::new_v4(),
-        start_ms: now_ms() - 60_000,
-        end_ms: now_ms(),
+        start_ms: start,
+        end_ms: start + 1,
         policy_version: 1,
-        mode: Mode::Simulation,
+        mode: Mode::Visibility,
         records,
         gaps: vec![],
     }
@@ -67,6 +73,7 @@ async fn group(plane: &Plane, name: &str, cidr: &str) {
 async fn flows_end_to_end_with_label_snapshot() {
     let plane = Plane::start().await;
     let (id, config) = plane.enroll("db-1", &["app=db"]).await;
+    let (_enforcer, _agent) = plane.hold(id, &config).await;
     let peer = plane.register("peer", &["app=web", "env=prod"], "10.9.0.7").await;
     group(&plane, "corp", "10.8.0.0/16").await;
     group(&plane, "office", "10.8.1.0/24").await;
@@ -136,6 +143,7 @@ async fn flows_end_to_end_with_label_snapshot() {
 async fn flow_upload_is_idempotent() {
     let plane = Plane::start().await;
     let (id, config) = plane.enroll("db-1", &["app=db"]).await;
+    let (_enforcer, _agent) = plane.hold(id, &config).await;
     let queue = Queue::new(&config.state_dir, 10).unwrap();
     let w = window(vec![record("192.0.2.1", 5432, 7)]);
     // A retry after a lost response is the same window again.
@@ -158,6 +166,8 @@ async fn flow_upload_is_idempotent() {
 async fn flow_buffer_survives_partition() {
     let mut plane = Plane::start().await;
     let (id, config) = plane.enroll("db-1", &["app=db"]).await;
+    let (_enforcer, agent) = plane.hold(id, &config).await;
+    agent.abort();
     plane.down().await;
     // In the control plane's place, a listener that counts connections and drops them: every
     // upload attempt fails there.
@@ -252,6 +262,7 @@ async fn ingest_refuses_times_out_of_range() {
     const DAY: i64 = 86_400_000;
     let plane = Plane::start().await;
     let (id, config) = plane.enroll("db-1", &["app=db"]).await;
+    let (_enforcer, _agent) = plane.hold(id, &config).await;
     let partition_exists = |offset_ms: i64| {
         let day = chrono::DateTime::from_timestamp_millis(now_ms() + offset_ms).unwrap().format("%Y%m%d");
         let pool = plane.pool().clone();

@@ -35,6 +35,8 @@ pub struct Plane {
     pub server_names: Vec<String>,
     /// Where the replica serves `/metrics`, if anywhere.
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// The times ingest accepts, with the clock skew allowed.
+    pub flow_bounds: innerwall_control_plane::flows::TimeBounds,
     pub running: Option<Running>,
 }
 
@@ -65,6 +67,7 @@ impl Plane {
             listen_ip: IpAddr::from([127, 0, 0, 1]),
             server_names: vec!["localhost".into()],
             metrics_listen: None,
+            flow_bounds: Default::default(),
             running: None,
         }
     }
@@ -78,7 +81,7 @@ impl Plane {
             cert_lifetime: self.cert_lifetime,
             server_cert_lifetime: innerwall_control_plane::identity::server_cert::SERVER_CERT_LIFETIME,
             gateway: self.gateway.clone(),
-            flow_bounds: Default::default(),
+            flow_bounds: self.flow_bounds,
             limits: Default::default(),
             retention: Default::default(),
             metrics_listen: self.metrics_listen,
@@ -135,6 +138,22 @@ impl Plane {
         config.backoff_base = Duration::from_millis(50);
         config.backoff_cap = Duration::from_millis(400);
         (credential.id, config)
+    }
+
+    /// Runs the agent's real sync loop for `config` (a test store for its policy) until `id` is
+    /// SYNCED at its latest version, which its acknowledgement recorded as installed: windows
+    /// claiming that version are then the host's own. Abort the task to stop the agent.
+    pub async fn hold(
+        &self,
+        id: WorkloadId,
+        config: &RunConfig,
+    ) -> (Arc<Enforcer<TestStore>>, tokio::task::JoinHandle<()>) {
+        let enforcer = Arc::new(Enforcer::new(TestStore::default()));
+        let (c, e) = (config.clone(), enforcer.clone());
+        let task = tokio::spawn(async move { innerwall_agent::daemon::hold_stream(&c, e).await.unwrap() });
+        let latest = self.status(id).await.2.expect("a rendered policy");
+        self.wait_synced(id, latest).await;
+        (enforcer, task)
     }
 
     /// Registers a workload without an agent (a peer) with its labels and one address.

@@ -150,6 +150,12 @@ async fn estate(pool: &PgPool, base: DateTime<Utc>) {
         ),
     ];
     let db: WorkloadId = DB.parse().unwrap();
+    // The versions the windows claim, as if the host's agent had acked them.
+    let installs = [
+        (1, Mode::Simulation, base - chrono::Duration::minutes(200)),
+        (2, Mode::Simulation, base - chrono::Duration::minutes(11)),
+    ];
+    innerwall_control_plane::testing::installed(pool, db, &installs).await.unwrap();
     for w in &windows {
         flows::ingest(pool, db, w).await.unwrap();
     }

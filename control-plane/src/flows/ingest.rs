@@ -18,6 +18,7 @@ use innerwall_wire::proto;
 use serde::Serialize;
 use sqlx::{PgConnection, PgPool, Row};
 
+use super::installs;
 use super::retention::{PARTITION_LOCK_KEY, ensure_partitions, partitions};
 use crate::copy::{self, copy_in};
 use crate::error::Error;
@@ -50,13 +51,17 @@ async fn resolve(
     let texts: Vec<String> = sources.keys().map(IpAddr::to_string).collect();
     let times: Vec<DateTime<Utc>> = sources.values().copied().collect();
     let mut peers = BTreeMap::new();
-    // One statement over the distinct sources, each parsed once: workload matches first (only
-    // addresses address trust accepted: standing 1), then each remaining source's most specific
-    // group.
+    // One statement over the distinct sources, each parsed once: workload matches first, then
+    // each remaining source's most specific group. A source is a workload's only while that
+    // workload holds it now: live (neither retired nor deny-listed) and its claim accepted by
+    // address trust (standing 1). At most one workload per source, twice over: the schema accepts
+    // an address for one workload at most (`workload_addresses_accepted_once`, and retire and
+    // deny clear a workload's standings), and `DISTINCT ON` takes one row per source whatever
+    // the rows.
     for row in sqlx::query(
         "WITH s AS MATERIALIZED (SELECT s, at FROM unnest($1::inet[], $2::timestamptz[]) AS t (s, at)),
          w AS MATERIALIZED (
-            SELECT s.s, w.id::text AS key,
+            SELECT DISTINCT ON (s.s) s.s, w.id::text AS key,
                    COALESCE((SELECT h.labels FROM workload_label_history h
                              WHERE h.workload_id = w.id AND h.valid_from <= s.at
                              ORDER BY h.valid_from DESC, h.label_version DESC LIMIT 1),
@@ -64,7 +69,8 @@ async fn resolve(
                             '{}')::text AS labels
             FROM s JOIN workload_addresses a ON a.address = s.s AND a.standing = 1
                  JOIN workloads w ON w.id = a.workload_id
-            WHERE w.retired_at IS NULL)
+            WHERE w.retired_at IS NULL AND w.denied_at IS NULL
+            ORDER BY s.s, w.id)
          SELECT host(s), 1::smallint, key, labels FROM w
          UNION ALL
          SELECT * FROM (
@@ -120,11 +126,80 @@ fn window_totals(records: &[FlowRecord]) -> Result<Totals, Error> {
     Ok(t)
 }
 
-/// Stores one validated window from `workload` (identity from its certificate).
+/// Why an upload was not stored: a window whose claim to a version its host's installs do not
+/// bear out (`installs::judge`), or anything else.
+#[derive(Debug, thiserror::Error)]
+pub enum IngestError {
+    #[error("{reason}: {detail}")]
+    Evidence { reason: installs::Refusal, detail: String },
+    #[error(transparent)]
+    Other(#[from] Error),
+}
+
+impl From<sqlx::Error> for IngestError {
+    fn from(e: sqlx::Error) -> Self {
+        IngestError::Other(Error::from(e))
+    }
+}
+
+impl IngestError {
+    /// The reason in the refusal metric.
+    pub fn refusal(&self) -> Refusal {
+        match self {
+            IngestError::Evidence { reason, .. } => match reason {
+                installs::Refusal::VersionUnknown => Refusal::VersionUnknown,
+                installs::Refusal::VersionNotInstalled => Refusal::VersionNotInstalled,
+                installs::Refusal::ModeMismatch => Refusal::ModeMismatch,
+                installs::Refusal::Overlap => Refusal::Overlap,
+                installs::Refusal::VersionPending => Refusal::VersionPending,
+            },
+            IngestError::Other(e) => Refusal::of(e),
+        }
+    }
+}
+
+/// A refused window is FAILED_PRECONDITION (the agent turns it into an UPLOAD_REFUSED gap and
+/// goes on); a pending version UNAVAILABLE (the agent keeps the window and sends it again).
+impl From<IngestError> for tonic::Status {
+    fn from(e: IngestError) -> Self {
+        match e {
+            IngestError::Evidence { reason: installs::Refusal::VersionPending, .. } => {
+                tonic::Status::unavailable(format!("window not stored yet: {e}"))
+            }
+            IngestError::Evidence { .. } => {
+                tonic::Status::failed_precondition(format!("window refused: {e}"))
+            }
+            IngestError::Other(e) => tonic::Status::from(e),
+        }
+    }
+}
+
+/// Advisory lock class (the two-key form, apart from the partition lock's one-key space) of a
+/// workload's windows: its uploads are checked for overlap one at a time.
+const WINDOWS_LOCK_CLASS: i32 = 0x6977_7769;
+
+/// [`ingest_with`] with the default clock skew.
+pub async fn ingest(
+    pool: &PgPool,
+    workload: WorkloadId,
+    window: &FlowWindow,
+) -> Result<Ingested, IngestError> {
+    ingest_with(pool, workload, window, TimeBounds::default().max_ahead).await
+}
+
+/// Stores one validated window from `workload` (identity from its certificate), if its version
+/// is one the workload had and its host installed, in that version's mode, within the time
+/// it was installed (`skew`: the clock skew allowed), and it overlaps none of the workload's
+/// windows (a retry of a stored window id is a duplicate, stored once).
 ///
 /// Records go in by binary `COPY` (no text parsing on the server), each source is resolved
 /// once per window, and the window's totals are summed here and stored on its row.
-pub async fn ingest(pool: &PgPool, workload: WorkloadId, window: &FlowWindow) -> Result<Ingested, Error> {
+pub async fn ingest_with(
+    pool: &PgPool,
+    workload: WorkloadId,
+    window: &FlowWindow,
+    skew: chrono::Duration,
+) -> Result<Ingested, IngestError> {
     let (start, end) = (time(window.start_ms), time(window.end_ms));
     let names: Vec<String> = partitions(start.date_naive()).into_iter().map(|(_, name)| name).collect();
     let exists: bool =
@@ -138,27 +213,70 @@ pub async fn ingest(pool: &PgPool, workload: WorkloadId, window: &FlowWindow) ->
         tx.commit().await?;
     }
 
-    let totals = window_totals(&window.records)?;
+    let totals = window_totals(&window.records).map_err(IngestError::Other)?;
     let mut tx = pool.begin().await?;
     // Shared: ingests run side by side; retention (exclusive) waits for them and they for it.
     sqlx::query("SELECT pg_advisory_xact_lock_shared($1)").bind(PARTITION_LOCK_KEY).execute(&mut *tx).await?;
     // The workload must be live in this transaction: a retire or deny that committed before it
     // refuses the window even if its notice has not reached this replica's admission yet, and
     // one that comes later waits for it (it locks the row FOR UPDATE; state writes do not).
-    let gone: Option<(bool, bool)> = sqlx::query_as(
-        "SELECT retired_at IS NOT NULL, denied_at IS NOT NULL FROM workloads WHERE id = $1 FOR KEY SHARE",
+    let gone: Option<(bool, bool, DateTime<Utc>)> = sqlx::query_as(
+        "SELECT retired_at IS NOT NULL, denied_at IS NOT NULL, created_at FROM workloads WHERE id = $1 FOR KEY SHARE",
     )
     .bind(workload.uuid())
     .fetch_optional(&mut *tx)
     .await?;
     // The same words as the admission's refusal, whichever of the two speaks first.
-    match gone {
-        Some((false, false)) => {}
-        Some((_, true)) => return Err(Error::Refused(format!("workload {workload} is deny-listed"))),
-        Some((true, false)) => {
-            return Err(Error::Refused(format!("workload {workload} is retired; enroll the host again")));
+    let created_at = match gone {
+        Some((false, false, created_at)) => created_at,
+        Some((_, true, _)) => {
+            return Err(Error::Refused(format!("workload {workload} is deny-listed")).into());
         }
-        None => return Err(Error::Refused(format!("workload {workload} is unknown"))),
+        Some((true, false, _)) => {
+            return Err(
+                Error::Refused(format!("workload {workload} is retired; enroll the host again")).into()
+            );
+        }
+        None => return Err(Error::Refused(format!("workload {workload} is unknown")).into()),
+    };
+    // One upload of this workload at a time from here: two overlapping windows sent side by side
+    // cannot both find the other missing.
+    sqlx::query("SELECT pg_advisory_xact_lock($1, hashtext($2::text))")
+        .bind(WINDOWS_LOCK_CLASS)
+        .bind(workload.uuid())
+        .execute(&mut *tx)
+        .await?;
+    let stored: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM flow_windows WHERE workload_id = $1 AND window_id = $2)",
+    )
+    .bind(workload.uuid())
+    .bind(window.id)
+    .fetch_one(&mut *tx)
+    .await?;
+    if stored {
+        return Ok(Ingested { records: 0, duplicate: true });
+    }
+    let claim = installs::claim(&mut tx, workload, window.policy_version, created_at).await?;
+    installs::judge(window, &claim, skew)
+        .map_err(|(reason, detail)| IngestError::Evidence { reason, detail })?;
+    // Windows are at most MAX_WINDOW_MS long: one that overlaps starts no earlier than that
+    // before this one (which bounds the partitions read).
+    let overlapping: Option<(uuid::Uuid, DateTime<Utc>, DateTime<Utc>)> = sqlx::query_as(
+        "SELECT window_id, window_start, window_end FROM flow_windows
+         WHERE workload_id = $1 AND window_start < $3 AND window_end > $2 AND window_start > $2 - make_interval(secs => $4)
+         ORDER BY window_start LIMIT 1",
+    )
+    .bind(workload.uuid())
+    .bind(start)
+    .bind(end)
+    .bind((innerwall_wire::flows::MAX_WINDOW_MS / 1_000) as f64)
+    .fetch_optional(&mut *tx)
+    .await?;
+    if let Some((id, from, to)) = overlapping {
+        return Err(IngestError::Evidence {
+            reason: installs::Refusal::Overlap,
+            detail: format!("the window [{start}, {end}) overlaps window {id} [{from}, {to}) already stored"),
+        });
     }
     let fresh = sqlx::query(
         "INSERT INTO flow_windows (workload_id, window_id, window_start, window_end, policy_version, mode, record_count,
@@ -195,7 +313,7 @@ pub async fn ingest(pool: &PgPool, workload: WorkloadId, window: &FlowWindow) ->
         let seen = time(r.first_seen_ms);
         sources.entry(r.src).and_modify(|at| *at = (*at).min(seen)).or_insert(seen);
     }
-    let mut peers = resolve(&mut tx, &sources).await?;
+    let mut peers = resolve(&mut tx, &sources).await.map_err(IngestError::Other)?;
     for src in sources.keys() {
         peers.entry(*src).or_insert_with(|| Peer { kind: 0, key: src.to_string(), labels: NO_LABELS.into() });
     }
@@ -341,7 +459,7 @@ impl proto::telemetry_service_server::TelemetryService for Telemetry {
         let mut window = FlowWindow::try_from(wire).map_err(|e| refused(Refusal::Invalid, &e))?;
         self.bounds.check(&mut window, Utc::now()).map_err(|e| refused(Refusal::OutOfRange, &e))?;
         let started = std::time::Instant::now();
-        let done = match ingest(&self.pool, workload, &window).await {
+        let done = match ingest_with(&self.pool, workload, &window, self.bounds.max_ahead).await {
             Ok(done) if done.duplicate => {
                 self.metrics.window_duplicate(started.elapsed());
                 done
@@ -351,7 +469,7 @@ impl proto::telemetry_service_server::TelemetryService for Telemetry {
                 done
             }
             Err(e) => {
-                self.metrics.window_refused(Refusal::of(&e), window.records.len(), window.gaps.len());
+                self.metrics.window_refused(e.refusal(), window.records.len(), window.gaps.len());
                 return Err(tonic::Status::from(e));
             }
         };

@@ -5,13 +5,14 @@
 
 mod hourly;
 mod ingest;
+pub mod installs;
 mod page;
 mod query;
 mod retention;
 mod rollup;
 
 pub use hourly::{ROLLUP_BATCH_RECORDS, ROLLUP_BATCH_WINDOWS, roll_up};
-pub use ingest::{Ingested, Telemetry, TimeBounds, ingest};
+pub use ingest::{IngestError, Ingested, Telemetry, TimeBounds, ingest, ingest_with};
 pub use page::{MAX_PAGE, Page, PageRequest};
 pub use query::{FlowRow, GapRow, RecordFilter, gaps, list};
 pub use retention::{DEFAULT_RETENTION_DAYS, RETENTION_BATCH, apply_retention, ensure_partitions};

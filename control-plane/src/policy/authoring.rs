@@ -703,6 +703,7 @@ pub async fn retire(conn: &mut PgConnection, id: WorkloadId) -> Result<(), Error
     if done.rows_affected() == 0 {
         return Err(Error::Invalid(format!("workload {id} is already retired")));
     }
+    unjudge_addresses(conn, id).await?;
     notice::publish(conn, &[Notice::Retire(id)]).await
 }
 
@@ -717,7 +718,19 @@ pub async fn deny(conn: &mut PgConnection, id: WorkloadId) -> Result<(), Error> 
     if done.rows_affected() == 0 {
         return Err(Error::Invalid(format!("workload {id} is already deny-listed")));
     }
+    unjudge_addresses(conn, id).await?;
     notice::publish(conn, &[Notice::Deny(id)]).await
+}
+
+/// A workload leaving the renders leaves address trust too: none of its addresses stays accepted,
+/// so ingest never attributes a flow to it and the address can be accepted for the live host
+/// that holds it now (at most one accepted claim per address: `workload_addresses_accepted_once`).
+async fn unjudge_addresses(conn: &mut PgConnection, id: WorkloadId) -> Result<(), Error> {
+    sqlx::query("UPDATE workload_addresses SET standing = NULL WHERE workload_id = $1")
+        .bind(id.uuid())
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
 }
 
 /// The answer to a directed reconnect request (SYNC-8).

@@ -320,6 +320,13 @@ impl StreamTask {
                     self.send(sync_response::Msg::Delta(proto::PolicyDelta::from(&d))).await?;
                 }
                 Action::Record(r) => {
+                    if let (Some(mode), Some(version)) = (r.installed, r.applied) {
+                        // The evidence the host reports under this version is judged by it.
+                        // Before the state: whoever sees the version SYNCED can upload under it.
+                        crate::flows::installs::acknowledged(self.pool(), self.id, version, mode)
+                            .await
+                            .map_err(|e| Ended::offline(format!("recording an install: {e}")))?;
+                    }
                     let current =
                         self.record(&r).await.map_err(|e| Ended::offline(format!("recording state: {e}")))?;
                     if !current {
@@ -372,6 +379,12 @@ impl StreamTask {
             Err(_) => return Ended::offline("no Hello within the liveness bound"),
         };
         if let Err(e) = Box::pin(self.note_hello(&hello)).await {
+            return Ended::refused(Status::from(e));
+        }
+        // A version applied whose ack was lost with the last connection (FLOW-5).
+        if let Err(e) =
+            Box::pin(crate::flows::installs::reported(self.pool(), self.id, hello.applied_version)).await
+        {
             return Ended::refused(Status::from(e));
         }
         let c = self.config();

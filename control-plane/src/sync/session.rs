@@ -5,7 +5,7 @@
 
 use std::collections::VecDeque;
 
-use innerwall_wire::policy::{PolicyDelta, Version, WorkloadPolicy, diff};
+use innerwall_wire::policy::{Mode, PolicyDelta, Version, WorkloadPolicy, diff};
 pub use innerwall_wire::sync::SyncState;
 
 /// An update the stream sends.
@@ -43,6 +43,9 @@ pub struct Record {
     pub acked: bool,
     pub failed: bool,
     pub snapshot_sent: bool,
+    /// The agent acknowledged `applied` APPLIED or HELD: the host installed it, in this mode
+    /// (recorded for the evidence it then reports, FLOW-5).
+    pub installed: Option<Mode>,
 }
 
 impl Record {
@@ -54,20 +57,27 @@ impl Record {
             acked: false,
             failed: false,
             snapshot_sent: false,
+            installed: None,
         }
     }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Sent {
-    Snapshot { version: Version, recovery: bool },
-    Delta { version: Version },
+    Snapshot { version: Version, mode: Mode, recovery: bool },
+    Delta { version: Version, mode: Mode },
 }
 
 impl Sent {
     fn version(self) -> Version {
         match self {
-            Sent::Snapshot { version, .. } | Sent::Delta { version } => version,
+            Sent::Snapshot { version, .. } | Sent::Delta { version, .. } => version,
+        }
+    }
+
+    fn mode(self) -> Mode {
+        match self {
+            Sent::Snapshot { mode, .. } | Sent::Delta { mode, .. } => mode,
         }
     }
 }
@@ -104,7 +114,7 @@ impl Session {
         let version = persisted.version();
         let session = Session {
             tip: persisted.clone(),
-            in_flight: VecDeque::from([Sent::Snapshot { version, recovery: false }]),
+            in_flight: VecDeque::from([Sent::Snapshot { version, mode: persisted.mode(), recovery: false }]),
             degraded: false,
             suspended,
             acked: None,
@@ -151,7 +161,7 @@ impl Session {
             return Vec::new();
         }
         let delta = diff(&self.tip, &latest);
-        self.in_flight.push_back(Sent::Delta { version: latest.version() });
+        self.in_flight.push_back(Sent::Delta { version: latest.version(), mode: latest.mode() });
         self.tip = latest;
         let mut actions = Vec::new();
         if !self.degraded {
@@ -196,7 +206,8 @@ impl Session {
                 // released, and says so with its next heartbeat.
                 self.suspended = matches!(ack, Ack::Held(_));
                 self.acked = Some(v);
-                vec![Action::Record(Record { applied: Some(v), acked: true, ..self.record() })]
+                let installed = Some(sent.mode());
+                vec![Action::Record(Record { applied: Some(v), acked: true, installed, ..self.record() })]
             }
             Ack::Failed(_, detail) => {
                 let stale = self.in_flight.iter().any(|s| matches!(s, Sent::Snapshot { recovery: true, .. }));
@@ -208,7 +219,8 @@ impl Session {
                 if stale || recovery_failed {
                     return vec![Action::Record(record)];
                 }
-                self.in_flight.push_back(Sent::Snapshot { version: self.tip.version(), recovery: true });
+                let (version, mode) = (self.tip.version(), self.tip.mode());
+                self.in_flight.push_back(Sent::Snapshot { version, mode, recovery: true });
                 vec![
                     Action::Record(record),
                     Action::Record(Record { snapshot_sent: true, ..self.record() }),

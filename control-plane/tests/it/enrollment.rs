@@ -14,6 +14,7 @@ use innerwall_control_plane::service::{self, Running, ServiceConfig};
 use innerwall_control_plane::sync::gateway::GatewayConfig;
 use innerwall_control_plane::testing::{TestDatabase, fresh_database};
 use innerwall_wire::identity::WorkloadId;
+use innerwall_wire::policy::Mode;
 
 use crate::eventually;
 use innerwall_wire::proto::{self, sync_request, sync_response};
@@ -419,14 +420,19 @@ async fn retired_and_denied_cannot_upload() {
     let plane = Plane::start(GatewayConfig::default()).await;
     let running = plane.running.as_ref().unwrap();
     let now = chrono::Utc::now().timestamp_millis();
-    let window = || proto::FlowWindow {
-        window_id: uuid::Uuid::new_v4().to_string(),
-        start_unix_ms: now - 60_000,
-        end_unix_ms: now,
-        policy_version: 1,
-        mode: proto::EnforcementMode::Visibility.into(),
-        records: vec![],
-        gaps: vec![],
+    // Each window one millisecond after the last: a workload's windows do not overlap.
+    let next = std::sync::atomic::AtomicI64::new(now - 60_000);
+    let window = || {
+        let start = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        proto::FlowWindow {
+            window_id: uuid::Uuid::new_v4().to_string(),
+            start_unix_ms: start,
+            end_unix_ms: start + 1,
+            policy_version: 1,
+            mode: proto::EnforcementMode::Visibility.into(),
+            records: vec![],
+            gaps: vec![],
+        }
     };
     let windows = || async {
         sqlx::query_scalar::<_, i64>("SELECT count(*) FROM flow_windows")
@@ -439,6 +445,11 @@ async fn retired_and_denied_cannot_upload() {
     {
         let token = plane.mint(&["app=web"], None).await;
         let (id, cert, key) = plane.enroll(&token).await.unwrap();
+        // The version its windows claim, as if its agent had acked it.
+        let since = chrono::Utc::now() - chrono::Duration::hours(1);
+        innerwall_control_plane::testing::installed(&plane.db.pool, id, &[(1, Mode::Visibility, since)])
+            .await
+            .unwrap();
         let mut uploads = proto::telemetry_service_client::TelemetryServiceClient::new(
             plane.mutual(&cert, &key).await.unwrap(),
         );

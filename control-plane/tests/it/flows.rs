@@ -5,9 +5,10 @@ use std::collections::BTreeSet;
 use innerwall_control_plane::flows;
 use innerwall_control_plane::policy::authoring;
 use innerwall_control_plane::policy::spec::NewWorkload;
-use innerwall_control_plane::testing::fresh_database;
+use innerwall_control_plane::testing::{self, fresh_database};
 use innerwall_wire::flows::FlowWindow;
 use innerwall_wire::identity::WorkloadId;
+use innerwall_wire::policy::Mode;
 use innerwall_wire::proto;
 
 #[tokio::test]
@@ -27,6 +28,9 @@ async fn retention_drops_whole_expired_partitions() {
     .await
     .unwrap();
     let now = chrono::Utc::now();
+    testing::installed(&db.pool, id, &[(1, Mode::Visibility, now - chrono::Duration::hours(1))])
+        .await
+        .unwrap();
     let wire = proto::FlowWindow {
         window_id: uuid::Uuid::new_v4().to_string(),
         start_unix_ms: now.timestamp_millis() - 60_000,
@@ -121,6 +125,9 @@ async fn register(pool: &sqlx::PgPool, labels: &[&str], addresses: &[&str]) -> W
     })
     .await
     .unwrap();
+    // The version these tests' windows claim by default, as if its agent had acked it long
+    // before any of them.
+    testing::installed(pool, new.id, &[(1, Mode::Simulation, at(INSTALLED))]).await.unwrap();
     new.id
 }
 
@@ -201,6 +208,7 @@ async fn ingest_stores_records_resolved_and_totals_summed() {
     group(&db.pool, "corp", "10.8.0.0/16").await;
     group(&db.pool, "office", "10.8.1.0/24").await;
     let start = 1_767_225_600_123; // 2026-01-01T00:00:00.123Z
+    testing::installed(&db.pool, id, &[(9, Mode::Simulation, at(start - 3_600_000))]).await.unwrap();
     let seen = (start + 1_001, start + 59_999);
     use proto::FlowDecision::{Allowed, WouldBlock};
     let wire = |records| proto::FlowWindow {
@@ -277,7 +285,11 @@ async fn ingest_stores_records_resolved_and_totals_summed() {
     );
 
     // A second window, and the first again (a retry): only the second adds to the totals.
-    let second = wire(vec![flow("10.9.0.7", "10.1.0.5", 5432, WouldBlock, 10, (start + 2, start + 3))]);
+    let second = proto::FlowWindow {
+        start_unix_ms: start + 60_000,
+        end_unix_ms: start + 120_000,
+        ..wire(vec![flow("10.9.0.7", "10.1.0.5", 5432, WouldBlock, 10, (start + 2, start + 3))])
+    };
     flows::ingest(&db.pool, id, &FlowWindow::try_from(&second).unwrap()).await.unwrap();
     let again = flows::ingest(&db.pool, id, &FlowWindow::try_from(&first).unwrap()).await.unwrap();
     assert_eq!(again, flows::Ingested { records: 0, duplicate: true });
@@ -418,11 +430,6 @@ fn window_at(start: i64, records: Vec<proto::FlowRecord>) -> proto::FlowWindow {
     }
 }
 
-/// A window with the given records, ending now.
-fn window_of(records: Vec<proto::FlowRecord>) -> proto::FlowWindow {
-    window_at(chrono::Utc::now().timestamp_millis() - 60_000, records)
-}
-
 /// The label snapshot is the peer's labels when the flow was seen, not when it was uploaded:
 /// windows seen before and after a relabel, both ingested after it, keep their own labels.
 #[tokio::test]
@@ -445,8 +452,10 @@ async fn label_snapshot_is_taken_at_the_time_the_flow_was_seen() {
     .unwrap();
     pause().await;
     let after = chrono::Utc::now().timestamp_millis();
-    for (port, seen) in [(5432, before), (5433, after)] {
-        let wire = window_of(vec![flow("10.5.0.9", "10.1.0.5", port, WouldBlock, 1, (seen, seen))]);
+    for (n, (port, seen)) in [(5432, before), (5433, after)].into_iter().enumerate() {
+        // One after the other: a workload's windows do not overlap.
+        let start = after - 120_000 + n as i64 * 60_000;
+        let wire = window_at(start, vec![flow("10.5.0.9", "10.1.0.5", port, WouldBlock, 1, (seen, seen))]);
         flows::ingest(&db.pool, id, &FlowWindow::try_from(&wire).unwrap()).await.unwrap();
     }
     let snapshots: Vec<(i32, String, serde_json::Value)> = sqlx::query_as(
@@ -627,6 +636,9 @@ async fn ingest_hours(pool: &sqlx::PgPool, dsts: &[WorkloadId], base: i64, hours
         "192.0.2.3",
         "2001:db8::9",
     ];
+    for dst in dsts {
+        testing::installed(pool, *dst, &[(2, Mode::Simulation, at(base + 2 * 3_600_000))]).await.unwrap();
+    }
     let mut total = 0;
     for hour in 0..hours {
         for (d, dst) in dsts.iter().enumerate() {
@@ -676,6 +688,7 @@ async fn estate(pool: &sqlx::PgPool) -> (Vec<WorkloadId>, WorkloadId) {
 }
 
 const BASE: i64 = 1_767_571_200_000; // 2026-01-05T00:00:00Z
+const INSTALLED: i64 = 1_735_689_600_000; // 2025-01-01T00:00:00Z
 
 fn at(ms: i64) -> chrono::DateTime<chrono::Utc> {
     chrono::DateTime::from_timestamp_millis(ms).unwrap()
@@ -794,6 +807,7 @@ async fn rollup_filters_select_by_decision_version_workload_scope_now_and_peer_l
     .unwrap();
     // Seen after the relabel committed (a millisecond on: the label history keeps microseconds).
     let now = chrono::Utc::now().timestamp_millis() + 1;
+    testing::installed(&db.pool, dsts[0], &[(3, Mode::Simulation, at(now - 60_000))]).await.unwrap();
     let after = proto::FlowWindow {
         policy_version: 3,
         ..window_at(now - 60_000, vec![flow("10.5.0.1", "10.1.0.5", 5432, WouldBlock, 4, (now, now))])
@@ -935,6 +949,8 @@ async fn flow_list_and_gaps_page_every_row_once() {
     let db = fresh_database().await.unwrap();
     let id = register(&db.pool, &["app=db"], &[]).await;
     let start = chrono::Utc::now().timestamp_millis() - 120_000;
+    let installs = [(7, Mode::Simulation, at(start - 1)), (8, Mode::Simulation, at(start + 60_000))];
+    testing::installed(&db.pool, id, &installs).await.unwrap();
     for (n, version) in [(0i64, 7u64), (1, 8)] {
         let s = start + n * 60_000;
         let mut records: Vec<_> = (0..11)
@@ -984,4 +1000,58 @@ async fn flow_list_and_gaps_page_every_row_once() {
         }
     }
     assert_eq!(gaps, 10, "every gap once, identical ones too");
+}
+
+/// FLOW-5: a flow is attributed to the workload that holds its source address now. A host is
+/// deny-listed and another live host takes its address: flows from the address are the live
+/// host's only, and the schema refuses a second accepted claim of it whatever writes it.
+#[tokio::test]
+async fn deny_listed_addresses_are_not_attributed() {
+    use proto::FlowDecision::WouldBlock;
+    let db = fresh_database().await.unwrap();
+    let dst = register(&db.pool, &["app=db"], &[]).await;
+    let old = register(&db.pool, &["app=web"], &["10.9.0.7"]).await;
+    let start = chrono::Utc::now().timestamp_millis() - 180_000;
+    let upload = async |n: i64| {
+        let s = start + n * 60_000;
+        let wire = window_at(s, vec![flow("10.9.0.7", "10.1.0.5", 5432, WouldBlock, 1 + n as u64, (s, s))]);
+        flows::ingest(&db.pool, dst, &FlowWindow::try_from(&wire).unwrap()).await.unwrap();
+    };
+    upload(0).await;
+
+    authoring::commit(&db.pool, "test", "workload.deny", &old.to_string(), async |c| {
+        authoring::deny(c, old).await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await
+    .unwrap();
+    let new = register(&db.pool, &["app=batch"], &["10.9.0.7"]).await;
+    upload(1).await;
+    upload(2).await;
+
+    let peers: Vec<(i64, String)> =
+        sqlx::query_as("SELECT packets, peer_key FROM flow_records WHERE workload_id = $1 ORDER BY packets")
+            .bind(dst.uuid())
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        peers,
+        [(1, old.to_string()), (2, new.to_string()), (3, new.to_string())],
+        "before the deny the old host's; after it, the live host's only"
+    );
+    let accepted: Vec<uuid::Uuid> = sqlx::query_scalar(
+        "SELECT workload_id FROM workload_addresses WHERE address = '10.9.0.7' AND standing = 1",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(accepted, [new.uuid()]);
+    // Impossible in the schema too: a second accepted claim does not commit.
+    let err = sqlx::query("UPDATE workload_addresses SET standing = 1 WHERE workload_id = $1")
+        .bind(old.uuid())
+        .execute(&db.pool)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("workload_addresses_accepted_once"), "{err}");
 }

@@ -5,6 +5,7 @@ mod api;
 mod enrollment;
 mod flows;
 mod identity;
+mod installs;
 mod postgres;
 mod publish;
 mod retention;
