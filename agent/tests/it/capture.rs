@@ -224,14 +224,7 @@ fn map_full_becomes_gap() {
     // In the agent's window the drops become an evidence gap with their count (FLOW-2).
     let host: IpAddr = HOST4.parse().expect("host address");
     let mut window = innerwall_agent::flows::Window::open(1_000, None, 100);
-    innerwall_agent::flows::absorb(
-        &mut window,
-        &drained.records,
-        drained.map_full_drops,
-        &[host].into(),
-        1_000,
-        2_000,
-    );
+    innerwall_agent::flows::absorb(&mut window, &drained, &[host].into(), 1_000, 2_000);
     let closed = window.close(2_000);
     let gap = closed
         .gaps
