@@ -17,8 +17,9 @@ use innerwall_wire::flows::{Decision, FlowWindow};
 
 use crate::enforce::{matrix, policy};
 use crate::netns::{
-    ALLOWED4, ALLOWED6, HOST4, HOST6, NetNs, OTHER4, OTHER6, Pair, Probe, Server, TempDir, icmp,
-    probe_with_timeout, require_root, run, tcp, udp, wait_for,
+    ALLOWED4, ALLOWED6, HOST4, HOST6, NetNs, OTHER4, OTHER6, Pair, Probe, Server, TempDir,
+    assert_drops_counted, icmp, probe_counting_drops, probe_with_timeout, require_root, run, tcp, udp,
+    wait_for,
 };
 
 const TCP: u8 = 6;
@@ -338,11 +339,13 @@ fn netns_ebpf_records_flows_with_decisions() {
         }
         let (window, ..) = open.as_mut().expect("a window is open");
         let (probes, allowed): (Vec<Probe>, Vec<bool>) = matrix().into_iter().unzip();
-        let reached = probe_with_timeout(&pair.client, &probes, 1.5);
+        let (reached, dropped) = probe_counting_drops(&pair.host, &pair.client, &probes, 1.5);
         if mode == "enforcement" {
             assert_eq!(reached, allowed, "the kernel enforces the matrix");
+            assert_drops_counted(allowed.iter().filter(|a| !**a).count(), dropped);
         } else {
             assert!(reached.iter().all(|r| *r), "{mode} drops nothing: {reached:?}");
+            assert_eq!(dropped, 0, "{mode} counted drops");
         }
         let drained = capture.drain().expect("drain");
         window.absorb(Ok(&drained), &local, now_ms());
