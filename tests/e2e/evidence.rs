@@ -369,6 +369,18 @@ async fn late_udp_replies_are_counted_as_suspect_through_ingest_to_the_verdict()
         "the gap lies in the late replies' window {window:?}: {suspect:?}"
     );
 
+    // The operator's CLI lists it by name, with its count and why.
+    let out = Command::new(innerwall_e2e::workspace_bin("innerwall"))
+        .args(["--database-url", &plane.db.url, "flows", "gaps", "--workload", &id.to_string()])
+        .output()
+        .expect("running innerwall");
+    let listed = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        listed.lines().any(|l| l.contains("suspect-direction") && l.contains("matched no connection entry")),
+        "{listed}"
+    );
+
     // The verdict over that window refuses to call it clean and names the gap. Here the late
     // replies themselves are would-block flows (nothing allows udp to 40011 from the peer), so
     // it is UNSAFE, which outranks INSUFFICIENT; the gap beside them says those flows may be
