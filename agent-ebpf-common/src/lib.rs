@@ -10,7 +10,7 @@
 /// and value layouts, counter slots, program names. Bump it with any change to them. The
 /// program carries it in [`ABI_SECTION`]; the loader refuses an object whose version differs
 /// (one built from other sources than the agent) before it loads anything.
-pub const ABI_VERSION: u32 = 2;
+pub const ABI_VERSION: u32 = 3;
 /// The ELF section holding the program's [`ABI_VERSION`] as one little-endian `u32` (the static
 /// `INNERWALL_ABI`). Not a data section, so aya never turns it into a map.
 pub const ABI_SECTION: &str = "innerwall_abi";
@@ -39,13 +39,17 @@ pub const PROG_EGRESS_L3: &str = "innerwall_egress_l3";
 
 /// Default capacity of each flow map (the agent may resize it before load).
 pub const DEFAULT_FLOW_ENTRIES: u32 = 65_536;
-/// Default capacity of the connection-direction LRU map (the agent may resize it before load).
-/// An element costs 112 bytes of preallocated kernel memory (40-byte key, 8-byte value, the
-/// hash table's and LRU's per-element bookkeeping; the kernel's memlock figure for an LRU hash
-/// of this shape), so this is 29 MB: four times Linux's usual `nf_conntrack_max` of 65,536, so
-/// this table is not the smaller one: a connection the kernel still tracks is rarely one that
-/// was evicted here.
+/// Capacity of the connection-direction LRU map as compiled; the agent always sets it at load
+/// (`run --conn-table-entries`, by default derived from the host's memory: see
+/// `innerwall_agent::capture::conn_entries_for_memory`). An element costs [`CONN_ENTRY_BYTES`]
+/// of preallocated kernel memory, so this is 29 MB: four times Linux's usual
+/// `nf_conntrack_max` of 65,536, so this table is not the smaller one: a connection the kernel
+/// still tracks is rarely one that was evicted here.
 pub const CONN_ENTRIES: u32 = 262_144;
+/// Preallocated kernel memory of one `CONNS` element: 40-byte key, 8-byte value, the hash
+/// table's and LRU's per-element bookkeeping (the kernel's memlock figure for an LRU hash of
+/// this shape).
+pub const CONN_ENTRY_BYTES: u64 = 112;
 
 /// `COUNTERS` index: flow records that could not be inserted (map full), monotonic.
 pub const COUNTER_FLOW_INSERT_FAILED: u32 = 0;
@@ -63,9 +67,12 @@ pub const COUNTER_ICMP_ERRORS_RELATED: u32 = 4;
 /// `COUNTERS` index: ICMP / ICMPv6 errors whose quoted packet is in no known connection
 /// (evicted, started before the program was attached, or forged). Not recorded either.
 pub const COUNTER_ICMP_ERRORS_UNMATCHED: u32 = 5;
-/// `COUNTERS` index: UDP datagrams from a remote port below 1024 to a local ephemeral port
-/// with no `CONNS` entry: what a reply whose entry was evicted looks like. Still recorded as
-/// inbound (a genuine datagram, e.g. a scan from source port 53, looks the same), and counted.
+/// `COUNTERS` index: UDP datagrams with no `CONNS` entry from a remote port outside the
+/// ephemeral range (a service port, below 32768) to a local port inside it (32768 and up): what
+/// a reply looks like whose entry was evicted, or whose conversation began before the program
+/// was attached (the same test the program uses for TCP without a SYN). Still recorded as
+/// inbound (a genuine datagram, e.g. a scan from source port 53, looks the same), and counted:
+/// the agent reports them as a suspect-direction evidence gap on the window.
 pub const COUNTER_UDP_REPLY_LIKE_UNMATCHED: u32 = 6;
 /// Number of `COUNTERS` slots.
 pub const COUNTER_SLOTS: u32 = 8;

@@ -31,11 +31,15 @@
 //! scans) before referenced ones, so a conversation that keeps sending outlives a flood of new
 //! connections; among entries that are all in use it approximates least-recently-used. New
 //! entries are counted (`COUNTER_CONN_INSERTED`), which gives the agent a lower bound of
-//! evictions; a UDP datagram that looks like a reply to an evicted entry (remote port below
-//! 1024 to a local ephemeral port, no entry) is still recorded but counted. What stays: a
-//! reply whose entry was evicted (a conversation idle while more than the table's capacity of
-//! new connections came and went) is recorded as inbound, as conntrack would call it new once
-//! its own entry timed out.
+//! evictions; a UDP datagram that looks like a reply to an evicted entry (no entry, from a
+//! remote service port, below 32768, to a local ephemeral port, 32768 and up: the test TCP
+//! without a SYN gets too) is still recorded but counted, and the agent turns the count into a
+//! suspect-direction gap on the window. The test is per packet on purpose: "no entry, while the
+//! table has evicted something" would need the evictions summed over CPUs and the capacity in
+//! the program, and would miss the replies to conversations older than the program, which are
+//! just as misclassified. What stays: a reply whose entry was evicted (a conversation idle
+//! while more than the table's capacity of new connections came and went) is recorded as
+//! inbound, as conntrack would call it new once its own entry timed out; it is no longer silent.
 //!
 //! Diagnostics go through aya-log (a ring buffer the agent reads at each drain), off the hot
 //! path: a failure counter logs only when it reaches a power of two, so a full map costs a
@@ -91,9 +95,8 @@ const ICMPV6_TIME_EXCEEDED: u8 = 3;
 const ICMPV6_PARAMETER_PROBLEM: u8 = 4;
 /// An ICMP error's header before the quoted packet (type, code, checksum, 4 bytes that vary).
 const ICMP_ERROR_HDR_LEN: usize = 8;
-/// Remote ports below this are well-known service ports (see `COUNTER_UDP_REPLY_LIKE_UNMATCHED`).
-const WELL_KNOWN_PORT_END: u16 = 1024;
-/// Start of Linux's default ephemeral port range (`ip_local_port_range`).
+/// Start of Linux's default ephemeral port range (`ip_local_port_range`); ports below it are
+/// taken as service ports (see `COUNTER_UDP_REPLY_LIKE_UNMATCHED`).
 const EPHEMERAL_PORT_MIN: u16 = 32768;
 const EEXIST: i32 = 17;
 
@@ -539,7 +542,7 @@ fn ingress(ctx: &TcContext, packet: &Packet) {
                     DIR_OUTBOUND => return skip_reply(),
                     DIR_INBOUND => 0,
                     _ => {
-                        if packet.dst_port >= EPHEMERAL_PORT_MIN && packet.src_port < WELL_KNOWN_PORT_END {
+                        if packet.dst_port >= EPHEMERAL_PORT_MIN && packet.src_port < EPHEMERAL_PORT_MIN {
                             count(COUNTER_UDP_REPLY_LIKE_UNMATCHED);
                         }
                         learn(ctx, &conn, DIR_INBOUND);

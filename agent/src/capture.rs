@@ -174,8 +174,47 @@ pub struct Drained {
 pub struct CaptureOptions {
     /// Capacity of each of the two flow maps (default [`common::DEFAULT_FLOW_ENTRIES`]).
     pub flow_capacity: Option<u32>,
-    /// Capacity of the connection-direction LRU map (default [`common::CONN_ENTRIES`]).
+    /// Capacity of the connection-direction LRU map (default [`common::CONN_ENTRIES`]; the
+    /// agent's `run` passes [`default_conn_entries`] or its `--conn-table-entries`).
     pub conn_capacity: Option<u32>,
+}
+
+/// The smallest connection table `run --conn-table-entries` accepts (tests size it small to
+/// force evictions; the kernel's LRU needs a few entries per CPU to work at all).
+pub const MIN_CONN_ENTRIES: u32 = 64;
+/// The largest connection table `run --conn-table-entries` accepts: 16 Mi entries, 1.8 GB of
+/// kernel memory (see [`common::CONN_ENTRY_BYTES`]).
+pub const MAX_CONN_ENTRIES: u32 = 16 * 1024 * 1024;
+/// Bounds of the table size derived from memory: at least Linux's usual `nf_conntrack_max`
+/// (65,536, 7 MB), at most 1 Mi entries (117 MB).
+const DERIVED_CONN_ENTRIES: (u64, u64) = (65_536, 1024 * 1024);
+/// The share of the host's memory the derived connection table takes: 1/256 (0.4 %).
+const CONN_MEMORY_SHARE: u64 = 256;
+
+/// The connection-table capacity for a host with `mem_total_bytes` of memory: 1/256 of it at
+/// [`common::CONN_ENTRY_BYTES`] an entry, within [65,536, 1,048,576] entries (2 GB: 74,898
+/// entries; 8 GB: 299,593; 32 GB and more: 1,048,576). Above Linux's conntrack default on every
+/// host, so a connection the kernel still tracks is rarely one evicted here.
+pub fn conn_entries_for_memory(mem_total_bytes: u64) -> u32 {
+    let entries = mem_total_bytes / CONN_MEMORY_SHARE / common::CONN_ENTRY_BYTES;
+    let (floor, ceiling) = DERIVED_CONN_ENTRIES;
+    u32::try_from(entries.clamp(floor, ceiling)).expect("the ceiling fits a u32")
+}
+
+/// `MemTotal` of a `/proc/meminfo` text, in bytes.
+pub fn mem_total_bytes(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find_map(|l| l.strip_prefix("MemTotal:"))?;
+    let kib = line.trim().strip_suffix("kB")?.trim().parse::<u64>().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// The connection-table capacity for this host: [`conn_entries_for_memory`] of its
+/// `/proc/meminfo`, or [`common::CONN_ENTRIES`] when that cannot be read.
+pub fn default_conn_entries() -> u32 {
+    match std::fs::read_to_string("/proc/meminfo").ok().as_deref().and_then(mem_total_bytes) {
+        Some(bytes) => conn_entries_for_memory(bytes),
+        None => common::CONN_ENTRIES,
+    }
 }
 
 /// What following the host's links did to one interface (see [`Capture::follow_links`]).
@@ -276,10 +315,7 @@ impl Capture {
         options: CaptureOptions,
         log: &'static dyn log::Log,
     ) -> Result<Capture, CaptureError> {
-        let uid = effective_uid();
-        if uid != 0 {
-            return Err(CaptureError::NotRoot(uid));
-        }
+        root_required(effective_uid())?;
         if !object_path.is_file() {
             return Err(CaptureError::ObjectMissing(object_path.to_owned()));
         }
@@ -429,6 +465,11 @@ impl Capture {
             }
         }
         changes
+    }
+
+    /// The capacity of the connection-direction table as loaded (entries).
+    pub fn conn_capacity(&self) -> u32 {
+        self.conn_capacity
     }
 
     /// The interfaces this capture is attached to, sorted.
@@ -632,6 +673,11 @@ fn addr(family: u8, bytes: [u8; 16]) -> IpAddr {
     }
 }
 
+/// Loading needs root: refused, naming the uid, otherwise.
+fn root_required(uid: u32) -> Result<(), CaptureError> {
+    if uid == 0 { Ok(()) } else { Err(CaptureError::NotRoot(uid)) }
+}
+
 #[allow(unsafe_code)]
 fn effective_uid() -> u32 {
     // SAFETY: geteuid(2) has no preconditions and cannot fail.
@@ -652,6 +698,13 @@ fn realtime_minus_monotonic_ns() -> i128 {
     let mono_before = clock_ns(libc::CLOCK_MONOTONIC);
     let real = clock_ns(libc::CLOCK_REALTIME);
     let mono_after = clock_ns(libc::CLOCK_MONOTONIC);
+    clock_offset_ns(mono_before, real, mono_after)
+}
+
+/// The offset of the real-time clock from the monotonic one, from a real-time reading taken
+/// between two monotonic ones: it is paired with their midpoint, so the error is at most half
+/// the time between them.
+fn clock_offset_ns(mono_before: i128, real: i128, mono_after: i128) -> i128 {
     real - (mono_before + mono_after) / 2
 }
 
@@ -747,28 +800,59 @@ mod tests {
     }
 
     #[test]
-    fn monotonic_plus_offset_is_the_wall_clock() {
-        // What the program stamps (monotonic ns) plus the offset is what the wall clock says.
-        let stamped = clock_ns(libc::CLOCK_MONOTONIC);
-        let offset = realtime_minus_monotonic_ns();
-        let wall =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as i128;
-        let error_ms = (stamped + offset - wall).abs() / 1_000_000;
-        assert!(error_ms < 100, "monotonic + offset is {error_ms} ms off the wall clock");
+    fn the_clock_offset_pairs_the_real_time_with_the_monotonic_midpoint() {
+        // Fixed readings, no clock: the real-time reading is paired with the midpoint of the
+        // monotonic ones around it, so a stamp taken at that midpoint converts to it exactly.
+        const S: i128 = 1_000_000_000;
+        let (before, real, after) = (5 * S, 1_800_000_000 * S + 7, 5 * S + 2_000);
+        let offset = clock_offset_ns(before, real, after);
+        assert_eq!(offset, 1_800_000_000 * S + 7 - (5 * S + 1_000));
+        assert_eq!(5 * S + 1_000 + offset, real);
+        // Readings in the other order (a clock stepped between them) still give one offset.
+        assert_eq!(clock_offset_ns(after, real, before), offset);
+    }
+
+    #[test]
+    fn the_connection_table_is_sized_from_memory_within_bounds() {
+        const GIB: u64 = 1024 * 1024 * 1024;
+        assert_eq!(conn_entries_for_memory(0), 65_536);
+        assert_eq!(conn_entries_for_memory(GIB), 65_536);
+        assert_eq!(conn_entries_for_memory(2 * GIB), 74_898);
+        assert_eq!(conn_entries_for_memory(8 * GIB), 299_593);
+        assert_eq!(conn_entries_for_memory(32 * GIB), 1_048_576);
+        assert_eq!(conn_entries_for_memory(u64::MAX), 1_048_576);
+        // 1/256 of memory: the table never takes more, above the floor.
+        let entries = u64::from(conn_entries_for_memory(8 * GIB));
+        assert!(entries * common::CONN_ENTRY_BYTES <= 8 * GIB / 256);
+        assert!((MIN_CONN_ENTRIES..=MAX_CONN_ENTRIES).contains(&conn_entries_for_memory(u64::MAX)));
+
+        let meminfo = "MemTotal:       16318412 kB\nMemFree:          987654 kB\n";
+        assert_eq!(mem_total_bytes(meminfo), Some(16_318_412 * 1024));
+        assert_eq!(mem_total_bytes("MemFree: 1 kB\n"), None);
+        assert_eq!(mem_total_bytes("MemTotal: lots kB\n"), None);
+        assert_eq!(mem_total_bytes("MemTotal: 12\n"), None);
     }
 
     #[test]
     fn a_missing_object_is_refused_before_loading_and_names_the_build_command() {
+        // Loading needs root; without it this test says so and fails (CI runs as root), never
+        // passes on another branch.
+        let uid = effective_uid();
+        assert_eq!(uid, 0, "this test loads eBPF and needs root (CI runs as root); effective uid is {uid}");
         let missing = Path::new("/nonexistent/innerwall-ebpf");
         let err = Capture::attach(&["lo".to_owned()], missing, None, log::logger()).unwrap_err();
-        match effective_uid() {
-            0 => {
-                assert!(matches!(&err, CaptureError::ObjectMissing(p) if p == missing), "{err:?}");
-                let text = err.to_string();
-                assert!(text.contains("/nonexistent/innerwall-ebpf"), "{text}");
-                assert!(text.contains("cargo xtask build-ebpf"), "{text}");
-            }
-            uid => assert!(matches!(err, CaptureError::NotRoot(u) if u == uid), "{err:?}"),
-        }
+        assert!(matches!(&err, CaptureError::ObjectMissing(p) if p == missing), "{err:?}");
+        let text = err.to_string();
+        assert!(text.contains("/nonexistent/innerwall-ebpf"), "{text}");
+        assert!(text.contains("cargo xtask build-ebpf"), "{text}");
+    }
+
+    #[test]
+    fn without_root_nothing_is_loaded_and_the_error_names_the_uid() {
+        // The refusal itself, pure: its message names what is missing and the uid.
+        let text = CaptureError::NotRoot(1000).to_string();
+        assert_eq!(text, "eBPF flow capture needs root (CAP_BPF + CAP_NET_ADMIN); effective uid is 1000");
+        assert_eq!(root_required(1000).map_err(|e| e.to_string()), Err(text));
+        assert!(root_required(0).is_ok());
     }
 }

@@ -23,6 +23,9 @@ pub struct RunConfig {
     pub dial_timeout: Duration,
     /// Where `run` serves `/metrics` (plain HTTP, unauthenticated); nowhere if `None`.
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// Capacity of the flow capture's connection table (`--conn-table-entries`); `None`
+    /// derives it from the host's memory (`capture::default_conn_entries`).
+    pub conn_entries: Option<u32>,
 }
 
 impl RunConfig {
@@ -35,6 +38,7 @@ impl RunConfig {
             backoff_cap: backoff::CAP,
             dial_timeout: Duration::from_secs(10),
             metrics_listen: None,
+            conn_entries: None,
         }
     }
 }

@@ -22,11 +22,14 @@ use crate::facts;
 use crate::sync::{Enforcer, WindowClose};
 use crate::{error, flows, telemetry};
 
-/// Loads the capture program and attaches it to this host's interfaces of a captured kind,
-/// following them as they come and go (`Capture::follow_links`).
-fn attach() -> Result<Capture, CaptureError> {
-    let options = capture::CaptureOptions::default();
+/// Loads the capture program with a connection table of `conn_entries` (`run
+/// --conn-table-entries`, else derived from the host's memory) and attaches it to this host's
+/// interfaces of a captured kind, following them as they come and go (`Capture::follow_links`).
+fn attach(conn_entries: Option<u32>, metrics: &crate::metrics::Metrics) -> Result<Capture, CaptureError> {
+    let conn_capacity = Some(conn_entries.unwrap_or_else(capture::default_conn_entries));
+    let options = capture::CaptureOptions { conn_capacity, ..capture::CaptureOptions::default() };
     let mut capture = Capture::load(&capture::default_object_path(), options, log::logger())?;
+    metrics.capture_loaded(capture.conn_capacity());
     capture.follow_links()?;
     Ok(capture)
 }
@@ -79,15 +82,13 @@ impl OpenWindow {
     }
 
     /// Adds one drain at `now_ms` to the open window: flows to the `local` addresses, and the
-    /// map-full drops as a gap since the previous drain. An error (no capture attached, or the
+    /// map-full drops and the reply-like unmatched UDP datagrams as gaps since the previous
+    /// drain (`flows::absorb`). An error (no capture attached, or the
     /// drain failed: why) is a CAPTURE_UNAVAILABLE gap since the previous drain: nothing was
     /// seen, and the window says so and why.
     pub fn absorb(&mut self, drained: Result<&Drained, &str>, local: &BTreeSet<IpAddr>, now_ms: i64) {
         match drained {
-            Ok(drained) => {
-                let (records, drops) = (&drained.records, drained.map_full_drops);
-                flows::absorb(&mut self.window, records, drops, local, self.last_drain_ms, now_ms);
-            }
+            Ok(drained) => flows::absorb(&mut self.window, drained, local, self.last_drain_ms, now_ms),
             Err(why) => {
                 let gap = EvidenceGap::new(GapKind::CaptureUnavailable, self.last_drain_ms, now_ms, 1);
                 self.window.gap(gap.because(why));
@@ -155,6 +156,7 @@ impl Outbox {
 /// each carrying a CAPTURE_UNAVAILABLE gap, and attaching is tried again at each new window.
 fn capture_forever<S: PolicyStore + Send + 'static>(
     mut capture: Result<Capture, String>,
+    conn_entries: Option<u32>,
     enforcer: Arc<Enforcer<S>>,
     queue: telemetry::Queue,
     state_dir: &Path,
@@ -196,6 +198,9 @@ fn capture_forever<S: PolicyStore + Send + 'static>(
             }
             Err(why) => Err(why.clone()),
         };
+        if let Ok(drained) = &drained {
+            enforcer.metrics.capture_drained(drained);
+        }
         open.absorb(drained.as_ref().map_err(String::as_str), &local, now);
         if matches!(wake, Some(Wake::Stop)) {
             outbox.push(open.close(now), now);
@@ -208,7 +213,8 @@ fn capture_forever<S: PolicyStore + Send + 'static>(
             outbox.push(closed, now);
             refresh(&mut local);
             if capture.is_err() {
-                capture = attach().map_err(|e| format!("flow capture unavailable: {}", error::chain(&e)));
+                capture = attach(conn_entries, &enforcer.metrics)
+                    .map_err(|e| format!("flow capture unavailable: {}", error::chain(&e)));
                 if let Ok(c) = &capture {
                     tracing::info!(interfaces = ?c.interfaces(), "flow capture attached");
                 }
@@ -291,15 +297,21 @@ pub fn start<S: PolicyStore + Send + 'static>(
     let state_dir = config.state_dir.clone();
     let (wake, wakes) = std::sync::mpsc::channel();
     let closes = enforcer.window_closes();
+    let conn_entries = config.conn_entries;
     let spawned = std::thread::Builder::new().name("flow-capture".into()).spawn(move || {
-        let capture = attach().map_err(|e| format!("flow capture unavailable: {}", error::chain(&e)));
+        let capture = attach(conn_entries, &enforcer.metrics)
+            .map_err(|e| format!("flow capture unavailable: {}", error::chain(&e)));
         match &capture {
-            Ok(c) => tracing::info!(interfaces = ?c.interfaces(), "flow capture attached"),
+            Ok(c) => tracing::info!(
+                interfaces = ?c.interfaces(),
+                conn_table_entries = c.conn_capacity(),
+                "flow capture attached"
+            ),
             Err(why) => tracing::error!(
                 "{why}; enforcement continues, and flow windows carry capture-unavailable gaps until it attaches"
             ),
         }
-        capture_forever(capture, enforcer, queue, &state_dir, &wakes, &closes);
+        capture_forever(capture, conn_entries, enforcer, queue, &state_dir, &wakes, &closes);
     });
     let capture = spawned.map_err(|e| tracing::error!("could not start the flow capture thread: {e}")).ok();
     Some(FlowTasks { uploader, wake, capture })

@@ -170,18 +170,24 @@ impl Window {
     }
 }
 
+/// Why a suspect-direction gap is there (see [`GapKind::SuspectDirection`]).
+pub const SUSPECT_DIRECTION_DETAIL: &str = "udp datagrams from a service port (below 32768) to an ephemeral local port \
+     matched no connection entry (evicted from the connection table, or older than the capture) and were \
+     recorded as inbound: some may be replies to this host's own requests";
+
 /// Adds one drain of the kernel map to the open window: only inbound flows to this host's own
-/// addresses (neighbour discovery excluded), and the map-full drops as a gap since the previous
-/// drain.
+/// addresses (neighbour discovery excluded); the map-full drops as a gap since the previous
+/// drain, and the reply-like UDP datagrams that matched no connection entry (recorded as
+/// inbound, so some record may have the wrong direction) as a suspect-direction gap. The other
+/// counters (replies skipped, ICMP errors, evictions) misclassify nothing: they are metrics.
 pub fn absorb(
     window: &mut Window,
-    records: &[crate::capture::FlowRecord],
-    map_full_drops: u64,
+    drained: &crate::capture::Drained,
     local: &std::collections::BTreeSet<IpAddr>,
     since_ms: i64,
     now_ms: i64,
 ) {
-    for r in records {
+    for r in &drained.records {
         let protocol = match r.protocol {
             6 => Protocol::Tcp,
             17 => Protocol::Udp,
@@ -203,8 +209,13 @@ pub fn absorb(
         };
         window.add(key, counters, now_ms);
     }
-    if map_full_drops > 0 {
-        window.gap(EvidenceGap::new(GapKind::MapFull, since_ms, now_ms, map_full_drops));
+    if drained.map_full_drops > 0 {
+        window.gap(EvidenceGap::new(GapKind::MapFull, since_ms, now_ms, drained.map_full_drops));
+    }
+    if drained.udp_reply_like_unmatched > 0 {
+        let gap =
+            EvidenceGap::new(GapKind::SuspectDirection, since_ms, now_ms, drained.udp_reply_like_unmatched);
+        window.gap(gap.because(SUSPECT_DIRECTION_DETAIL));
     }
 }
 

@@ -54,6 +54,22 @@ enum Command {
         /// bind it to loopback or a private address. Off by default.
         #[arg(long, env = "INNERWALL_AGENT_METRICS_LISTEN", value_name = "ADDR")]
         metrics_listen: Option<std::net::SocketAddr>,
+        /// Capacity of the flow capture's connection table (who started each connection, so
+        /// replies are not recorded as inbound), in entries of 112 bytes of kernel memory each.
+        /// Default: 1/256 of the host's memory, within 65,536..=1,048,576 entries (8 GB: 299,593,
+        /// 33 MB). When more connections than this come and go while a conversation is idle, its
+        /// entry is evicted and its late replies are recorded as inbound: counted
+        /// (innerwall_agent_capture_udp_reply_like_unmatched_total) and reported as a
+        /// suspect-direction gap on the window.
+        #[arg(
+            long,
+            env = "INNERWALL_AGENT_CONN_TABLE_ENTRIES",
+            value_name = "N",
+            value_parser = clap::value_parser!(u32).range(
+                i64::from(innerwall_agent::capture::MIN_CONN_ENTRIES)..=i64::from(innerwall_agent::capture::MAX_CONN_ENTRIES)
+            )
+        )]
+        conn_table_entries: Option<u32>,
     },
     /// Enroll this host: generate a key here, present the token, store the issued identity.
     Enroll {
@@ -148,10 +164,11 @@ fn read_policy(file: &Path) -> anyhow::Result<innerwall_wire::policy::WorkloadPo
 fn run(command: Command, log_format: LogFormat) -> anyhow::Result<()> {
     match command {
         Command::Contract => println!("{}", innerwall_wire::CONTRACT_PACKAGE),
-        Command::Run { state, server, drift_interval_ms, metrics_listen } => {
+        Command::Run { state, server, drift_interval_ms, metrics_listen, conn_table_entries } => {
             let mut config = RunConfig::new(state.state_dir, server);
             config.drift_interval = std::time::Duration::from_millis(drift_interval_ms.max(100));
             config.metrics_listen = metrics_listen;
+            config.conn_entries = conn_table_entries;
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
                 .enable_all()

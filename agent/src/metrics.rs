@@ -1,7 +1,9 @@
 //! Prometheus metrics of the agent (OPS-3) and the plain-HTTP listener that serves them (`run
 //! --metrics-listen`): applies with their duration and result, the applied version, drift
-//! repairs, records and gaps per flow window, the telemetry queue's depth, reconnects, and the
-//! seconds the credential has left. Recorded by `sync`, `daemon`, `evidence` and `renew`; the
+//! repairs, records and gaps per flow window, the flow capture's own counters (its connection
+//! table's size and evictions, replies skipped, ICMP errors, reply-like UDP without an entry,
+//! map-full drops), the telemetry queue's depth, reconnects, and the seconds the credential has
+//! left. Recorded by `sync`, `daemon`, `evidence` and `renew`; the
 //! queue depth and the certificate's remaining life are read when scraped.
 //!
 //! Every series is registered up front and encoded in a fixed order. The listener is
@@ -92,6 +94,7 @@ pub struct Metrics {
     drift_repairs: Counter,
     window_records: Histogram,
     window_gaps: Histogram,
+    capture: CaptureCounters,
     queue_windows: Gauge,
     reconnects: Counter,
     connected: Gauge,
@@ -116,6 +119,7 @@ impl Metrics {
             drift_repairs: Counter::default(),
             window_records: Histogram::new([0.0, 1.0, 10.0, 100.0, 1_000.0, 10_000.0, 100_000.0]),
             window_gaps: Histogram::new([0.0, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0]),
+            capture: CaptureCounters::default(),
             queue_windows: Gauge::default(),
             reconnects: Counter::default(),
             connected: Gauge::default(),
@@ -139,6 +143,7 @@ impl Metrics {
         );
         r.register("flow_window_records", "Flow records per closed window", m.window_records.clone());
         r.register("flow_window_gaps", "Evidence gaps per closed window", m.window_gaps.clone());
+        m.capture.register(r);
         r.register(
             "telemetry_queue_windows",
             "Flow windows queued on disk, not yet delivered",
@@ -177,6 +182,22 @@ impl Metrics {
         self.window_gaps.observe(gaps as f64);
     }
 
+    /// The capture program was loaded with a connection table of `entries`.
+    pub fn capture_loaded(&self, entries: u32) {
+        self.capture.conn_entries.set(i64::from(entries));
+    }
+
+    /// Adds one drain's counters (each is the count since the previous drain).
+    pub fn capture_drained(&self, drained: &crate::capture::Drained) {
+        let c = &self.capture;
+        c.map_full_drops.inc_by(drained.map_full_drops);
+        c.replies_skipped.inc_by(drained.replies_skipped);
+        c.icmp_errors_related.inc_by(drained.icmp_errors_related);
+        c.icmp_errors_unmatched.inc_by(drained.icmp_errors_unmatched);
+        c.udp_reply_like_unmatched.inc_by(drained.udp_reply_like_unmatched);
+        c.conn_evictions.inc_by(drained.conn_evictions_at_least);
+    }
+
     pub fn reconnecting(&self) {
         self.reconnects.inc();
     }
@@ -207,6 +228,59 @@ impl Metrics {
         prometheus_client::encoding::prometheus_text::encode(&mut text, &self.registry)
             .expect("writing to a String does not fail");
         text
+    }
+}
+
+/// The flow capture's diagnostic counters (`innerwall_agent_capture_*`), summed over drains.
+#[derive(Debug, Default)]
+struct CaptureCounters {
+    conn_entries: Gauge,
+    conn_evictions: Counter,
+    replies_skipped: Counter,
+    icmp_errors_related: Counter,
+    icmp_errors_unmatched: Counter,
+    udp_reply_like_unmatched: Counter,
+    map_full_drops: Counter,
+}
+
+impl CaptureCounters {
+    fn register(&self, r: &mut Registry) {
+        r.register(
+            "capture_conn_table_entries",
+            "Capacity of the flow capture's connection table (run --conn-table-entries, else derived from memory)",
+            self.conn_entries.clone(),
+        );
+        r.register(
+            "capture_conn_evictions",
+            "Connection-table evictions, at least (connections inserted beyond its capacity)",
+            self.conn_evictions.clone(),
+        );
+        r.register(
+            "capture_replies_skipped",
+            "Inbound packets skipped as replies to connections this host initiated",
+            self.replies_skipped.clone(),
+        );
+        r.register(
+            "capture_icmp_errors_related",
+            "ICMP errors about a packet of a known connection (never recorded as flows)",
+            self.icmp_errors_related.clone(),
+        );
+        r.register(
+            "capture_icmp_errors_unmatched",
+            "ICMP errors about a packet of no known connection: evicted, older than the capture, or forged (not recorded)",
+            self.icmp_errors_unmatched.clone(),
+        );
+        r.register(
+            "capture_udp_reply_like_unmatched",
+            "UDP datagrams from a service port to an ephemeral local port with no connection entry, recorded as inbound \
+             (each window that has some carries a suspect-direction gap)",
+            self.udp_reply_like_unmatched.clone(),
+        );
+        r.register(
+            "capture_map_full_drops",
+            "Packets whose flow could not be recorded because the flow map was full (each a map-full gap)",
+            self.map_full_drops.clone(),
+        );
     }
 }
 
@@ -309,6 +383,18 @@ mod tests {
         m.applied(ApplyResult::Failed, Duration::from_millis(3), 0);
         m.applied(ApplyResult::Applied, Duration::from_millis(2), 7);
         m.window_closed(12, 1);
+        m.capture_loaded(4096);
+        let drained = crate::capture::Drained {
+            map_full_drops: 1,
+            replies_skipped: 2,
+            icmp_errors_related: 3,
+            icmp_errors_unmatched: 4,
+            udp_reply_like_unmatched: 5,
+            conn_evictions_at_least: 6,
+            ..crate::capture::Drained::default()
+        };
+        m.capture_drained(&drained);
+        m.capture_drained(&drained);
         let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
         m.certificate(t0 + Duration::from_secs(3_600));
         let text = m.encode(t0);
@@ -321,6 +407,13 @@ mod tests {
                 "innerwall_agent_drift_repairs_total counter",
                 "innerwall_agent_flow_window_records histogram",
                 "innerwall_agent_flow_window_gaps histogram",
+                "innerwall_agent_capture_conn_table_entries gauge",
+                "innerwall_agent_capture_conn_evictions_total counter",
+                "innerwall_agent_capture_replies_skipped_total counter",
+                "innerwall_agent_capture_icmp_errors_related_total counter",
+                "innerwall_agent_capture_icmp_errors_unmatched_total counter",
+                "innerwall_agent_capture_udp_reply_like_unmatched_total counter",
+                "innerwall_agent_capture_map_full_drops_total counter",
                 "innerwall_agent_telemetry_queue_windows gauge",
                 "innerwall_agent_reconnects_total counter",
                 "innerwall_agent_stream_connected gauge",
@@ -342,6 +435,14 @@ mod tests {
             "innerwall_agent_flow_window_records_sum 12.0",
             "innerwall_agent_flow_window_gaps_count 1",
             "innerwall_agent_certificate_expires_in_seconds 3600",
+            // Each counter sums the drains, in its own series.
+            "innerwall_agent_capture_conn_table_entries 4096",
+            "innerwall_agent_capture_map_full_drops_total 2",
+            "innerwall_agent_capture_replies_skipped_total 4",
+            "innerwall_agent_capture_icmp_errors_related_total 6",
+            "innerwall_agent_capture_icmp_errors_unmatched_total 8",
+            "innerwall_agent_capture_udp_reply_like_unmatched_total 10",
+            "innerwall_agent_capture_conn_evictions_total 12",
         ] {
             assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
         }

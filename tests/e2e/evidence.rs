@@ -255,3 +255,152 @@ async fn every_loss_is_a_gap() {
     assert!(covered.2 > covered.1, "a window of some length: {covered:?}");
     assert!(why.contains("no-such-object") && why.contains("not found"), "why: {why}");
 }
+
+/// Gap kind 8 as the database stores it.
+const SUSPECT_DIRECTION: i16 = 8;
+
+/// Sends one UDP datagram per `src sport dst dport` argument from a socket bound to that source
+/// port (0: a fresh ephemeral one each), and waits for nothing.
+const SEND_UDP_FROM: &str = r#"
+import socket, sys
+for spec in sys.argv[1:]:
+    src, sport, dst, dport = spec.split(' ')
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((src, int(sport))); s.sendto(b'innerwall', (dst, int(dport))); s.close()
+print('sent')
+"#;
+
+/// Runs [`SEND_UDP_FROM`] pinned to CPU 0 in the calling thread's namespace: the kernel's LRU
+/// keeps per-CPU lists of fresh entries, and an entry meant to be evicted by a flood is evicted
+/// in order when the same CPU inserted both.
+fn send_udp_from(specs: &[String]) {
+    let out = Command::new("taskset")
+        .args(["-c", "0", "python3", "-c", SEND_UDP_FROM])
+        .args(specs)
+        .output()
+        .expect("running python3");
+    assert!(out.status.success() && out.stdout == b"sent\n", "sending: {out:?}");
+}
+
+/// FLOW-1, FLOW-2 (issue 25), with the real agent binary sized by its flag: replies that arrive
+/// after their connection entry was evicted (`--conn-table-entries 64`, then a flood of new
+/// conversations from this host) reach the control plane as a suspect-direction gap through the
+/// real ingest, the agent's `/metrics` counts them, and the verdict over that window is not
+/// SAFE: INSUFFICIENT, naming the gap.
+#[tokio::test]
+async fn late_udp_replies_are_counted_as_suspect_through_ingest_to_the_verdict() {
+    use crate::host::{HOST_ADDRESS, PEER_ADDRESS};
+    use crate::metrics::{http, sample};
+    use innerwall_control_plane::gate::{self, Outcome, Params, Scope};
+    require_root();
+    let (plane, ns, id, state) = host("late", Duration::from_secs(1)).await;
+    let peer = Peer::create(&ns);
+    // The peer never answers with port unreachable: an error about a datagram looks its
+    // connection up, which would keep the idle conversations' entries referenced.
+    peer.inside(|| {
+        for rule in [
+            "add table ip iwt_quiet",
+            "add chain ip iwt_quiet out { type filter hook output priority 0; }",
+            "add rule ip iwt_quiet out icmp type destination-unreachable drop",
+        ] {
+            let status = Command::new("nft").arg(rule).status().expect("running nft");
+            assert!(status.success(), "nft {rule}");
+        }
+    });
+    let pool = plane.pool().clone();
+    let metrics: std::net::SocketAddr = "127.0.0.1:9464".parse().unwrap();
+    let _agent = Agent::start_with(
+        &state,
+        &plane.server(),
+        &["--conn-table-entries", "64", "--metrics-listen", &metrics.to_string()],
+    );
+    let v1 = plane.status(id).await.2.expect("v1");
+    plane.wait_synced(id, v1).await;
+    let scrape = || http(metrics, "GET", "/metrics").map(|a| a.body).unwrap_or_default();
+    let loaded = wait_until("the capture loaded with 64 entries", &state, async || {
+        let text = scrape();
+        (sample(&text, "innerwall_agent_capture_conn_table_entries") == Some(64.0)).then_some(text)
+    })
+    .await;
+    assert_eq!(sample(&loaded, "innerwall_agent_capture_udp_reply_like_unmatched_total"), Some(0.0));
+
+    // Two requests from this host, then a flood of new conversations, then the late replies
+    // from the service ports the requests went to.
+    wait_until("a stored window", &state, async || (!windows(&pool, id).await.is_empty()).then_some(()))
+        .await;
+    let from = db_now_ms(&pool).await;
+    send_udp_from(&[
+        format!("{HOST_ADDRESS} 40011 {PEER_ADDRESS} 53"),
+        format!("{HOST_ADDRESS} 40012 {PEER_ADDRESS} 5353"),
+    ]);
+    let flood: Vec<String> = (0..1024).map(|_| format!("{HOST_ADDRESS} 0 {PEER_ADDRESS} 7778")).collect();
+    send_udp_from(&flood);
+    peer.inside(|| {
+        send_udp_from(&[
+            format!("{PEER_ADDRESS} 53 {HOST_ADDRESS} 40011"),
+            format!("{PEER_ADDRESS} 5353 {HOST_ADDRESS} 40012"),
+        ]);
+    });
+
+    let suspect = wait_until("a suspect-direction gap", &state, async || {
+        let found: Vec<_> =
+            gaps(&pool, id, SUSPECT_DIRECTION).await.into_iter().filter(|g| g.1 >= from).collect();
+        (found.iter().map(|g| g.2).sum::<i64>() >= 2).then_some(found)
+    })
+    .await;
+    assert_eq!(suspect.iter().map(|g| g.2).sum::<i64>(), 2, "exactly the two late replies: {suspect:?}");
+    assert!(suspect[0].3.contains("matched no connection entry"), "why: {suspect:?}");
+    let text = wait_until("the metric", &state, async || {
+        let text = scrape();
+        (sample(&text, "innerwall_agent_capture_udp_reply_like_unmatched_total") == Some(2.0)).then_some(text)
+    })
+    .await;
+    let evictions = sample(&text, "innerwall_agent_capture_conn_evictions_total").unwrap_or(0.0);
+    assert!(evictions >= 256.0, "the flood overflowed the table: {evictions} evictions\n{text}");
+    // The late replies were recorded (the limitation the gap speaks for), in a window the gap
+    // is on.
+    let stored = records(&pool, id).await;
+    let late =
+        stored.iter().find(|r| r.1 == 40011).unwrap_or_else(|| panic!("no record to 40011: {stored:?}"));
+    let window = windows(&pool, id).await.into_iter().find(|w| w.0 == late.0).expect("its window");
+    assert!(
+        suspect.iter().any(|g| window.1 <= g.0 && g.1 <= window.2),
+        "the gap lies in the late replies' window {window:?}: {suspect:?}"
+    );
+
+    // The operator's CLI lists it by name, with its count and why.
+    let out = Command::new(innerwall_e2e::workspace_bin("innerwall"))
+        .args(["--database-url", &plane.db.url, "flows", "gaps", "--workload", &id.to_string()])
+        .output()
+        .expect("running innerwall");
+    let listed = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        listed.lines().any(|l| l.contains("suspect-direction") && l.contains("matched no connection entry")),
+        "{listed}"
+    );
+
+    // The verdict over that window refuses to call it clean and names the gap. Here the late
+    // replies themselves are would-block flows (nothing allows udp to 40011 from the peer), so
+    // it is UNSAFE, which outranks INSUFFICIENT; the gap beside them says those flows may be
+    // replies (a window with the gap alone is INSUFFICIENT: `every_missing_piece_is_a_reason`).
+    let scope = Scope::parse_selector("app=web").unwrap();
+    let judge = async |w: &Window| {
+        let params = Params { from_ms: w.1, to_ms: w.2, min_duration_ms: 0, top_peers: 5 };
+        let verdict = gate::judge(&pool, &scope, &params).await.unwrap();
+        let reasons: Vec<String> =
+            verdict.workloads.iter().flat_map(|w| w.reasons.iter().map(ToString::to_string)).collect();
+        (verdict.outcome, reasons)
+    };
+    let (outcome, reasons) = judge(&window).await;
+    assert_ne!(outcome, Outcome::Safe, "{reasons:?}");
+    let gap = "suspect-direction gap from";
+    assert!(reasons.iter().any(|r| r.starts_with(gap) && r.contains("(count 2)")), "{reasons:?}");
+    assert!(reasons.iter().any(|r| r.contains("udp/40011")), "the late replies as flows: {reasons:?}");
+    // The last window before the requests carries no such gap: the gap is the late replies',
+    // not every window's.
+    let earlier = windows(&pool, id).await.into_iter().rfind(|w| w.2 <= from).expect("an earlier window");
+    let (_, reasons) = judge(&earlier).await;
+    assert!(!reasons.iter().any(|r| r.starts_with(gap)), "{reasons:?}");
+}

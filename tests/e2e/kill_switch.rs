@@ -2,7 +2,8 @@
 //! every policy that reaches it — a resend's snapshot, a restarted agent's snapshot, a new
 //! version — persisted but not installed, the control plane shows SUSPENDED instead of SYNCED,
 //! and nothing is repaired as drift; `innerwall-agent up` installs the latest and the workload is
-//! SYNCED again.
+//! SYNCED again. And outside it (ENF-7): a real agent whose table is changed from outside
+//! repairs it, and the control plane's audit log gets the tamper record from its heartbeat.
 
 use std::path::Path;
 use std::process::Command;
@@ -165,4 +166,89 @@ async fn kill_switch_holds_across_reconnects_and_versions() {
     let log = std::fs::read_to_string(state.join("agent.log")).unwrap_or_default();
     assert!(log.contains("kill switch released"), "the running agent resumed:\n{log}");
     drop(agent);
+}
+
+/// The `workload.tamper` audit rows of `id`: actor, the reported detail, and the count.
+async fn tamper_rows(pool: &PgPool, id: WorkloadId) -> Vec<(String, String, i64)> {
+    sqlx::query_as(
+        "SELECT actor, detail->>'detail', (detail->>'count')::bigint FROM audit_log
+         WHERE action = 'workload.tamper' AND subject = $1 ORDER BY id",
+    )
+    .bind(id.to_string())
+    .fetch_all(pool)
+    .await
+    .expect("audit")
+}
+
+/// The handle of the `web` rule of the input chain (the rule allowing port 8001), as `nft -a`
+/// lists it in this thread's namespace.
+fn rule_handle(port: &str) -> String {
+    let out = Command::new("nft")
+        .args(["-a", "list", "chain", "inet", "innerwall", "input"])
+        .output()
+        .expect("running nft");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    text.lines()
+        .find(|l| l.contains(port) && l.contains("accept"))
+        .and_then(|l| l.rsplit_once("# handle ").map(|(_, h)| h.trim().to_owned()))
+        .unwrap_or_else(|| panic!("no rule for port {port} in\n{text}"))
+}
+
+/// ENF-7 end to end: the real agent repairs a rule deleted from its table by `nft` and its next
+/// heartbeat puts the tamper record in the control plane's audit log, as the workload, with
+/// what was found; a second, different change is repaired and audited too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_agent_drift_repair_reaches_the_audit_log() {
+    require_root();
+    let gateway = GatewayConfig { heartbeat: Duration::from_secs(1), ..GatewayConfig::default() };
+    let mut plane = Plane::create(Duration::from_secs(3600), gateway).await;
+    let ns = Namespace::create(format!("iw-drift-{}", std::process::id()));
+    ns.enter();
+    plane.up().await;
+    plane.bump(1).await;
+    let (id, config) = plane.enroll("drift", &["app=web"]).await;
+    plane.set_mode(id, Mode::Enforcement).await;
+    let (pool, state) = (plane.pool().clone(), config.state_dir.clone());
+    let _agent = Agent::start_with(&state, &plane.server(), &["--drift-interval-ms", "100"]);
+    let v1 = latest_version(&plane, id).await;
+    plane.wait_synced(id, v1).await;
+    let pristine = table().expect("the table is installed");
+    assert!(pristine.contains("8001"), "v{v1} installed:\n{pristine}");
+    assert!(tamper_rows(&pool, id).await.is_empty(), "no tamper before any change");
+
+    // An outside change: a rule of ours deleted.
+    let handle = rule_handle("8001");
+    let status = Command::new("nft")
+        .args(["delete", "rule", "inet", "innerwall", "input", "handle", &handle])
+        .status()
+        .expect("running nft");
+    assert!(status.success(), "deleting rule {handle}");
+    let rows = wait_until("the tamper record in the audit log", &state, async || {
+        let rows = tamper_rows(&pool, id).await;
+        (!rows.is_empty()).then_some(rows)
+    })
+    .await;
+    let (actor, detail, count) = &rows[0];
+    assert_eq!(actor, &format!("workload:{id}"), "{rows:?}");
+    assert!(detail.contains("rules differ"), "what was found: {rows:?}");
+    assert!(*count >= 1, "{rows:?}");
+    // Repaired: the rule is back (counters aside, the table is as installed).
+    let strip = |t: &str| t.lines().filter(|l| !l.contains("counter")).collect::<Vec<_>>().join("\n");
+    let repaired = table().expect("the table is there");
+    assert!(repaired.contains("8001"), "the deleted rule is back:\n{repaired}");
+    assert_eq!(strip(&repaired), strip(&pristine));
+
+    // The second time: a whole table deleted is repaired and reported too.
+    let before: i64 = tamper_rows(&pool, id).await.iter().map(|r| r.2).sum();
+    let status =
+        Command::new("nft").args(["delete", "table", "inet", "innerwall"]).status().expect("running nft");
+    assert!(status.success(), "deleting the table");
+    wait_until("a second tamper count in the audit log", &state, async || {
+        let after: i64 = tamper_rows(&pool, id).await.iter().map(|r| r.2).sum();
+        (after > before).then_some(())
+    })
+    .await;
+    let repaired = table().expect("the table is restored");
+    assert_eq!(strip(&repaired), strip(&pristine));
+    plane.wait_synced(id, v1).await;
 }

@@ -18,14 +18,14 @@ use crate::plane::Plane;
 
 /// A `/metrics` answer: status code, content type, body.
 #[derive(Debug)]
-struct Answer {
-    status: u16,
-    content_type: String,
-    body: String,
+pub(crate) struct Answer {
+    pub(crate) status: u16,
+    pub(crate) content_type: String,
+    pub(crate) body: String,
 }
 
 /// One HTTP/1.1 request with a plain socket (in the calling thread's network namespace).
-fn http(addr: SocketAddr, method: &str, path: &str) -> std::io::Result<Answer> {
+pub(crate) fn http(addr: SocketAddr, method: &str, path: &str) -> std::io::Result<Answer> {
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
     stream.set_read_timeout(Some(Duration::from_secs(10)))?;
     write!(stream, "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")?;
@@ -41,7 +41,7 @@ fn http(addr: SocketAddr, method: &str, path: &str) -> std::io::Result<Answer> {
 }
 
 /// The value of one series (`name` or `name{labels}`) in a scrape.
-fn sample(text: &str, series: &str) -> Option<f64> {
+pub(crate) fn sample(text: &str, series: &str) -> Option<f64> {
     text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
 }
 

@@ -79,6 +79,7 @@ wire_enum!(GapKind, proto::EvidenceGapKind, "gap kind", {
     UploadRefused <=> UploadRefused,
     CaptureUnavailable <=> CaptureUnavailable,
     QueueFailed <=> QueueFailed,
+    SuspectDirection <=> SuspectDirection,
 });
 
 fn cidrs_to_wire<'a>(cidrs: impl IntoIterator<Item = &'a Cidr>) -> Vec<String> {

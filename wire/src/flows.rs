@@ -50,6 +50,12 @@ pub enum GapKind {
     /// A closed window was lost in the agent's on-disk queue: it could not be written (e.g. a
     /// full disk) or not read back; the interval is the lost window's, the count its records.
     QueueFailed,
+    /// Records may have the wrong direction: the count is the UDP datagrams recorded as inbound
+    /// that looked like replies to a connection the agent's connection table did not know (an
+    /// ephemeral local port answered from a service port: its entry was evicted, or the
+    /// conversation is older than the capture). Some of the window's inbound records may be
+    /// this host's own conversations.
+    SuspectDirection,
 }
 
 named_enum!(GapKind, "gap kind", {
@@ -60,6 +66,7 @@ named_enum!(GapKind, "gap kind", {
     UploadRefused => "upload-refused",
     CaptureUnavailable => "capture-unavailable",
     QueueFailed => "queue-failed",
+    SuspectDirection => "suspect-direction",
 });
 
 /// One inbound flow key aggregated over a window. Times are Unix milliseconds.
@@ -270,7 +277,8 @@ mod tests {
                 "window-key-overflow",
                 "upload-refused",
                 "capture-unavailable",
-                "queue-failed"
+                "queue-failed",
+                "suspect-direction"
             ]
         );
     }

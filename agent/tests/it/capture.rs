@@ -17,8 +17,9 @@ use innerwall_wire::flows::{Decision, FlowWindow};
 
 use crate::enforce::{matrix, policy};
 use crate::netns::{
-    ALLOWED4, ALLOWED6, HOST4, HOST6, NetNs, OTHER4, OTHER6, Pair, Probe, Server, TempDir, icmp,
-    probe_with_timeout, require_root, run, tcp, udp, wait_for,
+    ALLOWED4, ALLOWED6, HOST4, HOST6, NetNs, OTHER4, OTHER6, Pair, Probe, Server, TempDir,
+    assert_drops_counted, icmp, probe_counting_drops, probe_with_timeout, require_root, run, tcp, udp,
+    wait_for,
 };
 
 const TCP: u8 = 6;
@@ -224,14 +225,7 @@ fn map_full_becomes_gap() {
     // In the agent's window the drops become an evidence gap with their count (FLOW-2).
     let host: IpAddr = HOST4.parse().expect("host address");
     let mut window = innerwall_agent::flows::Window::open(1_000, None, 100);
-    innerwall_agent::flows::absorb(
-        &mut window,
-        &drained.records,
-        drained.map_full_drops,
-        &[host].into(),
-        1_000,
-        2_000,
-    );
+    innerwall_agent::flows::absorb(&mut window, &drained, &[host].into(), 1_000, 2_000);
     let closed = window.close(2_000);
     let gap = closed
         .gaps
@@ -345,11 +339,13 @@ fn netns_ebpf_records_flows_with_decisions() {
         }
         let (window, ..) = open.as_mut().expect("a window is open");
         let (probes, allowed): (Vec<Probe>, Vec<bool>) = matrix().into_iter().unzip();
-        let reached = probe_with_timeout(&pair.client, &probes, 1.5);
+        let (reached, dropped) = probe_counting_drops(&pair.host, &pair.client, &probes, 1.5);
         if mode == "enforcement" {
             assert_eq!(reached, allowed, "the kernel enforces the matrix");
+            assert_drops_counted(allowed.iter().filter(|a| !**a).count(), dropped);
         } else {
             assert!(reached.iter().all(|r| *r), "{mode} drops nothing: {reached:?}");
+            assert_eq!(dropped, 0, "{mode} counted drops");
         }
         let drained = capture.drain().expect("drain");
         window.absorb(Ok(&drained), &local, now_ms());
@@ -396,6 +392,15 @@ fn check_decisions(closed: &FlowWindow, mode: &str) {
 /// Runs a python3 script with arguments in a namespace and returns its trimmed stdout.
 fn python(ns: &NetNs, script: &str, args: &[&str]) -> String {
     let out = run(ns.command("python3").arg("-c").arg(script).args(args));
+    String::from_utf8(out.stdout).expect("utf-8").trim().to_owned()
+}
+
+/// [`python`] pinned to CPU 0. The kernel's LRU keeps per-CPU lists of fresh entries: entries
+/// that the same CPU inserted evict one another in order, whereas one inserted from another CPU
+/// may sit in that CPU's list a while longer. Tests that need a given entry evicted insert it and
+/// the flood from one CPU.
+fn python_on_cpu0(ns: &NetNs, script: &str, args: &[&str]) -> String {
+    let out = run(ns.command("taskset").args(["-c", "0", "python3", "-c", script]).args(args));
     String::from_utf8(out.stdout).expect("utf-8").trim().to_owned()
 }
 
@@ -704,4 +709,130 @@ fn hotplugged_interface_is_captured() {
     assert_eq!(probe_with_timeout(&pair.client, &[udp(ALLOWED4, HOST4, 6300)], 3.0), [true]);
     let drained = drain_within_flips(&mut capture, &mut flip);
     find(&drained, ALLOWED4, HOST4, 6300, UDP);
+}
+
+/// Sends one UDP datagram from each of `count` fresh sockets (ephemeral source ports) from `src`
+/// to `dst:port`: that many new conversations this host initiates.
+const FLOOD_CONNS: &str = r#"
+import socket, sys
+src, dst, port, count = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+for _ in range(count):
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind((src, 0))
+    s.sendto(b'innerwall', (dst, port)); s.close()
+print('flooded')
+"#;
+
+/// FLOW-1, FLOW-2 (issue 25): a UDP reply that arrives after its connection entry was evicted
+/// (a table sized to 64 entries, then a flood of 16 times that many new conversations) is
+/// recorded as inbound, since the program cannot know better, but never silently: it is counted
+/// as reply-like (from a service port, 53 and 5353 here, to an ephemeral local port, no entry),
+/// the window carries a suspect-direction gap with that count, and the agent's metric says so.
+/// Before the flood, an on-time reply is skipped and nothing is suspect (the gap is not
+/// unconditional); the late replies are counted exactly, the genuine inbound datagram sent
+/// after them (from the client's ephemeral port to a service port) is recorded and not counted.
+#[test]
+fn late_udp_replies_are_counted_as_suspect() {
+    use innerwall_agent::metrics::Metrics;
+    use innerwall_wire::flows::{EvidenceGap, GapKind};
+    const CONN_CAPACITY: u32 = 64;
+    const FLOOD: u32 = 16 * CONN_CAPACITY;
+    let pair = Pair::new("late");
+    // The client never answers with port unreachable: an error about a datagram looks its
+    // connection up, which would keep the idle conversations' entries referenced.
+    pair.client.nft(&["add table ip iwt_quiet"]);
+    pair.client.nft(&["add chain ip iwt_quiet out { type filter hook output priority 0; }"]);
+    pair.client.nft(&["add rule ip iwt_quiet out icmp type destination-unreachable drop"]);
+    let object = object();
+    let options = CaptureOptions { conn_capacity: Some(CONN_CAPACITY), ..CaptureOptions::default() };
+    let mut capture = pair
+        .host
+        .enter(|| {
+            let mut capture = Capture::load(&object, options, log::logger())?;
+            capture.attach_interface("veth0", Framing::Ethernet)?;
+            Ok::<_, CaptureError>(capture)
+        })
+        .unwrap_or_else(|e| panic!("attaching the capture: {e}"));
+    assert_eq!(capture.conn_capacity(), CONN_CAPACITY);
+    let metrics = Metrics::new();
+    metrics.capture_loaded(capture.conn_capacity());
+    let local = [HOST4.parse::<IpAddr>().expect("host address")].into();
+    let mut window = OpenWindow::new(0, None, 1_000);
+    let mut drain = |at_ms: i64| {
+        let drained = capture.drain().expect("drain");
+        metrics.capture_drained(&drained);
+        window.absorb(Ok(&drained), &local, at_ms);
+        drained
+    };
+    drain(1_000);
+
+    // Three requests from this host; one is answered at once.
+    let sent = python_on_cpu0(
+        &pair.host,
+        SEND_UDP_FROM,
+        &[
+            &format!("{HOST4} 40011 {ALLOWED4} 53"),
+            &format!("{HOST4} 40012 {ALLOWED4} 5353"),
+            &format!("{HOST4} 40013 {ALLOWED4} 5354"),
+        ],
+    );
+    assert_eq!(sent, "sent");
+    assert_eq!(python(&pair.client, SEND_UDP_FROM, &[&format!("{ALLOWED4} 5354 {HOST4} 40013")]), "sent");
+    let on_time = drain(2_000);
+    assert!(
+        on_time.records.iter().all(|r| r.dst_port != 40013),
+        "an on-time reply was recorded: {on_time:?}"
+    );
+    assert!(on_time.replies_skipped >= 1, "{on_time:?}");
+    assert_eq!(on_time.udp_reply_like_unmatched, 0, "{on_time:?}");
+
+    // The flood: new conversations well beyond the table's capacity evict the idle entries.
+    let flooded = python_on_cpu0(&pair.host, FLOOD_CONNS, &[HOST4, ALLOWED4, "7778", &FLOOD.to_string()]);
+    assert_eq!(flooded, "flooded");
+    let flood = drain(3_000);
+    // Ephemeral ports may repeat among the flood, so not every datagram is a new entry.
+    assert!(
+        flood.conn_evictions_at_least >= 4 * u64::from(CONN_CAPACITY),
+        "the flood did not overflow the connection table: {flood:?}"
+    );
+    assert_eq!(flood.udp_reply_like_unmatched, 0, "{flood:?}");
+
+    // The late replies, then the marker: genuine inbound UDP and TCP sent after them.
+    let sent = python(
+        &pair.client,
+        SEND_UDP_FROM,
+        &[&format!("{ALLOWED4} 53 {HOST4} 40011"), &format!("{ALLOWED4} 5353 {HOST4} 40012")],
+    );
+    assert_eq!(sent, "sent");
+    let marker =
+        probe_with_timeout(&pair.client, &[udp(ALLOWED4, HOST4, 5998), tcp(ALLOWED4, HOST4, 8088)], 3.0);
+    assert_eq!(marker, [true, true]);
+    let late = drain(4_000);
+    find(&late, ALLOWED4, HOST4, 5998, UDP);
+    find(&late, ALLOWED4, HOST4, 8088, TCP);
+    // Recorded as inbound (the limitation), and counted: exactly the two late replies.
+    find(&late, ALLOWED4, HOST4, 40011, UDP);
+    find(&late, ALLOWED4, HOST4, 40012, UDP);
+    assert_eq!(late.udp_reply_like_unmatched, 2, "{late:?}");
+
+    // The window says its records may have the wrong direction, over the drain that saw them.
+    let closed = window.close(4_000);
+    let suspect = EvidenceGap::new(GapKind::SuspectDirection, 3_000, 4_000, 2)
+        .because(innerwall_agent::flows::SUSPECT_DIRECTION_DETAIL);
+    assert_eq!(closed.gaps, [suspect]);
+    assert!(closed.records.iter().any(|r| r.dst_port == 40011), "{closed:?}");
+
+    // And so do the agent's metrics.
+    let text = metrics.encode(SystemTime::now());
+    let sample = |series: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("no {series} in\n{text}"))
+    };
+    assert_eq!(sample("innerwall_agent_capture_udp_reply_like_unmatched_total"), 2);
+    assert_eq!(sample("innerwall_agent_capture_conn_table_entries"), u64::from(CONN_CAPACITY));
+    assert_eq!(
+        sample("innerwall_agent_capture_conn_evictions_total"),
+        [&on_time, &flood, &late].iter().map(|d| d.conn_evictions_at_least).sum::<u64>()
+    );
+    assert!(sample("innerwall_agent_capture_replies_skipped_total") >= 1);
 }

@@ -77,7 +77,7 @@ fn netns_enforcement_allows_and_drops() {
     pair.flush_neighbours();
     let first = probe_with_timeout(&pair.client, &[tcp(ALLOWED6, HOST6, 8080)], 3.0);
     assert_eq!(first, [true], "IPv6 with neighbour discovery through the enforcing chain");
-    expect_reach(&pair.client, &matrix());
+    expect_reach(&pair.host, &pair.client, &matrix());
 
     let report = kernel_status(&pair.host, &state.0);
     assert_eq!(report.kernel_matches_persisted, Some(true), "{report:?}");
@@ -99,7 +99,7 @@ fn netns_simulation_counts_would_block() {
     let matrix = matrix();
     let disallowed = matrix.iter().filter(|(_, pass)| !pass).count() as u64;
     let everything_passes: Vec<(Probe, bool)> = matrix.iter().map(|(p, _)| (*p, true)).collect();
-    expect_reach(&pair.client, &everything_passes);
+    expect_reach(&pair.host, &pair.client, &everything_passes);
 
     let report = kernel_status(&pair.host, &state.0);
     let would_block = report.would_block.expect("simulation counts would-block");
@@ -122,7 +122,11 @@ fn netns_peer_delta_without_rebuild() {
     pair.host.enter(|| {
         let mut store = LinuxPolicyStore::new(&state.0);
         assert_eq!(store.apply(&v1).expect("v1"), Installed::Full);
-        expect_reach(&pair.client, &[(tcp(ALLOWED4, HOST4, 8080), false), (tcp(OTHER4, HOST4, 8080), true)]);
+        expect_reach(
+            &pair.host,
+            &pair.client,
+            &[(tcp(ALLOWED4, HOST4, 8080), false), (tcp(OTHER4, HOST4, 8080), true)],
+        );
         let before = state::read_table().expect("read").expect("table");
 
         // Peer-only: one element batch; the table, its chain and rules (handles) stay.
@@ -137,7 +141,11 @@ fn netns_peer_delta_without_rebuild() {
             .find(|s| s.name.ends_with("_v4") && s.intervals.len() == 3);
         assert!(web_v4.is_some(), "v2's web set holds three merged intervals");
         assert!(after.differences(&nft::expected_state(&DesiredTable::from_policy(&v2))).is_empty());
-        expect_reach(&pair.client, &[(tcp(ALLOWED4, HOST4, 8080), true), (tcp(OTHER4, HOST4, 8080), false)]);
+        expect_reach(
+            &pair.host,
+            &pair.client,
+            &[(tcp(ALLOWED4, HOST4, 8080), true), (tcp(OTHER4, HOST4, 8080), false)],
+        );
 
         // The kernel refuses an element delete that is not installed (someone removed it):
         // the store falls back to a full replace and still ends exactly at v3.
@@ -149,7 +157,7 @@ fn netns_peer_delta_without_rebuild() {
         assert!(now.differences(&nft::expected_state(&DesiredTable::from_policy(&v3))).is_empty());
         assert_eq!(store.current(), Some(&v3));
     });
-    expect_reach(&pair.client, &[(tcp(ALLOWED4, HOST4, 8080), false)]);
+    expect_reach(&pair.host, &pair.client, &[(tcp(ALLOWED4, HOST4, 8080), false)]);
 }
 
 #[test]
@@ -259,12 +267,12 @@ fn netns_fail_static_on_restart() {
     let agent = Agent::start(&pair.host, &state.0.join("state"), &state.0.join("agent1.log"));
     agent.wait_log("dial attempt 1 to 127.0.0.1:9 failed");
     agent.kill9();
-    expect_reach(&pair.client, &enforced);
+    expect_reach(&pair.host, &pair.client, &enforced);
 
     // The kernel loses the table (as after a reboot); a restarted agent with the control plane
     // unreachable installs the persisted policy before its first dial.
     pair.host.nft(&["delete", "table", "inet", "innerwall"]);
-    expect_reach(&pair.client, &[(tcp(OTHER4, HOST4, 8080), true)]);
+    expect_reach(&pair.host, &pair.client, &[(tcp(OTHER4, HOST4, 8080), true)]);
     let mut agent = Agent::start(&pair.host, &state.0.join("state"), &state.0.join("agent2.log"));
     let log = agent.wait_log("dial attempt 2 to 127.0.0.1:9 failed");
     let restored = log.find("re-applied persisted policy v5 before dialing").expect("restore logged");
@@ -276,11 +284,11 @@ fn netns_fail_static_on_restart() {
         table.contains("comment \"web/tcp\"") && table.contains("drop comment \"innerwall:drop\""),
         "{table}"
     );
-    expect_reach(&pair.client, &enforced);
+    expect_reach(&pair.host, &pair.client, &enforced);
 
     // A clean stop leaves the rules in place too.
     agent.stop();
-    expect_reach(&pair.client, &enforced);
+    expect_reach(&pair.host, &pair.client, &enforced);
 }
 
 #[test]
@@ -403,13 +411,17 @@ fn netns_drift_is_repaired() {
         let event = store.check_drift(now).expect("check").expect("a deleted table is drift");
         assert!(event.detail.contains("missing"), "{}", event.detail);
     });
-    expect_reach(&pair.client, &[(tcp(ALLOWED4, HOST4, 8080), true), (tcp(ALLOWED4, HOST4, 22), false)]);
+    expect_reach(
+        &pair.host,
+        &pair.client,
+        &[(tcp(ALLOWED4, HOST4, 8080), true), (tcp(ALLOWED4, HOST4, 22), false)],
+    );
 
     // The running agent repairs on its timer and logs it.
     let agent = Agent::start(&pair.host, &state.0, &state.0.join("agent.log"));
     agent.wait_log("re-applied persisted policy v1");
     pair.host.nft(&["insert", "rule", "inet", "innerwall", "input", "tcp", "dport", "22", "accept"]);
     agent.wait_log("repaired drift of table inet innerwall");
-    expect_reach(&pair.client, &[(tcp(ALLOWED4, HOST4, 22), false)]);
+    expect_reach(&pair.host, &pair.client, &[(tcp(ALLOWED4, HOST4, 22), false)]);
     agent.stop();
 }

@@ -297,12 +297,8 @@ pub fn icmp(src: &'static str, dst: &'static str) -> Probe {
 }
 
 /// Sends the probes in parallel from the client namespace; `true` = the host answered
-/// (connected, refused, echoed), `false` = silence until the timeout (dropped).
-pub fn probe(client: &NetNs, probes: &[Probe]) -> Vec<bool> {
-    probe_with_timeout(client, probes, 0.7)
-}
-
-/// [`probe`] with a timeout in seconds.
+/// (connected, refused, echoed), `false` = silence until the timeout (which [`expect_reach`]
+/// only takes for a drop when the host's drop counter agrees).
 pub fn probe_with_timeout(client: &NetNs, probes: &[Probe], timeout: f64) -> Vec<bool> {
     let json = serde_json::to_string(
         &probes
@@ -315,10 +311,54 @@ pub fn probe_with_timeout(client: &NetNs, probes: &[Probe], timeout: f64) -> Vec
     serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("probe output: {e}: {:?}", out.stdout))
 }
 
-/// Asserts each probe's outcome, naming the ones that differ.
-pub fn expect_reach(client: &NetNs, expected: &[(Probe, bool)]) {
+/// Packets the terminal drop rules of table `inet innerwall` in `ns` have counted (`counter
+/// drop comment "innerwall:drop"`, summed over the rules that carry it); 0 without the table.
+pub fn dropped_packets(ns: &NetNs) -> u64 {
+    let out = ns.command("nft").args(["list", "table", "inet", "innerwall"]).output().expect("running nft");
+    if !out.status.success() {
+        return 0;
+    }
+    let text = String::from_utf8(out.stdout).expect("utf-8");
+    text.lines()
+        .filter(|l| l.contains("drop comment \"innerwall:drop\""))
+        .map(|l| {
+            let mut words = l.split_whitespace();
+            words.find(|w| *w == "packets");
+            // A drop rule without a counter counts nothing.
+            words.next().and_then(|n| n.parse::<u64>().ok()).unwrap_or(0)
+        })
+        .sum()
+}
+
+/// Sends the probes from `client` (as [`probe_with_timeout`]) and returns their outcomes with
+/// the packets the host's drop rule counted meanwhile.
+pub fn probe_counting_drops(
+    host: &NetNs,
+    client: &NetNs,
+    probes: &[Probe],
+    timeout: f64,
+) -> (Vec<bool>, u64) {
+    let before = dropped_packets(host);
+    let got = probe_with_timeout(client, probes, timeout);
+    (got, dropped_packets(host) - before)
+}
+
+/// Asserts that `silent` probes that timed out were dropped by the host's table: its drop
+/// counter counted at least one packet for each. Silence alone proves nothing (a lost packet,
+/// a server that is not there, a broken link are silent too).
+pub fn assert_drops_counted(silent: usize, dropped: u64) {
+    assert!(
+        dropped >= silent as u64,
+        "{silent} probe(s) went unanswered, but the drop rule of table inet innerwall counted {dropped} packet(s): \
+         silence is not a drop"
+    );
+}
+
+/// Asserts each probe's outcome, naming the ones that differ; every probe expected to be
+/// dropped must also be counted by the host's drop rule ([`assert_drops_counted`]).
+pub fn expect_reach(host: &NetNs, client: &NetNs, expected: &[(Probe, bool)]) {
     let probes: Vec<Probe> = expected.iter().map(|(p, _)| *p).collect();
-    let got = probe(client, &probes);
+    let (got, dropped) = probe_counting_drops(host, client, &probes, 0.7);
     let wrong: Vec<String> = expected
         .iter()
         .zip(&got)
@@ -335,6 +375,7 @@ pub fn expect_reach(client: &NetNs, expected: &[(Probe, bool)]) {
         })
         .collect();
     assert!(wrong.is_empty(), "probe outcomes differ:\n{}", wrong.join("\n"));
+    assert_drops_counted(expected.iter().filter(|(_, pass)| !pass).count(), dropped);
 }
 
 /// Polls until `f` returns `Some`, or panics after `timeout` with `what`.

@@ -594,6 +594,13 @@ mod tests {
                 },
                 "agent-restart gap",
             ),
+            (
+                WorkloadFacts {
+                    gaps: vec![EvidenceGap::new(GapKind::SuspectDirection, 3 * MIN, 3 * MIN + 5, 2)],
+                    ..base()
+                },
+                "suspect-direction gap from",
+            ),
             (WorkloadFacts { windows: vec![], ..base() }, "no evidence from"),
         ];
         for (w, expected) in cases {
