@@ -172,7 +172,6 @@ async fn resend_snapshot() {
         }))
     ));
     // … and the new stream begins with a snapshot, which advances last_snapshot_sent_at.
-    tokio::time::sleep(Duration::from_millis(20)).await;
     let mut again = Scripted::open(channel, 1).await;
     assert_eq!(again.update().await, ("snapshot", 1, 1));
     let after = authoring::request_snapshot(pool, id).await.unwrap().last_snapshot_sent_at.unwrap();
