@@ -78,6 +78,7 @@ pub async fn hold_stream<S: PolicyStore + Send + 'static>(
         if !std::mem::take(&mut first) {
             enforcer.metrics.reconnecting();
         }
+        let dialed_at = std::time::Instant::now();
         let failure = match connect(config).await {
             Err(e) => error::chain(&e),
             Ok(channel) => {
@@ -107,6 +108,12 @@ pub async fn hold_stream<S: PolicyStore + Send + 'static>(
             }
         };
         let wait = backoff::wait(attempt, config.backoff_base, config.backoff_cap, backoff::random_unit());
+        enforcer.note_dial_failure(sync::DialFailure {
+            attempt,
+            dialed_at,
+            failed_at: std::time::Instant::now(),
+            wait,
+        });
         attempt = attempt.saturating_add(1);
         enforcer.dial_failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         tracing::warn!(

@@ -75,6 +75,9 @@ pub struct Enforcer<S> {
     /// Connection attempts that failed, and streams that reached HelloAck (for status/tests).
     pub dial_failures: std::sync::atomic::AtomicU64,
     pub streams: std::sync::atomic::AtomicU64,
+    /// The latest failed dials of the policy stream with the backoff each chose (at most
+    /// [`DIAL_LOG`]), so a test can hold every wait to its full-jitter window.
+    pub dial_log: Mutex<std::collections::VecDeque<DialFailure>>,
     /// Flow window length and key cap the control plane set in the last HelloAck.
     pub flow_window_secs: std::sync::atomic::AtomicU64,
     pub flow_window_max_keys: std::sync::atomic::AtomicU64,
@@ -90,6 +93,37 @@ pub struct Enforcer<S> {
     pub metrics: Arc<Metrics>,
     /// Host facts to report instead of this host's own (see [`Enforcer::report_facts`]).
     fixed_facts: Mutex<Option<proto::HostFacts>>,
+}
+
+/// How many failed dials [`Enforcer::dial_log`] keeps.
+pub const DIAL_LOG: usize = 64;
+
+/// One failed dial of the policy stream and the backoff chosen after it.
+#[derive(Debug, Clone, Copy)]
+pub struct DialFailure {
+    /// The backoff attempt (0-based; reset after a healthy stream).
+    pub attempt: u32,
+    /// When the dial began and when it failed.
+    pub dialed_at: Instant,
+    pub failed_at: Instant,
+    /// The wait chosen before the next dial.
+    pub wait: Duration,
+}
+
+impl<S> Enforcer<S> {
+    /// Notes a failed dial; the oldest entry goes once [`DIAL_LOG`] are kept.
+    pub fn note_dial_failure(&self, failure: DialFailure) {
+        let mut log = self.dial_log.lock().unwrap_or_else(PoisonError::into_inner);
+        if log.len() == DIAL_LOG {
+            log.pop_front();
+        }
+        log.push_back(failure);
+    }
+
+    /// The failed dials kept, oldest first.
+    pub fn dial_failures_logged(&self) -> Vec<DialFailure> {
+        self.dial_log.lock().unwrap_or_else(PoisonError::into_inner).iter().copied().collect()
+    }
 }
 
 /// A request to the evidence loop to close its open flow window now, because the applied
@@ -111,6 +145,7 @@ impl<S: PolicyStore> Enforcer<S> {
             started: Instant::now(),
             dial_failures: Default::default(),
             streams: Default::default(),
+            dial_log: Default::default(),
             flow_window_secs: std::sync::atomic::AtomicU64::new(60),
             flow_window_max_keys: std::sync::atomic::AtomicU64::new(10_000),
             renewals: tokio::sync::watch::Sender::new(0),

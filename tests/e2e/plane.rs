@@ -235,18 +235,58 @@ pub fn credential(config: &RunConfig) -> Credential {
     Credential::load(&config.state_dir).unwrap()
 }
 
-/// A policy store for sync tests: remembers like `MemoryPolicyStore`, can be slow (so updates
-/// pipeline behind it) and can refuse chosen versions a number of times.
+/// A policy store for sync tests: remembers like `MemoryPolicyStore`, can hold one version's
+/// apply until the test opens its gate (so later updates pipeline behind it, and the test sees
+/// the moment the agent is applying) and can refuse chosen versions a number of times.
 #[derive(Debug, Default)]
 pub struct TestStore {
     pub inner: MemoryPolicyStore,
-    pub delay: Duration,
+    pub gate: Option<Arc<Gate>>,
     pub refuse: Option<(u64, u32)>,
+}
+
+/// Holds the apply of one version until [`Gate::open`]; says when an apply reached it.
+#[derive(Debug)]
+pub struct Gate {
+    version: u64,
+    /// (an apply of `version` is waiting or went through, the gate is open)
+    state: std::sync::Mutex<(bool, bool)>,
+    changed: std::sync::Condvar,
+}
+
+impl Gate {
+    pub fn new(version: u64) -> Arc<Gate> {
+        Arc::new(Gate { version, state: Default::default(), changed: Default::default() })
+    }
+
+    /// True once an apply of the gated version has begun.
+    pub fn entered(&self) -> bool {
+        self.state.lock().unwrap().0
+    }
+
+    pub fn open(&self) {
+        self.state.lock().unwrap().1 = true;
+        self.changed.notify_all();
+    }
+
+    /// Called by the store (on the agent's blocking apply thread).
+    fn pass(&self, version: u64) {
+        if version != self.version {
+            return;
+        }
+        let mut state = self.state.lock().unwrap();
+        state.0 = true;
+        let (state, timeout) =
+            self.changed.wait_timeout_while(state, Duration::from_secs(30), |s| !s.1).unwrap();
+        assert!(!timeout.timed_out() || state.1, "the test never opened the gate for v{version}");
+    }
 }
 
 impl PolicyStore for TestStore {
     fn apply(&mut self, next: &WorkloadPolicy) -> Result<Installed, EnforceError> {
-        std::thread::sleep(self.delay);
+        if let Some(gate) = &self.gate {
+            gate.pass(next.version());
+        }
         if let Some((version, times)) = self.refuse
             && version == next.version()
             && times > 0
@@ -280,4 +320,10 @@ pub async fn eventually(done: impl Fn() -> bool, what: &str) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     panic!("never happened: {what}");
+}
+
+/// One sample of the replica's metrics (e.g. `innerwall_acks_total{status="APPLIED"}`).
+pub fn sample(plane: &Plane, series: &str) -> Option<f64> {
+    let text = plane.running.as_ref().expect("the replica runs").metrics.encode();
+    text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
 }

@@ -1,4 +1,4 @@
-//! The policy stream end to end (SYNC-2..SYNC-10, IDN-5): the real agent sync loop against a
+//! The policy stream end to end (SYNC-2..SYNC-11, IDN-5): the real agent sync loop against a
 //! real control plane, Postgres and mutual TLS on loopback.
 
 use std::sync::Arc;
@@ -6,12 +6,14 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use innerwall_agent::connect::RunConfig;
-use innerwall_agent::sync::{Enforcer, WireUpdate};
+use innerwall_agent::sync::{DialFailure, Enforcer, WireUpdate};
+use innerwall_agent::telemetry::{self, Queue};
 use innerwall_agent::{daemon, renew};
+use innerwall_wire::flows::FlowWindow;
 use innerwall_wire::policy::diff;
 use innerwall_wire::proto;
 
-use crate::plane::{Plane, TestStore, credential, eventually, history, refusals_left};
+use crate::plane::{Gate, Plane, TestStore, credential, eventually, history, refusals_left, sample};
 
 fn spawn_agent(config: &RunConfig, enforcer: &Arc<Enforcer<TestStore>>) -> tokio::task::JoinHandle<()> {
     let (config, enforcer) = (config.clone(), enforcer.clone());
@@ -24,19 +26,33 @@ fn spawn_agent(config: &RunConfig, enforcer: &Arc<Enforcer<TestStore>>) -> tokio
 async fn applies_in_order_and_acks_each() {
     let plane = Plane::start().await;
     let (id, config) = plane.enroll("web-1", &["app=web"]).await;
-    // A slow store: while it applies, later updates queue on the stream (pipelined).
-    let enforcer =
-        Arc::new(Enforcer::new(TestStore { delay: Duration::from_millis(400), ..Default::default() }));
+    // The store holds v2's apply until the test opens the gate: no ack for v2 can leave before.
+    let gate = Gate::new(2);
+    let enforcer = Arc::new(Enforcer::new(TestStore { gate: Some(gate.clone()), ..Default::default() }));
     let agent = spawn_agent(&config, &enforcer);
     plane.wait_synced(id, 1).await;
+    let pushed = || sample(&plane, "innerwall_push_sent_latency_seconds_count").unwrap();
+    let applied = || sample(&plane, "innerwall_acks_total{status=\"APPLIED\"}").unwrap();
+    assert_eq!((pushed(), applied()), (0.0, 1.0), "the opening snapshot, acked");
     plane.bump(0).await;
-    // Once v2 is on its way (PENDING), v3 follows while the agent is still applying v2: two
-    // deltas in flight. (Authored back to back, they could coalesce into one delta, SYNC-11.)
-    plane.wait(id, |s| s.0 == "PENDING" && s.2 == Some(2), "PENDING towards v2").await;
+    eventually(|| gate.entered(), "the agent applying v2").await;
+    // v2 is sent and unacked (the agent is inside its apply). The next version is sent as a
+    // delta of its own before v2's ack: two deltas in flight (SYNC-4, pipelining). Authored
+    // after v2 was sent, it cannot coalesce with it (SYNC-11).
     plane.bump(1).await;
+    eventually(|| pushed() == 2.0, "the server sending v3 with v2 unacked").await;
+    assert_eq!(applied(), 1.0, "no ack for v2 before its apply ends");
+    let (state, acked_version, latest, _) = plane.status(id).await;
+    assert_eq!(
+        (state.as_str(), acked_version, latest),
+        ("PENDING", 1, Some(3)),
+        "two in flight, neither acked"
+    );
+    gate.open();
     plane.wait_synced(id, 3).await;
     assert_eq!(history(&enforcer), [1, 2, 3], "applied strictly in stream order, each once");
     assert_eq!(enforcer.current().unwrap().version(), 3);
+    assert_eq!((pushed(), applied()), (2.0, 3.0), "one ack per update");
     let failed: Option<chrono::DateTime<chrono::Utc>> =
         sqlx::query_scalar("SELECT last_apply_failed_at FROM workloads WHERE id = $1")
             .bind(id.uuid())
@@ -84,6 +100,28 @@ async fn failed_apply_keeps_last_good_and_acks_failed() {
     agent.abort();
 }
 
+/// Holds consecutive failed dials (the first after a healthy stream or the start) to full-jitter
+/// backoff: attempt `n` waits within `[0, min(cap, base · 2ⁿ)]` (base 50 ms, cap 400 ms, written
+/// out here), and the next dial begins no sooner than that wait after the failure.
+fn assert_backoff(failures: &[DialFailure]) {
+    const WINDOWS_MS: [u64; 8] = [50, 100, 200, 400, 400, 400, 400, 400];
+    for (n, f) in failures.iter().enumerate() {
+        assert_eq!(f.attempt as usize, n, "attempts count up while dials fail: {failures:?}");
+        let window = Duration::from_millis(WINDOWS_MS[n.min(WINDOWS_MS.len() - 1)]);
+        assert!(f.wait <= window, "attempt {n} chose {:?}, outside [0, {window:?}]", f.wait);
+    }
+    for (n, pair) in failures.windows(2).enumerate() {
+        let slept = pair[1].dialed_at.duration_since(pair[0].failed_at);
+        assert!(
+            slept >= pair[0].wait,
+            "attempt {n}: redialed {slept:?} after failing, before its {:?}",
+            pair[0].wait
+        );
+    }
+    let distinct: std::collections::BTreeSet<Duration> = failures.iter().map(|f| f.wait).collect();
+    assert!(distinct.len() > 1, "jitter: the waits differ: {failures:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reconnect_is_fresh_hello_with_backoff() {
     let mut plane = Plane::start().await;
@@ -91,27 +129,14 @@ async fn reconnect_is_fresh_hello_with_backoff() {
     plane.down().await;
     let enforcer = Arc::new(Enforcer::new(TestStore::default()));
     let agent = spawn_agent(&config, &enforcer);
-    // The control plane is away: dials fail, under backoff.
-    for _ in 0..200 {
-        if enforcer.dial_failures.load(Ordering::Relaxed) >= 3 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(enforcer.dial_failures.load(Ordering::Relaxed) >= 3);
-    // The waits between dials: from the fourth attempt on, each is uniform in [0, 400 ms)
-    // (base 50 ms, cap 400 ms, full jitter), about ten dials in 2 s. A loop that does not wait
-    // makes hundreds (a refused loopback dial takes well under a millisecond); 40 dials would
-    // need the 40 waits to average under 50 ms, eight standard deviations below their mean.
-    let (before, since) = (enforcer.dial_failures.load(Ordering::Relaxed), std::time::Instant::now());
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let dials = enforcer.dial_failures.load(Ordering::Relaxed) - before;
-    let elapsed = since.elapsed();
-    assert!(dials >= 2, "the agent keeps dialing under the 400 ms cap: {dials} dials in {elapsed:?}");
-    assert!(dials <= 40, "the agent waits between dials: {dials} dials in {elapsed:?}");
+    // The control plane is away: dials fail, each under its backoff window (the agent's own
+    // log of its failed dials and the waits it chose).
+    eventually(|| enforcer.dial_failures_logged().len() >= 8, "eight failed dials").await;
+    assert_backoff(&enforcer.dial_failures_logged()[..8]);
     assert_eq!(enforcer.streams.load(Ordering::Relaxed), 0);
     plane.up().await;
     plane.wait_synced(id, 1).await;
+    let healthy = std::time::Instant::now();
     let first_snapshot: chrono::DateTime<chrono::Utc> =
         sqlx::query_scalar("SELECT last_snapshot_sent_at FROM workloads WHERE id = $1")
             .bind(id.uuid())
@@ -119,12 +144,28 @@ async fn reconnect_is_fresh_hello_with_backoff() {
             .await
             .unwrap();
 
-    // Drop the stream (the replica goes away and comes back): a fresh Hello reports v1 …
+    // Drop the stream (the replica goes away) and commit v2 while the agent cannot hear it.
     plane.down().await;
     plane.wait(id, |s| s.0 == "OFFLINE", "OFFLINE").await;
+    plane.bump(0).await;
+    // The backoff starts over after a healthy stream.
+    eventually(
+        || enforcer.dial_failures_logged().iter().filter(|f| f.failed_at > healthy).count() >= 4,
+        "four failed dials after the stream ended",
+    )
+    .await;
+    let again: Vec<DialFailure> =
+        enforcer.dial_failures_logged().into_iter().filter(|f| f.failed_at > healthy).take(4).collect();
+    assert_backoff(&again);
+    // The reconnecting agent holds v1; its v2 apply waits at the gate.
+    let gate = Gate::new(2);
+    enforcer.store.lock().unwrap().gate = Some(gate.clone());
     plane.up().await;
-    plane.wait_synced(id, 1).await;
-    // … and the new stream begins with a snapshot again.
+    eventually(|| gate.entered(), "the new stream's snapshot of v2 being applied").await;
+    // The fresh Hello reported v1: the server recorded it when the stream opened, before any
+    // ack of this stream, and began the stream with a snapshot again.
+    let (state, applied, latest, _) = plane.status(id).await;
+    assert_eq!((state.as_str(), applied, latest), ("PENDING", 1, Some(2)), "the version the Hello reported");
     let second_snapshot: chrono::DateTime<chrono::Utc> =
         sqlx::query_scalar("SELECT last_snapshot_sent_at FROM workloads WHERE id = $1")
             .bind(id.uuid())
@@ -132,8 +173,121 @@ async fn reconnect_is_fresh_hello_with_backoff() {
             .await
             .unwrap();
     assert!(second_snapshot > first_snapshot);
+    gate.open();
+    plane.wait_synced(id, 2).await;
     assert_eq!(enforcer.streams.load(Ordering::Relaxed), 2);
-    assert_eq!(history(&enforcer), [1, 1], "each stream's snapshot is applied (the second changes nothing)");
+    assert_eq!(history(&enforcer), [1, 2], "each stream's snapshot is applied");
+    agent.abort();
+}
+
+/// A TCP relay to the replica that can be broken: while broken it closes every connection at
+/// once, counting them.
+struct Relay {
+    port: u16,
+    broken: Arc<std::sync::atomic::AtomicBool>,
+    closed: Arc<std::sync::atomic::AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Relay {
+    async fn start(target: u16) -> Relay {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let broken = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let closed = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let (b, c) = (broken.clone(), closed.clone());
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((mut inbound, _)) = listener.accept().await else { continue };
+                if b.load(Ordering::SeqCst) {
+                    c.fetch_add(1, Ordering::SeqCst);
+                    drop(inbound);
+                    continue;
+                }
+                tokio::spawn(async move {
+                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+            }
+        });
+        Relay { port, broken, closed, task }
+    }
+}
+
+/// SYNC-10: flow uploads travel on a connection of their own. While every telemetry connection
+/// fails (and the agent retries it under its own backoff), the policy stream stays the same
+/// stream (same epoch, no redial) and carries a later commit to APPLIED; telemetry then
+/// recovers without touching it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn telemetry_failure_leaves_the_policy_stream_up() {
+    let plane = Plane::start().await;
+    let (id, config) = plane.enroll("web-1", &["app=web"]).await;
+    let enforcer = Arc::new(Enforcer::new(TestStore::default()));
+    let agent = spawn_agent(&config, &enforcer);
+    plane.wait_synced(id, 1).await;
+    let epoch = async || -> i64 {
+        sqlx::query_scalar("SELECT stream_epoch FROM workloads WHERE id = $1")
+            .bind(id.uuid())
+            .fetch_one(plane.pool())
+            .await
+            .unwrap()
+    };
+    let windows = async || -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM flow_windows WHERE workload_id = $1")
+            .bind(id.uuid())
+            .fetch_one(plane.pool())
+            .await
+            .unwrap()
+    };
+    let opened = epoch().await;
+
+    // The agent's telemetry dials the replica through a relay, broken from the start.
+    let relay = Relay::start(plane.port).await;
+    relay.broken.store(true, Ordering::SeqCst);
+    let mut telemetry = config.clone();
+    telemetry.server = format!("localhost:{}", relay.port);
+    let queue = Queue::new(&config.state_dir, 16).unwrap();
+    let start_ms =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
+    let v1 = enforcer.current().unwrap();
+    queue
+        .push(FlowWindow {
+            id: uuid::Uuid::new_v4(),
+            start_ms,
+            end_ms: start_ms + 1,
+            policy_version: v1.version(),
+            mode: v1.mode(),
+            records: Vec::new(),
+            gaps: Vec::new(),
+        })
+        .unwrap();
+    let uploads =
+        tokio::spawn(telemetry::upload_forever(telemetry, queue.clone(), Duration::from_millis(50)));
+    eventually(|| relay.closed.load(Ordering::SeqCst) >= 3, "three failed telemetry connections").await;
+    assert_eq!(queue.len(), 1, "the window waits for a working connection");
+
+    // The policy stream is the one it was and carries the next commit to APPLIED.
+    plane.bump(0).await;
+    plane.wait_synced(id, 2).await;
+    assert_eq!(epoch().await, opened, "the same stream");
+    assert_eq!(enforcer.streams.load(Ordering::Relaxed), 1);
+    assert_eq!(enforcer.dial_failures.load(Ordering::Relaxed), 0, "the stream never redialed");
+    assert_eq!(windows().await, 0);
+
+    // Telemetry recovers on its own connection; the stream is still the same.
+    relay.broken.store(false, Ordering::SeqCst);
+    for _ in 0..300 {
+        if windows().await == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(windows().await, 1, "the queued window was stored once telemetry recovered");
+    eventually(|| queue.is_empty(), "the queue drained").await;
+    assert_eq!(epoch().await, opened, "still the same stream");
+    uploads.abort();
+    relay.task.abort();
     agent.abort();
 }
 

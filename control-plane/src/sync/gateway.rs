@@ -353,7 +353,17 @@ impl StreamTask {
             return Ok(p);
         }
         tracing::warn!(workload = %self.id, "no persisted policy when its stream opened: repair render");
-        crate::policy::authoring::render_now(self.renders()).await?;
+        // Audited like any render that moves versions (POL-6, POL-8): who (this workload's
+        // stream), why, and the versions it moved.
+        let id = self.id;
+        crate::policy::authoring::commit(
+            self.renders(),
+            &format!("workload:{id}"),
+            "policy.repair-render",
+            &id.to_string(),
+            async |_| Ok(((), serde_json::json!({"reason": "no persisted policy when its stream opened"}))),
+        )
+        .await?;
         reads.latest(self.id).await?.map(|(p, _)| p).ok_or_else(|| {
             Error::Invalid(format!("workload {} has no policy even after a repair render", self.id))
         })

@@ -147,10 +147,9 @@ async fn half_open_stream_goes_offline() {
     let pool = &plane.db.pool;
     let (id, agent) = synced(&plane).await;
     // The agent now neither reads nor heartbeats: the server must not keep it SYNCED forever.
-    let started = std::time::Instant::now();
+    // The reason names the liveness bound that ended it (not a sweep, not the agent leaving).
     let (_, _, _, detail) = wait_state(pool, id, "OFFLINE").await;
     assert!(detail.contains("silent for three heartbeat intervals"), "{detail}");
-    assert!(started.elapsed() < Duration::from_secs(10), "liveness bound is 3 × 1 s");
     drop(agent);
 }
 
@@ -173,7 +172,6 @@ async fn resend_snapshot() {
         }))
     ));
     // … and the new stream begins with a snapshot, which advances last_snapshot_sent_at.
-    tokio::time::sleep(Duration::from_millis(20)).await;
     let mut again = Scripted::open(channel, 1).await;
     assert_eq!(again.update().await, ("snapshot", 1, 1));
     let after = authoring::request_snapshot(pool, id).await.unwrap().last_snapshot_sent_at.unwrap();
@@ -350,26 +348,257 @@ async fn two_replicas() {
     a.running.take().unwrap().stop().await.unwrap();
 }
 
+/// One sample of this replica's metrics, e.g. `innerwall_notify_bridge_reconnects_total`.
+fn sample(plane: &Plane, series: &str) -> Option<f64> {
+    let text = plane.running.as_ref().unwrap().metrics.encode();
+    text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
+/// A change committed while the LISTEN connection is held down sends a notice nobody hears;
+/// the bridge's reconnect (counted) reconciles the held stream, which then carries it.
 #[tokio::test]
 async fn listener_loss_reconciles() {
     let plane = Plane::start(GatewayConfig::default()).await;
     let pool = &plane.db.pool;
     let (id, mut agent) = synced(&plane).await;
+    let reconnects = "innerwall_notify_bridge_reconnects_total";
+    assert_eq!(sample(&plane, reconnects), Some(0.0));
+    assert_eq!(sample(&plane, "innerwall_notify_bridge_connected"), Some(1.0));
 
-    // Kill the LISTEN connection and change policy while it is down.
+    // A connection of the test's own, opened before the database stops taking new ones: the
+    // bridge cannot LISTEN again until the test allows connections back.
+    let side = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .min_connections(1)
+        .connect(&plane.db.url)
+        .await
+        .unwrap();
+    // A database's connections are switched off from another database.
+    let admin = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&innerwall_control_plane::postgres::with_database(&plane.db.url, "postgres"))
+        .await
+        .unwrap();
+    let database = innerwall_control_plane::postgres::quote_ident(&plane.db.name);
+    sqlx::query(sqlx::AssertSqlSafe(format!("ALTER DATABASE {database} ALLOW_CONNECTIONS false")))
+        .execute(&admin)
+        .await
+        .unwrap();
     let killed: Vec<bool> = sqlx::query_scalar(
         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
          WHERE datname = current_database() AND query ILIKE 'LISTEN%' AND pid <> pg_backend_pid()",
     )
-    .fetch_all(pool)
+    .fetch_all(&side)
     .await
     .unwrap();
     assert_eq!(killed, [true], "exactly one listener connection per replica");
-    bump(pool, 0).await;
-    // After the bridge reconnects it reconciles: the stream is brought up to date.
+    eventually("the bridge noticed its loss", async || {
+        sample(&plane, "innerwall_notify_bridge_connected") == Some(0.0)
+    })
+    .await;
+    // Nobody listens now: this change's notice is lost.
+    let listeners: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query ILIKE 'LISTEN%'",
+    )
+    .fetch_one(&side)
+    .await
+    .unwrap();
+    assert_eq!(listeners, 0, "the listener is held down");
+    bump(&side, 0).await;
+    sqlx::query(sqlx::AssertSqlSafe(format!("ALTER DATABASE {database} ALLOW_CONNECTIONS true")))
+        .execute(&admin)
+        .await
+        .unwrap();
+
+    // The bridge reconnects once and reconciles: the stream is brought up to date.
+    eventually("the bridge reconnected", async || sample(&plane, reconnects) == Some(1.0)).await;
     assert_eq!(agent.update().await, ("delta", 1, 2));
     agent.ack(2, true, "").await;
     assert_eq!(wait_state(pool, id, "SYNCED").await.1, 2);
+    assert_eq!(sample(&plane, reconnects), Some(1.0), "one reconnect");
+}
+
+/// A workload with no persisted policy when its stream opens is rendered then (POL-6), and the
+/// repair is audited with the version it wrote.
+#[tokio::test]
+async fn repair_render_on_stream_open_is_audited() {
+    let plane = Plane::start(GatewayConfig::default()).await;
+    let pool = &plane.db.pool;
+    let (id, channel) = enrolled(&plane).await;
+    // The workload has no policy at all, as one registered without a render would be.
+    for table in ["workload_policies", "workload_policy_history"] {
+        let deleted = sqlx::query(sqlx::AssertSqlSafe(format!("DELETE FROM {table} WHERE workload_id = $1")))
+            .bind(id.uuid())
+            .execute(pool)
+            .await
+            .unwrap()
+            .rows_affected();
+        assert_eq!(deleted, 1, "{table}");
+    }
+    let repairs = async || -> Vec<(String, serde_json::Value, serde_json::Value)> {
+        sqlx::query_as(
+            "SELECT actor, detail, workload_versions FROM audit_log WHERE action = 'policy.repair-render' ORDER BY id",
+        )
+        .fetch_all(pool)
+        .await
+        .unwrap()
+    };
+    assert!(repairs().await.is_empty());
+
+    let mut agent = Scripted::open(channel.clone(), 0).await;
+    let (kind, _, version) = agent.update().await;
+    assert_eq!(kind, "snapshot");
+    let stored: i64 = sqlx::query_scalar("SELECT version FROM workload_policies WHERE workload_id = $1")
+        .bind(id.uuid())
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    assert_eq!(stored as u64, version, "the snapshot is the repaired, persisted policy");
+    let audited = repairs().await;
+    assert_eq!(audited.len(), 1, "{audited:?}");
+    let (actor, detail, versions) = &audited[0];
+    assert_eq!(actor, &format!("workload:{id}"));
+    assert_eq!(detail["reason"], "no persisted policy when its stream opened");
+    assert_eq!(versions[id.to_string()], version, "{versions}");
+
+    // The second stream finds the policy persisted: no second repair.
+    agent.ack(version, true, "").await;
+    wait_state(pool, id, "SYNCED").await;
+    drop(agent);
+    let mut again = Scripted::open(channel, version).await;
+    assert_eq!(again.update().await, ("snapshot", version, version));
+    assert_eq!(repairs().await.len(), 1, "a persisted policy needs no repair");
+}
+
+/// `count` peer addresses, none adjacent to another, in `10.<block>.0.0/16`.
+fn scattered(block: u8, count: usize) -> std::collections::BTreeSet<innerwall_wire::policy::Cidr> {
+    (0..count)
+        .map(|i| {
+            let text = format!("10.{block}.{}.{}/32", i / 120, 2 * (i % 120) + 2);
+            innerwall_wire::policy::Cidr::parse(&text).unwrap()
+        })
+        .collect()
+}
+
+/// SYNC-11: an agent that stops reading its stream slows only itself. Every commit reaches the
+/// other agent, which applies it, while the stalled stream's queue is full; what the stalled
+/// agent then reads is coalesced: fewer updates than versions, one delta spanning several.
+#[tokio::test]
+async fn slow_agent_does_not_slow_the_others() {
+    use innerwall_control_plane::policy::spec::{
+        AddressGroupSpec, PeerSpec, RuleSpec, RulesetSpec, ServiceSpec,
+    };
+
+    let plane = Plane::start(GatewayConfig::default()).await;
+    let pool = &plane.db.pool;
+    // The stalled agent's connection announces a small HTTP/2 window, so its stream backs up
+    // after a few updates instead of buffering megabytes in the client.
+    let token = plane.mint(&["app=web"], None).await;
+    let (slow_id, cert, key) = plane.enroll(&token).await.unwrap();
+    let tls = tonic::transport::ClientTlsConfig::new()
+        .ca_certificate(tonic::transport::Certificate::from_pem(plane.ca_pem()))
+        .identity(tonic::transport::Identity::from_pem(&cert, &key))
+        .domain_name("localhost");
+    let narrow = tonic::transport::Endpoint::from_shared(format!("https://{}", plane.addr()))
+        .unwrap()
+        .tls_config(tls)
+        .unwrap()
+        .initial_stream_window_size(Some(65_535))
+        .initial_connection_window_size(Some(65_535))
+        .connect()
+        .await
+        .unwrap();
+    let mut slow = Scripted::open(narrow, 0).await;
+    assert_eq!(slow.update().await, ("snapshot", 1, 1));
+    slow.ack(1, true, "").await;
+    wait_state(pool, slow_id, "SYNCED").await;
+    let (fast_id, mut fast) = synced(&plane).await;
+
+    // Each change swaps a group of 4,000 peers for another: every delta removes and adds 4,000
+    // addresses (about 110 KB), so a handful fill the stalled stream's window and queue.
+    let group = |n: usize| AddressGroupSpec {
+        name: "peers".into(),
+        description: String::new(),
+        cidrs: scattered(1 + (n % 2) as u8, 4_000),
+    };
+    authoring::commit(pool, "test", "ruleset.create", "big", async |c| {
+        authoring::create_address_group(c, &group(0)).await?;
+        let service = ServiceSpec {
+            name: "big".into(),
+            description: String::new(),
+            entries: vec![innerwall_control_plane::policy::model::ServiceEntry::parse("tcp:443")?],
+        };
+        authoring::create_service(c, &service).await?;
+        let ruleset = RulesetSpec {
+            name: "big".into(),
+            description: String::new(),
+            enabled: true,
+            scope: [("app".to_owned(), vec!["web".to_owned()])].into(),
+            rules: vec![RuleSpec {
+                name: "r".into(),
+                description: String::new(),
+                enabled: true,
+                peers: vec![PeerSpec::address_group("peers")],
+                services: vec!["big".into()],
+            }],
+        };
+        authoring::create_ruleset(c, &ruleset).await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await
+    .unwrap();
+    const CHANGES: usize = 30;
+    for n in 1..=CHANGES {
+        authoring::commit(pool, "test", "address-group.update", "peers", async |c| {
+            authoring::update_address_group(c, &group(n), None).await?;
+            Ok(((), serde_json::json!({})))
+        })
+        .await
+        .unwrap();
+    }
+    let latest = status(pool, fast_id).await.2.unwrap() as u64;
+    assert_eq!(latest, 2 + CHANGES as u64);
+
+    // The reading agent applies up to the latest version while the other reads nothing.
+    loop {
+        let (_, _, to) = fast.update().await;
+        fast.ack(to, true, "").await;
+        if to == latest {
+            break;
+        }
+    }
+    assert_eq!(wait_state(pool, fast_id, "SYNCED").await.1, latest as i64);
+    let (state, applied, _, _) = status(pool, slow_id).await;
+    assert_eq!((state.as_str(), applied), ("PENDING", 1), "the stalled agent acked nothing");
+
+    // The stalled agent reads at last: what waited in its queue, then one delta from there to
+    // the latest version.
+    let mut updates = Vec::new();
+    loop {
+        let update = slow.update().await;
+        updates.push(update);
+        if update.2 == latest {
+            break;
+        }
+    }
+    assert!(
+        updates.len() < CHANGES + 1,
+        "{} updates for {} versions: {updates:?}",
+        updates.len(),
+        CHANGES + 1
+    );
+    assert!(
+        updates.iter().any(|&(kind, from, to)| kind == "delta" && to > from + 1),
+        "no delta spans several versions: {updates:?}"
+    );
+    assert!(
+        updates.windows(2).all(|w| w[0].2 == w[1].1),
+        "each delta starts where the last ended: {updates:?}"
+    );
+    for &(_, _, to) in &updates {
+        slow.ack(to, true, "").await;
+    }
+    assert_eq!(wait_state(pool, slow_id, "SYNCED").await.1, latest as i64);
 }
 
 #[tokio::test]
