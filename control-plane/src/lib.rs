@@ -21,6 +21,7 @@ pub mod notice;
 pub mod page;
 pub mod policy;
 pub mod postgres;
+pub mod rate;
 pub mod service;
 pub mod sync;
 #[cfg(any(test, feature = "testing"))]

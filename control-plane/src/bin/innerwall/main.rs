@@ -65,7 +65,7 @@ enum Command {
     /// Apply database migrations and exit.
     Migrate,
     /// Run the control-plane service: agent listener, NOTIFY bridge; renders once at start.
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// The certificate authority that issues workload identities.
     #[command(subcommand)]
     Ca(ca::CaCmd),
