@@ -12,6 +12,7 @@ pub mod api;
 pub mod audit;
 mod batch;
 pub mod copy;
+pub mod counts;
 pub mod error;
 pub mod flows;
 pub mod gate;

@@ -225,3 +225,150 @@ async fn enrolled_agents_are_rate_bounded() {
     // And so does the hammering agent's newest stream: refused calls took nothing from it.
     assert_eq!(held.last_mut().unwrap().update().await, ("delta", 1, 2));
 }
+
+/// Each authored kind over its count bound is refused naming the bound, and writes nothing (no
+/// row, no audit record, no version); after a delete (or revoke) the same create passes. The
+/// library calls carry the check, so the CLI (local: the defaults) and the API (serve's flags)
+/// both get it.
+#[tokio::test]
+async fn authored_objects_over_their_count_bound_are_refused() {
+    use innerwall_control_plane::counts::CountBounds;
+    use innerwall_control_plane::error::Error;
+    use innerwall_control_plane::identity::{operators, tokens};
+    use innerwall_control_plane::policy::authoring;
+    use innerwall_control_plane::policy::model::ServiceEntry;
+    use innerwall_control_plane::policy::spec::{AddressGroupSpec, RulesetSpec, ServiceSpec};
+
+    let db = innerwall_control_plane::testing::fresh_database().await.unwrap();
+    let pool = &db.pool;
+    let counts = CountBounds {
+        services: 2,
+        address_groups: 1,
+        rulesets: 1,
+        provisioning_tokens: 2,
+        operator_tokens: 1,
+    };
+    let service = |name: &str| ServiceSpec {
+        name: name.into(),
+        description: String::new(),
+        entries: vec![ServiceEntry::parse("tcp:443").unwrap()],
+    };
+    let group = |name: &str| AddressGroupSpec {
+        name: name.into(),
+        description: String::new(),
+        cidrs: [innerwall_wire::policy::Cidr::parse_lenient("10.0.0.0/8").unwrap()].into(),
+    };
+    let ruleset = |name: &str| RulesetSpec {
+        name: name.into(),
+        description: String::new(),
+        enabled: true,
+        scope: [("app".to_owned(), vec!["web".to_owned()])].into(),
+        rules: vec![],
+    };
+    let written = async || -> (i64, i64, i64, i64, i64, i64) {
+        sqlx::query_as(
+            "SELECT (SELECT count(*) FROM audit_log), (SELECT count(*) FROM services),
+                    (SELECT count(*) FROM address_groups), (SELECT count(*) FROM rulesets),
+                    (SELECT count(*) FROM provisioning_tokens), (SELECT count(*) FROM operator_tokens)",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap()
+    };
+    #[track_caller]
+    fn refused<T: std::fmt::Debug>(result: Result<T, Error>, flag: &str, limit: u64) {
+        match result {
+            Err(Error::OverBound { bound, limit: l, .. }) if bound == flag && l == limit => {}
+            other => panic!("expected the {flag} bound of {limit}, got {other:?}"),
+        }
+    }
+    let create = async |kind: &str, name: &str| -> Result<(), Error> {
+        authoring::commit(pool, "test", &format!("{kind}.create"), name, async |c| {
+            match kind {
+                "service" => authoring::create_service_within(c, &service(name), &counts).await?,
+                "address-group" => authoring::create_address_group_within(c, &group(name), &counts).await?,
+                _ => authoring::create_ruleset_within(c, &ruleset(name), &counts).await?,
+            };
+            Ok(((), serde_json::json!({})))
+        })
+        .await
+        .map(|_| ())
+    };
+    let delete = async |kind: &str, name: &str| {
+        authoring::commit(pool, "test", &format!("{kind}.delete"), name, async |c| {
+            match kind {
+                "service" => authoring::delete_service(c, name, Some(1)).await?,
+                "address-group" => authoring::delete_address_group(c, name, Some(1)).await?,
+                _ => authoring::delete_ruleset(c, name, Some(1)).await?,
+            };
+            Ok(((), serde_json::json!({})))
+        })
+        .await
+        .unwrap();
+    };
+
+    for (kind, flag, limit) in [
+        ("service", "--max-services", 2),
+        ("address-group", "--max-address-groups", 1),
+        ("ruleset", "--max-rulesets", 1),
+    ] {
+        for n in 0..limit {
+            create(kind, &format!("{kind}-{n}")).await.unwrap();
+        }
+        let before = written().await;
+        let over = create(kind, "one-too-many").await;
+        let message = over.as_ref().err().map(ToString::to_string).unwrap_or_default();
+        refused(over, flag, limit);
+        assert!(message.contains(flag) && message.contains("nothing was changed"), "{message}");
+        assert_eq!(written().await, before, "{kind}: a refused create writes nothing");
+        // The second time, after a delete, it passes.
+        delete(kind, &format!("{kind}-0")).await;
+        create(kind, "one-too-many").await.unwrap();
+        refused(create(kind, "and-another").await, flag, limit);
+    }
+
+    // Live provisioning tokens: revoked or expired ones do not count.
+    let labels: Vec<innerwall_wire::labels::Label> = vec!["app=web".parse().unwrap()];
+    let day = chrono::Duration::days(1);
+    let mint = async || tokens::mint_audited_within(pool, "test", &labels, day, None, &[], &counts).await;
+    let first = mint().await.unwrap();
+    mint().await.unwrap();
+    let before = written().await;
+    refused(mint().await, "--max-provisioning-tokens", 2);
+    assert_eq!(written().await, before, "a refused mint writes nothing");
+    tokens::revoke_audited(pool, "test", first.id).await.unwrap();
+    mint().await.unwrap();
+    refused(mint().await, "--max-provisioning-tokens", 2);
+
+    // Live operator tokens.
+    let role = operators::Role::Viewer;
+    operators::mint_audited_within(pool, "test", "ops-1", role, None, &counts).await.unwrap();
+    let before = written().await;
+    refused(
+        operators::mint_audited_within(pool, "test", "ops-2", role, None, &counts).await,
+        "--max-operator-tokens",
+        1,
+    );
+    assert_eq!(written().await, before);
+    operators::revoke_audited(pool, "test", "ops-1").await.unwrap();
+    operators::mint_audited_within(pool, "test", "ops-2", role, None, &counts).await.unwrap();
+
+    // The plain calls (the local CLI's) apply the defaults.
+    let defaults = CountBounds::default();
+    sqlx::query(
+        "INSERT INTO rulesets (id, name, description, enabled, scope)
+         SELECT gen_random_uuid(), 'bulk-' || n, '', false, (SELECT scope FROM rulesets LIMIT 1)
+         FROM generate_series(1, $1) AS n",
+    )
+    .bind(defaults.rulesets as i64 - 1)
+    .execute(pool)
+    .await
+    .unwrap();
+    let plain = |name: &'static str| {
+        authoring::commit(pool, "test", "ruleset.create", name, async move |c| {
+            authoring::create_ruleset(c, &ruleset(name)).await?;
+            Ok(((), serde_json::json!({})))
+        })
+    };
+    refused(plain("over-the-default").await.map(|_| ()), "--max-rulesets", defaults.rulesets);
+}

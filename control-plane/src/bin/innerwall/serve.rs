@@ -7,6 +7,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use clap::Args;
 use innerwall_control_plane::api::{self, ApiLimits};
+use innerwall_control_plane::counts::CountBounds;
 use innerwall_control_plane::identity::admission::Limits;
 use innerwall_control_plane::identity::ca::{self, FileCa};
 use innerwall_control_plane::postgres::{PoolConfig, PoolsConfig};
@@ -170,9 +171,35 @@ pub struct ApiArgs {
     /// API connections held at once; more are closed at accept.
     #[arg(long, default_value_t = ApiLimits::default().max_connections)]
     api_max_connections: usize,
+    /// Services that may exist at once; creating one more through the API is refused naming
+    /// this flag (409 limit-reached). The local CLI applies the default.
+    #[arg(long, default_value_t = CountBounds::default().services, value_parser = clap::value_parser!(u64).range(1..))]
+    max_services: u64,
+    /// Address groups that may exist at once (as --max-services).
+    #[arg(long, default_value_t = CountBounds::default().address_groups, value_parser = clap::value_parser!(u64).range(1..))]
+    max_address_groups: u64,
+    /// Rulesets that may exist at once (as --max-services).
+    #[arg(long, default_value_t = CountBounds::default().rulesets, value_parser = clap::value_parser!(u64).range(1..))]
+    max_rulesets: u64,
+    /// Provisioning tokens neither revoked nor expired at once (as --max-services).
+    #[arg(long, default_value_t = CountBounds::default().provisioning_tokens, value_parser = clap::value_parser!(u64).range(1..))]
+    max_provisioning_tokens: u64,
+    /// Operator tokens neither revoked nor expired at once (as --max-services).
+    #[arg(long, default_value_t = CountBounds::default().operator_tokens, value_parser = clap::value_parser!(u64).range(1..))]
+    max_operator_tokens: u64,
 }
 
 impl ApiArgs {
+    fn counts(&self) -> CountBounds {
+        CountBounds {
+            services: self.max_services,
+            address_groups: self.max_address_groups,
+            rulesets: self.max_rulesets,
+            provisioning_tokens: self.max_provisioning_tokens,
+            operator_tokens: self.max_operator_tokens,
+        }
+    }
+
     /// The API's configuration, if it is to listen; its certificate lives as long as the agent
     /// listener's would, issued for the same names.
     fn config(
@@ -194,6 +221,7 @@ impl ApiArgs {
             max_body: self.api_max_body,
             request_timeout: self.api_request_timeout,
             max_connections: self.api_max_connections,
+            counts: self.counts(),
             ..ApiLimits::default()
         };
         Ok(Some(api::ApiConfig { listen, tls, limits }))
@@ -309,6 +337,9 @@ mod tests {
         assert_eq!(args.limits(), Limits::default());
         assert_eq!(args.pools(), PoolsConfig::default());
         assert_eq!(args.agent_bounds(), AgentBounds::default());
+        assert_eq!(args.api.counts(), CountBounds::default());
+        let args = Cli::parse_from(["serve", "--max-rulesets", "7"]).serve;
+        assert_eq!(args.api.counts().rulesets, 7);
         let args = Cli::parse_from(["serve", "--agent-hellos-per-minute", "3"]).serve;
         assert_eq!(args.agent_bounds().hellos_per_minute, 3);
         assert!(Cli::try_parse_from(["serve", "--agent-uploads-per-minute", "0"]).is_err());
