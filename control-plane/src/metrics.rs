@@ -640,6 +640,7 @@ mod tests {
                 "innerwall_flow_records_refused_total counter",
                 "innerwall_flow_gaps_refused_total counter",
                 "innerwall_flow_ingest_duration_seconds histogram",
+                "innerwall_agent_refusals_total counter",
                 "innerwall_notify_bridge_reconnects_total counter",
                 "innerwall_notify_bridge_connected gauge",
                 "innerwall_workload_count_failures_total counter",
