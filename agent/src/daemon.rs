@@ -79,6 +79,7 @@ pub async fn hold_stream<S: PolicyStore + Send + 'static>(
             enforcer.metrics.reconnecting();
         }
         let dialed_at = std::time::Instant::now();
+        let mut retry_after = None;
         let failure = match connect(config).await {
             Err(e) => error::chain(&e),
             Ok(channel) => {
@@ -104,10 +105,25 @@ pub async fn hold_stream<S: PolicyStore + Send + 'static>(
                         }
                         format!("stream ended: {reason}")
                     }
+                    // Refused for rate: a healthy stream before it resets the backoff, but the
+                    // wait is never shorter than the control plane asked for (REL-1).
+                    SessionEnd::Throttled(reason, wait) => {
+                        if stats.established {
+                            attempt = 0;
+                        }
+                        retry_after = Some(wait);
+                        format!("stream ended: {reason}")
+                    }
                 }
             }
         };
-        let wait = backoff::wait(attempt, config.backoff_base, config.backoff_cap, backoff::random_unit());
+        let wait = backoff::after_refusal(
+            attempt,
+            config.backoff_base,
+            config.backoff_cap,
+            backoff::random_unit(),
+            retry_after,
+        );
         enforcer.note_dial_failure(sync::DialFailure {
             attempt,
             dialed_at,

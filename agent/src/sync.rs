@@ -288,6 +288,9 @@ impl<S: PolicyStore> Enforcer<S> {
 pub enum SessionEnd {
     /// The server closed the stream or it failed; reconnect with backoff.
     Closed(String),
+    /// The control plane refused the stream for rate (REL-1: RESOURCE_EXHAUSTED, too many
+    /// reconnects or heartbeats): reconnect with backoff, but not before the wait it named.
+    Throttled(String, Duration),
     /// The server asked for a reconnect (SYNC-8); reconnect at once.
     Reconnect,
     /// The credential was renewed; reconnect at once, with the new certificate.
@@ -341,11 +344,13 @@ impl TamperLog {
 
 /// How a stream refused or ended by the control plane ends the session. PERMISSION_DENIED is
 /// the control plane refusing this identity (retired or deny-listed): no reconnect can change
-/// that, only a new enrollment.
+/// that, only a new enrollment. RESOURCE_EXHAUSTED with a `retry-after` is a rate refusal:
+/// the next attempt waits at least that long.
 fn refused(what: &str, status: &tonic::Status) -> SessionEnd {
     let reason = format!("{what}: {}", status.message());
-    match status.code() {
-        tonic::Code::PermissionDenied => SessionEnd::Reenroll(reason),
+    match (status.code(), innerwall_wire::backoff::retry_after(status)) {
+        (tonic::Code::PermissionDenied, _) => SessionEnd::Reenroll(reason),
+        (_, Some(wait)) => SessionEnd::Throttled(reason, wait),
         _ => SessionEnd::Closed(reason),
     }
 }
@@ -522,6 +527,17 @@ mod tests {
         for status in [tonic::Status::unavailable("down"), tonic::Status::unauthenticated("expired")] {
             assert!(matches!(refused("stream ended", &status), SessionEnd::Closed(_)), "{status:?}");
         }
+        // A rate refusal names its wait; without a readable one it is any other closed stream.
+        let throttled = innerwall_wire::backoff::refuse("heartbeats over the bound", Duration::from_secs(12));
+        assert_eq!(
+            refused("stream ended", &throttled),
+            SessionEnd::Throttled(
+                "stream ended: heartbeats over the bound; retry after 12 s".into(),
+                Duration::from_secs(12)
+            )
+        );
+        let bare = tonic::Status::resource_exhausted("busy");
+        assert!(matches!(refused("sync refused", &bare), SessionEnd::Closed(_)));
     }
 
     fn policy(version: u64, ports: &[u16]) -> WorkloadPolicy {

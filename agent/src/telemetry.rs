@@ -6,7 +6,9 @@
 //! window the control plane refuses (e.g. its times are outside what it accepts) is not retried
 //! and not dropped silently: it becomes an UPLOAD_REFUSED gap on the next window queued; one
 //! that cannot be read back from the queue becomes a QUEUE_FAILED gap the same way (its
-//! interval is in its file name). Such gaps wait in `pending.gaps`, one per kind.
+//! interval is in its file name). Such gaps wait in `pending.gaps`, one per kind. A window
+//! refused for rate (RESOURCE_EXHAUSTED, REL-1) is not refused as such: it stays queued, and the
+//! next attempt waits at least the `retry-after` the control plane named.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -240,17 +242,21 @@ pub async fn upload_forever(config: RunConfig, queue: Queue, poll: Duration) {
     loop {
         if !queue.is_empty() {
             let result = match connect(&config).await {
-                Ok(channel) => queue.upload(channel).await.map_err(|s| s.message().to_owned()),
-                Err(e) => Err(error::chain(&e)),
+                Ok(channel) => queue
+                    .upload(channel)
+                    .await
+                    .map_err(|s| (s.message().to_owned(), backoff::retry_after(&s))),
+                Err(e) => Err((error::chain(&e), None)),
             };
             match result {
                 Ok(_) => attempt = 0,
-                Err(e) => {
-                    let wait = backoff::wait(
+                Err((e, retry_after)) => {
+                    let wait = backoff::after_refusal(
                         attempt,
                         config.backoff_base,
                         config.backoff_cap,
                         backoff::random_unit(),
+                        retry_after,
                     );
                     attempt = attempt.saturating_add(1);
                     tracing::warn!(

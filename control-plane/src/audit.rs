@@ -1,9 +1,11 @@
 //! The audit log: the one way to record who did what. Written in the transaction of the change
-//! it describes, so a change and its record commit or roll back together.
+//! it describes, so a change and its record commit or roll back together. Reports an agent can
+//! repeat at will (tamper, identity clone) go through [`coalesce`]: one row per workload and
+//! kind within a window, counting them, so no agent can grow the log faster than that (REL-1).
 
 use std::collections::BTreeMap;
 
-use sqlx::PgConnection;
+use sqlx::{Acquire, PgConnection};
 
 use crate::error::Error;
 
@@ -43,4 +45,70 @@ pub async fn write(conn: &mut PgConnection, record: &Record<'_>) -> Result<(), E
     .execute(&mut *conn)
     .await?;
     Ok(())
+}
+
+/// What [`coalesce`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Coalesced {
+    /// No row of this actor, action and subject within the window: a new one (its id).
+    Written(i64),
+    /// That row (its id) now counts this report too.
+    Counted(i64),
+}
+
+/// Records a report that may repeat: if a row of the same actor, action and subject was written
+/// less than `within` ago, that row's `count` grows by `count` (its `last_at` and its detail's
+/// `latest` member say when and what the latest was); otherwise a new row with that count. So
+/// reports of one kind from one workload add at most one row per `within`, whatever their rate.
+/// Concurrent reports of one key (two replicas) are serialized on an advisory lock for it, held
+/// until the caller's transaction ends (or this call's, outside one).
+pub async fn coalesce(
+    conn: &mut PgConnection,
+    record: &Record<'_>,
+    within: std::time::Duration,
+    count: u64,
+) -> Result<Coalesced, Error> {
+    let count = i64::try_from(count.max(1)).unwrap_or(i64::MAX);
+    let mut tx = conn.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1 || chr(10) || $2 || chr(10) || $3, 0))")
+        .bind(record.actor)
+        .bind(record.action)
+        .bind(record.subject)
+        .execute(&mut *tx)
+        .await?;
+    let counted: Option<i64> = sqlx::query_scalar(
+        "UPDATE audit_log SET count = LEAST(count::numeric + $5, 9223372036854775807)::bigint, last_at = now(),
+                detail = detail || jsonb_build_object('latest', $4::jsonb)
+         WHERE id = (SELECT id FROM audit_log
+                     WHERE subject = $3 AND action = $2 AND actor = $1 AND at > now() - make_interval(secs => $6)
+                     ORDER BY at DESC LIMIT 1)
+         RETURNING id",
+    )
+    .bind(record.actor)
+    .bind(record.action)
+    .bind(record.subject)
+    .bind(&record.detail)
+    .bind(count)
+    .bind(within.as_secs_f64())
+    .fetch_optional(&mut *tx)
+    .await?;
+    let done = match counted {
+        Some(id) => Coalesced::Counted(id),
+        None => Coalesced::Written(
+            sqlx::query_scalar(
+                "INSERT INTO audit_log (actor, action, subject, detail, workload_versions, count)
+                 VALUES ($1, $2, $3, $4, $5, $6) RETURNING id",
+            )
+            .bind(record.actor)
+            .bind(record.action)
+            .bind(record.subject)
+            .bind(&record.detail)
+            .bind(serde_json::to_value(&record.workload_versions).expect("plain data serializes"))
+            .bind(count)
+            .fetch_one(&mut *tx)
+            .await?,
+        ),
+    };
+    tx.commit().await?;
+    Ok(done)
 }

@@ -51,6 +51,12 @@ pub enum Error {
          Gather more evidence, fix the policy, or pass --override with a reason"
     )]
     EvidenceInsufficient { outcome: &'static str, reasons: String },
+    /// One more authored object would pass its count bound (`counts`).
+    #[error(
+        "count bound reached: {limit} {what} exist, the most {bound} allows; {remedy}, or raise {bound}; \
+         nothing was changed"
+    )]
+    OverBound { what: &'static str, limit: u64, bound: &'static str, remedy: &'static str },
     #[error("agent-offline: workload {id} has no stream (last seen {last_seen})")]
     AgentOffline { id: String, last_seen: String },
     #[error("render failed: {0}")]
@@ -102,6 +108,8 @@ pub enum Kind {
     CountMismatch,
     /// A move to enforcement the evidence does not support (409 evidence-insufficient).
     EvidenceInsufficient,
+    /// One more object would pass a count bound (409 limit-reached).
+    OverBound,
     /// Not the caller's fault: logged in full, reported without detail.
     Internal,
 }
@@ -121,6 +129,7 @@ impl Error {
             Error::Database(e) if database_unavailable(e) => Kind::Busy,
             Error::CountMismatch { .. } => Kind::CountMismatch,
             Error::EvidenceInsufficient { .. } => Kind::EvidenceInsufficient,
+            Error::OverBound { .. } => Kind::OverBound,
             Error::Render(_) | Error::Corrupt { .. } | Error::Database(_) => Kind::Internal,
         }
     }
@@ -153,6 +162,7 @@ impl From<Error> for tonic::Status {
                 _ => Status::unauthenticated(message),
             },
             Kind::AgentOffline | Kind::Busy => Status::unavailable(message),
+            Kind::OverBound => Status::resource_exhausted(message),
             Kind::Internal => {
                 tracing::error!("agent request failed: {:#}", Chain(&e));
                 Status::internal("internal error; see the control-plane log")

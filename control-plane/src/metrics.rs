@@ -279,6 +279,8 @@ pub struct Metrics {
     records_refused: Labeled<Refusal, Counter>,
     gaps_refused: Labeled<Refusal, Counter>,
     ingest_duration: Histogram,
+    /// Agent calls refused for rate (REL-1, `rate`), by bound.
+    agent_refusals: Labeled<crate::rate::Bound, Counter>,
     bridge_reconnects: Counter,
     bridge_connected: Gauge,
     fleet: Fleet,
@@ -311,6 +313,7 @@ impl Metrics {
             records_refused: Labeled::new(Counter::default),
             gaps_refused: Labeled::new(Counter::default),
             ingest_duration: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
+            agent_refusals: Labeled::new(Counter::default),
             bridge_reconnects: Counter::default(),
             bridge_connected: Gauge::default(),
             fleet: Fleet::default(),
@@ -375,6 +378,11 @@ impl Metrics {
             m.ingest_duration.clone(),
         );
         r.register(
+            "agent_refusals",
+            "Agent calls refused with RESOURCE_EXHAUSTED for going over a per-identity rate bound, by bound",
+            m.agent_refusals.clone(),
+        );
+        r.register(
             "notify_bridge_reconnects",
             "Times the NOTIFY bridge connected again after losing its LISTEN connection",
             m.bridge_reconnects.clone(),
@@ -431,6 +439,10 @@ impl Metrics {
         self.windows_refused.get(reason).inc();
         self.records_refused.get(reason).inc_by(records as u64);
         self.gaps_refused.get(reason).inc_by(gaps as u64);
+    }
+
+    pub fn agent_refused(&self, bound: crate::rate::Bound) {
+        self.agent_refusals.get(bound).inc();
     }
 
     /// The bridge holds its LISTEN connection; `again` when it had one before.
@@ -657,6 +669,7 @@ mod tests {
                 "innerwall_flow_records_refused_total counter",
                 "innerwall_flow_gaps_refused_total counter",
                 "innerwall_flow_ingest_duration_seconds histogram",
+                "innerwall_agent_refusals_total counter",
                 "innerwall_notify_bridge_reconnects_total counter",
                 "innerwall_notify_bridge_connected gauge",
                 "innerwall_workload_count_failures_total counter",

@@ -246,6 +246,7 @@ pub async fn start(
         pool: pools.ingest.clone(),
         bounds: config.flow_bounds,
         metrics: metrics.clone(),
+        rate: gateway.bounds(),
     };
     // Every service on both: a client without a certificate calling an agent service hears
     // from `Authenticate` that it must enroll first.

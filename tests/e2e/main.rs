@@ -2,6 +2,7 @@
 
 mod agent_restart;
 mod binaries;
+mod bounds;
 mod enroll;
 mod evidence;
 mod flows;

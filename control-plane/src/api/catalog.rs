@@ -66,7 +66,7 @@ pub async fn list_services(State(state): State<ApiState>) -> Result<Json<Vec<Ser
 
 #[utoipa::path(post, path = "/api/v1/services", tag = "catalog", request_body = NewService,
     responses((status = 201, description = "Created at version 1", body = Changed<Nothing>),
-        (status = 409, description = "duplicate-name", body = Problem, content_type = "application/problem+json")))]
+        (status = 409, description = "duplicate-name, or limit-reached", body = Problem, content_type = "application/problem+json")))]
 pub async fn create_service(
     State(state): State<ApiState>,
     caller: Caller,
@@ -76,7 +76,7 @@ pub async fn create_service(
         ServiceSpec { name: body.name, description: body.description, entries: entries(&body.entries)? };
     let detail = serde_json::json!({"entries": body.entries});
     let done = authoring::commit(&state.pool, &caller.actor(), "service.create", &spec.name, async |c| {
-        authoring::create_service(c, &spec).await?;
+        authoring::create_service_within(c, &spec, &state.limits.counts).await?;
         Ok(((), detail))
     })
     .await?;
@@ -170,7 +170,7 @@ pub async fn list_groups(State(state): State<ApiState>) -> Result<Json<Vec<Addre
 
 #[utoipa::path(post, path = "/api/v1/address-groups", tag = "catalog", request_body = NewGroup,
     responses((status = 201, description = "Created at version 1", body = Changed<Nothing>),
-        (status = 409, description = "duplicate-name", body = Problem, content_type = "application/problem+json")))]
+        (status = 409, description = "duplicate-name, or limit-reached", body = Problem, content_type = "application/problem+json")))]
 pub async fn create_group(
     State(state): State<ApiState>,
     caller: Caller,
@@ -181,7 +181,7 @@ pub async fn create_group(
     let detail = serde_json::json!({"cidrs": spec.cidrs.iter().map(ToString::to_string).collect::<Vec<_>>()});
     let done =
         authoring::commit(&state.pool, &caller.actor(), "address-group.create", &spec.name, async |c| {
-            authoring::create_address_group(c, &spec).await?;
+            authoring::create_address_group_within(c, &spec, &state.limits.counts).await?;
             Ok(((), detail))
         })
         .await?;
@@ -257,7 +257,7 @@ pub async fn list_rulesets(State(state): State<ApiState>) -> Result<Json<Vec<Rul
 
 #[utoipa::path(post, path = "/api/v1/rulesets", tag = "catalog", request_body = RulesetSpec,
     responses((status = 201, description = "Created at version 1", body = Changed<Nothing>),
-        (status = 409, description = "duplicate-name", body = Problem, content_type = "application/problem+json")))]
+        (status = 409, description = "duplicate-name, or limit-reached", body = Problem, content_type = "application/problem+json")))]
 pub async fn create_ruleset(
     State(state): State<ApiState>,
     caller: Caller,
@@ -265,7 +265,7 @@ pub async fn create_ruleset(
 ) -> Result<Response, ApiError> {
     let detail = serde_json::to_value(&spec).map_err(|e| ApiError::Malformed(e.to_string()))?;
     let done = authoring::commit(&state.pool, &caller.actor(), "ruleset.create", &spec.name, async |c| {
-        authoring::create_ruleset(c, &spec).await?;
+        authoring::create_ruleset_within(c, &spec, &state.limits.counts).await?;
         Ok(((), detail))
     })
     .await?;

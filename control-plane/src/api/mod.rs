@@ -60,6 +60,8 @@ pub struct ApiLimits {
     pub max_connections: usize,
     /// How long a TLS handshake, and a request's headers, may take.
     pub handshake_timeout: Duration,
+    /// Count bounds on the authored objects the API creates (`serve --max-…`).
+    pub counts: crate::counts::CountBounds,
 }
 
 impl Default for ApiLimits {
@@ -69,6 +71,7 @@ impl Default for ApiLimits {
             request_timeout: Duration::from_secs(30),
             max_connections: 256,
             handshake_timeout: Duration::from_secs(10),
+            counts: crate::counts::CountBounds::default(),
         }
     }
 }

@@ -51,8 +51,15 @@ pub async fn mint(
                 .ok_or_else(|| ApiError::Malformed(format!("expires_in_seconds {s} is too large")))
         })
         .transpose()?;
-    let minted =
-        operators::mint_audited(&state.pool, &caller.actor(), &body.name, body.role, expires).await?;
+    let minted = operators::mint_audited_within(
+        &state.pool,
+        &caller.actor(),
+        &body.name,
+        body.role,
+        expires,
+        &state.limits.counts,
+    )
+    .await?;
     Ok((StatusCode::CREATED, Json(minted)).into_response())
 }
 

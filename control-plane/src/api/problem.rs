@@ -42,6 +42,8 @@ pub enum ProblemType {
     EvidenceInsufficient,
     /// 409: the workload has no stream to act on (`last_seen`).
     AgentOffline,
+    /// 409: one more object would pass a count bound (`bound` names its flag, `limit` its value).
+    LimitReached,
     /// 412: `If-Match` names a version that is no longer current (`current_version`).
     PreconditionFailed,
     /// 413: the body is larger than the listener accepts.
@@ -57,7 +59,7 @@ pub enum ProblemType {
 }
 
 impl ProblemType {
-    pub const ALL: [ProblemType; 16] = [
+    pub const ALL: [ProblemType; 17] = [
         ProblemType::Invalid,
         ProblemType::Unauthorized,
         ProblemType::Forbidden,
@@ -68,6 +70,7 @@ impl ProblemType {
         ProblemType::MatchCountMismatch,
         ProblemType::EvidenceInsufficient,
         ProblemType::AgentOffline,
+        ProblemType::LimitReached,
         ProblemType::PreconditionFailed,
         ProblemType::PayloadTooLarge,
         ProblemType::UnsupportedMediaType,
@@ -88,6 +91,7 @@ impl ProblemType {
             ProblemType::MatchCountMismatch => "match-count-mismatch",
             ProblemType::EvidenceInsufficient => "evidence-insufficient",
             ProblemType::AgentOffline => "agent-offline",
+            ProblemType::LimitReached => "limit-reached",
             ProblemType::PreconditionFailed => "precondition-failed",
             ProblemType::PayloadTooLarge => "payload-too-large",
             ProblemType::UnsupportedMediaType => "unsupported-media-type",
@@ -112,7 +116,8 @@ impl ProblemType {
             | ProblemType::InUse
             | ProblemType::MatchCountMismatch
             | ProblemType::EvidenceInsufficient
-            | ProblemType::AgentOffline => StatusCode::CONFLICT,
+            | ProblemType::AgentOffline
+            | ProblemType::LimitReached => StatusCode::CONFLICT,
             ProblemType::PreconditionFailed => StatusCode::PRECONDITION_FAILED,
             ProblemType::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ProblemType::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -135,6 +140,7 @@ impl ProblemType {
             ProblemType::MatchCountMismatch => "The set does not have the expected size",
             ProblemType::EvidenceInsufficient => "The evidence does not support enforcement",
             ProblemType::AgentOffline => "The agent is offline",
+            ProblemType::LimitReached => "A count bound is reached",
             ProblemType::PreconditionFailed => "The version read is no longer current",
             ProblemType::PayloadTooLarge => "The body is too large",
             ProblemType::UnsupportedMediaType => "The body is not JSON",
@@ -208,6 +214,12 @@ pub struct Problem {
     /// 403: the role the operation needs.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub required_role: Option<Role>,
+    /// 409 limit-reached: the `serve` flag that sets the bound.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bound: Option<&'static str>,
+    /// 409 limit-reached: the bound's value (as many exist).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u64>,
 }
 
 impl Problem {
@@ -226,6 +238,8 @@ impl Problem {
             reasons: None,
             last_seen: None,
             required_role: None,
+            bound: None,
+            limit: None,
         }
     }
 }
@@ -339,6 +353,14 @@ fn domain_problem(e: &Error) -> Problem {
             },
             _ => Problem::new(ProblemType::EvidenceInsufficient, detail),
         },
+        Kind::OverBound => match e {
+            Error::OverBound { limit, bound, .. } => Problem {
+                bound: Some(bound),
+                limit: Some(*limit),
+                ..Problem::new(ProblemType::LimitReached, detail)
+            },
+            _ => Problem::new(ProblemType::LimitReached, detail),
+        },
         Kind::Internal => {
             tracing::error!("api request failed: {:#}", Chain(e));
             Problem::new(ProblemType::Internal, "internal error; see the control-plane log")
@@ -402,6 +424,21 @@ mod tests {
         assert_eq!(json["type"], "urn:innerwall:problem:in-use");
         assert_eq!(json["status"], 409);
         assert!(json.get("referrers").is_none(), "absent members are left out: {json}");
+    }
+
+    #[test]
+    fn a_count_bound_names_its_flag_and_value() {
+        let p = ApiError::Domain(crate::counts::over(crate::counts::Counted::Rulesets, 2)).problem();
+        assert_eq!((p.kind, p.status), (ProblemType::LimitReached, 409));
+        assert_eq!((p.bound, p.limit), (Some("--max-rulesets"), Some(2)));
+        let json = serde_json::to_value(&p).unwrap();
+        assert_eq!(json["type"], "urn:innerwall:problem:limit-reached");
+        assert_eq!((json["bound"].as_str(), json["limit"].as_u64()), (Some("--max-rulesets"), Some(2)));
+        assert!(
+            p.detail.contains("2 rulesets exist") && p.detail.contains("nothing was changed"),
+            "{}",
+            p.detail
+        );
     }
 
     #[test]

@@ -73,8 +73,16 @@ pub async fn mint(
             .and_then(chrono::Duration::try_seconds)
             .ok_or_else(|| ApiError::Malformed(format!("ttl_seconds {s} is too large")))?,
     };
-    let minted =
-        tokens::mint_audited(&state.pool, &caller.actor(), &labels, ttl, body.max_uses, &ranges).await?;
+    let minted = tokens::mint_audited_within(
+        &state.pool,
+        &caller.actor(),
+        &labels,
+        ttl,
+        body.max_uses,
+        &ranges,
+        &state.limits.counts,
+    )
+    .await?;
     let location = format!("/api/v1/provisioning-tokens/{}", minted.id);
     let body = Minted { id: minted.id, token: minted.secret, expires_at: minted.expires_at };
     Ok((StatusCode::CREATED, [(axum::http::header::LOCATION, location)], Json(body)).into_response())

@@ -439,6 +439,8 @@ pub struct Telemetry {
     pub pool: PgPool,
     pub bounds: TimeBounds,
     pub metrics: std::sync::Arc<Metrics>,
+    /// Per-identity upload rate and bytes (REL-1), shared with the gateway.
+    pub rate: crate::rate::Bounds,
 }
 
 #[tonic::async_trait]
@@ -448,6 +450,13 @@ impl proto::telemetry_service_server::TelemetryService for Telemetry {
         request: tonic::Request<proto::ReportFlowsRequest>,
     ) -> Result<tonic::Response<proto::ReportFlowsResponse>, tonic::Status> {
         let workload = crate::identity::listener::identity(&request)?;
+        // Over its bound an upload is refused before it is decoded or written; the agent keeps
+        // the window queued and sends it after the retry-after.
+        let bytes = prost::Message::encoded_len(request.get_ref()) as f64;
+        self.rate.take(
+            workload,
+            &[(crate::rate::Bound::Uploads, 1.0), (crate::rate::Bound::UploadBytes, bytes)],
+        )?;
         let Some(wire) = request.get_ref().window.as_ref() else {
             self.metrics.window_refused(Refusal::Invalid, 0, 0);
             return Err(tonic::Status::invalid_argument("window is missing"));

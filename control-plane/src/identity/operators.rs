@@ -275,6 +275,18 @@ pub async fn mint_audited(
     role: Role,
     expires: Option<chrono::Duration>,
 ) -> Result<MintedOperatorToken, Error> {
+    mint_audited_within(pool, actor, name, role, expires, &crate::counts::CountBounds::default()).await
+}
+
+/// [`mint_audited`], refused when as many live tokens as `counts` allows exist already.
+pub async fn mint_audited_within(
+    pool: &PgPool,
+    actor: &str,
+    name: &str,
+    role: Role,
+    expires: Option<chrono::Duration>,
+    counts: &crate::counts::CountBounds,
+) -> Result<MintedOperatorToken, Error> {
     check_name(name)?;
     if let Some(ttl) = expires
         && (ttl <= chrono::Duration::zero() || ttl > chrono::Duration::days(MAX_EXPIRY_DAYS))
@@ -293,6 +305,7 @@ pub async fn mint_audited(
     if live {
         return Err(Error::Exists { what: "live operator token", name: name.to_owned() });
     }
+    counts.check(&mut tx, crate::counts::Counted::OperatorTokens).await?;
     let id = URL_SAFE_NO_PAD.encode(random::<ID_BYTES>()?);
     let token = format!("{OPERATOR_TOKEN_PREFIX}{id}{}", URL_SAFE_NO_PAD.encode(random::<SECRET_BYTES>()?));
     // A concurrent mint of the same name meets the unique index here and fails as a conflict;

@@ -53,6 +53,9 @@ pub enum TokenError {
     NotFound(Uuid),
     #[error("{0}")]
     Invalid(String),
+    /// As many live tokens as the bound exist already (`counts`): its value.
+    #[error("{}", crate::counts::over(crate::counts::Counted::ProvisioningTokens, *.0))]
+    OverBound(u64),
     #[error("database: {0}")]
     Database(#[from] sqlx::Error),
 }
@@ -67,6 +70,9 @@ impl From<TokenError> for crate::error::Error {
             TokenError::Invalid(text) => Error::Invalid(text),
             TokenError::NotFound(id) => Error::NotFound { what: "provisioning token", name: id.to_string() },
             TokenError::Database(e) => Error::Database(e),
+            TokenError::OverBound(limit) => {
+                crate::counts::over(crate::counts::Counted::ProvisioningTokens, limit)
+            }
             e => Error::Token { kind: e.kind(), error: Box::new(e) },
         }
     }
@@ -83,6 +89,7 @@ impl TokenError {
             TokenError::Exhausted { .. } => "exhausted",
             TokenError::NotFound(_) => "not_found",
             TokenError::Invalid(_) => "invalid",
+            TokenError::OverBound(_) => "over_bound",
             TokenError::Database(_) => "database",
         }
     }
@@ -243,12 +250,25 @@ pub struct ConsumedToken {
 /// Mints a token for `labels`, valid for `ttl` (0 < ttl ≤ 365 days) and at most `max_uses`
 /// enrollments (unlimited when `None`). A token must carry at least one label: an unlabeled
 /// workload is matched by no selector, which is never what an operator minting a token wants.
+/// At most the default count bound of live tokens ([`mint_within`] takes another).
 pub async fn mint(
     conn: &mut PgConnection,
     labels: &[Label],
     ttl: chrono::Duration,
     max_uses: Option<u32>,
     ranges: &[Cidr],
+) -> Result<MintedToken, TokenError> {
+    mint_within(conn, labels, ttl, max_uses, ranges, &crate::counts::CountBounds::default()).await
+}
+
+/// [`mint`], refused when as many live tokens as `counts` allows exist already.
+pub async fn mint_within(
+    conn: &mut PgConnection,
+    labels: &[Label],
+    ttl: chrono::Duration,
+    max_uses: Option<u32>,
+    ranges: &[Cidr],
+    counts: &crate::counts::CountBounds,
 ) -> Result<MintedToken, TokenError> {
     if ttl <= chrono::Duration::zero() {
         return Err(TokenError::Invalid(format!("ttl must be positive, got {ttl}")));
@@ -295,6 +315,12 @@ pub async fn mint(
         )));
     }
 
+    let counted = crate::counts::Counted::ProvisioningTokens;
+    match counts.check(conn, counted).await {
+        Ok(()) => {}
+        Err(crate::error::Error::Database(e)) => return Err(TokenError::Database(e)),
+        Err(_) => return Err(TokenError::OverBound(counts.of(counted))),
+    }
     let secret = TokenSecret::generate()?;
     let id = Uuid::new_v4();
     let expires_at: DateTime<Utc> = sqlx::query_scalar(
@@ -504,8 +530,22 @@ pub async fn mint_audited(
     max_uses: Option<u32>,
     ranges: &[Cidr],
 ) -> Result<MintedToken, crate::error::Error> {
+    let counts = crate::counts::CountBounds::default();
+    mint_audited_within(pool, actor, labels, ttl, max_uses, ranges, &counts).await
+}
+
+/// [`mint_audited`] within `counts` (the API's, from `serve`'s flags).
+pub async fn mint_audited_within(
+    pool: &sqlx::PgPool,
+    actor: &str,
+    labels: &[Label],
+    ttl: chrono::Duration,
+    max_uses: Option<u32>,
+    ranges: &[Cidr],
+    counts: &crate::counts::CountBounds,
+) -> Result<MintedToken, crate::error::Error> {
     let mut tx = pool.begin().await?;
-    let minted = mint(&mut tx, labels, ttl, max_uses, ranges).await?;
+    let minted = mint_within(&mut tx, labels, ttl, max_uses, ranges, counts).await?;
     let shown: Vec<String> = labels.iter().map(ToString::to_string).collect();
     let ranges: Vec<String> = ranges.iter().map(ToString::to_string).collect();
     let detail = serde_json::json!({"labels": shown, "expires_at": minted.expires_at, "max_uses": max_uses, "address_ranges": ranges});

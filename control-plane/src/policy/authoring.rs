@@ -13,6 +13,7 @@ use sqlx::{AssertSqlSafe, PgConnection, PgPool, Row};
 use uuid::Uuid;
 
 use crate::audit;
+use crate::counts::{CountBounds, Counted};
 use crate::error::Error;
 use crate::notice::{self, Notice};
 use crate::policy::model::{ServiceEntry, validate_name};
@@ -198,8 +199,18 @@ async fn write_service_entries(
     Ok(())
 }
 
+/// Creates a service within the default count bound ([`create_service_within`] takes another).
 pub async fn create_service(conn: &mut PgConnection, spec: &ServiceSpec) -> Result<Uuid, Error> {
+    create_service_within(conn, spec, &CountBounds::default()).await
+}
+
+pub async fn create_service_within(
+    conn: &mut PgConnection,
+    spec: &ServiceSpec,
+    counts: &CountBounds,
+) -> Result<Uuid, Error> {
     spec.check()?;
+    counts.check(conn, Counted::Services).await?;
     let id = insert_named(conn, Kind::Service, &spec.name, &spec.description).await?;
     write_service_entries(conn, id, &spec.entries).await?;
     Ok(id)
@@ -238,8 +249,18 @@ async fn write_group_cidrs(conn: &mut PgConnection, id: Uuid, cidrs: &BTreeSet<C
     Ok(())
 }
 
+/// Creates an address group within the default count bound.
 pub async fn create_address_group(conn: &mut PgConnection, spec: &AddressGroupSpec) -> Result<Uuid, Error> {
+    create_address_group_within(conn, spec, &CountBounds::default()).await
+}
+
+pub async fn create_address_group_within(
+    conn: &mut PgConnection,
+    spec: &AddressGroupSpec,
+    counts: &CountBounds,
+) -> Result<Uuid, Error> {
     spec.check()?;
+    counts.check(conn, Counted::AddressGroups).await?;
     let id = insert_named(conn, Kind::AddressGroup, &spec.name, &spec.description).await?;
     write_group_cidrs(conn, id, &spec.cidrs).await?;
     Ok(id)
@@ -338,8 +359,18 @@ async fn write_rules(conn: &mut PgConnection, ruleset: Uuid, spec: &RulesetSpec)
     Ok(())
 }
 
+/// Creates a ruleset within the default count bound.
 pub async fn create_ruleset(conn: &mut PgConnection, spec: &RulesetSpec) -> Result<Uuid, Error> {
+    create_ruleset_within(conn, spec, &CountBounds::default()).await
+}
+
+pub async fn create_ruleset_within(
+    conn: &mut PgConnection,
+    spec: &RulesetSpec,
+    counts: &CountBounds,
+) -> Result<Uuid, Error> {
     validate_ruleset(spec)?;
+    counts.check(conn, Counted::Rulesets).await?;
     let id = Uuid::new_v4();
     let done = sqlx::query(
         "INSERT INTO rulesets (id, name, description, enabled, scope) VALUES ($1, $2, $3, $4, $5)

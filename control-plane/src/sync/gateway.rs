@@ -41,6 +41,9 @@ pub struct GatewayConfig {
     pub flow_window_max_keys: u32,
     /// Updates queued towards one agent before the stream task waits (and coalesces).
     pub outbound_queue: usize,
+    /// Per-identity rate bounds (REL-1): heartbeats and stream opens here, uploads in the
+    /// telemetry service, which shares this replica's limiter ([`Gateway::bounds`]).
+    pub bounds: crate::rate::AgentBounds,
 }
 
 impl Default for GatewayConfig {
@@ -52,6 +55,7 @@ impl Default for GatewayConfig {
             flow_window: Duration::from_secs(60),
             flow_window_max_keys: 10_000,
             outbound_queue: 8,
+            bounds: crate::rate::AgentBounds::default(),
         }
     }
 }
@@ -121,6 +125,8 @@ struct Inner {
     beats: Beats,
     /// Every stream's reads of its persisted policy, shared on `pool`.
     reads: Reads,
+    /// This replica's per-identity rate bounds.
+    bounds: crate::rate::Bounds,
 }
 
 /// The streams this replica holds. Cheap to clone.
@@ -135,6 +141,7 @@ type Outbound = mpsc::Sender<Result<Box<proto::SyncResponse>, Status>>;
 
 impl Gateway {
     pub fn new(pools: &Pools, config: GatewayConfig, enroller: Enroller, metrics: Arc<Metrics>) -> Self {
+        let bounds = crate::rate::Bounds::new(config.bounds.clone(), metrics.clone());
         Gateway {
             inner: Arc::new(Inner {
                 pool: pools.streams.clone(),
@@ -146,12 +153,18 @@ impl Gateway {
                 metrics,
                 beats: Beats::start(pools.streams.clone()),
                 reads: Reads::start(pools.streams.clone()),
+                bounds,
             }),
         }
     }
 
     fn streams(&self) -> std::sync::MutexGuard<'_, BTreeMap<WorkloadId, Handle>> {
         self.inner.streams.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// This replica's per-identity rate bounds, for the telemetry service to share.
+    pub fn bounds(&self) -> crate::rate::Bounds {
+        self.inner.bounds.clone()
     }
 
     /// Number of live streams on this replica.
@@ -529,6 +542,10 @@ impl StreamTask {
                 self.execute(actions).await
             }
             Some(Msg::Heartbeat(h)) => {
+                // Over its bound the stream ends before anything is written; the agent
+                // reconnects after the retry-after it is told.
+                let bound = [(crate::rate::Bound::Heartbeats, 1.0)];
+                self.gateway.inner.bounds.take(self.id, &bound).map_err(Ended::refused)?;
                 self.heartbeat(&h).await.map_err(|e| Ended::refused(Status::from(e)))?;
                 self.execute(session.suspended(h.suspended)).await
             }
@@ -604,11 +621,13 @@ impl StreamTask {
             let detail = truncate(&event.detail, innerwall_wire::sync::MAX_TAMPER_DETAIL);
             let count = event.count.max(1);
             tracing::warn!(workload = %self.id, count, "agent repaired its table after an outside change: {}", truncate(&detail, 256));
-            self.audit(
-                "workload.tamper",
-                serde_json::json!({"detected_at_unix_ms": event.detected_at_unix_ms, "detail": detail, "count": count}),
-            )
-            .await?;
+            // One row per workload per coalescing window, counting every change reported.
+            let (actor, subject) = (format!("workload:{}", self.id), self.id.to_string());
+            let detail = serde_json::json!({"detected_at_unix_ms": event.detected_at_unix_ms, "detail": detail, "count": count});
+            let record = audit::Record::new(&actor, "workload.tamper", &subject).detail(detail);
+            let mut conn = self.pool().acquire().await?;
+            audit::coalesce(&mut conn, &record, self.config().bounds.report_coalesce, u64::from(count))
+                .await?;
         }
         Ok(())
     }
@@ -768,6 +787,8 @@ impl proto::agent_service_server::AgentService for Gateway {
         request: Request<Streaming<proto::SyncRequest>>,
     ) -> Result<Response<SyncStream>, Status> {
         let AgentIdentity { id, not_after } = agent_identity(&request)?;
+        // Before the stream registers: a refused open supersedes nothing and writes nothing.
+        self.inner.bounds.take(id, &[(crate::rate::Bound::Hellos, 1.0)])?;
         let inbound = request.into_inner();
         let (out, rx) = mpsc::channel(self.inner.config.outbound_queue.max(1));
         let (generation, signal) = self.register(id);

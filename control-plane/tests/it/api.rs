@@ -974,6 +974,7 @@ async fn problem_types_are_closed() {
             Error::CountMismatch { .. } => "count mismatch",
             Error::EvidenceInsufficient { .. } => "evidence insufficient",
             Error::AgentOffline { .. } => "agent offline",
+            Error::OverBound { .. } => "over bound",
             Error::Render(_) => "render",
             Error::Corrupt { .. } => "corrupt",
             Error::Database(_) => "database",
@@ -1019,6 +1020,10 @@ async fn problem_types_are_closed() {
             ProblemType::EvidenceInsufficient,
         ),
         (Error::AgentOffline { id: "w".into(), last_seen: "never".into() }, ProblemType::AgentOffline),
+        (
+            innerwall_control_plane::counts::over(innerwall_control_plane::counts::Counted::Services, 3),
+            ProblemType::LimitReached,
+        ),
         (Error::Render("broke".into()), ProblemType::Internal),
         (Error::Corrupt { what: "mode", detail: "9".into() }, ProblemType::Internal),
         (Error::Database(sqlx::Error::PoolTimedOut), ProblemType::Busy),
@@ -1056,7 +1061,7 @@ async fn problem_types_are_closed() {
         (ApiError::Timeout(Duration::from_secs(1)), ProblemType::Busy),
     ];
     let library_variants: BTreeSet<&str> = library.iter().map(|(e, _)| library_variant(e)).collect();
-    assert_eq!(library_variants.len(), 15, "a sample of every library error");
+    assert_eq!(library_variants.len(), 16, "a sample of every library error");
     let edge_variants: BTreeSet<&str> = edge.iter().map(|(e, _)| edge_variant(e)).collect();
     assert_eq!(
         edge_variants.len() + 1,
@@ -1159,5 +1164,33 @@ async fn api_serves_an_operator_certificate() {
         let shown = error.to_string();
         assert!(shown.contains(&named.display().to_string()), "{shown}");
     }
+    plane.stop().await;
+}
+
+/// `serve --max-services` reaches the API: one service more than the bound is a 409
+/// limit-reached problem naming the flag and its value, and writes nothing; after a delete the
+/// same request passes.
+#[tokio::test]
+async fn count_bounds_are_refused_at_the_api() {
+    let counts = innerwall_control_plane::counts::CountBounds {
+        services: 1,
+        ..innerwall_control_plane::counts::CountBounds::default()
+    };
+    let plane = Plane::start(ApiLimits { counts, ..ApiLimits::default() }).await;
+    let pool = plane.pool().clone();
+    let editor = mint(&pool, "ed", Role::Editor).await;
+    let service = |name: &str| json!({"name": name, "entries": ["tcp:443"]});
+    let reply = plane.write("POST", "/api/v1/services", &editor.token, None, &service("https")).await;
+    assert_eq!(reply.status, 201, "{reply:?}");
+    let before = written(&pool).await;
+    let reply = plane.write("POST", "/api/v1/services", &editor.token, None, &service("ssh")).await;
+    let doc = reply.problem(409, ProblemType::LimitReached);
+    assert_eq!((doc["bound"].as_str(), doc["limit"].as_u64()), (Some("--max-services"), Some(1)), "{doc}");
+    assert_eq!(written(&pool).await, before, "a refused create writes nothing");
+    let reply =
+        plane.write("DELETE", "/api/v1/services/https", &editor.token, Some("\"1\""), &json!({})).await;
+    assert!(reply.status < 300, "{reply:?}");
+    let reply = plane.write("POST", "/api/v1/services", &editor.token, None, &service("ssh")).await;
+    assert_eq!(reply.status, 201, "the second attempt, after a delete: {reply:?}");
     plane.stop().await;
 }

@@ -2,6 +2,7 @@
 
 mod addresses;
 mod api;
+mod bounds;
 mod enrollment;
 mod flows;
 mod identity;

@@ -777,10 +777,12 @@ async fn stream_ends_at_certificate_expiry() {
     assert!(detail.contains("client certificate expired"), "{detail}");
 }
 
-/// A heartbeat's tamper reports are audited with their counts, and at most as many as an
-/// agent may send (the distinct details and one entry counting the rest), however many arrive.
+/// A heartbeat's tamper reports are audited with their counts, at most as many as an agent may
+/// send (the distinct details and one entry counting the rest) however many arrive, and
+/// repeated reports within the hour make one audit row with a count (REL-1); a report after the
+/// hour starts a new row.
 #[tokio::test]
-async fn tamper_reports_are_bounded() {
+async fn repeated_tamper_reports_within_the_hour_make_one_row() {
     let plane = Plane::start(GatewayConfig::default()).await;
     let pool = &plane.db.pool;
     let (id, agent) = synced(&plane).await;
@@ -795,26 +797,41 @@ async fn tamper_reports_are_bounded() {
         msg: Some(sync_request::Msg::Heartbeat(proto::Heartbeat { tamper_events, ..Default::default() })),
     };
     agent.tx.send(heartbeat(flood)).await.unwrap();
-    // The marker: a later heartbeat's single report, audited after the flood's.
-    let marker = proto::TamperEvent { detected_at_unix_ms: 9, detail: "marker".into(), count: 0 };
-    agent.tx.send(heartbeat(vec![marker])).await.unwrap();
-    let audited = async || -> Vec<serde_json::Value> {
-        sqlx::query_scalar(
-            "SELECT detail FROM audit_log WHERE action = 'workload.tamper' AND subject = $1 ORDER BY id",
+    // The marker: a later heartbeat's single report, counted after the flood's.
+    let marker =
+        |detail: &str| proto::TamperEvent { detected_at_unix_ms: 9, detail: detail.into(), count: 0 };
+    agent.tx.send(heartbeat(vec![marker("marker")])).await.unwrap();
+    let audited = async || -> Vec<(serde_json::Value, i64)> {
+        sqlx::query_as(
+            "SELECT detail, count FROM audit_log WHERE action = 'workload.tamper' AND subject = $1 ORDER BY id",
         )
         .bind(id.to_string())
         .fetch_all(pool)
         .await
         .unwrap()
     };
-    eventually("the marker is audited", async || {
-        audited().await.last().is_some_and(|d| d["detail"] == "marker")
+    eventually("the marker is counted", async || {
+        audited().await.last().is_some_and(|(d, _)| d["latest"]["detail"] == "marker")
     })
     .await;
     let all = audited().await;
-    assert_eq!(all.len(), innerwall_wire::sync::MAX_TAMPER_REPORTS + 1 + 1, "{all:?}");
-    assert_eq!(all[0]["count"], 3);
-    assert_eq!(all.last().unwrap()["count"], 1, "a report without a count was seen once");
+    assert_eq!(all.len(), 1, "one row for every report within the hour: {all:?}");
+    let (detail, count) = &all[0];
+    assert_eq!(detail["detail"], "change 0", "the row keeps the first report");
+    let carried = innerwall_wire::sync::MAX_TAMPER_REPORTS as i64 + 1;
+    assert_eq!(*count, carried * 3 + 1, "every change counted (a report without a count once)");
+
+    // Once the row is older than the hour, the next report starts a new one.
+    sqlx::query("UPDATE audit_log SET at = at - interval '61 minutes' WHERE action = 'workload.tamper' AND subject = $1")
+        .bind(id.to_string())
+        .execute(pool)
+        .await
+        .unwrap();
+    agent.tx.send(heartbeat(vec![marker("later")])).await.unwrap();
+    eventually("the later report is a row of its own", async || audited().await.len() == 2).await;
+    let all = audited().await;
+    assert_eq!((all[1].0["detail"].as_str(), all[1].1), (Some("later"), 1));
+    assert_eq!(all[0].1, carried * 3 + 1, "the old row is left as it was");
 }
 
 /// A child process killed (SIGKILL) when the test ends, however it ends.

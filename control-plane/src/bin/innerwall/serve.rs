@@ -7,9 +7,11 @@ use std::sync::Arc;
 use anyhow::Context;
 use clap::Args;
 use innerwall_control_plane::api::{self, ApiLimits};
+use innerwall_control_plane::counts::CountBounds;
 use innerwall_control_plane::identity::admission::Limits;
 use innerwall_control_plane::identity::ca::{self, FileCa};
 use innerwall_control_plane::postgres::{PoolConfig, PoolsConfig};
+use innerwall_control_plane::rate::AgentBounds;
 use innerwall_control_plane::sync::gateway;
 use innerwall_control_plane::{flows, service};
 
@@ -73,6 +75,30 @@ pub struct ServeArgs {
     /// How long a connection without a client certificate (enrollment) may stay open.
     #[arg(long, default_value = "30s", value_parser = duration::arg)]
     unauthenticated_lifetime: std::time::Duration,
+    /// Flow window uploads one agent identity may make per minute (a minute's worth may come
+    /// at once); more are refused with RESOURCE_EXHAUSTED and a retry-after, and stay queued on
+    /// the agent. Per replica.
+    #[arg(long, default_value_t = AgentBounds::default().uploads_per_minute, value_parser = clap::value_parser!(u32).range(1..))]
+    agent_uploads_per_minute: u32,
+    /// Bytes of flow windows one agent identity may upload per minute (encoded); at least the
+    /// largest upload (32 MiB) so every window can pass.
+    #[arg(long, default_value_t = AgentBounds::default().upload_bytes_per_minute, value_parser = clap::value_parser!(u64).range(1..))]
+    agent_upload_bytes_per_minute: u64,
+    /// Heartbeats one agent identity may send per minute; over it its stream ends with
+    /// RESOURCE_EXHAUSTED and a retry-after.
+    #[arg(long, default_value_t = AgentBounds::default().heartbeats_per_minute, value_parser = clap::value_parser!(u32).range(1..))]
+    agent_heartbeats_per_minute: u32,
+    /// Policy streams (Hello, reconnects) one agent identity may open per minute.
+    #[arg(long, default_value_t = AgentBounds::default().hellos_per_minute, value_parser = clap::value_parser!(u32).range(1..))]
+    agent_hellos_per_minute: u32,
+    /// Tamper and identity-clone reports of one workload within this long of the audit row
+    /// that recorded the first are counted on that row instead of adding rows.
+    #[arg(long, default_value = "1h", value_parser = duration::arg)]
+    agent_report_coalesce: std::time::Duration,
+    /// Agent identities whose rate state this replica holds at once (memory: about 100 bytes
+    /// each); beyond it the least recently seen are forgotten.
+    #[arg(long, default_value_t = AgentBounds::default().max_tracked as u64, value_parser = clap::value_parser!(u64).range(1..))]
+    agent_rate_tracked: u64,
     /// Database connections for agent streams (Hello, state records, heartbeats, liveness, the
     /// NOTIFY bridge); statements there are bounded to 15 s.
     #[arg(long, default_value_t = PoolConfig::STREAMS.size, value_parser = clap::value_parser!(u32).range(1..))]
@@ -97,6 +123,17 @@ impl ServeArgs {
             streams: PoolConfig { size: self.db_stream_connections, ..defaults.streams },
             ingest: PoolConfig { size: self.db_ingest_connections, ..defaults.ingest },
             authoring: PoolConfig { size: self.db_authoring_connections, ..defaults.authoring },
+        }
+    }
+
+    fn agent_bounds(&self) -> AgentBounds {
+        AgentBounds {
+            uploads_per_minute: self.agent_uploads_per_minute,
+            upload_bytes_per_minute: self.agent_upload_bytes_per_minute,
+            heartbeats_per_minute: self.agent_heartbeats_per_minute,
+            hellos_per_minute: self.agent_hellos_per_minute,
+            report_coalesce: self.agent_report_coalesce,
+            max_tracked: usize::try_from(self.agent_rate_tracked).unwrap_or(usize::MAX),
         }
     }
 
@@ -193,9 +230,35 @@ pub struct ApiArgs {
     /// API connections held at once; more are closed at accept.
     #[arg(long, default_value_t = ApiLimits::default().max_connections)]
     api_max_connections: usize,
+    /// Services that may exist at once; creating one more through the API is refused naming
+    /// this flag (409 limit-reached). The local CLI applies the default.
+    #[arg(long, default_value_t = CountBounds::default().services, value_parser = clap::value_parser!(u64).range(1..))]
+    max_services: u64,
+    /// Address groups that may exist at once (as --max-services).
+    #[arg(long, default_value_t = CountBounds::default().address_groups, value_parser = clap::value_parser!(u64).range(1..))]
+    max_address_groups: u64,
+    /// Rulesets that may exist at once (as --max-services).
+    #[arg(long, default_value_t = CountBounds::default().rulesets, value_parser = clap::value_parser!(u64).range(1..))]
+    max_rulesets: u64,
+    /// Provisioning tokens neither revoked nor expired at once (as --max-services).
+    #[arg(long, default_value_t = CountBounds::default().provisioning_tokens, value_parser = clap::value_parser!(u64).range(1..))]
+    max_provisioning_tokens: u64,
+    /// Operator tokens neither revoked nor expired at once (as --max-services).
+    #[arg(long, default_value_t = CountBounds::default().operator_tokens, value_parser = clap::value_parser!(u64).range(1..))]
+    max_operator_tokens: u64,
 }
 
 impl ApiArgs {
+    fn counts(&self) -> CountBounds {
+        CountBounds {
+            services: self.max_services,
+            address_groups: self.max_address_groups,
+            rulesets: self.max_rulesets,
+            provisioning_tokens: self.max_provisioning_tokens,
+            operator_tokens: self.max_operator_tokens,
+        }
+    }
+
     /// The API's configuration, if it is to listen; its certificate lives as long as the agent
     /// listener's would, issued for the same names.
     fn config(
@@ -217,6 +280,7 @@ impl ApiArgs {
             max_body: self.api_max_body,
             request_timeout: self.api_request_timeout,
             max_connections: self.api_max_connections,
+            counts: self.counts(),
             ..ApiLimits::default()
         };
         Ok(Some(api::ApiConfig { listen, tls, limits }))
@@ -253,6 +317,7 @@ pub async fn run(args: &ServeArgs, database: &Database, ca_dir: &Path) -> anyhow
             heartbeat: args.heartbeat_interval,
             flow_window: args.flow_window,
             inventory_min_interval: args.inventory_min_interval,
+            bounds: args.agent_bounds(),
             ..Default::default()
         },
         flow_bounds: flows::TimeBounds {
@@ -331,6 +396,13 @@ mod tests {
         let args = Cli::parse_from(["serve"]).serve;
         assert_eq!(args.limits(), Limits::default());
         assert_eq!(args.pools(), PoolsConfig::default());
+        assert_eq!(args.agent_bounds(), AgentBounds::default());
+        assert_eq!(args.api.counts(), CountBounds::default());
+        let args = Cli::parse_from(["serve", "--max-rulesets", "7"]).serve;
+        assert_eq!(args.api.counts().rulesets, 7);
+        let args = Cli::parse_from(["serve", "--agent-hellos-per-minute", "3"]).serve;
+        assert_eq!(args.agent_bounds().hellos_per_minute, 3);
+        assert!(Cli::try_parse_from(["serve", "--agent-uploads-per-minute", "0"]).is_err());
         let args = Cli::parse_from(["serve", "--db-ingest-connections", "2"]).serve;
         assert_eq!(args.pools().ingest, PoolConfig { size: 2, ..PoolConfig::INGEST });
         assert!(Cli::try_parse_from(["serve", "--db-stream-connections", "0"]).is_err());
