@@ -108,7 +108,7 @@ fn stored<E: WireEnum + std::fmt::Display>(code: i16) -> String {
 }
 
 /// The instant `back` before now; a span reaching past 1970 (no evidence is older) means all.
-fn since(back: &Duration) -> DateTime<Utc> {
+pub(crate) fn since(back: &Duration) -> DateTime<Utc> {
     chrono::Duration::from_std(*back)
         .ok()
         .and_then(|back| Utc::now().checked_sub_signed(back))
@@ -117,7 +117,7 @@ fn since(back: &Duration) -> DateTime<Utc> {
 
 /// `back` as the API's `since` parameter, exactly (the API measures it back from its now, as
 /// [`since`] does here).
-fn since_param(back: &Duration) -> String {
+pub(crate) fn since_param(back: &Duration) -> String {
     match back.subsec_nanos() {
         0 => format!("{}s", back.as_secs()),
         nanos => format!("{}s {nanos}ns", back.as_secs()),
