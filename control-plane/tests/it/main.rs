@@ -5,6 +5,7 @@ mod api;
 mod enrollment;
 mod flows;
 mod identity;
+mod lists;
 mod postgres;
 mod publish;
 mod sync;
