@@ -10,7 +10,7 @@ use innerwall_control_plane::audit::{self, AuditFilter, AuditRow};
 use crate::api::{ApiClient, with_query};
 use crate::ctx::Ctx;
 use crate::output::{print_json, print_table};
-use crate::{duration, flows, pages};
+use crate::{duration, pages};
 
 #[derive(Debug, Subcommand)]
 pub enum AuditCmd {
@@ -37,7 +37,7 @@ pub async fn run(ctx: &Ctx, cmd: &AuditCmd) -> anyhow::Result<()> {
         actor: actor.clone(),
         action: action.clone(),
         object: object.clone(),
-        since: since.as_ref().map(flows::since),
+        since: since.as_ref().map(duration::since),
     };
     let mut conn = ctx.pool.acquire().await?;
     let rows = pages::local(ctx.page_size, None, async |r| audit::page(&mut conn, &filter, r).await).await?;
@@ -54,7 +54,7 @@ pub async fn run_remote(api: &ApiClient, json: bool, cmd: &AuditCmd) -> anyhow::
         }
     }
     if let Some(back) = since {
-        query.push(("since", flows::since_param(back)));
+        query.push(("since", duration::since_param(back)));
     }
     let rows: Vec<AuditRow> = pages::remote(api, &with_query("/api/v1/audit", &query), None).await?;
     print_records(json, &rows)
