@@ -1,7 +1,9 @@
-//! The audit log: the one way to record who did what. Written in the transaction of the change
-//! it describes, so a change and its record commit or roll back together. Reports an agent can
-//! repeat at will (tamper, identity clone) go through [`coalesce`]: one row per workload and
-//! kind within a window, counting them, so no agent can grow the log faster than that (REL-1).
+//! The audit log: the one way to record who did what, and to read it back. Written in the
+//! transaction of the change it describes, so a change and its record commit or roll back
+//! together; read a page at a time, newest first, by actor, action, object and time. Reports an
+//! agent can repeat at will (tamper, identity clone) go through [`coalesce`]: one row per
+//! workload and kind within a window, counting them, so no agent can grow the log faster than
+//! that (REL-1).
 
 use std::collections::BTreeMap;
 
@@ -111,4 +113,68 @@ pub async fn coalesce(
     };
     tx.commit().await?;
     Ok(done)
+}
+
+/// One stored audit record, as `innerwall audit list --json` prints it and the API answers.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize, sqlx::FromRow, utoipa::ToSchema)]
+pub struct AuditRow {
+    /// Increases with every record: the order records were written in.
+    pub id: i64,
+    pub at: chrono::DateTime<chrono::Utc>,
+    pub actor: String,
+    pub action: String,
+    /// The object the change was made to (a name, a workload id, a token id, …).
+    pub subject: String,
+    #[schema(value_type = Object)]
+    pub detail: serde_json::Value,
+    /// Workload id to the policy version the change advanced it to.
+    #[schema(value_type = Object)]
+    pub workload_versions: serde_json::Value,
+    /// How many reports this row stands for (more than 1 only for a coalesced report).
+    pub count: i64,
+    /// When the latest report a coalesced row counts arrived (absent: only the first).
+    pub last_at: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+/// Which records a read wants; each given field must match exactly.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AuditFilter {
+    pub actor: Option<String>,
+    pub action: Option<String>,
+    /// The record's subject.
+    pub object: Option<String>,
+    /// Written at or after this.
+    pub since: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+const AUDIT: &str = "audit list";
+
+/// A page of the audit log, newest first (POL-8, OPS-2): keyed by the record id, so walking the
+/// cursors reads every matching record once, even while new ones are written.
+pub async fn page(
+    conn: &mut PgConnection,
+    filter: &AuditFilter,
+    request: &crate::page::PageRequest,
+) -> Result<crate::page::Page<AuditRow>, Error> {
+    use crate::page;
+    let limit = request.checked_limit()?;
+    let before = request.after(AUDIT)?.map(|a| page::field::<i64>(&a, 0, AUDIT)).transpose()?;
+    let rows: Vec<AuditRow> = sqlx::query_as(
+        "SELECT id, at, actor, action, subject, detail, workload_versions, count, last_at FROM audit_log
+         WHERE ($1::bigint IS NULL OR id < $1)
+           AND ($2::text IS NULL OR actor = $2)
+           AND ($3::text IS NULL OR action = $3)
+           AND ($4::text IS NULL OR subject = $4)
+           AND ($5::timestamptz IS NULL OR at >= $5)
+         ORDER BY id DESC LIMIT $6",
+    )
+    .bind(before)
+    .bind(filter.actor.as_deref())
+    .bind(filter.action.as_deref())
+    .bind(filter.object.as_deref())
+    .bind(filter.since)
+    .bind(limit + 1)
+    .fetch_all(&mut *conn)
+    .await?;
+    Ok(page::page(rows, limit, AUDIT, |r| serde_json::json!([r.id])))
 }

@@ -119,7 +119,7 @@ async fn kill_switch_holds_across_reconnects_and_versions() {
 
     // A resend: a new stream whose snapshot is held, not installed.
     let since = db_now(&pool).await;
-    authoring::request_snapshot(&pool, id).await.expect("resend");
+    authoring::request_snapshot(&pool, "test", id).await.expect("resend");
     wait_held(&pool, id, &state, since, v1).await;
     assert!(table().is_none(), "a resend does not undo the kill switch");
 

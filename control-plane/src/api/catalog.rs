@@ -14,11 +14,12 @@ use serde::Deserialize;
 use utoipa::ToSchema;
 
 use super::auth::Caller;
-use super::extract::{JsonBody, Path, etag, if_match};
+use super::extract::{JsonBody, Path, Query, etag, if_match};
 use super::problem::{ApiError, Problem};
 use super::workloads::created;
-use super::{ApiState, Changed, Nothing};
+use super::{ApiState, Changed, Nothing, PageQuery, page_request};
 use crate::error::Error;
+use crate::page::Page;
 use crate::policy::authoring;
 use crate::policy::model::ServiceEntry;
 use crate::policy::spec::{AddressGroupSpec, RulesetSpec, ServiceSpec};
@@ -58,10 +59,14 @@ pub struct ServiceBody {
     pub entries: Vec<String>,
 }
 
-#[utoipa::path(get, path = "/api/v1/services", tag = "catalog",
-    responses((status = 200, description = "Every service, by name", body = Vec<ServiceView>)))]
-pub async fn list_services(State(state): State<ApiState>) -> Result<Json<Vec<ServiceView>>, ApiError> {
-    Ok(Json(store::list_services(&mut *conn(&state).await?).await?))
+#[utoipa::path(get, path = "/api/v1/services", tag = "catalog", params(PageQuery),
+    responses((status = 200, description = "A page of the services, by name", body = Page<ServiceView>)))]
+pub async fn list_services(
+    State(state): State<ApiState>,
+    Query(q): Query<PageQuery>,
+) -> Result<Json<Page<ServiceView>>, ApiError> {
+    let request = page_request(q.limit, q.cursor, 100)?;
+    Ok(Json(store::service_page(&mut *conn(&state).await?, &request).await?))
 }
 
 #[utoipa::path(post, path = "/api/v1/services", tag = "catalog", request_body = NewService,
@@ -90,8 +95,7 @@ pub async fn show_service(
     State(state): State<ApiState>,
     Path(name): Path<String>,
 ) -> Result<Response, ApiError> {
-    let all = store::list_services(&mut *conn(&state).await?).await?;
-    let view = all.into_iter().find(|v| v.name == name).ok_or(Error::NotFound { what: "service", name })?;
+    let view = store::service_view(&mut *conn(&state).await?, &name).await?;
     Ok(([etag(view.version)], Json(view)).into_response())
 }
 
@@ -112,7 +116,7 @@ pub async fn update_service(
     let spec = ServiceSpec { name, description: body.description, entries: entries(&body.entries)? };
     let detail = serde_json::json!({"entries": body.entries});
     let done = authoring::commit(&state.pool, &caller.actor(), "service.update", &spec.name, async |c| {
-        Ok((authoring::update_service(c, &spec, Some(expected)).await?, detail))
+        Ok((authoring::update_service(c, &spec, expected).await?, detail))
     })
     .await?;
     Ok(([etag(done.value)], Json(Changed::from(done))).into_response())
@@ -133,7 +137,7 @@ pub async fn delete_service(
 ) -> Result<Json<Changed<Nothing>>, ApiError> {
     let expected = if_match(&headers, "a service")?;
     let done = authoring::commit(&state.pool, &caller.actor(), "service.delete", &name, async |c| {
-        authoring::delete_service(c, &name, Some(expected)).await?;
+        authoring::delete_service(c, &name, expected).await?;
         Ok(((), serde_json::json!({})))
     })
     .await?;
@@ -162,10 +166,14 @@ pub struct GroupBody {
     pub cidrs: Vec<String>,
 }
 
-#[utoipa::path(get, path = "/api/v1/address-groups", tag = "catalog",
-    responses((status = 200, description = "Every address group, by name", body = Vec<AddressGroupView>)))]
-pub async fn list_groups(State(state): State<ApiState>) -> Result<Json<Vec<AddressGroupView>>, ApiError> {
-    Ok(Json(store::list_address_groups(&mut *conn(&state).await?).await?))
+#[utoipa::path(get, path = "/api/v1/address-groups", tag = "catalog", params(PageQuery),
+    responses((status = 200, description = "A page of the address groups, by name", body = Page<AddressGroupView>)))]
+pub async fn list_groups(
+    State(state): State<ApiState>,
+    Query(q): Query<PageQuery>,
+) -> Result<Json<Page<AddressGroupView>>, ApiError> {
+    let request = page_request(q.limit, q.cursor, 100)?;
+    Ok(Json(store::address_group_page(&mut *conn(&state).await?, &request).await?))
 }
 
 #[utoipa::path(post, path = "/api/v1/address-groups", tag = "catalog", request_body = NewGroup,
@@ -195,9 +203,7 @@ pub async fn show_group(
     State(state): State<ApiState>,
     Path(name): Path<String>,
 ) -> Result<Response, ApiError> {
-    let all = store::list_address_groups(&mut *conn(&state).await?).await?;
-    let view =
-        all.into_iter().find(|v| v.name == name).ok_or(Error::NotFound { what: "address group", name })?;
+    let view = store::address_group_view(&mut *conn(&state).await?, &name).await?;
     Ok(([etag(view.version)], Json(view)).into_response())
 }
 
@@ -219,7 +225,7 @@ pub async fn update_group(
     let detail = serde_json::json!({"cidrs": spec.cidrs.iter().map(ToString::to_string).collect::<Vec<_>>()});
     let done =
         authoring::commit(&state.pool, &caller.actor(), "address-group.update", &spec.name, async |c| {
-            Ok((authoring::update_address_group(c, &spec, Some(expected)).await?, detail))
+            Ok((authoring::update_address_group(c, &spec, expected).await?, detail))
         })
         .await?;
     Ok(([etag(done.value)], Json(Changed::from(done))).into_response())
@@ -240,7 +246,7 @@ pub async fn delete_group(
 ) -> Result<Json<Changed<Nothing>>, ApiError> {
     let expected = if_match(&headers, "an address group")?;
     let done = authoring::commit(&state.pool, &caller.actor(), "address-group.delete", &name, async |c| {
-        authoring::delete_address_group(c, &name, Some(expected)).await?;
+        authoring::delete_address_group(c, &name, expected).await?;
         Ok(((), serde_json::json!({})))
     })
     .await?;
@@ -249,10 +255,15 @@ pub async fn delete_group(
 
 // ---- rulesets -----------------------------------------------------------------------------
 
-#[utoipa::path(get, path = "/api/v1/rulesets", tag = "catalog",
-    responses((status = 200, description = "Every ruleset in the shape it is written", body = Vec<RulesetView>)))]
-pub async fn list_rulesets(State(state): State<ApiState>) -> Result<Json<Vec<RulesetView>>, ApiError> {
-    Ok(Json(store::list_rulesets(&mut *conn(&state).await?).await?))
+#[utoipa::path(get, path = "/api/v1/rulesets", tag = "catalog", params(PageQuery),
+    responses((status = 200, description = "A page of the rulesets, by name, in the shape they are written",
+        body = Page<RulesetView>)))]
+pub async fn list_rulesets(
+    State(state): State<ApiState>,
+    Query(q): Query<PageQuery>,
+) -> Result<Json<Page<RulesetView>>, ApiError> {
+    let request = page_request(q.limit, q.cursor, 100)?;
+    Ok(Json(store::ruleset_page(&mut *conn(&state).await?, &request).await?))
 }
 
 #[utoipa::path(post, path = "/api/v1/rulesets", tag = "catalog", request_body = RulesetSpec,
@@ -279,9 +290,7 @@ pub async fn show_ruleset(
     State(state): State<ApiState>,
     Path(name): Path<String>,
 ) -> Result<Response, ApiError> {
-    let all = store::list_rulesets(&mut *conn(&state).await?).await?;
-    let view =
-        all.into_iter().find(|v| v.spec.name == name).ok_or(Error::NotFound { what: "ruleset", name })?;
+    let view = store::ruleset_view(&mut *conn(&state).await?, &name).await?;
     Ok(([etag(view.version)], Json(view)).into_response())
 }
 
@@ -309,7 +318,7 @@ pub async fn update_ruleset(
     }
     let detail = serde_json::to_value(&spec).map_err(|e| ApiError::Malformed(e.to_string()))?;
     let done = authoring::commit(&state.pool, &caller.actor(), "ruleset.update", &name, async |c| {
-        Ok((authoring::update_ruleset(c, &spec, Some(expected)).await?, detail))
+        Ok((authoring::update_ruleset(c, &spec, expected).await?, detail))
     })
     .await?;
     Ok(([etag(done.value)], Json(Changed::from(done))).into_response())
@@ -329,7 +338,7 @@ pub async fn delete_ruleset(
 ) -> Result<Json<Changed<Nothing>>, ApiError> {
     let expected = if_match(&headers, "a ruleset")?;
     let done = authoring::commit(&state.pool, &caller.actor(), "ruleset.delete", &name, async |c| {
-        authoring::delete_ruleset(c, &name, Some(expected)).await?;
+        authoring::delete_ruleset(c, &name, expected).await?;
         Ok(((), serde_json::json!({})))
     })
     .await?;

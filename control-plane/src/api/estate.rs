@@ -18,10 +18,11 @@ use serde::Deserialize;
 use utoipa::ToSchema;
 
 use super::auth::Caller;
-use super::extract::{JsonBody, Path};
+use super::extract::{JsonBody, Path, Query};
 use super::problem::ApiError;
-use super::{ApiState, Changed, Nothing};
+use super::{ApiState, Changed, Nothing, PageQuery, page_request};
 use crate::error::Error;
+use crate::page::Page;
 use crate::policy::authoring;
 use crate::policy::store::{self, EstateRangeView};
 
@@ -33,10 +34,16 @@ fn range(text: &str) -> Result<Cidr, ApiError> {
 }
 
 #[utoipa::path(get, path = "/api/v1/estate-ranges", operation_id = "list_estate_ranges", tag = "estate-ranges",
-    responses((status = 200, description = "Every estate range, smallest address first", body = Vec<EstateRangeView>)))]
-pub async fn list(State(state): State<ApiState>) -> Result<Json<Vec<EstateRangeView>>, ApiError> {
+    params(PageQuery),
+    responses((status = 200, description = "A page of the estate ranges, smallest address first",
+        body = Page<EstateRangeView>)))]
+pub async fn list(
+    State(state): State<ApiState>,
+    Query(q): Query<PageQuery>,
+) -> Result<Json<Page<EstateRangeView>>, ApiError> {
+    let request = page_request(q.limit, q.cursor, 100)?;
     let mut conn = state.pool.acquire().await.map_err(Error::from)?;
-    Ok(Json(store::list_estate_ranges(&mut conn).await?))
+    Ok(Json(store::estate_range_page(&mut conn, &request).await?))
 }
 
 /// A range to trust as workload addresses.

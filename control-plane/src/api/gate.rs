@@ -14,12 +14,13 @@ use innerwall_wire::policy::Mode;
 use serde::Deserialize;
 use utoipa::{IntoParams, ToSchema};
 
-use super::ApiState;
 use super::auth::Caller;
 use super::extract::{JsonBody, Path, Query};
 use super::problem::{ApiError, Problem};
+use super::{ApiState, PageQuery, page_request};
 use crate::error::Error;
 use crate::gate::{self, Params, Scope, promote as promotions};
+use crate::page::Page;
 
 /// The evidence range and minimum when a request names none.
 const DEFAULT_EVIDENCE: &str = "24h";
@@ -90,27 +91,17 @@ pub async fn verdict(
     Ok(Json(gate::judge(&state.pool, &scope, &params).await?))
 }
 
-#[derive(Debug, Deserialize, IntoParams)]
-#[into_params(parameter_in = Query)]
-pub struct ListQuery {
-    /// How many of the latest records (1 to 1,000; default 50).
-    limit: Option<i64>,
-}
-
-/// The latest promotion records, newest first.
-#[utoipa::path(get, path = "/api/v1/promotions", tag = "gate", params(ListQuery),
-    responses((status = 200, description = "Promotion records (as `promotions list --json` prints them)",
-        body = Vec<serde_json::Value>)))]
+/// The promotion records, newest first, a page at a time.
+#[utoipa::path(get, path = "/api/v1/promotions", tag = "gate", params(PageQuery),
+    responses((status = 200, description = "A page of promotion records (the rows as `promotions list --json` prints them)",
+        body = Page<serde_json::Value>)))]
 pub async fn list(
     State(state): State<ApiState>,
-    Query(q): Query<ListQuery>,
-) -> Result<Json<Vec<promotions::Promotion>>, ApiError> {
-    let limit = q.limit.unwrap_or(50);
-    if !(1..=1_000).contains(&limit) {
-        return Err(ApiError::Malformed(format!("limit {limit}: 1 to 1,000 records")));
-    }
+    Query(q): Query<PageQuery>,
+) -> Result<Json<Page<promotions::Promotion>>, ApiError> {
+    let request = page_request(q.limit, q.cursor, 50)?;
     let mut conn = state.pool.acquire().await.map_err(Error::from)?;
-    Ok(Json(promotions::list(&mut conn, limit).await?))
+    Ok(Json(promotions::page(&mut conn, &request).await?))
 }
 
 #[utoipa::path(get, path = "/api/v1/promotions/{id}", tag = "gate",

@@ -13,7 +13,7 @@
 //! - one module per resource group — [`workloads`], [`catalog`] (services, address groups,
 //!   rulesets), [`estate`] (estate ranges), [`render`], [`tokens`] (provisioning tokens),
 //!   [`flows`], [`gate`] (verdict, promotions), [`operators`] (the API's own tokens, for
-//!   admins) —
+//!   admins), [`audit`] (the audit log read back) —
 //!   whose handlers call the same library functions the CLI does and answer with the structs its
 //!   `--json` prints; changes go through `authoring::commit` (or the library call that audits
 //!   itself) with the caller's `operator:<name>/<token id>` as the actor.
@@ -22,6 +22,7 @@
 //! its role, and the mount table is what the OpenAPI document's security is made from); every
 //! conditional write requires `If-Match`; nothing is written when a request is refused.
 
+pub mod audit;
 pub mod auth;
 pub mod catalog;
 pub mod estate;
@@ -157,6 +158,16 @@ pub struct ChangedWorkload {
 pub const MAX_API_PAGE: u32 = 1_000;
 /// The longest cursor read back (the ones the API hands out are far shorter).
 const MAX_CURSOR: usize = 4_096;
+
+/// The query of a list that takes nothing but a page: `limit` and `cursor`.
+#[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct PageQuery {
+    /// Rows per page, 1 to 1,000 (default 100).
+    pub limit: Option<u32>,
+    /// The `next_cursor` of the previous page.
+    pub cursor: Option<String>,
+}
 
 /// A page request from a query's `limit` (default `default`) and `cursor`.
 pub(crate) fn page_request(

@@ -16,7 +16,7 @@ use utoipa::openapi::{Components, OpenApi, Ref, RefOr};
 
 use super::Route;
 use super::problem::{PROBLEM_JSON, Problem, ProblemType};
-use super::{catalog, estate, flows, gate, operators, render, tokens, workloads};
+use super::{audit, catalog, estate, flows, gate, operators, render, tokens, workloads};
 use crate::identity::operators::Role;
 
 /// Where the document is served.
@@ -32,7 +32,8 @@ pub const CHECKED_IN: &str = "openapi.json";
         title = "Innerwall operator API",
         version = "1",
         description = "Operate an Innerwall estate over HTTPS: workloads, the authored policy model, \
-            estate ranges, provisioning tokens, flow evidence, verdicts and promotions. Authenticate with \
+            estate ranges, provisioning tokens, flow evidence, verdicts and promotions, the audit log. \
+            Lists answer a page (`rows`, `truncated`, `next_cursor`): pass `next_cursor` back as `cursor` for the next. Authenticate with \
             `Authorization: Bearer iwo_…` (mint a token on a control-plane host with `innerwall operator \
             token mint --name NAME --role viewer|editor|promoter|admin`); each operation names the role it \
             needs as the scope of its security requirement. Conditional writes need `If-Match` with the \
@@ -51,7 +52,7 @@ pub const CHECKED_IN: &str = "openapi.json";
         tokens::list, tokens::mint, tokens::revoke,
         flows::list_records, flows::gaps, flows::rollup,
         gate::verdict, gate::list, gate::show, gate::promote,
-        operators::list, operators::mint, operators::revoke,
+        operators::list, operators::mint, operators::revoke, audit::list,
     ),
     components(schemas(Problem, ProblemType, Role)),
     tags(
@@ -63,6 +64,7 @@ pub const CHECKED_IN: &str = "openapi.json";
         (name = "flows", description = "Flow evidence: records, gaps, rollups"),
         (name = "gate", description = "Verdicts and promotions: the evidence gate"),
         (name = "operator-tokens", description = "The tokens of this API (admins only)"),
+        (name = "audit", description = "The audit log: who changed what, and when"),
         (name = "meta", description = "This document"),
     )
 )]

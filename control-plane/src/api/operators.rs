@@ -9,19 +9,24 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use utoipa::ToSchema;
 
-use super::ApiState;
 use super::auth::Caller;
-use super::extract::{JsonBody, Path};
+use super::extract::{JsonBody, Path, Query};
 use super::problem::ApiError;
+use super::{ApiState, PageQuery, page_request};
 use crate::error::Error;
 use crate::identity::operators::{self, MintedOperatorToken, OperatorTokenView, Role};
+use crate::page::Page;
 
-#[utoipa::path(get, path = "/api/v1/operator-tokens", tag = "operator-tokens",
-    responses((status = 200, description = "Every operator token, newest first (never a secret)",
-        body = Vec<OperatorTokenView>)))]
-pub async fn list(State(state): State<ApiState>) -> Result<Json<Vec<OperatorTokenView>>, ApiError> {
+#[utoipa::path(get, path = "/api/v1/operator-tokens", tag = "operator-tokens", params(PageQuery),
+    responses((status = 200, description = "A page of the operator tokens, newest first (never a secret)",
+        body = Page<OperatorTokenView>)))]
+pub async fn list(
+    State(state): State<ApiState>,
+    Query(q): Query<PageQuery>,
+) -> Result<Json<Page<OperatorTokenView>>, ApiError> {
+    let request = page_request(q.limit, q.cursor, 100)?;
     let mut conn = state.pool.acquire().await.map_err(Error::from)?;
-    Ok(Json(operators::list(&mut conn).await?))
+    Ok(Json(operators::page(&mut conn, &request).await?))
 }
 
 /// An operator token to mint.

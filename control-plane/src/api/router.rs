@@ -15,8 +15,8 @@ use axum::routing::MethodFilter;
 use super::extract::BodyLimit;
 use super::problem::ApiError;
 use super::{
-    ApiLimits, ApiState, Route, auth, catalog, estate, flows, gate, openapi, operators, render, tokens,
-    workloads,
+    ApiLimits, ApiState, Route, audit, auth, catalog, estate, flows, gate, openapi, operators, render,
+    tokens, workloads,
 };
 use crate::identity::operators::Role;
 
@@ -102,7 +102,8 @@ pub fn build(state: ApiState) -> (Router, Vec<Route>) {
         .mount("GET", "/api/v1/promotions/{id}", Some(Viewer), gate::show)
         .mount("GET", "/api/v1/operator-tokens", Some(Admin), operators::list)
         .mount("POST", "/api/v1/operator-tokens", Some(Admin), operators::mint)
-        .mount("DELETE", "/api/v1/operator-tokens/{id}", Some(Admin), operators::revoke);
+        .mount("DELETE", "/api/v1/operator-tokens/{id}", Some(Admin), operators::revoke)
+        .mount("GET", "/api/v1/audit", Some(Viewer), audit::list);
     // The document is made from the table, itself included, and served as made at start.
     let mut routes = table.routes.clone();
     routes.push(Route { path: openapi::PATH, method: "GET", role: None });

@@ -12,18 +12,23 @@ use innerwall_wire::policy::Cidr;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use super::ApiState;
 use super::auth::Caller;
-use super::extract::{JsonBody, Path};
+use super::extract::{JsonBody, Path, Query};
 use super::problem::ApiError;
+use super::{ApiState, PageQuery, page_request};
 use crate::error::Error;
 use crate::identity::tokens::{self, DEFAULT_TTL_DAYS, TokenView};
+use crate::page::Page;
 
-#[utoipa::path(get, path = "/api/v1/provisioning-tokens", tag = "provisioning-tokens",
-    responses((status = 200, description = "Every token, newest first (never a secret)", body = Vec<TokenView>)))]
-pub async fn list(State(state): State<ApiState>) -> Result<Json<Vec<TokenView>>, ApiError> {
+#[utoipa::path(get, path = "/api/v1/provisioning-tokens", tag = "provisioning-tokens", params(PageQuery),
+    responses((status = 200, description = "A page of the tokens, newest first (never a secret)", body = Page<TokenView>)))]
+pub async fn list(
+    State(state): State<ApiState>,
+    Query(q): Query<PageQuery>,
+) -> Result<Json<Page<TokenView>>, ApiError> {
+    let request = page_request(q.limit, q.cursor, 100)?;
     let mut conn = state.pool.acquire().await.map_err(Error::from)?;
-    Ok(Json(tokens::list(&mut conn).await.map_err(Error::from)?))
+    Ok(Json(tokens::page(&mut conn, &request).await?))
 }
 
 /// A token to mint.

@@ -320,11 +320,11 @@ pub async fn release_address(
             content_type = "application/problem+json")))]
 pub async fn resend_snapshot(
     State(state): State<ApiState>,
-    _caller: Caller,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<Json<ResendRequested>, ApiError> {
     let id = workload(&id)?;
-    Ok(Json(authoring::request_snapshot(&state.pool, id).await?))
+    Ok(Json(authoring::request_snapshot(&state.pool, &caller.actor(), id).await?))
 }
 
 /// Retires the workload: its identity and addresses leave every render, its stream is closed.

@@ -156,16 +156,34 @@ pub async fn promote(pool: &PgPool, actor: &str, request: &Request) -> Result<Pr
     })
 }
 
-/// Promotion records, newest first, at most `limit`.
-pub async fn list(conn: &mut PgConnection, limit: i64) -> Result<Vec<Promotion>, Error> {
+const PROMOTIONS: &str = "promotion list";
+
+/// A page of the promotion records, newest first (OPS-2).
+pub async fn page(
+    conn: &mut PgConnection,
+    request: &crate::page::PageRequest,
+) -> Result<crate::page::Page<Promotion>, Error> {
+    use crate::page;
+    let limit = request.checked_limit()?;
+    let after = match request.after(PROMOTIONS)? {
+        Some(a) => {
+            Some((page::field::<DateTime<Utc>>(&a, 0, PROMOTIONS)?, page::field::<Uuid>(&a, 1, PROMOTIONS)?))
+        }
+        None => None,
+    };
     let rows = sqlx::query(
         "SELECT id, at, actor, reason, override_reason, to_mode, scope, expected_count, workloads, verdict
-         FROM promotions ORDER BY at DESC, id LIMIT $1",
+         FROM promotions
+         WHERE $1::timestamptz IS NULL OR at < $1 OR (at = $1 AND id > $2)
+         ORDER BY at DESC, id LIMIT $3",
     )
-    .bind(limit)
+    .bind(after.map(|a| a.0))
+    .bind(after.map(|a| a.1))
+    .bind(limit + 1)
     .fetch_all(&mut *conn)
     .await?;
-    rows.into_iter().map(promotion).collect()
+    let rows = rows.into_iter().map(promotion).collect::<Result<Vec<_>, Error>>()?;
+    Ok(page::page(rows, limit, PROMOTIONS, |p| serde_json::json!([p.at, p.id])))
 }
 
 /// One promotion record.

@@ -337,10 +337,43 @@ pub async fn mint_audited_within(
 
 /// Every operator token, newest first, with its status now.
 pub async fn list(conn: &mut PgConnection) -> Result<Vec<OperatorTokenView>, Error> {
+    views(conn, None, i64::MAX).await
+}
+
+const OPERATOR_TOKENS: &str = "operator token list";
+
+/// A page of the operator tokens, newest first (OPS-2).
+pub async fn page(
+    conn: &mut PgConnection,
+    request: &crate::page::PageRequest,
+) -> Result<crate::page::Page<OperatorTokenView>, Error> {
+    use crate::page;
+    let kind = OPERATOR_TOKENS;
+    let limit = request.checked_limit()?;
+    let after = match request.after(kind)? {
+        Some(a) => Some((page::field::<DateTime<Utc>>(&a, 0, kind)?, page::field::<String>(&a, 1, kind)?)),
+        None => None,
+    };
+    let rows = views(conn, after, limit + 1).await?;
+    Ok(page::page(rows, limit, kind, |v| serde_json::json!([v.created_at, v.id])))
+}
+
+/// Up to `limit` operator tokens after `after` (a created_at and id), newest first.
+async fn views(
+    conn: &mut PgConnection,
+    after: Option<(DateTime<Utc>, String)>,
+    limit: i64,
+) -> Result<Vec<OperatorTokenView>, Error> {
+    let (after_at, after_id) = after.unzip();
     let rows = sqlx::query(
         "SELECT id, name, role, created_at, created_by, expires_at, revoked_at, last_used_at, now()
-         FROM operator_tokens ORDER BY created_at DESC, id",
+         FROM operator_tokens
+         WHERE $1::timestamptz IS NULL OR created_at < $1 OR (created_at = $1 AND id > $2)
+         ORDER BY created_at DESC, id LIMIT $3",
     )
+    .bind(after_at)
+    .bind(after_id)
+    .bind(limit)
     .fetch_all(&mut *conn)
     .await?;
     rows.into_iter()

@@ -359,30 +359,66 @@ pub async fn mint_within(
 
 /// Every token, newest first, with its status at the database's current time.
 pub async fn list(conn: &mut PgConnection) -> Result<Vec<TokenView>, TokenError> {
+    views(conn, None, i64::MAX).await
+}
+
+const TOKENS: &str = "token list";
+
+/// A page of the tokens, newest first (OPS-2).
+pub async fn page(
+    conn: &mut PgConnection,
+    request: &crate::page::PageRequest,
+) -> Result<crate::page::Page<TokenView>, crate::error::Error> {
+    use crate::page;
+    let limit = request.checked_limit()?;
+    let after = match request.after(TOKENS)? {
+        Some(a) => Some((page::field::<DateTime<Utc>>(&a, 0, TOKENS)?, page::field::<Uuid>(&a, 1, TOKENS)?)),
+        None => None,
+    };
+    let rows = views(conn, after, limit + 1).await?;
+    Ok(page::page(rows, limit, TOKENS, |v| serde_json::json!([v.created_at, v.id])))
+}
+
+/// Up to `limit` tokens after `after` (a created_at and id), newest first.
+async fn views(
+    conn: &mut PgConnection,
+    after: Option<(DateTime<Utc>, Uuid)>,
+    limit: i64,
+) -> Result<Vec<TokenView>, TokenError> {
+    let now: DateTime<Utc> = sqlx::query_scalar("SELECT now()").fetch_one(&mut *conn).await?;
+    let rows = sqlx::query(
+        "SELECT id, prefix_hint, created_at, expires_at, max_uses, use_count, revoked_at
+         FROM provisioning_tokens
+         WHERE $1::timestamptz IS NULL OR created_at < $1 OR (created_at = $1 AND id > $2)
+         ORDER BY created_at DESC, id LIMIT $3",
+    )
+    .bind(after.map(|a| a.0))
+    .bind(after.map(|a| a.1))
+    .bind(limit)
+    .fetch_all(&mut *conn)
+    .await?;
+    let ids: Vec<Uuid> = rows.iter().map(|row| row.get(0)).collect();
     let mut labels: BTreeMap<Uuid, Vec<String>> = BTreeMap::new();
-    for row in
-        sqlx::query("SELECT token_id, key, value FROM provisioning_token_labels ORDER BY token_id, key")
-            .fetch_all(&mut *conn)
-            .await?
+    for row in sqlx::query(
+        "SELECT token_id, key, value FROM provisioning_token_labels WHERE token_id = ANY($1) ORDER BY token_id, key",
+    )
+    .bind(&ids)
+    .fetch_all(&mut *conn)
+    .await?
     {
         let (key, value): (String, String) = (row.get(1), row.get(2));
         labels.entry(row.get(0)).or_default().push(format!("{key}={value}"));
     }
     let mut ranges: BTreeMap<Uuid, Vec<String>> = BTreeMap::new();
-    for row in
-        sqlx::query("SELECT token_id, cidr::text FROM provisioning_token_ranges ORDER BY token_id, cidr")
-            .fetch_all(&mut *conn)
-            .await?
+    for row in sqlx::query(
+        "SELECT token_id, cidr::text FROM provisioning_token_ranges WHERE token_id = ANY($1) ORDER BY token_id, cidr",
+    )
+    .bind(&ids)
+    .fetch_all(&mut *conn)
+    .await?
     {
         ranges.entry(row.get(0)).or_default().push(row.get(1));
     }
-    let now: DateTime<Utc> = sqlx::query_scalar("SELECT now()").fetch_one(&mut *conn).await?;
-    let rows = sqlx::query(
-        "SELECT id, prefix_hint, created_at, expires_at, max_uses, use_count, revoked_at
-         FROM provisioning_tokens ORDER BY created_at DESC, id",
-    )
-    .fetch_all(&mut *conn)
-    .await?;
     rows.into_iter()
         .map(|row| {
             let id: Uuid = row.get(0);

@@ -94,12 +94,13 @@ impl Kind {
     }
 }
 
-/// Locks an object row and checks the version the operator read. Returns (id, new version).
+/// Locks an object row and checks the version the operator read (POL-8: every update and
+/// delete is conditional; there is no unconditional form). Returns (id, new version).
 async fn lock_for_write(
     conn: &mut PgConnection,
     kind: Kind,
     name: &str,
-    expected: Option<i64>,
+    expected: i64,
 ) -> Result<(Uuid, i64), Error> {
     let sql = format!("SELECT id, version FROM {} WHERE name = $1 FOR UPDATE", kind.table());
     let row = sqlx::query(AssertSqlSafe(sql))
@@ -108,9 +109,7 @@ async fn lock_for_write(
         .await?
         .ok_or_else(|| Error::NotFound { what: kind.what(), name: name.to_owned() })?;
     let (id, current): (Uuid, i64) = (row.get(0), row.get(1));
-    if let Some(expected) = expected
-        && expected != current
-    {
+    if expected != current {
         return Err(Error::Stale { what: kind.what(), name: name.to_owned(), expected, current });
     }
     let sql = format!("UPDATE {} SET version = version + 1, updated_at = now() WHERE id = $1", kind.table());
@@ -143,7 +142,7 @@ async fn delete_named(
     conn: &mut PgConnection,
     kind: Kind,
     name: &str,
-    expected: Option<i64>,
+    expected: i64,
     referrers_sql: Option<&'static str>,
 ) -> Result<(), Error> {
     let (id, _) = lock_for_write(conn, kind, name, expected).await?;
@@ -219,7 +218,7 @@ pub async fn create_service_within(
 pub async fn update_service(
     conn: &mut PgConnection,
     spec: &ServiceSpec,
-    expected: Option<i64>,
+    expected: i64,
 ) -> Result<i64, Error> {
     spec.check()?;
     let (id, version) = lock_for_write(conn, Kind::Service, &spec.name, expected).await?;
@@ -232,7 +231,7 @@ pub async fn update_service(
     Ok(version)
 }
 
-pub async fn delete_service(conn: &mut PgConnection, name: &str, expected: Option<i64>) -> Result<(), Error> {
+pub async fn delete_service(conn: &mut PgConnection, name: &str, expected: i64) -> Result<(), Error> {
     delete_named(conn, Kind::Service, name, expected, Some(SERVICE_REFERRERS)).await
 }
 
@@ -269,7 +268,7 @@ pub async fn create_address_group_within(
 pub async fn update_address_group(
     conn: &mut PgConnection,
     spec: &AddressGroupSpec,
-    expected: Option<i64>,
+    expected: i64,
 ) -> Result<i64, Error> {
     spec.check()?;
     let (id, version) = lock_for_write(conn, Kind::AddressGroup, &spec.name, expected).await?;
@@ -282,11 +281,7 @@ pub async fn update_address_group(
     Ok(version)
 }
 
-pub async fn delete_address_group(
-    conn: &mut PgConnection,
-    name: &str,
-    expected: Option<i64>,
-) -> Result<(), Error> {
+pub async fn delete_address_group(conn: &mut PgConnection, name: &str, expected: i64) -> Result<(), Error> {
     delete_named(conn, Kind::AddressGroup, name, expected, Some(GROUP_REFERRERS)).await
 }
 
@@ -393,7 +388,7 @@ pub async fn create_ruleset_within(
 pub async fn update_ruleset(
     conn: &mut PgConnection,
     spec: &RulesetSpec,
-    expected: Option<i64>,
+    expected: i64,
 ) -> Result<i64, Error> {
     validate_ruleset(spec)?;
     let (id, version) = lock_for_write(conn, Kind::Ruleset, &spec.name, expected).await?;
@@ -408,7 +403,7 @@ pub async fn update_ruleset(
     Ok(version)
 }
 
-pub async fn delete_ruleset(conn: &mut PgConnection, name: &str, expected: Option<i64>) -> Result<(), Error> {
+pub async fn delete_ruleset(conn: &mut PgConnection, name: &str, expected: i64) -> Result<(), Error> {
     delete_named(conn, Kind::Ruleset, name, expected, None).await
 }
 
@@ -773,7 +768,8 @@ pub struct ResendRequested {
 
 /// Asks the replica holding the workload's stream to make the agent reconnect, which begins a
 /// new stream with a snapshot. Best effort by design; refused when the shown state is OFFLINE.
-pub async fn request_snapshot(pool: &PgPool, id: WorkloadId) -> Result<ResendRequested, Error> {
+/// Audited as `workload.resend-snapshot` by `actor`, in the transaction that sends the notice.
+pub async fn request_snapshot(pool: &PgPool, actor: &str, id: WorkloadId) -> Result<ResendRequested, Error> {
     type Time = Option<chrono::DateTime<chrono::Utc>>;
     let row: Option<(i16, Time, Time)> = sqlx::query_as(AssertSqlSafe(format!(
         "SELECT {}, w.last_seen_at, w.last_snapshot_sent_at FROM workloads w WHERE w.id = $1",
@@ -789,7 +785,15 @@ pub async fn request_snapshot(pool: &PgPool, id: WorkloadId) -> Result<ResendReq
         let seen = last_seen.map_or_else(|| "never".to_owned(), |t| t.to_rfc3339());
         return Err(Error::AgentOffline { id: id.to_string(), last_seen: seen });
     }
-    let mut conn = pool.acquire().await?;
-    notice::publish(&mut conn, &[Notice::Reconnect(id)]).await?;
+    // The notice is delivered at commit, with its record.
+    let mut tx = pool.begin().await?;
+    notice::publish(&mut tx, &[Notice::Reconnect(id)]).await?;
+    let detail = serde_json::json!({"last_snapshot_sent_at": last_snapshot});
+    audit::write(
+        &mut tx,
+        &audit::Record::new(actor, "workload.resend-snapshot", &id.to_string()).detail(detail),
+    )
+    .await?;
+    tx.commit().await?;
     Ok(ResendRequested { last_snapshot_sent_at: last_snapshot })
 }

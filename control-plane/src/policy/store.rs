@@ -476,8 +476,19 @@ pub struct RulesetView {
 
 /// Every ruleset in the shape an operator writes it, so `show` output can be edited and applied.
 pub async fn list_rulesets(conn: &mut PgConnection) -> Result<Vec<RulesetView>, Error> {
+    ruleset_views(conn, None).await
+}
+
+/// The rulesets with ids in `only` (all without it), by name, as [`list_rulesets`] shows them.
+async fn ruleset_views(
+    conn: &mut PgConnection,
+    only: Option<&BTreeSet<Uuid>>,
+) -> Result<Vec<RulesetView>, Error> {
     use crate::policy::spec::{PeerSpec, RuleSpec, RulesetSpec};
-    let model = load_model(conn).await?;
+    let mut model = load_model(conn).await?;
+    if let Some(only) = only {
+        model.rulesets.retain(|rs| only.contains(&rs.id));
+    }
     let mut meta: BTreeMap<Uuid, (String, i64)> = BTreeMap::new();
     for row in sqlx::query("SELECT id, description, version FROM rulesets").fetch_all(&mut *conn).await? {
         meta.insert(row.get(0), (row.get(1), row.get(2)));
@@ -538,6 +549,189 @@ pub async fn list_rulesets(conn: &mut PgConnection) -> Result<Vec<RulesetView>, 
             }
         })
         .collect())
+}
+
+// ---- pages of the authored model and the estate ranges (OPS-2) -----------------------------
+// Keyset pages by each table's unique key (a name, a range), so walking the cursors yields
+// every row once; the show of one object reads that row alone.
+
+/// Which named objects a read wants: a page after the cursor's name, or the one named.
+enum Named<'a> {
+    Page(&'a crate::page::PageRequest),
+    One(&'a str),
+}
+
+/// (id, name, description, version) of the rows `which` wants from a named-object table, in
+/// name order (a page: up to its limit and one more, to tell whether more follow).
+async fn named_rows(
+    conn: &mut PgConnection,
+    table: &'static str,
+    kind: &str,
+    which: &Named<'_>,
+) -> Result<(Vec<(Uuid, String, String, i64)>, i64), Error> {
+    let (after, only, limit) = match which {
+        Named::Page(request) => {
+            let limit = request.checked_limit()?;
+            let after =
+                request.after(kind)?.map(|a| crate::page::field::<String>(&a, 0, kind)).transpose()?;
+            (after, None, limit)
+        }
+        Named::One(name) => (None, Some((*name).to_owned()), 1),
+    };
+    let sql = format!(
+        "SELECT id, name, description, version FROM {table}
+         WHERE ($1::text IS NULL OR name > $1) AND ($2::text IS NULL OR name = $2)
+         ORDER BY name LIMIT $3"
+    );
+    let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(after)
+        .bind(only)
+        .bind(limit + 1)
+        .fetch_all(&mut *conn)
+        .await?;
+    Ok((rows.iter().map(|r| (r.get(0), r.get(1), r.get(2), r.get(3))).collect(), limit))
+}
+
+const SERVICES: &str = "service list";
+const ADDRESS_GROUPS: &str = "address group list";
+const RULESETS: &str = "ruleset list";
+const ESTATE_RANGES: &str = "estate range list";
+
+async fn services_of(conn: &mut PgConnection, which: &Named<'_>) -> Result<(Vec<ServiceView>, i64), Error> {
+    let (rows, limit) = named_rows(conn, "services", SERVICES, which).await?;
+    let ids: Vec<Uuid> = rows.iter().map(|r| r.0).collect();
+    let mut entry_rows: BTreeMap<Uuid, Vec<(Protocol, Option<PortRange>)>> = BTreeMap::new();
+    for row in sqlx::query(
+        "SELECT service_id, protocol, port_start, port_end FROM service_entries
+         WHERE service_id = ANY($1) ORDER BY service_id, ordinal",
+    )
+    .bind(&ids)
+    .fetch_all(&mut *conn)
+    .await?
+    {
+        entry_rows.entry(row.get(0)).or_default().push(service_entry(row.get(1), row.get(2), row.get(3))?);
+    }
+    let views = rows
+        .into_iter()
+        .map(|(id, name, description, version)| {
+            let entries = entries_from_rows(entry_rows.remove(&id).unwrap_or_default())?;
+            Ok(ServiceView {
+                name,
+                description,
+                version,
+                entries: entries.iter().map(ToString::to_string).collect(),
+            })
+        })
+        .collect::<Result<_, Error>>()?;
+    Ok((views, limit))
+}
+
+/// A page of the services, by name.
+pub async fn service_page(
+    conn: &mut PgConnection,
+    request: &crate::page::PageRequest,
+) -> Result<crate::page::Page<ServiceView>, Error> {
+    let (views, limit) = services_of(conn, &Named::Page(request)).await?;
+    Ok(crate::page::page(views, limit, SERVICES, |v| serde_json::json!([v.name])))
+}
+
+/// The service named `name`.
+pub async fn service_view(conn: &mut PgConnection, name: &str) -> Result<ServiceView, Error> {
+    let (views, _) = services_of(conn, &Named::One(name)).await?;
+    views.into_iter().next().ok_or_else(|| Error::NotFound { what: "service", name: name.to_owned() })
+}
+
+async fn address_groups_of(
+    conn: &mut PgConnection,
+    which: &Named<'_>,
+) -> Result<(Vec<AddressGroupView>, i64), Error> {
+    let (rows, limit) = named_rows(conn, "address_groups", ADDRESS_GROUPS, which).await?;
+    let ids: Vec<Uuid> = rows.iter().map(|r| r.0).collect();
+    let mut cidrs: BTreeMap<Uuid, BTreeSet<Cidr>> = BTreeMap::new();
+    for row in sqlx::query("SELECT group_id, cidr::text FROM address_group_cidrs WHERE group_id = ANY($1)")
+        .bind(&ids)
+        .fetch_all(&mut *conn)
+        .await?
+    {
+        let text: String = row.get(1);
+        cidrs.entry(row.get(0)).or_default().insert(Cidr::parse_lenient(&text)?);
+    }
+    let views = rows
+        .into_iter()
+        .map(|(id, name, description, version)| AddressGroupView {
+            name,
+            description,
+            version,
+            cidrs: cidrs.remove(&id).unwrap_or_default().iter().map(ToString::to_string).collect(),
+        })
+        .collect();
+    Ok((views, limit))
+}
+
+/// A page of the address groups, by name.
+pub async fn address_group_page(
+    conn: &mut PgConnection,
+    request: &crate::page::PageRequest,
+) -> Result<crate::page::Page<AddressGroupView>, Error> {
+    let (views, limit) = address_groups_of(conn, &Named::Page(request)).await?;
+    Ok(crate::page::page(views, limit, ADDRESS_GROUPS, |v| serde_json::json!([v.name])))
+}
+
+/// The address group named `name`.
+pub async fn address_group_view(conn: &mut PgConnection, name: &str) -> Result<AddressGroupView, Error> {
+    let (views, _) = address_groups_of(conn, &Named::One(name)).await?;
+    views.into_iter().next().ok_or_else(|| Error::NotFound { what: "address group", name: name.to_owned() })
+}
+
+/// The rulesets `which` wants. A ruleset names services and address groups, so the model is
+/// read whole (it is what every render reads, and bounded by the authored-object limits).
+async fn rulesets_of(conn: &mut PgConnection, which: &Named<'_>) -> Result<(Vec<RulesetView>, i64), Error> {
+    let (rows, limit) = named_rows(conn, "rulesets", RULESETS, which).await?;
+    let ids: BTreeSet<Uuid> = rows.iter().map(|r| r.0).collect();
+    Ok((ruleset_views(conn, Some(&ids)).await?, limit))
+}
+
+/// A page of the rulesets, by name.
+pub async fn ruleset_page(
+    conn: &mut PgConnection,
+    request: &crate::page::PageRequest,
+) -> Result<crate::page::Page<RulesetView>, Error> {
+    let (views, limit) = rulesets_of(conn, &Named::Page(request)).await?;
+    Ok(crate::page::page(views, limit, RULESETS, |v| serde_json::json!([v.spec.name])))
+}
+
+/// The ruleset named `name`.
+pub async fn ruleset_view(conn: &mut PgConnection, name: &str) -> Result<RulesetView, Error> {
+    let (views, _) = rulesets_of(conn, &Named::One(name)).await?;
+    views.into_iter().next().ok_or_else(|| Error::NotFound { what: "ruleset", name: name.to_owned() })
+}
+
+/// A page of the estate ranges, smallest address first.
+pub async fn estate_range_page(
+    conn: &mut PgConnection,
+    request: &crate::page::PageRequest,
+) -> Result<crate::page::Page<EstateRangeView>, Error> {
+    let limit = request.checked_limit()?;
+    let after = request
+        .after(ESTATE_RANGES)?
+        .map(|a| crate::page::field::<String>(&a, 0, ESTATE_RANGES))
+        .transpose()?;
+    let after = after
+        .map(|text| {
+            Cidr::parse(&text).map(|c| c.to_string()).map_err(|_| {
+                Error::Invalid(format!("an {ESTATE_RANGES} cursor names {text:?}, not a range; run the query again without a cursor"))
+            })
+        })
+        .transpose()?;
+    let views: Vec<EstateRangeView> = sqlx::query_as(
+        "SELECT cidr::text AS cidr, description, created_at FROM estate_ranges
+         WHERE $1::cidr IS NULL OR cidr > $1::cidr ORDER BY cidr LIMIT $2",
+    )
+    .bind(after)
+    .bind(limit + 1)
+    .fetch_all(&mut *conn)
+    .await?;
+    Ok(crate::page::page(views, limit, ESTATE_RANGES, |v| serde_json::json!([v.cidr])))
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]

@@ -693,7 +693,11 @@ async fn promotions_over_the_api() {
     let verdict = plane.get(&format!("/api/v1/verdict?ids={web}"), Some(&editor.token)).await.json();
     assert_eq!(verdict["outcome"], "INSUFFICIENT");
     let listed = plane.get(promotions, Some(&editor.token)).await.json();
-    assert_eq!(listed.as_array().unwrap().len(), 1, "only the change that happened is recorded: {listed}");
+    assert_eq!(
+        listed["rows"].as_array().unwrap().len(),
+        1,
+        "only the change that happened is recorded: {listed}"
+    );
     let id = record["id"].as_str().unwrap();
     assert_eq!(plane.get(&format!("{promotions}/{id}"), Some(&editor.token)).await.json(), record);
     plane.stop().await;
@@ -722,7 +726,8 @@ async fn estate_ranges_and_render_over_the_api() {
     let ranges = "/api/v1/estate-ranges";
     let seeded = estate_ranges(&pool).await;
     let listed = plane.get(ranges, Some(&viewer.token)).await.json();
-    let cidrs: Vec<&str> = listed.as_array().unwrap().iter().map(|r| r["cidr"].as_str().unwrap()).collect();
+    let cidrs: Vec<&str> =
+        listed["rows"].as_array().unwrap().iter().map(|r| r["cidr"].as_str().unwrap()).collect();
     assert_eq!(cidrs, seeded, "{listed}");
 
     // Writing ranges is for admins; refused or invalid requests write nothing.
@@ -1155,7 +1160,7 @@ async fn api_serves_an_operator_certificate() {
     let viewer = mint(plane.pool(), "viewer", Role::Viewer).await;
     let reply = plane.get("/api/v1/services", Some(&viewer.token)).await;
     assert_eq!(reply.status, 200, "{reply:?}");
-    assert_eq!(reply.json(), json!([]));
+    assert_eq!(reply.json()["rows"], json!([]));
     server.stop(Duration::from_secs(1)).await;
 
     for (cert, key, named) in [(&cert, &other, &other), (&dir.join("nope.crt"), &key, &dir.join("nope.crt"))]

@@ -7,6 +7,7 @@ mod enrollment;
 mod flows;
 mod identity;
 mod installs;
+mod lists;
 mod postgres;
 mod publish;
 mod retention;

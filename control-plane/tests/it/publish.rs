@@ -152,8 +152,8 @@ async fn version_advances_only_on_visible_change() {
     let mut rs2 = rs.clone();
     rs2.rules[0].peers.push(PeerSpec::cidr("192.0.2.0/24"));
     let done = authoring::commit(pool, "test", "batch", "several", async |c| {
-        authoring::update_service(c, &spec, Some(1)).await?;
-        authoring::update_ruleset(c, &rs2, Some(1)).await?;
+        authoring::update_service(c, &spec, 1).await?;
+        authoring::update_ruleset(c, &rs2, 1).await?;
         authoring::set_mode(c, payments, Mode::Simulation).await?;
         Ok(((), serde_json::json!({})))
     })
@@ -436,7 +436,7 @@ async fn consecutive_versions_satisfy_delta_contract() {
     for (i, step) in steps.iter().enumerate() {
         step(&mut rs);
         authoring::commit(pool, "test", "ruleset.update", "payments", async |c| {
-            authoring::update_ruleset(c, &rs, Some(i as i64 + 1)).await?;
+            authoring::update_ruleset(c, &rs, i as i64 + 1).await?;
             Ok(((), serde_json::json!({})))
         })
         .await
@@ -471,7 +471,7 @@ async fn deleting_a_referenced_service_or_group_names_the_referrers() {
     create_ruleset(pool, &rs).await;
     for kind in ["service", "address-group"] {
         let name = if kind == "service" { "postgres" } else { "vpn" };
-        let out = innerwall(&db.url, &[kind, "delete", name]);
+        let out = innerwall(&db.url, &[kind, "delete", name, "--expect-version", "1"]);
         assert!(!out.status.success());
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains("is in use by ruleset payments rule inbound"), "{err}");

@@ -162,7 +162,7 @@ async fn resend_snapshot() {
     agent.update().await;
     agent.ack(1, true, "").await;
     wait_state(pool, id, "SYNCED").await;
-    let before = authoring::request_snapshot(pool, id).await.unwrap().last_snapshot_sent_at.unwrap();
+    let before = authoring::request_snapshot(pool, "test", id).await.unwrap().last_snapshot_sent_at.unwrap();
 
     // The replica holding the stream tells the agent to reconnect …
     assert!(matches!(
@@ -174,13 +174,13 @@ async fn resend_snapshot() {
     // … and the new stream begins with a snapshot, which advances last_snapshot_sent_at.
     let mut again = Scripted::open(channel, 1).await;
     assert_eq!(again.update().await, ("snapshot", 1, 1));
-    let after = authoring::request_snapshot(pool, id).await.unwrap().last_snapshot_sent_at.unwrap();
+    let after = authoring::request_snapshot(pool, "test", id).await.unwrap().last_snapshot_sent_at.unwrap();
     assert!(after > before, "{after} !> {before}");
 
     // An OFFLINE workload is refused with agent-offline and its last-seen time.
     drop(again);
     wait_state(pool, id, "OFFLINE").await;
-    let err = authoring::request_snapshot(pool, id).await.unwrap_err();
+    let err = authoring::request_snapshot(pool, "test", id).await.unwrap_err();
     assert!(matches!(err, Error::AgentOffline { .. }), "{err}");
     assert!(
         err.to_string().starts_with("agent-offline") && err.to_string().contains("last seen 20"),

@@ -25,6 +25,8 @@ pub struct ApiClient {
     port: u16,
     token: String,
     tls: tokio_rustls::TlsConnector,
+    /// `--page-size`: rows per page a list command asks for.
+    pub page_size: u32,
 }
 
 impl std::fmt::Debug for ApiClient {
@@ -71,7 +73,12 @@ impl ApiClient {
                 .with_root_certificates(roots)
                 .with_no_client_auth();
         let tls = tokio_rustls::TlsConnector::from(Arc::new(config));
-        Ok(ApiClient { host, port, token: token.to_owned(), tls })
+        Ok(ApiClient { host, port, token: token.to_owned(), tls, page_size: crate::pages::DEFAULT_PAGE_SIZE })
+    }
+
+    /// The client, asking for pages of `size` rows.
+    pub fn paged(self, size: u32) -> ApiClient {
+        ApiClient { page_size: size, ..self }
     }
 
     pub async fn get<T: DeserializeOwned>(&self, path: &str) -> anyhow::Result<T> {

@@ -53,14 +53,27 @@ pub struct Ctx {
     pub pool: PgPool,
     /// `--json`: print JSON instead of tables.
     pub json: bool,
+    /// `--page-size`: rows per page a list command reads.
+    pub page_size: u32,
     /// Who the audit log names for changes made here (`cli:<user>`).
     pub actor: String,
     pub ca_dir: PathBuf,
 }
 
 impl Ctx {
-    pub async fn connect(database: &Database, json: bool, ca_dir: &Path) -> anyhow::Result<Ctx> {
-        Ok(Ctx { pool: database.connect().await?, json, actor: actor(), ca_dir: ca_dir.to_owned() })
+    pub async fn connect(
+        database: &Database,
+        json: bool,
+        page_size: u32,
+        ca_dir: &Path,
+    ) -> anyhow::Result<Ctx> {
+        Ok(Ctx {
+            pool: database.connect().await?,
+            json,
+            page_size,
+            actor: actor(),
+            ca_dir: ca_dir.to_owned(),
+        })
     }
 }
 

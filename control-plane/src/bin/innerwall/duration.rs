@@ -1,5 +1,5 @@
 //! Durations on the command line (`--ttl 30d`, `--since 1h`, `--cert-lifetime 24h`), read by
-//! humantime: `30d`, `12h`, `90m` and `3600s` as before, and also `1h30m`, `2 days`, `500ms`.
+//! humantime, and a `--since` as the instant it names or the API's parameter: `30d`, `12h`, `90m` and `3600s` as before, and also `1h30m`, `2 days`, `500ms`.
 
 /// The forms a user is pointed at when a duration does not parse.
 const EXAMPLES: &str = "write e.g. 30d, 12h, 90m or 3600s";
@@ -12,6 +12,23 @@ pub fn parse(what: &str, text: &str) -> anyhow::Result<std::time::Duration> {
 /// A clap value parser for duration flags.
 pub fn arg(text: &str) -> Result<std::time::Duration, String> {
     parse("duration", text).map_err(|e| e.to_string())
+}
+
+/// The instant `back` before now; a span reaching past 1970 (no evidence is older) means all.
+pub fn since(back: &std::time::Duration) -> chrono::DateTime<chrono::Utc> {
+    chrono::Duration::from_std(*back)
+        .ok()
+        .and_then(|back| chrono::Utc::now().checked_sub_signed(back))
+        .map_or(chrono::DateTime::UNIX_EPOCH, |at| at.max(chrono::DateTime::UNIX_EPOCH))
+}
+
+/// `back` as the API's `since` parameter, exactly (the API measures it back from its now, as
+/// [`since`] does here).
+pub fn since_param(back: &std::time::Duration) -> String {
+    match back.subsec_nanos() {
+        0 => format!("{}s", back.as_secs()),
+        nanos => format!("{}s {nanos}ns", back.as_secs()),
+    }
 }
 
 #[cfg(test)]

@@ -11,10 +11,11 @@ use innerwall_wire::policy::Cidr;
 use crate::api::{ApiClient, segment};
 use crate::ctx::Ctx;
 use crate::output::{Outcome, print_json, print_table, report, report_outcome};
+use crate::pages;
 
 #[derive(Debug, Subcommand)]
 pub enum EstateRangeCmd {
-    /// The ranges, smallest address first.
+    /// Every range, smallest address first (all pages).
     List,
     /// Trust addresses in CIDR as workload addresses (e.g. a public range your hosts use).
     Add {
@@ -62,7 +63,12 @@ pub async fn run(ctx: &Ctx, cmd: &EstateRangeCmd) -> anyhow::Result<()> {
     let (json, pool, actor) = (ctx.json, &ctx.pool, ctx.actor.as_str());
     match cmd {
         EstateRangeCmd::List => {
-            print_ranges(json, store::list_estate_ranges(&mut *pool.acquire().await?).await?)?
+            let mut conn = pool.acquire().await?;
+            print_ranges(
+                json,
+                pages::local(ctx.page_size, None, async |r| store::estate_range_page(&mut conn, r).await)
+                    .await?,
+            )?
         }
         EstateRangeCmd::Add { cidr, description } => {
             let done = authoring::commit(pool, actor, "estate-range.add", &cidr.to_string(), async |c| {
@@ -89,7 +95,7 @@ const PATH: &str = "/api/v1/estate-ranges";
 /// [`run`] over the API.
 pub async fn run_remote(api: &ApiClient, json: bool, cmd: &EstateRangeCmd) -> anyhow::Result<()> {
     match cmd {
-        EstateRangeCmd::List => print_ranges(json, api.get(PATH).await?)?,
+        EstateRangeCmd::List => print_ranges(json, pages::remote(api, PATH, None).await?)?,
         EstateRangeCmd::Add { cidr, description } => {
             let body = serde_json::json!({"cidr": cidr.to_string(), "description": description});
             let done: Outcome<()> = api.write("POST", PATH, None, Some(&body)).await?;

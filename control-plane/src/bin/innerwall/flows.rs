@@ -22,7 +22,7 @@ use innerwall_wire::policy::Protocol;
 
 use crate::api::{ApiClient, with_query};
 use crate::ctx::Ctx;
-use crate::duration;
+use crate::duration::{self, since, since_param};
 use crate::output::{print_json, print_table};
 
 #[derive(Debug, Subcommand)]
@@ -105,23 +105,6 @@ fn limit() -> clap::builder::RangedI64ValueParser<u32> {
 /// A stored enum number by name; "?" for a number this binary does not know.
 fn stored<E: WireEnum + std::fmt::Display>(code: i16) -> String {
     E::from_code(code).map_or_else(|_| "?".to_owned(), |e| e.to_string())
-}
-
-/// The instant `back` before now; a span reaching past 1970 (no evidence is older) means all.
-fn since(back: &Duration) -> DateTime<Utc> {
-    chrono::Duration::from_std(*back)
-        .ok()
-        .and_then(|back| Utc::now().checked_sub_signed(back))
-        .map_or(DateTime::UNIX_EPOCH, |at| at.max(DateTime::UNIX_EPOCH))
-}
-
-/// `back` as the API's `since` parameter, exactly (the API measures it back from its now, as
-/// [`since`] does here).
-fn since_param(back: &Duration) -> String {
-    match back.subsec_nanos() {
-        0 => format!("{}s", back.as_secs()),
-        nanos => format!("{}s {nanos}ns", back.as_secs()),
-    }
 }
 
 fn decision(name: &str) -> anyhow::Result<Decision> {

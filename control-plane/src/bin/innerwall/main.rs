@@ -3,7 +3,25 @@
 //! This file owns the top-level flags and dispatch (logging is set up by `logs`); each command
 //! group has a module with its clap types next to its handlers.
 
+// Every `print!`/`println!` below goes through `output::stdout` (these shadow std's macros in
+// every module declared after them), so no command panics on a closed pipe; `main` catches the
+// unwind and exits quietly.
+macro_rules! println {
+    () => {
+        $crate::output::stdout(format_args!("\n"))
+    };
+    ($($arg:tt)*) => {
+        $crate::output::stdout(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
+macro_rules! print {
+    ($($arg:tt)*) => {
+        $crate::output::stdout(format_args!($($arg)*))
+    };
+}
+
 mod api;
+mod audit;
 mod ca;
 mod ctx;
 mod duration;
@@ -12,6 +30,7 @@ mod flows;
 mod logs;
 mod operators;
 mod output;
+mod pages;
 mod policy;
 mod promotions;
 mod serve;
@@ -51,6 +70,10 @@ struct Cli {
     /// Print JSON instead of tables.
     #[arg(long, global = true)]
     json: bool,
+    /// Rows per page list commands read while they walk every page (1 to 1,000).
+    #[arg(long, env = "INNERWALL_PAGE_SIZE", global = true, default_value_t = pages::DEFAULT_PAGE_SIZE,
+        value_parser = clap::value_parser!(u32).range(1..=i64::from(pages::MAX_PAGE_SIZE)))]
+    page_size: u32,
     /// How stderr logs read: text, or one JSON object per line (filter: INNERWALL_LOG).
     #[arg(long, global = true, value_enum, default_value_t)]
     log_format: logs::LogFormat,
@@ -111,6 +134,9 @@ enum Command {
     /// Operator tokens of the HTTP API (`serve --api-listen`), on this host's database.
     #[command(subcommand)]
     Operator(operators::OperatorCmd),
+    /// The audit log: who changed what, and when.
+    #[command(subcommand)]
+    Audit(audit::AuditCmd),
 }
 
 fn main() -> ExitCode {
@@ -123,12 +149,22 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(cli)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
+    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| runtime.block_on(run(cli))));
+    match ran {
+        Ok(Ok(())) => ExitCode::SUCCESS,
+        Ok(Err(e)) => {
             tracing::error!(target: logs::NOTICE, "error: {e:#}");
             ExitCode::FAILURE
         }
+        Err(payload) => match payload.downcast::<output::StdoutFailed>() {
+            // Whoever read our output has all they wanted (`| head`): not an error.
+            Ok(failed) if failed.0.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+            Ok(failed) => {
+                tracing::error!(target: logs::NOTICE, "error: cannot write to stdout: {}", failed.0);
+                ExitCode::FAILURE
+            }
+            Err(payload) => std::panic::resume_unwind(payload),
+        },
     }
 }
 
@@ -138,7 +174,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     }
     let ca_dir = cli.ca_dir.unwrap_or_else(|| cli.state_dir.join("ca"));
     let database = Database { url: cli.database_url, state_dir: cli.state_dir };
-    let connect = || Ctx::connect(&database, cli.json, &ca_dir);
+    let connect = || Ctx::connect(&database, cli.json, cli.page_size, &ca_dir);
     match cli.command {
         Command::Contract => println!("{}", innerwall_wire::CONTRACT_PACKAGE),
         Command::Migrate => {
@@ -157,6 +193,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Flows(cmd) => flows::run(&connect().await?, &cmd).await?,
         Command::Promotions(cmd) => promotions::run(&connect().await?, &cmd).await?,
         Command::Operator(cmd) => operators::run(&connect().await?, &cmd).await?,
+        Command::Audit(cmd) => audit::run(&connect().await?, &cmd).await?,
     }
     Ok(())
 }
@@ -176,7 +213,7 @@ async fn remote(api: &str, cli: &Cli) -> anyhow::Result<()> {
             "`innerwall {name}` administers this host and does not take --api; run it on the control-plane host without --api (and without INNERWALL_API)"
         );
     }
-    let client = api::ApiClient::new(api, cli.token.as_deref(), cli.api_ca.as_deref())?;
+    let client = api::ApiClient::new(api, cli.token.as_deref(), cli.api_ca.as_deref())?.paged(cli.page_size);
     match &cli.command {
         Command::Service(cmd) => policy::catalog_remote(&client, cli.json, cmd).await,
         Command::AddressGroup(cmd) => policy::catalog_remote(&client, cli.json, cmd).await,
@@ -190,6 +227,7 @@ async fn remote(api: &str, cli: &Cli) -> anyhow::Result<()> {
         Command::Workload(cmd) => workloads::run_remote(&client, cli.json, cmd).await,
         Command::Flows(cmd) => flows::run_remote(&client, cli.json, cmd).await,
         Command::Promotions(cmd) => promotions::run_remote(&client, cli.json, cmd).await,
+        Command::Audit(cmd) => audit::run_remote(&client, cli.json, cmd).await,
         Command::Contract | Command::Migrate | Command::Serve(_) | Command::Ca(_) | Command::Operator(_) => {
             unreachable!("host-only commands were refused above")
         }

@@ -7,6 +7,7 @@ use innerwall_control_plane::identity::operators::{self, Role};
 use crate::ctx::Ctx;
 use crate::duration;
 use crate::output::{print_json, print_table};
+use crate::pages;
 
 #[derive(Debug, Subcommand)]
 pub enum OperatorCmd {
@@ -30,7 +31,7 @@ pub enum TokenCmd {
         #[arg(long, value_parser = duration::arg)]
         expires: Option<std::time::Duration>,
     },
-    /// Every token, newest first (never a secret).
+    /// Every token, newest first (never a secret; all pages).
     List,
     /// Revoke a token by id, or the live token of that name; effective on its next request.
     Revoke { id_or_name: String },
@@ -64,7 +65,9 @@ pub async fn run(ctx: &Ctx, cmd: &OperatorCmd) -> anyhow::Result<()> {
             );
         }
         TokenCmd::List => {
-            let all = operators::list(&mut *ctx.pool.acquire().await?).await?;
+            let mut conn = ctx.pool.acquire().await?;
+            let all =
+                pages::local(ctx.page_size, None, async |r| operators::page(&mut conn, r).await).await?;
             if ctx.json {
                 return print_json(&all);
             }

@@ -1,10 +1,27 @@
 //! How results are printed: plain tables for people (comfy-table, no borders, so they read well
-//! in logs too) and JSON for scripts (`--json`; the demo and the end-to-end tests parse it).
+//! in logs too) and JSON for scripts (`--json`; the demo and the end-to-end tests parse it); and
+//! the one writer of stdout, [`stdout`], which every `print!`/`println!` of the binary goes
+//! through (`main` shadows std's macros), so that a closed pipe ends any command quietly.
 
 use comfy_table::{Table, presets};
 use innerwall_control_plane::policy::authoring::Committed;
 use innerwall_control_plane::policy::publish::Changed;
 use serde::Serialize;
+
+/// What a failed write to stdout unwinds with, up to `main`: a closed pipe (`innerwall … --json
+/// | head`) ends the command quietly with exit 0, any other failure with its error. std's macros
+/// would panic with a backtrace instead.
+#[derive(Debug)]
+pub struct StdoutFailed(pub std::io::Error);
+
+/// Writes `args` to stdout; on failure unwinds with [`StdoutFailed`] (without the panic hook, so
+/// nothing is printed), which `main` catches.
+pub fn stdout(args: std::fmt::Arguments<'_>) {
+    use std::io::Write as _;
+    if let Err(e) = std::io::stdout().lock().write_fmt(args) {
+        std::panic::resume_unwind(Box::new(StdoutFailed(e)));
+    }
+}
 
 /// A left-aligned table: upper-case headers, columns two spaces apart, no borders or rules.
 pub fn print_table(headers: &[&str], rows: Vec<Vec<String>>) {

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
 use innerwall_control_plane::error::Error;
+use innerwall_control_plane::page::{Page, PageRequest};
 use innerwall_control_plane::policy::authoring;
 use innerwall_control_plane::policy::model::ServiceEntry;
 use innerwall_control_plane::policy::spec::{AddressGroupSpec, MAX_RULESET_FILE, RulesetSpec, ServiceSpec};
@@ -22,12 +23,26 @@ use crate::ctx::Ctx;
 use crate::output::{
     Outcome, print_changed, print_changed_outcome, print_json, print_table, report, report_outcome,
 };
+use crate::pages;
 
 #[derive(Debug, Args)]
 pub struct Expect {
-    /// Refuse the write unless the object is still at this version (as `show` printed it).
-    #[arg(long)]
+    /// Required: the version `show` printed; the write is refused if the object moved on since.
+    #[arg(long, value_name = "VERSION")]
     expect_version: Option<i64>,
+}
+
+impl Expect {
+    /// The version the operator read. Every update and delete is conditional (POL-8): without
+    /// `--expect-version` the command is refused here, before anything is read or written, and
+    /// the version is never filled in from a fresh read behind the operator's back.
+    fn required(&self, noun: &str, verb: &str, name: &str) -> anyhow::Result<i64> {
+        self.expect_version.with_context(|| {
+            format!(
+                "{noun} {verb} {name:?} needs --expect-version VERSION, the version `show` printed                  (a {verb} is conditional on it); nothing was written"
+            )
+        })
+    }
 }
 
 /// The subcommands of a named, versioned object (`service`, `address-group`, `ruleset`): create
@@ -76,10 +91,10 @@ pub trait Catalog: Args {
     fn members(spec: &Self::Spec) -> Vec<String>;
     async fn create(conn: &mut PgConnection, spec: &Self::Spec) -> Result<(), Error>;
     /// Returns the new version.
-    async fn update(conn: &mut PgConnection, spec: &Self::Spec, expected: Option<i64>) -> Result<i64, Error>;
-    async fn delete(conn: &mut PgConnection, name: &str, expected: Option<i64>) -> Result<(), Error>;
-    async fn list(conn: &mut PgConnection) -> Result<Vec<Self::View>, Error>;
-    fn view_name(view: &Self::View) -> &str;
+    async fn update(conn: &mut PgConnection, spec: &Self::Spec, expected: i64) -> Result<i64, Error>;
+    async fn delete(conn: &mut PgConnection, name: &str, expected: i64) -> Result<(), Error>;
+    async fn page(conn: &mut PgConnection, request: &PageRequest) -> Result<Page<Self::View>, Error>;
+    async fn show(conn: &mut PgConnection, name: &str) -> Result<Self::View, Error>;
     /// name, version, members, description.
     fn row(view: Self::View) -> Vec<String>;
 }
@@ -109,7 +124,7 @@ pub struct GroupArgs {
 /// the table column and the audit-detail key.
 macro_rules! catalog {
     ($args:ty { $members:ident: $parse:path } => $spec:ident, $view:ident, $noun:literal, $action:literal,
-     $path:literal, [$create:ident, $update:ident, $delete:ident, $list:ident]) => {
+     $path:literal, [$create:ident, $update:ident, $delete:ident, $page:ident, $show:ident]) => {
         impl Catalog for $args {
             const NOUN: &'static str = $noun;
             const ACTION: &'static str = $action;
@@ -148,21 +163,17 @@ macro_rules! catalog {
             async fn create(conn: &mut PgConnection, spec: &$spec) -> Result<(), Error> {
                 authoring::$create(conn, spec).await.map(drop)
             }
-            async fn update(
-                conn: &mut PgConnection,
-                spec: &$spec,
-                expected: Option<i64>,
-            ) -> Result<i64, Error> {
+            async fn update(conn: &mut PgConnection, spec: &$spec, expected: i64) -> Result<i64, Error> {
                 authoring::$update(conn, spec, expected).await
             }
-            async fn delete(conn: &mut PgConnection, name: &str, expected: Option<i64>) -> Result<(), Error> {
+            async fn delete(conn: &mut PgConnection, name: &str, expected: i64) -> Result<(), Error> {
                 authoring::$delete(conn, name, expected).await
             }
-            async fn list(conn: &mut PgConnection) -> Result<Vec<$view>, Error> {
-                store::$list(conn).await
+            async fn page(conn: &mut PgConnection, request: &PageRequest) -> Result<Page<$view>, Error> {
+                store::$page(conn, request).await
             }
-            fn view_name(view: &$view) -> &str {
-                &view.name
+            async fn show(conn: &mut PgConnection, name: &str) -> Result<$view, Error> {
+                store::$show(conn, name).await
             }
             fn row(view: $view) -> Vec<String> {
                 vec![view.name, view.version.to_string(), view.$members.join(" "), view.description]
@@ -172,9 +183,10 @@ macro_rules! catalog {
 }
 
 catalog!(ServiceArgs { entries: ServiceEntry::parse } => ServiceSpec, ServiceView, "service", "service",
-    "/api/v1/services", [create_service, update_service, delete_service, list_services]);
+    "/api/v1/services", [create_service, update_service, delete_service, service_page, service_view]);
 catalog!(GroupArgs { cidrs: Cidr::parse_lenient } => AddressGroupSpec, AddressGroupView, "address group",
-    "address-group", "/api/v1/address-groups", [create_address_group, update_address_group, delete_address_group, list_address_groups]);
+    "address-group", "/api/v1/address-groups",
+    [create_address_group, update_address_group, delete_address_group, address_group_page, address_group_view]);
 
 /// The audit detail of a create or update: the members as written.
 fn members_detail<A: Catalog>(spec: &A::Spec) -> serde_json::Value {
@@ -196,53 +208,49 @@ pub async fn catalog<A: Catalog>(ctx: &Ctx, cmd: &ObjectCmd<A>) -> anyhow::Resul
             report(ctx.json, &format!("{noun} {name} created (version 1)"), done);
         }
         ObjectCmd::Update { object, expect } => {
+            let expected = expect.required(noun, "update", object.arg_name())?;
             let spec = object.spec()?;
             let name = A::name(&spec);
             let action = format!("{}.update", A::ACTION);
             let done = authoring::commit(pool, actor, &action, name, async |c| {
-                let version = A::update(c, &spec, expect.expect_version).await?;
+                let version = A::update(c, &spec, expected).await?;
                 Ok((version, members_detail::<A>(&spec)))
             })
             .await?;
             report(ctx.json, &format!("{noun} {name} updated (version {})", done.value), done);
         }
         ObjectCmd::Delete { name, expect } => {
+            let expected = expect.required(noun, "delete", name)?;
             let action = format!("{}.delete", A::ACTION);
             let done = authoring::commit(pool, actor, &action, name, async |c| {
-                A::delete(c, name, expect.expect_version).await?;
+                A::delete(c, name, expected).await?;
                 Ok(((), serde_json::json!({})))
             })
             .await?;
             report(ctx.json, &format!("{noun} {name} deleted"), done);
         }
-        ObjectCmd::List | ObjectCmd::Show { .. } => {
-            let mut all = A::list(&mut *pool.acquire().await?).await?;
-            if let ObjectCmd::Show { name } = cmd {
-                all.retain(|view| A::view_name(view) == name);
-                if all.is_empty() {
-                    bail!("{noun} {name:?} not found");
-                }
-            }
-            if ctx.json {
-                return print_json(&all);
-            }
-            let rows = all.into_iter().map(A::row).collect();
-            print_table(&["name", "version", A::MEMBERS, "description"], rows);
+        ObjectCmd::List => {
+            let mut conn = pool.acquire().await?;
+            print_objects::<A>(
+                ctx.json,
+                pages::local(ctx.page_size, None, async |r| A::page(&mut conn, r).await).await?,
+            )?;
+        }
+        ObjectCmd::Show { name } => {
+            print_objects::<A>(ctx.json, vec![A::show(&mut *pool.acquire().await?, name).await?])?;
         }
     }
     Ok(())
 }
 
-/// The version to send as `If-Match`: the one given, or (as the local write, which checks
-/// none) the one current now.
-async fn version_for(api: &ApiClient, path: &str, given: Option<i64>) -> anyhow::Result<i64> {
-    match given {
-        Some(v) => Ok(v),
-        None => {
-            let current: serde_json::Value = api.get(path).await?;
-            current["version"].as_i64().with_context(|| format!("GET {path}: the answer has no version"))
-        }
+/// `list` (every object) and `show` (one, as a list of one) of a catalog kind, from either source.
+fn print_objects<A: Catalog>(json: bool, all: Vec<A::View>) -> anyhow::Result<()> {
+    if json {
+        return print_json(&all);
     }
+    let rows = all.into_iter().map(A::row).collect();
+    print_table(&["name", "version", A::MEMBERS, "description"], rows);
+    Ok(())
 }
 
 /// [`catalog`] over the API: the same messages, tables and `--json`.
@@ -260,33 +268,24 @@ pub async fn catalog_remote<A: Catalog>(
             report_outcome(json, &format!("{noun} {name} created (version 1)"), &done);
         }
         ObjectCmd::Update { object, expect } => {
+            let version = expect.required(noun, "update", object.arg_name())?;
             object.spec()?;
             let name = object.arg_name();
             let path = format!("{}/{}", A::PATH, segment(name));
-            let version = version_for(api, &path, expect.expect_version).await?;
             let done: Outcome<i64> =
                 api.write("PUT", &path, Some(version), Some(&object.body(false))).await?;
             report_outcome(json, &format!("{noun} {name} updated (version {})", done.result), &done);
         }
         ObjectCmd::Delete { name, expect } => {
+            let version = expect.required(noun, "delete", name)?;
             let path = format!("{}/{}", A::PATH, segment(name));
-            let version = version_for(api, &path, expect.expect_version).await?;
             let done: Outcome<()> = api.write("DELETE", &path, Some(version), None).await?;
             report_outcome(json, &format!("{noun} {name} deleted"), &done);
         }
-        ObjectCmd::List | ObjectCmd::Show { .. } => {
-            let mut all: Vec<A::View> = api.get(A::PATH).await?;
-            if let ObjectCmd::Show { name } = cmd {
-                all.retain(|view| A::view_name(view) == name);
-                if all.is_empty() {
-                    bail!("{noun} {name:?} not found");
-                }
-            }
-            if json {
-                return print_json(&all);
-            }
-            let rows = all.into_iter().map(A::row).collect();
-            print_table(&["name", "version", A::MEMBERS, "description"], rows);
+        ObjectCmd::List => print_objects::<A>(json, pages::remote(api, A::PATH, None).await?)?,
+        ObjectCmd::Show { name } => {
+            let view: A::View = api.get(&format!("{}/{}", A::PATH, segment(name))).await?;
+            print_objects::<A>(json, vec![view])?;
         }
     }
     Ok(())
@@ -314,22 +313,26 @@ pub async fn ruleset_remote(api: &ApiClient, json: bool, cmd: &ObjectCmd<Ruleset
         }
         ObjectCmd::Update { object: RulesetFile { file }, expect } => {
             let spec = read_ruleset_file(file)?;
+            let version = expect.required("ruleset", "update", &spec.name)?;
             let path = format!("{PATH}/{}", segment(&spec.name));
-            let version = version_for(api, &path, expect.expect_version).await?;
             let body = serde_json::to_value(&spec)?;
             let done: Outcome<i64> = api.write("PUT", &path, Some(version), Some(&body)).await?;
             report_outcome(json, &format!("ruleset {} updated (version {})", spec.name, done.result), &done);
         }
         ObjectCmd::Delete { name, expect } => {
+            let version = expect.required("ruleset", "delete", name)?;
             let path = format!("{PATH}/{}", segment(name));
-            let version = version_for(api, &path, expect.expect_version).await?;
             let done: Outcome<()> = api.write("DELETE", &path, Some(version), None).await?;
             report_outcome(json, &format!("ruleset {name} deleted"), &done);
         }
-        ObjectCmd::List | ObjectCmd::Show { .. } => {
-            let all: Vec<serde_json::Value> = api.get(PATH).await?;
+        ObjectCmd::List => {
+            let all: Vec<serde_json::Value> = pages::remote(api, PATH, None).await?;
             let all = all.into_iter().map(ruleset_view).collect::<anyhow::Result<Vec<_>>>()?;
             print_rulesets(json, cmd, all)?;
+        }
+        ObjectCmd::Show { name } => {
+            let view = ruleset_view(api.get(&format!("{PATH}/{}", segment(name))).await?)?;
+            print_rulesets(json, cmd, vec![view])?;
         }
     }
     Ok(())
@@ -390,24 +393,31 @@ pub async fn ruleset(ctx: &Ctx, cmd: &ObjectCmd<RulesetFile>) -> anyhow::Result<
         }
         ObjectCmd::Update { object: RulesetFile { file }, expect } => {
             let spec = read_ruleset_file(file)?;
+            let expected = expect.required("ruleset", "update", &spec.name)?;
             let done = authoring::commit(pool, actor, "ruleset.update", &spec.name.clone(), async |c| {
-                let v = authoring::update_ruleset(c, &spec, expect.expect_version).await?;
+                let v = authoring::update_ruleset(c, &spec, expected).await?;
                 Ok((v, serde_json::to_value(&spec).expect("plain data serializes")))
             })
             .await?;
             report(json, &format!("ruleset {} updated (version {})", spec.name, done.value), done);
         }
         ObjectCmd::Delete { name, expect } => {
+            let expected = expect.required("ruleset", "delete", name)?;
             let done = authoring::commit(pool, actor, "ruleset.delete", name, async |c| {
-                authoring::delete_ruleset(c, name, expect.expect_version).await?;
+                authoring::delete_ruleset(c, name, expected).await?;
                 Ok(((), serde_json::json!({})))
             })
             .await?;
             report(json, &format!("ruleset {name} deleted"), done);
         }
-        ObjectCmd::List | ObjectCmd::Show { .. } => {
-            let all = store::list_rulesets(&mut *pool.acquire().await?).await?;
+        ObjectCmd::List => {
+            let mut conn = pool.acquire().await?;
+            let all =
+                pages::local(ctx.page_size, None, async |r| store::ruleset_page(&mut conn, r).await).await?;
             print_rulesets(json, cmd, all)?;
+        }
+        ObjectCmd::Show { name } => {
+            print_rulesets(json, cmd, vec![store::ruleset_view(&mut *pool.acquire().await?, name).await?])?;
         }
     }
     Ok(())

@@ -8,13 +8,15 @@ use innerwall_control_plane::gate::{Promotion, promote};
 use crate::api::ApiClient;
 use crate::ctx::Ctx;
 use crate::output::{print_json, print_table};
+use crate::pages;
 
 #[derive(Debug, Subcommand)]
 pub enum PromotionsCmd {
-    /// The latest records, newest first.
+    /// Every record, newest first (all pages).
     List {
-        #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(i64).range(1..=1000))]
-        limit: i64,
+        /// Only the newest N records.
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+        limit: Option<u32>,
     },
     /// One record with its verdict and evidence.
     Show { id: uuid::Uuid },
@@ -32,7 +34,14 @@ fn outcome(p: &Promotion) -> String {
 pub async fn run(ctx: &Ctx, cmd: &PromotionsCmd) -> anyhow::Result<()> {
     let mut conn = ctx.pool.acquire().await?;
     match cmd {
-        PromotionsCmd::List { limit } => print_list(ctx.json, &promote::list(&mut conn, *limit).await?),
+        PromotionsCmd::List { limit } => {
+            let most = limit.map(|n| n as usize);
+            let size = limit.map_or(ctx.page_size, |n| n.min(ctx.page_size));
+            print_list(
+                ctx.json,
+                &pages::local(size, most, async |r| promote::page(&mut conn, r).await).await?,
+            )
+        }
         PromotionsCmd::Show { id } => print_show(ctx.json, &promote::show(&mut conn, *id).await?),
     }
 }
@@ -41,7 +50,8 @@ pub async fn run(ctx: &Ctx, cmd: &PromotionsCmd) -> anyhow::Result<()> {
 pub async fn run_remote(api: &ApiClient, json: bool, cmd: &PromotionsCmd) -> anyhow::Result<()> {
     match cmd {
         PromotionsCmd::List { limit } => {
-            print_list(json, &api.get::<Vec<Promotion>>(&format!("/api/v1/promotions?limit={limit}")).await?)
+            let most = limit.map(|n| n as usize);
+            print_list(json, &pages::remote::<Promotion>(api, "/api/v1/promotions", most).await?)
         }
         PromotionsCmd::Show { id } => {
             print_show(json, &api.get::<Promotion>(&format!("/api/v1/promotions/{id}")).await?)

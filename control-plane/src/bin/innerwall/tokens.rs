@@ -15,6 +15,7 @@ use crate::api::ApiClient;
 use crate::ctx::Ctx;
 use crate::duration;
 use crate::output::{print_json, print_table};
+use crate::pages;
 
 #[derive(Debug, Subcommand)]
 pub enum TokenCmd {
@@ -118,7 +119,13 @@ pub async fn run(ctx: &Ctx, cmd: &TokenCmd) -> anyhow::Result<()> {
                 tokens::mint_audited(&ctx.pool, &ctx.actor, labels, ttl, *max_uses, address_ranges).await?;
             print_minted(ctx.json, minted.id, &minted.secret, minted.expires_at, server, &ctx.ca_dir)?;
         }
-        TokenCmd::List => print_tokens(ctx.json, tokens::list(&mut *ctx.pool.acquire().await?).await?)?,
+        TokenCmd::List => {
+            let mut conn = ctx.pool.acquire().await?;
+            print_tokens(
+                ctx.json,
+                pages::local(ctx.page_size, None, async |r| tokens::page(&mut conn, r).await).await?,
+            )?
+        }
         TokenCmd::Revoke { id } => {
             tokens::revoke_audited(&ctx.pool, &ctx.actor, *id).await?;
             print_revoked(*id);
@@ -152,7 +159,7 @@ pub async fn run_remote(api: &ApiClient, json: bool, ca_dir: &Path, cmd: &TokenC
             let minted: Minted = api.write("POST", PATH, None, Some(&body)).await?;
             print_minted(json, minted.id, &minted.token, minted.expires_at, server, ca_dir)?;
         }
-        TokenCmd::List => print_tokens(json, api.get(PATH).await?)?,
+        TokenCmd::List => print_tokens(json, pages::remote(api, PATH, None).await?)?,
         TokenCmd::Revoke { id } => {
             let _: TokenView = api.write("DELETE", &format!("{PATH}/{id}"), None, None).await?;
             print_revoked(*id);

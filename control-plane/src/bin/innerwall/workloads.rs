@@ -272,7 +272,7 @@ pub async fn run(ctx: &Ctx, cmd: &WorkloadCmd) -> anyhow::Result<()> {
             print_status(json, all)?;
         }
         WorkloadCmd::ResendSnapshot { id } => {
-            print_resend(json, *id, &authoring::request_snapshot(pool, *id).await?)?;
+            print_resend(json, *id, &authoring::request_snapshot(pool, actor, *id).await?)?;
         }
         WorkloadCmd::Retire { id } | WorkloadCmd::Deny { id } => {
             let retire = matches!(cmd, WorkloadCmd::Retire { .. });
