@@ -7,6 +7,7 @@ mod evidence;
 mod flows;
 mod gate;
 mod host;
+mod identity;
 mod kill_switch;
 mod metrics;
 mod plane;

@@ -618,16 +618,68 @@ async fn token_use_limit_holds_under_concurrent_enrollment() -> anyhow::Result<(
     tokens::consume(&mut first, &once.secret, now).await?;
     let pool = db.pool.clone();
     let secret = once.secret.clone();
+    let (pid_tx, pid_rx) = tokio::sync::oneshot::channel();
     let second = tokio::spawn(async move {
         let mut tx = pool.begin().await.unwrap();
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *tx).await.unwrap();
+        pid_tx.send(pid).unwrap();
         let result = tokens::consume(&mut tx, &secret, now).await.map(|_| ());
         tx.commit().await.unwrap();
         result
     });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The wait is proven by Postgres itself: the second's backend holds a lock request that is
+    // not granted (the first's row lock), not by the second being slow.
+    let pid = pid_rx.await?;
+    let waiting = async {
+        loop {
+            let waits: bool =
+                sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = $1 AND NOT granted)")
+                    .bind(pid)
+                    .fetch_one(&mut *conn)
+                    .await?;
+            if waits {
+                return anyhow::Ok(());
+            }
+            assert!(!second.is_finished(), "the second consume finished without waiting for the row lock");
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), waiting)
+        .await
+        .map_err(|_| anyhow::anyhow!("the second consume never waited on a lock in pg_locks"))??;
     assert!(!second.is_finished(), "the second consume must wait for the row lock");
     first.commit().await?;
     let err = second.await?.unwrap_err();
     assert_eq!(err.kind(), "exhausted", "{err}");
+    Ok(())
+}
+
+/// Enrollment records which provisioning token enrolled the workload (IDN-2), and `workload
+/// show` (the store's view, which the CLI and the API print) shows it; each workload names its
+/// own token.
+#[tokio::test]
+async fn enrolled_by_token() -> anyhow::Result<()> {
+    use innerwall_control_plane::policy::store;
+    let plane = crate::enrollment::Plane::start(Default::default()).await;
+    let mut conn = plane.db.pool.acquire().await?;
+    let day = chrono::Duration::days(1);
+    let first = tokens::mint(&mut conn, &labels(&["app=web"]), day, None, &[]).await?;
+    let second = tokens::mint(&mut conn, &labels(&["app=db"]), day, None, &[]).await?;
+    let (a, _, _) = plane.enroll(&first.secret).await.map_err(|s| anyhow::anyhow!("{s}"))?;
+    let (b, _, _) = plane.enroll(&second.secret).await.map_err(|s| anyhow::anyhow!("{s}"))?;
+    for (id, token) in [(a, first.id), (b, second.id)] {
+        let stored: Option<uuid::Uuid> =
+            sqlx::query_scalar("SELECT enrolled_by_token FROM workloads WHERE id = $1")
+                .bind(id.uuid())
+                .fetch_one(&mut *conn)
+                .await?;
+        assert_eq!(stored, Some(token), "written at enrollment");
+        let view = store::workload_view(&mut conn, id).await?;
+        let facts = view.facts.clone().expect("a single workload's view carries its facts");
+        assert_eq!(facts.enrolled_by_token, Some(token), "shown");
+        let json = serde_json::to_value(&view)?;
+        assert_eq!(json["facts"]["enrolled_by_token"], serde_json::json!(token.to_string()), "{json}");
+        assert!(facts.credential_issuer.is_some() && !facts.credential_serial.is_empty());
+    }
     Ok(())
 }
