@@ -424,10 +424,11 @@ fn stamp(dir: &Path) -> Vec<u8> {
 
 fn load_dir(dir: &Path) -> Result<Loaded, CaError> {
     let stamp = stamp(dir);
-    let current = load_root(&dir.join(CA_KEY_FILE), &dir.join(CA_CERT_FILE))?;
     let (next_key, next_cert) = (dir.join(NEXT_KEY_FILE), dir.join(NEXT_CERT_FILE));
+    // A half-done rotation or retirement first: its message says how to finish it, where the
+    // key mismatch it also leaves would not.
     let next = match (next_key.exists(), next_cert.exists()) {
-        (true, true) => Some(load_root(&next_key, &next_cert)?),
+        (true, true) => Some(()),
         (false, false) => None,
         (true, false) => {
             return Err(CaError::Incomplete {
@@ -441,6 +442,11 @@ fn load_dir(dir: &Path) -> Result<Loaded, CaError> {
                 detail: "next.crt without next.key: a retirement was interrupted; run `innerwall ca retire` again",
             });
         }
+    };
+    let current = load_root(&dir.join(CA_KEY_FILE), &dir.join(CA_CERT_FILE))?;
+    let next = match next {
+        Some(()) => Some(load_root(&next_key, &next_cert)?),
+        None => None,
     };
     Ok(Loaded { current, next, stamp })
 }

@@ -683,3 +683,68 @@ async fn enrolled_by_token() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// The CA directory through a rotation (IDN-8): rotate adds a root that issues workload
+/// certificates while servers keep the old one; a second rotation and a retirement without one
+/// are refused; a directory caught half-retired fails to load naming the fix, and a running
+/// CA keeps what it had; completing the retirement leaves the new root alone, and its key.
+#[test]
+fn ca_rotation_files_are_checked() {
+    let (tmp, ca) = new_ca();
+    let dir = tmp.0.join("ca");
+    let old_root_der = pem_der(&ca.ca_bundle_pem());
+    let old_sha = ca.current_sha256();
+    let id = WorkloadId::new_random();
+    let csr = plain_csr(&KeyPair::generate().unwrap());
+    let now = SystemTime::now();
+    let signed_by = |pem: &str, root_der: &[u8]| {
+        parse_cert(&pem_der(pem)).verify_signature(Some(parse_cert(root_der).public_key())).is_ok()
+    };
+
+    let err = FileCa::retire(&dir).unwrap_err();
+    assert!(matches!(err, CaError::NoRotation { .. }), "{err}");
+    assert!(!ca.reload().unwrap(), "nothing changed");
+
+    let change = FileCa::rotate(&dir).unwrap();
+    assert_eq!(change.old_sha256, old_sha);
+    assert_eq!(mode(&dir.join(ca::NEXT_KEY_FILE)), 0o600);
+    let next_der = pem_der(&std::fs::read_to_string(dir.join(ca::NEXT_CERT_FILE)).unwrap());
+    let err = FileCa::rotate(&dir).unwrap_err();
+    assert!(matches!(err, CaError::RotationInProgress { .. }), "{err}");
+    assert!(err.to_string().contains("retire the old CA first"), "{err}");
+
+    // The loaded CA notices once; the bundle holds both roots; workloads get the new root,
+    // servers the old (every agent trusts it).
+    assert!(ca.reload().unwrap());
+    assert!(!ca.reload().unwrap());
+    assert_eq!(ca.next_sha256().as_deref(), Some(change.new_sha256.as_str()));
+    assert_eq!(ca.ca_bundle_pem().matches("BEGIN CERTIFICATE").count(), 2);
+    let issued = ca.issue_workload(id, csr.as_bytes(), DEFAULT_WORKLOAD_LIFETIME, now).unwrap();
+    assert_eq!(issued.issuer_sha256, change.new_sha256);
+    assert!(signed_by(&issued.pem, &next_der) && !signed_by(&issued.pem, &old_root_der));
+    let (server, _) = ca.issue_server(&["localhost".into()], DEFAULT_WORKLOAD_LIFETIME, now).unwrap();
+    assert!(signed_by(&server, &old_root_der));
+
+    // Interrupted between retire's two renames: the key moved, the certificate not yet.
+    let new_key = std::fs::read(dir.join(ca::NEXT_KEY_FILE)).unwrap();
+    std::fs::rename(dir.join(ca::NEXT_KEY_FILE), dir.join(ca::CA_KEY_FILE)).unwrap();
+    let err = FileCa::load(&dir).unwrap_err();
+    assert!(err.to_string().contains("run `innerwall ca retire` again"), "{err}");
+    assert!(ca.reload().is_err());
+    assert_eq!(ca.next_sha256().as_deref(), Some(change.new_sha256.as_str()), "a failed reload keeps the CA");
+
+    // Running retire again completes it: the new root alone, with its key; servers get it too.
+    let done = FileCa::retire(&dir).unwrap();
+    assert_eq!(
+        (done.old_sha256.as_str(), done.new_sha256.as_str()),
+        (old_sha.as_str(), change.new_sha256.as_str())
+    );
+    assert!(!dir.join(ca::NEXT_KEY_FILE).exists() && !dir.join(ca::NEXT_CERT_FILE).exists());
+    assert_eq!(std::fs::read(dir.join(ca::CA_KEY_FILE)).unwrap(), new_key, "the old key is gone");
+    assert_eq!(mode(&dir.join(ca::CA_KEY_FILE)), 0o600);
+    assert!(ca.reload().unwrap());
+    assert_eq!((ca.current_sha256(), ca.next_sha256()), (change.new_sha256.clone(), None));
+    assert_eq!(ca.ca_bundle_pem().matches("BEGIN CERTIFICATE").count(), 1);
+    let (server, _) = ca.issue_server(&["localhost".into()], DEFAULT_WORKLOAD_LIFETIME, now).unwrap();
+    assert!(signed_by(&server, &next_der) && !signed_by(&server, &old_root_der));
+}
