@@ -1,6 +1,7 @@
-//! Identity (IDN-1, IDN-3, IDN-8): a hostile CSR contributes only its public key, the CA's files
-//! stay private and are never overwritten, and every token rejection is distinct and writes
-//! nothing in a real Postgres.
+//! Identity (IDN-1..IDN-3, IDN-5, IDN-8): a hostile CSR contributes only its public key, the
+//! CA's files stay private, are never overwritten and rotate as `ca rotate`/`ca retire` say,
+//! every token rejection is distinct and writes nothing in a real Postgres, the enrolling token
+//! is recorded and shown, and renewal failures are shown.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -747,4 +748,71 @@ fn ca_rotation_files_are_checked() {
     assert_eq!(ca.ca_bundle_pem().matches("BEGIN CERTIFICATE").count(), 1);
     let (server, _) = ca.issue_server(&["localhost".into()], DEFAULT_WORKLOAD_LIFETIME, now).unwrap();
     assert!(signed_by(&server, &next_der) && !signed_by(&server, &old_root_der));
+}
+
+/// A renewal failure the agent reports in its heartbeats (one that may never have reached the
+/// control plane) is recorded and shown in `workload status` with its reason and time; the same
+/// reason again is not rewritten at every heartbeat; a successful renewal clears it from status
+/// while `workload show` keeps the last failure.
+#[tokio::test]
+async fn reported_renewal_failures_are_shown() -> anyhow::Result<()> {
+    use innerwall_control_plane::policy::store;
+    use innerwall_wire::proto::{self, sync_request};
+    let plane = crate::enrollment::Plane::start(Default::default()).await;
+    let token = plane.mint(&["app=web"], None).await;
+    let (id, cert, key) = plane.enroll(&token).await.map_err(|s| anyhow::anyhow!("{s}"))?;
+    let (tx, rx) = tokio::sync::mpsc::channel(8);
+    let send = async |msg: sync_request::Msg| tx.send(proto::SyncRequest { msg: Some(msg) }).await.unwrap();
+    send(sync_request::Msg::Hello(proto::Hello::default())).await;
+    let mut client = proto::agent_service_client::AgentServiceClient::new(plane.mutual(&cert, &key).await?);
+    let mut inbound = client.sync(tokio_stream::wrappers::ReceiverStream::new(rx)).await?.into_inner();
+    for _ in 0..2 {
+        inbound.message().await?.expect("HelloAck, then the snapshot");
+    }
+    let heartbeat = |error: &str, marker: Option<&str>| {
+        sync_request::Msg::Heartbeat(proto::Heartbeat {
+            credential_renewal_error: error.into(),
+            tamper_events: marker
+                .map(|m| proto::TamperEvent { detail: m.into(), count: 1, ..Default::default() })
+                .into_iter()
+                .collect(),
+            ..Default::default()
+        })
+    };
+    let status =
+        async || store::sync_status_of(&mut plane.db.pool.acquire().await.unwrap(), id).await.unwrap();
+    let marked = async |marker: &str| -> bool {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT EXISTS (SELECT 1 FROM audit_log WHERE action = 'workload.tamper' AND detail->>'detail' = $1)",
+        )
+        .bind(marker)
+        .fetch_one(&plane.db.pool)
+        .await
+        .unwrap()
+    };
+
+    // The heartbeat's handler records the failure before the tamper record: once the marker is
+    // audited, the failure is written (or, for a repeat, was not rewritten).
+    send(heartbeat("dial failed: connection refused", Some("m1"))).await;
+    crate::eventually("the first heartbeat was handled", async || marked("m1").await).await;
+    let first = status().await.renewal_failure.expect("the reported failure shows in status");
+    assert_eq!(first.reason, "reported by the agent: dial failed: connection refused");
+    send(heartbeat("dial failed: connection refused", Some("m2"))).await;
+    crate::eventually("the repeat was handled", async || marked("m2").await).await;
+    assert_eq!(status().await.renewal_failure, Some(first.clone()), "a repeat is not rewritten");
+    send(heartbeat("writing credential.pem: no space left on device", Some("m3"))).await;
+    crate::eventually("the new reason was handled", async || marked("m3").await).await;
+    let second = status().await.renewal_failure.unwrap();
+    assert!(second.reason.ends_with("no space left on device") && second.at >= first.at, "{second:?}");
+
+    // A renewal that succeeds: status no longer shows a failure; show keeps the last one.
+    let (_, csr) = crate::enrollment::key_and_csr();
+    proto::agent_service_client::AgentServiceClient::new(plane.mutual(&cert, &key).await?)
+        .renew_credential(proto::RenewCredentialRequest { csr_pem: csr })
+        .await?;
+    assert_eq!(status().await.renewal_failure, None, "renewed since");
+    let facts = store::workload_view(&mut *plane.db.pool.acquire().await?, id).await?.facts.unwrap();
+    assert_eq!(facts.last_renewal_error.as_deref(), Some(second.reason.as_str()));
+    assert!(facts.last_renewed_at > facts.last_renewal_failed_at);
+    Ok(())
 }
