@@ -194,7 +194,15 @@ pub async fn enroll(
     };
     let cert_pem = String::from_utf8(response.certificate_pem)
         .map_err(|_| CredentialError::Certificate("the issued certificate is not PEM text".into()))?;
-    let credential = Credential::new(key_pem, cert_pem, ca_pem.to_owned())?;
+    // The server proved itself with `ca_pem`; the bundle it sends may add the root of a CA
+    // rotation in progress (the certificate may be of that root), which renewal would bring
+    // anyway. Kept only if it issued this certificate; an older control plane sends `ca_pem`.
+    let bundle = String::from_utf8(response.ca_bundle_pem).unwrap_or_default();
+    let ca_pem = match identity::check_bundle(&cert_pem, &bundle) {
+        Ok(()) => bundle,
+        Err(_) => ca_pem.to_owned(),
+    };
+    let credential = Credential::new(key_pem, cert_pem, ca_pem)?;
     credential.save(state_dir)?;
     Ok(Enrollment { credential, replaced })
 }

@@ -62,6 +62,38 @@ pub fn new_key_and_csr() -> Result<(String, Vec<u8>), CredentialError> {
     Ok((key.serialize_pem(), csr.into_bytes()))
 }
 
+/// `bundle_pem` as the CA bundle for `cert_pem`, if it is one: PEM certificates only (at most
+/// [`MAX_BUNDLE_CERTS`]), one of which signed the certificate. A bundle the control plane sends
+/// (enrollment, renewal) replaces the stored one only then, so a bad reply cannot lock the agent
+/// out of the control plane (IDN-8 rotation).
+pub fn check_bundle(cert_pem: &str, bundle_pem: &str) -> Result<(), CredentialError> {
+    let bad = |e: String| CredentialError::Certificate(format!("the CA bundle the control plane sent: {e}"));
+    let (_, leaf) = x509_parser::pem::parse_x509_pem(cert_pem.as_bytes()).map_err(|e| bad(e.to_string()))?;
+    let leaf = leaf.parse_x509().map_err(|e| bad(e.to_string()))?;
+    let mut signed = false;
+    let mut count = 0;
+    for pem in x509_parser::pem::Pem::iter_from_buffer(bundle_pem.as_bytes()) {
+        let pem = pem.map_err(|e| bad(e.to_string()))?;
+        if pem.label != "CERTIFICATE" {
+            return Err(bad(format!("unexpected PEM block {:?}", pem.label)));
+        }
+        count += 1;
+        if count > MAX_BUNDLE_CERTS {
+            return Err(bad(format!("more than {MAX_BUNDLE_CERTS} certificates")));
+        }
+        let ca = pem.parse_x509().map_err(|e| bad(e.to_string()))?;
+        signed |= ca.is_ca() && leaf.verify_signature(Some(ca.public_key())).is_ok();
+    }
+    match (count, signed) {
+        (0, _) => Err(bad("no certificate".into())),
+        (_, false) => Err(bad("none of its roots issued this host's certificate".into())),
+        _ => Ok(()),
+    }
+}
+
+/// The most roots a CA bundle holds (a rotation has two).
+pub const MAX_BUNDLE_CERTS: usize = 8;
+
 /// The workload id and validity window of a PEM certificate.
 pub fn inspect(cert_pem: &str) -> Result<(WorkloadId, SystemTime, SystemTime), CredentialError> {
     let bad = |e: String| CredentialError::Certificate(e);
@@ -322,6 +354,32 @@ mod tests {
         }
         let _ = fs::remove_dir_all(&dir);
         let _ = fs::remove_dir_all(&legacy);
+    }
+
+    /// A CA and a certificate it issued, as PEM.
+    fn ca_and_leaf() -> (String, String) {
+        let ca_key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::default();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let ca = params.self_signed(&ca_key).unwrap();
+        let issuer = rcgen::Issuer::from_ca_cert_der(ca.der(), ca_key).unwrap();
+        let leaf_key = rcgen::KeyPair::generate().unwrap();
+        let leaf = rcgen::CertificateParams::default().signed_by(&leaf_key, &issuer).unwrap();
+        (ca.pem(), leaf.pem())
+    }
+
+    #[test]
+    fn a_sent_bundle_is_kept_only_if_it_issued_the_certificate() {
+        let (ca, leaf) = ca_and_leaf();
+        let (other_ca, _) = ca_and_leaf();
+        assert!(check_bundle(&leaf, &ca).is_ok());
+        assert!(check_bundle(&leaf, &format!("{other_ca}{ca}")).is_ok(), "a rotation's two roots");
+        let e = check_bundle(&leaf, &other_ca).unwrap_err().to_string();
+        assert!(e.contains("none of its roots issued"), "{e}");
+        assert!(check_bundle(&leaf, "").is_err());
+        assert!(check_bundle(&leaf, &ca.repeat(MAX_BUNDLE_CERTS + 1)).is_err());
+        let (key, _) = issued(WorkloadId::new_random());
+        assert!(check_bundle(&leaf, &format!("{ca}{key}")).is_err(), "a key in a bundle");
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Credential renewal (IDN-5): in the last third of each credential's life (jittered), a fresh
 //! key and CSR over the agent's own mutually authenticated connection, the certificate replaced
-//! atomically on disk. Failures are retried with backoff and reported in heartbeats; the policy
+//! atomically on disk, with the CA bundle the reply carries (a CA rotation reaches agents this
+//! way). Failures are retried with backoff and reported in heartbeats; the policy
 //! stream is never dropped for it, since the next connection picks the new credential up.
 
 use std::sync::Arc;
@@ -40,7 +41,16 @@ async fn renew_once(config: &RunConfig, credential: &Credential) -> Result<Crede
         .map_err(RenewError::Refused)?
         .into_inner();
     let cert_pem = String::from_utf8(response.certificate_pem).map_err(RenewError::NotPem)?;
-    let renewed = Credential::new(key_pem, cert_pem, credential.ca_pem.clone())?;
+    // The bundle comes with the certificate (a CA rotation adds the new root, a retirement
+    // removes the old one); an older control plane sends none and the stored one stands.
+    let ca_pem = match String::from_utf8(response.ca_bundle_pem).map_err(RenewError::NotPem)? {
+        bundle if bundle.trim().is_empty() => credential.ca_pem.clone(),
+        bundle => {
+            identity::check_bundle(&cert_pem, &bundle)?;
+            bundle
+        }
+    };
+    let renewed = Credential::new(key_pem, cert_pem, ca_pem)?;
     if renewed.id != credential.id {
         return Err(RenewError::OtherWorkload { renewed: renewed.id, held: credential.id });
     }

@@ -118,6 +118,32 @@ pub struct Running {
     api: Option<crate::api::ApiServer>,
 }
 
+/// How often a replica re-reads its CA directory for a rotation or retirement.
+pub const CA_RELOAD_INTERVAL: Duration = Duration::from_secs(2);
+
+/// Re-reads the CA every [`CA_RELOAD_INTERVAL`]; a directory caught half-changed (or broken)
+/// keeps the CA loaded before, and is logged once until it loads again.
+async fn reload_ca_forever(signer: Arc<dyn Signer>) {
+    let mut failing = false;
+    loop {
+        tokio::time::sleep(CA_RELOAD_INTERVAL).await;
+        match signer.reload() {
+            Ok(true) => {
+                failing = false;
+                tracing::info!(
+                    "the CA changed: the bundle, the issuing root and the listener's certificate follow"
+                );
+            }
+            Ok(false) => failing = false,
+            Err(e) if !failing => {
+                failing = true;
+                tracing::error!("re-reading the CA failed, keeping the one loaded: {e}");
+            }
+            Err(_) => {}
+        }
+    }
+}
+
 /// Rolls up the records of closed hours every minute (FLOW-6), drops expired flow partitions
 /// hourly (FLOW-5) and then deletes the control plane's expired rows (`retention`); replicas
 /// serialize on their locks.
@@ -236,8 +262,15 @@ pub async fn start(
         config.server_cert_lifetime,
     )
     .map_err(ServerError::from)?;
-    let tls = listener::tls_config(signer.as_ref(), certificate.clone(), admission.clone())?;
-    let renewal = tokio::spawn(certificate.clone().renew_forever());
+    let tls = listener::tls_config(signer.clone(), certificate.clone(), admission.clone())?;
+    // The listener's certificate is reissued before it expires and whenever the CA changed;
+    // the CA directory is re-read every few seconds (a rotation or retirement, IDN-8).
+    let renewal = tokio::spawn({
+        let (certificate, signer) = (certificate.clone(), signer.clone());
+        async move {
+            tokio::join!(certificate.renew_forever(), reload_ca_forever(signer));
+        }
+    });
     let tcp = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|source| ServiceError::Bind { addr: config.listen, source })?;

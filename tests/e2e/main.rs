@@ -9,6 +9,7 @@ mod flows;
 mod gate;
 mod host;
 mod installs;
+mod identity;
 mod kill_switch;
 mod metrics;
 mod plane;

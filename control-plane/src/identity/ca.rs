@@ -1,10 +1,19 @@
 //! The workload CA (IDN-3, IDN-8): the `Signer` seam, the file-backed root that `innerwall ca init`
-//! creates, certificate issuance from a CSR that contributes only its public key, and reading a
-//! workload's identity back out of a presented certificate.
+//! creates and `innerwall ca rotate` / `ca retire` replace, certificate issuance from a CSR that
+//! contributes only its public key, and reading a workload's identity back out of a presented
+//! certificate.
 //!
 //! The signing key lives in an operator-provided directory (identical on every replica) and
 //! never in Postgres. Everything a CSR asks for — subject, names, extensions — is ignored: the
 //! control plane alone decides what a workload certificate says.
+//!
+//! Rotation (issue 25): `ca.key`/`ca.crt` are always the root every agent trusts and the one
+//! server certificates are issued by. `ca rotate` adds `next.key`/`next.crt`: from then on the
+//! bundle holds both roots and workload certificates are issued by `next`, so an agent that
+//! renews gets a certificate and a bundle of the new root while the server stays verifiable
+//! with the old one. `ca retire` moves `next` over `ca` (the old key is gone): servers then
+//! present certificates of the new root, which every agent that renewed trusts. A running
+//! replica notices the change by [`Signer::reload`].
 
 use std::fmt;
 use std::fs::{self, DirBuilder, File, OpenOptions};
@@ -34,6 +43,10 @@ use x509_parser::x509::SubjectPublicKeyInfo;
 pub const CA_KEY_FILE: &str = "ca.key";
 /// The self-signed root certificate agents and servers trust.
 pub const CA_CERT_FILE: &str = "ca.crt";
+/// During a rotation: the new root's key, which issues workload certificates.
+pub const NEXT_KEY_FILE: &str = "next.key";
+/// During a rotation: the new root's certificate, in the bundle beside `ca.crt`.
+pub const NEXT_CERT_FILE: &str = "next.crt";
 /// The root's common name.
 pub const CA_COMMON_NAME: &str = "Innerwall root CA";
 /// How long a root created by [`FileCa::init`] is valid.
@@ -55,6 +68,8 @@ pub struct IssuedCertificate {
     /// Exactly as encoded in the certificate (whole seconds).
     pub not_before: SystemTime,
     pub not_after: SystemTime,
+    /// SHA-256 of the issuing root's certificate (DER), lower-case hex.
+    pub issuer_sha256: String,
 }
 
 /// The seam an external signer (HSM, cloud KMS, Vault) replaces (IDN-8).
@@ -80,6 +95,18 @@ pub trait Signer: Send + Sync + fmt::Debug {
         lifetime: Duration,
         now: SystemTime,
     ) -> Result<(String, String), CaError>;
+
+    /// Re-reads the CA's configuration; true if it changed (a rotation or retirement). A signer
+    /// that never changes keeps the default.
+    fn reload(&self) -> Result<bool, CaError> {
+        Ok(false)
+    }
+
+    /// Ticks after every change [`Signer::reload`] found, for the server certificates to be
+    /// reissued by the root that issues them now.
+    fn changes(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        None
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -122,6 +149,12 @@ pub enum CaError {
         #[source]
         source: std::io::Error,
     },
+    #[error("a rotation is in progress ({} exists): retire the old CA first (innerwall ca retire)", path.display())]
+    RotationInProgress { path: PathBuf },
+    #[error("no rotation is in progress ({} is missing): rotate first (innerwall ca rotate)", path.display())]
+    NoRotation { path: PathBuf },
+    #[error("{}: {detail}", dir.display())]
+    Incomplete { dir: PathBuf, detail: &'static str },
     #[error("signing failed: {0}")]
     Signing(#[source] rcgen::Error),
     #[error("the system random number generator failed")]
@@ -161,6 +194,14 @@ pub fn certificate_not_after(der: &[u8]) -> Result<SystemTime, CertIdentityError
     Ok(SystemTime::UNIX_EPOCH + Duration::from_secs(seconds))
 }
 
+/// SHA-256 of a presented leaf certificate's public key (its DER SubjectPublicKeyInfo),
+/// lower-case hex: which key holds the identity, for clone detection (IDN-7).
+pub fn certificate_key_sha256(der: &[u8]) -> Result<String, CertIdentityError> {
+    let (_, cert) = x509_parser::parse_x509_certificate(der)
+        .map_err(|e| CertIdentityError::Unparseable { detail: e.to_string() })?;
+    Ok(sha256_hex(cert.public_key().raw))
+}
+
 /// The workload identity of a presented leaf certificate: its one URI SAN, canonical form only.
 /// Chain validation against the CA is the TLS layer's job, not this function's.
 pub fn workload_id_from_certificate(der: &[u8]) -> Result<WorkloadId, CertIdentityError> {
@@ -190,11 +231,35 @@ pub fn workload_id_from_certificate(der: &[u8]) -> Result<WorkloadId, CertIdenti
     }
 }
 
-/// The file-backed CA: `ca.key` + `ca.crt` in an operator-provided directory.
+/// One root: its certificate and what signs with its key.
+struct Root {
+    cert_pem: String,
+    sha256: String,
+    issuer: Issuer<'static, KeyPair>,
+}
+
+/// What the CA directory held when it was last read.
+struct Loaded {
+    /// `ca.*`: trusted by every agent, issues server certificates.
+    current: Root,
+    /// `next.*` during a rotation: issues workload certificates.
+    next: Option<Root>,
+    /// The certificate files' contents, to tell a change without re-reading keys.
+    stamp: Vec<u8>,
+}
+
+impl Loaded {
+    fn workload_issuer(&self) -> &Root {
+        self.next.as_ref().unwrap_or(&self.current)
+    }
+}
+
+/// The file-backed CA: `ca.key` + `ca.crt` (and during a rotation `next.key` + `next.crt`) in an
+/// operator-provided directory.
 pub struct FileCa {
     dir: PathBuf,
-    cert_pem: String,
-    issuer: Issuer<'static, KeyPair>,
+    loaded: std::sync::RwLock<std::sync::Arc<Loaded>>,
+    changes: tokio::sync::watch::Sender<u64>,
 }
 
 impl fmt::Debug for FileCa {
@@ -202,6 +267,15 @@ impl fmt::Debug for FileCa {
         // Never the key.
         f.debug_struct("FileCa").field("dir", &self.dir).finish_non_exhaustive()
     }
+}
+
+/// What `innerwall ca rotate` or `ca retire` did: the fingerprints of the roots involved.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct RootChange {
+    /// The root agents trusted before (rotate) / the root retired (retire).
+    pub old_sha256: String,
+    /// The root added (rotate) / the root that replaces it (retire).
+    pub new_sha256: String,
 }
 
 impl FileCa {
@@ -221,99 +295,244 @@ impl FileCa {
                 return Err(CaError::AlreadyExists { path: path.clone() });
             }
         }
-
-        let key = KeyPair::generate().map_err(CaError::Signing)?;
-        let now = SystemTime::now();
-        let mut params = CertificateParams::default();
-        params.distinguished_name = DistinguishedName::new();
-        params.distinguished_name.push(DnType::CommonName, CA_COMMON_NAME);
-        // Path length 0: whatever this root signs can never act as a CA itself.
-        params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
-        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-        params.serial_number = Some(random_serial()?);
-        (params.not_before, params.not_after) = validity(now, CA_LIFETIME)?;
-        let cert = params.self_signed(&key).map_err(CaError::Signing)?;
-
-        // create_new + mode: the key file never exists with wider permissions, not even briefly,
-        // and an existing file (a race with another `ca init`) is never overwritten.
-        write_new(&key_path, 0o600, key.serialize_pem().as_bytes())?;
-        if let Err(e) = write_new(&cert_path, 0o644, cert.pem().as_bytes()) {
-            let _ = fs::remove_file(&key_path);
-            return Err(e);
-        }
+        new_root(&key_path, &cert_path, CA_COMMON_NAME)?;
         FileCa::load(dir)
     }
 
-    /// Loads `dir/ca.key` and `dir/ca.crt`, refusing a key accessible by group or others, a key
-    /// that does not match the certificate, and a certificate that is not a currently valid CA.
+    /// Loads `dir/ca.key` and `dir/ca.crt` (and `next.*` when a rotation is in progress),
+    /// refusing a key accessible by group or others, a key that does not match its certificate,
+    /// and a certificate that is not a currently valid CA.
     pub fn load(dir: &Path) -> Result<FileCa, CaError> {
-        let key_path = dir.join(CA_KEY_FILE);
-        let cert_path = dir.join(CA_CERT_FILE);
-
-        let mut key_file = File::open(&key_path).map_err(|source| CaError::Io {
-            action: "opening ca key",
-            path: key_path.clone(),
-            source,
-        })?;
-        let mode = key_file
-            .metadata()
-            .map_err(|source| CaError::Io { action: "reading metadata of", path: key_path.clone(), source })?
-            .permissions()
-            .mode();
-        if mode & 0o077 != 0 {
-            return Err(CaError::KeyPermissions { path: key_path, mode: mode & 0o7777 });
-        }
-        let mut key_pem = String::new();
-        key_file.read_to_string(&mut key_pem).map_err(|source| CaError::Io {
-            action: "reading ca key",
-            path: key_path.clone(),
-            source,
-        })?;
-        let key = KeyPair::from_pem(&key_pem)
-            .map_err(|source| CaError::BadCaKey { path: key_path.clone(), source })?;
-
-        let cert_pem = fs::read_to_string(&cert_path).map_err(|source| CaError::Io {
-            action: "reading ca certificate",
-            path: cert_path.clone(),
-            source,
-        })?;
-        let bad = |detail: String| CaError::BadCaCertificate { path: cert_path.clone(), detail };
-        let der = pem_contents(cert_pem.as_bytes(), &["CERTIFICATE"]).map_err(bad)?;
-        let (rest, cert) = x509_parser::parse_x509_certificate(&der).map_err(|e| bad(e.to_string()))?;
-        if !rest.is_empty() {
-            return Err(bad("trailing bytes after the certificate".into()));
-        }
-        if !cert.is_ca() {
-            return Err(bad("it is not a CA certificate (basic constraints CA:true missing)".into()));
-        }
-        if cert.public_key().raw != key.subject_public_key_info().as_slice() {
-            return Err(CaError::KeyMismatch {
-                key: key_path,
-                cert: cert_path,
-                detail: "the public keys differ".into(),
-            });
-        }
-        cert.verify_signature(None).map_err(|e| bad(format!("its self-signature does not verify: {e}")))?;
-        if !cert.validity().is_valid() {
-            return Err(bad(format!(
-                "it is valid only from {} to {}; create a new CA",
-                cert.validity().not_before,
-                cert.validity().not_after
-            )));
-        }
-
-        let issuer = Issuer::from_ca_cert_der(&der.as_slice().into(), key).map_err(|e| bad(e.to_string()))?;
-        Ok(FileCa { dir: dir.to_owned(), cert_pem, issuer })
+        let loaded = load_dir(dir)?;
+        Ok(FileCa {
+            dir: dir.to_owned(),
+            loaded: std::sync::RwLock::new(std::sync::Arc::new(loaded)),
+            changes: tokio::sync::watch::Sender::new(0),
+        })
     }
 
     pub fn dir(&self) -> &Path {
         &self.dir
     }
+
+    fn loaded(&self) -> std::sync::Arc<Loaded> {
+        self.loaded.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// SHA-256 of the root agents are given and servers present (`ca.crt`).
+    pub fn current_sha256(&self) -> String {
+        self.loaded().current.sha256.clone()
+    }
+
+    /// SHA-256 of the root a rotation added (`next.crt`), if one is in progress.
+    pub fn next_sha256(&self) -> Option<String> {
+        self.loaded().next.as_ref().map(|r| r.sha256.clone())
+    }
+
+    /// `innerwall ca rotate`: creates a new root as `next.*` in `dir`; from the next load or
+    /// reload on, workload certificates are issued by it and the bundle holds both roots.
+    /// Refused while a rotation is in progress.
+    pub fn rotate(dir: &Path) -> Result<RootChange, CaError> {
+        let old = FileCa::load(dir)?;
+        let (key_path, cert_path) = (dir.join(NEXT_KEY_FILE), dir.join(NEXT_CERT_FILE));
+        for path in [&key_path, &cert_path] {
+            if fs::symlink_metadata(path).is_ok() {
+                return Err(CaError::RotationInProgress { path: path.clone() });
+            }
+        }
+        let serial = random_serial()?;
+        let name = format!("{CA_COMMON_NAME} {}", &hex(&serial.to_bytes())[..8]);
+        new_root(&key_path, &cert_path, &name)?;
+        let new = FileCa::load(dir)?;
+        Ok(RootChange { old_sha256: old.current_sha256(), new_sha256: new.next_sha256().unwrap_or_default() })
+    }
+
+    /// `innerwall ca retire`: the new root replaces the old one (`next.*` moved over `ca.*`;
+    /// the old key is gone). Whether every agent has renewed is the caller's check
+    /// ([`crate::identity::rotation::retire`]). An interrupted retirement is completed.
+    pub fn retire(dir: &Path) -> Result<RootChange, CaError> {
+        let (next_key, next_cert) = (dir.join(NEXT_KEY_FILE), dir.join(NEXT_CERT_FILE));
+        let io = |action, path: &Path| {
+            let path = path.to_owned();
+            move |source| CaError::Io { action, path, source }
+        };
+        if !next_cert.exists() {
+            return Err(CaError::NoRotation { path: next_cert });
+        }
+        let old_sha256 = certificate_file_sha256(&dir.join(CA_CERT_FILE))?;
+        if next_key.exists() {
+            // Validates the pair before anything moves.
+            FileCa::load(dir)?;
+            fs::rename(&next_key, dir.join(CA_KEY_FILE)).map_err(io("renaming", &next_key))?;
+        }
+        // Between the two renames `ca.key` is the new key beside the old certificate: a load
+        // then fails (a reload keeps what it had) until this completes, or `ca retire` is run
+        // again after a crash.
+        fs::rename(&next_cert, dir.join(CA_CERT_FILE)).map_err(io("renaming", &next_cert))?;
+        sync_dir(dir)?;
+        let new = FileCa::load(dir)?;
+        Ok(RootChange { old_sha256, new_sha256: new.current_sha256() })
+    }
+}
+
+/// Creates a self-signed root named `name`: the key with `create_new` and mode 0600 first (it
+/// never exists with wider permissions), then the certificate.
+fn new_root(key_path: &Path, cert_path: &Path, name: &str) -> Result<(), CaError> {
+    let key = KeyPair::generate().map_err(CaError::Signing)?;
+    let now = SystemTime::now();
+    let mut params = CertificateParams::default();
+    params.distinguished_name = DistinguishedName::new();
+    params.distinguished_name.push(DnType::CommonName, name);
+    // Path length 0: whatever this root signs can never act as a CA itself.
+    params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    params.serial_number = Some(random_serial()?);
+    (params.not_before, params.not_after) = validity(now, CA_LIFETIME)?;
+    let cert = params.self_signed(&key).map_err(CaError::Signing)?;
+
+    // create_new + mode: the key file never exists with wider permissions, not even briefly,
+    // and an existing file (a race with another `ca init`) is never overwritten.
+    write_new(key_path, 0o600, key.serialize_pem().as_bytes())?;
+    if let Err(e) = write_new(cert_path, 0o644, cert.pem().as_bytes()) {
+        let _ = fs::remove_file(key_path);
+        return Err(e);
+    }
+    Ok(())
+}
+
+fn sync_dir(dir: &Path) -> Result<(), CaError> {
+    File::open(dir).and_then(|d| d.sync_all()).map_err(|source| CaError::Io {
+        action: "syncing",
+        path: dir.to_owned(),
+        source,
+    })
+}
+
+/// The certificate files' contents (which say whether anything changed) and which exist.
+fn stamp(dir: &Path) -> Vec<u8> {
+    let mut stamp = Vec::new();
+    for name in [CA_CERT_FILE, NEXT_CERT_FILE, CA_KEY_FILE, NEXT_KEY_FILE] {
+        let path = dir.join(name);
+        match name.ends_with(".crt") {
+            true => stamp.extend(fs::read(&path).unwrap_or_default()),
+            false => stamp.push(u8::from(path.exists())),
+        }
+        stamp.push(0);
+    }
+    stamp
+}
+
+fn load_dir(dir: &Path) -> Result<Loaded, CaError> {
+    let stamp = stamp(dir);
+    let (next_key, next_cert) = (dir.join(NEXT_KEY_FILE), dir.join(NEXT_CERT_FILE));
+    // A half-done rotation or retirement first: its message says how to finish it, where the
+    // key mismatch it also leaves would not.
+    let next = match (next_key.exists(), next_cert.exists()) {
+        (true, true) => Some(()),
+        (false, false) => None,
+        (true, false) => {
+            return Err(CaError::Incomplete {
+                dir: dir.to_owned(),
+                detail: "next.key without next.crt: a rotation was interrupted; remove next.key and rotate again",
+            });
+        }
+        (false, true) => {
+            return Err(CaError::Incomplete {
+                dir: dir.to_owned(),
+                detail: "next.crt without next.key: a retirement was interrupted; run `innerwall ca retire` again",
+            });
+        }
+    };
+    let current = load_root(&dir.join(CA_KEY_FILE), &dir.join(CA_CERT_FILE))?;
+    let next = match next {
+        Some(()) => Some(load_root(&next_key, &next_cert)?),
+        None => None,
+    };
+    Ok(Loaded { current, next, stamp })
+}
+
+fn load_root(key_path: &Path, cert_path: &Path) -> Result<Root, CaError> {
+    let (key_path, cert_path) = (key_path.to_owned(), cert_path.to_owned());
+    let mut key_file = File::open(&key_path).map_err(|source| CaError::Io {
+        action: "opening ca key",
+        path: key_path.clone(),
+        source,
+    })?;
+    let mode = key_file
+        .metadata()
+        .map_err(|source| CaError::Io { action: "reading metadata of", path: key_path.clone(), source })?
+        .permissions()
+        .mode();
+    if mode & 0o077 != 0 {
+        return Err(CaError::KeyPermissions { path: key_path, mode: mode & 0o7777 });
+    }
+    let mut key_pem = String::new();
+    key_file.read_to_string(&mut key_pem).map_err(|source| CaError::Io {
+        action: "reading ca key",
+        path: key_path.clone(),
+        source,
+    })?;
+    let key =
+        KeyPair::from_pem(&key_pem).map_err(|source| CaError::BadCaKey { path: key_path.clone(), source })?;
+
+    let cert_pem = fs::read_to_string(&cert_path).map_err(|source| CaError::Io {
+        action: "reading ca certificate",
+        path: cert_path.clone(),
+        source,
+    })?;
+    let bad = |detail: String| CaError::BadCaCertificate { path: cert_path.clone(), detail };
+    let der = pem_contents(cert_pem.as_bytes(), &["CERTIFICATE"]).map_err(bad)?;
+    let (rest, cert) = x509_parser::parse_x509_certificate(&der).map_err(|e| bad(e.to_string()))?;
+    if !rest.is_empty() {
+        return Err(bad("trailing bytes after the certificate".into()));
+    }
+    if !cert.is_ca() {
+        return Err(bad("it is not a CA certificate (basic constraints CA:true missing)".into()));
+    }
+    if cert.public_key().raw != key.subject_public_key_info().as_slice() {
+        return Err(CaError::KeyMismatch {
+            key: key_path,
+            cert: cert_path,
+            detail: "the public keys differ".into(),
+        });
+    }
+    cert.verify_signature(None).map_err(|e| bad(format!("its self-signature does not verify: {e}")))?;
+    if !cert.validity().is_valid() {
+        return Err(bad(format!(
+            "it is valid only from {} to {}; create a new CA",
+            cert.validity().not_before,
+            cert.validity().not_after
+        )));
+    }
+    let sha256 = sha256_hex(&der);
+    let issuer = Issuer::from_ca_cert_der(&der.as_slice().into(), key).map_err(|e| bad(e.to_string()))?;
+    Ok(Root { cert_pem, sha256, issuer })
+}
+
+/// SHA-256 of the one certificate in the PEM file at `path`, lower-case hex.
+pub fn certificate_file_sha256(path: &Path) -> Result<String, CaError> {
+    let pem = fs::read_to_string(path).map_err(|source| CaError::Io {
+        action: "reading",
+        path: path.to_owned(),
+        source,
+    })?;
+    let der = pem_contents(pem.as_bytes(), &["CERTIFICATE"])
+        .map_err(|detail| CaError::BadCaCertificate { path: path.to_owned(), detail })?;
+    Ok(sha256_hex(&der))
+}
+
+/// SHA-256 of `der`, lower-case hex: how a root is named in the registry and the audit log.
+pub fn sha256_hex(der: &[u8]) -> String {
+    hex(ring::digest::digest(&ring::digest::SHA256, der).as_ref())
 }
 
 impl Signer for FileCa {
     fn ca_bundle_pem(&self) -> String {
-        self.cert_pem.clone()
+        let loaded = self.loaded();
+        match &loaded.next {
+            None => loaded.current.cert_pem.clone(),
+            Some(next) => format!("{}\n{}", loaded.current.cert_pem.trim_end(), next.cert_pem),
+        }
     }
 
     fn issue_workload(
@@ -338,12 +557,15 @@ impl Signer for FileCa {
         params.serial_number = Some(serial.clone());
         let (not_before, not_after) = validity(now, lifetime)?;
         (params.not_before, params.not_after) = (not_before, not_after);
-        let cert = params.signed_by(&public_key, &self.issuer).map_err(CaError::Signing)?;
+        let loaded = self.loaded();
+        let root = loaded.workload_issuer();
+        let cert = params.signed_by(&public_key, &root.issuer).map_err(CaError::Signing)?;
         Ok(IssuedCertificate {
             pem: cert.pem(),
             serial_hex: hex(&serial.to_bytes()),
             not_before: not_before.into(),
             not_after: not_after.into(),
+            issuer_sha256: root.sha256.clone(),
         })
     }
 
@@ -371,8 +593,24 @@ impl Signer for FileCa {
         params.use_authority_key_identifier_extension = true;
         params.serial_number = Some(random_serial()?);
         (params.not_before, params.not_after) = validity(now, lifetime)?;
-        let cert = params.signed_by(&key, &self.issuer).map_err(CaError::Signing)?;
+        // By the root every agent trusts, rotation or not: one that has not renewed since the
+        // rotation knows only that one.
+        let cert = params.signed_by(&key, &self.loaded().current.issuer).map_err(CaError::Signing)?;
         Ok((cert.pem(), key.serialize_pem()))
+    }
+
+    fn reload(&self) -> Result<bool, CaError> {
+        if stamp(&self.dir) == self.loaded().stamp {
+            return Ok(false);
+        }
+        let loaded = load_dir(&self.dir)?;
+        *self.loaded.write().unwrap_or_else(|e| e.into_inner()) = std::sync::Arc::new(loaded);
+        self.changes.send_modify(|n| *n += 1);
+        Ok(true)
+    }
+
+    fn changes(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        Some(self.changes.subscribe())
     }
 }
 

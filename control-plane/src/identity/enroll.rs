@@ -176,9 +176,19 @@ impl Enroller {
         Writer { pool: self.pool.clone(), signer: self.signer.clone(), lifetime: self.lifetime }
     }
 
-    /// Reissues the same identity with a new serial and validity window (IDN-5). Refused for
-    /// retired and deny-listed workloads.
+    /// Reissues the same identity with a new serial and validity window (IDN-5), by the root
+    /// that issues workload certificates now (after a rotation, the new one). Refused for
+    /// retired and deny-listed workloads. A refusal is recorded on the workload with its reason
+    /// and time (`workload status`, `workload show`).
     pub async fn renew(&self, id: WorkloadId, csr_pem: &[u8]) -> Result<IssuedCertificate, Error> {
+        let result = self.try_renew(id, csr_pem).await;
+        if let Err(e) = &result {
+            record_renewal_failure(&self.pool, id, &e.to_string()).await;
+        }
+        result
+    }
+
+    async fn try_renew(&self, id: WorkloadId, csr_pem: &[u8]) -> Result<IssuedCertificate, Error> {
         if csr_pem.len() > MAX_CSR_LEN {
             return Err(Error::Invalid(format!("csr is larger than {MAX_CSR_LEN} bytes")));
         }
@@ -199,16 +209,65 @@ impl Enroller {
         }
         let certificate = self.signer.issue_workload(id, csr_pem, self.lifetime, SystemTime::now())?;
         sqlx::query(
-            "UPDATE workloads SET credential_serial = $2, credential_expires_at = $3, last_renewed_at = now() WHERE id = $1",
+            "UPDATE workloads SET credential_serial = $2, credential_expires_at = $3, last_renewed_at = now(),
+                credential_issuer = $4
+             WHERE id = $1",
         )
         .bind(id.uuid())
         .bind(&certificate.serial_hex)
         .bind(chrono::DateTime::<chrono::Utc>::from(certificate.not_after))
+        .bind(&certificate.issuer_sha256)
         .execute(&mut *tx)
         .await?;
         tx.commit().await?;
         tracing::info!(workload = %id, serial = %certificate.serial_hex, "renewed credential");
         Ok(certificate)
+    }
+}
+
+/// How often an agent's own report of a failing renewal (in its heartbeats) is written again
+/// while its reason stays the same.
+const REPORTED_FAILURE_REWRITE: Duration = Duration::from_secs(300);
+
+/// Records a renewal failure the agent reports in a heartbeat (it may never have reached us:
+/// a network fault, a full disk): written when the reason changes, else at most every
+/// [`REPORTED_FAILURE_REWRITE`], so a heartbeat does not become a write.
+pub async fn record_reported_renewal_failure(
+    pool: &PgPool,
+    id: WorkloadId,
+    reason: &str,
+) -> Result<(), Error> {
+    let reason: String = format!("reported by the agent: {reason}").chars().take(MAX_RENEWAL_ERROR).collect();
+    sqlx::query(
+        "UPDATE workloads SET last_renewal_failed_at = now(), last_renewal_error = $2
+         WHERE id = $1 AND (last_renewal_error IS DISTINCT FROM $2
+                            OR last_renewal_failed_at < now() - make_interval(secs => $3))",
+    )
+    .bind(id.uuid())
+    .bind(&reason)
+    .bind(REPORTED_FAILURE_REWRITE.as_secs_f64())
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// The longest renewal failure reason stored.
+const MAX_RENEWAL_ERROR: usize = 512;
+
+/// Records that renewing `id` failed and why (the newest failure replaces the one before).
+/// Best effort: the renewal's own error is what the agent hears.
+pub async fn record_renewal_failure(pool: &PgPool, id: WorkloadId, reason: &str) {
+    let reason: String = reason.chars().take(MAX_RENEWAL_ERROR).collect();
+    let result = sqlx::query(
+        "UPDATE workloads SET last_renewal_failed_at = now(), last_renewal_error = $2 WHERE id = $1",
+    )
+    .bind(id.uuid())
+    .bind(&reason)
+    .execute(pool)
+    .await;
+    match result {
+        Ok(_) => tracing::warn!(workload = %id, "credential renewal refused: {reason}"),
+        Err(e) => tracing::error!(workload = %id, "could not record a renewal failure ({reason}): {e}"),
     }
 }
 
@@ -301,7 +360,7 @@ impl Writer {
         authoring::register_workload(c, &new).await?;
         sqlx::query(
             "UPDATE workloads SET enrolled_by_token = $2, credential_serial = $3, credential_expires_at = $4,
-             machine_id = $5, os = $6, agent_version = $7 WHERE id = $1",
+             machine_id = $5, os = $6, agent_version = $7, credential_issuer = $8 WHERE id = $1",
         )
         .bind(e.id.uuid())
         .bind(token.id)
@@ -310,6 +369,7 @@ impl Writer {
         .bind(&e.machine_id)
         .bind(&e.os)
         .bind(&e.agent_version)
+        .bind(&certificate.issuer_sha256)
         .execute(&mut *c)
         .await?;
         // The token's narrowing is the workload's own from now on: revoking or deleting the

@@ -19,7 +19,9 @@ use tokio_rustls::TlsAcceptor;
 use tonic::{Request, Status};
 
 use crate::identity::admission::{Admission, Refusal};
-use crate::identity::ca::{Signer, certificate_not_after, workload_id_from_certificate};
+use crate::identity::ca::{
+    Signer, certificate_key_sha256, certificate_not_after, workload_id_from_certificate,
+};
 use crate::identity::server_cert::ServerCertificate;
 
 /// How long a client may take to finish the TLS handshake before its connection is dropped.
@@ -42,10 +44,55 @@ pub enum ServerError {
 /// The CA's chain check, then the identity rules: exactly one canonical workload URI, not
 /// deny-listed. A client without a certificate may still connect (enrollment); the
 /// interceptor refuses it on every other service.
+///
+/// The chain is checked against every root of the signer's bundle *now*: after a rotation the
+/// new root is trusted from the next handshake on, and after a retirement the old one no longer
+/// is (IDN-8, issue 25).
 #[derive(Debug)]
 struct AgentCertVerifier {
-    chain: Arc<dyn ClientCertVerifier>,
+    signer: Arc<dyn Signer>,
+    /// The bundle the verifier below was built from.
+    chain: std::sync::RwLock<(String, Arc<dyn ClientCertVerifier>)>,
+    provider: Arc<rustls::crypto::CryptoProvider>,
     admission: Arc<Admission>,
+}
+
+fn chain_verifier(
+    bundle: &str,
+    provider: &Arc<rustls::crypto::CryptoProvider>,
+) -> Result<Arc<dyn ClientCertVerifier>, ServerError> {
+    let mut roots = RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(bundle.as_bytes()) {
+        let cert = cert.map_err(|e| ServerError::Tls(format!("ca bundle: {e}")))?;
+        roots.add(cert).map_err(tls_err("ca bundle"))?;
+    }
+    WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+        .allow_unauthenticated()
+        .build()
+        .map_err(|e| ServerError::Tls(format!("client verifier: {e}")))
+}
+
+impl AgentCertVerifier {
+    /// The verifier for the signer's bundle now, rebuilt when the bundle changed. A bundle that
+    /// cannot be used (it never should: the signer loaded it) keeps the previous verifier.
+    fn chain(&self) -> Arc<dyn ClientCertVerifier> {
+        let bundle = self.signer.ca_bundle_pem();
+        {
+            let chain = self.chain.read().unwrap_or_else(|e| e.into_inner());
+            if chain.0 == bundle {
+                return chain.1.clone();
+            }
+        }
+        let mut chain = self.chain.write().unwrap_or_else(|e| e.into_inner());
+        match chain_verifier(&bundle, &self.provider) {
+            Ok(verifier) => {
+                tracing::info!("the listener trusts a new CA bundle for client certificates");
+                *chain = (bundle, verifier);
+            }
+            Err(e) => tracing::error!("the new CA bundle is unusable, keeping the previous one: {e}"),
+        }
+        chain.1.clone()
+    }
 }
 
 impl ClientCertVerifier for AgentCertVerifier {
@@ -58,7 +105,9 @@ impl ClientCertVerifier for AgentCertVerifier {
     }
 
     fn root_hint_subjects(&self) -> &[DistinguishedName] {
-        self.chain.root_hint_subjects()
+        // The hints are optional in TLS 1.3, and an agent presents its one certificate whatever
+        // they say; the roots change at a rotation, a borrowed slice could not.
+        &[]
     }
 
     fn verify_client_cert(
@@ -67,7 +116,7 @@ impl ClientCertVerifier for AgentCertVerifier {
         intermediates: &[CertificateDer<'_>],
         now: UnixTime,
     ) -> Result<ClientCertVerified, rustls::Error> {
-        let verified = self.chain.verify_client_cert(end_entity, intermediates, now)?;
+        let verified = self.chain().verify_client_cert(end_entity, intermediates, now)?;
         let id = workload_id_from_certificate(end_entity.as_ref())
             .map_err(|e| rustls::Error::General(format!("client certificate identity: {e}")))?;
         if self.admission.refusal(id) == Some(Refusal::Denied) {
@@ -83,7 +132,7 @@ impl ClientCertVerifier for AgentCertVerifier {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        self.chain.verify_tls12_signature(message, cert, dss)
+        self.chain().verify_tls12_signature(message, cert, dss)
     }
 
     fn verify_tls13_signature(
@@ -92,11 +141,11 @@ impl ClientCertVerifier for AgentCertVerifier {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        self.chain.verify_tls13_signature(message, cert, dss)
+        self.chain().verify_tls13_signature(message, cert, dss)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.chain.supported_verify_schemes()
+        self.chain().supported_verify_schemes()
     }
 }
 
@@ -108,24 +157,18 @@ fn tls_err(context: &str) -> impl FnOnce(rustls::Error) -> ServerError + '_ {
 /// from the CA before it expires), TLS 1.3 only, HTTP/2 only, optional client certificates
 /// verified by [`AgentCertVerifier`].
 pub fn tls_config(
-    signer: &dyn Signer,
+    signer: Arc<dyn Signer>,
     certificate: Arc<ServerCertificate>,
     admission: Arc<Admission>,
 ) -> Result<Arc<ServerConfig>, ServerError> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut roots = RootCertStore::empty();
-    for cert in CertificateDer::pem_slice_iter(signer.ca_bundle_pem().as_bytes()) {
-        let cert = cert.map_err(|e| ServerError::Tls(format!("ca bundle: {e}")))?;
-        roots.add(cert).map_err(tls_err("ca bundle"))?;
-    }
-    let chain = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
-        .allow_unauthenticated()
-        .build()
-        .map_err(|e| ServerError::Tls(format!("client verifier: {e}")))?;
+    let bundle = signer.ca_bundle_pem();
+    let chain = std::sync::RwLock::new((bundle.clone(), chain_verifier(&bundle, &provider)?));
+    let verifier = AgentCertVerifier { signer, chain, provider: provider.clone(), admission };
     let mut config = ServerConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(tls_err("protocol versions"))?
-        .with_client_cert_verifier(Arc::new(AgentCertVerifier { chain, admission }))
+        .with_client_cert_verifier(Arc::new(verifier))
         .with_cert_resolver(certificate);
     config.alpn_protocols = vec![b"h2".to_vec()];
     Ok(Arc::new(config))
@@ -241,10 +284,12 @@ pub async fn serve(
 
 /// The workload an agent RPC comes from and when the certificate it proved that with expires,
 /// put into the request by [`Authenticate`] and by nothing else.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AgentIdentity {
     pub id: WorkloadId,
     pub not_after: SystemTime,
+    /// SHA-256 of the certificate's public key, hex: which key holds the identity (IDN-7).
+    pub key_sha256: Arc<str>,
 }
 
 /// Interceptor for every agent service but enrollment: requires the verified client
@@ -268,7 +313,9 @@ impl tonic::service::Interceptor for Authenticate {
         if let Some(refusal) = self.0.refusal(id) {
             return Err(Status::permission_denied(refusal.message(id)));
         }
-        req.extensions_mut().insert(AgentIdentity { id, not_after });
+        let key_sha256 =
+            certificate_key_sha256(leaf.as_ref()).map_err(|e| Status::unauthenticated(e.to_string()))?.into();
+        req.extensions_mut().insert(AgentIdentity { id, not_after, key_sha256 });
         Ok(req)
     }
 }
@@ -276,7 +323,10 @@ impl tonic::service::Interceptor for Authenticate {
 /// The authenticated workload of a request that passed [`Authenticate`].
 #[allow(clippy::result_large_err)]
 pub fn identity<T>(req: &Request<T>) -> Result<WorkloadId, Status> {
-    agent_identity(req).map(|i| i.id)
+    req.extensions()
+        .get::<AgentIdentity>()
+        .map(|i| i.id)
+        .ok_or_else(|| Status::internal("no authenticated identity: service mounted without its interceptor"))
 }
 
 /// The authenticated workload of a request that passed [`Authenticate`], with its
@@ -285,6 +335,6 @@ pub fn identity<T>(req: &Request<T>) -> Result<WorkloadId, Status> {
 pub fn agent_identity<T>(req: &Request<T>) -> Result<AgentIdentity, Status> {
     req.extensions()
         .get::<AgentIdentity>()
-        .copied()
+        .cloned()
         .ok_or_else(|| Status::internal("no authenticated identity: service mounted without its interceptor"))
 }

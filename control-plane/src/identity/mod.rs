@@ -4,8 +4,10 @@
 
 pub mod admission;
 pub mod ca;
+pub mod clones;
 pub mod enroll;
 pub mod listener;
 pub mod operators;
+pub mod rotation;
 pub mod server_cert;
 pub mod tokens;

@@ -90,15 +90,26 @@ impl ServerCertificate {
         Ok(())
     }
 
-    /// Reissues at half of every lifetime until aborted. The deadline is on the wall clock and
-    /// checked at least once a minute, so a host that was suspended renews on waking; a failed
-    /// reissue is logged and retried.
+    /// Reissues at half of every lifetime, and at once when the CA changed (a rotation or a
+    /// retirement: the certificate must be issued by the root every agent trusts now), until
+    /// aborted. The deadline is on the wall clock and checked at least once a minute, so a host
+    /// that was suspended renews on waking; a failed reissue is logged and retried.
     pub async fn renew_forever(self: Arc<Self>) {
+        let mut changes = self.signer.changes();
         loop {
             let left = self.renew_at().duration_since(SystemTime::now()).unwrap_or_default();
+            let changed = async {
+                match changes.as_mut() {
+                    Some(changes) => changes.changed().await.is_ok(),
+                    None => std::future::pending().await,
+                }
+            };
             if !left.is_zero() {
-                tokio::time::sleep(left.min(RETRY)).await;
-                continue;
+                tokio::select! {
+                    () = tokio::time::sleep(left.min(RETRY)) => continue,
+                    true = changed => {}
+                    else => continue,
+                }
             }
             match self.reissue() {
                 Ok(()) => tracing::info!(names = ?self.names, "reissued the listener's certificate"),

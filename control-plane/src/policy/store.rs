@@ -754,6 +754,10 @@ pub struct WorkloadView {
     /// Why it is in that state.
     #[serde(default)]
     pub sync_detail: String,
+    /// Lifecycle and credential (`workload show`): who enrolled it, its certificate, renewal
+    /// failures, a clone episode. Only a single workload's view carries them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub facts: Option<WorkloadFacts>,
 }
 
 /// One reported address and whether it is rendered into peer sets (address trust).
@@ -890,6 +894,7 @@ pub async fn list_workloads(
                 retired: row.get(5),
                 sync_state: stored::<innerwall_wire::sync::SyncState>(row.get(6))?.name().to_owned(),
                 sync_detail: row.get(7),
+                facts: None,
             })
         })
         .collect()
@@ -897,10 +902,12 @@ pub async fn list_workloads(
 
 /// One workload, retired or not (`workload show`).
 pub async fn workload_view(conn: &mut PgConnection, id: WorkloadId) -> Result<WorkloadView, Error> {
-    list_workloads(conn, Some(id))
+    let mut view = list_workloads(conn, Some(id))
         .await?
         .pop()
-        .ok_or_else(|| Error::NotFound { what: "workload", name: id.to_string() })
+        .ok_or_else(|| Error::NotFound { what: "workload", name: id.to_string() })?;
+    view.facts = workload_facts(conn, id).await?;
+    Ok(view)
 }
 
 /// Convergence of one workload (SYNC-6): applied against latest, read in one query.
@@ -921,6 +928,14 @@ pub struct SyncStatusView {
     /// Reported addresses that are not rendered, with the reason (address trust).
     #[sqlx(skip)]
     pub address_issues: Vec<AddressView>,
+    /// The identity is presented by more than one host now (IDN-7; `identity::clones`).
+    #[sqlx(skip)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clone: Option<crate::identity::clones::CloneReport>,
+    /// The last renewal failure, while no renewal succeeded since.
+    #[sqlx(skip)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub renewal_failure: Option<crate::identity::clones::RenewalFailure>,
 }
 
 /// A sync state as its name (`PENDING`, `SYNCED`, `DEGRADED`, `OFFLINE`, `SUSPENDED`).
@@ -974,6 +989,7 @@ pub async fn sync_status(
     let mut views: Vec<SyncStatusView> =
         sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(only.map(|id| id.uuid())).fetch_all(&mut *conn).await?;
     with_address_issues(conn, &mut views).await?;
+    crate::identity::clones::annotate(conn, &mut views).await?;
     Ok(views)
 }
 
@@ -1013,6 +1029,7 @@ pub async fn sync_status_page(
         .fetch_all(&mut *conn)
         .await?;
     with_address_issues(conn, &mut views).await?;
+    crate::identity::clones::annotate(conn, &mut views).await?;
     Ok(page::page(views, limit, SYNC_STATUS_KIND, |v| serde_json::json!([v.hostname, v.id])))
 }
 
@@ -1177,7 +1194,7 @@ pub async fn workload_page(
 
 /// What the registry knows of a workload beyond its labels and convergence: its lifecycle and
 /// credential.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, sqlx::FromRow, utoipa::ToSchema)]
 pub struct WorkloadFacts {
     pub enrolled_at: chrono::DateTime<chrono::Utc>,
     /// The provisioning token that enrolled it (absent once the token is deleted).
@@ -1189,17 +1206,29 @@ pub struct WorkloadFacts {
     pub last_renewed_at: Option<chrono::DateTime<chrono::Utc>>,
     pub retired_at: Option<chrono::DateTime<chrono::Utc>>,
     pub denied_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// SHA-256 of the root that issued the current certificate (absent: before issue 25).
+    pub credential_issuer: Option<String>,
+    /// The last refused renewal, whether or not one succeeded since (compare `last_renewed_at`).
+    pub last_renewal_failed_at: Option<chrono::DateTime<chrono::Utc>>,
+    pub last_renewal_error: Option<String>,
+    /// The clone episode in progress, if any (IDN-7).
+    #[sqlx(skip)]
+    pub clone: Option<crate::identity::clones::CloneReport>,
 }
 
 pub async fn workload_facts(conn: &mut PgConnection, id: WorkloadId) -> Result<Option<WorkloadFacts>, Error> {
-    Ok(sqlx::query_as(
+    let facts: Option<WorkloadFacts> = sqlx::query_as(
         "SELECT created_at AS enrolled_at, enrolled_by_token, agent_version, os, credential_serial,
-                credential_expires_at, last_renewed_at, retired_at, denied_at
+                credential_expires_at, last_renewed_at, retired_at, denied_at, credential_issuer,
+                last_renewal_failed_at, last_renewal_error
          FROM workloads WHERE id = $1",
     )
     .bind(id.uuid())
     .fetch_optional(&mut *conn)
-    .await?)
+    .await?;
+    let Some(mut facts) = facts else { return Ok(None) };
+    facts.clone = crate::identity::clones::clone_report(conn, id).await?;
+    Ok(Some(facts))
 }
 
 /// A rendered policy as operators read it (`workload policy --json`, the API).

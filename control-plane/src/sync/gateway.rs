@@ -259,6 +259,8 @@ impl Ended {
 struct StreamTask {
     gateway: Gateway,
     id: WorkloadId,
+    /// The key of the certificate this stream's connection proved the identity with.
+    key_sha256: Arc<str>,
     out: Outbound,
     /// This stream's epoch once Hello arrived; its writes apply only while it is the newest.
     epoch: std::sync::atomic::AtomicI64,
@@ -567,13 +569,13 @@ impl StreamTask {
     }
 
     async fn note_hello(&self, hello: &proto::Hello) -> Result<(), Error> {
-        let row: Option<(bool, String)> = sqlx::query_as(
-            "SELECT retired_at IS NOT NULL OR denied_at IS NOT NULL, machine_id FROM workloads WHERE id = $1",
+        let row: Option<bool> = sqlx::query_scalar(
+            "SELECT retired_at IS NOT NULL OR denied_at IS NOT NULL FROM workloads WHERE id = $1",
         )
         .bind(self.id.uuid())
         .fetch_optional(self.pool())
         .await?;
-        let Some((gone, machine_id)) = row else {
+        let Some(gone) = row else {
             return Err(Error::NotFound { what: "workload", name: self.id.to_string() });
         };
         if gone {
@@ -594,13 +596,10 @@ impl StreamTask {
         .fetch_one(self.pool())
         .await?;
         self.epoch.store(epoch, Ordering::Relaxed);
-        let reported = hello.facts.as_ref().map_or("", |f| f.machine_id.as_str());
-        if !machine_id.is_empty() && !reported.is_empty() && reported != machine_id {
-            // The same identity from a second host: a cloned image or a stolen key (IDN-7).
-            tracing::warn!(workload = %self.id, registered = %machine_id, reported = %truncate(reported, 64), "identity seen from another host");
-            self.audit("workload.identity-clone", serde_json::json!({"registered_machine_id": machine_id, "reported_machine_id": truncate(reported, 64)}))
-                .await?;
-        }
+        // The same identity from a second host: a cloned image or a stolen key (IDN-7), judged
+        // by boot id and certificate key, audited once per episode.
+        let presenter = crate::identity::clones::Presenter::new(hello.facts.as_ref(), &self.key_sha256);
+        crate::identity::clones::observe(self.pool(), self.id, &presenter).await?;
         Ok(())
     }
 
@@ -615,6 +614,12 @@ impl StreamTask {
         self.gateway.inner.beats.write(beat).await?;
         if !h.credential_renewal_error.is_empty() {
             tracing::warn!(workload = %self.id, "agent reports credential renewal failing: {}", truncate(&h.credential_renewal_error, 256));
+            crate::identity::enroll::record_reported_renewal_failure(
+                self.pool(),
+                self.id,
+                &h.credential_renewal_error,
+            )
+            .await?;
         }
         // At most what an agent sends: the distinct details and one entry counting the rest.
         for event in h.tamper_events.iter().take(innerwall_wire::sync::MAX_TAMPER_REPORTS + 1) {
@@ -786,7 +791,7 @@ impl proto::agent_service_server::AgentService for Gateway {
         &self,
         request: Request<Streaming<proto::SyncRequest>>,
     ) -> Result<Response<SyncStream>, Status> {
-        let AgentIdentity { id, not_after } = agent_identity(&request)?;
+        let AgentIdentity { id, not_after, key_sha256 } = agent_identity(&request)?;
         // Before the stream registers: a refused open supersedes nothing and writes nothing.
         self.inner.bounds.take(id, &[(crate::rate::Bound::Hellos, 1.0)])?;
         let inbound = request.into_inner();
@@ -797,6 +802,7 @@ impl proto::agent_service_server::AgentService for Gateway {
             let task = StreamTask {
                 gateway: gateway.clone(),
                 id,
+                key_sha256,
                 out: out.clone(),
                 epoch: Default::default(),
                 state: Default::default(),

@@ -1,6 +1,7 @@
-//! Identity (IDN-1, IDN-3, IDN-8): a hostile CSR contributes only its public key, the CA's files
-//! stay private and are never overwritten, and every token rejection is distinct and writes
-//! nothing in a real Postgres.
+//! Identity (IDN-1..IDN-3, IDN-5, IDN-8): a hostile CSR contributes only its public key, the
+//! CA's files stay private, are never overwritten and rotate as `ca rotate`/`ca retire` say,
+//! every token rejection is distinct and writes nothing in a real Postgres, the enrolling token
+//! is recorded and shown, and renewal failures are shown.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -618,16 +619,200 @@ async fn token_use_limit_holds_under_concurrent_enrollment() -> anyhow::Result<(
     tokens::consume(&mut first, &once.secret, now).await?;
     let pool = db.pool.clone();
     let secret = once.secret.clone();
+    let (pid_tx, pid_rx) = tokio::sync::oneshot::channel();
     let second = tokio::spawn(async move {
         let mut tx = pool.begin().await.unwrap();
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *tx).await.unwrap();
+        pid_tx.send(pid).unwrap();
         let result = tokens::consume(&mut tx, &secret, now).await.map(|_| ());
         tx.commit().await.unwrap();
         result
     });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The wait is proven by Postgres itself: the second's backend holds a lock request that is
+    // not granted (the first's row lock), not by the second being slow.
+    let pid = pid_rx.await?;
+    let waiting = async {
+        loop {
+            let waits: bool =
+                sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = $1 AND NOT granted)")
+                    .bind(pid)
+                    .fetch_one(&mut *conn)
+                    .await?;
+            if waits {
+                return anyhow::Ok(());
+            }
+            assert!(!second.is_finished(), "the second consume finished without waiting for the row lock");
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), waiting)
+        .await
+        .map_err(|_| anyhow::anyhow!("the second consume never waited on a lock in pg_locks"))??;
     assert!(!second.is_finished(), "the second consume must wait for the row lock");
     first.commit().await?;
     let err = second.await?.unwrap_err();
     assert_eq!(err.kind(), "exhausted", "{err}");
+    Ok(())
+}
+
+/// Enrollment records which provisioning token enrolled the workload (IDN-2), and `workload
+/// show` (the store's view, which the CLI and the API print) shows it; each workload names its
+/// own token.
+#[tokio::test]
+async fn enrolled_by_token() -> anyhow::Result<()> {
+    use innerwall_control_plane::policy::store;
+    let plane = crate::enrollment::Plane::start(Default::default()).await;
+    let mut conn = plane.db.pool.acquire().await?;
+    let day = chrono::Duration::days(1);
+    let first = tokens::mint(&mut conn, &labels(&["app=web"]), day, None, &[]).await?;
+    let second = tokens::mint(&mut conn, &labels(&["app=db"]), day, None, &[]).await?;
+    let (a, _, _) = plane.enroll(&first.secret).await.map_err(|s| anyhow::anyhow!("{s}"))?;
+    let (b, _, _) = plane.enroll(&second.secret).await.map_err(|s| anyhow::anyhow!("{s}"))?;
+    for (id, token) in [(a, first.id), (b, second.id)] {
+        let stored: Option<uuid::Uuid> =
+            sqlx::query_scalar("SELECT enrolled_by_token FROM workloads WHERE id = $1")
+                .bind(id.uuid())
+                .fetch_one(&mut *conn)
+                .await?;
+        assert_eq!(stored, Some(token), "written at enrollment");
+        let view = store::workload_view(&mut conn, id).await?;
+        let facts = view.facts.clone().expect("a single workload's view carries its facts");
+        assert_eq!(facts.enrolled_by_token, Some(token), "shown");
+        let json = serde_json::to_value(&view)?;
+        assert_eq!(json["facts"]["enrolled_by_token"], serde_json::json!(token.to_string()), "{json}");
+        assert!(facts.credential_issuer.is_some() && !facts.credential_serial.is_empty());
+    }
+    Ok(())
+}
+
+/// The CA directory through a rotation (IDN-8): rotate adds a root that issues workload
+/// certificates while servers keep the old one; a second rotation and a retirement without one
+/// are refused; a directory caught half-retired fails to load naming the fix, and a running
+/// CA keeps what it had; completing the retirement leaves the new root alone, and its key.
+#[test]
+fn ca_rotation_files_are_checked() {
+    let (tmp, ca) = new_ca();
+    let dir = tmp.0.join("ca");
+    let old_root_der = pem_der(&ca.ca_bundle_pem());
+    let old_sha = ca.current_sha256();
+    let id = WorkloadId::new_random();
+    let csr = plain_csr(&KeyPair::generate().unwrap());
+    let now = SystemTime::now();
+    let signed_by = |pem: &str, root_der: &[u8]| {
+        parse_cert(&pem_der(pem)).verify_signature(Some(parse_cert(root_der).public_key())).is_ok()
+    };
+
+    let err = FileCa::retire(&dir).unwrap_err();
+    assert!(matches!(err, CaError::NoRotation { .. }), "{err}");
+    assert!(!ca.reload().unwrap(), "nothing changed");
+
+    let change = FileCa::rotate(&dir).unwrap();
+    assert_eq!(change.old_sha256, old_sha);
+    assert_eq!(mode(&dir.join(ca::NEXT_KEY_FILE)), 0o600);
+    let next_der = pem_der(&std::fs::read_to_string(dir.join(ca::NEXT_CERT_FILE)).unwrap());
+    let err = FileCa::rotate(&dir).unwrap_err();
+    assert!(matches!(err, CaError::RotationInProgress { .. }), "{err}");
+    assert!(err.to_string().contains("retire the old CA first"), "{err}");
+
+    // The loaded CA notices once; the bundle holds both roots; workloads get the new root,
+    // servers the old (every agent trusts it).
+    assert!(ca.reload().unwrap());
+    assert!(!ca.reload().unwrap());
+    assert_eq!(ca.next_sha256().as_deref(), Some(change.new_sha256.as_str()));
+    assert_eq!(ca.ca_bundle_pem().matches("BEGIN CERTIFICATE").count(), 2);
+    let issued = ca.issue_workload(id, csr.as_bytes(), DEFAULT_WORKLOAD_LIFETIME, now).unwrap();
+    assert_eq!(issued.issuer_sha256, change.new_sha256);
+    assert!(signed_by(&issued.pem, &next_der) && !signed_by(&issued.pem, &old_root_der));
+    let (server, _) = ca.issue_server(&["localhost".into()], DEFAULT_WORKLOAD_LIFETIME, now).unwrap();
+    assert!(signed_by(&server, &old_root_der));
+
+    // Interrupted between retire's two renames: the key moved, the certificate not yet.
+    let new_key = std::fs::read(dir.join(ca::NEXT_KEY_FILE)).unwrap();
+    std::fs::rename(dir.join(ca::NEXT_KEY_FILE), dir.join(ca::CA_KEY_FILE)).unwrap();
+    let err = FileCa::load(&dir).unwrap_err();
+    assert!(err.to_string().contains("run `innerwall ca retire` again"), "{err}");
+    assert!(ca.reload().is_err());
+    assert_eq!(ca.next_sha256().as_deref(), Some(change.new_sha256.as_str()), "a failed reload keeps the CA");
+
+    // Running retire again completes it: the new root alone, with its key; servers get it too.
+    let done = FileCa::retire(&dir).unwrap();
+    assert_eq!(
+        (done.old_sha256.as_str(), done.new_sha256.as_str()),
+        (old_sha.as_str(), change.new_sha256.as_str())
+    );
+    assert!(!dir.join(ca::NEXT_KEY_FILE).exists() && !dir.join(ca::NEXT_CERT_FILE).exists());
+    assert_eq!(std::fs::read(dir.join(ca::CA_KEY_FILE)).unwrap(), new_key, "the old key is gone");
+    assert_eq!(mode(&dir.join(ca::CA_KEY_FILE)), 0o600);
+    assert!(ca.reload().unwrap());
+    assert_eq!((ca.current_sha256(), ca.next_sha256()), (change.new_sha256.clone(), None));
+    assert_eq!(ca.ca_bundle_pem().matches("BEGIN CERTIFICATE").count(), 1);
+    let (server, _) = ca.issue_server(&["localhost".into()], DEFAULT_WORKLOAD_LIFETIME, now).unwrap();
+    assert!(signed_by(&server, &next_der) && !signed_by(&server, &old_root_der));
+}
+
+/// A renewal failure the agent reports in its heartbeats (one that may never have reached the
+/// control plane) is recorded and shown in `workload status` with its reason and time; the same
+/// reason again is not rewritten at every heartbeat; a successful renewal clears it from status
+/// while `workload show` keeps the last failure.
+#[tokio::test]
+async fn reported_renewal_failures_are_shown() -> anyhow::Result<()> {
+    use innerwall_control_plane::policy::store;
+    use innerwall_wire::proto::{self, sync_request};
+    let plane = crate::enrollment::Plane::start(Default::default()).await;
+    let token = plane.mint(&["app=web"], None).await;
+    let (id, cert, key) = plane.enroll(&token).await.map_err(|s| anyhow::anyhow!("{s}"))?;
+    let (tx, rx) = tokio::sync::mpsc::channel(8);
+    let send = async |msg: sync_request::Msg| tx.send(proto::SyncRequest { msg: Some(msg) }).await.unwrap();
+    send(sync_request::Msg::Hello(proto::Hello::default())).await;
+    let mut client = proto::agent_service_client::AgentServiceClient::new(plane.mutual(&cert, &key).await?);
+    let mut inbound = client.sync(tokio_stream::wrappers::ReceiverStream::new(rx)).await?.into_inner();
+    for _ in 0..2 {
+        inbound.message().await?.expect("HelloAck, then the snapshot");
+    }
+    let heartbeat = |error: &str, marker: Option<&str>| {
+        sync_request::Msg::Heartbeat(proto::Heartbeat {
+            credential_renewal_error: error.into(),
+            tamper_events: marker
+                .map(|m| proto::TamperEvent { detail: m.into(), count: 1, ..Default::default() })
+                .into_iter()
+                .collect(),
+            ..Default::default()
+        })
+    };
+    let status =
+        async || store::sync_status_of(&mut plane.db.pool.acquire().await.unwrap(), id).await.unwrap();
+    let marked = async |marker: &str| -> bool {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT EXISTS (SELECT 1 FROM audit_log WHERE action = 'workload.tamper' AND detail->>'detail' = $1)",
+        )
+        .bind(marker)
+        .fetch_one(&plane.db.pool)
+        .await
+        .unwrap()
+    };
+
+    // The heartbeat's handler records the failure before the tamper record: once the marker is
+    // audited, the failure is written (or, for a repeat, was not rewritten).
+    send(heartbeat("dial failed: connection refused", Some("m1"))).await;
+    crate::eventually("the first heartbeat was handled", async || marked("m1").await).await;
+    let first = status().await.renewal_failure.expect("the reported failure shows in status");
+    assert_eq!(first.reason, "reported by the agent: dial failed: connection refused");
+    send(heartbeat("dial failed: connection refused", Some("m2"))).await;
+    crate::eventually("the repeat was handled", async || marked("m2").await).await;
+    assert_eq!(status().await.renewal_failure, Some(first.clone()), "a repeat is not rewritten");
+    send(heartbeat("writing credential.pem: no space left on device", Some("m3"))).await;
+    crate::eventually("the new reason was handled", async || marked("m3").await).await;
+    let second = status().await.renewal_failure.unwrap();
+    assert!(second.reason.ends_with("no space left on device") && second.at >= first.at, "{second:?}");
+
+    // A renewal that succeeds: status no longer shows a failure; show keeps the last one.
+    let (_, csr) = crate::enrollment::key_and_csr();
+    proto::agent_service_client::AgentServiceClient::new(plane.mutual(&cert, &key).await?)
+        .renew_credential(proto::RenewCredentialRequest { csr_pem: csr })
+        .await?;
+    assert_eq!(status().await.renewal_failure, None, "renewed since");
+    let facts = store::workload_view(&mut *plane.db.pool.acquire().await?, id).await?.facts.unwrap();
+    assert_eq!(facts.last_renewal_error.as_deref(), Some(second.reason.as_str()));
+    assert!(facts.last_renewed_at > facts.last_renewal_failed_at);
     Ok(())
 }

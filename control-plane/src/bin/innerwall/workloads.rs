@@ -484,6 +484,28 @@ fn print_show(json: bool, w: WorkloadView) -> anyhow::Result<()> {
     if !w.sync_detail.is_empty() {
         println!("state: {}", w.sync_detail);
     }
+    if let Some(f) = &w.facts {
+        let when = |t: Option<chrono::DateTime<chrono::Utc>>| t.map_or("-".into(), |t| t.to_rfc3339());
+        println!();
+        println!(
+            "enrolled {} by token {}",
+            f.enrolled_at.to_rfc3339(),
+            f.enrolled_by_token.map_or("- (deleted)".into(), |t| t.to_string())
+        );
+        println!(
+            "credential {} (issued by root {}), expires {}, last renewed {}",
+            f.credential_serial,
+            f.credential_issuer.as_deref().unwrap_or("unknown"),
+            when(f.credential_expires_at),
+            when(f.last_renewed_at)
+        );
+        if let (Some(at), Some(reason)) = (f.last_renewal_failed_at, &f.last_renewal_error) {
+            println!("last renewal failure {}: {reason}", at.to_rfc3339());
+        }
+        if let Some(c) = &f.clone {
+            println!("{}", clone_line(c));
+        }
+    }
     if !w.addresses.is_empty() {
         println!();
         print_addresses(w.addresses);
@@ -586,6 +608,7 @@ fn print_status(json: bool, all: Vec<SyncStatusView>) -> anyhow::Result<()> {
     }
     let when =
         |t: Option<chrono::DateTime<chrono::Utc>>| t.map_or("-".into(), |t| t.format("%F %T").to_string());
+    let notes = identity_notes(&all);
     let rows = all
         .into_iter()
         .map(|w| {
@@ -621,7 +644,57 @@ fn print_status(json: bool, all: Vec<SyncStatusView>) -> anyhow::Result<()> {
         ],
         rows,
     );
+    if !notes.is_empty() {
+        println!();
+        for note in notes {
+            println!("{note}");
+        }
+    }
     Ok(())
+}
+
+/// One line per clone episode in progress and per failing renewal (IDN-7, IDN-5).
+fn identity_notes(all: &[SyncStatusView]) -> Vec<String> {
+    let mut notes = Vec::new();
+    for w in all {
+        if let Some(c) = &w.clone {
+            notes.push(format!("{} ({}): {}", w.id, w.hostname, clone_line(c)));
+        }
+        if let Some(f) = &w.renewal_failure {
+            notes.push(format!(
+                "{} ({}): renewal failed at {}: {}",
+                w.id,
+                w.hostname,
+                f.at.format("%F %T"),
+                f.reason
+            ));
+        }
+    }
+    notes
+}
+
+fn clone_line(c: &innerwall_control_plane::identity::clones::CloneReport) -> String {
+    let presenters: Vec<String> = c
+        .presenters
+        .iter()
+        .map(|p| {
+            format!(
+                "boot {} key {}… machine {} host {} (last seen {})",
+                p.boot_id,
+                p.key_sha256.get(..12).unwrap_or(&p.key_sha256),
+                p.machine_id,
+                p.hostname,
+                p.last_seen_at.format("%F %T")
+            )
+        })
+        .collect();
+    format!(
+        "CLONED IDENTITY since {} (last seen {}), {} presenters: {}; `workload deny` ends them all, then enroll the genuine host again",
+        c.since.format("%F %T"),
+        c.last_seen_at.format("%F %T"),
+        c.presenters.len(),
+        presenters.join("; ")
+    )
 }
 
 fn print_resend(json: bool, id: WorkloadId, requested: &ResendRequested) -> anyhow::Result<()> {
