@@ -705,12 +705,6 @@ impl StreamTask {
         .await?;
         Ok(())
     }
-
-    async fn audit(&self, action: &str, detail: serde_json::Value) -> Result<(), Error> {
-        let (actor, subject) = (format!("workload:{}", self.id), self.id.to_string());
-        let mut conn = self.pool().acquire().await?;
-        audit::write(&mut conn, &audit::Record::new(&actor, action, &subject).detail(detail)).await
-    }
 }
 
 /// The commit times of versions a stream sent as deltas and the agent has not acked yet, for

@@ -297,9 +297,9 @@ async fn authored_objects_over_their_count_bound_are_refused() {
     let delete = async |kind: &str, name: &str| {
         authoring::commit(pool, "test", &format!("{kind}.delete"), name, async |c| {
             match kind {
-                "service" => authoring::delete_service(c, name, Some(1)).await?,
-                "address-group" => authoring::delete_address_group(c, name, Some(1)).await?,
-                _ => authoring::delete_ruleset(c, name, Some(1)).await?,
+                "service" => authoring::delete_service(c, name, 1).await?,
+                "address-group" => authoring::delete_address_group(c, name, 1).await?,
+                _ => authoring::delete_ruleset(c, name, 1).await?,
             };
             Ok(((), serde_json::json!({})))
         })

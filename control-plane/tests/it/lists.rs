@@ -49,6 +49,7 @@ impl Plane {
             flow_bounds: Default::default(),
             limits: Default::default(),
             metrics_listen: None,
+            retention: Default::default(),
         };
         let mut running =
             service::start(Pools::shared(db.pool.clone()), signer.clone(), config).await.unwrap();

@@ -550,7 +550,7 @@ async fn slow_agent_does_not_slow_the_others() {
     const CHANGES: usize = 30;
     for n in 1..=CHANGES {
         authoring::commit(pool, "test", "address-group.update", "peers", async |c| {
-            authoring::update_address_group(c, &group(n), None).await?;
+            authoring::update_address_group(c, &group(n), n as i64).await?;
             Ok(((), serde_json::json!({})))
         })
         .await

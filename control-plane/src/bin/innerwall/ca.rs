@@ -28,7 +28,13 @@ pub enum CaCmd {
     },
 }
 
-pub async fn run(cmd: &CaCmd, dir: &Path, database: &Database, json: bool) -> anyhow::Result<()> {
+pub async fn run(
+    cmd: &CaCmd,
+    dir: &Path,
+    database: &Database,
+    json: bool,
+    page_size: u32,
+) -> anyhow::Result<()> {
     match cmd {
         CaCmd::Init => {
             std::fs::create_dir_all(dir).with_context(|| format!("while creating {}", dir.display()))?;
@@ -44,7 +50,7 @@ pub async fn run(cmd: &CaCmd, dir: &Path, database: &Database, json: bool) -> an
             );
         }
         CaCmd::Rotate => {
-            let ctx = Ctx::connect(database, json, dir).await?;
+            let ctx = Ctx::connect(database, json, page_size, dir).await?;
             let change = rotation::rotate(&ctx.pool, dir, &ctx.actor).await?;
             if json {
                 return print_json(&change);
@@ -56,7 +62,7 @@ pub async fn run(cmd: &CaCmd, dir: &Path, database: &Database, json: bool) -> an
             );
         }
         CaCmd::Retire { force } => {
-            let ctx = Ctx::connect(database, json, dir).await?;
+            let ctx = Ctx::connect(database, json, page_size, dir).await?;
             let retired = rotation::retire(&ctx.pool, dir, &ctx.actor, *force).await?;
             if json {
                 return print_json(&retired);

@@ -182,7 +182,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             println!("migrations applied");
         }
         Command::Serve(args) => serve::run(&args, &database, &ca_dir).await?,
-        Command::Ca(cmd) => ca::run(&cmd, &ca_dir, &database, cli.json).await?,
+        Command::Ca(cmd) => ca::run(&cmd, &ca_dir, &database, cli.json, cli.page_size).await?,
         Command::Token(cmd) => tokens::run(&connect().await?, &cmd).await?,
         Command::Render => policy::render(&connect().await?).await?,
         Command::Service(cmd) => policy::catalog(&connect().await?, &cmd).await?,
