@@ -171,7 +171,7 @@ async fn kill_switch_holds_across_reconnects_and_versions() {
 /// The `workload.tamper` audit rows of `id`: actor, the reported detail, and the count.
 async fn tamper_rows(pool: &PgPool, id: WorkloadId) -> Vec<(String, String, i64)> {
     sqlx::query_as(
-        "SELECT actor, detail->>'detail', (detail->>'count')::bigint FROM audit_log
+        "SELECT actor, detail->>'detail', count FROM audit_log
          WHERE action = 'workload.tamper' AND subject = $1 ORDER BY id",
     )
     .bind(id.to_string())

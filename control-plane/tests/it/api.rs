@@ -824,6 +824,7 @@ const EXPECTED_ROUTES: &[(&str, &str, Option<&str>)] = &[
     ("GET", "/api/v1/estate-ranges", Some("viewer")),
     ("POST", "/api/v1/estate-ranges", Some("admin")),
     ("DELETE", "/api/v1/estate-ranges/{address}/{prefix}", Some("admin")),
+    ("GET", "/api/v1/audit", Some("viewer")),
     ("GET", "/api/v1/flows", Some("viewer")),
     ("GET", "/api/v1/flows/gaps", Some("viewer")),
     ("GET", "/api/v1/flows/rollup", Some("viewer")),

@@ -208,6 +208,15 @@ async fn enrolled_agents_are_rate_bounded() {
     let mut bulk = proto::telemetry_service_client::TelemetryServiceClient::new(
         plane.mutual(&cert, &key).await.unwrap(),
     );
+    // No agent holds a stream for it: stand in for its ack of version 1, so ingest takes its windows.
+    let installed_at = chrono::Utc::now() - chrono::Duration::minutes(1);
+    innerwall_control_plane::testing::installed(
+        pool,
+        bulky,
+        &[(1, innerwall_wire::policy::Mode::Visibility, installed_at)],
+    )
+    .await
+    .unwrap();
     bulk.report_flows(proto::ReportFlowsRequest { window: Some(window(start, 40)) }).await.unwrap();
     let status = bulk
         .report_flows(proto::ReportFlowsRequest { window: Some(window(start + 1_000, 1)) })

@@ -783,7 +783,8 @@ async fn reported_renewal_failures_are_shown() -> anyhow::Result<()> {
         async || store::sync_status_of(&mut plane.db.pool.acquire().await.unwrap(), id).await.unwrap();
     let marked = async |marker: &str| -> bool {
         sqlx::query_scalar::<_, bool>(
-            "SELECT EXISTS (SELECT 1 FROM audit_log WHERE action = 'workload.tamper' AND detail->>'detail' = $1)",
+            "SELECT EXISTS (SELECT 1 FROM audit_log WHERE action = 'workload.tamper'
+                 AND $1 IN (detail->>'detail', detail->'latest'->>'detail'))",
         )
         .bind(marker)
         .fetch_one(&plane.db.pool)
