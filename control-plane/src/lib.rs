@@ -25,6 +25,7 @@ pub mod postgres;
 pub mod rate;
 pub mod retention;
 pub mod service;
+pub mod shown;
 pub mod sync;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;

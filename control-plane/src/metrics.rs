@@ -38,6 +38,14 @@ pub trait ClosedLabel: Copy + PartialEq + std::fmt::Debug + Send + Sync + 'stati
     fn value(self) -> &'static str;
 }
 
+impl ClosedLabel for crate::rate::Bound {
+    const KEY: &'static str = "reason";
+    const ALL: &'static [Self] = crate::rate::Bound::ALL;
+    fn value(self) -> &'static str {
+        self.reason()
+    }
+}
+
 /// One metric per value of a closed label set, encoded in the set's order (prometheus-client's
 /// `Family` iterates a hash map). Clones share the metrics.
 #[derive(Debug, Clone)]
@@ -471,12 +479,12 @@ impl Metrics {
         let _one_at_a_time = self.scrape.lock().await;
         let rows = tokio::time::timeout(
             FLEET_QUERY_TIMEOUT,
-            // The state as shown (`sync::shown`), so a fleet with no replica left to sweep
+            // The state as shown (`shown`), so a fleet with no replica left to sweep
             // counts its silent workloads OFFLINE.
             sqlx::query_as::<_, (i16, i16, i64)>(sqlx::AssertSqlSafe(format!(
                 "SELECT {}, w.mode, count(*) FROM workloads w
                  WHERE w.retired_at IS NULL AND w.denied_at IS NULL GROUP BY 1, 2",
-                crate::sync::shown::STATE
+                crate::shown::STATE
             )))
             .fetch_all(pool),
         )

@@ -18,8 +18,6 @@ use std::time::{Duration, Instant};
 
 use innerwall_wire::identity::WorkloadId;
 
-use crate::metrics::{ClosedLabel, Metrics};
-
 /// What an agent does that is bounded per minute.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Bound {
@@ -60,10 +58,12 @@ impl Bound {
     }
 }
 
-impl ClosedLabel for Bound {
-    const KEY: &'static str = "reason";
-    const ALL: &'static [Self] = &[Bound::Uploads, Bound::UploadBytes, Bound::Heartbeats, Bound::Hellos];
-    fn value(self) -> &'static str {
+impl Bound {
+    /// Every bound, in the order metrics list them.
+    pub const ALL: &'static [Bound] = &[Bound::Uploads, Bound::UploadBytes, Bound::Heartbeats, Bound::Hellos];
+
+    /// The refusal reason a metric and a log line name it by.
+    pub fn reason(self) -> &'static str {
         match self {
             Bound::Uploads => "upload_rate",
             Bound::UploadBytes => "upload_bytes",
@@ -241,17 +241,28 @@ impl Limiter {
     }
 }
 
-/// The limiter of one replica with its metrics: what the gateway and the telemetry service ask.
-#[derive(Debug, Clone)]
+/// Told of every refusal (the replica counts them in its metrics); a callback, so this module
+/// stays below `metrics` in the import graph.
+pub type OnRefused = Arc<dyn Fn(Bound) + Send + Sync>;
+
+/// The limiter of one replica with what it tells of refusals: what the gateway and the telemetry
+/// service ask.
+#[derive(Clone)]
 pub struct Bounds {
     limiter: Arc<Mutex<Limiter>>,
-    metrics: Arc<Metrics>,
+    on_refused: OnRefused,
     pub config: AgentBounds,
 }
 
+impl std::fmt::Debug for Bounds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Bounds").field("config", &self.config).finish_non_exhaustive()
+    }
+}
+
 impl Bounds {
-    pub fn new(config: AgentBounds, metrics: Arc<Metrics>) -> Bounds {
-        Bounds { limiter: Arc::new(Mutex::new(Limiter::new(config.clone()))), metrics, config }
+    pub fn new(config: AgentBounds, on_refused: OnRefused) -> Bounds {
+        Bounds { limiter: Arc::new(Mutex::new(Limiter::new(config.clone()))), on_refused, config }
     }
 
     /// Takes the costs for `id` now, or answers the refusal (counted) to send the agent.
@@ -260,8 +271,8 @@ impl Bounds {
         let taken =
             self.limiter.lock().unwrap_or_else(PoisonError::into_inner).take(id, costs, Instant::now());
         taken.map_err(|over| {
-            self.metrics.agent_refused(over.bound);
-            tracing::warn!(workload = %id, reason = over.bound.value(), "agent refused: over its rate bound");
+            (self.on_refused)(over.bound);
+            tracing::warn!(workload = %id, reason = over.bound.reason(), "agent refused: over its rate bound");
             over.status(id)
         })
     }

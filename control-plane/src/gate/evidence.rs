@@ -172,10 +172,10 @@ pub async fn facts(
     let ids: Vec<Uuid> = members.iter().map(|m| m.id.uuid()).collect();
     let (from, to) = (time(params.from_ms), time(params.to_ms));
     let mut facts = BTreeMap::new();
-    // The state as shown (`sync::shown`): a silent workload is judged OFFLINE, swept or not.
+    // The state as shown (`shown`): a silent workload is judged OFFLINE, swept or not.
     for row in sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT w.id, w.hostname, w.mode, {}, w.applied_version FROM workloads w WHERE w.id = ANY($1)",
-        crate::sync::shown::STATE
+        crate::shown::STATE
     )))
     .bind(&ids)
     .fetch_all(&mut *conn)

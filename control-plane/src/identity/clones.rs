@@ -18,16 +18,12 @@
 //! with a new token): a per-boot deny would be a promise a hostile copy breaks by reporting the
 //! genuine boot id.
 
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgPool;
 
 use crate::audit;
 use crate::error::Error;
-use crate::policy::store::SyncStatusView;
+use crate::policy::lifecycle::{EPISODE, presenters};
 use innerwall_wire::identity::WorkloadId;
-
-/// A clone episode ends this long after the last clone sighting; a sighting after that begins
-/// (and audits) a new one.
-pub const EPISODE: std::time::Duration = std::time::Duration::from_secs(3600);
 
 /// Presenters kept per workload (the most recently seen); a hostile agent inventing boot ids
 /// cannot grow the table.
@@ -72,34 +68,6 @@ pub fn returns_after_another<T: Ord>(sightings: &[Sighting<T>], boot_id: &str, k
     let same = |s: &Sighting<T>| s.boot_id == boot_id && s.key_sha256 == key_sha256;
     let Some(mine) = sightings.iter().find(|s| same(s)) else { return false };
     sightings.iter().any(|s| !same(s) && s.last_seen > mine.last_seen)
-}
-
-/// One presenter of a cloned identity, as `workload status` shows it.
-#[derive(
-    Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, sqlx::FromRow, utoipa::ToSchema,
-)]
-pub struct PresenterView {
-    pub boot_id: String,
-    pub key_sha256: String,
-    pub machine_id: String,
-    pub hostname: String,
-    pub first_seen_at: chrono::DateTime<chrono::Utc>,
-    pub last_seen_at: chrono::DateTime<chrono::Utc>,
-}
-
-/// A clone episode in progress: since when, the last sighting, and every presenter seen in it.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
-pub struct CloneReport {
-    pub since: chrono::DateTime<chrono::Utc>,
-    pub last_seen_at: chrono::DateTime<chrono::Utc>,
-    pub presenters: Vec<PresenterView>,
-}
-
-/// The last refused renewal, shown while no renewal has succeeded since.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
-pub struct RenewalFailure {
-    pub at: chrono::DateTime<chrono::Utc>,
-    pub reason: String,
 }
 
 /// Records that `presenter` opened a stream of `id`, and whether that makes the identity a
@@ -184,72 +152,6 @@ pub async fn observe(pool: &PgPool, id: WorkloadId, presenter: &Presenter) -> Re
     }
     tx.commit().await?;
     Ok(true)
-}
-
-/// The presenters of `id` seen within an episode's length of its last sighting, newest first.
-async fn presenters(conn: &mut PgConnection, id: WorkloadId) -> Result<Vec<PresenterView>, Error> {
-    Ok(sqlx::query_as(
-        "SELECT boot_id, key_sha256, machine_id, hostname, first_seen_at, last_seen_at
-         FROM workload_presenters
-         WHERE workload_id = $1
-           AND last_seen_at >= (SELECT max(last_seen_at) FROM workload_presenters WHERE workload_id = $1)
-                               - make_interval(secs => $2)
-         ORDER BY last_seen_at DESC, boot_id, key_sha256",
-    )
-    .bind(id.uuid())
-    .bind(EPISODE.as_secs_f64())
-    .fetch_all(&mut *conn)
-    .await?)
-}
-
-/// The clone episode of `id` in progress now, if any (judged from the clock, not a flag).
-pub async fn clone_report(conn: &mut PgConnection, id: WorkloadId) -> Result<Option<CloneReport>, Error> {
-    let row: Option<(chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>)> = sqlx::query_as(
-        "SELECT clone_started_at, clone_seen_at FROM workloads
-         WHERE id = $1 AND clone_seen_at >= now() - make_interval(secs => $2)",
-    )
-    .bind(id.uuid())
-    .bind(EPISODE.as_secs_f64())
-    .fetch_optional(&mut *conn)
-    .await?;
-    let Some((since, last_seen_at)) = row else { return Ok(None) };
-    Ok(Some(CloneReport { since, last_seen_at, presenters: presenters(conn, id).await? }))
-}
-
-/// The last renewal failure of `id`, unless a renewal succeeded since.
-pub async fn renewal_failure(
-    conn: &mut PgConnection,
-    id: WorkloadId,
-) -> Result<Option<RenewalFailure>, Error> {
-    let row: Option<(chrono::DateTime<chrono::Utc>, String)> = sqlx::query_as(
-        "SELECT last_renewal_failed_at, COALESCE(last_renewal_error, '') FROM workloads
-         WHERE id = $1 AND last_renewal_failed_at IS NOT NULL
-           AND (last_renewed_at IS NULL OR last_renewed_at < last_renewal_failed_at)",
-    )
-    .bind(id.uuid())
-    .fetch_optional(&mut *conn)
-    .await?;
-    Ok(row.map(|(at, reason)| RenewalFailure { at, reason }))
-}
-
-/// Fills in each status view's clone episode and renewal failure (`workload status`). Most
-/// workloads have neither; the two reads are cheap per row and a status page is bounded.
-pub async fn annotate(conn: &mut PgConnection, views: &mut [SyncStatusView]) -> Result<(), Error> {
-    let ids: Vec<uuid::Uuid> = views.iter().map(|v| v.id).collect();
-    let flagged: Vec<uuid::Uuid> = sqlx::query_scalar(
-        "SELECT id FROM workloads WHERE id = ANY($1)
-           AND (clone_seen_at >= now() - make_interval(secs => $2) OR last_renewal_failed_at IS NOT NULL)",
-    )
-    .bind(&ids)
-    .bind(EPISODE.as_secs_f64())
-    .fetch_all(&mut *conn)
-    .await?;
-    for view in views.iter_mut().filter(|v| flagged.contains(&v.id)) {
-        let Some(id) = WorkloadId::from_uuid(view.id) else { continue };
-        view.clone = clone_report(conn, id).await?;
-        view.renewal_failure = renewal_failure(conn, id).await?;
-    }
-    Ok(())
 }
 
 #[cfg(test)]

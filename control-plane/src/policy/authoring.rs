@@ -773,7 +773,7 @@ pub async fn request_snapshot(pool: &PgPool, actor: &str, id: WorkloadId) -> Res
     type Time = Option<chrono::DateTime<chrono::Utc>>;
     let row: Option<(i16, Time, Time)> = sqlx::query_as(AssertSqlSafe(format!(
         "SELECT {}, w.last_seen_at, w.last_snapshot_sent_at FROM workloads w WHERE w.id = $1",
-        crate::sync::shown::STATE
+        crate::shown::STATE
     )))
     .bind(id.uuid())
     .fetch_optional(pool)

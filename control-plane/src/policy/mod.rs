@@ -3,6 +3,7 @@
 
 pub mod addresses;
 pub mod authoring;
+pub mod lifecycle;
 pub mod model;
 pub mod publish;
 pub mod render;

@@ -15,6 +15,7 @@ use uuid::Uuid;
 
 use crate::error::Error;
 use crate::policy::addresses::Standing;
+use crate::policy::lifecycle;
 use crate::policy::model::{
     AddressGroup, AuthoredModel, ModelError, Peer, RegisteredWorkload, Rule, Ruleset, Selector, Service,
     ServiceEntry,
@@ -874,8 +875,8 @@ pub async fn list_workloads(
         "SELECT w.id, w.hostname, w.mode, w.label_version, p.version, w.retired_at IS NOT NULL, {}, {}
          FROM workloads w LEFT JOIN workload_policies p ON p.workload_id = w.id
          WHERE $1::uuid IS NULL OR w.id = $1 ORDER BY w.hostname, w.id",
-        crate::sync::shown::STATE,
-        crate::sync::shown::DETAIL
+        crate::shown::STATE,
+        crate::shown::DETAIL
     );
     let rows =
         sqlx::query(sqlx::AssertSqlSafe(sql)).bind(only.map(|id| id.uuid())).fetch_all(&mut *conn).await?;
@@ -931,11 +932,11 @@ pub struct SyncStatusView {
     /// The identity is presented by more than one host now (IDN-7; `identity::clones`).
     #[sqlx(skip)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub clone: Option<crate::identity::clones::CloneReport>,
+    pub clone: Option<lifecycle::CloneReport>,
     /// The last renewal failure, while no renewal succeeded since.
     #[sqlx(skip)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub renewal_failure: Option<crate::identity::clones::RenewalFailure>,
+    pub renewal_failure: Option<lifecycle::RenewalFailure>,
 }
 
 /// A sync state as its name (`PENDING`, `SYNCED`, `DEGRADED`, `OFFLINE`, `SUSPENDED`).
@@ -966,9 +967,9 @@ impl TryFrom<i16> for StateName {
 }
 
 /// The columns of a [`SyncStatusView`], for the statements below to complete: the state and
-/// detail as shown (`sync::shown`), not as stored.
+/// detail as shown (`shown`), not as stored.
 fn sync_status_sql() -> String {
-    use crate::sync::shown;
+    use crate::shown;
     format!(
         "SELECT w.id, w.hostname, w.applied_version, p.version AS latest_version, {} AS state,
                 {} AS detail, w.last_seen_at, w.last_acked_at, w.last_snapshot_sent_at,
@@ -989,7 +990,7 @@ pub async fn sync_status(
     let mut views: Vec<SyncStatusView> =
         sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(only.map(|id| id.uuid())).fetch_all(&mut *conn).await?;
     with_address_issues(conn, &mut views).await?;
-    crate::identity::clones::annotate(conn, &mut views).await?;
+    with_lifecycle(conn, &mut views).await?;
     Ok(views)
 }
 
@@ -1029,7 +1030,7 @@ pub async fn sync_status_page(
         .fetch_all(&mut *conn)
         .await?;
     with_address_issues(conn, &mut views).await?;
-    crate::identity::clones::annotate(conn, &mut views).await?;
+    with_lifecycle(conn, &mut views).await?;
     Ok(page::page(views, limit, SYNC_STATUS_KIND, |v| serde_json::json!([v.hostname, v.id])))
 }
 
@@ -1040,6 +1041,26 @@ async fn with_address_issues(conn: &mut PgConnection, views: &mut [SyncStatusVie
     for view in views {
         view.address_issues =
             addresses.remove(&view.id).unwrap_or_default().into_iter().filter(|a| !a.accepted()).collect();
+    }
+    Ok(())
+}
+
+/// Fills in each status view's clone episode and renewal failure (`workload status`). Most
+/// workloads have neither; the two reads are cheap per row and a status page is bounded.
+async fn with_lifecycle(conn: &mut PgConnection, views: &mut [SyncStatusView]) -> Result<(), Error> {
+    let ids: Vec<Uuid> = views.iter().map(|v| v.id).collect();
+    let flagged: Vec<Uuid> = sqlx::query_scalar(
+        "SELECT id FROM workloads WHERE id = ANY($1)
+           AND (clone_seen_at >= now() - make_interval(secs => $2) OR last_renewal_failed_at IS NOT NULL)",
+    )
+    .bind(&ids)
+    .bind(lifecycle::EPISODE.as_secs_f64())
+    .fetch_all(&mut *conn)
+    .await?;
+    for view in views.iter_mut().filter(|v| flagged.contains(&v.id)) {
+        let Some(id) = WorkloadId::from_uuid(view.id) else { continue };
+        view.clone = lifecycle::clone_report(conn, id).await?;
+        view.renewal_failure = lifecycle::renewal_failure(conn, id).await?;
     }
     Ok(())
 }
@@ -1099,14 +1120,14 @@ pub async fn workload_page(
     let mut q = sqlx::QueryBuilder::<sqlx::Postgres>::new(
         "SELECT * FROM (SELECT w.id, w.hostname, w.mode, w.label_version, ",
     );
-    // The state as shown (`sync::shown`): the filter and the attention order see it too.
-    q.push(crate::sync::shown::STATE).push(
+    // The state as shown (`shown`): the filter and the attention order see it too.
+    q.push(crate::shown::STATE).push(
         " AS sync_state, w.applied_version,
                 p.version AS latest_version, w.last_seen_at, w.retired_at IS NOT NULL AS retired,
                 w.denied_at IS NOT NULL AS denied,
                 coalesce(array_position(",
     );
-    q.push_bind(attention).push("::smallint[], ").push(crate::sync::shown::STATE).push(
+    q.push_bind(attention).push("::smallint[], ").push(crate::shown::STATE).push(
         "), 99) AS rank,
                 coalesce((extract(epoch FROM w.last_seen_at) * 1000000)::bigint, -1) AS seen_us
          FROM workloads w LEFT JOIN workload_policies p ON p.workload_id = w.id) AS f WHERE true",
@@ -1213,7 +1234,7 @@ pub struct WorkloadFacts {
     pub last_renewal_error: Option<String>,
     /// The clone episode in progress, if any (IDN-7).
     #[sqlx(skip)]
-    pub clone: Option<crate::identity::clones::CloneReport>,
+    pub clone: Option<lifecycle::CloneReport>,
 }
 
 pub async fn workload_facts(conn: &mut PgConnection, id: WorkloadId) -> Result<Option<WorkloadFacts>, Error> {
@@ -1227,7 +1248,7 @@ pub async fn workload_facts(conn: &mut PgConnection, id: WorkloadId) -> Result<O
     .fetch_optional(&mut *conn)
     .await?;
     let Some(mut facts) = facts else { return Ok(None) };
-    facts.clone = crate::identity::clones::clone_report(conn, id).await?;
+    facts.clone = lifecycle::clone_report(conn, id).await?;
     Ok(Some(facts))
 }
 

@@ -141,7 +141,11 @@ type Outbound = mpsc::Sender<Result<Box<proto::SyncResponse>, Status>>;
 
 impl Gateway {
     pub fn new(pools: &Pools, config: GatewayConfig, enroller: Enroller, metrics: Arc<Metrics>) -> Self {
-        let bounds = crate::rate::Bounds::new(config.bounds.clone(), metrics.clone());
+        let counted = metrics.clone();
+        let bounds = crate::rate::Bounds::new(
+            config.bounds.clone(),
+            Arc::new(move |bound| counted.agent_refused(bound)),
+        );
         Gateway {
             inner: Arc::new(Inner {
                 pool: pools.streams.clone(),
@@ -586,7 +590,7 @@ impl StreamTask {
         }
         let epoch: i64 = sqlx::query_scalar(
             // A Hello is a sign of life: readers judge silence from `last_seen_at` against the
-            // liveness written here (`sync::shown`), so both move together.
+            // liveness written here (`shown`), so both move together.
             "UPDATE workloads SET stream_epoch = stream_epoch + 1, stream_liveness = make_interval(secs => $2),
                  last_seen_at = now()
              WHERE id = $1 RETURNING stream_epoch",

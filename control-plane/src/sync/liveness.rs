@@ -5,7 +5,7 @@
 //! whoever held the stream. The holder itself would have closed a stream that silent, so the
 //! sweep never contradicts a live one; if a slow heartbeat write ever lets it, the stream's
 //! next heartbeat restores its state (`gateway`), under the epoch rules. No reader depends on a
-//! sweep having run: each judges the row against the clock itself (`sync::shown`).
+//! sweep having run: each judges the row against the clock itself (`shown`).
 
 use std::time::Duration;
 
@@ -19,7 +19,7 @@ use crate::error::Error;
 
 /// Marks every workload whose stream has been silent longer than it tolerates OFFLINE, and
 /// records when a sweep last ran (readers say so of a silent row no sweep has caught:
-/// `sync::shown`); returns them.
+/// `shown`); returns them.
 pub async fn sweep(pool: &PgPool) -> Result<Vec<WorkloadId>, Error> {
     let ids: Vec<Uuid> = sqlx::query_scalar(
         "WITH swept AS (

@@ -8,4 +8,3 @@ pub mod gateway;
 pub mod liveness;
 pub mod reads;
 pub mod session;
-pub mod shown;

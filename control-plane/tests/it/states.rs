@@ -1,5 +1,5 @@
 //! States judged when read (REL-3, issue 25) against a real Postgres: the SQL every reader uses
-//! agrees with the pure rule (`sync::shown::shown`), and a row stored SYNCED whose last
+//! agrees with the pure rule (`shown::shown`), and a row stored SYNCED whose last
 //! heartbeat is older than its stream's liveness reads OFFLINE through every reader — status,
 //! the fleet list with a state filter, show, the metrics query and the verdict — with no sweep
 //! ever having run.
@@ -11,7 +11,8 @@ use innerwall_control_plane::gate::{self, Outcome, Params, Scope};
 use innerwall_control_plane::metrics::Metrics;
 use innerwall_control_plane::page::PageRequest;
 use innerwall_control_plane::policy::store::{self, WorkloadFilter};
-use innerwall_control_plane::sync::{liveness, shown};
+use innerwall_control_plane::shown;
+use innerwall_control_plane::sync::liveness;
 use innerwall_control_plane::testing::fresh_database;
 use innerwall_wire::convert::WireEnum as _;
 use innerwall_wire::identity::WorkloadId;

@@ -36,7 +36,12 @@ impl std::fmt::Debug for ApiClient {
 }
 
 impl ApiClient {
-    pub fn new(api: &str, token: Option<&str>, ca: Option<&Path>) -> anyhow::Result<ApiClient> {
+    pub fn new(
+        api: &str,
+        token: Option<&str>,
+        ca: Option<&Path>,
+        page_size: u32,
+    ) -> anyhow::Result<ApiClient> {
         let Some(rest) = api.strip_prefix("https://") else {
             bail!("--api {api:?}: give the control plane's API as https://HOST:PORT (e.g. https://cp:8443)");
         };
@@ -73,12 +78,7 @@ impl ApiClient {
                 .with_root_certificates(roots)
                 .with_no_client_auth();
         let tls = tokio_rustls::TlsConnector::from(Arc::new(config));
-        Ok(ApiClient { host, port, token: token.to_owned(), tls, page_size: crate::pages::DEFAULT_PAGE_SIZE })
-    }
-
-    /// The client, asking for pages of `size` rows.
-    pub fn paged(self, size: u32) -> ApiClient {
-        ApiClient { page_size: size, ..self }
+        Ok(ApiClient { host, port, token: token.to_owned(), tls, page_size })
     }
 
     pub async fn get<T: DeserializeOwned>(&self, path: &str) -> anyhow::Result<T> {

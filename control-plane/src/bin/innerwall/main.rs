@@ -213,7 +213,7 @@ async fn remote(api: &str, cli: &Cli) -> anyhow::Result<()> {
             "`innerwall {name}` administers this host and does not take --api; run it on the control-plane host without --api (and without INNERWALL_API)"
         );
     }
-    let client = api::ApiClient::new(api, cli.token.as_deref(), cli.api_ca.as_deref())?.paged(cli.page_size);
+    let client = api::ApiClient::new(api, cli.token.as_deref(), cli.api_ca.as_deref(), cli.page_size)?;
     match &cli.command {
         Command::Service(cmd) => policy::catalog_remote(&client, cli.json, cmd).await,
         Command::AddressGroup(cmd) => policy::catalog_remote(&client, cli.json, cmd).await,

@@ -673,7 +673,7 @@ fn identity_notes(all: &[SyncStatusView]) -> Vec<String> {
     notes
 }
 
-fn clone_line(c: &innerwall_control_plane::identity::clones::CloneReport) -> String {
+fn clone_line(c: &innerwall_control_plane::policy::lifecycle::CloneReport) -> String {
     let presenters: Vec<String> = c
         .presenters
         .iter()
