@@ -59,6 +59,14 @@ impl PageRequest {
         }
         Ok(Some(decoded.after))
     }
+
+    /// [`after`](Self::after) for the common key of two fields (e.g. a time and an id).
+    pub(crate) fn after_pair<A: serde::de::DeserializeOwned, B: serde::de::DeserializeOwned>(
+        &self,
+        kind: &str,
+    ) -> Result<Option<(A, B)>, Error> {
+        self.after(kind)?.map(|key| Ok((field(&key, 0, kind)?, field(&key, 1, kind)?))).transpose()
+    }
 }
 
 #[derive(Serialize, Deserialize)]

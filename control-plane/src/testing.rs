@@ -199,6 +199,22 @@ impl Drop for TestDatabase {
     }
 }
 
+/// A replica for a test on loopback: `127.0.0.1:0`, named `localhost`, one-hour workload
+/// certificates, every other setting at its default. Tests override fields with `..`.
+pub fn loopback_service() -> crate::service::ServiceConfig {
+    crate::service::ServiceConfig {
+        listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+        server_names: vec!["localhost".into()],
+        cert_lifetime: std::time::Duration::from_secs(3600),
+        server_cert_lifetime: crate::identity::server_cert::SERVER_CERT_LIFETIME,
+        gateway: Default::default(),
+        flow_bounds: Default::default(),
+        limits: Default::default(),
+        retention: Default::default(),
+        metrics_listen: None,
+    }
+}
+
 /// Adds service `svc-<n>` (tcp/8000+n) and ruleset `rs-<n>` allowing it from 192.0.2.0/24 to
 /// every `app=web` workload: one new policy version for each of them, committed as the CLI does.
 pub async fn add_web_port(pool: &PgPool, n: u16) -> anyhow::Result<()> {

@@ -165,12 +165,7 @@ pub async fn page(
 ) -> Result<crate::page::Page<Promotion>, Error> {
     use crate::page;
     let limit = request.checked_limit()?;
-    let after = match request.after(PROMOTIONS)? {
-        Some(a) => {
-            Some((page::field::<DateTime<Utc>>(&a, 0, PROMOTIONS)?, page::field::<Uuid>(&a, 1, PROMOTIONS)?))
-        }
-        None => None,
-    };
+    let after = request.after_pair::<DateTime<Utc>, Uuid>(PROMOTIONS)?;
     let rows = sqlx::query(
         "SELECT id, at, actor, reason, override_reason, to_mode, scope, expected_count, workloads, verdict
          FROM promotions

@@ -350,10 +350,7 @@ pub async fn page(
     use crate::page;
     let kind = OPERATOR_TOKENS;
     let limit = request.checked_limit()?;
-    let after = match request.after(kind)? {
-        Some(a) => Some((page::field::<DateTime<Utc>>(&a, 0, kind)?, page::field::<String>(&a, 1, kind)?)),
-        None => None,
-    };
+    let after = request.after_pair::<DateTime<Utc>, String>(kind)?;
     let rows = views(conn, after, limit + 1).await?;
     Ok(page::page(rows, limit, kind, |v| serde_json::json!([v.created_at, v.id])))
 }

@@ -371,10 +371,7 @@ pub async fn page(
 ) -> Result<crate::page::Page<TokenView>, crate::error::Error> {
     use crate::page;
     let limit = request.checked_limit()?;
-    let after = match request.after(TOKENS)? {
-        Some(a) => Some((page::field::<DateTime<Utc>>(&a, 0, TOKENS)?, page::field::<Uuid>(&a, 1, TOKENS)?)),
-        None => None,
-    };
+    let after = request.after_pair::<DateTime<Utc>, Uuid>(TOKENS)?;
     let rows = views(conn, after, limit + 1).await?;
     Ok(page::page(rows, limit, TOKENS, |v| serde_json::json!([v.created_at, v.id])))
 }

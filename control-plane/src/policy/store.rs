@@ -1011,13 +1011,7 @@ pub async fn sync_status_page(
 ) -> Result<crate::page::Page<SyncStatusView>, Error> {
     use crate::page;
     let limit = request.checked_limit()?;
-    let after = match request.after(SYNC_STATUS_KIND)? {
-        Some(after) => Some((
-            page::field::<String>(&after, 0, SYNC_STATUS_KIND)?,
-            page::field::<Uuid>(&after, 1, SYNC_STATUS_KIND)?,
-        )),
-        None => None,
-    };
+    let after = request.after_pair::<String, Uuid>(SYNC_STATUS_KIND)?;
     let sql = format!(
         "{} AND ($1::text IS NULL OR (w.hostname, w.id) > ($1, $2::uuid))
          ORDER BY w.hostname, w.id LIMIT $3",

@@ -22,7 +22,7 @@ use innerwall_control_plane::identity::operators::{self, Refused, Role};
 use innerwall_control_plane::policy::authoring;
 use innerwall_control_plane::policy::spec::NewWorkload;
 use innerwall_control_plane::postgres::Pools;
-use innerwall_control_plane::service::{self, Running, ServiceConfig};
+use innerwall_control_plane::service::{self, Running};
 use innerwall_control_plane::testing::{TestDatabase, fresh_database};
 use innerwall_wire::identity::WorkloadId;
 use rustls::pki_types::{CertificateDer, ServerName, pem::PemObject};
@@ -96,17 +96,7 @@ impl Plane {
         let db = fresh_database().await.unwrap();
         let dir = std::env::temp_dir().join(format!("iw-api-{}", uuid::Uuid::new_v4()));
         let signer = Arc::new(FileCa::init(&dir.join("ca")).unwrap());
-        let config = ServiceConfig {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            server_names: vec!["localhost".into()],
-            cert_lifetime: Duration::from_secs(3600),
-            server_cert_lifetime: innerwall_control_plane::identity::server_cert::SERVER_CERT_LIFETIME,
-            gateway: Default::default(),
-            flow_bounds: Default::default(),
-            limits: Default::default(),
-            retention: Default::default(),
-            metrics_listen: None,
-        };
+        let config = innerwall_control_plane::testing::loopback_service();
         let mut running =
             service::start(Pools::shared(db.pool.clone()), signer.clone(), config).await.unwrap();
         let api = ApiConfig {

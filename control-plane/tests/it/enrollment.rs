@@ -56,15 +56,11 @@ impl Plane {
             running.stop().await.unwrap();
         }
         let config = ServiceConfig {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            server_names: vec!["localhost".into()],
             cert_lifetime: self.cert_lifetime,
             server_cert_lifetime: self.server_cert_lifetime,
             gateway,
-            flow_bounds: Default::default(),
             limits: self.limits.clone(),
-            retention: Default::default(),
-            metrics_listen: None,
+            ..innerwall_control_plane::testing::loopback_service()
         };
         self.running = Some(
             service::start(Pools::shared(self.db.pool.clone()), self.signer.clone(), config).await.unwrap(),

@@ -19,7 +19,7 @@ use innerwall_control_plane::api::{ApiConfig, ApiLimits, ApiTls};
 use innerwall_control_plane::identity::ca::{FileCa, Signer};
 use innerwall_control_plane::identity::operators::{self, Role};
 use innerwall_control_plane::postgres::Pools;
-use innerwall_control_plane::service::{self, Running, ServiceConfig};
+use innerwall_control_plane::service::{self, Running};
 use innerwall_control_plane::testing::{TestDatabase, fresh_database};
 use rustls::pki_types::{CertificateDer, ServerName, pem::PemObject};
 use serde_json::Value;
@@ -40,17 +40,7 @@ impl Plane {
         let db = fresh_database().await.unwrap();
         let dir = std::env::temp_dir().join(format!("iw-lists-{}", uuid::Uuid::new_v4()));
         let signer = Arc::new(FileCa::init(&dir.join("ca")).unwrap());
-        let config = ServiceConfig {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            server_names: vec!["localhost".into()],
-            cert_lifetime: Duration::from_secs(3600),
-            server_cert_lifetime: innerwall_control_plane::identity::server_cert::SERVER_CERT_LIFETIME,
-            gateway: Default::default(),
-            flow_bounds: Default::default(),
-            limits: Default::default(),
-            metrics_listen: None,
-            retention: Default::default(),
-        };
+        let config = innerwall_control_plane::testing::loopback_service();
         let mut running =
             service::start(Pools::shared(db.pool.clone()), signer.clone(), config).await.unwrap();
         let api = ApiConfig {

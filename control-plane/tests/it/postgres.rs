@@ -275,7 +275,7 @@ async fn enroll_at(
 async fn database_stalls_are_bounded_when_the_postmaster_dies() -> anyhow::Result<()> {
     use innerwall_control_plane::identity::ca::{FileCa, Signer};
     use innerwall_control_plane::postgres::{Health, PoolConfig, Pools, PoolsConfig, Supervisor};
-    use innerwall_control_plane::service::{self, ServiceConfig};
+    use innerwall_control_plane::service;
 
     let state = StateDir::new()?;
     let url = postgres::embedded(&state.0).await?;
@@ -294,22 +294,9 @@ async fn database_stalls_are_bounded_when_the_postmaster_dies() -> anyhow::Resul
 
     let ca_dir = state.0.join("ca");
     let signer = Arc::new(FileCa::init(&ca_dir)?);
-    let running = service::start(
-        pools.clone(),
-        signer.clone(),
-        ServiceConfig {
-            listen: "127.0.0.1:0".parse()?,
-            server_names: vec!["localhost".into()],
-            cert_lifetime: Duration::from_secs(3600),
-            server_cert_lifetime: innerwall_control_plane::identity::server_cert::SERVER_CERT_LIFETIME,
-            gateway: Default::default(),
-            flow_bounds: Default::default(),
-            limits: Default::default(),
-            retention: Default::default(),
-            metrics_listen: None,
-        },
-    )
-    .await?;
+    let running =
+        service::start(pools.clone(), signer.clone(), innerwall_control_plane::testing::loopback_service())
+            .await?;
     let token = {
         let mut conn = pools.authoring.acquire().await?;
         let labels = vec!["app=web".parse()?];

@@ -193,17 +193,7 @@ async fn second_replica(a: &Plane) -> innerwall_control_plane::service::Running 
     innerwall_control_plane::service::start(
         innerwall_control_plane::postgres::Pools::shared(a.db.pool.clone()),
         a.signer.clone(),
-        innerwall_control_plane::service::ServiceConfig {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            server_names: vec!["localhost".into()],
-            cert_lifetime: Duration::from_secs(3600),
-            server_cert_lifetime: innerwall_control_plane::identity::server_cert::SERVER_CERT_LIFETIME,
-            gateway: GatewayConfig::default(),
-            flow_bounds: Default::default(),
-            limits: Default::default(),
-            retention: Default::default(),
-            metrics_listen: None,
-        },
+        innerwall_control_plane::testing::loopback_service(),
     )
     .await
     .unwrap()
