@@ -39,7 +39,7 @@ impl Expect {
     fn required(&self, noun: &str, verb: &str, name: &str) -> anyhow::Result<i64> {
         self.expect_version.with_context(|| {
             format!(
-                "{noun} {verb} {name:?} needs --expect-version VERSION, the version `show` printed                  (a {verb} is conditional on it); nothing was written"
+                "{noun} {verb} {name:?} needs --expect-version VERSION, the version `{noun} show` printed (updates and deletes are conditional on it); nothing was written"
             )
         })
     }
