@@ -57,6 +57,12 @@ pub enum Error {
          nothing was changed"
     )]
     OverBound { what: &'static str, limit: u64, bound: &'static str, remedy: &'static str },
+    /// An expensive operation (a render, a resend) over its rate bound (`policy::expensive`).
+    #[error(
+        "rate-limited: {what} by {who} over the bound of {per_minute} per minute ({bound}); retry after \
+         {retry_after_secs} s; nothing was changed"
+    )]
+    RateLimited { what: &'static str, who: String, per_minute: u32, bound: &'static str, retry_after_secs: u64 },
     #[error("agent-offline: workload {id} has no stream (last seen {last_seen})")]
     AgentOffline { id: String, last_seen: String },
     #[error("render failed: {0}")]
@@ -110,6 +116,8 @@ pub enum Kind {
     EvidenceInsufficient,
     /// One more object would pass a count bound (409 limit-reached).
     OverBound,
+    /// Over a rate bound (429 rate-limited, with `Retry-After`).
+    RateLimited,
     /// Not the caller's fault: logged in full, reported without detail.
     Internal,
 }
@@ -130,6 +138,7 @@ impl Error {
             Error::CountMismatch { .. } => Kind::CountMismatch,
             Error::EvidenceInsufficient { .. } => Kind::EvidenceInsufficient,
             Error::OverBound { .. } => Kind::OverBound,
+            Error::RateLimited { .. } => Kind::RateLimited,
             Error::Render(_) | Error::Corrupt { .. } | Error::Database(_) => Kind::Internal,
         }
     }
@@ -163,6 +172,13 @@ impl From<Error> for tonic::Status {
             },
             Kind::AgentOffline | Kind::Busy => Status::unavailable(message),
             Kind::OverBound => Status::resource_exhausted(message),
+            Kind::RateLimited => match &e {
+                Error::RateLimited { retry_after_secs, .. } => innerwall_wire::backoff::refuse(
+                    message.clone(),
+                    std::time::Duration::from_secs(*retry_after_secs),
+                ),
+                _ => Status::resource_exhausted(message),
+            },
             Kind::Internal => {
                 tracing::error!("agent request failed: {:#}", Chain(&e));
                 Status::internal("internal error; see the control-plane log")

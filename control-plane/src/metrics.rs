@@ -293,6 +293,8 @@ pub struct Metrics {
     bridge_connected: Gauge,
     fleet: Fleet,
     fleet_failures: Counter,
+    /// Connections the metrics listener closed at accept (too many held, overall or per source).
+    metrics_refused: Counter,
     /// One scrape at a time reads the database.
     scrape: tokio::sync::Mutex<()>,
 }
@@ -326,6 +328,7 @@ impl Metrics {
             bridge_connected: Gauge::default(),
             fleet: Fleet::default(),
             fleet_failures: Counter::default(),
+            metrics_refused: Counter::default(),
             scrape: tokio::sync::Mutex::new(()),
         };
         let mut registry = Registry::with_prefix("innerwall");
@@ -404,6 +407,11 @@ impl Metrics {
             "workload_count_failures",
             "Scrapes that could not read the fleet's workload counts (those gauges are then absent)",
             m.fleet_failures.clone(),
+        );
+        r.register(
+            "metrics_connections_refused",
+            "Connections the metrics listener closed at accept: too many held, overall or from one source",
+            m.metrics_refused.clone(),
         );
         r.register_collector(Box::new(m.fleet.clone()));
         Metrics { registry, ..m }
@@ -510,6 +518,10 @@ impl Metrics {
 
 /// Scrape connections served at once; more are closed at accept.
 const MAX_CONNECTIONS: usize = 16;
+/// Scrape connections served at once from one source address (a Prometheus server uses one).
+const MAX_CONNECTIONS_PER_SOURCE: usize = 4;
+/// At most one log line about refused connections per this long.
+const REFUSED_LOG_INTERVAL: Duration = Duration::from_secs(10);
 /// How long a client may take to send its request's headers.
 const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
 /// A connection is closed after this long, whatever it is doing.
@@ -563,12 +575,23 @@ async fn answer(
 }
 
 /// Serves `GET /metrics` (HTTP/1.1, no TLS, no authentication) on `listener` until the task is
-/// dropped: at most [`MAX_CONNECTIONS`] connections, each bounded in time.
+/// dropped: at most [`MAX_CONNECTIONS`] connections, [`MAX_CONNECTIONS_PER_SOURCE`] of them from
+/// one address, each bounded in time. Connections beyond are closed at accept, counted in
+/// `innerwall_metrics_connections_refused_total` and logged at most every 10 s.
 pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, pool: PgPool) {
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let admission = Arc::new(crate::identity::admission::Admission::new(
+        [],
+        crate::identity::admission::Limits {
+            max_connections: MAX_CONNECTIONS,
+            max_connections_per_source: MAX_CONNECTIONS_PER_SOURCE,
+            ..crate::identity::admission::Limits::default()
+        },
+    ));
+    let mut logged: Option<std::time::Instant> = None;
+    let mut refused = 0u64;
     loop {
-        let stream = match listener.accept().await {
-            Ok((stream, _)) => stream,
+        let (stream, peer) = match listener.accept().await {
+            Ok(accepted) => accepted,
             Err(e) => {
                 // Out of file descriptors, say: wait instead of spinning.
                 tracing::warn!("metrics listener: accept failed: {e}");
@@ -576,7 +599,21 @@ pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, pool: PgPool) {
                 continue;
             }
         };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
+        let Some(slot) = admission.admit(peer.ip()) else {
+            drop(stream);
+            metrics.metrics_refused.inc();
+            refused += 1;
+            if logged.is_none_or(|at| at.elapsed() >= REFUSED_LOG_INTERVAL) {
+                tracing::warn!(
+                    %peer,
+                    refused,
+                    max = MAX_CONNECTIONS,
+                    max_per_source = MAX_CONNECTIONS_PER_SOURCE,
+                    "metrics connections refused: too many held (overall or from this source); count since the last such line"
+                );
+                logged = Some(std::time::Instant::now());
+                refused = 0;
+            }
             continue;
         };
         let (metrics, pool) = (metrics.clone(), pool.clone());
@@ -681,6 +718,7 @@ mod tests {
                 "innerwall_notify_bridge_reconnects_total counter",
                 "innerwall_notify_bridge_connected gauge",
                 "innerwall_workload_count_failures_total counter",
+                "innerwall_metrics_connections_refused_total counter",
             ],
             "the fleet gauges are absent until a scrape read them"
         );

@@ -9,8 +9,10 @@
 //! spreading calls over `n` replicas gets at most `n` times the bound. The table is bounded
 //! itself: an identity whose buckets have all refilled is indistinguishable from one never
 //! seen and is pruned, and past `max_tracked` identities the least recently seen are dropped.
-//! [`Limiter`] is pure (time passed in); [`Bounds`] holds it for the gateway and the telemetry
-//! service.
+//! [`Limiter`] is pure (time passed in) and generic over what it is keyed on and which bounds it
+//! holds ([`Kind`]): the agent side keys it on [`WorkloadId`] with [`Bound`], the operator API
+//! (`api::edge`) on a token or a source address. [`Bounds`] holds it for the gateway and the
+//! telemetry service.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -31,12 +33,26 @@ pub enum Bound {
     Hellos,
 }
 
-impl Bound {
-    const COUNT: usize = 4;
+/// A closed set of bounds a [`Limiter`] holds a bucket of per key.
+pub trait Kind: Copy + Ord + std::fmt::Debug + 'static {
+    /// Every bound of the set (at most [`MAX_KINDS`]).
+    const ALL: &'static [Self];
+    /// The bound's place in [`Kind::ALL`].
+    fn index(self) -> usize;
+}
+
+/// The most bounds one [`Kind`] may have.
+pub const MAX_KINDS: usize = 4;
+
+impl Kind for Bound {
+    const ALL: &'static [Bound] = Bound::ALL;
 
     fn index(self) -> usize {
         self as usize
     }
+}
+
+impl Bound {
 
     /// The serve flag that sets it.
     pub fn flag(self) -> &'static str {
@@ -121,8 +137,8 @@ impl AgentBounds {
 
 /// A call over its bound: which, and how long until it would pass.
 #[derive(Debug, Clone, PartialEq)]
-pub struct OverBound {
-    pub bound: Bound,
+pub struct OverBound<B = Bound> {
+    pub bound: B,
     pub per_minute: f64,
     pub retry_after: Duration,
 }
@@ -150,29 +166,50 @@ struct Bucket {
 
 #[derive(Debug, Clone)]
 struct Entry {
-    buckets: [Option<Bucket>; Bound::COUNT],
+    buckets: [Option<Bucket>; MAX_KINDS],
     seen: Instant,
 }
 
-/// Token buckets per identity. Pure: every call is given the time.
+/// Token buckets per key (an agent identity, an operator token, a source address). Pure: every
+/// call is given the time.
 #[derive(Debug)]
-pub struct Limiter {
-    bounds: AgentBounds,
-    entries: BTreeMap<WorkloadId, Entry>,
+pub struct Limiter<K = WorkloadId, B: Kind = Bound> {
+    /// A bucket's capacity, and its refill per minute, by [`Kind::index`].
+    per_minute: [f64; MAX_KINDS],
+    max_tracked: usize,
+    entries: BTreeMap<K, Entry>,
+    kinds: std::marker::PhantomData<B>,
 }
 
-impl Limiter {
+impl Limiter<WorkloadId, Bound> {
     pub fn new(bounds: AgentBounds) -> Limiter {
-        Limiter { bounds, entries: BTreeMap::new() }
+        Limiter::with_rates(|b| bounds.per_minute(b), bounds.max_tracked)
+    }
+}
+
+impl<K: Ord + Clone, B: Kind> Limiter<K, B> {
+    /// A limiter whose bound `b` allows `per_minute(b)` a minute (at least 1), holding at most
+    /// `max_tracked` keys.
+    pub fn with_rates(per_minute: impl Fn(B) -> f64, max_tracked: usize) -> Limiter<K, B> {
+        assert!(B::ALL.len() <= MAX_KINDS, "a Kind has at most {MAX_KINDS} bounds");
+        let mut rates = [1.0; MAX_KINDS];
+        for &b in B::ALL {
+            rates[b.index()] = per_minute(b).max(1.0);
+        }
+        Limiter { per_minute: rates, max_tracked, entries: BTreeMap::new(), kinds: std::marker::PhantomData }
     }
 
     pub fn tracked(&self) -> usize {
         self.entries.len()
     }
 
+    fn capacity(&self, bound: B) -> f64 {
+        self.per_minute[bound.index()]
+    }
+
     /// A bucket's tokens at `now`, refilled from its last use.
-    fn level(&self, bound: Bound, bucket: Option<Bucket>, now: Instant) -> f64 {
-        let capacity = self.bounds.per_minute(bound);
+    fn level(&self, bound: B, bucket: Option<Bucket>, now: Instant) -> f64 {
+        let capacity = self.capacity(bound);
         match bucket {
             None => capacity,
             Some(b) => {
@@ -182,18 +219,14 @@ impl Limiter {
         }
     }
 
-    /// Takes `cost` of each named bound for `id` at `now`, or none of them if any is short (a
-    /// refused call costs nothing, so refusals cannot push the wait out). A cost above a whole
-    /// minute's allowance counts as a whole minute, so any call passes once the bucket is full.
-    pub fn take(&mut self, id: WorkloadId, costs: &[(Bound, f64)], now: Instant) -> Result<(), OverBound> {
-        let entry = self.entries.get(&id);
-        let mut worst: Option<OverBound> = None;
-        let mut levels = [0.0; Bound::COUNT];
+    /// Whether `take` would pass now, taking nothing.
+    pub fn check(&self, key: &K, costs: &[(B, f64)], now: Instant) -> Result<(), OverBound<B>> {
+        let entry = self.entries.get(key);
+        let mut worst: Option<OverBound<B>> = None;
         for &(bound, cost) in costs {
-            let capacity = self.bounds.per_minute(bound);
+            let capacity = self.capacity(bound);
             let cost = cost.clamp(0.0, capacity);
             let level = self.level(bound, entry.and_then(|e| e.buckets[bound.index()]), now);
-            levels[bound.index()] = level - cost;
             if level < cost {
                 let retry_after = Duration::from_secs_f64((cost - level) * 60.0 / capacity);
                 if worst.as_ref().is_none_or(|w| w.retry_after < retry_after) {
@@ -201,13 +234,24 @@ impl Limiter {
                 }
             }
         }
-        if let Some(over) = worst {
-            return Err(over);
+        worst.map_or(Ok(()), Err)
+    }
+
+    /// Takes `cost` of each named bound for `key` at `now`, or none of them if any is short (a
+    /// refused call costs nothing, so refusals cannot push the wait out). A cost above a whole
+    /// minute's allowance counts as a whole minute, so any call passes once the bucket is full.
+    pub fn take(&mut self, key: K, costs: &[(B, f64)], now: Instant) -> Result<(), OverBound<B>> {
+        self.check(&key, costs, now)?;
+        let entry = self.entries.get(&key);
+        let mut levels = [0.0; MAX_KINDS];
+        for &(bound, cost) in costs {
+            let cost = cost.clamp(0.0, self.capacity(bound));
+            levels[bound.index()] = self.level(bound, entry.and_then(|e| e.buckets[bound.index()]), now) - cost;
         }
-        if !self.entries.contains_key(&id) && self.entries.len() >= self.bounds.max_tracked.max(1) {
+        if !self.entries.contains_key(&key) && self.entries.len() >= self.max_tracked.max(1) {
             self.prune(now);
         }
-        let entry = self.entries.entry(id).or_insert(Entry { buckets: [None; Bound::COUNT], seen: now });
+        let entry = self.entries.entry(key).or_insert(Entry { buckets: [None; MAX_KINDS], seen: now });
         entry.seen = now;
         for &(bound, _) in costs {
             entry.buckets[bound.index()] = Some(Bucket { tokens: levels[bound.index()], at: now });
@@ -215,28 +259,26 @@ impl Limiter {
         Ok(())
     }
 
-    /// Forgets identities whose buckets have refilled (nothing is lost); if that frees nothing,
-    /// the least recently seen eighth, so the next prune is that far away.
+    /// Forgets keys whose buckets have refilled (nothing is lost); if that frees nothing, the
+    /// least recently seen eighth, so the next prune is that far away.
     fn prune(&mut self, now: Instant) {
-        let full = |l: &Limiter, e: &Entry| {
-            Bound::ALL.iter().all(|b| {
-                e.buckets[b.index()]
-                    .is_none_or(|bucket| l.level(*b, Some(bucket), now) >= l.bounds.per_minute(*b))
+        let full = |l: &Self, e: &Entry| {
+            B::ALL.iter().all(|b| {
+                e.buckets[b.index()].is_none_or(|bucket| l.level(*b, Some(bucket), now) >= l.capacity(*b))
             })
         };
-        let refilled: Vec<WorkloadId> =
-            self.entries.iter().filter(|(_, e)| full(self, e)).map(|(id, _)| *id).collect();
-        for id in &refilled {
-            self.entries.remove(id);
+        let refilled: Vec<K> = self.entries.iter().filter(|(_, e)| full(self, e)).map(|(k, _)| k.clone()).collect();
+        for key in &refilled {
+            self.entries.remove(key);
         }
-        if self.entries.len() < self.bounds.max_tracked.max(1) {
+        if self.entries.len() < self.max_tracked.max(1) {
             return;
         }
-        let mut seen: Vec<(Instant, WorkloadId)> = self.entries.iter().map(|(id, e)| (e.seen, *id)).collect();
-        seen.sort();
+        let mut seen: Vec<(Instant, K)> = self.entries.iter().map(|(k, e)| (e.seen, k.clone())).collect();
+        seen.sort_by(|a, b| a.0.cmp(&b.0));
         let drop = (seen.len() / 8).max(1);
-        for (_, id) in seen.into_iter().take(drop) {
-            self.entries.remove(&id);
+        for (_, key) in seen.into_iter().take(drop) {
+            self.entries.remove(&key);
         }
     }
 }

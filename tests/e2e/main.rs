@@ -12,6 +12,7 @@ mod identity;
 mod installs;
 mod kill_switch;
 mod metrics;
+mod operator_edge;
 mod plane;
 mod remote;
 mod remote_fleet;

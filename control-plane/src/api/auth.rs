@@ -10,6 +10,7 @@ use axum::middleware::Next;
 use axum::response::Response;
 
 use super::ApiState;
+use super::edge::Peer;
 use super::problem::ApiError;
 use crate::identity::operators::{self, Operator, Role};
 
@@ -36,18 +37,43 @@ fn bearer(headers: &HeaderMap) -> Result<&str, ApiError> {
 }
 
 /// Middleware of every route that needs a role: authenticates the caller, checks the role and
-/// hands the [`Operator`] on as an extension.
+/// hands the [`Operator`] on as an extension. A source that used its share of requests without
+/// a valid token is refused before its token is looked up; a valid token's requests are
+/// counted against its rate and its requests in flight (`api::edge`).
 pub async fn authorize(
     State((state, needed)): State<(ApiState, Role)>,
     mut request: Request,
     next: Next,
 ) -> Result<Response, ApiError> {
-    let token = bearer(request.headers())?;
-    let operator = operators::authenticate(&state.pool, token).await?;
+    let peer = request.extensions().get::<Peer>().copied();
+    state.edge.check_source(peer)?;
+    let operator = match bearer(request.headers()) {
+        Ok(token) => operators::authenticate(&state.pool, token).await,
+        Err(e) => {
+            state.edge.admit_unauthenticated(peer)?;
+            return Err(e);
+        }
+    };
+    let operator = match operator {
+        Ok(operator) => operator,
+        Err(refused @ operators::Refused::Unavailable(_)) => return Err(refused.into()),
+        Err(refused) => {
+            state.edge.admit_unauthenticated(peer)?;
+            return Err(refused.into());
+        }
+    };
+    let _in_flight = state.edge.admit_token(&operator.token_id)?;
     if !operator.role.allows(needed) {
         return Err(ApiError::Forbidden { needed, has: operator.role, token: operator.token_id });
     }
     request.extensions_mut().insert(operator);
+    Ok(next.run(request).await)
+}
+
+/// Middleware of the routes that need no token (the OpenAPI document): counted against the
+/// source's share of requests without a valid token.
+pub async fn unauthenticated(State(state): State<ApiState>, request: Request, next: Next) -> Result<Response, ApiError> {
+    state.edge.admit_unauthenticated(request.extensions().get::<Peer>().copied())?;
     Ok(next.run(request).await)
 }
 

@@ -25,6 +25,7 @@
 pub mod audit;
 pub mod auth;
 pub mod catalog;
+pub mod edge;
 pub mod estate;
 pub mod extract;
 pub mod flows;
@@ -61,6 +62,22 @@ pub struct ApiLimits {
     pub max_connections: usize,
     /// How long a TLS handshake, and a request's headers, may take.
     pub handshake_timeout: Duration,
+    /// Connections held at once from one source address; more are closed at accept.
+    pub max_connections_per_source: usize,
+    /// How long writing to a connection may stall (a client that does not read its answers, or
+    /// pipelines requests and never reads) before the connection is closed.
+    pub write_timeout: Duration,
+    /// How long one connection may stay open, however busy.
+    pub connection_lifetime: Duration,
+    /// Requests one operator token may make per minute (a minute's worth may come at once).
+    pub requests_per_minute: u32,
+    /// Requests of one operator token in flight at once.
+    pub max_concurrent_per_token: usize,
+    /// Requests without a valid token (none, a bad one, or for the OpenAPI document) one source
+    /// address may make per minute.
+    pub unauthenticated_per_minute: u32,
+    /// Renders and snapshot resends, per token and overall (`policy::authoring::Expensive`).
+    pub expensive: crate::policy::authoring::ExpensiveBounds,
     /// Count bounds on the authored objects the API creates (`serve --max-…`).
     pub counts: crate::counts::CountBounds,
 }
@@ -72,6 +89,13 @@ impl Default for ApiLimits {
             request_timeout: Duration::from_secs(30),
             max_connections: 256,
             handshake_timeout: Duration::from_secs(10),
+            max_connections_per_source: 32,
+            write_timeout: Duration::from_secs(10),
+            connection_lifetime: Duration::from_secs(600),
+            requests_per_minute: 600,
+            max_concurrent_per_token: 16,
+            unauthenticated_per_minute: 60,
+            expensive: crate::policy::authoring::ExpensiveBounds::default(),
             counts: crate::counts::CountBounds::default(),
         }
     }
@@ -107,6 +131,14 @@ pub struct ApiState {
     /// The authoring pool: renders, audits and reads, like the CLI's.
     pub pool: PgPool,
     pub limits: ApiLimits,
+    /// The per-token and per-source request bounds, shared by every request of the listener.
+    pub edge: std::sync::Arc<edge::Edge>,
+}
+
+impl ApiState {
+    pub fn new(pool: PgPool, limits: ApiLimits) -> ApiState {
+        ApiState { pool, limits, edge: edge::Edge::new(limits) }
+    }
 }
 
 /// The answer to a change, in the shape `innerwall … --json` prints it: the value, and each

@@ -44,6 +44,9 @@ pub enum ProblemType {
     AgentOffline,
     /// 409: one more object would pass a count bound (`bound` names its flag, `limit` its value).
     LimitReached,
+    /// 429: over a rate or concurrency bound (per token, per source, overall); `Retry-After`
+    /// says when to retry (`retry_after`, seconds), `bound` names the flag.
+    RateLimited,
     /// 412: `If-Match` names a version that is no longer current (`current_version`).
     PreconditionFailed,
     /// 413: the body is larger than the listener accepts.
@@ -59,7 +62,7 @@ pub enum ProblemType {
 }
 
 impl ProblemType {
-    pub const ALL: [ProblemType; 17] = [
+    pub const ALL: [ProblemType; 18] = [
         ProblemType::Invalid,
         ProblemType::Unauthorized,
         ProblemType::Forbidden,
@@ -71,6 +74,7 @@ impl ProblemType {
         ProblemType::EvidenceInsufficient,
         ProblemType::AgentOffline,
         ProblemType::LimitReached,
+        ProblemType::RateLimited,
         ProblemType::PreconditionFailed,
         ProblemType::PayloadTooLarge,
         ProblemType::UnsupportedMediaType,
@@ -92,6 +96,7 @@ impl ProblemType {
             ProblemType::EvidenceInsufficient => "evidence-insufficient",
             ProblemType::AgentOffline => "agent-offline",
             ProblemType::LimitReached => "limit-reached",
+            ProblemType::RateLimited => "rate-limited",
             ProblemType::PreconditionFailed => "precondition-failed",
             ProblemType::PayloadTooLarge => "payload-too-large",
             ProblemType::UnsupportedMediaType => "unsupported-media-type",
@@ -118,6 +123,7 @@ impl ProblemType {
             | ProblemType::EvidenceInsufficient
             | ProblemType::AgentOffline
             | ProblemType::LimitReached => StatusCode::CONFLICT,
+            ProblemType::RateLimited => StatusCode::TOO_MANY_REQUESTS,
             ProblemType::PreconditionFailed => StatusCode::PRECONDITION_FAILED,
             ProblemType::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ProblemType::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -141,6 +147,7 @@ impl ProblemType {
             ProblemType::EvidenceInsufficient => "The evidence does not support enforcement",
             ProblemType::AgentOffline => "The agent is offline",
             ProblemType::LimitReached => "A count bound is reached",
+            ProblemType::RateLimited => "Too many requests; retry later",
             ProblemType::PreconditionFailed => "The version read is no longer current",
             ProblemType::PayloadTooLarge => "The body is too large",
             ProblemType::UnsupportedMediaType => "The body is not JSON",
@@ -220,6 +227,9 @@ pub struct Problem {
     /// 409 limit-reached: the bound's value (as many exist).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub limit: Option<u64>,
+    /// 429 rate-limited: seconds until a retry can pass (also the `Retry-After` header).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry_after: Option<u64>,
 }
 
 impl Problem {
@@ -240,6 +250,7 @@ impl Problem {
             required_role: None,
             bound: None,
             limit: None,
+            retry_after: None,
         }
     }
 }
@@ -274,6 +285,9 @@ pub enum ApiError {
     MethodNotAllowed { method: String, path: String },
     #[error("the request took longer than {0:?}; retry later")]
     Timeout(std::time::Duration),
+    /// Over a bound of the listener (`api::edge`): the words, the flag, when to retry.
+    #[error("{detail}")]
+    RateLimited { detail: String, bound: &'static str, retry_after: std::time::Duration },
 }
 
 impl ApiError {
@@ -300,6 +314,11 @@ impl ApiError {
             ApiError::NoRoute(_) => Problem::new(ProblemType::NotFound, detail),
             ApiError::MethodNotAllowed { .. } => Problem::new(ProblemType::MethodNotAllowed, detail),
             ApiError::Timeout(_) => Problem::new(ProblemType::Busy, detail),
+            ApiError::RateLimited { bound, retry_after, .. } => Problem {
+                bound: Some(bound),
+                retry_after: Some(retry_secs(*retry_after)),
+                ..Problem::new(ProblemType::RateLimited, detail)
+            },
         }
     }
 }
@@ -361,11 +380,24 @@ fn domain_problem(e: &Error) -> Problem {
             },
             _ => Problem::new(ProblemType::LimitReached, detail),
         },
+        Kind::RateLimited => match e {
+            Error::RateLimited { bound, retry_after_secs, .. } => Problem {
+                bound: Some(bound),
+                retry_after: Some((*retry_after_secs).max(1)),
+                ..Problem::new(ProblemType::RateLimited, detail)
+            },
+            _ => Problem::new(ProblemType::RateLimited, detail),
+        },
         Kind::Internal => {
             tracing::error!("api request failed: {:#}", Chain(e));
             Problem::new(ProblemType::Internal, "internal error; see the control-plane log")
         }
     }
+}
+
+/// Whole seconds to wait, rounded up, at least 1 (`Retry-After` takes integers).
+pub fn retry_secs(wait: std::time::Duration) -> u64 {
+    wait.as_secs() + u64::from(wait.subsec_nanos() > 0).max(u64::from(wait.is_zero()))
 }
 
 /// Displays an error with its sources, `outer: inner: …`.
@@ -388,6 +420,7 @@ impl IntoResponse for Problem {
         let status = self.kind.status();
         let unauthorized = self.kind == ProblemType::Unauthorized;
         let busy = self.kind == ProblemType::Busy;
+        let retry_after = self.retry_after;
         let body = serde_json::to_vec(&self).expect("a problem serializes");
         let mut response = (status, body).into_response();
         let headers = response.headers_mut();
@@ -395,7 +428,9 @@ impl IntoResponse for Problem {
         if unauthorized {
             headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer realm=\"innerwall\""));
         }
-        if busy {
+        if let Some(secs) = retry_after {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        } else if busy {
             headers.insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
         }
         response

@@ -42,10 +42,11 @@ impl Table {
             other => panic!("the API mounts no {other} routes"),
         };
         let mut endpoint = axum::routing::on(filter, handler);
-        if let Some(role) = role {
-            endpoint = endpoint
-                .route_layer(middleware::from_fn_with_state((self.state.clone(), role), auth::authorize));
-        }
+        endpoint = match role {
+            Some(role) => endpoint
+                .route_layer(middleware::from_fn_with_state((self.state.clone(), role), auth::authorize)),
+            None => endpoint.route_layer(middleware::from_fn_with_state(self.state.clone(), auth::unauthenticated)),
+        };
         self.router = self.router.route(path, endpoint);
         self.routes.push(Route { path, method, role });
         self
@@ -150,7 +151,7 @@ mod tests {
     async fn openapi_document_is_checked_in() {
         let pool =
             sqlx::postgres::PgPoolOptions::new().connect_lazy("postgres://unused@localhost/unused").unwrap();
-        let (_, routes) = build(ApiState { pool, limits: ApiLimits::default() });
+        let (_, routes) = build(ApiState::new(pool, ApiLimits::default()));
         let generated = json(&routes);
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(CHECKED_IN);
         if std::env::var_os("INNERWALL_BLESS").is_some() {

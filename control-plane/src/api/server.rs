@@ -1,12 +1,20 @@
-//! The API's TLS listener: accepts TCP connections while fewer than `max_connections` are held
-//! (more are closed at once, before any TLS work), completes each TLS handshake off the accept
-//! loop within `handshake_timeout`, and serves the router on it over HTTP/1.1 with hyper (headers
-//! within the same timeout, at most 16 KiB of them). Stopping closes the listener, lets each
+//! The API's TLS listener: accepts TCP connections while fewer than `max_connections` are held,
+//! and fewer than `max_connections_per_source` from the connecting address (more are closed at
+//! once, before any TLS work, and logged at most every 10 s; the per-source count is
+//! `identity::admission`'s, as on the agent listener), completes each TLS handshake off the
+//! accept loop within `handshake_timeout`, and serves the router on it over HTTP/1.1 with hyper
+//! (headers within the same timeout, at most 16 KiB of them buffered, pipelined requests
+//! included). A connection whose writes stall for `write_timeout` — a client that does not read
+//! its answers, or pipelines and never reads — is closed ([`WriteDeadline`]), and every
+//! connection ends after `connection_lifetime`. Stopping closes the listener, lets each
 //! connection finish the request it is serving, and waits for them up to a grace period.
 
+use std::future::Future;
 use std::io::BufReader;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
 
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -15,12 +23,15 @@ use hyper_util::service::TowerToHyperService;
 use rustls::ServerConfig;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
 use sqlx::PgPool;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
-use tokio::sync::{Semaphore, oneshot};
+use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio_rustls::TlsAcceptor;
 
+use super::edge::Peer;
 use super::{ApiConfig, ApiLimits, ApiState, ApiTls, router};
+use crate::identity::admission::{Admission, Limits};
 use crate::identity::ca::Signer;
 use crate::identity::server_cert::{self, ServerCertificate};
 
@@ -101,7 +112,7 @@ pub async fn start(
         .map_err(|source| ApiStartError::Bind { addr: config.listen, source })?;
     let local_addr =
         tcp.local_addr().map_err(|source| ApiStartError::Bind { addr: config.listen, source })?;
-    let (router, _) = router::build(ApiState { pool, limits: config.limits });
+    let (router, _) = router::build(ApiState::new(pool, config.limits));
     let (stop, stopped) = oneshot::channel();
     let server = tokio::spawn(serve(tcp, TlsAcceptor::from(Arc::new(tls)), router, config.limits, stopped));
     tracing::info!(%local_addr, %fingerprint, "operator API listening");
@@ -136,8 +147,16 @@ async fn serve(
     mut stopped: oneshot::Receiver<()>,
 ) {
     let graceful = GracefulShutdown::new();
-    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let admission = Arc::new(Admission::new(
+        [],
+        Limits {
+            max_connections: limits.max_connections,
+            max_connections_per_source: limits.max_connections_per_source,
+            ..Limits::default()
+        },
+    ));
     let mut refused_since_log: Option<SystemTime> = None;
+    let mut refused = 0u64;
     loop {
         let (stream, peer) = tokio::select! {
             accepted = tcp.accept() => match accepted {
@@ -151,32 +170,140 @@ async fn serve(
             },
             _ = &mut stopped => break,
         };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
+        let Some(slot) = admission.admit(peer.ip()) else {
             drop(stream);
+            refused += 1;
             if refused_since_log.is_none_or(|at| at.elapsed().unwrap_or_default() > Duration::from_secs(10)) {
-                tracing::warn!(%peer, max = limits.max_connections, "API connection refused: too many held");
+                tracing::warn!(
+                    %peer,
+                    refused,
+                    max = limits.max_connections,
+                    max_per_source = limits.max_connections_per_source,
+                    "API connections refused: too many held (overall or from this source); count since the last such line"
+                );
                 refused_since_log = Some(SystemTime::now());
+                refused = 0;
             }
             continue;
         };
         let (tls, router, watcher) = (tls.clone(), router.clone(), graceful.watcher());
         tokio::spawn(async move {
-            let _slot = slot;
+            let stream = WriteDeadline::new(stream, limits.write_timeout, Some(slot));
             let stream = match tokio::time::timeout(limits.handshake_timeout, tls.accept(stream)).await {
                 Ok(Ok(stream)) => stream,
                 Ok(Err(e)) => return tracing::debug!(%peer, "API TLS handshake failed: {e}"),
                 Err(_) => return tracing::debug!(%peer, "API TLS handshake timed out"),
             };
+            let router = TowerToHyperService::new(router);
+            let service = hyper::service::service_fn(move |mut request: hyper::Request<hyper::body::Incoming>| {
+                request.extensions_mut().insert(Peer(peer.ip()));
+                hyper::service::Service::call(&router, request)
+            });
             let connection = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(limits.handshake_timeout)
                 .max_buf_size(MAX_HEADER_BYTES)
-                .serve_connection(TokioIo::new(stream), TowerToHyperService::new(router));
-            if let Err(e) = watcher.watch(connection).await {
-                tracing::debug!(%peer, "API connection ended: {e}");
+                .serve_connection(TokioIo::new(stream), service);
+            match tokio::time::timeout(limits.connection_lifetime, watcher.watch(connection)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::debug!(%peer, "API connection ended: {e}"),
+                Err(_) => tracing::debug!(%peer, "API connection closed: open longer than its lifetime"),
             }
         });
     }
     drop(tcp);
     graceful.shutdown().await;
+}
+
+/// A connection whose writes fail once they have made no progress for `timeout`: the socket's
+/// buffers are full because the peer does not read. Without it a client that never reads its
+/// answers holds its slot, and the answer it did not read, for good.
+struct WriteDeadline<S> {
+    /// The connection's place in the admission count, given back before the socket closes (so
+    /// a client that sees the close may connect again at once).
+    _slot: Option<crate::identity::admission::Slot>,
+    inner: S,
+    timeout: Duration,
+    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<S> WriteDeadline<S> {
+    fn new(inner: S, timeout: Duration, slot: Option<crate::identity::admission::Slot>) -> Self {
+        WriteDeadline { _slot: slot, inner, timeout, stalled: None }
+    }
+
+    /// After a write or flush that returned `poll`: progress clears the deadline, a stall
+    /// starts it (or fails once it has passed).
+    fn watch<T>(&mut self, cx: &mut Context<'_>, poll: Poll<std::io::Result<T>>) -> Poll<std::io::Result<T>> {
+        if poll.is_ready() {
+            self.stalled = None;
+            return poll;
+        }
+        let timeout = self.timeout;
+        let stalled = self.stalled.get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        match stalled.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("the client read nothing of the answer for {timeout:?}"),
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for WriteDeadline<S> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for WriteDeadline<S> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        let poll = Pin::new(&mut self.inner).poll_write(cx, buf);
+        self.watch(cx, poll)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let poll = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        self.watch(cx, poll)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let poll = Pin::new(&mut self.inner).poll_flush(cx);
+        self.watch(cx, poll)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let poll = Pin::new(&mut self.inner).poll_shutdown(cx);
+        self.watch(cx, poll)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    #[tokio::test]
+    async fn a_write_that_stalls_past_the_deadline_fails_and_one_that_moves_does_not() {
+        let (near, mut far) = tokio::io::duplex(16);
+        let mut stream = WriteDeadline::new(near, Duration::from_millis(200), None);
+        stream.write_all(&[0; 16]).await.unwrap();
+        // The peer reads: the next writes make progress and pass.
+        let mut buf = [0; 16];
+        far.read_exact(&mut buf).await.unwrap();
+        stream.write_all(&[1; 16]).await.unwrap();
+        // The peer stops reading: the buffer is full and the write fails at the deadline.
+        let err = stream.write_all(&[2; 16]).await.unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::TimedOut, "{err}");
+    }
 }

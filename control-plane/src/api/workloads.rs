@@ -317,14 +317,16 @@ pub async fn release_address(
     responses(
         (status = 200, description = "Asked", body = ResendRequested),
         (status = 409, description = "agent-offline: no stream to act on", body = Problem,
-            content_type = "application/problem+json")))]
+            content_type = "application/problem+json"),
+        (status = 429, description = "rate-limited: over the resends a token, or everyone, may ask for per minute (`Retry-After`)",
+            body = Problem, content_type = "application/problem+json")))]
 pub async fn resend_snapshot(
     State(state): State<ApiState>,
     caller: Caller,
     Path(id): Path<String>,
 ) -> Result<Json<ResendRequested>, ApiError> {
     let id = workload(&id)?;
-    Ok(Json(authoring::request_snapshot(&state.pool, &caller.actor(), id).await?))
+    Ok(Json(authoring::request_snapshot_bounded(&state.pool, &caller.actor(), id, &state.limits.expensive).await?))
 }
 
 /// Retires the workload: its identity and addresses leave every render, its stream is closed.

@@ -62,10 +62,136 @@ pub async fn render_now(pool: &PgPool) -> Result<Vec<Changed>, Error> {
     Ok(changed)
 }
 
-/// [`render_now`] on an operator's request (`innerwall render`, `POST /api/v1/render`): the
-/// render and its audit record (`policy.render`, with the versions it moved) in one transaction.
+/// An operator operation that costs far more than its request: a render of the whole estate,
+/// or a workload's reconnect and full snapshot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Expensive {
+    Render,
+    ResendSnapshot,
+}
+
+impl Expensive {
+    /// The audit action, also the bucket's name.
+    pub fn action(self) -> &'static str {
+        match self {
+            Expensive::Render => "policy.render",
+            Expensive::ResendSnapshot => "workload.resend-snapshot",
+        }
+    }
+
+    fn what(self) -> &'static str {
+        match self {
+            Expensive::Render => "renders",
+            Expensive::ResendSnapshot => "snapshot resends",
+        }
+    }
+}
+
+/// Rate bounds on [`Expensive`] operations, per actor (an API token is its own actor) and for
+/// everyone together, each per minute (a minute's worth may come at once). Kept in Postgres
+/// (`operation_buckets`), so the CLI, every replica and every token count against the same
+/// buckets. Repeats within `coalesce` of the first are counted on one audit row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpensiveBounds {
+    /// `serve --api-expensive-per-minute`.
+    pub per_actor_per_minute: u32,
+    /// `serve --api-expensive-overall-per-minute`.
+    pub overall_per_minute: u32,
+    pub coalesce: std::time::Duration,
+}
+
+impl Default for ExpensiveBounds {
+    fn default() -> Self {
+        ExpensiveBounds { per_actor_per_minute: 6, overall_per_minute: 30, coalesce: std::time::Duration::from_secs(600) }
+    }
+}
+
+/// Takes one of `operation` for `actor` and for everyone in `tx`, or refuses naming the bound
+/// and the wait (nothing is taken then: the caller's transaction rolls back). The rows are
+/// locked in one order (everyone's first), so concurrent takes serialize without deadlock.
+pub async fn take_expensive(
+    tx: &mut PgConnection,
+    operation: Expensive,
+    actor: &str,
+    bounds: &ExpensiveBounds,
+) -> Result<(), Error> {
+    let buckets = [
+        ("", bounds.overall_per_minute, "--api-expensive-overall-per-minute", "everyone"),
+        (actor, bounds.per_actor_per_minute, "--api-expensive-per-minute", actor),
+    ];
+    let mut levels = Vec::with_capacity(2);
+    for (who, per_minute, flag, whom) in buckets {
+        let capacity = f64::from(per_minute.max(1));
+        let (tokens, elapsed): (f64, f64) = sqlx::query_as(
+            "INSERT INTO operation_buckets (operation, who, tokens, at) VALUES ($1, $2, $3, now())
+             ON CONFLICT (operation, who) DO UPDATE SET operation = EXCLUDED.operation
+             RETURNING tokens, GREATEST(extract(epoch FROM now() - at)::float8, 0)",
+        )
+        .bind(operation.action())
+        .bind(who)
+        .bind(capacity)
+        .fetch_one(&mut *tx)
+        .await?;
+        let level = (tokens + elapsed * capacity / 60.0).min(capacity);
+        if level < 1.0 {
+            let wait = ((1.0 - level) * 60.0 / capacity).ceil().max(1.0);
+            return Err(Error::RateLimited {
+                what: operation.what(),
+                who: whom.to_owned(),
+                per_minute: per_minute.max(1),
+                bound: flag,
+                retry_after_secs: wait as u64,
+            });
+        }
+        levels.push((who, level - 1.0));
+    }
+    for (who, level) in levels {
+        sqlx::query("UPDATE operation_buckets SET tokens = $3, at = now() WHERE operation = $1 AND who = $2")
+            .bind(operation.action())
+            .bind(who)
+            .bind(level)
+            .execute(&mut *tx)
+            .await?;
+    }
+    Ok(())
+}
+
+/// The audit record of an expensive operation: its own row when it moved policy versions,
+/// otherwise counted on the row of its repeats within `bounds.coalesce` (so a script that
+/// renders in a loop adds one row, with a count).
+async fn audit_expensive(
+    tx: &mut PgConnection,
+    record: &audit::Record<'_>,
+    bounds: &ExpensiveBounds,
+) -> Result<(), Error> {
+    if record.workload_versions.is_empty() {
+        audit::coalesce(tx, record, bounds.coalesce, 1).await?;
+    } else {
+        audit::write(tx, record).await?;
+    }
+    Ok(())
+}
+
+/// [`render_now`] on an operator's request (`innerwall render`, `POST /api/v1/render`), within
+/// the default [`ExpensiveBounds`] (the local CLI's).
 pub async fn render_audited(pool: &PgPool, actor: &str) -> Result<Committed<()>, Error> {
-    commit(pool, actor, "policy.render", "all", async |_| Ok(((), serde_json::json!({})))).await
+    render_bounded(pool, actor, &ExpensiveBounds::default()).await
+}
+
+/// A render on an operator's request: refused over `bounds` (nothing written), otherwise the
+/// render and its audit record (`policy.render`, with the versions it moved; repeats that moved
+/// nothing coalesced) in one transaction.
+pub async fn render_bounded(pool: &PgPool, actor: &str, bounds: &ExpensiveBounds) -> Result<Committed<()>, Error> {
+    let mut tx = pool.begin().await?;
+    take_expensive(&mut tx, Expensive::Render, actor, bounds).await?;
+    let changed = publish(&mut tx).await?;
+    let record = audit::Record {
+        workload_versions: changed.iter().map(|c| (c.workload.to_string(), c.version)).collect(),
+        ..audit::Record::new(actor, Expensive::Render.action(), "all")
+    };
+    audit_expensive(&mut tx, &record, bounds).await?;
+    tx.commit().await?;
+    Ok(Committed { value: (), changed })
 }
 
 /// Authored object kinds that carry a name and a version.
@@ -770,6 +896,17 @@ pub struct ResendRequested {
 /// new stream with a snapshot. Best effort by design; refused when the shown state is OFFLINE.
 /// Audited as `workload.resend-snapshot` by `actor`, in the transaction that sends the notice.
 pub async fn request_snapshot(pool: &PgPool, actor: &str, id: WorkloadId) -> Result<ResendRequested, Error> {
+    request_snapshot_bounded(pool, actor, id, &ExpensiveBounds::default()).await
+}
+
+/// [`request_snapshot`] within `bounds` (refused over them, nothing written); repeats for one
+/// workload coalesce on one audit row.
+pub async fn request_snapshot_bounded(
+    pool: &PgPool,
+    actor: &str,
+    id: WorkloadId,
+    bounds: &ExpensiveBounds,
+) -> Result<ResendRequested, Error> {
     type Time = Option<chrono::DateTime<chrono::Utc>>;
     let row: Option<(i16, Time, Time)> = sqlx::query_as(AssertSqlSafe(format!(
         "SELECT {}, w.last_seen_at, w.last_snapshot_sent_at FROM workloads w WHERE w.id = $1",
@@ -787,13 +924,12 @@ pub async fn request_snapshot(pool: &PgPool, actor: &str, id: WorkloadId) -> Res
     }
     // The notice is delivered at commit, with its record.
     let mut tx = pool.begin().await?;
+    take_expensive(&mut tx, Expensive::ResendSnapshot, actor, bounds).await?;
     notice::publish(&mut tx, &[Notice::Reconnect(id)]).await?;
     let detail = serde_json::json!({"last_snapshot_sent_at": last_snapshot});
-    audit::write(
-        &mut tx,
-        &audit::Record::new(actor, "workload.resend-snapshot", &id.to_string()).detail(detail),
-    )
-    .await?;
+    let subject = id.to_string();
+    let record = audit::Record::new(actor, Expensive::ResendSnapshot.action(), &subject).detail(detail);
+    audit_expensive(&mut tx, &record, bounds).await?;
     tx.commit().await?;
     Ok(ResendRequested { last_snapshot_sent_at: last_snapshot })
 }

@@ -857,7 +857,7 @@ const EXPECTED_ROUTES: &[(&str, &str, Option<&str>)] = &[
 #[tokio::test]
 async fn openapi_covers_mounted_routes() {
     let plane = Plane::start(ApiLimits::default()).await;
-    let (_, routes) = router::build(ApiState { pool: plane.pool().clone(), limits: ApiLimits::default() });
+    let (_, routes) = router::build(ApiState::new(plane.pool().clone(), ApiLimits::default()));
     let doc = openapi::document(&routes);
 
     // The document lists exactly the routes the router mounted, with their methods.
@@ -1094,7 +1094,7 @@ async fn problem_types_are_closed() {
     assert_eq!(produced, all, "a documented type nothing produces, or one produced and not documented");
     let pool =
         sqlx::postgres::PgPoolOptions::new().connect_lazy("postgres://unused@localhost/unused").unwrap();
-    let (_, routes) = router::build(ApiState { pool, limits: ApiLimits::default() });
+    let (_, routes) = router::build(ApiState::new(pool, ApiLimits::default()));
     let doc = serde_json::to_value(openapi::document(&routes)).unwrap();
     let listed: BTreeSet<String> = doc["components"]["schemas"]["ProblemType"]["enum"]
         .as_array()

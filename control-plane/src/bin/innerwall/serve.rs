@@ -230,6 +230,35 @@ pub struct ApiArgs {
     /// API connections held at once; more are closed at accept.
     #[arg(long, default_value_t = ApiLimits::default().max_connections)]
     api_max_connections: usize,
+    /// API connections held at once from one source address; more are closed at accept.
+    #[arg(long, default_value_t = ApiLimits::default().max_connections_per_source as u64, value_parser = clap::value_parser!(u64).range(1..))]
+    api_max_connections_per_source: u64,
+    /// How long writing an answer may stall (a client that does not read it) before the API
+    /// closes the connection.
+    #[arg(long, default_value = "10s", value_parser = duration::arg)]
+    api_write_timeout: std::time::Duration,
+    /// How long one API connection may stay open, however busy.
+    #[arg(long, default_value = "10m", value_parser = duration::arg)]
+    api_connection_lifetime: std::time::Duration,
+    /// Requests one operator token may make per minute (a minute's worth may come at once);
+    /// more are answered 429 with Retry-After. Per replica.
+    #[arg(long, default_value_t = ApiLimits::default().requests_per_minute, value_parser = clap::value_parser!(u32).range(1..))]
+    api_requests_per_minute: u32,
+    /// Requests of one operator token in flight at once; more are answered 429.
+    #[arg(long, default_value_t = ApiLimits::default().max_concurrent_per_token as u64, value_parser = clap::value_parser!(u64).range(1..))]
+    api_max_concurrent_per_token: u64,
+    /// Requests without a valid operator token (none, a bad one, the OpenAPI document) one
+    /// source address may make per minute; more are answered 429 before any token is looked up.
+    #[arg(long, default_value_t = ApiLimits::default().unauthenticated_per_minute, value_parser = clap::value_parser!(u32).range(1..))]
+    api_unauthenticated_per_minute: u32,
+    /// Renders and snapshot resends (each counted apart) one API token may ask for per minute.
+    /// Shared by every replica; the local CLI applies the default.
+    #[arg(long, default_value_t = ApiLimits::default().expensive.per_actor_per_minute, value_parser = clap::value_parser!(u32).range(1..))]
+    api_expensive_per_minute: u32,
+    /// Renders and snapshot resends (each counted apart) everyone together may ask for per
+    /// minute, the CLI included.
+    #[arg(long, default_value_t = ApiLimits::default().expensive.overall_per_minute, value_parser = clap::value_parser!(u32).range(1..))]
+    api_expensive_overall_per_minute: u32,
     /// Services that may exist at once; creating one more through the API is refused naming
     /// this flag (409 limit-reached). The local CLI applies the default.
     #[arg(long, default_value_t = CountBounds::default().services, value_parser = clap::value_parser!(u64).range(1..))]
@@ -271,17 +300,35 @@ impl ApiArgs {
             (Some(cert), Some(key)) => api::ApiTls::Files { cert: cert.clone(), key: key.clone() },
             _ => api::ApiTls::FromCa { names: names.to_vec(), lifetime },
         };
-        if self.api_max_body == 0 || self.api_max_connections == 0 || self.api_request_timeout.is_zero() {
+        if self.api_max_body == 0
+            || self.api_max_connections == 0
+            || self.api_request_timeout.is_zero()
+            || self.api_write_timeout.is_zero()
+            || self.api_connection_lifetime.is_zero()
+        {
             anyhow::bail!(
-                "--api-max-body, --api-max-connections and --api-request-timeout must be more than 0"
+                "--api-max-body, --api-max-connections, --api-request-timeout, --api-write-timeout and \
+                 --api-connection-lifetime must be more than 0"
             );
         }
+        let defaults = ApiLimits::default();
         let limits = ApiLimits {
             max_body: self.api_max_body,
             request_timeout: self.api_request_timeout,
             max_connections: self.api_max_connections,
+            max_connections_per_source: usize::try_from(self.api_max_connections_per_source).unwrap_or(usize::MAX),
+            write_timeout: self.api_write_timeout,
+            connection_lifetime: self.api_connection_lifetime,
+            requests_per_minute: self.api_requests_per_minute,
+            max_concurrent_per_token: usize::try_from(self.api_max_concurrent_per_token).unwrap_or(usize::MAX),
+            unauthenticated_per_minute: self.api_unauthenticated_per_minute,
+            expensive: innerwall_control_plane::policy::authoring::ExpensiveBounds {
+                per_actor_per_minute: self.api_expensive_per_minute,
+                overall_per_minute: self.api_expensive_overall_per_minute,
+                ..defaults.expensive
+            },
             counts: self.counts(),
-            ..ApiLimits::default()
+            ..defaults
         };
         Ok(Some(api::ApiConfig { listen, tls, limits }))
     }
