@@ -62,7 +62,13 @@ pub enum Error {
         "rate-limited: {what} by {who} over the bound of {per_minute} per minute ({bound}); retry after \
          {retry_after_secs} s; nothing was changed"
     )]
-    RateLimited { what: &'static str, who: String, per_minute: u32, bound: &'static str, retry_after_secs: u64 },
+    RateLimited {
+        what: &'static str,
+        who: String,
+        per_minute: u32,
+        bound: &'static str,
+        retry_after_secs: u64,
+    },
     #[error("agent-offline: workload {id} has no stream (last seen {last_seen})")]
     AgentOffline { id: String, last_seen: String },
     #[error("render failed: {0}")]

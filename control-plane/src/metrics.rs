@@ -783,4 +783,27 @@ mod tests {
         assert_eq!(route(&Method::GET, "/"), Route::NotFound);
         assert_eq!(route(&Method::GET, "/metrics/"), Route::NotFound);
     }
+
+    #[tokio::test]
+    async fn the_listener_caps_each_source_and_counts_what_it_refuses() {
+        use tokio::io::AsyncReadExt;
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let metrics = Arc::new(Metrics::new());
+        let pool =
+            sqlx::postgres::PgPoolOptions::new().connect_lazy("postgres://unused@localhost/unused").unwrap();
+        let server = tokio::spawn(serve(listener, metrics.clone(), pool));
+        let mut held = Vec::new();
+        for _ in 0..MAX_CONNECTIONS_PER_SOURCE + 2 {
+            held.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+        }
+        // The ones past the source's cap are closed at once: their reads end.
+        for stream in &mut held[MAX_CONNECTIONS_PER_SOURCE..] {
+            let mut buf = [0u8; 16];
+            assert!(matches!(stream.read(&mut buf).await, Ok(0) | Err(_)), "closed at accept");
+        }
+        let text = metrics.encode();
+        assert!(text.contains("\ninnerwall_metrics_connections_refused_total 2\n"), "{text}");
+        server.abort();
+    }
 }

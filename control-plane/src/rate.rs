@@ -53,7 +53,6 @@ impl Kind for Bound {
 }
 
 impl Bound {
-
     /// The serve flag that sets it.
     pub fn flag(self) -> &'static str {
         match self {
@@ -246,7 +245,8 @@ impl<K: Ord + Clone, B: Kind> Limiter<K, B> {
         let mut levels = [0.0; MAX_KINDS];
         for &(bound, cost) in costs {
             let cost = cost.clamp(0.0, self.capacity(bound));
-            levels[bound.index()] = self.level(bound, entry.and_then(|e| e.buckets[bound.index()]), now) - cost;
+            levels[bound.index()] =
+                self.level(bound, entry.and_then(|e| e.buckets[bound.index()]), now) - cost;
         }
         if !self.entries.contains_key(&key) && self.entries.len() >= self.max_tracked.max(1) {
             self.prune(now);
@@ -267,7 +267,8 @@ impl<K: Ord + Clone, B: Kind> Limiter<K, B> {
                 e.buckets[b.index()].is_none_or(|bucket| l.level(*b, Some(bucket), now) >= l.capacity(*b))
             })
         };
-        let refilled: Vec<K> = self.entries.iter().filter(|(_, e)| full(self, e)).map(|(k, _)| k.clone()).collect();
+        let refilled: Vec<K> =
+            self.entries.iter().filter(|(_, e)| full(self, e)).map(|(k, _)| k.clone()).collect();
         for key in &refilled {
             self.entries.remove(key);
         }

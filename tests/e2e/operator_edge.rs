@@ -66,7 +66,8 @@ impl Serve {
     /// A line of `/proc/<serve>/status` in KiB (`VmHWM`, `VmRSS`).
     fn kib(&self, field: &str) -> u64 {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
-        let line = status.lines().find(|l| l.starts_with(field)).unwrap_or_else(|| panic!("{field}: {status}"));
+        let line =
+            status.lines().find(|l| l.starts_with(field)).unwrap_or_else(|| panic!("{field}: {status}"));
         line.split_whitespace().nth(1).unwrap().parse().unwrap()
     }
 }
@@ -105,10 +106,7 @@ fn tls_config(plane: &Plane) -> Arc<rustls::ClientConfig> {
     Arc::new(config)
 }
 
-async fn tls(
-    plane: &Plane,
-    tcp: TcpStream,
-) -> std::io::Result<tokio_rustls::client::TlsStream<TcpStream>> {
+async fn tls(plane: &Plane, tcp: TcpStream) -> std::io::Result<tokio_rustls::client::TlsStream<TcpStream>> {
     let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
     tokio_rustls::TlsConnector::from(tls_config(plane)).connect(name, tcp).await
 }
@@ -132,14 +130,23 @@ impl Answer {
 }
 
 /// `method path` on a new connection from `from`, with `token` as the bearer if given.
-async fn call(plane: &Plane, port: u16, from: [u8; 4], method: &str, path: &str, token: Option<&str>) -> Answer {
+async fn call(
+    plane: &Plane,
+    port: u16,
+    from: [u8; 4],
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+) -> Answer {
     let mut stream = tls(plane, tcp(port, from, None).await.expect("connect")).await.expect("tls");
     let auth = token.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
-    let request =
-        format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\n{auth}Content-Length: 0\r\nConnection: close\r\n\r\n");
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\n{auth}Content-Length: 0\r\nConnection: close\r\n\r\n"
+    );
     stream.write_all(request.as_bytes()).await.unwrap();
     let mut raw = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(60), stream.read_to_end(&mut raw)).await.expect("an answer");
+    let _ =
+        tokio::time::timeout(Duration::from_secs(60), stream.read_to_end(&mut raw)).await.expect("an answer");
     let text = String::from_utf8_lossy(&raw).into_owned();
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or_else(|| panic!("no answer: {text:?}"));
     let mut lines = head.lines();
@@ -249,7 +256,10 @@ async fn api_listener_survives_slot_exhaustion() {
     }
     drop(held);
     let again = call(&plane, port, HOLDER, "GET", "/api/v1/workloads", Some(&token)).await;
-    assert_eq!(again.status, 200, "the holder's source is admitted again once its connections ended: {again:?}");
+    assert_eq!(
+        again.status, 200,
+        "the holder's source is admitted again once its connections ended: {again:?}"
+    );
     let answer = call(&plane, port, OPERATOR, "GET", "/api/v1/workloads", Some(&token)).await;
     assert_eq!(answer.status, 200, "{answer:?}");
 
@@ -342,7 +352,9 @@ async fn expensive_operations_are_rate_limited() {
     assert_eq!(refused.status, 429, "{refused:?}");
     assert_eq!(refused.problem()["type"], "urn:innerwall:problem:rate-limited");
     assert_eq!(refused.problem()["bound"], "--api-expensive-per-minute");
-    assert!(refused.header("retry-after").is_some_and(|s| s.parse::<u64>().is_ok_and(|s| (1..=20).contains(&s))));
+    assert!(
+        refused.header("retry-after").is_some_and(|s| s.parse::<u64>().is_ok_and(|s| (1..=20).contains(&s)))
+    );
     for n in 0..2 {
         assert_eq!(render(b.clone()).await.status, 200, "render {n} of token b");
     }
@@ -352,16 +364,14 @@ async fn expensive_operations_are_rate_limited() {
     assert_eq!(refused.problem()["bound"], "--api-expensive-overall-per-minute", "{:?}", refused.problem());
 
     // One audit row per token's repeat-run, counting its renders; nothing for the refusals.
-    let rows: Vec<(String, i64)> = sqlx::query_as(
-        "SELECT actor, count FROM audit_log WHERE action = 'policy.render' ORDER BY actor",
-    )
-    .fetch_all(plane.pool())
-    .await
-    .unwrap();
+    let rows: Vec<(String, i64)> =
+        sqlx::query_as("SELECT actor, count FROM audit_log WHERE action = 'policy.render' ORDER BY actor")
+            .fetch_all(plane.pool())
+            .await
+            .unwrap();
     assert_eq!(rows.len(), 2, "{rows:?}");
-    let counts: Vec<i64> = rows.iter().map(|(_, c)| *c).collect();
-    let mut sorted = counts.clone();
-    sorted.sort();
-    assert_eq!(sorted, [2, 3], "{rows:?}");
+    let mut counts: Vec<i64> = rows.iter().map(|(_, c)| *c).collect();
+    counts.sort_unstable();
+    assert_eq!(counts, [2, 3], "{rows:?}");
     assert!(rows.iter().all(|(actor, _)| actor.starts_with("operator:render-")), "{rows:?}");
 }

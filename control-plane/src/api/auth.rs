@@ -72,7 +72,11 @@ pub async fn authorize(
 
 /// Middleware of the routes that need no token (the OpenAPI document): counted against the
 /// source's share of requests without a valid token.
-pub async fn unauthenticated(State(state): State<ApiState>, request: Request, next: Next) -> Result<Response, ApiError> {
+pub async fn unauthenticated(
+    State(state): State<ApiState>,
+    request: Request,
+    next: Next,
+) -> Result<Response, ApiError> {
     state.edge.admit_unauthenticated(request.extensions().get::<Peer>().copied())?;
     Ok(next.run(request).await)
 }

@@ -79,18 +79,9 @@ impl Edge {
     /// Counts one request of token `token`: refused over its rate or with as many in flight as
     /// allowed; otherwise a place held until the request is answered.
     pub fn admit_token(self: &Arc<Self>, token: &str) -> Result<InFlight, ApiError> {
-        self.take(Key::Token(token.to_owned()), ApiRate::Requests).map_err(|wait| ApiError::RateLimited {
-            detail: format!(
-                "token {token} made more than {} requests in a minute ({REQUESTS_FLAG}); retry after {} s",
-                self.limits.requests_per_minute,
-                super::problem::retry_secs(wait)
-            ),
-            bound: REQUESTS_FLAG,
-            retry_after: wait,
-        })?;
+        // In flight first: a request refused for that costs nothing of the token's rate.
         let mut in_flight = self.in_flight.lock().unwrap_or_else(PoisonError::into_inner);
-        let held = in_flight.entry(token.to_owned()).or_default();
-        if *held >= self.limits.max_concurrent_per_token {
+        if in_flight.get(token).copied().unwrap_or(0) >= self.limits.max_concurrent_per_token {
             return Err(ApiError::RateLimited {
                 detail: format!(
                     "token {token} has {} requests in flight, the most {CONCURRENT_FLAG} allows; wait for \
@@ -101,7 +92,16 @@ impl Edge {
                 retry_after: Duration::from_secs(1),
             });
         }
-        *held += 1;
+        self.take(Key::Token(token.to_owned()), ApiRate::Requests).map_err(|wait| ApiError::RateLimited {
+            detail: format!(
+                "token {token} made more than {} requests in a minute ({REQUESTS_FLAG}); retry after {} s",
+                self.limits.requests_per_minute,
+                super::problem::retry_secs(wait)
+            ),
+            bound: REQUESTS_FLAG,
+            retry_after: wait,
+        })?;
+        *in_flight.entry(token.to_owned()).or_default() += 1;
         Ok(InFlight { edge: self.clone(), token: token.to_owned() })
     }
 
@@ -132,7 +132,8 @@ impl Edge {
     /// none); refused past the source's share.
     pub fn admit_unauthenticated(&self, source: Option<Peer>) -> Result<(), ApiError> {
         let Some(Peer(source)) = source else { return Ok(()) };
-        self.take(Key::Source(source), ApiRate::Unauthenticated).map_err(|wait| self.over_source(source, wait))
+        self.take(Key::Source(source), ApiRate::Unauthenticated)
+            .map_err(|wait| self.over_source(source, wait))
     }
 
     /// Requests of `token` in flight now.
@@ -182,13 +183,14 @@ mod tests {
         assert_eq!(e.in_flight("a"), 2);
         drop(a);
         let c = e.admit_token("a").unwrap();
+        drop(b);
         let ApiError::RateLimited { bound, retry_after, .. } = e.admit_token("a").unwrap_err() else {
             panic!()
         };
         assert_eq!(bound, REQUESTS_FLAG, "three a minute, and the refused ones counted nothing");
         assert!(retry_after > Duration::ZERO && retry_after <= Duration::from_secs(20), "{retry_after:?}");
         e.admit_token("b").unwrap();
-        drop((b, c));
+        drop(c);
         assert_eq!(e.in_flight("a"), 0, "places are given back");
     }
 

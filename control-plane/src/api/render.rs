@@ -21,5 +21,7 @@ pub async fn render(
     State(state): State<ApiState>,
     caller: Caller,
 ) -> Result<Json<Changed<Nothing>>, ApiError> {
-    Ok(Json(Changed::from(authoring::render_bounded(&state.pool, &caller.actor(), &state.limits.expensive).await?)))
+    Ok(Json(Changed::from(
+        authoring::render_bounded(&state.pool, &caller.actor(), &state.limits.expensive).await?,
+    )))
 }

@@ -45,7 +45,8 @@ impl Table {
         endpoint = match role {
             Some(role) => endpoint
                 .route_layer(middleware::from_fn_with_state((self.state.clone(), role), auth::authorize)),
-            None => endpoint.route_layer(middleware::from_fn_with_state(self.state.clone(), auth::unauthenticated)),
+            None => endpoint
+                .route_layer(middleware::from_fn_with_state(self.state.clone(), auth::unauthenticated)),
         };
         self.router = self.router.route(path, endpoint);
         self.routes.push(Route { path, method, role });

@@ -195,10 +195,11 @@ async fn serve(
                 Err(_) => return tracing::debug!(%peer, "API TLS handshake timed out"),
             };
             let router = TowerToHyperService::new(router);
-            let service = hyper::service::service_fn(move |mut request: hyper::Request<hyper::body::Incoming>| {
-                request.extensions_mut().insert(Peer(peer.ip()));
-                hyper::service::Service::call(&router, request)
-            });
+            let service =
+                hyper::service::service_fn(move |mut request: hyper::Request<hyper::body::Incoming>| {
+                    request.extensions_mut().insert(Peer(peer.ip()));
+                    hyper::service::Service::call(&router, request)
+                });
             let connection = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(limits.handshake_timeout)
@@ -252,13 +253,21 @@ impl<S> WriteDeadline<S> {
 }
 
 impl<S: AsyncRead + Unpin> AsyncRead for WriteDeadline<S> {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.inner).poll_read(cx, buf)
     }
 }
 
 impl<S: AsyncWrite + Unpin> AsyncWrite for WriteDeadline<S> {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
         let poll = Pin::new(&mut self.inner).poll_write(cx, buf);
         self.watch(cx, poll)
     }

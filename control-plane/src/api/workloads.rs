@@ -326,7 +326,10 @@ pub async fn resend_snapshot(
     Path(id): Path<String>,
 ) -> Result<Json<ResendRequested>, ApiError> {
     let id = workload(&id)?;
-    Ok(Json(authoring::request_snapshot_bounded(&state.pool, &caller.actor(), id, &state.limits.expensive).await?))
+    Ok(Json(
+        authoring::request_snapshot_bounded(&state.pool, &caller.actor(), id, &state.limits.expensive)
+            .await?,
+    ))
 }
 
 /// Retires the workload: its identity and addresses leave every render, its stream is closed.

@@ -102,7 +102,11 @@ pub struct ExpensiveBounds {
 
 impl Default for ExpensiveBounds {
     fn default() -> Self {
-        ExpensiveBounds { per_actor_per_minute: 6, overall_per_minute: 30, coalesce: std::time::Duration::from_secs(600) }
+        ExpensiveBounds {
+            per_actor_per_minute: 6,
+            overall_per_minute: 30,
+            coalesce: std::time::Duration::from_secs(600),
+        }
     }
 }
 
@@ -181,7 +185,11 @@ pub async fn render_audited(pool: &PgPool, actor: &str) -> Result<Committed<()>,
 /// A render on an operator's request: refused over `bounds` (nothing written), otherwise the
 /// render and its audit record (`policy.render`, with the versions it moved; repeats that moved
 /// nothing coalesced) in one transaction.
-pub async fn render_bounded(pool: &PgPool, actor: &str, bounds: &ExpensiveBounds) -> Result<Committed<()>, Error> {
+pub async fn render_bounded(
+    pool: &PgPool,
+    actor: &str,
+    bounds: &ExpensiveBounds,
+) -> Result<Committed<()>, Error> {
     let mut tx = pool.begin().await?;
     take_expensive(&mut tx, Expensive::Render, actor, bounds).await?;
     let changed = publish(&mut tx).await?;

@@ -971,6 +971,7 @@ async fn problem_types_are_closed() {
             Error::EvidenceInsufficient { .. } => "evidence insufficient",
             Error::AgentOffline { .. } => "agent offline",
             Error::OverBound { .. } => "over bound",
+            Error::RateLimited { .. } => "rate limited",
             Error::Render(_) => "render",
             Error::Corrupt { .. } => "corrupt",
             Error::Database(_) => "database",
@@ -989,6 +990,7 @@ async fn problem_types_are_closed() {
             ApiError::NoRoute(_) => "no route",
             ApiError::MethodNotAllowed { .. } => "method not allowed",
             ApiError::Timeout(_) => "timeout",
+            ApiError::RateLimited { .. } => "rate limited",
         }
     }
     let library = vec![
@@ -1019,6 +1021,16 @@ async fn problem_types_are_closed() {
         (
             innerwall_control_plane::counts::over(innerwall_control_plane::counts::Counted::Services, 3),
             ProblemType::LimitReached,
+        ),
+        (
+            Error::RateLimited {
+                what: "renders",
+                who: "everyone".into(),
+                per_minute: 30,
+                bound: "--api-expensive-overall-per-minute",
+                retry_after_secs: 2,
+            },
+            ProblemType::RateLimited,
         ),
         (Error::Render("broke".into()), ProblemType::Internal),
         (Error::Corrupt { what: "mode", detail: "9".into() }, ProblemType::Internal),
@@ -1055,13 +1067,21 @@ async fn problem_types_are_closed() {
             ProblemType::MethodNotAllowed,
         ),
         (ApiError::Timeout(Duration::from_secs(1)), ProblemType::Busy),
+        (
+            ApiError::RateLimited {
+                detail: "x".into(),
+                bound: "--api-requests-per-minute",
+                retry_after: Duration::from_millis(1_500),
+            },
+            ProblemType::RateLimited,
+        ),
     ];
     let library_variants: BTreeSet<&str> = library.iter().map(|(e, _)| library_variant(e)).collect();
-    assert_eq!(library_variants.len(), 16, "a sample of every library error");
+    assert_eq!(library_variants.len(), 17, "a sample of every library error");
     let edge_variants: BTreeSet<&str> = edge.iter().map(|(e, _)| edge_variant(e)).collect();
     assert_eq!(
         edge_variants.len() + 1,
-        11,
+        12,
         "a sample of every refusal at the edge (Domain is the library's)"
     );
 

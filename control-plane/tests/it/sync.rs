@@ -188,6 +188,44 @@ async fn resend_snapshot() {
     );
 }
 
+/// Issue 26 item 6 through the library call the CLI and the API share: resends are bounded per
+/// actor and for everyone (refused naming the flag, nothing written), and each actor's
+/// repeat-run is one audit row with its count.
+#[tokio::test]
+async fn resend_snapshot_is_rate_limited_and_coalesced() {
+    let plane = Plane::start(GatewayConfig::default()).await;
+    let pool = &plane.db.pool;
+    let (id, channel) = enrolled(&plane).await;
+    let mut agent = Scripted::open(channel, 0).await;
+    agent.update().await;
+    agent.ack(1, true, "").await;
+    wait_state(pool, id, "SYNCED").await;
+    let bounds =
+        authoring::ExpensiveBounds { per_actor_per_minute: 2, overall_per_minute: 3, ..Default::default() };
+    for _ in 0..2 {
+        authoring::request_snapshot_bounded(pool, "ann", id, &bounds).await.unwrap();
+    }
+    let err = authoring::request_snapshot_bounded(pool, "ann", id, &bounds).await.unwrap_err();
+    assert!(matches!(err, Error::RateLimited { bound: "--api-expensive-per-minute", .. }), "{err}");
+    authoring::request_snapshot_bounded(pool, "bob", id, &bounds).await.unwrap();
+    let err = authoring::request_snapshot_bounded(pool, "bob", id, &bounds).await.unwrap_err();
+    assert!(matches!(err, Error::RateLimited { bound: "--api-expensive-overall-per-minute", .. }), "{err}");
+    assert!(err.to_string().contains("retry after"), "{err}");
+    let rows: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT actor, count FROM audit_log WHERE action = 'workload.resend-snapshot' ORDER BY actor",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        rows,
+        [("ann".to_owned(), 2), ("bob".to_owned(), 1)],
+        "one row per repeat-run, refusals not counted"
+    );
+    // A render is bounded apart: its own buckets.
+    authoring::render_bounded(pool, "ann", &bounds).await.unwrap();
+}
+
 /// A second replica of `a`: same database and CA, its own listener and LISTEN connection.
 async fn second_replica(a: &Plane) -> innerwall_control_plane::service::Running {
     innerwall_control_plane::service::start(

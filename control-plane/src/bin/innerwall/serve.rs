@@ -316,11 +316,13 @@ impl ApiArgs {
             max_body: self.api_max_body,
             request_timeout: self.api_request_timeout,
             max_connections: self.api_max_connections,
-            max_connections_per_source: usize::try_from(self.api_max_connections_per_source).unwrap_or(usize::MAX),
+            max_connections_per_source: usize::try_from(self.api_max_connections_per_source)
+                .unwrap_or(usize::MAX),
             write_timeout: self.api_write_timeout,
             connection_lifetime: self.api_connection_lifetime,
             requests_per_minute: self.api_requests_per_minute,
-            max_concurrent_per_token: usize::try_from(self.api_max_concurrent_per_token).unwrap_or(usize::MAX),
+            max_concurrent_per_token: usize::try_from(self.api_max_concurrent_per_token)
+                .unwrap_or(usize::MAX),
             unauthenticated_per_minute: self.api_unauthenticated_per_minute,
             expensive: innerwall_control_plane::policy::authoring::ExpensiveBounds {
                 per_actor_per_minute: self.api_expensive_per_minute,
