@@ -12,7 +12,7 @@ use innerwall_control_plane::error::Error;
 use innerwall_control_plane::page::{Page, PageRequest};
 use innerwall_control_plane::policy::authoring;
 use innerwall_control_plane::policy::model::ServiceEntry;
-use innerwall_control_plane::policy::spec::{AddressGroupSpec, MAX_RULESET_FILE, RulesetSpec, ServiceSpec};
+use innerwall_control_plane::policy::spec::{self, AddressGroupSpec, MAX_RULESET_FILE, RulesetSpec, ServiceSpec};
 use innerwall_control_plane::policy::store::{self, AddressGroupView, ServiceView};
 use innerwall_wire::policy::Cidr;
 use serde::Serialize;
@@ -372,11 +372,7 @@ fn read_ruleset_file(path: &Path) -> anyhow::Result<RulesetSpec> {
         .take(MAX_RULESET_FILE + 1)
         .read_to_string(&mut text)
         .with_context(|| format!("while reading {}", path.display()))?;
-    if text.len() as u64 > MAX_RULESET_FILE {
-        bail!("{} is larger than the {MAX_RULESET_FILE} bytes a ruleset file may have", path.display());
-    }
-    // YAML is a superset of JSON, so one parser takes both.
-    serde_norway::from_str(&text).with_context(|| format!("{} is not a valid ruleset file", path.display()))
+    Ok(spec::parse_ruleset_file(&path.display().to_string(), &text)?)
 }
 
 pub async fn ruleset(ctx: &Ctx, cmd: &ObjectCmd<RulesetFile>) -> anyhow::Result<()> {
