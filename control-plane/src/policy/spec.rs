@@ -239,7 +239,7 @@ pub fn validate_ruleset(spec: &RulesetSpec) -> Result<(), Error> {
                     )));
                 }
                 PeerRef::Cidr(text) => {
-                    Cidr::parse_lenient(text)?;
+                    Cidr::parse(text)?;
                 }
                 _ => {}
             }

@@ -184,7 +184,7 @@ macro_rules! catalog {
 
 catalog!(ServiceArgs { entries: ServiceEntry::parse } => ServiceSpec, ServiceView, "service", "service",
     "/api/v1/services", [create_service, update_service, delete_service, service_page, service_view]);
-catalog!(GroupArgs { cidrs: Cidr::parse_lenient } => AddressGroupSpec, AddressGroupView, "address group",
+catalog!(GroupArgs { cidrs: Cidr::parse } => AddressGroupSpec, AddressGroupView, "address group",
     "address-group", "/api/v1/address-groups",
     [create_address_group, update_address_group, delete_address_group, address_group_page, address_group_view]);
 
