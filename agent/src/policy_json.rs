@@ -107,7 +107,9 @@ mod tests {
         );
         // Peers are CIDRs by the one rule: a bare address or host bits are refused, named.
         for (peer, canonical) in [("10.0.0.7", "10.0.0.7/32"), ("10.0.0.7/8", "10.0.0.0/8")] {
-            let text = format!(r#"{{"version": 1, "mode": "simulation", "rules": [{{"id": "p/icmp", "peers": ["{peer}"]}}]}}"#);
+            let text = format!(
+                r#"{{"version": 1, "mode": "simulation", "rules": [{{"id": "p/icmp", "peers": ["{peer}"]}}]}}"#
+            );
             let err = parse(text.as_bytes()).unwrap_err().to_string();
             assert!(err.contains(&format!("write {canonical}")), "{err}");
         }

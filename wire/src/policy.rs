@@ -160,14 +160,28 @@ impl Cidr {
         let addr: IpAddr = addr.parse().ok().or_else(|| {
             let octets: Vec<u8> = addr
                 .split('.')
-                .map(|o| if o.is_empty() || o.len() > 4 || !o.bytes().all(|b| b.is_ascii_digit()) { None } else { o.parse().ok() })
+                .map(|o| {
+                    if o.is_empty() || o.len() > 4 || !o.bytes().all(|b| b.is_ascii_digit()) {
+                        None
+                    } else {
+                        o.parse().ok()
+                    }
+                })
                 .collect::<Option<_>>()?;
             <[u8; 4]>::try_from(octets).ok().map(|o| IpAddr::from(o))
         })?;
         let bare = len.is_none();
         let len = match len {
-            None => if addr.is_ipv4() { 32 } else { 128 },
-            Some(l) if !l.is_empty() && l.len() <= 4 && l.bytes().all(|b| b.is_ascii_digit()) => l.parse().ok()?,
+            None => {
+                if addr.is_ipv4() {
+                    32
+                } else {
+                    128
+                }
+            }
+            Some(l) if !l.is_empty() && l.len() <= 4 && l.bytes().all(|b| b.is_ascii_digit()) => {
+                l.parse().ok()?
+            }
             Some(_) => return None,
         };
         Some((IpNet::new(addr, len).ok()?, bare))
@@ -642,15 +656,27 @@ mod tests {
     #[test]
     fn refused_cidrs_name_their_canonical_form() {
         let cases = [
-            ("10.0.0.1/8", "cidr \"10.0.0.1/8\" has host bits set; write 10.0.0.0/8 (the network), or 10.0.0.1/32 for the one address"),
+            (
+                "10.0.0.1/8",
+                "cidr \"10.0.0.1/8\" has host bits set; write 10.0.0.0/8 (the network), or 10.0.0.1/32 for the one address",
+            ),
             ("010.0.0.0/8", "cidr \"010.0.0.0/8\" is not in canonical spelling; write 10.0.0.0/8"),
             ("10.0.0.0/08", "cidr \"10.0.0.0/08\" is not in canonical spelling; write 10.0.0.0/8"),
             (" 10.0.0.0/8", "cidr \" 10.0.0.0/8\" is not in canonical spelling; write 10.0.0.0/8"),
             ("10.0.0.7", "cidr \"10.0.0.7\" has no prefix length; write 10.0.0.7/32"),
             ("2001:DB8::/32", "cidr \"2001:DB8::/32\" is not in canonical spelling; write 2001:db8::/32"),
-            ("2001:0db8:0:0::/32", "cidr \"2001:0db8:0:0::/32\" is not in canonical spelling; write 2001:db8::/32"),
-            ("2001:db8::1/32", "cidr \"2001:db8::1/32\" has host bits set; write 2001:db8::/32 (the network), or 2001:db8::1/128 for the one address"),
-            ("010.0.0.1/8", "cidr \"010.0.0.1/8\" has host bits set; write 10.0.0.0/8 (the network), or 10.0.0.1/32 for the one address"),
+            (
+                "2001:0db8:0:0::/32",
+                "cidr \"2001:0db8:0:0::/32\" is not in canonical spelling; write 2001:db8::/32",
+            ),
+            (
+                "2001:db8::1/32",
+                "cidr \"2001:db8::1/32\" has host bits set; write 2001:db8::/32 (the network), or 2001:db8::1/128 for the one address",
+            ),
+            (
+                "010.0.0.1/8",
+                "cidr \"010.0.0.1/8\" has host bits set; write 10.0.0.0/8 (the network), or 10.0.0.1/32 for the one address",
+            ),
         ];
         for (text, message) in cases {
             assert_eq!(Cidr::parse(text).unwrap_err().to_string(), message, "{text}");

@@ -51,9 +51,20 @@ pub fn parse<T: DeserializeOwned>(origin: &str, text: &str) -> Result<T, Error> 
 enum Scan {
     /// No anchor, alias or excess node before the end or the first syntax error.
     Plain,
-    Anchor { line: u64, column: u64, name: String },
-    Alias { line: u64, column: u64, name: String },
-    TooMany { line: u64, column: u64 },
+    Anchor {
+        line: u64,
+        column: u64,
+        name: String,
+    },
+    Alias {
+        line: u64,
+        column: u64,
+        name: String,
+    },
+    TooMany {
+        line: u64,
+        column: u64,
+    },
 }
 
 /// One event's kind and anchor, copied out of libyaml's event before it is freed.

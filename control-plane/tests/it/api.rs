@@ -1263,8 +1263,10 @@ async fn cidrs_mean_what_they_say() {
                 ("/api/v1/rulesets", ruleset(text)),
                 ("/api/v1/estate-ranges", json!({"cidr": text})),
             ] {
-                let doc =
-                    plane.write("POST", path, &admin.token, None, &body).await.problem(400, ProblemType::Invalid);
+                let doc = plane
+                    .write("POST", path, &admin.token, None, &body)
+                    .await
+                    .problem(400, ProblemType::Invalid);
                 let detail = doc["detail"].as_str().unwrap();
                 assert!(detail.contains(canonical), "{path} {text}: {doc}");
             }
@@ -1285,8 +1287,10 @@ async fn cidrs_mean_what_they_say() {
     assert_eq!(plane.write("POST", "/api/v1/address-groups", &admin.token, None, &group).await.status, 201);
     let ranges = json!({"cidr": "2001:db8:1::/48"});
     assert_eq!(plane.write("POST", "/api/v1/estate-ranges", &admin.token, None, &ranges).await.status, 201);
-    let members: Vec<String> =
-        sqlx::query_scalar("SELECT cidr::text FROM address_group_cidrs ORDER BY cidr").fetch_all(&pool).await.unwrap();
+    let members: Vec<String> = sqlx::query_scalar("SELECT cidr::text FROM address_group_cidrs ORDER BY cidr")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
     assert_eq!(members, ["10.0.0.0/8", "192.0.2.0/24", "2001:db8::/32"]);
     let peers: Vec<String> =
         sqlx::query_scalar("SELECT cidr::text FROM rule_peers").fetch_all(&pool).await.unwrap();
@@ -1294,10 +1298,12 @@ async fn cidrs_mean_what_they_say() {
 
     // Values stored before the rule (written straight to the tables, in spellings the parse
     // now refuses) still load: the estate lists, the group shows, and a render succeeds.
-    sqlx::query("INSERT INTO estate_ranges (cidr, description) VALUES ('2001:0DB8:0002:0000::/64'::cidr, 'old')")
-        .execute(&pool)
-        .await
-        .unwrap();
+    sqlx::query(
+        "INSERT INTO estate_ranges (cidr, description) VALUES ('2001:0DB8:0002:0000::/64'::cidr, 'old')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
     sqlx::query(
         "INSERT INTO address_group_cidrs (group_id, cidr)
          SELECT id, '10.1.2.3'::cidr FROM address_groups WHERE name = 'vpn'",

@@ -117,7 +117,11 @@ async fn policy_files_cannot_explode() {
                 "{name} from {source}: the CLI peaked at {} KiB, over the {PEAK_RSS_BOUND_KIB} KiB bound",
                 run.max_rss_kib
             );
-            eprintln!("{name} ({} bytes) from {source}: refused, peak RSS {} KiB", text.len(), run.max_rss_kib);
+            eprintln!(
+                "{name} ({} bytes) from {source}: refused, peak RSS {} KiB",
+                text.len(),
+                run.max_rss_kib
+            );
         }
     }
     // The structural bomb names the first anchor's place exactly.

@@ -12,7 +12,9 @@ use innerwall_control_plane::error::Error;
 use innerwall_control_plane::page::{Page, PageRequest};
 use innerwall_control_plane::policy::authoring;
 use innerwall_control_plane::policy::model::ServiceEntry;
-use innerwall_control_plane::policy::spec::{self, AddressGroupSpec, MAX_RULESET_FILE, RulesetSpec, ServiceSpec};
+use innerwall_control_plane::policy::spec::{
+    self, AddressGroupSpec, MAX_RULESET_FILE, RulesetSpec, ServiceSpec,
+};
 use innerwall_control_plane::policy::store::{self, AddressGroupView, ServiceView};
 use innerwall_wire::policy::Cidr;
 use serde::Serialize;
