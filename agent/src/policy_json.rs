@@ -53,7 +53,7 @@ impl PolicyJson {
                 let (a, b) = (a.trim().parse().map_err(|_| bad())?, b.trim().parse().map_err(|_| bad())?);
                 ports.push(PortRange::new(a, b)?);
             }
-            let peers = r.peers.iter().map(|c| Cidr::parse_lenient(c)).collect::<Result<Vec<_>, _>>()?;
+            let peers = r.peers.iter().map(|c| Cidr::parse(c)).collect::<Result<Vec<_>, _>>()?;
             rules.push(ResolvedRule::new(id, ports, peers)?);
         }
         Ok(WorkloadPolicy::new(self.version, mode, rules)?)
@@ -92,7 +92,7 @@ mod tests {
     #[test]
     fn json_and_canonical_forms_parse_to_the_same_policy() {
         let text = r#"{"version": 3, "mode": "simulation", "rules": [
-            {"id": "web/tcp", "ports": ["443", "80-81"], "peers": ["10.0.0.7", "fd00::/64"]},
+            {"id": "web/tcp", "ports": ["443", "80-81"], "peers": ["10.0.0.7/32", "fd00::/64"]},
             {"id": "ping/icmp", "peers": ["10.0.0.0/8"]}]}"#;
         let policy = parse(text.as_bytes()).unwrap();
         assert_eq!(policy.version(), 3);
@@ -105,5 +105,13 @@ mod tests {
             parse(br#"{"version": 1, "mode": "enforcement", "rules": [{"id": "a/tcp", "ports": ["x"]}]}"#)
                 .is_err()
         );
+        // Peers are CIDRs by the one rule: a bare address or host bits are refused, named.
+        for (peer, canonical) in [("10.0.0.7", "10.0.0.7/32"), ("10.0.0.7/8", "10.0.0.0/8")] {
+            let text = format!(
+                r#"{{"version": 1, "mode": "simulation", "rules": [{{"id": "p/icmp", "peers": ["{peer}"]}}]}}"#
+            );
+            let err = parse(text.as_bytes()).unwrap_err().to_string();
+            assert!(err.contains(&format!("write {canonical}")), "{err}");
+        }
     }
 }

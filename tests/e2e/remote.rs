@@ -124,7 +124,7 @@ fn script(file: &str) -> Vec<Vec<String>> {
             "--cidr",
             "10.8.0.0/16",
             "--cidr",
-            "10.7.0.1",
+            "10.7.0.1/32",
             "--expect-version",
             "1",
         ],
@@ -147,6 +147,7 @@ fn failing() -> Vec<Vec<String>> {
         &["service", "update", "dns", "--entry", "udp:53", "--expect-version", "1"],
         &["service", "delete", "https"],
         &["service", "show", "nope"],
+        &["address-group", "create", "lab", "--cidr", "10.7.0.1/8"],
         &["ruleset", "show", "nope"],
     ];
     steps.iter().map(|s| s.iter().map(|a| (*a).to_owned()).collect()).collect()

@@ -118,19 +118,78 @@ fn merge_ports(ports: impl IntoIterator<Item = PortRange>) -> Vec<PortRange> {
 pub struct Cidr(IpNet);
 
 impl Cidr {
-    /// Strict parse for data on the wire: `addr/len`, no host bits, canonical spelling.
+    /// The one parse of a CIDR from anywhere (the wire, the CLI, the API, files): `addr/len`
+    /// with no host bits, in canonical spelling. Anything else is refused, naming the canonical
+    /// form when there is one (`10.0.0.1/8` → the network is `10.0.0.0/8`; `010.0.0.0/8` →
+    /// `10.0.0.0/8`; `2001:DB8::/32` → `2001:db8::/32`; a bare `10.0.0.1` → `10.0.0.1/32`).
     pub fn parse(text: &str) -> Result<Self, PolicyError> {
-        let net: IpNet = text.parse().map_err(|_| cidr_error(text, "not an address/prefix-length"))?;
+        let Ok(net) = text.parse::<IpNet>() else {
+            return Err(match Self::read_loosely(text) {
+                Some((net, bare)) => {
+                    let reason = if bare {
+                        "has no prefix length"
+                    } else if net.trunc() != net {
+                        "has host bits set"
+                    } else {
+                        "is not in canonical spelling"
+                    };
+                    not_canonical(text, net, reason)
+                }
+                None => cidr_error(text, "not an address/prefix-length"),
+            });
+        };
         if net.trunc() != net {
-            return Err(cidr_error(text, "host bits are set"));
+            return Err(not_canonical(text, net, "has host bits set"));
         }
-        Self::checked(net, || text.to_owned()).and_then(|c| {
-            if c.text() == text { Ok(c) } else { Err(cidr_error(text, "not in canonical spelling")) }
-        })
+        let cidr = Self::checked(net, || text.to_owned())?;
+        if cidr.text() != text {
+            return Err(not_canonical(text, net, "is not in canonical spelling"));
+        }
+        Ok(cidr)
     }
 
-    /// Lenient parse for operator input: a bare address is a host route and host bits are
-    /// cleared (`10.1.2.3/24` → `10.1.2.0/24`).
+    /// What `text` most plausibly means, for naming the canonical form of a refused spelling:
+    /// surrounding space, leading zeros (read as decimal), a bare address; whether it was bare.
+    /// Never accepted as such.
+    fn read_loosely(text: &str) -> Option<(IpNet, bool)> {
+        let text = text.trim();
+        let (addr, len) = match text.split_once('/') {
+            Some((a, l)) => (a.trim(), Some(l.trim())),
+            None => (text, None),
+        };
+        let addr: IpAddr = addr.parse().ok().or_else(|| {
+            let octets: Vec<u8> = addr
+                .split('.')
+                .map(|o| {
+                    if o.is_empty() || o.len() > 4 || !o.bytes().all(|b| b.is_ascii_digit()) {
+                        None
+                    } else {
+                        o.parse().ok()
+                    }
+                })
+                .collect::<Option<_>>()?;
+            <[u8; 4]>::try_from(octets).ok().map(|o| IpAddr::from(o))
+        })?;
+        let bare = len.is_none();
+        let len = match len {
+            None => {
+                if addr.is_ipv4() {
+                    32
+                } else {
+                    128
+                }
+            }
+            Some(l) if !l.is_empty() && l.len() <= 4 && l.bytes().all(|b| b.is_ascii_digit()) => {
+                l.parse().ok()?
+            }
+            Some(_) => return None,
+        };
+        Some((IpNet::new(addr, len).ok()?, bare))
+    }
+
+    /// For values stored before [`Cidr::parse`] refused non-canonical spellings (and for
+    /// Postgres' own `cidr::text`): a bare address is a host route and host bits are cleared
+    /// (`10.1.2.3/24` → `10.1.2.0/24`). Never for new input.
     pub fn parse_lenient(text: &str) -> Result<Self, PolicyError> {
         let text = text.trim();
         let net = match text.parse::<IpNet>() {
@@ -202,6 +261,18 @@ fn push_decimal(text: &mut String, n: u8) {
         text.push(char::from(b'0' + n / 10 % 10));
     }
     text.push(char::from(b'0' + n % 10));
+}
+
+/// A refused spelling with the canonical form named: the network of `net` (its host bits
+/// cleared), and for host bits also the one address as a host route.
+fn not_canonical(text: &str, net: IpNet, reason: &'static str) -> PolicyError {
+    let network = Cidr(net.trunc()).text();
+    let canonical = if net.trunc() == net {
+        network
+    } else {
+        format!("{network} (the network), or {} for the one address", Cidr(IpNet::from(net.addr())).text())
+    };
+    PolicyError::CidrNotCanonical { text: text.chars().take(64).collect(), reason, canonical }
 }
 
 fn cidr_error(text: &str, reason: &'static str) -> PolicyError {
@@ -478,6 +549,8 @@ pub fn diff(a: &WorkloadPolicy, b: &WorkloadPolicy) -> PolicyDelta {
 pub enum PolicyError {
     #[error("cidr {text:?}: {reason}")]
     Cidr { text: String, reason: &'static str },
+    #[error("cidr {text:?} {reason}; write {canonical}")]
+    CidrNotCanonical { text: String, reason: &'static str, canonical: String },
     #[error("port range {start}-{end}: {reason}")]
     PortRange { start: u32, end: u32, reason: &'static str },
     #[error("rule id {text:?}: {reason}")]
@@ -578,6 +651,44 @@ mod tests {
         assert_eq!(Cidr::parse_lenient("10.0.0.7").unwrap().to_string(), "10.0.0.7/32");
         assert_eq!(Cidr::parse_lenient("FD00::1").unwrap().to_string(), "fd00::1/128");
         assert!(Cidr::parse_lenient("10.0.0.300").is_err());
+    }
+
+    #[test]
+    fn refused_cidrs_name_their_canonical_form() {
+        let cases = [
+            (
+                "10.0.0.1/8",
+                "cidr \"10.0.0.1/8\" has host bits set; write 10.0.0.0/8 (the network), or 10.0.0.1/32 for the one address",
+            ),
+            ("010.0.0.0/8", "cidr \"010.0.0.0/8\" is not in canonical spelling; write 10.0.0.0/8"),
+            ("10.0.0.0/08", "cidr \"10.0.0.0/08\" is not in canonical spelling; write 10.0.0.0/8"),
+            (" 10.0.0.0/8", "cidr \" 10.0.0.0/8\" is not in canonical spelling; write 10.0.0.0/8"),
+            ("10.0.0.7", "cidr \"10.0.0.7\" has no prefix length; write 10.0.0.7/32"),
+            ("2001:DB8::/32", "cidr \"2001:DB8::/32\" is not in canonical spelling; write 2001:db8::/32"),
+            (
+                "2001:0db8:0:0::/32",
+                "cidr \"2001:0db8:0:0::/32\" is not in canonical spelling; write 2001:db8::/32",
+            ),
+            (
+                "2001:db8::1/32",
+                "cidr \"2001:db8::1/32\" has host bits set; write 2001:db8::/32 (the network), or 2001:db8::1/128 for the one address",
+            ),
+            (
+                "010.0.0.1/8",
+                "cidr \"010.0.0.1/8\" has host bits set; write 10.0.0.0/8 (the network), or 10.0.0.1/32 for the one address",
+            ),
+        ];
+        for (text, message) in cases {
+            assert_eq!(Cidr::parse(text).unwrap_err().to_string(), message, "{text}");
+        }
+        for nonsense in ["banana", "10.0.0.0/33", "10.0.0.256/8", "1.2.3/8", "10.0.0.0/", "10.0.0.0/-1"] {
+            let err = Cidr::parse(nonsense).unwrap_err();
+            assert!(matches!(err, PolicyError::Cidr { .. }), "{nonsense}: {err}");
+        }
+        // A refusal's canonical form is itself accepted, as that exact spelling.
+        for canonical in ["10.0.0.0/8", "2001:db8::/32", "10.0.0.7/32", "0.0.0.0/0", "::/0"] {
+            assert_eq!(Cidr::parse(canonical).unwrap().text(), canonical);
+        }
     }
 
     #[test]

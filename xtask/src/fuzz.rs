@@ -12,7 +12,13 @@ use crate::{cmd, setup};
 /// The targets, one per thing that arrives from outside (see `fuzz/fuzz_targets/`).
 pub const TARGETS: [&str; 4] = ["policy_delta", "flow_window", "csr", "ruleset"];
 
-/// Runs each target for `each`, starting from its seeds (`fuzz/seeds/<target>`, checked in)
+/// Memory limits of every run, in MiB: a target whose RSS passes `RSS_LIMIT_MB` (an input that
+/// expands, such as a YAML alias bomb) or that asks for more than `MALLOC_LIMIT_MB` at once is
+/// a finding and fails the run. AddressSanitizer's own overhead fits well under both.
+pub const RSS_LIMIT_MB: u32 = 1024;
+pub const MALLOC_LIMIT_MB: u32 = 256;
+
+/// Runs each target for `each`, with [`RSS_LIMIT_MB`] and [`MALLOC_LIMIT_MB`], starting from its seeds (`fuzz/seeds/<target>`, checked in)
 /// and its growing corpus (`fuzz/corpus/<target>`, not checked in). A finding fails the run
 /// and leaves its input under `fuzz/artifacts/<target>/`.
 pub fn run(root: &Path, each: Duration) -> Result<()> {
@@ -27,7 +33,13 @@ pub fn run(root: &Path, each: Duration) -> Result<()> {
         if seeds.is_dir() {
             cargo.arg(&seeds);
         }
-        cargo.args(["--", &format!("-max_total_time={}", each.as_secs().max(1)), "-print_final_stats=1"]);
+        cargo.args([
+            "--",
+            &format!("-max_total_time={}", each.as_secs().max(1)),
+            &format!("-rss_limit_mb={RSS_LIMIT_MB}"),
+            &format!("-malloc_limit_mb={MALLOC_LIMIT_MB}"),
+            "-print_final_stats=1",
+        ]);
         println!("fuzz: {target} for {} s", each.as_secs());
         cmd::run(&mut cargo)?;
     }

@@ -30,7 +30,7 @@ fn entries(texts: &[String]) -> Result<Vec<ServiceEntry>, Error> {
 }
 
 fn cidrs(texts: &[String]) -> Result<std::collections::BTreeSet<Cidr>, Error> {
-    texts.iter().map(|t| Cidr::parse_lenient(t).map_err(Error::from)).collect()
+    texts.iter().map(|t| Cidr::parse(t).map_err(Error::from)).collect()
 }
 
 async fn conn(state: &ApiState) -> Result<sqlx::pool::PoolConnection<sqlx::Postgres>, ApiError> {

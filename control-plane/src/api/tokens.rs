@@ -69,7 +69,7 @@ pub async fn mint(
     let ranges = body
         .address_ranges
         .iter()
-        .map(|r| Cidr::parse_lenient(r).map_err(|e| ApiError::Malformed(format!("address range {r:?}: {e}"))))
+        .map(|r| Cidr::parse(r).map_err(|e| ApiError::Malformed(format!("address range: {e}"))))
         .collect::<Result<Vec<_>, _>>()?;
     let ttl = match body.ttl_seconds {
         None => chrono::Duration::days(DEFAULT_TTL_DAYS),

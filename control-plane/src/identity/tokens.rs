@@ -529,7 +529,7 @@ async fn token_ranges(conn: &mut PgConnection, id: Uuid) -> Result<Vec<Cidr>, To
     texts
         .iter()
         .map(|t| {
-            Cidr::parse(t).map_err(|e| {
+            Cidr::parse_lenient(t).map_err(|e| {
                 TokenError::Invalid(format!("stored address range of token {id} is invalid: {e}"))
             })
         })

@@ -460,7 +460,7 @@ async fn write_rules(conn: &mut PgConnection, ruleset: Uuid, spec: &RulesetSpec)
                 PeerRef::AddressGroup(name) => {
                     (None, Some(id_by_name(conn, Kind::AddressGroup, name, &context).await?), None)
                 }
-                PeerRef::Cidr(text) => (None, None, Some(Cidr::parse_lenient(text)?.to_string())),
+                PeerRef::Cidr(text) => (None, None, Some(Cidr::parse(text)?.to_string())),
             };
             sqlx::query(
                 "INSERT INTO rule_peers (rule_id, ordinal, selector, address_group_id, cidr) VALUES ($1, $2, $3, $4, $5::cidr)",

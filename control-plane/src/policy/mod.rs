@@ -3,6 +3,7 @@
 
 pub mod addresses;
 pub mod authoring;
+pub mod file;
 pub mod lifecycle;
 pub mod model;
 pub mod publish;

@@ -32,6 +32,18 @@ pub const MAX_TOKEN_RANGES: usize = 64;
 /// The largest ruleset file the CLI reads.
 pub const MAX_RULESET_FILE: u64 = 1024 * 1024;
 
+/// A ruleset file's text (YAML or JSON) read from `origin`: at most [`MAX_RULESET_FILE`] bytes,
+/// parsed by [`crate::policy::file::parse`] (no anchors or aliases, bounded nodes). Validation
+/// ([`validate_ruleset`]) is the authoring call's, as for the API.
+pub fn parse_ruleset_file(origin: &str, text: &str) -> Result<RulesetSpec, Error> {
+    if text.len() as u64 > MAX_RULESET_FILE {
+        return Err(Error::Invalid(format!(
+            "{origin} is larger than the {MAX_RULESET_FILE} bytes a ruleset file may have"
+        )));
+    }
+    crate::policy::file::parse(origin, text)
+}
+
 fn at_most(what: &str, count: usize, max: usize) -> Result<(), Error> {
     if count > max {
         return Err(Error::Invalid(format!("{what}: {count} is more than the {max} allowed")));
@@ -227,7 +239,7 @@ pub fn validate_ruleset(spec: &RulesetSpec) -> Result<(), Error> {
                     )));
                 }
                 PeerRef::Cidr(text) => {
-                    Cidr::parse_lenient(text)?;
+                    Cidr::parse(text)?;
                 }
                 _ => {}
             }

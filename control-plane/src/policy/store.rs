@@ -237,7 +237,7 @@ pub async fn load_registry(conn: &mut PgConnection) -> Result<Registry, Error> {
 }
 
 fn stored_cidr(text: String) -> Result<Cidr, Error> {
-    Cidr::parse(&text).map_err(|_| Error::Corrupt { what: "address range", detail: text })
+    Cidr::parse_lenient(&text).map_err(|_| Error::Corrupt { what: "address range", detail: text })
 }
 
 fn stored_standing(code: i16) -> Result<Standing, Error> {

@@ -1210,3 +1210,134 @@ async fn count_bounds_are_refused_at_the_api() {
     assert_eq!(reply.status, 201, "the second attempt, after a delete: {reply:?}");
     plane.stop().await;
 }
+
+/// Counts of every table a refused CIDR could have written to, and the audit log.
+async fn cidr_rows(pool: &PgPool) -> [i64; 5] {
+    let mut counts = [0; 5];
+    for (i, table) in ["address_groups", "address_group_cidrs", "rulesets", "estate_ranges", "audit_log"]
+        .into_iter()
+        .enumerate()
+    {
+        counts[i] = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    }
+    counts
+}
+
+/// CIDRs mean what they say (issue 26 item 9): one rule at every site. A CIDR with host bits
+/// set or in a non-canonical spelling is refused naming the canonical form, by the CLI (address
+/// group, ruleset file, estate range) and the API (the same three), writing nothing; the
+/// canonical forms are taken, and values stored before the rule still load and render.
+#[tokio::test]
+async fn cidrs_mean_what_they_say() {
+    let plane = Plane::start(ApiLimits::default()).await;
+    let pool = plane.pool().clone();
+    let admin = mint(&pool, "ada", Role::Admin).await;
+    let url = plane.db.url.clone();
+    let cli = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_innerwall"))
+            .args(["--database-url", &url])
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let created = cli(&["service", "create", "web", "--entry", "tcp:80"]);
+    assert!(created.status.success(), "{}", String::from_utf8_lossy(&created.stderr));
+    let dir = plane.dir.join("cidr-files");
+    std::fs::create_dir_all(&dir).unwrap();
+    let ruleset = |cidr: &str| {
+        json!({"name": "db", "scope": {"app": ["db"]},
+               "rules": [{"name": "r", "peers": [{"cidr": cidr}], "services": ["web"]}]})
+    };
+    // (what was written, the canonical form the refusal must name)
+    let cases = [
+        ("10.0.0.1/8", "write 10.0.0.0/8 (the network), or 10.0.0.1/32 for the one address"),
+        ("010.0.0.0/8", "write 10.0.0.0/8"),
+        ("10.0.0.0/08", "write 10.0.0.0/8"),
+        ("10.0.0.7", "write 10.0.0.7/32"),
+        ("2001:DB8::/32", "write 2001:db8::/32"),
+        ("2001:0db8:0:0::/32", "write 2001:db8::/32"),
+        ("2001:db8::1/32", "write 2001:db8::/32 (the network), or 2001:db8::1/128 for the one address"),
+    ];
+    let before = cidr_rows(&pool).await;
+    for round in 0..2 {
+        for (text, canonical) in cases {
+            let file = dir.join(format!("rs-{round}.yaml"));
+            std::fs::write(&file, serde_norway::to_string(&ruleset(text)).unwrap()).unwrap();
+            let file = file.to_string_lossy().into_owned();
+            for args in [
+                vec!["address-group", "create", "vpn", "--cidr", "10.9.0.0/16", "--cidr", text],
+                vec!["ruleset", "create", "-f", &file],
+                vec!["estate-range", "add", text],
+            ] {
+                let out = cli(&args);
+                let err = String::from_utf8_lossy(&out.stderr);
+                assert!(!out.status.success(), "{args:?} was taken");
+                assert!(err.contains(&format!("{text:?}")) && err.contains(canonical), "{args:?}: {err}");
+            }
+            let group = json!({"name": "vpn", "cidrs": ["10.9.0.0/16", text]});
+            for (path, body) in [
+                ("/api/v1/address-groups", group),
+                ("/api/v1/rulesets", ruleset(text)),
+                ("/api/v1/estate-ranges", json!({"cidr": text})),
+            ] {
+                let doc = plane
+                    .write("POST", path, &admin.token, None, &body)
+                    .await
+                    .problem(400, ProblemType::Invalid);
+                let detail = doc["detail"].as_str().unwrap();
+                assert!(detail.contains(canonical), "{path} {text}: {doc}");
+            }
+        }
+        assert_eq!(cidr_rows(&pool).await, before, "a refused cidr wrote something (round {round})");
+    }
+
+    // The canonical forms are taken, as written, at every site.
+    let ok = cli(&["address-group", "create", "vpn", "--cidr", "10.0.0.0/8", "--cidr", "2001:db8::/32"]);
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    let file = dir.join("ok.yaml");
+    std::fs::write(&file, serde_norway::to_string(&ruleset("10.0.0.7/32")).unwrap()).unwrap();
+    let ok = cli(&["ruleset", "create", "-f", &file.to_string_lossy()]);
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    let ok = cli(&["estate-range", "add", "203.0.113.0/24"]);
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    let group = json!({"name": "lab", "cidrs": ["192.0.2.0/24"]});
+    assert_eq!(plane.write("POST", "/api/v1/address-groups", &admin.token, None, &group).await.status, 201);
+    let ranges = json!({"cidr": "2001:db8:1::/48"});
+    assert_eq!(plane.write("POST", "/api/v1/estate-ranges", &admin.token, None, &ranges).await.status, 201);
+    let members: Vec<String> = sqlx::query_scalar("SELECT cidr::text FROM address_group_cidrs ORDER BY cidr")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(members, ["10.0.0.0/8", "192.0.2.0/24", "2001:db8::/32"]);
+    let peers: Vec<String> =
+        sqlx::query_scalar("SELECT cidr::text FROM rule_peers").fetch_all(&pool).await.unwrap();
+    assert_eq!(peers, ["10.0.0.7/32"]);
+
+    // Values stored before the rule (written straight to the tables, in spellings the parse
+    // now refuses) still load: the estate lists, the group shows, and a render succeeds.
+    sqlx::query(
+        "INSERT INTO estate_ranges (cidr, description) VALUES ('2001:0DB8:0002:0000::/64'::cidr, 'old')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO address_group_cidrs (group_id, cidr)
+         SELECT id, '10.1.2.3'::cidr FROM address_groups WHERE name = 'vpn'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let listed = cli(&["--json", "estate-range", "list"]);
+    assert!(listed.status.success(), "{}", String::from_utf8_lossy(&listed.stderr));
+    assert!(String::from_utf8_lossy(&listed.stdout).contains("2001:db8:2::/64"), "{listed:?}");
+    let shown = cli(&["--json", "address-group", "show", "vpn"]);
+    assert!(shown.status.success(), "{}", String::from_utf8_lossy(&shown.stderr));
+    assert!(String::from_utf8_lossy(&shown.stdout).contains("10.1.2.3/32"), "{shown:?}");
+    let render = plane.call("POST", "/api/v1/render", Some(&admin.token), &[], full(Bytes::new())).await;
+    assert_eq!(render.status, 200, "{render:?}");
+    plane.stop().await;
+}

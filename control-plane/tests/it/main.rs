@@ -4,6 +4,7 @@ mod addresses;
 mod api;
 mod bounds;
 mod enrollment;
+mod files;
 mod flows;
 mod identity;
 mod installs;

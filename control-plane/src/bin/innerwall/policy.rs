@@ -12,7 +12,9 @@ use innerwall_control_plane::error::Error;
 use innerwall_control_plane::page::{Page, PageRequest};
 use innerwall_control_plane::policy::authoring;
 use innerwall_control_plane::policy::model::ServiceEntry;
-use innerwall_control_plane::policy::spec::{AddressGroupSpec, MAX_RULESET_FILE, RulesetSpec, ServiceSpec};
+use innerwall_control_plane::policy::spec::{
+    self, AddressGroupSpec, MAX_RULESET_FILE, RulesetSpec, ServiceSpec,
+};
 use innerwall_control_plane::policy::store::{self, AddressGroupView, ServiceView};
 use innerwall_wire::policy::Cidr;
 use serde::Serialize;
@@ -184,7 +186,7 @@ macro_rules! catalog {
 
 catalog!(ServiceArgs { entries: ServiceEntry::parse } => ServiceSpec, ServiceView, "service", "service",
     "/api/v1/services", [create_service, update_service, delete_service, service_page, service_view]);
-catalog!(GroupArgs { cidrs: Cidr::parse_lenient } => AddressGroupSpec, AddressGroupView, "address group",
+catalog!(GroupArgs { cidrs: Cidr::parse } => AddressGroupSpec, AddressGroupView, "address group",
     "address-group", "/api/v1/address-groups",
     [create_address_group, update_address_group, delete_address_group, address_group_page, address_group_view]);
 
@@ -372,11 +374,7 @@ fn read_ruleset_file(path: &Path) -> anyhow::Result<RulesetSpec> {
         .take(MAX_RULESET_FILE + 1)
         .read_to_string(&mut text)
         .with_context(|| format!("while reading {}", path.display()))?;
-    if text.len() as u64 > MAX_RULESET_FILE {
-        bail!("{} is larger than the {MAX_RULESET_FILE} bytes a ruleset file may have", path.display());
-    }
-    // YAML is a superset of JSON, so one parser takes both.
-    serde_norway::from_str(&text).with_context(|| format!("{} is not a valid ruleset file", path.display()))
+    Ok(spec::parse_ruleset_file(&path.display().to_string(), &text)?)
 }
 
 pub async fn ruleset(ctx: &Ctx, cmd: &ObjectCmd<RulesetFile>) -> anyhow::Result<()> {
