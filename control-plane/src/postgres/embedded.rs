@@ -170,7 +170,9 @@ impl Session {
         match others.try_lock() {
             Ok(()) => {}
             Err(TryLockError::WouldBlock) => return Ok(false),
-            Err(TryLockError::Error(e)) => return Err(io_error("lock", self.cluster.root().join(USERS_FILE))(e)),
+            Err(TryLockError::Error(e)) => {
+                return Err(io_error("lock", self.cluster.root().join(USERS_FILE))(e));
+            }
         }
         let marker = self.cluster.root().join(STARTED_FOR_A_COMMAND);
         if !marker.exists() {

@@ -69,7 +69,8 @@ async fn cli_is_safe_to_use_carelessly() -> anyhow::Result<()> {
     let out = innerwall(&state.0, &["--json", "audit", "list"]).env("USER", "mallory").output()?;
     assert!(out.status.success(), "{}", stderr(&out));
     let audit: serde_json::Value = serde_json::from_slice(&out.stdout)?;
-    let actors: Vec<&str> = audit.as_array().context("audit list")?.iter().filter_map(|r| r["actor"].as_str()).collect();
+    let actors: Vec<&str> =
+        audit.as_array().context("audit list")?.iter().filter_map(|r| r["actor"].as_str()).collect();
     assert!(actors.contains(&format!("cli:{me}").as_str()), "{actors:?}");
     assert!(!actors.iter().any(|a| a.contains("mallory")), "{actors:?}");
 
@@ -84,7 +85,10 @@ async fn cli_is_safe_to_use_carelessly() -> anyhow::Result<()> {
         .bind(HOSTILE)
         .execute(&pool)
         .await?;
-    sqlx::query("UPDATE services SET description = $1 WHERE name = 'web'").bind(HOSTILE).execute(&pool).await?;
+    sqlx::query("UPDATE services SET description = $1 WHERE name = 'web'")
+        .bind(HOSTILE)
+        .execute(&pool)
+        .await?;
     for args in [
         &["service", "list"][..],
         &["workload", "list"],
@@ -102,7 +106,10 @@ async fn cli_is_safe_to_use_carelessly() -> anyhow::Result<()> {
             assert!(text.contains("\\u001b") && text.contains("\\u009b"), "{text}");
             assert!(value.to_string().contains(&serde_json::to_string(HOSTILE)?[1..20]), "{text}");
         } else {
-            assert!(text.contains("evil\\u001b]0;owned\\u0007\\u001b[2J\\u009b31m\\u007f\\nfake-row\\u202e"), "{args:?}:\n{text}");
+            assert!(
+                text.contains("evil\\u001b]0;owned\\u0007\\u001b[2J\\u009b31m\\u007f\\nfake-row\\u202e"),
+                "{args:?}:\n{text}"
+            );
             assert!(!text.lines().any(|l| l.starts_with("fake-row")), "a line break started a row:\n{text}");
         }
     }

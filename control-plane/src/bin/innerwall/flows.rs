@@ -135,7 +135,9 @@ fn print_more<T>(page: &Page<T>, command: &str) {
 /// hold every row says so on stderr with the cursor to the rest.
 fn print_rows_json<T: serde::Serialize>(page: &Page<T>, command: &str) -> anyhow::Result<()> {
     if let Some(cursor) = &page.next_cursor {
-        crate::output::note(format_args!("truncated: more rows follow; next page: {command} … --cursor {cursor}"));
+        crate::output::note(format_args!(
+            "truncated: more rows follow; next page: {command} … --cursor {cursor}"
+        ));
     }
     print_json(&page.rows)
 }
