@@ -115,7 +115,7 @@ impl Ctx {
 /// The operator behind this command, as the audit log names it: `cli:<user>`, the user name of
 /// the process's real uid (`uid:<n>` when it has no passwd entry). Never `$USER` or
 /// `$SUDO_USER`, which whoever runs the command sets at will; under sudo that is `cli:root`.
-pub fn actor() -> String {
+fn actor() -> String {
     let uid = nix::unistd::getuid();
     let user = match nix::unistd::User::from_uid(uid) {
         Ok(Some(user)) => user.name,
