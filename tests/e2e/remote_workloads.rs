@@ -12,7 +12,7 @@
 //! - every step's output on A must equal its output on B once what two databases cannot share
 //!   is replaced by tokens: times (renders, promotions, evidence ranges), the ids the databases
 //!   made (promotion records, authored rules; numbered in order of appearance — the workloads'
-//!   ids are the same in both), and the actor (`cli:e2e` locally, `operator:<name>/<token id>`
+//!   ids are the same in both), and the actor (`cli:<user>` locally, `operator:<name>/<token id>`
 //!   remotely); in `promotions list`'s table, whose actor column is as wide as the actor, runs
 //!   of spaces are collapsed, the same-database comparison having checked its layout byte for
 //!   byte.
@@ -308,7 +308,7 @@ async fn run(target: &Target<'_>, step: &Step) -> String {
         }
     }
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    // The local actor is `cli:e2e` whoever runs the test.
+    // The local actor is `cli:<the real uid's user name>` (never $USER), read as `<actor>`.
     let (code, stdout, stderr) = innerwall(&args, &[("USER", "e2e"), ("SUDO_USER", "e2e")]);
     if step.ok {
         assert_eq!(code, Some(0), "{args:?}: {stderr}");
@@ -366,7 +366,7 @@ impl Normalize {
             }
         }
         let out = replace_after(
-            &out.replace("cli:e2e", "<actor>"),
+            &out.replace(&local_actor(), "<actor>"),
             "operator:",
             |c| !c.is_whitespace() && c != '"',
             |_| String::new(),
@@ -572,4 +572,11 @@ fn refused_by_role(by_api: &Target<'_>, tokens: &BTreeMap<Role, String>) {
             "{args:?}: {stderr}"
         );
     }
+}
+
+/// The actor the audit log names for a local command: `cli:` and the real uid's user name.
+fn local_actor() -> String {
+    let me =
+        nix::unistd::User::from_uid(nix::unistd::getuid()).ok().flatten().expect("this uid has a user name");
+    format!("cli:{}", me.name)
 }

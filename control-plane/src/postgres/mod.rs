@@ -45,7 +45,7 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 
 pub use self::child::ChildServer;
 pub use self::cluster::{Binaries, Cluster};
-pub use self::embedded::{embedded, embedded_cluster};
+pub use self::embedded::{Create, Session, embedded, embedded_cluster};
 pub use self::supervise::{Health, Supervisor};
 pub use self::system_user::ServerUser;
 pub use self::test_server::TestCluster;
@@ -99,6 +99,12 @@ pub enum Error {
          directory to start over"
     )]
     Damaged { path: PathBuf, what: String },
+    #[error(
+        "no Innerwall database under {path} (no {path}/postgres/initialized): check --state-dir \
+         (or INNERWALL_STATE_DIR); to create one there, run `innerwall migrate` or `innerwall serve` \
+         with it, or pass --init"
+    )]
+    NoCluster { path: PathBuf },
     #[error("the embedded postgres in {path} is not running: {detail}; its log is server.log there")]
     NotRunning { path: PathBuf, detail: String },
     #[error("port {port} on 127.0.0.1 is in use; server log {log} ends with:\n{log_tail}")]

@@ -3,6 +3,7 @@
 mod addresses;
 mod api;
 mod bounds;
+mod cli;
 mod enrollment;
 mod files;
 mod flows;

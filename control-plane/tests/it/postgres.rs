@@ -90,10 +90,10 @@ fn concurrent_fresh_databases_from_parallel_tests() -> anyhow::Result<()> {
 }
 
 /// A state directory that stops the cluster in it and removes it when dropped, also on panic.
-struct StateDir(PathBuf);
+pub(crate) struct StateDir(pub(crate) PathBuf);
 
 impl StateDir {
-    fn new() -> anyhow::Result<Self> {
+    pub(crate) fn new() -> anyhow::Result<Self> {
         let dir =
             std::env::temp_dir().join(format!("innerwall-embedded-it-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir(&dir)?;
@@ -117,7 +117,7 @@ fn identity(path: &Path) -> anyhow::Result<(u64, SystemTime)> {
     Ok((meta.ino(), meta.modified()?))
 }
 
-fn ready_count(cluster: &Cluster) -> anyhow::Result<usize> {
+pub(crate) fn ready_count(cluster: &Cluster) -> anyhow::Result<usize> {
     let log = std::fs::read_to_string(cluster.log_file())?;
     Ok(log.matches("database system is ready to accept connections").count())
 }
@@ -135,7 +135,7 @@ fn exited_within(pid: u32, timeout: Duration) -> bool {
     }
 }
 
-fn stop_and_check_gone(cluster: &Cluster) -> anyhow::Result<()> {
+pub(crate) fn stop_and_check_gone(cluster: &Cluster) -> anyhow::Result<()> {
     let pid = cluster.postmaster_pid().context("no postmaster.pid while running")?;
     cluster.stop()?;
     assert!(exited_within(pid, Duration::from_secs(5)), "postmaster {pid} still runs after stop");
@@ -213,7 +213,7 @@ async fn embedded_cluster_is_initialized_once_and_reused() -> anyhow::Result<()>
     Ok(())
 }
 
-fn innerwall_embedded(state: &Path, args: &[&str]) -> std::process::Output {
+pub(crate) fn innerwall_embedded(state: &Path, args: &[&str]) -> std::process::Output {
     std::process::Command::new(env!("CARGO_BIN_EXE_innerwall"))
         .env_remove("INNERWALL_DATABASE_URL")
         .arg("--state-dir")
@@ -223,22 +223,37 @@ fn innerwall_embedded(state: &Path, args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
-#[test]
-fn cli_without_database_url_runs_and_reuses_the_embedded_cluster() -> anyhow::Result<()> {
+/// Issue 26, item 7: `--init` creates the cluster; a command that started the server stops it
+/// when it ends, and the next command starts the same cluster with the same data; a server that
+/// was running (as under `serve`) is used and left running.
+#[tokio::test]
+async fn cli_without_database_url_runs_and_reuses_the_embedded_cluster() -> anyhow::Result<()> {
     let state = StateDir::new()?;
-    let out = innerwall_embedded(&state.0, &["service", "create", "web", "--entry", "tcp:443"]);
+    let out = innerwall_embedded(&state.0, &["--init", "service", "create", "web", "--entry", "tcp:443"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let cluster = postgres::embedded_cluster(&state.0)?;
-    let pid = cluster.postmaster_pid().context("the embedded cluster is not running")?;
+    assert!(!cluster.is_running()?, "the command stopped the server it started");
+    assert_eq!(ready_count(&cluster)?, 1);
 
-    // A second invocation is a new process that finds the same cluster and the same data.
+    // A second invocation is a new process that starts the same cluster with the same data.
     let out = innerwall_embedded(&state.0, &["--json", "service", "list"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let services: serde_json::Value = serde_json::from_slice(&out.stdout)?;
     assert_eq!(services[0]["name"], "web");
     assert_eq!(services[0]["entries"], serde_json::json!(["tcp:443"]));
-    assert_eq!(cluster.postmaster_pid(), Some(pid), "reused, not restarted");
-    assert_eq!(ready_count(&cluster)?, 1);
+    assert!(!cluster.is_running()?, "stopped again");
+    assert_eq!(ready_count(&cluster)?, 2);
+
+    // Running already (started as `serve` starts it): used, and left running, twice.
+    postgres::embedded(&state.0).await?;
+    let pid = cluster.postmaster_pid().context("the embedded cluster is not running")?;
+    for _ in 0..2 {
+        let out = innerwall_embedded(&state.0, &["--json", "service", "list"]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(cluster.postmaster_pid(), Some(pid), "reused, not restarted");
+        assert!(cluster.is_running()?);
+    }
+    assert_eq!(ready_count(&cluster)?, 3);
     stop_and_check_gone(&cluster)
 }
 

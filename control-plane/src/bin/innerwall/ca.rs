@@ -9,7 +9,7 @@ use innerwall_control_plane::identity::ca::{self, FileCa};
 use innerwall_control_plane::identity::rotation;
 
 use crate::ctx::{Ctx, Database};
-use crate::output::print_json;
+use crate::output::{escape, print_json};
 
 #[derive(Debug, Subcommand)]
 pub enum CaCmd {
@@ -72,7 +72,7 @@ pub async fn run(
                 retired.change.old_sha256, retired.change.new_sha256
             );
             for h in &retired.stranded {
-                println!("stranded (must enroll again): {} ({})", h.hostname, h.id);
+                println!("stranded (must enroll again): {} ({})", escape(&h.hostname), h.id);
             }
             println!(
                 "copy {} to every replica; give new agents {}",

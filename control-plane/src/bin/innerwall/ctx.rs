@@ -3,9 +3,10 @@
 //! line.
 
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use anyhow::Context;
-use innerwall_control_plane::postgres::{self, Pools, PoolsConfig, Supervisor};
+use innerwall_control_plane::postgres::{self, Create, Pools, PoolsConfig, Session, Supervisor};
 use sqlx::PgPool;
 
 /// Where the database is: `--database-url`, or the embedded cluster under `--state-dir`.
@@ -13,9 +14,29 @@ use sqlx::PgPool;
 pub struct Database {
     pub url: Option<String>,
     pub state_dir: PathBuf,
+    /// Whether a missing embedded cluster is created (`--init`, `migrate`); otherwise a state
+    /// directory without one is refused, naming it.
+    pub create: Create,
+    /// This command's use of the embedded cluster, once opened: a server it started is stopped
+    /// when the command ends ([`Database::end`], or the drop on any other way out).
+    session: Mutex<Option<Session>>,
 }
 
 impl Database {
+    pub fn new(url: Option<String>, state_dir: PathBuf, create: Create) -> Database {
+        Database { url, state_dir, create, session: Mutex::new(None) }
+    }
+
+    /// Ends this command's use of the embedded cluster: stops the server if this command started
+    /// it and no other command or `serve` uses it now.
+    pub fn end(&self) -> anyhow::Result<()> {
+        let session = self.session.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+        if let Some(session) = session {
+            session.end().context("while stopping the embedded database this command started")?;
+        }
+        Ok(())
+    }
+
     /// Connects and applies migrations, starting the embedded cluster first when no URL is given.
     pub async fn connect(&self) -> anyhow::Result<PgPool> {
         Ok(postgres::connect(&self.url().await?).await?)
@@ -23,8 +44,14 @@ impl Database {
 
     /// A replica's pools (one per job, sized by `config`); on the embedded cluster also its
     /// [`Supervisor`], for the caller to run beside the service.
+    /// The embedded cluster is created if missing and keeps running after `serve`.
     pub async fn connect_pools(&self, config: &PoolsConfig) -> anyhow::Result<(Pools, Option<Supervisor>)> {
-        let url = self.url().await?;
+        let url = match &self.url {
+            Some(url) => url.clone(),
+            None => postgres::embedded(&self.state_dir).await.with_context(|| {
+                format!("while starting the embedded database in {}", self.state_dir.display())
+            })?,
+        };
         let pools = Pools::connect(&url, config).await?;
         let supervisor = match &self.url {
             Some(_) => None,
@@ -38,12 +65,20 @@ impl Database {
     }
 
     async fn url(&self) -> anyhow::Result<String> {
-        match &self.url {
-            Some(url) => Ok(url.clone()),
-            None => postgres::embedded(&self.state_dir).await.with_context(|| {
-                format!("while starting the embedded database in {}", self.state_dir.display())
-            }),
+        if let Some(url) = &self.url {
+            return Ok(url.clone());
         }
+        if let Some(session) = &*self.session.lock().unwrap_or_else(std::sync::PoisonError::into_inner) {
+            return Ok(session.url().to_owned());
+        }
+        let session = Session::open(&self.state_dir, self.create).await.map_err(|e| match e {
+            postgres::Error::NoCluster { .. } => anyhow::Error::new(e),
+            e => anyhow::Error::new(e)
+                .context(format!("while starting the embedded database in {}", self.state_dir.display())),
+        })?;
+        let url = session.url().to_owned();
+        *self.session.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(session);
+        Ok(url)
     }
 }
 
@@ -77,9 +112,14 @@ impl Ctx {
     }
 }
 
-/// The operator behind this command: under sudo the invoking user, not root.
+/// The operator behind this command, as the audit log names it: `cli:<user>`, the user name of
+/// the process's real uid (`uid:<n>` when it has no passwd entry). Never `$USER` or
+/// `$SUDO_USER`, which whoever runs the command sets at will; under sudo that is `cli:root`.
 fn actor() -> String {
-    let user =
-        std::env::var("SUDO_USER").or_else(|_| std::env::var("USER")).unwrap_or_else(|_| "unknown".into());
+    let uid = nix::unistd::getuid();
+    let user = match nix::unistd::User::from_uid(uid) {
+        Ok(Some(user)) => user.name,
+        Ok(None) | Err(_) => format!("uid:{uid}"),
+    };
     format!("cli:{user}")
 }

@@ -135,7 +135,9 @@ fn print_more<T>(page: &Page<T>, command: &str) {
 /// hold every row says so on stderr with the cursor to the rest.
 fn print_rows_json<T: serde::Serialize>(page: &Page<T>, command: &str) -> anyhow::Result<()> {
     if let Some(cursor) = &page.next_cursor {
-        eprintln!("truncated: more rows follow; next page: {command} … --cursor {cursor}");
+        crate::output::note(format_args!(
+            "truncated: more rows follow; next page: {command} … --cursor {cursor}"
+        ));
     }
     print_json(&page.rows)
 }
@@ -261,7 +263,7 @@ impl Rollup {
     /// Says on stderr (tables only) that the scope holds no live workload now.
     fn note_empty_scope(&self, json: bool, empty: bool) {
         if let (Some((_, selector)), true, false) = (&self.scope, empty, json) {
-            eprintln!("note: no live workload matches the scope {selector} now");
+            crate::output::note(format_args!("note: no live workload matches the scope {selector} now"));
         }
     }
 

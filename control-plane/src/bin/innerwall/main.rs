@@ -42,12 +42,16 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+use innerwall_control_plane::postgres::Create;
+
 use crate::ctx::{Ctx, Database};
 
 #[derive(Debug, Parser)]
 #[command(name = "innerwall", version, about = "Innerwall control plane and operator CLI")]
 struct Cli {
-    /// Postgres to use. Without it, a private cluster under --state-dir is started and reused.
+    /// Postgres to use. Without it, the private cluster under --state-dir is used: started for
+    /// the command if it is not running (and stopped again after it), refused if there is none
+    /// (`serve`, `migrate` and --init create it).
     #[arg(long, env = "INNERWALL_DATABASE_URL", global = true, hide_env_values = true)]
     database_url: Option<String>,
     /// Where the embedded Postgres cluster lives (and the CA, unless --ca-dir says otherwise).
@@ -67,6 +71,10 @@ struct Cli {
     /// The PEM bundle that issued the API's certificate (the host's <ca-dir>/ca.crt).
     #[arg(long, env = "INNERWALL_API_CA", global = true)]
     api_ca: Option<PathBuf>,
+    /// Create the embedded cluster under --state-dir if there is none (without it, a state
+    /// directory with no cluster is refused, so a mistyped path creates nothing).
+    #[arg(long, global = true)]
+    init: bool,
     /// Print JSON instead of tables.
     #[arg(long, global = true)]
     json: bool,
@@ -85,7 +93,7 @@ struct Cli {
 enum Command {
     /// Print the agent contract package this build speaks.
     Contract,
-    /// Apply database migrations and exit.
+    /// Apply database migrations and exit (creating the embedded cluster if there is none).
     Migrate,
     /// Run the control-plane service: agent listener, NOTIFY bridge; renders once at start.
     Serve(Box<serve::ServeArgs>),
@@ -139,6 +147,10 @@ enum Command {
     Audit(audit::AuditCmd),
 }
 
+/// The exit status when stdout was closed early: 128 + SIGPIPE, as the shell reports a program
+/// that SIGPIPE killed.
+const CLOSED_PIPE: u8 = 128 + 13;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     logs::init(cli.log_format);
@@ -157,8 +169,10 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
         Err(payload) => match payload.downcast::<output::StdoutFailed>() {
-            // Whoever read our output has all they wanted (`| head`): not an error.
-            Ok(failed) if failed.0.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+            // Whoever read our output stopped reading (`| head`): quiet, but not success — the
+            // status a program killed by SIGPIPE has in the shell, so `set -o pipefail` sees
+            // that the output was cut short.
+            Ok(failed) if failed.0.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::from(CLOSED_PIPE),
             Ok(failed) => {
                 tracing::error!(target: logs::NOTICE, "error: cannot write to stdout: {}", failed.0);
                 ExitCode::FAILURE
@@ -170,10 +184,17 @@ fn main() -> ExitCode {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     if let Some(api) = &cli.api {
-        return remote(api, &cli).await;
+        let done = remote(api, &cli).await;
+        output::flush();
+        return done;
     }
     let ca_dir = cli.ca_dir.unwrap_or_else(|| cli.state_dir.join("ca"));
-    let database = Database { url: cli.database_url, state_dir: cli.state_dir };
+    let create = match cli.command {
+        _ if cli.init => Create::Yes,
+        Command::Migrate | Command::Serve(_) => Create::Yes,
+        _ => Create::No,
+    };
+    let database = Database::new(cli.database_url, cli.state_dir, create);
     let connect = || Ctx::connect(&database, cli.json, cli.page_size, &ca_dir);
     match cli.command {
         Command::Contract => println!("{}", innerwall_wire::CONTRACT_PACKAGE),
@@ -195,7 +216,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Operator(cmd) => operators::run(&connect().await?, &cmd).await?,
         Command::Audit(cmd) => audit::run(&connect().await?, &cmd).await?,
     }
-    Ok(())
+    output::flush();
+    database.end()
 }
 
 /// A command with `--api`: through the remote control plane's API, never this host's database.

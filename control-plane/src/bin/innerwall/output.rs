@@ -1,7 +1,13 @@
 //! How results are printed: plain tables for people (comfy-table, no borders, so they read well
 //! in logs too) and JSON for scripts (`--json`; the demo and the end-to-end tests parse it); and
 //! the one writer of stdout, [`stdout`], which every `print!`/`println!` of the binary goes
-//! through (`main` shadows std's macros), so that a closed pipe ends any command quietly.
+//! through (`main` shadows std's macros), so that a closed pipe ends any command quietly and a
+//! failed write (a full disk) ends it with the error; and [`escape`], which every table cell and
+//! every line written there goes through, so no text from the database or an agent (a hostname,
+//! a description, a reason) can put a terminal escape sequence on an operator's screen.
+
+use std::borrow::Cow;
+use std::fmt::Write as _;
 
 use comfy_table::{Table, presets};
 use innerwall_control_plane::policy::authoring::Committed;
@@ -14,13 +20,77 @@ use serde::Serialize;
 #[derive(Debug)]
 pub struct StdoutFailed(pub std::io::Error);
 
-/// Writes `args` to stdout; on failure unwinds with [`StdoutFailed`] (without the panic hook, so
-/// nothing is printed), which `main` catches.
+/// Writes `args` to stdout, each line [`escape`]d (line breaks stay); on failure unwinds with
+/// [`StdoutFailed`] (without the panic hook, so nothing is printed), which `main` catches.
 pub fn stdout(args: std::fmt::Arguments<'_>) {
     use std::io::Write as _;
-    if let Err(e) = std::io::stdout().lock().write_fmt(args) {
+    let text = match args.as_str() {
+        Some(text) => Cow::Borrowed(text),
+        None => Cow::Owned(args.to_string()),
+    };
+    let mut lines = text.split('\n');
+    let mut out = String::with_capacity(text.len());
+    if let Some(first) = lines.next() {
+        out.push_str(&escape(first));
+    }
+    for line in lines {
+        out.push('\n');
+        out.push_str(&escape(line));
+    }
+    if let Err(e) = std::io::stdout().lock().write_all(out.as_bytes()) {
         std::panic::resume_unwind(Box::new(StdoutFailed(e)));
     }
+}
+
+/// Flushes stdout (the last line of a command may wait in its buffer): a failure unwinds as a
+/// failed write does, instead of being dropped at exit.
+pub fn flush() {
+    use std::io::Write as _;
+    if let Err(e) = std::io::stdout().lock().flush() {
+        std::panic::resume_unwind(Box::new(StdoutFailed(e)));
+    }
+}
+
+/// Writes one line of `args` to stderr, [`escape`]d: a note beside the output. A failure to write
+/// it is ignored (`eprintln!` would panic), as the output itself decides the command's fate.
+pub fn note(args: std::fmt::Arguments<'_>) {
+    use std::io::Write as _;
+    let line = format!("{}\n", escape(&args.to_string()));
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
+}
+
+/// `text` with every control character (C0, DEL, C1) and every bidirectional-override
+/// character written as a visible escape (`\n`, `\t`, `\r`, else `\u001b`, `\u202e`, …), so that
+/// what a terminal shows is what the text holds. The one escaping of the CLI's output. The
+/// escapes are JSON's, so JSON output passes through unchanged in meaning (serde_json leaves DEL,
+/// C1 and bidi characters raw; here they become `\u` escapes of the same value).
+pub fn escape(text: &str) -> Cow<'_, str> {
+    if !text.chars().any(needs_escape) {
+        return Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\t' => out.push_str("\\t"),
+            '\r' => out.push_str("\\r"),
+            // Every character escaped here is in the Basic Multilingual Plane: four digits.
+            c if needs_escape(c) => {
+                let _ = write!(out, "\\u{:04x}", u32::from(c));
+            }
+            c => out.push(c),
+        }
+    }
+    Cow::Owned(out)
+}
+
+#[cfg(test)]
+fn needs_escape_except_newline(c: char) -> bool {
+    c != '\n' && needs_escape(c)
+}
+
+fn needs_escape(c: char) -> bool {
+    c.is_control() || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}' | '\u{200e}' | '\u{200f}')
 }
 
 /// A left-aligned table: upper-case headers, columns two spaces apart, no borders or rules.
@@ -28,7 +98,8 @@ pub fn print_table(headers: &[&str], rows: Vec<Vec<String>>) {
     let mut table = Table::new();
     table.load_style(presets::NOTHING);
     table.set_header(headers.iter().map(|h| h.to_uppercase()).collect::<Vec<_>>());
-    table.add_rows(rows);
+    // Escaped per cell, line breaks too: a hostname with a newline stays one cell of one row.
+    table.add_rows(rows.into_iter().map(|row| row.into_iter().map(|cell| escape(&cell).into_owned())));
     for column in table.column_iter_mut() {
         column.set_padding((0, 2));
     }
@@ -97,4 +168,30 @@ pub fn print_changed_outcome<T: Serialize>(json: bool, done: &Outcome<T>) {
 /// Prints `what` (unless `--json`), then the outcome of the change.
 pub fn report<T: Serialize>(json: bool, what: &str, done: Committed<T>) {
     print_outcome(json, Some(what), &done.value, &rows(&done.changed));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::escape;
+
+    #[test]
+    fn escape_makes_control_characters_visible() {
+        assert_eq!(escape("web-1.example"), "web-1.example");
+        assert_eq!(escape("caf\u{e9} \u{1f600} a\\b"), "caf\u{e9} \u{1f600} a\\b");
+        assert_eq!(escape("\x1b[2J\x07host"), "\\u001b[2J\\u0007host");
+        assert_eq!(escape("a\nb\tc\rd"), "a\\nb\\tc\\rd");
+        assert_eq!(escape("\u{9b}31m \u{7f}"), "\\u009b31m \\u007f");
+        assert_eq!(escape("abc\u{202e}gpj.exe"), "abc\\u202egpj.exe");
+        assert_eq!(escape("\0"), "\\u0000");
+    }
+
+    /// JSON keeps its meaning: what serde_json leaves raw becomes a `\u` escape of itself.
+    #[test]
+    fn escaped_json_is_the_same_json() {
+        let value = serde_json::json!({"d": "\x1b[31m\u{7f}\u{9b}\u{202e}\n\t\\x"});
+        let text = serde_json::to_string_pretty(&value).unwrap();
+        let escaped: String = text.split('\n').map(|l| escape(l).into_owned()).collect::<Vec<_>>().join("\n");
+        assert!(!escaped.chars().any(super::needs_escape_except_newline), "{escaped}");
+        assert_eq!(serde_json::from_str::<serde_json::Value>(&escaped).unwrap(), value);
+    }
 }

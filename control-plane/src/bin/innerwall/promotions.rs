@@ -7,7 +7,7 @@ use innerwall_control_plane::gate::{Promotion, promote};
 
 use crate::api::ApiClient;
 use crate::ctx::Ctx;
-use crate::output::{print_json, print_table};
+use crate::output::{escape, print_json, print_table};
 use crate::pages;
 
 #[derive(Debug, Subcommand)]
@@ -85,13 +85,19 @@ fn print_show(json: bool, p: &Promotion) -> anyhow::Result<()> {
     if json {
         return print_json(p);
     }
-    println!("promotion {} · {} · by {}", p.id, p.at.format("%F %T"), p.actor);
-    println!("to {} mode · scope {} · expected {} · why: {}", p.to_mode, p.scope, p.expected_count, p.reason);
+    println!("promotion {} · {} · by {}", p.id, p.at.format("%F %T"), escape(&p.actor));
+    println!(
+        "to {} mode · scope {} · expected {} · why: {}",
+        p.to_mode,
+        escape(&p.scope.to_string()),
+        p.expected_count,
+        escape(&p.reason)
+    );
     if let Some(reason) = &p.override_reason {
-        println!("OVERRIDE of the evidence gate: {reason}");
+        println!("OVERRIDE of the evidence gate: {}", escape(reason));
     }
     for m in &p.workloads {
-        println!("  {} (was {})", m.name(), m.mode);
+        println!("  {} (was {})", escape(&m.name().to_string()), m.mode);
     }
     match &p.verdict {
         Some(v) => println!("verdict it stood on:\n{}", serde_json::to_string_pretty(v)?),

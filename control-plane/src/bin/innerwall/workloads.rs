@@ -20,7 +20,7 @@ use sqlx::PgPool;
 use crate::api::{ApiClient, segment};
 use crate::ctx::Ctx;
 use crate::duration;
-use crate::output::{Outcome, print_json, print_table, report, report_outcome};
+use crate::output::{Outcome, escape, print_json, print_table, report, report_outcome};
 
 #[derive(Debug, Subcommand)]
 pub enum WorkloadCmd {
@@ -482,7 +482,7 @@ fn print_show(json: bool, w: WorkloadView) -> anyhow::Result<()> {
         vec![row],
     );
     if !w.sync_detail.is_empty() {
-        println!("state: {}", w.sync_detail);
+        println!("state: {}", escape(&w.sync_detail));
     }
     if let Some(f) = &w.facts {
         let when = |t: Option<chrono::DateTime<chrono::Utc>>| t.map_or("-".into(), |t| t.to_rfc3339());
@@ -500,10 +500,10 @@ fn print_show(json: bool, w: WorkloadView) -> anyhow::Result<()> {
             when(f.last_renewed_at)
         );
         if let (Some(at), Some(reason)) = (f.last_renewal_failed_at, &f.last_renewal_error) {
-            println!("last renewal failure {}: {reason}", at.to_rfc3339());
+            println!("last renewal failure {}: {}", at.to_rfc3339(), escape(reason));
         }
         if let Some(c) = &f.clone {
-            println!("{}", clone_line(c));
+            println!("{}", escape(&clone_line(c)));
         }
     }
     if !w.addresses.is_empty() {
@@ -535,9 +535,9 @@ fn print_mode_change(json: bool, promotion: &Promotion) -> anyhow::Result<()> {
     }
     let names: Vec<String> =
         promotion.workloads.iter().map(|m| format!("{} (was {})", m.name(), m.mode)).collect();
-    println!("{} workload(s) now in {} mode: {}", names.len(), promotion.to_mode, names.join(", "));
+    println!("{} workload(s) now in {} mode: {}", names.len(), promotion.to_mode, escape(&names.join(", ")));
     if let Some(reason) = &promotion.override_reason {
-        println!("OVERRIDE of the evidence gate: {reason}");
+        println!("OVERRIDE of the evidence gate: {}", escape(reason));
     }
     println!("promotion record {}", promotion.id);
     Ok(())
@@ -591,9 +591,9 @@ fn print_verdict(json: bool, verdict: &Verdict) -> anyhow::Result<()> {
         rows,
     );
     for w in verdict.workloads.iter().filter(|w| !w.reasons.is_empty()) {
-        println!("{} ({}):", w.hostname, w.id);
+        println!("{} ({}):", escape(&w.hostname), w.id);
         for reason in &w.reasons {
-            println!("  - {reason}");
+            println!("  - {}", escape(&reason.to_string()));
         }
     }
     if verdict.workloads.is_empty() {
