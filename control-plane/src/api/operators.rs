@@ -54,9 +54,7 @@ pub async fn mint(
 ) -> Result<Response, ApiError> {
     let expires = match (body.expires_in_seconds, body.never_expires) {
         (Some(_), true) => {
-            return Err(ApiError::Malformed(
-                "give expires_in_seconds or never_expires, not both".to_owned(),
-            ));
+            return Err(ApiError::Malformed("give expires_in_seconds or never_expires, not both".to_owned()));
         }
         (None, true) => Expiry::Never,
         (None, false) => Expiry::default(),

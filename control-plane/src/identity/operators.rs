@@ -482,8 +482,7 @@ pub async fn revoke_audited(
             "live operator token named",
         ),
     };
-    let row: Option<(String, String)> =
-        sqlx::query_as(sql).bind(key).fetch_optional(&mut *tx).await?;
+    let row: Option<(String, String)> = sqlx::query_as(sql).bind(key).fetch_optional(&mut *tx).await?;
     let Some((id, name)) = row else {
         return Err(Error::NotFound { what, name: key.clone() });
     };

@@ -129,7 +129,13 @@ impl Drop for Serve {
 /// test's environment leaks in.
 fn innerwall_with(args: &[&str], stdout: Stdio, env: &[(&str, &str)]) -> (Option<i32>, String, String) {
     let mut command = Command::new(env!("CARGO_BIN_EXE_innerwall"));
-    for var in ["INNERWALL_API", "INNERWALL_TOKEN", "INNERWALL_API_TOKEN", "INNERWALL_API_CA", "INNERWALL_DATABASE_URL"] {
+    for var in [
+        "INNERWALL_API",
+        "INNERWALL_TOKEN",
+        "INNERWALL_API_TOKEN",
+        "INNERWALL_API_CA",
+        "INNERWALL_DATABASE_URL",
+    ] {
         command.env_remove(var);
     }
     let out = command
@@ -208,15 +214,35 @@ async fn tokens_are_unambiguous() {
     assert!(line(&forever_id).contains("never"), "{table}");
     assert!(!line(&ada_id).contains("never"), "{table}");
     // A bad --expires is refused, naming `never`, and mints nothing.
-    let (code, _, stderr) =
-        innerwall(&["--database-url", &url, "operator", "token", "mint", "--name", "x.y", "--role", "viewer", "--expires", "forever"]);
+    let (code, _, stderr) = innerwall(&[
+        "--database-url",
+        &url,
+        "operator",
+        "token",
+        "mint",
+        "--name",
+        "x.y",
+        "--role",
+        "viewer",
+        "--expires",
+        "forever",
+    ]);
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("never"), "{stderr}");
     assert_eq!(listed(&url).len(), 2);
 
     // A name of an id's shape (8 characters of base64url) is refused, here another token's id.
-    let (code, _, stderr) =
-        innerwall(&["--database-url", &url, "operator", "token", "mint", "--name", &ada_id, "--role", "viewer"]);
+    let (code, _, stderr) = innerwall(&[
+        "--database-url",
+        &url,
+        "operator",
+        "token",
+        "mint",
+        "--name",
+        &ada_id,
+        "--role",
+        "viewer",
+    ]);
     assert_eq!(code, Some(1), "{stderr}");
     assert!(stderr.contains("shape of a token id"), "{stderr}");
     assert!(
@@ -258,18 +284,21 @@ async fn tokens_are_unambiguous() {
     // By name, then again by the same name (nothing live is left under it), then by id twice.
     ok(&[local[0], local[1], "operator", "token", "revoke", "--name", "forever.bot"]);
     assert!(status(&pool, &forever_id).await.0);
-    let (code, _, stderr) = innerwall(&[local[0], local[1], "operator", "token", "revoke", "--name", "forever.bot"]);
+    let (code, _, stderr) =
+        innerwall(&[local[0], local[1], "operator", "token", "revoke", "--name", "forever.bot"]);
     assert_eq!(code, Some(1), "{stderr}");
-    let revokes: i64 = sqlx::query_scalar("SELECT count(*) FROM audit_log WHERE action = 'operator-token.revoke'")
-        .fetch_one(&pool)
-        .await
-        .unwrap();
+    let revokes: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM audit_log WHERE action = 'operator-token.revoke'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
     assert_eq!(revokes, 2);
 
     // Over the API: DELETE takes an id only; a name there is a 400 and revokes nothing.
     let token = ada["token"].as_str().unwrap();
     let tokens = "/api/v1/operator-tokens";
-    let (code, body) = serve.call("POST", tokens, token, Some(json!({"name": "vera.api", "role": "viewer"}))).await;
+    let (code, body) =
+        serve.call("POST", tokens, token, Some(json!({"name": "vera.api", "role": "viewer"}))).await;
     assert_eq!(code, 201, "{body}");
     let vera_id = body["id"].as_str().unwrap().to_owned();
     assert_eq!(status(&pool, &vera_id).await.1, Some(NINETY_DAYS), "an API mint expires by default too");
@@ -279,8 +308,14 @@ async fn tokens_are_unambiguous() {
     assert!(!status(&pool, &vera_id).await.0);
     let (code, body) = serve.call("DELETE", &format!("{tokens}/{vera_id}"), token, None).await;
     assert_eq!((code, body["status"].as_str()), (200, Some("revoked")), "{body}");
-    let (code, body) =
-        serve.call("POST", tokens, token, Some(json!({"name": "forever.api", "role": "viewer", "never_expires": true}))).await;
+    let (code, body) = serve
+        .call(
+            "POST",
+            tokens,
+            token,
+            Some(json!({"name": "forever.api", "role": "viewer", "never_expires": true})),
+        )
+        .await;
     assert_eq!(code, 201, "{body}");
     assert!(body["expires_at"].is_null(), "{body}");
     let both = json!({"name": "both.api", "role": "viewer", "never_expires": true, "expires_in_seconds": 60});
@@ -352,10 +387,8 @@ async fn operator_token_mint_never_leaves_an_unshown_token() {
             assert!(stderr.contains("was revoked at once") && stderr.contains("mint again"), "{stderr}");
             assert!(!stderr.contains("iwo_"), "no secret on stderr either: {stderr}");
             assert_eq!(live(&pool).await, 0, "{what} {json}: a token no one saw stayed live");
-            let minted: i64 = sqlx::query_scalar("SELECT count(*) FROM operator_tokens")
-                .fetch_one(&pool)
-                .await
-                .unwrap();
+            let minted: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM operator_tokens").fetch_one(&pool).await.unwrap();
             assert_eq!(minted, n);
         }
     }
@@ -375,7 +408,8 @@ async fn operator_token_mint_never_leaves_an_unshown_token() {
     let (code, _, stderr) = innerwall_with(&args(&mint("never-made", true)), Stdio::null(), &[]);
     assert_eq!(code, Some(1), "{stderr}");
     assert!(stderr.contains("/dev/null") && stderr.contains("nothing was minted"), "{stderr}");
-    let made: i64 = sqlx::query_scalar("SELECT count(*) FROM operator_tokens").fetch_one(&pool).await.unwrap();
+    let made: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM operator_tokens").fetch_one(&pool).await.unwrap();
     assert_eq!(made, n);
 
     // And with stdout open, the same mint works and its token is live.
@@ -388,16 +422,18 @@ async fn operator_token_mint_never_leaves_an_unshown_token() {
 
 /// Runs `service list` through `--api url` with `ca`: exit code and stderr.
 fn remote(url: &str, token: &str, ca: &Path) -> (Option<i32>, String) {
-    let (code, _, stderr) = innerwall(&["--api", url, "--token", token, "--api-ca", ca.to_str().unwrap(), "service", "list"]);
+    let (code, _, stderr) =
+        innerwall(&["--api", url, "--token", token, "--api-ca", ca.to_str().unwrap(), "service", "list"]);
     (code, stderr)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn api_errors_say_what_to_do() {
     let serve = Serve::start().await;
-    let minted = operators::mint_audited(serve.pool(), "test", "errors.test", Role::Viewer, Expiry::default())
-        .await
-        .unwrap();
+    let minted =
+        operators::mint_audited(serve.pool(), "test", "errors.test", Role::Viewer, Expiry::default())
+            .await
+            .unwrap();
     let token = minted.token.as_str();
     let api = format!("https://localhost:{}", serve.api_port);
     let other = FileCa::init(&serve.dir.join("other-ca")).unwrap();
@@ -417,7 +453,10 @@ async fn api_errors_say_what_to_do() {
         // Plain HTTP (the metrics listener): named, and where the API is instead.
         let (code, stderr) = remote(&format!("https://localhost:{}", serve.metrics_port), token, &serve.ca);
         assert_eq!(code, Some(1), "{stderr}");
-        assert!(stderr.contains("answered in plain HTTP, not TLS") && stderr.contains("--api-listen"), "{stderr}");
+        assert!(
+            stderr.contains("answered in plain HTTP, not TLS") && stderr.contains("--api-listen"),
+            "{stderr}"
+        );
         // And http:// for the API itself: it is HTTPS only.
         let (code, stderr) = remote(&format!("http://localhost:{}", serve.api_port), token, &serve.ca);
         assert_eq!(code, Some(1), "{stderr}");
@@ -443,7 +482,10 @@ async fn api_errors_say_what_to_do() {
         // A provisioning token given for --api: named, with the kind to mint.
         let (code, stderr) = remote(&api, "iw_0123456789abcdef0123456789abcdef0123456789ab", &serve.ca);
         assert_eq!(code, Some(1), "{stderr}");
-        assert!(stderr.contains("is a provisioning token") && stderr.contains("operator token mint"), "{stderr}");
+        assert!(
+            stderr.contains("is a provisioning token") && stderr.contains("operator token mint"),
+            "{stderr}"
+        );
     }
 
     // The former variable still works for an operator token, with a warning; it is refused
@@ -452,7 +494,10 @@ async fn api_errors_say_what_to_do() {
     let list = ["--api", api.as_str(), "--api-ca", ca, "service", "list"];
     let (code, _, stderr) = innerwall_with(&list, Stdio::piped(), &[("INNERWALL_TOKEN", token)]);
     assert_eq!(code, Some(0), "{stderr}");
-    assert!(stderr.contains("INNERWALL_TOKEN is deprecated") && stderr.contains("INNERWALL_API_TOKEN"), "{stderr}");
+    assert!(
+        stderr.contains("INNERWALL_TOKEN is deprecated") && stderr.contains("INNERWALL_API_TOKEN"),
+        "{stderr}"
+    );
     let (code, _, stderr) = innerwall_with(&list, Stdio::piped(), &[("INNERWALL_API_TOKEN", token)]);
     assert_eq!(code, Some(0), "{stderr}");
     assert!(!stderr.contains("deprecated"), "{stderr}");

@@ -10,9 +10,9 @@ use anyhow::{Context, bail};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
+use innerwall_control_plane::identity::operators::OPERATOR_TOKEN_PREFIX;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
-use innerwall_control_plane::identity::operators::OPERATOR_TOKEN_PREFIX;
 use serde::de::DeserializeOwned;
 
 /// The whole exchange (connect, TLS, request, response) must finish within this.

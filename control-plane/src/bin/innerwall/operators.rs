@@ -85,9 +85,13 @@ pub async fn run(ctx: &Ctx, cmd: &OperatorCmd) -> anyhow::Result<()> {
             let text = minted_text(ctx.json, &minted)?;
             if let Err(e) = output::write_all(&text) {
                 let reason = format!("its secret could not be written to stdout: {e}");
-                let revoked =
-                    operators::revoke_audited(&ctx.pool, &ctx.actor, &TokenRef::Id(minted.id.clone()), Some(&reason))
-                        .await;
+                let revoked = operators::revoke_audited(
+                    &ctx.pool,
+                    &ctx.actor,
+                    &TokenRef::Id(minted.id.clone()),
+                    Some(&reason),
+                )
+                .await;
                 match revoked {
                     Ok(_) => anyhow::bail!(
                         "cannot write the new operator token to stdout ({e}); token {} was revoked at once, \

@@ -27,9 +27,10 @@ pub fn stdout(args: std::fmt::Arguments<'_>) {
 /// reported: std's `stdout()` quietly discards what is written to a closed descriptor 1.
 fn raw_stdout() -> std::io::Result<std::fs::File> {
     use std::os::fd::AsFd as _;
-    let fd = std::io::stdout().as_fd().try_clone_to_owned().map_err(|e| {
-        std::io::Error::new(e.kind(), format!("stdout is closed ({e})"))
-    })?;
+    let fd = std::io::stdout()
+        .as_fd()
+        .try_clone_to_owned()
+        .map_err(|e| std::io::Error::new(e.kind(), format!("stdout is closed ({e})")))?;
     Ok(std::fs::File::from(fd))
 }
 

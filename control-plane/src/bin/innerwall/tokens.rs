@@ -83,7 +83,9 @@ fn print_minted(
         }));
     }
     println!("token {id} (expires {expires_at}), shown once:\n\n  {secret}\n");
-    println!("enroll a host: as root, save the token in a file only root reads (paste it, then Ctrl-D):\n\n  {save}\n");
+    println!(
+        "enroll a host: as root, save the token in a file only root reads (paste it, then Ctrl-D):\n\n  {save}\n"
+    );
     println!("then enroll, with the CA certificate delivered with the token:\n\n  {command}\n");
     println!(
         "and delete the file once the host is enrolled; the token is never on a command line, where \
