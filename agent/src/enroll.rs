@@ -36,6 +36,11 @@ pub enum EnrollError {
     },
     #[error("token file {path} is {len} bytes; a token is 46 characters")]
     TokenFileTooLarge { path: PathBuf, len: u64 },
+    #[error(
+        "the token given is an operator token (iwo_…), which calls the control plane's API; enroll \
+         takes a provisioning token (iw_…), minted with `innerwall token mint`"
+    )]
+    OperatorToken,
     #[error("listing this host's interfaces (enrollment reports its addresses)")]
     Facts(#[from] FactsError),
     #[error(transparent)]
@@ -68,6 +73,15 @@ pub fn read_token_file(path: &Path) -> Result<String, EnrollError> {
         return Err(EnrollError::TokenFileTooLarge { path: path.to_owned(), len: text.len() as u64 });
     }
     Ok(text.trim().to_owned())
+}
+
+/// Refuses a token that is plainly not a provisioning token: an operator token (`iwo_`), the
+/// one mistake its look invites. Everything else is the control plane's to judge.
+pub fn check_token_kind(token: &str) -> Result<(), EnrollError> {
+    if token.starts_with("iwo_") {
+        return Err(EnrollError::OperatorToken);
+    }
+    Ok(())
 }
 
 /// What to do about an identity the state directory already holds.
@@ -210,6 +224,13 @@ pub async fn enroll(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn operator_tokens_are_refused_before_enrolling() {
+        let operator = format!("iwo_{}", "A".repeat(51));
+        assert!(check_token_kind(&operator).unwrap_err().to_string().contains("innerwall token mint"));
+        check_token_kind("iw_abc").unwrap();
+    }
 
     #[test]
     fn token_files_are_trimmed_and_bounded() {

@@ -78,11 +78,13 @@ enum Command {
         /// Control-plane address, HOST:PORT (HOST must be a name in its certificate).
         #[arg(long, env = "INNERWALL_AGENT_SERVER")]
         server: String,
-        /// The provisioning token (iw_…). Prefer INNERWALL_TOKEN or --token-file: other users
-        /// can read a process's arguments.
-        #[arg(long, env = "INNERWALL_TOKEN", hide_env_values = true, required_unless_present = "token_file")]
+        /// The provisioning token (iw_…). Prefer --token-file: other users can read a process's
+        /// arguments, and a shell keeps its command lines. (INNERWALL_TOKEN, its former
+        /// variable, is still read, with a warning.)
+        #[arg(long, env = "INNERWALL_PROVISIONING_TOKEN", hide_env_values = true)]
         token: Option<String>,
-        /// A file holding the provisioning token (surrounding whitespace ignored).
+        /// A file holding the provisioning token (surrounding whitespace ignored), as the
+        /// command `innerwall token mint` prints has it.
         #[arg(long, conflicts_with = "token")]
         token_file: Option<PathBuf>,
         /// The CA certificate delivered with the token; the only trust anchor for the server.
@@ -156,6 +158,29 @@ fn main() -> ExitCode {
     }
 }
 
+/// The former name of `INNERWALL_PROVISIONING_TOKEN`, which the CLI's operator token also used.
+const DEPRECATED_TOKEN_VAR: &str = "INNERWALL_TOKEN";
+
+/// Without --token, INNERWALL_PROVISIONING_TOKEN or --token-file: the deprecated
+/// `INNERWALL_TOKEN`, with a warning, or an error saying what to give.
+fn deprecated_token(log_format: LogFormat) -> anyhow::Result<String> {
+    let Some(token) = std::env::var(DEPRECATED_TOKEN_VAR).ok().filter(|t| !t.is_empty()) else {
+        anyhow::bail!(
+            "enroll needs the provisioning token (iw_…): save it in a file only root reads and pass \
+             --token-file FILE (as `innerwall token mint` prints), or set INNERWALL_PROVISIONING_TOKEN"
+        );
+    };
+    let warning = format!(
+        "{DEPRECATED_TOKEN_VAR} is deprecated for the provisioning token; pass --token-file FILE (or set \
+         INNERWALL_PROVISIONING_TOKEN)"
+    );
+    match log_format {
+        LogFormat::Text => eprintln!("warning: {warning}"),
+        LogFormat::Json => tracing::warn!("{warning}"),
+    }
+    Ok(token)
+}
+
 fn read_policy(file: &Path) -> anyhow::Result<innerwall_wire::policy::WorkloadPolicy> {
     let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
     policy_json::parse(&bytes).with_context(|| format!("parsing {}", file.display()))
@@ -180,8 +205,9 @@ fn run(command: Command, log_format: LogFormat) -> anyhow::Result<()> {
             let token = match (token, token_file) {
                 (Some(token), _) => token,
                 (None, Some(path)) => innerwall_agent::enroll::read_token_file(&path)?,
-                (None, None) => unreachable!("clap requires --token, INNERWALL_TOKEN or --token-file"),
+                (None, None) => deprecated_token(log_format)?,
             };
+            innerwall_agent::enroll::check_token_kind(&token)?;
             let ca = innerwall_agent::enroll::read_ca_bundle(&ca_bundle)?;
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()

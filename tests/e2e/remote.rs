@@ -75,7 +75,13 @@ impl Drop for Serve {
 /// never leaks in.
 pub(crate) fn innerwall(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String, String) {
     let mut command = Command::new(innerwall_e2e::workspace_bin("innerwall"));
-    for var in ["INNERWALL_API", "INNERWALL_TOKEN", "INNERWALL_API_CA", "INNERWALL_DATABASE_URL"] {
+    for var in [
+        "INNERWALL_API",
+        "INNERWALL_TOKEN",
+        "INNERWALL_API_TOKEN",
+        "INNERWALL_API_CA",
+        "INNERWALL_DATABASE_URL",
+    ] {
         command.env_remove(var);
     }
     let out = command.args(args).envs(env.iter().copied()).output().expect("running innerwall");
@@ -215,7 +221,7 @@ async fn remote_cli_matches_local() {
     assert!(joined.contains("service \"nope\" not found"), "{joined}");
 
     // The same token is never on the command line's help or the environment's echo.
-    let (_, help, _) = innerwall(&["--help"], &[("INNERWALL_TOKEN", &token)]);
+    let (_, help, _) = innerwall(&["--help"], &[("INNERWALL_API_TOKEN", &token)]);
     assert!(!help.contains(&token), "{help}");
 
     // A bad token: the 401 problem's detail as the error, exit 1.
@@ -232,7 +238,8 @@ async fn remote_cli_matches_local() {
 
     // Host-only commands refuse --api, also from the environment, before touching anything.
     for host_only in [&["migrate"][..], &["operator", "token", "list"], &["ca", "init"], &["contract"]] {
-        let (code, _, stderr) = innerwall(host_only, &[("INNERWALL_API", &api), ("INNERWALL_TOKEN", &token)]);
+        let (code, _, stderr) =
+            innerwall(host_only, &[("INNERWALL_API", &api), ("INNERWALL_API_TOKEN", &token)]);
         assert_eq!(code, Some(1), "{host_only:?}: {stderr}");
         assert!(stderr.contains("administers this host and does not take --api"), "{host_only:?}: {stderr}");
     }

@@ -450,7 +450,7 @@ async fn remote_cli_matches_local_fleet() {
         "$ render\nno workload's policy changed",
         "$ render\npolicy version changed for 1 workload(s):",
         "token {token1} (expires {token1.expires}), shown once:\n\n  {token1.secret}\n",
-        "INNERWALL_TOKEN={token1.secret} innerwall-agent enroll --server cp.example:7443 --ca-bundle /var/lib/innerwall/ca/ca.crt",
+        "innerwall-agent enroll --server cp.example:7443 --ca-bundle /var/lib/innerwall/ca/ca.crt --token-file /etc/innerwall-agent/enroll-token",
         "\"token\": \"{token2.secret}\"",
         "token {token2} revoked; it enrolls nothing from now on",
         "provisioning token \"00000000-0000-4000-8000-000000000001\" not found",

@@ -37,8 +37,47 @@ const SECRET_LEN: usize = 43;
 pub const TOKEN_LEN: usize = OPERATOR_TOKEN_PREFIX.len() + ID_LEN + SECRET_LEN;
 /// The longest expiry a token may be minted with.
 pub const MAX_EXPIRY_DAYS: i64 = 3 * 365;
-/// Names: 1–63 characters of `A-Z a-z 0-9 . _ -`, starting and ending alphanumeric.
+/// How long a token minted without an explicit expiry is valid.
+pub const DEFAULT_EXPIRY_DAYS: i64 = 90;
+/// Names: 1–63 characters of `A-Z a-z 0-9 . _ -`, starting and ending alphanumeric, and never
+/// of an id's shape ([`ID_LEN`] characters without a `.`), so a name is never read as an id.
 pub const MAX_NAME: usize = 63;
+
+/// How long a minted token is valid: by default [`DEFAULT_EXPIRY_DAYS`]; a token that never
+/// expires is asked for explicitly (`--expires never`) and listed as such.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Expiry {
+    After(chrono::Duration),
+    Never,
+}
+
+impl Default for Expiry {
+    fn default() -> Self {
+        Expiry::After(chrono::Duration::days(DEFAULT_EXPIRY_DAYS))
+    }
+}
+
+/// Which token a revocation means: by id, or the live token of a name. Never guessed from one
+/// text, so a name can never be taken for another token's id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TokenRef {
+    Id(String),
+    Name(String),
+}
+
+impl fmt::Display for TokenRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TokenRef::Id(id) => write!(f, "id {id:?}"),
+            TokenRef::Name(name) => write!(f, "name {name:?}"),
+        }
+    }
+}
+
+/// Whether `text` has the shape of a token id: [`ID_LEN`] characters of base64url.
+pub fn is_id_shaped(text: &str) -> bool {
+    text.len() == ID_LEN && text.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
 
 /// What a token may do; each role may do everything the roles before it may.
 #[derive(
@@ -254,6 +293,12 @@ fn check_name(name: &str) -> Result<(), Error> {
              starting and ending with a letter or digit"
         )));
     }
+    if is_id_shaped(name) {
+        return Err(Error::Invalid(format!(
+            "operator token name {name:?} has the shape of a token id ({ID_LEN} characters without a \".\"), \
+             so it could be read as another token's id; choose a longer or shorter name, or one with a \".\""
+        )));
+    }
     Ok(())
 }
 
@@ -265,15 +310,15 @@ fn random<const N: usize>() -> Result<[u8; N], Error> {
     Ok(bytes)
 }
 
-/// Mints a token named `name` with `role`, valid for `expires` (`None`: until revoked), and
-/// records who minted it (`operator-token.mint`) in the same transaction. A live token's name
-/// is unique.
+/// Mints a token named `name` with `role`, valid for `expires` (`Expiry::default()`: 90 days;
+/// `Expiry::Never`: until revoked), and records who minted it (`operator-token.mint`) in the
+/// same transaction. A live token's name is unique.
 pub async fn mint_audited(
     pool: &PgPool,
     actor: &str,
     name: &str,
     role: Role,
-    expires: Option<chrono::Duration>,
+    expires: Expiry,
 ) -> Result<MintedOperatorToken, Error> {
     mint_audited_within(pool, actor, name, role, expires, &crate::counts::CountBounds::default()).await
 }
@@ -284,10 +329,14 @@ pub async fn mint_audited_within(
     actor: &str,
     name: &str,
     role: Role,
-    expires: Option<chrono::Duration>,
+    expires: Expiry,
     counts: &crate::counts::CountBounds,
 ) -> Result<MintedOperatorToken, Error> {
     check_name(name)?;
+    let expires = match expires {
+        Expiry::After(ttl) => Some(ttl),
+        Expiry::Never => None,
+    };
     if let Some(ttl) = expires
         && (ttl <= chrono::Duration::zero() || ttl > chrono::Duration::days(MAX_EXPIRY_DAYS))
     {
@@ -400,28 +449,49 @@ async fn views(
         .collect()
 }
 
-/// Revokes the token with id `which`, or else the live token named `which`, effective on its
-/// next request, and records it (`operator-token.revoke`). Revoking a revoked token by id keeps
-/// the first revocation time.
-pub async fn revoke_audited(pool: &PgPool, actor: &str, which: &str) -> Result<OperatorTokenView, Error> {
+/// Revokes the token `which` (by id: that token, revoked or not; by name: the live token of
+/// that name), effective on its next request, and records it (`operator-token.revoke`, with
+/// `reason` in its detail when given). Revoking a revoked token by id keeps the first
+/// revocation time.
+pub async fn revoke_audited(
+    pool: &PgPool,
+    actor: &str,
+    which: &TokenRef,
+    reason: Option<&str>,
+) -> Result<OperatorTokenView, Error> {
     let mut tx = pool.begin().await?;
-    let row: Option<(String, String)> = sqlx::query_as(
-        "UPDATE operator_tokens SET revoked_at = COALESCE(revoked_at, now())
-         WHERE id = (SELECT id FROM operator_tokens WHERE id = $1
-                     UNION ALL SELECT id FROM operator_tokens WHERE name = $1 AND revoked_at IS NULL LIMIT 1)
-         RETURNING id, name",
-    )
-    .bind(which)
-    .fetch_optional(&mut *tx)
-    .await?;
+    let (sql, key, what) = match which {
+        TokenRef::Id(id) => {
+            if !is_id_shaped(id) {
+                return Err(Error::Invalid(format!(
+                    "{id:?} is not an operator token id ({ID_LEN} characters of A-Z a-z 0-9 - _, as \
+                     `innerwall operator token list` shows); to revoke by name, give the name instead (--name)"
+                )));
+            }
+            (
+                "UPDATE operator_tokens SET revoked_at = COALESCE(revoked_at, now()) WHERE id = $1
+                 RETURNING id, name",
+                id,
+                "operator token with id",
+            )
+        }
+        TokenRef::Name(name) => (
+            "UPDATE operator_tokens SET revoked_at = now() WHERE name = $1 AND revoked_at IS NULL
+             RETURNING id, name",
+            name,
+            "live operator token named",
+        ),
+    };
+    let row: Option<(String, String)> = sqlx::query_as(sql).bind(key).fetch_optional(&mut *tx).await?;
     let Some((id, name)) = row else {
-        return Err(Error::NotFound {
-            what: "operator token (by id, or live token by name)",
-            name: which.into(),
-        });
+        return Err(Error::NotFound { what, name: key.clone() });
     };
     let subject = format!("{name}/{id}");
-    audit::write(&mut tx, &audit::Record::new(actor, "operator-token.revoke", &subject)).await?;
+    let mut record = audit::Record::new(actor, "operator-token.revoke", &subject);
+    if let Some(reason) = reason {
+        record = record.detail(serde_json::json!({ "reason": reason }));
+    }
+    audit::write(&mut tx, &record).await?;
     tx.commit().await?;
     let mut conn = pool.acquire().await?;
     let view = list(&mut conn).await?.into_iter().find(|t| t.id == id);
@@ -487,10 +557,11 @@ mod tests {
 
     #[test]
     fn names_follow_the_grammar() {
-        for good in ["alice", "ci-bot.2", "a", &"a".repeat(63)] {
+        for good in ["alice", "ci-bot.2", "a", &"a".repeat(63), "deploy.1", "deployer9", "ci-bot7"] {
             check_name(good).unwrap();
         }
-        for bad in ["", "-a", "a-", "a b", "ä", &"a".repeat(64)] {
+        // The last two have an id's shape: 8 characters of base64url.
+        for bad in ["", "-a", "a-", "a b", "ä", &"a".repeat(64), "deployer", "AbC-d_e1"] {
             assert!(check_name(bad).is_err(), "{bad:?}");
         }
     }

@@ -175,7 +175,7 @@ impl Plane {
 }
 
 async fn mint(pool: &PgPool, name: &str, role: Role) -> operators::MintedOperatorToken {
-    operators::mint_audited(pool, "cli:test", name, role, None).await.unwrap()
+    operators::mint_audited(pool, "cli:test", name, role, operators::Expiry::Never).await.unwrap()
 }
 
 async fn register(pool: &PgPool, hostname: &str, labels: &[&str]) -> WorkloadId {
@@ -210,17 +210,24 @@ async fn api_rejects_bad_auth_and_bodies() {
     let pool = plane.pool().clone();
     let viewer = mint(&pool, "vera", Role::Viewer).await;
     let editor = mint(&pool, "ed", Role::Editor).await;
-    let expired =
-        operators::mint_audited(&pool, "cli:test", "old", Role::Admin, Some(chrono::Duration::hours(1)))
-            .await
-            .unwrap();
+    let expired = operators::mint_audited(
+        &pool,
+        "cli:test",
+        "old",
+        Role::Admin,
+        operators::Expiry::After(chrono::Duration::hours(1)),
+    )
+    .await
+    .unwrap();
     sqlx::query("UPDATE operator_tokens SET expires_at = now() - interval '1 second' WHERE id = $1")
         .bind(&expired.id)
         .execute(&pool)
         .await
         .unwrap();
     let revoked = mint(&pool, "gone", Role::Admin).await;
-    operators::revoke_audited(&pool, "cli:test", "gone").await.unwrap();
+    operators::revoke_audited(&pool, "cli:test", &operators::TokenRef::Name("gone".into()), None)
+        .await
+        .unwrap();
     let workload = register(&pool, "web-1", &["app=web"]).await;
     let before = written(&pool).await;
 

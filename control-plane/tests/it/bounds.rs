@@ -351,16 +351,20 @@ async fn authored_objects_over_their_count_bound_are_refused() {
 
     // Live operator tokens.
     let role = operators::Role::Viewer;
-    operators::mint_audited_within(pool, "test", "ops-1", role, None, &counts).await.unwrap();
+    operators::mint_audited_within(pool, "test", "ops-1", role, operators::Expiry::Never, &counts)
+        .await
+        .unwrap();
     let before = written().await;
     refused(
-        operators::mint_audited_within(pool, "test", "ops-2", role, None, &counts).await,
+        operators::mint_audited_within(pool, "test", "ops-2", role, operators::Expiry::Never, &counts).await,
         "--max-operator-tokens",
         1,
     );
     assert_eq!(written().await, before);
-    operators::revoke_audited(pool, "test", "ops-1").await.unwrap();
-    operators::mint_audited_within(pool, "test", "ops-2", role, None, &counts).await.unwrap();
+    operators::revoke_audited(pool, "test", &operators::TokenRef::Name("ops-1".into()), None).await.unwrap();
+    operators::mint_audited_within(pool, "test", "ops-2", role, operators::Expiry::Never, &counts)
+        .await
+        .unwrap();
 
     // The plain calls (the local CLI's) apply the defaults.
     let defaults = CountBounds::default();

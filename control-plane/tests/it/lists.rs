@@ -137,8 +137,14 @@ impl Plane {
 /// `innerwall <global> <args>` as operator `user`: exit code, stdout, stderr.
 fn innerwall(global: &[String], user: &str, args: &[&str]) -> (Option<i32>, String, String) {
     let mut command = Command::new(env!("CARGO_BIN_EXE_innerwall"));
-    for var in ["INNERWALL_API", "INNERWALL_TOKEN", "INNERWALL_API_CA", "INNERWALL_DATABASE_URL", "SUDO_USER"]
-    {
+    for var in [
+        "INNERWALL_API",
+        "INNERWALL_TOKEN",
+        "INNERWALL_API_TOKEN",
+        "INNERWALL_API_CA",
+        "INNERWALL_DATABASE_URL",
+        "SUDO_USER",
+    ] {
         command.env_remove(var);
     }
     let out = command.env("USER", user).args(global).args(args).output().expect("running innerwall");
@@ -196,11 +202,26 @@ const PAGE: u32 = 2;
 async fn every_list_pages_and_audit_reads_back() {
     let plane = Plane::start().await;
     let pool = plane.pool().clone();
-    let admin = operators::mint_audited(&pool, "cli:setup", "ada", Role::Admin, None).await.unwrap();
-    let editor = operators::mint_audited(&pool, "cli:setup", "ed", Role::Editor, None).await.unwrap();
-    let promoter = operators::mint_audited(&pool, "cli:setup", "pat", Role::Promoter, None).await.unwrap();
+    let admin = operators::mint_audited(&pool, "cli:setup", "ada", Role::Admin, operators::Expiry::Never)
+        .await
+        .unwrap();
+    let editor = operators::mint_audited(&pool, "cli:setup", "ed", Role::Editor, operators::Expiry::Never)
+        .await
+        .unwrap();
+    let promoter =
+        operators::mint_audited(&pool, "cli:setup", "pat", Role::Promoter, operators::Expiry::Never)
+            .await
+            .unwrap();
     for i in 0..3 {
-        operators::mint_audited(&pool, "cli:setup", &format!("spare-{i}"), Role::Viewer, None).await.unwrap();
+        operators::mint_audited(
+            &pool,
+            "cli:setup",
+            &format!("spare-{i}"),
+            Role::Viewer,
+            operators::Expiry::Never,
+        )
+        .await
+        .unwrap();
     }
     let (local, as_editor, as_admin, as_promoter) = (
         plane.local(),
@@ -418,7 +439,9 @@ async fn every_list_pages_and_audit_reads_back() {
     // The table reads too, and a viewer may read the log over the API.
     let table = ok(&local, user, &["audit", "list", "--object", "svc-1"]);
     assert!(table.contains("service.update") && table.contains("service.create"), "{table}");
-    let viewer = operators::mint_audited(&pool, "cli:setup", "vera", Role::Viewer, None).await.unwrap();
+    let viewer = operators::mint_audited(&pool, "cli:setup", "vera", Role::Viewer, operators::Expiry::Never)
+        .await
+        .unwrap();
     let (status, page) = plane.get("/api/v1/audit?action=service.update", &viewer.token).await;
     assert_eq!(status, 200, "{page}");
     assert_eq!(page["rows"][0]["actor"], editor_actor.as_str());
@@ -430,7 +453,9 @@ async fn every_list_pages_and_audit_reads_back() {
 async fn updates_without_expect_version_are_refused() {
     let plane = Plane::start().await;
     let pool = plane.pool().clone();
-    let editor = operators::mint_audited(&pool, "cli:setup", "ed", Role::Editor, None).await.unwrap();
+    let editor = operators::mint_audited(&pool, "cli:setup", "ed", Role::Editor, operators::Expiry::Never)
+        .await
+        .unwrap();
     let (local, remote) = (plane.local(), plane.remote(&editor.token));
     let user = "careful";
     ok(&local, user, &["service", "create", "dns", "--entry", "udp:53"]);

@@ -10,6 +10,7 @@ mod flows;
 mod identity;
 mod installs;
 mod lists;
+mod operators;
 mod postgres;
 mod publish;
 mod retention;

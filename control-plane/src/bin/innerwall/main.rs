@@ -65,8 +65,9 @@ struct Cli {
     /// contract) stays local and is refused with it.
     #[arg(long, env = "INNERWALL_API", global = true)]
     api: Option<String>,
-    /// The operator token for --api (minted on the host: `innerwall operator token mint`).
-    #[arg(long, env = "INNERWALL_TOKEN", global = true, hide_env_values = true)]
+    /// The operator token (iwo_…) for --api, minted on the host with `innerwall operator token
+    /// mint`. (INNERWALL_TOKEN, its former variable, is still read, with a warning.)
+    #[arg(long, env = "INNERWALL_API_TOKEN", global = true, hide_env_values = true)]
     token: Option<String>,
     /// The PEM bundle that issued the API's certificate (the host's <ca-dir>/ca.crt).
     #[arg(long, env = "INNERWALL_API_CA", global = true)]
@@ -220,6 +221,33 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     database.end()
 }
 
+/// The former name of `INNERWALL_API_TOKEN`, which the agent's provisioning token also used.
+const DEPRECATED_TOKEN_VAR: &str = "INNERWALL_TOKEN";
+
+/// The operator token: `--token` or `INNERWALL_API_TOKEN`, else the deprecated
+/// `INNERWALL_TOKEN` with a warning (never when it holds a provisioning token).
+fn operator_token(given: Option<&str>) -> anyhow::Result<Option<String>> {
+    if let Some(token) = given {
+        return Ok(Some(token.to_owned()));
+    }
+    let Some(old) = std::env::var(DEPRECATED_TOKEN_VAR).ok().filter(|t| !t.is_empty()) else {
+        return Ok(None);
+    };
+    if !old.starts_with(innerwall_control_plane::identity::operators::OPERATOR_TOKEN_PREFIX) {
+        anyhow::bail!(
+            "{DEPRECATED_TOKEN_VAR} does not hold an operator token (iwo_…), and the CLI no longer reads it \
+             for one: set INNERWALL_API_TOKEN to an operator token (mint one on the host with \
+             `innerwall operator token mint`); an agent's provisioning token goes in a file for \
+             `innerwall-agent enroll --token-file`"
+        );
+    }
+    tracing::warn!(
+        target: logs::NOTICE,
+        "warning: {DEPRECATED_TOKEN_VAR} is deprecated for the operator token; set INNERWALL_API_TOKEN instead"
+    );
+    Ok(Some(old))
+}
+
 /// A command with `--api`: through the remote control plane's API, never this host's database.
 async fn remote(api: &str, cli: &Cli) -> anyhow::Result<()> {
     let host_only = match &cli.command {
@@ -235,7 +263,8 @@ async fn remote(api: &str, cli: &Cli) -> anyhow::Result<()> {
             "`innerwall {name}` administers this host and does not take --api; run it on the control-plane host without --api (and without INNERWALL_API)"
         );
     }
-    let client = api::ApiClient::new(api, cli.token.as_deref(), cli.api_ca.as_deref(), cli.page_size)?;
+    let token = operator_token(cli.token.as_deref())?;
+    let client = api::ApiClient::new(api, token.as_deref(), cli.api_ca.as_deref(), cli.page_size)?;
     match &cli.command {
         Command::Service(cmd) => policy::catalog_remote(&client, cli.json, cmd).await,
         Command::AddressGroup(cmd) => policy::catalog_remote(&client, cli.json, cmd).await,

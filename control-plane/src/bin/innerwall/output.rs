@@ -93,6 +93,40 @@ fn needs_escape(c: char) -> bool {
     c.is_control() || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}' | '\u{200e}' | '\u{200f}')
 }
 
+/// Stdout as a file of its own (a duplicate of descriptor 1), unbuffered, whose every error is
+/// reported: std's `stdout()` quietly discards what is written to a closed descriptor 1.
+fn raw_stdout() -> std::io::Result<std::fs::File> {
+    use std::os::fd::AsFd as _;
+    let fd = std::io::stdout()
+        .as_fd()
+        .try_clone_to_owned()
+        .map_err(|e| std::io::Error::new(e.kind(), format!("stdout is closed ({e})")))?;
+    Ok(std::fs::File::from(fd))
+}
+
+/// Fails unless stdout can show what is written: checked before making something only its
+/// output can hand over. A closed descriptor 1 fails, and so does `/dev/null`, which is what a
+/// Rust program finds in place of a closed one (the runtime reopens 0, 1 and 2 on it).
+pub fn stdout_can_show() -> std::io::Result<()> {
+    use std::os::unix::fs::{FileTypeExt as _, MetadataExt as _};
+    let out = raw_stdout()?.metadata()?;
+    let null = std::fs::metadata("/dev/null")?;
+    if out.file_type().is_char_device() && out.rdev() == null.rdev() {
+        return Err(std::io::Error::other("stdout is closed or /dev/null"));
+    }
+    Ok(())
+}
+
+/// Writes `text` to stdout in one piece, returning the error instead of unwinding: for output
+/// whose loss must be acted on (a minted secret no one saw is revoked).
+pub fn write_all(text: &str) -> std::io::Result<()> {
+    use std::io::Write as _;
+    std::io::stdout().lock().flush()?;
+    let mut out = raw_stdout()?;
+    out.write_all(text.as_bytes())?;
+    out.flush()
+}
+
 /// A left-aligned table: upper-case headers, columns two spaces apart, no borders or rules.
 pub fn print_table(headers: &[&str], rows: Vec<Vec<String>>) {
     let mut table = Table::new();

@@ -56,6 +56,9 @@ fn ttl(text: &str) -> anyhow::Result<chrono::Duration> {
         .map_err(|_| anyhow::anyhow!("ttl {text:?} is too large; write e.g. 30d, 12h, 90m or 3600s"))
 }
 
+/// Where the printed enroll command has the host keep the token.
+const TOKEN_FILE: &str = "/etc/innerwall-agent/enroll-token";
+
 /// A minted token, printed once with the enroll command line.
 fn print_minted(
     json: bool,
@@ -66,21 +69,27 @@ fn print_minted(
     ca_dir: &Path,
 ) -> anyhow::Result<()> {
     let bundle = ca_dir.join(ca::CA_CERT_FILE);
-    // By environment, not as an argument: other users can read a process's arguments.
+    // From a file: a token on a command line is in the shell's history and, as an argument,
+    // in the process list other users read.
+    let save = format!("install -D -m 600 /dev/stdin {TOKEN_FILE}");
     let command = format!(
-        "INNERWALL_TOKEN={secret} innerwall-agent enroll --server {server} --ca-bundle {}",
+        "innerwall-agent enroll --server {server} --ca-bundle {} --token-file {TOKEN_FILE}",
         bundle.display()
     );
     if json {
         return print_json(&serde_json::json!({
-            "id": id, "token": secret, "expires_at": expires_at, "enroll_command": command,
+            "id": id, "token": secret, "expires_at": expires_at, "token_file": TOKEN_FILE,
+            "save_token_command": save, "enroll_command": command,
         }));
     }
     println!("token {id} (expires {expires_at}), shown once:\n\n  {secret}\n");
-    println!("enroll a host with:\n\n  {command}\n");
     println!(
-        "or save the token in a file only root reads and pass --token-file; never pass --token on a \
-         shared host, where other users can read it in the process list"
+        "enroll a host: as root, save the token in a file only root reads (paste it, then Ctrl-D):\n\n  {save}\n"
+    );
+    println!("then enroll, with the CA certificate delivered with the token:\n\n  {command}\n");
+    println!(
+        "and delete the file once the host is enrolled; the token is never on a command line, where \
+         shell history and other users (in the process list) would see it"
     );
     Ok(())
 }
