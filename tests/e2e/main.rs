@@ -13,6 +13,7 @@ mod installs;
 mod kill_switch;
 mod metrics;
 mod plane;
+mod policy_size;
 mod remote;
 mod remote_fleet;
 mod remote_workloads;
