@@ -169,7 +169,14 @@ fn read_policy(file: &Path) -> anyhow::Result<innerwall_wire::policy::WorkloadPo
 fn run(command: Command, log_format: LogFormat) -> anyhow::Result<()> {
     match command {
         Command::Contract => println!("{}", innerwall_wire::CONTRACT_PACKAGE),
-        Command::Run { state, server, drift_interval_ms, metrics_listen, conn_table_entries, max_policy_message } => {
+        Command::Run {
+            state,
+            server,
+            drift_interval_ms,
+            metrics_listen,
+            conn_table_entries,
+            max_policy_message,
+        } => {
             let mut config = RunConfig::new(state.state_dir, server);
             config.drift_interval = std::time::Duration::from_millis(drift_interval_ms.max(100));
             config.metrics_listen = metrics_listen;

@@ -95,15 +95,28 @@ mod tests {
         use SyncState::*;
         let now = DateTime::from_timestamp(1_800_000_000, 0).unwrap();
         let (seen, live) = (Some(now - Duration::seconds(10)), Some(Duration::seconds(90)));
-        for (stored, expected) in
-            [(Pending, Degraded), (Synced, Degraded), (Degraded, Degraded), (Suspended, Suspended), (Offline, Offline)]
-        {
+        for (stored, expected) in [
+            (Pending, Degraded),
+            (Synced, Degraded),
+            (Degraded, Degraded),
+            (Suspended, Suspended),
+            (Offline, Offline),
+        ] {
             assert_eq!(shown(stored, true, seen, live, now), expected, "{stored:?}");
         }
         assert_eq!(shown(Synced, true, Some(now - Duration::seconds(91)), live, now), Offline);
-        let held = format!("w.sync_state IN ({}, {}) THEN {}::smallint", Pending.code(), Synced.code(), Degraded.code());
+        let held = format!(
+            "w.sync_state IN ({}, {}) THEN {}::smallint",
+            Pending.code(),
+            Synced.code(),
+            Degraded.code()
+        );
         assert!(STATE.contains(&held), "{STATE}");
-        assert!(DETAIL.contains(&format!("w.sync_state IN ({}, {}) THEN w.policy_held", Pending.code(), Synced.code())));
+        assert!(DETAIL.contains(&format!(
+            "w.sync_state IN ({}, {}) THEN w.policy_held",
+            Pending.code(),
+            Synced.code()
+        )));
     }
 
     #[test]

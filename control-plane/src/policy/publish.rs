@@ -147,9 +147,9 @@ fn over_bound(
     let mut held = Vec::new();
     let mut kept = Vec::with_capacity(next.len());
     for n in next.drain(..) {
-        let over = checked
-            .entry(n.content)
-            .or_insert_with(|| oversize(&rendered.policies()[n.content], contents[n.content].bytes.len(), bound));
+        let over = checked.entry(n.content).or_insert_with(|| {
+            oversize(&rendered.policies()[n.content], contents[n.content].bytes.len(), bound)
+        });
         let Some(over) = over else {
             kept.push(n);
             continue;
@@ -183,9 +183,15 @@ fn describe_oversize(
     };
     let rule = over.largest_rule.map_or_else(String::new, |(id, entries)| {
         let named = model.rulesets.iter().find_map(|rs| {
-            rs.rules.iter().find(|r| r.id == id).map(|r| format!("rule {:?} of ruleset {:?}", r.name, rs.name))
+            rs.rules
+                .iter()
+                .find(|r| r.id == id)
+                .map(|r| format!("rule {:?} of ruleset {:?}", r.name, rs.name))
         });
-        format!("; its largest rule is {} ({id}) with {entries} entries", named.unwrap_or_else(|| "rule".into()))
+        format!(
+            "; its largest rule is {} ({id}) with {entries} entries",
+            named.unwrap_or_else(|| "rule".into())
+        )
     });
     format!(
         "the rendered policy of workload {workload}{others} would be {} entries and {} bytes, over the \

@@ -249,7 +249,11 @@ impl Session {
             self.deaf = true;
             self.in_flight.clear();
             let detail = format!("the agent could not read policy version {}: {detail}", sent.version());
-            return vec![Action::Record(Record { detail: Some(detail), failed: true, ..Record::state(self.state()) })];
+            return vec![Action::Record(Record {
+                detail: Some(detail),
+                failed: true,
+                ..Record::state(self.state())
+            })];
         }
         let version = match &ack {
             Ack::Applied(v) | Ack::Held(v) | Ack::Failed(v, _) => *v,
