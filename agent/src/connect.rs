@@ -26,6 +26,9 @@ pub struct RunConfig {
     /// Capacity of the flow capture's connection table (`--conn-table-entries`); `None`
     /// derives it from the host's memory (`capture::default_conn_entries`).
     pub conn_entries: Option<u32>,
+    /// The largest policy-stream message decoded; `wire::sync::MAX_POLICY_MESSAGE` unless
+    /// lowered (a hidden flag, to test an update the agent cannot read).
+    pub max_policy_message: usize,
 }
 
 impl RunConfig {
@@ -39,6 +42,7 @@ impl RunConfig {
             dial_timeout: Duration::from_secs(10),
             metrics_listen: None,
             conn_entries: None,
+            max_policy_message: innerwall_wire::sync::MAX_POLICY_MESSAGE,
         }
     }
 }

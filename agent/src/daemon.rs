@@ -72,6 +72,7 @@ pub async fn hold_stream<S: PolicyStore + Send + 'static>(
     config: &RunConfig,
     enforcer: Arc<Enforcer<S>>,
 ) -> Result<(), RunError> {
+    enforcer.limit_messages(config.max_policy_message);
     let mut attempt: u32 = 0;
     let mut first = true;
     loop {

@@ -70,6 +70,11 @@ enum Command {
             )
         )]
         conn_table_entries: Option<u32>,
+        /// Testing: decode policy-stream messages only up to this many bytes (never more than
+        /// the contract's largest message), to see an update this agent cannot read reported.
+        #[arg(long, env = "INNERWALL_AGENT_MAX_POLICY_MESSAGE", hide = true, value_name = "BYTES",
+              default_value_t = innerwall_wire::sync::MAX_POLICY_MESSAGE)]
+        max_policy_message: usize,
     },
     /// Enroll this host: generate a key here, present the token, store the issued identity.
     Enroll {
@@ -189,11 +194,19 @@ fn read_policy(file: &Path) -> anyhow::Result<innerwall_wire::policy::WorkloadPo
 fn run(command: Command, log_format: LogFormat) -> anyhow::Result<()> {
     match command {
         Command::Contract => println!("{}", innerwall_wire::CONTRACT_PACKAGE),
-        Command::Run { state, server, drift_interval_ms, metrics_listen, conn_table_entries } => {
+        Command::Run {
+            state,
+            server,
+            drift_interval_ms,
+            metrics_listen,
+            conn_table_entries,
+            max_policy_message,
+        } => {
             let mut config = RunConfig::new(state.state_dir, server);
             config.drift_interval = std::time::Duration::from_millis(drift_interval_ms.max(100));
             config.metrics_listen = metrics_listen;
             config.conn_entries = conn_table_entries;
+            config.max_policy_message = max_policy_message;
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
                 .enable_all()

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use innerwall_wire::policy::{ApplyError, PolicyDelta, PolicyError, Version, WorkloadPolicy};
 use innerwall_wire::proto::{self, sync_request, sync_response};
-use innerwall_wire::sync::{MAX_TAMPER_DETAIL, MAX_TAMPER_REPORTS};
+use innerwall_wire::sync::{MAX_POLICY_MESSAGE, MAX_TAMPER_DETAIL, MAX_TAMPER_REPORTS, UNREADABLE_UPDATE};
 use tokio::sync::mpsc;
 use tonic::transport::Channel;
 
@@ -93,6 +93,9 @@ pub struct Enforcer<S> {
     pub metrics: Arc<Metrics>,
     /// Host facts to report instead of this host's own (see [`Enforcer::report_facts`]).
     fixed_facts: Mutex<Option<proto::HostFacts>>,
+    /// The largest policy-stream message this agent decodes: `wire::sync::MAX_POLICY_MESSAGE`,
+    /// lowered only to test what an agent does with an update it cannot read.
+    max_message: std::sync::atomic::AtomicUsize,
 }
 
 /// How many failed dials [`Enforcer::dial_log`] keeps.
@@ -153,7 +156,14 @@ impl<S: PolicyStore> Enforcer<S> {
             evidence: Mutex::new(None),
             metrics,
             fixed_facts: Mutex::new(None),
+            max_message: std::sync::atomic::AtomicUsize::new(MAX_POLICY_MESSAGE),
         }
+    }
+
+    /// Lowers the largest policy-stream message this agent decodes (never above
+    /// `wire::sync::MAX_POLICY_MESSAGE`), from the next stream on.
+    pub fn limit_messages(&self, max: usize) {
+        self.max_message.store(max.min(MAX_POLICY_MESSAGE), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Reports `facts` in every Hello and inventory instead of listing this host's interfaces:
@@ -355,6 +365,16 @@ fn refused(what: &str, status: &tonic::Status) -> SessionEnd {
     }
 }
 
+/// Whether the stream failed on an update this agent could not read (over its decoding limit,
+/// or not a message), rather than for the stream itself: the control plane is told.
+fn unreadable(status: &tonic::Status) -> bool {
+    match status.code() {
+        tonic::Code::OutOfRange => true,
+        tonic::Code::Internal => status.message().contains("failed to decode"),
+        _ => false,
+    }
+}
+
 /// Counters the daemon and tests read.
 #[derive(Debug, Default)]
 pub struct SessionStats {
@@ -385,6 +405,7 @@ pub async fn session<S: PolicyStore + Send + 'static>(
     enforcer: Arc<Enforcer<S>>,
     stats: &mut SessionStats,
 ) -> SessionEnd {
+    use std::sync::atomic::Ordering::Relaxed;
     // Without facts (interfaces could not be listed) the Hello says nothing about the host.
     let facts = enforcer.facts().await;
     enforcer.note_suspension();
@@ -402,7 +423,9 @@ pub async fn session<S: PolicyStore + Send + 'static>(
     // A renewal from here on moves the stream to the new certificate (one made between the dial
     // and here is caught by the stream's end at the old certificate's expiry, then a redial).
     let mut renewals = enforcer.renewals.subscribe();
-    let mut client = proto::agent_service_client::AgentServiceClient::new(channel);
+    let max_message = enforcer.max_message.load(Relaxed);
+    let mut client =
+        proto::agent_service_client::AgentServiceClient::new(channel).max_decoding_message_size(max_message);
     let mut inbound = match client.sync(tokio_stream::wrappers::ReceiverStream::new(rx)).await {
         Ok(r) => r.into_inner(),
         Err(s) => return refused("sync refused", &s),
@@ -413,7 +436,6 @@ pub async fn session<S: PolicyStore + Send + 'static>(
         _ => return SessionEnd::Closed("no HelloAck".into()),
     };
     stats.established = true;
-    use std::sync::atomic::Ordering::Relaxed;
     enforcer.flow_window_secs.store(u64::from(config.flow_window_seconds.clamp(1, 3600)), Relaxed);
     enforcer.flow_window_max_keys.store(u64::from(config.flow_window_max_keys.clamp(1, 1_000_000)), Relaxed);
     enforcer.streams.fetch_add(1, Relaxed);
@@ -423,9 +445,16 @@ pub async fn session<S: PolicyStore + Send + 'static>(
     let mut inventory = tokio::time::interval(every(config.inventory_interval_seconds));
     heartbeat.tick().await;
     inventory.tick().await;
+    // Set once an update could not be read: the control plane was told, sends nothing more on
+    // this stream, and ends it when a new version is persisted; until then heartbeats go on, so
+    // the workload reads DEGRADED with why, not OFFLINE.
+    let mut deaf = false;
     loop {
         tokio::select! {
-            next = inbound.message() => {
+            () = tx.closed(), if deaf => {
+                return SessionEnd::Closed("the control plane ended the stream after an update this agent could not read".into());
+            }
+            next = inbound.message(), if !deaf => {
                 let update = match next {
                     Ok(Some(proto::SyncResponse { msg: Some(m) })) => match m {
                         sync_response::Msg::Snapshot(s) => match s.policy {
@@ -442,6 +471,21 @@ pub async fn session<S: PolicyStore + Send + 'static>(
                     },
                     Ok(Some(_)) => continue,
                     Ok(None) => return SessionEnd::Closed("server closed the stream".into()),
+                    Err(s) if unreadable(&s) => {
+                        let detail = format!("{} (this agent decodes at most {max_message} bytes)", s.message());
+                        tracing::warn!("could not read an update: {detail}");
+                        enforcer.metrics.applied(ApplyResult::Failed, Duration::ZERO, enforcer.applied_version());
+                        let ack = proto::PolicyAck {
+                            version: UNREADABLE_UPDATE,
+                            status: proto::AckStatus::Failed.into(),
+                            detail,
+                        };
+                        if tx.send(msg(sync_request::Msg::Ack(ack))).await.is_err() {
+                            return SessionEnd::Closed("stream closed while reporting an unreadable update".into());
+                        }
+                        deaf = true;
+                        continue;
+                    }
                     Err(s) => return refused("stream ended", &s),
                 };
                 let version = update.version();

@@ -53,6 +53,8 @@ pub struct ServiceConfig {
 /// The largest message each service accepts: enrollment is small (a CSR, a token, host facts
 /// with at most 1,024 addresses); the agent service carries Hello, acks, heartbeats and
 /// inventory; only authenticated uploads carry large flow windows (at most 100,000 records).
+/// What the agent service sends (policy updates) is bounded by `wire::sync::MAX_POLICY_MESSAGE`,
+/// the agent's decoding limit too; the gateway never sends an update over it.
 pub const ENROLL_MAX_MESSAGE: usize = 64 * 1024;
 pub const AGENT_MAX_MESSAGE: usize = 1024 * 1024;
 pub const TELEMETRY_MAX_MESSAGE: usize = 32 * 1024 * 1024;
@@ -291,7 +293,9 @@ pub async fn start(
                 EnrollmentServiceServer::new(enroller.clone()).max_decoding_message_size(ENROLL_MAX_MESSAGE),
             )
             .add_service(InterceptedService::new(
-                AgentServiceServer::new(gateway.clone()).max_decoding_message_size(AGENT_MAX_MESSAGE),
+                AgentServiceServer::new(gateway.clone())
+                    .max_decoding_message_size(AGENT_MAX_MESSAGE)
+                    .max_encoding_message_size(innerwall_wire::sync::MAX_POLICY_MESSAGE),
                 Authenticate(admission.clone()),
             ))
             .add_service(InterceptedService::new(

@@ -18,7 +18,9 @@ use innerwall_wire::sync::SyncState;
 /// stored state.
 pub const STATE: &str =
     "(CASE WHEN w.stream_liveness IS NOT NULL AND w.last_seen_at + w.stream_liveness < now()
-      THEN 4::smallint ELSE w.sync_state END)";
+      THEN 4::smallint
+      WHEN w.policy_held IS NOT NULL AND w.sync_state IN (1, 2) THEN 3::smallint
+      ELSE w.sync_state END)";
 
 /// The shown detail of the `workloads` row `w`: for a silent row stored as anything but
 /// OFFLINE (no sweep has caught it), when it was last heard of, what its stream tolerates, and
@@ -31,18 +33,24 @@ pub const DETAIL: &str = "(CASE WHEN w.sync_state <> 4 AND w.stream_liveness IS 
                         FROM liveness_sweeps s), 'no replica has ever swept')
            || ': no heartbeat for three intervals (' || round(extract(epoch FROM w.stream_liveness))::bigint
            || ' s), so it reads OFFLINE whatever its replica last stored'
+      WHEN w.policy_held IS NOT NULL AND w.sync_state IN (1, 2) THEN w.policy_held
       ELSE w.sync_detail END)";
 
 /// The state a reader shows for a row stored as `stored`, last heard of at `last_seen_at`,
-/// whose stream tolerates `liveness` of silence, read at `now`.
+/// whose stream tolerates `liveness` of silence, read at `now`. A row whose latest render was
+/// `held` (over the rendered-policy bound, kept at its last good version) that reads PENDING or
+/// SYNCED reads DEGRADED, with the hold's reason as its detail: the agent will not get the
+/// version its rules now describe.
 pub fn shown(
     stored: SyncState,
+    held: bool,
     last_seen_at: Option<DateTime<Utc>>,
     liveness: Option<chrono::Duration>,
     now: DateTime<Utc>,
 ) -> SyncState {
     match (last_seen_at, liveness) {
         (Some(seen), Some(liveness)) if seen + liveness < now => SyncState::Offline,
+        _ if held && matches!(stored, SyncState::Pending | SyncState::Synced) => SyncState::Degraded,
         _ => stored,
     }
 }
@@ -58,7 +66,7 @@ mod tests {
         let seen = seen_ago_s.map(|s| now - Duration::seconds(s));
         let liveness = liveness_s.map(Duration::seconds);
         assert_eq!(
-            shown(stored, seen, liveness, now),
+            shown(stored, false, seen, liveness, now),
             expected,
             "stored {stored:?}, seen {seen_ago_s:?} s ago, liveness {liveness_s:?} s"
         );
@@ -80,6 +88,35 @@ mod tests {
             // Exactly at the bound is not yet past it (the SQL compares with `<` too).
             check(stored, Some(90), Some(90), stored);
         }
+    }
+
+    #[test]
+    fn a_held_render_reads_degraded_unless_silent_suspended_or_already_degraded() {
+        use SyncState::*;
+        let now = DateTime::from_timestamp(1_800_000_000, 0).unwrap();
+        let (seen, live) = (Some(now - Duration::seconds(10)), Some(Duration::seconds(90)));
+        for (stored, expected) in [
+            (Pending, Degraded),
+            (Synced, Degraded),
+            (Degraded, Degraded),
+            (Suspended, Suspended),
+            (Offline, Offline),
+        ] {
+            assert_eq!(shown(stored, true, seen, live, now), expected, "{stored:?}");
+        }
+        assert_eq!(shown(Synced, true, Some(now - Duration::seconds(91)), live, now), Offline);
+        let held = format!(
+            "w.sync_state IN ({}, {}) THEN {}::smallint",
+            Pending.code(),
+            Synced.code(),
+            Degraded.code()
+        );
+        assert!(STATE.contains(&held), "{STATE}");
+        assert!(DETAIL.contains(&format!(
+            "w.sync_state IN ({}, {}) THEN w.policy_held",
+            Pending.code(),
+            Synced.code()
+        )));
     }
 
     #[test]

@@ -14,6 +14,7 @@ mod kill_switch;
 mod metrics;
 mod operator_edge;
 mod plane;
+mod policy_size;
 mod remote;
 mod remote_fleet;
 mod remote_workloads;

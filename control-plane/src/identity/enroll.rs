@@ -16,7 +16,7 @@ use crate::audit;
 use crate::error::Error;
 use crate::identity::ca::{IssuedCertificate, Signer};
 use crate::policy::authoring;
-use crate::policy::publish::publish;
+use crate::policy::publish::{Overflow, publish_with};
 use crate::policy::spec::NewWorkload;
 use crate::policy::spec::routable_addresses;
 
@@ -322,7 +322,7 @@ impl Writer {
         if enrolled.is_empty() {
             return Ok(results);
         }
-        let changed = publish(&mut tx).await?;
+        let changed = publish_with(&mut tx, Overflow::Hold).await?;
         let record = audit::Record {
             detail: serde_json::json!({"enrollments": enrolled}),
             workload_versions: changed.iter().map(|c| (c.workload.to_string(), c.version)).collect(),

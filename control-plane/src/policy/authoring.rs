@@ -17,7 +17,7 @@ use crate::counts::{CountBounds, Counted};
 use crate::error::Error;
 use crate::notice::{self, Notice};
 use crate::policy::model::{ServiceEntry, validate_name};
-use crate::policy::publish::{Changed, publish};
+use crate::policy::publish::{Changed, Overflow, publish_with};
 use crate::policy::spec::{
     AddressGroupSpec, NewWorkload, PeerRef, RulesetSpec, ServiceSpec, check_estate_range, check_label_count,
     selector_of, validate_ruleset,
@@ -33,7 +33,7 @@ pub struct Committed<T> {
 }
 
 /// Runs `change`, renders, audits and commits, all in one transaction. Nothing is written if
-/// any step fails.
+/// any step fails, a policy over the rendered-policy bound included (`publish::Overflow`).
 pub async fn commit<T>(
     pool: &PgPool,
     actor: &str,
@@ -41,9 +41,33 @@ pub async fn commit<T>(
     subject: &str,
     change: impl AsyncFnOnce(&mut PgConnection) -> Result<(T, serde_json::Value), Error>,
 ) -> Result<Committed<T>, Error> {
+    commit_with(pool, Overflow::Refuse, actor, action, subject, change).await
+}
+
+/// [`commit`] for a change nobody can take back (an agent's inventory, a repair render): a
+/// workload whose policy would pass the rendered-policy bound is held at its last good version
+/// (DEGRADED, with why) instead of refusing the change.
+pub async fn commit_holding<T>(
+    pool: &PgPool,
+    actor: &str,
+    action: &str,
+    subject: &str,
+    change: impl AsyncFnOnce(&mut PgConnection) -> Result<(T, serde_json::Value), Error>,
+) -> Result<Committed<T>, Error> {
+    commit_with(pool, Overflow::Hold, actor, action, subject, change).await
+}
+
+async fn commit_with<T>(
+    pool: &PgPool,
+    overflow: Overflow,
+    actor: &str,
+    action: &str,
+    subject: &str,
+    change: impl AsyncFnOnce(&mut PgConnection) -> Result<(T, serde_json::Value), Error>,
+) -> Result<Committed<T>, Error> {
     let mut tx = pool.begin().await?;
     let (value, detail) = change(&mut tx).await?;
-    let changed = publish(&mut tx).await?;
+    let changed = publish_with(&mut tx, overflow).await?;
     let record = audit::Record {
         detail,
         workload_versions: changed.iter().map(|c| (c.workload.to_string(), c.version)).collect(),
@@ -54,10 +78,12 @@ pub async fn commit<T>(
     Ok(Committed { value, changed })
 }
 
-/// Renders with no authored change (startup render, POL-6; repair).
+/// Renders with no authored change (startup render, POL-6; repair). It never fails on a policy
+/// over the rendered-policy bound (an estate accepted before the bound was lowered): that
+/// workload is held at its last good version, DEGRADED with why, and the rest renders.
 pub async fn render_now(pool: &PgPool) -> Result<Vec<Changed>, Error> {
     let mut tx = pool.begin().await?;
-    let changed = publish(&mut tx).await?;
+    let changed = publish_with(&mut tx, Overflow::Hold).await?;
     tx.commit().await?;
     Ok(changed)
 }

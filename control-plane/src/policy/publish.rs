@@ -16,8 +16,8 @@ use crate::copy;
 use crate::error::Error;
 use crate::notice::{self, Notice};
 use crate::policy::addresses::{self, Standing};
-use crate::policy::model::RegisteredWorkload;
-use crate::policy::render::{Rendered, render};
+use crate::policy::model::{AuthoredModel, RegisteredWorkload};
+use crate::policy::render::{Bound, Oversize, Rendered, oversize, render};
 use crate::policy::store;
 
 /// Key of the transaction-scoped advisory lock every render takes (ASCII "iw-rendr").
@@ -51,6 +51,33 @@ fn really_changed(persisted: &store::Persisted, rendered: &WorkloadPolicy) -> Re
     Ok(next_version(Some(&persisted.decode()?), rendered.clone()).is_some())
 }
 
+/// The rendered-policy bound of this process's renders: `serve` and the local CLI set it from
+/// their flags before they render; until then it is [`Bound::default`].
+static BOUND: std::sync::RwLock<Option<Bound>> = std::sync::RwLock::new(None);
+
+/// Sets the bound every later render of this process checks.
+pub fn set_bound(bound: Bound) {
+    *BOUND.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(bound);
+}
+
+/// The bound renders check now.
+pub fn bound() -> Bound {
+    BOUND.read().unwrap_or_else(std::sync::PoisonError::into_inner).unwrap_or_default()
+}
+
+/// What a render does with a workload whose new policy is over the [`Bound`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Overflow {
+    /// Refuse the whole change, naming the workload, the rule and the bound (an operator's
+    /// change: nothing is written).
+    Refuse,
+    /// Keep that workload at its last good version, marked held with why (it reads DEGRADED);
+    /// the rest of the estate renders. For renders nobody can take back: start-up and repair
+    /// renders, an agent's inventory, enrollment — an estate accepted earlier (before the
+    /// bound was lowered) never makes them fail.
+    Hold,
+}
+
 /// Takes the render lock for the rest of the caller's transaction (again is fine: it stacks),
 /// waiting at most the connection's lock timeout. Whatever the transaction reads after it, no
 /// render or authored change commits in between.
@@ -73,22 +100,29 @@ pub async fn lock_renders(conn: &mut PgConnection) -> Result<(), Error> {
 /// advanced, in id order. The caller commits (which delivers the notifications) or rolls back
 /// (which delivers none).
 pub async fn publish(conn: &mut PgConnection) -> Result<Vec<Changed>, Error> {
+    publish_with(conn, Overflow::Refuse).await
+}
+
+/// [`publish`], choosing what a policy over the bound does.
+pub async fn publish_with(conn: &mut PgConnection, overflow: Overflow) -> Result<Vec<Changed>, Error> {
     lock_renders(conn).await?;
     let started = std::time::Instant::now();
-    let changed = render_and_persist(conn).await?;
+    let changed = render_and_persist(conn, overflow).await?;
     crate::metrics::observe_render(started.elapsed(), changed.len());
     Ok(changed)
 }
 
 /// `publish` under the render lock.
-async fn render_and_persist(conn: &mut PgConnection) -> Result<Vec<Changed>, Error> {
+async fn render_and_persist(conn: &mut PgConnection, overflow: Overflow) -> Result<Vec<Changed>, Error> {
     let model = store::load_model(conn).await?;
     let registry = store::load_registry(conn).await?;
     let registry = judge_addresses(conn, registry).await?;
     let rendered = render(&model, &registry)?;
     let contents = contents_of(rendered.policies());
     let latest = store::load_latest(conn).await?;
-    let next = next_versions(conn, &rendered, &contents, &latest).await?;
+    let mut next = next_versions(conn, &rendered, &contents, &latest).await?;
+    let held = over_bound(&model, &rendered, &contents, &mut next, bound(), overflow)?;
+    save_held(conn, &held).await?;
     if next.is_empty() {
         return Ok(Vec::new());
     }
@@ -96,6 +130,96 @@ async fn render_and_persist(conn: &mut PgConnection) -> Result<Vec<Changed>, Err
     let notices: Vec<Notice> = next.iter().map(|n| Notice::Policy(n.workload, n.version)).collect();
     notice::publish(conn, &notices).await?;
     Ok(next.iter().map(|n| Changed { workload: n.workload, version: n.version }).collect())
+}
+
+/// Checks every policy about to be persisted against `bound`. Refusing, the first workload over
+/// it (in id order) is the error; holding, those workloads leave `next` and are returned with
+/// why. Only new versions are checked: a policy persisted before the bound was lowered stands.
+fn over_bound(
+    model: &AuthoredModel,
+    rendered: &Rendered,
+    contents: &[store::Content],
+    next: &mut Vec<Next>,
+    bound: Bound,
+    overflow: Overflow,
+) -> Result<Vec<(WorkloadId, String)>, Error> {
+    let mut checked: BTreeMap<usize, Option<Oversize>> = BTreeMap::new();
+    let mut held = Vec::new();
+    let mut kept = Vec::with_capacity(next.len());
+    for n in next.drain(..) {
+        let over = checked.entry(n.content).or_insert_with(|| {
+            oversize(&rendered.policies()[n.content], contents[n.content].bytes.len(), bound)
+        });
+        let Some(over) = over else {
+            kept.push(n);
+            continue;
+        };
+        let sharing = rendered.shares().filter(|(w, c)| *c == n.content && *w != n.workload).count();
+        let what = describe_oversize(model, n.workload, sharing, over, bound);
+        match overflow {
+            Overflow::Refuse => return Err(Error::Invalid(format!("{what}; nothing was changed"))),
+            Overflow::Hold => {
+                tracing::warn!(workload = %n.workload, "held at its last good version: {what}");
+                held.push((n.workload, format!("held at its last good version: {what}")));
+            }
+        }
+    }
+    *next = kept;
+    Ok(held)
+}
+
+/// Names the workload, its size, the bound and the largest rule (by ruleset and rule name).
+fn describe_oversize(
+    model: &AuthoredModel,
+    workload: WorkloadId,
+    sharing: usize,
+    over: &Oversize,
+    bound: Bound,
+) -> String {
+    let others = match sharing {
+        0 => String::new(),
+        1 => " (and 1 other workload with the same policy)".to_owned(),
+        n => format!(" (and {n} other workloads with the same policy)"),
+    };
+    let rule = over.largest_rule.map_or_else(String::new, |(id, entries)| {
+        let named = model.rulesets.iter().find_map(|rs| {
+            rs.rules
+                .iter()
+                .find(|r| r.id == id)
+                .map(|r| format!("rule {:?} of ruleset {:?}", r.name, rs.name))
+        });
+        format!(
+            "; its largest rule is {} ({id}) with {entries} entries",
+            named.unwrap_or_else(|| "rule".into())
+        )
+    });
+    format!(
+        "the rendered policy of workload {workload}{others} would be {} entries and {} bytes, over the \
+         rendered-policy bound of {} entries (--max-rendered-entries) and {} bytes (--max-rendered-bytes){rule}: \
+         narrow that rule's peers or services, or raise the bound",
+        over.entries, over.bytes, bound.entries, bound.bytes
+    )
+}
+
+/// Marks the workloads held in this render (their reason) and clears every other hold.
+async fn save_held(conn: &mut PgConnection, held: &[(WorkloadId, String)]) -> Result<(), Error> {
+    let ids: Vec<Uuid> = held.iter().map(|(w, _)| w.uuid()).collect();
+    let reasons: Vec<&str> = held.iter().map(|(_, r)| r.as_str()).collect();
+    sqlx::query("UPDATE workloads SET policy_held = NULL WHERE policy_held IS NOT NULL AND id <> ALL($1)")
+        .bind(&ids)
+        .execute(&mut *conn)
+        .await?;
+    if !held.is_empty() {
+        sqlx::query(
+            "UPDATE workloads w SET policy_held = t.r FROM unnest($1::uuid[], $2::text[]) AS t (id, r)
+             WHERE w.id = t.id AND w.policy_held IS DISTINCT FROM t.r",
+        )
+        .bind(&ids)
+        .bind(&reasons)
+        .execute(&mut *conn)
+        .await?;
+    }
+    Ok(())
 }
 
 /// Each policy's [`store::Content`], in order. Encoding and hashing are most of the CPU a render

@@ -109,6 +109,57 @@ impl Rendered {
     }
 }
 
+/// The most one workload's rendered policy may hold (REL-1): entries (every peer and every port
+/// range of every rule: what the agent installs) and canonical bytes. The defaults fit the policy
+/// stream's largest message (`wire::sync::MAX_POLICY_MESSAGE`) with room; `serve` and the local
+/// CLI set them with `--max-rendered-entries` and `--max-rendered-bytes`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bound {
+    pub entries: usize,
+    pub bytes: usize,
+}
+
+impl Default for Bound {
+    fn default() -> Self {
+        Bound {
+            entries: innerwall_wire::sync::DEFAULT_MAX_RENDERED_ENTRIES,
+            bytes: innerwall_wire::sync::DEFAULT_MAX_RENDERED_BYTES,
+        }
+    }
+}
+
+/// A rendered policy over its [`Bound`]: its size, and the rule with the most entries in it (the
+/// authored rule's id), the first to look at.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Oversize {
+    pub entries: usize,
+    pub bytes: usize,
+    pub largest_rule: Option<(Uuid, usize)>,
+}
+
+/// Entries of one resolved rule: its peers and its port ranges.
+fn entries_of(rule: &ResolvedRule) -> usize {
+    rule.peers().len() + rule.ports().len()
+}
+
+/// Whether `policy`, `bytes` long in canonical form, is over `bound`, and by what.
+pub fn oversize(policy: &WorkloadPolicy, bytes: usize, bound: Bound) -> Option<Oversize> {
+    let entries: usize = policy.rules().map(entries_of).sum();
+    if entries <= bound.entries && bytes <= bound.bytes {
+        return None;
+    }
+    // Rules of one authored rule (one per protocol) count together.
+    let mut per_rule: BTreeMap<&str, usize> = BTreeMap::new();
+    for rule in policy.rules() {
+        *per_rule.entry(rule.id().authored()).or_default() += entries_of(rule);
+    }
+    let largest_rule = per_rule
+        .into_iter()
+        .max_by_key(|(_, n)| *n)
+        .and_then(|(id, n)| Uuid::parse_str(id).ok().map(|id| (id, n)));
+    Some(Oversize { entries, bytes, largest_rule })
+}
+
 /// Renders the policy of every workload in `workloads` (the live, non-retired registry).
 pub fn render(model: &AuthoredModel, workloads: &[RegisteredWorkload]) -> Result<Rendered, RenderError> {
     let index = LabelIndex::new(workloads);
@@ -498,6 +549,24 @@ mod tests {
                 prop_assert_eq!(LabelIndex::new(&workloads).select(&sel), scan);
             }
         }
+    }
+
+    #[test]
+    fn oversize_counts_peers_and_ports_and_names_the_largest_rule() {
+        let peers = vec![Peer::AddressGroup(id(9)), Peer::Workloads(sel(&[("app", &["web"])]))];
+        let model = db_model(vec![rule(10, peers, &[2]), rule(11, vec![], &[1])]);
+        let rendered = render(&model, &estate()).unwrap();
+        let policy = rendered.get(&wid(1)).unwrap();
+        // Rule 10: icmp, tcp (80, 443) and udp (443), each with the 5 peers; rule 11: tcp 5432.
+        let entries = (5 + 0) + (5 + 2) + (5 + 1) + 1;
+        let exact = Bound { entries, bytes: 10_000 };
+        assert_eq!(oversize(policy, 100, exact), None, "at the bound is within it");
+        let over = oversize(policy, 100, Bound { entries: entries - 1, ..exact }).unwrap();
+        assert_eq!((over.entries, over.bytes), (entries, 100));
+        assert_eq!(over.largest_rule, Some((id(10), entries - 1)));
+        assert!(oversize(policy, 10_001, exact).is_some(), "over in bytes alone");
+        let defaults = Bound::default();
+        assert!(defaults.bytes * 4 <= innerwall_wire::sync::MAX_POLICY_MESSAGE);
     }
 
     #[test]

@@ -13,6 +13,7 @@ use innerwall_wire::convert::WireEnum;
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::WorkloadPolicy;
 use innerwall_wire::proto::{self, sync_request, sync_response};
+use innerwall_wire::sync::MAX_POLICY_MESSAGE;
 use sqlx::PgPool;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::{Stream, StreamExt};
@@ -328,15 +329,33 @@ impl StreamTask {
         Ok(written.rows_affected() == 1)
     }
 
-    async fn execute(&self, actions: Vec<Action>) -> Result<(), Ended> {
-        for action in actions {
+    /// Carries out `actions` in order. An update over the policy stream's largest message is
+    /// never sent (the agent could not read it, and would redial for ever): the session decides
+    /// what instead, and its actions go next.
+    async fn execute(&self, session: &mut Session, actions: Vec<Action>) -> Result<(), Ended> {
+        let mut actions = std::collections::VecDeque::from(actions);
+        while let Some(action) = actions.pop_front() {
             match action {
-                Action::Send(Update::Snapshot(p)) => {
-                    let policy = Some(proto::WorkloadPolicy::from(&p));
-                    self.send(sync_response::Msg::Snapshot(proto::PolicySnapshot { policy })).await?;
-                }
-                Action::Send(Update::Delta(d)) => {
-                    self.send(sync_response::Msg::Delta(proto::PolicyDelta::from(&d))).await?;
+                Action::Send(update) => {
+                    let version = update.version();
+                    let msg = match &update {
+                        Update::Snapshot(p) => {
+                            let policy = Some(proto::WorkloadPolicy::from(p));
+                            sync_response::Msg::Snapshot(proto::PolicySnapshot { policy })
+                        }
+                        Update::Delta(d) => sync_response::Msg::Delta(proto::PolicyDelta::from(d)),
+                    };
+                    let msg = proto::SyncResponse { msg: Some(msg) };
+                    let size = prost::Message::encoded_len(&msg);
+                    if size > MAX_POLICY_MESSAGE {
+                        tracing::warn!(workload = %self.id, version, size, max = MAX_POLICY_MESSAGE,
+                            "not sending an update over the policy stream's largest message");
+                        for next in session.unsendable(version, size, MAX_POLICY_MESSAGE).into_iter().rev() {
+                            actions.push_front(next);
+                        }
+                        continue;
+                    }
+                    self.out.send(Ok(Box::new(msg))).await.map_err(|_| Ended::offline("agent went away"))?;
                 }
                 Action::Record(r) => {
                     if let (Some(mode), Some(version)) = (r.installed, r.applied) {
@@ -360,6 +379,10 @@ impl StreamTask {
                     }
                 }
                 Action::Close(reason) => return Err(Ended::refused(Status::invalid_argument(reason))),
+                Action::Redial(reason) => {
+                    let status = Some(Status::aborted(reason.clone()));
+                    return Err(Ended { reason, offline: false, status });
+                }
             }
         }
         Ok(())
@@ -375,7 +398,7 @@ impl StreamTask {
         // Audited like any render that moves versions (POL-6, POL-8): who (this workload's
         // stream), why, and the versions it moved.
         let id = self.id;
-        crate::policy::authoring::commit(
+        crate::policy::authoring::commit_holding(
             self.renders(),
             &format!("workload:{id}"),
             "policy.repair-render",
@@ -431,7 +454,7 @@ impl StreamTask {
             Err(e) => return Ended::refused(Status::from(e)),
         };
         let (mut session, actions) = Session::open(persisted, hello.applied_version, hello.suspended);
-        if let Err(e) = Box::pin(self.execute(actions)).await {
+        if let Err(e) = Box::pin(self.execute(&mut session, actions)).await {
             return e;
         }
         let mut inventory = Pending::default();
@@ -502,7 +525,7 @@ impl StreamTask {
         let version = p.version();
         let actions = session.persisted(p);
         let delta = actions.iter().any(|a| matches!(a, Action::Send(Update::Delta(_))));
-        self.execute(actions).await?;
+        self.execute(session, actions).await?;
         if delta {
             self.metrics().pushed(committed, chrono::Utc::now());
             self.pushes().sent(version, committed);
@@ -545,7 +568,7 @@ impl StreamTask {
                 for _ in actions.iter().filter(|a| matches!(a, Action::Send(Update::Snapshot(_)))) {
                     self.metrics().recovery_snapshot();
                 }
-                self.execute(actions).await
+                self.execute(session, actions).await
             }
             Some(Msg::Heartbeat(h)) => {
                 // Over its bound the stream ends before anything is written; the agent
@@ -553,7 +576,8 @@ impl StreamTask {
                 let bound = [(crate::rate::Bound::Heartbeats, 1.0)];
                 self.gateway.inner.bounds.take(self.id, &bound).map_err(Ended::refused)?;
                 self.heartbeat(&h).await.map_err(|e| Ended::refused(Status::from(e)))?;
-                self.execute(session.suspended(h.suspended)).await
+                let actions = session.suspended(h.suspended);
+                self.execute(session, actions).await
             }
             Some(Msg::Inventory(inv)) => {
                 // A report without facts (the agent could not list its interfaces) says nothing
@@ -695,7 +719,7 @@ impl StreamTask {
         // A change of addresses changes peer sets: it renders like any other change (POL-4),
         // and the render judges the new addresses (address trust).
         let id = self.id;
-        crate::policy::authoring::commit(
+        crate::policy::authoring::commit_holding(
             self.renders(),
             &format!("workload:{id}"),
             "workload.inventory",

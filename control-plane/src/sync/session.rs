@@ -7,6 +7,7 @@ use std::collections::VecDeque;
 
 use innerwall_wire::policy::{Mode, PolicyDelta, Version, WorkloadPolicy, diff};
 pub use innerwall_wire::sync::SyncState;
+use innerwall_wire::sync::UNREADABLE_UPDATE;
 
 /// An update the stream sends.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -32,6 +33,9 @@ pub enum Action {
     Record(Record),
     /// The agent broke the protocol; end the stream with this reason.
     Close(String),
+    /// End the stream without calling the workload offline, so the agent redials: it could not
+    /// read an update on this stream and a new version is persisted.
+    Redial(String),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -105,6 +109,11 @@ pub struct Session {
     suspended: bool,
     /// The last version the agent applied or held.
     acked: Option<Version>,
+    /// An update of the tip could not be sent (over the stream's largest message): the next
+    /// persisted version goes as a (recovery) snapshot, since the agent holds an older base.
+    resnapshot: bool,
+    /// The agent could not read an update on this stream: nothing more is sent on it.
+    deaf: bool,
 }
 
 impl Session {
@@ -118,6 +127,8 @@ impl Session {
             degraded: false,
             suspended,
             acked: None,
+            resnapshot: false,
+            deaf: false,
         };
         let record = Record { applied: Some(claimed), snapshot_sent: true, ..session.record() };
         // Record first, so whoever sees the snapshot arrive also sees the state that sent it.
@@ -160,6 +171,24 @@ impl Session {
         if latest.version() <= self.tip.version() {
             return Vec::new();
         }
+        if self.deaf {
+            let reason = format!(
+                "version {} is persisted and the agent could not read an update on this stream: it redials",
+                latest.version()
+            );
+            self.tip = latest;
+            return vec![Action::Redial(reason)];
+        }
+        if self.resnapshot {
+            self.resnapshot = false;
+            let (version, mode) = (latest.version(), latest.mode());
+            self.in_flight.push_back(Sent::Snapshot { version, mode, recovery: true });
+            self.tip = latest;
+            return vec![
+                Action::Record(Record { snapshot_sent: true, ..self.record() }),
+                Action::Send(Update::Snapshot(self.tip.clone())),
+            ];
+        }
         let delta = diff(&self.tip, &latest);
         self.in_flight.push_back(Sent::Delta { version: latest.version(), mode: latest.mode() });
         self.tip = latest;
@@ -181,6 +210,31 @@ impl Session {
         vec![Action::Record(self.record())]
     }
 
+    /// The update of `version` the last actions sent could not be sent: it is `size` bytes
+    /// encoded, over the stream's largest message `max`. A delta is replaced by a snapshot of the
+    /// tip (smaller whenever the delta replaces most rules); a snapshot that cannot be sent
+    /// leaves the workload DEGRADED with why, and the next persisted version goes as a snapshot.
+    pub fn unsendable(&mut self, version: Version, size: usize, max: usize) -> Vec<Action> {
+        let Some(at) = self.in_flight.iter().rposition(|s| s.version() == version) else {
+            return Vec::new();
+        };
+        let sent = self.in_flight.remove(at).expect("a position found in it");
+        if let Sent::Delta { version, mode } = sent {
+            self.in_flight.push_back(Sent::Snapshot { version, mode, recovery: self.degraded });
+            return vec![
+                Action::Record(Record { snapshot_sent: true, ..self.record() }),
+                Action::Send(Update::Snapshot(self.tip.clone())),
+            ];
+        }
+        self.degraded = true;
+        self.resnapshot = true;
+        let detail = format!(
+            "policy version {version} is {size} bytes encoded, over the policy stream's largest \
+             message ({max} bytes): it was not sent; the agent keeps the version it holds"
+        );
+        vec![Action::Record(Record { detail: Some(detail), failed: true, ..Record::state(self.state()) })]
+    }
+
     /// Acks match updates in the order they were sent (SYNC-4). A failure earns one recovery
     /// snapshot of the tip; failures of updates sent before a recovery snapshot are stale
     /// (SYNC-5).
@@ -188,6 +242,19 @@ impl Session {
         let Some(sent) = self.in_flight.pop_front() else {
             return vec![Action::Close("ack received with no update in flight".into())];
         };
+        if let Ack::Failed(UNREADABLE_UPDATE, detail) = ack {
+            // The agent could not read the next update (UNREADABLE_UPDATE): it reads nothing
+            // more on this stream, so nothing more is sent; a new version ends the stream.
+            self.degraded = true;
+            self.deaf = true;
+            self.in_flight.clear();
+            let detail = format!("the agent could not read policy version {}: {detail}", sent.version());
+            return vec![Action::Record(Record {
+                detail: Some(detail),
+                failed: true,
+                ..Record::state(self.state())
+            })];
+        }
         let version = match &ack {
             Ack::Applied(v) | Ack::Held(v) | Ack::Failed(v, _) => *v,
         };
@@ -354,6 +421,47 @@ mod tests {
         s.suspended(true);
         assert_eq!(last_state(&s.suspended(false)), Some(SyncState::Pending));
         assert_eq!(last_state(&s.ack(Ack::Applied(4))), Some(SyncState::Synced));
+    }
+
+    #[test]
+    fn an_unsendable_snapshot_degrades_with_why_and_the_next_version_goes_whole() {
+        let (mut s, _) = Session::open(policy(3, &[22]), 2, false);
+        let actions = s.unsendable(3, 5000, 4096);
+        assert_eq!(sends(&actions), Vec::<String>::new());
+        assert!(matches!(&actions[..], [Action::Record(r)] if r.state == SyncState::Degraded && r.failed
+            && r.detail.as_deref().is_some_and(|d| d.contains("version 3 is 5000 bytes") && d.contains("(4096 bytes)"))));
+        // Nothing is in flight: an ack now is unsolicited.
+        assert!(matches!(&s.clone().ack(Ack::Applied(3))[..], [Action::Close(_)]));
+        // The next version is a recovery snapshot (the agent holds no base), which clears it.
+        let next = s.persisted(policy(4, &[22, 80]));
+        assert_eq!(sends(&next), ["snapshot v4"]);
+        assert_eq!(last_state(&s.ack(Ack::Applied(4))), Some(SyncState::Synced));
+        // Then deltas again.
+        assert_eq!(sends(&s.persisted(policy(5, &[22]))), ["delta v4→v5"]);
+    }
+
+    #[test]
+    fn an_unsendable_delta_becomes_a_snapshot_of_the_tip() {
+        let (mut s, _) = Session::open(policy(1, &[22]), 0, false);
+        s.ack(Ack::Applied(1));
+        assert_eq!(sends(&s.persisted(policy(2, &[22, 80]))), ["delta v1→v2"]);
+        assert_eq!(sends(&s.unsendable(2, 9000, 4096)), ["snapshot v2"]);
+        assert_eq!(last_state(&s.ack(Ack::Applied(2))), Some(SyncState::Synced));
+        // Unknown versions change nothing.
+        assert_eq!(s.unsendable(9, 1, 0), vec![]);
+    }
+
+    #[test]
+    fn an_unreadable_update_degrades_sends_nothing_more_and_a_new_version_redials() {
+        let (mut s, _) = Session::open(policy(1, &[22]), 0, false);
+        let failed = s.ack(Ack::Failed(UNREADABLE_UPDATE, "message over 1024 bytes".into()));
+        assert_eq!(sends(&failed), Vec::<String>::new(), "no recovery snapshot on a stream it cannot read");
+        assert!(matches!(&failed[..], [Action::Record(r)] if r.state == SyncState::Degraded
+            && r.detail.as_deref() == Some("the agent could not read policy version 1: message over 1024 bytes")));
+        // Heartbeats keep it DEGRADED (not offline); a new version ends the stream for a redial.
+        assert_eq!(s.suspended(false), vec![]);
+        assert!(matches!(&s.persisted(policy(2, &[80]))[..], [Action::Redial(r)] if r.contains("version 2")));
+        assert_eq!(s.persisted(policy(2, &[80])), vec![], "already carried");
     }
 
     #[test]

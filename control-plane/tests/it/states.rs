@@ -102,7 +102,7 @@ async fn shown_state_sql_agrees_with_the_rule() {
     for (host, stored, seen, live, from_sql) in rows {
         let live =
             live.map(|i| chrono::Duration::microseconds(i.microseconds + i64::from(i.days) * 86_400_000_000));
-        let expected = shown::shown(SyncState::from_code(stored).unwrap(), seen, live, now);
+        let expected = shown::shown(SyncState::from_code(stored).unwrap(), false, seen, live, now);
         assert_eq!(SyncState::from_code(from_sql).unwrap(), expected, "{host}: SQL and rule disagree");
         offline += usize::from(expected == SyncState::Offline);
     }

@@ -83,6 +83,21 @@ struct Cli {
     #[arg(long, env = "INNERWALL_PAGE_SIZE", global = true, default_value_t = pages::DEFAULT_PAGE_SIZE,
         value_parser = clap::value_parser!(u32).range(1..=i64::from(pages::MAX_PAGE_SIZE)))]
     page_size: u32,
+    /// The most entries (peers and port ranges of every rule) one workload's rendered policy
+    /// may hold. Every render of this process checks it (`serve`, and local authoring
+    /// commands): a change over it is refused naming the workload, the rule and this flag; a
+    /// start-up or repair render holds that workload at its last good version (DEGRADED).
+    #[arg(long, env = "INNERWALL_MAX_RENDERED_ENTRIES", global = true,
+        default_value_t = innerwall_wire::sync::DEFAULT_MAX_RENDERED_ENTRIES as u64,
+        value_parser = clap::value_parser!(u64).range(1..=u64::from(u32::MAX)))]
+    max_rendered_entries: u64,
+    /// The most canonical bytes one workload's rendered policy may hold (as
+    /// --max-rendered-entries); at most the policy stream's largest message (4 MiB) / 2, the
+    /// default a quarter of it.
+    #[arg(long, env = "INNERWALL_MAX_RENDERED_BYTES", global = true,
+        default_value_t = innerwall_wire::sync::DEFAULT_MAX_RENDERED_BYTES as u64,
+        value_parser = clap::value_parser!(u64).range(1..=(innerwall_wire::sync::MAX_POLICY_MESSAGE as u64 / 2)))]
+    max_rendered_bytes: u64,
     /// How stderr logs read: text, or one JSON object per line (filter: INNERWALL_LOG).
     #[arg(long, global = true, value_enum, default_value_t)]
     log_format: logs::LogFormat,
@@ -154,6 +169,10 @@ const CLOSED_PIPE: u8 = 128 + 13;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    innerwall_control_plane::policy::publish::set_bound(innerwall_control_plane::policy::render::Bound {
+        entries: cli.max_rendered_entries as usize,
+        bytes: cli.max_rendered_bytes as usize,
+    });
     logs::init(cli.log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
