@@ -10,7 +10,7 @@ use anyhow::Result;
 use crate::{cmd, setup};
 
 /// The targets, one per thing that arrives from outside (see `fuzz/fuzz_targets/`).
-pub const TARGETS: [&str; 4] = ["policy_delta", "flow_window", "csr", "ruleset"];
+pub const TARGETS: [&str; 5] = ["policy_delta", "flow_window", "csr", "ruleset", "api_params"];
 
 /// Runs each target for `each`, starting from its seeds (`fuzz/seeds/<target>`, checked in)
 /// and its growing corpus (`fuzz/corpus/<target>`, not checked in). A finding fails the run
