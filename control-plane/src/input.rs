@@ -23,6 +23,12 @@ pub fn text(field: &str, value: &str, max: usize) -> Result<(), Error> {
     Ok(())
 }
 
+/// Text from an agent kept for an operator (a reported failure): at most `max` characters,
+/// each control character (NUL, which Postgres refuses, included) replaced by U+FFFD.
+pub fn printable(value: &str, max: usize) -> String {
+    value.chars().take(max).map(|c| if c.is_control() { '\u{fffd}' } else { c }).collect()
+}
+
 /// The earliest instant a client may name: no evidence, audit or token is older.
 pub const EARLIEST: DateTime<Utc> = DateTime::UNIX_EPOCH;
 
@@ -73,6 +79,7 @@ mod tests {
         }
         let e = text("reason", &"x".repeat(65), 64).unwrap_err().to_string();
         assert_eq!(e, "reason: at most 64 bytes, not 65");
+        assert_eq!(printable("a\0b\u{1b}[1mc", 4), "a\u{fffd}b\u{fffd}");
     }
 
     #[test]

@@ -8,7 +8,7 @@ use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     let text = String::from_utf8_lossy(data);
-    let (query, value) = text.split_once('\u{1}').unwrap_or((&text, &text));
+    let (query, value) = text.split_once('\u{1}').unwrap_or((&*text, &*text));
     parse_parameters(query, value);
     if value.chars().any(char::is_control) {
         assert!(extract::check_path_param("id", value).is_err(), "a control character was accepted");
