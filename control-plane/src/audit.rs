@@ -149,6 +149,9 @@ pub struct AuditFilter {
 
 const AUDIT: &str = "audit list";
 
+/// The longest value an audit filter (actor, action, object) may have, in bytes.
+pub const MAX_FILTER: usize = 512;
+
 /// A page of the audit log, newest first (POL-8, OPS-2): keyed by the record id, so walking the
 /// cursors reads every matching record once, even while new ones are written.
 pub async fn page(
@@ -158,6 +161,12 @@ pub async fn page(
 ) -> Result<crate::page::Page<AuditRow>, Error> {
     use crate::page;
     let limit = request.checked_limit()?;
+    for (field, value) in [("actor", &filter.actor), ("action", &filter.action), ("object", &filter.object)] {
+        value.as_deref().map(|v| crate::input::text(field, v, MAX_FILTER)).transpose()?;
+    }
+    if let Some(since) = filter.since {
+        crate::input::instant("since", since)?;
+    }
     let before = request.after(AUDIT)?.map(|a| page::field::<i64>(&a, 0, AUDIT)).transpose()?;
     let rows: Vec<AuditRow> = sqlx::query_as(
         "SELECT id, at, actor, action, subject, detail, workload_versions, count, last_at FROM audit_log

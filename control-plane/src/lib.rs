@@ -17,6 +17,7 @@ pub mod error;
 pub mod flows;
 pub mod gate;
 pub mod identity;
+pub mod input;
 pub mod metrics;
 pub mod notice;
 pub mod page;

@@ -10,7 +10,7 @@ use anyhow::Result;
 use crate::{cmd, setup};
 
 /// The targets, one per thing that arrives from outside (see `fuzz/fuzz_targets/`).
-pub const TARGETS: [&str; 4] = ["policy_delta", "flow_window", "csr", "ruleset"];
+pub const TARGETS: [&str; 5] = ["policy_delta", "flow_window", "csr", "ruleset", "api_params"];
 
 /// Memory limits of every run, in MiB: a target whose RSS passes `RSS_LIMIT_MB` (an input that
 /// expands, such as a YAML alias bomb) or that asks for more than `MALLOC_LIMIT_MB` at once is

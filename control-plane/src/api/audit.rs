@@ -7,7 +7,7 @@
 
 use axum::Json;
 use axum::extract::State;
-use chrono::{DateTime, Utc};
+use chrono::Utc;
 use serde::Deserialize;
 use utoipa::IntoParams;
 
@@ -19,7 +19,7 @@ use crate::error::Error;
 use crate::page::Page;
 
 /// The longest filter value read (actors, actions and subjects are far shorter).
-const MAX_FILTER: usize = 512;
+const MAX_FILTER: usize = crate::audit::MAX_FILTER;
 
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
@@ -60,12 +60,7 @@ pub async fn list(
         .map(|text| {
             let back = humantime::parse_duration(text)
                 .map_err(|e| ApiError::Malformed(format!("since {text:?}: {e}; write e.g. 1h, 24h, 7d")))?;
-            Ok::<_, ApiError>(
-                chrono::Duration::from_std(back)
-                    .ok()
-                    .and_then(|back| Utc::now().checked_sub_signed(back))
-                    .map_or(DateTime::UNIX_EPOCH, |at| at.max(DateTime::UNIX_EPOCH)),
-            )
+            Ok::<_, ApiError>(crate::input::since(Utc::now(), back))
         })
         .transpose()?;
     let filter = AuditFilter {

@@ -56,22 +56,78 @@ impl<T: DeserializeOwned> FromRequest<ApiState> for JsonBody<T> {
     }
 }
 
-/// A query string, refused with 400 when it does not parse.
+/// The longest query string a request may carry, in bytes (a rollup's 1,000 workload ids fit).
+pub const MAX_QUERY: usize = 64 * 1024;
+/// The longest path parameter (an id, a name, an address, a prefix), in bytes.
+pub const MAX_PATH_PARAM: usize = 256;
+
+/// A parameter's name as a refusal shows it: at most 64 characters, escaped.
+fn shown(name: &str) -> String {
+    name.chars().take(64).flat_map(char::escape_default).collect()
+}
+
+/// The checks every query string passes before any handler sees it: at most [`MAX_QUERY`]
+/// bytes, and no name or value with a control character (NUL included, which Postgres refuses).
+pub fn check_query(query: Option<&str>) -> Result<(), ApiError> {
+    let Some(query) = query else { return Ok(()) };
+    if query.len() > MAX_QUERY {
+        return Err(ApiError::Malformed(format!(
+            "the query string is {} bytes; at most {MAX_QUERY} are accepted",
+            query.len()
+        )));
+    }
+    let pairs: Vec<(String, String)> = axum::extract::Query::try_from_uri(
+        &format!("/?{query}")
+            .parse::<axum::http::Uri>()
+            .map_err(|e| ApiError::Malformed(format!("the query string: {e}")))?,
+    )
+    .map(|q: axum::extract::Query<Vec<(String, String)>>| q.0)
+    .map_err(|e| ApiError::Malformed(format!("the query string: {}", e.body_text())))?;
+    for (name, value) in &pairs {
+        crate::input::text("a query parameter's name", name, MAX_QUERY)?;
+        crate::input::text(&format!("query parameter {}", shown(name)), value, MAX_QUERY)?;
+    }
+    Ok(())
+}
+
+/// `T` from the query string of `uri`, after [`check_query`]; refused with 400 when it does
+/// not parse. Pure: what the [`Query`] extractor runs, and what the `api_params` fuzz target
+/// drives.
+pub fn query_of<T: DeserializeOwned>(uri: &axum::http::Uri) -> Result<T, ApiError> {
+    check_query(uri.query())?;
+    axum::extract::Query::<T>::try_from_uri(uri)
+        .map(|q| q.0)
+        .map_err(|e| ApiError::Malformed(format!("the query string: {}", e.body_text())))
+}
+
+/// A query string, refused with 400 when it is too long, holds a control character or does
+/// not parse.
 #[derive(Debug)]
 pub struct Query<T>(pub T);
 
 impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for Query<T> {
     type Rejection = ApiError;
 
-    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
-        axum::extract::Query::<T>::from_request_parts(parts, state)
-            .await
-            .map(|q| Query(q.0))
-            .map_err(|e| ApiError::Malformed(format!("the query string: {}", e.body_text())))
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, ApiError> {
+        query_of(&parts.uri).map(Query)
     }
 }
 
-/// Path parameters, refused with 400 when one does not parse (a malformed workload id, …).
+/// One path parameter (already percent-decoded): at most [`MAX_PATH_PARAM`] bytes, no control
+/// character.
+pub fn check_path_param(name: &str, value: &str) -> Result<(), ApiError> {
+    if value.len() > MAX_PATH_PARAM {
+        return Err(ApiError::Malformed(format!(
+            "path parameter {}: {} bytes; at most {MAX_PATH_PARAM} are accepted",
+            shown(name),
+            value.len()
+        )));
+    }
+    Ok(crate::input::text(&format!("path parameter {}", shown(name)), value, MAX_PATH_PARAM)?)
+}
+
+/// Path parameters, each checked by [`check_path_param`], refused with 400 when one does not
+/// parse (a malformed workload id, …).
 #[derive(Debug)]
 pub struct Path<T>(pub T);
 
@@ -79,6 +135,12 @@ impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for Path<T>
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        let raw = axum::extract::RawPathParams::from_request_parts(parts, state)
+            .await
+            .map_err(|e| ApiError::Malformed(format!("the path: {}", e.body_text())))?;
+        for (name, value) in &raw {
+            check_path_param(name, value)?;
+        }
         axum::extract::Path::<T>::from_request_parts(parts, state)
             .await
             .map(|p| Path(p.0))

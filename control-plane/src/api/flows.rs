@@ -23,14 +23,11 @@ use crate::flows::{self as f, FlowRow, GapRow, Grouping, RollupFilter, RollupRow
 use crate::page::Page;
 
 /// The instant `text` (a duration: `1h`, `7d`, `90m`) before now; `default` when absent.
-fn since(text: Option<&str>, default: &str) -> Result<DateTime<Utc>, ApiError> {
+fn since(text: Option<&str>, default: &str, now: DateTime<Utc>) -> Result<DateTime<Utc>, ApiError> {
     let text = text.unwrap_or(default);
     let back = humantime::parse_duration(text)
         .map_err(|e| ApiError::Malformed(format!("since {text:?}: {e}; write e.g. 1h, 24h, 7d")))?;
-    Ok(chrono::Duration::from_std(back)
-        .ok()
-        .and_then(|back| Utc::now().checked_sub_signed(back))
-        .map_or(DateTime::UNIX_EPOCH, |at| at.max(DateTime::UNIX_EPOCH)))
+    Ok(crate::input::since(now, back))
 }
 
 fn decision(name: &str) -> Result<Decision, ApiError> {
@@ -79,14 +76,22 @@ pub async fn list_records(
     State(state): State<ApiState>,
     Query(q): Query<ListQuery>,
 ) -> Result<Json<Page<FlowRow>>, ApiError> {
+    let (filter, request) = records_request(q, Utc::now())?;
+    Ok(Json(f::list(&state.pool, &filter, &request).await?))
+}
+
+/// What a records query asks, checked before any I/O (pure; the `api_params` fuzz target drives it).
+pub fn records_request(
+    q: ListQuery,
+    now: DateTime<Utc>,
+) -> Result<(f::RecordFilter, crate::page::PageRequest), ApiError> {
     let filter = f::RecordFilter {
         workload: workload(&q.workload)?,
-        since: since(q.since.as_deref(), "1h")?,
+        since: since(q.since.as_deref(), "1h", now)?,
         decision: q.decision.as_deref().map(decision).transpose()?,
         version: q.version,
     };
-    let request = page_request(q.limit, q.cursor, 100)?;
-    Ok(Json(f::list(&state.pool, &filter, &request).await?))
+    Ok((filter, page_request(q.limit, q.cursor, 100)?))
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
@@ -109,9 +114,17 @@ pub async fn gaps(
     State(state): State<ApiState>,
     Query(q): Query<GapsQuery>,
 ) -> Result<Json<Page<GapRow>>, ApiError> {
+    let (who, from, request) = gaps_request(q, Utc::now())?;
+    Ok(Json(f::gaps(&state.pool, who, from, &request).await?))
+}
+
+/// What a gaps query asks, checked before any I/O (pure).
+pub fn gaps_request(
+    q: GapsQuery,
+    now: DateTime<Utc>,
+) -> Result<(Option<WorkloadId>, DateTime<Utc>, crate::page::PageRequest), ApiError> {
     let who = q.workload.as_deref().map(workload).transpose()?;
-    let request = page_request(q.limit, q.cursor, 100)?;
-    Ok(Json(f::gaps(&state.pool, who, since(q.since.as_deref(), "24h")?, &request).await?))
+    Ok((who, since(q.since.as_deref(), "24h", now)?, page_request(q.limit, q.cursor, 100)?))
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
@@ -150,12 +163,29 @@ pub async fn rollup(
     State(state): State<ApiState>,
     Query(q): Query<RollupQuery>,
 ) -> Result<Json<Page<RollupRow>>, ApiError> {
+    let (by, mut filter, request) = rollup_request(&q, Utc::now())?;
+    if let Some(scope) = &q.scope {
+        let selector = f::parse_selector(scope)?;
+        filter = filter.within(f::workloads_in(&state.pool, &selector).await?);
+    }
+    Ok(Json(f::rollup(&state.pool, by, &filter, &request).await?))
+}
+
+/// What a rollup query asks, checked before any I/O (pure; the scope is resolved by the
+/// handler, its selector parsed here): the range within what a client may name.
+pub fn rollup_request(
+    q: &RollupQuery,
+    now: DateTime<Utc>,
+) -> Result<(Grouping, RollupFilter, crate::page::PageRequest), ApiError> {
     let by: Grouping = q.by.parse()?;
-    let now = Utc::now();
     let (start, end) = match (&q.since, q.from) {
         (Some(_), Some(_)) => return Err(ApiError::Malformed("give since or from/to, not both".into())),
-        (_, Some(from)) => (from, q.to.unwrap_or(now)),
-        (since_text, None) => (since(since_text.as_deref(), "1h")?, now),
+        (_, Some(from)) => (
+            crate::input::instant("from", from)?,
+            q.to.map(|to| crate::input::instant("to", to)).transpose()?.unwrap_or(now),
+        ),
+        (_, None) if q.to.is_some() => return Err(ApiError::Malformed("to needs from".into())),
+        (since_text, None) => (since(since_text.as_deref(), "1h", now)?, now),
     };
     let mut filter = RollupFilter {
         decisions: list(q.decision.as_deref()).into_iter().map(decision).collect::<Result<_, _>>()?,
@@ -182,9 +212,7 @@ pub async fn rollup(
         filter = filter.within(ids.into_iter().map(workload).collect::<Result<BTreeSet<_>, _>>()?);
     }
     if let Some(scope) = &q.scope {
-        let selector = f::parse_selector(scope)?;
-        filter = filter.within(f::workloads_in(&state.pool, &selector).await?);
+        f::parse_selector(scope)?;
     }
-    let request = page_request(q.limit, q.cursor, 100)?;
-    Ok(Json(f::rollup(&state.pool, by, &filter, &request).await?))
+    Ok((by, filter, page_request(q.limit, q.cursor.clone(), 100)?))
 }

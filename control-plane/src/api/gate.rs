@@ -84,11 +84,16 @@ pub async fn verdict(
     State(state): State<ApiState>,
     Query(q): Query<VerdictQuery>,
 ) -> Result<Json<gate::Verdict>, ApiError> {
+    let (scope, params) = verdict_request(&q)?;
+    Ok(Json(gate::judge(&state.pool, &scope, &params).await?))
+}
+
+/// What a verdict query asks, checked before any I/O (pure; the `api_params` fuzz target drives it).
+pub fn verdict_request(q: &VerdictQuery) -> Result<(Scope, Params), ApiError> {
     let ids: Vec<String> =
         q.ids.as_deref().map(|t| t.split(',').map(str::to_owned).collect()).unwrap_or_default();
     let scope = scope(q.scope.as_deref(), &ids)?;
-    let params = params(q.evidence_since.as_deref(), q.min_evidence.as_deref())?;
-    Ok(Json(gate::judge(&state.pool, &scope, &params).await?))
+    Ok((scope, params(q.evidence_since.as_deref(), q.min_evidence.as_deref())?))
 }
 
 /// The promotion records, newest first, a page at a time.

@@ -231,3 +231,28 @@ impl<T> From<crate::policy::authoring::Committed<T>> for Changed<T> {
         }
     }
 }
+
+/// What the `api_params` fuzz target drives: `query` parsed as each route's query type with
+/// the checks its handler makes before any I/O, and `value` as each kind of path parameter.
+/// Returns how many of them accepted their input; it never panics.
+pub fn parse_parameters(query: &str, value: &str) -> usize {
+    let now = chrono::Utc::now();
+    let mut accepted = 0;
+    let mut count = |ok: bool| accepted += usize::from(ok);
+    if let Ok(uri) = format!("/api/v1/x?{query}").parse::<axum::http::Uri>() {
+        use extract::query_of;
+        count(query_of::<flows::RollupQuery>(&uri).and_then(|q| flows::rollup_request(&q, now)).is_ok());
+        count(query_of::<flows::ListQuery>(&uri).and_then(|q| flows::records_request(q, now)).is_ok());
+        count(query_of::<flows::GapsQuery>(&uri).and_then(|q| flows::gaps_request(q, now)).is_ok());
+        count(query_of::<gate::VerdictQuery>(&uri).and_then(|q| gate::verdict_request(&q)).is_ok());
+        count(query_of::<audit::AuditQuery>(&uri).is_ok());
+        count(query_of::<workloads::ListQuery>(&uri).is_ok());
+        count(query_of::<workloads::StatusQuery>(&uri).is_ok());
+        count(query_of::<PageQuery>(&uri).and_then(|q| page_request(q.limit, q.cursor, 100)).is_ok());
+    }
+    for name in ["id", "name", "address", "prefix"] {
+        count(extract::check_path_param(name, value).is_ok());
+    }
+    count(value.parse::<innerwall_wire::identity::WorkloadId>().is_ok());
+    accepted
+}

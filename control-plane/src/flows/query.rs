@@ -55,6 +55,7 @@ pub async fn list(
     request: &PageRequest,
 ) -> Result<Page<FlowRow>, Error> {
     let limit = request.checked_limit()?;
+    crate::input::instant("since", filter.since)?;
     let mut q = QueryBuilder::<Postgres>::new(
         "SELECT window_start, window_id, ordinal, policy_version, host(src_address) AS src_address,
                 host(dst_address) AS dst_address, peer_kind, peer_key, peer_labels, dst_port, protocol, decision,
@@ -134,6 +135,7 @@ pub async fn gaps(
     request: &PageRequest,
 ) -> Result<Page<GapRow>, Error> {
     let limit = request.checked_limit()?;
+    crate::input::instant("since", since)?;
     let mut q = QueryBuilder::<Postgres>::new(
         "SELECT workload_id, window_id, ordinal, kind, gap_from, gap_to, count, detail FROM flow_gaps
          WHERE window_start >= ",

@@ -378,6 +378,8 @@ pub async fn rollup(
     let limit = request.checked_limit()?;
     let kind = format!("rollup {by}");
     let after = request.after(&kind)?;
+    crate::input::instant("from", filter.from)?;
+    crate::input::instant("to", filter.to)?;
     if filter.from >= filter.to {
         return Err(Error::Invalid(format!(
             "the range from {} to {} is empty; its start must be before its end",

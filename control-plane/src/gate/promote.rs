@@ -60,7 +60,7 @@ fn check_text(what: &str, text: &str, required: bool) -> Result<(), Error> {
     if text.chars().count() > MAX_REASON {
         return Err(Error::Invalid(format!("the {what} is longer than {MAX_REASON} characters")));
     }
-    Ok(())
+    crate::input::text(&format!("the {what}"), text, 4 * MAX_REASON)
 }
 
 /// The verdict on `scope` now (FLOW-7), read in one transaction.

@@ -237,7 +237,7 @@ pub async fn record_reported_renewal_failure(
     id: WorkloadId,
     reason: &str,
 ) -> Result<(), Error> {
-    let reason: String = format!("reported by the agent: {reason}").chars().take(MAX_RENEWAL_ERROR).collect();
+    let reason = crate::input::printable(&format!("reported by the agent: {reason}"), MAX_RENEWAL_ERROR);
     sqlx::query(
         "UPDATE workloads SET last_renewal_failed_at = now(), last_renewal_error = $2
          WHERE id = $1 AND (last_renewal_error IS DISTINCT FROM $2
@@ -257,7 +257,7 @@ const MAX_RENEWAL_ERROR: usize = 512;
 /// Records that renewing `id` failed and why (the newest failure replaces the one before).
 /// Best effort: the renewal's own error is what the agent hears.
 pub async fn record_renewal_failure(pool: &PgPool, id: WorkloadId, reason: &str) {
-    let reason: String = reason.chars().take(MAX_RENEWAL_ERROR).collect();
+    let reason = crate::input::printable(reason, MAX_RENEWAL_ERROR);
     let result = sqlx::query(
         "UPDATE workloads SET last_renewal_failed_at = now(), last_renewal_error = $2 WHERE id = $1",
     )

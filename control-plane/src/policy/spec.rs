@@ -52,7 +52,8 @@ fn at_most(what: &str, count: usize, max: usize) -> Result<(), Error> {
 }
 
 fn description(what: &str, text: &str) -> Result<(), Error> {
-    at_most(&format!("{what}: description bytes"), text.len(), MAX_DESCRIPTION)
+    at_most(&format!("{what}: description bytes"), text.len(), MAX_DESCRIPTION)?;
+    crate::input::text(&format!("{what}: description"), text, MAX_DESCRIPTION)
 }
 
 fn selector_size(what: &str, map: &BTreeMap<String, Vec<String>>) -> Result<(), Error> {

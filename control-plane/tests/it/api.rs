@@ -1347,4 +1347,272 @@ async fn cidrs_mean_what_they_say() {
     let render = plane.call("POST", "/api/v1/render", Some(&admin.token), &[], full(Bytes::new())).await;
     assert_eq!(render.status, 200, "{render:?}");
     plane.stop().await;
+
+/// Counts the ERROR events emitted on this thread (the test's current-thread runtime runs the
+/// replica's tasks too), keeping their messages.
+#[derive(Clone, Default)]
+struct Errors(Arc<std::sync::Mutex<Vec<String>>>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Errors {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        if *event.metadata().level() == tracing::Level::ERROR {
+            struct Message(String);
+            impl tracing::field::Visit for Message {
+                fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                    self.0.push_str(&format!("{}={value:?} ", field.name()));
+                }
+            }
+            let mut m = Message(format!("{}: ", event.metadata().target()));
+            event.record(&mut m);
+            self.0.lock().unwrap().push(m.0);
+        }
+    }
+}
+
+/// A value as a query or path would carry it, percent-encoded.
+fn encoded(value: &str) -> String {
+    value
+        .bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn parameters_never_panic() {
+    let errors = Errors::default();
+    let _capture = tracing::subscriber::set_default(tracing_subscriber::layer::SubscriberExt::with(
+        tracing_subscriber::registry(),
+        errors.clone(),
+    ));
+    // The capture sees what the replica's tasks log (a positive control for the end).
+    tokio::spawn(async { tracing::error!(target: "probe", "probe") }).await.unwrap();
+    assert_eq!(errors.0.lock().unwrap().drain(..).count(), 1, "the capture sees spawned tasks");
+    let plane = Plane::start(ApiLimits::default()).await;
+    let admin = mint(plane.pool(), "parameters", Role::Admin).await.token;
+    let workload = register(plane.pool(), "web-1", &["app=web"]).await.to_string();
+    let json_header = [("content-type", "application/json"), ("if-match", "\"1\"")];
+    // Objects the PUT routes change, so a refusal is the parameter's and not a missing object's.
+    for (path, body) in [
+        ("/api/v1/services", json!({"name": "svc", "description": "", "entries": ["tcp:80"]})),
+        ("/api/v1/address-groups", json!({"name": "grp", "description": "", "cidrs": ["198.51.100.0/24"]})),
+        ("/api/v1/rulesets", json!({"name": "rs", "scope": {"app": ["web"]}, "rules": []})),
+    ] {
+        let reply = plane.write("POST", path, &admin, None, &body).await;
+        assert_eq!(reply.status, 201, "{path}: {reply:?}");
+    }
+    let (_, routes) = router::build(ApiState { pool: plane.pool().clone(), limits: ApiLimits::default() });
+    let doc = serde_json::to_value(openapi::document(&routes)).unwrap();
+    let huge = "a".repeat(10 * 1024);
+    // Bad in every parameter: NUL, an escape sequence, a line break, DEL, 10 KB.
+    let bad: Vec<&str> = vec!["a\0b", "\u{1b}[31mred", "a\nb", "\u{7f}", &huge];
+    let good_path = |name: &str| match name {
+        "id" => workload.clone(),
+        "name" => "svc".to_owned(),
+        "address" => "198.51.100.0".to_owned(),
+        "prefix" => "24".to_owned(),
+        other => panic!("a path parameter {other} this test does not know: give it a valid value"),
+    };
+    let fill = |path: &str, name: &str, value: &str| {
+        let mut out = path.to_owned();
+        for p in ["id", "name", "address", "prefix"] {
+            let good = match p {
+                "name" if path.contains("/rulesets/") => "rs".to_owned(),
+                "name" if path.contains("/address-groups/") => "grp".to_owned(),
+                p => good_path(p),
+            };
+            let v = if p == name { encoded(value) } else { encoded(&good) };
+            out = out.replace(&format!("{{{p}}}"), &v);
+        }
+        out
+    };
+    // A query that is valid on its own, so a refusal is the bad parameter's.
+    let base_query = |path: &str| -> Vec<(String, String)> {
+        let pairs: &[(&str, &str)] = match path {
+            "/api/v1/flows" => &[("workload", "")],
+            "/api/v1/flows/rollup" => &[("by", "rule")],
+            "/api/v1/verdict" => &[("ids", "")],
+            _ => &[],
+        };
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), if v.is_empty() { workload.clone() } else { (*v).to_owned() }))
+            .collect()
+    };
+    let query = |pairs: &[(String, String)]| {
+        pairs.iter().map(|(k, v)| format!("{}={}", encoded(k), encoded(v))).collect::<Vec<_>>().join("&")
+    };
+    let mut checked = 0;
+    for route in &routes {
+        let op = &doc["paths"][route.path][route.method.to_lowercase()];
+        let params = op["parameters"].as_array().cloned().unwrap_or_default();
+        for param in &params {
+            let name = param["name"].as_str().unwrap();
+            let mut cases: Vec<(String, String)> =
+                bad.iter().map(|v| ((*v).to_owned(), String::new())).collect();
+            match (param["in"].as_str().unwrap(), name) {
+                // Workload ids are UUIDs (an operator token's `{id}` may also be its name).
+                ("path", "id")
+                    if route.path.contains("/workloads/") || route.path.contains("/sync-status/") =>
+                {
+                    cases.push(("not-a-uuid".into(), String::new()))
+                }
+                ("query", "cursor") => {
+                    cases.push(("garbage".into(), String::new()));
+                    cases.push(("AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA".into(), String::new()));
+                }
+                ("query", "from") => {
+                    for t in ["1600-01-01T00:00:00Z", "1969-12-31T23:59:59Z", "9999-12-31T23:59:59Z"] {
+                        cases.push((t.into(), "1970-01-01T00:00:00Z".into()));
+                    }
+                }
+                ("query", "to") => {
+                    for t in ["1600-01-01T00:00:00Z", "9999-12-31T23:59:59Z"] {
+                        cases.push((t.into(), "1970-01-01T00:00:00Z".into()));
+                    }
+                }
+                _ => {}
+            }
+            for (value, must_name) in cases {
+                let (path, target) = match param["in"].as_str().unwrap() {
+                    "path" => (fill(route.path, name, &value), format!("path {name}")),
+                    "query" => {
+                        let mut pairs = base_query(route.path);
+                        pairs.retain(|(k, _)| k != name);
+                        if name == "to" {
+                            pairs.push(("from".into(), "2026-01-01T00:00:00Z".into()));
+                        }
+                        if name == "from" || name == "to" {
+                            pairs.retain(|(k, _)| k != "since");
+                        }
+                        pairs.push((name.to_owned(), value.clone()));
+                        (format!("{}?{}", fill(route.path, "", ""), query(&pairs)), format!("query {name}"))
+                    }
+                    _ => continue, // headers (If-Match) are read by their own checks
+                };
+                let reply = plane.call(route.method, &path, Some(&admin), &json_header, full("{}")).await;
+                let shown: String = value.escape_debug().take(40).collect();
+                assert_eq!(
+                    reply.status,
+                    400,
+                    "{} {} {target}={shown}: {}",
+                    route.method,
+                    route.path,
+                    String::from_utf8_lossy(&reply.body)
+                );
+                let doc = reply.problem(400, ProblemType::Invalid);
+                if !must_name.is_empty() {
+                    let detail = doc["detail"].as_str().unwrap();
+                    assert!(
+                        detail.contains(&must_name),
+                        "{} {target}={shown}: the range is named: {detail}",
+                        route.path
+                    );
+                }
+                checked += 1;
+            }
+        }
+        // Each query route answers its valid base query: the refusals above were the bad values'.
+        if route.method == "GET" && params.iter().any(|p| p["in"] == "query") {
+            let path = format!("{}?{}", fill(route.path, "", ""), query(&base_query(route.path)));
+            let reply = plane.get(&path, Some(&admin)).await;
+            assert_eq!(reply.status, 200, "{path}: {reply:?}");
+        }
+    }
+    assert!(checked > 200, "only {checked} parameter cases were sent");
+
+    // Free text in bodies: every string field named like free text, on every route whose body
+    // has one, refused with 400 naming the field, nothing written. A new route with such a field
+    // fails here until it has a valid body below.
+    let valid_body = |method: &str, path: &str| -> Option<Value> {
+        Some(match (method, path) {
+            ("POST", "/api/v1/services") => json!({"name": "svc2", "description": "", "entries": ["tcp:80"]}),
+            ("PUT", "/api/v1/services/{name}") => json!({"description": "", "entries": ["tcp:80"]}),
+            ("POST", "/api/v1/address-groups") => {
+                json!({"name": "grp2", "description": "", "cidrs": ["198.51.100.0/24"]})
+            }
+            ("PUT", "/api/v1/address-groups/{name}") => {
+                json!({"description": "", "cidrs": ["198.51.100.0/24"]})
+            }
+            ("POST", "/api/v1/rulesets") => {
+                json!({"name": "rs2", "description": "", "scope": {"app": ["web"]}, "rules": []})
+            }
+            ("PUT", "/api/v1/rulesets/{name}") => {
+                json!({"name": "rs", "description": "", "scope": {"app": ["web"]}, "rules": []})
+            }
+            ("POST", "/api/v1/estate-ranges") => json!({"cidr": "203.0.113.0/24", "description": ""}),
+            ("POST", "/api/v1/operator-tokens") => json!({"name": "t2", "role": "viewer"}),
+            ("POST", "/api/v1/promotions") => {
+                json!({"ids": [workload], "expect_count": 1, "to": "simulation", "reason": "r"})
+            }
+            _ => return None,
+        })
+    };
+    let before = written(plane.pool()).await;
+    let free_text = ["description", "reason", "override_reason", "name"];
+    let mut bodies = 0;
+    for route in &routes {
+        let op = &doc["paths"][route.path][route.method.to_lowercase()];
+        let Some(schema) = op["requestBody"]["content"]["application/json"]["schema"]["$ref"].as_str() else {
+            continue;
+        };
+        let schema = &doc["components"]["schemas"][schema.rsplit('/').next().unwrap()];
+        let fields: Vec<&str> = schema["properties"]
+            .as_object()
+            .map(|p| p.keys().map(String::as_str).filter(|k| free_text.contains(k)).collect())
+            .unwrap_or_default();
+        if fields.is_empty() {
+            continue;
+        }
+        let body = valid_body(route.method, route.path).unwrap_or_else(|| {
+            panic!("{} {} takes free text: give it a valid body here", route.method, route.path)
+        });
+        // A rule's description is free text too.
+        let mut variants: Vec<(String, Value)> = Vec::new();
+        for field in &fields {
+            for value in &bad {
+                let mut b = body.clone();
+                b[*field] = json!(value);
+                variants.push(((*field).to_owned(), b));
+            }
+        }
+        if route.path.starts_with("/api/v1/rulesets") {
+            let mut b = body.clone();
+            b["rules"] = json!([{"name": "r", "description": "a\0b", "peers": [{"workloads": {"app": ["web"]}}], "services": []}]);
+            variants.push(("description".into(), b));
+        }
+        for (field, b) in variants {
+            let path = fill(route.path, "", "");
+            let reply = plane.write(route.method, &path, &admin, Some("\"1\""), &b).await;
+            let doc = reply.problem(400, ProblemType::Invalid);
+            let detail = doc["detail"].as_str().unwrap();
+            let named = field.replace('_', " ");
+            assert!(detail.contains(&named), "{} {path} {field}: the field is named: {detail}", route.method);
+            bodies += 1;
+        }
+    }
+    assert!(bodies >= 9 * 5, "only {bodies} free-text bodies were sent");
+    assert_eq!(written(plane.pool()).await, before, "a refused body wrote something");
+
+    // The request that panicked before (a rollup over 1600–2026) is refused again, and the
+    // replica still answers.
+    for _ in 0..2 {
+        let reply = plane
+            .get(
+                "/api/v1/flows/rollup?by=rule&from=1600-01-01T00:00:00Z&to=2026-01-01T00:00:00Z",
+                Some(&admin),
+            )
+            .await;
+        let doc = reply.problem(400, ProblemType::Invalid);
+        assert!(doc["detail"].as_str().unwrap().contains("2200-01-01T00:00:00Z"), "{doc}");
+    }
+    assert_eq!(plane.get("/api/v1/workloads", Some(&admin)).await.status, 200);
+    plane.stop().await;
+    let logged = errors.0.lock().unwrap().clone();
+    assert!(logged.is_empty(), "ERROR lines were logged: {logged:#?}");
 }

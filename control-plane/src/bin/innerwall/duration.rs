@@ -16,10 +16,7 @@ pub fn arg(text: &str) -> Result<std::time::Duration, String> {
 
 /// The instant `back` before now; a span reaching past 1970 (no evidence is older) means all.
 pub fn since(back: &std::time::Duration) -> chrono::DateTime<chrono::Utc> {
-    chrono::Duration::from_std(*back)
-        .ok()
-        .and_then(|back| chrono::Utc::now().checked_sub_signed(back))
-        .map_or(chrono::DateTime::UNIX_EPOCH, |at| at.max(chrono::DateTime::UNIX_EPOCH))
+    innerwall_control_plane::input::since(chrono::Utc::now(), *back)
 }
 
 /// `back` as the API's `since` parameter, exactly (the API measures it back from its now, as
