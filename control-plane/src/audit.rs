@@ -167,7 +167,8 @@ pub async fn page(
     if let Some(since) = filter.since {
         crate::input::instant("since", since)?;
     }
-    let before = request.after(AUDIT)?.map(|a| page::field::<i64>(&a, 0, AUDIT)).transpose()?;
+    let cursor_key = page::cursor_key(&mut *conn).await?;
+    let before = request.after(&cursor_key, AUDIT)?.map(|a| page::field::<i64>(&a, 0, AUDIT)).transpose()?;
     let rows: Vec<AuditRow> = sqlx::query_as(
         "SELECT id, at, actor, action, subject, detail, workload_versions, count, last_at FROM audit_log
          WHERE ($1::bigint IS NULL OR id < $1)
@@ -185,5 +186,5 @@ pub async fn page(
     .bind(limit + 1)
     .fetch_all(&mut *conn)
     .await?;
-    Ok(page::page(rows, limit, AUDIT, |r| serde_json::json!([r.id])))
+    Ok(page::page(&cursor_key, rows, limit, AUDIT, |r| serde_json::json!([r.id])))
 }

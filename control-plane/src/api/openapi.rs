@@ -42,7 +42,7 @@ pub const CHECKED_IN: &str = "openapi.json";
     ),
     paths(
         workloads::list, workloads::show, workloads::labels, workloads::put_labels, workloads::policy,
-        workloads::history, workloads::resend_snapshot, workloads::retire, workloads::deny,
+        workloads::history, workloads::history_version, workloads::resend_snapshot, workloads::retire, workloads::deny,
         workloads::release_address, workloads::sync_statuses, workloads::sync_status,
         catalog::list_services, catalog::create_service, catalog::show_service, catalog::update_service,
         catalog::delete_service, catalog::list_groups, catalog::create_group, catalog::show_group,

@@ -28,7 +28,7 @@ use crate::error::Error;
 use crate::page::Page;
 use crate::policy::authoring::{self, LabelsReplaced, ResendRequested};
 use crate::policy::store::{
-    self, PolicyView, SyncStatusView, WorkloadFacts, WorkloadFilter, WorkloadRow, WorkloadView,
+    self, PolicyVersionView, PolicyView, SyncStatusView, WorkloadFacts, WorkloadFilter, WorkloadRow, WorkloadView,
 };
 
 /// A workload id in a path.
@@ -216,20 +216,42 @@ pub struct PageQuery {
     cursor: Option<String>,
 }
 
-/// Every persisted version of the workload's policy, newest first.
+/// Every persisted version of the workload's policy, newest first: summaries (version, digest,
+/// rendered_at, size) with the path of each version in full, pages bounded in rows and bytes.
 #[utoipa::path(get, path = "/api/v1/workloads/{id}/policy/history", tag = "workloads",
     params(("id" = String, Path, description = "The workload id"), PageQuery),
-    responses((status = 200, description = "A page of versions", body = Page<PolicyView>)))]
+    responses((status = 200, description = "A page of versions", body = Page<PolicyVersionView>)))]
 pub async fn history(
     State(state): State<ApiState>,
     Path(id): Path<String>,
     Query(q): Query<PageQuery>,
-) -> Result<Json<Page<PolicyView>>, ApiError> {
+) -> Result<Json<Page<PolicyVersionView>>, ApiError> {
     let id = workload(&id)?;
     let request = page_request(q.limit, q.cursor, 20)?;
     let mut conn = state.pool.acquire().await.map_err(Error::from)?;
     store::workload_facts(&mut conn, id).await?.ok_or_else(|| not_found(id))?;
     Ok(Json(store::policy_history_page(&mut conn, id, &request).await?))
+}
+
+/// One persisted version of the workload's policy in full (a history row's `href`).
+#[utoipa::path(get, path = "/api/v1/workloads/{id}/policy/history/{version}", tag = "workloads",
+    params(("id" = String, Path, description = "The workload id"),
+        ("version" = u64, Path, description = "The policy version")),
+    responses((status = 200, description = "The policy at that version", body = PolicyView)))]
+pub async fn history_version(
+    State(state): State<ApiState>,
+    Path((id, version)): Path<(String, String)>,
+) -> Result<Json<PolicyView>, ApiError> {
+    let id = workload(&id)?;
+    let version = version.parse::<u64>().ok().filter(|v| *v >= 1 && i64::try_from(*v).is_ok()).ok_or_else(|| {
+        ApiError::Malformed(format!(
+            "policy version {version:?} is not a version: versions are whole numbers from 1 to {}",
+            i64::MAX
+        ))
+    })?;
+    let mut conn = state.pool.acquire().await.map_err(Error::from)?;
+    store::workload_facts(&mut conn, id).await?.ok_or_else(|| not_found(id))?;
+    Ok(Json(store::policy_version_view(&mut conn, id, version).await?))
 }
 
 /// The convergence of every workload that is not retired, by hostname (as `workload status

@@ -69,7 +69,8 @@ pub async fn list(
     if let Some(version) = filter.version {
         q.push(" AND policy_version = ").push_bind(version_code(version)?);
     }
-    if let Some(after) = request.after(RECORDS)? {
+    let cursor_key = crate::page::cursor_key(pool).await?;
+    if let Some(after) = request.after(&cursor_key, RECORDS)? {
         q.push(" AND (window_start, window_id, -ordinal, src_address, dst_address, dst_port, protocol) < (")
             .push_bind(page::field::<DateTime<Utc>>(&after, 0, RECORDS)?)
             .push(", ")
@@ -92,7 +93,7 @@ pub async fn list(
     )
     .push_bind(limit + 1);
     let rows: Vec<FlowRow> = q.build_query_as().fetch_all(pool).await?;
-    Ok(page::page(rows, limit, RECORDS, |r| {
+    Ok(page::page(&cursor_key, rows, limit, RECORDS, |r| {
         serde_json::json!([
             r.window_start,
             r.window_id,
@@ -144,7 +145,8 @@ pub async fn gaps(
     if let Some(workload) = workload {
         q.push(" AND workload_id = ").push_bind(workload.uuid());
     }
-    if let Some(after) = request.after(GAPS)? {
+    let cursor_key = crate::page::cursor_key(pool).await?;
+    if let Some(after) = request.after(&cursor_key, GAPS)? {
         q.push(" AND (gap_from, workload_id, window_id, ordinal, kind, gap_to, count, detail) < (")
             .push_bind(page::field::<DateTime<Utc>>(&after, 0, GAPS)?)
             .push(", ")
@@ -169,7 +171,7 @@ pub async fn gaps(
     )
     .push_bind(limit + 1);
     let rows: Vec<GapRow> = q.build_query_as().fetch_all(pool).await?;
-    Ok(page::page(rows, limit, GAPS, |g| {
+    Ok(page::page(&cursor_key, rows, limit, GAPS, |g| {
         serde_json::json!([
             g.gap_from,
             g.workload_id,

@@ -377,9 +377,10 @@ pub async fn rollup(
 ) -> Result<Page<RollupRow>, Error> {
     let limit = request.checked_limit()?;
     let kind = format!("rollup {by}");
-    let after = request.after(&kind)?;
     crate::input::instant("from", filter.from)?;
     crate::input::instant("to", filter.to)?;
+    let cursor_key = crate::page::cursor_key(pool).await?;
+    let after = request.after(&cursor_key, &kind)?;
     if filter.from >= filter.to {
         return Err(Error::Invalid(format!(
             "the range from {} to {} is empty; its start must be before its end",
@@ -487,7 +488,7 @@ pub async fn rollup(
     q.push(format!(") AS f ORDER BY {}", names.join(", ")));
     let parts: Vec<Part> = q.build_query_as().fetch_all(pool).await?;
     let rows = merge(parts, limit as usize + 1);
-    Ok(page::page(rows, limit, &kind, |row| key.iter().map(|c| c.of(row)).collect()))
+    Ok(page::page(&cursor_key, rows, limit, &kind, |row| key.iter().map(|c| c.of(row)).collect()))
 }
 
 /// The first `groups` groups of the parts (in key order, a group's parts next to each other),

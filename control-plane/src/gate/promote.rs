@@ -165,7 +165,8 @@ pub async fn page(
 ) -> Result<crate::page::Page<Promotion>, Error> {
     use crate::page;
     let limit = request.checked_limit()?;
-    let after = request.after_pair::<DateTime<Utc>, Uuid>(PROMOTIONS)?;
+    let cursor_key = page::cursor_key(&mut *conn).await?;
+    let after = request.after_pair::<DateTime<Utc>, Uuid>(&cursor_key, PROMOTIONS)?;
     let rows = sqlx::query(
         "SELECT id, at, actor, reason, override_reason, to_mode, scope, expected_count, workloads, verdict
          FROM promotions
@@ -178,7 +179,7 @@ pub async fn page(
     .fetch_all(&mut *conn)
     .await?;
     let rows = rows.into_iter().map(promotion).collect::<Result<Vec<_>, Error>>()?;
-    Ok(page::page(rows, limit, PROMOTIONS, |p| serde_json::json!([p.at, p.id])))
+    Ok(page::page(&cursor_key, rows, limit, PROMOTIONS, |p| serde_json::json!([p.at, p.id])))
 }
 
 /// One promotion record.

@@ -399,9 +399,10 @@ pub async fn page(
     use crate::page;
     let kind = OPERATOR_TOKENS;
     let limit = request.checked_limit()?;
-    let after = request.after_pair::<DateTime<Utc>, String>(kind)?;
+    let cursor_key = page::cursor_key(&mut *conn).await?;
+    let after = request.after_pair::<DateTime<Utc>, String>(&cursor_key, kind)?;
     let rows = views(conn, after, limit + 1).await?;
-    Ok(page::page(rows, limit, kind, |v| serde_json::json!([v.created_at, v.id])))
+    Ok(page::page(&cursor_key, rows, limit, kind, |v| serde_json::json!([v.created_at, v.id])))
 }
 
 /// Up to `limit` operator tokens after `after` (a created_at and id), newest first.

@@ -371,9 +371,10 @@ pub async fn page(
 ) -> Result<crate::page::Page<TokenView>, crate::error::Error> {
     use crate::page;
     let limit = request.checked_limit()?;
-    let after = request.after_pair::<DateTime<Utc>, Uuid>(TOKENS)?;
+    let cursor_key = page::cursor_key(&mut *conn).await?;
+    let after = request.after_pair::<DateTime<Utc>, Uuid>(&cursor_key, TOKENS)?;
     let rows = views(conn, after, limit + 1).await?;
-    Ok(page::page(rows, limit, TOKENS, |v| serde_json::json!([v.created_at, v.id])))
+    Ok(page::page(&cursor_key, rows, limit, TOKENS, |v| serde_json::json!([v.created_at, v.id])))
 }
 
 /// Up to `limit` tokens after `after` (a created_at and id), newest first.

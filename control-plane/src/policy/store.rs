@@ -574,7 +574,7 @@ async fn named_rows(
         Named::Page(request) => {
             let limit = request.checked_limit()?;
             let after =
-                request.after(kind)?.map(|a| crate::page::field::<String>(&a, 0, kind)).transpose()?;
+                request.after(&crate::page::cursor_key(&mut *conn).await?, kind)?.map(|a| crate::page::field::<String>(&a, 0, kind)).transpose()?;
             (after, None, limit)
         }
         Named::One(name) => (None, Some((*name).to_owned()), 1),
@@ -633,7 +633,8 @@ pub async fn service_page(
     request: &crate::page::PageRequest,
 ) -> Result<crate::page::Page<ServiceView>, Error> {
     let (views, limit) = services_of(conn, &Named::Page(request)).await?;
-    Ok(crate::page::page(views, limit, SERVICES, |v| serde_json::json!([v.name])))
+    let cursor_key = crate::page::cursor_key(&mut *conn).await?;
+    Ok(crate::page::page(&cursor_key, views, limit, SERVICES, |v| serde_json::json!([v.name])))
 }
 
 /// The service named `name`.
@@ -645,8 +646,38 @@ pub async fn service_view(conn: &mut PgConnection, name: &str) -> Result<Service
 async fn address_groups_of(
     conn: &mut PgConnection,
     which: &Named<'_>,
-) -> Result<(Vec<AddressGroupView>, i64), Error> {
-    let (rows, limit) = named_rows(conn, "address_groups", ADDRESS_GROUPS, which).await?;
+) -> Result<(Vec<AddressGroupView>, i64, bool), Error> {
+    let (mut rows, limit) = named_rows(conn, "address_groups", ADDRESS_GROUPS, which).await?;
+    let mut more = false;
+    if matches!(which, Named::Page(_)) {
+        // A page stops at its byte budget before its members are read: each group's weight as
+        // JSON is measured in SQL, from above (every byte of text as if escaped, a quote pair
+        // and a comma per address), and only the groups that fit are read.
+        let ids: Vec<Uuid> = rows.iter().map(|r| r.0).collect();
+        let weights: BTreeMap<Uuid, i64> = sqlx::query_as(
+            "SELECT g.id, 128 + 6 * (octet_length(g.name) + octet_length(g.description))
+                    + coalesce((SELECT sum(octet_length(c.cidr::text) + 3) FROM address_group_cidrs c
+                                WHERE c.group_id = g.id), 0)::bigint
+             FROM address_groups g WHERE g.id = ANY($1)",
+        )
+        .bind(&ids)
+        .fetch_all(&mut *conn)
+        .await?
+        .into_iter()
+        .collect();
+        let budget = i64::try_from(crate::page::PAGE_BYTES).unwrap_or(i64::MAX);
+        let mut total = 0i64;
+        let fit = rows
+            .iter()
+            .take(usize::try_from(limit).unwrap_or(usize::MAX))
+            .position(|r| {
+                total += weights.get(&r.0).copied().unwrap_or(0);
+                total > budget
+            })
+            .map_or(rows.len(), |over| over.max(1));
+        more = rows.len() > fit;
+        rows.truncate(fit);
+    }
     let ids: Vec<Uuid> = rows.iter().map(|r| r.0).collect();
     let mut cidrs: BTreeMap<Uuid, BTreeSet<Cidr>> = BTreeMap::new();
     for row in sqlx::query("SELECT group_id, cidr::text FROM address_group_cidrs WHERE group_id = ANY($1)")
@@ -666,21 +697,23 @@ async fn address_groups_of(
             cidrs: cidrs.remove(&id).unwrap_or_default().iter().map(ToString::to_string).collect(),
         })
         .collect();
-    Ok((views, limit))
+    Ok((views, limit, more))
 }
 
-/// A page of the address groups, by name.
+/// A page of the address groups, by name; the members of groups past the page's byte budget
+/// are never read.
 pub async fn address_group_page(
     conn: &mut PgConnection,
     request: &crate::page::PageRequest,
 ) -> Result<crate::page::Page<AddressGroupView>, Error> {
-    let (views, limit) = address_groups_of(conn, &Named::Page(request)).await?;
-    Ok(crate::page::page(views, limit, ADDRESS_GROUPS, |v| serde_json::json!([v.name])))
+    let (views, limit, more) = address_groups_of(conn, &Named::Page(request)).await?;
+    let cursor_key = crate::page::cursor_key(&mut *conn).await?;
+    Ok(crate::page::page_more(&cursor_key, views, limit, more, ADDRESS_GROUPS, |v| serde_json::json!([v.name])))
 }
 
 /// The address group named `name`.
 pub async fn address_group_view(conn: &mut PgConnection, name: &str) -> Result<AddressGroupView, Error> {
-    let (views, _) = address_groups_of(conn, &Named::One(name)).await?;
+    let (views, _, _) = address_groups_of(conn, &Named::One(name)).await?;
     views.into_iter().next().ok_or_else(|| Error::NotFound { what: "address group", name: name.to_owned() })
 }
 
@@ -698,7 +731,8 @@ pub async fn ruleset_page(
     request: &crate::page::PageRequest,
 ) -> Result<crate::page::Page<RulesetView>, Error> {
     let (views, limit) = rulesets_of(conn, &Named::Page(request)).await?;
-    Ok(crate::page::page(views, limit, RULESETS, |v| serde_json::json!([v.spec.name])))
+    let cursor_key = crate::page::cursor_key(&mut *conn).await?;
+    Ok(crate::page::page(&cursor_key, views, limit, RULESETS, |v| serde_json::json!([v.spec.name])))
 }
 
 /// The ruleset named `name`.
@@ -713,8 +747,9 @@ pub async fn estate_range_page(
     request: &crate::page::PageRequest,
 ) -> Result<crate::page::Page<EstateRangeView>, Error> {
     let limit = request.checked_limit()?;
+    let cursor_key = crate::page::cursor_key(&mut *conn).await?;
     let after = request
-        .after(ESTATE_RANGES)?
+        .after(&cursor_key, ESTATE_RANGES)?
         .map(|a| crate::page::field::<String>(&a, 0, ESTATE_RANGES))
         .transpose()?;
     let after = after
@@ -732,7 +767,7 @@ pub async fn estate_range_page(
     .bind(limit + 1)
     .fetch_all(&mut *conn)
     .await?;
-    Ok(crate::page::page(views, limit, ESTATE_RANGES, |v| serde_json::json!([v.cidr])))
+    Ok(crate::page::page(&cursor_key, views, limit, ESTATE_RANGES, |v| serde_json::json!([v.cidr])))
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
@@ -1011,7 +1046,8 @@ pub async fn sync_status_page(
 ) -> Result<crate::page::Page<SyncStatusView>, Error> {
     use crate::page;
     let limit = request.checked_limit()?;
-    let after = request.after_pair::<String, Uuid>(SYNC_STATUS_KIND)?;
+    let cursor_key = page::cursor_key(&mut *conn).await?;
+    let after = request.after_pair::<String, Uuid>(&cursor_key, SYNC_STATUS_KIND)?;
     let sql = format!(
         "{} AND ($1::text IS NULL OR (w.hostname, w.id) > ($1, $2::uuid))
          ORDER BY w.hostname, w.id LIMIT $3",
@@ -1025,7 +1061,7 @@ pub async fn sync_status_page(
         .await?;
     with_address_issues(conn, &mut views).await?;
     with_lifecycle(conn, &mut views).await?;
-    Ok(page::page(views, limit, SYNC_STATUS_KIND, |v| serde_json::json!([v.hostname, v.id])))
+    Ok(page::page(&cursor_key, views, limit, SYNC_STATUS_KIND, |v| serde_json::json!([v.hostname, v.id])))
 }
 
 /// Fills in each view's addresses that are not rendered.
@@ -1148,7 +1184,8 @@ pub async fn workload_page(
                 .push("))");
         }
     }
-    if let Some(after) = request.after(WORKLOADS)? {
+    let cursor_key = page::cursor_key(&mut *conn).await?;
+    if let Some(after) = request.after(&cursor_key, WORKLOADS)? {
         let rank = page::field::<i32>(&after, 0, WORKLOADS)?;
         let seen = page::field::<i64>(&after, 1, WORKLOADS)?;
         let id = page::field::<Uuid>(&after, 2, WORKLOADS)?;
@@ -1199,7 +1236,7 @@ pub async fn workload_page(
             Ok((key, view))
         })
         .collect::<Result<Vec<_>, Error>>()?;
-    let page = page::page(rows, limit, WORKLOADS, |(key, _)| serde_json::json!([key.0, key.1, key.2]));
+    let page = page::page(&cursor_key, rows, limit, WORKLOADS, |(key, _)| serde_json::json!([key.0, key.1, key.2]));
     Ok(page::Page {
         rows: page.rows.into_iter().map(|(_, view)| view).collect(),
         truncated: page.truncated,
@@ -1294,22 +1331,45 @@ pub async fn policy_view(conn: &mut PgConnection, id: WorkloadId) -> Result<Poli
     Ok(PolicyView::of(id, &policy, rendered_at))
 }
 
-const HISTORY: &str = "policy history";
+/// One persisted version of a workload's policy without its rules: what a history page lists
+/// (a page of full policies could weigh tens of megabytes). `href` reads the version in full.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct PolicyVersionView {
+    pub workload: String,
+    pub version: u64,
+    /// SHA-256 of the policy's content (without its version), lower-case hex: versions with the
+    /// same digest enforce the same rules.
+    pub digest: String,
+    pub rendered_at: chrono::DateTime<chrono::Utc>,
+    /// The size of the stored policy in bytes (uncompressed), as the database measures it.
+    pub bytes: i64,
+    /// The API path of this version in full.
+    pub href: String,
+}
 
-/// A workload's persisted policy versions, newest first, a page at a time.
+/// The list a workload's history cursors belong to: one workload's, no other's.
+fn history_kind(id: WorkloadId) -> String {
+    format!("policy history of workload {id}")
+}
+
+/// A workload's persisted policy versions, newest first, a page at a time: summaries measured
+/// in SQL (no policy is read or decoded), [`policy_version_view`] reads one in full.
 pub async fn policy_history_page(
     conn: &mut PgConnection,
     id: WorkloadId,
     request: &crate::page::PageRequest,
-) -> Result<crate::page::Page<PolicyView>, Error> {
+) -> Result<crate::page::Page<PolicyVersionView>, Error> {
     use crate::page;
+    let kind = history_kind(id);
     let limit = request.checked_limit()?;
-    let before = match request.after(HISTORY)? {
-        Some(after) => page::field::<i64>(&after, 0, HISTORY)?,
+    let cursor_key = page::cursor_key(&mut *conn).await?;
+    let before = match request.after(&cursor_key, &kind)? {
+        Some(after) => page::field::<i64>(&after, 0, &kind)?,
         None => i64::MAX,
     };
     let rows = sqlx::query(
-        "SELECT h.version, c.policy, h.rendered_at
+        "SELECT h.version, encode(h.digest, 'hex') AS digest, h.rendered_at,
+                octet_length(c.policy)::bigint AS bytes
          FROM workload_policy_history h JOIN policy_contents c ON c.digest = h.digest
          WHERE h.workload_id = $1 AND h.version < $2 ORDER BY h.version DESC LIMIT $3",
     )
@@ -1321,9 +1381,39 @@ pub async fn policy_history_page(
     let views = rows
         .iter()
         .map(|row| {
-            let (policy, rendered_at) = decode_row(row)?;
-            Ok(PolicyView::of(id, &policy, rendered_at))
+            let version = u64::try_from(row.get::<i64, _>("version"))
+                .map_err(|_| Error::Corrupt { what: "policy version", detail: format!("workload {id}: negative") })?;
+            Ok(PolicyVersionView {
+                workload: id.to_string(),
+                version,
+                digest: row.get("digest"),
+                rendered_at: row.get("rendered_at"),
+                bytes: row.get("bytes"),
+                href: format!("/api/v1/workloads/{id}/policy/history/{version}"),
+            })
         })
         .collect::<Result<Vec<_>, Error>>()?;
-    Ok(page::page(views, limit, HISTORY, |v| serde_json::json!([v.version])))
+    Ok(page::page(&cursor_key, views, limit, &kind, |v| serde_json::json!([v.version])))
+}
+
+/// One persisted version of a workload's policy in full (its size is the render's bound).
+pub async fn policy_version_view(
+    conn: &mut PgConnection,
+    id: WorkloadId,
+    version: u64,
+) -> Result<PolicyView, Error> {
+    let missing = || Error::NotFound { what: "policy version of workload", name: format!("{id} version {version}") };
+    let Ok(version) = i64::try_from(version) else { return Err(missing()) };
+    let row = sqlx::query(
+        "SELECT h.version, c.policy, h.rendered_at
+         FROM workload_policy_history h JOIN policy_contents c ON c.digest = h.digest
+         WHERE h.workload_id = $1 AND h.version = $2",
+    )
+    .bind(id.uuid())
+    .bind(version)
+    .fetch_optional(&mut *conn)
+    .await?
+    .ok_or_else(missing)?;
+    let (policy, rendered_at) = decode_row(&row)?;
+    Ok(PolicyView::of(id, &policy, rendered_at))
 }

@@ -587,6 +587,14 @@ async fn api_serves_the_fleet_and_the_catalog() {
     );
     let history = plane.get(&format!("/api/v1/workloads/{web}/policy/history"), token).await.json();
     assert_eq!(history["rows"].as_array().unwrap().len(), 1);
+    // History lists summaries; each row's href reads that version in full.
+    let row = &history["rows"][0];
+    assert_eq!((row["version"].as_u64(), row["rules"].is_null()), (Some(1), true));
+    assert!(row["bytes"].as_i64().is_some_and(|b| b > 0) && row["digest"].as_str().is_some_and(|d| d.len() == 64));
+    let full = plane.get(row["href"].as_str().unwrap(), token).await.json();
+    assert_eq!((full["version"].as_u64(), full["rules"].is_array()), (Some(1), true));
+    plane.get(&format!("/api/v1/workloads/{web}/policy/history/2"), token).await.problem(404, ProblemType::NotFound);
+    plane.get(&format!("/api/v1/workloads/{web}/policy/history/0"), token).await.problem(400, ProblemType::Invalid);
     let unknown = WorkloadId::new_random();
     plane.get(&format!("/api/v1/workloads/{unknown}"), token).await.problem(404, ProblemType::NotFound);
     let reply = plane
@@ -856,6 +864,7 @@ const EXPECTED_ROUTES: &[(&str, &str, Option<&str>)] = &[
     ("PUT", "/api/v1/workloads/{id}/labels", Some("editor")),
     ("GET", "/api/v1/workloads/{id}/policy", Some("viewer")),
     ("GET", "/api/v1/workloads/{id}/policy/history", Some("viewer")),
+    ("GET", "/api/v1/workloads/{id}/policy/history/{version}", Some("viewer")),
     ("POST", "/api/v1/workloads/{id}/release-address", Some("editor")),
     ("POST", "/api/v1/workloads/{id}/resend-snapshot", Some("editor")),
     ("POST", "/api/v1/workloads/{id}/retire", Some("admin")),

@@ -1,6 +1,7 @@
 //! The control plane's integration tests: one binary, one module per area.
 
 mod addresses;
+mod answers;
 mod api;
 mod bounds;
 mod cli;
