@@ -218,7 +218,7 @@ pub async fn render_bounded(
 ) -> Result<Committed<()>, Error> {
     let mut tx = pool.begin().await?;
     take_expensive(&mut tx, Expensive::Render, actor, bounds).await?;
-    let changed = publish(&mut tx).await?;
+    let changed = publish_with(&mut tx, Overflow::Hold).await?;
     let record = audit::Record {
         workload_versions: changed.iter().map(|c| (c.workload.to_string(), c.version)).collect(),
         ..audit::Record::new(actor, Expensive::Render.action(), "all")
