@@ -284,7 +284,8 @@ mod tests {
         let mut seen = Vec::new();
         let mut at = 0;
         loop {
-            let p = page_within(&key(), rows[at..].to_vec(), 10, false, 320, "test", |r| serde_json::json!([r]));
+            let p =
+                page_within(&key(), rows[at..].to_vec(), 10, false, 320, "test", |r| serde_json::json!([r]));
             at += p.rows.len();
             seen.extend(p.rows);
             if p.next_cursor.is_none() {

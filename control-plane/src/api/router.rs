@@ -64,7 +64,12 @@ pub fn build(state: ApiState) -> (Router, Vec<Route>) {
         .mount("PUT", "/api/v1/workloads/{id}/labels", Some(Editor), workloads::put_labels)
         .mount("GET", "/api/v1/workloads/{id}/policy", Some(Viewer), workloads::policy)
         .mount("GET", "/api/v1/workloads/{id}/policy/history", Some(Viewer), workloads::history)
-        .mount("GET", "/api/v1/workloads/{id}/policy/history/{version}", Some(Viewer), workloads::history_version)
+        .mount(
+            "GET",
+            "/api/v1/workloads/{id}/policy/history/{version}",
+            Some(Viewer),
+            workloads::history_version,
+        )
         .mount("POST", "/api/v1/workloads/{id}/resend-snapshot", Some(Editor), workloads::resend_snapshot)
         .mount("POST", "/api/v1/workloads/{id}/retire", Some(Admin), workloads::retire)
         .mount("POST", "/api/v1/workloads/{id}/deny", Some(Admin), workloads::deny)

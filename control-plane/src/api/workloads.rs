@@ -28,7 +28,8 @@ use crate::error::Error;
 use crate::page::Page;
 use crate::policy::authoring::{self, LabelsReplaced, ResendRequested};
 use crate::policy::store::{
-    self, PolicyVersionView, PolicyView, SyncStatusView, WorkloadFacts, WorkloadFilter, WorkloadRow, WorkloadView,
+    self, PolicyVersionView, PolicyView, SyncStatusView, WorkloadFacts, WorkloadFilter, WorkloadRow,
+    WorkloadView,
 };
 
 /// A workload id in a path.
@@ -243,12 +244,13 @@ pub async fn history_version(
     Path((id, version)): Path<(String, String)>,
 ) -> Result<Json<PolicyView>, ApiError> {
     let id = workload(&id)?;
-    let version = version.parse::<u64>().ok().filter(|v| *v >= 1 && i64::try_from(*v).is_ok()).ok_or_else(|| {
-        ApiError::Malformed(format!(
-            "policy version {version:?} is not a version: versions are whole numbers from 1 to {}",
-            i64::MAX
-        ))
-    })?;
+    let version =
+        version.parse::<u64>().ok().filter(|v| *v >= 1 && i64::try_from(*v).is_ok()).ok_or_else(|| {
+            ApiError::Malformed(format!(
+                "policy version {version:?} is not a version: versions are whole numbers from 1 to {}",
+                i64::MAX
+            ))
+        })?;
     let mut conn = state.pool.acquire().await.map_err(Error::from)?;
     store::workload_facts(&mut conn, id).await?.ok_or_else(|| not_found(id))?;
     Ok(Json(store::policy_version_view(&mut conn, id, version).await?))

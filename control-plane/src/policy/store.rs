@@ -573,8 +573,10 @@ async fn named_rows(
     let (after, only, limit) = match which {
         Named::Page(request) => {
             let limit = request.checked_limit()?;
-            let after =
-                request.after(&crate::page::cursor_key(&mut *conn).await?, kind)?.map(|a| crate::page::field::<String>(&a, 0, kind)).transpose()?;
+            let after = request
+                .after(&crate::page::cursor_key(&mut *conn).await?, kind)?
+                .map(|a| crate::page::field::<String>(&a, 0, kind))
+                .transpose()?;
             (after, None, limit)
         }
         Named::One(name) => (None, Some((*name).to_owned()), 1),
@@ -708,7 +710,9 @@ pub async fn address_group_page(
 ) -> Result<crate::page::Page<AddressGroupView>, Error> {
     let (views, limit, more) = address_groups_of(conn, &Named::Page(request)).await?;
     let cursor_key = crate::page::cursor_key(&mut *conn).await?;
-    Ok(crate::page::page_more(&cursor_key, views, limit, more, ADDRESS_GROUPS, |v| serde_json::json!([v.name])))
+    Ok(crate::page::page_more(&cursor_key, views, limit, more, ADDRESS_GROUPS, |v| {
+        serde_json::json!([v.name])
+    }))
 }
 
 /// The address group named `name`.
@@ -1236,7 +1240,8 @@ pub async fn workload_page(
             Ok((key, view))
         })
         .collect::<Result<Vec<_>, Error>>()?;
-    let page = page::page(&cursor_key, rows, limit, WORKLOADS, |(key, _)| serde_json::json!([key.0, key.1, key.2]));
+    let page =
+        page::page(&cursor_key, rows, limit, WORKLOADS, |(key, _)| serde_json::json!([key.0, key.1, key.2]));
     Ok(page::Page {
         rows: page.rows.into_iter().map(|(_, view)| view).collect(),
         truncated: page.truncated,
@@ -1381,8 +1386,10 @@ pub async fn policy_history_page(
     let views = rows
         .iter()
         .map(|row| {
-            let version = u64::try_from(row.get::<i64, _>("version"))
-                .map_err(|_| Error::Corrupt { what: "policy version", detail: format!("workload {id}: negative") })?;
+            let version = u64::try_from(row.get::<i64, _>("version")).map_err(|_| Error::Corrupt {
+                what: "policy version",
+                detail: format!("workload {id}: negative"),
+            })?;
             Ok(PolicyVersionView {
                 workload: id.to_string(),
                 version,
@@ -1402,7 +1409,8 @@ pub async fn policy_version_view(
     id: WorkloadId,
     version: u64,
 ) -> Result<PolicyView, Error> {
-    let missing = || Error::NotFound { what: "policy version of workload", name: format!("{id} version {version}") };
+    let missing =
+        || Error::NotFound { what: "policy version of workload", name: format!("{id} version {version}") };
     let Ok(version) = i64::try_from(version) else { return Err(missing()) };
     let row = sqlx::query(
         "SELECT h.version, c.policy, h.rendered_at

@@ -33,10 +33,12 @@ use serde_json::Value;
 
 /// How much serve's resident set may grow at its peak over its size before the readers start.
 /// Each answer is bounded by `PAGE_BYTES` (1 MiB) of rows; twelve readers at once, each holding
-/// a page and its serialization, and the database rows behind it, need a few times that. Before
-/// pages had a byte budget, eight parallel history pages of this estate took serve up by
-/// hundreds of megabytes (issue 26: 251 → 869 MB).
-const RSS_GROWTH_BOUND: u64 = 96 << 20;
+/// a page, its serialization and the database rows behind it, need a few times that at worst.
+/// Measured on the project's machine kind (2 cores, debug build): 3.4 MiB in the first round,
+/// 4.5 MiB in the second. Before history pages were summaries with a byte budget, each history
+/// reader here asked for every version in full, about 100 MB of JSON (issue 26: eight parallel
+/// history pages took serve from 251 to 869 MB).
+const RSS_GROWTH_BOUND: u64 = 48 << 20;
 
 const WORKLOADS: usize = 4;
 const VERSIONS: i64 = 40;
@@ -89,9 +91,11 @@ impl Serve {
 
     /// (VmRSS, VmHWM) in bytes, from /proc/<pid>/status.
     fn memory(&self) -> (u64, u64) {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).expect("proc status");
+        let status =
+            std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).expect("proc status");
         let field = |name: &str| -> u64 {
-            let line = status.lines().find_map(|l| l.strip_prefix(name)).unwrap_or_else(|| panic!("no {name}"));
+            let line =
+                status.lines().find_map(|l| l.strip_prefix(name)).unwrap_or_else(|| panic!("no {name}"));
             line.trim().trim_end_matches("kB").trim().parse::<u64>().expect("kB") * 1024
         };
         (field("VmRSS:"), field("VmHWM:"))
@@ -141,7 +145,8 @@ impl Client {
     async fn get(&self, path: &str) -> (u16, String, Vec<u8>) {
         let tcp = tokio::net::TcpStream::connect(&self.addr).await.unwrap();
         let stream = self.tls.connect(ServerName::try_from("localhost").unwrap(), tcp).await.unwrap();
-        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
+        let (mut sender, connection) =
+            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
         tokio::spawn(connection);
         let request = hyper::Request::builder()
             .uri(path)
@@ -207,7 +212,11 @@ fn innerwall(args: &[&str]) -> (Option<i32>, String, String) {
         command.env_remove(var);
     }
     let out = command.args(args).output().expect("running innerwall");
-    (out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 /// The estate: workloads with long histories of large policies, large address groups, a CA
@@ -238,13 +247,11 @@ async fn estate(db: &TestDatabase) -> (Vec<WorkloadId>, PathBuf, String, String)
 
     // One large policy content, shared by every version (contents are stored once), as a render
     // would have written it.
-    let peers = (0..PEERS).map(|n| Cidr::parse(&format!("{}/32", std::net::Ipv4Addr::from(0x0a00_0000 + n))).unwrap());
-    let rule = ResolvedRule::new(
-        RuleId::parse("wide/tcp").unwrap(),
-        [PortRange::new(443, 443).unwrap()],
-        peers,
-    )
-    .unwrap();
+    let peers = (0..PEERS)
+        .map(|n| Cidr::parse(&format!("{}/32", std::net::Ipv4Addr::from(0x0a00_0000 + n))).unwrap());
+    let rule =
+        ResolvedRule::new(RuleId::parse("wide/tcp").unwrap(), [PortRange::new(443, 443).unwrap()], peers)
+            .unwrap();
     let policy = WorkloadPolicy::new(0, Mode::Enforcement, [rule]).unwrap();
     let content = Content::of(&policy);
     sqlx::query("INSERT INTO policy_contents (digest, policy) VALUES ($1, $2) ON CONFLICT DO NOTHING")
@@ -282,7 +289,16 @@ async fn estate(db: &TestDatabase) -> (Vec<WorkloadId>, PathBuf, String, String)
     .unwrap();
 
     let (code, out, err) = innerwall(&[
-        "--json", "--database-url", db.url.as_str(), "operator", "token", "mint", "--name", "reader", "--role", "viewer",
+        "--json",
+        "--database-url",
+        db.url.as_str(),
+        "operator",
+        "token",
+        "mint",
+        "--name",
+        "reader",
+        "--role",
+        "viewer",
     ]);
     assert_eq!(code, Some(0), "{err}");
     let token: Value = serde_json::from_str(&out).unwrap();
@@ -334,7 +350,8 @@ async fn viewer_answers_are_bounded() {
         serve.reset_peak();
         let mut readers = Vec::new();
         for r in 0..8 {
-            let (client, id, expected) = (client.clone(), ids[r % WORKLOADS], expected[r % WORKLOADS].clone());
+            let (client, id, expected) =
+                (client.clone(), ids[r % WORKLOADS], expected[r % WORKLOADS].clone());
             readers.push(tokio::spawn(async move {
                 let (rows, _) = client.walk(&format!("/api/v1/workloads/{id}/policy/history"), 1000).await;
                 let got: Vec<u64> = rows.iter().map(|r| r["version"].as_u64().unwrap()).collect();
@@ -374,14 +391,31 @@ async fn viewer_answers_are_bounded() {
             mib(growth),
             mib(RSS_GROWTH_BOUND)
         );
-        assert!(growth < RSS_GROWTH_BOUND, "serve grew by {} at its peak (bound {})", mib(growth), mib(RSS_GROWTH_BOUND));
+        assert!(
+            growth < RSS_GROWTH_BOUND,
+            "serve grew by {} at its peak (bound {})",
+            mib(growth),
+            mib(RSS_GROWTH_BOUND)
+        );
     }
 
     // The CLI reads the same bounded pages, through the API and from the database: every group
     // once.
     let api = format!("https://localhost:{}", addr.rsplit(':').next().unwrap());
     for args in [
-        vec!["--json", "--page-size", "1000", "--api", api.as_str(), "--token", token.as_str(), "--api-ca", ca.as_str(), "address-group", "list"],
+        vec![
+            "--json",
+            "--page-size",
+            "1000",
+            "--api",
+            api.as_str(),
+            "--token",
+            token.as_str(),
+            "--api-ca",
+            ca.as_str(),
+            "address-group",
+            "list",
+        ],
         vec!["--json", "--page-size", "1000", "--database-url", db.url.as_str(), "address-group", "list"],
     ] {
         let (code, out, err) = innerwall(&args);
@@ -411,7 +445,8 @@ async fn cursors_are_authenticated() {
     let (_, _, body) = client.get(&format!("{}?limit=2", history(ids[0]))).await;
     let page: Value = serde_json::from_slice(&body).unwrap();
     let cursor = page["next_cursor"].as_str().expect("a long history has a next page").to_owned();
-    let after_first: Vec<u64> = page["rows"].as_array().unwrap().iter().map(|r| r["version"].as_u64().unwrap()).collect();
+    let after_first: Vec<u64> =
+        page["rows"].as_array().unwrap().iter().map(|r| r["version"].as_u64().unwrap()).collect();
     let (_, _, body) = client.get("/api/v1/address-groups?limit=1").await;
     let groups: Value = serde_json::from_slice(&body).unwrap();
     let group_cursor = groups["next_cursor"].as_str().unwrap().to_owned();
@@ -443,7 +478,10 @@ async fn cursors_are_authenticated() {
         ("a history cursor on the group list", format!("/api/v1/address-groups?cursor={cursor}")),
         ("a group cursor on the workload list", format!("/api/v1/workloads?cursor={group_cursor}")),
         ("a group cursor on the audit log", format!("/api/v1/audit?cursor={group_cursor}")),
-        ("a group cursor on the flow records", format!("/api/v1/flows?workload={}&cursor={group_cursor}", ids[0])),
+        (
+            "a group cursor on the flow records",
+            format!("/api/v1/flows?workload={}&cursor={group_cursor}", ids[0]),
+        ),
     ] {
         Client::refused(&client.get(&path).await, what);
     }

@@ -590,11 +590,19 @@ async fn api_serves_the_fleet_and_the_catalog() {
     // History lists summaries; each row's href reads that version in full.
     let row = &history["rows"][0];
     assert_eq!((row["version"].as_u64(), row["rules"].is_null()), (Some(1), true));
-    assert!(row["bytes"].as_i64().is_some_and(|b| b > 0) && row["digest"].as_str().is_some_and(|d| d.len() == 64));
-    let full = plane.get(row["href"].as_str().unwrap(), token).await.json();
-    assert_eq!((full["version"].as_u64(), full["rules"].is_array()), (Some(1), true));
-    plane.get(&format!("/api/v1/workloads/{web}/policy/history/2"), token).await.problem(404, ProblemType::NotFound);
-    plane.get(&format!("/api/v1/workloads/{web}/policy/history/0"), token).await.problem(400, ProblemType::Invalid);
+    assert!(
+        row["bytes"].as_i64().is_some_and(|b| b > 0) && row["digest"].as_str().is_some_and(|d| d.len() == 64)
+    );
+    let whole = plane.get(row["href"].as_str().unwrap(), token).await.json();
+    assert_eq!((whole["version"].as_u64(), whole["rules"].is_array()), (Some(1), true));
+    plane
+        .get(&format!("/api/v1/workloads/{web}/policy/history/2"), token)
+        .await
+        .problem(404, ProblemType::NotFound);
+    plane
+        .get(&format!("/api/v1/workloads/{web}/policy/history/0"), token)
+        .await
+        .problem(400, ProblemType::Invalid);
     let unknown = WorkloadId::new_random();
     plane.get(&format!("/api/v1/workloads/{unknown}"), token).await.problem(404, ProblemType::NotFound);
     let reply = plane
