@@ -584,6 +584,22 @@ mod tests {
         assert!(matches!(refused("sync refused", &bare), SessionEnd::Closed(_)));
     }
 
+    #[test]
+    fn only_an_update_the_agent_cannot_decode_is_unreadable() {
+        let over = tonic::Status::out_of_range(
+            "Error, decoded message length too large: found 5000 bytes, the limit is: 2048 bytes",
+        );
+        assert!(unreadable(&over));
+        assert!(unreadable(&tonic::Status::internal("failed to decode Protobuf message: invalid wire type")));
+        for other in [
+            tonic::Status::internal("h2 protocol error"),
+            tonic::Status::unavailable("down"),
+            tonic::Status::aborted("superseded"),
+        ] {
+            assert!(!unreadable(&other), "{other:?}");
+        }
+    }
+
     fn policy(version: u64, ports: &[u16]) -> WorkloadPolicy {
         testing::policy(version, Mode::Enforcement, ports)
     }

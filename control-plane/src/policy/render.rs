@@ -557,8 +557,9 @@ mod tests {
         let model = db_model(vec![rule(10, peers, &[2]), rule(11, vec![], &[1])]);
         let rendered = render(&model, &estate()).unwrap();
         let policy = rendered.get(&wid(1)).unwrap();
-        // Rule 10: icmp, tcp (80, 443) and udp (443), each with the 5 peers; rule 11: tcp 5432.
-        let entries = (5 + 0) + (5 + 2) + (5 + 1) + 1;
+        // Rule 10: icmp (no ports), tcp (80, 443) and udp (443), each with the 5 peers; rule 11:
+        // tcp 5432 alone.
+        let entries = 5 + (5 + 2) + (5 + 1) + 1;
         let exact = Bound { entries, bytes: 10_000 };
         assert_eq!(oversize(policy, 100, exact), None, "at the bound is within it");
         let over = oversize(policy, 100, Bound { entries: entries - 1, ..exact }).unwrap();
