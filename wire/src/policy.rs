@@ -168,7 +168,7 @@ impl Cidr {
                     }
                 })
                 .collect::<Option<_>>()?;
-            <[u8; 4]>::try_from(octets).ok().map(|o| IpAddr::from(o))
+            <[u8; 4]>::try_from(octets).ok().map(IpAddr::from)
         })?;
         let bare = len.is_none();
         let len = match len {

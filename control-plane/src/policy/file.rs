@@ -9,7 +9,7 @@ use std::ffi::CStr;
 use std::mem::MaybeUninit;
 
 use serde::de::DeserializeOwned;
-use unsafe_libyaml_norway as sys;
+use unsafe_libyaml_norway as unsafe_yaml;
 
 use crate::error::Error;
 
@@ -100,39 +100,39 @@ fn scan(input: &[u8]) -> Scan {
 
 /// libyaml's parser over a borrowed input, deleted on drop.
 struct Parser<'a> {
-    sys: Box<MaybeUninit<sys::yaml_parser_t>>,
+    sys: Box<MaybeUninit<unsafe_yaml::yaml_parser_t>>,
     _input: &'a [u8],
 }
 
 impl<'a> Parser<'a> {
     #[allow(unsafe_code)]
     fn new(input: &'a [u8]) -> Option<Self> {
-        let mut sys = Box::new(MaybeUninit::<sys::yaml_parser_t>::uninit());
+        let mut sys = Box::new(MaybeUninit::<unsafe_yaml::yaml_parser_t>::uninit());
         let p = sys.as_mut_ptr();
         // SAFETY: `p` points at writable memory for a parser, which initialize fills; on
         // failure nothing was allocated. The input outlives the parser (the lifetime `'a`),
         // and `Drop` deletes the parser before the borrow ends.
         unsafe {
-            if !sys::yaml_parser_initialize(p).ok {
+            if !unsafe_yaml::yaml_parser_initialize(p).ok {
                 return None;
             }
-            sys::yaml_parser_set_encoding(p, sys::YAML_UTF8_ENCODING);
-            sys::yaml_parser_set_input_string(p, input.as_ptr(), input.len() as u64);
+            unsafe_yaml::yaml_parser_set_encoding(p, unsafe_yaml::YAML_UTF8_ENCODING);
+            unsafe_yaml::yaml_parser_set_input_string(p, input.as_ptr(), input.len() as u64);
         }
         Some(Parser { sys, _input: input })
     }
 
     /// The next event, `None` at a syntax error (or after the end).
     #[allow(unsafe_code)]
-    fn next(&mut self) -> Option<(Seen, sys::yaml_mark_t)> {
+    fn next(&mut self) -> Option<(Seen, unsafe_yaml::yaml_mark_t)> {
         let p = self.sys.as_mut_ptr();
-        let mut event = MaybeUninit::<sys::yaml_event_t>::uninit();
+        let mut event = MaybeUninit::<unsafe_yaml::yaml_event_t>::uninit();
         // SAFETY: the parser was initialized in `new`; it is not driven after an error or the
         // end (`scan` stops at both; libyaml would give empty events, read as the end).
         // On success `event` is initialized, its anchor pointers are NUL-terminated strings or
         // null, read only for the variant its type names, copied, and the event is deleted once.
         unsafe {
-            if !sys::yaml_parser_parse(p, event.as_mut_ptr()).ok {
+            if !unsafe_yaml::yaml_parser_parse(p, event.as_mut_ptr()).ok {
                 return None;
             }
             let e = event.as_mut_ptr();
@@ -140,15 +140,17 @@ impl<'a> Parser<'a> {
                 (!ptr.is_null()).then(|| CStr::from_ptr(ptr.cast()).to_string_lossy().into_owned())
             };
             let seen = match (*e).type_ {
-                sys::YAML_STREAM_END_EVENT | sys::YAML_NO_EVENT => Seen::End,
-                sys::YAML_ALIAS_EVENT => Seen::Alias(anchor((*e).data.alias.anchor).unwrap_or_default()),
-                sys::YAML_SCALAR_EVENT => Seen::Node(anchor((*e).data.scalar.anchor)),
-                sys::YAML_SEQUENCE_START_EVENT => Seen::Node(anchor((*e).data.sequence_start.anchor)),
-                sys::YAML_MAPPING_START_EVENT => Seen::Node(anchor((*e).data.mapping_start.anchor)),
+                unsafe_yaml::YAML_STREAM_END_EVENT | unsafe_yaml::YAML_NO_EVENT => Seen::End,
+                unsafe_yaml::YAML_ALIAS_EVENT => {
+                    Seen::Alias(anchor((*e).data.alias.anchor).unwrap_or_default())
+                }
+                unsafe_yaml::YAML_SCALAR_EVENT => Seen::Node(anchor((*e).data.scalar.anchor)),
+                unsafe_yaml::YAML_SEQUENCE_START_EVENT => Seen::Node(anchor((*e).data.sequence_start.anchor)),
+                unsafe_yaml::YAML_MAPPING_START_EVENT => Seen::Node(anchor((*e).data.mapping_start.anchor)),
                 _ => Seen::Other,
             };
             let mark = (*e).start_mark;
-            sys::yaml_event_delete(e);
+            unsafe_yaml::yaml_event_delete(e);
             Some((seen, mark))
         }
     }
@@ -158,7 +160,7 @@ impl Drop for Parser<'_> {
     #[allow(unsafe_code)]
     fn drop(&mut self) {
         // SAFETY: initialized in `new` (a parser is only built after initialize succeeded).
-        unsafe { sys::yaml_parser_delete(self.sys.as_mut_ptr()) }
+        unsafe { unsafe_yaml::yaml_parser_delete(self.sys.as_mut_ptr()) }
     }
 }
 

@@ -21,6 +21,7 @@ struct Run {
 /// Runs `innerwall --database-url URL ARGS` with `stdin` and reaps it with `wait4`, for its
 /// peak RSS (ru_maxrss, KiB on Linux) of that one child alone.
 #[allow(unsafe_code)]
+#[allow(clippy::zombie_processes)] // reaped by `wait4`, which `Child::wait` would not let us read
 fn innerwall(url: &str, args: &[&str], stdin: &[u8]) -> Run {
     let mut child = Command::new(env!("CARGO_BIN_EXE_innerwall"))
         .arg("--database-url")
