@@ -560,7 +560,7 @@ mod tests {
             }
         };
         check(wire_rule("r/tcp", Tcp, &["10.0.0.0/8"], &[(443, 443)]), "");
-        check(wire_rule("r/tcp", Tcp, &["10.0.0.1/8"], &[(443, 443)]), "host bits are set");
+        check(wire_rule("r/tcp", Tcp, &["10.0.0.1/8"], &[(443, 443)]), "has host bits set; write 10.0.0.0/8");
         check(wire_rule("r/tcp", Tcp, &["banana"], &[(443, 443)]), "cidr \"banana\"");
         check(wire_rule("r/tcp", Udp, &[], &[(443, 443)]), "protocol field says udp");
         check(wire_rule("r/tcp", Unspecified, &[], &[(443, 443)]), "unknown or unspecified enum value 0");
