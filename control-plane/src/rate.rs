@@ -276,7 +276,7 @@ impl<K: Ord + Clone, B: Kind> Limiter<K, B> {
             return;
         }
         let mut seen: Vec<(Instant, K)> = self.entries.iter().map(|(k, e)| (e.seen, k.clone())).collect();
-        seen.sort_by(|a, b| a.0.cmp(&b.0));
+        seen.sort_by_key(|a| a.0);
         let drop = (seen.len() / 8).max(1);
         for (_, key) in seen.into_iter().take(drop) {
             self.entries.remove(&key);
