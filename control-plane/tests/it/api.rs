@@ -1364,6 +1364,7 @@ async fn cidrs_mean_what_they_say() {
     let render = plane.call("POST", "/api/v1/render", Some(&admin.token), &[], full(Bytes::new())).await;
     assert_eq!(render.status, 200, "{render:?}");
     plane.stop().await;
+}
 
 /// Counts the ERROR events emitted on this thread (the test's current-thread runtime runs the
 /// replica's tasks too), keeping their messages.
@@ -1423,7 +1424,7 @@ async fn parameters_never_panic() {
         let reply = plane.write("POST", path, &admin, None, &body).await;
         assert_eq!(reply.status, 201, "{path}: {reply:?}");
     }
-    let (_, routes) = router::build(ApiState { pool: plane.pool().clone(), limits: ApiLimits::default() });
+    let (_, routes) = router::build(ApiState::new(plane.pool().clone(), ApiLimits::default()));
     let doc = serde_json::to_value(openapi::document(&routes)).unwrap();
     let huge = "a".repeat(10 * 1024);
     // Bad in every parameter: NUL, an escape sequence, a line break, DEL, 10 KB.
