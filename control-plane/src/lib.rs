@@ -4,10 +4,12 @@
 //! enrollment, the agent listener), `flows` (evidence ingest, retention, queries), `gate` (the
 //! verdict and promotions on that evidence), `sync` (stream state machine, gateway, NOTIFY
 //! bridge), `api` (the operator HTTP API over all of them), `service` (one replica), with
-//! `postgres` (the database and its clusters), `copy` (binary `COPY` rows), `page` (bounded
+//! `postgres` (the database and its clusters), `admission` (who may hold a connection: the
+//! agent, API and metrics listeners), `copy` (binary `COPY` rows), `page` (bounded
 //! results) and `metrics` (the replica's Prometheus metrics, which the rooms record into)
 //! underneath all of them; `retention` (of the control plane's own tables) reads across them.
 
+pub mod admission;
 pub mod api;
 pub mod audit;
 mod batch;

@@ -579,12 +579,12 @@ async fn answer(
 /// one address, each bounded in time. Connections beyond are closed at accept, counted in
 /// `innerwall_metrics_connections_refused_total` and logged at most every 10 s.
 pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, pool: PgPool) {
-    let admission = Arc::new(crate::identity::admission::Admission::new(
+    let admission = Arc::new(crate::admission::Admission::new(
         [],
-        crate::identity::admission::Limits {
+        crate::admission::Limits {
             max_connections: MAX_CONNECTIONS,
             max_connections_per_source: MAX_CONNECTIONS_PER_SOURCE,
-            ..crate::identity::admission::Limits::default()
+            ..crate::admission::Limits::default()
         },
     ));
     let mut logged: Option<std::time::Instant> = None;

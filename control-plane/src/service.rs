@@ -15,8 +15,8 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tonic::service::interceptor::InterceptedService;
 
+use crate::admission::{Admission, Limits};
 use crate::error::Error;
-use crate::identity::admission::{Admission, Limits};
 use crate::identity::ca::Signer;
 use crate::identity::enroll::Enroller;
 use crate::identity::listener::{self, Authenticate, ServerError};

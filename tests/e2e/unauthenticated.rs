@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use bytes::{BufMut as _, Bytes, BytesMut};
 use innerwall_agent::daemon;
 use innerwall_agent::sync::Enforcer;
-use innerwall_control_plane::identity::admission::Limits;
+use innerwall_control_plane::admission::Limits;
 use innerwall_control_plane::identity::ca::Signer as _;
 use innerwall_control_plane::service::{ENROLL_MAX_MESSAGE, UNAUTHENTICATED_STREAMS};
 use innerwall_control_plane::sync::gateway::GatewayConfig;

@@ -1,7 +1,7 @@
 //! The API's TLS listener: accepts TCP connections while fewer than `max_connections` are held,
 //! and fewer than `max_connections_per_source` from the connecting address (more are closed at
 //! once, before any TLS work, and logged at most every 10 s; the per-source count is
-//! `identity::admission`'s, as on the agent listener), completes each TLS handshake off the
+//! `admission`'s, as on the agent listener), completes each TLS handshake off the
 //! accept loop within `handshake_timeout`, and serves the router on it over HTTP/1.1 with hyper
 //! (headers within the same timeout, at most 16 KiB of them buffered, pipelined requests
 //! included). A connection whose writes stall for `write_timeout` — a client that does not read
@@ -31,7 +31,7 @@ use tokio_rustls::TlsAcceptor;
 
 use super::edge::Peer;
 use super::{ApiConfig, ApiLimits, ApiState, ApiTls, router};
-use crate::identity::admission::{Admission, Limits};
+use crate::admission::{Admission, Limits};
 use crate::identity::ca::Signer;
 use crate::identity::server_cert::{self, ServerCertificate};
 
@@ -222,14 +222,14 @@ async fn serve(
 struct WriteDeadline<S> {
     /// The connection's place in the admission count, given back before the socket closes (so
     /// a client that sees the close may connect again at once).
-    _slot: Option<crate::identity::admission::Slot>,
+    _slot: Option<crate::admission::Slot>,
     inner: S,
     timeout: Duration,
     stalled: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl<S> WriteDeadline<S> {
-    fn new(inner: S, timeout: Duration, slot: Option<crate::identity::admission::Slot>) -> Self {
+    fn new(inner: S, timeout: Duration, slot: Option<crate::admission::Slot>) -> Self {
         WriteDeadline { _slot: slot, inner, timeout, stalled: None }
     }
 

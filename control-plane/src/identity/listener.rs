@@ -18,7 +18,7 @@ use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 use tonic::{Request, Status};
 
-use crate::identity::admission::{Admission, Refusal};
+use crate::admission::{Admission, Refusal};
 use crate::identity::ca::{
     Signer, certificate_key_sha256, certificate_not_after, workload_id_from_certificate,
 };

@@ -2,7 +2,6 @@
 //! agent listener whose handshake decides who a connection is, and the operator tokens of the HTTP
 //! API.
 
-pub mod admission;
 pub mod ca;
 pub mod clones;
 pub mod enroll;

@@ -11,8 +11,8 @@ use innerwall_wire::identity::WorkloadId;
 use sqlx::PgPool;
 use sqlx::postgres::PgListener;
 
+use crate::admission::{Admission, Refusal};
 use crate::error::Error;
-use crate::identity::admission::{Admission, Refusal};
 use crate::metrics::Metrics;
 use crate::notice::{CHANNEL, Notice};
 use crate::sync::gateway::Gateway;

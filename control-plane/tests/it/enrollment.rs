@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use innerwall_control_plane::identity::admission::Limits;
+use innerwall_control_plane::admission::Limits;
 use innerwall_control_plane::identity::ca::{FileCa, Signer};
 use innerwall_control_plane::identity::tokens;
 use innerwall_control_plane::policy::authoring;

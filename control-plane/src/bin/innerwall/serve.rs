@@ -6,9 +6,9 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use clap::Args;
+use innerwall_control_plane::admission::Limits;
 use innerwall_control_plane::api::{self, ApiLimits};
 use innerwall_control_plane::counts::CountBounds;
-use innerwall_control_plane::identity::admission::Limits;
 use innerwall_control_plane::identity::ca::{self, FileCa};
 use innerwall_control_plane::postgres::{PoolConfig, PoolsConfig};
 use innerwall_control_plane::rate::AgentBounds;
