@@ -337,7 +337,7 @@ async fn expensive_operations_are_rate_limited() {
     let url = plane.db.url.clone();
     let (a, b) = tokio::task::spawn_blocking({
         let url = url.clone();
-        move || (mint_named(&url, "render-a"), mint_named(&url, "render-b"))
+        move || (mint_named(&url, "renderer-a"), mint_named(&url, "renderer-b"))
     })
     .await
     .unwrap();

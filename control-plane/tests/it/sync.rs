@@ -196,18 +196,30 @@ async fn resend_snapshot_is_rate_limited_and_coalesced() {
     let plane = Plane::start(GatewayConfig::default()).await;
     let pool = &plane.db.pool;
     let (id, channel) = enrolled(&plane).await;
-    let mut agent = Scripted::open(channel, 0).await;
+    let mut agent = Scripted::open(channel.clone(), 0).await;
     agent.update().await;
     agent.ack(1, true, "").await;
     wait_state(pool, id, "SYNCED").await;
     let bounds =
         authoring::ExpensiveBounds { per_actor_per_minute: 2, overall_per_minute: 3, ..Default::default() };
-    for _ in 0..2 {
-        authoring::request_snapshot_bounded(pool, "ann", id, &bounds).await.unwrap();
-    }
+    // A resend taken tells the agent to reconnect; the agent does, and its new stream begins
+    // with a snapshot (so the next resend finds a stream to act on).
+    let mut taken = async |agent: &mut Scripted, actor: &str| {
+        authoring::request_snapshot_bounded(pool, actor, id, &bounds).await.unwrap();
+        assert!(matches!(
+            agent.next().await,
+            Some(sync_response::Msg::Directive(proto::Directive {
+                directive: Some(proto::directive::Directive::Reconnect(_))
+            }))
+        ));
+        *agent = Scripted::open(channel.clone(), 1).await;
+        assert_eq!(agent.update().await.0, "snapshot");
+    };
+    taken(&mut agent, "ann").await;
+    taken(&mut agent, "ann").await;
     let err = authoring::request_snapshot_bounded(pool, "ann", id, &bounds).await.unwrap_err();
     assert!(matches!(err, Error::RateLimited { bound: "--api-expensive-per-minute", .. }), "{err}");
-    authoring::request_snapshot_bounded(pool, "bob", id, &bounds).await.unwrap();
+    taken(&mut agent, "bob").await;
     let err = authoring::request_snapshot_bounded(pool, "bob", id, &bounds).await.unwrap_err();
     assert!(matches!(err, Error::RateLimited { bound: "--api-expensive-overall-per-minute", .. }), "{err}");
     assert!(err.to_string().contains("retry after"), "{err}");
