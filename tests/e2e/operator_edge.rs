@@ -373,5 +373,5 @@ async fn expensive_operations_are_rate_limited() {
     let mut counts: Vec<i64> = rows.iter().map(|(_, c)| *c).collect();
     counts.sort_unstable();
     assert_eq!(counts, [2, 3], "{rows:?}");
-    assert!(rows.iter().all(|(actor, _)| actor.starts_with("operator:render-")), "{rows:?}");
+    assert!(rows.iter().all(|(actor, _)| actor.starts_with("operator:renderer-")), "{rows:?}");
 }
