@@ -204,7 +204,7 @@ async fn resend_snapshot_is_rate_limited_and_coalesced() {
         authoring::ExpensiveBounds { per_actor_per_minute: 2, overall_per_minute: 3, ..Default::default() };
     // A resend taken tells the agent to reconnect; the agent does, and its new stream begins
     // with a snapshot (so the next resend finds a stream to act on).
-    let mut taken = async |agent: &mut Scripted, actor: &str| {
+    let taken = async |agent: &mut Scripted, actor: &str| {
         authoring::request_snapshot_bounded(pool, actor, id, &bounds).await.unwrap();
         assert!(matches!(
             agent.next().await,
