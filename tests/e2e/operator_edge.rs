@@ -301,7 +301,16 @@ async fn api_requests_are_rate_limited_per_token() {
     assert_eq!(answer.status, 200, "{answer:?}");
 
     // Requests without a valid token have their own small share per source: past it they are
-    // refused before any token is looked up, and a token holder from elsewhere is not affected.
+    // refused before any token is looked up, and a token holder from elsewhere is not affected,
+    // nor one whose token authenticated from that address before (a shared NAT).
+    let c = tokio::task::spawn_blocking({
+        let plane_url = plane.db.url.clone();
+        move || mint_named(&plane_url, "edge-c")
+    })
+    .await
+    .unwrap();
+    let answer = call(&plane, port, HOLDER, "GET", "/api/v1/services", Some(&c)).await;
+    assert_eq!(answer.status, 200, "{answer:?}");
     let bad = "iwo_".to_owned() + &"x".repeat(51);
     for _ in 0..3 {
         let answer = call(&plane, port, HOLDER, "GET", "/api/v1/services", Some(&bad)).await;
@@ -315,6 +324,10 @@ async fn api_requests_are_rate_limited_per_token() {
     }
     let answer = call(&plane, port, PIPELINER, "GET", "/api/v1/services", Some(&b)).await;
     assert_eq!(answer.status, 200, "{answer:?}");
+    let answer = call(&plane, port, HOLDER, "GET", "/api/v1/services", Some(&c)).await;
+    assert_eq!(answer.status, 200, "a token that authenticated from the address still passes: {answer:?}");
+    let answer = call(&plane, port, HOLDER, "GET", "/api/v1/services", Some(&bad)).await;
+    assert_eq!(answer.status, 429, "and a bad one is still refused: {answer:?}");
 }
 
 /// An editor token named `name`, minted by the CLI on `url`.

@@ -38,23 +38,30 @@ fn bearer(headers: &HeaderMap) -> Result<&str, ApiError> {
 
 /// Middleware of every route that needs a role: authenticates the caller, checks the role and
 /// hands the [`Operator`] on as an extension. A source that used its share of requests without
-/// a valid token is refused before its token is looked up; a valid token's requests are
-/// counted against its rate and its requests in flight (`api::edge`).
+/// a valid token is refused before its token is looked up — unless the token authenticated on
+/// this replica lately (it is still authenticated now), so that requests without a valid token
+/// from an operator's address (a shared NAT) cannot lock that operator out. A valid token's
+/// requests are counted against its rate and its requests in flight (`api::edge`).
 pub async fn authorize(
     State((state, needed)): State<(ApiState, Role)>,
     mut request: Request,
     next: Next,
 ) -> Result<Response, ApiError> {
     let peer = request.extensions().get::<Peer>().copied();
-    state.edge.check_source(peer)?;
-    let operator = match bearer(request.headers()) {
-        Ok(token) => operators::authenticate(&state.pool, token).await,
+    let token = bearer(request.headers()).map(str::to_owned);
+    if let Err(refused) = state.edge.check_source(peer)
+        && !token.as_deref().is_ok_and(|t| state.edge.vouched(t))
+    {
+        return Err(refused);
+    }
+    let token = match token {
+        Ok(token) => token,
         Err(e) => {
             state.edge.admit_unauthenticated(peer)?;
             return Err(e);
         }
     };
-    let operator = match operator {
+    let operator = match operators::authenticate(&state.pool, &token).await {
         Ok(operator) => operator,
         Err(refused @ operators::Refused::Unavailable(_)) => return Err(refused.into()),
         Err(refused) => {
@@ -62,6 +69,7 @@ pub async fn authorize(
             return Err(refused.into());
         }
     };
+    state.edge.vouch(&token);
     let _in_flight = state.edge.admit_token(&operator.token_id)?;
     if !operator.role.allows(needed) {
         return Err(ApiError::Forbidden { needed, has: operator.role, token: operator.token_id });

@@ -5,7 +5,7 @@
 //! `Retry-After`, before the database is asked anything more. The buckets are
 //! [`crate::rate::Limiter`]s, per replica and in memory, like the agents' bounds.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -50,12 +50,20 @@ pub const UNAUTHENTICATED_FLAG: &str = "--api-unauthenticated-per-minute";
 /// Keys whose buckets are held at once; beyond it the least recently seen are forgotten.
 const MAX_TRACKED: usize = 100_000;
 
+/// How long a token that authenticated here passes its source's exhausted share of requests
+/// without a valid token, and how many such tokens are remembered (past it, none is added
+/// until some expire).
+const VOUCHED_FOR: Duration = Duration::from_secs(600);
+const MAX_VOUCHED: usize = 4_096;
+
 /// The bounds of one listener, shared by its requests.
 #[derive(Debug)]
 pub struct Edge {
     limits: ApiLimits,
     limiter: Mutex<Limiter<Key, ApiRate>>,
     in_flight: Mutex<BTreeMap<String, usize>>,
+    /// SHA-256 of the bearer tokens that authenticated lately, and when they last did.
+    vouched: Mutex<HashMap<[u8; 32], Instant>>,
 }
 
 impl Edge {
@@ -68,6 +76,7 @@ impl Edge {
             limits,
             limiter: Mutex::new(Limiter::with_rates(rates, MAX_TRACKED)),
             in_flight: Mutex::default(),
+            vouched: Mutex::default(),
         })
     }
 
@@ -105,6 +114,24 @@ impl Edge {
         Ok(InFlight { edge: self.clone(), token: token.to_owned() })
     }
 
+    /// Remembers that `bearer` authenticated just now.
+    pub fn vouch(&self, bearer: &str) {
+        let now = Instant::now();
+        let mut vouched = self.vouched.lock().unwrap_or_else(PoisonError::into_inner);
+        if vouched.len() >= MAX_VOUCHED {
+            vouched.retain(|_, at| now.duration_since(*at) < VOUCHED_FOR);
+        }
+        if vouched.len() < MAX_VOUCHED || vouched.contains_key(&digest(bearer)) {
+            vouched.insert(digest(bearer), now);
+        }
+    }
+
+    /// Whether `bearer` authenticated here within [`VOUCHED_FOR`].
+    pub fn vouched(&self, bearer: &str) -> bool {
+        let vouched = self.vouched.lock().unwrap_or_else(PoisonError::into_inner);
+        vouched.get(&digest(bearer)).is_some_and(|at| at.elapsed() < VOUCHED_FOR)
+    }
+
     /// Refuses a request from `source` at once, before its token is looked up, when the source
     /// has used its share of requests without a valid token.
     pub fn check_source(&self, source: Option<Peer>) -> Result<(), ApiError> {
@@ -140,6 +167,12 @@ impl Edge {
     pub fn in_flight(&self, token: &str) -> usize {
         self.in_flight.lock().unwrap_or_else(PoisonError::into_inner).get(token).copied().unwrap_or(0)
     }
+}
+
+fn digest(bearer: &str) -> [u8; 32] {
+    let mut out = [0; 32];
+    out.copy_from_slice(ring::digest::digest(&ring::digest::SHA256, bearer.as_bytes()).as_ref());
+    out
 }
 
 /// One request of a token in flight; its place is given back on drop.
@@ -207,5 +240,21 @@ mod tests {
         assert!(err.to_string().contains(UNAUTHENTICATED_FLAG), "{err}");
         e.admit_unauthenticated(Some(two)).unwrap();
         e.admit_token("t").unwrap();
+    }
+
+    #[test]
+    fn only_tokens_that_authenticated_are_vouched_for() {
+        let e = edge(2, 8);
+        assert!(!e.vouched("iwo_a"));
+        e.vouch("iwo_a");
+        assert!(e.vouched("iwo_a"));
+        assert!(!e.vouched("iwo_b"), "another token is not vouched for by a's");
+        for n in 0..MAX_VOUCHED {
+            e.vouch(&format!("iwo_{n}"));
+        }
+        assert!(e.vouched("iwo_a"), "a vouched token is kept while the table is full");
+        assert!(!e.vouched("iwo_past-the-bound"));
+        e.vouch("iwo_past-the-bound");
+        assert!(!e.vouched("iwo_past-the-bound"), "a full table takes no new token");
     }
 }
