@@ -5,7 +5,7 @@
 //! `Retry-After`, before the database is asked anything more. The buckets are
 //! [`crate::rate::Limiter`]s, per replica and in memory, like the agents' bounds.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -63,7 +63,7 @@ pub struct Edge {
     limiter: Mutex<Limiter<Key, ApiRate>>,
     in_flight: Mutex<BTreeMap<String, usize>>,
     /// SHA-256 of the bearer tokens that authenticated lately, and when they last did.
-    vouched: Mutex<HashMap<[u8; 32], Instant>>,
+    vouched: Mutex<BTreeMap<[u8; 32], Instant>>,
 }
 
 impl Edge {
