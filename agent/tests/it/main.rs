@@ -3,4 +3,5 @@
 
 mod capture;
 mod enforce;
+mod evaluator;
 mod netns;

@@ -167,6 +167,22 @@ impl Pair {
         assert!(got.iter().all(|ok| *ok), "warming neighbour caches failed: {got:?}");
     }
 
+    /// Adds more addresses to the client's veth (IPv4 in the host's /24, IPv6 in its /64, so
+    /// the host answers them on-link) and resolves them on the host, as [`Pair::new`] does for
+    /// its own, so the first policy-checked packet from each does not race neighbour discovery.
+    pub fn add_client_addresses(&self, v4: &[&'static str], v6: &[&'static str]) {
+        for a in v4 {
+            ip(&["-n", &self.client.name, "addr", "add", &format!("{a}/24"), "dev", "veth0"]);
+        }
+        for a in v6 {
+            ip(&["-n", &self.client.name, "-6", "addr", "add", &format!("{a}/64"), "dev", "veth0", "nodad"]);
+        }
+        let probes: Vec<Probe> =
+            v4.iter().map(|src| icmp(src, HOST4)).chain(v6.iter().map(|src| icmp(src, HOST6))).collect();
+        let got = probe_with_timeout(&self.client, &probes, 3.0);
+        assert!(got.iter().all(|ok| *ok), "warming neighbour caches for {v4:?} {v6:?} failed: {got:?}");
+    }
+
     /// Forgets neighbour entries on both sides, so the next IPv6 packet needs neighbour
     /// discovery through the host's input chain.
     pub fn flush_neighbours(&self) {
