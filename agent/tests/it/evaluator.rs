@@ -14,7 +14,7 @@ use std::process::{Child, ChildStdin, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use innerwall_agent::enforce::desired::{TERMINAL_DROP, TERMINAL_WOULD_BLOCK, rule_comment};
+use innerwall_agent::enforce::desired::{MAX_COMMENT, TERMINAL_DROP, TERMINAL_WOULD_BLOCK, rule_comment};
 use innerwall_agent::enforce::{Installed, LinuxPolicyStore, PolicyStore as _};
 use innerwall_wire::flows::{Decision, decide};
 use innerwall_wire::policy::{Cidr, Mode, PortRange, Protocol, ResolvedRule, RuleId, WorkloadPolicy};
@@ -23,12 +23,18 @@ use ipnet::IpNet;
 use crate::netns::*;
 
 /// Policies per run, and packets sent under each.
-const POLICIES: usize = 60;
+const POLICIES: usize = 80;
 const PACKETS_PER_POLICY: usize = 10;
-/// The host listens on TCP and UDP ports `PORT_BASE..PORT_BASE + PORTS`; rule ranges are drawn
-/// around them (edges inside and outside), packets go to them.
+/// The host listens on TCP and UDP ports `PORT_BASE..PORT_BASE + PORTS` and on the edges of the
+/// port space, 1 and 65535; rule ranges are drawn around them (edges inside and outside),
+/// packets go to them.
 const PORT_BASE: u16 = 20000;
 const PORTS: u16 = 24;
+const EDGE_PORTS: [u16; 2] = [1, 65535];
+
+fn listened_ports() -> Vec<u16> {
+    EDGE_PORTS.into_iter().chain(PORT_BASE..PORT_BASE + PORTS).collect()
+}
 /// How long a packet may take to be counted or to reach the host's socket. Only a
 /// disagreement waits this long: agreeing packets end their wait on the event itself.
 const EVENT_TIMEOUT: Duration = Duration::from_secs(3);
@@ -72,10 +78,12 @@ fn random_cidr(rng: &mut Rng) -> Cidr {
         2 => "10.0.0.0/8".parse().expect("net"),
         3 => "192.0.2.0/24".parse().expect("net"), // owns none of the client's addresses
         4 => "2001:db8::/32".parse().expect("net"),
-        5..=8 => IpNet::new(addr(*rng.pick(&CLIENT4)), 24 + rng.below(9) as u8).expect("prefix").trunc(),
+        5..=8 => {
+            IpNet::new(addr(rng.pick::<&str>(&CLIENT4)), 24 + rng.below(9) as u8).expect("prefix").trunc()
+        }
         _ => {
             let len = *rng.pick(&[64u8, 96, 112, 116, 120, 124, 126, 127, 128]);
-            IpNet::new(addr(*rng.pick(&CLIENT6)), len).expect("prefix").trunc()
+            IpNet::new(addr(rng.pick::<&str>(&CLIENT6)), len).expect("prefix").trunc()
         }
     };
     Cidr::parse(&net.to_string()).expect("a canonical cidr")
@@ -100,8 +108,11 @@ fn random_name(rng: &mut Rng) -> String {
 fn random_ports(rng: &mut Rng) -> Vec<PortRange> {
     (0..1 + rng.below(3))
         .map(|_| {
-            if rng.chance(1, 10) {
-                return PortRange::ALL;
+            match rng.below(12) {
+                0 => return PortRange::ALL,
+                1 => return PortRange::new(1, 1 + rng.below(3) as u32).expect("a valid port range"),
+                2 => return PortRange::new(65533 + rng.below(3) as u32, 65535).expect("a valid port range"),
+                _ => {}
             }
             let start = u32::from(PORT_BASE) - 2 + rng.below(u64::from(PORTS) + 4) as u32;
             let end = start + rng.below(6) as u32;
@@ -122,6 +133,20 @@ fn random_policy(rng: &mut Rng, version: u64, mode: Mode) -> WorkloadPolicy {
     let mut rules: BTreeMap<RuleId, ResolvedRule> = BTreeMap::new();
     for _ in 0..1 + rng.below(5) {
         let rule = random_rule(rng);
+        rules.entry(rule.id().clone()).or_insert(rule);
+    }
+    // Often a second rule of the same protocol under another name that covers the first one's
+    // packets too: which of them a packet is attributed to is then decided by rule order.
+    if rng.chance(1, 2) {
+        let shadowed = (*rng.pick(&rules.values().collect::<Vec<_>>())).clone();
+        let id = RuleId::new(&random_name(rng), shadowed.protocol()).expect("a valid rule id");
+        let ports: Vec<PortRange> = match shadowed.ports() {
+            [] => Vec::new(),
+            _ if rng.chance(1, 2) => vec![PortRange::ALL],
+            ports => ports.to_vec(),
+        };
+        let peers = shadowed.peers().iter().copied().chain(random_peers(rng));
+        let rule = ResolvedRule::new(id, ports, peers).expect("a valid rule");
         rules.entry(rule.id().clone()).or_insert(rule);
     }
     WorkloadPolicy::new(version, mode, rules.into_values()).expect("a valid policy")
@@ -209,15 +234,15 @@ fn random_packet(rng: &mut Rng, policy: &WorkloadPolicy, id: u32) -> Packet {
         None => Vec::new(),
     };
     let src = if inside.is_empty() { *rng.pick(family) } else { *rng.pick(&inside) };
-    let listened = |rng: &mut Rng| PORT_BASE + rng.below(u64::from(PORTS)) as u16;
+    let listened = listened_ports();
     let port = match (protocol.has_ports(), target) {
         (false, _) => 0,
         (true, Some(rule)) => {
             let range = *rng.pick(rule.ports());
-            let (lo, hi) = (range.start().max(PORT_BASE), range.end().min(PORT_BASE + PORTS - 1));
-            if lo <= hi { lo + rng.below(u64::from(hi - lo) + 1) as u16 } else { listened(rng) }
+            let inside: Vec<u16> = listened.iter().copied().filter(|p| range.contains(*p)).collect();
+            if inside.is_empty() { *rng.pick(&listened) } else { *rng.pick(&inside) }
         }
-        (true, None) => listened(rng),
+        (true, None) => *rng.pick(&listened),
     };
     Packet { id, protocol, src, dst: if v6 { HOST6 } else { HOST4 }, port }
 }
@@ -335,12 +360,12 @@ impl Drop for Proc {
 /// arrival: `<kind> <src> <tag> <port>` (tag: the TCP source port; the packet id otherwise).
 const SERVER: &str = r#"
 import selectors, socket, struct, sys
-base, n = int(sys.argv[1]), int(sys.argv[2])
+ports = [int(p) for p in sys.argv[1].split(',')]
 sel = selectors.DefaultSelector()
 def out(line):
     sys.stdout.write(line + '\n'); sys.stdout.flush()
 def host(a): return a[7:] if a.startswith('::ffff:') else a
-for port in range(base, base + n):
+for port in ports:
     t = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
     t.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
     t.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -543,7 +568,11 @@ fn evaluator_agrees_with_nftables() {
     let started = Instant::now();
     let pair = Pair::new("eval");
     pair.add_client_addresses(&CLIENT4[2..], &CLIENT6[2..]);
-    let server = Proc::spawn(&pair.host, SERVER, &[PORT_BASE.to_string(), PORTS.to_string()]);
+    let server = Proc::spawn(
+        &pair.host,
+        SERVER,
+        &[listened_ports().iter().map(u16::to_string).collect::<Vec<_>>().join(",")],
+    );
     let client = Proc::spawn(&pair.client, CLIENT, &[]);
     let mut kernel =
         Kernel { host: &pair.host, client, server, arrivals: BTreeSet::new(), last: BTreeMap::new() };
@@ -557,11 +586,17 @@ fn evaluator_agrees_with_nftables() {
     let mut installs: BTreeMap<String, usize> = BTreeMap::new();
     let mut previous: Option<WorkloadPolicy> = None;
     let mut next_id = 1u32;
+    let (mut overlapping, mut hashed) = (0usize, 0usize);
     for index in 0..POLICIES {
         let version = index as u64 + 1;
         let policy = match &previous {
             Some(p) if p.mode() != Mode::Visibility && rng.chance(1, 4) => {
                 with_new_peers(&mut rng, p, version)
+            }
+            // A mode change of the same rules, as a promotion or a rollback installs it.
+            Some(p) if rng.chance(1, 8) => {
+                let mode = if p.mode() == Mode::Enforcement { Mode::Simulation } else { Mode::Enforcement };
+                p.clone().with_version(version).with_mode(mode)
             }
             _ => {
                 let mode = random_mode(&mut rng, index);
@@ -589,6 +624,18 @@ fn evaluator_agrees_with_nftables() {
             let src: IpAddr = packet.src.parse().expect("address");
             let (decision, rule) = decide(Some(&policy), src, packet.port, packet.protocol);
             *decisions.entry(decision).or_insert(0) += 1;
+            if let Some(rule) = &rule {
+                // Coverage: the first match in id order decided among several matching rules
+                // (decide on the policy without the winner still allows), or the rule's counter
+                // is found under a hashed comment.
+                let others =
+                    WorkloadPolicy::new(0, policy.mode(), policy.rules().filter(|r| r.id() != rule).cloned())
+                        .expect("a subset of a valid policy");
+                overlapping += usize::from(
+                    decide(Some(&others), src, packet.port, packet.protocol).0 == Decision::Allowed,
+                );
+                hashed += usize::from(rule.as_str().len() > MAX_COMMENT);
+            }
             let want = expected(decision, rule.as_ref());
             let (got, key) = kernel.verdict(&packet, policy.mode());
             if !got.arrived {
@@ -621,7 +668,8 @@ fn evaluator_agrees_with_nftables() {
     let packets = next_id as usize - 1;
     eprintln!(
         "evaluator_agrees_with_nftables: seed {seed}: {POLICIES} policies ({installs:?} installs), {packets} packets \
-         ({decisions:?}), {} disagreement(s), {:.1} s",
+         ({decisions:?}; {overlapping} allowed by the first of several matching rules, {hashed} by a rule with a \
+         hashed comment), {} disagreement(s), {:.1} s",
         disagreements.len(),
         started.elapsed().as_secs_f64()
     );
@@ -647,4 +695,5 @@ fn evaluator_agrees_with_nftables() {
     for d in [Decision::Allowed, Decision::Blocked, Decision::WouldBlock, Decision::Observed] {
         assert!(decisions.get(&d).is_some_and(|n| *n > 0), "seed {seed}: no packet was {d}: {decisions:?}");
     }
+    assert!(overlapping > 0 && hashed > 0, "seed {seed}: rule order or hashed comments went untested");
 }
