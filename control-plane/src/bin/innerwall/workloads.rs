@@ -815,67 +815,7 @@ fn print_replay(json: bool, impact: &Impact, args: &ReplayArgs) -> anyhow::Resul
     if json {
         print_json(impact)?;
     } else {
-        println!(
-            "replay of flows from {} to {}",
-            impact.range.from.format("%Y-%m-%d %H:%M"),
-            impact.range.to.format("%Y-%m-%d %H:%M UTC")
-        );
-        for w in &impact.workloads {
-            let r = &w.replayed;
-            let to = w.to_version.map_or("proposed".to_owned(), |v| format!("v{v}"));
-            let from_mode = w.from_mode.as_deref().unwrap_or("nothing applied");
-            println!(
-                "{} ({}): v{} ({from_mode}) -> {to} ({})",
-                escape(&w.hostname),
-                w.id,
-                w.from_version,
-                w.to_mode
-            );
-            println!(
-                "  newly blocked {} ({} conns), newly allowed {}, unchanged {}",
-                r.newly_blocked, r.blocked_connections, r.newly_allowed, r.unchanged
-            );
-            let c = &w.coverage;
-            println!(
-                "  coverage {:.0}% ({} of {} hours gap-free), {} gap(s)",
-                c.ratio * 100.0,
-                c.gap_free_hours,
-                c.hours,
-                c.gap_count
-            );
-            for g in &c.gaps {
-                println!("    gap {} {} .. {} count {}", g.kind, g.from.format("%m-%d %H:%M"), g.to.format("%m-%d %H:%M"), g.count);
-            }
-            if let Some(note) = &w.note {
-                println!("  {note}");
-            }
-            for (title, rows) in [("newly blocked", &r.top_blocked), ("newly allowed", &r.top_allowed)] {
-                if rows.is_empty() {
-                    continue;
-                }
-                println!("  {title}:");
-                print_table(
-                    &["peer", "service", "conns", "last seen", "rule then", "rule now"],
-                    rows.iter().map(replay_row).collect(),
-                );
-            }
-            if r.relabelled > 0 {
-                println!("  {} flow key(s) from peers relabelled since:", r.relabelled);
-                for row in &r.top_relabelled {
-                    let now = row.labels_now.as_ref().map_or("(gone)".to_owned(), ToString::to_string);
-                    println!("    {} then {} now {}", row.src_address, row.labels_then, escape(&now));
-                }
-            }
-            if w.unseen_admission_count > 0 {
-                println!("  {} new admission(s) no recorded flow used:", w.unseen_admission_count);
-                for a in &w.unseen_admissions {
-                    println!("    {} from {} {} {}", a.rule, a.cidr, a.protocol, a.ports.join(","));
-                }
-            }
-        }
-        if impact.workloads.is_empty() {
-            println!("no workload's policy changes");
-        }
+        print_replay_text(impact);
     }
     let blocked = impact.newly_blocked();
     if blocked > 0 && !args.accept_blocks {
@@ -892,19 +832,91 @@ fn print_replay(json: bool, impact: &Impact, args: &ReplayArgs) -> anyhow::Resul
     Ok(())
 }
 
-/// One replayed flow key as a row of at most 80 columns.
-fn replay_row(row: &foresight::replay::ReplayRow) -> Vec<String> {
-    let peer = match row.peer_kind {
+/// The widest line a replay prints for people.
+const WIDTH: usize = 80;
+
+/// `text` escaped and cut to [`WIDTH`] characters (an ellipsis says it was cut).
+fn line(text: &str) {
+    let text = escape(text);
+    match text.chars().count() > WIDTH {
+        true => println!("{}…", text.chars().take(WIDTH - 1).collect::<String>()),
+        false => println!("{text}"),
+    }
+}
+
+fn print_replay_text(impact: &Impact) {
+    let time = |t: &chrono::DateTime<chrono::Utc>| t.format("%m-%d %H:%M").to_string();
+    line(&format!(
+        "replay of the flows recorded from {} to {} UTC",
+        impact.range.from.format("%Y-%m-%d %H:%M"),
+        impact.range.to.format("%Y-%m-%d %H:%M")
+    ));
+    for w in &impact.workloads {
+        let r = &w.replayed;
+        let to = w.to_version.map_or("proposed".to_owned(), |v| format!("v{v}"));
+        let from_mode = w.from_mode.as_deref().unwrap_or("nothing applied");
+        line(&format!("{} ({})", w.hostname, w.id));
+        line(&format!("  v{} ({from_mode}) -> {to} ({})", w.from_version, w.to_mode));
+        line(&format!(
+            "  newly blocked {} ({} conns), newly allowed {}, unchanged {}",
+            r.newly_blocked, r.blocked_connections, r.newly_allowed, r.unchanged
+        ));
+        let c = &w.coverage;
+        line(&format!(
+            "  coverage {:.0}% ({} of {} hours gap-free), {} gap(s)",
+            c.ratio * 100.0,
+            c.gap_free_hours,
+            c.hours,
+            c.gap_count
+        ));
+        for g in &c.gaps {
+            line(&format!("    gap {} {} .. {}, count {} {}", g.kind, time(&g.from), time(&g.to), g.count, g.detail));
+        }
+        if let Some(note) = &w.note {
+            line(&format!("  {note}"));
+        }
+        for (title, rows) in [("newly blocked", &r.top_blocked), ("newly allowed", &r.top_allowed)] {
+            if !rows.is_empty() {
+                line(&format!("  {title} (top {}):", rows.len()));
+            }
+            for row in rows {
+                line(&format!(
+                    "    {} -> {}/{}  {} conns  {} .. {}",
+                    peer(row),
+                    row.dst_port,
+                    row.protocol,
+                    row.connections,
+                    time(&row.first_seen),
+                    time(&row.last_seen)
+                ));
+                let rule = |r: &Option<String>| r.clone().unwrap_or_else(|| "none".into());
+                line(&format!("      rule then {}, now {}", rule(&row.from_rule), rule(&row.to_rule)));
+            }
+        }
+        if r.relabelled > 0 {
+            line(&format!("  {} flow key(s) from peers relabelled since:", r.relabelled));
+            for row in &r.top_relabelled {
+                let now = row.labels_now.as_ref().map_or("(no longer live)".to_owned(), ToString::to_string);
+                line(&format!("    {} then {} now {now}", row.src_address, row.labels_then));
+            }
+        }
+        if w.unseen_admission_count > 0 {
+            line(&format!("  {} new admission(s) no recorded flow used:", w.unseen_admission_count));
+            for a in &w.unseen_admissions {
+                line(&format!("    {} from {} {} {}", a.rule, a.cidr, a.protocol, a.ports.join(",")));
+            }
+        }
+    }
+    if impact.workloads.is_empty() {
+        line("no workload's policy changes");
+    }
+}
+
+/// A replayed flow's peer: its address, with the workload's labels then or the group's name.
+fn peer(row: &foresight::replay::ReplayRow) -> String {
+    match row.peer_kind {
         1 => format!("{} {}", row.src_address, row.labels_then),
         2 => format!("{} ({})", row.src_address, row.peer_key),
         _ => row.src_address.clone(),
-    };
-    vec![
-        peer,
-        format!("{}/{}", row.dst_port, row.protocol),
-        row.connections.to_string(),
-        row.last_seen.format("%m-%d %H:%M").to_string(),
-        row.from_rule.clone().unwrap_or_else(|| "-".into()),
-        row.to_rule.clone().unwrap_or_else(|| "-".into()),
-    ]
+    }
 }
