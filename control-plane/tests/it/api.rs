@@ -874,6 +874,7 @@ const EXPECTED_ROUTES: &[(&str, &str, Option<&str>)] = &[
     ("GET", "/api/v1/workloads/{id}/policy/history", Some("viewer")),
     ("GET", "/api/v1/workloads/{id}/policy/history/{version}", Some("viewer")),
     ("POST", "/api/v1/workloads/{id}/release-address", Some("editor")),
+    ("GET", "/api/v1/workloads/{id}/replay", Some("viewer")),
     ("POST", "/api/v1/workloads/{id}/resend-snapshot", Some("editor")),
     ("POST", "/api/v1/workloads/{id}/retire", Some("admin")),
 ];
