@@ -335,7 +335,7 @@ fn flow_statement(ids: &[Uuid], range: Range) -> QueryBuilder<Postgres> {
 
 async fn run(conn: &mut PgConnection, jobs: Vec<Job>, range: Range, top: usize) -> Result<Impact, Error> {
     let ids: Vec<Uuid> = jobs.iter().map(|j| j.id.uuid()).collect();
-    let mut replayers: BTreeMap<Uuid, Replayer<'_>> =
+    let mut replayers: BTreeMap<Uuid, Replayer> =
         jobs.iter().map(|j| (j.id.uuid(), Replayer::new(j.from.as_ref(), &j.to, top))).collect();
     let mut keys = 0u64;
     if !ids.is_empty() {

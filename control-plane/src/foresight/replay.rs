@@ -57,9 +57,14 @@ pub enum Transition {
 /// policy's mode): `Ok(rule)` admitted by it, `Err(())` dropped. No policy at all admits
 /// everything (nothing installed drops a packet).
 pub fn admission(policy: Option<&WorkloadPolicy>, src: IpAddr, port: u16, protocol: Protocol) -> Admission {
-    let Some(policy) = policy else { return Admission::NoPolicy };
-    let enforced = policy.clone().with_mode(Mode::Enforcement);
-    match decide(Some(&enforced), src, port, protocol) {
+    let enforced = policy.map(|p| p.clone().with_mode(Mode::Enforcement));
+    enforced_admission(enforced.as_ref(), src, port, protocol)
+}
+
+/// [`admission`] by a policy already in enforcement mode (a replay converts each once).
+fn enforced_admission(enforced: Option<&WorkloadPolicy>, src: IpAddr, port: u16, protocol: Protocol) -> Admission {
+    let Some(enforced) = enforced else { return Admission::NoPolicy };
+    match decide(Some(enforced), src, port, protocol) {
         (Decision::Allowed, Some(rule)) => Admission::Rule(rule),
         _ => Admission::Dropped,
     }
@@ -131,29 +136,39 @@ pub struct Replayed {
 /// Folds flow keys one at a time (they may stream from the database), keeping only the top
 /// rows: memory is bounded by `top`, not by the flows.
 #[derive(Debug)]
-pub struct Replayer<'a> {
-    from: Option<&'a WorkloadPolicy>,
-    to: &'a WorkloadPolicy,
+pub struct Replayer {
+    /// Both policies in enforcement mode: admission is judged as enforcement would.
+    from: Option<WorkloadPolicy>,
+    to: WorkloadPolicy,
     top: usize,
     out: Replayed,
     /// The new admissions no flow has exercised yet.
     unseen: Vec<NewAdmission>,
 }
 
-impl<'a> Replayer<'a> {
-    pub fn new(from: Option<&'a WorkloadPolicy>, to: &'a WorkloadPolicy, top: usize) -> Self {
-        Replayer { from, to, top, out: Replayed::default(), unseen: new_admissions(from, to) }
+impl Replayer {
+    pub fn new(from: Option<&WorkloadPolicy>, to: &WorkloadPolicy, top: usize) -> Self {
+        let enforced = |p: &WorkloadPolicy| p.clone().with_mode(Mode::Enforcement);
+        Replayer {
+            from: from.map(enforced),
+            to: enforced(to),
+            top,
+            out: Replayed::default(),
+            unseen: new_admissions(from, to),
+        }
     }
 
     pub fn add(&mut self, flow: &FlowSum) -> Transition {
-        let before = admission(self.from, flow.src, flow.dst_port, flow.protocol);
-        let after = admission(Some(self.to), flow.src, flow.dst_port, flow.protocol);
+        let before = enforced_admission(self.from.as_ref(), flow.src, flow.dst_port, flow.protocol);
+        let after = enforced_admission(Some(&self.to), flow.src, flow.dst_port, flow.protocol);
         let transition = match (before.admitted(), after.admitted()) {
             (true, false) => Transition::NewlyBlocked,
             (false, true) => Transition::NewlyAllowed,
             _ => Transition::Unchanged,
         };
-        self.unseen.retain(|a| !a.exercised_by(flow));
+        if !self.unseen.is_empty() {
+            self.unseen.retain(|a| !a.exercised_by(flow));
+        }
         let row = || ReplayRow {
             src_address: flow.src.to_string(),
             peer_kind: flow.peer_kind,
