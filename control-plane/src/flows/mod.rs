@@ -16,5 +16,5 @@ pub use ingest::{IngestError, Ingested, Telemetry, TimeBounds, ingest, ingest_wi
 pub use page::{MAX_PAGE, Page, PageRequest};
 pub use query::{FlowRow, GapRow, RecordFilter, gaps, list};
 pub use retention::{DEFAULT_RETENTION_DAYS, RETENTION_BATCH, apply_retention, ensure_partitions};
-pub(crate) use rollup::{Source, sources};
 pub use rollup::{Grouping, RollupFilter, RollupRow, parse_selector, rollup, workloads_in};
+pub(crate) use rollup::{Source, sources};

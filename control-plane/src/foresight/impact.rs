@@ -51,7 +51,8 @@ impl Range {
     /// `since` before `to` until `to`, at most the 90 days a verdict may look back
     /// (`gate::verdict::Params::ending_at`).
     pub fn ending_at(to: DateTime<Utc>, since: std::time::Duration) -> Result<Range, Error> {
-        let params = crate::gate::verdict::Params::ending_at(to.timestamp_millis(), since, std::time::Duration::ZERO)?;
+        let params =
+            crate::gate::verdict::Params::ending_at(to.timestamp_millis(), since, std::time::Duration::ZERO)?;
         let from = DateTime::from_timestamp_millis(params.from_ms).unwrap_or(DateTime::UNIX_EPOCH);
         let range = Range { from, to };
         range.check()?;
@@ -133,7 +134,8 @@ fn check_top(top: usize) -> Result<(), Error> {
 }
 
 fn workload_id(uuid: Uuid) -> Result<WorkloadId, Error> {
-    WorkloadId::from_uuid(uuid).ok_or_else(|| Error::Corrupt { what: "workload id", detail: uuid.to_string() })
+    WorkloadId::from_uuid(uuid)
+        .ok_or_else(|| Error::Corrupt { what: "workload id", detail: uuid.to_string() })
 }
 
 /// One workload to replay: `from` (its version and policy, `None` at version 0), `to`.
@@ -147,7 +149,10 @@ struct Job {
 }
 
 /// Hostnames and applied versions of `ids`; an unknown id is NotFound.
-async fn workloads(conn: &mut PgConnection, ids: &[WorkloadId]) -> Result<BTreeMap<WorkloadId, (String, u64)>, Error> {
+async fn workloads(
+    conn: &mut PgConnection,
+    ids: &[WorkloadId],
+) -> Result<BTreeMap<WorkloadId, (String, u64)>, Error> {
     let uuids: Vec<Uuid> = ids.iter().map(|id| id.uuid()).collect();
     let mut found = BTreeMap::new();
     for row in sqlx::query("SELECT id, hostname, applied_version FROM workloads WHERE id = ANY($1)")
@@ -222,7 +227,10 @@ pub async fn replay(
         wanted.push((workload, from_version));
     }
     let mut stored = store::policies_at(conn, &wanted).await?;
-    let missing = |v: u64| Error::NotFound { what: "policy version of workload", name: format!("{workload} version {v}") };
+    let missing = |v: u64| Error::NotFound {
+        what: "policy version of workload",
+        name: format!("{workload} version {v}"),
+    };
     let to = stored.get(&(workload, to_version)).cloned().ok_or_else(|| missing(to_version))?;
     let from = match from_version {
         0 => None,
@@ -327,9 +335,7 @@ fn flow_statement(ids: &[Uuid], range: Range) -> QueryBuilder<Postgres> {
         }
         q.push(" AND workload_id = ANY(").push_bind(ids.to_vec()).push(")");
     }
-    q.push(
-        ") AS f GROUP BY workload_id, src_address, peer_kind, peer_key, peer_digest, dst_port, protocol",
-    );
+    q.push(") AS f GROUP BY workload_id, src_address, peer_kind, peer_key, peer_digest, dst_port, protocol");
     q
 }
 
@@ -359,7 +365,8 @@ async fn run(conn: &mut PgConnection, jobs: Vec<Job>, range: Range, top: usize) 
                 labels_now: if peer_kind == 1 { now.get(&peer_key).cloned() } else { None },
                 peer_key,
                 labels_then: row.get(4),
-                dst_port: u16::try_from(row.get::<i32, _>(5)).map_err(|_| corrupt("flow port", String::new()))?,
+                dst_port: u16::try_from(row.get::<i32, _>(5))
+                    .map_err(|_| corrupt("flow port", String::new()))?,
                 protocol: Protocol::from_code(row.get(6))
                     .map_err(|_| corrupt("flow protocol", row.get::<i16, _>(6).to_string()))?,
                 connections: row.get::<i64, _>(7).max(0) as u64,

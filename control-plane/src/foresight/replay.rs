@@ -62,7 +62,12 @@ pub fn admission(policy: Option<&WorkloadPolicy>, src: IpAddr, port: u16, protoc
 }
 
 /// [`admission`] by a policy already in enforcement mode (a replay converts each once).
-fn enforced_admission(enforced: Option<&WorkloadPolicy>, src: IpAddr, port: u16, protocol: Protocol) -> Admission {
+fn enforced_admission(
+    enforced: Option<&WorkloadPolicy>,
+    src: IpAddr,
+    port: u16,
+    protocol: Protocol,
+) -> Admission {
     let Some(enforced) = enforced else { return Admission::NoPolicy };
     match decide(Some(enforced), src, port, protocol) {
         (Decision::Allowed, Some(rule)) => Admission::Rule(rule),
@@ -215,7 +220,9 @@ impl Replayer {
 
 /// Keeps the heaviest `top` rows, heaviest first (ties by source, port).
 fn keep(rows: &mut Vec<ReplayRow>, row: ReplayRow, top: usize) {
-    let order = |r: &ReplayRow| (std::cmp::Reverse(r.connections), r.src_address.clone(), r.dst_port, r.protocol.clone());
+    let order = |r: &ReplayRow| {
+        (std::cmp::Reverse(r.connections), r.src_address.clone(), r.dst_port, r.protocol.clone())
+    };
     let at = rows.partition_point(|r| order(r) <= order(&row));
     if at < top {
         rows.insert(at, row);
@@ -251,7 +258,8 @@ impl NewAdmission {
     fn exercised_by(&self, flow: &FlowSum) -> bool {
         self.proto == Some(flow.protocol)
             && self.net.as_ref().is_some_and(|n| n.contains(&flow.src))
-            && (self.port_ranges.is_empty() || self.port_ranges.iter().any(|(a, b)| (*a..=*b).contains(&flow.dst_port)))
+            && (self.port_ranges.is_empty()
+                || self.port_ranges.iter().any(|(a, b)| (*a..=*b).contains(&flow.dst_port)))
     }
 }
 
@@ -267,16 +275,19 @@ pub fn new_admissions(from: Option<&WorkloadPolicy>, to: &WorkloadPolicy) -> Vec
             let covered = from.rules().any(|old| {
                 old.protocol() == rule.protocol()
                     && old.peers().iter().any(|c| ipnet::IpNet::contains(&c.net(), &cidr.net()))
-                    && ranges.iter().all(|(a, b)| {
-                        old.ports().iter().any(|p| p.start() <= *a && *b <= p.end())
-                    })
+                    && ranges
+                        .iter()
+                        .all(|(a, b)| old.ports().iter().any(|p| p.start() <= *a && *b <= p.end()))
             });
             if !covered {
                 out.push(NewAdmission {
                     rule: rule.id().to_string(),
                     cidr: cidr.text(),
                     protocol: rule.protocol().to_string(),
-                    ports: ranges.iter().map(|(a, b)| if a == b { a.to_string() } else { format!("{a}-{b}") }).collect(),
+                    ports: ranges
+                        .iter()
+                        .map(|(a, b)| if a == b { a.to_string() } else { format!("{a}-{b}") })
+                        .collect(),
                     net: Some(cidr.clone()),
                     proto: Some(rule.protocol()),
                     port_ranges: ranges.clone(),
@@ -316,7 +327,13 @@ pub struct GapRow {
 /// most `top` gaps. Defined so: the range is cut into hour slots from `from_ms`; a slot is
 /// gap-free when the union of the windows (joined across holes up to [`JOIN_SLACK_MS`]) covers
 /// it whole and no gap's interval `[from, to]` overlaps it.
-pub fn coverage(from_ms: i64, to_ms: i64, windows: &[(i64, i64)], gaps: &[EvidenceGap], top: usize) -> Coverage {
+pub fn coverage(
+    from_ms: i64,
+    to_ms: i64,
+    windows: &[(i64, i64)],
+    gaps: &[EvidenceGap],
+    top: usize,
+) -> Coverage {
     let mut spans: Vec<(i64, i64)> = windows.iter().copied().filter(|(s, e)| s < e).collect();
     spans.sort_unstable();
     let mut joined: Vec<(i64, i64)> = Vec::new();
@@ -437,8 +454,10 @@ mod tests {
                 rule("b", Protocol::Udp, &[53], &["10.0.0.0/8"]),
             ],
         );
-        let names: Vec<String> =
-            new_admissions(Some(&from), &to).iter().map(|a| format!("{} {} {:?}", a.rule, a.cidr, a.ports)).collect();
+        let names: Vec<String> = new_admissions(Some(&from), &to)
+            .iter()
+            .map(|a| format!("{} {} {:?}", a.rule, a.cidr, a.ports))
+            .collect();
         assert_eq!(names, ["a/tcp 192.0.2.0/24 [\"80\"]", "b/udp 10.0.0.0/8 [\"53\"]"]);
         let mut r = Replayer::new(Some(&from), &to, 5);
         r.add(&flow("192.0.2.9", 80, 1));

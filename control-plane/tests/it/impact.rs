@@ -122,7 +122,13 @@ async fn impact_replays_recorded_flows() {
     )
     .await;
     let h2 = h0 + 2 * HOUR;
-    let gap = proto::EvidenceGap { kind: 2, from_unix_ms: h2 + 60_000, to_unix_ms: h2 + 120_000, count: 0, detail: String::new() };
+    let gap = proto::EvidenceGap {
+        kind: 2,
+        from_unix_ms: h2 + 60_000,
+        to_unix_ms: h2 + 120_000,
+        count: 0,
+        detail: String::new(),
+    };
     ingest(pool, dst, 3, h2, vec![flow("198.51.100.7", 8001, None, 4, h2)], vec![gap]).await;
     ingest(pool, other, 3, h0, vec![allowed("192.0.2.10", 8001, &r8001, 1, h0)], vec![]).await;
     assert!(flows::roll_up(pool, now).await.unwrap() >= 3);
@@ -136,7 +142,12 @@ async fn impact_replays_recorded_flows() {
 
     // The proposal: tcp/8001 no longer from 192.0.2.0/24 but from 198.51.100.0/24 and
     // 203.0.113.0/24 (from which no flow came); the other workload keeps its content.
-    let moved = innerwall_wire::testing::rule("moved", Protocol::Tcp, &[8001], &["198.51.100.0/24", "203.0.113.0/24"]);
+    let moved = innerwall_wire::testing::rule(
+        "moved",
+        Protocol::Tcp,
+        &[8001],
+        &["198.51.100.0/24", "203.0.113.0/24"],
+    );
     let kept = v3.rules().filter(|r| r.id().to_string() != r8001).cloned();
     let proposed_dst = WorkloadPolicy::new(4, Mode::Simulation, kept.chain([moved])).unwrap();
     let other_now = store::persisted_policy(&mut conn, other).await.unwrap().unwrap().0;
@@ -185,8 +196,10 @@ async fn impact_replays_recorded_flows() {
     let cli = |extra: &[&str]| {
         let mut args = vec!["--database-url", db.url.as_str(), "workload", "replay"];
         let id = dst.to_string();
-        let mut rest: Vec<String> =
-            [id.as_str(), "--from", "3", "--to", "2", "--since", "5h"].iter().map(|s| s.to_string()).collect();
+        let mut rest: Vec<String> = [id.as_str(), "--from", "3", "--to", "2", "--since", "5h"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
         rest.extend(extra.iter().map(|s| s.to_string()));
         args.extend(rest.iter().map(String::as_str));
         std::process::Command::new(env!("CARGO_BIN_EXE_innerwall"))

@@ -188,7 +188,10 @@ impl ReplayArgs {
 
     fn check(&self) -> anyhow::Result<()> {
         if !(0.0..=1.0).contains(&self.min_coverage) {
-            bail!("--min-coverage {} is not between 0 and 1 (e.g. 0.9 for nine hours in ten)", self.min_coverage);
+            bail!(
+                "--min-coverage {} is not between 0 and 1 (e.g. 0.9 for nine hours in ten)",
+                self.min_coverage
+            );
         }
         if self.top == 0 || self.top > foresight::MAX_TOP {
             bail!("--top {} is not between 1 and {}", self.top, foresight::MAX_TOP);
@@ -819,7 +822,9 @@ fn print_replay(json: bool, impact: &Impact, args: &ReplayArgs) -> anyhow::Resul
     }
     let blocked = impact.newly_blocked();
     if blocked > 0 && !args.accept_blocks {
-        bail!("{blocked} recorded flow key(s) would become newly blocked; pass --accept-blocks to accept them");
+        bail!(
+            "{blocked} recorded flow key(s) would become newly blocked; pass --accept-blocks to accept them"
+        );
     }
     if let Some(w) = impact.workloads.iter().find(|w| w.coverage.ratio < args.min_coverage) {
         bail!(
@@ -870,7 +875,14 @@ fn print_replay_text(impact: &Impact) {
             c.gap_count
         ));
         for g in &c.gaps {
-            line(&format!("    gap {} {} .. {}, count {} {}", g.kind, time(&g.from), time(&g.to), g.count, g.detail));
+            line(&format!(
+                "    gap {} {} .. {}, count {} {}",
+                g.kind,
+                time(&g.from),
+                time(&g.to),
+                g.count,
+                g.detail
+            ));
         }
         if let Some(note) = &w.note {
             line(&format!("  {note}"));
