@@ -288,7 +288,7 @@ pub fn new_admissions(from: Option<&WorkloadPolicy>, to: &WorkloadPolicy) -> Vec
                         .iter()
                         .map(|(a, b)| if a == b { a.to_string() } else { format!("{a}-{b}") })
                         .collect(),
-                    net: Some(cidr.clone()),
+                    net: Some(*cidr),
                     proto: Some(rule.protocol()),
                     port_ranges: ranges.clone(),
                 });
@@ -486,7 +486,7 @@ mod tests {
         // Four hours; windows cover hours 0, 1 and 3 (with a 500 ms seam in hour 0); a gap in hour 1.
         let windows = [(0, h / 2), (h / 2 + 500, 2 * h), (3 * h, 4 * h)];
         let gap = EvidenceGap::new(GapKind::MapFull, h + 10, h + 20, 4);
-        let c = coverage(0, 4 * h, &windows, &[gap.clone()], 10);
+        let c = coverage(0, 4 * h, &windows, std::slice::from_ref(&gap), 10);
         assert_eq!((c.hours, c.gap_free_hours, c.gap_count), (4, 2, 1));
         assert_eq!(c.ratio, 0.5);
         assert_eq!(c.gaps[0].kind, "map-full");
