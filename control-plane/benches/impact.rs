@@ -147,7 +147,7 @@ async fn store_policies(pool: &PgPool, applied: &WorkloadPolicy) -> anyhow::Resu
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let quick = std::env::var_os("INNERWALL_BENCH_QUICK").is_some();
-    let (workloads, default_records, runs) = if quick { (100, 100_000, 3) } else { (1_000, 10_000_000, 10) };
+    let (workloads, default_records, runs) = if quick { (100, 100_000, 3) } else { (1_000, 10_000_000, 5) };
     let records: i64 = match std::env::var("INNERWALL_BENCH_RECORDS") {
         Ok(text) => text.parse()?,
         Err(_) => default_records,

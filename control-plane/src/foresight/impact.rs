@@ -32,7 +32,10 @@ pub const MAX_WORKLOADS: usize = 10_000;
 /// is refused (replay a shorter range or fewer workloads) rather than answered in part.
 pub const MAX_KEYS: u64 = 5_000_000;
 
-/// The most gap rows read per workload (more are counted as they come, not kept).
+/// The most gap rows read per workload, earliest first: a workload with more has lost so much
+/// evidence that the hours after its last gap read may be counted gap-free wrongly, and its
+/// `gap_count` reads this bound (agents fold a window's gaps to 1,000, so it takes ten such
+/// windows in the range).
 const GAP_ROWS: i64 = 10_000;
 
 /// How far before a range a window may start and still reach into it (the longest window).
