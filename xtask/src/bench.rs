@@ -120,6 +120,15 @@ const BENCHES: &[Bench] = &[
             quick: &[("INNERWALL_BENCH_RECORDS", "100000")],
         },
     },
+    Bench {
+        name: "impact",
+        what: "PERF-9 impact of a one-ruleset change, 1,000 workloads / 7 days of flows",
+        run: Run::Cargo {
+            package: "innerwall-control-plane",
+            target: "impact",
+            quick: &[("INNERWALL_BENCH_QUICK", "1")],
+        },
+    },
 ];
 
 pub fn run(root: &Path, names: &[String], quick: bool) -> Result<()> {

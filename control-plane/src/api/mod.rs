@@ -30,6 +30,7 @@ pub mod estate;
 pub mod extract;
 pub mod flows;
 pub mod gate;
+pub mod impact;
 pub mod openapi;
 pub mod operators;
 pub mod problem;

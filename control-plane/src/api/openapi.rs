@@ -16,7 +16,7 @@ use utoipa::openapi::{Components, OpenApi, Ref, RefOr};
 
 use super::Route;
 use super::problem::{PROBLEM_JSON, Problem, ProblemType};
-use super::{audit, catalog, estate, flows, gate, operators, render, tokens, workloads};
+use super::{audit, catalog, estate, flows, gate, impact, operators, render, tokens, workloads};
 use crate::identity::operators::Role;
 
 /// Where the document is served.
@@ -43,7 +43,7 @@ pub const CHECKED_IN: &str = "openapi.json";
     paths(
         workloads::list, workloads::show, workloads::labels, workloads::put_labels, workloads::policy,
         workloads::history, workloads::history_version, workloads::resend_snapshot, workloads::retire, workloads::deny,
-        workloads::release_address, workloads::sync_statuses, workloads::sync_status,
+        workloads::release_address, workloads::sync_statuses, workloads::sync_status, impact::replay,
         catalog::list_services, catalog::create_service, catalog::show_service, catalog::update_service,
         catalog::delete_service, catalog::list_groups, catalog::create_group, catalog::show_group,
         catalog::update_group, catalog::delete_group, catalog::list_rulesets, catalog::create_ruleset,

@@ -15,8 +15,8 @@ use axum::routing::MethodFilter;
 use super::extract::BodyLimit;
 use super::problem::ApiError;
 use super::{
-    ApiLimits, ApiState, Route, audit, auth, catalog, estate, flows, gate, openapi, operators, render,
-    tokens, workloads,
+    ApiLimits, ApiState, Route, audit, auth, catalog, estate, flows, gate, impact, openapi, operators,
+    render, tokens, workloads,
 };
 use crate::identity::operators::Role;
 
@@ -70,6 +70,7 @@ pub fn build(state: ApiState) -> (Router, Vec<Route>) {
             Some(Viewer),
             workloads::history_version,
         )
+        .mount("GET", "/api/v1/workloads/{id}/replay", Some(Viewer), impact::replay)
         .mount("POST", "/api/v1/workloads/{id}/resend-snapshot", Some(Editor), workloads::resend_snapshot)
         .mount("POST", "/api/v1/workloads/{id}/retire", Some(Admin), workloads::retire)
         .mount("POST", "/api/v1/workloads/{id}/deny", Some(Admin), workloads::deny)

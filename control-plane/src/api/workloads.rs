@@ -33,7 +33,7 @@ use crate::policy::store::{
 };
 
 /// A workload id in a path.
-fn workload(text: &str) -> Result<WorkloadId, ApiError> {
+pub(super) fn workload(text: &str) -> Result<WorkloadId, ApiError> {
     text.parse::<WorkloadId>().map_err(|_| {
         ApiError::Malformed(format!(
             "{:?} is not a workload id (a UUID)",

@@ -17,3 +17,4 @@ pub use page::{MAX_PAGE, Page, PageRequest};
 pub use query::{FlowRow, GapRow, RecordFilter, gaps, list};
 pub use retention::{DEFAULT_RETENTION_DAYS, RETENTION_BATCH, apply_retention, ensure_partitions};
 pub use rollup::{Grouping, RollupFilter, RollupRow, parse_selector, rollup, workloads_in};
+pub(crate) use rollup::{Source, sources};

@@ -340,7 +340,7 @@ const SUMS: &str = "sum(new_connections)::bigint AS connections, sum(packets)::b
 
 /// Where one part of a rollup's input comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Source {
+pub(crate) enum Source {
     /// `flow_rollups` rows of the whole hours `[from, to)`.
     Hours(DateTime<Utc>, DateTime<Utc>),
     /// Raw records of every window that started in `[from, to)`.
@@ -351,7 +351,7 @@ enum Source {
 
 /// The parts covering `[from, to)` exactly once: whole hours from the rollups (plus the windows
 /// in them not rolled up yet), the partial hours at the ends from raw records.
-fn sources(from: DateTime<Utc>, to: DateTime<Utc>) -> Vec<Source> {
+pub(crate) fn sources(from: DateTime<Utc>, to: DateTime<Utc>) -> Vec<Source> {
     let first = hour_floor(from);
     let first = if first == from { first } else { first + TimeDelta::hours(1) };
     let last = hour_floor(to);

@@ -410,6 +410,31 @@ pub async fn policy_history(conn: &mut PgConnection, id: WorkloadId) -> Result<V
     rows.iter().map(|row| Ok(decode_row(row)?.0)).collect()
 }
 
+/// The persisted policies of these (workload, version) pairs, those that exist (a replay reads a
+/// workload's applied version, or two versions it names).
+pub async fn policies_at(
+    conn: &mut PgConnection,
+    wanted: &[(WorkloadId, u64)],
+) -> Result<BTreeMap<(WorkloadId, u64), WorkloadPolicy>, Error> {
+    let ids: Vec<Uuid> = wanted.iter().map(|(id, _)| id.uuid()).collect();
+    let versions: Vec<i64> = wanted.iter().map(|(_, v)| i64::try_from(*v).unwrap_or(i64::MAX)).collect();
+    let rows = sqlx::query(
+        "SELECT h.workload_id, h.version, c.policy, h.rendered_at
+         FROM workload_policy_history h JOIN policy_contents c ON c.digest = h.digest
+         WHERE (h.workload_id, h.version) IN (SELECT * FROM unnest($1::uuid[], $2::bigint[]))",
+    )
+    .bind(&ids)
+    .bind(&versions)
+    .fetch_all(&mut *conn)
+    .await?;
+    rows.iter()
+        .map(|row| {
+            let (policy, _) = decode_row(row)?;
+            Ok(((workload_id(row.get("workload_id"))?, policy.version()), policy))
+        })
+        .collect()
+}
+
 // ---- read views for the CLI and API ------------------------------------------------------
 
 #[derive(Debug, Clone, Serialize, serde::Deserialize, utoipa::ToSchema)]

@@ -874,6 +874,7 @@ const EXPECTED_ROUTES: &[(&str, &str, Option<&str>)] = &[
     ("GET", "/api/v1/workloads/{id}/policy/history", Some("viewer")),
     ("GET", "/api/v1/workloads/{id}/policy/history/{version}", Some("viewer")),
     ("POST", "/api/v1/workloads/{id}/release-address", Some("editor")),
+    ("GET", "/api/v1/workloads/{id}/replay", Some("viewer")),
     ("POST", "/api/v1/workloads/{id}/resend-snapshot", Some("editor")),
     ("POST", "/api/v1/workloads/{id}/retire", Some("admin")),
 ];
@@ -1633,4 +1634,44 @@ async fn parameters_never_panic() {
     plane.stop().await;
     let logged = errors.0.lock().unwrap().clone();
     assert!(logged.is_empty(), "ERROR lines were logged: {logged:#?}");
+}
+
+/// `GET /api/v1/workloads/{id}/replay` answers what `foresight::replay` replays (the remote CLI
+/// prints that answer with the local printer), refuses an unknown version naming it and a `top`
+/// out of bounds, and needs a token.
+#[tokio::test]
+async fn replay_route_answers_what_the_library_replays() {
+    use innerwall_control_plane::foresight;
+    let plane = Plane::start(ApiLimits::default()).await;
+    let id = register(plane.pool(), "web-1", &["app=web"]).await;
+    innerwall_control_plane::testing::add_web_port(plane.pool(), 1).await.unwrap();
+    innerwall_control_plane::testing::add_web_port(plane.pool(), 2).await.unwrap();
+    let viewer = mint(plane.pool(), "replay-viewer", Role::Viewer).await;
+    let path = format!("/api/v1/workloads/{id}/replay?from=3&to=2&since=2h&top=5");
+    let reply = plane.get(&path, Some(&viewer.token)).await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    let mut answered: Value = reply.json();
+    let range = foresight::Range::ending_at(chrono::Utc::now(), Duration::from_secs(7200)).unwrap();
+    let mut conn = plane.pool().acquire().await.unwrap();
+    let replayed = foresight::replay(&mut conn, id, 3, 2, range, 5).await.unwrap();
+    drop(conn);
+    let mut expected = serde_json::to_value(&replayed).unwrap();
+    // The two ranges end at their own now; the rest is the same struct.
+    for doc in [&mut answered, &mut expected] {
+        doc.as_object_mut().unwrap().remove("range");
+    }
+    assert_eq!(answered, expected);
+    assert_eq!(answered["workloads"][0]["from_version"], 3);
+    assert_eq!(answered["workloads"][0]["unseen_admission_count"], 0, "v2 admits nothing v3 did not");
+    let back: foresight::Impact = serde_json::from_slice(&reply.body).unwrap();
+    assert_eq!(back.workloads[0].id, id, "the answer deserializes for the remote CLI");
+
+    let missing = plane.get(&format!("/api/v1/workloads/{id}/replay?from=3&to=9"), Some(&viewer.token)).await;
+    let doc = missing.problem(404, ProblemType::NotFound);
+    assert!(doc["detail"].as_str().unwrap().contains("version 9"), "{doc}");
+    let top =
+        plane.get(&format!("/api/v1/workloads/{id}/replay?from=3&to=2&top=101"), Some(&viewer.token)).await;
+    top.problem(400, ProblemType::Invalid);
+    plane.get(&path, None).await.problem(401, ProblemType::Unauthorized);
+    plane.stop().await;
 }

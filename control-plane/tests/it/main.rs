@@ -9,6 +9,7 @@ mod enrollment;
 mod files;
 mod flows;
 mod identity;
+mod impact;
 mod installs;
 mod lists;
 mod operators;

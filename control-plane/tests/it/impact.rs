@@ -1,0 +1,227 @@
+//! The replay of recorded flows through proposed policies (POL-8) against real Postgres: flows
+//! through the real ingest path, policies through the real render, the CLI as the binary.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use chrono::{DateTime, DurationRound, TimeDelta, Utc};
+use innerwall_control_plane::flows;
+use innerwall_control_plane::foresight::{self, Range};
+use innerwall_control_plane::policy::authoring;
+use innerwall_control_plane::policy::spec::NewWorkload;
+use innerwall_control_plane::policy::store;
+use innerwall_control_plane::testing::{self, fresh_database};
+use innerwall_wire::flows::FlowWindow;
+use innerwall_wire::identity::WorkloadId;
+use innerwall_wire::policy::{Mode, Protocol, WorkloadPolicy};
+use innerwall_wire::proto;
+
+const HOUR: i64 = 3_600_000;
+
+async fn register(pool: &sqlx::PgPool, hostname: &str) -> WorkloadId {
+    let new = NewWorkload {
+        id: WorkloadId::new_random(),
+        hostname: hostname.into(),
+        labels: vec!["app=web".parse().unwrap()],
+        addresses: BTreeSet::new(),
+    };
+    authoring::commit(pool, "test", "register", hostname, async |c| {
+        authoring::register_workload(c, &new).await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await
+    .unwrap();
+    new.id
+}
+
+/// A flow of `connections` new connections from `src` to tcp `port`.
+fn flow(src: &str, port: u32, rule: Option<&str>, connections: u64, at: i64) -> proto::FlowRecord {
+    let decision = match rule {
+        Some(_) => proto::FlowDecision::Allowed,
+        None => proto::FlowDecision::WouldBlock,
+    };
+    proto::FlowRecord {
+        src_address: src.into(),
+        dst_address: "10.9.0.1".into(),
+        dst_port: port,
+        protocol: proto::Protocol::Tcp.into(),
+        decision: decision.into(),
+        matched_rule_id: rule.unwrap_or_default().into(),
+        packets: connections,
+        bytes: connections * 60,
+        new_connections: connections,
+        first_seen_unix_ms: at + 1_000,
+        last_seen_unix_ms: at + 2_000,
+    }
+}
+
+/// An hour-long simulation window under `version` from `start`.
+async fn ingest(
+    pool: &sqlx::PgPool,
+    id: WorkloadId,
+    version: u64,
+    start: i64,
+    records: Vec<proto::FlowRecord>,
+    gaps: Vec<proto::EvidenceGap>,
+) {
+    let wire = proto::FlowWindow {
+        window_id: uuid::Uuid::new_v4().to_string(),
+        start_unix_ms: start,
+        end_unix_ms: start + HOUR,
+        policy_version: version,
+        mode: 2,
+        records,
+        gaps,
+    };
+    flows::ingest(pool, id, &FlowWindow::try_from(&wire).unwrap()).await.unwrap();
+}
+
+fn rule_for(policy: &WorkloadPolicy, port: u16) -> String {
+    policy.rules().find(|r| r.ports().iter().any(|p| p.contains(port))).unwrap().id().to_string()
+}
+
+fn at(ms: i64) -> DateTime<Utc> {
+    DateTime::from_timestamp_millis(ms).unwrap()
+}
+
+#[tokio::test]
+async fn impact_replays_recorded_flows() {
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    let dst = register(pool, "web-1").await;
+    let other = register(pool, "web-2").await;
+    // v1: nothing (registered); v2: tcp/8001 from 192.0.2.0/24; v3: and tcp/8002 from it.
+    testing::add_web_port(pool, 1).await.unwrap();
+    testing::add_web_port(pool, 2).await.unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    let history = store::policy_history(&mut conn, dst).await.unwrap();
+    assert_eq!(history.iter().map(WorkloadPolicy::version).collect::<Vec<_>>(), [1, 2, 3]);
+    let v3 = history[2].clone();
+    let (r8001, r8002) = (rule_for(&v3, 8001), rule_for(&v3, 8002));
+
+    // Four closed hours before now: H0 rolled up, H1 without a window, H2 with a gap, H3 a
+    // window ingested after the roll-up (not rolled up).
+    let now = Utc::now();
+    let h0 = (now.duration_trunc(TimeDelta::hours(1)).unwrap() - TimeDelta::hours(4)).timestamp_millis();
+    for id in [dst, other] {
+        testing::installed(pool, id, &[(3, Mode::Simulation, at(h0 - HOUR))]).await.unwrap();
+        // The agent's ack of v3, as the gateway records it.
+        sqlx::query("UPDATE workloads SET applied_version = 3 WHERE id = $1")
+            .bind(id.uuid())
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+    let allowed = |src, port, rule: &str, n, at| flow(src, port, Some(rule), n, at);
+    ingest(
+        pool,
+        dst,
+        3,
+        h0,
+        vec![allowed("192.0.2.10", 8001, &r8001, 1, h0), allowed("192.0.2.11", 8002, &r8002, 5, h0)],
+        vec![],
+    )
+    .await;
+    let h2 = h0 + 2 * HOUR;
+    let gap = proto::EvidenceGap {
+        kind: 2,
+        from_unix_ms: h2 + 60_000,
+        to_unix_ms: h2 + 120_000,
+        count: 0,
+        detail: String::new(),
+    };
+    ingest(pool, dst, 3, h2, vec![flow("198.51.100.7", 8001, None, 4, h2)], vec![gap]).await;
+    ingest(pool, other, 3, h0, vec![allowed("192.0.2.10", 8001, &r8001, 1, h0)], vec![]).await;
+    assert!(flows::roll_up(pool, now).await.unwrap() >= 3);
+    let h3 = h0 + 3 * HOUR;
+    ingest(pool, dst, 3, h3, vec![allowed("192.0.2.10", 8001, &r8001, 2, h3)], vec![]).await;
+    let pending: i64 = sqlx::query_scalar("SELECT count(*) FROM flow_windows WHERE NOT rolled_up")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    assert_eq!(pending, 1, "the H3 window is not rolled up");
+
+    // The proposal: tcp/8001 no longer from 192.0.2.0/24 but from 198.51.100.0/24 and
+    // 203.0.113.0/24 (from which no flow came); the other workload keeps its content.
+    let moved = innerwall_wire::testing::rule(
+        "moved",
+        Protocol::Tcp,
+        &[8001],
+        &["198.51.100.0/24", "203.0.113.0/24"],
+    );
+    let kept = v3.rules().filter(|r| r.id().to_string() != r8001).cloned();
+    let proposed_dst = WorkloadPolicy::new(4, Mode::Simulation, kept.chain([moved])).unwrap();
+    let other_now = store::persisted_policy(&mut conn, other).await.unwrap().unwrap().0;
+    let proposed = BTreeMap::from([(dst, proposed_dst), (other, other_now.with_version(9))]);
+    let range = Range { from: at(h0), to: at(h0 + 4 * HOUR) };
+    let impact = foresight::impact(&mut conn, &proposed, range, 10).await.unwrap();
+
+    assert_eq!(impact.workloads.len(), 1, "the unaffected workload is not listed: {impact:#?}");
+    let w = &impact.workloads[0];
+    assert_eq!((w.id, w.from_version, w.to_version), (dst, 3, None));
+    // Registered workloads render in visibility; admission is judged as enforcement would anyway.
+    assert_eq!(w.from_mode.as_deref(), Some("visibility"));
+    let r = &w.replayed;
+    assert_eq!((r.newly_blocked, r.newly_allowed, r.unchanged), (1, 1, 1));
+    // The rolled-up hour's connection and the pending window's two.
+    assert_eq!(r.blocked_connections, 3);
+    let blocked = &r.top_blocked[0];
+    assert_eq!(blocked.src_address, "192.0.2.10");
+    assert_eq!((blocked.connections, blocked.records), (3, 2));
+    assert_eq!(blocked.from_rule.as_deref(), Some(r8001.as_str()));
+    assert_eq!(blocked.to_rule, None);
+    assert_eq!(blocked.first_seen, at(h0 + 1_000));
+    assert_eq!(blocked.last_seen, at(h3 + 2_000));
+    let newly = &r.top_allowed[0];
+    assert_eq!((newly.src_address.as_str(), newly.connections), ("198.51.100.7", 4));
+    assert_eq!((newly.from_rule.as_deref(), newly.to_rule.as_deref()), (None, Some("moved/tcp")));
+    // H0 and H3 are gap-free; H1 has no window and H2 a gap.
+    let c = &w.coverage;
+    assert_eq!((c.hours, c.gap_free_hours, c.gap_count), (4, 2, 1));
+    assert_eq!(c.gaps[0].kind, "agent-restart");
+    assert_eq!(c.gaps[0].from, at(h2 + 60_000));
+    assert_eq!(impact.min_coverage(), 0.5);
+    let unseen: Vec<&str> = w.unseen_admissions.iter().map(|a| a.cidr.as_str()).collect();
+    assert_eq!((unseen, w.unseen_admission_count), (vec!["203.0.113.0/24"], 1));
+    assert_eq!(impact.newly_blocked(), 1);
+
+    // Bad input changes nothing and says what is wrong.
+    let err = foresight::impact(&mut conn, &proposed, range, 101).await.unwrap_err().to_string();
+    assert!(err.contains("top must be between 1 and 100"), "{err}");
+    let err = foresight::replay(&mut conn, dst, 3, 7, range, 5).await.unwrap_err().to_string();
+    assert!(err.contains("version 7"), "{err}");
+    let long = Range { from: at(h0 - 91 * 24 * HOUR), to: at(h0) };
+    assert!(foresight::impact(&mut conn, &proposed, long, 5).await.is_err());
+
+    // The CLI between two stored versions: v3 -> v2 drops tcp/8002, so 192.0.2.11 is blocked.
+    let cli = |extra: &[&str]| {
+        let mut args = vec!["--database-url", db.url.as_str(), "workload", "replay"];
+        let id = dst.to_string();
+        let mut rest: Vec<String> = [id.as_str(), "--from", "3", "--to", "2", "--since", "5h"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        rest.extend(extra.iter().map(|s| s.to_string()));
+        args.extend(rest.iter().map(String::as_str));
+        std::process::Command::new(env!("CARGO_BIN_EXE_innerwall"))
+            .env_remove("INNERWALL_DATABASE_URL")
+            .env_remove("INNERWALL_API")
+            .args(&args)
+            .output()
+            .unwrap()
+    };
+    let out = cli(&["--min-coverage", "0"]);
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(stderr.contains("newly blocked") && stderr.contains("--accept-blocks"), "{stderr}");
+    assert!(stdout.contains("192.0.2.11") && stdout.contains(&r8002), "{stdout}");
+    assert!(stdout.lines().all(|l| l.chars().count() <= 80), "80 columns:\n{stdout}");
+    let out = cli(&["--min-coverage", "0", "--accept-blocks", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["workloads"][0]["newly_blocked"], 1);
+    assert_eq!(json["workloads"][0]["top_blocked"][0]["from_rule"], r8002.as_str());
+    // The default minimum coverage fails a range the evidence covers in part.
+    let out = cli(&["--accept-blocks"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--min-coverage"));
+}
