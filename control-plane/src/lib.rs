@@ -2,7 +2,8 @@
 //! end-to-end tests drive it directly. Its rooms, lowest first (a module imports only from the
 //! ones before it): `policy` (authored model, render, publish), `identity` (CA, tokens,
 //! enrollment, the agent listener), `flows` (evidence ingest, retention, queries), `gate` (the
-//! verdict and promotions on that evidence), `sync` (stream state machine, gateway, NOTIFY
+//! verdict and promotions on that evidence), `foresight` (policy tests judged on every operator
+//! commit, the one commit operator changes go through), `sync` (stream state machine, gateway, NOTIFY
 //! bridge), `api` (the operator HTTP API over all of them), `service` (one replica), with
 //! `postgres` (the database and its clusters), `admission` (who may hold a connection: the
 //! agent, API and metrics listeners), `copy` (binary `COPY` rows), `page` (bounded
@@ -17,6 +18,7 @@ pub mod copy;
 pub mod counts;
 pub mod error;
 pub mod flows;
+pub mod foresight;
 pub mod gate;
 pub mod identity;
 pub mod input;

@@ -186,7 +186,7 @@ async fn register(pool: &PgPool, hostname: &str, labels: &[&str]) -> WorkloadId 
         labels: labels.iter().map(|l| l.parse().unwrap()).collect(),
         addresses: BTreeSet::new(),
     };
-    authoring::commit(pool, "test", "register", hostname, async |c| {
+    innerwall_control_plane::foresight::commit(pool, "test", "register", hostname, async |c| {
         authoring::register_workload(c, &new).await?;
         Ok(((), json!({})))
     })

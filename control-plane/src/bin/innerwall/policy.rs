@@ -202,7 +202,7 @@ pub async fn catalog<A: Catalog>(ctx: &Ctx, cmd: &ObjectCmd<A>) -> anyhow::Resul
             let spec = args.spec()?;
             let name = A::name(&spec);
             let action = format!("{}.create", A::ACTION);
-            let done = authoring::commit(pool, actor, &action, name, async |c| {
+            let done = innerwall_control_plane::foresight::commit(pool, actor, &action, name, async |c| {
                 A::create(c, &spec).await?;
                 Ok(((), members_detail::<A>(&spec)))
             })
@@ -214,7 +214,7 @@ pub async fn catalog<A: Catalog>(ctx: &Ctx, cmd: &ObjectCmd<A>) -> anyhow::Resul
             let spec = object.spec()?;
             let name = A::name(&spec);
             let action = format!("{}.update", A::ACTION);
-            let done = authoring::commit(pool, actor, &action, name, async |c| {
+            let done = innerwall_control_plane::foresight::commit(pool, actor, &action, name, async |c| {
                 let version = A::update(c, &spec, expected).await?;
                 Ok((version, members_detail::<A>(&spec)))
             })
@@ -224,7 +224,7 @@ pub async fn catalog<A: Catalog>(ctx: &Ctx, cmd: &ObjectCmd<A>) -> anyhow::Resul
         ObjectCmd::Delete { name, expect } => {
             let expected = expect.required(noun, "delete", name)?;
             let action = format!("{}.delete", A::ACTION);
-            let done = authoring::commit(pool, actor, &action, name, async |c| {
+            let done = innerwall_control_plane::foresight::commit(pool, actor, &action, name, async |c| {
                 A::delete(c, name, expected).await?;
                 Ok(((), serde_json::json!({})))
             })
@@ -382,30 +382,43 @@ pub async fn ruleset(ctx: &Ctx, cmd: &ObjectCmd<RulesetFile>) -> anyhow::Result<
     match cmd {
         ObjectCmd::Create(RulesetFile { file }) => {
             let spec = read_ruleset_file(file)?;
-            let done = authoring::commit(pool, actor, "ruleset.create", &spec.name.clone(), async |c| {
-                authoring::create_ruleset(c, &spec).await?;
-                Ok(((), serde_json::to_value(&spec).expect("plain data serializes")))
-            })
+            let done = innerwall_control_plane::foresight::commit(
+                pool,
+                actor,
+                "ruleset.create",
+                &spec.name.clone(),
+                async |c| {
+                    authoring::create_ruleset(c, &spec).await?;
+                    Ok(((), serde_json::to_value(&spec).expect("plain data serializes")))
+                },
+            )
             .await?;
             report(json, &format!("ruleset {} created (version 1)", spec.name), done);
         }
         ObjectCmd::Update { object: RulesetFile { file }, expect } => {
             let spec = read_ruleset_file(file)?;
             let expected = expect.required("ruleset", "update", &spec.name)?;
-            let done = authoring::commit(pool, actor, "ruleset.update", &spec.name.clone(), async |c| {
-                let v = authoring::update_ruleset(c, &spec, expected).await?;
-                Ok((v, serde_json::to_value(&spec).expect("plain data serializes")))
-            })
+            let done = innerwall_control_plane::foresight::commit(
+                pool,
+                actor,
+                "ruleset.update",
+                &spec.name.clone(),
+                async |c| {
+                    let v = authoring::update_ruleset(c, &spec, expected).await?;
+                    Ok((v, serde_json::to_value(&spec).expect("plain data serializes")))
+                },
+            )
             .await?;
             report(json, &format!("ruleset {} updated (version {})", spec.name, done.value), done);
         }
         ObjectCmd::Delete { name, expect } => {
             let expected = expect.required("ruleset", "delete", name)?;
-            let done = authoring::commit(pool, actor, "ruleset.delete", name, async |c| {
-                authoring::delete_ruleset(c, name, expected).await?;
-                Ok(((), serde_json::json!({})))
-            })
-            .await?;
+            let done =
+                innerwall_control_plane::foresight::commit(pool, actor, "ruleset.delete", name, async |c| {
+                    authoring::delete_ruleset(c, name, expected).await?;
+                    Ok(((), serde_json::json!({})))
+                })
+                .await?;
             report(json, &format!("ruleset {name} deleted"), done);
         }
         ObjectCmd::List => {

@@ -1,0 +1,13 @@
+//! Change with foresight (issue 27, POL-10): what an operator change does before it is
+//! acknowledged. `policy_tests` holds the named assertions beside the policy and their pure
+//! evaluation over a rendering; `commit` is the one operator commit, which refuses any change
+//! that breaks a policy test, inside the change's own transaction. Declares and re-exports only.
+
+pub mod commit;
+pub mod policy_tests;
+
+pub use commit::{
+    TestSetRow, commit, create_test_set, delete_test_set, list_test_sets, run_policy_tests, show_test_set,
+    update_test_set,
+};
+pub use policy_tests::{RunReport, TestResult, TestSetSpec};
