@@ -69,12 +69,13 @@ pub enum Error {
         bound: &'static str,
         retry_after_secs: u64,
     },
-    /// An operator change that breaks policy tests (`foresight`): every failing test, with why.
+    /// An operator change that breaks policy tests (`foresight`): every failing test, with why
+    /// (one failure a line, so a terminal reads them).
     #[error(
-        "policy-tests-failed: {} policy test(s) fail on the change: {}; nothing was changed. Fix the \
-         change, or update the test set (itself a commit)",
+        "policy-tests-failed: {} policy test(s) fail on the change; nothing was changed. Fix the change, \
+         or update the test set (itself a commit):{}",
         .0.len(),
-        .0.iter().map(|f| format!("{}/{}: {}", f.set, f.test, f.reason)).collect::<Vec<_>>().join("; ")
+        .0.iter().map(|f| format!("\n  - {}/{} ({}): {}", f.set, f.test, f.assertion, f.reason)).collect::<String>()
     )]
     PolicyTestsFailed(Vec<PolicyTestFailure>),
     #[error("agent-offline: workload {id} has no stream (last seen {last_seen})")]

@@ -32,6 +32,7 @@ pub mod flows;
 pub mod gate;
 pub mod openapi;
 pub mod operators;
+pub mod policy_tests;
 pub mod problem;
 pub mod render;
 pub mod router;

@@ -765,3 +765,236 @@ impl<'a> Estate<'a> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::model::{AddressGroup, AuthoredModel, Rule, Ruleset, ServiceEntry};
+    use crate::policy::render::render;
+    use innerwall_wire::identity::WorkloadId;
+    use uuid::Uuid;
+
+    fn id(n: u128) -> Uuid {
+        Uuid::from_u128(n)
+    }
+
+    fn workload(n: u128, labels: &[(&str, &str)], addr: &str, mode: Mode) -> RegisteredWorkload {
+        RegisteredWorkload {
+            id: WorkloadId::from_uuid(id(0x1000 + n)).unwrap(),
+            mode,
+            labels: labels
+                .iter()
+                .map(|(k, v)| (LabelKey::new(k).unwrap(), LabelValue::new(v).unwrap()))
+                .collect(),
+            addresses: [addr.parse::<IpAddr>().unwrap()].into(),
+        }
+    }
+
+    fn sel(k: &str, v: &str) -> Selector {
+        Selector::from_strings([(k.to_owned(), vec![v.to_owned()])]).unwrap()
+    }
+
+    /// payments (visibility) admits web on https (tcp:443-444) and 10.9.0.0/16; a disabled
+    /// ruleset would admit api.
+    fn rendering(from_web_ports: &str) -> Rendering {
+        let https = Service {
+            id: id(1),
+            name: "https".into(),
+            entries: vec![ServiceEntry::parse(from_web_ports).unwrap()],
+        };
+        let group = AddressGroup {
+            id: id(2),
+            name: "vpn".into(),
+            cidrs: [Cidr::parse("10.9.0.0/16").unwrap()].into(),
+        };
+        let rule = |n, name: &str, peers, enabled| Rule {
+            id: id(n),
+            name: name.into(),
+            enabled,
+            peers,
+            services: vec![id(1)],
+        };
+        let model = AuthoredModel {
+            services: [(id(1), https)].into(),
+            address_groups: [(id(2), group)].into(),
+            rulesets: vec![
+                Ruleset {
+                    id: id(10),
+                    name: "payments".into(),
+                    enabled: true,
+                    scope: sel("app", "payments"),
+                    rules: vec![
+                        rule(11, "from-web", vec![Peer::Workloads(sel("app", "web"))], true),
+                        rule(12, "from-vpn", vec![Peer::AddressGroup(id(2))], true),
+                    ],
+                },
+                Ruleset {
+                    id: id(20),
+                    name: "old".into(),
+                    enabled: false,
+                    scope: sel("app", "payments"),
+                    rules: vec![rule(21, "from-api", vec![Peer::Workloads(sel("app", "api"))], true)],
+                },
+            ],
+        };
+        let registry = vec![
+            workload(1, &[("app", "web")], "10.0.0.1", Mode::Enforcement),
+            workload(2, &[("app", "api")], "10.0.0.2", Mode::Enforcement),
+            workload(3, &[("app", "payments")], "10.0.0.3", Mode::Visibility),
+        ];
+        let rendered = render(&model, &registry).unwrap();
+        Rendering { model, registry, rendered, changed: Vec::new() }
+    }
+
+    fn run(text: &str, r: &Rendering) -> Vec<TestResult> {
+        let spec = parse_test_set_file("t", text).unwrap();
+        evaluate(&[spec], r).results
+    }
+
+    #[test]
+    fn allow_and_deny_judge_every_address_and_port_with_decide() {
+        let r = rendering("tcp:443-444");
+        let results = run(
+            "name: s\ntests:\n\
+             - {name: web, allow: {from: {app: [web]}, to: {app: [payments]}, service: https}}\n\
+             - {name: vpn, allow: {from_cidr: 10.9.0.0/16, to: {app: [payments]}, service: https}}\n\
+             - {name: wider, allow: {from_cidr: 10.8.0.0/15, to: {app: [payments]}, service: https}}\n\
+             - {name: api, deny: {from: {app: [api]}, to: {app: [payments]}, service: https}}\n\
+             - {name: inside-vpn, deny: {from_cidr: 10.9.200.0/24, to: {app: [payments]}, service: https}}\n",
+            &r,
+        );
+        let passed: Vec<(&str, bool)> = results.iter().map(|r| (r.test.as_str(), r.passed)).collect();
+        assert_eq!(
+            passed,
+            [("web", true), ("vpn", true), ("wider", false), ("api", true), ("inside-vpn", false)]
+        );
+        let wider = results[2].failure.as_ref().unwrap();
+        assert!(wider.pairs[0].starts_with("10.8.0.0/15 (10.8.0.0)"), "{wider:?}");
+        let inside = results[4].failure.as_ref().unwrap();
+        assert!(inside.reason.contains("admitted by rule payments/from-vpn"), "{inside:?}");
+    }
+
+    #[test]
+    fn a_port_range_partly_admitted_fails_at_its_first_gap() {
+        // The service asks 443-445; the rules render 443-445 too, so all pass … then a service
+        // entry the rules do not cover (another service's wider range) fails exactly at 446.
+        let r = rendering("tcp:443-445");
+        let ok = run(
+            "name: s\ntests:\n- {name: web, allow: {from: {app: [web]}, to: {app: [payments]}, service: https}}\n",
+            &r,
+        );
+        assert!(ok[0].passed, "{ok:?}");
+        let policy = r.rendered.get(&r.registry[2].id).unwrap();
+        let ports = [PortRange::new(440, 450).unwrap()];
+        let points = port_points(Protocol::Tcp, &ports, policy);
+        assert_eq!(points, [440, 443, 446], "the edges of the rule's 443-445 inside 440-450");
+    }
+
+    #[test]
+    fn the_nearest_rule_names_the_failing_term_or_the_disabled_ruleset() {
+        let r = rendering("tcp:443");
+        let results = run(
+            "name: s\ntests:\n\
+             - {name: api, allow: {from: {app: [api]}, to: {app: [payments]}, service: https}}\n\
+             - {name: web-to-web, allow: {from: {app: [api]}, to: {app: [web]}, service: https}}\n",
+            &r,
+        );
+        let api = results[0].failure.as_ref().unwrap();
+        // The disabled ruleset's rule names api exactly: nearer than from-web (one failing term).
+        assert!(
+            api.reason.contains("rule old/from-api names the source, but ruleset old is disabled"),
+            "{api:?}"
+        );
+        let none = results[1].failure.as_ref().unwrap();
+        assert!(none.reason.contains("no ruleset scopes workload"), "{none:?}");
+        let mut r = r;
+        r.model.rulesets.truncate(1);
+        let results = run(
+            "name: s\ntests:\n- {name: api, allow: {from: {app: [api]}, to: {app: [payments]}, service: https}}\n",
+            &r,
+        );
+        let api = results[0].failure.as_ref().unwrap();
+        assert!(
+            api.reason.contains("rule payments/from-web needs app=web, the source has app=api"),
+            "{api:?}"
+        );
+    }
+
+    #[test]
+    fn only_from_names_every_source_outside_the_list_and_empty_selectors_fail() {
+        let r = rendering("tcp:443");
+        let results = run(
+            "name: s\ntests:\n\
+             - {name: ok, only_from: {to: {app: [payments]}, service: https, sources: [{workloads: {app: [web]}}, {address_group: vpn}]}}\n\
+             - {name: web-only, only_from: {to: {app: [payments]}, service: https, sources: [{workloads: {app: [web]}}]}}\n\
+             - {name: nobody, allow: {from: {app: [nobody]}, to: {app: [payments]}, service: https}}\n\
+             - {name: nobody-ok, allow_empty: true, allow: {from: {app: [nobody]}, to: {app: [payments]}, service: https}}\n\
+             - {name: no-service, deny: {from_cidr: 1.2.3.0/24, to: {app: [payments]}, service: ssh}}\n",
+            &r,
+        );
+        let passed: Vec<bool> = results.iter().map(|r| r.passed).collect();
+        assert_eq!(passed, [true, false, false, true, false]);
+        let web_only = results[1].failure.as_ref().unwrap();
+        assert!(web_only.reason.contains("rule payments/from-vpn admits 10.9.0.0/16"), "{web_only:?}");
+        assert_eq!(results[2].failure.as_ref().unwrap().reason, "no workload matches from app=nobody");
+        assert_eq!(results[4].failure.as_ref().unwrap().reason, "service ssh does not exist");
+    }
+
+    #[test]
+    fn bad_files_are_refused_with_what_to_fix() {
+        let refused = |text: &str| parse_test_set_file("f", text).unwrap_err().to_string();
+        assert!(
+            refused("name: s\ntests:\n- {name: a}\n")
+                .contains("exactly one of allow, deny, only_from or observed")
+        );
+        assert!(
+            refused("name: s\ntests:\n- {name: a, allow: {to: {app: [x]}, service: s}}\n")
+                .contains("exactly one of from or from_cidr")
+        );
+        assert!(
+            refused("name: s\ntests:\n- {name: a, deny: {from_cidr: nope, to: {app: [x]}, service: s}}\n")
+                .contains("from_cidr")
+        );
+        assert!(
+            refused("name: s\ntests:\n- {name: a, deny: {from_cidr: 1.2.3.0/24, to: {}, service: s}}\n")
+                .contains("an empty selector")
+        );
+        assert!(
+            refused("name: s\ntests:\n- {name: a, observed: {to: {app: [x]}}}\n").contains("impact engine")
+        );
+        assert!(
+            refused(&format!("name: s\ndescription: {}\ntests: []\n", "x".repeat(2000)))
+                .contains("at most 1024")
+        );
+        assert!(
+            refused(
+                "name: s\ntests:\n- {name: a, deny: {from_cidr: 1.2.3.0/24, to: {app: [x]}, service: s}}\n\
+                         - {name: a, deny: {from_cidr: 1.2.3.0/24, to: {app: [x]}, service: s}}\n"
+            )
+            .contains("used twice")
+        );
+    }
+
+    #[test]
+    fn junit_escapes_and_counts() {
+        let report = RunReport {
+            results: vec![TestResult {
+                set: "s".into(),
+                test: "t".into(),
+                assertion: "allow".into(),
+                passed: false,
+                failure: Some(PolicyTestFailure {
+                    set: "s".into(),
+                    test: "t".into(),
+                    assertion: "allow".into(),
+                    reason: "a <b> & \"c\"".into(),
+                    pairs: vec!["x → y".into()],
+                    pair_count: 1,
+                }),
+            }],
+        };
+        let xml = report.junit();
+        assert!(xml.contains("message=\"a &lt;b&gt; &amp; &quot;c&quot;\""), "{xml}");
+        assert!(xml.contains("<testsuite name=\"s\" tests=\"1\" failures=\"1\">"), "{xml}");
+    }
+}

@@ -12,6 +12,7 @@ mod identity;
 mod installs;
 mod lists;
 mod operators;
+mod policy_tests;
 mod postgres;
 mod publish;
 mod retention;
