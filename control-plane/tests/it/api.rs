@@ -1002,6 +1002,7 @@ async fn problem_types_are_closed() {
             Error::AgentOffline { .. } => "agent offline",
             Error::OverBound { .. } => "over bound",
             Error::RateLimited { .. } => "rate limited",
+            Error::PolicyTestsFailed(_) => "policy tests failed",
             Error::Render(_) => "render",
             Error::Corrupt { .. } => "corrupt",
             Error::Database(_) => "database",
@@ -1062,6 +1063,17 @@ async fn problem_types_are_closed() {
             },
             ProblemType::RateLimited,
         ),
+        (
+            Error::PolicyTestsFailed(vec![innerwall_control_plane::error::PolicyTestFailure {
+                set: "s".into(),
+                test: "t".into(),
+                assertion: "allow".into(),
+                reason: "rule a/b needs app=web, the source has app=api".into(),
+                pairs: vec![],
+                pair_count: 1,
+            }]),
+            ProblemType::PolicyTestsFailed,
+        ),
         (Error::Render("broke".into()), ProblemType::Internal),
         (Error::Corrupt { what: "mode", detail: "9".into() }, ProblemType::Internal),
         (Error::Database(sqlx::Error::PoolTimedOut), ProblemType::Busy),
@@ -1107,7 +1119,7 @@ async fn problem_types_are_closed() {
         ),
     ];
     let library_variants: BTreeSet<&str> = library.iter().map(|(e, _)| library_variant(e)).collect();
-    assert_eq!(library_variants.len(), 17, "a sample of every library error");
+    assert_eq!(library_variants.len(), 18, "a sample of every library error");
     let edge_variants: BTreeSet<&str> = edge.iter().map(|(e, _)| edge_variant(e)).collect();
     assert_eq!(
         edge_variants.len() + 1,

@@ -260,16 +260,10 @@ async fn every_list_pages_and_audit_reads_back() {
         labels: ["app=web".parse().unwrap()].into_iter().collect(),
         addresses: BTreeSet::new(),
     };
-    innerwall_control_plane::policy::innerwall_control_plane::foresight::commit(
-        &pool,
-        "test",
-        "register",
-        "web-1",
-        async |c| {
-            innerwall_control_plane::policy::authoring::register_workload(c, &new).await?;
-            Ok(((), serde_json::json!({})))
-        },
-    )
+    innerwall_control_plane::foresight::commit(&pool, "test", "register", "web-1", async |c| {
+        innerwall_control_plane::policy::authoring::register_workload(c, &new).await?;
+        Ok(((), serde_json::json!({})))
+    })
     .await
     .unwrap();
     for (i, to) in ["simulation", "visibility", "simulation", "visibility", "simulation"].iter().enumerate() {
