@@ -234,6 +234,11 @@ fn selector(what: &str, map: &BTreeMap<String, Vec<String>>) -> Result<Selector,
         .map_err(|e| Error::Invalid(format!("{what}: {e}")))
 }
 
+/// A checked file's selector (so the error cannot happen, but is a reason if it does).
+fn sel_text(map: &BTreeMap<String, Vec<String>>) -> Result<Selector, String> {
+    selector("selector", map).map_err(|e| e.to_string())
+}
+
 fn cidr(what: &str, text: &str) -> Result<Cidr, Error> {
     Cidr::parse(text).map_err(|e| Error::Invalid(format!("{what}: {e}")))
 }
@@ -460,7 +465,6 @@ impl<'a> Estate<'a> {
 
     fn run(&self, test: &TestSpec) -> (&'static str, Result<(), Failed>) {
         let fail = |reason: String| Err((reason, Vec::new(), 0));
-        let sel = |map: &BTreeMap<String, Vec<String>>| selector("", map).map_err(|e| e.to_string());
         if let Some(flow) = &test.allow {
             return (
                 "allow",
@@ -482,7 +486,7 @@ impl<'a> Estate<'a> {
         if let Some(only) = &test.only_from {
             return (
                 "only_from",
-                self.only_from(test, only, &sel).or_else(|e| match e {
+                self.only_from(test, only).or_else(|e| match e {
                     Err(reason) => fail(reason),
                     Ok(failed) => Err(failed),
                 }),
@@ -579,22 +583,17 @@ impl<'a> Estate<'a> {
         pairs.result().map_err(Ok)
     }
 
-    fn only_from(
-        &self,
-        test: &TestSpec,
-        only: &OnlyFromSpec,
-        sel: &dyn Fn(&BTreeMap<String, Vec<String>>) -> Result<Selector, String>,
-    ) -> Result<(), Result<Failed, String>> {
+    fn only_from(&self, test: &TestSpec, only: &OnlyFromSpec) -> Result<(), Result<Failed, String>> {
         let service = *self
             .services
             .get(only.service.as_str())
             .ok_or_else(|| Err(format!("service {} does not exist", only.service)))?;
-        let to = sel(&only.to).map_err(Err)?;
+        let to = sel_text(&only.to).map_err(Err)?;
         let mut permitted: Vec<Cidr> = Vec::new();
         for peer in &only.sources {
             match peer.kind("source").map_err(|e| Err(e.to_string()))? {
                 crate::policy::spec::PeerRef::Workloads(map) => {
-                    let s = sel(map).map_err(Err)?;
+                    let s = sel_text(map).map_err(Err)?;
                     let found = self.select(&s);
                     if found.is_empty() && !test.allow_empty {
                         return Err(Err(format!("no workload matches source {}", terms(&s))));

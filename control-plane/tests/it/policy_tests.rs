@@ -196,7 +196,7 @@ async fn policy_tests_refuse_commit() {
     assert_eq!(tonic::Status::from(refused).code(), tonic::Code::FailedPrecondition);
     // Nothing was written: no version, no audit row, no notice (a later marker arrives first).
     assert_eq!(counts(pool).await, before, "no policy version and no audit row");
-    assert_eq!(store::ruleset_view(&mut *pool.acquire().await.unwrap(), "backend").await.unwrap().version, 1);
+    assert_eq!(store::ruleset_view(&mut pool.acquire().await.unwrap(), "backend").await.unwrap().version, 1);
     sqlx::query("SELECT pg_notify($1, 'marker')").bind(CHANNEL).execute(pool).await.unwrap();
     assert_eq!(listener.recv().await.unwrap().payload(), "marker", "the refused change announced nothing");
 
