@@ -37,6 +37,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use innerwall_wire::flows::{Decision, decide};
+use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::labels::{LabelKey, LabelValue};
 use innerwall_wire::policy::{Cidr, Mode, PortRange, Protocol, WorkloadPolicy};
 use serde::{Deserialize, Serialize};
@@ -339,6 +340,10 @@ struct Estate<'a> {
     services: BTreeMap<&'a str, &'a Service>,
     /// Rendered rule id prefix (the authored rule's id) → "ruleset/rule".
     rule_names: BTreeMap<String, String>,
+    /// (label key, value) → the registry's indexes carrying it.
+    by_label: BTreeMap<(&'a LabelKey, &'a LabelValue), Vec<usize>>,
+    /// Accepted address → its workload.
+    by_address: BTreeMap<IpAddr, WorkloadId>,
 }
 
 /// Collects failing pairs, keeping the first [`MAX_PAIRS`] and the first one's reason.
@@ -350,12 +355,13 @@ struct Pairs {
 }
 
 impl Pairs {
-    fn push(&mut self, pair: String, reason: impl FnOnce() -> String) {
+    /// Both texts are built only when kept (a failing pair past [`MAX_PAIRS`] costs a count).
+    fn push(&mut self, pair: impl FnOnce() -> String, reason: impl FnOnce() -> String) {
         if self.first_reason.is_none() {
             self.first_reason = Some(reason());
         }
         if self.shown.len() < MAX_PAIRS {
-            self.shown.push(pair);
+            self.shown.push(pair());
         }
         self.count += 1;
     }
@@ -452,11 +458,27 @@ impl<'a> Estate<'a> {
                 rule_names.insert(rule.id.to_string(), format!("{}/{}", rs.name, rule.name));
             }
         }
-        Estate { r, services, rule_names }
+        let mut by_label: BTreeMap<(&LabelKey, &LabelValue), Vec<usize>> = BTreeMap::new();
+        let mut by_address = BTreeMap::new();
+        for (i, w) in r.registry.iter().enumerate() {
+            for label in &w.labels {
+                by_label.entry(label).or_default().push(i);
+            }
+            for a in &w.addresses {
+                by_address.insert(*a, w.id);
+            }
+        }
+        Estate { r, services, rule_names, by_label, by_address }
     }
 
+    /// The workloads `s` selects, in registry order: the candidates of its first key's values
+    /// (from the label index), each checked against the whole selector.
     fn select(&self, s: &Selector) -> Vec<&'a RegisteredWorkload> {
-        self.r.registry.iter().filter(|w| s.selects(&w.labels)).collect()
+        let Some((key, values)) = s.matches().iter().next() else { return Vec::new() };
+        let mut candidates: Vec<usize> =
+            values.iter().filter_map(|v| self.by_label.get(&(key, v))).flatten().copied().collect();
+        candidates.sort_unstable();
+        candidates.into_iter().map(|i| &self.r.registry[i]).filter(|w| s.selects(&w.labels)).collect()
     }
 
     fn rule_name(&self, authored: &str) -> String {
@@ -529,9 +551,10 @@ impl<'a> Estate<'a> {
             };
         }
         let mut pairs = Pairs::default();
+        let mut memo: BTreeMap<(usize, Cidr, usize), Option<(IpAddr, u16, Option<String>)>> = BTreeMap::new();
         for dst in dsts {
-            let Some(policy) = self.r.rendered.get(&dst.id) else { continue };
-            let policy = judged(policy);
+            let Some(stored) = self.r.rendered.get(&dst.id) else { continue };
+            let policy = judged(stored);
             for source in &sources {
                 let (label, cidrs): (String, Vec<Cidr>) = match source {
                     Source::Workload(w) => {
@@ -540,30 +563,37 @@ impl<'a> Estate<'a> {
                     Source::Cidr(c) => (c.to_string(), vec![*c]),
                 };
                 if want && cidrs.is_empty() {
-                    pairs
-                        .push(format!("{label} → {} (the source has no accepted address)", dst.id), || {
-                            format!("source {label} has no accepted address for {} to admit", dst.id)
-                        });
+                    pairs.push(
+                        || format!("{label} → {} (the source has no accepted address)", dst.id),
+                        || format!("source {label} has no accepted address for {} to admit", dst.id),
+                    );
                 }
                 for c in &cidrs {
-                    for entry in &service.entries {
-                        let mut bad: Option<(IpAddr, u16, Option<String>)> = None;
-                        'points: for ip in source_points(c, &policy) {
-                            for port in port_points(entry.protocol, &entry.ports, &policy) {
-                                let (decision, rule) = decide(Some(&policy), ip, port, entry.protocol);
-                                if (decision == Decision::Allowed) != want {
-                                    bad = Some((ip, port, rule.map(|r| r.authored().to_owned())));
-                                    break 'points;
+                    for (e, entry) in service.entries.iter().enumerate() {
+                        // Workloads the same rulesets select share one rendered policy: judged once.
+                        let key = (std::ptr::from_ref::<WorkloadPolicy>(stored) as usize, *c, e);
+                        let bad = memo
+                            .entry(key)
+                            .or_insert_with(|| {
+                                for ip in source_points(c, &policy) {
+                                    for port in port_points(entry.protocol, &entry.ports, &policy) {
+                                        let (decision, rule) =
+                                            decide(Some(&policy), ip, port, entry.protocol);
+                                        if (decision == Decision::Allowed) != want {
+                                            return Some((ip, port, rule.map(|r| r.authored().to_owned())));
+                                        }
+                                    }
                                 }
-                            }
-                        }
+                                None
+                            })
+                            .clone();
                         let Some((ip, port, rule)) = bad else { continue };
                         let at = if entry.ports.is_empty() {
                             entry.protocol.to_string()
                         } else {
                             format!("{}:{port}", entry.protocol)
                         };
-                        let pair = format!("{label} ({ip}) → {} {at}", dst.id);
+                        let pair = || format!("{label} ({ip}) → {} {at}", dst.id);
                         pairs.push(pair, || match (want, rule) {
                             (true, _) => format!(
                                 "{label} ({ip}) → {} {at} is not admitted: {}",
@@ -633,11 +663,11 @@ impl<'a> Estate<'a> {
             })
         };
         let owner = |c: &Cidr| {
-            self.r
-                .registry
-                .iter()
-                .find(|w| w.addresses.iter().any(|a| Cidr::host(*a).ok().as_ref() == Some(c)))
-                .map_or_else(String::new, |w| format!(" (workload {})", w.id))
+            let (v4, start, end) = span(c);
+            if start != end {
+                return String::new();
+            }
+            self.by_address.get(&addr(v4, start)).map_or_else(String::new, |w| format!(" (workload {w})"))
         };
         let mut pairs = Pairs::default();
         for dst in dsts {
@@ -655,14 +685,18 @@ impl<'a> Estate<'a> {
                     continue;
                 }
                 for peer in rule.peers().iter().filter(|c| !inside(c)) {
-                    let name = self.rule_name(rule.id().authored());
-                    let who = owner(peer);
-                    pairs.push(format!("{peer}{who} → {} {}", dst.id, rule.protocol()), || {
-                        format!(
-                            "rule {name} admits {peer}{who} to {} on {}, not among the listed sources",
-                            dst.id, only.service
-                        )
-                    });
+                    pairs.push(
+                        || format!("{peer}{} → {} {}", owner(peer), dst.id, rule.protocol()),
+                        || {
+                            format!(
+                                "rule {} admits {peer}{} to {} on {}, not among the listed sources",
+                                self.rule_name(rule.id().authored()),
+                                owner(peer),
+                                dst.id,
+                                only.service
+                            )
+                        },
+                    );
                 }
             }
         }
