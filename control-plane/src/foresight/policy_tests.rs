@@ -327,6 +327,10 @@ pub fn evaluate(sets: &[TestSetSpec], rendering: &Rendering) -> RunReport {
     RunReport { results }
 }
 
+/// The first (address, port) whose judgement differs from the assertion, with the deciding
+/// rule's authored id (a `deny` refused by an admitting rule).
+type Refused = (IpAddr, u16, Option<String>);
+
 /// A failure: the reason, the first [`MAX_PAIRS`] pairs, how many pairs in all.
 type Failed = (String, Vec<String>, u64);
 
@@ -551,7 +555,7 @@ impl<'a> Estate<'a> {
             };
         }
         let mut pairs = Pairs::default();
-        let mut memo: BTreeMap<(usize, Cidr, usize), Option<(IpAddr, u16, Option<String>)>> = BTreeMap::new();
+        let mut memo: BTreeMap<(usize, Cidr, usize), Option<Refused>> = BTreeMap::new();
         for dst in dsts {
             let Some(stored) = self.r.rendered.get(&dst.id) else { continue };
             let policy = judged(stored);
