@@ -79,7 +79,7 @@ fn window(n: usize, start_ms: i64) -> proto::FlowWindow {
 }
 
 async fn register(pool: &PgPool, new: &NewWorkload) -> anyhow::Result<()> {
-    authoring::commit(pool, "bench", "register", "bench", async |c| {
+    innerwall_control_plane::foresight::commit(pool, "bench", "register", "bench", async |c| {
         authoring::register_workload(c, new).await?;
         Ok(((), serde_json::json!({})))
     })
@@ -108,7 +108,7 @@ async fn setup_peers(pool: &PgPool) -> anyhow::Result<()> {
             description: String::new(),
             cidrs: BTreeSet::from([Cidr::parse(cidr)?]),
         };
-        authoring::commit(pool, "bench", "group", name, async |c| {
+        innerwall_control_plane::foresight::commit(pool, "bench", "group", name, async |c| {
             authoring::create_address_group(c, &spec).await?;
             Ok(((), serde_json::json!({})))
         })

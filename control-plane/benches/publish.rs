@@ -96,7 +96,7 @@ async fn measure(shape: Shape, workloads: usize, sets: usize) -> anyhow::Result<
     let pool = &db.pool;
 
     let specs = rulesets(sets, shape);
-    authoring::commit(pool, "bench", "setup", "catalog", async |c| {
+    innerwall_control_plane::foresight::commit(pool, "bench", "setup", "catalog", async |c| {
         for i in 0..200 {
             let entries = vec![ServiceEntry::parse(&format!("tcp:{},{}", 1000 + i, 2000 + i))?];
             authoring::create_service(
@@ -138,7 +138,7 @@ async fn measure(shape: Shape, workloads: usize, sets: usize) -> anyhow::Result<
     }
     let started = Instant::now();
     let mut inserts = Duration::ZERO;
-    let done = authoring::commit(pool, "bench", "setup", "estate", async |c| {
+    let done = innerwall_control_plane::foresight::commit(pool, "bench", "setup", "estate", async |c| {
         let t = Instant::now();
         for new in &estate {
             authoring::register_workload(c, new).await?;
@@ -181,13 +181,19 @@ async fn measure(shape: Shape, workloads: usize, sets: usize) -> anyhow::Result<
     for run in 0..RUNS {
         let value: Label = if run % 2 == 0 { "app=moved" } else { "app=app0" }.parse()?;
         let t = Instant::now();
-        let done = authoring::commit(pool, "bench", "workload.label", "h0", async |c| {
-            let version =
-                authoring::edit_labels(c, estate[0].id, run as i64 + 1, std::slice::from_ref(&value), &[])
-                    .await?;
-            Ok((version, serde_json::json!({})))
-        })
-        .await?;
+        let done =
+            innerwall_control_plane::foresight::commit(pool, "bench", "workload.label", "h0", async |c| {
+                let version = authoring::edit_labels(
+                    c,
+                    estate[0].id,
+                    run as i64 + 1,
+                    std::slice::from_ref(&value),
+                    &[],
+                )
+                .await?;
+                Ok((version, serde_json::json!({})))
+            })
+            .await?;
         label.push(t.elapsed());
         moved = moved.max(done.changed.len());
     }

@@ -69,6 +69,15 @@ pub enum Error {
         bound: &'static str,
         retry_after_secs: u64,
     },
+    /// An operator change that breaks policy tests (`foresight`): every failing test, with why
+    /// (one failure a line, so a terminal reads them).
+    #[error(
+        "policy-tests-failed: {} policy test(s) fail on the change; nothing was changed. Fix the change, \
+         or update the test set (itself a commit):{}",
+        .0.len(),
+        .0.iter().map(|f| format!("\n  - {}/{} ({}): {}", f.set, f.test, f.assertion, f.reason)).collect::<String>()
+    )]
+    PolicyTestsFailed(Vec<PolicyTestFailure>),
     #[error("agent-offline: workload {id} has no stream (last seen {last_seen})")]
     AgentOffline { id: String, last_seen: String },
     #[error("render failed: {0}")]
@@ -104,6 +113,23 @@ fn describe_database(e: &sqlx::Error) -> String {
     }
 }
 
+/// One failing policy test (`foresight::policy_tests`), as every transport reports it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct PolicyTestFailure {
+    /// The test set's name.
+    pub set: String,
+    /// The test's name within its set.
+    pub test: String,
+    /// `allow`, `deny` or `only_from`.
+    pub assertion: String,
+    /// Why it fails: the first failing pair and the nearest rule with why it did not match.
+    pub reason: String,
+    /// The failing (source → destination, entry) pairs, at most `MAX_PAIRS` of them.
+    pub pairs: Vec<String>,
+    /// How many pairs fail in all (`pairs` may show fewer).
+    pub pair_count: u64,
+}
+
 /// What kind of failure an [`Error`] is, for a transport to choose its status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
@@ -124,6 +150,8 @@ pub enum Kind {
     OverBound,
     /// Over a rate bound (429 rate-limited, with `Retry-After`).
     RateLimited,
+    /// An operator change that breaks policy tests (422 policy-tests-failed, with every failure).
+    PolicyTestsFailed,
     /// Not the caller's fault: logged in full, reported without detail.
     Internal,
 }
@@ -145,6 +173,7 @@ impl Error {
             Error::EvidenceInsufficient { .. } => Kind::EvidenceInsufficient,
             Error::OverBound { .. } => Kind::OverBound,
             Error::RateLimited { .. } => Kind::RateLimited,
+            Error::PolicyTestsFailed(_) => Kind::PolicyTestsFailed,
             Error::Render(_) | Error::Corrupt { .. } | Error::Database(_) => Kind::Internal,
         }
     }
@@ -165,9 +194,11 @@ impl From<Error> for tonic::Status {
         match e.kind() {
             Kind::NotFound => Status::not_found(message),
             Kind::Exists => Status::already_exists(message),
-            Kind::Stale | Kind::InUse | Kind::CountMismatch | Kind::EvidenceInsufficient => {
-                Status::failed_precondition(message)
-            }
+            Kind::Stale
+            | Kind::InUse
+            | Kind::CountMismatch
+            | Kind::EvidenceInsufficient
+            | Kind::PolicyTestsFailed => Status::failed_precondition(message),
             Kind::Invalid => Status::invalid_argument(message),
             Kind::Refused => Status::permission_denied(message),
             Kind::Unauthenticated => match &e {
@@ -224,6 +255,7 @@ mod tests {
             (Error::Database(sqlx::Error::RowNotFound), tonic::Code::Internal),
             (token, tonic::Code::Unauthenticated),
             (Error::Corrupt { what: "mode", detail: "9".into() }, tonic::Code::Internal),
+            (Error::PolicyTestsFailed(Vec::new()), tonic::Code::FailedPrecondition),
         ];
         for (error, code) in cases {
             let status = tonic::Status::from(error);

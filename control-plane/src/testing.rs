@@ -267,7 +267,7 @@ async fn allow(
             services: vec![service.name.clone()],
         }],
     };
-    authoring::commit(pool, "test", "ruleset.create", &ruleset.name, async |c| {
+    crate::foresight::commit(pool, "test", "ruleset.create", &ruleset.name, async |c| {
         authoring::create_service(c, &service).await?;
         authoring::create_ruleset(c, &ruleset).await?;
         Ok(((), serde_json::json!({})))

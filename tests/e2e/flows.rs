@@ -61,7 +61,7 @@ async fn group(plane: &Plane, name: &str, cidr: &str) {
         description: String::new(),
         cidrs: BTreeSet::from([Cidr::parse(cidr).unwrap()]),
     };
-    authoring::commit(plane.pool(), "test", "group", name, async |c| {
+    innerwall_control_plane::foresight::commit(plane.pool(), "test", "group", name, async |c| {
         authoring::create_address_group(c, &spec).await?;
         Ok(((), serde_json::json!({})))
     })

@@ -387,10 +387,16 @@ async fn verdict_replays_older_versions() {
     );
 
     // A change to N+2 that no longer accepts web: the flow recorded under N is found by replay.
-    authoring::commit(plane.pool(), "test", "ruleset.delete", "db-from-web", async |c| {
-        authoring::delete_ruleset(c, "db-from-web", 1).await?;
-        Ok(((), serde_json::json!({})))
-    })
+    innerwall_control_plane::foresight::commit(
+        plane.pool(),
+        "test",
+        "ruleset.delete",
+        "db-from-web",
+        async |c| {
+            authoring::delete_ruleset(c, "db-from-web", 1).await?;
+            Ok(((), serde_json::json!({})))
+        },
+    )
     .await
     .unwrap();
     let vn2 = synced(&plane, &[&host]).await;

@@ -272,10 +272,16 @@ async fn cloned_identity_is_reported() {
     // than TLS), so no stream of the identity opens again, however often it redials.
     let copies = [("genuine", genuine_enforcer, genuine), ("clone", clone_enforcer, clone)];
     let failures: Vec<u64> = copies.iter().map(|(_, e, _)| e.dial_failures.load(Ordering::Relaxed)).collect();
-    authoring::commit(plane.pool(), "test", "workload.deny", &id.to_string(), async |c| {
-        authoring::deny(c, id).await?;
-        Ok(((), serde_json::json!({})))
-    })
+    innerwall_control_plane::foresight::commit(
+        plane.pool(),
+        "test",
+        "workload.deny",
+        &id.to_string(),
+        async |c| {
+            authoring::deny(c, id).await?;
+            Ok(((), serde_json::json!({})))
+        },
+    )
     .await
     .unwrap();
     for ((name, enforcer, task), before) in copies.iter().zip(&failures) {

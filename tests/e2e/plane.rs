@@ -164,7 +164,7 @@ impl Plane {
             labels: labels.iter().map(|l| l.parse().unwrap()).collect(),
             addresses: BTreeSet::from([addr.parse::<IpAddr>().unwrap()]),
         };
-        authoring::commit(self.pool(), "test", "register", hostname, async |c| {
+        innerwall_control_plane::foresight::commit(self.pool(), "test", "register", hostname, async |c| {
             authoring::register_workload(c, &new).await?;
             Ok(((), serde_json::json!({})))
         })
@@ -175,20 +175,32 @@ impl Plane {
 
     /// Sets `label` on `id`, whose label version is `expected`, as `workload label` does.
     pub async fn relabel(&self, id: WorkloadId, expected: i64, label: &str) {
-        authoring::commit(self.pool(), "test", "workload.label", &id.to_string(), async |c| {
-            let version = authoring::edit_labels(c, id, expected, &[label.parse().unwrap()], &[]).await?;
-            Ok((version, serde_json::json!({})))
-        })
+        innerwall_control_plane::foresight::commit(
+            self.pool(),
+            "test",
+            "workload.label",
+            &id.to_string(),
+            async |c| {
+                let version = authoring::edit_labels(c, id, expected, &[label.parse().unwrap()], &[]).await?;
+                Ok((version, serde_json::json!({})))
+            },
+        )
         .await
         .unwrap();
     }
 
     /// Sets one workload's mode directly (the evidence gate's own tests go through `gate`).
     pub async fn set_mode(&self, id: WorkloadId, mode: Mode) {
-        authoring::commit(self.pool(), "test", "workload.mode", &id.to_string(), async |c| {
-            authoring::set_mode(c, id, mode).await?;
-            Ok(((), serde_json::json!({})))
-        })
+        innerwall_control_plane::foresight::commit(
+            self.pool(),
+            "test",
+            "workload.mode",
+            &id.to_string(),
+            async |c| {
+                authoring::set_mode(c, id, mode).await?;
+                Ok(((), serde_json::json!({})))
+            },
+        )
         .await
         .unwrap();
     }

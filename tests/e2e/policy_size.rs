@@ -47,7 +47,7 @@ async fn create_service(pool: &PgPool) {
         description: String::new(),
         entries: vec![ServiceEntry::parse("tcp:443").unwrap()],
     };
-    authoring::commit(pool, "test", "service.create", "https", async |c| {
+    innerwall_control_plane::foresight::commit(pool, "test", "service.create", "https", async |c| {
         authoring::create_service(c, &service).await?;
         Ok(((), serde_json::json!({})))
     })
@@ -77,7 +77,7 @@ async fn admit_group(
             services: vec!["https".into()],
         }],
     };
-    authoring::commit(pool, "test", "ruleset.create", name, async |c| {
+    innerwall_control_plane::foresight::commit(pool, "test", "ruleset.create", name, async |c| {
         authoring::create_address_group(c, &group).await?;
         authoring::create_ruleset(c, &ruleset).await?;
         Ok(((), serde_json::json!({})))
@@ -271,7 +271,7 @@ async fn an_unreadable_update_reads_degraded_not_offline() {
 
     // A version it can read ends that stream; the agent redials once and applies it.
     let expected = count(plane.pool(), "SELECT version FROM rulesets WHERE name = 'big'").await;
-    authoring::commit(plane.pool(), "test", "ruleset.delete", "big", async |c| {
+    innerwall_control_plane::foresight::commit(plane.pool(), "test", "ruleset.delete", "big", async |c| {
         authoring::delete_ruleset(c, "big", expected).await?;
         Ok(((), serde_json::json!({})))
     })

@@ -37,7 +37,7 @@ const WEB: &str = "00000000-0000-4000-8000-0000000000e1";
 const API: &str = "00000000-0000-4000-8000-0000000000a1";
 
 async fn commit(pool: &PgPool, what: &str, change: impl AsyncFnOnce(&mut sqlx::PgConnection)) {
-    authoring::commit(pool, "test", what, what, async |c| {
+    innerwall_control_plane::foresight::commit(pool, "test", what, what, async |c| {
         change(c).await;
         Ok(((), serde_json::json!({})))
     })

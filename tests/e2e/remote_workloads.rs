@@ -90,7 +90,7 @@ rules:
 /// The same estate in `plane`'s database.
 async fn estate(plane: &Plane) {
     let pool = plane.pool();
-    authoring::commit(pool, "test", "estate-range.add", "10.20.0.0/16", async |c| {
+    innerwall_control_plane::foresight::commit(pool, "test", "estate-range.add", "10.20.0.0/16", async |c| {
         authoring::add_estate_range(c, Cidr::parse_lenient("10.20.0.0/16").unwrap(), "e2e").await?;
         Ok(((), serde_json::json!({})))
     })
@@ -103,7 +103,7 @@ async fn estate(plane: &Plane) {
             labels: labels.iter().map(|l| l.parse().unwrap()).collect(),
             addresses: BTreeSet::from([address.parse::<IpAddr>().unwrap()]),
         };
-        authoring::commit(pool, "test", "register", hostname, async |c| {
+        innerwall_control_plane::foresight::commit(pool, "test", "register", hostname, async |c| {
             authoring::register_workload(c, &new).await?;
             Ok(((), serde_json::json!({})))
         })

@@ -405,7 +405,7 @@ async fn retired_agent_is_told_to_reenroll() {
         tokio::spawn(async move { daemon::hold_stream(&config, enforcer).await })
     };
     plane.wait_synced(id, 1).await;
-    innerwall_control_plane::policy::authoring::commit(
+    innerwall_control_plane::foresight::commit(
         plane.pool(),
         "test",
         "workload.retire",

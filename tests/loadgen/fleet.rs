@@ -168,10 +168,16 @@ impl Fleet {
         // spares (app=idle) join the clients one per change, which moves every agent's peers.
         testing::admit(&pool, "fleet", ("app", "web"), ("app", "client"), "tcp:443").await?;
         let range = Cidr::parse(AGENT_RANGE)?;
-        authoring::commit(&pool, "loadgen", "estate-range.add", AGENT_RANGE, async |c| {
-            authoring::add_estate_range(c, range, "load generator agents").await?;
-            Ok(((), serde_json::json!({})))
-        })
+        innerwall_control_plane::foresight::commit(
+            &pool,
+            "loadgen",
+            "estate-range.add",
+            AGENT_RANGE,
+            async |c| {
+                authoring::add_estate_range(c, range, "load generator agents").await?;
+                Ok(((), serde_json::json!({})))
+            },
+        )
         .await?;
         register(&pool, "client-0", "app=client", peer_address(0)).await?;
         let mut spares = Vec::new();
@@ -311,10 +317,16 @@ impl Fleet {
         let expected = store::list_workloads(&mut conn, Some(spare)).await?.remove(0).label_version;
         drop(conn);
         let label = "app=client".parse()?;
-        let done = authoring::commit(&pool, "loadgen", "workload.label", &spare.to_string(), async |c| {
-            let version = authoring::edit_labels(c, spare, expected, &[label], &[]).await?;
-            Ok((version, serde_json::json!({})))
-        })
+        let done = innerwall_control_plane::foresight::commit(
+            &pool,
+            "loadgen",
+            "workload.label",
+            &spare.to_string(),
+            async |c| {
+                let version = authoring::edit_labels(c, spare, expected, &[label], &[]).await?;
+                Ok((version, serde_json::json!({})))
+            },
+        )
         .await?;
         let committed = Instant::now();
         Ok((done.changed.iter().map(|c| (c.workload, c.version)).collect(), committed))
@@ -467,7 +479,7 @@ async fn register(pool: &PgPool, hostname: &str, label: &str, address: IpAddr) -
         labels: vec![label.parse()?],
         addresses: [address].into(),
     };
-    authoring::commit(pool, "loadgen", "register", hostname, async |c| {
+    innerwall_control_plane::foresight::commit(pool, "loadgen", "register", hostname, async |c| {
         authoring::register_workload(c, &new).await?;
         Ok(((), serde_json::json!({})))
     })

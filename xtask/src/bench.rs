@@ -50,6 +50,15 @@ const BENCHES: &[Bench] = &[
         },
     },
     Bench {
+        name: "policy-tests",
+        what: "PERF-9 part: 200 policy tests over 10,000 workloads, the evaluation every commit adds",
+        run: Run::Cargo {
+            package: "innerwall-control-plane",
+            target: "policy_tests",
+            quick: &[("INNERWALL_BENCH_QUICK", "1")],
+        },
+    },
+    Bench {
         name: "propagation",
         what: "PERF-2 commit → APPLIED, 1,000 agents on one replica",
         run: Run::Loadgen {

@@ -2,7 +2,7 @@
 //! and versioned. Creates answer 201 with `ETag: "1"`; updates and deletes require `If-Match`
 //! with the version read (428 without, 412 with the current version when stale); a delete of
 //! something rules still use is 409 in-use naming them; a taken name is 409 duplicate-name.
-//! Every change is `authoring::commit` — written, rendered, audited in one transaction — with
+//! Every change is `foresight::commit` — written, rendered, audited in one transaction — with
 //! the same audit actions and details as the CLI's.
 
 use axum::Json;
@@ -80,11 +80,12 @@ pub async fn create_service(
     let spec =
         ServiceSpec { name: body.name, description: body.description, entries: entries(&body.entries)? };
     let detail = serde_json::json!({"entries": body.entries});
-    let done = authoring::commit(&state.pool, &caller.actor(), "service.create", &spec.name, async |c| {
-        authoring::create_service_within(c, &spec, &state.limits.counts).await?;
-        Ok(((), detail))
-    })
-    .await?;
+    let done =
+        crate::foresight::commit(&state.pool, &caller.actor(), "service.create", &spec.name, async |c| {
+            authoring::create_service_within(c, &spec, &state.limits.counts).await?;
+            Ok(((), detail))
+        })
+        .await?;
     Ok(created(format!("/api/v1/services/{}", spec.name), 1, Changed::<Nothing>::from(done)))
 }
 
@@ -115,10 +116,11 @@ pub async fn update_service(
     let expected = if_match(&headers, "a service")?;
     let spec = ServiceSpec { name, description: body.description, entries: entries(&body.entries)? };
     let detail = serde_json::json!({"entries": body.entries});
-    let done = authoring::commit(&state.pool, &caller.actor(), "service.update", &spec.name, async |c| {
-        Ok((authoring::update_service(c, &spec, expected).await?, detail))
-    })
-    .await?;
+    let done =
+        crate::foresight::commit(&state.pool, &caller.actor(), "service.update", &spec.name, async |c| {
+            Ok((authoring::update_service(c, &spec, expected).await?, detail))
+        })
+        .await?;
     Ok(([etag(done.value)], Json(Changed::from(done))).into_response())
 }
 
@@ -136,7 +138,7 @@ pub async fn delete_service(
     headers: HeaderMap,
 ) -> Result<Json<Changed<Nothing>>, ApiError> {
     let expected = if_match(&headers, "a service")?;
-    let done = authoring::commit(&state.pool, &caller.actor(), "service.delete", &name, async |c| {
+    let done = crate::foresight::commit(&state.pool, &caller.actor(), "service.delete", &name, async |c| {
         authoring::delete_service(c, &name, expected).await?;
         Ok(((), serde_json::json!({})))
     })
@@ -187,12 +189,17 @@ pub async fn create_group(
     let spec =
         AddressGroupSpec { name: body.name, description: body.description, cidrs: cidrs(&body.cidrs)? };
     let detail = serde_json::json!({"cidrs": spec.cidrs.iter().map(ToString::to_string).collect::<Vec<_>>()});
-    let done =
-        authoring::commit(&state.pool, &caller.actor(), "address-group.create", &spec.name, async |c| {
+    let done = crate::foresight::commit(
+        &state.pool,
+        &caller.actor(),
+        "address-group.create",
+        &spec.name,
+        async |c| {
             authoring::create_address_group_within(c, &spec, &state.limits.counts).await?;
             Ok(((), detail))
-        })
-        .await?;
+        },
+    )
+    .await?;
     Ok(created(format!("/api/v1/address-groups/{}", spec.name), 1, Changed::<Nothing>::from(done)))
 }
 
@@ -223,11 +230,14 @@ pub async fn update_group(
     let expected = if_match(&headers, "an address group")?;
     let spec = AddressGroupSpec { name, description: body.description, cidrs: cidrs(&body.cidrs)? };
     let detail = serde_json::json!({"cidrs": spec.cidrs.iter().map(ToString::to_string).collect::<Vec<_>>()});
-    let done =
-        authoring::commit(&state.pool, &caller.actor(), "address-group.update", &spec.name, async |c| {
-            Ok((authoring::update_address_group(c, &spec, expected).await?, detail))
-        })
-        .await?;
+    let done = crate::foresight::commit(
+        &state.pool,
+        &caller.actor(),
+        "address-group.update",
+        &spec.name,
+        async |c| Ok((authoring::update_address_group(c, &spec, expected).await?, detail)),
+    )
+    .await?;
     Ok(([etag(done.value)], Json(Changed::from(done))).into_response())
 }
 
@@ -245,11 +255,12 @@ pub async fn delete_group(
     headers: HeaderMap,
 ) -> Result<Json<Changed<Nothing>>, ApiError> {
     let expected = if_match(&headers, "an address group")?;
-    let done = authoring::commit(&state.pool, &caller.actor(), "address-group.delete", &name, async |c| {
-        authoring::delete_address_group(c, &name, expected).await?;
-        Ok(((), serde_json::json!({})))
-    })
-    .await?;
+    let done =
+        crate::foresight::commit(&state.pool, &caller.actor(), "address-group.delete", &name, async |c| {
+            authoring::delete_address_group(c, &name, expected).await?;
+            Ok(((), serde_json::json!({})))
+        })
+        .await?;
     Ok(Json(Changed::from(done)))
 }
 
@@ -275,11 +286,12 @@ pub async fn create_ruleset(
     JsonBody(spec): JsonBody<RulesetSpec>,
 ) -> Result<Response, ApiError> {
     let detail = serde_json::to_value(&spec).map_err(|e| ApiError::Malformed(e.to_string()))?;
-    let done = authoring::commit(&state.pool, &caller.actor(), "ruleset.create", &spec.name, async |c| {
-        authoring::create_ruleset_within(c, &spec, &state.limits.counts).await?;
-        Ok(((), detail))
-    })
-    .await?;
+    let done =
+        crate::foresight::commit(&state.pool, &caller.actor(), "ruleset.create", &spec.name, async |c| {
+            authoring::create_ruleset_within(c, &spec, &state.limits.counts).await?;
+            Ok(((), detail))
+        })
+        .await?;
     Ok(created(format!("/api/v1/rulesets/{}", spec.name), 1, Changed::<Nothing>::from(done)))
 }
 
@@ -317,7 +329,7 @@ pub async fn update_ruleset(
         )));
     }
     let detail = serde_json::to_value(&spec).map_err(|e| ApiError::Malformed(e.to_string()))?;
-    let done = authoring::commit(&state.pool, &caller.actor(), "ruleset.update", &name, async |c| {
+    let done = crate::foresight::commit(&state.pool, &caller.actor(), "ruleset.update", &name, async |c| {
         Ok((authoring::update_ruleset(c, &spec, expected).await?, detail))
     })
     .await?;
@@ -337,7 +349,7 @@ pub async fn delete_ruleset(
     headers: HeaderMap,
 ) -> Result<Json<Changed<Nothing>>, ApiError> {
     let expected = if_match(&headers, "a ruleset")?;
-    let done = authoring::commit(&state.pool, &caller.actor(), "ruleset.delete", &name, async |c| {
+    let done = crate::foresight::commit(&state.pool, &caller.actor(), "ruleset.delete", &name, async |c| {
         authoring::delete_ruleset(c, &name, expected).await?;
         Ok(((), serde_json::json!({})))
     })

@@ -1,7 +1,7 @@
 //! `/api/v1/estate-ranges`: the estate's workload address ranges (address trust: a reported
 //! address enters other workloads' peer sets only inside one of them) — listed, added and
 //! removed through the library calls `innerwall estate-range` makes, each change an
-//! `authoring::commit` (written, rendered, audited) with the caller as the actor.
+//! `foresight::commit` (written, rendered, audited) with the caller as the actor.
 //!
 //! Ranges are not versioned: a range is named by its value, adding one that exists is 409
 //! duplicate-name and removing one that does not is 404, so a write cannot overwrite what
@@ -70,11 +70,12 @@ pub async fn add(
     let cidr = range(&body.cidr)?;
     let description = body.description;
     let subject = cidr.to_string();
-    let done = authoring::commit(&state.pool, &caller.actor(), "estate-range.add", &subject, async |c| {
-        authoring::add_estate_range(c, cidr, &description).await?;
-        Ok(((), serde_json::json!({"description": description})))
-    })
-    .await?;
+    let done =
+        crate::foresight::commit(&state.pool, &caller.actor(), "estate-range.add", &subject, async |c| {
+            authoring::add_estate_range(c, cidr, &description).await?;
+            Ok(((), serde_json::json!({"description": description})))
+        })
+        .await?;
     // No ETag: a range has no version. Its location is where it is removed.
     let location = format!("/api/v1/estate-ranges/{subject}");
     Ok((StatusCode::CREATED, [(header::LOCATION, location)], Json(Changed::<Nothing>::from(done)))
@@ -94,10 +95,11 @@ pub async fn remove(
 ) -> Result<Json<Changed<Nothing>>, ApiError> {
     let cidr = range(&format!("{address}/{prefix}"))?;
     let subject = cidr.to_string();
-    let done = authoring::commit(&state.pool, &caller.actor(), "estate-range.remove", &subject, async |c| {
-        authoring::remove_estate_range(c, cidr).await?;
-        Ok(((), serde_json::json!({})))
-    })
-    .await?;
+    let done =
+        crate::foresight::commit(&state.pool, &caller.actor(), "estate-range.remove", &subject, async |c| {
+            authoring::remove_estate_range(c, cidr).await?;
+            Ok(((), serde_json::json!({})))
+        })
+        .await?;
     Ok(Json(Changed::from(done)))
 }

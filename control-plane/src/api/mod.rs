@@ -15,7 +15,7 @@
 //!   [`flows`], [`gate`] (verdict, promotions), [`operators`] (the API's own tokens, for
 //!   admins), [`audit`] (the audit log read back) —
 //!   whose handlers call the same library functions the CLI does and answer with the structs its
-//!   `--json` prints; changes go through `authoring::commit` (or the library call that audits
+//!   `--json` prints; changes go through `foresight::commit` (or the library call that audits
 //!   itself) with the caller's `operator:<name>/<token id>` as the actor.
 //!
 //! Architecture invariant: no handler writes without a role check (every route is mounted with
@@ -33,6 +33,7 @@ pub mod gate;
 pub mod impact;
 pub mod openapi;
 pub mod operators;
+pub mod policy_tests;
 pub mod problem;
 pub mod render;
 pub mod router;

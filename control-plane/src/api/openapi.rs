@@ -16,7 +16,7 @@ use utoipa::openapi::{Components, OpenApi, Ref, RefOr};
 
 use super::Route;
 use super::problem::{PROBLEM_JSON, Problem, ProblemType};
-use super::{audit, catalog, estate, flows, gate, impact, operators, render, tokens, workloads};
+use super::{audit, catalog, estate, flows, gate, impact, operators, policy_tests, render, tokens, workloads};
 use crate::identity::operators::Role;
 
 /// Where the document is served.
@@ -48,6 +48,8 @@ pub const CHECKED_IN: &str = "openapi.json";
         catalog::delete_service, catalog::list_groups, catalog::create_group, catalog::show_group,
         catalog::update_group, catalog::delete_group, catalog::list_rulesets, catalog::create_ruleset,
         catalog::show_ruleset, catalog::update_ruleset, catalog::delete_ruleset,
+        policy_tests::list, policy_tests::create, policy_tests::show, policy_tests::update,
+        policy_tests::delete, policy_tests::run,
         estate::list, estate::add, estate::remove, render::render,
         tokens::list, tokens::mint, tokens::revoke,
         flows::list_records, flows::gaps, flows::rollup,
@@ -58,6 +60,7 @@ pub const CHECKED_IN: &str = "openapi.json";
     tags(
         (name = "workloads", description = "Enrolled hosts: labels, convergence, rendered policy, lifecycle"),
         (name = "catalog", description = "The authored model: services, address groups, rulesets"),
+        (name = "policy-tests", description = "Policy tests: named assertions every operator commit must pass"),
         (name = "estate-ranges", description = "The address ranges whose reported workload addresses may become peers"),
         (name = "render", description = "Render every workload on request"),
         (name = "provisioning-tokens", description = "Tokens hosts enroll with"),

@@ -47,6 +47,8 @@ pub enum ProblemType {
     /// 429: over a rate or concurrency bound (per token, per source, overall); `Retry-After`
     /// says when to retry (`retry_after`, seconds), `bound` names the flag.
     RateLimited,
+    /// 422: the change breaks policy tests (`failures`: every failing test, with why).
+    PolicyTestsFailed,
     /// 412: `If-Match` names a version that is no longer current (`current_version`).
     PreconditionFailed,
     /// 413: the body is larger than the listener accepts.
@@ -62,7 +64,7 @@ pub enum ProblemType {
 }
 
 impl ProblemType {
-    pub const ALL: [ProblemType; 18] = [
+    pub const ALL: [ProblemType; 19] = [
         ProblemType::Invalid,
         ProblemType::Unauthorized,
         ProblemType::Forbidden,
@@ -75,6 +77,7 @@ impl ProblemType {
         ProblemType::AgentOffline,
         ProblemType::LimitReached,
         ProblemType::RateLimited,
+        ProblemType::PolicyTestsFailed,
         ProblemType::PreconditionFailed,
         ProblemType::PayloadTooLarge,
         ProblemType::UnsupportedMediaType,
@@ -97,6 +100,7 @@ impl ProblemType {
             ProblemType::AgentOffline => "agent-offline",
             ProblemType::LimitReached => "limit-reached",
             ProblemType::RateLimited => "rate-limited",
+            ProblemType::PolicyTestsFailed => "policy-tests-failed",
             ProblemType::PreconditionFailed => "precondition-failed",
             ProblemType::PayloadTooLarge => "payload-too-large",
             ProblemType::UnsupportedMediaType => "unsupported-media-type",
@@ -124,6 +128,7 @@ impl ProblemType {
             | ProblemType::AgentOffline
             | ProblemType::LimitReached => StatusCode::CONFLICT,
             ProblemType::RateLimited => StatusCode::TOO_MANY_REQUESTS,
+            ProblemType::PolicyTestsFailed => StatusCode::UNPROCESSABLE_ENTITY,
             ProblemType::PreconditionFailed => StatusCode::PRECONDITION_FAILED,
             ProblemType::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ProblemType::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -148,6 +153,7 @@ impl ProblemType {
             ProblemType::AgentOffline => "The agent is offline",
             ProblemType::LimitReached => "A count bound is reached",
             ProblemType::RateLimited => "Too many requests; retry later",
+            ProblemType::PolicyTestsFailed => "The change breaks policy tests",
             ProblemType::PreconditionFailed => "The version read is no longer current",
             ProblemType::PayloadTooLarge => "The body is too large",
             ProblemType::UnsupportedMediaType => "The body is not JSON",
@@ -230,6 +236,9 @@ pub struct Problem {
     /// 429 rate-limited: seconds until a retry can pass (also the `Retry-After` header).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retry_after: Option<u64>,
+    /// 422 policy-tests-failed: every failing test, with the pairs and the nearest rule.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub failures: Option<Vec<crate::error::PolicyTestFailure>>,
 }
 
 impl Problem {
@@ -251,6 +260,7 @@ impl Problem {
             bound: None,
             limit: None,
             retry_after: None,
+            failures: None,
         }
     }
 }
@@ -387,6 +397,13 @@ fn domain_problem(e: &Error) -> Problem {
                 ..Problem::new(ProblemType::RateLimited, detail)
             },
             _ => Problem::new(ProblemType::RateLimited, detail),
+        },
+        Kind::PolicyTestsFailed => match e {
+            Error::PolicyTestsFailed(failures) => Problem {
+                failures: Some(failures.clone()),
+                ..Problem::new(ProblemType::PolicyTestsFailed, detail)
+            },
+            _ => Problem::new(ProblemType::PolicyTestsFailed, detail),
         },
         Kind::Internal => {
             tracing::error!("api request failed: {:#}", Chain(e));

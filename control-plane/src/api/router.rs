@@ -15,7 +15,7 @@ use axum::routing::MethodFilter;
 use super::extract::BodyLimit;
 use super::problem::ApiError;
 use super::{
-    ApiLimits, ApiState, Route, audit, auth, catalog, estate, flows, gate, impact, openapi, operators,
+    ApiLimits, ApiState, Route, audit, auth, catalog, estate, flows, gate, impact, openapi, operators, policy_tests,
     render, tokens, workloads,
 };
 use crate::identity::operators::Role;
@@ -92,6 +92,12 @@ pub fn build(state: ApiState) -> (Router, Vec<Route>) {
         .mount("GET", "/api/v1/rulesets/{name}", Some(Viewer), catalog::show_ruleset)
         .mount("PUT", "/api/v1/rulesets/{name}", Some(Editor), catalog::update_ruleset)
         .mount("DELETE", "/api/v1/rulesets/{name}", Some(Editor), catalog::delete_ruleset)
+        .mount("GET", "/api/v1/policy-test-sets", Some(Viewer), policy_tests::list)
+        .mount("POST", "/api/v1/policy-test-sets", Some(Editor), policy_tests::create)
+        .mount("GET", "/api/v1/policy-test-sets/{name}", Some(Viewer), policy_tests::show)
+        .mount("PUT", "/api/v1/policy-test-sets/{name}", Some(Editor), policy_tests::update)
+        .mount("DELETE", "/api/v1/policy-test-sets/{name}", Some(Editor), policy_tests::delete)
+        .mount("POST", "/api/v1/policy-tests/run", Some(Viewer), policy_tests::run)
         // Estate ranges decide which reported addresses enter other hosts' allow sets: a trust
         // decision like retire and deny, so changing them is for admins.
         .mount("GET", "/api/v1/estate-ranges", Some(Viewer), estate::list)

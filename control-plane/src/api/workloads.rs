@@ -185,13 +185,18 @@ pub async fn put_labels(
             format!("{k}={v}").parse::<Label>().map_err(|e| ApiError::Malformed(format!("label {k:?}: {e}")))
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let done =
-        authoring::commit(&state.pool, &caller.actor(), "workload.label", &id.to_string(), async |c| {
+    let done = crate::foresight::commit(
+        &state.pool,
+        &caller.actor(),
+        "workload.label",
+        &id.to_string(),
+        async |c| {
             let replaced = authoring::replace_labels(c, id, expected, &labels).await?;
             let detail = serde_json::json!({"set": replaced.set, "removed": replaced.removed});
             Ok((replaced, detail))
-        })
-        .await?;
+        },
+    )
+    .await?;
     let version = done.value.version;
     Ok(([etag(version)], Json(Changed::from(done))).into_response())
 }
@@ -320,7 +325,7 @@ pub async fn release_address(
             body.address.chars().take(64).collect::<String>()
         ))
     })?;
-    let done = authoring::commit(
+    let done = crate::foresight::commit(
         &state.pool,
         &caller.actor(),
         "workload.release-address",
@@ -388,7 +393,7 @@ async fn lifecycle(
 ) -> Result<Json<Changed<Nothing>>, ApiError> {
     let id = workload(id)?;
     let action = if retire { "workload.retire" } else { "workload.deny" };
-    let done = authoring::commit(&state.pool, &caller.actor(), action, &id.to_string(), async |c| {
+    let done = crate::foresight::commit(&state.pool, &caller.actor(), action, &id.to_string(), async |c| {
         if retire {
             authoring::retire(c, id).await?
         } else {

@@ -17,7 +17,7 @@ use crate::counts::{CountBounds, Counted};
 use crate::error::Error;
 use crate::notice::{self, Notice};
 use crate::policy::model::{ServiceEntry, validate_name};
-use crate::policy::publish::{Changed, Overflow, publish_with};
+use crate::policy::publish::{Changed, Overflow, Rendering, publish_rendering, publish_with};
 use crate::policy::spec::{
     AddressGroupSpec, NewWorkload, PeerRef, RulesetSpec, ServiceSpec, check_estate_range, check_label_count,
     selector_of, validate_ruleset,
@@ -32,19 +32,24 @@ pub struct Committed<T> {
     pub changed: Vec<Changed>,
 }
 
-/// Runs `change`, renders, audits and commits, all in one transaction. Nothing is written if
-/// any step fails, a policy over the rendered-policy bound included (`publish::Overflow`).
-pub async fn commit<T>(
+/// Runs `change`, renders, runs `check` on the rendering, audits and commits, all in one
+/// transaction. Nothing is written if any step fails, a policy over the rendered-policy bound
+/// included (`publish::Overflow`), and a refusal of `check` included: it runs after the render
+/// and before the audit record and the COMMIT, so a refused change leaves no version, no audit
+/// row and no notice. Operators' changes go through `foresight::commit`, whose check is the
+/// policy tests.
+pub async fn commit_checked<T>(
     pool: &PgPool,
     actor: &str,
     action: &str,
     subject: &str,
     change: impl AsyncFnOnce(&mut PgConnection) -> Result<(T, serde_json::Value), Error>,
+    check: impl AsyncFnOnce(&mut PgConnection, &Rendering) -> Result<(), Error>,
 ) -> Result<Committed<T>, Error> {
-    commit_with(pool, Overflow::Refuse, actor, action, subject, change).await
+    commit_with(pool, Overflow::Refuse, actor, action, subject, change, check).await
 }
 
-/// [`commit`] for a change nobody can take back (an agent's inventory, a repair render): a
+/// A change nobody can take back (an agent's inventory, a repair render), unchecked: a
 /// workload whose policy would pass the rendered-policy bound is held at its last good version
 /// (DEGRADED, with why) instead of refusing the change.
 pub async fn commit_holding<T>(
@@ -54,7 +59,7 @@ pub async fn commit_holding<T>(
     subject: &str,
     change: impl AsyncFnOnce(&mut PgConnection) -> Result<(T, serde_json::Value), Error>,
 ) -> Result<Committed<T>, Error> {
-    commit_with(pool, Overflow::Hold, actor, action, subject, change).await
+    commit_with(pool, Overflow::Hold, actor, action, subject, change, async |_, _| Ok(())).await
 }
 
 async fn commit_with<T>(
@@ -64,10 +69,13 @@ async fn commit_with<T>(
     action: &str,
     subject: &str,
     change: impl AsyncFnOnce(&mut PgConnection) -> Result<(T, serde_json::Value), Error>,
+    check: impl AsyncFnOnce(&mut PgConnection, &Rendering) -> Result<(), Error>,
 ) -> Result<Committed<T>, Error> {
     let mut tx = pool.begin().await?;
     let (value, detail) = change(&mut tx).await?;
-    let changed = publish_with(&mut tx, overflow).await?;
+    let rendering = publish_rendering(&mut tx, overflow).await?;
+    check(&mut tx, &rendering).await?;
+    let changed = rendering.changed;
     let record = audit::Record {
         detail,
         workload_versions: changed.iter().map(|c| (c.workload.to_string(), c.version)).collect(),

@@ -105,15 +105,31 @@ pub async fn publish(conn: &mut PgConnection) -> Result<Vec<Changed>, Error> {
 
 /// [`publish`], choosing what a policy over the bound does.
 pub async fn publish_with(conn: &mut PgConnection, overflow: Overflow) -> Result<Vec<Changed>, Error> {
+    Ok(publish_rendering(conn, overflow).await?.changed)
+}
+
+/// What one render saw and produced, kept for checks that judge the rendered estate inside the
+/// same transaction (`foresight`'s policy tests): the authored model, the registry with the
+/// addresses accepted as rendered, every workload's rendered policy, and the versions advanced.
+#[derive(Debug)]
+pub struct Rendering {
+    pub model: AuthoredModel,
+    pub registry: Vec<RegisteredWorkload>,
+    pub rendered: Rendered,
+    pub changed: Vec<Changed>,
+}
+
+/// [`publish_with`], keeping the pieces of the render ([`Rendering`]).
+pub async fn publish_rendering(conn: &mut PgConnection, overflow: Overflow) -> Result<Rendering, Error> {
     lock_renders(conn).await?;
     let started = std::time::Instant::now();
-    let changed = render_and_persist(conn, overflow).await?;
-    crate::metrics::observe_render(started.elapsed(), changed.len());
-    Ok(changed)
+    let rendering = render_and_persist(conn, overflow).await?;
+    crate::metrics::observe_render(started.elapsed(), rendering.changed.len());
+    Ok(rendering)
 }
 
 /// `publish` under the render lock.
-async fn render_and_persist(conn: &mut PgConnection, overflow: Overflow) -> Result<Vec<Changed>, Error> {
+async fn render_and_persist(conn: &mut PgConnection, overflow: Overflow) -> Result<Rendering, Error> {
     let model = store::load_model(conn).await?;
     let registry = store::load_registry(conn).await?;
     let registry = judge_addresses(conn, registry).await?;
@@ -123,13 +139,14 @@ async fn render_and_persist(conn: &mut PgConnection, overflow: Overflow) -> Resu
     let mut next = next_versions(conn, &rendered, &contents, &latest).await?;
     let held = over_bound(&model, &rendered, &contents, &mut next, bound(), overflow)?;
     save_held(conn, &held).await?;
-    if next.is_empty() {
-        return Ok(Vec::new());
+    let mut changed = Vec::new();
+    if !next.is_empty() {
+        persist(conn, &next, &contents).await?;
+        let notices: Vec<Notice> = next.iter().map(|n| Notice::Policy(n.workload, n.version)).collect();
+        notice::publish(conn, &notices).await?;
+        changed = next.iter().map(|n| Changed { workload: n.workload, version: n.version }).collect();
     }
-    persist(conn, &next, &contents).await?;
-    let notices: Vec<Notice> = next.iter().map(|n| Notice::Policy(n.workload, n.version)).collect();
-    notice::publish(conn, &notices).await?;
-    Ok(next.iter().map(|n| Changed { workload: n.workload, version: n.version }).collect())
+    Ok(Rendering { model, registry, rendered, changed })
 }
 
 /// Checks every policy about to be persisted against `bound`. Refusing, the first workload over

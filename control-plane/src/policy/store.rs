@@ -1,6 +1,6 @@
 //! Postgres access for the registry, the authored model and rendered policies. Reads build the
 //! plain `model` types the renderer takes; writes validate first and leave rendering to
-//! `authoring::commit`, so every mutation reaches `publish` before it is acknowledged.
+//! `foresight::commit`, so every mutation reaches `publish` before it is acknowledged.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;

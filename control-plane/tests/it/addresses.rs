@@ -183,10 +183,16 @@ async fn spoofed_addresses_never_reach_peer_sets() {
     assert_eq!(issues_of(&issues(&plane), web2), [issue("8.8.4.4", "outside-estate-ranges", &[])]);
 
     // Resolution: retiring the impostor gives web1 its address back.
-    authoring::commit(pool, "test", "workload.retire", &web3.to_string(), async |c| {
-        authoring::retire(c, web3).await?;
-        Ok(((), serde_json::json!({})))
-    })
+    innerwall_control_plane::foresight::commit(
+        pool,
+        "test",
+        "workload.retire",
+        &web3.to_string(),
+        async |c| {
+            authoring::retire(c, web3).await?;
+            Ok(((), serde_json::json!({})))
+        },
+    )
     .await
     .unwrap();
     assert_eq!(peers(pool, db).await.0, ["10.1.0.9/32", "10.2.0.10/32", "10.2.0.9/32"]);
@@ -293,10 +299,16 @@ async fn estate_ranges_are_bounded() {
     .await
     .unwrap();
     assert_eq!(count().await, MAX_ESTATE_RANGES as i64);
-    let err = authoring::commit(&db.pool, "test", "estate-range.add", "198.51.100.0/24", async |c| {
-        authoring::add_estate_range(c, Cidr::parse("198.51.100.0/24")?, "").await?;
-        Ok(((), serde_json::json!({})))
-    })
+    let err = innerwall_control_plane::foresight::commit(
+        &db.pool,
+        "test",
+        "estate-range.add",
+        "198.51.100.0/24",
+        async |c| {
+            authoring::add_estate_range(c, Cidr::parse("198.51.100.0/24")?, "").await?;
+            Ok(((), serde_json::json!({})))
+        },
+    )
     .await
     .unwrap_err();
     assert!(err.to_string().contains("estate ranges: 1025 is more than the 1024 allowed"), "{err}");

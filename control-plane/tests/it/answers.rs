@@ -236,7 +236,7 @@ async fn estate(db: &TestDatabase) -> (Vec<WorkloadId>, PathBuf, String, String)
             labels: vec!["app=big".parse().unwrap()],
             addresses: [format!("192.168.7.{}", i + 1).parse().unwrap()].into(),
         };
-        authoring::commit(&db.pool, "test", "register", &new.hostname, async |c| {
+        innerwall_control_plane::foresight::commit(&db.pool, "test", "register", &new.hostname, async |c| {
             authoring::register_workload(c, &new).await?;
             Ok(((), serde_json::json!({})))
         })

@@ -186,7 +186,7 @@ async fn register(pool: &PgPool, hostname: &str, labels: &[&str]) -> WorkloadId 
         labels: labels.iter().map(|l| l.parse().unwrap()).collect(),
         addresses: BTreeSet::new(),
     };
-    authoring::commit(pool, "test", "register", hostname, async |c| {
+    innerwall_control_plane::foresight::commit(pool, "test", "register", hostname, async |c| {
         authoring::register_workload(c, &new).await?;
         Ok(((), json!({})))
     })
@@ -857,6 +857,12 @@ const EXPECTED_ROUTES: &[(&str, &str, Option<&str>)] = &[
     ("DELETE", "/api/v1/rulesets/{name}", Some("editor")),
     ("GET", "/api/v1/rulesets/{name}", Some("viewer")),
     ("PUT", "/api/v1/rulesets/{name}", Some("editor")),
+    ("GET", "/api/v1/policy-test-sets", Some("viewer")),
+    ("POST", "/api/v1/policy-test-sets", Some("editor")),
+    ("DELETE", "/api/v1/policy-test-sets/{name}", Some("editor")),
+    ("GET", "/api/v1/policy-test-sets/{name}", Some("viewer")),
+    ("PUT", "/api/v1/policy-test-sets/{name}", Some("editor")),
+    ("POST", "/api/v1/policy-tests/run", Some("viewer")),
     ("GET", "/api/v1/services", Some("viewer")),
     ("POST", "/api/v1/services", Some("editor")),
     ("DELETE", "/api/v1/services/{name}", Some("editor")),
@@ -997,6 +1003,7 @@ async fn problem_types_are_closed() {
             Error::AgentOffline { .. } => "agent offline",
             Error::OverBound { .. } => "over bound",
             Error::RateLimited { .. } => "rate limited",
+            Error::PolicyTestsFailed(_) => "policy tests failed",
             Error::Render(_) => "render",
             Error::Corrupt { .. } => "corrupt",
             Error::Database(_) => "database",
@@ -1057,6 +1064,17 @@ async fn problem_types_are_closed() {
             },
             ProblemType::RateLimited,
         ),
+        (
+            Error::PolicyTestsFailed(vec![innerwall_control_plane::error::PolicyTestFailure {
+                set: "s".into(),
+                test: "t".into(),
+                assertion: "allow".into(),
+                reason: "rule a/b needs app=web, the source has app=api".into(),
+                pairs: vec![],
+                pair_count: 1,
+            }]),
+            ProblemType::PolicyTestsFailed,
+        ),
         (Error::Render("broke".into()), ProblemType::Internal),
         (Error::Corrupt { what: "mode", detail: "9".into() }, ProblemType::Internal),
         (Error::Database(sqlx::Error::PoolTimedOut), ProblemType::Busy),
@@ -1102,7 +1120,7 @@ async fn problem_types_are_closed() {
         ),
     ];
     let library_variants: BTreeSet<&str> = library.iter().map(|(e, _)| library_variant(e)).collect();
-    assert_eq!(library_variants.len(), 17, "a sample of every library error");
+    assert_eq!(library_variants.len(), 18, "a sample of every library error");
     let edge_variants: BTreeSet<&str> = edge.iter().map(|(e, _)| edge_variant(e)).collect();
     assert_eq!(
         edge_variants.len() + 1,

@@ -292,7 +292,7 @@ async fn authored_objects_over_their_count_bound_are_refused() {
         }
     }
     let create = async |kind: &str, name: &str| -> Result<(), Error> {
-        authoring::commit(pool, "test", &format!("{kind}.create"), name, async |c| {
+        innerwall_control_plane::foresight::commit(pool, "test", &format!("{kind}.create"), name, async |c| {
             match kind {
                 "service" => authoring::create_service_within(c, &service(name), &counts).await?,
                 "address-group" => authoring::create_address_group_within(c, &group(name), &counts).await?,
@@ -304,14 +304,20 @@ async fn authored_objects_over_their_count_bound_are_refused() {
         .map(|_| ())
     };
     let delete = async |kind: &str, name: &str| {
-        authoring::commit(pool, "test", &format!("{kind}.delete"), name, async |c| {
-            match kind {
-                "service" => authoring::delete_service(c, name, 1).await?,
-                "address-group" => authoring::delete_address_group(c, name, 1).await?,
-                _ => authoring::delete_ruleset(c, name, 1).await?,
-            };
-            Ok(((), serde_json::json!({})))
-        })
+        innerwall_control_plane::foresight::commit(
+            pool,
+            "test",
+            &format!("{kind}.delete"),
+            name,
+            async |c| {
+                match kind {
+                    "service" => authoring::delete_service(c, name, 1).await?,
+                    "address-group" => authoring::delete_address_group(c, name, 1).await?,
+                    _ => authoring::delete_ruleset(c, name, 1).await?,
+                };
+                Ok(((), serde_json::json!({})))
+            },
+        )
         .await
         .unwrap();
     };
@@ -378,7 +384,7 @@ async fn authored_objects_over_their_count_bound_are_refused() {
     .await
     .unwrap();
     let plain = |name: &'static str| {
-        authoring::commit(pool, "test", "ruleset.create", name, async move |c| {
+        innerwall_control_plane::foresight::commit(pool, "test", "ruleset.create", name, async move |c| {
             authoring::create_ruleset(c, &ruleset(name)).await?;
             Ok(((), serde_json::json!({})))
         })

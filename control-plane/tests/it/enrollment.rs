@@ -341,10 +341,16 @@ async fn deny_listed_identity_refused() {
     let (id, cert, key) = plane.enroll(&token).await.unwrap();
     let (_, _, mut inbound, _tx) = open_sync(plane.mutual(&cert, &key).await.unwrap()).await.unwrap();
 
-    authoring::commit(&plane.db.pool, "test", "workload.deny", &id.to_string(), async |c| {
-        authoring::deny(c, id).await?;
-        Ok(((), serde_json::json!({})))
-    })
+    innerwall_control_plane::foresight::commit(
+        &plane.db.pool,
+        "test",
+        "workload.deny",
+        &id.to_string(),
+        async |c| {
+            authoring::deny(c, id).await?;
+            Ok(((), serde_json::json!({})))
+        },
+    )
     .await
     .unwrap();
 
@@ -454,14 +460,20 @@ async fn retired_and_denied_cannot_upload() {
         assert_eq!(windows().await, before + 1);
         assert_eq!(running.admission.open_connections(id), 1, "the upload connection is registered");
 
-        authoring::commit(&plane.db.pool, "test", action, &id.to_string(), async |c| {
-            if action == "workload.retire" {
-                authoring::retire(c, id).await?
-            } else {
-                authoring::deny(c, id).await?
-            }
-            Ok(((), serde_json::json!({})))
-        })
+        innerwall_control_plane::foresight::commit(
+            &plane.db.pool,
+            "test",
+            action,
+            &id.to_string(),
+            async |c| {
+                if action == "workload.retire" {
+                    authoring::retire(c, id).await?
+                } else {
+                    authoring::deny(c, id).await?
+                }
+                Ok(((), serde_json::json!({})))
+            },
+        )
         .await
         .unwrap();
 

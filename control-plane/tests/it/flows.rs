@@ -21,7 +21,7 @@ async fn retention_drops_whole_expired_partitions() {
         labels: vec!["app=db".parse().unwrap()],
         addresses: BTreeSet::new(),
     };
-    authoring::commit(&db.pool, "test", "register", "db", async |c| {
+    innerwall_control_plane::foresight::commit(&db.pool, "test", "register", "db", async |c| {
         authoring::register_workload(c, &new).await?;
         Ok(((), serde_json::json!({})))
     })
@@ -119,7 +119,7 @@ async fn register(pool: &sqlx::PgPool, labels: &[&str], addresses: &[&str]) -> W
         labels: labels.iter().map(|l| l.parse().unwrap()).collect(),
         addresses: addresses.iter().map(|a| a.parse().unwrap()).collect(),
     };
-    authoring::commit(pool, "test", "register", "host", async |c| {
+    innerwall_control_plane::foresight::commit(pool, "test", "register", "host", async |c| {
         authoring::register_workload(c, &new).await?;
         Ok(((), serde_json::json!({})))
     })
@@ -137,7 +137,7 @@ async fn group(pool: &sqlx::PgPool, name: &str, cidr: &str) {
         description: String::new(),
         cidrs: BTreeSet::from([innerwall_wire::policy::Cidr::parse(cidr).unwrap()]),
     };
-    authoring::commit(pool, "test", "group", name, async |c| {
+    innerwall_control_plane::foresight::commit(pool, "test", "group", name, async |c| {
         authoring::create_address_group(c, &spec).await?;
         Ok(((), serde_json::json!({})))
     })
@@ -198,10 +198,16 @@ async fn ingest_stores_records_resolved_and_totals_summed() {
     let db = fresh_database().await.unwrap();
     let id = register(&db.pool, &["app=db"], &[]).await;
     // A public (documentation) range is a workload range only once an operator says so.
-    authoring::commit(&db.pool, "test", "estate-range.add", "2001:db8::/32", async |c| {
-        authoring::add_estate_range(c, innerwall_wire::policy::Cidr::parse("2001:db8::/32")?, "").await?;
-        Ok(((), serde_json::json!({})))
-    })
+    innerwall_control_plane::foresight::commit(
+        &db.pool,
+        "test",
+        "estate-range.add",
+        "2001:db8::/32",
+        async |c| {
+            authoring::add_estate_range(c, innerwall_wire::policy::Cidr::parse("2001:db8::/32")?, "").await?;
+            Ok(((), serde_json::json!({})))
+        },
+    )
     .await
     .unwrap();
     let peer = register(&db.pool, &["app=web", "env=prod"], &["10.9.0.7", "2001:db8::7"]).await;
@@ -405,10 +411,16 @@ async fn ingest_refuses_a_retired_workload_in_its_transaction() {
     let record = || flow("192.0.2.1", "10.1.0.5", 22, proto::FlowDecision::WouldBlock, 1, (start, start));
     let window = |records| FlowWindow::try_from(&window_at(start, records)).unwrap();
     flows::ingest(&db.pool, id, &window(vec![record()])).await.unwrap();
-    authoring::commit(&db.pool, "test", "workload.retire", &id.to_string(), async |c| {
-        authoring::retire(c, id).await?;
-        Ok(((), serde_json::json!({})))
-    })
+    innerwall_control_plane::foresight::commit(
+        &db.pool,
+        "test",
+        "workload.retire",
+        &id.to_string(),
+        async |c| {
+            authoring::retire(c, id).await?;
+            Ok(((), serde_json::json!({})))
+        },
+    )
     .await
     .unwrap();
     let err = flows::ingest(&db.pool, id, &window(vec![record()])).await.unwrap_err();
@@ -442,7 +454,7 @@ async fn label_snapshot_is_taken_at_the_time_the_flow_was_seen() {
     pause().await;
     let before = chrono::Utc::now().timestamp_millis();
     pause().await;
-    authoring::commit(&db.pool, "test", "label", "peer", async |c| {
+    innerwall_control_plane::foresight::commit(&db.pool, "test", "label", "peer", async |c| {
         Ok((
             authoring::edit_labels(c, peer, 1, &["app=web".parse().unwrap()], &[]).await?,
             serde_json::json!({}),
@@ -670,10 +682,16 @@ async fn ingest_hours(pool: &sqlx::PgPool, dsts: &[WorkloadId], base: i64, hours
 }
 
 async fn estate(pool: &sqlx::PgPool) -> (Vec<WorkloadId>, WorkloadId) {
-    authoring::commit(pool, "test", "estate-range.add", "2001:db8::/32", async |c| {
-        authoring::add_estate_range(c, innerwall_wire::policy::Cidr::parse("2001:db8::/32")?, "").await?;
-        Ok(((), serde_json::json!({})))
-    })
+    innerwall_control_plane::foresight::commit(
+        pool,
+        "test",
+        "estate-range.add",
+        "2001:db8::/32",
+        async |c| {
+            authoring::add_estate_range(c, innerwall_wire::policy::Cidr::parse("2001:db8::/32")?, "").await?;
+            Ok(((), serde_json::json!({})))
+        },
+    )
     .await
     .unwrap();
     let batch = register(pool, &["app=batch", "env=prod"], &["10.5.0.1"]).await;
@@ -797,7 +815,7 @@ async fn rollup_filters_select_by_decision_version_workload_scope_now_and_peer_l
     flows::roll_up(&db.pool, at(BASE + 2 * 3_600_000)).await.unwrap();
 
     // The batch peer becomes app=etl; its later flows carry the new labels, the old keep theirs.
-    authoring::commit(&db.pool, "test", "label", "batch", async |c| {
+    innerwall_control_plane::foresight::commit(&db.pool, "test", "label", "batch", async |c| {
         Ok((
             authoring::edit_labels(c, batch, 1, &["app=etl".parse().unwrap()], &[]).await?,
             serde_json::json!({}),
@@ -878,7 +896,7 @@ async fn rollup_filters_select_by_decision_version_workload_scope_now_and_peer_l
     assert_eq!(before, BTreeSet::from([dsts[0], dsts[1]]));
     check("scope app=db", Grouping::SrcDst, all.clone().within(before), &|r| r.workload_id != dsts[2].uuid())
         .await;
-    authoring::commit(&db.pool, "test", "label", "cache", async |c| {
+    innerwall_control_plane::foresight::commit(&db.pool, "test", "label", "cache", async |c| {
         Ok((
             authoring::edit_labels(c, dsts[2], 1, &["app=db".parse().unwrap()], &[]).await?,
             serde_json::json!({}),
@@ -1019,10 +1037,16 @@ async fn deny_listed_addresses_are_not_attributed() {
     };
     upload(0).await;
 
-    authoring::commit(&db.pool, "test", "workload.deny", &old.to_string(), async |c| {
-        authoring::deny(c, old).await?;
-        Ok(((), serde_json::json!({})))
-    })
+    innerwall_control_plane::foresight::commit(
+        &db.pool,
+        "test",
+        "workload.deny",
+        &old.to_string(),
+        async |c| {
+            authoring::deny(c, old).await?;
+            Ok(((), serde_json::json!({})))
+        },
+    )
     .await
     .unwrap();
     let new = register(&db.pool, &["app=batch"], &["10.9.0.7"]).await;

@@ -260,7 +260,7 @@ async fn every_list_pages_and_audit_reads_back() {
         labels: ["app=web".parse().unwrap()].into_iter().collect(),
         addresses: BTreeSet::new(),
     };
-    innerwall_control_plane::policy::authoring::commit(&pool, "test", "register", "web-1", async |c| {
+    innerwall_control_plane::foresight::commit(&pool, "test", "register", "web-1", async |c| {
         innerwall_control_plane::policy::authoring::register_workload(c, &new).await?;
         Ok(((), serde_json::json!({})))
     })

@@ -13,6 +13,7 @@ mod impact;
 mod installs;
 mod lists;
 mod operators;
+mod policy_tests;
 mod postgres;
 mod publish;
 mod retention;

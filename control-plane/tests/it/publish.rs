@@ -30,12 +30,13 @@ pub async fn register(pool: &PgPool, host: &str, labels: &[&str], addrs: &[&str]
         labels: labels.iter().map(|l| l.parse().unwrap()).collect(),
         addresses: addrs.iter().map(|a| a.parse::<IpAddr>().unwrap()).collect(),
     };
-    let done = authoring::commit(pool, "test", "workload.register", host, async |c| {
-        authoring::register_workload(c, &new).await?;
-        Ok(((), serde_json::json!({})))
-    })
-    .await
-    .unwrap();
+    let done =
+        innerwall_control_plane::foresight::commit(pool, "test", "workload.register", host, async |c| {
+            authoring::register_workload(c, &new).await?;
+            Ok(((), serde_json::json!({})))
+        })
+        .await
+        .unwrap();
     assert!(done.changed.contains(&Changed { workload: new.id, version: 1 }), "first render persists v1");
     new.id
 }
@@ -46,7 +47,7 @@ async fn service(pool: &PgPool, name: &str, entries: &[&str]) -> Vec<Changed> {
         description: String::new(),
         entries: entries.iter().map(|e| ServiceEntry::parse(e).unwrap()).collect(),
     };
-    authoring::commit(pool, "test", "service.create", name, async |c| {
+    innerwall_control_plane::foresight::commit(pool, "test", "service.create", name, async |c| {
         authoring::create_service(c, &spec).await?;
         Ok(((), serde_json::json!({})))
     })
@@ -76,7 +77,7 @@ fn ruleset(name: &str, scope: &str, peers: Vec<PeerSpec>, services: &[&str]) -> 
 }
 
 async fn create_ruleset(pool: &PgPool, spec: &RulesetSpec) -> Vec<Changed> {
-    authoring::commit(pool, "test", "ruleset.create", &spec.name, async |c| {
+    innerwall_control_plane::foresight::commit(pool, "test", "ruleset.create", &spec.name, async |c| {
         authoring::create_ruleset(c, spec).await?;
         Ok(((), serde_json::json!({})))
     })
@@ -135,12 +136,13 @@ async fn version_advances_only_on_visible_change() {
     assert_eq!(create_ruleset(pool, &rs).await, changed(&[(payments, 2)]));
 
     let group = AddressGroupSpec { name: "vpn".into(), description: String::new(), cidrs: BTreeSet::new() };
-    let done = authoring::commit(pool, "test", "address-group.create", "vpn", async |c| {
-        authoring::create_address_group(c, &group).await?;
-        Ok(((), serde_json::json!({})))
-    })
-    .await
-    .unwrap();
+    let done =
+        innerwall_control_plane::foresight::commit(pool, "test", "address-group.create", "vpn", async |c| {
+            authoring::create_address_group(c, &group).await?;
+            Ok(((), serde_json::json!({})))
+        })
+        .await
+        .unwrap();
     assert_eq!(done.changed, vec![], "an unreferenced address group is invisible");
 
     // Several edits in one transaction coalesce into one version.
@@ -151,7 +153,7 @@ async fn version_advances_only_on_visible_change() {
     };
     let mut rs2 = rs.clone();
     rs2.rules[0].peers.push(PeerSpec::cidr("192.0.2.0/24"));
-    let done = authoring::commit(pool, "test", "batch", "several", async |c| {
+    let done = innerwall_control_plane::foresight::commit(pool, "test", "batch", "several", async |c| {
         authoring::update_service(c, &spec, 1).await?;
         authoring::update_ruleset(c, &rs2, 1).await?;
         authoring::set_mode(c, payments, Mode::Simulation).await?;
@@ -162,19 +164,21 @@ async fn version_advances_only_on_visible_change() {
     assert_eq!(done.changed, changed(&[(payments, 3)]));
 
     // Setting the mode a workload already has changes nothing; a new mode changes only it.
-    let done = authoring::commit(pool, "test", "workload.mode", "batch", async |c| {
-        authoring::set_mode(c, batch, Mode::Visibility).await?;
-        Ok(((), serde_json::json!({})))
-    })
-    .await
-    .unwrap();
+    let done =
+        innerwall_control_plane::foresight::commit(pool, "test", "workload.mode", "batch", async |c| {
+            authoring::set_mode(c, batch, Mode::Visibility).await?;
+            Ok(((), serde_json::json!({})))
+        })
+        .await
+        .unwrap();
     assert_eq!(done.changed, vec![]);
-    let done = authoring::commit(pool, "test", "workload.mode", "batch", async |c| {
-        authoring::set_mode(c, batch, Mode::Enforcement).await?;
-        Ok(((), serde_json::json!({})))
-    })
-    .await
-    .unwrap();
+    let done =
+        innerwall_control_plane::foresight::commit(pool, "test", "workload.mode", "batch", async |c| {
+            authoring::set_mode(c, batch, Mode::Enforcement).await?;
+            Ok(((), serde_json::json!({})))
+        })
+        .await
+        .unwrap();
     assert_eq!(done.changed, changed(&[(batch, 2)]));
 
     assert_eq!(
@@ -371,14 +375,15 @@ async fn relabel_updates_peer_sets() {
 
     // batch-1 becomes a checkout: payments-db gains its addresses; batch-1's own policy is untouched.
     let label: Label = "app=checkout".parse().unwrap();
-    let done = authoring::commit(pool, "test", "workload.label", "batch-1", async |c| {
-        Ok((
-            authoring::edit_labels(c, batch, 1, std::slice::from_ref(&label), &[]).await?,
-            serde_json::json!({}),
-        ))
-    })
-    .await
-    .unwrap();
+    let done =
+        innerwall_control_plane::foresight::commit(pool, "test", "workload.label", "batch-1", async |c| {
+            Ok((
+                authoring::edit_labels(c, batch, 1, std::slice::from_ref(&label), &[]).await?,
+                serde_json::json!({}),
+            ))
+        })
+        .await
+        .unwrap();
     assert_eq!(done.value, 2, "label version advances");
     assert_eq!(done.changed, changed(&[(payments, 3)]));
     let after =
@@ -391,14 +396,15 @@ async fn relabel_updates_peer_sets() {
     assert_eq!((version(pool, checkout).await, version(pool, batch).await), (1, 1));
 
     // A stale edit is refused with the current version, and changes nothing.
-    let err = authoring::commit(pool, "test", "workload.label", "batch-1", async |c| {
-        Ok((
-            authoring::edit_labels(c, batch, 1, &[], &["app".parse().unwrap()]).await?,
-            serde_json::json!({}),
-        ))
-    })
-    .await
-    .unwrap_err();
+    let err =
+        innerwall_control_plane::foresight::commit(pool, "test", "workload.label", "batch-1", async |c| {
+            Ok((
+                authoring::edit_labels(c, batch, 1, &[], &["app".parse().unwrap()]).await?,
+                serde_json::json!({}),
+            ))
+        })
+        .await
+        .unwrap_err();
     assert!(matches!(err, Error::Stale { expected: 1, current: 2, .. }), "{err}");
     assert_eq!(version(pool, payments).await, 3);
 }
@@ -435,7 +441,7 @@ async fn consecutive_versions_satisfy_delta_contract() {
     ];
     for (i, step) in steps.iter().enumerate() {
         step(&mut rs);
-        authoring::commit(pool, "test", "ruleset.update", "payments", async |c| {
+        innerwall_control_plane::foresight::commit(pool, "test", "ruleset.update", "payments", async |c| {
             authoring::update_ruleset(c, &rs, i as i64 + 1).await?;
             Ok(((), serde_json::json!({})))
         })
@@ -443,7 +449,7 @@ async fn consecutive_versions_satisfy_delta_contract() {
         .unwrap();
     }
     for mode in [Mode::Simulation, Mode::Enforcement] {
-        authoring::commit(pool, "test", "workload.mode", "p", async |c| {
+        innerwall_control_plane::foresight::commit(pool, "test", "workload.mode", "p", async |c| {
             authoring::set_mode(c, payments, mode).await?;
             Ok(((), serde_json::json!({})))
         })
@@ -461,7 +467,7 @@ async fn deleting_a_referenced_service_or_group_names_the_referrers() {
     let pool = &db.pool;
     service(pool, "postgres", &["tcp:5432"]).await;
     let group = AddressGroupSpec { name: "vpn".into(), description: String::new(), cidrs: BTreeSet::new() };
-    authoring::commit(pool, "t", "g", "vpn", async |c| {
+    innerwall_control_plane::foresight::commit(pool, "t", "g", "vpn", async |c| {
         authoring::create_address_group(c, &group).await?;
         Ok(((), serde_json::json!({})))
     })
@@ -579,7 +585,7 @@ async fn label_sets_are_bounded() {
         sqlx::query_scalar::<_, i64>("SELECT count(*) FROM audit_log").fetch_one(pool).await.unwrap()
     };
     let before = audit().await;
-    let err = authoring::commit(pool, "test", "workload.label", "full", async |c| {
+    let err = innerwall_control_plane::foresight::commit(pool, "test", "workload.label", "full", async |c| {
         Ok((
             authoring::edit_labels(c, id, 1, &["one=more".parse().unwrap()], &[]).await?,
             serde_json::json!({}),
@@ -597,7 +603,7 @@ async fn label_sets_are_bounded() {
     .unwrap();
     assert_eq!((count, version, audit().await), (64, 1, before), "nothing changed");
     // Replacing a value keeps the count: allowed.
-    authoring::commit(pool, "test", "workload.label", "full", async |c| {
+    innerwall_control_plane::foresight::commit(pool, "test", "workload.label", "full", async |c| {
         Ok((authoring::edit_labels(c, id, 1, &["k0=w".parse().unwrap()], &[]).await?, serde_json::json!({})))
     })
     .await
@@ -682,7 +688,7 @@ async fn large_policies_are_stored_lz4_compressed_and_read_back_whole() {
         .collect::<Result<BTreeSet<_>, _>>()
         .unwrap();
     let group = AddressGroupSpec { name: "clients".into(), description: String::new(), cidrs };
-    authoring::commit(pool, "t", "g", "clients", async |c| {
+    innerwall_control_plane::foresight::commit(pool, "t", "g", "clients", async |c| {
         authoring::create_address_group(c, &group).await?;
         Ok(((), serde_json::json!({})))
     })
@@ -744,7 +750,7 @@ async fn workloads_with_the_same_policy_share_one_stored_content() {
     // db-1 leaves and comes back: versions 3 and 4, still one content for the three db hosts.
     for (n, app) in [(1, "app=other"), (2, "app=db")] {
         let label: Label = app.parse().unwrap();
-        authoring::commit(pool, "test", "workload.label", "db-1", async |c| {
+        innerwall_control_plane::foresight::commit(pool, "test", "workload.label", "db-1", async |c| {
             Ok((
                 authoring::edit_labels(c, dbs[0], n, std::slice::from_ref(&label), &[]).await?,
                 serde_json::json!({}),

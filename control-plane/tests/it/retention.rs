@@ -26,7 +26,7 @@ async fn history(pool: &PgPool, id: WorkloadId) -> Vec<u64> {
 }
 
 async fn retire(pool: &PgPool, id: WorkloadId, days_ago: i32) {
-    authoring::commit(pool, "test", "workload.retire", &id.to_string(), async |c| {
+    innerwall_control_plane::foresight::commit(pool, "test", "workload.retire", &id.to_string(), async |c| {
         authoring::retire(c, id).await?;
         Ok(((), serde_json::json!({})))
     })
@@ -129,10 +129,16 @@ async fn control_plane_retention_keeps_what_evidence_needs() {
 
     // Label sets replaced long ago, and one replaced recently; the current set stays.
     for (expected, label) in [(1, "tier=a"), (2, "tier=b"), (3, "tier=c")] {
-        authoring::commit(pool, "test", "workload.label", &web.to_string(), async |c| {
-            authoring::edit_labels(c, web, expected, &[label.parse().unwrap()], &[]).await?;
-            Ok(((), serde_json::json!({})))
-        })
+        innerwall_control_plane::foresight::commit(
+            pool,
+            "test",
+            "workload.label",
+            &web.to_string(),
+            async |c| {
+                authoring::edit_labels(c, web, expected, &[label.parse().unwrap()], &[]).await?;
+                Ok(((), serde_json::json!({})))
+            },
+        )
         .await
         .unwrap();
     }

@@ -561,7 +561,7 @@ async fn slow_agent_does_not_slow_the_others() {
         description: String::new(),
         cidrs: scattered(1 + (n % 2) as u8, 4_000),
     };
-    authoring::commit(pool, "test", "ruleset.create", "big", async |c| {
+    innerwall_control_plane::foresight::commit(pool, "test", "ruleset.create", "big", async |c| {
         authoring::create_address_group(c, &group(0)).await?;
         let service = ServiceSpec {
             name: "big".into(),
@@ -589,10 +589,16 @@ async fn slow_agent_does_not_slow_the_others() {
     .unwrap();
     const CHANGES: usize = 30;
     for n in 1..=CHANGES {
-        authoring::commit(pool, "test", "address-group.update", "peers", async |c| {
-            authoring::update_address_group(c, &group(n), n as i64).await?;
-            Ok(((), serde_json::json!({})))
-        })
+        innerwall_control_plane::foresight::commit(
+            pool,
+            "test",
+            "address-group.update",
+            "peers",
+            async |c| {
+                authoring::update_address_group(c, &group(n), n as i64).await?;
+                Ok(((), serde_json::json!({})))
+            },
+        )
         .await
         .unwrap();
     }

@@ -71,18 +71,30 @@ pub async fn run(ctx: &Ctx, cmd: &EstateRangeCmd) -> anyhow::Result<()> {
             )?
         }
         EstateRangeCmd::Add { cidr, description } => {
-            let done = authoring::commit(pool, actor, "estate-range.add", &cidr.to_string(), async |c| {
-                authoring::add_estate_range(c, *cidr, description).await?;
-                Ok(((), serde_json::json!({"description": description})))
-            })
+            let done = innerwall_control_plane::foresight::commit(
+                pool,
+                actor,
+                "estate-range.add",
+                &cidr.to_string(),
+                async |c| {
+                    authoring::add_estate_range(c, *cidr, description).await?;
+                    Ok(((), serde_json::json!({"description": description})))
+                },
+            )
             .await?;
             report(json, &added(cidr), done);
         }
         EstateRangeCmd::Remove { cidr } => {
-            let done = authoring::commit(pool, actor, "estate-range.remove", &cidr.to_string(), async |c| {
-                authoring::remove_estate_range(c, *cidr).await?;
-                Ok(((), serde_json::json!({})))
-            })
+            let done = innerwall_control_plane::foresight::commit(
+                pool,
+                actor,
+                "estate-range.remove",
+                &cidr.to_string(),
+                async |c| {
+                    authoring::remove_estate_range(c, *cidr).await?;
+                    Ok(((), serde_json::json!({})))
+                },
+            )
             .await?;
             report(json, &removed(cidr), done);
         }

@@ -143,6 +143,15 @@ enum Command {
         mut_subcommand("show", |c| c.about("Print in the file format (YAML; `--json` for JSON)")),
     )]
     Ruleset(policy::ObjectCmd<policy::RulesetFile>),
+    /// Policy tests: named assertions every operator change must pass (`test-set`, `test`).
+    #[command(
+        subcommand,
+        mut_subcommand("test-set", |c| c
+            .mut_subcommand("create", |c| c.about("Create from a YAML or JSON file (`-` for stdin); refused if a test fails now"))
+            .mut_subcommand("update", |c| c.about("Replace the set named in the file"))
+            .mut_subcommand("show", |c| c.about("Print in the file format (YAML; `--json` for JSON)"))),
+    )]
+    Policy(policy::PolicyCmd),
     /// The estate's workload address ranges: only addresses in them are rendered as peers.
     #[command(subcommand, name = "estate-range")]
     EstateRange(estate::EstateRangeCmd),
@@ -229,6 +238,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Service(cmd) => policy::catalog(&connect().await?, &cmd).await?,
         Command::AddressGroup(cmd) => policy::catalog(&connect().await?, &cmd).await?,
         Command::Ruleset(cmd) => policy::ruleset(&connect().await?, &cmd).await?,
+        Command::Policy(cmd) => policy::policy(&connect().await?, &cmd).await?,
         Command::EstateRange(cmd) => estate::run(&connect().await?, &cmd).await?,
         Command::Workload(cmd) => workloads::run(&connect().await?, &cmd).await?,
         Command::Flows(cmd) => flows::run(&connect().await?, &cmd).await?,
@@ -288,6 +298,7 @@ async fn remote(api: &str, cli: &Cli) -> anyhow::Result<()> {
         Command::Service(cmd) => policy::catalog_remote(&client, cli.json, cmd).await,
         Command::AddressGroup(cmd) => policy::catalog_remote(&client, cli.json, cmd).await,
         Command::Ruleset(cmd) => policy::ruleset_remote(&client, cli.json, cmd).await,
+        Command::Policy(cmd) => policy::policy_remote(&client, cli.json, cmd).await,
         Command::Token(cmd) => {
             let ca_dir = cli.ca_dir.clone().unwrap_or_else(|| cli.state_dir.join("ca"));
             tokens::run_remote(&client, cli.json, &ca_dir, cmd).await

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
 use innerwall_control_plane::error::Error;
+use innerwall_control_plane::foresight::{self, policy_tests};
 use innerwall_control_plane::page::{Page, PageRequest};
 use innerwall_control_plane::policy::authoring;
 use innerwall_control_plane::policy::model::ServiceEntry;
@@ -202,7 +203,7 @@ pub async fn catalog<A: Catalog>(ctx: &Ctx, cmd: &ObjectCmd<A>) -> anyhow::Resul
             let spec = args.spec()?;
             let name = A::name(&spec);
             let action = format!("{}.create", A::ACTION);
-            let done = authoring::commit(pool, actor, &action, name, async |c| {
+            let done = foresight::commit(pool, actor, &action, name, async |c| {
                 A::create(c, &spec).await?;
                 Ok(((), members_detail::<A>(&spec)))
             })
@@ -214,7 +215,7 @@ pub async fn catalog<A: Catalog>(ctx: &Ctx, cmd: &ObjectCmd<A>) -> anyhow::Resul
             let spec = object.spec()?;
             let name = A::name(&spec);
             let action = format!("{}.update", A::ACTION);
-            let done = authoring::commit(pool, actor, &action, name, async |c| {
+            let done = foresight::commit(pool, actor, &action, name, async |c| {
                 let version = A::update(c, &spec, expected).await?;
                 Ok((version, members_detail::<A>(&spec)))
             })
@@ -224,7 +225,7 @@ pub async fn catalog<A: Catalog>(ctx: &Ctx, cmd: &ObjectCmd<A>) -> anyhow::Resul
         ObjectCmd::Delete { name, expect } => {
             let expected = expect.required(noun, "delete", name)?;
             let action = format!("{}.delete", A::ACTION);
-            let done = authoring::commit(pool, actor, &action, name, async |c| {
+            let done = foresight::commit(pool, actor, &action, name, async |c| {
                 A::delete(c, name, expected).await?;
                 Ok(((), serde_json::json!({})))
             })
@@ -382,7 +383,7 @@ pub async fn ruleset(ctx: &Ctx, cmd: &ObjectCmd<RulesetFile>) -> anyhow::Result<
     match cmd {
         ObjectCmd::Create(RulesetFile { file }) => {
             let spec = read_ruleset_file(file)?;
-            let done = authoring::commit(pool, actor, "ruleset.create", &spec.name.clone(), async |c| {
+            let done = foresight::commit(pool, actor, "ruleset.create", &spec.name.clone(), async |c| {
                 authoring::create_ruleset(c, &spec).await?;
                 Ok(((), serde_json::to_value(&spec).expect("plain data serializes")))
             })
@@ -392,7 +393,7 @@ pub async fn ruleset(ctx: &Ctx, cmd: &ObjectCmd<RulesetFile>) -> anyhow::Result<
         ObjectCmd::Update { object: RulesetFile { file }, expect } => {
             let spec = read_ruleset_file(file)?;
             let expected = expect.required("ruleset", "update", &spec.name)?;
-            let done = authoring::commit(pool, actor, "ruleset.update", &spec.name.clone(), async |c| {
+            let done = foresight::commit(pool, actor, "ruleset.update", &spec.name.clone(), async |c| {
                 let v = authoring::update_ruleset(c, &spec, expected).await?;
                 Ok((v, serde_json::to_value(&spec).expect("plain data serializes")))
             })
@@ -401,7 +402,7 @@ pub async fn ruleset(ctx: &Ctx, cmd: &ObjectCmd<RulesetFile>) -> anyhow::Result<
         }
         ObjectCmd::Delete { name, expect } => {
             let expected = expect.required("ruleset", "delete", name)?;
-            let done = authoring::commit(pool, actor, "ruleset.delete", name, async |c| {
+            let done = foresight::commit(pool, actor, "ruleset.delete", name, async |c| {
                 authoring::delete_ruleset(c, name, expected).await?;
                 Ok(((), serde_json::json!({})))
             })
@@ -456,5 +457,175 @@ fn print_rulesets(
         })
         .collect();
     print_table(&["name", "version", "enabled", "scope", "rules"], rows);
+    Ok(())
+}
+
+/// `innerwall policy …`: policy tests (POL-10), judged on every operator commit.
+#[derive(Debug, Subcommand)]
+pub enum PolicyCmd {
+    /// Named sets of policy tests (YAML or JSON files); each change is itself a checked commit.
+    #[command(subcommand, name = "test-set")]
+    TestSet(ObjectCmd<TestSetFile>),
+    /// Run every policy test on the estate as rendered now (writes nothing); exits 1 if any fails.
+    Test {
+        /// JUnit XML on stdout (one testsuite per set, one testcase per test).
+        #[arg(long, conflicts_with = "json")]
+        junit: bool,
+    },
+}
+
+/// The test-set file `test-set create` and `test-set update` read.
+#[derive(Debug, Args)]
+pub struct TestSetFile {
+    #[arg(short, long)]
+    file: PathBuf,
+}
+
+fn read_test_set_file(path: &Path) -> anyhow::Result<foresight::TestSetSpec> {
+    use std::io::Read as _;
+    let reader: Box<dyn std::io::Read> = if path == Path::new("-") {
+        Box::new(std::io::stdin())
+    } else {
+        Box::new(std::fs::File::open(path).with_context(|| format!("while reading {}", path.display()))?)
+    };
+    let mut text = String::new();
+    reader
+        .take(policy_tests::MAX_TEST_SET_FILE + 1)
+        .read_to_string(&mut text)
+        .with_context(|| format!("while reading {}", path.display()))?;
+    Ok(policy_tests::parse_test_set_file(&path.display().to_string(), &text)?)
+}
+
+pub async fn policy(ctx: &Ctx, cmd: &PolicyCmd) -> anyhow::Result<()> {
+    let (json, pool, actor) = (ctx.json, &ctx.pool, ctx.actor.as_str());
+    match cmd {
+        PolicyCmd::Test { junit } => print_run(json, *junit, &foresight::run_policy_tests(pool).await?),
+        PolicyCmd::TestSet(cmd) => match cmd {
+            ObjectCmd::Create(TestSetFile { file }) => {
+                let spec = read_test_set_file(file)?;
+                let done = foresight::create_test_set(pool, actor, &spec).await?;
+                report(json, &format!("policy test set {} created (version 1)", spec.name), done);
+                Ok(())
+            }
+            ObjectCmd::Update { object: TestSetFile { file }, expect } => {
+                let spec = read_test_set_file(file)?;
+                let expected = expect.required("policy test set", "update", &spec.name)?;
+                let done = foresight::update_test_set(pool, actor, &spec, expected).await?;
+                report(
+                    json,
+                    &format!("policy test set {} updated (version {})", spec.name, done.value),
+                    done,
+                );
+                Ok(())
+            }
+            ObjectCmd::Delete { name, expect } => {
+                let expected = expect.required("policy test set", "delete", name)?;
+                let done = foresight::delete_test_set(pool, actor, name, expected).await?;
+                report(json, &format!("policy test set {name} deleted"), done);
+                Ok(())
+            }
+            ObjectCmd::List => print_test_sets(json, None, foresight::list_test_sets(pool).await?),
+            ObjectCmd::Show { name } => {
+                print_test_sets(json, Some(name), vec![foresight::show_test_set(pool, name).await?])
+            }
+        },
+    }
+}
+
+/// [`policy`] over the API: the same output.
+pub async fn policy_remote(api: &ApiClient, json: bool, cmd: &PolicyCmd) -> anyhow::Result<()> {
+    const PATH: &str = "/api/v1/policy-test-sets";
+    match cmd {
+        PolicyCmd::Test { junit } => {
+            let report: foresight::RunReport =
+                api.write("POST", "/api/v1/policy-tests/run", None, None).await?;
+            print_run(json, *junit, &report)
+        }
+        PolicyCmd::TestSet(cmd) => match cmd {
+            ObjectCmd::Create(TestSetFile { file }) => {
+                let spec = read_test_set_file(file)?;
+                let body = serde_json::to_value(&spec)?;
+                let done: Outcome<i64> = api.write("POST", PATH, None, Some(&body)).await?;
+                report_outcome(json, &format!("policy test set {} created (version 1)", spec.name), &done);
+                Ok(())
+            }
+            ObjectCmd::Update { object: TestSetFile { file }, expect } => {
+                let spec = read_test_set_file(file)?;
+                let version = expect.required("policy test set", "update", &spec.name)?;
+                let path = format!("{PATH}/{}", segment(&spec.name));
+                let body = serde_json::to_value(&spec)?;
+                let done: Outcome<i64> = api.write("PUT", &path, Some(version), Some(&body)).await?;
+                report_outcome(
+                    json,
+                    &format!("policy test set {} updated (version {})", spec.name, done.result),
+                    &done,
+                );
+                Ok(())
+            }
+            ObjectCmd::Delete { name, expect } => {
+                let version = expect.required("policy test set", "delete", name)?;
+                let path = format!("{PATH}/{}", segment(name));
+                let done: Outcome<()> = api.write("DELETE", &path, Some(version), None).await?;
+                report_outcome(json, &format!("policy test set {name} deleted"), &done);
+                Ok(())
+            }
+            ObjectCmd::List => print_test_sets(json, None, api.get(PATH).await?),
+            ObjectCmd::Show { name } => {
+                print_test_sets(json, Some(name), vec![api.get(&format!("{PATH}/{}", segment(name))).await?])
+            }
+        },
+    }
+}
+
+fn print_test_sets(json: bool, show: Option<&str>, all: Vec<foresight::TestSetRow>) -> anyhow::Result<()> {
+    if let Some(name) = show {
+        let Some(row) = all.into_iter().find(|r| r.name == name) else {
+            bail!("policy test set {name:?} not found")
+        };
+        if json {
+            return print_json(&row);
+        }
+        println!("# version: {}", row.version);
+        print!("{}", serde_norway::to_string(&row.spec)?);
+        return Ok(());
+    }
+    if json {
+        return print_json(&all);
+    }
+    let rows = all
+        .into_iter()
+        .map(|r| vec![r.name, r.version.to_string(), r.tests.to_string(), r.description])
+        .collect();
+    print_table(&["name", "version", "tests", "description"], rows);
+    Ok(())
+}
+
+/// A run as a table (`--json` the report, `--junit` JUnit XML); failing tests make it an error
+/// (exit 1) after the output, naming how many failed.
+fn print_run(json: bool, junit: bool, report: &foresight::RunReport) -> anyhow::Result<()> {
+    if junit {
+        print!("{}", report.junit());
+    } else if json {
+        print_json(report)?;
+    } else {
+        let rows = report
+            .results
+            .iter()
+            .map(|r| {
+                vec![
+                    r.set.clone(),
+                    r.test.clone(),
+                    r.assertion.clone(),
+                    if r.passed { "pass".into() } else { "FAIL".into() },
+                    r.failure.as_ref().map_or_else(String::new, |f| f.reason.clone()),
+                ]
+            })
+            .collect();
+        print_table(&["set", "test", "assertion", "result", "why"], rows);
+    }
+    let failed = report.results.iter().filter(|r| !r.passed).count();
+    if failed > 0 {
+        bail!("{failed} of {} policy test(s) fail", report.results.len());
+    }
     Ok(())
 }

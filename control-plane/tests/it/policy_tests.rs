@@ -1,0 +1,292 @@
+//! Policy tests on every operator commit (issue 27 item 3, POL-10), against a real Postgres: a
+//! change that breaks tests is refused with every failure and the nearest-rule reason, and
+//! writes nothing (no version, no audit row, no notice); it passes once the tests are updated;
+//! the JUnit output parses; empty selectors and hostile files are refused; the real CLI too.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::process::Command;
+
+use innerwall_control_plane::error::Error;
+use innerwall_control_plane::foresight::{self, policy_tests};
+use innerwall_control_plane::notice::CHANNEL;
+use innerwall_control_plane::policy::authoring;
+use innerwall_control_plane::policy::model::ServiceEntry;
+use innerwall_control_plane::policy::spec::{NewWorkload, PeerSpec, RuleSpec, RulesetSpec, ServiceSpec};
+use innerwall_control_plane::policy::store;
+use innerwall_control_plane::testing::fresh_database;
+use innerwall_wire::identity::WorkloadId;
+use sqlx::PgPool;
+use sqlx::postgres::PgListener;
+
+async fn register(pool: &PgPool, host: &str, labels: &[&str], addr: &str) -> WorkloadId {
+    let new = NewWorkload {
+        id: WorkloadId::new_random(),
+        hostname: host.into(),
+        labels: labels.iter().map(|l| l.parse().unwrap()).collect(),
+        addresses: [addr.parse::<IpAddr>().unwrap()].into(),
+    };
+    foresight::commit(pool, "test", "workload.register", host, async |c| {
+        authoring::register_workload(c, &new).await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await
+    .unwrap();
+    new.id
+}
+
+async fn service(pool: &PgPool, name: &str, entry: &str) {
+    let spec = ServiceSpec {
+        name: name.into(),
+        description: String::new(),
+        entries: vec![ServiceEntry::parse(entry).unwrap()],
+    };
+    foresight::commit(pool, "test", "service.create", name, async |c| {
+        authoring::create_service(c, &spec).await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await
+    .unwrap();
+}
+
+fn app(v: &str) -> BTreeMap<String, Vec<String>> {
+    [("app".to_owned(), vec![v.to_owned()])].into()
+}
+
+fn rule(name: &str, peers: Vec<PeerSpec>, service: &str) -> RuleSpec {
+    RuleSpec {
+        name: name.into(),
+        description: String::new(),
+        enabled: true,
+        peers,
+        services: vec![service.into()],
+    }
+}
+
+/// One ruleset over the back tier: payments from web on https, db from api on postgres.
+fn backend(from_web: Vec<PeerSpec>, from_api: Vec<PeerSpec>) -> RulesetSpec {
+    RulesetSpec {
+        name: "backend".into(),
+        description: String::new(),
+        enabled: true,
+        scope: [("tier".to_owned(), vec!["back".to_owned()])].into(),
+        rules: vec![rule("from-web", from_web, "https"), rule("from-api", from_api, "postgres")],
+    }
+}
+
+const TESTS: &str = "
+name: payments-intent
+description: what the back tier admits
+tests:
+  - name: web-reaches-payments
+    allow: {from: {app: [web]}, to: {app: [payments]}, service: https}
+  - name: nothing-from-the-internet
+    deny: {from_cidr: 203.0.113.0/24, to: {app: [payments]}, service: https}
+  - name: only-api-talks-to-db
+    only_from:
+      to: {app: [db]}
+      service: postgres
+      sources: [{workloads: {app: [api]}}, {cidr: 10.9.0.0/16}]
+";
+
+/// Holds on both sides of the change below.
+const TESTS_UPDATED: &str = "
+name: payments-intent
+tests:
+  - name: api-reaches-db
+    allow: {from: {app: [api]}, to: {app: [db]}, service: postgres}
+  - name: nothing-from-the-internet
+    deny: {from_cidr: 198.51.100.0/24, to: {app: [payments]}, service: https}
+  - name: only-api-talks-to-db
+    only_from:
+      to: {app: [db]}
+      service: postgres
+      sources: [{workloads: {app: [api]}}, {workloads: {app: [web]}}, {cidr: 10.9.0.0/16}]
+";
+
+async fn counts(pool: &PgPool) -> (i64, i64) {
+    let versions: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM workload_policy_history").fetch_one(pool).await.unwrap();
+    let audit: i64 = sqlx::query_scalar("SELECT count(*) FROM audit_log").fetch_one(pool).await.unwrap();
+    (versions, audit)
+}
+
+async fn update_backend(pool: &PgPool, spec: &RulesetSpec, expected: i64) -> Result<i64, Error> {
+    foresight::commit(pool, "test", "ruleset.update", "backend", async |c| {
+        let v = authoring::update_ruleset(c, spec, expected).await?;
+        Ok((v, serde_json::json!({})))
+    })
+    .await
+    .map(|d| d.value)
+}
+
+fn innerwall(url: &str, args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_innerwall")).arg("--database-url").arg(url).args(args).output().unwrap()
+}
+
+#[tokio::test]
+async fn policy_tests_refuse_commit() {
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    // (the fresh database's estate ranges hold 10.0.0.0/8)
+    register(pool, "web-1", &["app=web", "tier=front"], "10.0.0.1").await;
+    register(pool, "api-1", &["app=api", "tier=front"], "10.0.0.2").await;
+    register(pool, "payments-1", &["app=payments", "tier=back"], "10.0.0.3").await;
+    register(pool, "db-1", &["app=db", "tier=back"], "10.0.0.4").await;
+    service(pool, "https", "tcp:443").await;
+    service(pool, "postgres", "tcp:5432").await;
+    let good = backend(
+        vec![PeerSpec::workloads(app("web"))],
+        vec![PeerSpec::workloads(app("api")), PeerSpec::cidr("10.9.0.0/16")],
+    );
+    foresight::commit(pool, "test", "ruleset.create", "backend", async |c| {
+        authoring::create_ruleset(c, &good).await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await
+    .unwrap();
+
+    // The set holds on the estate, so it is created (and audited like any change).
+    let set = policy_tests::parse_test_set_file("tests.yaml", TESTS).unwrap();
+    assert_eq!(foresight::create_test_set(pool, "test", &set).await.unwrap().value, 1);
+    let report = foresight::run_policy_tests(pool).await.unwrap();
+    assert_eq!(report.results.len(), 3);
+    assert!(report.results.iter().all(|r| r.passed), "{report:?}");
+
+    // The breaking change: from-web now admits api and the internet range, from-api admits web.
+    let bad = backend(
+        vec![PeerSpec::workloads(app("api")), PeerSpec::cidr("203.0.113.0/24")],
+        vec![PeerSpec::workloads(app("api")), PeerSpec::workloads(app("web")), PeerSpec::cidr("10.9.0.0/16")],
+    );
+    let mut listener = PgListener::connect(&db.url).await.unwrap();
+    listener.listen(CHANNEL).await.unwrap();
+    let before = counts(pool).await;
+    let refused = update_backend(pool, &bad, 1).await.unwrap_err();
+    let Error::PolicyTestsFailed(failures) = &refused else { panic!("not a test failure: {refused}") };
+    let by_test: BTreeMap<&str, &innerwall_control_plane::error::PolicyTestFailure> =
+        failures.iter().map(|f| (f.test.as_str(), f)).collect();
+    assert_eq!(
+        by_test.keys().copied().collect::<Vec<_>>(),
+        ["nothing-from-the-internet", "only-api-talks-to-db", "web-reaches-payments"],
+        "every failing test: {failures:#?}"
+    );
+    let allow = by_test["web-reaches-payments"];
+    assert_eq!(
+        (allow.set.as_str(), allow.assertion.as_str(), allow.pair_count),
+        ("payments-intent", "allow", 1)
+    );
+    assert!(
+        allow.reason.contains("rule backend/from-web needs app=api, the source has app=web"),
+        "the nearest rule and why: {}",
+        allow.reason
+    );
+    let deny = by_test["nothing-from-the-internet"];
+    assert!(deny.reason.contains("admitted by rule backend/from-web"), "{}", deny.reason);
+    assert!(deny.pairs[0].starts_with("203.0.113.0/24 (203.0.113.0)"), "{:?}", deny.pairs);
+    let only = by_test["only-api-talks-to-db"];
+    assert!(
+        only.reason.contains("rule backend/from-api admits 10.0.0.1/32")
+            && only.reason.contains("not among the listed"),
+        "{}",
+        only.reason
+    );
+    assert!(refused.to_string().contains("web-reaches-payments"), "{refused}");
+    let problem = innerwall_control_plane::api::problem::ProblemType::PolicyTestsFailed;
+    assert_eq!(problem.status().as_u16(), 422);
+    assert_eq!(tonic::Status::from(refused).code(), tonic::Code::FailedPrecondition);
+    // Nothing was written: no version, no audit row, no notice (a later marker arrives first).
+    assert_eq!(counts(pool).await, before, "no policy version and no audit row");
+    assert_eq!(store::ruleset_view(&mut pool.acquire().await.unwrap(), "backend").await.unwrap().version, 1);
+    sqlx::query("SELECT pg_notify($1, 'marker')").bind(CHANNEL).execute(pool).await.unwrap();
+    assert_eq!(listener.recv().await.unwrap().payload(), "marker", "the refused change announced nothing");
+
+    // JUnit output parses: one suite per set, a case per test, a failure per failing test.
+    foresight::delete_test_set(pool, "test", "payments-intent", 1).await.unwrap();
+    let updated = policy_tests::parse_test_set_file("tests.yaml", TESTS_UPDATED).unwrap();
+    // (an on-demand run of the old set over the bad change, through a rolled-back transaction)
+    let mut tx = pool.begin().await.unwrap();
+    authoring::update_ruleset(&mut tx, &bad, 1).await.unwrap();
+    let rendering = innerwall_control_plane::policy::publish::publish_rendering(
+        &mut tx,
+        innerwall_control_plane::policy::publish::Overflow::Hold,
+    )
+    .await
+    .unwrap();
+    let junit = policy_tests::evaluate(std::slice::from_ref(&set), &rendering).junit();
+    tx.rollback().await.unwrap();
+    let doc = roxmltree::Document::parse(&junit).unwrap();
+    let suites: Vec<_> = doc.descendants().filter(|n| n.has_tag_name("testsuite")).collect();
+    assert_eq!(suites.len(), 1);
+    assert_eq!(suites[0].attribute("name"), Some("payments-intent"));
+    assert_eq!(suites[0].attribute("failures"), Some("3"));
+    let cases: Vec<_> = suites[0].children().filter(|n| n.has_tag_name("testcase")).collect();
+    assert_eq!(cases.len(), 3);
+    let message =
+        cases[0].children().find(|n| n.has_tag_name("failure")).unwrap().attribute("message").unwrap();
+    assert!(message.contains("needs app=api, the source has app=web"), "{message}");
+
+    // Once the tests are updated the same change passes, audited with the versions it moved.
+    let created = foresight::create_test_set(pool, "test", &updated).await.unwrap();
+    assert_eq!(created.value, 1);
+    let (versions, audit) = counts(pool).await;
+    assert_eq!(update_backend(pool, &bad, 1).await.unwrap(), 2);
+    let after = counts(pool).await;
+    assert!(after.0 > versions && after.1 == audit + 1, "{versions} {audit} → {after:?}");
+
+    // An empty selector fails (so the set is refused) unless the test allows it.
+    let empty = "name: empty\ntests:\n  - name: nobody\n    allow: {from: {app: [nobody]}, to: {app: [db]}, service: postgres}\n";
+    let err =
+        foresight::create_test_set(pool, "test", &policy_tests::parse_test_set_file("e", empty).unwrap())
+            .await
+            .unwrap_err();
+    assert!(err.to_string().contains("no workload matches from app=nobody"), "{err}");
+    let allowed = format!("{empty}    allow_empty: true\n");
+    foresight::create_test_set(pool, "test", &policy_tests::parse_test_set_file("e", &allowed).unwrap())
+        .await
+        .unwrap();
+
+    // Hostile files are refused clearly, before anything is read or written.
+    let many: String = (0..201)
+        .map(|i| format!("  - name: t{i}\n    deny: {{from_cidr: 192.0.2.0/24, to: {{app: [db]}}, service: postgres}}\n"))
+        .collect();
+    let err = policy_tests::parse_test_set_file("many", &format!("name: many\ntests:\n{many}")).unwrap_err();
+    assert!(err.to_string().contains("tests: 201 is more than the 200 allowed"), "{err}");
+    let err =
+        policy_tests::parse_test_set_file("ctl", "name: ctl\ndescription: \"a\\u001b[2Jb\"\ntests: []\n")
+            .unwrap_err();
+    assert!(err.to_string().contains("control character"), "{err}");
+    let err = policy_tests::parse_test_set_file("unknown", "name: u\ntests:\n  - name: x\n    alow: {}\n")
+        .unwrap_err();
+    assert!(err.to_string().contains("unknown field `alow`"), "{err}");
+    let observed = "name: o\ntests:\n  - name: x\n    observed: {to: {app: [db]}, since: 7d}\n";
+    let err = policy_tests::parse_test_set_file("o", observed).unwrap_err();
+    assert!(
+        err.to_string().contains("observed tests need the impact engine: not available in this build"),
+        "{err}"
+    );
+
+    // The real CLI: `policy test` passes now, a breaking ruleset update is refused with exit 1
+    // and the failures, `--junit` prints XML that parses.
+    let out = innerwall(&db.url, &["policy", "test"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("api-reaches-db"));
+    let dir = std::env::temp_dir().join(format!("iw-ptests-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("backend.yaml");
+    let no_api = backend(vec![PeerSpec::workloads(app("web"))], vec![PeerSpec::cidr("10.9.0.0/16")]);
+    std::fs::write(&file, serde_json::to_string(&no_api).unwrap()).unwrap();
+    let out =
+        innerwall(&db.url, &["ruleset", "update", "-f", file.to_str().unwrap(), "--expect-version", "2"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("payments-intent/api-reaches-db") && stderr.contains("rule backend/from-api"),
+        "{stderr}"
+    );
+    let out = innerwall(&db.url, &["policy", "test", "--junit"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let xml = String::from_utf8(out.stdout).unwrap();
+    let doc = roxmltree::Document::parse(&xml).unwrap();
+    assert_eq!(doc.descendants().filter(|n| n.has_tag_name("testcase")).count(), 4);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
