@@ -24,7 +24,7 @@ async fn register(pool: &sqlx::PgPool, hostname: &str) -> WorkloadId {
         labels: vec!["app=web".parse().unwrap()],
         addresses: BTreeSet::new(),
     };
-    authoring::commit(pool, "test", "register", hostname, async |c| {
+    foresight::commit(pool, "test", "register", hostname, async |c| {
         authoring::register_workload(c, &new).await?;
         Ok(((), serde_json::json!({})))
     })

@@ -300,7 +300,7 @@ pub async fn run(ctx: &Ctx, cmd: &WorkloadCmd) -> anyhow::Result<()> {
             print_show(json, store::workload_view(&mut *pool.acquire().await?, *id).await?)?;
         }
         WorkloadCmd::Label { id, set, remove, expect_label_version } => {
-            let done = innerwall_control_plane::foresight::commit(
+            let done = foresight::commit(
                 pool,
                 actor,
                 "workload.label",
@@ -341,7 +341,7 @@ pub async fn run(ctx: &Ctx, cmd: &WorkloadCmd) -> anyhow::Result<()> {
             let retire = matches!(cmd, WorkloadCmd::Retire { .. });
             let action = if retire { "workload.retire" } else { "workload.deny" };
             let done =
-                innerwall_control_plane::foresight::commit(pool, actor, action, &id.to_string(), async |c| {
+                foresight::commit(pool, actor, action, &id.to_string(), async |c| {
                     if retire {
                         authoring::retire(c, *id).await?
                     } else {
@@ -353,7 +353,7 @@ pub async fn run(ctx: &Ctx, cmd: &WorkloadCmd) -> anyhow::Result<()> {
             report(json, &lifecycle_done(*id, retire), done);
         }
         WorkloadCmd::ReleaseAddress { id, address } => {
-            let done = innerwall_control_plane::foresight::commit(
+            let done = foresight::commit(
                 pool,
                 actor,
                 "workload.release-address",
