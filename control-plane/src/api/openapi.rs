@@ -16,7 +16,9 @@ use utoipa::openapi::{Components, OpenApi, Ref, RefOr};
 
 use super::Route;
 use super::problem::{PROBLEM_JSON, Problem, ProblemType};
-use super::{audit, catalog, estate, flows, gate, impact, operators, policy_tests, render, tokens, workloads};
+use super::{
+    audit, catalog, estate, flows, gate, impact, operators, policy_tests, render, tokens, workloads,
+};
 use crate::identity::operators::Role;
 
 /// Where the document is served.

@@ -15,8 +15,8 @@ use axum::routing::MethodFilter;
 use super::extract::BodyLimit;
 use super::problem::ApiError;
 use super::{
-    ApiLimits, ApiState, Route, audit, auth, catalog, estate, flows, gate, impact, openapi, operators, policy_tests,
-    render, tokens, workloads,
+    ApiLimits, ApiState, Route, audit, auth, catalog, estate, flows, gate, impact, openapi, operators,
+    policy_tests, render, tokens, workloads,
 };
 use crate::identity::operators::Role;
 

@@ -268,7 +268,7 @@ pub fn check_set(spec: &TestSetSpec) -> Result<(), Error> {
         }
         if test.observed.is_some() {
             return Err(Error::Invalid(format!(
-                "{what}: observed tests need the impact engine: not available in this build"
+                "{what}: observed tests are not judged yet: the impact engine is not wired into policy tests in this build; check recorded flows with `innerwall workload replay` and write an allow test instead"
             )));
         }
         for flow in [&test.allow, &test.deny].into_iter().flatten() {
@@ -518,7 +518,7 @@ impl<'a> Estate<'a> {
                 }),
             );
         }
-        ("observed", fail("observed tests need the impact engine: not available in this build".into()))
+        ("observed", fail("observed tests are not judged yet: the impact engine is not wired into policy tests in this build; check recorded flows with `innerwall workload replay` and write an allow test instead".into()))
     }
 
     /// `allow` (`want` admitted) or `deny`. The error is a failure (`Ok`) or a reason alone.

@@ -300,18 +300,11 @@ pub async fn run(ctx: &Ctx, cmd: &WorkloadCmd) -> anyhow::Result<()> {
             print_show(json, store::workload_view(&mut *pool.acquire().await?, *id).await?)?;
         }
         WorkloadCmd::Label { id, set, remove, expect_label_version } => {
-            let done = foresight::commit(
-                pool,
-                actor,
-                "workload.label",
-                &id.to_string(),
-                async |c| {
-                    let changed =
-                        authoring::change_labels(c, *id, *expect_label_version, set, remove).await?;
-                    let detail = serde_json::json!({"set": changed.set, "removed": changed.removed});
-                    Ok((changed, detail))
-                },
-            )
+            let done = foresight::commit(pool, actor, "workload.label", &id.to_string(), async |c| {
+                let changed = authoring::change_labels(c, *id, *expect_label_version, set, remove).await?;
+                let detail = serde_json::json!({"set": changed.set, "removed": changed.removed});
+                Ok((changed, detail))
+            })
             .await?;
             report(json, &labels_changed(*id, &done.value), done);
         }
@@ -340,30 +333,24 @@ pub async fn run(ctx: &Ctx, cmd: &WorkloadCmd) -> anyhow::Result<()> {
         WorkloadCmd::Retire { id } | WorkloadCmd::Deny { id } => {
             let retire = matches!(cmd, WorkloadCmd::Retire { .. });
             let action = if retire { "workload.retire" } else { "workload.deny" };
-            let done =
-                foresight::commit(pool, actor, action, &id.to_string(), async |c| {
-                    if retire {
-                        authoring::retire(c, *id).await?
-                    } else {
-                        authoring::deny(c, *id).await?
-                    }
-                    Ok(((), serde_json::json!({})))
-                })
-                .await?;
+            let done = foresight::commit(pool, actor, action, &id.to_string(), async |c| {
+                if retire {
+                    authoring::retire(c, *id).await?
+                } else {
+                    authoring::deny(c, *id).await?
+                }
+                Ok(((), serde_json::json!({})))
+            })
+            .await?;
             report(json, &lifecycle_done(*id, retire), done);
         }
         WorkloadCmd::ReleaseAddress { id, address } => {
-            let done = foresight::commit(
-                pool,
-                actor,
-                "workload.release-address",
-                &id.to_string(),
-                async |c| {
+            let done =
+                foresight::commit(pool, actor, "workload.release-address", &id.to_string(), async |c| {
                     authoring::release_address(c, *id, *address).await?;
                     Ok(((), serde_json::json!({"address": address.to_string()})))
-                },
-            )
-            .await?;
+                })
+                .await?;
             report(json, &format!("{id} no longer claims {address}"), done);
         }
         WorkloadCmd::Policy { id } => {
