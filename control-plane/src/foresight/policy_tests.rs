@@ -85,7 +85,7 @@ pub struct TestSpec {
     pub deny: Option<FlowSpec>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub only_from: Option<OnlyFromSpec>,
-    /// Parsed so that the refusal is precise; refused until the impact engine exists.
+    /// Parsed so that the refusal is precise; refused until the impact engine is wired into policy tests.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed: Option<ObservedSpec>,
     /// A selector that matches no workload passes instead of failing.
