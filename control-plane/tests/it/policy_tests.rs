@@ -260,10 +260,7 @@ async fn policy_tests_refuse_commit() {
     assert!(err.to_string().contains("unknown field `alow`"), "{err}");
     let observed = "name: o\ntests:\n  - name: x\n    observed: {to: {app: [db]}, since: 7d}\n";
     let err = policy_tests::parse_test_set_file("o", observed).unwrap_err();
-    assert!(
-        err.to_string().contains("observed tests are not judged yet"),
-        "{err}"
-    );
+    assert!(err.to_string().contains("observed tests are not judged yet"), "{err}");
 
     // The real CLI: `policy test` passes now, a breaking ruleset update is refused with exit 1
     // and the failures, `--junit` prints XML that parses.
