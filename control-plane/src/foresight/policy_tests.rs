@@ -490,35 +490,17 @@ impl<'a> Estate<'a> {
     }
 
     fn run(&self, test: &TestSpec) -> (&'static str, Result<(), Failed>) {
-        let fail = |reason: String| Err((reason, Vec::new(), 0));
-        if let Some(flow) = &test.allow {
-            return (
-                "allow",
-                self.flow(test, flow, true).or_else(|e| match e {
-                    Err(reason) => fail(reason),
-                    Ok(failed) => Err(failed),
-                }),
-            );
-        }
-        if let Some(flow) = &test.deny {
-            return (
-                "deny",
-                self.flow(test, flow, false).or_else(|e| match e {
-                    Err(reason) => fail(reason),
-                    Ok(failed) => Err(failed),
-                }),
-            );
-        }
-        if let Some(only) = &test.only_from {
-            return (
-                "only_from",
-                self.only_from(test, only).or_else(|e| match e {
-                    Err(reason) => fail(reason),
-                    Ok(failed) => Err(failed),
-                }),
-            );
-        }
-        ("observed", fail("observed tests are not judged yet: the impact engine is not wired into policy tests in this build; check recorded flows with `innerwall workload replay` and write an allow test instead".into()))
+        let (kind, judged) = if let Some(flow) = &test.allow {
+            ("allow", self.flow(test, flow, true))
+        } else if let Some(flow) = &test.deny {
+            ("deny", self.flow(test, flow, false))
+        } else if let Some(only) = &test.only_from {
+            ("only_from", self.only_from(test, only))
+        } else {
+            ("observed", Err(Err("observed tests are not judged yet: the impact engine is not wired into policy tests in this build; check recorded flows with `innerwall workload replay` and write an allow test instead".into())))
+        };
+        // A reason alone is a failure with no pairs.
+        (kind, judged.map_err(|e| e.unwrap_or_else(|reason| (reason, Vec::new(), 0))))
     }
 
     /// `allow` (`want` admitted) or `deny`. The error is a failure (`Ok`) or a reason alone.
