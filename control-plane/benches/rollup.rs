@@ -27,98 +27,14 @@ use innerwall_control_plane::testing::fresh_database;
 use innerwall_wire::identity::WorkloadId;
 use sqlx::PgPool;
 
+#[path = "shared/flow_estate.rs"]
+mod flow_estate;
+use flow_estate::RECORDS_PER_WINDOW;
+
 const WORKLOADS: i64 = 1_000;
 const DAYS: i64 = 30;
-const RECORDS_PER_WINDOW: i64 = 7;
 /// Timed runs per query (after two warm-up runs).
 const RUNS: usize = 25;
-
-/// Workloads, labels (app=a0..a49: 20 workloads each; env=prod), and `windows` windows of
-/// `RECORDS_PER_WINDOW` records spread evenly over `[start, start + DAYS)`.
-async fn load(pool: &PgPool, start: DateTime<Utc>, windows: i64) -> anyhow::Result<()> {
-    let mut tx = pool.begin().await?;
-    flows::ensure_partitions(&mut tx, start, start + TimeDelta::days(DAYS)).await?;
-    tx.commit().await?;
-    sqlx::query(
-        "INSERT INTO workloads (id, hostname) SELECT md5('w' || n)::uuid, 'host-' || n FROM generate_series(0, $1 - 1) n",
-    )
-    .bind(WORKLOADS)
-    .execute(pool)
-    .await?;
-    sqlx::query(
-        "INSERT INTO workload_labels (workload_id, key, value)
-         SELECT md5('w' || n)::uuid, 'app', 'a' || (n % 50) FROM generate_series(0, $1 - 1) n
-         UNION ALL SELECT md5('w' || n)::uuid, 'env', 'prod' FROM generate_series(0, $1 - 1) n",
-    )
-    .bind(WORKLOADS)
-    .execute(pool)
-    .await?;
-    // Window i: workload i % W, its slot i / W, starting at start + slot * spacing + a per-workload
-    // offset. Record r of it: flow key k = (w + 3 slot + r) % 9 of that workload's nine.
-    let per_workload = (windows + WORKLOADS - 1) / WORKLOADS;
-    let spacing_ms = DAYS * 86_400_000 / per_workload.max(1);
-    let chunk = 100_000;
-    let mut from = 0;
-    while from < windows {
-        let to = (from + chunk).min(windows);
-        sqlx::query(
-            "WITH w AS (
-                SELECT i, i % $3 AS wl, i / $3 AS slot,
-                       $4::timestamptz + ((i / $3) * $5 + (i % $3) * ($5 / $3 / 2)) * interval '1 millisecond' AS ws
-                FROM generate_series($1, $2 - 1) i)
-             INSERT INTO flow_windows (workload_id, window_id, window_start, window_end, policy_version, mode,
-                 record_count, gap_count, packets, bytes, new_connections, allowed_records, would_block_records)
-             SELECT md5('w' || wl)::uuid, md5('x' || i)::uuid, ws, ws + interval '60 seconds', 1 + slot / 200, 2,
-                    $6, 0, 0, 0, 0, 0, 0
-             FROM w",
-        )
-        .bind(from)
-        .bind(to)
-        .bind(WORKLOADS)
-        .bind(start)
-        .bind(spacing_ms)
-        .bind(RECORDS_PER_WINDOW as i32)
-        .execute(pool)
-        .await?;
-        sqlx::query(
-            "WITH w AS (
-                SELECT i, i % $3 AS wl, i / $3 AS slot,
-                       $4::timestamptz + ((i / $3) * $5 + (i % $3) * ($5 / $3 / 2)) * interval '1 millisecond' AS ws
-                FROM generate_series($1, $2 - 1) i),
-             r AS (SELECT w.*, rn, (wl + 3 * slot + rn) % 9 AS k, (wl * 37 + ((wl + 3 * slot + rn) % 9) * 101) % $3 AS peer
-                   FROM w, generate_series(0, $6 - 1) rn)
-             INSERT INTO flow_records (workload_id, window_id, window_start, policy_version, src_address, dst_address,
-                 dst_port, protocol, decision, matched_rule_id, packets, bytes, new_connections, first_seen, last_seen,
-                 peer_kind, peer_key, peer_labels, ordinal)
-             SELECT md5('w' || wl)::uuid, md5('x' || i)::uuid, ws, 1 + slot / 200,
-                    CASE WHEN k < 6 THEN ('10.1.0.0'::inet + peer)
-                         WHEN k = 6 THEN ('172.16.0.0'::inet + (i % 4096))
-                         ELSE ('198.51.100.0'::inet + (i % 256)) END,
-                    '10.0.0.0'::inet + wl,
-                    (ARRAY[5432, 443, 22, 8080, 9090, 6379, 5432, 443, 3306])[k + 1], 1,
-                    CASE WHEN k IN (1, 6, 7) THEN 2 ELSE 3 END,
-                    CASE WHEN k IN (1, 6, 7) THEN 'rule-' || (k % 4) || '/tcp' ELSE '' END,
-                    10 + rn, 1000 + 13 * rn, 1, ws + interval '1 second', ws + interval '50 seconds',
-                    CASE WHEN k < 6 THEN 1 WHEN k = 6 THEN 2 ELSE 0 END,
-                    CASE WHEN k < 6 THEN md5('w' || peer)::uuid::text WHEN k = 6 THEN 'corp'
-                         ELSE host('198.51.100.0'::inet + (i % 256)) END,
-                    CASE WHEN k < 6 THEN jsonb_build_object('app', 'a' || (peer % 50), 'env', 'prod') ELSE '{}' END,
-                    rn
-             FROM r",
-        )
-        .bind(from)
-        .bind(to)
-        .bind(WORKLOADS)
-        .bind(start)
-        .bind(spacing_ms)
-        .bind(RECORDS_PER_WINDOW as i32)
-        .execute(pool)
-        .await?;
-        from = to;
-    }
-    sqlx::query("VACUUM ANALYZE").execute(pool).await?;
-    Ok(())
-}
 
 struct Case {
     name: &'static str,
@@ -198,7 +114,7 @@ async fn main() -> anyhow::Result<()> {
     let db = fresh_database().await?;
     let now = Utc::now();
     let t = Instant::now();
-    load(&db.pool, now - TimeDelta::days(DAYS), windows).await?;
+    flow_estate::load(&db.pool, now - TimeDelta::days(DAYS), DAYS, windows, WORKLOADS).await?;
     println!("loaded in {:.1} s (direct inserts, see the header)", t.elapsed().as_secs_f64());
 
     println!("nothing rolled up yet (raw records only):");
