@@ -28,12 +28,18 @@ pub async fn commit<T>(
 
 /// The check of [`commit`]: all stored sets over `rendering`.
 async fn check(conn: &mut PgConnection, rendering: &Rendering) -> Result<(), Error> {
+    let failures = judge(conn, rendering).await?.failures();
+    if failures.is_empty() { Ok(()) } else { Err(Error::PolicyTestsFailed(failures)) }
+}
+
+/// Every stored test judged over `rendering`, inside the caller's transaction (a commit's check,
+/// an on-demand run, a draft's run).
+pub(crate) async fn judge(conn: &mut PgConnection, rendering: &Rendering) -> Result<RunReport, Error> {
     let sets = load_sets(conn).await?;
     if sets.is_empty() {
-        return Ok(());
+        return Ok(RunReport { results: Vec::new() });
     }
-    let failures = policy_tests::evaluate(&sets, rendering).failures();
-    if failures.is_empty() { Ok(()) } else { Err(Error::PolicyTestsFailed(failures)) }
+    Ok(policy_tests::evaluate(&sets, rendering))
 }
 
 async fn load_sets(conn: &mut PgConnection) -> Result<Vec<TestSetSpec>, Error> {
@@ -193,9 +199,8 @@ pub async fn show_test_set(pool: &PgPool, name: &str) -> Result<TestSetRow, Erro
 /// happens inside a transaction that is rolled back (so no version, no notice persists).
 pub async fn run_policy_tests(pool: &PgPool) -> Result<RunReport, Error> {
     let mut tx = pool.begin().await?;
-    let sets = load_sets(&mut tx).await?;
     let rendering = publish_rendering(&mut tx, Overflow::Hold).await?;
-    let report = policy_tests::evaluate(&sets, &rendering);
+    let report = judge(&mut tx, &rendering).await?;
     tx.rollback().await?;
     Ok(report)
 }
