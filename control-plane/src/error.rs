@@ -78,6 +78,13 @@ pub enum Error {
         .0.iter().map(|f| format!("\n  - {}/{} ({}): {}", f.set, f.test, f.assertion, f.reason)).collect::<String>()
     )]
     PolicyTestsFailed(Vec<PolicyTestFailure>),
+    /// A draft's commit (or render) whose changes' objects moved since each change was added.
+    #[error(
+        "draft-base-moved: draft {draft:?} was based on versions that moved; nothing was changed. Re-add \
+         the changes of these objects to the draft (`innerwall draft add`), or discard it:{}",
+        moved.iter().map(|m| format!("\n  - {m}")).collect::<String>()
+    )]
+    DraftBaseMoved { draft: String, moved: Vec<String> },
     #[error("agent-offline: workload {id} has no stream (last seen {last_seen})")]
     AgentOffline { id: String, last_seen: String },
     #[error("render failed: {0}")]
@@ -161,7 +168,7 @@ impl Error {
         match self {
             Error::NotFound { .. } => Kind::NotFound,
             Error::Exists { .. } => Kind::Exists,
-            Error::Stale { .. } => Kind::Stale,
+            Error::Stale { .. } | Error::DraftBaseMoved { .. } => Kind::Stale,
             Error::InUse { .. } => Kind::InUse,
             Error::Invalid(_) | Error::InvalidInput(_) => Kind::Invalid,
             Error::Refused(_) => Kind::Refused,

@@ -6,6 +6,7 @@
 //! that breaks a policy test, inside the change's own transaction. Declares and re-exports only.
 
 pub mod commit;
+pub mod drafts;
 pub mod impact;
 pub mod policy_tests;
 pub mod replay;

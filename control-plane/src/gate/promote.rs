@@ -74,14 +74,46 @@ pub async fn judge(pool: &PgPool, scope: &Scope, params: &Params) -> Result<Verd
 
 /// Changes the mode of exactly the set the request names, or nothing (FLOW-8).
 pub async fn promote(pool: &PgPool, actor: &str, request: &Request) -> Result<Promotion, Error> {
+    let mut tx = pool.begin().await?;
+    // Nothing that renders commits between resolving the set and flipping it.
+    publish::lock_renders(&mut tx).await?;
+    let promotion = flip(&mut tx, actor, request).await?;
+    let changed = publish::publish(&mut tx).await?;
+    let action = if request.to == Mode::Enforcement { "workload.promote" } else { "workload.demote" };
+    let record = audit::Record {
+        detail: audit_detail(&promotion),
+        workload_versions: changed.iter().map(|c| (c.workload.to_string(), c.version)).collect(),
+        ..audit::Record::new(actor, action, &promotion.scope)
+    };
+    audit::write(&mut tx, &record).await?;
+    tx.commit().await?;
+    Ok(promotion)
+}
+
+/// What an audit record says of a promotion.
+pub(crate) fn audit_detail(p: &Promotion) -> serde_json::Value {
+    serde_json::json!({
+        "promotion": p.id,
+        "to": p.to_mode,
+        "scope": p.scope,
+        "workloads": p.workloads.iter().map(|m| m.id.to_string()).collect::<Vec<_>>(),
+        "reason": p.reason,
+        "override": p.override_reason,
+        "verdict": p.verdict.as_ref().and_then(|v| v.get("outcome")).cloned(),
+    })
+}
+
+/// The gate itself, inside the caller's transaction, which holds the render lock (so nothing
+/// renders between resolving the set and flipping it) and renders after: resolves the set,
+/// refuses a count other than the expected one, refuses a move to enforcement without a SAFE
+/// verdict (or an override), sets the modes and writes the promotion record. Used by
+/// [`promote`] and by a draft's commit (`foresight::drafts`), which passes no override.
+pub(crate) async fn flip(tx: &mut PgConnection, actor: &str, request: &Request) -> Result<Promotion, Error> {
     check_text("reason", &request.reason, true)?;
     if let Some(text) = &request.override_reason {
         check_text("override reason", text, true)?;
     }
-    let mut tx = pool.begin().await?;
-    // Nothing that renders commits between resolving the set and flipping it.
-    publish::lock_renders(&mut tx).await?;
-    let members = evidence::resolve(&mut tx, &request.scope).await?;
+    let members = evidence::resolve(&mut *tx, &request.scope).await?;
     if members.len() != request.expect_count {
         return Err(Error::CountMismatch {
             expected: request.expect_count,
@@ -93,7 +125,7 @@ pub async fn promote(pool: &PgPool, actor: &str, request: &Request) -> Result<Pr
         return Err(Error::Invalid("the scope names no workload: nothing to change".into()));
     }
     let verdict = if request.to == Mode::Enforcement {
-        let facts = evidence::facts(&mut tx, &members, &request.params).await?;
+        let facts = evidence::facts(&mut *tx, &members, &request.params).await?;
         let verdict = verdict::judge(&request.params, &facts);
         if verdict.outcome != Outcome::Safe && request.override_reason.is_none() {
             return Err(Error::EvidenceInsufficient {
@@ -106,9 +138,8 @@ pub async fn promote(pool: &PgPool, actor: &str, request: &Request) -> Result<Pr
         None
     };
     for member in &members {
-        authoring::set_mode(&mut tx, member.id, request.to).await?;
+        authoring::set_mode(&mut *tx, member.id, request.to).await?;
     }
-    let changed = publish::publish(&mut tx).await?;
     let promotion_id = Uuid::new_v4();
     let at: DateTime<Utc> = sqlx::query_scalar(
         "INSERT INTO promotions (id, actor, reason, override_reason, to_mode, scope, expected_count, workloads, verdict)
@@ -125,23 +156,6 @@ pub async fn promote(pool: &PgPool, actor: &str, request: &Request) -> Result<Pr
     .bind(&verdict)
     .fetch_one(&mut *tx)
     .await?;
-    let action = if request.to == Mode::Enforcement { "workload.promote" } else { "workload.demote" };
-    let scope = request.scope.to_string();
-    let record = audit::Record {
-        detail: serde_json::json!({
-            "promotion": promotion_id,
-            "to": request.to.name(),
-            "scope": scope,
-            "workloads": members.iter().map(|m| m.id.to_string()).collect::<Vec<_>>(),
-            "reason": request.reason,
-            "override": request.override_reason,
-            "verdict": verdict.as_ref().and_then(|v| v.get("outcome")).cloned(),
-        }),
-        workload_versions: changed.iter().map(|c| (c.workload.to_string(), c.version)).collect(),
-        ..audit::Record::new(actor, action, &scope)
-    };
-    audit::write(&mut tx, &record).await?;
-    tx.commit().await?;
     Ok(Promotion {
         id: promotion_id,
         at,
