@@ -52,23 +52,59 @@ pub struct ChangeFile {
     pub changes: Vec<ChangeSpec>,
 }
 
-/// One authored change, as an operator writes it: exactly one key.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
-#[serde(rename_all = "snake_case", deny_unknown_fields)]
-pub enum ChangeSpec {
+/// One authored change, as an operator writes it: a map with exactly one key (`- ruleset: {…}`,
+/// `- delete_service: {name: …}`, `- labels: {…}`, `- mode: {…}`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ChangeSpec {
     /// Creates the service, or replaces the one that exists when the change is added.
-    Service(NamedMembers),
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service: Option<NamedMembers>,
     /// Creates or replaces an address group (`members` are CIDRs or bare addresses).
-    AddressGroup(NamedMembers),
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address_group: Option<NamedMembers>,
     /// Creates or replaces a ruleset (the ruleset file's form).
-    Ruleset(RulesetSpec),
-    DeleteService(Named),
-    DeleteAddressGroup(Named),
-    DeleteRuleset(Named),
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ruleset: Option<RulesetSpec>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delete_service: Option<Named>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delete_address_group: Option<Named>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delete_ruleset: Option<Named>,
     /// Sets and removes labels of one workload.
-    Labels(LabelsChange),
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub labels: Option<LabelsChange>,
     /// Moves a set of workloads to a mode, through the promotion gate.
-    Mode(ModeChange),
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<ModeChange>,
+}
+
+impl ChangeSpec {
+    pub fn service(s: NamedMembers) -> Self {
+        ChangeSpec { service: Some(s), ..Default::default() }
+    }
+    pub fn address_group(g: NamedMembers) -> Self {
+        ChangeSpec { address_group: Some(g), ..Default::default() }
+    }
+    pub fn ruleset(r: RulesetSpec) -> Self {
+        ChangeSpec { ruleset: Some(r), ..Default::default() }
+    }
+    pub fn delete_service(name: &str) -> Self {
+        ChangeSpec { delete_service: Some(Named { name: name.to_owned() }), ..Default::default() }
+    }
+    pub fn delete_address_group(name: &str) -> Self {
+        ChangeSpec { delete_address_group: Some(Named { name: name.to_owned() }), ..Default::default() }
+    }
+    pub fn delete_ruleset(name: &str) -> Self {
+        ChangeSpec { delete_ruleset: Some(Named { name: name.to_owned() }), ..Default::default() }
+    }
+    pub fn labels(l: LabelsChange) -> Self {
+        ChangeSpec { labels: Some(l), ..Default::default() }
+    }
+    pub fn mode(m: ModeChange) -> Self {
+        ChangeSpec { mode: Some(m), ..Default::default() }
+    }
 }
 
 /// A service (`members`: `tcp:443`, `udp:53`, …) or an address group (`members`: CIDRs).
@@ -200,84 +236,97 @@ fn duration(what: &str, text: Option<&str>) -> Result<Duration, Error> {
 impl ChangeSpec {
     /// Parses and checks the change alone (no database): names, members, selectors, labels.
     fn parse(&self) -> Result<Change, Error> {
-        Ok(match self {
-            ChangeSpec::Service(s) => {
-                let spec = ServiceSpec {
-                    name: s.name.clone(),
-                    description: s.description.clone(),
-                    entries: s
-                        .members
-                        .iter()
-                        .map(|t| ServiceEntry::parse(t).map_err(Error::from))
-                        .collect::<Result<_, _>>()?,
-                };
-                spec.check()?;
-                Change::PutService(spec)
-            }
-            ChangeSpec::AddressGroup(g) => {
-                let spec = AddressGroupSpec {
-                    name: g.name.clone(),
-                    description: g.description.clone(),
-                    cidrs: g
-                        .members
-                        .iter()
-                        .map(|t| innerwall_wire::policy::Cidr::parse(t).map_err(Error::from))
-                        .collect::<Result<_, _>>()?,
-                };
-                spec.check()?;
-                Change::PutGroup(spec)
-            }
-            ChangeSpec::Ruleset(spec) => {
-                crate::policy::spec::validate_ruleset(spec)?;
-                Change::PutRuleset(spec.clone())
-            }
-            ChangeSpec::DeleteService(n) => Change::Delete(Object::Service, named(&n.name)?),
-            ChangeSpec::DeleteAddressGroup(n) => Change::Delete(Object::AddressGroup, named(&n.name)?),
-            ChangeSpec::DeleteRuleset(n) => Change::Delete(Object::Ruleset, named(&n.name)?),
-            ChangeSpec::Labels(l) => {
-                let workload = workload_id(&l.workload)?;
-                let set = l
-                    .set
+        let given = [
+            self.service.is_some(),
+            self.address_group.is_some(),
+            self.ruleset.is_some(),
+            self.delete_service.is_some(),
+            self.delete_address_group.is_some(),
+            self.delete_ruleset.is_some(),
+            self.labels.is_some(),
+            self.mode.is_some(),
+        ];
+        if given.iter().filter(|g| **g).count() != 1 {
+            return Err(Error::Invalid(
+                "a change needs exactly one of service, address_group, ruleset, delete_service, \
+                 delete_address_group, delete_ruleset, labels or mode"
+                    .into(),
+            ));
+        }
+        Ok(if let Some(s) = &self.service {
+            let spec = ServiceSpec {
+                name: s.name.clone(),
+                description: s.description.clone(),
+                entries: s
+                    .members
                     .iter()
-                    .map(|t| t.parse::<Label>().map_err(|e| Error::Invalid(format!("label {t:?}: {e}"))))
-                    .collect::<Result<Vec<_>, _>>()?;
-                let remove = l
-                    .remove
+                    .map(|t| ServiceEntry::parse(t).map_err(Error::from))
+                    .collect::<Result<_, _>>()?,
+            };
+            spec.check()?;
+            Change::PutService(spec)
+        } else if let Some(g) = &self.address_group {
+            let spec = AddressGroupSpec {
+                name: g.name.clone(),
+                description: g.description.clone(),
+                cidrs: g
+                    .members
                     .iter()
-                    .map(|t| {
-                        t.parse::<LabelKey>().map_err(|e| Error::Invalid(format!("label key {t:?}: {e}")))
-                    })
-                    .collect::<Result<Vec<_>, _>>()?;
-                authoring::check_label_edit(&set, &remove)?;
-                Change::Labels { workload, set, remove }
+                    .map(|t| innerwall_wire::policy::Cidr::parse(t).map_err(Error::from))
+                    .collect::<Result<_, _>>()?,
+            };
+            spec.check()?;
+            Change::PutGroup(spec)
+        } else if let Some(spec) = &self.ruleset {
+            crate::policy::spec::validate_ruleset(spec)?;
+            Change::PutRuleset(spec.clone())
+        } else if let Some(n) = &self.delete_service {
+            Change::Delete(Object::Service, named(&n.name)?)
+        } else if let Some(n) = &self.delete_address_group {
+            Change::Delete(Object::AddressGroup, named(&n.name)?)
+        } else if let Some(n) = &self.delete_ruleset {
+            Change::Delete(Object::Ruleset, named(&n.name)?)
+        } else if let Some(l) = &self.labels {
+            let workload = workload_id(&l.workload)?;
+            let set = l
+                .set
+                .iter()
+                .map(|t| t.parse::<Label>().map_err(|e| Error::Invalid(format!("label {t:?}: {e}"))))
+                .collect::<Result<Vec<_>, _>>()?;
+            let remove = l
+                .remove
+                .iter()
+                .map(|t| t.parse::<LabelKey>().map_err(|e| Error::Invalid(format!("label key {t:?}: {e}"))))
+                .collect::<Result<Vec<_>, _>>()?;
+            authoring::check_label_edit(&set, &remove)?;
+            Change::Labels { workload, set, remove }
+        } else {
+            let m = self.mode.as_ref().expect("exactly one is given");
+            let scope = match (&m.selector, m.ids.as_slice()) {
+                (Some(s), []) => Scope::parse_selector(s)?,
+                (None, ids) if !ids.is_empty() => {
+                    Scope::ids(ids.iter().map(|t| workload_id(t)).collect::<Result<_, _>>()?)?
+                }
+                _ => {
+                    return Err(Error::Invalid(
+                        "a mode change names its workloads by exactly one of selector and ids".into(),
+                    ));
+                }
+            };
+            let to: Mode = m.to.parse().map_err(|_| {
+                Error::Invalid(format!("mode {:?} is not visibility, simulation or enforcement", m.to))
+            })?;
+            if m.reason.trim().is_empty() {
+                return Err(Error::Invalid("a mode change needs a reason: say why".into()));
             }
-            ChangeSpec::Mode(m) => {
-                let scope = match (&m.selector, m.ids.as_slice()) {
-                    (Some(s), []) => Scope::parse_selector(s)?,
-                    (None, ids) if !ids.is_empty() => {
-                        Scope::ids(ids.iter().map(|t| workload_id(t)).collect::<Result<_, _>>()?)?
-                    }
-                    _ => {
-                        return Err(Error::Invalid(
-                            "a mode change names its workloads by exactly one of selector and ids".into(),
-                        ));
-                    }
-                };
-                let to: Mode = m.to.parse().map_err(|_| {
-                    Error::Invalid(format!("mode {:?} is not visibility, simulation or enforcement", m.to))
-                })?;
-                if m.reason.trim().is_empty() {
-                    return Err(Error::Invalid("a mode change needs a reason: say why".into()));
-                }
-                crate::input::text("the reason", &m.reason, 4 * promote::MAX_REASON)?;
-                Change::Mode {
-                    scope,
-                    expect_count: m.expect_count,
-                    to,
-                    reason: m.reason.clone(),
-                    since: duration("evidence_since", m.evidence_since.as_deref())?,
-                    min: duration("min_evidence", m.min_evidence.as_deref())?,
-                }
+            crate::input::text("the reason", &m.reason, 4 * promote::MAX_REASON)?;
+            Change::Mode {
+                scope,
+                expect_count: m.expect_count,
+                to,
+                reason: m.reason.clone(),
+                since: duration("evidence_since", m.evidence_since.as_deref())?,
+                min: duration("min_evidence", m.min_evidence.as_deref())?,
             }
         })
     }

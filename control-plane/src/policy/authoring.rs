@@ -464,6 +464,22 @@ async fn id_by_name(conn: &mut PgConnection, kind: Kind, name: &str, context: &s
         .ok_or_else(|| Error::Invalid(format!("{context} references unknown {} {name:?}", kind.what())))
 }
 
+/// The id of a rule new to its ruleset: derived from the two names (a UUID of RFC 9562's
+/// custom version 8, from SHA-256), not drawn at random, so a draft that renders a new rule
+/// without committing shows the very rule ids (and so the very deltas) its commit persists. An
+/// existing rule keeps its stored id.
+pub fn new_rule_id(ruleset: &str, rule: &str) -> Uuid {
+    let mut input = Vec::with_capacity(ruleset.len() + rule.len() + 20);
+    input.extend_from_slice(b"innerwall-rule\0");
+    input.extend_from_slice(ruleset.as_bytes());
+    input.push(0);
+    input.extend_from_slice(rule.as_bytes());
+    let digest = ring::digest::digest(&ring::digest::SHA256, &input);
+    let mut bytes = [0u8; 16];
+    bytes.copy_from_slice(&digest.as_ref()[..16]);
+    uuid::Builder::from_custom_bytes(bytes).into_uuid()
+}
+
 async fn write_rules(conn: &mut PgConnection, ruleset: Uuid, spec: &RulesetSpec) -> Result<(), Error> {
     // Keep each rule's id by name so rendered rule ids survive edits (peer-only deltas stay small).
     let existing: BTreeMap<String, Uuid> = sqlx::query("SELECT name, id FROM rules WHERE ruleset_id = $1")
@@ -476,7 +492,7 @@ async fn write_rules(conn: &mut PgConnection, ruleset: Uuid, spec: &RulesetSpec)
     sqlx::query("DELETE FROM rules WHERE ruleset_id = $1").bind(ruleset).execute(&mut *conn).await?;
     for (ordinal, rule) in spec.rules.iter().enumerate() {
         let context = format!("ruleset {:?} rule {:?}", spec.name, rule.name);
-        let id = existing.get(&rule.name).copied().unwrap_or_else(Uuid::new_v4);
+        let id = existing.get(&rule.name).copied().unwrap_or_else(|| new_rule_id(&spec.name, &rule.name));
         sqlx::query(
             "INSERT INTO rules (id, ruleset_id, ordinal, name, description, enabled) VALUES ($1, $2, $3, $4, $5, $6)",
         )

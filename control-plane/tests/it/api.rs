@@ -992,6 +992,7 @@ async fn problem_types_are_closed() {
             Error::NotFound { .. } => "not found",
             Error::Exists { .. } => "exists",
             Error::Stale { .. } => "stale",
+            Error::DraftBaseMoved { .. } => "draft base moved",
             Error::InUse { .. } => "in use",
             Error::Invalid(_) => "invalid",
             Error::InvalidInput(_) => "invalid input",
@@ -1030,6 +1031,13 @@ async fn problem_types_are_closed() {
         (Error::Exists { what: "service", name: "web".into() }, ProblemType::DuplicateName),
         (
             Error::Stale { what: "service", name: "web".into(), expected: 1, current: 2 },
+            ProblemType::PreconditionFailed,
+        ),
+        (
+            Error::DraftBaseMoved {
+                draft: "d".into(),
+                moved: vec!["ruleset/r: version 1 when added, version 2 now".into()],
+            },
             ProblemType::PreconditionFailed,
         ),
         (
