@@ -81,6 +81,22 @@ pub struct ChangeSpec {
 }
 
 impl ChangeSpec {
+    /// What the change does, in a word: `put`, `delete`, `labels`, `mode`.
+    pub fn kind(&self) -> &'static str {
+        if self.service.is_some() || self.address_group.is_some() || self.ruleset.is_some() {
+            "put"
+        } else if self.delete_service.is_some()
+            || self.delete_address_group.is_some()
+            || self.delete_ruleset.is_some()
+        {
+            "delete"
+        } else if self.labels.is_some() {
+            "labels"
+        } else {
+            "mode"
+        }
+    }
+
     pub fn service(s: NamedMembers) -> Self {
         ChangeSpec { service: Some(s), ..Default::default() }
     }
@@ -741,6 +757,14 @@ async fn apply_all(
     for c in ordered {
         let applied = c.change.apply(conn, actor, &c.base, counts, judged).await.map_err(|e| match e {
             Error::Invalid(text) => Error::Invalid(format!("draft {name:?}, {}: {text}", c.object)),
+            Error::EvidenceInsufficient { outcome, reasons } => Error::EvidenceInsufficient {
+                outcome,
+                reasons: format!(
+                    "{reasons} (the {} of draft {name:?}; a draft takes no override: move it with \
+                     `innerwall workload promote --override REASON` outside the draft)",
+                    c.object
+                ),
+            },
             e => e,
         })?;
         promotions.extend(applied);
