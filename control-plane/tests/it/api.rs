@@ -1128,7 +1128,7 @@ async fn problem_types_are_closed() {
         ),
     ];
     let library_variants: BTreeSet<&str> = library.iter().map(|(e, _)| library_variant(e)).collect();
-    assert_eq!(library_variants.len(), 18, "a sample of every library error");
+    assert_eq!(library_variants.len(), 19, "a sample of every library error");
     let edge_variants: BTreeSet<&str> = edge.iter().map(|(e, _)| edge_variant(e)).collect();
     assert_eq!(
         edge_variants.len() + 1,
