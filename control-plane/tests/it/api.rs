@@ -834,6 +834,15 @@ const EXPECTED_ROUTES: &[(&str, &str, Option<&str>)] = &[
     ("DELETE", "/api/v1/address-groups/{name}", Some("editor")),
     ("GET", "/api/v1/address-groups/{name}", Some("viewer")),
     ("PUT", "/api/v1/address-groups/{name}", Some("editor")),
+    ("GET", "/api/v1/drafts", Some("viewer")),
+    ("POST", "/api/v1/drafts", Some("editor")),
+    ("DELETE", "/api/v1/drafts/{name}", Some("editor")),
+    ("GET", "/api/v1/drafts/{name}", Some("viewer")),
+    ("POST", "/api/v1/drafts/{name}/changes", Some("editor")),
+    ("POST", "/api/v1/drafts/{name}/commit", Some("editor")),
+    ("POST", "/api/v1/drafts/{name}/impact", Some("viewer")),
+    ("GET", "/api/v1/drafts/{name}/render", Some("viewer")),
+    ("POST", "/api/v1/drafts/{name}/tests", Some("viewer")),
     ("GET", "/api/v1/estate-ranges", Some("viewer")),
     ("POST", "/api/v1/estate-ranges", Some("admin")),
     ("DELETE", "/api/v1/estate-ranges/{address}/{prefix}", Some("admin")),
@@ -887,7 +896,9 @@ const EXPECTED_ROUTES: &[(&str, &str, Option<&str>)] = &[
 
 #[tokio::test]
 async fn openapi_covers_mounted_routes() {
-    let plane = Plane::start(ApiLimits::default()).await;
+    // Every route is called without a token below: more than a minute's worth of the default
+    // bound on unauthenticated requests from one address.
+    let plane = Plane::start(ApiLimits { unauthenticated_per_minute: 600, ..ApiLimits::default() }).await;
     let (_, routes) = router::build(ApiState::new(plane.pool().clone(), ApiLimits::default()));
     let doc = openapi::document(&routes);
 
@@ -992,6 +1003,7 @@ async fn problem_types_are_closed() {
             Error::NotFound { .. } => "not found",
             Error::Exists { .. } => "exists",
             Error::Stale { .. } => "stale",
+            Error::DraftBaseMoved { .. } => "draft base moved",
             Error::InUse { .. } => "in use",
             Error::Invalid(_) => "invalid",
             Error::InvalidInput(_) => "invalid input",
@@ -1030,6 +1042,13 @@ async fn problem_types_are_closed() {
         (Error::Exists { what: "service", name: "web".into() }, ProblemType::DuplicateName),
         (
             Error::Stale { what: "service", name: "web".into(), expected: 1, current: 2 },
+            ProblemType::PreconditionFailed,
+        ),
+        (
+            Error::DraftBaseMoved {
+                draft: "d".into(),
+                moved: vec!["service/web: version 1 when added, version 2 now".into()],
+            },
             ProblemType::PreconditionFailed,
         ),
         (
@@ -1120,7 +1139,7 @@ async fn problem_types_are_closed() {
         ),
     ];
     let library_variants: BTreeSet<&str> = library.iter().map(|(e, _)| library_variant(e)).collect();
-    assert_eq!(library_variants.len(), 18, "a sample of every library error");
+    assert_eq!(library_variants.len(), 19, "a sample of every library error");
     let edge_variants: BTreeSet<&str> = edge.iter().map(|(e, _)| edge_variant(e)).collect();
     assert_eq!(
         edge_variants.len() + 1,
@@ -1587,6 +1606,7 @@ async fn parameters_never_panic() {
                 json!({"name": "rs", "description": "", "scope": {"app": ["web"]}, "rules": []})
             }
             ("POST", "/api/v1/policy-test-sets") => json!({"name": "ts2", "description": "", "tests": []}),
+            ("POST", "/api/v1/drafts") => json!({"name": "d2", "note": ""}),
             ("PUT", "/api/v1/policy-test-sets/{name}") => {
                 json!({"name": "ts", "description": "", "tests": []})
             }
@@ -1599,7 +1619,7 @@ async fn parameters_never_panic() {
         })
     };
     let before = written(plane.pool()).await;
-    let free_text = ["description", "reason", "override_reason", "name"];
+    let free_text = ["description", "reason", "override_reason", "name", "note"];
     let mut bodies = 0;
     for route in &routes {
         let op = &doc["paths"][route.path][route.method.to_lowercase()];
