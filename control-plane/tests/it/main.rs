@@ -5,6 +5,7 @@ mod answers;
 mod api;
 mod bounds;
 mod cli;
+mod drafts_edge;
 mod enrollment;
 mod files;
 mod flows;
