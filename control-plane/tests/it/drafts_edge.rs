@@ -491,6 +491,10 @@ fn alike(mut view: Value) -> Value {
     view
 }
 
+/// A note longer than a list's column (and than a line): tables still read on 80 columns.
+const NOTE: &str =
+    "widen svc-1 to a second port, so that the web tier answers on tcp/9001 too, as the proxy expects";
+
 const CHANGE_FILE: &str = "changes:\n  - service:\n      name: svc-1\n      members: [tcp:8001, tcp:9001]\n";
 
 #[tokio::test]
@@ -517,10 +521,10 @@ async fn drafts_edge_cli_local_and_remote_agree() {
     let local = ["--database-url", db.url.as_str()];
 
     // A draft made locally reads the same both ways, and so does one made remotely.
-    let made_here = json_of(&local, &["draft", "create", "here", "--note", "widen svc-1"], None);
+    let made_here = json_of(&local, &["draft", "create", "here", "--note", NOTE], None);
     assert_eq!(made_here["version"], 1);
     assert_eq!(json_of(&remote, &["draft", "show", "here"], None), made_here);
-    let made_there = json_of(&remote, &["draft", "create", "there", "--note", "widen svc-1"], None);
+    let made_there = json_of(&remote, &["draft", "create", "there", "--note", NOTE], None);
     assert_eq!(json_of(&local, &["draft", "show", "there"], None), made_there);
     assert_eq!(alike(made_here.clone()), alike(made_there.clone()));
     assert!(made_there["author"].as_str().unwrap().starts_with("operator:cli-editor/"), "{made_there}");

@@ -18,7 +18,7 @@ use crate::api::{ApiClient, segment, with_query};
 use crate::ctx::Ctx;
 use crate::duration;
 use crate::output::{Outcome, print_json, print_table, report, report_outcome};
-use crate::replay::{self, ReplayArgs, line};
+use crate::replay::{self, ReplayArgs, WIDTH, line};
 
 const PATH: &str = "/api/v1/drafts";
 
@@ -196,7 +196,8 @@ fn print_list(json: bool, all: &[DraftSummary]) -> anyhow::Result<()> {
     if json {
         return print_json(&all);
     }
-    let rows = all
+    const HEADERS: [&str; 6] = ["name", "version", "changes", "state", "author", "note"];
+    let mut rows: Vec<Vec<String>> = all
         .iter()
         .map(|d| {
             vec![
@@ -209,8 +210,28 @@ fn print_list(json: bool, all: &[DraftSummary]) -> anyhow::Result<()> {
             ]
         })
         .collect();
-    print_table(&["name", "version", "changes", "state", "author", "note"], rows);
+    // The note gets what the other columns (each two spaces apart) leave of 80, at least a few
+    // characters; `draft show` prints it whole.
+    let used: usize = (0..HEADERS.len() - 1)
+        .map(|i| rows.iter().map(|r| r[i].chars().count()).chain([HEADERS[i].len()]).max().unwrap_or(0) + 2)
+        .sum();
+    let room = WIDTH.saturating_sub(used).max(MIN_NOTE);
+    for row in &mut rows {
+        row[5] = cut(&row[5], room);
+    }
+    print_table(&HEADERS, rows);
     Ok(())
+}
+
+/// The fewest characters of a note `draft list` shows, however wide the other columns are.
+const MIN_NOTE: usize = 8;
+
+/// `text` cut to `max` characters, an ellipsis saying it was cut.
+fn cut(text: &str, max: usize) -> String {
+    match text.chars().count() > max {
+        true => format!("{}…", text.chars().take(max - 1).collect::<String>()),
+        false => text.to_owned(),
+    }
 }
 
 /// A change's kind as a person reads it.
@@ -222,9 +243,9 @@ fn kind(change: &ChangeSpec) -> &'static str {
         }
         ChangeSpec::Labels(_) => "labels",
         ChangeSpec::Mode(m) => match m.to.as_str() {
-            "enforcement" => "mode: enforcement",
-            "simulation" => "mode: simulation",
-            _ => "mode: visibility",
+            "enforcement" => "to enforcement",
+            "simulation" => "to simulation",
+            _ => "to visibility",
         },
     }
 }

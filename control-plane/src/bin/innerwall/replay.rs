@@ -82,7 +82,7 @@ pub fn judge(impact: &Impact, args: &ReplayArgs) -> anyhow::Result<()> {
 }
 
 /// The widest line a replay prints for people.
-const WIDTH: usize = 80;
+pub const WIDTH: usize = 80;
 
 /// `text` escaped and cut to [`WIDTH`] characters (an ellipsis says it was cut).
 pub fn line(text: &str) {
