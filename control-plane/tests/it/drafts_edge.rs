@@ -637,3 +637,83 @@ async fn drafts_edge_cli_local_and_remote_agree() {
     drop(serve);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `draft impact` exits as `workload replay` does: a recorded ALLOWED flow the draft would block
+/// fails the command unless --accept-blocks; the JSON names it with both rule ids.
+#[tokio::test]
+async fn drafts_edge_impact_exit_status_blocks() {
+    use chrono::{DurationRound, TimeDelta, Utc};
+    use innerwall_control_plane::flows;
+    use innerwall_control_plane::policy::store;
+    use innerwall_wire::flows::FlowWindow;
+    use innerwall_wire::policy::Mode;
+    use innerwall_wire::proto;
+
+    const HOUR: i64 = 3_600_000;
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    let web = register(pool, "web-1", &["app=web"]).await;
+    add_web_port(pool, 1).await.unwrap();
+    let policy = store::persisted_policy(&mut pool.acquire().await.unwrap(), web).await.unwrap().unwrap().0;
+    let rule = policy.rules().next().unwrap().id().to_string();
+    // The agent applied this version and recorded an allowed flow under it an hour ago.
+    let h0 =
+        (Utc::now().duration_trunc(TimeDelta::hours(1)).unwrap() - TimeDelta::hours(1)).timestamp_millis();
+    let installed_at = chrono::DateTime::from_timestamp_millis(h0 - HOUR).unwrap();
+    innerwall_control_plane::testing::installed(
+        pool,
+        web,
+        &[(policy.version(), Mode::Simulation, installed_at)],
+    )
+    .await
+    .unwrap();
+    sqlx::query("UPDATE workloads SET applied_version = $2 WHERE id = $1")
+        .bind(web.uuid())
+        .bind(policy.version() as i64)
+        .execute(pool)
+        .await
+        .unwrap();
+    let record = proto::FlowRecord {
+        src_address: "192.0.2.10".into(),
+        dst_address: "10.9.0.1".into(),
+        dst_port: 8001,
+        protocol: proto::Protocol::Tcp.into(),
+        decision: proto::FlowDecision::Allowed.into(),
+        matched_rule_id: rule.clone(),
+        packets: 3,
+        bytes: 180,
+        new_connections: 3,
+        first_seen_unix_ms: h0 + 1_000,
+        last_seen_unix_ms: h0 + 2_000,
+    };
+    let window = proto::FlowWindow {
+        window_id: uuid::Uuid::new_v4().to_string(),
+        start_unix_ms: h0,
+        end_unix_ms: h0 + HOUR,
+        policy_version: policy.version(),
+        mode: 2,
+        records: vec![record],
+        gaps: vec![],
+    };
+    flows::ingest(pool, web, &FlowWindow::try_from(&window).unwrap()).await.unwrap();
+
+    // The draft deletes the ruleset that admits it.
+    let local = ["--database-url", db.url.as_str()];
+    json_of(&local, &["draft", "create", "tighten"], None);
+    let file = "changes:\n  - delete_ruleset: {name: rs-1}\n";
+    json_of(&local, &["draft", "add", "tighten", "-f", "-"], Some(file));
+    let impact = ["draft", "impact", "tighten", "--since", "3h", "--min-coverage", "0"];
+    let (code, out, err) = innerwall(&[&local[..], &impact[..]].concat(), None);
+    assert_eq!(code, Some(1), "{out}\n{err}");
+    assert!(
+        err.contains("1 recorded flow key(s) would become newly blocked") && err.contains("--accept-blocks"),
+        "{err}"
+    );
+    assert!(out.contains("newly blocked 1 (3 conns)") && out.contains(&rule), "{out}");
+    let answer = json_of(&local, &[&impact[..], &["--accept-blocks"][..]].concat(), None);
+    let replayed = &answer["impact"]["workloads"][0];
+    assert_eq!(replayed["id"], web.to_string(), "{answer}");
+    assert_eq!(replayed["newly_blocked"], 1, "{answer}");
+    assert_eq!(replayed["top_blocked"][0]["from_rule"], rule, "{answer}");
+    assert_eq!(replayed["top_blocked"][0]["to_rule"], Value::Null, "{answer}");
+}
