@@ -11,7 +11,7 @@
 //! - [`openapi`]: the OpenAPI 3.1 document generated from the handlers, served at
 //!   `/api/v1/openapi.json` and checked in as `control-plane/openapi.json`.
 //! - one module per resource group — [`workloads`], [`catalog`] (services, address groups,
-//!   rulesets), [`estate`] (estate ranges), [`render`], [`tokens`] (provisioning tokens),
+//!   rulesets), [`drafts`] (stored drafts of changes), [`estate`] (estate ranges), [`render`], [`tokens`] (provisioning tokens),
 //!   [`flows`], [`gate`] (verdict, promotions), [`operators`] (the API's own tokens, for
 //!   admins), [`audit`] (the audit log read back) —
 //!   whose handlers call the same library functions the CLI does and answer with the structs its
@@ -25,6 +25,7 @@
 pub mod audit;
 pub mod auth;
 pub mod catalog;
+pub mod drafts;
 pub mod edge;
 pub mod estate;
 pub mod extract;
@@ -251,6 +252,11 @@ pub fn parse_parameters(query: &str, value: &str) -> usize {
         count(query_of::<workloads::ListQuery>(&uri).is_ok());
         count(query_of::<workloads::StatusQuery>(&uri).is_ok());
         count(query_of::<PageQuery>(&uri).and_then(|q| page_request(q.limit, q.cursor, 100)).is_ok());
+        count(
+            query_of::<drafts::ImpactQuery>(&uri)
+                .and_then(|q| impact::replay_range(q.since.as_deref()))
+                .is_ok(),
+        );
     }
     for name in ["id", "name", "address", "prefix"] {
         count(extract::check_path_param(name, value).is_ok());

@@ -17,7 +17,7 @@ use utoipa::openapi::{Components, OpenApi, Ref, RefOr};
 use super::Route;
 use super::problem::{PROBLEM_JSON, Problem, ProblemType};
 use super::{
-    audit, catalog, estate, flows, gate, impact, operators, policy_tests, render, tokens, workloads,
+    audit, catalog, drafts, estate, flows, gate, impact, operators, policy_tests, render, tokens, workloads,
 };
 use crate::identity::operators::Role;
 
@@ -52,6 +52,8 @@ pub const CHECKED_IN: &str = "openapi.json";
         catalog::show_ruleset, catalog::update_ruleset, catalog::delete_ruleset,
         policy_tests::list, policy_tests::create, policy_tests::show, policy_tests::update,
         policy_tests::delete, policy_tests::run,
+        drafts::list, drafts::create, drafts::show, drafts::discard, drafts::add, drafts::render,
+        drafts::impact, drafts::tests, drafts::commit,
         estate::list, estate::add, estate::remove, render::render,
         tokens::list, tokens::mint, tokens::revoke,
         flows::list_records, flows::gaps, flows::rollup,
@@ -63,6 +65,7 @@ pub const CHECKED_IN: &str = "openapi.json";
         (name = "workloads", description = "Enrolled hosts: labels, convergence, rendered policy, lifecycle"),
         (name = "catalog", description = "The authored model: services, address groups, rulesets"),
         (name = "policy-tests", description = "Policy tests: named assertions every operator commit must pass"),
+        (name = "drafts", description = "Drafts: stored sets of changes, rendered, replayed and tested before one checked commit"),
         (name = "estate-ranges", description = "The address ranges whose reported workload addresses may become peers"),
         (name = "render", description = "Render every workload on request"),
         (name = "provisioning-tokens", description = "Tokens hosts enroll with"),

@@ -15,8 +15,8 @@ use axum::routing::MethodFilter;
 use super::extract::BodyLimit;
 use super::problem::ApiError;
 use super::{
-    ApiLimits, ApiState, Route, audit, auth, catalog, estate, flows, gate, impact, openapi, operators,
-    policy_tests, render, tokens, workloads,
+    ApiLimits, ApiState, Route, audit, auth, catalog, drafts, estate, flows, gate, impact, openapi,
+    operators, policy_tests, render, tokens, workloads,
 };
 use crate::identity::operators::Role;
 
@@ -98,6 +98,17 @@ pub fn build(state: ApiState) -> (Router, Vec<Route>) {
         .mount("PUT", "/api/v1/policy-test-sets/{name}", Some(Editor), policy_tests::update)
         .mount("DELETE", "/api/v1/policy-test-sets/{name}", Some(Editor), policy_tests::delete)
         .mount("POST", "/api/v1/policy-tests/run", Some(Viewer), policy_tests::run)
+        // Render, impact and tests write nothing but render the whole estate: viewers may ask,
+        // within the expensive-operation bounds.
+        .mount("GET", "/api/v1/drafts", Some(Viewer), drafts::list)
+        .mount("POST", "/api/v1/drafts", Some(Editor), drafts::create)
+        .mount("GET", "/api/v1/drafts/{name}", Some(Viewer), drafts::show)
+        .mount("DELETE", "/api/v1/drafts/{name}", Some(Editor), drafts::discard)
+        .mount("POST", "/api/v1/drafts/{name}/changes", Some(Editor), drafts::add)
+        .mount("GET", "/api/v1/drafts/{name}/render", Some(Viewer), drafts::render)
+        .mount("POST", "/api/v1/drafts/{name}/impact", Some(Viewer), drafts::impact)
+        .mount("POST", "/api/v1/drafts/{name}/tests", Some(Viewer), drafts::tests)
+        .mount("POST", "/api/v1/drafts/{name}/commit", Some(Editor), drafts::commit)
         // Estate ranges decide which reported addresses enter other hosts' allow sets: a trust
         // decision like retire and deny, so changing them is for admins.
         .mount("GET", "/api/v1/estate-ranges", Some(Viewer), estate::list)

@@ -52,6 +52,18 @@ pub struct ChangeFile {
     pub changes: Vec<ChangeSpec>,
 }
 
+/// A change file's text (YAML or JSON) read from `origin`: at most [`MAX_CHANGE_FILE`] bytes,
+/// parsed by [`crate::policy::file::parse`] (no anchors or aliases, bounded nodes). Each change
+/// is checked when it is added.
+pub fn parse_change_file(origin: &str, text: &str) -> Result<ChangeFile, Error> {
+    if text.len() as u64 > MAX_CHANGE_FILE {
+        return Err(Error::Invalid(format!(
+            "{origin} is larger than the {MAX_CHANGE_FILE} bytes a change file may have"
+        )));
+    }
+    crate::policy::file::parse(origin, text)
+}
+
 /// One authored change, as an operator writes it: a map with exactly one key (`- ruleset: {…}`,
 /// `- delete_service: {name: …}`, `- labels: {…}`, `- mode: {…}`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]

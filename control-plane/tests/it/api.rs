@@ -834,6 +834,15 @@ const EXPECTED_ROUTES: &[(&str, &str, Option<&str>)] = &[
     ("DELETE", "/api/v1/address-groups/{name}", Some("editor")),
     ("GET", "/api/v1/address-groups/{name}", Some("viewer")),
     ("PUT", "/api/v1/address-groups/{name}", Some("editor")),
+    ("GET", "/api/v1/drafts", Some("viewer")),
+    ("POST", "/api/v1/drafts", Some("editor")),
+    ("DELETE", "/api/v1/drafts/{name}", Some("editor")),
+    ("GET", "/api/v1/drafts/{name}", Some("viewer")),
+    ("POST", "/api/v1/drafts/{name}/changes", Some("editor")),
+    ("POST", "/api/v1/drafts/{name}/commit", Some("editor")),
+    ("POST", "/api/v1/drafts/{name}/impact", Some("viewer")),
+    ("GET", "/api/v1/drafts/{name}/render", Some("viewer")),
+    ("POST", "/api/v1/drafts/{name}/tests", Some("viewer")),
     ("GET", "/api/v1/estate-ranges", Some("viewer")),
     ("POST", "/api/v1/estate-ranges", Some("admin")),
     ("DELETE", "/api/v1/estate-ranges/{address}/{prefix}", Some("admin")),
@@ -887,7 +896,9 @@ const EXPECTED_ROUTES: &[(&str, &str, Option<&str>)] = &[
 
 #[tokio::test]
 async fn openapi_covers_mounted_routes() {
-    let plane = Plane::start(ApiLimits::default()).await;
+    // Every route is called without a token below: more than a minute's worth of the default
+    // bound on unauthenticated requests from one address.
+    let plane = Plane::start(ApiLimits { unauthenticated_per_minute: 600, ..ApiLimits::default() }).await;
     let (_, routes) = router::build(ApiState::new(plane.pool().clone(), ApiLimits::default()));
     let doc = openapi::document(&routes);
 
@@ -1595,6 +1606,7 @@ async fn parameters_never_panic() {
                 json!({"name": "rs", "description": "", "scope": {"app": ["web"]}, "rules": []})
             }
             ("POST", "/api/v1/policy-test-sets") => json!({"name": "ts2", "description": "", "tests": []}),
+            ("POST", "/api/v1/drafts") => json!({"name": "d2", "note": ""}),
             ("PUT", "/api/v1/policy-test-sets/{name}") => {
                 json!({"name": "ts", "description": "", "tests": []})
             }
@@ -1607,7 +1619,7 @@ async fn parameters_never_panic() {
         })
     };
     let before = written(plane.pool()).await;
-    let free_text = ["description", "reason", "override_reason", "name"];
+    let free_text = ["description", "reason", "override_reason", "name", "note"];
     let mut bodies = 0;
     for route in &routes {
         let op = &doc["paths"][route.path][route.method.to_lowercase()];

@@ -6,6 +6,7 @@ mod api;
 mod bounds;
 mod cli;
 mod drafts;
+mod drafts_edge;
 mod enrollment;
 mod files;
 mod flows;

@@ -24,6 +24,7 @@ mod api;
 mod audit;
 mod ca;
 mod ctx;
+mod drafts;
 mod duration;
 mod estate;
 mod flows;
@@ -33,6 +34,7 @@ mod output;
 mod pages;
 mod policy;
 mod promotions;
+mod replay;
 mod serve;
 mod tokens;
 mod workloads;
@@ -152,6 +154,10 @@ enum Command {
             .mut_subcommand("show", |c| c.about("Print in the file format (YAML; `--json` for JSON)"))),
     )]
     Policy(policy::PolicyCmd),
+    /// Drafts: named sets of changes, rendered and replayed against recorded flows before one
+    /// checked commit.
+    #[command(subcommand)]
+    Draft(drafts::DraftCmd),
     /// The estate's workload address ranges: only addresses in them are rendered as peers.
     #[command(subcommand, name = "estate-range")]
     EstateRange(estate::EstateRangeCmd),
@@ -239,6 +245,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::AddressGroup(cmd) => policy::catalog(&connect().await?, &cmd).await?,
         Command::Ruleset(cmd) => policy::ruleset(&connect().await?, &cmd).await?,
         Command::Policy(cmd) => policy::policy(&connect().await?, &cmd).await?,
+        Command::Draft(cmd) => drafts::run(&connect().await?, &cmd).await?,
         Command::EstateRange(cmd) => estate::run(&connect().await?, &cmd).await?,
         Command::Workload(cmd) => workloads::run(&connect().await?, &cmd).await?,
         Command::Flows(cmd) => flows::run(&connect().await?, &cmd).await?,
@@ -299,6 +306,7 @@ async fn remote(api: &str, cli: &Cli) -> anyhow::Result<()> {
         Command::AddressGroup(cmd) => policy::catalog_remote(&client, cli.json, cmd).await,
         Command::Ruleset(cmd) => policy::ruleset_remote(&client, cli.json, cmd).await,
         Command::Policy(cmd) => policy::policy_remote(&client, cli.json, cmd).await,
+        Command::Draft(cmd) => drafts::run_remote(&client, cli.json, cmd).await,
         Command::Token(cmd) => {
             let ca_dir = cli.ca_dir.clone().unwrap_or_else(|| cli.state_dir.join("ca"));
             tokens::run_remote(&client, cli.json, &ca_dir, cmd).await

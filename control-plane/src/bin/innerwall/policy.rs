@@ -8,8 +8,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
+use innerwall_control_plane::counts::CountBounds;
 use innerwall_control_plane::error::Error;
-use innerwall_control_plane::foresight::{self, policy_tests};
+use innerwall_control_plane::foresight::{self, drafts, policy_tests};
 use innerwall_control_plane::page::{Page, PageRequest};
 use innerwall_control_plane::policy::authoring;
 use innerwall_control_plane::policy::model::ServiceEntry;
@@ -466,11 +467,15 @@ pub enum PolicyCmd {
     /// Named sets of policy tests (YAML or JSON files); each change is itself a checked commit.
     #[command(subcommand, name = "test-set")]
     TestSet(ObjectCmd<TestSetFile>),
-    /// Run every policy test on the estate as rendered now (writes nothing); exits 1 if any fails.
+    /// Run every policy test on the estate as rendered now, or as a draft would render it
+    /// (writes nothing); exits 1 if any fails.
     Test {
         /// JUnit XML on stdout (one testsuite per set, one testcase per test).
         #[arg(long, conflicts_with = "json")]
         junit: bool,
+        /// Judge the estate as this draft would render it (`innerwall draft`).
+        #[arg(long, value_name = "NAME")]
+        draft: Option<String>,
     },
 }
 
@@ -499,7 +504,13 @@ fn read_test_set_file(path: &Path) -> anyhow::Result<foresight::TestSetSpec> {
 pub async fn policy(ctx: &Ctx, cmd: &PolicyCmd) -> anyhow::Result<()> {
     let (json, pool, actor) = (ctx.json, &ctx.pool, ctx.actor.as_str());
     match cmd {
-        PolicyCmd::Test { junit } => print_run(json, *junit, &foresight::run_policy_tests(pool).await?),
+        PolicyCmd::Test { junit, draft } => {
+            let report = match draft {
+                Some(name) => drafts::run_tests(pool, actor, name, &CountBounds::default()).await?,
+                None => foresight::run_policy_tests(pool).await?,
+            };
+            print_run(json, *junit, &report)
+        }
         PolicyCmd::TestSet(cmd) => match cmd {
             ObjectCmd::Create(TestSetFile { file }) => {
                 let spec = read_test_set_file(file)?;
@@ -536,9 +547,12 @@ pub async fn policy(ctx: &Ctx, cmd: &PolicyCmd) -> anyhow::Result<()> {
 pub async fn policy_remote(api: &ApiClient, json: bool, cmd: &PolicyCmd) -> anyhow::Result<()> {
     const PATH: &str = "/api/v1/policy-test-sets";
     match cmd {
-        PolicyCmd::Test { junit } => {
-            let report: foresight::RunReport =
-                api.write("POST", "/api/v1/policy-tests/run", None, None).await?;
+        PolicyCmd::Test { junit, draft } => {
+            let path = match draft {
+                Some(name) => format!("/api/v1/drafts/{}/tests", segment(name)),
+                None => "/api/v1/policy-tests/run".to_owned(),
+            };
+            let report: foresight::RunReport = api.write("POST", &path, None, None).await?;
             print_run(json, *junit, &report)
         }
         PolicyCmd::TestSet(cmd) => match cmd {
