@@ -22,7 +22,6 @@ use super::impact::{DEFAULT_TOP, replay_range};
 use super::problem::{ApiError, Problem};
 use super::workloads::created;
 use super::{ApiState, Changed, Nothing};
-use crate::error::Error;
 use crate::foresight::drafts::{self, ChangeFile, DraftCommitted, DraftRender, DraftSummary, DraftView};
 use crate::foresight::{Impact, RunReport};
 use crate::policy::authoring::{self, Expensive};
@@ -57,10 +56,8 @@ pub struct DraftImpact {
 
 /// Takes one expensive operation (a whole-estate render) for the caller, or refuses (429).
 async fn charge(state: &ApiState, caller: &Caller) -> Result<(), ApiError> {
-    let mut tx = state.pool.begin().await.map_err(Error::from)?;
-    authoring::take_expensive(&mut tx, Expensive::Render, &caller.actor(), &state.limits.expensive).await?;
-    tx.commit().await.map_err(Error::from)?;
-    Ok(())
+    Ok(authoring::charge_expensive(&state.pool, Expensive::Render, &caller.actor(), &state.limits.expensive)
+        .await?)
 }
 
 #[utoipa::path(get, path = "/api/v1/drafts", tag = "drafts",

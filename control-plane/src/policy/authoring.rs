@@ -194,6 +194,21 @@ pub async fn take_expensive(
     Ok(())
 }
 
+/// [`take_expensive`] in its own transaction, for an operation that reads (a draft's render,
+/// impact or test run renders the whole estate in a transaction it rolls back): the charge stands
+/// whether the operation then succeeds or not, as a request does.
+pub async fn charge_expensive(
+    pool: &PgPool,
+    operation: Expensive,
+    actor: &str,
+    bounds: &ExpensiveBounds,
+) -> Result<(), Error> {
+    let mut tx = pool.begin().await?;
+    take_expensive(&mut tx, operation, actor, bounds).await?;
+    tx.commit().await?;
+    Ok(())
+}
+
 /// The audit record of an expensive operation: its own row when it moved policy versions,
 /// otherwise counted on the row of its repeats within `bounds.coalesce` (so a script that
 /// renders in a loop adds one row, with a count).
