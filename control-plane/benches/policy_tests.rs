@@ -1,16 +1,20 @@
 //! PERF-9 (part): the per-commit evaluation of 200 policy tests (100 allow, 50 deny, 50
 //! only_from) over a rendered estate of 10,000 workloads / 1,000 rulesets / 5,000 rules (goal:
 //! adds < 100 ms to a commit). The evaluation is pure over the commit's `Rendering`; the test
-//! sets' read is one small query beside it. Run with `cargo xtask bench policy-tests`
-//! (`INNERWALL_BENCH_QUICK`: a quarter of the estate, one round).
+//! sets' read is one small query beside it. Also printed: the pure part an `observed` test adds
+//! (choosing the workloads its replay proposes and judging the replay's result); the replay of
+//! recorded flows itself is `foresight::impact`, measured by `cargo xtask bench impact`, and
+//! runs only for workloads whose rendered policy differs from the applied one. Run with
+//! `cargo xtask bench policy-tests` (`INNERWALL_BENCH_QUICK`: a quarter of the estate, one round).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Instant;
 
 use innerwall_control_plane::foresight::policy_tests::{
-    FlowSpec, OnlyFromSpec, TestSetSpec, TestSpec, evaluate,
+    FlowSpec, Observations, ObservedSpec, OnlyFromSpec, TestSetSpec, TestSpec, evaluate, replays,
 };
+use innerwall_control_plane::foresight::{Impact, Range};
 use innerwall_control_plane::policy::model::{
     AuthoredModel, Peer, RegisteredWorkload, Rule, Ruleset, Selector, Service, ServiceEntry,
 };
@@ -140,13 +144,47 @@ fn main() {
     let mut failed = 0;
     for _ in 0..rounds {
         let start = Instant::now();
-        let report = evaluate(&sets, &rendering);
+        let report = evaluate(&sets, &rendering, &Observations::new());
         best = best.min(start.elapsed().as_secs_f64() * 1000.0);
         failed = report.results.iter().filter(|r| !r.passed).count();
     }
+    // One observed test beside them: its replay planned, then everything judged with the
+    // replay's result (an impact listing its workloads, none of them newly blocked).
+    let mut with_observed = sets.clone();
+    with_observed[0].tests[0] = TestSpec {
+        observed: Some(ObservedSpec { to: app(0), since: None }),
+        allow: None,
+        ..with_observed[0].tests[0].clone()
+    };
+    let mut observed_best = f64::MAX;
+    let mut proposed = 0;
+    for _ in 0..rounds {
+        let start = Instant::now();
+        let planned = replays(&with_observed, &rendering);
+        proposed = planned.iter().map(|p| p.proposed.len()).sum();
+        let observations: Observations = planned.iter().map(|p| (p.since, impact_of(p.since))).collect();
+        let report = evaluate(&with_observed, &rendering, &observations);
+        observed_best = observed_best.min(start.elapsed().as_secs_f64() * 1000.0);
+        assert!(report.results[0].passed, "{:?}", report.results[0]);
+    }
+    let observed_extra = observed_best - best;
     println!("{:>10} {:>9} {:>6} {:>7} {:>12}", "workloads", "rulesets", "tests", "failing", "evaluate ms");
     println!("{workloads:>10} {rulesets:>9} {count:>6} {failed:>7} {best:>12.1}");
     println!(
         "FIGURE {{\"id\":\"PERF-9\",\"name\":\"200 policy tests over 10,000 workloads per commit\",\"value\":{best:.3},\"unit\":\"ms\",\"goal\":{{\"op\":\"<\",\"bound\":100}},\"context\":{{\"workloads\":{workloads},\"tests\":{count},\"failing\":{failed}}}}}"
     );
+    println!(
+        "with one observed test instead of an allow test ({proposed} workloads proposed): {observed_best:.1} ms \
+         ({observed_extra:+.1} ms; its replay of recorded flows is `cargo xtask bench impact`)"
+    );
+    println!(
+        "FIGURE {{\"id\":\"PERF-9\",\"name\":\"one observed policy test, pure part (planning and judging its replay)\",\"value\":{observed_best:.3},\"unit\":\"ms\",\"context\":{{\"workloads\":{workloads},\"tests\":{count},\"proposed\":{proposed},\"versus_structural_ms\":{best:.3}}}}}"
+    );
+}
+
+/// What a replay of `since` returns when nothing it replays becomes blocked.
+fn impact_of(since: std::time::Duration) -> Impact {
+    let to = chrono::Utc::now();
+    let from = to - chrono::Duration::from_std(since).unwrap();
+    Impact { range: Range { from, to }, top: 10, workloads: Vec::new(), keys: 0 }
 }

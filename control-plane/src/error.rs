@@ -127,7 +127,7 @@ pub struct PolicyTestFailure {
     pub set: String,
     /// The test's name within its set.
     pub test: String,
-    /// `allow`, `deny` or `only_from`.
+    /// `allow`, `deny`, `only_from` or `observed`.
     pub assertion: String,
     /// Why it fails: the first failing pair and the nearest rule with why it did not match.
     pub reason: String,

@@ -8,7 +8,10 @@ use sqlx::{PgConnection, PgPool, Row};
 use uuid::Uuid;
 
 use crate::error::Error;
-use crate::foresight::policy_tests::{self, MAX_TEST_SETS, RunReport, TestSetSpec};
+use crate::foresight::impact::{self, Range};
+use crate::foresight::policy_tests::{
+    self, MAX_OBSERVED_TESTS, MAX_PAIRS, MAX_TEST_SETS, Observations, Replay, RunReport, TestSetSpec,
+};
 use crate::policy::authoring::{self, Committed};
 use crate::policy::publish::{Overflow, Rendering, publish_rendering};
 
@@ -33,13 +36,61 @@ async fn check(conn: &mut PgConnection, rendering: &Rendering) -> Result<(), Err
 }
 
 /// Every stored test judged over `rendering`, inside the caller's transaction (a commit's check,
-/// an on-demand run, a draft's run).
+/// an on-demand run, a draft's run): the `observed` tests' recorded flows are replayed here
+/// (`foresight::impact`, one replay per distinct range, ending now), then every test is judged
+/// by the pure `policy_tests::evaluate`. A replay that cannot be made (over
+/// `foresight::impact::MAX_KEYS` flow keys, over its workload bound) is an invalid change
+/// naming the tests, and more than [`MAX_OBSERVED_TESTS`] `observed` tests across the sets is
+/// over its bound: either way the commit writes nothing.
 pub(crate) async fn judge(conn: &mut PgConnection, rendering: &Rendering) -> Result<RunReport, Error> {
     let sets = load_sets(conn).await?;
+    judge_sets(conn, &sets, rendering).await
+}
+
+/// [`judge`] of the sets given rather than the stored ones (checked by
+/// `policy_tests::check_set`), inside the caller's transaction.
+pub async fn judge_sets(
+    conn: &mut PgConnection,
+    sets: &[TestSetSpec],
+    rendering: &Rendering,
+) -> Result<RunReport, Error> {
     if sets.is_empty() {
         return Ok(RunReport { results: Vec::new() });
     }
-    Ok(policy_tests::evaluate(&sets, rendering))
+    // Checked here, under the render lock every commit takes, so concurrent set changes cannot
+    // both pass it.
+    let observed: usize = sets.iter().map(policy_tests::observed_count).sum();
+    if observed > MAX_OBSERVED_TESTS {
+        return Err(Error::OverBound {
+            what: "observed policy tests across all test sets",
+            limit: MAX_OBSERVED_TESTS as u64,
+            bound: "foresight::policy_tests::MAX_OBSERVED_TESTS",
+            remedy: "merge observed tests (one test may select many workloads) or delete some",
+        });
+    }
+    let mut observations = Observations::new();
+    let now = chrono::Utc::now();
+    for replay in policy_tests::replays(sets, rendering) {
+        let observed = async {
+            let range = Range::ending_at(now, replay.since)?;
+            impact::impact(conn, &replay.proposed, range, MAX_PAIRS).await
+        };
+        let impact = observed.await.map_err(|e| unjudgeable(&replay, e))?;
+        observations.insert(replay.since, impact);
+    }
+    Ok(policy_tests::evaluate(sets, rendering, &observations))
+}
+
+/// An impact refusal as the refusal of the change that asked for it (other errors unchanged).
+fn unjudgeable(replay: &Replay, e: Error) -> Error {
+    match e {
+        Error::Invalid(why) => Error::Invalid(format!(
+            "observed policy test(s) {} (since {}) cannot be judged: {why}; shorten their since or narrow their to",
+            replay.tests.join(", "),
+            humantime::format_duration(replay.since)
+        )),
+        other => other,
+    }
 }
 
 async fn load_sets(conn: &mut PgConnection) -> Result<Vec<TestSetSpec>, Error> {

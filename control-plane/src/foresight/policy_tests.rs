@@ -9,7 +9,19 @@
 //! - `deny: {…same shape…}` — none of them is.
 //! - `only_from: {to, service, sources: [peer…]}` — every source the destinations' rendered rules
 //!   admit on that service lies inside one of the listed sources (the complete list).
-//! - `observed` is parsed but refused: it needs the impact engine, not in this build.
+//! - `observed: {to, since}` — no recorded flow towards a workload `to` selects that its agent's
+//!   applied policy admitted within `since` (default 7d; humantime, as the CLI's `--since`; at
+//!   most the 90 days a replay may look back) is dropped by the rendered policy: the flows are
+//!   replayed by `foresight::impact` (read in `foresight::commit::judge`, the only I/O), and the
+//!   result judged here. Its failure names the heaviest newly blocked flow (peer, labels then and
+//!   now, port, connections, the rule that admitted it at the applied version and why the rendered
+//!   policy drops it), lists the heaviest flows as its pairs and counts every newly blocked key.
+//!
+//! The cost of `observed` tests is bounded: all sets together hold at most
+//! [`MAX_OBSERVED_TESTS`], their ranges are replayed once per distinct `since` (over the union of
+//! their workloads), and only workloads whose rendered policy differs from the applied one read
+//! flows at all; a replay over `foresight::impact::MAX_KEYS` flow keys refuses the commit as an
+//! invalid change naming the tests (shorten their `since` or narrow their `to`), writing nothing.
 //!
 //! Admission is judged by `innerwall_wire::flows::decide` itself (the evaluator the agent's
 //! records are judged by), on the destination's rendered policy judged as enforcement (a
@@ -35,6 +47,7 @@
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::time::Duration;
 
 use innerwall_wire::flows::{Decision, decide};
 use innerwall_wire::identity::WorkloadId;
@@ -42,8 +55,10 @@ use innerwall_wire::labels::{LabelKey, LabelValue};
 use innerwall_wire::policy::{Cidr, Mode, PortRange, Protocol, WorkloadPolicy};
 use serde::{Deserialize, Serialize};
 
+use super::impact::{Impact, WorkloadImpact};
+use super::replay::ReplayRow;
 use crate::error::{Error, PolicyTestFailure};
-use crate::policy::model::{Peer, RegisteredWorkload, Selector, Service, validate_name};
+use crate::policy::model::{Peer, RegisteredWorkload, Rule, Selector, Service, validate_name};
 use crate::policy::publish::Rendering;
 use crate::policy::spec::PeerSpec;
 
@@ -59,6 +74,12 @@ pub const MAX_PAIRS: usize = 10;
 pub const MAX_TEST_SET_FILE: u64 = 256 * 1024;
 /// Most bytes of a description.
 pub const MAX_DESCRIPTION: usize = 1_024;
+/// Most `observed` tests all sets together may hold (each commit replays their recorded flows).
+pub const MAX_OBSERVED_TESTS: usize = 16;
+/// The range an `observed` test replays when it names none.
+pub const DEFAULT_SINCE: Duration = Duration::from_secs(7 * 86_400);
+/// The longest range an `observed` test may replay (as `foresight::impact::Range` allows).
+pub const MAX_SINCE: Duration = Duration::from_secs(90 * 86_400);
 const MAX_SELECTOR_KEYS: usize = 16;
 const MAX_SELECTOR_VALUES: usize = 64;
 
@@ -85,7 +106,6 @@ pub struct TestSpec {
     pub deny: Option<FlowSpec>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub only_from: Option<OnlyFromSpec>,
-    /// Parsed so that the refusal is precise; refused until the impact engine is wired into policy tests.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed: Option<ObservedSpec>,
     /// A selector that matches no workload passes instead of failing.
@@ -115,13 +135,35 @@ pub struct OnlyFromSpec {
     pub sources: Vec<PeerSpec>,
 }
 
-/// No recorded ALLOWED flow to `to` within `since` becomes blocked (needs the impact engine).
+/// No recorded flow to `to` that the applied policy admitted within `since` becomes blocked.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ObservedSpec {
     pub to: BTreeMap<String, Vec<String>>,
+    /// How far back the recorded flows are replayed, as the CLI's `--since` reads it (`7d`,
+    /// `12h`, `1h30m`); 7d when absent, at most 90 days.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub since: Option<String>,
+}
+
+impl ObservedSpec {
+    /// The range's length: `since` read by humantime, [`DEFAULT_SINCE`] when absent, longer
+    /// than zero and at most [`MAX_SINCE`].
+    pub fn since(&self) -> Result<Duration, Error> {
+        let Some(text) = &self.since else { return Ok(DEFAULT_SINCE) };
+        let since = humantime::parse_duration(text)
+            .map_err(|e| Error::Invalid(format!("since {text:?}: {e}; write e.g. 7d, 12h or 90m")))?;
+        if since.is_zero() {
+            return Err(Error::Invalid(format!("since {text:?} is an empty range; write e.g. 7d")));
+        }
+        if since > MAX_SINCE {
+            return Err(Error::Invalid(format!(
+                "since {text:?} is longer than the {} days a replay may look back",
+                MAX_SINCE.as_secs() / 86_400
+            )));
+        }
+        Ok(since)
+    }
 }
 
 /// One test's result.
@@ -245,7 +287,8 @@ fn cidr(what: &str, text: &str) -> Result<Cidr, Error> {
 }
 
 /// Everything about a set that needs no database: names, sizes, text, exactly one assertion
-/// per test, selectors and CIDRs that parse, no `observed`.
+/// per test, selectors, CIDRs and ranges that parse, at most [`MAX_OBSERVED_TESTS`] `observed`
+/// tests (the bound across sets is checked when a set is stored).
 pub fn check_set(spec: &TestSetSpec) -> Result<(), Error> {
     validate_name("policy test set", &spec.name)?;
     let what = format!("policy test set {:?}", spec.name);
@@ -266,10 +309,9 @@ pub fn check_set(spec: &TestSetSpec) -> Result<(), Error> {
                 "{what}: needs exactly one of allow, deny, only_from or observed"
             )));
         }
-        if test.observed.is_some() {
-            return Err(Error::Invalid(format!(
-                "{what}: observed tests are not judged yet: the impact engine is not wired into policy tests in this build; check recorded flows with `innerwall workload replay` and write an allow test instead"
-            )));
+        if let Some(observed) = &test.observed {
+            selector(&format!("{what}: to"), &observed.to)?;
+            observed.since().map_err(|e| Error::Invalid(format!("{what}: {e}")))?;
         }
         for flow in [&test.allow, &test.deny].into_iter().flatten() {
             match (&flow.from, &flow.from_cidr) {
@@ -295,18 +337,69 @@ pub fn check_set(spec: &TestSetSpec) -> Result<(), Error> {
             }
         }
     }
+    at_most(&format!("{what}: observed tests"), observed_count(spec), MAX_OBSERVED_TESTS)?;
     Ok(())
+}
+
+/// How many `observed` tests `spec` holds.
+pub fn observed_count(spec: &TestSetSpec) -> usize {
+    spec.tests.iter().filter(|t| t.observed.is_some()).count()
 }
 
 // ---- evaluation ---------------------------------------------------------------------------
 
-/// Evaluates every test of every set (checked by [`check_set`]) over `rendering`.
-pub fn evaluate(sets: &[TestSetSpec], rendering: &Rendering) -> RunReport {
+/// One replay of recorded flows the `observed` tests need: the range's length, the tests it
+/// judges (`set/test`), and the rendered policy of every workload their `to` selectors select.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Replay {
+    pub since: Duration,
+    pub tests: Vec<String>,
+    pub proposed: BTreeMap<WorkloadId, WorkloadPolicy>,
+}
+
+/// The impacts of the [`Replay`]s, by range length: what [`evaluate`] judges `observed` tests by.
+pub type Observations = BTreeMap<Duration, Impact>;
+
+/// The replays the `observed` tests of `sets` (checked by [`check_set`]) need over
+/// `rendering`: one per distinct `since`, over the union of its tests' workloads (none without
+/// `observed` tests).
+pub fn replays(sets: &[TestSetSpec], rendering: &Rendering) -> Vec<Replay> {
+    let observed: Vec<(&TestSetSpec, &TestSpec, &ObservedSpec)> = sets
+        .iter()
+        .flat_map(|set| set.tests.iter().filter_map(move |t| t.observed.as_ref().map(|o| (set, t, o))))
+        .collect();
+    if observed.is_empty() {
+        return Vec::new();
+    }
+    let estate = Estate::new(rendering);
+    let mut out: BTreeMap<Duration, Replay> = BTreeMap::new();
+    for (set, test, spec) in observed {
+        // A test whose range or selector is bad fails in `evaluate`; it needs no replay.
+        let (Ok(since), Ok(to)) = (spec.since(), sel_text(&spec.to)) else { continue };
+        let replay = out.entry(since).or_insert_with(|| Replay {
+            since,
+            tests: Vec::new(),
+            proposed: BTreeMap::new(),
+        });
+        replay.tests.push(format!("{}/{}", set.name, test.name));
+        for w in estate.select(&to) {
+            if let Some(policy) = rendering.rendered.get(&w.id) {
+                replay.proposed.entry(w.id).or_insert_with(|| policy.clone());
+            }
+        }
+    }
+    out.into_values().collect()
+}
+
+/// Evaluates every test of every set (checked by [`check_set`]) over `rendering`, in set then
+/// file order: the structural ones by `decide` on the rendered policies, the `observed` ones by
+/// `observations` (the impacts of [`replays`]; a test whose range was not replayed fails).
+pub fn evaluate(sets: &[TestSetSpec], rendering: &Rendering, observations: &Observations) -> RunReport {
     let estate = Estate::new(rendering);
     let mut results = Vec::new();
     for set in sets {
         for test in &set.tests {
-            let (assertion, outcome) = estate.run(test);
+            let (assertion, outcome) = estate.run(test, observations);
             let failure = outcome.err().map(|(reason, pairs, pair_count)| PolicyTestFailure {
                 set: set.name.clone(),
                 test: test.name.clone(),
@@ -385,6 +478,46 @@ fn term(key: &LabelKey, values: &BTreeSet<LabelValue>) -> String {
 
 fn terms(s: &Selector) -> String {
     s.matches().iter().map(|(k, v)| term(k, v)).collect::<Vec<_>>().join(",")
+}
+
+/// A rendered rule id's authored part (`<authored>/<protocol>`).
+fn authored(rule: &str) -> &str {
+    rule.rsplit_once('/').map_or(rule, |(a, _)| a)
+}
+
+/// Flow labels as stored (`{"app": "web"}`) in words (`app=web,tier=front`).
+fn labels_text(labels: &serde_json::Value) -> String {
+    match labels.as_object() {
+        Some(map) if !map.is_empty() => map
+            .iter()
+            .map(|(k, v)| format!("{k}={}", v.as_str().map_or_else(|| v.to_string(), str::to_owned)))
+            .collect::<Vec<_>>()
+            .join(","),
+        _ => "no labels".to_owned(),
+    }
+}
+
+/// A replayed flow's peer: the workload or address group ingest resolved it to and its
+/// address; `labels` adds a workload's labels then and now.
+fn peer_text(row: &ReplayRow, labels: bool) -> String {
+    match row.peer_kind {
+        1 if labels => {
+            let now = match (&row.labels_now, row.relabelled) {
+                (None, _) => ", no longer live".to_owned(),
+                (Some(now), true) => format!(", {} now", labels_text(now)),
+                (Some(_), false) => " then and now".to_owned(),
+            };
+            format!(
+                "workload {} ({}, labelled {}{now})",
+                row.peer_key,
+                row.src_address,
+                labels_text(&row.labels_then)
+            )
+        }
+        1 => format!("workload {} ({})", row.peer_key, row.src_address),
+        2 => format!("address group {} ({})", row.peer_key, row.src_address),
+        _ => row.src_address.clone(),
+    }
 }
 
 /// (is IPv4, first address, last address) as numbers.
@@ -489,15 +622,17 @@ impl<'a> Estate<'a> {
         self.rule_names.get(authored).cloned().unwrap_or_else(|| authored.to_owned())
     }
 
-    fn run(&self, test: &TestSpec) -> (&'static str, Result<(), Failed>) {
+    fn run(&self, test: &TestSpec, observations: &Observations) -> (&'static str, Result<(), Failed>) {
         let (kind, judged) = if let Some(flow) = &test.allow {
             ("allow", self.flow(test, flow, true))
         } else if let Some(flow) = &test.deny {
             ("deny", self.flow(test, flow, false))
         } else if let Some(only) = &test.only_from {
             ("only_from", self.only_from(test, only))
+        } else if let Some(observed) = &test.observed {
+            ("observed", self.observed(test, observed, observations))
         } else {
-            ("observed", Err(Err("observed tests are not judged yet: the impact engine is not wired into policy tests in this build; check recorded flows with `innerwall workload replay` and write an allow test instead".into())))
+            ("none", Err(Err("needs exactly one of allow, deny, only_from or observed".into())))
         };
         // A reason alone is a failure with no pairs.
         (kind, judged.map_err(|e| e.unwrap_or_else(|reason| (reason, Vec::new(), 0))))
@@ -689,8 +824,162 @@ impl<'a> Estate<'a> {
         pairs.result().map_err(Ok)
     }
 
+    /// `observed`: no flow towards the workloads `to` selects is newly blocked in the replay of
+    /// its range.
+    fn observed(
+        &self,
+        test: &TestSpec,
+        spec: &ObservedSpec,
+        observations: &Observations,
+    ) -> Result<(), Result<Failed, String>> {
+        let to = sel_text(&spec.to).map_err(Err)?;
+        let since = spec.since().map_err(|e| Err(e.to_string()))?;
+        let dsts = self.select(&to);
+        if dsts.is_empty() {
+            return if test.allow_empty {
+                Ok(())
+            } else {
+                Err(Err(format!("no workload matches to {}", terms(&to))))
+            };
+        }
+        let impact = observations.get(&since).ok_or_else(|| {
+            Err(format!(
+                "the recorded flows of the last {} were not replayed",
+                humantime::format_duration(since)
+            ))
+        })?;
+        let selected: BTreeMap<WorkloadId, &RegisteredWorkload> = dsts.iter().map(|w| (w.id, *w)).collect();
+        let mut count = 0u64;
+        let mut rows: Vec<(&WorkloadImpact, &ReplayRow)> = Vec::new();
+        for w in impact.workloads.iter().filter(|w| selected.contains_key(&w.id)) {
+            count += w.replayed.newly_blocked;
+            rows.extend(w.replayed.top_blocked.iter().map(|r| (w, r)));
+        }
+        if count == 0 {
+            return Ok(());
+        }
+        // The heaviest first, whichever workload it goes to (ties by workload, then as replayed).
+        rows.sort_by_key(|(w, r)| (std::cmp::Reverse(r.connections), w.id));
+        let pairs: Vec<String> = rows
+            .iter()
+            .take(MAX_PAIRS)
+            .map(|(w, r)| {
+                format!(
+                    "{} → {} {}:{} ({} connection(s))",
+                    peer_text(r, false),
+                    w.id,
+                    r.protocol,
+                    r.dst_port,
+                    r.connections
+                )
+            })
+            .collect();
+        let reason = match rows.first() {
+            Some((w, r)) => self.newly_blocked(selected[&w.id], w, r),
+            None => format!("{count} recorded flow(s) towards {} become blocked", terms(&to)),
+        };
+        Err(Ok((reason, pairs, count)))
+    }
+
+    /// The reason of an `observed` failure: the flow, the rule that admitted it at the applied
+    /// version and why the rendered policy drops it.
+    fn newly_blocked(&self, dst: &RegisteredWorkload, w: &WorkloadImpact, row: &ReplayRow) -> String {
+        let at = format!("{}:{}", row.protocol, row.dst_port);
+        let admitted = match (&row.from_rule, w.from_version) {
+            (_, 0) => "with nothing applied (which drops nothing)".to_owned(),
+            (Some(rule), v) => {
+                let name = self.rule_names.get(authored(rule)).unwrap_or(rule);
+                format!("at applied version {v} by rule {name}")
+            }
+            (None, v) => format!("at applied version {v}"),
+        };
+        let why = self.why_dropped(dst, row, &at);
+        format!(
+            "{} → {} {at}, {} connection(s) from {} to {}, admitted {admitted}, is newly blocked: {why}",
+            peer_text(row, true),
+            dst.id,
+            row.connections,
+            row.first_seen.format("%Y-%m-%d %H:%M"),
+            row.last_seen.format("%Y-%m-%d %H:%M"),
+        )
+    }
+
+    /// Why `dst`'s rendered policy no longer admits the flow of `row`: what changed about the
+    /// rule that admitted it (gone, disabled, its ruleset no longer scoping `dst`, no longer on
+    /// the port, a peer term the source fails), else the nearest rule serving the port.
+    fn why_dropped(&self, dst: &RegisteredWorkload, row: &ReplayRow, at: &str) -> String {
+        let source = match row.peer_kind {
+            1 => self.r.registry.iter().find(|w| w.id.to_string() == row.peer_key).map(Source::Workload),
+            _ => None,
+        };
+        let source = match (source, row.src_address.parse::<IpAddr>().ok().and_then(|a| Cidr::host(a).ok())) {
+            (Some(s), _) => s,
+            (None, Some(c)) => Source::Cidr(c),
+            (None, None) => {
+                return format!("no rule of its rendered policy admits {} on {at}", row.src_address);
+            }
+        };
+        let protocol: Option<Protocol> = row.protocol.parse().ok();
+        let serves = |rule: &Rule| {
+            rule.services.iter().filter_map(|id| self.r.model.services.get(id)).any(|s| {
+                s.entries.iter().any(|e| {
+                    Some(e.protocol) == protocol
+                        && (e.ports.is_empty() || e.ports.iter().any(|p| p.contains(row.dst_port)))
+                })
+            })
+        };
+        let nearest = || self.nearest_by(dst, &source, serves, at);
+        let Some(rule) = &row.from_rule else { return nearest() };
+        let found = self
+            .r
+            .model
+            .rulesets
+            .iter()
+            .find_map(|rs| rs.rules.iter().find(|r| r.id.to_string() == authored(rule)).map(|r| (rs, r)));
+        let Some((rs, rule)) = found else {
+            return format!("the rule is no longer in the model; {}", nearest());
+        };
+        let name = format!("{}/{}", rs.name, rule.name);
+        if !rs.enabled {
+            format!("ruleset {} is disabled", rs.name)
+        } else if !rule.enabled {
+            format!("rule {name} is disabled")
+        } else if !rs.scope.selects(&dst.labels) {
+            format!(
+                "ruleset {} no longer scopes workload {} (it selects {})",
+                rs.name,
+                dst.id,
+                terms(&rs.scope)
+            )
+        } else if !serves(rule) {
+            format!("rule {name} no longer serves {at}")
+        } else {
+            match rule.peers.iter().map(|p| self.peer_miss(p, &source)).min_by_key(|(n, _)| *n) {
+                Some((n, why)) if n > 0 => format!("rule {name} {why}"),
+                None => format!("rule {name} has no peers"),
+                Some(_) => nearest(),
+            }
+        }
+    }
+
     /// Why the nearest rule (module doc) does not admit `source` to `dst` on `service`.
     fn nearest(&self, dst: &RegisteredWorkload, source: &Source<'_>, service: &Service) -> String {
+        self.nearest_by(
+            dst,
+            source,
+            |r| r.services.contains(&service.id),
+            &format!("service {}", service.name),
+        )
+    }
+
+    /// [`Self::nearest`] among the rules `serves` keeps (`what` names what they serve).
+    fn nearest_by(
+        &self,
+        dst: &RegisteredWorkload,
+        source: &Source<'_>,
+        serves: impl Fn(&Rule) -> bool,
+        what: &str,
+    ) -> String {
         let scoping: Vec<_> =
             self.r.model.rulesets.iter().filter(|rs| rs.scope.selects(&dst.labels)).collect();
         if scoping.is_empty() {
@@ -700,7 +989,7 @@ impl<'a> Estate<'a> {
         let mut best: Option<((usize, bool, usize), String)> = None;
         let mut order = 0;
         for rs in &scoping {
-            for rule in rs.rules.iter().filter(|r| r.services.contains(&service.id)) {
+            for rule in rs.rules.iter().filter(|r| serves(r)) {
                 order += 1;
                 let name = format!("{}/{}", rs.name, rule.name);
                 let (score, why) = rule
@@ -729,12 +1018,7 @@ impl<'a> Estate<'a> {
         }
         best.map(|(_, r)| r).unwrap_or_else(|| {
             let names: Vec<&str> = scoping.iter().map(|rs| rs.name.as_str()).collect();
-            format!(
-                "no rule of the rulesets scoping {} ({}) references service {}",
-                dst.id,
-                names.join(", "),
-                service.name
-            )
+            format!("no rule of the rulesets scoping {} ({}) references {what}", dst.id, names.join(", "))
         })
     }
 
@@ -788,7 +1072,7 @@ impl<'a> Estate<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::model::{AddressGroup, AuthoredModel, Rule, Ruleset, ServiceEntry};
+    use crate::policy::model::{AddressGroup, AuthoredModel, Ruleset, ServiceEntry};
     use crate::policy::render::render;
     use innerwall_wire::identity::WorkloadId;
     use uuid::Uuid;
@@ -867,7 +1151,7 @@ mod tests {
 
     fn run(text: &str, r: &Rendering) -> Vec<TestResult> {
         let spec = parse_test_set_file("t", text).unwrap();
-        evaluate(&[spec], r).results
+        evaluate(&[spec], r, &Observations::new()).results
     }
 
     #[test]
@@ -979,7 +1263,24 @@ mod tests {
                 .contains("an empty selector")
         );
         assert!(
-            refused("name: s\ntests:\n- {name: a, observed: {to: {app: [x]}}}\n").contains("impact engine")
+            refused("name: s\ntests:\n- {name: a, observed: {to: {app: [x]}, since: soon}}\n")
+                .contains("test \"a\": since \"soon\": ")
+        );
+        assert!(
+            refused("name: s\ntests:\n- {name: a, observed: {to: {app: [x]}, since: 91d}}\n")
+                .contains("longer than the 90 days")
+        );
+        assert!(
+            refused("name: s\ntests:\n- {name: a, observed: {to: {app: [x]}, since: 0s}}\n")
+                .contains("an empty range")
+        );
+        assert!(refused("name: s\ntests:\n- {name: a, observed: {to: {}}}\n").contains("an empty selector"));
+        let many: String = (0..=MAX_OBSERVED_TESTS)
+            .map(|i| format!("- {{name: o{i}, observed: {{to: {{app: [x]}}}}}}\n"))
+            .collect();
+        assert!(
+            refused(&format!("name: s\ntests:\n{many}"))
+                .contains("observed tests: 17 is more than the 16 allowed")
         );
         assert!(
             refused(&format!("name: s\ndescription: {}\ntests: []\n", "x".repeat(2000)))
@@ -992,6 +1293,144 @@ mod tests {
             )
             .contains("used twice")
         );
+    }
+
+    /// An impact listing `dst` with `blocked` newly blocked rows (heaviest first).
+    fn observed_impact(dst: WorkloadId, blocked: Vec<ReplayRow>) -> Impact {
+        let at = chrono::DateTime::from_timestamp_millis(1_700_000_000_000).unwrap();
+        let replayed = crate::foresight::replay::Replayed {
+            newly_blocked: blocked.len() as u64 + 5,
+            top_blocked: blocked,
+            ..Default::default()
+        };
+        Impact {
+            range: crate::foresight::Range { from: at, to: at + chrono::Duration::days(7) },
+            top: MAX_PAIRS,
+            workloads: vec![WorkloadImpact {
+                id: dst,
+                hostname: "payments-1".into(),
+                from_version: 3,
+                from_mode: Some("visibility".into()),
+                to_version: None,
+                to_mode: "visibility".into(),
+                note: None,
+                replayed,
+                coverage: crate::foresight::replay::coverage(0, 0, &[], &[], 1),
+                unseen_admissions: Vec::new(),
+                unseen_admission_count: 0,
+            }],
+            keys: 7,
+        }
+    }
+
+    fn row(peer: &RegisteredWorkload, port: u16, connections: u64, from_rule: &str) -> ReplayRow {
+        let at = chrono::DateTime::from_timestamp_millis(1_700_000_000_000).unwrap();
+        ReplayRow {
+            src_address: peer.addresses.first().unwrap().to_string(),
+            peer_kind: 1,
+            peer_key: peer.id.to_string(),
+            labels_then: serde_json::json!({"app": "web"}),
+            labels_now: Some(serde_json::json!({"app": "web"})),
+            relabelled: false,
+            dst_port: port,
+            protocol: "tcp".into(),
+            connections,
+            records: 1,
+            first_seen: at,
+            last_seen: at,
+            from_rule: Some(from_rule.into()),
+            to_rule: None,
+        }
+    }
+
+    #[test]
+    fn observed_tests_are_judged_by_the_replay_of_their_range() {
+        // from-web now names app=api: web's recorded https flows to payments are dropped.
+        let mut r = rendering("tcp:443");
+        r.model.rulesets[0].rules[0].peers = vec![Peer::Workloads(sel("app", "api"))];
+        r.rendered = render(&r.model, &r.registry).unwrap();
+        let text = "name: s\ntests:\n\
+             - {name: web, allow: {from: {app: [web]}, to: {app: [payments]}, service: https}}\n\
+             - {name: flows, observed: {to: {app: [payments]}}}\n\
+             - {name: short, observed: {to: {app: [payments]}, since: 1h}}\n\
+             - {name: web-flows, observed: {to: {app: [web, api]}, since: 1h}}\n\
+             - {name: nobody, observed: {to: {app: [nobody]}}}\n\
+             - {name: nobody-ok, allow_empty: true, observed: {to: {app: [nobody]}}}\n";
+        let spec = parse_test_set_file("t", text).unwrap();
+        let (web, payments) = (&r.registry[0], &r.registry[2]);
+
+        // One replay per distinct range, over the union of its tests' selected workloads.
+        let replays = replays(std::slice::from_ref(&spec), &r);
+        let planned: Vec<(u64, Vec<&str>, usize)> = replays
+            .iter()
+            .map(|p| (p.since.as_secs(), p.tests.iter().map(String::as_str).collect(), p.proposed.len()))
+            .collect();
+        assert_eq!(
+            planned,
+            [
+                (3_600, vec!["s/short", "s/web-flows"], 3),
+                (7 * 86_400, vec!["s/flows", "s/nobody", "s/nobody-ok"], 1)
+            ]
+        );
+        assert_eq!(replays[1].proposed.get(&payments.id), r.rendered.get(&payments.id));
+
+        let from_web = format!("{}/tcp", id(11));
+        let week =
+            observed_impact(payments.id, vec![row(web, 443, 9, &from_web), row(web, 443, 2, &from_web)]);
+        let hour = observed_impact(payments.id, Vec::new());
+        let hour = Impact { workloads: Vec::new(), ..hour };
+        let observations: Observations = [(DEFAULT_SINCE, week), (Duration::from_secs(3_600), hour)].into();
+        let results = evaluate(std::slice::from_ref(&spec), &r, &observations).results;
+        let outcome: Vec<(&str, &str, bool)> =
+            results.iter().map(|t| (t.test.as_str(), t.assertion.as_str(), t.passed)).collect();
+        assert_eq!(
+            outcome,
+            [
+                ("web", "allow", false),
+                ("flows", "observed", false),
+                ("short", "observed", true),
+                ("web-flows", "observed", true),
+                ("nobody", "observed", false),
+                ("nobody-ok", "observed", true),
+            ],
+            "results in file order, structural and observed alike"
+        );
+        let flows = results[1].failure.as_ref().unwrap();
+        assert_eq!(flows.pair_count, 7, "every newly blocked key counts, not only the rows shown");
+        assert_eq!(flows.pairs.len(), 2);
+        assert!(flows.pairs[0].ends_with("tcp:443 (9 connection(s))"), "{flows:?}");
+        for part in [
+            format!(
+                "workload {} (10.0.0.1, labelled app=web then and now) → {} tcp:443",
+                web.id, payments.id
+            ),
+            "9 connection(s)".to_owned(),
+            "admitted at applied version 3 by rule payments/from-web".to_owned(),
+            "is newly blocked: rule payments/from-web needs app=api, the source has app=web".to_owned(),
+        ] {
+            assert!(flows.reason.contains(&part), "{part:?} in {}", flows.reason);
+        }
+        assert_eq!(results[4].failure.as_ref().unwrap().reason, "no workload matches to app=nobody");
+
+        // The rule's ruleset disabled, the rule gone: each says so.
+        r.model.rulesets[0].enabled = false;
+        let results = evaluate(std::slice::from_ref(&spec), &r, &observations).results;
+        assert!(results[1].failure.as_ref().unwrap().reason.ends_with("ruleset payments is disabled"));
+        r.model.rulesets[0].enabled = true;
+        r.model.rulesets[0].rules.remove(0);
+        let results = evaluate(std::slice::from_ref(&spec), &r, &observations).results;
+        let gone = &results[1].failure.as_ref().unwrap().reason;
+        assert!(gone.contains(&format!("admitted at applied version 3 by rule {from_web}")), "{gone}");
+        assert!(
+            gone.contains(
+                "the rule is no longer in the model; rule payments/from-vpn admits address group vpn"
+            ),
+            "{gone}"
+        );
+
+        // A range nobody replayed fails rather than passing unjudged.
+        let results = evaluate(std::slice::from_ref(&spec), &r, &Observations::new()).results;
+        assert!(results[1].failure.as_ref().unwrap().reason.contains("were not replayed"));
     }
 
     #[test]

@@ -3,19 +3,18 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use chrono::{DateTime, DurationRound, TimeDelta, Utc};
+use chrono::{DurationRound, TimeDelta, Utc};
 use innerwall_control_plane::flows;
 use innerwall_control_plane::foresight::{self, Range};
 use innerwall_control_plane::policy::authoring;
 use innerwall_control_plane::policy::spec::NewWorkload;
 use innerwall_control_plane::policy::store;
 use innerwall_control_plane::testing::{self, fresh_database};
-use innerwall_wire::flows::FlowWindow;
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::{Mode, Protocol, WorkloadPolicy};
 use innerwall_wire::proto;
 
-const HOUR: i64 = 3_600_000;
+use crate::recorded::{self, HOUR, at, ingest, rule_for};
 
 async fn register(pool: &sqlx::PgPool, hostname: &str) -> WorkloadId {
     let new = NewWorkload {
@@ -33,54 +32,9 @@ async fn register(pool: &sqlx::PgPool, hostname: &str) -> WorkloadId {
     new.id
 }
 
-/// A flow of `connections` new connections from `src` to tcp `port`.
+/// A flow of `connections` new connections from `src` to tcp `port` of the workload.
 fn flow(src: &str, port: u32, rule: Option<&str>, connections: u64, at: i64) -> proto::FlowRecord {
-    let decision = match rule {
-        Some(_) => proto::FlowDecision::Allowed,
-        None => proto::FlowDecision::WouldBlock,
-    };
-    proto::FlowRecord {
-        src_address: src.into(),
-        dst_address: "10.9.0.1".into(),
-        dst_port: port,
-        protocol: proto::Protocol::Tcp.into(),
-        decision: decision.into(),
-        matched_rule_id: rule.unwrap_or_default().into(),
-        packets: connections,
-        bytes: connections * 60,
-        new_connections: connections,
-        first_seen_unix_ms: at + 1_000,
-        last_seen_unix_ms: at + 2_000,
-    }
-}
-
-/// An hour-long simulation window under `version` from `start`.
-async fn ingest(
-    pool: &sqlx::PgPool,
-    id: WorkloadId,
-    version: u64,
-    start: i64,
-    records: Vec<proto::FlowRecord>,
-    gaps: Vec<proto::EvidenceGap>,
-) {
-    let wire = proto::FlowWindow {
-        window_id: uuid::Uuid::new_v4().to_string(),
-        start_unix_ms: start,
-        end_unix_ms: start + HOUR,
-        policy_version: version,
-        mode: 2,
-        records,
-        gaps,
-    };
-    flows::ingest(pool, id, &FlowWindow::try_from(&wire).unwrap()).await.unwrap();
-}
-
-fn rule_for(policy: &WorkloadPolicy, port: u16) -> String {
-    policy.rules().find(|r| r.ports().iter().any(|p| p.contains(port))).unwrap().id().to_string()
-}
-
-fn at(ms: i64) -> DateTime<Utc> {
-    DateTime::from_timestamp_millis(ms).unwrap()
+    recorded::flow_to(src, "10.9.0.1", port, rule, connections, at)
 }
 
 #[tokio::test]

@@ -18,6 +18,7 @@ mod operators;
 mod policy_tests;
 mod postgres;
 mod publish;
+mod recorded;
 mod retention;
 mod states;
 mod sync;

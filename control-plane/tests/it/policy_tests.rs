@@ -1,11 +1,14 @@
 //! Policy tests on every operator commit (issue 27 item 3, POL-10), against a real Postgres: a
-//! change that breaks tests is refused with every failure and the nearest-rule reason, and
+//! change that breaks tests (an `observed` one judged by replaying flows recorded through the
+//! real ingest path) is refused with every failure and the nearest-rule reason, and
 //! writes nothing (no version, no audit row, no notice); it passes once the tests are updated;
 //! the JUnit output parses; empty selectors and hostile files are refused; the real CLI too.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::process::Command;
+
+use chrono::{DurationRound, TimeDelta, Utc};
 
 use innerwall_control_plane::error::Error;
 use innerwall_control_plane::foresight::{self, policy_tests};
@@ -14,10 +17,13 @@ use innerwall_control_plane::policy::authoring;
 use innerwall_control_plane::policy::model::ServiceEntry;
 use innerwall_control_plane::policy::spec::{NewWorkload, PeerSpec, RuleSpec, RulesetSpec, ServiceSpec};
 use innerwall_control_plane::policy::store;
-use innerwall_control_plane::testing::fresh_database;
+use innerwall_control_plane::testing::{self, fresh_database};
 use innerwall_wire::identity::WorkloadId;
+use innerwall_wire::policy::Mode;
 use sqlx::PgPool;
 use sqlx::postgres::PgListener;
+
+use crate::recorded::{HOUR, at, flow_to, ingest, rule_for};
 
 async fn register(pool: &PgPool, host: &str, labels: &[&str], addr: &str) -> WorkloadId {
     let new = NewWorkload {
@@ -87,6 +93,8 @@ tests:
       to: {app: [db]}
       service: postgres
       sources: [{workloads: {app: [api]}}, {cidr: 10.9.0.0/16}]
+  - name: payments-traffic-keeps-flowing
+    observed: {to: {app: [payments]}, since: 7d}
 ";
 
 /// Holds on both sides of the change below.
@@ -102,6 +110,8 @@ tests:
       to: {app: [db]}
       service: postgres
       sources: [{workloads: {app: [api]}}, {workloads: {app: [web]}}, {cidr: 10.9.0.0/16}]
+  - name: db-traffic-keeps-flowing
+    observed: {to: {app: [db]}}
 ";
 
 async fn counts(pool: &PgPool) -> (i64, i64) {
@@ -129,10 +139,10 @@ async fn policy_tests_refuse_commit() {
     let db = fresh_database().await.unwrap();
     let pool = &db.pool;
     // (the fresh database's estate ranges hold 10.0.0.0/8)
-    register(pool, "web-1", &["app=web", "tier=front"], "10.0.0.1").await;
-    register(pool, "api-1", &["app=api", "tier=front"], "10.0.0.2").await;
-    register(pool, "payments-1", &["app=payments", "tier=back"], "10.0.0.3").await;
-    register(pool, "db-1", &["app=db", "tier=back"], "10.0.0.4").await;
+    let web = register(pool, "web-1", &["app=web", "tier=front"], "10.0.0.1").await;
+    let api = register(pool, "api-1", &["app=api", "tier=front"], "10.0.0.2").await;
+    let payments = register(pool, "payments-1", &["app=payments", "tier=back"], "10.0.0.3").await;
+    let db_1 = register(pool, "db-1", &["app=db", "tier=back"], "10.0.0.4").await;
     service(pool, "https", "tcp:443").await;
     service(pool, "postgres", "tcp:5432").await;
     let good = backend(
@@ -146,12 +156,46 @@ async fn policy_tests_refuse_commit() {
     .await
     .unwrap();
 
+    // Recorded traffic through the real ingest path: the agents of payments-1 and db-1 applied
+    // their current versions, and web-1 → payments-1 https (3 connections), api-1 → db-1
+    // postgres (4) were ALLOWED two hours ago.
+    let h0 =
+        (Utc::now().duration_trunc(TimeDelta::hours(1)).unwrap() - TimeDelta::hours(2)).timestamp_millis();
+    let mut conn = pool.acquire().await.unwrap();
+    let mut applied = BTreeMap::new();
+    for (id, dst, src, port, connections) in
+        [(payments, "10.0.0.3", "10.0.0.1", 443, 3), (db_1, "10.0.0.4", "10.0.0.2", 5432, 4)]
+    {
+        let policy = store::persisted_policy(&mut conn, id).await.unwrap().unwrap().0;
+        let version = policy.version();
+        testing::installed(pool, id, &[(version, Mode::Simulation, at(h0 - HOUR))]).await.unwrap();
+        sqlx::query("UPDATE workloads SET applied_version = $2 WHERE id = $1")
+            .bind(id.uuid())
+            .bind(version as i64)
+            .execute(pool)
+            .await
+            .unwrap();
+        let rule = rule_for(&policy, port);
+        ingest(
+            pool,
+            id,
+            version,
+            h0,
+            vec![flow_to(src, dst, port.into(), Some(&rule), connections, h0)],
+            vec![],
+        )
+        .await;
+        applied.insert(id, version);
+    }
+    drop(conn);
+
     // The set holds on the estate, so it is created (and audited like any change).
     let set = policy_tests::parse_test_set_file("tests.yaml", TESTS).unwrap();
     assert_eq!(foresight::create_test_set(pool, "test", &set).await.unwrap().value, 1);
     let report = foresight::run_policy_tests(pool).await.unwrap();
-    assert_eq!(report.results.len(), 3);
+    assert_eq!(report.results.len(), 4);
     assert!(report.results.iter().all(|r| r.passed), "{report:?}");
+    assert_eq!(report.results[3].assertion, "observed");
 
     // The breaking change: from-web now admits api and the internet range, from-api admits web.
     let bad = backend(
@@ -167,7 +211,12 @@ async fn policy_tests_refuse_commit() {
         failures.iter().map(|f| (f.test.as_str(), f)).collect();
     assert_eq!(
         by_test.keys().copied().collect::<Vec<_>>(),
-        ["nothing-from-the-internet", "only-api-talks-to-db", "web-reaches-payments"],
+        [
+            "nothing-from-the-internet",
+            "only-api-talks-to-db",
+            "payments-traffic-keeps-flowing",
+            "web-reaches-payments"
+        ],
         "every failing test: {failures:#?}"
     );
     let allow = by_test["web-reaches-payments"];
@@ -190,7 +239,24 @@ async fn policy_tests_refuse_commit() {
         "{}",
         only.reason
     );
+    // The recorded flow the change would block: peer, labels, port, connections, the rule that
+    // admitted it at the applied version and why the new policy drops it.
+    let observed = by_test["payments-traffic-keeps-flowing"];
+    assert_eq!((observed.assertion.as_str(), observed.pair_count), ("observed", 1));
+    for part in [
+        format!("workload {web} (10.0.0.1, labelled app=web,tier=front then and now) → {payments} tcp:443"),
+        "3 connection(s)".to_owned(),
+        format!("admitted at applied version {} by rule backend/from-web", applied[&payments]),
+        "is newly blocked: rule backend/from-web needs app=api, the source has app=web".to_owned(),
+    ] {
+        assert!(observed.reason.contains(&part), "{part:?} in {}", observed.reason);
+    }
+    assert_eq!(observed.pairs, [format!("workload {web} (10.0.0.1) → {payments} tcp:443 (3 connection(s))")]);
     assert!(refused.to_string().contains("web-reaches-payments"), "{refused}");
+    assert!(
+        refused.to_string().contains("payments-intent/payments-traffic-keeps-flowing (observed)"),
+        "{refused}"
+    );
     let problem = innerwall_control_plane::api::problem::ProblemType::PolicyTestsFailed;
     assert_eq!(problem.status().as_u16(), 422);
     assert_eq!(tonic::Status::from(refused).code(), tonic::Code::FailedPrecondition);
@@ -212,15 +278,16 @@ async fn policy_tests_refuse_commit() {
     )
     .await
     .unwrap();
-    let junit = policy_tests::evaluate(std::slice::from_ref(&set), &rendering).junit();
+    let junit =
+        foresight::commit::judge_sets(&mut tx, std::slice::from_ref(&set), &rendering).await.unwrap().junit();
     tx.rollback().await.unwrap();
     let doc = roxmltree::Document::parse(&junit).unwrap();
     let suites: Vec<_> = doc.descendants().filter(|n| n.has_tag_name("testsuite")).collect();
     assert_eq!(suites.len(), 1);
     assert_eq!(suites[0].attribute("name"), Some("payments-intent"));
-    assert_eq!(suites[0].attribute("failures"), Some("3"));
+    assert_eq!(suites[0].attribute("failures"), Some("4"));
     let cases: Vec<_> = suites[0].children().filter(|n| n.has_tag_name("testcase")).collect();
-    assert_eq!(cases.len(), 3);
+    assert_eq!(cases.len(), 4);
     let message =
         cases[0].children().find(|n| n.has_tag_name("failure")).unwrap().attribute("message").unwrap();
     assert!(message.contains("needs app=api, the source has app=web"), "{message}");
@@ -232,6 +299,25 @@ async fn policy_tests_refuse_commit() {
     assert_eq!(update_backend(pool, &bad, 1).await.unwrap(), 2);
     let after = counts(pool).await;
     assert!(after.0 > versions && after.1 == audit + 1, "{versions} {audit} → {after:?}");
+
+    // The observed tests of all sets are bounded (each commit replays their flows): a set that
+    // would bring them over the bound is refused, writing nothing.
+    let observed_tests: String = (0..policy_tests::MAX_OBSERVED_TESTS)
+        .map(|i| format!("  - name: o{i}\n    observed: {{to: {{app: [db]}}, since: 1d}}\n"))
+        .collect();
+    let over =
+        policy_tests::parse_test_set_file("over", &format!("name: over\ntests:\n{observed_tests}")).unwrap();
+    let before = counts(pool).await;
+    let err = foresight::create_test_set(pool, "test", &over).await.unwrap_err();
+    assert!(
+        err.to_string().contains("16 observed policy tests across all test sets")
+            && err.to_string().contains("MAX_OBSERVED_TESTS"),
+        "{err}"
+    );
+    assert_eq!(counts(pool).await, before, "the refused set wrote nothing");
+    let names: Vec<String> =
+        foresight::list_test_sets(pool).await.unwrap().into_iter().map(|s| s.name).collect();
+    assert_eq!(names, ["payments-intent"]);
 
     // An empty selector fails (so the set is refused) unless the test allows it.
     let empty = "name: empty\ntests:\n  - name: nobody\n    allow: {from: {app: [nobody]}, to: {app: [db]}, service: postgres}\n";
@@ -258,9 +344,12 @@ async fn policy_tests_refuse_commit() {
     let err = policy_tests::parse_test_set_file("unknown", "name: u\ntests:\n  - name: x\n    alow: {}\n")
         .unwrap_err();
     assert!(err.to_string().contains("unknown field `alow`"), "{err}");
-    let observed = "name: o\ntests:\n  - name: x\n    observed: {to: {app: [db]}, since: 7d}\n";
+    let observed = "name: o\ntests:\n  - name: x\n    observed: {to: {app: [db]}, since: 91d}\n";
     let err = policy_tests::parse_test_set_file("o", observed).unwrap_err();
-    assert!(err.to_string().contains("observed tests are not judged yet"), "{err}");
+    assert!(err.to_string().contains("since \"91d\" is longer than the 90 days"), "{err}");
+    let observed = "name: o\ntests:\n  - name: x\n    observed: {to: {app: [db]}, since: a week}\n";
+    let err = policy_tests::parse_test_set_file("o", observed).unwrap_err();
+    assert!(err.to_string().contains("write e.g. 7d"), "{err}");
 
     // The real CLI: `policy test` passes now, a breaking ruleset update is refused with exit 1
     // and the failures, `--junit` prints XML that parses.
@@ -280,10 +369,16 @@ async fn policy_tests_refuse_commit() {
         stderr.contains("payments-intent/api-reaches-db") && stderr.contains("rule backend/from-api"),
         "{stderr}"
     );
+    // … and the api-1 → db-1 traffic recorded under the applied version would be blocked.
+    assert!(
+        stderr.contains("payments-intent/db-traffic-keeps-flowing (observed)")
+            && stderr.contains(&format!("workload {api} (10.0.0.2")),
+        "{stderr}"
+    );
     let out = innerwall(&db.url, &["policy", "test", "--junit"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let xml = String::from_utf8(out.stdout).unwrap();
     let doc = roxmltree::Document::parse(&xml).unwrap();
-    assert_eq!(doc.descendants().filter(|n| n.has_tag_name("testcase")).count(), 4);
+    assert_eq!(doc.descendants().filter(|n| n.has_tag_name("testcase")).count(), 5);
     std::fs::remove_dir_all(&dir).unwrap();
 }
