@@ -8,6 +8,7 @@ mod cli;
 mod enrollment;
 mod files;
 mod flows;
+mod foresight_api;
 mod identity;
 mod impact;
 mod installs;
