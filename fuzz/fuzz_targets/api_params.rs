@@ -1,5 +1,6 @@
 //! The API's query and path parameters: any query string parsed as every route's query type
-//! (with the checks each handler makes before any I/O) and any path parameter value never
+//! (with the checks each handler makes before any I/O: flows, verdict, audit, lists, and a
+//! workload replay's versions, range and `top`) and any path parameter value never
 //! panic, and a value with a control character is never accepted as a path parameter.
 #![no_main]
 

@@ -33,12 +33,24 @@ pub struct ReplayQuery {
     top: Option<usize>,
 }
 
-/// The range a replay query asks for, ending now (pure but for the clock).
-pub fn replay_range(since: Option<&str>) -> Result<Range, ApiError> {
-    let text = since.unwrap_or(DEFAULT_SINCE);
+/// The range (ending at `now`) and the rows per kind a replay query asks for, checked before
+/// any I/O (pure; the `api_params` fuzz target drives it).
+pub fn replay_request(
+    q: &ReplayQuery,
+    now: chrono::DateTime<chrono::Utc>,
+) -> Result<(Range, usize), ApiError> {
+    let text = q.since.as_deref().unwrap_or(DEFAULT_SINCE);
     let since = humantime::parse_duration(text)
         .map_err(|e| ApiError::Malformed(format!("since {text:?}: {e}; write e.g. 24h, 7d")))?;
-    Ok(Range::ending_at(chrono::Utc::now(), since)?)
+    let range = Range::ending_at(now, since)?;
+    let top = q.top.unwrap_or(DEFAULT_TOP);
+    if top == 0 || top > foresight::MAX_TOP {
+        return Err(ApiError::Malformed(format!(
+            "top must be between 1 and {}, not {top}",
+            foresight::MAX_TOP
+        )));
+    }
+    Ok((range, top))
 }
 
 /// The replay of a workload's recorded flows between two of its stored versions: per transition
@@ -52,8 +64,7 @@ pub async fn replay(
     Query(q): Query<ReplayQuery>,
 ) -> Result<Json<Impact>, ApiError> {
     let id = super::workloads::workload(&id)?;
-    let range = replay_range(q.since.as_deref())?;
+    let (range, top) = replay_request(&q, chrono::Utc::now())?;
     let mut conn = state.pool.acquire().await.map_err(Error::from)?;
-    let top = q.top.unwrap_or(DEFAULT_TOP);
     Ok(Json(foresight::replay(&mut conn, id, q.from, q.to, range, top).await?))
 }

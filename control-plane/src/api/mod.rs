@@ -248,6 +248,7 @@ pub fn parse_parameters(query: &str, value: &str) -> usize {
         count(query_of::<flows::ListQuery>(&uri).and_then(|q| flows::records_request(q, now)).is_ok());
         count(query_of::<flows::GapsQuery>(&uri).and_then(|q| flows::gaps_request(q, now)).is_ok());
         count(query_of::<gate::VerdictQuery>(&uri).and_then(|q| gate::verdict_request(&q)).is_ok());
+        count(query_of::<impact::ReplayQuery>(&uri).and_then(|q| impact::replay_request(&q, now)).is_ok());
         count(query_of::<audit::AuditQuery>(&uri).is_ok());
         count(query_of::<workloads::ListQuery>(&uri).is_ok());
         count(query_of::<workloads::StatusQuery>(&uri).is_ok());

@@ -10,6 +10,7 @@ mod drafts_edge;
 mod enrollment;
 mod files;
 mod flows;
+mod foresight_api;
 mod identity;
 mod impact;
 mod installs;
