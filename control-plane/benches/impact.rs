@@ -9,12 +9,15 @@
 //!
 //! `INNERWALL_BENCH_QUICK=1` runs 100 workloads and 100,000 records (it proves the bench works;
 //! its figure judges nothing); `INNERWALL_BENCH_RECORDS` sets the records at full size.
+//! `INNERWALL_BENCH_KEEP=1` with `INNERWALL_TEST_DATABASE_URL` leaves the loaded database on that
+//! server (its URL is printed) to look at plans with `EXPLAIN`; `INNERWALL_BENCH_REUSE=<url>`
+//! measures such a database again without loading it (the load and roll-up take minutes).
 //! Run with `cargo bench -p innerwall-control-plane --bench impact` or `cargo xtask bench impact`.
 
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use chrono::{TimeDelta, Utc};
+use chrono::{DateTime, TimeDelta, Utc};
 use innerwall_control_plane::flows;
 use innerwall_control_plane::foresight::{self, Range};
 use innerwall_control_plane::policy::store::Content;
@@ -73,24 +76,53 @@ async fn main() -> anyhow::Result<()> {
         "PERF-9 impact of a one-ruleset change (target p95 < 2000 ms): {} records in {windows} windows, {workloads} workloads, {DAYS} days",
         windows * RECORDS_PER_WINDOW
     );
+    if let Ok(url) = std::env::var("INNERWALL_BENCH_REUSE") {
+        // A database an earlier run kept: its range starts at its first window.
+        let pool = PgPool::connect(&url).await?;
+        let first: DateTime<Utc> =
+            sqlx::query_scalar("SELECT min(window_start) FROM flow_windows").fetch_one(&pool).await?;
+        println!("reusing {url}, its range ending {}:", first + TimeDelta::days(DAYS));
+        let (workloads, records): (i64, i64) = sqlx::query_as(
+            "SELECT (SELECT count(*) FROM workloads), (SELECT sum(record_count)::bigint FROM flow_windows)",
+        )
+        .fetch_one(&pool)
+        .await?;
+        return measure(&pool, first + TimeDelta::days(DAYS), workloads, runs, records).await;
+    }
     let db = fresh_database().await?;
     let now = Utc::now();
     let t = Instant::now();
     flow_estate::load(&db.pool, now - TimeDelta::days(DAYS), DAYS, windows, workloads).await?;
-    let (applied, proposed) = policies();
+    let (applied, _) = policies();
     store_policies(&db.pool, &applied).await?;
     let rolled = flows::roll_up(&db.pool, now).await?;
     sqlx::query("VACUUM ANALYZE").execute(&db.pool).await?;
     println!("loaded and rolled up ({rolled} windows) in {:.1} s", t.elapsed().as_secs_f64());
+    measure(&db.pool, now, workloads, runs, windows * RECORDS_PER_WINDOW).await?;
+    if std::env::var_os("INNERWALL_BENCH_KEEP").is_some() {
+        println!("kept the database: {}", db.url);
+        std::mem::forget(db);
+    }
+    Ok(())
+}
 
-    let ids: Vec<uuid::Uuid> = sqlx::query_scalar("SELECT id FROM workloads").fetch_all(&db.pool).await?;
+/// Times `runs` impacts (after one warm-up) over the `DAYS` before `now` and prints the figures.
+async fn measure(
+    pool: &PgPool,
+    now: DateTime<Utc>,
+    workloads: i64,
+    runs: usize,
+    records: i64,
+) -> anyhow::Result<()> {
+    let (_, proposed) = policies();
+    let ids: Vec<uuid::Uuid> = sqlx::query_scalar("SELECT id FROM workloads").fetch_all(pool).await?;
     let proposal: BTreeMap<WorkloadId, WorkloadPolicy> = ids
         .into_iter()
         .map(|id| (WorkloadId::from_uuid(id).expect("a workload id"), proposed.clone()))
         .collect();
     let range = Range { from: now - TimeDelta::days(DAYS), to: now };
     let mut times = Vec::new();
-    let mut conn = db.pool.acquire().await?;
+    let mut conn = pool.acquire().await?;
     for run in 0..runs + 1 {
         let t = Instant::now();
         let impact = foresight::impact(&mut conn, &proposal, range, 10).await?;
@@ -115,7 +147,7 @@ async fn main() -> anyhow::Result<()> {
     println!("PERF-9: impact p50 {p50:.1} ms, p95 {p95:.1} ms over {runs} runs (target < 2000 ms)");
     println!(
         "FIGURE {{\"id\":\"PERF-9\",\"name\":\"impact p95, 7 days\",\"value\":{p95:.3},\"unit\":\"ms\",\"goal\":{{\"op\":\"<\",\"bound\":2000}},\"context\":{{\"workloads\":{workloads},\"records\":{}}}}}",
-        windows * RECORDS_PER_WINDOW
+        records
     );
     Ok(())
 }

@@ -18,7 +18,7 @@ use utoipa::{IntoParams, ToSchema};
 
 use super::auth::Caller;
 use super::extract::{BodyLimit, JsonBody, Path, Query, etag, if_match};
-use super::impact::{DEFAULT_TOP, replay_range};
+use super::impact::range_and_top;
 use super::problem::{ApiError, Problem};
 use super::workloads::created;
 use super::{ApiState, Changed, Nothing};
@@ -148,8 +148,7 @@ pub async fn impact(
     Path(name): Path<String>,
     Query(q): Query<ImpactQuery>,
 ) -> Result<Json<DraftImpact>, ApiError> {
-    let range = replay_range(q.since.as_deref())?;
-    let top = q.top.unwrap_or(DEFAULT_TOP);
+    let (range, top) = range_and_top(q.since.as_deref(), q.top, chrono::Utc::now())?;
     charge(&state, &caller).await?;
     let (render, impact) =
         drafts::impact(&state.pool, &caller.actor(), &name, &state.limits.counts, range, top).await?;

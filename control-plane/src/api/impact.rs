@@ -39,11 +39,21 @@ pub fn replay_request(
     q: &ReplayQuery,
     now: chrono::DateTime<chrono::Utc>,
 ) -> Result<(Range, usize), ApiError> {
-    let text = q.since.as_deref().unwrap_or(DEFAULT_SINCE);
+    range_and_top(q.since.as_deref(), q.top, now)
+}
+
+/// A recorded range (`since` before `now`, default [`DEFAULT_SINCE`]) and rows per kind
+/// (default [`DEFAULT_TOP`]), checked before any I/O: a replay's and a draft impact's query.
+pub fn range_and_top(
+    since: Option<&str>,
+    top: Option<usize>,
+    now: chrono::DateTime<chrono::Utc>,
+) -> Result<(Range, usize), ApiError> {
+    let text = since.unwrap_or(DEFAULT_SINCE);
     let since = humantime::parse_duration(text)
         .map_err(|e| ApiError::Malformed(format!("since {text:?}: {e}; write e.g. 24h, 7d")))?;
     let range = Range::ending_at(now, since)?;
-    let top = q.top.unwrap_or(DEFAULT_TOP);
+    let top = top.unwrap_or(DEFAULT_TOP);
     if top == 0 || top > foresight::MAX_TOP {
         return Err(ApiError::Malformed(format!(
             "top must be between 1 and {}, not {top}",

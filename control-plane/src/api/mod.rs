@@ -255,7 +255,7 @@ pub fn parse_parameters(query: &str, value: &str) -> usize {
         count(query_of::<PageQuery>(&uri).and_then(|q| page_request(q.limit, q.cursor, 100)).is_ok());
         count(
             query_of::<drafts::ImpactQuery>(&uri)
-                .and_then(|q| impact::replay_range(q.since.as_deref()))
+                .and_then(|q| impact::range_and_top(q.since.as_deref(), q.top, chrono::Utc::now()))
                 .is_ok(),
         );
     }

@@ -6,6 +6,7 @@
 //! connection; the flow keys stream from one statement and are folded as they come.
 
 use std::collections::BTreeMap;
+use std::net::IpAddr;
 
 use chrono::{DateTime, Utc};
 use innerwall_wire::convert::WireEnum;
@@ -13,11 +14,12 @@ use innerwall_wire::flows::{EvidenceGap, GapKind};
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::{Protocol, WorkloadPolicy};
 use serde::{Deserialize, Serialize};
-use sqlx::{PgConnection, Postgres, QueryBuilder, Row};
+use sqlx::postgres::PgRow;
+use sqlx::{Acquire, PgConnection, Postgres, QueryBuilder, Row};
 use tokio_stream::StreamExt;
 use uuid::Uuid;
 
-use super::replay::{self, Coverage, FlowSum, NewAdmission, Replayed, Replayer};
+use super::replay::{self, Coverage, FlowSum, LabelDigest, NewAdmission, Replayed, Replayer};
 use crate::error::Error;
 use crate::flows::Source;
 use crate::policy::store;
@@ -243,16 +245,75 @@ pub async fn replay(
     run(conn, vec![job], range, top).await
 }
 
-/// Labels now of every live workload, by its peer key (its id as text), as ingest writes them.
-async fn labels_now(conn: &mut PgConnection) -> Result<BTreeMap<String, serde_json::Value>, Error> {
+/// Label digests now of every live workload, by its peer key (its id as text), as ingest writes
+/// them, and the label sets by digest.
+#[allow(clippy::type_complexity)]
+async fn labels_now(
+    conn: &mut PgConnection,
+) -> Result<(BTreeMap<String, LabelDigest>, BTreeMap<LabelDigest, serde_json::Value>), Error> {
     let rows = sqlx::query(
-        "SELECT w.id::text, COALESCE((SELECT jsonb_object_agg(l.key, l.value) FROM workload_labels l
-                                      WHERE l.workload_id = w.id), '{}'::jsonb)
-         FROM workloads w WHERE w.retired_at IS NULL AND w.denied_at IS NULL",
+        "SELECT id, labels, md5(labels::text)::uuid FROM (
+             SELECT w.id::text AS id, COALESCE((SELECT jsonb_object_agg(l.key, l.value) FROM workload_labels l
+                                                WHERE l.workload_id = w.id), '{}'::jsonb) AS labels
+             FROM workloads w WHERE w.retired_at IS NULL AND w.denied_at IS NULL) AS w",
     )
     .fetch_all(&mut *conn)
     .await?;
-    Ok(rows.into_iter().map(|r| (r.get(0), r.get(1))).collect())
+    let (mut digests, mut sets) = (BTreeMap::new(), BTreeMap::new());
+    for row in rows {
+        digests.insert(row.get(0), row.get(2));
+        sets.insert(row.get(2), row.get(1));
+    }
+    Ok((digests, sets))
+}
+
+/// The label sets of `wanted` (a digest, and a flow key towards a workload that has it) not in
+/// `sets` yet, read from one row of the range that has each: from the rollups by peer (the
+/// index `flow_rollups_peer_service` leads with it), else from that workload's raw records.
+async fn labels_then(
+    conn: &mut PgConnection,
+    wanted: BTreeMap<LabelDigest, (Uuid, i16, String)>,
+    range: Range,
+    sets: &mut BTreeMap<LabelDigest, serde_json::Value>,
+) -> Result<(), Error> {
+    let wanted: Vec<(LabelDigest, (Uuid, i16, String))> =
+        wanted.into_iter().filter(|(d, _)| !sets.contains_key(d)).collect();
+    if wanted.is_empty() {
+        return Ok(());
+    }
+    let digests: Vec<Uuid> = wanted.iter().map(|(d, _)| *d).collect();
+    let workloads: Vec<Uuid> = wanted.iter().map(|(_, (w, _, _))| *w).collect();
+    let kinds: Vec<i16> = wanted.iter().map(|(_, (_, k, _))| *k).collect();
+    let keys: Vec<&str> = wanted.iter().map(|(_, (_, _, k))| k.as_str()).collect();
+    let rows = sqlx::query(
+        "SELECT d.digest, (SELECT l FROM (
+             SELECT r.peer_labels AS l FROM flow_rollups r
+             WHERE r.peer_kind = d.kind AND r.peer_key = d.key AND r.peer_digest = d.digest
+               AND r.hour >= date_trunc('hour', $5::timestamptz, 'UTC') AND r.hour < $6
+             UNION ALL
+             SELECT r.peer_labels FROM flow_records r
+             WHERE r.workload_id = d.workload AND r.window_start >= $5 AND r.window_start < $6
+               AND r.peer_key = d.key AND md5(r.peer_labels::text)::uuid = d.digest) AS x LIMIT 1)
+         FROM unnest($1::uuid[], $2::uuid[], $3::smallint[], $4::text[]) AS d (digest, workload, kind, key)",
+    )
+    .bind(&digests)
+    .bind(&workloads)
+    .bind(&kinds)
+    .bind(&keys)
+    .bind(range.from)
+    .bind(range.to)
+    .fetch_all(&mut *conn)
+    .await?;
+    for row in rows {
+        let digest: Uuid = row.get(0);
+        let labels: Option<serde_json::Value> = row.get(1);
+        let labels = labels.ok_or_else(|| Error::Corrupt {
+            what: "flow peer labels",
+            detail: format!("no flow of the range has the peer labels of digest {digest}"),
+        })?;
+        sets.insert(digest, labels);
+    }
+    Ok(())
 }
 
 /// Windows `(start, end)` in ms and gaps of `ids` overlapping the range.
@@ -301,86 +362,217 @@ async fn evidence(
     Ok((windows, gaps))
 }
 
-/// The flow keys towards `ids` over `range`, each source of `flows::sources` (whole hours from
-/// the rollups and their pending windows, partial hours raw) summed per key in one statement.
-fn flow_statement(ids: &[Uuid], range: Range) -> QueryBuilder<Postgres> {
-    let mut q = QueryBuilder::<Postgres>::new(
-        "SELECT workload_id, host(src_address), peer_kind, peer_key, (array_agg(peer_labels))[1], dst_port,
-                protocol, sum(c)::bigint, sum(r)::bigint, min(first_seen), max(last_seen) FROM (",
-    );
-    for (n, source) in crate::flows::sources(range.from, range.to).into_iter().enumerate() {
-        if n > 0 {
+/// The columns of a flow key and its sums, in the order [`Keys::add`] reads them.
+const KEY_COLUMNS: &str =
+    "workload_id, host(src_address), peer_kind, peer_key, peer_digest, dst_port, protocol,
+     sum(c)::bigint, sum(r)::bigint, min(first_seen), max(last_seen)";
+const KEY_GROUPS: &str =
+    "GROUP BY workload_id, src_address, peer_kind, peer_key, peer_digest, dst_port, protocol";
+
+/// The flow keys towards `ids` in the whole hours of the rollups, summed per key, in key order:
+/// read through the covering index `flow_rollups_impact` (migration 0029) and summed as they
+/// come, without a sort, a hash table or the rows' label sets.
+fn rollup_statement(ids: &[Uuid], from: DateTime<Utc>, to: DateTime<Utc>) -> QueryBuilder<Postgres> {
+    let mut q = QueryBuilder::<Postgres>::new(format!(
+        "SELECT {KEY_COLUMNS} FROM (SELECT workload_id, src_address, peer_kind, peer_key, peer_digest, dst_port,
+             protocol, new_connections AS c, records AS r, first_seen, last_seen FROM flow_rollups WHERE hour >= "
+    ));
+    q.push_bind(from).push(" AND hour < ").push_bind(to);
+    q.push(" AND workload_id = ANY(").push_bind(ids.to_vec()).push(")) AS f ");
+    q.push(KEY_GROUPS)
+        .push(" ORDER BY workload_id, src_address, peer_kind, peer_key, peer_digest, dst_port, protocol");
+    q
+}
+
+/// The flow keys towards `ids` in the raw parts of `sources` (the partial hours at the ends and
+/// the windows not rolled up yet), summed per key; `None` when there are none.
+fn raw_statement(ids: &[Uuid], sources: &[Source]) -> Option<QueryBuilder<Postgres>> {
+    let mut q = QueryBuilder::<Postgres>::new(format!("SELECT {KEY_COLUMNS} FROM ("));
+    let mut parts = 0;
+    for source in sources {
+        let (from, to, pending) = match *source {
+            Source::Hours(..) => continue,
+            Source::Raw(from, to) => (from, to, false),
+            Source::Pending(from, to) => (from, to, true),
+        };
+        if parts > 0 {
             q.push(" UNION ALL ");
         }
-        let raw = "SELECT workload_id, src_address, peer_kind, peer_key, md5(peer_labels::text)::uuid AS peer_digest,
-                   peer_labels, dst_port, protocol, new_connections AS c, 1::bigint AS r, first_seen, last_seen
-                   FROM flow_records WHERE window_start >= ";
-        match source {
-            Source::Hours(from, to) => {
-                q.push(
-                    "SELECT workload_id, src_address, peer_kind, peer_key, peer_digest, peer_labels, dst_port,
-                     protocol, new_connections AS c, records AS r, first_seen, last_seen FROM flow_rollups
-                     WHERE hour >= ",
-                );
-                q.push_bind(from).push(" AND hour < ").push_bind(to);
-            }
-            Source::Raw(from, to) => {
-                q.push(raw).push_bind(from).push(" AND window_start < ").push_bind(to);
-            }
-            Source::Pending(from, to) => {
-                q.push(raw).push_bind(from).push(" AND window_start < ").push_bind(to);
-                q.push(
-                    " AND (workload_id, window_id, window_start) IN (SELECT workload_id, window_id, window_start
-                       FROM flow_windows WHERE NOT rolled_up AND window_start >= ",
-                );
-                q.push_bind(from).push(" AND window_start < ").push_bind(to).push(")");
-            }
+        parts += 1;
+        q.push(
+            "SELECT workload_id, src_address, peer_kind, peer_key, md5(peer_labels::text)::uuid AS peer_digest,
+                    dst_port, protocol, new_connections AS c, 1::bigint AS r, first_seen, last_seen
+             FROM flow_records WHERE window_start >= ",
+        );
+        q.push_bind(from).push(" AND window_start < ").push_bind(to);
+        if pending {
+            q.push(
+                " AND (workload_id, window_id, window_start) IN (SELECT workload_id, window_id, window_start
+                   FROM flow_windows WHERE NOT rolled_up AND window_start >= ",
+            );
+            q.push_bind(from).push(" AND window_start < ").push_bind(to).push(")");
         }
         q.push(" AND workload_id = ANY(").push_bind(ids.to_vec()).push(")");
     }
-    q.push(") AS f GROUP BY workload_id, src_address, peer_kind, peer_key, peer_digest, dst_port, protocol");
-    q
+    q.push(") AS f ").push(KEY_GROUPS);
+    (parts > 0).then_some(q)
+}
+
+/// A flow key: workload, source, peer kind, peer key, label digest, port, protocol.
+type Key = (Uuid, IpAddr, i16, String, LabelDigest, u16, Protocol);
+
+/// A key's sums: connections, records, first and last seen (ms).
+#[derive(Debug, Clone, Copy)]
+struct Sums {
+    connections: u64,
+    records: u64,
+    first_seen_ms: i64,
+    last_seen_ms: i64,
+}
+
+impl Sums {
+    fn merge(self, other: Sums) -> Sums {
+        Sums {
+            connections: self.connections.saturating_add(other.connections),
+            records: self.records.saturating_add(other.records),
+            first_seen_ms: self.first_seen_ms.min(other.first_seen_ms),
+            last_seen_ms: self.last_seen_ms.max(other.last_seen_ms),
+        }
+    }
+}
+
+/// One row of either statement.
+fn key_row(row: &PgRow) -> Result<(Key, Sums), Error> {
+    let corrupt = |what: &'static str, detail: String| Error::Corrupt { what, detail };
+    let src: String = row.get(1);
+    let key = (
+        row.get::<Uuid, _>(0),
+        src.parse().map_err(|_| corrupt("flow source", src.clone()))?,
+        row.get::<i16, _>(2),
+        row.get::<String, _>(3),
+        row.get::<LabelDigest, _>(4),
+        u16::try_from(row.get::<i32, _>(5)).map_err(|_| corrupt("flow port", String::new()))?,
+        Protocol::from_code(row.get(6))
+            .map_err(|_| corrupt("flow protocol", row.get::<i16, _>(6).to_string()))?,
+    );
+    let sums = Sums {
+        connections: row.get::<i64, _>(7).max(0) as u64,
+        records: row.get::<i64, _>(8).max(0) as u64,
+        first_seen_ms: row.get::<DateTime<Utc>, _>(9).timestamp_millis(),
+        last_seen_ms: row.get::<DateTime<Utc>, _>(10).timestamp_millis(),
+    };
+    Ok((key, sums))
+}
+
+/// The fold of every flow key into its workload's replayer, counting keys against [`MAX_KEYS`]
+/// and noting, per label digest of a row kept, one flow key that has it.
+struct Keys<'a> {
+    replayers: &'a mut BTreeMap<Uuid, Replayer>,
+    now: &'a BTreeMap<String, LabelDigest>,
+    count: u64,
+}
+
+impl Keys<'_> {
+    fn add(&mut self, key: Key, sums: Sums) -> Result<(), Error> {
+        self.count += 1;
+        if self.count > MAX_KEYS {
+            return Err(Error::Invalid(format!(
+                "the range holds more than {MAX_KEYS} flow keys towards these workloads; replay a shorter range or fewer workloads"
+            )));
+        }
+        let (workload, src, peer_kind, peer_key, labels_then, dst_port, protocol) = key;
+        let Some(replayer) = self.replayers.get_mut(&workload) else { return Ok(()) };
+        let labels_now = if peer_kind == 1 { self.now.get(&peer_key).copied() } else { None };
+        replayer.add(&FlowSum {
+            src,
+            peer_kind,
+            peer_key,
+            labels_then,
+            labels_now,
+            dst_port,
+            protocol,
+            connections: sums.connections,
+            records: sums.records,
+            first_seen_ms: sums.first_seen_ms,
+            last_seen_ms: sums.last_seen_ms,
+        });
+        Ok(())
+    }
+}
+
+/// Folds the flow keys towards `ids` over `range` into `replayers` and returns how many there
+/// were: the raw parts' keys (few: partial hours, windows not rolled up yet) are read first and
+/// kept by key, then the rollups' keys stream in key order and take up the raw sums of their
+/// key; the raw keys no rollup has follow. Each key is added once, with all its sums.
+async fn fold(
+    conn: &mut PgConnection,
+    ids: &[Uuid],
+    range: Range,
+    replayers: &mut BTreeMap<Uuid, Replayer>,
+    now: &BTreeMap<String, LabelDigest>,
+) -> Result<u64, Error> {
+    let sources = crate::flows::sources(range.from, range.to);
+    let mut raw: BTreeMap<Key, Sums> = BTreeMap::new();
+    if let Some(mut q) = raw_statement(ids, &sources) {
+        let mut rows = q.build().fetch(&mut *conn);
+        while let Some(row) = rows.next().await.transpose()? {
+            if raw.len() as u64 >= MAX_KEYS {
+                return Err(Error::Invalid(format!(
+                    "the range holds more than {MAX_KEYS} flow keys towards these workloads; replay a shorter range or fewer workloads"
+                )));
+            }
+            let (key, sums) = key_row(&row)?;
+            raw.insert(key, sums);
+        }
+    }
+    let mut keys = Keys { replayers, now, count: 0 };
+    for source in &sources {
+        let Source::Hours(from, to) = *source else { continue };
+        // The plan this statement is written for: the covering index read in key order, summed
+        // per key as it comes, planned for the ids bound (a generic plan, which the server
+        // switches a prepared statement to after five runs, guesses the rows and sorts them all).
+        // Reads only, so the settings end with a rollback.
+        let mut tx = conn.begin().await?;
+        sqlx::query("SET LOCAL enable_hashagg = off").execute(&mut *tx).await?;
+        sqlx::query("SET LOCAL plan_cache_mode = force_custom_plan").execute(&mut *tx).await?;
+        {
+            let mut q = rollup_statement(ids, from, to);
+            let mut rows = q.build().fetch(&mut *tx);
+            while let Some(row) = rows.next().await.transpose()? {
+                let (key, sums) = key_row(&row)?;
+                let sums = match raw.remove(&key) {
+                    Some(more) => sums.merge(more),
+                    None => sums,
+                };
+                keys.add(key, sums)?;
+            }
+        }
+        tx.rollback().await?;
+    }
+    for (key, sums) in raw {
+        keys.add(key, sums)?;
+    }
+    Ok(keys.count)
 }
 
 async fn run(conn: &mut PgConnection, jobs: Vec<Job>, range: Range, top: usize) -> Result<Impact, Error> {
     let ids: Vec<Uuid> = jobs.iter().map(|j| j.id.uuid()).collect();
     let mut replayers: BTreeMap<Uuid, Replayer> =
         jobs.iter().map(|j| (j.id.uuid(), Replayer::new(j.from.as_ref(), &j.to, top))).collect();
+    let mut labels = BTreeMap::new();
     let mut keys = 0u64;
     if !ids.is_empty() {
-        let now = labels_now(conn).await?;
-        let mut q = flow_statement(&ids, range);
-        let mut rows = q.build().fetch(&mut *conn);
-        while let Some(row) = rows.next().await.transpose()? {
-            keys += 1;
-            if keys > MAX_KEYS {
-                return Err(Error::Invalid(format!(
-                    "the range holds more than {MAX_KEYS} flow keys towards these workloads; replay a shorter range or fewer workloads"
-                )));
-            }
-            let corrupt = |what: &'static str, detail: String| Error::Corrupt { what, detail };
-            let src: String = row.get(1);
-            let peer_key: String = row.get(3);
-            let peer_kind: i16 = row.get(2);
-            let flow = FlowSum {
-                src: src.parse().map_err(|_| corrupt("flow source", src.clone()))?,
-                peer_kind,
-                labels_now: if peer_kind == 1 { now.get(&peer_key).cloned() } else { None },
-                peer_key,
-                labels_then: row.get(4),
-                dst_port: u16::try_from(row.get::<i32, _>(5))
-                    .map_err(|_| corrupt("flow port", String::new()))?,
-                protocol: Protocol::from_code(row.get(6))
-                    .map_err(|_| corrupt("flow protocol", row.get::<i16, _>(6).to_string()))?,
-                connections: row.get::<i64, _>(7).max(0) as u64,
-                records: row.get::<i64, _>(8).max(0) as u64,
-                first_seen_ms: row.get::<DateTime<Utc>, _>(9).timestamp_millis(),
-                last_seen_ms: row.get::<DateTime<Utc>, _>(10).timestamp_millis(),
-            };
-            if let Some(r) = replayers.get_mut(&row.get::<Uuid, _>(0)) {
-                r.add(&flow);
+        let (now, sets) = labels_now(conn).await?;
+        labels = sets;
+        keys = fold(conn, &ids, range, &mut replayers, &now).await?;
+        // Every label set a kept row names, once, with a flow key that has it.
+        let mut wanted: BTreeMap<LabelDigest, (Uuid, i16, String)> = BTreeMap::new();
+        for (workload, replayer) in &replayers {
+            for (digest, peer_kind, peer_key) in replayer.label_sets() {
+                wanted.entry(digest).or_insert_with(|| (*workload, peer_kind, peer_key.to_owned()));
             }
         }
+        labels_then(conn, wanted, range, &mut labels).await?;
     }
     let (windows, gaps) = evidence(conn, &ids, range).await?;
     let (from_ms, to_ms) = (range.from.timestamp_millis(), range.to.timestamp_millis());
@@ -388,7 +580,7 @@ async fn run(conn: &mut PgConnection, jobs: Vec<Job>, range: Range, top: usize) 
     for job in &jobs {
         let uuid = job.id.uuid();
         let Some(replayer) = replayers.remove(&uuid) else { continue };
-        let (replayed, unseen, unseen_count) = replayer.finish();
+        let (replayed, unseen, unseen_count) = replayer.finish(&labels);
         let no_windows = Vec::new();
         let no_gaps = Vec::new();
         out.push(WorkloadImpact {

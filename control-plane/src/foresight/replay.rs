@@ -3,8 +3,10 @@
 //! uses, as enforcement would judge it ("some rule admits it"), at both policies; the keys are
 //! counted per transition and the heaviest kept. Also pure: the evidence coverage of a range
 //! from a workload's windows and gaps, and the (rule, CIDR) admissions the new policy adds that
-//! no recorded flow exercised.
+//! no recorded flow exercised. A flow names its peer's labels by digest while it is folded;
+//! only the rows kept are given the label sets themselves (`Replayer::finish`).
 
+use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use innerwall_wire::flows::{Decision, EvidenceGap, decide};
@@ -17,6 +19,10 @@ pub const HOUR_MS: i64 = 3_600_000;
 /// The most two windows may be apart and still count as abutting (as the verdict has it).
 pub const JOIN_SLACK_MS: i64 = crate::gate::verdict::JOIN_SLACK_MS;
 
+/// A label set as flow evidence keys it: the md5 of its canonical jsonb text, as a uuid (the
+/// rollups' `peer_digest`). Equal label sets have equal digests: jsonb text is canonical.
+pub type LabelDigest = uuid::Uuid;
+
 /// One flow key towards the workload, summed over the range.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FlowSum {
@@ -25,9 +31,9 @@ pub struct FlowSum {
     pub peer_kind: i16,
     pub peer_key: String,
     /// The peer's labels when the flow was ingested.
-    pub labels_then: serde_json::Value,
+    pub labels_then: LabelDigest,
     /// The peer's labels now, if it is a live workload (`None` otherwise).
-    pub labels_now: Option<serde_json::Value>,
+    pub labels_now: Option<LabelDigest>,
     pub dst_port: u16,
     pub protocol: Protocol,
     pub connections: u64,
@@ -40,7 +46,7 @@ impl FlowSum {
     /// The peer is a workload whose labels now differ from those stored with the flow (or a
     /// workload that is no longer live).
     pub fn relabelled(&self) -> bool {
-        self.peer_kind == 1 && self.labels_now.as_ref() != Some(&self.labels_then)
+        self.peer_kind == 1 && self.labels_now != Some(self.labels_then)
     }
 }
 
@@ -146,9 +152,21 @@ pub struct Replayer {
     from: Option<WorkloadPolicy>,
     to: WorkloadPolicy,
     top: usize,
-    out: Replayed,
+    counts: Replayed,
+    /// The rows kept of each kind, with their label digests (then, now) until `finish`.
+    top_blocked: Vec<Kept>,
+    top_allowed: Vec<Kept>,
+    top_relabelled: Vec<Kept>,
     /// The new admissions no flow has exercised yet.
     unseen: Vec<NewAdmission>,
+}
+
+/// A row kept, its labels still digests.
+#[derive(Debug)]
+struct Kept {
+    row: ReplayRow,
+    then: LabelDigest,
+    now: Option<LabelDigest>,
 }
 
 impl Replayer {
@@ -158,7 +176,10 @@ impl Replayer {
             from: from.map(enforced),
             to: enforced(to),
             top,
-            out: Replayed::default(),
+            counts: Replayed::default(),
+            top_blocked: Vec::new(),
+            top_allowed: Vec::new(),
+            top_relabelled: Vec::new(),
             unseen: new_admissions(from, to),
         }
     }
@@ -174,60 +195,108 @@ impl Replayer {
         if !self.unseen.is_empty() {
             self.unseen.retain(|a| !a.exercised_by(flow));
         }
-        let row = || ReplayRow {
-            src_address: flow.src.to_string(),
-            peer_kind: flow.peer_kind,
-            peer_key: flow.peer_key.clone(),
-            labels_then: flow.labels_then.clone(),
-            labels_now: flow.labels_now.clone(),
-            relabelled: flow.relabelled(),
-            dst_port: flow.dst_port,
-            protocol: flow.protocol.to_string(),
-            connections: flow.connections,
-            records: flow.records,
-            first_seen: time(flow.first_seen_ms),
-            last_seen: time(flow.last_seen_ms),
-            from_rule: before.rule(),
-            to_rule: after.rule(),
+        let row = || Kept {
+            row: ReplayRow {
+                src_address: flow.src.to_string(),
+                peer_kind: flow.peer_kind,
+                peer_key: flow.peer_key.clone(),
+                labels_then: serde_json::Value::Null,
+                labels_now: None,
+                relabelled: flow.relabelled(),
+                dst_port: flow.dst_port,
+                protocol: flow.protocol.to_string(),
+                connections: flow.connections,
+                records: flow.records,
+                first_seen: time(flow.first_seen_ms),
+                last_seen: time(flow.last_seen_ms),
+                from_rule: before.rule(),
+                to_rule: after.rule(),
+            },
+            then: flow.labels_then,
+            now: flow.labels_now,
         };
         let top = self.top;
         match transition {
             Transition::NewlyBlocked => {
-                self.out.newly_blocked += 1;
-                self.out.blocked_connections = self.out.blocked_connections.saturating_add(flow.connections);
-                keep(&mut self.out.top_blocked, row(), top);
+                self.counts.newly_blocked += 1;
+                self.counts.blocked_connections =
+                    self.counts.blocked_connections.saturating_add(flow.connections);
+                keep(&mut self.top_blocked, flow, row, top);
             }
             Transition::NewlyAllowed => {
-                self.out.newly_allowed += 1;
-                keep(&mut self.out.top_allowed, row(), top);
+                self.counts.newly_allowed += 1;
+                keep(&mut self.top_allowed, flow, row, top);
             }
-            Transition::Unchanged => self.out.unchanged += 1,
+            Transition::Unchanged => self.counts.unchanged += 1,
         }
         if flow.relabelled() {
-            self.out.relabelled += 1;
-            keep(&mut self.out.top_relabelled, row(), top);
+            self.counts.relabelled += 1;
+            keep(&mut self.top_relabelled, flow, row, top);
         }
         transition
     }
 
-    /// The totals, and the new admissions no flow of the range exercised (at most `top`, and
-    /// how many there were).
-    pub fn finish(self) -> (Replayed, Vec<NewAdmission>, u64) {
+    /// The label sets the rows kept so far name (then and now), each with the peer of its row
+    /// (kind, key); a set may come more than once.
+    pub fn label_sets(&self) -> impl Iterator<Item = (LabelDigest, i16, &str)> + '_ {
+        let kept = self.top_blocked.iter().chain(&self.top_allowed).chain(&self.top_relabelled);
+        kept.flat_map(|k| {
+            std::iter::once(k.then).chain(k.now).map(|d| (d, k.row.peer_kind, k.row.peer_key.as_str()))
+        })
+    }
+
+    /// The totals with the rows kept given their label sets from `labels` (which holds every
+    /// one of [`Replayer::label_sets`]; one missing reads JSON null), and the new admissions no
+    /// flow of the range exercised (at most `top`, and how many there were).
+    pub fn finish(
+        self,
+        labels: &BTreeMap<LabelDigest, serde_json::Value>,
+    ) -> (Replayed, Vec<NewAdmission>, u64) {
+        let label = |d: &LabelDigest| labels.get(d).cloned().unwrap_or(serde_json::Value::Null);
+        let rows = |kept: Vec<Kept>| -> Vec<ReplayRow> {
+            kept.into_iter()
+                .map(|k| ReplayRow {
+                    labels_then: label(&k.then),
+                    labels_now: k.now.as_ref().map(label),
+                    ..k.row
+                })
+                .collect()
+        };
+        let out = Replayed {
+            top_blocked: rows(self.top_blocked),
+            top_allowed: rows(self.top_allowed),
+            top_relabelled: rows(self.top_relabelled),
+            ..self.counts
+        };
         let unseen = self.unseen.len() as u64;
-        (self.out, self.unseen.into_iter().take(self.top).collect(), unseen)
+        (out, self.unseen.into_iter().take(self.top).collect(), unseen)
     }
 }
 
-/// Keeps the heaviest `top` rows, heaviest first (ties by source, port).
-fn keep(rows: &mut Vec<ReplayRow>, row: ReplayRow, top: usize) {
-    let order = |r: &ReplayRow| {
-        (std::cmp::Reverse(r.connections), r.src_address.clone(), r.dst_port, r.protocol.clone())
-    };
-    let at = rows.partition_point(|r| order(r) <= order(&row));
+/// Keeps the heaviest `top` rows, heaviest first (ties by source, port, protocol, then peer, so
+/// the rows kept do not depend on the order the flows come in). The row is built only when kept.
+fn keep(rows: &mut Vec<Kept>, flow: &FlowSum, row: impl FnOnce() -> Kept, top: usize) {
+    // A full list whose lightest row is heavier keeps it out without building it.
+    if rows.len() >= top && rows.last().is_some_and(|last| last.row.connections > flow.connections) {
+        return;
+    }
+    let kept = row();
+    let at = rows.partition_point(|r| order(&r.row) <= order(&kept.row));
     if at < top {
-        rows.insert(at, row);
+        rows.insert(at, kept);
         rows.truncate(top);
     }
+}
+
+fn order(r: &ReplayRow) -> (std::cmp::Reverse<u64>, &str, u16, &str, i16, &str) {
+    (
+        std::cmp::Reverse(r.connections),
+        r.src_address.as_str(),
+        r.dst_port,
+        r.protocol.as_str(),
+        r.peer_kind,
+        r.peer_key.as_str(),
+    )
 }
 
 fn time(ms: i64) -> chrono::DateTime<chrono::Utc> {
@@ -394,7 +463,7 @@ mod tests {
             src: src.parse().unwrap(),
             peer_kind: 0,
             peer_key: src.into(),
-            labels_then: serde_json::json!({}),
+            labels_then: digest(0),
             labels_now: None,
             dst_port: port,
             protocol: Protocol::Tcp,
@@ -403,6 +472,10 @@ mod tests {
             first_seen_ms: 1_000,
             last_seen_ms: 2_000,
         }
+    }
+
+    fn digest(n: u128) -> LabelDigest {
+        uuid::Uuid::from_u128(n)
     }
 
     fn policy(mode: Mode, rules: Vec<innerwall_wire::policy::ResolvedRule>) -> WorkloadPolicy {
@@ -422,7 +495,7 @@ mod tests {
         assert_eq!(r.add(&flow("10.0.2.5", 5432, 1)), Transition::NewlyAllowed);
         assert_eq!(r.add(&flow("10.0.9.5", 5432, 1)), Transition::Unchanged);
         assert_eq!(r.add(&flow("10.0.2.5", 22, 1)), Transition::Unchanged);
-        let (out, unseen, n) = r.finish();
+        let (out, unseen, n) = r.finish(&BTreeMap::new());
         assert_eq!((out.newly_blocked, out.newly_allowed, out.unchanged), (2, 1, 2));
         assert_eq!(out.blocked_connections, 12);
         assert_eq!(out.top_blocked.len(), 1, "top bounds the rows");
@@ -440,7 +513,7 @@ mod tests {
         let mut r = Replayer::new(None, &to, 5);
         assert_eq!(r.add(&flow("192.0.2.1", 80, 1)), Transition::NewlyBlocked);
         assert_eq!(r.add(&flow("10.1.1.1", 80, 1)), Transition::Unchanged);
-        let (_, unseen, n) = r.finish();
+        let (_, unseen, n) = r.finish(&BTreeMap::new());
         assert!(unseen.is_empty() && n == 0);
     }
 
@@ -461,7 +534,7 @@ mod tests {
         assert_eq!(names, ["a/tcp 192.0.2.0/24 [\"80\"]", "b/udp 10.0.0.0/8 [\"53\"]"]);
         let mut r = Replayer::new(Some(&from), &to, 5);
         r.add(&flow("192.0.2.9", 80, 1));
-        let (_, unseen, n) = r.finish();
+        let (_, unseen, n) = r.finish(&BTreeMap::new());
         assert_eq!((unseen[0].rule.as_str(), n), ("b/udp", 1));
     }
 
@@ -469,15 +542,61 @@ mod tests {
     fn relabelled_peers_are_workloads_whose_labels_changed() {
         let mut f = flow("10.0.0.1", 80, 1);
         f.peer_kind = 1;
-        f.labels_then = serde_json::json!({"app": "web"});
-        f.labels_now = Some(serde_json::json!({"app": "web"}));
+        f.labels_then = digest(1);
+        f.labels_now = Some(digest(1));
         assert!(!f.relabelled());
-        f.labels_now = Some(serde_json::json!({"app": "api"}));
+        f.labels_now = Some(digest(2));
         assert!(f.relabelled());
         f.labels_now = None;
         assert!(f.relabelled(), "a peer no longer live is not what it was");
         f.peer_kind = 0;
         assert!(!f.relabelled(), "bare addresses have no labels to change");
+    }
+
+    #[test]
+    fn kept_rows_get_their_label_sets_and_do_not_depend_on_the_order_flows_come_in() {
+        let from = policy(Mode::Enforcement, vec![rule("a", Protocol::Tcp, &[80], &["10.0.0.0/8"])]);
+        let to = policy(Mode::Enforcement, vec![]);
+        let peer = |src: &str, key: &str, connections, then, now| {
+            let mut f = flow(src, 80, connections);
+            (f.peer_kind, f.peer_key, f.labels_then, f.labels_now) =
+                (1, key.into(), digest(then), Some(digest(now)));
+            f
+        };
+        // Two keys tie on connections, source, port and protocol; only the peer tells them apart.
+        let flows = [
+            peer("10.0.0.1", "w-b", 5, 1, 1),
+            peer("10.0.0.1", "w-a", 5, 1, 2),
+            peer("10.0.0.2", "w-c", 9, 2, 2),
+            peer("10.0.0.3", "w-d", 1, 1, 1),
+        ];
+        let labels = BTreeMap::from([
+            (digest(1), serde_json::json!({"app": "web"})),
+            (digest(2), serde_json::json!({"app": "api"})),
+        ]);
+        let replay = |flows: &[FlowSum]| {
+            let mut r = Replayer::new(Some(&from), &to, 2);
+            for f in flows {
+                assert_eq!(r.add(f), Transition::NewlyBlocked);
+            }
+            let wanted: std::collections::BTreeSet<LabelDigest> = r.label_sets().map(|(d, _, _)| d).collect();
+            assert_eq!(wanted, [digest(1), digest(2)].into(), "the kept rows name both label sets");
+            r.finish(&labels).0
+        };
+        let out = replay(&flows);
+        let mut reversed = flows.clone();
+        reversed.reverse();
+        assert_eq!(replay(&reversed), out, "the order flows come in changes nothing");
+        let shown: Vec<(&str, &serde_json::Value, Option<&serde_json::Value>)> = out
+            .top_blocked
+            .iter()
+            .map(|r| (r.peer_key.as_str(), &r.labels_then, r.labels_now.as_ref()))
+            .collect();
+        let (web, api) = (&labels[&digest(1)], &labels[&digest(2)]);
+        assert_eq!(shown, [("w-c", api, Some(api)), ("w-a", web, Some(api))]);
+        assert_eq!(out.newly_blocked, 4);
+        assert_eq!((out.relabelled, out.top_relabelled[0].peer_key.as_str()), (1, "w-a"));
+        assert!(out.top_relabelled[0].relabelled);
     }
 
     #[test]

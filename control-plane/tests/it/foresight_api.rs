@@ -470,7 +470,7 @@ async fn policy_test_set_routes_over_http() {
         authoring::update_ruleset(&mut tx, &bad_backend(), 1).await.unwrap();
         let rendering = publish_rendering(&mut tx, Overflow::Hold).await.unwrap();
         let stored = foresight::show_test_set(pool, "payments-intent").await.unwrap().spec;
-        let report = policy_tests::evaluate(&[stored], &rendering);
+        let report = policy_tests::evaluate(&[stored], &rendering, &Default::default());
         tx.rollback().await.unwrap();
         report.failures()
     };

@@ -10,6 +10,7 @@ use innerwall_control_plane::policy::authoring;
 use innerwall_control_plane::policy::spec::NewWorkload;
 use innerwall_control_plane::policy::store;
 use innerwall_control_plane::testing::{self, fresh_database};
+use innerwall_wire::flows::FlowWindow;
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::{Mode, Protocol, WorkloadPolicy};
 use innerwall_wire::proto;
@@ -178,4 +179,95 @@ async fn impact_replays_recorded_flows() {
     let out = cli(&["--accept-blocks"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--min-coverage"));
+}
+
+/// A peer workload registered with `labels` at `address` (accepted, so its flows name it).
+async fn peer(pool: &sqlx::PgPool, labels: &[&str], address: &str) -> WorkloadId {
+    let new = NewWorkload {
+        id: WorkloadId::new_random(),
+        hostname: format!("peer-{address}"),
+        labels: labels.iter().map(|l| l.parse().unwrap()).collect(),
+        addresses: BTreeSet::from([address.parse().unwrap()]),
+    };
+    foresight::commit(pool, "test", "register", &new.hostname, async |c| {
+        authoring::register_workload(c, &new).await?;
+        Ok(((), serde_json::json!({})))
+    })
+    .await
+    .unwrap();
+    new.id
+}
+
+async fn relabel(pool: &sqlx::PgPool, id: WorkloadId, label: &str) {
+    foresight::commit(pool, "test", "label", "peer", async |c| {
+        Ok((authoring::edit_labels(c, id, 1, &[label.parse().unwrap()], &[]).await?, serde_json::json!({})))
+    })
+    .await
+    .unwrap();
+}
+
+/// The peer labels an impact reports are the ones each flow was ingested with ("then", read per
+/// label set only for the rows shown: from the rollups, or from raw records when only those have
+/// it) beside the peer's labels now, whichever part of the range (rolled-up hours, a window not
+/// rolled up, the partial hour at the end) the flow came from.
+#[tokio::test]
+async fn impact_reports_peer_labels_then_and_now() {
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    let dst = register(pool, "web-1").await;
+    let batch = peer(pool, &["app=batch"], "10.5.0.1").await;
+    peer(pool, &["app=api"], "10.5.0.2").await;
+    let old = peer(pool, &["app=old"], "10.5.0.3").await;
+    let now = Utc::now();
+    let h0 = (now.duration_trunc(TimeDelta::hours(1)).unwrap() - TimeDelta::hours(3)).timestamp_millis();
+    testing::installed(pool, dst, &[(1, Mode::Simulation, at(h0 - HOUR))]).await.unwrap();
+    let blocked = |src, n, at| flow(src, 8001, None, n, at);
+    // H0 rolled up: batch (then app=batch) and api; H1 not rolled up: old (then app=old).
+    ingest(pool, dst, 1, h0, vec![blocked("10.5.0.1", 5, h0), blocked("10.5.0.2", 2, h0)], vec![]).await;
+    assert!(flows::roll_up(pool, now).await.unwrap() >= 1);
+    ingest(pool, dst, 1, h0 + HOUR, vec![blocked("10.5.0.3", 4, h0 + HOUR)], vec![]).await;
+    relabel(pool, batch, "app=etl").await;
+    relabel(pool, old, "app=new").await;
+    // Seen after the relabel (a millisecond on: the label history keeps microseconds), in the
+    // open hour: batch as app=etl.
+    let t = Utc::now().timestamp_millis() + 1;
+    let after = proto::FlowWindow {
+        window_id: uuid::Uuid::new_v4().to_string(),
+        start_unix_ms: t - 60_000,
+        end_unix_ms: t + 1_000,
+        policy_version: 1,
+        mode: 2,
+        records: vec![blocked("10.5.0.1", 3, t - 1_000)],
+        gaps: vec![],
+    };
+    flows::ingest(pool, dst, &FlowWindow::try_from(&after).unwrap()).await.unwrap();
+
+    // Nothing applied admitted every flow; the proposal admits none of them.
+    let none = innerwall_wire::testing::rule("other", Protocol::Tcp, &[9999], &["203.0.113.0/24"]);
+    let proposed = BTreeMap::from([(dst, WorkloadPolicy::new(2, Mode::Enforcement, [none]).unwrap())]);
+    let range = Range { from: at(h0), to: at(t + 60_000) };
+    let mut conn = pool.acquire().await.unwrap();
+    let impact = foresight::impact(&mut conn, &proposed, range, 10).await.unwrap();
+    let r = &impact.workloads[0].replayed;
+    assert_eq!((r.newly_blocked, r.unchanged, impact.keys), (4, 0, 4));
+    let app = |v: &str| serde_json::json!({ "app": v });
+    let rows: Vec<(&str, u64, serde_json::Value, Option<serde_json::Value>, bool)> = r
+        .top_blocked
+        .iter()
+        .map(|r| {
+            (r.src_address.as_str(), r.connections, r.labels_then.clone(), r.labels_now.clone(), r.relabelled)
+        })
+        .collect();
+    assert_eq!(
+        rows,
+        [
+            ("10.5.0.1", 5, app("batch"), Some(app("etl")), true),
+            ("10.5.0.3", 4, app("old"), Some(app("new")), true),
+            ("10.5.0.1", 3, app("etl"), Some(app("etl")), false),
+            ("10.5.0.2", 2, app("api"), Some(app("api")), false),
+        ]
+    );
+    let relabelled: Vec<(&str, &serde_json::Value)> =
+        r.top_relabelled.iter().map(|r| (r.src_address.as_str(), &r.labels_then)).collect();
+    assert_eq!((r.relabelled, relabelled), (2, vec![("10.5.0.1", &app("batch")), ("10.5.0.3", &app("old"))]));
 }
