@@ -1449,7 +1449,9 @@ async fn parameters_never_panic() {
     // The capture sees what the replica's tasks log (a positive control for the end).
     tokio::spawn(async { tracing::error!(target: "probe", "probe") }).await.unwrap();
     assert_eq!(errors.0.lock().unwrap().drain(..).count(), 1, "the capture sees spawned tasks");
-    let plane = Plane::start(ApiLimits::default()).await;
+    // Every route with every hostile parameter is more than a minute's worth of requests at the
+    // default bound; this test is about parameters, not the request bound.
+    let plane = Plane::start(ApiLimits { requests_per_minute: 100_000, ..ApiLimits::default() }).await;
     let admin = mint(plane.pool(), "parameters", Role::Admin).await.token;
     let workload = register(plane.pool(), "web-1", &["app=web"]).await.to_string();
     let json_header = [("content-type", "application/json"), ("if-match", "\"1\"")];
