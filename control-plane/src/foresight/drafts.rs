@@ -947,19 +947,13 @@ async fn preview(pool: &PgPool, actor: &str, name: &str, counts: &CountBounds) -
     tx.rollback().await?;
     let mut blockers: Vec<String> = promotions
         .iter()
-        .filter(|p| {
-            p.verdict.as_ref().and_then(|v| v.get("outcome")).and_then(|o| o.as_str())
-                != Some(Outcome::Safe.name())
-        })
         .filter(|p| p.to_mode == Mode::Enforcement.name())
-        .map(|p| {
-            let outcome = p
-                .verdict
-                .as_ref()
-                .and_then(|v| v.get("outcome"))
-                .and_then(|o| o.as_str())
-                .unwrap_or("unknown");
-            format!("mode change of {} to enforcement: the verdict is {outcome}, not SAFE", p.scope)
+        .filter_map(|p| {
+            let outcome = p.verdict.as_ref().and_then(|v| v.get("outcome")).and_then(|o| o.as_str());
+            (outcome != Some(Outcome::Safe.name())).then(|| {
+                let outcome = outcome.unwrap_or("unknown");
+                format!("mode change of {} to enforcement: the verdict is {outcome}, not SAFE", p.scope)
+            })
         })
         .collect();
     let failing_tests: Vec<TestResult> = report.results.iter().filter(|r| !r.passed).cloned().collect();
@@ -1030,7 +1024,9 @@ async fn rendered_changes(
                 mode: new.mode().to_string(),
                 delta_changes,
                 delta,
-                digest: hex(&ring::digest::digest(&ring::digest::SHA256, &new.canonical_bytes())),
+                digest: crate::identity::ca::hex(
+                    ring::digest::digest(&ring::digest::SHA256, &new.canonical_bytes()).as_ref(),
+                ),
             })
         })
         .collect()
@@ -1041,10 +1037,6 @@ pub fn delta_bytes(delta: &innerwall_wire::policy::PolicyDelta) -> String {
     use base64::Engine as _;
     let bytes = innerwall_wire::proto::PolicyDelta::from(delta).encode_to_vec();
     base64::engine::general_purpose::STANDARD.encode(bytes)
-}
-
-fn hex(digest: &ring::digest::Digest) -> String {
-    digest.as_ref().iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// The draft rendered without committing: per workload, the delta it would receive and the

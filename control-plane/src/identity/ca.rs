@@ -722,7 +722,8 @@ fn random_serial() -> Result<SerialNumber, CaError> {
     Ok(SerialNumber::from_slice(&bytes))
 }
 
-fn hex(bytes: &[u8]) -> String {
+/// Lower-case hex of `bytes` (fingerprints, digests).
+pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 

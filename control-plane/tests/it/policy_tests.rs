@@ -15,12 +15,14 @@ use innerwall_control_plane::foresight::{self, policy_tests};
 use innerwall_control_plane::notice::CHANNEL;
 use innerwall_control_plane::policy::authoring;
 use innerwall_control_plane::policy::model::ServiceEntry;
-use innerwall_control_plane::policy::spec::{NewWorkload, PeerSpec, RuleSpec, RulesetSpec, ServiceSpec};
+use innerwall_control_plane::policy::spec::{NewWorkload, PeerSpec, RulesetSpec, ServiceSpec};
 use innerwall_control_plane::policy::store;
 use innerwall_control_plane::testing::{self, fresh_database};
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::Mode;
 use sqlx::PgPool;
+
+use crate::foresight_api::{backend, bad_backend, good_backend};
 use sqlx::postgres::PgListener;
 
 use crate::recorded::{HOUR, at, flow_to, ingest, rule_for};
@@ -57,27 +59,6 @@ async fn service(pool: &PgPool, name: &str, entry: &str) {
 
 fn app(v: &str) -> BTreeMap<String, Vec<String>> {
     [("app".to_owned(), vec![v.to_owned()])].into()
-}
-
-fn rule(name: &str, peers: Vec<PeerSpec>, service: &str) -> RuleSpec {
-    RuleSpec {
-        name: name.into(),
-        description: String::new(),
-        enabled: true,
-        peers,
-        services: vec![service.into()],
-    }
-}
-
-/// One ruleset over the back tier: payments from web on https, db from api on postgres.
-fn backend(from_web: Vec<PeerSpec>, from_api: Vec<PeerSpec>) -> RulesetSpec {
-    RulesetSpec {
-        name: "backend".into(),
-        description: String::new(),
-        enabled: true,
-        scope: [("tier".to_owned(), vec!["back".to_owned()])].into(),
-        rules: vec![rule("from-web", from_web, "https"), rule("from-api", from_api, "postgres")],
-    }
 }
 
 const TESTS: &str = "
@@ -145,10 +126,7 @@ async fn policy_tests_refuse_commit() {
     let db_1 = register(pool, "db-1", &["app=db", "tier=back"], "10.0.0.4").await;
     service(pool, "https", "tcp:443").await;
     service(pool, "postgres", "tcp:5432").await;
-    let good = backend(
-        vec![PeerSpec::workloads(app("web"))],
-        vec![PeerSpec::workloads(app("api")), PeerSpec::cidr("10.9.0.0/16")],
-    );
+    let good = good_backend();
     foresight::commit(pool, "test", "ruleset.create", "backend", async |c| {
         authoring::create_ruleset(c, &good).await?;
         Ok(((), serde_json::json!({})))
@@ -198,10 +176,7 @@ async fn policy_tests_refuse_commit() {
     assert_eq!(report.results[3].assertion, "observed");
 
     // The breaking change: from-web now admits api and the internet range, from-api admits web.
-    let bad = backend(
-        vec![PeerSpec::workloads(app("api")), PeerSpec::cidr("203.0.113.0/24")],
-        vec![PeerSpec::workloads(app("api")), PeerSpec::workloads(app("web")), PeerSpec::cidr("10.9.0.0/16")],
-    );
+    let bad = bad_backend();
     let mut listener = PgListener::connect(&db.url).await.unwrap();
     listener.listen(CHANNEL).await.unwrap();
     let before = counts(pool).await;

@@ -89,18 +89,8 @@ impl Expect {
 
 /// A change file's text, bounded by [`drafts::MAX_CHANGE_FILE`], parsed as every operator file is.
 fn read_change_file(path: &Path) -> anyhow::Result<ChangeFile> {
-    use std::io::Read as _;
-    let reader: Box<dyn std::io::Read> = if path == Path::new("-") {
-        Box::new(std::io::stdin())
-    } else {
-        Box::new(std::fs::File::open(path).with_context(|| format!("while reading {}", path.display()))?)
-    };
-    let mut text = String::new();
-    reader
-        .take(drafts::MAX_CHANGE_FILE + 1)
-        .read_to_string(&mut text)
-        .with_context(|| format!("while reading {}", path.display()))?;
-    Ok(drafts::parse_change_file(&path.display().to_string(), &text)?)
+    let (origin, text) = crate::file::read_bounded(path, drafts::MAX_CHANGE_FILE)?;
+    Ok(drafts::parse_change_file(&origin, &text)?)
 }
 
 pub async fn run(ctx: &Ctx, cmd: &DraftCmd) -> anyhow::Result<()> {

@@ -27,6 +27,7 @@ mod ctx;
 mod drafts;
 mod duration;
 mod estate;
+mod file;
 mod flows;
 mod logs;
 mod operators;

@@ -365,18 +365,8 @@ pub struct RulesetFile {
 }
 
 fn read_ruleset_file(path: &Path) -> anyhow::Result<RulesetSpec> {
-    use std::io::Read as _;
-    let reader: Box<dyn std::io::Read> = if path == Path::new("-") {
-        Box::new(std::io::stdin())
-    } else {
-        Box::new(std::fs::File::open(path).with_context(|| format!("while reading {}", path.display()))?)
-    };
-    let mut text = String::new();
-    reader
-        .take(MAX_RULESET_FILE + 1)
-        .read_to_string(&mut text)
-        .with_context(|| format!("while reading {}", path.display()))?;
-    Ok(spec::parse_ruleset_file(&path.display().to_string(), &text)?)
+    let (origin, text) = crate::file::read_bounded(path, MAX_RULESET_FILE)?;
+    Ok(spec::parse_ruleset_file(&origin, &text)?)
 }
 
 pub async fn ruleset(ctx: &Ctx, cmd: &ObjectCmd<RulesetFile>) -> anyhow::Result<()> {
@@ -487,18 +477,8 @@ pub struct TestSetFile {
 }
 
 fn read_test_set_file(path: &Path) -> anyhow::Result<foresight::TestSetSpec> {
-    use std::io::Read as _;
-    let reader: Box<dyn std::io::Read> = if path == Path::new("-") {
-        Box::new(std::io::stdin())
-    } else {
-        Box::new(std::fs::File::open(path).with_context(|| format!("while reading {}", path.display()))?)
-    };
-    let mut text = String::new();
-    reader
-        .take(policy_tests::MAX_TEST_SET_FILE + 1)
-        .read_to_string(&mut text)
-        .with_context(|| format!("while reading {}", path.display()))?;
-    Ok(policy_tests::parse_test_set_file(&path.display().to_string(), &text)?)
+    let (origin, text) = crate::file::read_bounded(path, policy_tests::MAX_TEST_SET_FILE)?;
+    Ok(policy_tests::parse_test_set_file(&origin, &text)?)
 }
 
 pub async fn policy(ctx: &Ctx, cmd: &PolicyCmd) -> anyhow::Result<()> {
