@@ -281,6 +281,13 @@ pub struct OperatorTokenView {
 }
 
 fn check_name(name: &str) -> Result<(), Error> {
+    // Checked first: any id-shaped text (even one ending in "-") gets the reason that matters.
+    if is_id_shaped(name) {
+        return Err(Error::Invalid(format!(
+            "operator token name {name:?} has the shape of a token id ({ID_LEN} characters without a \".\"), \
+             so it could be read as another token's id; choose a longer or shorter name, or one with a \".\""
+        )));
+    }
     let bytes = name.as_bytes();
     let edge = |b: Option<&u8>| b.is_some_and(u8::is_ascii_alphanumeric);
     let ok = (1..=MAX_NAME).contains(&bytes.len())
@@ -291,12 +298,6 @@ fn check_name(name: &str) -> Result<(), Error> {
         return Err(Error::Invalid(format!(
             "operator token name {name:?} is not valid: 1 to {MAX_NAME} characters of A-Z a-z 0-9 . _ -, \
              starting and ending with a letter or digit"
-        )));
-    }
-    if is_id_shaped(name) {
-        return Err(Error::Invalid(format!(
-            "operator token name {name:?} has the shape of a token id ({ID_LEN} characters without a \".\"), \
-             so it could be read as another token's id; choose a longer or shorter name, or one with a \".\""
         )));
     }
     Ok(())
@@ -564,6 +565,12 @@ mod tests {
         // The last two have an id's shape: 8 characters of base64url.
         for bad in ["", "-a", "a-", "a b", "ä", &"a".repeat(64), "deployer", "AbC-d_e1"] {
             assert!(check_name(bad).is_err(), "{bad:?}");
+        }
+        // An id may end (or start) in "-" or "_"; used as a name it is refused as id-shaped,
+        // not as ill-formed, whatever its edges.
+        for id_like in ["jrgoFUD-", "_rgoFUD1", "deployer"] {
+            let err = check_name(id_like).unwrap_err().to_string();
+            assert!(err.contains("shape of a token id"), "{id_like:?}: {err}");
         }
     }
 }
