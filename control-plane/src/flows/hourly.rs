@@ -1,8 +1,9 @@
 //! Hourly pre-aggregation of flow records (FLOW-6, PERF-8): the records of windows that started
 //! before the current hour are summed per (hour, workload, version, decision, rule, peer with its
 //! labels then, source, destination, service) into `flow_rollups`, and over the whole estate per
-//! (hour, version, decision, rule) into `flow_rule_rollups`, and each window is marked `rolled_up`
-//! in the same transaction. Ingest writes nothing of this (PERF-7), and reviews stay
+//! (hour, version, decision, rule) into `flow_rule_rollups`, and per (UTC day, impact flow key) into
+//! `flow_key_days` (added to: late windows of a day join its sums), and each window is marked
+//! `rolled_up` in the same transaction. Ingest writes nothing of this (PERF-7), and reviews stay
 //! exact at every moment: they read the rollups of windows marked and the raw records of the
 //! rest. The raw records remain the source of truth; rollups expire with them (`retention`).
 
@@ -71,7 +72,19 @@ pub async fn roll_up(pool: &PgPool, now: DateTime<Utc>) -> Result<u64, Error> {
                      AND r.window_start = m.window_start AND r.window_id = m.window_id
                 GROUP BY 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12
                 RETURNING hour, policy_version, decision, matched_rule_id, records, new_connections, packets, bytes,
-                          first_seen, last_seen),
+                          first_seen, last_seen, workload_id, src_address, peer_kind, peer_key, peer_digest, dst_port,
+                          protocol),
+             by_key AS (
+                INSERT INTO flow_key_days AS d (day, workload_id, src_address, peer_kind, peer_key, peer_digest,
+                    dst_port, protocol, records, new_connections, first_seen, last_seen)
+                SELECT date_trunc('day', hour, 'UTC'), workload_id, src_address, peer_kind, peer_key, peer_digest,
+                       dst_port, protocol, sum(records), sum(new_connections), min(first_seen), max(last_seen)
+                FROM added GROUP BY 1, 2, 3, 4, 5, 6, 7, 8
+                ON CONFLICT (workload_id, src_address, peer_kind, peer_key, peer_digest, dst_port, protocol, day)
+                DO UPDATE SET records = d.records + EXCLUDED.records,
+                              new_connections = d.new_connections + EXCLUDED.new_connections,
+                              first_seen = least(d.first_seen, EXCLUDED.first_seen),
+                              last_seen = greatest(d.last_seen, EXCLUDED.last_seen)),
              by_rule AS (
                 INSERT INTO flow_rule_rollups (hour, policy_version, decision, matched_rule_id, records,
                     new_connections, packets, bytes, first_seen, last_seen)

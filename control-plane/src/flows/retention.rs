@@ -1,4 +1,4 @@
-//! Retention of flow evidence (FLOW-5): windows, records, gaps and hourly rollups live in daily
+//! Retention of flow evidence (FLOW-5): windows, records, gaps, hourly rollups and daily key sums live in daily
 //! partitions, created on demand and dropped whole once past the retention. Ingests hold the partition lock shared,
 //! so uploads run side by side; creating and dropping partitions holds it exclusively.
 
@@ -14,11 +14,11 @@ pub const DEFAULT_RETENTION_DAYS: i64 = 30;
 pub(super) const PARTITION_LOCK_KEY: i64 = 0x6977_2d66_6c6f_7773;
 
 /// The partitioned flow tables, each with a partition a day.
-const PARTITIONED: [&str; 5] =
-    ["flow_windows", "flow_records", "flow_gaps", "flow_rollups", "flow_rule_rollups"];
+const PARTITIONED: [&str; 6] =
+    ["flow_windows", "flow_records", "flow_gaps", "flow_rollups", "flow_rule_rollups", "flow_key_days"];
 
 /// Each partitioned table with the name of its partition for `day`.
-pub(super) fn partitions(day: NaiveDate) -> [(&'static str, String); 5] {
+pub(super) fn partitions(day: NaiveDate) -> [(&'static str, String); 6] {
     let suffix = day.format("%Y%m%d");
     PARTITIONED.map(|table| (table, format!("{table}_{suffix}")))
 }

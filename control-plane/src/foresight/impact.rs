@@ -8,14 +8,14 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, DurationRound, Utc};
 use innerwall_wire::convert::WireEnum;
 use innerwall_wire::flows::{EvidenceGap, GapKind};
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::{Protocol, WorkloadPolicy};
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::PgRow;
-use sqlx::{Acquire, PgConnection, Postgres, QueryBuilder, Row};
+use sqlx::{Connection, PgConnection, Postgres, QueryBuilder, Row};
 use tokio_stream::StreamExt;
 use uuid::Uuid;
 
@@ -369,16 +369,57 @@ const KEY_COLUMNS: &str =
 const KEY_GROUPS: &str =
     "GROUP BY workload_id, src_address, peer_kind, peer_key, peer_digest, dst_port, protocol";
 
-/// The flow keys towards `ids` in the whole hours of the rollups, summed per key, in key order:
-/// read through the covering index `flow_rollups_impact` (migration 0029) and summed as they
-/// come, without a sort, a hash table or the rows' label sets.
+/// A part of a range's whole hours, read from one table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Part {
+    /// `flow_key_days` rows of the whole UTC days `[from, to)`.
+    Days(DateTime<Utc>, DateTime<Utc>),
+    /// `flow_rollups` rows of the hours `[from, to)`.
+    Hours(DateTime<Utc>, DateTime<Utc>),
+}
+
+/// The whole hours `[from, to)` as the whole UTC days in them and the hours before and after.
+fn split_days(from: DateTime<Utc>, to: DateTime<Utc>) -> Vec<Part> {
+    let day = chrono::TimeDelta::days(1);
+    let floor = |t: DateTime<Utc>| t.duration_trunc(day).expect("times the database stores truncate to days");
+    let first = if floor(from) == from { from } else { floor(from) + day };
+    let last = floor(to);
+    if first >= last {
+        return vec![Part::Hours(from, to)];
+    }
+    let mut parts = vec![Part::Days(first, last)];
+    if from < first {
+        parts.push(Part::Hours(from, first));
+    }
+    if last < to {
+        parts.push(Part::Hours(last, to));
+    }
+    parts
+}
+
+/// The flow keys towards `ids` in the whole hours `[from, to)`, summed per key, in key order:
+/// whole days from `flow_key_days` (migration 0030), the hours around them from `flow_rollups`,
+/// each read through its covering index in key order (`flow_key_days_pkey`,
+/// `flow_rollups_impact`), merged and summed as they come, without a sort, a hash table or the
+/// rows' label sets.
 fn rollup_statement(ids: &[Uuid], from: DateTime<Utc>, to: DateTime<Utc>) -> QueryBuilder<Postgres> {
-    let mut q = QueryBuilder::<Postgres>::new(format!(
-        "SELECT {KEY_COLUMNS} FROM (SELECT workload_id, src_address, peer_kind, peer_key, peer_digest, dst_port,
-             protocol, new_connections AS c, records AS r, first_seen, last_seen FROM flow_rollups WHERE hour >= "
-    ));
-    q.push_bind(from).push(" AND hour < ").push_bind(to);
-    q.push(" AND workload_id = ANY(").push_bind(ids.to_vec()).push(")) AS f ");
+    let mut q = QueryBuilder::<Postgres>::new(format!("SELECT {KEY_COLUMNS} FROM ("));
+    for (n, part) in split_days(from, to).into_iter().enumerate() {
+        if n > 0 {
+            q.push(" UNION ALL ");
+        }
+        let (table, column, from, to) = match part {
+            Part::Days(from, to) => ("flow_key_days", "day", from, to),
+            Part::Hours(from, to) => ("flow_rollups", "hour", from, to),
+        };
+        q.push(format!(
+            "SELECT workload_id, src_address, peer_kind, peer_key, peer_digest, dst_port, protocol,
+                    new_connections AS c, records AS r, first_seen, last_seen FROM {table} WHERE {column} >= "
+        ));
+        q.push_bind(from).push(format!(" AND {column} < ")).push_bind(to);
+        q.push(" AND workload_id = ANY(").push_bind(ids.to_vec()).push(")");
+    }
+    q.push(") AS f ");
     q.push(KEY_GROUPS)
         .push(" ORDER BY workload_id, src_address, peer_kind, peer_key, peer_digest, dst_port, protocol");
     q
@@ -503,7 +544,9 @@ impl Keys<'_> {
 /// Folds the flow keys towards `ids` over `range` into `replayers` and returns how many there
 /// were: the raw parts' keys (few: partial hours, windows not rolled up yet) are read first and
 /// kept by key, then the rollups' keys stream in key order and take up the raw sums of their
-/// key; the raw keys no rollup has follow. Each key is added once, with all its sums.
+/// key; the raw keys no rollup has follow. Each key is added once, with all its sums. Both
+/// statements read one snapshot (when the caller's connection is not in a transaction already),
+/// so a window the roll-up job marks between them is not counted twice.
 async fn fold(
     conn: &mut PgConnection,
     ids: &[Uuid],
@@ -511,10 +554,21 @@ async fn fold(
     replayers: &mut BTreeMap<Uuid, Replayer>,
     now: &BTreeMap<String, LabelDigest>,
 ) -> Result<u64, Error> {
+    let mut tx = if conn.is_in_transaction() {
+        Connection::begin(&mut *conn).await?
+    } else {
+        conn.begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY").await?
+    };
+    // The plan the rollup statement is written for: the covering indexes read in key order,
+    // summed per key as they come, planned for the ids bound (a generic plan, which the server
+    // switches a prepared statement to after five runs, guesses the rows and sorts them all).
+    // Reads only, so the settings end with a rollback.
+    sqlx::query("SET LOCAL enable_hashagg = off").execute(&mut *tx).await?;
+    sqlx::query("SET LOCAL plan_cache_mode = force_custom_plan").execute(&mut *tx).await?;
     let sources = crate::flows::sources(range.from, range.to);
     let mut raw: BTreeMap<Key, Sums> = BTreeMap::new();
     if let Some(mut q) = raw_statement(ids, &sources) {
-        let mut rows = q.build().fetch(&mut *conn);
+        let mut rows = q.build().fetch(&mut *tx);
         while let Some(row) = rows.next().await.transpose()? {
             if raw.len() as u64 >= MAX_KEYS {
                 return Err(Error::Invalid(format!(
@@ -528,27 +582,18 @@ async fn fold(
     let mut keys = Keys { replayers, now, count: 0 };
     for source in &sources {
         let Source::Hours(from, to) = *source else { continue };
-        // The plan this statement is written for: the covering index read in key order, summed
-        // per key as it comes, planned for the ids bound (a generic plan, which the server
-        // switches a prepared statement to after five runs, guesses the rows and sorts them all).
-        // Reads only, so the settings end with a rollback.
-        let mut tx = conn.begin().await?;
-        sqlx::query("SET LOCAL enable_hashagg = off").execute(&mut *tx).await?;
-        sqlx::query("SET LOCAL plan_cache_mode = force_custom_plan").execute(&mut *tx).await?;
-        {
-            let mut q = rollup_statement(ids, from, to);
-            let mut rows = q.build().fetch(&mut *tx);
-            while let Some(row) = rows.next().await.transpose()? {
-                let (key, sums) = key_row(&row)?;
-                let sums = match raw.remove(&key) {
-                    Some(more) => sums.merge(more),
-                    None => sums,
-                };
-                keys.add(key, sums)?;
-            }
+        let mut q = rollup_statement(ids, from, to);
+        let mut rows = q.build().fetch(&mut *tx);
+        while let Some(row) = rows.next().await.transpose()? {
+            let (key, sums) = key_row(&row)?;
+            let sums = match raw.remove(&key) {
+                Some(more) => sums.merge(more),
+                None => sums,
+            };
+            keys.add(key, sums)?;
         }
-        tx.rollback().await?;
     }
+    tx.rollback().await?;
     for (key, sums) in raw {
         keys.add(key, sums)?;
     }
@@ -605,4 +650,57 @@ async fn run(conn: &mut PgConnection, jobs: Vec<Job>, range: Range, top: usize) 
     }
     out.sort_by_key(|w| w.id);
     Ok(Impact { range, top, workloads: out, keys })
+}
+
+#[cfg(test)]
+mod tests {
+    use chrono::TimeDelta;
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn at(hours: i64) -> DateTime<Utc> {
+        DateTime::from_timestamp(1_790_000_000 / 86_400 * 86_400, 0).unwrap() + TimeDelta::hours(hours)
+    }
+
+    #[test]
+    fn whole_days_come_from_the_day_sums() {
+        assert_eq!(
+            split_days(at(5), at(24 * 7 + 3)),
+            vec![
+                Part::Days(at(24), at(24 * 7)),
+                Part::Hours(at(5), at(24)),
+                Part::Hours(at(24 * 7), at(24 * 7 + 3)),
+            ]
+        );
+        assert_eq!(split_days(at(0), at(48)), vec![Part::Days(at(0), at(48))]);
+        // No whole day inside: hours only, even across midnight.
+        assert_eq!(split_days(at(5), at(23)), vec![Part::Hours(at(5), at(23))]);
+        assert_eq!(split_days(at(20), at(30)), vec![Part::Hours(at(20), at(30))]);
+    }
+
+    proptest! {
+        /// The parts cover the whole hours exactly once, days only where whole.
+        #[test]
+        fn parts_cover_the_hours_once(from in 0i64..24 * 10, len in 1i64..24 * 10) {
+            let (from, to) = (at(from), at(from + len));
+            let mut covered: Vec<(DateTime<Utc>, DateTime<Utc>)> = split_days(from, to)
+                .into_iter()
+                .map(|part| match part {
+                    Part::Days(a, b) => {
+                        assert_eq!((a.timestamp() % 86_400, b.timestamp() % 86_400), (0, 0));
+                        (a, b)
+                    }
+                    Part::Hours(a, b) => (a, b),
+                })
+                .collect();
+            covered.sort();
+            prop_assert_eq!(covered.first().unwrap().0, from);
+            prop_assert_eq!(covered.last().unwrap().1, to);
+            for pair in covered.windows(2) {
+                prop_assert_eq!(pair[0].1, pair[1].0);
+                prop_assert!(pair[0].0 < pair[0].1);
+            }
+        }
+    }
 }

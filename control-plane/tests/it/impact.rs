@@ -271,3 +271,83 @@ async fn impact_reports_peer_labels_then_and_now() {
         r.top_relabelled.iter().map(|r| (r.src_address.as_str(), &r.labels_then)).collect();
     assert_eq!((r.relabelled, relabelled), (2, vec![("10.5.0.1", &app("batch")), ("10.5.0.3", &app("old"))]));
 }
+
+/// Whole UTC days of a range are read from the day sums the roll-up job keeps (`flow_key_days`),
+/// the partial days around them from the hourly rollups and the raw records: a key seen on
+/// several days, in a late window of a day rolled up before and in a window not rolled up yet
+/// sums to exactly what its raw records hold, whichever range is asked.
+#[tokio::test]
+async fn impact_reads_whole_days_from_day_sums() {
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    let dst = register(pool, "web-1").await;
+    let now = Utc::now();
+    let today = now.duration_trunc(TimeDelta::days(1)).unwrap().timestamp_millis();
+    let day = 24 * HOUR;
+    testing::installed(pool, dst, &[(1, Mode::Simulation, at(today - 4 * day))]).await.unwrap();
+    let blocked = |src, n, at| flow(src, 8001, None, n, at);
+    // 192.0.2.10 on the evening before the first whole day, twice on the first whole day, once
+    // on the second; 192.0.2.20 on the second whole day only.
+    for (start, src, n) in [
+        (today - 3 * day + 22 * HOUR, "192.0.2.10", 1),
+        (today - 2 * day + HOUR, "192.0.2.10", 2),
+        (today - 2 * day + 5 * HOUR, "192.0.2.10", 3),
+        (today - day + 2 * HOUR, "192.0.2.10", 5),
+        (today - day + 3 * HOUR, "192.0.2.20", 7),
+    ] {
+        ingest(pool, dst, 1, start, vec![blocked(src, n, start)], vec![]).await;
+    }
+    assert_eq!(flows::roll_up(pool, now).await.unwrap(), 5);
+    // A late window of the first whole day, rolled up by the next run: added to its day sums.
+    let late = today - 2 * day + 7 * HOUR;
+    ingest(pool, dst, 1, late, vec![blocked("192.0.2.10", 11, late)], vec![]).await;
+    assert_eq!(flows::roll_up(pool, now).await.unwrap(), 1);
+    let day_rows: Vec<(i64, i64)> = sqlx::query_as(
+        "SELECT new_connections, records FROM flow_key_days WHERE workload_id = $1 AND src_address = '192.0.2.10'
+         ORDER BY day",
+    )
+    .bind(dst.uuid())
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    assert_eq!(day_rows, [(1, 1), (16, 3), (5, 1)], "one row per key and day, the late window added");
+    // And one not rolled up yet, in the open hour.
+    let open = now.duration_trunc(TimeDelta::hours(1)).unwrap().timestamp_millis();
+    ingest(pool, dst, 1, open, vec![blocked("192.0.2.10", 13, open)], vec![]).await;
+
+    let none = innerwall_wire::testing::rule("other", Protocol::Tcp, &[9999], &["203.0.113.0/24"]);
+    let proposed = BTreeMap::from([(dst, WorkloadPolicy::new(2, Mode::Enforcement, [none]).unwrap())]);
+    let mut conn = pool.acquire().await.unwrap();
+    // Ranges with whole days and partial days at either end, one within a day, one of days only.
+    let ranges = [
+        (today - 3 * day + 20 * HOUR, now.timestamp_millis() + HOUR),
+        (today - 3 * day + 22 * HOUR + 30 * 60_000, today - day + 3 * HOUR),
+        (today - 2 * day + 4 * HOUR, today - 2 * day + 8 * HOUR),
+        (today - 2 * day, today),
+    ];
+    for (from, to) in ranges {
+        let range = Range { from: at(from), to: at(to) };
+        let impact = foresight::impact(&mut conn, &proposed, range, 10).await.unwrap();
+        let r = &impact.workloads[0].replayed;
+        let mut reported: Vec<(String, i64, i64)> = r
+            .top_blocked
+            .iter()
+            .map(|row| (row.src_address.clone(), row.connections as i64, row.records as i64))
+            .collect();
+        reported.sort();
+        // What the raw records of the range hold, summed per source.
+        let raw: Vec<(String, i64, i64)> = sqlx::query_as(
+            "SELECT host(src_address), sum(new_connections)::bigint, count(*) FROM flow_records
+             WHERE workload_id = $1 AND window_start >= $2 AND window_start < $3 GROUP BY 1 ORDER BY 1",
+        )
+        .bind(dst.uuid())
+        .bind(range.from)
+        .bind(range.to)
+        .fetch_all(pool)
+        .await
+        .unwrap();
+        assert!(!raw.is_empty());
+        assert_eq!(reported, raw, "range {} .. {}", range.from, range.to);
+        assert_eq!(r.newly_blocked, raw.len() as u64);
+    }
+}
