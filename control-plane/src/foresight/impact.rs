@@ -14,12 +14,12 @@ use innerwall_wire::flows::{EvidenceGap, GapKind};
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::{Protocol, WorkloadPolicy};
 use serde::{Deserialize, Serialize};
-use sqlx::postgres::PgRow;
-use sqlx::{Connection, PgConnection, Postgres, QueryBuilder, Row};
+use sqlx::{Connection, PgConnection, Row};
 use tokio_stream::StreamExt;
 use uuid::Uuid;
 
 use super::replay::{self, Coverage, FlowSum, LabelDigest, NewAdmission, Replayed, Replayer};
+use crate::copy::{self, Fields};
 use crate::error::Error;
 use crate::flows::Source;
 use crate::policy::store;
@@ -362,12 +362,28 @@ async fn evidence(
     Ok((windows, gaps))
 }
 
-/// The columns of a flow key and its sums, in the order [`Keys::add`] reads them.
-const KEY_COLUMNS: &str =
-    "workload_id, host(src_address), peer_kind, peer_key, peer_digest, dst_port, protocol,
+/// The columns of a flow key and its sums, in the order [`key_fields`] reads them.
+const KEY_COLUMNS: &str = "workload_id, src_address, peer_kind, peer_key, peer_digest, dst_port, protocol,
      sum(c)::bigint, sum(r)::bigint, min(first_seen), max(last_seen)";
 const KEY_GROUPS: &str =
     "GROUP BY workload_id, src_address, peer_kind, peer_key, peer_digest, dst_port, protocol";
+
+/// The statements read their rows as binary `COPY` (a fraction of the client's work per row
+/// that decoding result rows costs), which takes no parameters: the values are written into the
+/// text as literals, each from a type whose text is only digits, hex, `-`, `:`, `+`, `.` and
+/// `T` (a uuid, an RFC 3339 time), so nothing can end its quoting.
+fn ids_literal(ids: &[Uuid]) -> String {
+    let list: Vec<String> = ids.iter().map(Uuid::to_string).collect();
+    format!("'{{{}}}'::uuid[]", list.join(","))
+}
+
+fn time_literal(t: DateTime<Utc>) -> String {
+    format!("'{}'::timestamptz", t.to_rfc3339())
+}
+
+fn copy_of(statement: &str) -> String {
+    format!("COPY ({statement}) TO STDOUT (FORMAT binary)")
+}
 
 /// A part of a range's whole hours, read from one table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -402,61 +418,62 @@ fn split_days(from: DateTime<Utc>, to: DateTime<Utc>) -> Vec<Part> {
 /// each read through its covering index in key order (`flow_key_days_pkey`,
 /// `flow_rollups_impact`), merged and summed as they come, without a sort, a hash table or the
 /// rows' label sets.
-fn rollup_statement(ids: &[Uuid], from: DateTime<Utc>, to: DateTime<Utc>) -> QueryBuilder<Postgres> {
-    let mut q = QueryBuilder::<Postgres>::new(format!("SELECT {KEY_COLUMNS} FROM ("));
-    for (n, part) in split_days(from, to).into_iter().enumerate() {
-        if n > 0 {
-            q.push(" UNION ALL ");
-        }
-        let (table, column, from, to) = match part {
-            Part::Days(from, to) => ("flow_key_days", "day", from, to),
-            Part::Hours(from, to) => ("flow_rollups", "hour", from, to),
-        };
-        q.push(format!(
-            "SELECT workload_id, src_address, peer_kind, peer_key, peer_digest, dst_port, protocol,
-                    new_connections AS c, records AS r, first_seen, last_seen FROM {table} WHERE {column} >= "
-        ));
-        q.push_bind(from).push(format!(" AND {column} < ")).push_bind(to);
-        q.push(" AND workload_id = ANY(").push_bind(ids.to_vec()).push(")");
-    }
-    q.push(") AS f ");
-    q.push(KEY_GROUPS)
-        .push(" ORDER BY workload_id, src_address, peer_kind, peer_key, peer_digest, dst_port, protocol");
-    q
+fn rollup_statement(ids: &[Uuid], from: DateTime<Utc>, to: DateTime<Utc>) -> String {
+    let ids = ids_literal(ids);
+    let parts: Vec<String> = split_days(from, to)
+        .into_iter()
+        .map(|part| {
+            let (table, column, from, to) = match part {
+                Part::Days(from, to) => ("flow_key_days", "day", from, to),
+                Part::Hours(from, to) => ("flow_rollups", "hour", from, to),
+            };
+            format!(
+                "SELECT workload_id, src_address, peer_kind, peer_key, peer_digest, dst_port, protocol,
+                        new_connections AS c, records AS r, first_seen, last_seen FROM {table}
+                 WHERE {column} >= {} AND {column} < {} AND workload_id = ANY({ids})",
+                time_literal(from),
+                time_literal(to)
+            )
+        })
+        .collect();
+    let key = "workload_id, src_address, peer_kind, peer_key, peer_digest, dst_port, protocol";
+    copy_of(&format!(
+        "SELECT {KEY_COLUMNS} FROM ({}) AS f {KEY_GROUPS} ORDER BY {key}",
+        parts.join(" UNION ALL ")
+    ))
 }
 
 /// The flow keys towards `ids` in the raw parts of `sources` (the partial hours at the ends and
 /// the windows not rolled up yet), summed per key; `None` when there are none.
-fn raw_statement(ids: &[Uuid], sources: &[Source]) -> Option<QueryBuilder<Postgres>> {
-    let mut q = QueryBuilder::<Postgres>::new(format!("SELECT {KEY_COLUMNS} FROM ("));
-    let mut parts = 0;
-    for source in sources {
-        let (from, to, pending) = match *source {
-            Source::Hours(..) => continue,
-            Source::Raw(from, to) => (from, to, false),
-            Source::Pending(from, to) => (from, to, true),
-        };
-        if parts > 0 {
-            q.push(" UNION ALL ");
-        }
-        parts += 1;
-        q.push(
-            "SELECT workload_id, src_address, peer_kind, peer_key, md5(peer_labels::text)::uuid AS peer_digest,
-                    dst_port, protocol, new_connections AS c, 1::bigint AS r, first_seen, last_seen
-             FROM flow_records WHERE window_start >= ",
-        );
-        q.push_bind(from).push(" AND window_start < ").push_bind(to);
-        if pending {
-            q.push(
-                " AND (workload_id, window_id, window_start) IN (SELECT workload_id, window_id, window_start
-                   FROM flow_windows WHERE NOT rolled_up AND window_start >= ",
-            );
-            q.push_bind(from).push(" AND window_start < ").push_bind(to).push(")");
-        }
-        q.push(" AND workload_id = ANY(").push_bind(ids.to_vec()).push(")");
-    }
-    q.push(") AS f ").push(KEY_GROUPS);
-    (parts > 0).then_some(q)
+fn raw_statement(ids: &[Uuid], sources: &[Source]) -> Option<String> {
+    let ids = ids_literal(ids);
+    let parts: Vec<String> = sources
+        .iter()
+        .filter_map(|source| {
+            let (from, to, pending) = match *source {
+                Source::Hours(..) => return None,
+                Source::Raw(from, to) => (from, to, false),
+                Source::Pending(from, to) => (from, to, true),
+            };
+            let (from, to) = (time_literal(from), time_literal(to));
+            let pending = match pending {
+                true => format!(
+                    " AND (workload_id, window_id, window_start) IN (SELECT workload_id, window_id, window_start
+                       FROM flow_windows WHERE NOT rolled_up AND window_start >= {from} AND window_start < {to})"
+                ),
+                false => String::new(),
+            };
+            Some(format!(
+                "SELECT workload_id, src_address, peer_kind, peer_key, md5(peer_labels::text)::uuid AS peer_digest,
+                        dst_port, protocol, new_connections AS c, 1::bigint AS r, first_seen, last_seen
+                 FROM flow_records WHERE window_start >= {from} AND window_start < {to}{pending}
+                   AND workload_id = ANY({ids})"
+            ))
+        })
+        .collect();
+    (!parts.is_empty()).then(|| {
+        copy_of(&format!("SELECT {KEY_COLUMNS} FROM ({}) AS f {KEY_GROUPS}", parts.join(" UNION ALL ")))
+    })
 }
 
 /// A flow key: workload, source, peer kind, peer key, label digest, port, protocol.
@@ -483,26 +500,58 @@ impl Sums {
 }
 
 /// One row of either statement.
-fn key_row(row: &PgRow) -> Result<(Key, Sums), Error> {
-    let corrupt = |what: &'static str, detail: String| Error::Corrupt { what, detail };
-    let src: String = row.get(1);
+fn key_fields(row: &mut Fields<'_>) -> Result<(Key, Sums), Error> {
     let key = (
-        row.get::<Uuid, _>(0),
-        src.parse().map_err(|_| corrupt("flow source", src.clone()))?,
-        row.get::<i16, _>(2),
-        row.get::<String, _>(3),
-        row.get::<LabelDigest, _>(4),
-        u16::try_from(row.get::<i32, _>(5)).map_err(|_| corrupt("flow port", String::new()))?,
-        Protocol::from_code(row.get(6))
-            .map_err(|_| corrupt("flow protocol", row.get::<i16, _>(6).to_string()))?,
+        row.uuid("flow workload")?,
+        row.inet("flow source")?,
+        row.i16("flow peer kind")?,
+        row.text("flow peer key")?.to_owned(),
+        row.uuid("flow peer digest")?,
+        u16::try_from(row.i32("flow port")?)
+            .map_err(|_| Error::Corrupt { what: "flow port", detail: String::new() })?,
+        {
+            let code = row.i16("flow protocol")?;
+            Protocol::from_code(code)
+                .map_err(|_| Error::Corrupt { what: "flow protocol", detail: code.to_string() })?
+        },
     );
     let sums = Sums {
-        connections: row.get::<i64, _>(7).max(0) as u64,
-        records: row.get::<i64, _>(8).max(0) as u64,
-        first_seen_ms: row.get::<DateTime<Utc>, _>(9).timestamp_millis(),
-        last_seen_ms: row.get::<DateTime<Utc>, _>(10).timestamp_millis(),
+        connections: row.i64("flow connections")?.max(0) as u64,
+        records: row.i64("flow records")?.max(0) as u64,
+        first_seen_ms: row.timestamptz_ms("flow first seen")?,
+        last_seen_ms: row.timestamptz_ms("flow last seen")?,
     };
+    if !row.exhausted() {
+        return Err(Error::Corrupt { what: "flow key row", detail: "more fields than a key has".into() });
+    }
     Ok((key, sums))
+}
+
+/// Streams the rows of the binary COPY `statement` into `each`.
+async fn copy_rows(
+    conn: &mut PgConnection,
+    statement: &str,
+    mut each: impl FnMut(Key, Sums) -> Result<(), Error>,
+) -> Result<(), Error> {
+    let mut chunks = conn.copy_out_raw(statement).await?;
+    let mut reader = copy::Reader::default();
+    while let Some(chunk) = chunks.next().await.transpose()? {
+        reader.feed(&chunk);
+        while let Some(mut row) = reader.next_row()? {
+            let (key, sums) = key_fields(&mut row)?;
+            each(key, sums)?;
+        }
+    }
+    match reader.finished() {
+        true => Ok(()),
+        false => Err(Error::Corrupt { what: "COPY stream", detail: "it ended before its trailer".into() }),
+    }
+}
+
+fn too_many_keys() -> Error {
+    Error::Invalid(format!(
+        "the range holds more than {MAX_KEYS} flow keys towards these workloads; replay a shorter range or fewer workloads"
+    ))
 }
 
 /// The fold of every flow key into its workload's replayer, counting keys against [`MAX_KEYS`]
@@ -517,9 +566,7 @@ impl Keys<'_> {
     fn add(&mut self, key: Key, sums: Sums) -> Result<(), Error> {
         self.count += 1;
         if self.count > MAX_KEYS {
-            return Err(Error::Invalid(format!(
-                "the range holds more than {MAX_KEYS} flow keys towards these workloads; replay a shorter range or fewer workloads"
-            )));
+            return Err(too_many_keys());
         }
         let (workload, src, peer_kind, peer_key, labels_then, dst_port, protocol) = key;
         let Some(replayer) = self.replayers.get_mut(&workload) else { return Ok(()) };
@@ -559,39 +606,32 @@ async fn fold(
     } else {
         conn.begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY").await?
     };
-    // The plan the rollup statement is written for: the covering indexes read in key order,
-    // summed per key as they come, planned for the ids bound (a generic plan, which the server
-    // switches a prepared statement to after five runs, guesses the rows and sorts them all).
-    // Reads only, so the settings end with a rollback.
+    // The plan the rollup statement is written for: the covering indexes read in key order and
+    // summed per key as they come. Reads only, so the setting ends with the rollback.
     sqlx::query("SET LOCAL enable_hashagg = off").execute(&mut *tx).await?;
-    sqlx::query("SET LOCAL plan_cache_mode = force_custom_plan").execute(&mut *tx).await?;
     let sources = crate::flows::sources(range.from, range.to);
     let mut raw: BTreeMap<Key, Sums> = BTreeMap::new();
-    if let Some(mut q) = raw_statement(ids, &sources) {
-        let mut rows = q.build().fetch(&mut *tx);
-        while let Some(row) = rows.next().await.transpose()? {
+    if let Some(statement) = raw_statement(ids, &sources) {
+        copy_rows(&mut tx, &statement, |key, sums| {
             if raw.len() as u64 >= MAX_KEYS {
-                return Err(Error::Invalid(format!(
-                    "the range holds more than {MAX_KEYS} flow keys towards these workloads; replay a shorter range or fewer workloads"
-                )));
+                return Err(too_many_keys());
             }
-            let (key, sums) = key_row(&row)?;
             raw.insert(key, sums);
-        }
+            Ok(())
+        })
+        .await?;
     }
     let mut keys = Keys { replayers, now, count: 0 };
     for source in &sources {
         let Source::Hours(from, to) = *source else { continue };
-        let mut q = rollup_statement(ids, from, to);
-        let mut rows = q.build().fetch(&mut *tx);
-        while let Some(row) = rows.next().await.transpose()? {
-            let (key, sums) = key_row(&row)?;
+        copy_rows(&mut tx, &rollup_statement(ids, from, to), |key, sums| {
             let sums = match raw.remove(&key) {
                 Some(more) => sums.merge(more),
                 None => sums,
             };
-            keys.add(key, sums)?;
-        }
+            keys.add(key, sums)
+        })
+        .await?;
     }
     tx.rollback().await?;
     for (key, sums) in raw {
