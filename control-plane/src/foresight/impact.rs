@@ -395,32 +395,48 @@ enum Part {
 }
 
 /// The whole hours `[from, to)` as the whole UTC days in them and the hours before and after.
-fn split_days(from: DateTime<Utc>, to: DateTime<Utc>) -> Vec<Part> {
+/// `tail_whole`: no hour of the day `to` falls in is rolled up at or after `to` (the usual case
+/// for a range ending now: the roll-up job has not reached the open hour), so that day's sums
+/// hold just its hours before `to` and are read for them.
+fn split_days(from: DateTime<Utc>, to: DateTime<Utc>, tail_whole: bool) -> Vec<Part> {
     let day = chrono::TimeDelta::days(1);
     let floor = |t: DateTime<Utc>| t.duration_trunc(day).expect("times the database stores truncate to days");
     let first = if floor(from) == from { from } else { floor(from) + day };
     let last = floor(to);
-    if first >= last {
+    let tail = tail_whole && last < to && from <= last;
+    let days_end = if tail { last + day } else { last };
+    if first >= days_end {
         return vec![Part::Hours(from, to)];
     }
-    let mut parts = vec![Part::Days(first, last)];
+    let mut parts = vec![Part::Days(first, days_end)];
     if from < first {
         parts.push(Part::Hours(from, first));
     }
-    if last < to {
+    if !tail && last < to {
         parts.push(Part::Hours(last, to));
     }
     parts
 }
 
-/// The flow keys towards `ids` in the whole hours `[from, to)`, summed per key, in key order:
-/// whole days from `flow_key_days` (migration 0030), the hours around them from `flow_rollups`,
-/// each read through its covering index in key order (`flow_key_days_pkey`,
-/// `flow_rollups_impact`), merged and summed as they come, without a sort, a hash table or the
-/// rows' label sets.
-fn rollup_statement(ids: &[Uuid], from: DateTime<Utc>, to: DateTime<Utc>) -> String {
+/// Whether no hour of the UTC day `to` falls in is rolled up at or after `to` ([`split_days`]).
+async fn tail_whole(conn: &mut PgConnection, to: DateTime<Utc>) -> Result<bool, Error> {
+    let day = chrono::TimeDelta::days(1);
+    let next = to.duration_trunc(day).expect("times the database stores truncate to days") + day;
+    let later: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM flow_rollups WHERE hour >= $1 AND hour < $2)")
+            .bind(to)
+            .bind(next)
+            .fetch_one(&mut *conn)
+            .await?;
+    Ok(!later)
+}
+
+/// The flow keys towards `ids` in `parts` (the whole hours of a range), summed per key in no
+/// particular order: whole days from `flow_key_days` (migration 0030), the hours around them
+/// from `flow_rollups`, without the rows' label sets.
+fn rollup_statement(ids: &[Uuid], parts: Vec<Part>) -> String {
     let ids = ids_literal(ids);
-    let parts: Vec<String> = split_days(from, to)
+    let parts: Vec<String> = parts
         .into_iter()
         .map(|part| {
             let (table, column, from, to) = match part {
@@ -436,11 +452,7 @@ fn rollup_statement(ids: &[Uuid], from: DateTime<Utc>, to: DateTime<Utc>) -> Str
             )
         })
         .collect();
-    let key = "workload_id, src_address, peer_kind, peer_key, peer_digest, dst_port, protocol";
-    copy_of(&format!(
-        "SELECT {KEY_COLUMNS} FROM ({}) AS f {KEY_GROUPS} ORDER BY {key}",
-        parts.join(" UNION ALL ")
-    ))
+    copy_of(&format!("SELECT {KEY_COLUMNS} FROM ({}) AS f {KEY_GROUPS}", parts.join(" UNION ALL ")))
 }
 
 /// The flow keys towards `ids` in the raw parts of `sources` (the partial hours at the ends and
@@ -590,8 +602,7 @@ impl Keys<'_> {
 
 /// Folds the flow keys towards `ids` over `range` into `replayers` and returns how many there
 /// were: the raw parts' keys (few: partial hours, windows not rolled up yet) are read first and
-/// kept by key, then the rollups' keys stream in key order and take up the raw sums of their
-/// key; the raw keys no rollup has follow. Each key is added once, with all its sums. Both
+/// kept by key, then the rollups' keys stream and take up the raw sums of their key; the raw keys no rollup has follow. Each key is added once, with all its sums. Both
 /// statements read one snapshot (when the caller's connection is not in a transaction already),
 /// so a window the roll-up job marks between them is not counted twice.
 async fn fold(
@@ -606,9 +617,10 @@ async fn fold(
     } else {
         conn.begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY").await?
     };
-    // The plan the rollup statement is written for: the covering indexes read in key order and
-    // summed per key as they come. Reads only, so the setting ends with the rollback.
-    sqlx::query("SET LOCAL enable_hashagg = off").execute(&mut *tx).await?;
+    // The statements sum a few million rows into keys in a hash table (on disk past `work_mem`);
+    // compiling them (JIT) costs more than it saves. Reads only: the settings end with the rollback.
+    sqlx::query("SET LOCAL work_mem = '64MB'").execute(&mut *tx).await?;
+    sqlx::query("SET LOCAL jit = off").execute(&mut *tx).await?;
     let sources = crate::flows::sources(range.from, range.to);
     let mut raw: BTreeMap<Key, Sums> = BTreeMap::new();
     if let Some(statement) = raw_statement(ids, &sources) {
@@ -624,7 +636,8 @@ async fn fold(
     let mut keys = Keys { replayers, now, count: 0 };
     for source in &sources {
         let Source::Hours(from, to) = *source else { continue };
-        copy_rows(&mut tx, &rollup_statement(ids, from, to), |key, sums| {
+        let parts = split_days(from, to, tail_whole(&mut tx, to).await?);
+        copy_rows(&mut tx, &rollup_statement(ids, parts), |key, sums| {
             let sums = match raw.remove(&key) {
                 Some(more) => sums.merge(more),
                 None => sums,
@@ -706,25 +719,39 @@ mod tests {
     #[test]
     fn whole_days_come_from_the_day_sums() {
         assert_eq!(
-            split_days(at(5), at(24 * 7 + 3)),
+            split_days(at(5), at(24 * 7 + 3), false),
             vec![
                 Part::Days(at(24), at(24 * 7)),
                 Part::Hours(at(5), at(24)),
                 Part::Hours(at(24 * 7), at(24 * 7 + 3)),
             ]
         );
-        assert_eq!(split_days(at(0), at(48)), vec![Part::Days(at(0), at(48))]);
-        // No whole day inside: hours only, even across midnight.
-        assert_eq!(split_days(at(5), at(23)), vec![Part::Hours(at(5), at(23))]);
-        assert_eq!(split_days(at(20), at(30)), vec![Part::Hours(at(20), at(30))]);
+        // Nothing of the last day rolled up after the end: its day sums are its hours before it.
+        assert_eq!(
+            split_days(at(5), at(24 * 7 + 3), true),
+            vec![Part::Days(at(24), at(24 * 8)), Part::Hours(at(5), at(24)),]
+        );
+        assert_eq!(split_days(at(0), at(48), false), vec![Part::Days(at(0), at(48))]);
+        assert_eq!(split_days(at(0), at(48), true), vec![Part::Days(at(0), at(48))]);
+        // No whole day inside: hours only, even across midnight; a range from midnight may read
+        // its day's sums.
+        assert_eq!(split_days(at(5), at(23), true), vec![Part::Hours(at(5), at(23))]);
+        assert_eq!(split_days(at(20), at(30), false), vec![Part::Hours(at(20), at(30))]);
+        assert_eq!(
+            split_days(at(20), at(30), true),
+            vec![Part::Days(at(24), at(48)), Part::Hours(at(20), at(24))]
+        );
+        assert_eq!(split_days(at(24), at(30), true), vec![Part::Days(at(24), at(48))]);
+        assert_eq!(split_days(at(24), at(30), false), vec![Part::Hours(at(24), at(30))]);
     }
 
     proptest! {
-        /// The parts cover the whole hours exactly once, days only where whole.
+        /// The parts cover the whole hours exactly once, days only where whole, except that a
+        /// whole tail day may reach past the end to its midnight.
         #[test]
-        fn parts_cover_the_hours_once(from in 0i64..24 * 10, len in 1i64..24 * 10) {
+        fn parts_cover_the_hours_once(from in 0i64..24 * 10, len in 1i64..24 * 10, tail in any::<bool>()) {
             let (from, to) = (at(from), at(from + len));
-            let mut covered: Vec<(DateTime<Utc>, DateTime<Utc>)> = split_days(from, to)
+            let mut covered: Vec<(DateTime<Utc>, DateTime<Utc>)> = split_days(from, to, tail)
                 .into_iter()
                 .map(|part| match part {
                     Part::Days(a, b) => {
@@ -736,7 +763,9 @@ mod tests {
                 .collect();
             covered.sort();
             prop_assert_eq!(covered.first().unwrap().0, from);
-            prop_assert_eq!(covered.last().unwrap().1, to);
+            let end = covered.last().unwrap().1;
+            let midnight = to.duration_trunc(TimeDelta::days(1)).unwrap() + TimeDelta::days(1);
+            prop_assert!(end == to || (tail && end == midnight), "{} {}", end, to);
             for pair in covered.windows(2) {
                 prop_assert_eq!(pair[0].1, pair[1].0);
                 prop_assert!(pair[0].0 < pair[0].1);

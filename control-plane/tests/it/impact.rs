@@ -318,12 +318,16 @@ async fn impact_reads_whole_days_from_day_sums() {
     let none = innerwall_wire::testing::rule("other", Protocol::Tcp, &[9999], &["203.0.113.0/24"]);
     let proposed = BTreeMap::from([(dst, WorkloadPolicy::new(2, Mode::Enforcement, [none]).unwrap())]);
     let mut conn = pool.acquire().await.unwrap();
-    // Ranges with whole days and partial days at either end, one within a day, one of days only.
+    // Ranges with whole days and partial days at either end, one within a day, one of days only,
     let ranges = [
         (today - 3 * day + 20 * HOUR, now.timestamp_millis() + HOUR),
         (today - 3 * day + 22 * HOUR + 30 * 60_000, today - day + 3 * HOUR),
         (today - 2 * day + 4 * HOUR, today - 2 * day + 8 * HOUR),
         (today - 2 * day, today),
+        // Ending inside the first whole day: before its late window (so its day sums hold more
+        // than the range), then after it (so they hold just the range's hours of it).
+        (today - 3 * day + 20 * HOUR, today - 2 * day + 6 * HOUR),
+        (today - 3 * day + 20 * HOUR, today - 2 * day + 8 * HOUR),
     ];
     for (from, to) in ranges {
         let range = Range { from: at(from), to: at(to) };
