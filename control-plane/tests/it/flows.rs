@@ -68,8 +68,9 @@ async fn retention_drops_whole_expired_partitions() {
         .unwrap()
     };
     let day = (now - chrono::Duration::seconds(60)).format("%Y%m%d").to_string();
-    let expected = ["flow_gaps", "flow_records", "flow_rollups", "flow_rule_rollups", "flow_windows"]
-        .map(|t| format!("{t}_{day}"));
+    let expected =
+        ["flow_gaps", "flow_key_days", "flow_records", "flow_rollups", "flow_rule_rollups", "flow_windows"]
+            .map(|t| format!("{t}_{day}"));
     assert_eq!(partitions().await, expected);
 
     // Within retention nothing goes; 31 days later the whole day's partitions are dropped.
@@ -104,9 +105,9 @@ async fn retention_drops_many_partitions_in_batches() {
     };
     assert_eq!(count().await, 2 * 401);
     let dropped = flows::apply_retention(&db.pool, 30, now).await.unwrap();
-    // Days [now - 400, now - 31] are wholly before the cutoff day (now - 30): 370 days, five
-    // tables (windows, records, gaps, rollups, rule rollups).
-    assert_eq!(dropped.len(), 5 * 370);
+    // Days [now - 400, now - 31] are wholly before the cutoff day (now - 30): 370 days, six
+    // tables (windows, records, gaps, rollups, rule rollups, key days).
+    assert_eq!(dropped.len(), 6 * 370);
     assert!(dropped.len() > 10 * flows::RETENTION_BATCH, "the test spans many batches");
     assert_eq!(count().await, 2 * 31);
     assert_eq!(flows::apply_retention(&db.pool, 30, now).await.unwrap(), Vec::<String>::new());
