@@ -381,8 +381,18 @@ fn time_literal(t: DateTime<Utc>) -> String {
     format!("'{}'::timestamptz", t.to_rfc3339())
 }
 
-fn copy_of(statement: &str) -> String {
-    format!("COPY ({statement}) TO STDOUT (FORMAT binary)")
+/// The binary `COPY` of the flow keys of `parts` (statements of the key's columns and the sums'
+/// inputs `c`, `r`, `first_seen`, `last_seen`), summed per key.
+fn keys_of(parts: &[String]) -> String {
+    format!(
+        "COPY (SELECT {KEY_COLUMNS} FROM ({}) AS f {KEY_GROUPS}) TO STDOUT (FORMAT binary)",
+        parts.join(" UNION ALL ")
+    )
+}
+
+/// The start of the UTC day `t` falls in.
+fn day_floor(t: DateTime<Utc>) -> DateTime<Utc> {
+    t.duration_trunc(chrono::TimeDelta::days(1)).expect("times the database stores truncate to days")
 }
 
 /// A part of a range's whole hours, read from one table.
@@ -400,9 +410,8 @@ enum Part {
 /// hold just its hours before `to` and are read for them.
 fn split_days(from: DateTime<Utc>, to: DateTime<Utc>, tail_whole: bool) -> Vec<Part> {
     let day = chrono::TimeDelta::days(1);
-    let floor = |t: DateTime<Utc>| t.duration_trunc(day).expect("times the database stores truncate to days");
-    let first = if floor(from) == from { from } else { floor(from) + day };
-    let last = floor(to);
+    let first = if day_floor(from) == from { from } else { day_floor(from) + day };
+    let last = day_floor(to);
     let tail = tail_whole && last < to && from <= last;
     let days_end = if tail { last + day } else { last };
     if first >= days_end {
@@ -420,8 +429,7 @@ fn split_days(from: DateTime<Utc>, to: DateTime<Utc>, tail_whole: bool) -> Vec<P
 
 /// Whether no hour of the UTC day `to` falls in is rolled up at or after `to` ([`split_days`]).
 async fn tail_whole(conn: &mut PgConnection, to: DateTime<Utc>) -> Result<bool, Error> {
-    let day = chrono::TimeDelta::days(1);
-    let next = to.duration_trunc(day).expect("times the database stores truncate to days") + day;
+    let next = day_floor(to) + chrono::TimeDelta::days(1);
     let later: bool =
         sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM flow_rollups WHERE hour >= $1 AND hour < $2)")
             .bind(to)
@@ -452,7 +460,7 @@ fn rollup_statement(ids: &[Uuid], parts: Vec<Part>) -> String {
             )
         })
         .collect();
-    copy_of(&format!("SELECT {KEY_COLUMNS} FROM ({}) AS f {KEY_GROUPS}", parts.join(" UNION ALL ")))
+    keys_of(&parts)
 }
 
 /// The flow keys towards `ids` in the raw parts of `sources` (the partial hours at the ends and
@@ -483,9 +491,7 @@ fn raw_statement(ids: &[Uuid], sources: &[Source]) -> Option<String> {
             ))
         })
         .collect();
-    (!parts.is_empty()).then(|| {
-        copy_of(&format!("SELECT {KEY_COLUMNS} FROM ({}) AS f {KEY_GROUPS}", parts.join(" UNION ALL ")))
-    })
+    (!parts.is_empty()).then(|| keys_of(&parts))
 }
 
 /// A flow key: workload, source, peer kind, peer key, label digest, port, protocol.
@@ -602,8 +608,9 @@ impl Keys<'_> {
 
 /// Folds the flow keys towards `ids` over `range` into `replayers` and returns how many there
 /// were: the raw parts' keys (few: partial hours, windows not rolled up yet) are read first and
-/// kept by key, then the rollups' keys stream and take up the raw sums of their key; the raw keys no rollup has follow. Each key is added once, with all its sums. Both
-/// statements read one snapshot (when the caller's connection is not in a transaction already),
+/// kept by key, then the rollups' keys stream and take up the raw sums of their key; the raw
+/// keys no rollup has follow. Each key is added once, with all its sums. Both statements read
+/// one snapshot (when the caller's connection is not in a transaction already),
 /// so a window the roll-up job marks between them is not counted twice.
 async fn fold(
     conn: &mut PgConnection,
