@@ -54,6 +54,12 @@ fn dispatch(gateway: &Gateway, admission: &Arc<Admission>, payload: &str) {
 
 async fn listen(pool: &PgPool) -> Result<PgListener, sqlx::Error> {
     let mut listener = PgListener::connect_with(pool).await?;
+    // A lost connection is reported at once (`Ok(None)`) and `run` reconnects with its own
+    // backoff, metrics and reconcile; sqlx's eager reconnect would first wait inside `try_recv`
+    // for a new connection (up to the pool's acquire timeout while the server refuses them),
+    // so the loss went unreported or was reported as that timeout, depending on whether the
+    // server's goodbye message or the closed socket came first.
+    listener.eager_reconnect(false);
     listener.listen(CHANNEL).await?;
     Ok(listener)
 }
