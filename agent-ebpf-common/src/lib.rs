@@ -10,7 +10,7 @@
 /// and value layouts, counter slots, program names. Bump it with any change to them. The
 /// program carries it in [`ABI_SECTION`]; the loader refuses an object whose version differs
 /// (one built from other sources than the agent) before it loads anything.
-pub const ABI_VERSION: u32 = 3;
+pub const ABI_VERSION: u32 = 4;
 /// The ELF section holding the program's [`ABI_VERSION`] as one little-endian `u32` (the static
 /// `INNERWALL_ABI`). Not a data section, so aya never turns it into a map.
 pub const ABI_SECTION: &str = "innerwall_abi";
@@ -74,8 +74,25 @@ pub const COUNTER_ICMP_ERRORS_UNMATCHED: u32 = 5;
 /// inbound (a genuine datagram, e.g. a scan from source port 53, looks the same), and counted:
 /// the agent reports them as a suspect-direction evidence gap on the window.
 pub const COUNTER_UDP_REPLY_LIKE_UNMATCHED: u32 = 6;
-/// Number of `COUNTERS` slots.
+/// Number of logical `COUNTERS` slots (the array holds [`COUNTER_ARRAY_SLOTS`]).
 pub const COUNTER_SLOTS: u32 = 8;
+/// Number of slots of the `COUNTERS` array: each [sided](counter_is_sided) counter has a slot
+/// per flow map ([`counter_slot`]).
+pub const COUNTER_ARRAY_SLOTS: u32 = 2 * COUNTER_SLOTS;
+
+/// Whether counter `index` is kept per flow map: the counts a window's evidence gaps are made
+/// of. The program adds to the side of the flow map it writes the packet's record to (read
+/// once per packet), so the agent's drain of a map reports exactly the gaps of the records it
+/// drains; one counter read after the flip would put a packet counted between the flip and
+/// the read in this window's gap and its record in the next window.
+pub const fn counter_is_sided(index: u32) -> bool {
+    matches!(index, COUNTER_FLOW_INSERT_FAILED | COUNTER_UDP_REPLY_LIKE_UNMATCHED)
+}
+
+/// The `COUNTERS` array slot of counter `index` while `ACTIVE_MAP[0] == side` (0 or 1).
+pub const fn counter_slot(index: u32, side: u32) -> u32 {
+    if counter_is_sided(index) { index + COUNTER_SLOTS * side } else { index }
+}
 
 /// [`FlowKey::family`] for IPv4.
 pub const FAMILY_V4: u8 = 4;

@@ -58,9 +58,9 @@ use aya_ebpf::{
 use aya_log_ebpf::warn;
 use innerwall_ebpf_common::{
     ABI_VERSION, CONN_ENTRIES, COUNTER_CONN_INSERT_FAILED, COUNTER_CONN_INSERTED, COUNTER_FLOW_INSERT_FAILED,
-    COUNTER_ICMP_ERRORS_RELATED, COUNTER_ICMP_ERRORS_UNMATCHED, COUNTER_REPLIES_SKIPPED, COUNTER_SLOTS,
+    COUNTER_ICMP_ERRORS_RELATED, COUNTER_ICMP_ERRORS_UNMATCHED, COUNTER_REPLIES_SKIPPED, COUNTER_ARRAY_SLOTS,
     COUNTER_UDP_REPLY_LIKE_UNMATCHED, ConnKey, ConnValue, DEFAULT_FLOW_ENTRIES, DIR_INBOUND, DIR_OUTBOUND,
-    FAMILY_V4, FAMILY_V6, FlowKey, FlowValue, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP,
+    FAMILY_V4, FAMILY_V6, FlowKey, FlowValue, PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, counter_slot,
 };
 
 const ETH_HDR_LEN: usize = 14;
@@ -115,7 +115,7 @@ static ACTIVE_MAP: Array<u32, 1> = Array::new();
 
 /// Monotonic per-CPU counters (indices in innerwall-ebpf-common: insert failures, …).
 #[btf_map]
-static COUNTERS: PerCpuArray<u64, { COUNTER_SLOTS as usize }> = PerCpuArray::new();
+static COUNTERS: PerCpuArray<u64, { COUNTER_ARRAY_SLOTS as usize }> = PerCpuArray::new();
 
 /// Connections with a known direction (who sent the first packet), keyed from this host's side.
 #[btf_map]
@@ -508,6 +508,8 @@ fn ingress(ctx: &TcContext, packet: &Packet) {
         icmp_error(ctx, packet);
         return;
     }
+    // The flow map this packet's record goes to, and the side of its gap counters.
+    let side = u32::from(ACTIVE_MAP.get(0).copied().unwrap_or(0) != 0);
     // 0: not a connection start; 1: a new connection; 2: new if the key is new.
     let new_connection: u64 = if !packet.has_l4 {
         2
@@ -543,7 +545,7 @@ fn ingress(ctx: &TcContext, packet: &Packet) {
                     DIR_INBOUND => 0,
                     _ => {
                         if packet.dst_port >= EPHEMERAL_PORT_MIN && packet.src_port < EPHEMERAL_PORT_MIN {
-                            count(COUNTER_UDP_REPLY_LIKE_UNMATCHED);
+                            count(counter_slot(COUNTER_UDP_REPLY_LIKE_UNMATCHED, side));
                         }
                         learn(ctx, &conn, DIR_INBOUND);
                         1
@@ -581,11 +583,10 @@ fn ingress(ctx: &TcContext, packet: &Packet) {
         family: packet.family,
         _pad: [0; 4],
     };
-    let active = ACTIVE_MAP.get(0).copied().unwrap_or(0);
-    if active == 0 {
-        record(ctx, &FLOWS_A, &key, new_connection);
+    if side == 0 {
+        record(ctx, &FLOWS_A, &key, new_connection, side);
     } else {
-        record(ctx, &FLOWS_B, &key, new_connection);
+        record(ctx, &FLOWS_B, &key, new_connection, side);
     }
 }
 
@@ -595,6 +596,7 @@ fn record(
     map: &PerCpuHashMap<FlowKey, FlowValue, { DEFAULT_FLOW_ENTRIES as usize }>,
     key: &FlowKey,
     new_connection: u64,
+    side: u32,
 ) {
     let bytes = u64::from(ctx.len());
     // SAFETY: bpf_ktime_get_ns has no preconditions.
@@ -620,7 +622,7 @@ fn record(
         }
         // Map full (E2BIG) or out of memory: counted, never silent.
         Err(err) => {
-            let dropped = count(COUNTER_FLOW_INSERT_FAILED);
+            let dropped = count(counter_slot(COUNTER_FLOW_INSERT_FAILED, side));
             if dropped.is_power_of_two() {
                 warn!(ctx, "flow map full (error {}): {} packets unrecorded on this CPU", err, dropped);
             }

@@ -12,7 +12,9 @@
 //! `ACTIVE_MAP[0]`. [`Capture::drain`] flips the index, waits [`DRAIN_GRACE`] so program runs
 //! that read the old index finish (a tc program run takes microseconds), then reads and deletes
 //! every key of the now idle map. Per-CPU values mean no increment is lost to concurrent
-//! updates either. The map-full counter is monotonic; each drain reports the difference.
+//! updates either. The counters are monotonic; each drain reports the difference. The two a
+//! window's gaps are made of (map full, reply-like UDP) are kept per flow map, so a drain
+//! reports exactly those of the records it drains (see `common::counter_is_sided`).
 //!
 //! The program's diagnostics (aya-log, e.g. "flow map full", logged per doubling of a failure
 //! counter) are read from their ring buffer at each drain and handed to a `log` logger: the
@@ -259,7 +261,7 @@ pub struct Capture {
     active_map: Array<MapData, u32>,
     counters: PerCpuArray<MapData, u64>,
     active: u32,
-    last_counters: [u64; common::COUNTER_SLOTS as usize],
+    last_counters: Totals,
     conn_capacity: u32,
     legacy_tc: bool,
 }
@@ -360,7 +362,7 @@ impl Capture {
             active_map,
             counters,
             active: 0,
-            last_counters: [0; common::COUNTER_SLOTS as usize],
+            last_counters: [0; common::COUNTER_ARRAY_SLOTS as usize],
             conn_capacity: options.conn_capacity.unwrap_or(common::CONN_ENTRIES),
             legacy_tc,
         };
@@ -550,9 +552,11 @@ impl Capture {
             });
         }
         let totals = self.counter_totals()?;
-        let delta = |i: u32| totals[i as usize].wrapping_sub(self.last_counters[i as usize]);
         let inserted = common::COUNTER_CONN_INSERTED as usize;
         let beyond = |inserted: u64| inserted.saturating_sub(u64::from(self.conn_capacity));
+        let evictions = beyond(totals[inserted]) - beyond(self.last_counters[inserted]);
+        let counts = since_last(&mut self.last_counters, &totals, idle as u32);
+        let delta = |i: u32| counts[i as usize];
         let drained = Drained {
             records,
             map_full_drops: delta(common::COUNTER_FLOW_INSERT_FAILED),
@@ -560,17 +564,16 @@ impl Capture {
             icmp_errors_related: delta(common::COUNTER_ICMP_ERRORS_RELATED),
             icmp_errors_unmatched: delta(common::COUNTER_ICMP_ERRORS_UNMATCHED),
             udp_reply_like_unmatched: delta(common::COUNTER_UDP_REPLY_LIKE_UNMATCHED),
-            conn_evictions_at_least: beyond(totals[inserted]) - beyond(self.last_counters[inserted]),
+            conn_evictions_at_least: evictions,
             flipped_at_unix_ms: to_unix_ms(flipped_ns),
         };
-        self.last_counters = totals;
         self.logger.flush();
         Ok(drained)
     }
 
-    fn counter_totals(&self) -> Result<[u64; common::COUNTER_SLOTS as usize], CaptureError> {
-        let mut totals = [0; common::COUNTER_SLOTS as usize];
-        for (index, total) in (0..common::COUNTER_SLOTS).zip(totals.iter_mut()) {
+    fn counter_totals(&self) -> Result<Totals, CaptureError> {
+        let mut totals = [0; common::COUNTER_ARRAY_SLOTS as usize];
+        for (index, total) in (0..common::COUNTER_ARRAY_SLOTS).zip(totals.iter_mut()) {
             let values = self
                 .counters
                 .get(&index, 0)
@@ -579,6 +582,23 @@ impl Capture {
         }
         Ok(totals)
     }
+}
+
+/// Every slot of the `COUNTERS` array, summed over the CPUs.
+type Totals = [u64; common::COUNTER_ARRAY_SLOTS as usize];
+
+/// Each counter's count since the last drain, given the `totals` read after the drain of the
+/// flow map of side `idle`, and moves `last` on: every plain slot, but of the sided ones only
+/// the idle side's (the active side's keep counting toward that map's own drain, so a packet
+/// counted between the flip and this read is reported with its record, one drain later).
+fn since_last(last: &mut Totals, totals: &Totals, idle: u32) -> [u64; common::COUNTER_SLOTS as usize] {
+    let mut counts = [0; common::COUNTER_SLOTS as usize];
+    for (index, count) in (0..common::COUNTER_SLOTS).zip(counts.iter_mut()) {
+        let slot = common::counter_slot(index, idle) as usize;
+        *count = totals[slot].wrapping_sub(last[slot]);
+        last[slot] = totals[slot];
+    }
+    counts
 }
 
 /// The classifier `program` of the object.
@@ -730,6 +750,29 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
     }
 
+    #[test]
+    fn a_gap_count_is_reported_by_the_drain_of_its_records_map() {
+        use common::{COUNTER_REPLIES_SKIPPED as PLAIN, COUNTER_UDP_REPLY_LIKE_UNMATCHED as SIDED};
+        let slot = |index, side| common::counter_slot(index, side) as usize;
+        let mut last: Totals = [0; common::COUNTER_ARRAY_SLOTS as usize];
+        let mut totals = last;
+        // Map 0 active: one reply-like datagram, three replies skipped. Then the flip to map 1,
+        // and before the drain reads the counters, two more datagrams on map 1's side.
+        totals[slot(SIDED, 0)] += 1;
+        totals[slot(PLAIN, 0)] += 3;
+        totals[slot(SIDED, 1)] += 2;
+        let first = since_last(&mut last, &totals, 0);
+        assert_eq!((first[SIDED as usize], first[PLAIN as usize]), (1, 3), "map 0's drain");
+        // The next drain (of map 1) reports the two with their records, the plain counter only
+        // what came since.
+        totals[slot(PLAIN, 1)] += 1;
+        let second = since_last(&mut last, &totals, 1);
+        assert_eq!((second[SIDED as usize], second[PLAIN as usize]), (2, 1), "map 1's drain");
+        let third = since_last(&mut last, &totals, 0);
+        assert_eq!((third[SIDED as usize], third[PLAIN as usize]), (0, 0), "nothing twice");
+        assert_ne!(slot(SIDED, 0), slot(SIDED, 1));
+        assert_eq!(slot(PLAIN, 0), slot(PLAIN, 1));
+    }
     /// A BPF ELF object with `sections` (name, contents), as the object crate writes one.
     fn bpf_object(sections: &[(&str, &[u8])]) -> Vec<u8> {
         use object::write::Object;
