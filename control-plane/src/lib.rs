@@ -32,6 +32,7 @@ pub mod rate;
 pub mod retention;
 pub mod service;
 pub mod shown;
+pub mod suggest;
 pub mod sync;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
