@@ -39,6 +39,7 @@ pub mod problem;
 pub mod render;
 pub mod router;
 pub mod server;
+pub mod suggestions;
 pub mod tokens;
 pub mod workloads;
 
@@ -253,6 +254,11 @@ pub fn parse_parameters(query: &str, value: &str) -> usize {
         count(query_of::<workloads::ListQuery>(&uri).is_ok());
         count(query_of::<workloads::StatusQuery>(&uri).is_ok());
         count(query_of::<PageQuery>(&uri).and_then(|q| page_request(q.limit, q.cursor, 100)).is_ok());
+        count(
+            query_of::<suggestions::SuggestQuery>(&uri)
+                .and_then(|q| suggestions::suggest_request(&q, now))
+                .is_ok(),
+        );
         count(
             query_of::<drafts::ImpactQuery>(&uri)
                 .and_then(|q| impact::range_and_top(q.since.as_deref(), q.top, chrono::Utc::now()))

@@ -17,7 +17,8 @@ use utoipa::openapi::{Components, OpenApi, Ref, RefOr};
 use super::Route;
 use super::problem::{PROBLEM_JSON, Problem, ProblemType};
 use super::{
-    audit, catalog, drafts, estate, flows, gate, impact, operators, policy_tests, render, tokens, workloads,
+    audit, catalog, drafts, estate, flows, gate, impact, operators, policy_tests, render, suggestions,
+    tokens, workloads,
 };
 use crate::identity::operators::Role;
 
@@ -54,6 +55,7 @@ pub const CHECKED_IN: &str = "openapi.json";
         policy_tests::delete, policy_tests::run,
         drafts::list, drafts::create, drafts::show, drafts::discard, drafts::add, drafts::render,
         drafts::impact, drafts::tests, drafts::commit,
+        suggestions::list, suggestions::accept, suggestions::ignore,
         estate::list, estate::add, estate::remove, render::render,
         tokens::list, tokens::mint, tokens::revoke,
         flows::list_records, flows::gaps, flows::rollup,
@@ -66,6 +68,7 @@ pub const CHECKED_IN: &str = "openapi.json";
         (name = "catalog", description = "The authored model: services, address groups, rulesets"),
         (name = "policy-tests", description = "Policy tests: named assertions every operator commit must pass"),
         (name = "drafts", description = "Drafts: stored sets of changes, rendered, replayed and tested before one checked commit"),
+        (name = "suggestions", description = "Suggested rules from recorded flows, with their evidence, accepted into a draft or ignored"),
         (name = "estate-ranges", description = "The address ranges whose reported workload addresses may become peers"),
         (name = "render", description = "Render every workload on request"),
         (name = "provisioning-tokens", description = "Tokens hosts enroll with"),

@@ -16,7 +16,7 @@ use super::extract::BodyLimit;
 use super::problem::ApiError;
 use super::{
     ApiLimits, ApiState, Route, audit, auth, catalog, drafts, estate, flows, gate, impact, openapi,
-    operators, policy_tests, render, tokens, workloads,
+    operators, policy_tests, render, suggestions, tokens, workloads,
 };
 use crate::identity::operators::Role;
 
@@ -109,6 +109,9 @@ pub fn build(state: ApiState) -> (Router, Vec<Route>) {
         .mount("POST", "/api/v1/drafts/{name}/impact", Some(Viewer), drafts::impact)
         .mount("POST", "/api/v1/drafts/{name}/tests", Some(Viewer), drafts::tests)
         .mount("POST", "/api/v1/drafts/{name}/commit", Some(Editor), drafts::commit)
+        .mount("GET", "/api/v1/suggestions", Some(Viewer), suggestions::list)
+        .mount("POST", "/api/v1/suggestions/accept", Some(Editor), suggestions::accept)
+        .mount("POST", "/api/v1/suggestions/ignore", Some(Editor), suggestions::ignore)
         // Estate ranges decide which reported addresses enter other hosts' allow sets: a trust
         // decision like retire and deny, so changing them is for admins.
         .mount("GET", "/api/v1/estate-ranges", Some(Viewer), estate::list)

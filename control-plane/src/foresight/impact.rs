@@ -248,7 +248,7 @@ pub async fn replay(
 /// Label digests now of every live workload, by its peer key (its id as text), as ingest writes
 /// them, and the label sets by digest.
 #[allow(clippy::type_complexity)]
-async fn labels_now(
+pub(crate) async fn labels_now(
     conn: &mut PgConnection,
 ) -> Result<(BTreeMap<String, LabelDigest>, BTreeMap<LabelDigest, serde_json::Value>), Error> {
     let rows = sqlx::query(
@@ -270,7 +270,7 @@ async fn labels_now(
 /// The label sets of `wanted` (a digest, and a flow key towards a workload that has it) not in
 /// `sets` yet, read from one row of the range that has each: from the rollups by peer (the
 /// index `flow_rollups_peer_service` leads with it), else from that workload's raw records.
-async fn labels_then(
+pub(crate) async fn labels_then(
     conn: &mut PgConnection,
     wanted: BTreeMap<LabelDigest, (Uuid, i16, String)>,
     range: Range,
@@ -318,7 +318,7 @@ async fn labels_then(
 
 /// Windows `(start, end)` in ms and gaps of `ids` overlapping the range.
 #[allow(clippy::type_complexity)]
-async fn evidence(
+pub(crate) async fn evidence(
     conn: &mut PgConnection,
     ids: &[Uuid],
     range: Range,
@@ -382,10 +382,12 @@ fn time_literal(t: DateTime<Utc>) -> String {
 }
 
 /// The binary `COPY` of the flow keys of `parts` (statements of the key's columns and the sums'
-/// inputs `c`, `r`, `first_seen`, `last_seen`), summed per key.
-fn keys_of(parts: &[String]) -> String {
+/// inputs `c`, `r`, `first_seen`, `last_seen`, and `bucket` when `bucketed`), summed per key (and
+/// bucket).
+fn keys_of(parts: &[String], bucketed: bool) -> String {
+    let (column, group) = if bucketed { (", bucket", ", bucket") } else { ("", "") };
     format!(
-        "COPY (SELECT {KEY_COLUMNS} FROM ({}) AS f {KEY_GROUPS}) TO STDOUT (FORMAT binary)",
+        "COPY (SELECT {KEY_COLUMNS}{column} FROM ({}) AS f {KEY_GROUPS}{group}) TO STDOUT (FORMAT binary)",
         parts.join(" UNION ALL ")
     )
 }
@@ -442,7 +444,7 @@ async fn tail_whole(conn: &mut PgConnection, to: DateTime<Utc>) -> Result<bool, 
 /// The flow keys towards `ids` in `parts` (the whole hours of a range), summed per key in no
 /// particular order: whole days from `flow_key_days` (migration 0030), the hours around them
 /// from `flow_rollups`, without the rows' label sets.
-fn rollup_statement(ids: &[Uuid], parts: Vec<Part>) -> String {
+fn rollup_statement(ids: &[Uuid], parts: Vec<Part>, bucketed: bool) -> String {
     let ids = ids_literal(ids);
     let parts: Vec<String> = parts
         .into_iter()
@@ -451,22 +453,24 @@ fn rollup_statement(ids: &[Uuid], parts: Vec<Part>) -> String {
                 Part::Days(from, to) => ("flow_key_days", "day", from, to),
                 Part::Hours(from, to) => ("flow_rollups", "hour", from, to),
             };
+            let bucket = if bucketed { format!(", {column} AS bucket") } else { String::new() };
             format!(
                 "SELECT workload_id, src_address, peer_kind, peer_key, peer_digest, dst_port, protocol,
-                        new_connections AS c, records AS r, first_seen, last_seen FROM {table}
+                        new_connections AS c, records AS r, first_seen, last_seen{bucket} FROM {table}
                  WHERE {column} >= {} AND {column} < {} AND workload_id = ANY({ids})",
                 time_literal(from),
                 time_literal(to)
             )
         })
         .collect();
-    keys_of(&parts)
+    keys_of(&parts, bucketed)
 }
 
 /// The flow keys towards `ids` in the raw parts of `sources` (the partial hours at the ends and
 /// the windows not rolled up yet), summed per key; `None` when there are none.
-fn raw_statement(ids: &[Uuid], sources: &[Source]) -> Option<String> {
+fn raw_statement(ids: &[Uuid], sources: &[Source], bucketed: bool) -> Option<String> {
     let ids = ids_literal(ids);
+    let bucket = if bucketed { ", date_trunc('hour', window_start, 'UTC') AS bucket" } else { "" };
     let parts: Vec<String> = sources
         .iter()
         .filter_map(|source| {
@@ -485,29 +489,29 @@ fn raw_statement(ids: &[Uuid], sources: &[Source]) -> Option<String> {
             };
             Some(format!(
                 "SELECT workload_id, src_address, peer_kind, peer_key, md5(peer_labels::text)::uuid AS peer_digest,
-                        dst_port, protocol, new_connections AS c, 1::bigint AS r, first_seen, last_seen
+                        dst_port, protocol, new_connections AS c, 1::bigint AS r, first_seen, last_seen{bucket}
                  FROM flow_records WHERE window_start >= {from} AND window_start < {to}{pending}
                    AND workload_id = ANY({ids})"
             ))
         })
         .collect();
-    (!parts.is_empty()).then(|| keys_of(&parts))
+    (!parts.is_empty()).then(|| keys_of(&parts, bucketed))
 }
 
 /// A flow key: workload, source, peer kind, peer key, label digest, port, protocol.
-type Key = (Uuid, IpAddr, i16, String, LabelDigest, u16, Protocol);
+pub(crate) type Key = (Uuid, IpAddr, i16, String, LabelDigest, u16, Protocol);
 
 /// A key's sums: connections, records, first and last seen (ms).
 #[derive(Debug, Clone, Copy)]
-struct Sums {
-    connections: u64,
-    records: u64,
-    first_seen_ms: i64,
-    last_seen_ms: i64,
+pub(crate) struct Sums {
+    pub connections: u64,
+    pub records: u64,
+    pub first_seen_ms: i64,
+    pub last_seen_ms: i64,
 }
 
 impl Sums {
-    fn merge(self, other: Sums) -> Sums {
+    pub(crate) fn merge(self, other: Sums) -> Sums {
         Sums {
             connections: self.connections.saturating_add(other.connections),
             records: self.records.saturating_add(other.records),
@@ -539,17 +543,16 @@ fn key_fields(row: &mut Fields<'_>) -> Result<(Key, Sums), Error> {
         first_seen_ms: row.timestamptz_ms("flow first seen")?,
         last_seen_ms: row.timestamptz_ms("flow last seen")?,
     };
-    if !row.exhausted() {
-        return Err(Error::Corrupt { what: "flow key row", detail: "more fields than a key has".into() });
-    }
     Ok((key, sums))
 }
 
-/// Streams the rows of the binary COPY `statement` into `each`.
+/// Streams the rows of the binary COPY `statement` into `each`, with the bucket (unix ms) of a
+/// bucketed statement.
 async fn copy_rows(
     conn: &mut PgConnection,
     statement: &str,
-    mut each: impl FnMut(Key, Sums) -> Result<(), Error>,
+    bucketed: bool,
+    mut each: impl FnMut(Key, Sums, Option<i64>) -> Result<(), Error>,
 ) -> Result<(), Error> {
     let mut chunks = conn.copy_out_raw(statement).await?;
     let mut reader = copy::Reader::default();
@@ -557,7 +560,17 @@ async fn copy_rows(
         reader.feed(&chunk);
         while let Some(mut row) = reader.next_row()? {
             let (key, sums) = key_fields(&mut row)?;
-            each(key, sums)?;
+            let bucket = match bucketed {
+                true => Some(row.timestamptz_ms("flow bucket")?),
+                false => None,
+            };
+            if !row.exhausted() {
+                return Err(Error::Corrupt {
+                    what: "flow key row",
+                    detail: "more fields than a key has".into(),
+                });
+            }
+            each(key, sums, bucket)?;
         }
     }
     match reader.finished() {
@@ -606,6 +619,65 @@ impl Keys<'_> {
     }
 }
 
+/// One read-only snapshot for the statements of one read (a nested transaction when the caller
+/// holds one), with the settings they run best under.
+async fn snapshot(conn: &mut PgConnection) -> Result<sqlx::Transaction<'_, sqlx::Postgres>, Error> {
+    let mut tx = if conn.is_in_transaction() {
+        Connection::begin(&mut *conn).await?
+    } else {
+        conn.begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY").await?
+    };
+    // The statements sum a few million rows into keys in a hash table (on disk past `work_mem`);
+    // compiling them (JIT) costs more than it saves. Reads only: the settings end with the rollback.
+    sqlx::query("SET LOCAL work_mem = '64MB'").execute(&mut *tx).await?;
+    sqlx::query("SET LOCAL jit = off").execute(&mut *tx).await?;
+    Ok(tx)
+}
+
+/// The flow keys towards `ids` and `hourly` over `range` by bucket (its start, unix ms): a whole
+/// UTC day for rows of the day sums, else an hour; `hourly` are read hour by hour over the whole
+/// range (never from the day sums), so the caller can drop hours. One snapshot; a key may come
+/// more than once for one bucket (the raw and the rolled-up part of an hour): the caller sums.
+/// Refused past [`MAX_KEYS`] rows.
+pub(crate) async fn bucketed_keys(
+    conn: &mut PgConnection,
+    ids: &[Uuid],
+    hourly: &[Uuid],
+    range: Range,
+    mut each: impl FnMut(Key, Sums, i64),
+) -> Result<(), Error> {
+    range.check()?;
+    let mut tx = snapshot(conn).await?;
+    let sources = crate::flows::sources(range.from, range.to);
+    let mut rows = 0u64;
+    let mut take = |key, sums, bucket: Option<i64>| {
+        rows += 1;
+        if rows > MAX_KEYS {
+            return Err(too_many_keys());
+        }
+        each(key, sums, bucket.expect("a bucketed statement"));
+        Ok(())
+    };
+    for (set, by_day) in [(ids, true), (hourly, false)] {
+        if set.is_empty() {
+            continue;
+        }
+        if let Some(statement) = raw_statement(set, &sources, true) {
+            copy_rows(&mut tx, &statement, true, &mut take).await?;
+        }
+        for source in &sources {
+            let Source::Hours(from, to) = *source else { continue };
+            let parts = match by_day {
+                true => split_days(from, to, tail_whole(&mut tx, to).await?),
+                false => vec![Part::Hours(from, to)],
+            };
+            copy_rows(&mut tx, &rollup_statement(set, parts, true), true, &mut take).await?;
+        }
+    }
+    tx.rollback().await?;
+    Ok(())
+}
+
 /// Folds the flow keys towards `ids` over `range` into `replayers` and returns how many there
 /// were: the raw parts' keys (few: partial hours, windows not rolled up yet) are read first and
 /// kept by key, then the rollups' keys stream and take up the raw sums of their key; the raw
@@ -619,19 +691,11 @@ async fn fold(
     replayers: &mut BTreeMap<Uuid, Replayer>,
     now: &BTreeMap<String, LabelDigest>,
 ) -> Result<u64, Error> {
-    let mut tx = if conn.is_in_transaction() {
-        Connection::begin(&mut *conn).await?
-    } else {
-        conn.begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY").await?
-    };
-    // The statements sum a few million rows into keys in a hash table (on disk past `work_mem`);
-    // compiling them (JIT) costs more than it saves. Reads only: the settings end with the rollback.
-    sqlx::query("SET LOCAL work_mem = '64MB'").execute(&mut *tx).await?;
-    sqlx::query("SET LOCAL jit = off").execute(&mut *tx).await?;
+    let mut tx = snapshot(conn).await?;
     let sources = crate::flows::sources(range.from, range.to);
     let mut raw: BTreeMap<Key, Sums> = BTreeMap::new();
-    if let Some(statement) = raw_statement(ids, &sources) {
-        copy_rows(&mut tx, &statement, |key, sums| {
+    if let Some(statement) = raw_statement(ids, &sources, false) {
+        copy_rows(&mut tx, &statement, false, |key, sums, _| {
             if raw.len() as u64 >= MAX_KEYS {
                 return Err(too_many_keys());
             }
@@ -644,7 +708,7 @@ async fn fold(
     for source in &sources {
         let Source::Hours(from, to) = *source else { continue };
         let parts = split_days(from, to, tail_whole(&mut tx, to).await?);
-        copy_rows(&mut tx, &rollup_statement(ids, parts), |key, sums| {
+        copy_rows(&mut tx, &rollup_statement(ids, parts, false), false, |key, sums, _| {
             let sums = match raw.remove(&key) {
                 Some(more) => sums.merge(more),
                 None => sums,

@@ -4,6 +4,7 @@
 //! accepted and ignored suggestions.
 
 mod generalise;
+mod observe;
 
 pub use generalise::{
     DEFAULT_EPHEMERAL, DEFAULT_MAX_BREADTH, Destination, Estate, Evidence, Excluded, Ignored, LEARNING_MS,
@@ -11,3 +12,4 @@ pub use generalise::{
     Suggestion, Suggestions, fingerprint, group_text, rule_spec, ruleset_files, ruleset_name, rulesets,
     source_text, suggest,
 };
+pub use observe::{Accepted, MAX_IDS, MAX_SUGGESTIONS, Request, accept, ignore, range_since, suggest as run};

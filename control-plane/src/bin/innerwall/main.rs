@@ -37,6 +37,7 @@ mod policy;
 mod promotions;
 mod replay;
 mod serve;
+mod suggest;
 mod tokens;
 mod workloads;
 
@@ -159,6 +160,9 @@ enum Command {
     /// checked commit.
     #[command(subcommand)]
     Draft(drafts::DraftCmd),
+    /// Suggested rules from recorded flows no rule admits, with their evidence (`accept` into a
+    /// draft, `ignore`).
+    Suggest(suggest::SuggestCmd),
     /// The estate's workload address ranges: only addresses in them are rendered as peers.
     #[command(subcommand, name = "estate-range")]
     EstateRange(estate::EstateRangeCmd),
@@ -247,6 +251,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Ruleset(cmd) => policy::ruleset(&connect().await?, &cmd).await?,
         Command::Policy(cmd) => policy::policy(&connect().await?, &cmd).await?,
         Command::Draft(cmd) => drafts::run(&connect().await?, &cmd).await?,
+        Command::Suggest(cmd) => suggest::run(&connect().await?, &cmd).await?,
         Command::EstateRange(cmd) => estate::run(&connect().await?, &cmd).await?,
         Command::Workload(cmd) => workloads::run(&connect().await?, &cmd).await?,
         Command::Flows(cmd) => flows::run(&connect().await?, &cmd).await?,
@@ -308,6 +313,7 @@ async fn remote(api: &str, cli: &Cli) -> anyhow::Result<()> {
         Command::Ruleset(cmd) => policy::ruleset_remote(&client, cli.json, cmd).await,
         Command::Policy(cmd) => policy::policy_remote(&client, cli.json, cmd).await,
         Command::Draft(cmd) => drafts::run_remote(&client, cli.json, cmd).await,
+        Command::Suggest(cmd) => suggest::run_remote(&client, cli.json, cmd).await,
         Command::Token(cmd) => {
             let ca_dir = cli.ca_dir.clone().unwrap_or_else(|| cli.state_dir.join("ca"));
             tokens::run_remote(&client, cli.json, &ca_dir, cmd).await
