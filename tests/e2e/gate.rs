@@ -21,11 +21,11 @@ use innerwall_wire::policy::{Mode, Protocol};
 
 use crate::plane::{Plane, TestStore};
 
-const WEB: &str = "10.9.0.7";
-const BATCH: &str = "10.9.0.8";
-const SECOND: i64 = 1_000;
+pub(crate) const WEB: &str = "10.9.0.7";
+pub(crate) const BATCH: &str = "10.9.0.8";
+pub(crate) const SECOND: i64 = 1_000;
 
-fn now_ms() -> i64 {
+pub(crate) fn now_ms() -> i64 {
     chrono::Utc::now().timestamp_millis()
 }
 
@@ -36,15 +36,15 @@ async fn allow_db_from(plane: &Plane, from: &str) {
 }
 
 /// An enrolled `app=db` host running the real sync loop with an in-memory store.
-struct Host {
-    id: WorkloadId,
+pub(crate) struct Host {
+    pub(crate) id: WorkloadId,
     config: RunConfig,
     enforcer: Arc<Enforcer<TestStore>>,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl Host {
-    async fn start(plane: &Plane, name: &str) -> Host {
+    pub(crate) async fn start(plane: &Plane, name: &str) -> Host {
         let (id, config) = plane.enroll(name, &["app=db"]).await;
         let enforcer = Arc::new(Enforcer::new(TestStore::default()));
         let (c, e) = (config.clone(), enforcer.clone());
@@ -55,13 +55,19 @@ impl Host {
     /// Builds a window over `[start, end)` with the agent's own window code, under the policy
     /// the agent applied, with tcp/5432 flows from `peers`, and delivers it through the agent's
     /// queue and telemetry connection.
-    async fn deliver(&self, start: i64, end: i64, peers: &[&str], gaps: &[EvidenceGap]) {
+    pub(crate) async fn deliver(&self, start: i64, end: i64, peers: &[&str], gaps: &[EvidenceGap]) {
+        let flows: Vec<(&str, u16)> = peers.iter().map(|p| (*p, 5432)).collect();
+        self.deliver_to(start, end, &flows, gaps).await;
+    }
+
+    /// [`Host::deliver`] with tcp flows from each (peer, port).
+    pub(crate) async fn deliver_to(&self, start: i64, end: i64, flows: &[(&str, u16)], gaps: &[EvidenceGap]) {
         let mut window = Window::open(start, self.enforcer.current(), 1_000);
-        for peer in peers {
+        for (peer, port) in flows {
             let key = FlowKey {
                 src: peer.parse().unwrap(),
                 dst: "10.1.0.5".parse().unwrap(),
-                dst_port: 5432,
+                dst_port: *port,
                 protocol: Protocol::Tcp,
             };
             let counters = Counters {
@@ -93,7 +99,7 @@ async fn latest(plane: &Plane, id: WorkloadId) -> i64 {
     plane.status(id).await.2.expect("a rendered policy")
 }
 
-async fn synced(plane: &Plane, hosts: &[&Host]) -> i64 {
+pub(crate) async fn synced(plane: &Plane, hosts: &[&Host]) -> i64 {
     let mut version = 0;
     for host in hosts {
         version = latest(plane, host.id).await;
@@ -102,7 +108,7 @@ async fn synced(plane: &Plane, hosts: &[&Host]) -> i64 {
     version
 }
 
-async fn set_mode(plane: &Plane, scope: Scope, count: usize, to: Mode) -> gate::Promotion {
+pub(crate) async fn set_mode(plane: &Plane, scope: Scope, count: usize, to: Mode) -> gate::Promotion {
     let request = gate::Request {
         scope,
         expect_count: count,
@@ -114,11 +120,11 @@ async fn set_mode(plane: &Plane, scope: Scope, count: usize, to: Mode) -> gate::
     gate::promote(plane.pool(), "test", &request).await.unwrap()
 }
 
-fn db() -> Scope {
+pub(crate) fn db() -> Scope {
     Scope::parse_selector("app=db").unwrap()
 }
 
-fn params(from_ms: i64, to_ms: i64) -> Params {
+pub(crate) fn params(from_ms: i64, to_ms: i64) -> Params {
     Params { from_ms, to_ms, min_duration_ms: to_ms - from_ms, top_peers: 5 }
 }
 

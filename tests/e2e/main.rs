@@ -19,5 +19,6 @@ mod remote;
 mod remote_fleet;
 mod remote_workloads;
 mod states;
+mod suggest;
 mod sync;
 mod unauthenticated;

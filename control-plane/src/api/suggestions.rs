@@ -31,6 +31,8 @@ pub struct SuggestQuery {
     pub scope: String,
     /// The recorded range: from this long ago until now (default 14d, at most 90 days).
     pub since: Option<String>,
+    /// The range's end (RFC 3339; default now).
+    pub until: Option<chrono::DateTime<chrono::Utc>>,
     /// Label keys that name a host rather than a role, comma-separated.
     pub exclude_keys: Option<String>,
     /// The most workloads a selector may pick now per observed source workload (default 2).
@@ -52,7 +54,7 @@ pub fn suggest_request(q: &SuggestQuery, now: chrono::DateTime<chrono::Utc>) -> 
         .collect();
     Ok(Request {
         scope: q.scope.clone(),
-        range: suggest::range_since(now, since)?,
+        range: suggest::range_since(q.until.unwrap_or(now), since)?,
         excluded_keys,
         max_breadth: q.max_breadth.unwrap_or(suggest::DEFAULT_MAX_BREADTH),
     })

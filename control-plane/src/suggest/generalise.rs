@@ -61,6 +61,7 @@ pub struct Observation {
 /// A destination in scope, as it stands now.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Destination {
+    /// How evidence names it: its hostname and id.
     pub hostname: String,
     pub labels: Labels,
     /// Its host's ephemeral port range (inclusive).

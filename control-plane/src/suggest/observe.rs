@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, DurationRound, Utc};
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::WorkloadPolicy;
 use sqlx::{PgConnection, PgPool, Row};
@@ -162,7 +162,8 @@ pub async fn suggest(pool: &PgPool, request: &Request) -> Result<Suggestions, Er
         destinations.insert(
             m.id,
             Destination {
-                hostname: m.hostname.clone(),
+                // Hostnames are what hosts report, not unique: the id tells them apart.
+                hostname: format!("{} ({})", m.hostname, m.id),
                 labels: estate.labels.get(&m.id).cloned().unwrap_or_default(),
                 ephemeral: DEFAULT_EPHEMERAL,
                 coverage: coverage.ratio,
@@ -291,21 +292,26 @@ async fn decided(conn: &mut PgConnection) -> Result<(BTreeMap<String, String>, I
     Ok((accepted, ignored))
 }
 
-/// Keeps every suggestion shown (accepted and ignored ones keep what they were decided on), and
-/// forgets shown ones nobody decided on past [`SHOWN_FOR`].
+/// Keeps every suggestion shown (accepted and ignored ones keep what they were decided on; an
+/// ignored one shown again because a new source appeared is open again, with its new sources),
+/// and forgets shown ones nobody decided on past [`SHOWN_FOR`].
 async fn keep_shown(pool: &PgPool, out: &Suggestions) -> Result<(), Error> {
     let ids: Vec<&str> = out.suggestions.iter().map(|s| s.id.as_str()).collect();
     let bodies: Vec<serde_json::Value> =
         out.suggestions.iter().map(|s| serde_json::to_value(s).expect("plain data serializes")).collect();
+    let reopened: Vec<bool> = out.suggestions.iter().map(|s| !s.new_since_ignored.is_empty()).collect();
     let mut tx = pool.begin().await?;
     sqlx::query(
         "INSERT INTO suggestions (id, suggestion, shown_at)
-         SELECT * FROM unnest($1::text[], $2::jsonb[], array_fill(now(), ARRAY[cardinality($1::text[])]))
-         ON CONFLICT (id) DO UPDATE SET suggestion = EXCLUDED.suggestion, shown_at = EXCLUDED.shown_at
-         WHERE suggestions.state = 'shown'",
+         SELECT id, body, now() FROM unnest($1::text[], $2::jsonb[]) AS s (id, body)
+         ON CONFLICT (id) DO UPDATE SET suggestion = EXCLUDED.suggestion, shown_at = EXCLUDED.shown_at,
+                                        state = 'shown', decided_by = NULL, decided_at = NULL
+         WHERE suggestions.state = 'shown'
+            OR (suggestions.state = 'ignored' AND EXCLUDED.id = ANY($3::text[]))",
     )
     .bind(&ids)
     .bind(&bodies)
+    .bind(ids.iter().zip(&reopened).filter(|(_, r)| **r).map(|(id, _)| *id).collect::<Vec<&str>>())
     .execute(&mut *tx)
     .await?;
     sqlx::query("DELETE FROM suggestions WHERE state = 'shown' AND shown_at < now() - $1::interval")
@@ -379,6 +385,12 @@ pub async fn accept(
     check_ids(ids)?;
     let mut conn = pool.acquire().await?;
     let chosen = stored(&mut conn, ids).await?;
+    if let Some((s, _)) = chosen.iter().find(|(_, state)| state == "ignored") {
+        return Err(Error::Invalid(format!(
+            "suggestion {} is ignored; it is proposed again when a new source appears",
+            s.id
+        )));
+    }
     if let Some((s, _)) = chosen.iter().find(|(s, _)| !s.is_rule()) {
         return Err(Error::Invalid(format!(
             "suggestion {} is no rule: its {} sources need an address group first",
@@ -492,7 +504,18 @@ pub async fn ignore(pool: &PgPool, actor: &str, ids: &[String]) -> Result<(), Er
     Ok(())
 }
 
-/// The range ending now that `--since` names (default 14 days).
+/// The range ending now that `--since` names (default 14 days). Whole days name UTC days,
+/// today's included: `14d` is the 13 whole days before today and today so far, so "seen on 2 of
+/// 14 days" counts the days of the range; any other length ends now and starts that long ago.
 pub fn range_since(now: DateTime<Utc>, since: std::time::Duration) -> Result<Range, Error> {
-    Range::ending_at(now, since)
+    let secs = since.as_secs();
+    let day = 86_400;
+    if since.subsec_nanos() != 0 || secs == 0 || secs % day != 0 {
+        return Range::ending_at(now, since);
+    }
+    let today = now.duration_trunc(chrono::TimeDelta::days(1)).expect("now truncates to a day");
+    let from = today - chrono::TimeDelta::days((secs / day) as i64 - 1);
+    let range = Range { from, to: now };
+    Range::ending_at(now, (now - from).to_std().expect("from is before now"))?;
+    Ok(range)
 }

@@ -34,6 +34,9 @@ pub struct SuggestArgs {
     /// The recorded range: from this long ago until now (at most 90 days).
     #[arg(long, default_value = "14d", value_parser = duration::arg)]
     since: std::time::Duration,
+    /// The range's end (RFC 3339; default now): the same flows and end give the same output.
+    #[arg(long, value_name = "TIME")]
+    until: Option<chrono::DateTime<chrono::Utc>>,
     /// A label key that names a host rather than a role (repeatable): left out of destination
     /// groups and source selectors.
     #[arg(long = "exclude-key", value_name = "KEY")]
@@ -86,7 +89,7 @@ pub async fn run(ctx: &Ctx, cmd: &SuggestCmd) -> anyhow::Result<()> {
             let a = &cmd.args;
             let request = Request {
                 scope: a.scope()?.to_owned(),
-                range: suggest::range_since(chrono::Utc::now(), a.since)?,
+                range: suggest::range_since(a.until.unwrap_or_else(chrono::Utc::now), a.since)?,
                 excluded_keys: a.exclude_keys.iter().cloned().collect(),
                 max_breadth: a.max_breadth,
             };
@@ -115,6 +118,9 @@ pub async fn run_remote(api: &ApiClient, json: bool, cmd: &SuggestCmd) -> anyhow
                 ("since", duration::since_param(&a.since)),
                 ("max_breadth", a.max_breadth.to_string()),
             ];
+            if let Some(until) = a.until {
+                query.push(("until", until.to_rfc3339()));
+            }
             if !a.exclude_keys.is_empty() {
                 query.push(("exclude_keys", a.exclude_keys.join(",")));
             }
