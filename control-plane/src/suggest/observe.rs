@@ -510,7 +510,7 @@ pub async fn ignore(pool: &PgPool, actor: &str, ids: &[String]) -> Result<(), Er
 pub fn range_since(now: DateTime<Utc>, since: std::time::Duration) -> Result<Range, Error> {
     let secs = since.as_secs();
     let day = 86_400;
-    if since.subsec_nanos() != 0 || secs == 0 || secs % day != 0 {
+    if since.subsec_nanos() != 0 || secs == 0 || !secs.is_multiple_of(day) {
         return Range::ending_at(now, since);
     }
     let today = now.duration_trunc(chrono::TimeDelta::days(1)).expect("now truncates to a day");
