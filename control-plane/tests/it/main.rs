@@ -22,6 +22,7 @@ mod publish;
 mod recorded;
 mod retention;
 mod states;
+mod suggest_api;
 mod sync;
 
 /// Polls `done` every 50 ms for up to 15 s; panics naming `what` if it never holds.

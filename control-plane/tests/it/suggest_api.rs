@@ -1,0 +1,108 @@
+//! Suggestions over the operator API (issue 28): viewers ask, editors accept and ignore; the
+//! remote CLI prints what the local one prints. Flows through the real ingest path.
+
+use std::process::Command;
+
+use chrono::{SecondsFormat, Utc};
+use innerwall_control_plane::identity::operators::Role;
+use innerwall_control_plane::testing::{self, fresh_database};
+use innerwall_wire::identity::WorkloadId;
+use innerwall_wire::policy::Mode;
+use serde_json::{Value, json};
+
+use crate::foresight_api::{Serve, estate, mint};
+use crate::recorded::{HOUR, at, flow_to, ingest};
+
+fn cli(args: &[String]) -> Vec<u8> {
+    let out = Command::new(env!("CARGO_BIN_EXE_innerwall")).args(args).output().expect("running innerwall");
+    assert!(out.status.success(), "{args:?}: {out:?}");
+    out.stdout
+}
+
+#[tokio::test]
+async fn suggestion_routes_over_http() {
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    estate(pool).await;
+    // db-1 (`app=db`) applied its latest version in simulation; web-1 reached it on postgres,
+    // which only api and 10.9.0.0/16 may.
+    let (id, version): (uuid::Uuid, i64) = sqlx::query_as(
+        "SELECT w.id, p.version FROM workloads w JOIN workload_policies p ON p.workload_id = w.id
+         WHERE w.hostname = 'db-1'",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    let db1 = WorkloadId::from_uuid(id).unwrap();
+    let start = Utc::now().timestamp_millis() - 2 * HOUR;
+    testing::installed(pool, db1, &[(version as u64, Mode::Simulation, at(start - HOUR))]).await.unwrap();
+    sqlx::query("UPDATE workloads SET applied_version = $2 WHERE id = $1")
+        .bind(id)
+        .bind(version)
+        .execute(pool)
+        .await
+        .unwrap();
+    ingest(
+        pool,
+        db1,
+        version as u64,
+        start,
+        vec![flow_to("10.0.0.1", "10.0.0.4", 5432, None, 3, start)],
+        vec![],
+    )
+    .await;
+
+    let viewer = mint(pool, "vera", Role::Viewer).await;
+    let editor = mint(pool, "ed", Role::Editor).await;
+    let serve = Serve::start(&db.url);
+    let until = Utc::now().to_rfc3339_opts(SecondsFormat::Millis, true);
+    let path = format!("/api/v1/suggestions?scope=app%3Ddb&until={until}");
+    let reply = serve.get(&path, &viewer).await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    let body: Value = reply.json();
+    let suggestions = body["suggestions"].as_array().unwrap();
+    assert_eq!(suggestions.len(), 1, "{body}");
+    let s = &suggestions[0];
+    assert_eq!(s["peer"], json!({"workloads": {"app": "web", "tier": "front"}}), "{s}");
+    assert_eq!(
+        (s["service"]["name"].as_str(), s["service"]["exists"].as_bool()),
+        (Some("postgres"), Some(true))
+    );
+    assert_eq!(s["evidence"]["connections"], 3);
+    let id = s["id"].as_str().unwrap().to_owned();
+
+    // A bad query is 400 before anything is read.
+    assert_eq!(serve.get("/api/v1/suggestions", &viewer).await.status, 400);
+    assert_eq!(serve.get("/api/v1/suggestions?scope=app%3Ddb&max_breadth=0.5", &viewer).await.status, 400);
+
+    // Viewers may not accept or ignore; editors may. Nothing is written by the refusals.
+    let audits = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM audit_log WHERE action LIKE 'suggestion.%'")
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    };
+    let accept = json!({"ids": [id], "draft": "suggested"});
+    assert_eq!(serve.write("POST", "/api/v1/suggestions/accept", &viewer, None, &accept).await.status, 403);
+    let bad = json!({"ids": ["not-an-id"]});
+    assert_eq!(serve.write("POST", "/api/v1/suggestions/ignore", &editor, None, &bad).await.status, 400);
+    assert_eq!(audits().await, 0);
+    let reply = serve.write("POST", "/api/v1/suggestions/accept", &editor, None, &accept).await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert_eq!(reply.json()["objects"], json!(["ruleset/suggested-db-back"]));
+    let draft = serve.get("/api/v1/drafts/suggested", &viewer).await;
+    assert_eq!(draft.json()["changes"][0]["object"], "ruleset/suggested-db-back", "{draft:?}");
+    assert_eq!(audits().await, 1);
+
+    // The remote CLI prints what the local one prints, byte for byte.
+    let args = |extra: &[String]| -> Vec<String> {
+        let mut all = extra.to_vec();
+        all.extend(["--json", "suggest", "--scope", "app=db", "--until", &until].map(str::to_owned));
+        all
+    };
+    let local = cli(&args(&["--database-url".to_owned(), db.url.clone()]));
+    let remote = cli(&args(&serve.remote(&viewer)));
+    assert_eq!(String::from_utf8_lossy(&local), String::from_utf8_lossy(&remote));
+    let shown: Value = serde_json::from_slice(&local).unwrap();
+    assert_eq!(shown["suggestions"][0]["state"], "accepted", "{shown}");
+}
