@@ -14,3 +14,12 @@ CREATE TABLE suggestions (
 );
 CREATE INDEX suggestions_decided ON suggestions (state) WHERE state <> 'shown';
 CREATE INDEX suggestions_shown ON suggestions (shown_at) WHERE state = 'shown';
+
+-- The ephemeral port range each host reported at enrollment (HostFacts.ephemeral_ports):
+-- suggestions never name a port in it. NULL: not reported (Linux's default is assumed).
+ALTER TABLE workloads
+    ADD COLUMN ephemeral_low integer,
+    ADD COLUMN ephemeral_high integer,
+    ADD CONSTRAINT workloads_ephemeral_range CHECK (
+        (ephemeral_low IS NULL) = (ephemeral_high IS NULL)
+        AND (ephemeral_low IS NULL OR 1 <= ephemeral_low AND ephemeral_low <= ephemeral_high AND ephemeral_high <= 65535));

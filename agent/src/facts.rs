@@ -117,7 +117,19 @@ pub fn host_facts() -> Result<proto::HostFacts, FactsError> {
         interfaces: interfaces()?,
         machine_id: read_trimmed("/etc/machine-id"),
         boot_id: read_trimmed("/proc/sys/kernel/random/boot_id"),
+        ephemeral_ports: port_range(&read_trimmed("/proc/sys/net/ipv4/ip_local_port_range")),
     })
+}
+
+/// `ip_local_port_range` (two numbers, whitespace between); `None` when it is not that.
+fn port_range(text: &str) -> Option<proto::PortRange> {
+    let mut numbers = text.split_whitespace().map(str::parse::<u32>);
+    match (numbers.next(), numbers.next(), numbers.next()) {
+        (Some(Ok(start)), Some(Ok(end)), None) if 1 <= start && start <= end && end <= 65_535 => {
+            Some(proto::PortRange { start, end })
+        }
+        _ => None,
+    }
 }
 
 pub fn agent_info() -> proto::AgentInfo {
@@ -139,6 +151,14 @@ pub fn local_addresses() -> Result<BTreeSet<IpAddr>, FactsError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_ephemeral_range_is_two_ports_in_order() {
+        assert_eq!(port_range("32768\t60999"), Some(proto::PortRange { start: 32_768, end: 60_999 }));
+        for bad in ["", "32768", "60999 32768", "0 100", "1 65536", "1 2 3", "a b"] {
+            assert_eq!(port_range(bad), None, "{bad:?}");
+        }
+    }
 
     #[test]
     fn ip_is_run_by_absolute_path() {

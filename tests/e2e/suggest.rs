@@ -151,6 +151,20 @@ async fn suggestions_are_narrow_and_honest() {
     hosts[1].deliver_to(base, end, &[("10.9.0.99", 22)], &[gap(GapKind::MapFull)]).await;
     hosts[2].deliver_to(base, end, &[("10.9.0.98", 53)], &[gap(GapKind::SuspectDirection)]).await;
 
+    // Each host reported its ephemeral range at enrollment (this kernel's, read by the agent).
+    let kernel: Vec<i32> = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .unwrap()
+        .split_whitespace()
+        .map(|n| n.parse().unwrap())
+        .collect();
+    let stored: (Option<i32>, Option<i32>) =
+        sqlx::query_as("SELECT ephemeral_low, ephemeral_high FROM workloads WHERE id = $1")
+            .bind(hosts[0].id.uuid())
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    assert_eq!(stored, (Some(kernel[0]), Some(kernel[1])));
+    assert!((kernel[0]..=kernel[1]).contains(&40_000), "the test's ephemeral port is in this kernel's range");
     let out = suggest::run(pool, &request(fourteen_days())).await.unwrap();
     assert_eq!(
         peers(&out),

@@ -458,6 +458,7 @@ fn facts(i: usize) -> proto::HostFacts {
         }],
         machine_id: format!("{:032x}", i + 1),
         boot_id: String::new(),
+        ephemeral_ports: Some(proto::PortRange { start: 32_768, end: 60_999 }),
     }
 }
 

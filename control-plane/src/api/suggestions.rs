@@ -52,12 +52,14 @@ pub fn suggest_request(q: &SuggestQuery, now: chrono::DateTime<chrono::Utc>) -> 
         .filter(|k| !k.is_empty())
         .map(str::to_owned)
         .collect();
-    Ok(Request {
+    let request = Request {
         scope: q.scope.clone(),
         range: suggest::range_since(q.until.unwrap_or(now), since)?,
         excluded_keys,
         max_breadth: q.max_breadth.unwrap_or(suggest::DEFAULT_MAX_BREADTH),
-    })
+    };
+    request.check()?;
+    Ok(request)
 }
 
 /// Suggestions to accept into a draft.

@@ -65,6 +65,8 @@ pub struct Checked {
     machine_id: String,
     os: String,
     agent_version: String,
+    /// The host's ephemeral port range, when it reported a valid one.
+    ephemeral: Option<(i32, i32)>,
     addresses: std::collections::BTreeSet<std::net::IpAddr>,
     replacing: Option<WorkloadId>,
     actor: String,
@@ -121,6 +123,10 @@ impl Checked {
                 MAX_FACT_LEN,
             )?
             .to_owned(),
+            ephemeral: facts
+                .ephemeral_ports
+                .filter(|p| 1 <= p.start && p.start <= p.end && p.end <= 65_535)
+                .map(|p| (p.start as i32, p.end as i32)),
             addresses: routable_addresses(&facts)?,
             replacing,
             actor: format!("enroll:{token_hint}"),
@@ -360,7 +366,8 @@ impl Writer {
         authoring::register_workload(c, &new).await?;
         sqlx::query(
             "UPDATE workloads SET enrolled_by_token = $2, credential_serial = $3, credential_expires_at = $4,
-             machine_id = $5, os = $6, agent_version = $7, credential_issuer = $8 WHERE id = $1",
+             machine_id = $5, os = $6, agent_version = $7, credential_issuer = $8, ephemeral_low = $9,
+             ephemeral_high = $10 WHERE id = $1",
         )
         .bind(e.id.uuid())
         .bind(token.id)
@@ -370,6 +377,8 @@ impl Writer {
         .bind(&e.os)
         .bind(&e.agent_version)
         .bind(&certificate.issuer_sha256)
+        .bind(e.ephemeral.map(|r| r.0))
+        .bind(e.ephemeral.map(|r| r.1))
         .execute(&mut *c)
         .await?;
         // The token's narrowing is the workload's own from now on: revoking or deleting the

@@ -46,7 +46,9 @@ pub struct Request {
 }
 
 impl Request {
-    fn check(&self) -> Result<Params, Error> {
+    /// Every check that needs no database: the scope's grammar, the bound, the keys.
+    pub fn check(&self) -> Result<Params, Error> {
+        Scope::parse_selector(&self.scope)?;
         if !(1.0..=100.0).contains(&self.max_breadth) {
             return Err(Error::Invalid(format!(
                 "the breadth bound is between 1 and 100, not {}",
@@ -146,6 +148,15 @@ pub async fn suggest(pool: &PgPool, request: &Request) -> Result<Suggestions, Er
     let estate = estate(&mut conn).await?;
     let policies = applied(&mut conn, &ids).await?;
     let (windows, gaps) = impact::evidence(&mut conn, &uuids, range).await?;
+    let ephemeral: BTreeMap<Uuid, (u16, u16)> = sqlx::query_as::<_, (Uuid, i32, i32)>(
+        "SELECT id, ephemeral_low, ephemeral_high FROM workloads WHERE id = ANY($1) AND ephemeral_low IS NOT NULL",
+    )
+    .bind(&uuids)
+    .fetch_all(&mut *conn)
+    .await?
+    .into_iter()
+    .filter_map(|(id, low, high)| Some((id, (u16::try_from(low).ok()?, u16::try_from(high).ok()?))))
+    .collect();
     let (from_ms, to_ms) = (params.from_ms, params.to_ms);
 
     let mut destinations = BTreeMap::new();
@@ -165,7 +176,7 @@ pub async fn suggest(pool: &PgPool, request: &Request) -> Result<Suggestions, Er
                 // Hostnames are what hosts report, not unique: the id tells them apart.
                 hostname: format!("{} ({})", m.hostname, m.id),
                 labels: estate.labels.get(&m.id).cloned().unwrap_or_default(),
-                ephemeral: DEFAULT_EPHEMERAL,
+                ephemeral: ephemeral.get(&uuid).copied().unwrap_or(DEFAULT_EPHEMERAL),
                 coverage: coverage.ratio,
                 recent_gap_free_ms: (to_ms - clean_from).clamp(0, LEARNING_MS),
                 admitted_connections: 0,

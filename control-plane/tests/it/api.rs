@@ -877,6 +877,9 @@ const EXPECTED_ROUTES: &[(&str, &str, Option<&str>)] = &[
     ("DELETE", "/api/v1/services/{name}", Some("editor")),
     ("GET", "/api/v1/services/{name}", Some("viewer")),
     ("PUT", "/api/v1/services/{name}", Some("editor")),
+    ("GET", "/api/v1/suggestions", Some("viewer")),
+    ("POST", "/api/v1/suggestions/accept", Some("editor")),
+    ("POST", "/api/v1/suggestions/ignore", Some("editor")),
     ("GET", "/api/v1/sync-status", Some("viewer")),
     ("GET", "/api/v1/sync-status/{id}", Some("viewer")),
     ("GET", "/api/v1/verdict", Some("viewer")),
@@ -1497,6 +1500,7 @@ async fn parameters_never_panic() {
             "/api/v1/flows/rollup" => &[("by", "rule")],
             "/api/v1/verdict" => &[("ids", "")],
             "/api/v1/workloads/{id}/replay" => &[("from", "1"), ("to", "1")],
+            "/api/v1/suggestions" => &[("scope", "app=web")],
             _ => &[],
         };
         pairs
