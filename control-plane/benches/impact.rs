@@ -20,7 +20,6 @@ use std::time::Instant;
 use chrono::{DateTime, TimeDelta, Utc};
 use innerwall_control_plane::flows;
 use innerwall_control_plane::foresight::{self, Range};
-use innerwall_control_plane::policy::store::Content;
 use innerwall_control_plane::testing::fresh_database;
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::{Mode, Protocol, WorkloadPolicy};
@@ -42,25 +41,6 @@ fn policies() -> (WorkloadPolicy, WorkloadPolicy) {
     let applied = WorkloadPolicy::new(1, Mode::Simulation, [db.clone(), ssh.clone(), https]).unwrap();
     let proposed = WorkloadPolicy::new(2, Mode::Simulation, [db, ssh, narrowed]).unwrap();
     (applied, proposed)
-}
-
-/// Stores `applied` as every workload's version 1, applied.
-async fn store_policies(pool: &PgPool, applied: &WorkloadPolicy) -> anyhow::Result<()> {
-    let content = Content::of(applied);
-    sqlx::query("INSERT INTO policy_contents (digest, policy) VALUES ($1, $2)")
-        .bind(&content.digest)
-        .bind(&content.bytes)
-        .execute(pool)
-        .await?;
-    sqlx::query(
-        "INSERT INTO workload_policy_history (workload_id, version, digest, rendered_at)
-         SELECT id, 1, $1, now() FROM workloads",
-    )
-    .bind(&content.digest)
-    .execute(pool)
-    .await?;
-    sqlx::query("UPDATE workloads SET applied_version = 1").execute(pool).await?;
-    Ok(())
 }
 
 #[tokio::main]
@@ -94,7 +74,7 @@ async fn main() -> anyhow::Result<()> {
     let t = Instant::now();
     flow_estate::load(&db.pool, now - TimeDelta::days(DAYS), DAYS, windows, workloads).await?;
     let (applied, _) = policies();
-    store_policies(&db.pool, &applied).await?;
+    flow_estate::store_policies(&db.pool, &applied).await?;
     let rolled = flows::roll_up(&db.pool, now).await?;
     sqlx::query("VACUUM ANALYZE").execute(&db.pool).await?;
     println!("loaded and rolled up ({rolled} windows) in {:.1} s", t.elapsed().as_secs_f64());

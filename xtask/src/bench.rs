@@ -138,6 +138,15 @@ const BENCHES: &[Bench] = &[
             quick: &[("INNERWALL_BENCH_QUICK", "1")],
         },
     },
+    Bench {
+        name: "suggest",
+        what: "PERF-10 suggested policy: a 100-workload scope over 14 days, one workload over 24 h",
+        run: Run::Cargo {
+            package: "innerwall-control-plane",
+            target: "suggest",
+            quick: &[("INNERWALL_BENCH_QUICK", "1")],
+        },
+    },
 ];
 
 pub fn run(root: &Path, names: &[String], quick: bool) -> Result<()> {

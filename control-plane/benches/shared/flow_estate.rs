@@ -3,6 +3,8 @@
 
 use chrono::{DateTime, TimeDelta, Utc};
 use innerwall_control_plane::flows;
+use innerwall_control_plane::policy::store::Content;
+use innerwall_wire::policy::WorkloadPolicy;
 use sqlx::PgPool;
 
 /// Records per flow window.
@@ -98,5 +100,25 @@ pub async fn load(
         from = to;
     }
     sqlx::query("VACUUM ANALYZE").execute(pool).await?;
+    Ok(())
+}
+
+/// Stores `applied` as every workload's version 1, applied.
+#[allow(dead_code, reason = "the rollup bench stores no policies")]
+pub async fn store_policies(pool: &PgPool, applied: &WorkloadPolicy) -> anyhow::Result<()> {
+    let content = Content::of(applied);
+    sqlx::query("INSERT INTO policy_contents (digest, policy) VALUES ($1, $2)")
+        .bind(&content.digest)
+        .bind(&content.bytes)
+        .execute(pool)
+        .await?;
+    sqlx::query(
+        "INSERT INTO workload_policy_history (workload_id, version, digest, rendered_at)
+         SELECT id, 1, $1, now() FROM workloads",
+    )
+    .bind(&content.digest)
+    .execute(pool)
+    .await?;
+    sqlx::query("UPDATE workloads SET applied_version = 1").execute(pool).await?;
     Ok(())
 }
