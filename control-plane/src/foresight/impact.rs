@@ -64,7 +64,7 @@ impl Range {
         Ok(range)
     }
 
-    fn check(&self) -> Result<(), Error> {
+    pub(crate) fn check(&self) -> Result<(), Error> {
         crate::input::instant("from", self.from)?;
         crate::input::instant("to", self.to)?;
         if self.from >= self.to {

@@ -527,6 +527,6 @@ pub fn range_since(now: DateTime<Utc>, since: std::time::Duration) -> Result<Ran
     let today = now.duration_trunc(chrono::TimeDelta::days(1)).expect("now truncates to a day");
     let from = today - chrono::TimeDelta::days((secs / day) as i64 - 1);
     let range = Range { from, to: now };
-    Range::ending_at(now, (now - from).to_std().expect("from is before now"))?;
+    range.check()?;
     Ok(range)
 }
