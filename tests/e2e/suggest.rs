@@ -231,6 +231,13 @@ async fn ignored_suggestions_stay_ignored() {
     assert!(matches!(err, Error::NotFound { .. }), "{err}");
     let err = suggest::ignore(pool, "bob", &["'; DROP".into()]).await.unwrap_err();
     assert!(matches!(err, Error::Invalid(_)), "{err}");
+    let too_many = vec![shown.id.clone(); suggest::MAX_IDS + 1];
+    let err = suggest::ignore(pool, "bob", &too_many).await.unwrap_err();
+    assert!(matches!(err, Error::Invalid(_)) && err.to_string().contains("1 to 100"), "{err}");
+    let keys = (0..=64).map(|n| format!("k{n}")).collect();
+    let err =
+        suggest::run(pool, &Request { excluded_keys: keys, ..request(fourteen_days()) }).await.unwrap_err();
+    assert!(matches!(err, Error::Invalid(_)) && err.to_string().contains("at most 64"), "{err}");
     assert_eq!(count(&plane, "SELECT count(*) FROM audit_log").await, audits);
 
     suggest::ignore(pool, "bob", std::slice::from_ref(&shown.id)).await.unwrap();
