@@ -4,7 +4,10 @@
 use std::process::Command;
 
 use chrono::{SecondsFormat, Utc};
+use innerwall_control_plane::error::Error;
+use innerwall_control_plane::foresight::Range;
 use innerwall_control_plane::identity::operators::Role;
+use innerwall_control_plane::suggest;
 use innerwall_control_plane::testing::{self, fresh_database};
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::Mode;
@@ -105,4 +108,69 @@ async fn suggestion_routes_over_http() {
     assert_eq!(String::from_utf8_lossy(&local), String::from_utf8_lossy(&remote));
     let shown: Value = serde_json::from_slice(&local).unwrap();
     assert_eq!(shown["suggestions"][0]["state"], "accepted", "{shown}");
+}
+
+/// A run past [`suggest::MAX_SUGGESTIONS`] is refused with the bound named, and stores nothing:
+/// the suggestions the run at the bound stored stay as they were.
+#[tokio::test]
+async fn a_run_past_its_suggestion_bound_is_refused() {
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    estate(pool).await;
+    let (id, version): (uuid::Uuid, i64) = sqlx::query_as(
+        "SELECT w.id, p.version FROM workloads w JOIN workload_policies p ON p.workload_id = w.id
+         WHERE w.hostname = 'db-1'",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    let db1 = WorkloadId::from_uuid(id).unwrap();
+    let start = Utc::now().timestamp_millis() - 3 * HOUR;
+    testing::installed(pool, db1, &[(version as u64, Mode::Simulation, at(start - HOUR))]).await.unwrap();
+    sqlx::query("UPDATE workloads SET applied_version = $2 WHERE id = $1")
+        .bind(id)
+        .bind(version)
+        .execute(pool)
+        .await
+        .unwrap();
+    // web-1 reached db-1 on as many ports as one run shows, none of them admitted: one
+    // suggestion per port.
+    let bound = suggest::MAX_SUGGESTIONS as u32;
+    let flows = |ports: std::ops::Range<u32>| {
+        ports.map(|p| flow_to("10.0.0.1", "10.0.0.4", 20_000 + p, None, 1, start)).collect()
+    };
+    ingest(pool, db1, version as u64, start, flows(0..bound), vec![]).await;
+    let request = suggest::Request {
+        scope: "app=db".into(),
+        range: Range::ending_at(Utc::now(), std::time::Duration::from_secs(86_400)).unwrap(),
+        excluded_keys: Default::default(),
+        max_breadth: 2.0,
+    };
+    let shown = suggest::run(pool, &request).await.unwrap();
+    assert_eq!(shown.suggestions.len(), suggest::MAX_SUGGESTIONS);
+    let stored = || async {
+        sqlx::query_as::<_, (i64, Option<chrono::DateTime<Utc>>)>(
+            "SELECT count(*), max(shown_at) FROM suggestions",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap()
+    };
+    let before = stored().await;
+    assert_eq!(before.0, suggest::MAX_SUGGESTIONS as i64);
+
+    // One port more, in the next window: the run is refused and writes nothing.
+    ingest(pool, db1, version as u64, start + HOUR, flows(bound..bound + 1), vec![]).await;
+    let request = suggest::Request {
+        range: Range::ending_at(Utc::now(), std::time::Duration::from_secs(86_400)).unwrap(),
+        ..request
+    };
+    match suggest::run(pool, &request).await {
+        Err(Error::Invalid(message)) => assert!(
+            message.contains(&format!("{} suggestions are more than the {bound}", bound + 1)),
+            "{message}"
+        ),
+        other => panic!("expected a refusal, got {:?}", other.map(|s| s.suggestions.len())),
+    }
+    assert_eq!(stored().await, before);
 }
