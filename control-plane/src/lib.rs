@@ -4,7 +4,8 @@
 //! enrollment, the agent listener), `flows` (evidence ingest, retention, queries), `gate` (the
 //! verdict and promotions on that evidence), `foresight` (a change's impact on recorded flows,
 //! and policy tests judged on every operator commit, the one commit operator changes go through),
-//! `suggest` (rules suggested from recorded flows, accepted into drafts), `sync` (stream state machine, gateway, NOTIFY
+//! `suggest` (rules suggested from recorded flows, accepted into drafts), `operations`
+//! (each authored operator change as one call that owns its audit record), `sync` (stream state machine, gateway, NOTIFY
 //! bridge), `api` (the operator HTTP API over all of them), `service` (one replica), with
 //! `postgres` (the database and its clusters), `admission` (who may hold a connection: the
 //! agent, API and metrics listeners), `copy` (binary `COPY` rows), `page` (bounded
@@ -25,6 +26,7 @@ pub mod identity;
 pub mod input;
 pub mod metrics;
 pub mod notice;
+pub mod operations;
 pub mod page;
 pub mod policy;
 pub mod postgres;

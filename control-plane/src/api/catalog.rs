@@ -2,8 +2,8 @@
 //! and versioned. Creates answer 201 with `ETag: "1"`; updates and deletes require `If-Match`
 //! with the version read (428 without, 412 with the current version when stale); a delete of
 //! something rules still use is 409 in-use naming them; a taken name is 409 duplicate-name.
-//! Every change is `foresight::commit` — written, rendered, audited in one transaction — with
-//! the same audit actions and details as the CLI's.
+//! Every change is one call of `operations`, which the CLI makes too: written, rendered, judged
+//! and audited in one transaction, with one audit record whichever edge it came through.
 
 use axum::Json;
 use axum::extract::State;
@@ -19,8 +19,8 @@ use super::problem::{ApiError, Problem};
 use super::workloads::created;
 use super::{ApiState, Changed, Nothing, PageQuery, page_request};
 use crate::error::Error;
+use crate::operations;
 use crate::page::Page;
-use crate::policy::authoring;
 use crate::policy::model::ServiceEntry;
 use crate::policy::spec::{AddressGroupSpec, RulesetSpec, ServiceSpec};
 use crate::policy::store::{self, AddressGroupView, RulesetView, ServiceView};
@@ -79,13 +79,7 @@ pub async fn create_service(
 ) -> Result<Response, ApiError> {
     let spec =
         ServiceSpec { name: body.name, description: body.description, entries: entries(&body.entries)? };
-    let detail = serde_json::json!({"entries": body.entries});
-    let done =
-        crate::foresight::commit(&state.pool, &caller.actor(), "service.create", &spec.name, async |c| {
-            authoring::create_service_within(c, &spec, &state.limits.counts).await?;
-            Ok(((), detail))
-        })
-        .await?;
+    let done = operations::create_service(&state.pool, &caller.actor(), &spec, &state.limits.counts).await?;
     Ok(created(format!("/api/v1/services/{}", spec.name), 1, Changed::<Nothing>::from(done)))
 }
 
@@ -115,12 +109,7 @@ pub async fn update_service(
 ) -> Result<Response, ApiError> {
     let expected = if_match(&headers, "a service")?;
     let spec = ServiceSpec { name, description: body.description, entries: entries(&body.entries)? };
-    let detail = serde_json::json!({"entries": body.entries});
-    let done =
-        crate::foresight::commit(&state.pool, &caller.actor(), "service.update", &spec.name, async |c| {
-            Ok((authoring::update_service(c, &spec, expected).await?, detail))
-        })
-        .await?;
+    let done = operations::update_service(&state.pool, &caller.actor(), &spec, expected).await?;
     Ok(([etag(done.value)], Json(Changed::from(done))).into_response())
 }
 
@@ -138,11 +127,7 @@ pub async fn delete_service(
     headers: HeaderMap,
 ) -> Result<Json<Changed<Nothing>>, ApiError> {
     let expected = if_match(&headers, "a service")?;
-    let done = crate::foresight::commit(&state.pool, &caller.actor(), "service.delete", &name, async |c| {
-        authoring::delete_service(c, &name, expected).await?;
-        Ok(((), serde_json::json!({})))
-    })
-    .await?;
+    let done = operations::delete_service(&state.pool, &caller.actor(), &name, expected).await?;
     Ok(Json(Changed::from(done)))
 }
 
@@ -155,7 +140,7 @@ pub struct NewGroup {
     pub name: String,
     #[serde(default)]
     pub description: String,
-    /// CIDRs, or bare addresses (host routes).
+    /// CIDRs in canonical spelling (a host route is `/32` or `/128`; a bare address is refused).
     pub cidrs: Vec<String>,
 }
 
@@ -188,18 +173,8 @@ pub async fn create_group(
 ) -> Result<Response, ApiError> {
     let spec =
         AddressGroupSpec { name: body.name, description: body.description, cidrs: cidrs(&body.cidrs)? };
-    let detail = serde_json::json!({"cidrs": spec.cidrs.iter().map(ToString::to_string).collect::<Vec<_>>()});
-    let done = crate::foresight::commit(
-        &state.pool,
-        &caller.actor(),
-        "address-group.create",
-        &spec.name,
-        async |c| {
-            authoring::create_address_group_within(c, &spec, &state.limits.counts).await?;
-            Ok(((), detail))
-        },
-    )
-    .await?;
+    let done =
+        operations::create_address_group(&state.pool, &caller.actor(), &spec, &state.limits.counts).await?;
     Ok(created(format!("/api/v1/address-groups/{}", spec.name), 1, Changed::<Nothing>::from(done)))
 }
 
@@ -229,15 +204,7 @@ pub async fn update_group(
 ) -> Result<Response, ApiError> {
     let expected = if_match(&headers, "an address group")?;
     let spec = AddressGroupSpec { name, description: body.description, cidrs: cidrs(&body.cidrs)? };
-    let detail = serde_json::json!({"cidrs": spec.cidrs.iter().map(ToString::to_string).collect::<Vec<_>>()});
-    let done = crate::foresight::commit(
-        &state.pool,
-        &caller.actor(),
-        "address-group.update",
-        &spec.name,
-        async |c| Ok((authoring::update_address_group(c, &spec, expected).await?, detail)),
-    )
-    .await?;
+    let done = operations::update_address_group(&state.pool, &caller.actor(), &spec, expected).await?;
     Ok(([etag(done.value)], Json(Changed::from(done))).into_response())
 }
 
@@ -255,12 +222,7 @@ pub async fn delete_group(
     headers: HeaderMap,
 ) -> Result<Json<Changed<Nothing>>, ApiError> {
     let expected = if_match(&headers, "an address group")?;
-    let done =
-        crate::foresight::commit(&state.pool, &caller.actor(), "address-group.delete", &name, async |c| {
-            authoring::delete_address_group(c, &name, expected).await?;
-            Ok(((), serde_json::json!({})))
-        })
-        .await?;
+    let done = operations::delete_address_group(&state.pool, &caller.actor(), &name, expected).await?;
     Ok(Json(Changed::from(done)))
 }
 
@@ -285,13 +247,7 @@ pub async fn create_ruleset(
     caller: Caller,
     JsonBody(spec): JsonBody<RulesetSpec>,
 ) -> Result<Response, ApiError> {
-    let detail = serde_json::to_value(&spec).map_err(|e| ApiError::Malformed(e.to_string()))?;
-    let done =
-        crate::foresight::commit(&state.pool, &caller.actor(), "ruleset.create", &spec.name, async |c| {
-            authoring::create_ruleset_within(c, &spec, &state.limits.counts).await?;
-            Ok(((), detail))
-        })
-        .await?;
+    let done = operations::create_ruleset(&state.pool, &caller.actor(), &spec, &state.limits.counts).await?;
     Ok(created(format!("/api/v1/rulesets/{}", spec.name), 1, Changed::<Nothing>::from(done)))
 }
 
@@ -328,11 +284,7 @@ pub async fn update_ruleset(
             spec.name
         )));
     }
-    let detail = serde_json::to_value(&spec).map_err(|e| ApiError::Malformed(e.to_string()))?;
-    let done = crate::foresight::commit(&state.pool, &caller.actor(), "ruleset.update", &name, async |c| {
-        Ok((authoring::update_ruleset(c, &spec, expected).await?, detail))
-    })
-    .await?;
+    let done = operations::update_ruleset(&state.pool, &caller.actor(), &spec, expected).await?;
     Ok(([etag(done.value)], Json(Changed::from(done))).into_response())
 }
 
@@ -349,10 +301,6 @@ pub async fn delete_ruleset(
     headers: HeaderMap,
 ) -> Result<Json<Changed<Nothing>>, ApiError> {
     let expected = if_match(&headers, "a ruleset")?;
-    let done = crate::foresight::commit(&state.pool, &caller.actor(), "ruleset.delete", &name, async |c| {
-        authoring::delete_ruleset(c, &name, expected).await?;
-        Ok(((), serde_json::json!({})))
-    })
-    .await?;
+    let done = operations::delete_ruleset(&state.pool, &caller.actor(), &name, expected).await?;
     Ok(Json(Changed::from(done)))
 }

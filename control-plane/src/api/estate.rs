@@ -23,7 +23,6 @@ use super::problem::ApiError;
 use super::{ApiState, Changed, Nothing, PageQuery, page_request};
 use crate::error::Error;
 use crate::page::Page;
-use crate::policy::authoring;
 use crate::policy::store::{self, EstateRangeView};
 
 /// A range as the CLI takes it: the network address and prefix (`10.0.0.0/8`, `fd00::/8`).
@@ -70,12 +69,7 @@ pub async fn add(
     let cidr = range(&body.cidr)?;
     let description = body.description;
     let subject = cidr.to_string();
-    let done =
-        crate::foresight::commit(&state.pool, &caller.actor(), "estate-range.add", &subject, async |c| {
-            authoring::add_estate_range(c, cidr, &description).await?;
-            Ok(((), serde_json::json!({"description": description})))
-        })
-        .await?;
+    let done = crate::operations::add_estate_range(&state.pool, &caller.actor(), cidr, &description).await?;
     // No ETag: a range has no version. Its location is where it is removed.
     let location = format!("/api/v1/estate-ranges/{subject}");
     Ok((StatusCode::CREATED, [(header::LOCATION, location)], Json(Changed::<Nothing>::from(done)))
@@ -94,12 +88,6 @@ pub async fn remove(
     Path((address, prefix)): Path<(String, String)>,
 ) -> Result<Json<Changed<Nothing>>, ApiError> {
     let cidr = range(&format!("{address}/{prefix}"))?;
-    let subject = cidr.to_string();
-    let done =
-        crate::foresight::commit(&state.pool, &caller.actor(), "estate-range.remove", &subject, async |c| {
-            authoring::remove_estate_range(c, cidr).await?;
-            Ok(((), serde_json::json!({})))
-        })
-        .await?;
+    let done = crate::operations::remove_estate_range(&state.pool, &caller.actor(), cidr).await?;
     Ok(Json(Changed::from(done)))
 }

@@ -185,18 +185,7 @@ pub async fn put_labels(
             format!("{k}={v}").parse::<Label>().map_err(|e| ApiError::Malformed(format!("label {k:?}: {e}")))
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let done = crate::foresight::commit(
-        &state.pool,
-        &caller.actor(),
-        "workload.label",
-        &id.to_string(),
-        async |c| {
-            let replaced = authoring::replace_labels(c, id, expected, &labels).await?;
-            let detail = serde_json::json!({"set": replaced.set, "removed": replaced.removed});
-            Ok((replaced, detail))
-        },
-    )
-    .await?;
+    let done = crate::operations::replace_labels(&state.pool, &caller.actor(), id, expected, &labels).await?;
     let version = done.value.version;
     Ok(([etag(version)], Json(Changed::from(done))).into_response())
 }
@@ -325,17 +314,7 @@ pub async fn release_address(
             body.address.chars().take(64).collect::<String>()
         ))
     })?;
-    let done = crate::foresight::commit(
-        &state.pool,
-        &caller.actor(),
-        "workload.release-address",
-        &id.to_string(),
-        async |c| {
-            authoring::release_address(c, id, address).await?;
-            Ok(((), serde_json::json!({"address": address.to_string()})))
-        },
-    )
-    .await?;
+    let done = crate::operations::release_address(&state.pool, &caller.actor(), id, address).await?;
     Ok(Json(Changed::from(done)))
 }
 
@@ -392,16 +371,10 @@ async fn lifecycle(
     retire: bool,
 ) -> Result<Json<Changed<Nothing>>, ApiError> {
     let id = workload(id)?;
-    let action = if retire { "workload.retire" } else { "workload.deny" };
-    let done = crate::foresight::commit(&state.pool, &caller.actor(), action, &id.to_string(), async |c| {
-        if retire {
-            authoring::retire(c, id).await?
-        } else {
-            authoring::deny(c, id).await?
-        }
-        Ok(((), serde_json::json!({})))
-    })
-    .await?;
+    let done = match retire {
+        true => crate::operations::retire(&state.pool, &caller.actor(), id).await?,
+        false => crate::operations::deny(&state.pool, &caller.actor(), id).await?,
+    };
     Ok(Json(Changed::from(done)))
 }
 

@@ -72,7 +72,7 @@ pub struct ChangeSpec {
     /// Creates the service, or replaces the one that exists when the change is added.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub service: Option<NamedMembers>,
-    /// Creates or replaces an address group (`members` are CIDRs or bare addresses).
+    /// Creates or replaces an address group (`members` are CIDRs in canonical spelling).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub address_group: Option<NamedMembers>,
     /// Creates or replaces a ruleset (the ruleset file's form).

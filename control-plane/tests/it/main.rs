@@ -15,6 +15,7 @@ mod identity;
 mod impact;
 mod installs;
 mod lists;
+mod operations;
 mod operators;
 mod policy_tests;
 mod postgres;

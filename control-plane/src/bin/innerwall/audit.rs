@@ -1,16 +1,16 @@
 //! `innerwall audit list`: the audit log read back (POL-8) — every record of who changed what,
-//! newest first, filtered by actor, action, object and age; from this host's database ([`run`])
-//! or a control plane's API ([`run_remote`]), every page walked, printed by the same function.
+//! newest first, filtered by actor, action, object and age; from this host's database or a
+//! control plane's API ([`Backend`]), every page walked, printed by the same function.
 
 use std::time::Duration;
 
 use clap::Subcommand;
-use innerwall_control_plane::audit::{self, AuditFilter, AuditRow};
+use innerwall_control_plane::audit::{AuditFilter, AuditRow};
 
-use crate::api::{ApiClient, with_query};
-use crate::ctx::Ctx;
+use crate::api::with_query;
+use crate::backend::Backend;
+use crate::duration;
 use crate::output::{print_json, print_table};
-use crate::{duration, pages};
 
 #[derive(Debug, Subcommand)]
 pub enum AuditCmd {
@@ -31,33 +31,45 @@ pub enum AuditCmd {
     },
 }
 
-pub async fn run(ctx: &Ctx, cmd: &AuditCmd) -> anyhow::Result<()> {
+pub async fn run(b: &impl Backend, json: bool, cmd: &AuditCmd) -> anyhow::Result<()> {
     let AuditCmd::List { actor, action, object, since } = cmd;
-    let filter = AuditFilter {
-        actor: actor.clone(),
-        action: action.clone(),
-        object: object.clone(),
-        since: since.as_ref().map(duration::since),
-    };
-    let mut conn = ctx.pool.acquire().await?;
-    let rows = pages::local(ctx.page_size, None, async |r| audit::page(&mut conn, &filter, r).await).await?;
-    print_records(ctx.json, &rows)
+    let query =
+        AuditQuery { actor: actor.clone(), action: action.clone(), object: object.clone(), since: *since };
+    print_records(json, &b.audit(&query).await?)
 }
 
-/// [`run`] through a control plane's API.
-pub async fn run_remote(api: &ApiClient, json: bool, cmd: &AuditCmd) -> anyhow::Result<()> {
-    let AuditCmd::List { actor, action, object, since } = cmd;
-    let mut query = Vec::new();
-    for (name, value) in [("actor", actor), ("action", action), ("object", object)] {
-        if let Some(value) = value {
-            query.push((name, value.clone()));
+/// `audit list`'s filter as given: `since` is measured back from now where the database is.
+pub struct AuditQuery {
+    pub actor: Option<String>,
+    pub action: Option<String>,
+    pub object: Option<String>,
+    pub since: Option<Duration>,
+}
+
+impl AuditQuery {
+    /// The library's filter, `since` back from now.
+    pub fn filter(&self) -> AuditFilter {
+        AuditFilter {
+            actor: self.actor.clone(),
+            action: self.action.clone(),
+            object: self.object.clone(),
+            since: self.since.as_ref().map(duration::since),
         }
     }
-    if let Some(back) = since {
-        query.push(("since", duration::since_param(back)));
+
+    /// `GET /api/v1/audit` with the same filter.
+    pub fn path(&self) -> String {
+        let mut query = Vec::new();
+        for (name, value) in [("actor", &self.actor), ("action", &self.action), ("object", &self.object)] {
+            if let Some(value) = value {
+                query.push((name, value.clone()));
+            }
+        }
+        if let Some(back) = &self.since {
+            query.push(("since", duration::since_param(back)));
+        }
+        with_query("/api/v1/audit", &query)
     }
-    let rows: Vec<AuditRow> = pages::remote(api, &with_query("/api/v1/audit", &query), None).await?;
-    print_records(json, &rows)
 }
 
 fn print_records(json: bool, rows: &[AuditRow]) -> anyhow::Result<()> {

@@ -50,7 +50,7 @@ pub async fn run(
             );
         }
         CaCmd::Rotate => {
-            let ctx = Ctx::connect(database, json, page_size, dir).await?;
+            let ctx = Ctx::connect(database, json, page_size).await?;
             let change = rotation::rotate(&ctx.pool, dir, &ctx.actor).await?;
             if json {
                 return print_json(&change);
@@ -62,7 +62,7 @@ pub async fn run(
             );
         }
         CaCmd::Retire { force } => {
-            let ctx = Ctx::connect(database, json, page_size, dir).await?;
+            let ctx = Ctx::connect(database, json, page_size).await?;
             let retired = rotation::retire(&ctx.pool, dir, &ctx.actor, *force).await?;
             if json {
                 return print_json(&retired);

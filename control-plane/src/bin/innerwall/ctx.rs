@@ -2,7 +2,7 @@
 //! the CA lives — built once from the global flags, so handlers never see the parsed command
 //! line.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Mutex;
 
 use anyhow::Context;
@@ -92,23 +92,11 @@ pub struct Ctx {
     pub page_size: u32,
     /// Who the audit log names for changes made here (`cli:<user>`).
     pub actor: String,
-    pub ca_dir: PathBuf,
 }
 
 impl Ctx {
-    pub async fn connect(
-        database: &Database,
-        json: bool,
-        page_size: u32,
-        ca_dir: &Path,
-    ) -> anyhow::Result<Ctx> {
-        Ok(Ctx {
-            pool: database.connect().await?,
-            json,
-            page_size,
-            actor: actor(),
-            ca_dir: ca_dir.to_owned(),
-        })
+    pub async fn connect(database: &Database, json: bool, page_size: u32) -> anyhow::Result<Ctx> {
+        Ok(Ctx { pool: database.connect().await?, json, page_size, actor: actor() })
     }
 }
 

@@ -1,26 +1,20 @@
 //! `innerwall draft …` (issue 27 items 1 and 2, POL-8): named, stored sets of authored changes,
 //! rendered, replayed against recorded flows and committed through one checked transaction —
-//! on this host's database (`foresight::drafts`, default count bounds) or (`run_remote`) through
-//! a control plane's API, printed alike. `draft impact` prints and exits as `workload replay`.
+//! on this host's database (`foresight::drafts`, default count bounds) or through a control
+//! plane's API ([`Backend`]), printed alike. `draft impact` prints and exits as `workload replay`.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use innerwall_control_plane::api::drafts::DraftImpact;
-use innerwall_control_plane::counts::CountBounds;
 use innerwall_control_plane::foresight::drafts::{
     self, Base, ChangeFile, ChangeSpec, DraftCommitted, DraftRender, DraftSummary, DraftView,
 };
-use innerwall_control_plane::policy::authoring::Committed;
 
-use crate::api::{ApiClient, segment, with_query};
-use crate::ctx::Ctx;
-use crate::duration;
-use crate::output::{Outcome, print_json, print_table, report, report_outcome};
+use crate::backend::Backend;
+use crate::output::{print_json, print_table, report};
 use crate::replay::{self, ReplayArgs, WIDTH, line};
-
-const PATH: &str = "/api/v1/drafts";
 
 #[derive(Debug, Subcommand)]
 pub enum DraftCmd {
@@ -93,72 +87,25 @@ fn read_change_file(path: &Path) -> anyhow::Result<ChangeFile> {
     Ok(drafts::parse_change_file(&origin, &text)?)
 }
 
-pub async fn run(ctx: &Ctx, cmd: &DraftCmd) -> anyhow::Result<()> {
-    let (json, pool, actor) = (ctx.json, &ctx.pool, ctx.actor.as_str());
-    let counts = CountBounds::default();
+pub async fn run(b: &impl Backend, json: bool, cmd: &DraftCmd) -> anyhow::Result<()> {
     match cmd {
-        DraftCmd::Create { name, note } => print_view(json, &drafts::create(pool, actor, name, note).await?),
-        DraftCmd::List => print_list(json, &drafts::list(pool).await?),
-        DraftCmd::Show { name } => print_view(json, &drafts::show(pool, name).await?),
+        DraftCmd::Create { name, note } => print_view(json, &b.create_draft(name, note).await?),
+        DraftCmd::List => print_list(json, &b.drafts().await?),
+        DraftCmd::Show { name } => print_view(json, &b.draft(name).await?),
         DraftCmd::Add { name, file } => {
-            let file = read_change_file(file)?;
-            print_view(json, &drafts::add(pool, actor, name, &file, &counts).await?)
+            print_view(json, &b.add_to_draft(name, &read_change_file(file)?).await?)
         }
-        DraftCmd::Render { name } => print_render(json, &drafts::render(pool, actor, name, &counts).await?),
-        DraftCmd::Impact { name, args } => {
-            let range = args.range()?;
-            let (render, impact) = drafts::impact(pool, actor, name, &counts, range, args.top).await?;
-            print_impact(json, &DraftImpact { render, impact }, args)
-        }
+        DraftCmd::Render { name } => print_render(json, &b.render_draft(name).await?),
+        DraftCmd::Impact { name, args } => print_impact(json, &b.draft_impact(name, args).await?, args),
         DraftCmd::Discard { name, expect } => {
             let expected = expect.required("discard", name)?;
-            drafts::discard(pool, actor, name, expected).await?;
-            report(json, &format!("draft {name} discarded"), Committed { value: (), changed: Vec::new() });
+            report(json, &format!("draft {name} discarded"), &b.discard_draft(name, expected).await?);
             Ok(())
         }
         DraftCmd::Commit { name, expect } => {
             let expected = expect.required("commit", name)?;
-            let done = drafts::commit(pool, actor, name, expected, &counts).await?;
-            report(json, &committed(&done.value), done);
-            Ok(())
-        }
-    }
-}
-
-/// [`run`] over the API: the same output.
-pub async fn run_remote(api: &ApiClient, json: bool, cmd: &DraftCmd) -> anyhow::Result<()> {
-    let one = |name: &str| format!("{PATH}/{}", segment(name));
-    match cmd {
-        DraftCmd::Create { name, note } => {
-            let body = serde_json::json!({"name": name, "note": note});
-            print_view(json, &api.write("POST", PATH, None, Some(&body)).await?)
-        }
-        DraftCmd::List => print_list(json, &api.get::<Vec<DraftSummary>>(PATH).await?),
-        DraftCmd::Show { name } => print_view(json, &api.get(&one(name)).await?),
-        DraftCmd::Add { name, file } => {
-            let body = serde_json::to_value(read_change_file(file)?)?;
-            print_view(json, &api.write("POST", &format!("{}/changes", one(name)), None, Some(&body)).await?)
-        }
-        DraftCmd::Render { name } => print_render(json, &api.get(&format!("{}/render", one(name))).await?),
-        DraftCmd::Impact { name, args } => {
-            args.range()?;
-            let path = with_query(
-                &format!("{}/impact", one(name)),
-                &[("since", duration::since_param(&args.since)), ("top", args.top.to_string())],
-            );
-            print_impact(json, &api.write("POST", &path, None, None).await?, args)
-        }
-        DraftCmd::Discard { name, expect } => {
-            let version = expect.required("discard", name)?;
-            let done: Outcome<()> = api.write("DELETE", &one(name), Some(version), None).await?;
-            report_outcome(json, &format!("draft {name} discarded"), &done);
-            Ok(())
-        }
-        DraftCmd::Commit { name, expect } => {
-            let version = expect.required("commit", name)?;
-            let path = format!("{}/commit", one(name));
-            let done: Outcome<DraftCommitted> = api.write("POST", &path, Some(version), None).await?;
-            report_outcome(json, &committed(&done.result), &done);
+            let done = b.commit_draft(name, expected).await?;
+            report(json, &committed(&done.result), &done);
             Ok(())
         }
     }

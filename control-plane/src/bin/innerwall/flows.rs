@@ -1,11 +1,10 @@
 //! `innerwall flows`: the flow evidence agents reported, the gaps in it, and rollups of it
 //! (FLOW-6), each a bounded page that says when more follow and how to ask for them. On this
-//! host's database ([`run`]) or through a control plane's API ([`run_remote`]): both check the
-//! flags the same way before asking, pass `--limit` and `--cursor` through, measure `--since`
-//! back from "now" on the side that holds the database (the API gets the duration, not an
-//! instant), and print the answer with the same functions.
+//! host's database or through a control plane's API ([`Backend`]): the flags are checked the
+//! same way before asking, `--limit` and `--cursor` pass through, `--since` is measured back from
+//! "now" on the side that holds the database (the API gets the duration, not an instant), and
+//! the answer prints with the same functions.
 
-use std::collections::BTreeSet;
 use std::time::Duration;
 
 use chrono::{DateTime, SecondsFormat, Utc};
@@ -20,8 +19,8 @@ use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::labels::Label;
 use innerwall_wire::policy::Protocol;
 
-use crate::api::{ApiClient, with_query};
-use crate::ctx::Ctx;
+use crate::api::with_query;
+use crate::backend::Backend;
 use crate::duration::{self, since, since_param};
 use crate::output::{print_json, print_table};
 
@@ -206,15 +205,15 @@ enum Range {
 }
 
 /// A rollup's flags, checked (in this order, in both modes) before anything is asked.
-struct Rollup {
-    by: Grouping,
+pub struct Rollup {
+    pub by: Grouping,
     range: Range,
     decisions: Vec<Decision>,
     peer_labels: Vec<Label>,
     versions: Vec<u64>,
     workloads: Vec<WorkloadId>,
     /// The scope as written (the API parses it the same way) and parsed.
-    scope: Option<(String, Selector)>,
+    pub scope: Option<(String, Selector)>,
 }
 
 impl Rollup {
@@ -260,15 +259,28 @@ impl Rollup {
         })
     }
 
-    /// Says on stderr (tables only) that the scope holds no live workload now.
-    fn note_empty_scope(&self, json: bool, empty: bool) {
-        if let (Some((_, selector)), true, false) = (&self.scope, empty, json) {
-            crate::output::note(format_args!("note: no live workload matches the scope {selector} now"));
+    /// The library's filter over the range ending now, within `--workload`s (the scope is the
+    /// caller's to resolve).
+    pub fn filter(&self) -> RollupFilter {
+        let now = Utc::now();
+        let (start, end) = match self.range {
+            Range::Between { from, to } => (from, to.unwrap_or(now)),
+            Range::Since(back) => (since(&back), now),
+        };
+        let filter = RollupFilter {
+            decisions: self.decisions.clone(),
+            peer_labels: self.peer_labels.clone(),
+            versions: self.versions.clone(),
+            ..RollupFilter::range(start, end)
+        };
+        match self.workloads.is_empty() {
+            true => filter,
+            false => filter.within(self.workloads.iter().copied().collect()),
         }
     }
 
     /// The query string of `GET /api/v1/flows/rollup`.
-    fn query(&self, request: &PageRequest) -> String {
+    pub fn query(&self, request: &PageRequest) -> String {
         let joined = |values: Vec<String>| values.join(",");
         let mut q = vec![("by", self.by.name().to_owned())];
         if !self.workloads.is_empty() {
@@ -312,86 +324,73 @@ fn page_request(limit: u32, cursor: &Option<String>) -> PageRequest {
     PageRequest { limit, cursor: cursor.clone() }
 }
 
-pub async fn run(ctx: &Ctx, cmd: &FlowsCmd) -> anyhow::Result<()> {
+pub async fn run(b: &impl Backend, json: bool, cmd: &FlowsCmd) -> anyhow::Result<()> {
     match cmd {
         FlowsCmd::List { workload, since: back, decision: name, version, limit, cursor } => {
-            let filter = f::RecordFilter {
+            let query = RecordQuery {
                 workload: *workload,
-                since: since(back),
+                since: *back,
                 decision: name.as_deref().map(decision).transpose()?,
                 version: *version,
             };
-            print_records(ctx.json, &f::list(&ctx.pool, &filter, &page_request(*limit, cursor)).await?)
+            print_records(json, &b.flow_records(&query, &page_request(*limit, cursor)).await?)
         }
         FlowsCmd::Gaps { workload, since: back, limit, cursor } => {
-            let page = f::gaps(&ctx.pool, *workload, since(back), &page_request(*limit, cursor)).await?;
-            print_gaps(ctx.json, &page)
+            print_gaps(json, &b.flow_gaps(*workload, *back, &page_request(*limit, cursor)).await?)
         }
         FlowsCmd::Rollup { limit, cursor, .. } => {
             let rollup = Rollup::from_cmd(cmd)?;
-            let now = Utc::now();
-            let (start, end) = match rollup.range {
-                Range::Between { from, to } => (from, to.unwrap_or(now)),
-                Range::Since(back) => (since(&back), now),
-            };
-            let mut filter = RollupFilter {
-                decisions: rollup.decisions.clone(),
-                peer_labels: rollup.peer_labels.clone(),
-                versions: rollup.versions.clone(),
-                ..RollupFilter::range(start, end)
-            };
-            if !rollup.workloads.is_empty() {
-                filter = filter.within(rollup.workloads.iter().copied().collect());
+            if let (Some((text, selector)), false) = (&rollup.scope, json)
+                && b.scope_is_empty(text, selector).await?
+            {
+                crate::output::note(format_args!("note: no live workload matches the scope {selector} now"));
             }
-            if let Some((_, selector)) = &rollup.scope {
-                let ids: BTreeSet<WorkloadId> = f::workloads_in(&ctx.pool, selector).await?;
-                rollup.note_empty_scope(ctx.json, ids.is_empty());
-                filter = filter.within(ids);
-            }
-            let page = f::rollup(&ctx.pool, rollup.by, &filter, &page_request(*limit, cursor)).await?;
-            print_rollup(ctx.json, rollup.by, &page)
+            print_rollup(json, rollup.by, &b.flow_rollup(&rollup, &page_request(*limit, cursor)).await?)
         }
     }
 }
 
-/// [`run`] over the API: the same checks first, then `GET /api/v1/flows…` with the same
-/// filters, limit and cursor.
-pub async fn run_remote(api: &ApiClient, json: bool, cmd: &FlowsCmd) -> anyhow::Result<()> {
-    match cmd {
-        FlowsCmd::List { workload, since: back, decision: name, version, limit, cursor } => {
-            let mut q = vec![("workload", workload.to_string()), ("since", since_param(back))];
-            if let Some(name) = name {
-                q.push(("decision", decision(name)?.name().to_owned()));
-            }
-            if let Some(version) = version {
-                q.push(("version", version.to_string()));
-            }
-            push_page(&mut q, &page_request(*limit, cursor));
-            print_records(json, &api.get(&with_query("/api/v1/flows", &q)).await?)
-        }
-        FlowsCmd::Gaps { workload, since: back, limit, cursor } => {
-            let mut q = vec![("since", since_param(back))];
-            if let Some(workload) = workload {
-                q.push(("workload", workload.to_string()));
-            }
-            push_page(&mut q, &page_request(*limit, cursor));
-            print_gaps(json, &api.get(&with_query("/api/v1/flows/gaps", &q)).await?)
-        }
-        FlowsCmd::Rollup { limit, cursor, .. } => {
-            let rollup = Rollup::from_cmd(cmd)?;
-            if let (Some((text, _)), false) = (&rollup.scope, json) {
-                // The API resolves the scope itself; whether it holds anyone is asked as the
-                // fleet list answers it (live workloads the selector matches now).
-                let path =
-                    with_query("/api/v1/workloads", &[("selector", text.clone()), ("limit", "1".to_owned())]);
-                let fleet: serde_json::Value = api.get(&path).await?;
-                let empty = fleet["rows"].as_array().is_none_or(Vec::is_empty);
-                rollup.note_empty_scope(json, empty);
-            }
-            let page = api.get(&rollup.query(&page_request(*limit, cursor))).await?;
-            print_rollup(json, rollup.by, &page)
+/// `flows list`'s filter as given: `since` is measured back from now where the database is.
+pub struct RecordQuery {
+    pub workload: WorkloadId,
+    pub since: Duration,
+    pub decision: Option<Decision>,
+    pub version: Option<u64>,
+}
+
+impl RecordQuery {
+    /// The library's filter, `since` back from now.
+    pub fn filter(&self) -> f::RecordFilter {
+        f::RecordFilter {
+            workload: self.workload,
+            since: since(&self.since),
+            decision: self.decision,
+            version: self.version,
         }
     }
+
+    /// The query string of `GET /api/v1/flows`.
+    pub fn path(&self, request: &PageRequest) -> String {
+        let mut q = vec![("workload", self.workload.to_string()), ("since", since_param(&self.since))];
+        if let Some(decision) = self.decision {
+            q.push(("decision", decision.name().to_owned()));
+        }
+        if let Some(version) = self.version {
+            q.push(("version", version.to_string()));
+        }
+        push_page(&mut q, request);
+        with_query("/api/v1/flows", &q)
+    }
+}
+
+/// The query string of `GET /api/v1/flows/gaps`.
+pub fn gaps_path(workload: Option<WorkloadId>, back: &Duration, request: &PageRequest) -> String {
+    let mut q = vec![("since", since_param(back))];
+    if let Some(workload) = workload {
+        q.push(("workload", workload.to_string()));
+    }
+    push_page(&mut q, request);
+    with_query("/api/v1/flows/gaps", &q)
 }
 
 /// `flows rollup`'s page, from either source: the whole page with `--json`, else a table whose

@@ -22,6 +22,7 @@ macro_rules! print {
 
 mod api;
 mod audit;
+mod backend;
 mod ca;
 mod ctx;
 mod drafts;
@@ -41,7 +42,7 @@ mod suggest;
 mod tokens;
 mod workloads;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -235,29 +236,17 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         _ => Create::No,
     };
     let database = Database::new(cli.database_url, cli.state_dir, create);
-    let connect = || Ctx::connect(&database, cli.json, cli.page_size, &ca_dir);
-    match cli.command {
+    let connect = || Ctx::connect(&database, cli.json, cli.page_size);
+    match &cli.command {
         Command::Contract => println!("{}", innerwall_wire::CONTRACT_PACKAGE),
         Command::Migrate => {
             database.connect().await?;
             println!("migrations applied");
         }
-        Command::Serve(args) => serve::run(&args, &database, &ca_dir).await?,
-        Command::Ca(cmd) => ca::run(&cmd, &ca_dir, &database, cli.json, cli.page_size).await?,
-        Command::Token(cmd) => tokens::run(&connect().await?, &cmd).await?,
-        Command::Render => policy::render(&connect().await?).await?,
-        Command::Service(cmd) => policy::catalog(&connect().await?, &cmd).await?,
-        Command::AddressGroup(cmd) => policy::catalog(&connect().await?, &cmd).await?,
-        Command::Ruleset(cmd) => policy::ruleset(&connect().await?, &cmd).await?,
-        Command::Policy(cmd) => policy::policy(&connect().await?, &cmd).await?,
-        Command::Draft(cmd) => drafts::run(&connect().await?, &cmd).await?,
-        Command::Suggest(cmd) => suggest::run(&connect().await?, &cmd).await?,
-        Command::EstateRange(cmd) => estate::run(&connect().await?, &cmd).await?,
-        Command::Workload(cmd) => workloads::run(&connect().await?, &cmd).await?,
-        Command::Flows(cmd) => flows::run(&connect().await?, &cmd).await?,
-        Command::Promotions(cmd) => promotions::run(&connect().await?, &cmd).await?,
-        Command::Operator(cmd) => operators::run(&connect().await?, &cmd).await?,
-        Command::Audit(cmd) => audit::run(&connect().await?, &cmd).await?,
+        Command::Serve(args) => serve::run(args, &database, &ca_dir).await?,
+        Command::Ca(cmd) => ca::run(cmd, &ca_dir, &database, cli.json, cli.page_size).await?,
+        Command::Operator(cmd) => operators::run(&connect().await?, cmd).await?,
+        command => operate(&connect().await?, command, cli.json, &ca_dir).await?,
     }
     output::flush();
     database.end()
@@ -307,25 +296,33 @@ async fn remote(api: &str, cli: &Cli) -> anyhow::Result<()> {
     }
     let token = operator_token(cli.token.as_deref())?;
     let client = api::ApiClient::new(api, token.as_deref(), cli.api_ca.as_deref(), cli.page_size)?;
-    match &cli.command {
-        Command::Service(cmd) => policy::catalog_remote(&client, cli.json, cmd).await,
-        Command::AddressGroup(cmd) => policy::catalog_remote(&client, cli.json, cmd).await,
-        Command::Ruleset(cmd) => policy::ruleset_remote(&client, cli.json, cmd).await,
-        Command::Policy(cmd) => policy::policy_remote(&client, cli.json, cmd).await,
-        Command::Draft(cmd) => drafts::run_remote(&client, cli.json, cmd).await,
-        Command::Suggest(cmd) => suggest::run_remote(&client, cli.json, cmd).await,
-        Command::Token(cmd) => {
-            let ca_dir = cli.ca_dir.clone().unwrap_or_else(|| cli.state_dir.join("ca"));
-            tokens::run_remote(&client, cli.json, &ca_dir, cmd).await
-        }
-        Command::Render => policy::render_remote(&client, cli.json).await,
-        Command::EstateRange(cmd) => estate::run_remote(&client, cli.json, cmd).await,
-        Command::Workload(cmd) => workloads::run_remote(&client, cli.json, cmd).await,
-        Command::Flows(cmd) => flows::run_remote(&client, cli.json, cmd).await,
-        Command::Promotions(cmd) => promotions::run_remote(&client, cli.json, cmd).await,
-        Command::Audit(cmd) => audit::run_remote(&client, cli.json, cmd).await,
+    let ca_dir = cli.ca_dir.clone().unwrap_or_else(|| cli.state_dir.join("ca"));
+    operate(&client, &cli.command, cli.json, &ca_dir).await
+}
+
+/// An operator command, on either side ([`backend::Backend`]): written once.
+async fn operate(
+    b: &impl backend::Backend,
+    command: &Command,
+    json: bool,
+    ca_dir: &Path,
+) -> anyhow::Result<()> {
+    match command {
+        Command::Token(cmd) => tokens::run(b, json, ca_dir, cmd).await,
+        Command::Render => policy::render(b, json).await,
+        Command::Service(cmd) => policy::catalog(b, json, cmd).await,
+        Command::AddressGroup(cmd) => policy::catalog(b, json, cmd).await,
+        Command::Ruleset(cmd) => policy::ruleset(b, json, cmd).await,
+        Command::Policy(cmd) => policy::policy(b, json, cmd).await,
+        Command::Draft(cmd) => drafts::run(b, json, cmd).await,
+        Command::Suggest(cmd) => suggest::run(b, json, cmd).await,
+        Command::EstateRange(cmd) => estate::run(b, json, cmd).await,
+        Command::Workload(cmd) => workloads::run(b, json, cmd).await,
+        Command::Flows(cmd) => flows::run(b, json, cmd).await,
+        Command::Promotions(cmd) => promotions::run(b, json, cmd).await,
+        Command::Audit(cmd) => audit::run(b, json, cmd).await,
         Command::Contract | Command::Migrate | Command::Serve(_) | Command::Ca(_) | Command::Operator(_) => {
-            unreachable!("host-only commands were refused above")
+            unreachable!("host-only commands are run on the host, never as operations")
         }
     }
 }

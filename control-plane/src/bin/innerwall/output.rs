@@ -11,7 +11,6 @@ use std::fmt::Write as _;
 
 use comfy_table::{Table, presets};
 use innerwall_control_plane::policy::authoring::Committed;
-use innerwall_control_plane::policy::publish::Changed;
 use serde::Serialize;
 
 /// What a failed write to stdout unwinds with, up to `main`: a closed pipe (`innerwall … --json
@@ -145,38 +144,28 @@ pub fn print_json<T: Serialize>(value: &T) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Prints the outcome of a committed change: the value, then each workload whose version moved.
-pub fn print_changed<T: Serialize>(json: bool, changed: &[Changed], value: &T) {
-    print_outcome(json, None, value, &rows(changed));
-}
-
-/// The workloads a local change moved, as the API names them.
-fn rows(changed: &[Changed]) -> Vec<ChangedRow> {
-    changed.iter().map(|c| ChangedRow { workload: c.workload.to_string(), version: c.version }).collect()
-}
-
 /// The one printer of a change's outcome, local or remote: `what` (unless `--json`), then each
 /// workload whose version moved; with `--json` the value and those workloads.
-fn print_outcome<T: Serialize>(json: bool, what: Option<&str>, value: &T, changed: &[ChangedRow]) {
+fn print_outcome<T: Serialize>(json: bool, what: Option<&str>, done: &Outcome<T>) {
     if json {
-        println!("{}", serde_json::json!({"result": value, "changed": changed}));
+        println!("{}", serde_json::json!({"result": done.result, "changed": done.changed}));
         return;
     }
     if let Some(what) = what {
         println!("{what}");
     }
-    if changed.is_empty() {
+    if done.changed.is_empty() {
         println!("no workload's policy changed");
     } else {
-        println!("policy version changed for {} workload(s):", changed.len());
-        for c in changed {
+        println!("policy version changed for {} workload(s):", done.changed.len());
+        for c in &done.changed {
             println!("  {}  v{}", c.workload, c.version);
         }
     }
 }
 
-/// The API's answer to a change (`{"result": …, "changed": [{workload, version}]}`), printed
-/// exactly as [`report`] prints a local [`Committed`].
+/// A change's outcome as the API answers it (`{"result": …, "changed": [{workload, version}]}`)
+/// and as a local [`Committed`] becomes, so both print alike.
 #[derive(Debug, serde::Deserialize)]
 pub struct Outcome<T> {
     pub result: T,
@@ -189,19 +178,23 @@ pub struct ChangedRow {
     pub version: u64,
 }
 
-/// [`report`] for an [`Outcome`] the API answered.
-pub fn report_outcome<T: Serialize>(json: bool, what: &str, done: &Outcome<T>) {
-    print_outcome(json, Some(what), &done.result, &done.changed);
-}
-
-/// [`print_changed`] for an [`Outcome`] the API answered.
-pub fn print_changed_outcome<T: Serialize>(json: bool, done: &Outcome<T>) {
-    print_outcome(json, None, &done.result, &done.changed);
+impl<T> From<Committed<T>> for Outcome<T> {
+    fn from(done: Committed<T>) -> Outcome<T> {
+        let changed =
+            done.changed.iter().map(|c| ChangedRow { workload: c.workload.to_string(), version: c.version });
+        Outcome { result: done.value, changed: changed.collect() }
+    }
 }
 
 /// Prints `what` (unless `--json`), then the outcome of the change.
-pub fn report<T: Serialize>(json: bool, what: &str, done: Committed<T>) {
-    print_outcome(json, Some(what), &done.value, &rows(&done.changed));
+pub fn report<T: Serialize>(json: bool, what: &str, done: &Outcome<T>) {
+    print_outcome(json, Some(what), done);
+}
+
+/// Prints the outcome of a change that needs no sentence (a render): the value, then each
+/// workload whose version moved.
+pub fn print_changed<T: Serialize>(json: bool, done: &Outcome<T>) {
+    print_outcome(json, None, done);
 }
 
 #[cfg(test)]

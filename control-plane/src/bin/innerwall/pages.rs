@@ -45,11 +45,30 @@ pub async fn remote<T: DeserializeOwned>(
     path: &str,
     most: Option<usize>,
 ) -> anyhow::Result<Vec<T>> {
+    remote_pages(api, path, api.page_size, most).await
+}
+
+/// Every row of the API's paged collection at `path`, `size` rows a page (the workload lists
+/// set theirs: their rows are large).
+pub async fn remote_sized<T: DeserializeOwned>(
+    api: &ApiClient,
+    path: &str,
+    size: u32,
+) -> anyhow::Result<Vec<T>> {
+    remote_pages(api, path, size, None).await
+}
+
+async fn remote_pages<T: DeserializeOwned>(
+    api: &ApiClient,
+    path: &str,
+    size: u32,
+    most: Option<usize>,
+) -> anyhow::Result<Vec<T>> {
     let separator = if path.contains('?') { '&' } else { '?' };
     let mut rows = Vec::new();
     let mut cursor: Option<String> = None;
     loop {
-        let mut url = format!("{path}{separator}limit={}", api.page_size);
+        let mut url = format!("{path}{separator}limit={size}");
         if let Some(cursor) = &cursor {
             url.push_str(&format!("&cursor={}", segment(cursor)));
         }

@@ -1,8 +1,8 @@
-//! `innerwall render`, `service`, `address-group` and `ruleset`: authoring the policy model,
-//! on this host's database or (`*_remote`) through a control plane's API, printed alike.
-//! Services and address groups are the same kind of thing to the CLI — a named, versioned set
-//! of members given as flags — so one generic [`ObjectCmd`] and [`catalog`] serve both, each
-//! described by a [`Catalog`] impl.
+//! `innerwall render`, `service`, `address-group`, `ruleset` and `policy`: authoring the policy
+//! model and its tests, written once against a [`Backend`] (this host's database or a control
+//! plane's API), so both print alike. Services and address groups are the same kind of thing to
+//! the CLI — a named, versioned set of members given as flags — so one generic [`ObjectCmd`] and
+//! [`catalog`] serve both, each described by a [`Catalog`] impl.
 
 use std::path::{Path, PathBuf};
 
@@ -10,9 +10,10 @@ use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
 use innerwall_control_plane::counts::CountBounds;
 use innerwall_control_plane::error::Error;
-use innerwall_control_plane::foresight::{self, drafts, policy_tests};
+use innerwall_control_plane::foresight::{self, policy_tests};
+use innerwall_control_plane::operations;
 use innerwall_control_plane::page::{Page, PageRequest};
-use innerwall_control_plane::policy::authoring;
+use innerwall_control_plane::policy::authoring::Committed;
 use innerwall_control_plane::policy::model::ServiceEntry;
 use innerwall_control_plane::policy::spec::{
     self, AddressGroupSpec, MAX_RULESET_FILE, RulesetSpec, ServiceSpec,
@@ -20,14 +21,10 @@ use innerwall_control_plane::policy::spec::{
 use innerwall_control_plane::policy::store::{self, AddressGroupView, ServiceView};
 use innerwall_wire::policy::Cidr;
 use serde::Serialize;
-use sqlx::PgConnection;
+use sqlx::{PgConnection, PgPool};
 
-use crate::api::{ApiClient, segment};
-use crate::ctx::Ctx;
-use crate::output::{
-    Outcome, print_changed, print_changed_outcome, print_json, print_table, report, report_outcome,
-};
-use crate::pages;
+use crate::backend::Backend;
+use crate::output::{print_changed, print_json, print_table, report};
 
 #[derive(Debug, Args)]
 pub struct Expect {
@@ -78,9 +75,7 @@ pub enum ObjectCmd<A: Args> {
 pub trait Catalog: Args {
     /// As messages name it: `service`, `address group`.
     const NOUN: &'static str;
-    /// As audit actions start: `service`, `address-group`.
-    const ACTION: &'static str;
-    /// The members' table column and audit-detail key: `entries`, `cidrs`.
+    /// The members' table column and the API body's key: `entries`, `cidrs`.
     const MEMBERS: &'static str;
     /// The API's collection: `/api/v1/services`, `/api/v1/address-groups`.
     const PATH: &'static str;
@@ -91,12 +86,22 @@ pub trait Catalog: Args {
     /// The API's body for a create (with the name) or an update (without).
     fn body(&self, with_name: bool) -> serde_json::Value;
     fn arg_name(&self) -> &str;
-    fn name(spec: &Self::Spec) -> &str;
-    fn members(spec: &Self::Spec) -> Vec<String>;
-    async fn create(conn: &mut PgConnection, spec: &Self::Spec) -> Result<(), Error>;
-    /// Returns the new version.
-    async fn update(conn: &mut PgConnection, spec: &Self::Spec, expected: i64) -> Result<i64, Error>;
-    async fn delete(conn: &mut PgConnection, name: &str, expected: i64) -> Result<(), Error>;
+    /// `operations::create_…`.
+    async fn create(
+        pool: &PgPool,
+        actor: &str,
+        spec: &Self::Spec,
+        counts: &CountBounds,
+    ) -> Result<Committed<()>, Error>;
+    /// `operations::update_…`: the new version.
+    async fn update(
+        pool: &PgPool,
+        actor: &str,
+        spec: &Self::Spec,
+        expected: i64,
+    ) -> Result<Committed<i64>, Error>;
+    /// `operations::delete_…`.
+    async fn delete(pool: &PgPool, actor: &str, name: &str, expected: i64) -> Result<Committed<()>, Error>;
     async fn page(conn: &mut PgConnection, request: &PageRequest) -> Result<Page<Self::View>, Error>;
     async fn show(conn: &mut PgConnection, name: &str) -> Result<Self::View, Error>;
     /// name, version, members, description.
@@ -116,7 +121,7 @@ pub struct ServiceArgs {
 #[derive(Debug, Args)]
 pub struct GroupArgs {
     name: String,
-    /// A CIDR or a bare address (a host route); repeatable.
+    /// A CIDR in canonical spelling (a host route is /32 or /128); repeatable.
     #[arg(long = "cidr", required = true)]
     cidrs: Vec<String>,
     #[arg(long, default_value = "")]
@@ -125,13 +130,12 @@ pub struct GroupArgs {
 
 /// Implements [`Catalog`] for a flags struct from the library calls of its kind. The members
 /// field has one name in the flags, the spec and the view (`entries`, `cidrs`), which is also
-/// the table column and the audit-detail key.
+/// the table column and the API body's key.
 macro_rules! catalog {
-    ($args:ty { $members:ident: $parse:path } => $spec:ident, $view:ident, $noun:literal, $action:literal,
+    ($args:ty { $members:ident: $parse:path } => $spec:ident, $view:ident, $noun:literal,
      $path:literal, [$create:ident, $update:ident, $delete:ident, $page:ident, $show:ident]) => {
         impl Catalog for $args {
             const NOUN: &'static str = $noun;
-            const ACTION: &'static str = $action;
             const MEMBERS: &'static str = stringify!($members);
             const PATH: &'static str = $path;
             type Spec = $spec;
@@ -158,20 +162,15 @@ macro_rules! catalog {
             fn arg_name(&self) -> &str {
                 &self.name
             }
-            fn name(spec: &$spec) -> &str {
-                &spec.name
+            async fn create(pool: &PgPool, actor: &str, spec: &$spec, counts: &CountBounds)
+            -> Result<Committed<()>, Error> {
+                operations::$create(pool, actor, spec, counts).await
             }
-            fn members(spec: &$spec) -> Vec<String> {
-                spec.$members.iter().map(ToString::to_string).collect()
+            async fn update(pool: &PgPool, actor: &str, spec: &$spec, expected: i64) -> Result<Committed<i64>, Error> {
+                operations::$update(pool, actor, spec, expected).await
             }
-            async fn create(conn: &mut PgConnection, spec: &$spec) -> Result<(), Error> {
-                authoring::$create(conn, spec).await.map(drop)
-            }
-            async fn update(conn: &mut PgConnection, spec: &$spec, expected: i64) -> Result<i64, Error> {
-                authoring::$update(conn, spec, expected).await
-            }
-            async fn delete(conn: &mut PgConnection, name: &str, expected: i64) -> Result<(), Error> {
-                authoring::$delete(conn, name, expected).await
+            async fn delete(pool: &PgPool, actor: &str, name: &str, expected: i64) -> Result<Committed<()>, Error> {
+                operations::$delete(pool, actor, name, expected).await
             }
             async fn page(conn: &mut PgConnection, request: &PageRequest) -> Result<Page<$view>, Error> {
                 store::$page(conn, request).await
@@ -186,63 +185,31 @@ macro_rules! catalog {
     };
 }
 
-catalog!(ServiceArgs { entries: ServiceEntry::parse } => ServiceSpec, ServiceView, "service", "service",
+catalog!(ServiceArgs { entries: ServiceEntry::parse } => ServiceSpec, ServiceView, "service",
     "/api/v1/services", [create_service, update_service, delete_service, service_page, service_view]);
 catalog!(GroupArgs { cidrs: Cidr::parse } => AddressGroupSpec, AddressGroupView, "address group",
-    "address-group", "/api/v1/address-groups",
+    "/api/v1/address-groups",
     [create_address_group, update_address_group, delete_address_group, address_group_page, address_group_view]);
 
-/// The audit detail of a create or update: the members as written.
-fn members_detail<A: Catalog>(spec: &A::Spec) -> serde_json::Value {
-    serde_json::Value::Object(serde_json::Map::from_iter([(A::MEMBERS.to_owned(), A::members(spec).into())]))
-}
-
-pub async fn catalog<A: Catalog>(ctx: &Ctx, cmd: &ObjectCmd<A>) -> anyhow::Result<()> {
-    let (noun, pool, actor) = (A::NOUN, &ctx.pool, ctx.actor.as_str());
+pub async fn catalog<A: Catalog>(b: &impl Backend, json: bool, cmd: &ObjectCmd<A>) -> anyhow::Result<()> {
+    let noun = A::NOUN;
     match cmd {
         ObjectCmd::Create(args) => {
-            let spec = args.spec()?;
-            let name = A::name(&spec);
-            let action = format!("{}.create", A::ACTION);
-            let done = foresight::commit(pool, actor, &action, name, async |c| {
-                A::create(c, &spec).await?;
-                Ok(((), members_detail::<A>(&spec)))
-            })
-            .await?;
-            report(ctx.json, &format!("{noun} {name} created (version 1)"), done);
+            let done = b.create(args).await?;
+            report(json, &format!("{noun} {} created (version 1)", args.arg_name()), &done);
         }
         ObjectCmd::Update { object, expect } => {
             let expected = expect.required(noun, "update", object.arg_name())?;
-            let spec = object.spec()?;
-            let name = A::name(&spec);
-            let action = format!("{}.update", A::ACTION);
-            let done = foresight::commit(pool, actor, &action, name, async |c| {
-                let version = A::update(c, &spec, expected).await?;
-                Ok((version, members_detail::<A>(&spec)))
-            })
-            .await?;
-            report(ctx.json, &format!("{noun} {name} updated (version {})", done.value), done);
+            let done = b.update(object, expected).await?;
+            report(json, &format!("{noun} {} updated (version {})", object.arg_name(), done.result), &done);
         }
         ObjectCmd::Delete { name, expect } => {
             let expected = expect.required(noun, "delete", name)?;
-            let action = format!("{}.delete", A::ACTION);
-            let done = foresight::commit(pool, actor, &action, name, async |c| {
-                A::delete(c, name, expected).await?;
-                Ok(((), serde_json::json!({})))
-            })
-            .await?;
-            report(ctx.json, &format!("{noun} {name} deleted"), done);
+            let done = b.delete::<A>(name, expected).await?;
+            report(json, &format!("{noun} {name} deleted"), &done);
         }
-        ObjectCmd::List => {
-            let mut conn = pool.acquire().await?;
-            print_objects::<A>(
-                ctx.json,
-                pages::local(ctx.page_size, None, async |r| A::page(&mut conn, r).await).await?,
-            )?;
-        }
-        ObjectCmd::Show { name } => {
-            print_objects::<A>(ctx.json, vec![A::show(&mut *pool.acquire().await?, name).await?])?;
-        }
+        ObjectCmd::List => print_objects::<A>(json, b.list::<A>().await?)?,
+        ObjectCmd::Show { name } => print_objects::<A>(json, vec![b.show::<A>(name).await?])?,
     }
     Ok(())
 }
@@ -257,103 +224,10 @@ fn print_objects<A: Catalog>(json: bool, all: Vec<A::View>) -> anyhow::Result<()
     Ok(())
 }
 
-/// [`catalog`] over the API: the same messages, tables and `--json`.
-pub async fn catalog_remote<A: Catalog>(
-    api: &ApiClient,
-    json: bool,
-    cmd: &ObjectCmd<A>,
-) -> anyhow::Result<()> {
-    let noun = A::NOUN;
-    match cmd {
-        ObjectCmd::Create(args) => {
-            args.spec()?;
-            let name = args.arg_name();
-            let done: Outcome<()> = api.write("POST", A::PATH, None, Some(&args.body(true))).await?;
-            report_outcome(json, &format!("{noun} {name} created (version 1)"), &done);
-        }
-        ObjectCmd::Update { object, expect } => {
-            let version = expect.required(noun, "update", object.arg_name())?;
-            object.spec()?;
-            let name = object.arg_name();
-            let path = format!("{}/{}", A::PATH, segment(name));
-            let done: Outcome<i64> =
-                api.write("PUT", &path, Some(version), Some(&object.body(false))).await?;
-            report_outcome(json, &format!("{noun} {name} updated (version {})", done.result), &done);
-        }
-        ObjectCmd::Delete { name, expect } => {
-            let version = expect.required(noun, "delete", name)?;
-            let path = format!("{}/{}", A::PATH, segment(name));
-            let done: Outcome<()> = api.write("DELETE", &path, Some(version), None).await?;
-            report_outcome(json, &format!("{noun} {name} deleted"), &done);
-        }
-        ObjectCmd::List => print_objects::<A>(json, pages::remote(api, A::PATH, None).await?)?,
-        ObjectCmd::Show { name } => {
-            let view: A::View = api.get(&format!("{}/{}", A::PATH, segment(name))).await?;
-            print_objects::<A>(json, vec![view])?;
-        }
-    }
-    Ok(())
-}
-
-/// A [`store::RulesetView`] from the API's JSON (the spec is flattened beside `version`).
-fn ruleset_view(mut value: serde_json::Value) -> anyhow::Result<store::RulesetView> {
-    let version = value
-        .as_object_mut()
-        .and_then(|o| o.remove("version"))
-        .and_then(|v| v.as_i64())
-        .context("a ruleset in the answer has no version")?;
-    Ok(store::RulesetView { version, spec: serde_json::from_value(value)? })
-}
-
-/// [`ruleset`] over the API: the same messages, tables, YAML and `--json`.
-pub async fn ruleset_remote(api: &ApiClient, json: bool, cmd: &ObjectCmd<RulesetFile>) -> anyhow::Result<()> {
-    const PATH: &str = "/api/v1/rulesets";
-    match cmd {
-        ObjectCmd::Create(RulesetFile { file }) => {
-            let spec = read_ruleset_file(file)?;
-            let body = serde_json::to_value(&spec)?;
-            let done: Outcome<()> = api.write("POST", PATH, None, Some(&body)).await?;
-            report_outcome(json, &format!("ruleset {} created (version 1)", spec.name), &done);
-        }
-        ObjectCmd::Update { object: RulesetFile { file }, expect } => {
-            let spec = read_ruleset_file(file)?;
-            let version = expect.required("ruleset", "update", &spec.name)?;
-            let path = format!("{PATH}/{}", segment(&spec.name));
-            let body = serde_json::to_value(&spec)?;
-            let done: Outcome<i64> = api.write("PUT", &path, Some(version), Some(&body)).await?;
-            report_outcome(json, &format!("ruleset {} updated (version {})", spec.name, done.result), &done);
-        }
-        ObjectCmd::Delete { name, expect } => {
-            let version = expect.required("ruleset", "delete", name)?;
-            let path = format!("{PATH}/{}", segment(name));
-            let done: Outcome<()> = api.write("DELETE", &path, Some(version), None).await?;
-            report_outcome(json, &format!("ruleset {name} deleted"), &done);
-        }
-        ObjectCmd::List => {
-            let all: Vec<serde_json::Value> = pages::remote(api, PATH, None).await?;
-            let all = all.into_iter().map(ruleset_view).collect::<anyhow::Result<Vec<_>>>()?;
-            print_rulesets(json, cmd, all)?;
-        }
-        ObjectCmd::Show { name } => {
-            let view = ruleset_view(api.get(&format!("{PATH}/{}", segment(name))).await?)?;
-            print_rulesets(json, cmd, vec![view])?;
-        }
-    }
-    Ok(())
-}
-
 /// `innerwall render`: every workload rendered now, recorded in the audit log with the
 /// versions it moved.
-pub async fn render(ctx: &Ctx) -> anyhow::Result<()> {
-    let done = authoring::render_audited(&ctx.pool, &ctx.actor).await?;
-    print_changed(ctx.json, &done.changed, &done.value);
-    Ok(())
-}
-
-/// [`render`] over the API.
-pub async fn render_remote(api: &ApiClient, json: bool) -> anyhow::Result<()> {
-    let done: Outcome<()> = api.write("POST", "/api/v1/render", None, None).await?;
-    print_changed_outcome(json, &done);
+pub async fn render(b: &impl Backend, json: bool) -> anyhow::Result<()> {
+    print_changed(json, &b.render().await?);
     Ok(())
 }
 
@@ -369,46 +243,26 @@ fn read_ruleset_file(path: &Path) -> anyhow::Result<RulesetSpec> {
     Ok(spec::parse_ruleset_file(&origin, &text)?)
 }
 
-pub async fn ruleset(ctx: &Ctx, cmd: &ObjectCmd<RulesetFile>) -> anyhow::Result<()> {
-    let (json, pool, actor) = (ctx.json, &ctx.pool, ctx.actor.as_str());
+pub async fn ruleset(b: &impl Backend, json: bool, cmd: &ObjectCmd<RulesetFile>) -> anyhow::Result<()> {
     match cmd {
         ObjectCmd::Create(RulesetFile { file }) => {
             let spec = read_ruleset_file(file)?;
-            let done = foresight::commit(pool, actor, "ruleset.create", &spec.name.clone(), async |c| {
-                authoring::create_ruleset(c, &spec).await?;
-                Ok(((), serde_json::to_value(&spec).expect("plain data serializes")))
-            })
-            .await?;
-            report(json, &format!("ruleset {} created (version 1)", spec.name), done);
+            let done = b.create_ruleset(&spec).await?;
+            report(json, &format!("ruleset {} created (version 1)", spec.name), &done);
         }
         ObjectCmd::Update { object: RulesetFile { file }, expect } => {
             let spec = read_ruleset_file(file)?;
             let expected = expect.required("ruleset", "update", &spec.name)?;
-            let done = foresight::commit(pool, actor, "ruleset.update", &spec.name.clone(), async |c| {
-                let v = authoring::update_ruleset(c, &spec, expected).await?;
-                Ok((v, serde_json::to_value(&spec).expect("plain data serializes")))
-            })
-            .await?;
-            report(json, &format!("ruleset {} updated (version {})", spec.name, done.value), done);
+            let done = b.update_ruleset(&spec, expected).await?;
+            report(json, &format!("ruleset {} updated (version {})", spec.name, done.result), &done);
         }
         ObjectCmd::Delete { name, expect } => {
             let expected = expect.required("ruleset", "delete", name)?;
-            let done = foresight::commit(pool, actor, "ruleset.delete", name, async |c| {
-                authoring::delete_ruleset(c, name, expected).await?;
-                Ok(((), serde_json::json!({})))
-            })
-            .await?;
-            report(json, &format!("ruleset {name} deleted"), done);
+            let done = b.delete_ruleset(name, expected).await?;
+            report(json, &format!("ruleset {name} deleted"), &done);
         }
-        ObjectCmd::List => {
-            let mut conn = pool.acquire().await?;
-            let all =
-                pages::local(ctx.page_size, None, async |r| store::ruleset_page(&mut conn, r).await).await?;
-            print_rulesets(json, cmd, all)?;
-        }
-        ObjectCmd::Show { name } => {
-            print_rulesets(json, cmd, vec![store::ruleset_view(&mut *pool.acquire().await?, name).await?])?;
-        }
+        ObjectCmd::List => print_rulesets(json, cmd, b.rulesets().await?)?,
+        ObjectCmd::Show { name } => print_rulesets(json, cmd, vec![b.ruleset(name).await?])?,
     }
     Ok(())
 }
@@ -481,92 +335,32 @@ fn read_test_set_file(path: &Path) -> anyhow::Result<foresight::TestSetSpec> {
     Ok(policy_tests::parse_test_set_file(&origin, &text)?)
 }
 
-pub async fn policy(ctx: &Ctx, cmd: &PolicyCmd) -> anyhow::Result<()> {
-    let (json, pool, actor) = (ctx.json, &ctx.pool, ctx.actor.as_str());
+pub async fn policy(b: &impl Backend, json: bool, cmd: &PolicyCmd) -> anyhow::Result<()> {
+    const NOUN: &str = "policy test set";
     match cmd {
-        PolicyCmd::Test { junit, draft } => {
-            let report = match draft {
-                Some(name) => drafts::run_tests(pool, actor, name, &CountBounds::default()).await?,
-                None => foresight::run_policy_tests(pool).await?,
-            };
-            print_run(json, *junit, &report)
-        }
+        PolicyCmd::Test { junit, draft } => print_run(json, *junit, &b.run_tests(draft.as_deref()).await?),
         PolicyCmd::TestSet(cmd) => match cmd {
             ObjectCmd::Create(TestSetFile { file }) => {
                 let spec = read_test_set_file(file)?;
-                let done = foresight::create_test_set(pool, actor, &spec).await?;
-                report(json, &format!("policy test set {} created (version 1)", spec.name), done);
+                let done = b.create_test_set(&spec).await?;
+                report(json, &format!("{NOUN} {} created (version 1)", spec.name), &done);
                 Ok(())
             }
             ObjectCmd::Update { object: TestSetFile { file }, expect } => {
                 let spec = read_test_set_file(file)?;
-                let expected = expect.required("policy test set", "update", &spec.name)?;
-                let done = foresight::update_test_set(pool, actor, &spec, expected).await?;
-                report(
-                    json,
-                    &format!("policy test set {} updated (version {})", spec.name, done.value),
-                    done,
-                );
+                let expected = expect.required(NOUN, "update", &spec.name)?;
+                let done = b.update_test_set(&spec, expected).await?;
+                report(json, &format!("{NOUN} {} updated (version {})", spec.name, done.result), &done);
                 Ok(())
             }
             ObjectCmd::Delete { name, expect } => {
-                let expected = expect.required("policy test set", "delete", name)?;
-                let done = foresight::delete_test_set(pool, actor, name, expected).await?;
-                report(json, &format!("policy test set {name} deleted"), done);
+                let expected = expect.required(NOUN, "delete", name)?;
+                let done = b.delete_test_set(name, expected).await?;
+                report(json, &format!("{NOUN} {name} deleted"), &done);
                 Ok(())
             }
-            ObjectCmd::List => print_test_sets(json, None, foresight::list_test_sets(pool).await?),
-            ObjectCmd::Show { name } => {
-                print_test_sets(json, Some(name), vec![foresight::show_test_set(pool, name).await?])
-            }
-        },
-    }
-}
-
-/// [`policy`] over the API: the same output.
-pub async fn policy_remote(api: &ApiClient, json: bool, cmd: &PolicyCmd) -> anyhow::Result<()> {
-    const PATH: &str = "/api/v1/policy-test-sets";
-    match cmd {
-        PolicyCmd::Test { junit, draft } => {
-            let path = match draft {
-                Some(name) => format!("/api/v1/drafts/{}/tests", segment(name)),
-                None => "/api/v1/policy-tests/run".to_owned(),
-            };
-            let report: foresight::RunReport = api.write("POST", &path, None, None).await?;
-            print_run(json, *junit, &report)
-        }
-        PolicyCmd::TestSet(cmd) => match cmd {
-            ObjectCmd::Create(TestSetFile { file }) => {
-                let spec = read_test_set_file(file)?;
-                let body = serde_json::to_value(&spec)?;
-                let done: Outcome<i64> = api.write("POST", PATH, None, Some(&body)).await?;
-                report_outcome(json, &format!("policy test set {} created (version 1)", spec.name), &done);
-                Ok(())
-            }
-            ObjectCmd::Update { object: TestSetFile { file }, expect } => {
-                let spec = read_test_set_file(file)?;
-                let version = expect.required("policy test set", "update", &spec.name)?;
-                let path = format!("{PATH}/{}", segment(&spec.name));
-                let body = serde_json::to_value(&spec)?;
-                let done: Outcome<i64> = api.write("PUT", &path, Some(version), Some(&body)).await?;
-                report_outcome(
-                    json,
-                    &format!("policy test set {} updated (version {})", spec.name, done.result),
-                    &done,
-                );
-                Ok(())
-            }
-            ObjectCmd::Delete { name, expect } => {
-                let version = expect.required("policy test set", "delete", name)?;
-                let path = format!("{PATH}/{}", segment(name));
-                let done: Outcome<()> = api.write("DELETE", &path, Some(version), None).await?;
-                report_outcome(json, &format!("policy test set {name} deleted"), &done);
-                Ok(())
-            }
-            ObjectCmd::List => print_test_sets(json, None, api.get(PATH).await?),
-            ObjectCmd::Show { name } => {
-                print_test_sets(json, Some(name), vec![api.get(&format!("{PATH}/{}", segment(name))).await?])
-            }
+            ObjectCmd::List => print_test_sets(json, None, b.test_sets().await?),
+            ObjectCmd::Show { name } => print_test_sets(json, Some(name), vec![b.test_set(name).await?]),
         },
     }
 }

@@ -1,14 +1,12 @@
 //! `innerwall promotions`: the records every mode change leaves (FLOW-8) — who, when, why,
-//! which workloads, and the verdict a move to enforcement stood on; read from the database
-//! ([`run`]) or a control plane's API ([`run_remote`]) and printed by the same functions.
+//! which workloads, and the verdict a move to enforcement stood on; read from the database or
+//! a control plane's API ([`Backend`]) and printed by the same functions.
 
 use clap::Subcommand;
-use innerwall_control_plane::gate::{Promotion, promote};
+use innerwall_control_plane::gate::Promotion;
 
-use crate::api::ApiClient;
-use crate::ctx::Ctx;
+use crate::backend::Backend;
 use crate::output::{escape, print_json, print_table};
-use crate::pages;
 
 #[derive(Debug, Subcommand)]
 pub enum PromotionsCmd {
@@ -31,31 +29,10 @@ fn outcome(p: &Promotion) -> String {
     }
 }
 
-pub async fn run(ctx: &Ctx, cmd: &PromotionsCmd) -> anyhow::Result<()> {
-    let mut conn = ctx.pool.acquire().await?;
+pub async fn run(b: &impl Backend, json: bool, cmd: &PromotionsCmd) -> anyhow::Result<()> {
     match cmd {
-        PromotionsCmd::List { limit } => {
-            let most = limit.map(|n| n as usize);
-            let size = limit.map_or(ctx.page_size, |n| n.min(ctx.page_size));
-            print_list(
-                ctx.json,
-                &pages::local(size, most, async |r| promote::page(&mut conn, r).await).await?,
-            )
-        }
-        PromotionsCmd::Show { id } => print_show(ctx.json, &promote::show(&mut conn, *id).await?),
-    }
-}
-
-/// [`run`] through a control plane's API.
-pub async fn run_remote(api: &ApiClient, json: bool, cmd: &PromotionsCmd) -> anyhow::Result<()> {
-    match cmd {
-        PromotionsCmd::List { limit } => {
-            let most = limit.map(|n| n as usize);
-            print_list(json, &pages::remote::<Promotion>(api, "/api/v1/promotions", most).await?)
-        }
-        PromotionsCmd::Show { id } => {
-            print_show(json, &api.get::<Promotion>(&format!("/api/v1/promotions/{id}")).await?)
-        }
+        PromotionsCmd::List { limit } => print_list(json, &b.promotions(*limit).await?),
+        PromotionsCmd::Show { id } => print_show(json, &b.promotion(*id).await?),
     }
 }
 

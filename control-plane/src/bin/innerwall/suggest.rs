@@ -1,21 +1,17 @@
 //! `innerwall suggest …` (issue 28, FLOW-9): suggested rules from the flows recorded towards a
 //! scope that no rule of the applied version admits, with their evidence; `accept` writes them
 //! into a draft, `ignore` holds them back until a new source appears. On this host's database
-//! (`suggest::run`, `accept`, `ignore`) or (`run_remote`) through the API, printed alike.
+//! (`suggest::run`, `accept`, `ignore`) or through the API ([`Backend`]), printed alike.
 
 use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
-use innerwall_control_plane::counts::CountBounds;
 use innerwall_control_plane::suggest::{self, Accepted, Request, State, SuggestedPeer, Suggestions};
 
-use crate::api::{ApiClient, with_query};
-use crate::ctx::Ctx;
+use crate::backend::Backend;
 use crate::duration;
 use crate::output::{print_json, print_table};
-
-const PATH: &str = "/api/v1/suggestions";
 
 #[derive(Debug, Args)]
 #[command(args_conflicts_with_subcommands = true)]
@@ -72,60 +68,45 @@ impl SuggestArgs {
             .as_deref()
             .context("innerwall suggest needs --scope SELECTOR (e.g. --scope app=payments-db)")
     }
-}
 
-pub async fn run(ctx: &Ctx, cmd: &SuggestCmd) -> anyhow::Result<()> {
-    match &cmd.action {
-        Some(SuggestAction::Accept { ids, into_draft }) => {
-            let done =
-                suggest::accept(&ctx.pool, &ctx.actor, ids, into_draft, &CountBounds::default()).await?;
-            print_accepted(ctx.json, &done)
+    /// The request the flags make, ending now unless `--until` says when.
+    pub fn request(&self) -> anyhow::Result<Request> {
+        Ok(Request {
+            scope: self.scope()?.to_owned(),
+            range: suggest::range_since(self.until.unwrap_or_else(chrono::Utc::now), self.since)?,
+            excluded_keys: self.exclude_keys.iter().cloned().collect(),
+            max_breadth: self.max_breadth,
+        })
+    }
+
+    /// The API's query for the same request (the API ends it at its own now unless `until`).
+    pub fn query(&self) -> anyhow::Result<Vec<(&'static str, String)>> {
+        self.request()?;
+        let mut query = vec![
+            ("scope", self.scope()?.to_owned()),
+            ("since", duration::since_param(&self.since)),
+            ("max_breadth", self.max_breadth.to_string()),
+        ];
+        if let Some(until) = self.until {
+            query.push(("until", until.to_rfc3339()));
         }
-        Some(SuggestAction::Ignore { ids }) => {
-            suggest::ignore(&ctx.pool, &ctx.actor, ids).await?;
-            print_ignored(ctx.json, ids)
+        if !self.exclude_keys.is_empty() {
+            query.push(("exclude_keys", self.exclude_keys.join(",")));
         }
-        None => {
-            let a = &cmd.args;
-            let request = Request {
-                scope: a.scope()?.to_owned(),
-                range: suggest::range_since(a.until.unwrap_or_else(chrono::Utc::now), a.since)?,
-                excluded_keys: a.exclude_keys.iter().cloned().collect(),
-                max_breadth: a.max_breadth,
-            };
-            print_suggestions(ctx.json, &suggest::run(&ctx.pool, &request).await?, a)
-        }
+        Ok(query)
     }
 }
 
-/// [`run`] over the API: the same output.
-pub async fn run_remote(api: &ApiClient, json: bool, cmd: &SuggestCmd) -> anyhow::Result<()> {
+pub async fn run(b: &impl Backend, json: bool, cmd: &SuggestCmd) -> anyhow::Result<()> {
     match &cmd.action {
         Some(SuggestAction::Accept { ids, into_draft }) => {
-            let body = serde_json::json!({"ids": ids, "draft": into_draft});
-            print_accepted(json, &api.write("POST", &format!("{PATH}/accept"), None, Some(&body)).await?)
+            print_accepted(json, &b.accept_suggestions(ids, into_draft).await?)
         }
         Some(SuggestAction::Ignore { ids }) => {
-            let body = serde_json::json!({"ids": ids});
-            let _: serde_json::Value =
-                api.write("POST", &format!("{PATH}/ignore"), None, Some(&body)).await?;
+            b.ignore_suggestions(ids).await?;
             print_ignored(json, ids)
         }
-        None => {
-            let a = &cmd.args;
-            let mut query = vec![
-                ("scope", a.scope()?.to_owned()),
-                ("since", duration::since_param(&a.since)),
-                ("max_breadth", a.max_breadth.to_string()),
-            ];
-            if let Some(until) = a.until {
-                query.push(("until", until.to_rfc3339()));
-            }
-            if !a.exclude_keys.is_empty() {
-                query.push(("exclude_keys", a.exclude_keys.join(",")));
-            }
-            print_suggestions(json, &api.get(&with_query(PATH, &query)).await?, a)
-        }
+        None => print_suggestions(json, &b.suggestions(&cmd.args).await?, &cmd.args),
     }
 }
 

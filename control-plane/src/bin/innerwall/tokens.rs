@@ -1,21 +1,19 @@
 //! `innerwall token`: minting, listing and revoking provisioning tokens, on this host's
-//! database ([`run`]) or through a control plane's API ([`run_remote`]), printed alike.
+//! database or through a control plane's API ([`Backend`]), printed alike.
 
 use std::path::Path;
 
 use chrono::{DateTime, Utc};
 use clap::Subcommand;
 use innerwall_control_plane::identity::ca;
-use innerwall_control_plane::identity::tokens::{self, TokenView};
+use innerwall_control_plane::identity::tokens;
 use innerwall_wire::labels::Label;
 use innerwall_wire::policy::Cidr;
 use uuid::Uuid;
 
-use crate::api::ApiClient;
-use crate::ctx::Ctx;
+use crate::backend::Backend;
 use crate::duration;
 use crate::output::{print_json, print_table};
-use crate::pages;
 
 #[derive(Debug, Subcommand)]
 pub enum TokenCmd {
@@ -60,14 +58,8 @@ fn ttl(text: &str) -> anyhow::Result<chrono::Duration> {
 const TOKEN_FILE: &str = "/etc/innerwall-agent/enroll-token";
 
 /// A minted token, printed once with the enroll command line.
-fn print_minted(
-    json: bool,
-    id: Uuid,
-    secret: &str,
-    expires_at: DateTime<Utc>,
-    server: &str,
-    ca_dir: &Path,
-) -> anyhow::Result<()> {
+fn print_minted(json: bool, minted: &Minted, server: &str, ca_dir: &Path) -> anyhow::Result<()> {
+    let Minted { id, token: secret, expires_at } = minted;
     let bundle = ca_dir.join(ca::CA_CERT_FILE);
     // From a file: a token on a command line is in the shell's history and, as an argument,
     // in the process list other users read.
@@ -94,7 +86,7 @@ fn print_minted(
     Ok(())
 }
 
-fn print_tokens(json: bool, all: Vec<TokenView>) -> anyhow::Result<()> {
+fn print_tokens(json: bool, all: Vec<tokens::TokenView>) -> anyhow::Result<()> {
     if json {
         return print_json(&all);
     }
@@ -120,59 +112,33 @@ fn print_revoked(id: Uuid) {
     println!("token {id} revoked; it enrolls nothing from now on");
 }
 
-pub async fn run(ctx: &Ctx, cmd: &TokenCmd) -> anyhow::Result<()> {
+/// `ca_dir` is where the printed enroll command says the CA bundle is (`--ca-dir`, default
+/// `<state-dir>/ca`), with or without `--api`.
+pub async fn run(b: &impl Backend, json: bool, ca_dir: &Path, cmd: &TokenCmd) -> anyhow::Result<()> {
     match cmd {
         TokenCmd::Mint { labels, ttl: text, max_uses, address_ranges, server } => {
-            let ttl = ttl(text)?;
-            let minted =
-                tokens::mint_audited(&ctx.pool, &ctx.actor, labels, ttl, *max_uses, address_ranges).await?;
-            print_minted(ctx.json, minted.id, &minted.secret, minted.expires_at, server, &ctx.ca_dir)?;
+            let minted = b.mint_token(labels, ttl(text)?, *max_uses, address_ranges).await?;
+            print_minted(json, &minted, server, ca_dir)?;
         }
-        TokenCmd::List => {
-            let mut conn = ctx.pool.acquire().await?;
-            print_tokens(
-                ctx.json,
-                pages::local(ctx.page_size, None, async |r| tokens::page(&mut conn, r).await).await?,
-            )?
-        }
+        TokenCmd::List => print_tokens(json, b.tokens().await?)?,
         TokenCmd::Revoke { id } => {
-            tokens::revoke_audited(&ctx.pool, &ctx.actor, *id).await?;
+            b.revoke_token(*id).await?;
             print_revoked(*id);
         }
     }
     Ok(())
 }
 
-/// What the API answers a mint with.
+/// A minted token as the API answers it, and as a local mint becomes.
 #[derive(Debug, serde::Deserialize)]
-struct Minted {
-    id: Uuid,
-    token: String,
-    expires_at: DateTime<Utc>,
+pub struct Minted {
+    pub id: Uuid,
+    pub token: String,
+    pub expires_at: DateTime<Utc>,
 }
 
-const PATH: &str = "/api/v1/provisioning-tokens";
-
-/// [`run`] over the API. `ca_dir` is where the printed enroll command says the CA bundle is, as
-/// locally (`--ca-dir`, default `<state-dir>/ca`).
-pub async fn run_remote(api: &ApiClient, json: bool, ca_dir: &Path, cmd: &TokenCmd) -> anyhow::Result<()> {
-    match cmd {
-        TokenCmd::Mint { labels, ttl: text, max_uses, address_ranges, server } => {
-            let ttl = ttl(text)?;
-            let body = serde_json::json!({
-                "labels": labels.iter().map(ToString::to_string).collect::<Vec<_>>(),
-                "ttl_seconds": ttl.num_seconds(),
-                "max_uses": max_uses,
-                "address_ranges": address_ranges.iter().map(ToString::to_string).collect::<Vec<_>>(),
-            });
-            let minted: Minted = api.write("POST", PATH, None, Some(&body)).await?;
-            print_minted(json, minted.id, &minted.token, minted.expires_at, server, ca_dir)?;
-        }
-        TokenCmd::List => print_tokens(json, pages::remote(api, PATH, None).await?)?,
-        TokenCmd::Revoke { id } => {
-            let _: TokenView = api.write("DELETE", &format!("{PATH}/{id}"), None, None).await?;
-            print_revoked(*id);
-        }
+impl From<tokens::MintedToken> for Minted {
+    fn from(minted: tokens::MintedToken) -> Minted {
+        Minted { id: minted.id, token: minted.secret.clone(), expires_at: minted.expires_at }
     }
-    Ok(())
 }

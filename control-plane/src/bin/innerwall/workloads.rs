@@ -1,26 +1,18 @@
 //! `innerwall workload`: enrolled hosts — listing, labels, mode, rendered policy, convergence
 //! status, and the operator's levers on a stream (resend snapshot, release an address, retire,
-//! deny). [`run`] reads and writes the database, [`run_remote`] the same through a control
-//! plane's API; both hand the values they get to one set of printers, so the two print the same.
+//! deny). [`run`] is written once against a [`Backend`] (this host's database or a control
+//! plane's API) and hands what either answers to one set of printers, so both print the same.
 
-use std::collections::BTreeMap;
-
-use anyhow::bail;
 use clap::Subcommand;
-use innerwall_control_plane::api::workloads::Labels;
-use innerwall_control_plane::foresight::{self, Impact};
 use innerwall_control_plane::gate::{self, Params, Promotion, Scope, Verdict};
-use innerwall_control_plane::page::{Page, PageRequest};
-use innerwall_control_plane::policy::authoring::{self, LabelsReplaced, ResendRequested};
+use innerwall_control_plane::policy::authoring::{LabelsReplaced, ResendRequested};
 use innerwall_control_plane::policy::store::{self, PolicyView, SyncStatusView, WorkloadRow, WorkloadView};
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::labels::{Label, LabelKey};
 use innerwall_wire::policy::Mode;
-use sqlx::PgPool;
 
-use crate::api::{ApiClient, segment};
-use crate::ctx::Ctx;
-use crate::output::{Outcome, escape, print_json, print_table, report, report_outcome};
+use crate::backend::Backend;
+use crate::output::{escape, print_json, print_table, report};
 use crate::{duration, replay};
 
 #[derive(Debug, Subcommand)]
@@ -118,14 +110,14 @@ pub struct ScopeArgs {
     /// A label selector, `key=value`, several values `key=v1|v2`, keys ANDed with commas
     /// (`app=web,env=prod|staging`), resolved to the live workloads in it now.
     #[arg(long)]
-    scope: Option<String>,
+    pub scope: Option<String>,
     /// Workload ids (repeat the flag).
     #[arg(long = "id")]
-    ids: Vec<WorkloadId>,
+    pub ids: Vec<WorkloadId>,
 }
 
 impl ScopeArgs {
-    fn scope(&self) -> anyhow::Result<Scope> {
+    pub fn scope(&self) -> anyhow::Result<Scope> {
         Ok(match &self.scope {
             Some(text) => Scope::parse_selector(text)?,
             None => Scope::ids(self.ids.clone())?,
@@ -147,13 +139,13 @@ pub struct EvidenceArgs {
 impl EvidenceArgs {
     /// The evidence until now. The remote CLI checks it here too, and sends the durations for
     /// the API to end at its own now.
-    fn params(&self) -> anyhow::Result<Params> {
+    pub fn params(&self) -> anyhow::Result<Params> {
         let now = chrono::Utc::now().timestamp_millis();
         Ok(Params::ending_at(now, self.evidence_since, self.min_evidence)?)
     }
 
     /// `evidence_since` and `min_evidence` as the API reads them.
-    fn texts(&self) -> (String, String) {
+    pub fn texts(&self) -> (String, String) {
         let text = |d| humantime::format_duration(d).to_string();
         (text(self.evidence_since), text(self.min_evidence))
     }
@@ -170,66 +162,6 @@ pub struct ChangeArgs {
     override_reason: Option<String>,
     #[command(flatten)]
     evidence: EvidenceArgs,
-}
-
-/// How many workloads a page the CLI asks for holds (each row carries up to 256 addresses, so
-/// a page stays well under the client's response bound).
-const PAGE: u32 = 200;
-
-/// The most `--id`s a remote verdict sends: they travel in the query string, which the API
-/// bounds with its headers.
-const MAX_QUERY_IDS: usize = 200;
-
-/// Every workload, retired and deny-listed ones too, in attention order: the database's pages.
-async fn fleet(pool: &PgPool) -> anyhow::Result<Vec<WorkloadRow>> {
-    let filter = store::WorkloadFilter { include_retired: true, ..Default::default() };
-    let mut conn = pool.acquire().await?;
-    let mut request = PageRequest::first(PAGE);
-    let mut rows = Vec::new();
-    loop {
-        let page = store::workload_page(&mut conn, &filter, &request).await?;
-        rows.extend(page.rows);
-        match page.next_cursor {
-            Some(cursor) => request.cursor = Some(cursor),
-            None => return Ok(rows),
-        }
-    }
-}
-
-/// The convergence of every workload that is not retired, by hostname: the database's pages.
-async fn statuses(pool: &PgPool) -> anyhow::Result<Vec<SyncStatusView>> {
-    let mut conn = pool.acquire().await?;
-    let mut request = PageRequest::first(PAGE);
-    let mut rows = Vec::new();
-    loop {
-        let page = store::sync_status_page(&mut conn, &request).await?;
-        rows.extend(page.rows);
-        match page.next_cursor {
-            Some(cursor) => request.cursor = Some(cursor),
-            None => return Ok(rows),
-        }
-    }
-}
-
-/// Every row of a paged API collection (`path` has a query string), following the cursors.
-async fn all_pages<T: serde::de::DeserializeOwned>(api: &ApiClient, path: &str) -> anyhow::Result<Vec<T>> {
-    let mut rows = Vec::new();
-    let mut cursor: Option<String> = None;
-    loop {
-        let mut url = format!("{path}&limit={PAGE}");
-        if let Some(cursor) = &cursor {
-            url.push_str(&format!("&cursor={}", segment(cursor)));
-        }
-        let page: Page<T> = api.get(&url).await?;
-        rows.extend(page.rows);
-        match page.next_cursor {
-            Some(next) if Some(&next) == cursor.as_ref() => {
-                bail!("GET {path}: the API answered the same cursor twice; stopped")
-            }
-            Some(next) => cursor = Some(next),
-            None => return Ok(rows),
-        }
-    }
 }
 
 /// A mode change as the promotion path takes it: `default_reason` stands in for no `--reason`
@@ -251,211 +183,38 @@ fn mode_request(
     })
 }
 
-pub async fn run(ctx: &Ctx, cmd: &WorkloadCmd) -> anyhow::Result<()> {
-    let (json, pool, actor) = (ctx.json, &ctx.pool, ctx.actor.as_str());
+pub async fn run(b: &impl Backend, json: bool, cmd: &WorkloadCmd) -> anyhow::Result<()> {
     match cmd {
-        WorkloadCmd::List => print_list(json, fleet(pool).await?)?,
-        WorkloadCmd::Show { id } => {
-            print_show(json, store::workload_view(&mut *pool.acquire().await?, *id).await?)?;
-        }
+        WorkloadCmd::List => print_list(json, b.workloads().await?)?,
+        WorkloadCmd::Show { id } => print_show(json, b.workload(*id).await?)?,
         WorkloadCmd::Label { id, set, remove, expect_label_version } => {
-            let done = foresight::commit(pool, actor, "workload.label", &id.to_string(), async |c| {
-                let changed = authoring::change_labels(c, *id, *expect_label_version, set, remove).await?;
-                let detail = serde_json::json!({"set": changed.set, "removed": changed.removed});
-                Ok((changed, detail))
-            })
-            .await?;
-            report(json, &labels_changed(*id, &done.value), done);
+            let done = b.change_labels(*id, *expect_label_version, set, remove).await?;
+            report(json, &labels_changed(*id, &done.result), &done);
         }
         WorkloadCmd::Mode { id, mode, change } => {
-            let scope = Scope::ids(vec![*id])?;
-            let request = mode_request(scope, 1, *mode, change, "innerwall workload mode")?;
-            print_mode_change(json, &gate::promote(pool, actor, &request).await?)?;
+            let scope = ScopeArgs { scope: None, ids: vec![*id] };
+            let request = mode_request(scope.scope()?, 1, *mode, change, "innerwall workload mode")?;
+            print_mode_change(json, &b.promote(&request, &scope, &change.evidence).await?)?;
         }
-        WorkloadCmd::Verdict { scope, evidence } => {
-            print_verdict(json, &gate::judge(pool, &scope.scope()?, &evidence.params()?).await?)?;
-        }
+        WorkloadCmd::Verdict { scope, evidence } => print_verdict(json, &b.verdict(scope, evidence).await?)?,
         WorkloadCmd::Promote { scope, expect_count, to, change } => {
             let request = mode_request(scope.scope()?, *expect_count, *to, change, "")?;
-            print_mode_change(json, &gate::promote(pool, actor, &request).await?)?;
+            print_mode_change(json, &b.promote(&request, scope, &change.evidence).await?)?;
         }
-        WorkloadCmd::Status { id } => {
-            let all = match id {
-                Some(id) => vec![store::sync_status_of(&mut *pool.acquire().await?, *id).await?],
-                None => statuses(pool).await?,
-            };
-            print_status(json, all)?;
-        }
-        WorkloadCmd::ResendSnapshot { id } => {
-            print_resend(json, *id, &authoring::request_snapshot(pool, actor, *id).await?)?;
-        }
-        WorkloadCmd::Retire { id } | WorkloadCmd::Deny { id } => {
-            let retire = matches!(cmd, WorkloadCmd::Retire { .. });
-            let action = if retire { "workload.retire" } else { "workload.deny" };
-            let done = foresight::commit(pool, actor, action, &id.to_string(), async |c| {
-                if retire {
-                    authoring::retire(c, *id).await?
-                } else {
-                    authoring::deny(c, *id).await?
-                }
-                Ok(((), serde_json::json!({})))
-            })
-            .await?;
-            report(json, &lifecycle_done(*id, retire), done);
-        }
+        WorkloadCmd::Status { id } => print_status(json, b.sync_status(*id).await?)?,
+        WorkloadCmd::ResendSnapshot { id } => print_resend(json, *id, &b.resend_snapshot(*id).await?)?,
+        WorkloadCmd::Retire { id } => report(json, &lifecycle_done(*id, true), &b.retire(*id).await?),
+        WorkloadCmd::Deny { id } => report(json, &lifecycle_done(*id, false), &b.deny(*id).await?),
         WorkloadCmd::ReleaseAddress { id, address } => {
-            let done =
-                foresight::commit(pool, actor, "workload.release-address", &id.to_string(), async |c| {
-                    authoring::release_address(c, *id, *address).await?;
-                    Ok(((), serde_json::json!({"address": address.to_string()})))
-                })
-                .await?;
-            report(json, &format!("{id} no longer claims {address}"), done);
+            let done = b.release_address(*id, *address).await?;
+            report(json, &format!("{id} no longer claims {address}"), &done);
         }
-        WorkloadCmd::Policy { id } => {
-            print_policy(json, &store::policy_view(&mut *pool.acquire().await?, *id).await?)?;
-        }
+        WorkloadCmd::Policy { id } => print_policy(json, &b.policy(*id).await?)?,
         WorkloadCmd::Replay { id, from, to, args } => {
-            let range = args.range()?;
-            let mut conn = pool.acquire().await?;
-            let impact = foresight::replay(&mut conn, *id, *from, *to, range, args.top).await?;
-            replay::print(json, &impact, args)?;
+            replay::print(json, &b.replay(*id, *from, *to, args).await?, args)?;
         }
     }
     Ok(())
-}
-
-/// [`run`] through a control plane's API: the same checks before anything is sent, the same
-/// printers after.
-pub async fn run_remote(api: &ApiClient, json: bool, cmd: &WorkloadCmd) -> anyhow::Result<()> {
-    let workload = |id: &WorkloadId| format!("/api/v1/workloads/{id}");
-    match cmd {
-        WorkloadCmd::List => {
-            print_list(json, all_pages(api, "/api/v1/workloads?include_retired=true").await?)?
-        }
-        WorkloadCmd::Show { id } => {
-            /// The part of `GET /api/v1/workloads/{id}` that `workload show` prints.
-            #[derive(serde::Deserialize)]
-            struct Detail {
-                workload: WorkloadView,
-            }
-            let detail: Detail = api.get(&workload(id)).await?;
-            print_show(json, detail.workload)?;
-        }
-        WorkloadCmd::Label { id, set, remove, expect_label_version } => {
-            authoring::check_label_edit(set, remove)?;
-            let path = format!("{}/labels", workload(id));
-            let read: Labels = api.get(&path).await?;
-            // The new set is computed from the labels read, so it is only sent conditioned on
-            // the version read; a newer version named than the one read cannot be current.
-            if read.version < *expect_label_version {
-                bail!(authoring::stale_labels(*id, *expect_label_version, read.version));
-            }
-            let mut labels: BTreeMap<String, String> = read.labels;
-            for key in remove {
-                labels.remove(key.as_str());
-            }
-            for label in set {
-                labels.insert(label.key.to_string(), label.value.to_string());
-            }
-            let body = serde_json::json!({ "labels": labels });
-            let done: Outcome<LabelsReplaced> =
-                api.write("PUT", &path, Some(*expect_label_version), Some(&body)).await?;
-            report_outcome(json, &labels_changed(*id, &done.result), &done);
-        }
-        WorkloadCmd::Mode { id, mode, change } => {
-            let request = mode_request(Scope::ids(vec![*id])?, 1, *mode, change, "innerwall workload mode")?;
-            print_mode_change(json, &promote_remote(api, &request, None, &[*id], &change.evidence).await?)?;
-        }
-        WorkloadCmd::Verdict { scope, evidence } => {
-            scope.scope()?;
-            evidence.params()?;
-            if scope.ids.len() > MAX_QUERY_IDS {
-                bail!(
-                    "{} --id flags: with --api a verdict names at most {MAX_QUERY_IDS} workloads by id (they travel in the URL); name more with --scope",
-                    scope.ids.len()
-                );
-            }
-            let (since, min) = evidence.texts();
-            let mut path =
-                format!("/api/v1/verdict?evidence_since={}&min_evidence={}", segment(&since), segment(&min));
-            match &scope.scope {
-                Some(text) => path.push_str(&format!("&scope={}", segment(text))),
-                None => {
-                    let ids: Vec<String> = scope.ids.iter().map(ToString::to_string).collect();
-                    path.push_str(&format!("&ids={}", segment(&ids.join(","))));
-                }
-            }
-            print_verdict(json, &api.get::<Verdict>(&path).await?)?;
-        }
-        WorkloadCmd::Promote { scope, expect_count, to, change } => {
-            let request = mode_request(scope.scope()?, *expect_count, *to, change, "")?;
-            let promotion =
-                promote_remote(api, &request, scope.scope.as_deref(), &scope.ids, &change.evidence).await?;
-            print_mode_change(json, &promotion)?;
-        }
-        WorkloadCmd::Status { id } => {
-            let all = match id {
-                Some(id) => vec![api.get::<SyncStatusView>(&format!("/api/v1/sync-status/{id}")).await?],
-                None => all_pages(api, "/api/v1/sync-status?").await?,
-            };
-            print_status(json, all)?;
-        }
-        WorkloadCmd::ResendSnapshot { id } => {
-            let path = format!("{}/resend-snapshot", workload(id));
-            print_resend(json, *id, &api.write::<ResendRequested>("POST", &path, None, None).await?)?;
-        }
-        WorkloadCmd::Retire { id } | WorkloadCmd::Deny { id } => {
-            let retire = matches!(cmd, WorkloadCmd::Retire { .. });
-            let path = format!("{}/{}", workload(id), if retire { "retire" } else { "deny" });
-            let done: Outcome<()> = api.write("POST", &path, None, None).await?;
-            report_outcome(json, &lifecycle_done(*id, retire), &done);
-        }
-        WorkloadCmd::ReleaseAddress { id, address } => {
-            let path = format!("{}/release-address", workload(id));
-            let body = serde_json::json!({ "address": address.to_string() });
-            let done: Outcome<()> = api.write("POST", &path, None, Some(&body)).await?;
-            report_outcome(json, &format!("{id} no longer claims {address}"), &done);
-        }
-        WorkloadCmd::Policy { id } => {
-            print_policy(json, &api.get::<PolicyView>(&format!("{}/policy", workload(id))).await?)?;
-        }
-        WorkloadCmd::Replay { id, from, to, args } => {
-            args.range()?;
-            let path = format!(
-                "{}/replay?from={from}&to={to}&since={}&top={}",
-                workload(id),
-                segment(&duration::since_param(&args.since)),
-                args.top
-            );
-            replay::print(json, &api.get::<Impact>(&path).await?, args)?;
-        }
-    }
-    Ok(())
-}
-
-/// `POST /api/v1/promotions` for a request checked here as [`run`] checks it; the scope as the
-/// operator wrote it (`selector`, or `ids`), the evidence as durations the API ends at its now.
-async fn promote_remote(
-    api: &ApiClient,
-    request: &gate::Request,
-    selector: Option<&str>,
-    ids: &[WorkloadId],
-    evidence: &EvidenceArgs,
-) -> anyhow::Result<Promotion> {
-    let (since, min) = evidence.texts();
-    let ids: Vec<String> = ids.iter().map(ToString::to_string).collect();
-    let body = serde_json::json!({
-        "scope": selector,
-        "ids": if selector.is_some() { Vec::new() } else { ids },
-        "expect_count": request.expect_count,
-        "to": request.to.name(),
-        "reason": request.reason,
-        "override_reason": request.override_reason,
-        "evidence_since": since,
-        "min_evidence": min,
-    });
-    api.write("POST", "/api/v1/promotions", None, Some(&body)).await
 }
 
 // ---- printers, fed by the database or by the API --------------------------------------------
