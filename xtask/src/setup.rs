@@ -13,9 +13,19 @@ use anyhow::{Context, Result, bail};
 use crate::{cargo_env, cmd};
 
 /// What the builds and tests need from Debian: nftnl/mnl headers for the agent, the
-/// tools the namespace tests drive, and bpftool for inspecting loaded programs and maps.
-const APT_PACKAGES: &[&str] =
-    &["libnftnl-dev", "libmnl-dev", "pkg-config", "iproute2", "nftables", "python3", "bpftool"];
+/// tools the namespace tests drive, bpftool for inspecting loaded programs and maps, and the
+/// headless browser (and its WebDriver) the console's tests drive.
+const APT_PACKAGES: &[&str] = &[
+    "libnftnl-dev",
+    "libmnl-dev",
+    "pkg-config",
+    "iproute2",
+    "nftables",
+    "python3",
+    "bpftool",
+    "chromium",
+    "chromium-driver",
+];
 
 /// The toolchain the eBPF crate is built with (`cargo +stable`, with RUSTC_BOOTSTRAP=1).
 pub const TOOLCHAIN: &str = "stable";

@@ -25,6 +25,7 @@
 pub mod audit;
 pub mod auth;
 pub mod catalog;
+pub mod console;
 pub mod drafts;
 pub mod edge;
 pub mod estate;

@@ -15,7 +15,7 @@ use axum::routing::MethodFilter;
 use super::extract::BodyLimit;
 use super::problem::ApiError;
 use super::{
-    ApiLimits, ApiState, Route, audit, auth, catalog, drafts, estate, flows, gate, impact, openapi,
+    ApiLimits, ApiState, Route, audit, auth, catalog, console, drafts, estate, flows, gate, impact, openapi,
     operators, policy_tests, render, suggestions, tokens, workloads,
 };
 use crate::identity::operators::Role;
@@ -140,8 +140,10 @@ pub fn build(state: ApiState) -> (Router, Vec<Route>) {
     let table = table.mount("GET", openapi::PATH, None, move || async move {
         ([(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))], document).into_response()
     });
+    // The console's pages (issue 29) beside the API's routes, with the same edge bounds.
     let router = table
         .router
+        .merge(console::router(state.clone()))
         .fallback(no_route)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(state.limits, bounded))

@@ -1,0 +1,459 @@
+//! The web console (issue 29, OPS-4), served on the API listener under `/`: server-rendered
+//! HTML (askama templates, checked at compile time, escaped by default) and one embedded style
+//! sheet; nothing is fetched from elsewhere and no page runs a script it did not get from this
+//! origin ([`CSP`]). It is a third client of the library calls the CLI and the API make, with
+//! the same roles: a page offers only what the session's role may do, and every write checks
+//! the role, the session's CSRF secret and the request's `Origin` on the server.
+
+pub mod session;
+
+use askama::Template;
+use axum::Router;
+use axum::extract::{Form, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use innerwall_wire::identity::WorkloadId;
+use innerwall_wire::labels::Label;
+use serde::Deserialize;
+
+use self::session::{NoSession, Session};
+use super::ApiState;
+use super::edge::Peer;
+use super::extract::Path;
+use crate::audit::{self, AuditFilter};
+use crate::error::Error;
+use crate::identity::operators::{Refused, Role};
+use crate::page::PageRequest;
+use crate::policy::store::{self, WorkloadFilter, WorkloadRow, WorkloadView};
+
+/// Scripts, styles and images only from this origin, no plugins, no framing, forms only here.
+pub const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; \
+                       connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'";
+/// Rows a console table shows per page.
+const PAGE_ROWS: u32 = 100;
+/// The longest form body read (a label set is the largest).
+const MAX_FORM: usize = 16 * 1024;
+const STYLE: &str = include_str!("../../../assets/console.css");
+
+/// The console's routes, for the API's router to mount beside its own.
+pub fn router(state: ApiState) -> Router<ApiState> {
+    Router::new()
+        .route("/", get(|| async { Redirect::to("/fleet") }))
+        .route("/sign-in", get(sign_in_page).post(sign_in))
+        .route("/sign-out", post(sign_out))
+        .route("/fleet", get(fleet))
+        .route("/workloads/{id}", get(workload))
+        .route("/workloads/{id}/labels", post(set_labels))
+        .route("/audit", get(audit_log))
+        .route(
+            "/assets/console.css",
+            get(|| async { ([(header::CONTENT_TYPE, "text/css; charset=utf-8")], STYLE) }),
+        )
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_FORM))
+        .layer(middleware::from_fn_with_state(state, guarded))
+}
+
+/// Around every console answer: the security headers; before every write: the `Origin` check
+/// (a browser sends it with every POST; one from elsewhere is refused before anything runs).
+async fn guarded(State(_): State<ApiState>, request: Request, next: Next) -> Response {
+    if request.method() == axum::http::Method::POST && !same_origin(&request) {
+        let origin = request.headers().get(header::ORIGIN).and_then(|o| o.to_str().ok()).unwrap_or("?");
+        let detail = format!(
+            "this form was sent from another site ({}), not from this console; nothing was done",
+            origin.chars().take(100).collect::<String>()
+        );
+        return problem(StatusCode::FORBIDDEN, "Refused", detail);
+    }
+    let mut response = next.run(request).await;
+    let headers = response.headers_mut();
+    headers.insert(header::CONTENT_SECURITY_POLICY, HeaderValue::from_static(CSP));
+    headers.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
+    headers.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    // Not `no-referrer`: under it a browser sends `Origin: null` with the console's own forms.
+    headers.insert(header::REFERRER_POLICY, HeaderValue::from_static("same-origin"));
+    response
+}
+
+/// Whether a POST's `Origin` (absent: not a browser's cross-site form) names this host, as the
+/// request names it (`Host` over HTTP/1.1, the authority over HTTP/2).
+fn same_origin(request: &Request) -> bool {
+    let headers = request.headers();
+    let Some(origin) = headers.get(header::ORIGIN) else { return true };
+    let host = headers
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .or_else(|| request.uri().authority().map(|a| a.as_str()));
+    match (origin.to_str().ok().and_then(|o| o.strip_prefix("https://")), host) {
+        (Some(origin), Some(host)) => origin.eq_ignore_ascii_case(host),
+        _ => false,
+    }
+}
+
+/// Who the header shows, for a signed-in page.
+struct Who {
+    name: String,
+    role: String,
+    csrf: String,
+}
+
+impl From<&Session> for Who {
+    fn from(s: &Session) -> Who {
+        Who { name: s.operator.name.clone(), role: s.operator.role.to_string(), csrf: s.csrf.clone() }
+    }
+}
+
+fn html(template: &impl Template) -> Response {
+    match template.render() {
+        Ok(body) => ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], body).into_response(),
+        Err(e) => {
+            tracing::error!("console template failed: {e}");
+            (StatusCode::INTERNAL_SERVER_ERROR, "the page could not be drawn").into_response()
+        }
+    }
+}
+
+#[derive(Template)]
+#[template(path = "problem.html")]
+struct ProblemPage {
+    who: Option<Who>,
+    title: &'static str,
+    detail: String,
+}
+
+fn problem(status: StatusCode, title: &'static str, detail: String) -> Response {
+    (status, html(&ProblemPage { who: None, title, detail })).into_response()
+}
+
+/// A console failure as a page: not signed in goes to the sign-in page; the rest say why.
+#[derive(Debug)]
+enum Failure {
+    SignIn,
+    Forbidden(String),
+    Invalid(String),
+    Domain(Error),
+}
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Failure {
+        Failure::Domain(e)
+    }
+}
+
+impl From<NoSession> for Failure {
+    fn from(e: NoSession) -> Failure {
+        match e {
+            NoSession::Absent | NoSession::Ended => Failure::SignIn,
+            NoSession::Database(e) => Failure::Domain(e),
+        }
+    }
+}
+
+impl IntoResponse for Failure {
+    fn into_response(self) -> Response {
+        match self {
+            Failure::SignIn => Redirect::to("/sign-in").into_response(),
+            Failure::Forbidden(why) => problem(StatusCode::FORBIDDEN, "Refused", why),
+            Failure::Invalid(why) => problem(StatusCode::BAD_REQUEST, "Not done", why),
+            Failure::Domain(e) => {
+                let status = match e.kind() {
+                    crate::error::Kind::NotFound => StatusCode::NOT_FOUND,
+                    crate::error::Kind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+                    _ => StatusCode::CONFLICT,
+                };
+                if status == StatusCode::INTERNAL_SERVER_ERROR {
+                    tracing::error!("console: {e:#}");
+                    return problem(
+                        status,
+                        "Failed",
+                        "the control plane could not answer; see its log".into(),
+                    );
+                }
+                problem(status, "Not done", e.to_string())
+            }
+        }
+    }
+}
+
+/// The session of a page's request, or the way to the sign-in page.
+async fn signed(state: &ApiState, headers: &HeaderMap) -> Result<Session, Failure> {
+    Ok(session::session(&state.pool, headers).await?)
+}
+
+/// The session of a write: signed in, with the role `needed`, carrying the session's CSRF
+/// secret. Checked in that order before anything is read or written.
+async fn writer(state: &ApiState, headers: &HeaderMap, needed: Role, csrf: &str) -> Result<Session, Failure> {
+    let session = signed(state, headers).await?;
+    if !session.check_csrf(csrf) {
+        return Err(Failure::Forbidden(
+            "the form's CSRF token is not this session's: reload the page".into(),
+        ));
+    }
+    if !session.operator.role.allows(needed) {
+        return Err(Failure::Forbidden(format!(
+            "this needs the {needed} role; you sign in as {}",
+            session.operator.role
+        )));
+    }
+    Ok(session)
+}
+
+// ---- sign-in -------------------------------------------------------------------------------
+
+#[derive(Template)]
+#[template(path = "sign_in.html")]
+struct SignInPage {
+    who: Option<Who>,
+    error: Option<String>,
+}
+
+async fn sign_in_page() -> Response {
+    html(&SignInPage { who: None, error: None })
+}
+
+#[derive(Deserialize)]
+struct SignInForm {
+    token: String,
+}
+
+/// A token for a session cookie. Refusals count against the source's share of requests
+/// without a valid token, as the API's do.
+async fn sign_in(State(state): State<ApiState>, request: Request) -> Response {
+    let peer = request.extensions().get::<Peer>().copied();
+    if let Err(refused) = state.edge.check_source(peer) {
+        return refused.into_response();
+    }
+    let form =
+        <Form<SignInForm> as axum::extract::FromRequest<ApiState>>::from_request(request, &state).await;
+    let refused = |error: String| {
+        (StatusCode::UNAUTHORIZED, html(&SignInPage { who: None, error: Some(error) })).into_response()
+    };
+    let Ok(Form(form)) = form else { return refused("send the token in the form".into()) };
+    match session::sign_in(&state.pool, form.token.trim()).await {
+        Ok((secret, _)) => {
+            let cookie =
+                HeaderValue::from_str(&session::set_cookie(&secret)).expect("base64url is a header value");
+            (
+                StatusCode::SEE_OTHER,
+                [(header::SET_COOKIE, cookie), (header::LOCATION, HeaderValue::from_static("/fleet"))],
+            )
+                .into_response()
+        }
+        Err(refused_by @ Refused::Unavailable(_)) => {
+            problem(StatusCode::SERVICE_UNAVAILABLE, "Failed", refused_by.to_string())
+        }
+        Err(why) => {
+            if let Err(over) = state.edge.admit_unauthenticated(peer) {
+                return over.into_response();
+            }
+            refused(why.to_string())
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct CsrfForm {
+    csrf: String,
+}
+
+async fn sign_out(State(state): State<ApiState>, headers: HeaderMap, Form(form): Form<CsrfForm>) -> Response {
+    match signed(&state, &headers).await {
+        Ok(session) if session.check_csrf(&form.csrf) => {}
+        Ok(_) => {
+            return Failure::Forbidden("the form's CSRF token is not this session's".into()).into_response();
+        }
+        Err(e) => return e.into_response(),
+    }
+    if let Err(e) = session::sign_out(&state.pool, &headers).await {
+        return Failure::Domain(e).into_response();
+    }
+    let cookie = HeaderValue::from_str(&session::clear_cookie()).expect("a fixed header value");
+    (
+        StatusCode::SEE_OTHER,
+        [(header::SET_COOKIE, cookie), (header::LOCATION, HeaderValue::from_static("/sign-in"))],
+    )
+        .into_response()
+}
+
+// ---- fleet -------------------------------------------------------------------------------
+
+#[derive(Template)]
+#[template(path = "fleet.html")]
+struct FleetPage {
+    who: Option<Who>,
+    selector: String,
+    error: Option<String>,
+    rows: Vec<WorkloadRow>,
+    next: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct FleetQuery {
+    selector: Option<String>,
+    cursor: Option<String>,
+}
+
+/// The query string of a page link: each value percent-encoded.
+fn link(path: &str, pairs: &[(&str, &str)]) -> String {
+    let encode = |text: &str| -> String {
+        text.bytes()
+            .map(|b| match b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+                true => (b as char).to_string(),
+                false => format!("%{b:02X}"),
+            })
+            .collect()
+    };
+    let query: Vec<String> =
+        pairs.iter().filter(|(_, v)| !v.is_empty()).map(|(k, v)| format!("{k}={}", encode(v))).collect();
+    match query.is_empty() {
+        true => path.to_owned(),
+        false => format!("{path}?{}", query.join("&")),
+    }
+}
+
+/// The fleet in attention order (degraded, offline, suspended, pending, synced), a page of
+/// [`PAGE_ROWS`] at a time, filtered by a selector as the CLI writes it.
+async fn fleet(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+    axum::extract::Query(q): axum::extract::Query<FleetQuery>,
+) -> Result<Response, Failure> {
+    let session = signed(&state, &headers).await?;
+    let text = q.selector.unwrap_or_default();
+    let mut filter = WorkloadFilter::default();
+    let mut page = FleetPage {
+        who: Some(Who::from(&session)),
+        selector: text.clone(),
+        error: None,
+        rows: Vec::new(),
+        next: None,
+    };
+    if !text.trim().is_empty() {
+        match crate::flows::parse_selector(&text) {
+            Ok(selector) => filter.selector = Some(selector),
+            Err(e) => {
+                page.error = Some(format!("selector {text:?}: {e}"));
+                return Ok((StatusCode::BAD_REQUEST, html(&page)).into_response());
+            }
+        }
+    }
+    let request = PageRequest { limit: PAGE_ROWS, cursor: q.cursor };
+    let mut conn = state.pool.acquire().await.map_err(Error::from)?;
+    let rows = store::workload_page(&mut conn, &filter, &request).await?;
+    page.next = rows.next_cursor.map(|c| link("/fleet", &[("selector", &text), ("cursor", &c)]));
+    page.rows = rows.rows;
+    Ok(html(&page))
+}
+
+// ---- one workload ------------------------------------------------------------------------
+
+#[derive(Template)]
+#[template(path = "workload.html")]
+struct WorkloadPage {
+    who: Option<Who>,
+    w: WorkloadView,
+    may_label: bool,
+    csrf: String,
+}
+
+fn workload_id(text: &str) -> Result<WorkloadId, Failure> {
+    text.parse().map_err(|_| {
+        Failure::Invalid(format!("{:?} is not a workload id", text.chars().take(64).collect::<String>()))
+    })
+}
+
+async fn workload(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Response, Failure> {
+    let session = signed(&state, &headers).await?;
+    let id = workload_id(&id)?;
+    let w = store::workload_view(&mut *state.pool.acquire().await.map_err(Error::from)?, id).await?;
+    let may_label = session.operator.role.allows(Role::Editor);
+    Ok(html(&WorkloadPage { who: Some(Who::from(&session)), csrf: session.csrf.clone(), w, may_label }))
+}
+
+#[derive(Deserialize)]
+struct LabelsForm {
+    csrf: String,
+    expect_label_version: i64,
+    labels: String,
+}
+
+/// Replaces the workload's label set (editor), conditional on the version the page showed:
+/// `operations::replace_labels`, as `PUT /api/v1/workloads/{id}/labels`.
+async fn set_labels(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    Form(form): Form<LabelsForm>,
+) -> Result<Response, Failure> {
+    let session = writer(&state, &headers, Role::Editor, &form.csrf).await?;
+    let id = workload_id(&id)?;
+    let labels = form
+        .labels
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .map(|l| l.parse::<Label>().map_err(|e| Failure::Invalid(format!("label {l:?}: {e}"))))
+        .collect::<Result<Vec<_>, _>>()?;
+    crate::operations::replace_labels(
+        &state.pool,
+        &session.operator.actor(),
+        id,
+        form.expect_label_version,
+        &labels,
+    )
+    .await?;
+    Ok(Redirect::to(&format!("/workloads/{id}")).into_response())
+}
+
+// ---- audit -------------------------------------------------------------------------------
+
+struct AuditLine {
+    at: chrono::DateTime<chrono::Utc>,
+    actor: String,
+    action: String,
+    subject: String,
+    moved: usize,
+}
+
+#[derive(Template)]
+#[template(path = "audit.html")]
+struct AuditPage {
+    who: Option<Who>,
+    rows: Vec<AuditLine>,
+    next: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct AuditQuery {
+    cursor: Option<String>,
+}
+
+/// The audit log, newest first, a page at a time.
+async fn audit_log(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+    axum::extract::Query(q): axum::extract::Query<AuditQuery>,
+) -> Result<Response, Failure> {
+    let session = signed(&state, &headers).await?;
+    let request = PageRequest { limit: PAGE_ROWS, cursor: q.cursor };
+    let mut conn = state.pool.acquire().await.map_err(Error::from)?;
+    let page = audit::page(&mut conn, &AuditFilter::default(), &request).await?;
+    let rows = page
+        .rows
+        .into_iter()
+        .map(|r| AuditLine {
+            moved: r.workload_versions.as_object().map_or(0, serde_json::Map::len),
+            at: r.at,
+            actor: r.actor,
+            action: r.action,
+            subject: r.subject,
+        })
+        .collect();
+    let next = page.next_cursor.map(|c| link("/audit", &[("cursor", &c)]));
+    Ok(html(&AuditPage { who: Some(Who::from(&session)), rows, next }))
+}
