@@ -30,7 +30,7 @@ pub(crate) fn now_ms() -> i64 {
 }
 
 /// `app=db` accepts tcp/5432 from workloads labelled `app=<from>` (ruleset `db-from-<from>`).
-async fn allow_db_from(plane: &Plane, from: &str) {
+pub(crate) async fn allow_db_from(plane: &Plane, from: &str) {
     let name = format!("db-from-{from}");
     testing::admit(plane.pool(), &name, ("app", "db"), ("app", from), "tcp:5432").await.unwrap();
 }

@@ -3,6 +3,7 @@
 mod agent_restart;
 mod binaries;
 mod bounds;
+mod console;
 mod enroll;
 mod evidence;
 mod flows;

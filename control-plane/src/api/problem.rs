@@ -335,7 +335,7 @@ impl ApiError {
 
 /// A library error's document: its type from [`Error::kind`] alone, its extension members from
 /// the variant.
-fn domain_problem(e: &Error) -> Problem {
+pub(crate) fn domain_problem(e: &Error) -> Problem {
     let detail = e.to_string();
     match e.kind() {
         Kind::NotFound => Problem::new(ProblemType::NotFound, detail),

@@ -5,8 +5,8 @@ use innerwall_control_plane::policy::store;
 use innerwall_control_plane::testing::fresh_database;
 use serde_json::json;
 
-use crate::browser::Browser;
 use crate::foresight_api::{Serve, estate, mint};
+use innerwall_control_plane::testing::browser::Browser;
 
 /// Where the tests leave their screenshots.
 fn screenshots() -> std::path::PathBuf {

@@ -4,7 +4,6 @@ mod addresses;
 mod answers;
 mod api;
 mod bounds;
-mod browser;
 mod cli;
 mod console;
 mod drafts;

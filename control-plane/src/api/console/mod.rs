@@ -16,6 +16,7 @@ use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::labels::Label;
+use innerwall_wire::policy::Mode;
 use serde::Deserialize;
 
 use self::session::{NoSession, Session};
@@ -24,6 +25,7 @@ use super::edge::Peer;
 use super::extract::Path;
 use crate::audit::{self, AuditFilter};
 use crate::error::Error;
+use crate::gate::{self, Params, Promotion, Scope, Verdict};
 use crate::identity::operators::{Refused, Role};
 use crate::page::PageRequest;
 use crate::policy::store::{self, WorkloadFilter, WorkloadRow, WorkloadView};
@@ -47,6 +49,9 @@ pub fn router(state: ApiState) -> Router<ApiState> {
         .route("/workloads/{id}", get(workload))
         .route("/workloads/{id}/labels", post(set_labels))
         .route("/audit", get(audit_log))
+        .route("/review", get(review))
+        .route("/review/promote", post(promote))
+        .route("/promotions/{id}", get(promotion))
         .route(
             "/assets/console.css",
             get(|| async { ([(header::CONTENT_TYPE, "text/css; charset=utf-8")], STYLE) }),
@@ -119,11 +124,13 @@ fn html(template: &impl Template) -> Response {
 struct ProblemPage {
     who: Option<Who>,
     title: &'static str,
+    /// The API's problem type (`match-count-mismatch`), when the library refused.
+    kind: &'static str,
     detail: String,
 }
 
 fn problem(status: StatusCode, title: &'static str, detail: String) -> Response {
-    (status, html(&ProblemPage { who: None, title, detail })).into_response()
+    (status, html(&ProblemPage { who: None, title, kind: "", detail })).into_response()
 }
 
 /// A console failure as a page: not signed in goes to the sign-in page; the rest say why.
@@ -157,20 +164,12 @@ impl IntoResponse for Failure {
             Failure::Forbidden(why) => problem(StatusCode::FORBIDDEN, "Refused", why),
             Failure::Invalid(why) => problem(StatusCode::BAD_REQUEST, "Not done", why),
             Failure::Domain(e) => {
-                let status = match e.kind() {
-                    crate::error::Kind::NotFound => StatusCode::NOT_FOUND,
-                    crate::error::Kind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
-                    _ => StatusCode::CONFLICT,
-                };
-                if status == StatusCode::INTERNAL_SERVER_ERROR {
-                    tracing::error!("console: {e:#}");
-                    return problem(
-                        status,
-                        "Failed",
-                        "the control plane could not answer; see its log".into(),
-                    );
-                }
-                problem(status, "Not done", e.to_string())
+                // The API's problem for the same error: its type names the refusal as the API
+                // and the CLI name it (`match-count-mismatch`, `precondition-failed`, …).
+                let p = super::problem::domain_problem(&e);
+                let status = StatusCode::from_u16(p.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+                let page = ProblemPage { who: None, title: p.title, kind: p.kind.name(), detail: p.detail };
+                (status, html(&page)).into_response()
             }
         }
     }
@@ -456,4 +455,203 @@ async fn audit_log(
         .collect();
     let next = page.next_cursor.map(|c| link("/audit", &[("cursor", &c)]));
     Ok(html(&AuditPage { who: Some(Who::from(&session)), rows, next }))
+}
+
+// ---- review and promote ------------------------------------------------------------------
+
+/// One workload's verdict as the review table shows it.
+struct VerdictLine {
+    id: String,
+    hostname: String,
+    outcome: &'static str,
+    judged: String,
+    mode_state: String,
+    covered: String,
+    native: String,
+    replayed: String,
+    would_block: usize,
+    reasons: Vec<String>,
+}
+
+struct VerdictView {
+    outcome: &'static str,
+    range: String,
+    rows: Vec<VerdictLine>,
+}
+
+impl From<&Verdict> for VerdictView {
+    fn from(v: &Verdict) -> VerdictView {
+        let rows = v
+            .workloads
+            .iter()
+            .map(|w| {
+                let e = &w.evidence;
+                let replayed: Vec<String> = e.replayed_from.iter().map(|v| format!("v{v}")).collect();
+                VerdictLine {
+                    id: w.id.to_string(),
+                    hostname: w.hostname.clone(),
+                    outcome: w.outcome().name(),
+                    judged: w.latest_version.map_or("-".into(), |v| format!("v{v}")),
+                    mode_state: format!("{} · {}", w.mode, w.state),
+                    covered: format!("{}%", if e.range_ms > 0 { e.covered_ms * 100 / e.range_ms } else { 0 }),
+                    native: format!("{} win / {} s", e.native_windows, e.native_ms / 1000),
+                    replayed: match replayed.is_empty() {
+                        true => "-".into(),
+                        false => format!(
+                            "{} win / {} s from {}",
+                            e.replayed_windows,
+                            e.replayed_ms / 1000,
+                            replayed.join(",")
+                        ),
+                    },
+                    would_block: e.would_block_flows,
+                    reasons: w.reasons.iter().map(ToString::to_string).collect(),
+                }
+            })
+            .collect();
+        let at = |ms: i64| {
+            chrono::DateTime::from_timestamp_millis(ms)
+                .map_or("?".into(), |t| t.format("%Y-%m-%d %H:%M").to_string())
+        };
+        VerdictView {
+            outcome: v.outcome.name(),
+            range: format!("{} to {} UTC", at(v.params.from_ms), at(v.params.to_ms)),
+            rows,
+        }
+    }
+}
+
+#[derive(Template)]
+#[template(path = "review.html")]
+struct ReviewPage {
+    who: Option<Who>,
+    scope: String,
+    since: String,
+    min: String,
+    until: String,
+    error: Option<String>,
+    verdict: Option<VerdictView>,
+    may_promote: bool,
+    csrf: String,
+}
+
+#[derive(Deserialize)]
+struct ReviewQuery {
+    scope: Option<String>,
+    since: Option<String>,
+    min: Option<String>,
+    until: Option<String>,
+}
+
+/// The evidence range `since` back from `until` (RFC 3339; empty: now), at least `min` long, as
+/// the CLI's flags read them.
+fn evidence(since: &str, min: &str, until: &str) -> Result<Params, String> {
+    let duration = |what: &str, text: &str| {
+        humantime::parse_duration(text.trim())
+            .map_err(|e| format!("{what} {text:?}: {e} (write e.g. 24h, 7d)"))
+    };
+    let (since, min) = (duration("evidence since", since)?, duration("minimum evidence", min)?);
+    let until = match until.trim() {
+        "" => chrono::Utc::now(),
+        text => chrono::DateTime::parse_from_rfc3339(text)
+            .map_err(|e| {
+                format!("until {text:?}: {e} (write e.g. 2026-12-03T10:00:00Z, or leave it empty for now)")
+            })?
+            .with_timezone(&chrono::Utc),
+    };
+    Params::ending_at(until.timestamp_millis(), since, min).map_err(|e| e.to_string())
+}
+
+/// A scope's verdict with every workload's reasons (`gate::judge`, as `workload verdict` and
+/// `GET /api/v1/verdict`), and for promoters the form that changes exactly that set's mode.
+async fn review(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+    axum::extract::Query(q): axum::extract::Query<ReviewQuery>,
+) -> Result<Response, Failure> {
+    let session = signed(&state, &headers).await?;
+    let mut page = ReviewPage {
+        who: Some(Who::from(&session)),
+        scope: q.scope.unwrap_or_default(),
+        since: q.since.unwrap_or_else(|| "24h".into()),
+        min: q.min.unwrap_or_else(|| "24h".into()),
+        until: q.until.unwrap_or_default(),
+        error: None,
+        verdict: None,
+        may_promote: session.operator.role.allows(Role::Promoter),
+        csrf: session.csrf.clone(),
+    };
+    if page.scope.trim().is_empty() {
+        return Ok(html(&page));
+    }
+    let judged = match (Scope::parse_selector(&page.scope), evidence(&page.since, &page.min, &page.until)) {
+        (Ok(scope), Ok(params)) => gate::judge(&state.pool, &scope, &params).await,
+        (Err(e), _) => Err(e),
+        (_, Err(why)) => Err(Error::Invalid(why)),
+    };
+    match judged {
+        Ok(verdict) => page.verdict = Some(VerdictView::from(&verdict)),
+        Err(e) if e.kind() == crate::error::Kind::Invalid => {
+            page.error = Some(e.to_string());
+            return Ok((StatusCode::BAD_REQUEST, html(&page)).into_response());
+        }
+        Err(e) => return Err(e.into()),
+    }
+    Ok(html(&page))
+}
+
+#[derive(Deserialize)]
+struct PromoteForm {
+    csrf: String,
+    scope: String,
+    since: String,
+    min: String,
+    #[serde(default)]
+    until: String,
+    expect_count: usize,
+    to: String,
+    reason: String,
+    #[serde(default)]
+    override_reason: String,
+}
+
+/// A count-pinned mode change from the review page (promoter): `gate::promote` with the count
+/// the page showed, so a scope that names another set by now changes nothing.
+async fn promote(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+    Form(form): Form<PromoteForm>,
+) -> Result<Response, Failure> {
+    let session = writer(&state, &headers, Role::Promoter, &form.csrf).await?;
+    let to: Mode = form.to.parse().map_err(|_| Failure::Invalid(format!("{:?} is not a mode", form.to)))?;
+    let request = gate::Request {
+        scope: Scope::parse_selector(&form.scope)?,
+        expect_count: form.expect_count,
+        to,
+        params: evidence(&form.since, &form.min, &form.until).map_err(Failure::Invalid)?,
+        reason: form.reason,
+        override_reason: Some(form.override_reason).filter(|r| !r.trim().is_empty()),
+    };
+    let promotion = gate::promote(&state.pool, &session.operator.actor(), &request).await?;
+    Ok(Redirect::to(&format!("/promotions/{}", promotion.id)).into_response())
+}
+
+#[derive(Template)]
+#[template(path = "promotion.html")]
+struct PromotionPage {
+    who: Option<Who>,
+    p: Promotion,
+    verdict: Option<String>,
+}
+
+async fn promotion(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Response, Failure> {
+    let session = signed(&state, &headers).await?;
+    let id: uuid::Uuid = id.parse().map_err(|_| Failure::Invalid("not a promotion id".into()))?;
+    let p = gate::promote::show(&mut *state.pool.acquire().await.map_err(Error::from)?, id).await?;
+    let verdict = p.verdict.as_ref().map(|v| serde_json::to_string_pretty(v).unwrap_or_default());
+    Ok(html(&PromotionPage { who: Some(Who::from(&session)), p, verdict }))
 }

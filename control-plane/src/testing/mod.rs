@@ -13,6 +13,10 @@
 //! `#[tokio::test]` gives every test a runtime of its own and a pool must not outlive the
 //! runtime it was created in, so only the server URL is process-global and every call makes its
 //! own pool.
+//!
+//! [`browser`] drives a real headless Chromium for the console's tests.
+
+pub mod browser;
 
 use anyhow::{Context, anyhow};
 use sqlx::postgres::{PgConnection, PgPool};
