@@ -1233,14 +1233,7 @@ pub async fn workload_page(
     q.push(" ORDER BY rank, seen_us DESC, id LIMIT ").push_bind(limit + 1);
     let rows = q.build().fetch_all(&mut *conn).await?;
     let ids: Vec<Uuid> = rows.iter().map(|r| r.get::<Uuid, _>("id")).collect();
-    let mut labels: BTreeMap<Uuid, BTreeMap<String, String>> = BTreeMap::new();
-    for row in sqlx::query("SELECT workload_id, key, value FROM workload_labels WHERE workload_id = ANY($1)")
-        .bind(&ids)
-        .fetch_all(&mut *conn)
-        .await?
-    {
-        labels.entry(row.get(0)).or_default().insert(row.get(1), row.get(2));
-    }
+    let mut labels = labels_of(conn, &ids).await?;
     let mut addresses = address_views(conn, Some(&ids)).await?;
     let rows = rows
         .into_iter()
@@ -1449,4 +1442,29 @@ pub async fn policy_version_view(
     .ok_or_else(missing)?;
     let (policy, rendered_at) = decode_row(&row)?;
     Ok(PolicyView::of(id, &policy, rendered_at))
+}
+
+/// The hostnames of `ids` (retired ones too), by id; an unknown id is left out.
+pub async fn hostnames(conn: &mut PgConnection, ids: &[Uuid]) -> Result<BTreeMap<Uuid, String>, Error> {
+    let rows: Vec<(Uuid, String)> = sqlx::query_as("SELECT id, hostname FROM workloads WHERE id = ANY($1)")
+        .bind(ids)
+        .fetch_all(&mut *conn)
+        .await?;
+    Ok(rows.into_iter().collect())
+}
+
+/// The labels now of `ids`, by id; a workload without labels is left out.
+pub async fn labels_of(
+    conn: &mut PgConnection,
+    ids: &[Uuid],
+) -> Result<BTreeMap<Uuid, BTreeMap<String, String>>, Error> {
+    let mut labels: BTreeMap<Uuid, BTreeMap<String, String>> = BTreeMap::new();
+    for row in sqlx::query("SELECT workload_id, key, value FROM workload_labels WHERE workload_id = ANY($1)")
+        .bind(ids)
+        .fetch_all(&mut *conn)
+        .await?
+    {
+        labels.entry(row.get(0)).or_default().insert(row.get(1), row.get(2));
+    }
+    Ok(labels)
 }

@@ -1,11 +1,16 @@
-//! The web console in a real browser (issue 29): sign-in, roles, CSRF, the security headers.
+//! The web console in a real browser (issue 29): sign-in, roles, CSRF, the security headers;
+//! the map and the flows behind its edges.
 
+use chrono::Utc;
 use innerwall_control_plane::identity::operators::{self, Role, TokenRef};
 use innerwall_control_plane::policy::store;
-use innerwall_control_plane::testing::fresh_database;
+use innerwall_control_plane::testing::{self, fresh_database};
+use innerwall_wire::identity::WorkloadId;
+use innerwall_wire::policy::Mode;
 use serde_json::json;
 
 use crate::foresight_api::{Serve, estate, mint};
+use crate::recorded::{HOUR, at, flow_to, ingest, rule_for};
 use innerwall_control_plane::testing::browser::Browser;
 
 /// Where the tests leave their screenshots.
@@ -140,4 +145,91 @@ async fn console_signin_and_roles() {
         )
         .await;
     assert_eq!(forged.status, 403);
+}
+
+/// Flows through the real ingest towards db-1 (`app=db`): api-1 allowed by its rule, web-1
+/// would-block. The map draws both edges with their decisions and counts; each opens its
+/// flows, which name the rule (or none) and the version.
+#[tokio::test]
+async fn console_flow_map_shows_decisions() {
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    estate(pool).await;
+    let db1: uuid::Uuid =
+        sqlx::query_scalar("SELECT id FROM workloads WHERE hostname = 'db-1'").fetch_one(pool).await.unwrap();
+    let db1 = WorkloadId::from_uuid(db1).unwrap();
+    let policy = store::persisted_policy(&mut pool.acquire().await.unwrap(), db1).await.unwrap().unwrap().0;
+    let version = policy.version();
+    let start = Utc::now().timestamp_millis() - 2 * HOUR;
+    testing::installed(pool, db1, &[(version, Mode::Simulation, at(start - HOUR))]).await.unwrap();
+    sqlx::query("UPDATE workloads SET applied_version = $2 WHERE id = $1")
+        .bind(db1.uuid())
+        .bind(version as i64)
+        .execute(pool)
+        .await
+        .unwrap();
+    let rule = rule_for(&policy, 5432);
+    let flows = vec![
+        flow_to("10.0.0.2", "10.0.0.4", 5432, Some(&rule), 3, start),
+        flow_to("10.0.0.1", "10.0.0.4", 5432, None, 2, start),
+    ];
+    ingest(pool, db1, version, start, flows, vec![]).await;
+    let viewer = mint(pool, "vera", Role::Viewer).await;
+    let serve = Serve::start(&db.url);
+    let base = format!("https://localhost:{}", serve.addr.port());
+
+    let browser = Browser::start();
+    sign_in(&browser, &base, &viewer);
+    browser.wait_for("/fleet");
+    browser.goto(&format!("{base}/map?key=app&since=24h"));
+    browser.wait_for("Edges");
+    let rows = browser.script(
+        "return [...document.querySelectorAll('table.edges tbody tr')].map(r => [...r.cells].slice(0, 5).map(c => c.innerText));",
+        json!([]),
+    );
+    assert_eq!(
+        rows,
+        json!([["app=api", "app=db", "allowed", "3", "1"], ["app=web", "app=db", "would-block", "2", "1"]]),
+        "{}",
+        browser.text()
+    );
+    let strokes = browser.script(
+        "return [...document.querySelectorAll('svg.map path')].map(p => p.getAttribute('stroke')).sort();",
+        json!([]),
+    );
+    assert_eq!(strokes, json!(["#1a7f37", "#b42318"]), "one green and one red edge");
+    browser.screenshot(&screenshots().join("map.png"));
+
+    // The would-block edge opens its flows: no rule decided them, under the applied version.
+    browser.click(&browser.one("svg.map a.edge:has(path[stroke='#b42318'])"));
+    browser.wait_for("10.0.0.1");
+    assert!(browser.url().contains("/flows?by=src-dst"), "{}", browser.url());
+    let text = browser.text();
+    assert!(text.contains("would-block") && text.contains(&format!("v{version}")), "{text}");
+    assert!(!text.contains("10.0.0.2"), "the allowed flows are not this edge's: {text}");
+    // The allowed one names its rule.
+    browser.goto(&format!("{base}/map?key=app&since=24h"));
+    browser.wait_for("Edges");
+    browser.click(&browser.one("svg.map a.edge:has(path[stroke='#1a7f37'])"));
+    browser.wait_for("10.0.0.2");
+    browser.goto(&format!("{base}/flows?by=rule-peer&decision=allowed&since=24h"));
+    browser.wait_for(&rule);
+    browser.screenshot(&screenshots().join("flows.png"));
+
+    // The export is the same query, as CSV and JSON; it needs a session too.
+    let fetch = "return fetch(arguments[0]).then(r => r.text());";
+    let csv = browser.script(fetch, json!(["/flows/export.csv?by=rule-peer&since=24h"]));
+    let csv = csv.as_str().unwrap();
+    assert!(csv.starts_with("Rule,Peer,connections,"), "{csv}");
+    assert!(csv.contains(&rule) && csv.contains("would-block") && csv.lines().count() == 3, "{csv}");
+    let exported =
+        browser.script(fetch, json!(["/flows/export.json?by=rule-peer&since=24h&decision=would-block"]));
+    let exported: serde_json::Value = serde_json::from_str(exported.as_str().unwrap()).unwrap();
+    assert_eq!(
+        (exported["rows"].as_array().unwrap().len(), &exported["truncated"]),
+        (1, &json!(false)),
+        "{exported}"
+    );
+    let anonymous = serve.call("GET", "/flows/export.csv?by=rule-peer&since=24h", "", &[], None).await;
+    assert_eq!(anonymous.status, 303, "an export needs a session");
 }

@@ -5,6 +5,7 @@
 //! the same roles: a page offers only what the session's role may do, and every write checks
 //! the role, the session's CSRF secret and the request's `Origin` on the server.
 
+pub mod map;
 pub mod session;
 
 use askama::Template;
@@ -14,9 +15,11 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
+use innerwall_wire::convert::WireEnum;
+use innerwall_wire::flows::Decision;
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::labels::Label;
-use innerwall_wire::policy::Mode;
+use innerwall_wire::policy::{Mode, Protocol};
 use serde::Deserialize;
 
 use self::session::{NoSession, Session};
@@ -25,6 +28,7 @@ use super::edge::Peer;
 use super::extract::Path;
 use crate::audit::{self, AuditFilter};
 use crate::error::Error;
+use crate::flows::{self, Grouping, RollupFilter, RollupRow};
 use crate::gate::{self, Params, Promotion, Scope, Verdict};
 use crate::identity::operators::{Refused, Role};
 use crate::page::PageRequest;
@@ -52,6 +56,10 @@ pub fn router(state: ApiState) -> Router<ApiState> {
         .route("/review", get(review))
         .route("/review/promote", post(promote))
         .route("/promotions/{id}", get(promotion))
+        .route("/flows", get(flows_page))
+        .route("/flows/export.csv", get(flows_csv))
+        .route("/flows/export.json", get(flows_json))
+        .route("/map", get(map_page))
         .route(
             "/assets/console.css",
             get(|| async { ([(header::CONTENT_TYPE, "text/css; charset=utf-8")], STYLE) }),
@@ -329,7 +337,7 @@ async fn fleet(
         next: None,
     };
     if !text.trim().is_empty() {
-        match crate::flows::parse_selector(&text) {
+        match flows::parse_selector(&text) {
             Ok(selector) => filter.selector = Some(selector),
             Err(e) => {
                 page.error = Some(format!("selector {text:?}: {e}"));
@@ -654,4 +662,527 @@ async fn promotion(
     let p = gate::promote::show(&mut *state.pool.acquire().await.map_err(Error::from)?, id).await?;
     let verdict = p.verdict.as_ref().map(|v| serde_json::to_string_pretty(v).unwrap_or_default());
     Ok(html(&PromotionPage { who: Some(Who::from(&session)), p, verdict }))
+}
+
+// ---- flows -------------------------------------------------------------------------------
+
+/// The most rows an export walks (pages of [`flows::MAX_PAGE`]); it says when it stopped.
+const EXPORT_ROWS: usize = 10_000;
+
+/// The flows page's query, as written (each field a form field; empty: the default).
+#[derive(Debug, Clone, Default, Deserialize)]
+struct FlowsQuery {
+    #[serde(default)]
+    by: String,
+    #[serde(default)]
+    scope: String,
+    /// Labels the peer had then, `key=value,…` (the map's links set it).
+    #[serde(default)]
+    peer: String,
+    #[serde(default)]
+    decision: String,
+    #[serde(default)]
+    version: String,
+    #[serde(default)]
+    since: String,
+    cursor: Option<String>,
+}
+
+impl FlowsQuery {
+    fn normalised(mut self) -> FlowsQuery {
+        if self.by.is_empty() {
+            self.by = Grouping::RulePeer.name().into();
+        }
+        if self.since.is_empty() {
+            self.since = "24h".into();
+        }
+        self
+    }
+
+    /// The link to this query (without its cursor) at `path`, with `cursor` when given.
+    fn link(&self, path: &str, cursor: Option<&str>) -> String {
+        let mut pairs = vec![
+            ("by", self.by.as_str()),
+            ("scope", self.scope.as_str()),
+            ("peer", self.peer.as_str()),
+            ("decision", self.decision.as_str()),
+            ("version", self.version.as_str()),
+            ("since", self.since.as_str()),
+        ];
+        if let Some(cursor) = cursor {
+            pairs.push(("cursor", cursor));
+        }
+        link(path, &pairs)
+    }
+
+    /// The grouping and the library's filter, each field checked as the CLI checks its flags.
+    async fn filter(&self, pool: &sqlx::PgPool) -> Result<(Grouping, RollupFilter), Error> {
+        let by: Grouping = self.by.parse()?;
+        let since = humantime::parse_duration(self.since.trim())
+            .map_err(|e| Error::Invalid(format!("since {:?}: {e} (write e.g. 1h, 24h, 7d)", self.since)))?;
+        let params =
+            Params::ending_at(chrono::Utc::now().timestamp_millis(), since, std::time::Duration::ZERO)?;
+        let at = |ms| chrono::DateTime::from_timestamp_millis(ms).unwrap_or(chrono::DateTime::UNIX_EPOCH);
+        let mut filter = RollupFilter::range(at(params.from_ms), at(params.to_ms));
+        if !self.decision.is_empty() {
+            let decision = self.decision.parse::<Decision>().map_err(|_| {
+                Error::Invalid(format!(
+                    "unknown decision {:?}: use observed, allowed, would-block or blocked",
+                    self.decision
+                ))
+            })?;
+            filter.decisions = vec![decision];
+        }
+        if !self.version.trim().is_empty() {
+            let version = self.version.trim().parse::<u64>().map_err(|_| {
+                Error::Invalid(format!("version {:?} is not a policy version (a whole number)", self.version))
+            })?;
+            filter.versions = vec![version];
+        }
+        if !self.peer.trim().is_empty() {
+            filter.peer_labels = self
+                .peer
+                .split(',')
+                .map(|l| {
+                    l.trim().parse::<Label>().map_err(|e| Error::Invalid(format!("peer label {l:?}: {e}")))
+                })
+                .collect::<Result<_, _>>()?;
+        }
+        if !self.scope.trim().is_empty() {
+            let selector = flows::parse_selector(&self.scope)?;
+            filter = filter.within(flows::workloads_in(pool, &selector).await?);
+        }
+        Ok((by, filter))
+    }
+}
+
+/// A table cell, linked when it names something with a page.
+struct Cell {
+    text: String,
+    href: Option<String>,
+}
+
+impl Cell {
+    fn text(text: impl Into<String>) -> Cell {
+        Cell { text: text.into(), href: None }
+    }
+}
+
+struct FlowLine {
+    class: &'static str,
+    cells: Vec<Cell>,
+    connections: i64,
+    packets: i64,
+    bytes: i64,
+    first_seen: String,
+    last_seen: String,
+    versions: String,
+    decisions: String,
+}
+
+#[derive(Template)]
+#[template(path = "flows.html")]
+struct FlowsPage {
+    who: Option<Who>,
+    q: FlowsQuery,
+    groupings: Vec<&'static str>,
+    decisions: Vec<&'static str>,
+    error: Option<String>,
+    headers: Vec<&'static str>,
+    rows: Vec<FlowLine>,
+    next: Option<String>,
+    csv: String,
+    json: String,
+}
+
+/// The key columns of a grouping, as the table heads them.
+fn key_headers(by: Grouping) -> Vec<&'static str> {
+    match by {
+        Grouping::Rule => vec!["Rule"],
+        Grouping::RulePeer => vec!["Rule", "Peer"],
+        Grouping::SrcDst => vec!["Source", "Peer", "To", "Destination"],
+        Grouping::DstService => vec!["To", "Service"],
+        Grouping::PeerService => vec!["Peer", "Service"],
+    }
+}
+
+/// How a peer reads: a workload with its labels then, an address group, or an address.
+fn peer_text(row: &RollupRow) -> String {
+    let key = row.peer_key.clone().unwrap_or_default();
+    match row.peer_kind {
+        Some(1) => format!("workload {key} {}", row.peer_labels.clone().unwrap_or_default()),
+        Some(2) => format!("group {key}"),
+        _ => key,
+    }
+}
+
+fn service_text(row: &RollupRow) -> String {
+    let protocol =
+        row.protocol.and_then(|p| Protocol::from_code(p).ok()).map_or("?".into(), |p| p.to_string());
+    match row.dst_port {
+        Some(port) if port > 0 => format!("{protocol}/{port}"),
+        _ => protocol,
+    }
+}
+
+fn decision_names(codes: &[i16]) -> Vec<String> {
+    codes.iter().map(|c| Decision::from_code(*c).map_or("?".into(), |d| d.to_string())).collect()
+}
+
+/// One rollup row as the table shows it; the destination by hostname (`hosts`), linked.
+fn flow_line(
+    by: Grouping,
+    row: &RollupRow,
+    hosts: &std::collections::BTreeMap<uuid::Uuid, String>,
+) -> FlowLine {
+    let to = || match row.workload_id {
+        Some(id) => Cell {
+            text: hosts.get(&id).cloned().unwrap_or_else(|| id.to_string()),
+            href: Some(format!("/workloads/{id}")),
+        },
+        None => Cell::text("-"),
+    };
+    let rule =
+        || Cell::text(row.rule.clone().filter(|r| !r.is_empty()).unwrap_or_else(|| "(no rule)".into()));
+    let cells = match by {
+        Grouping::Rule => vec![rule()],
+        Grouping::RulePeer => vec![rule(), Cell::text(peer_text(row))],
+        Grouping::SrcDst => vec![
+            Cell::text(row.src_address.clone().unwrap_or_default()),
+            Cell::text(peer_text(row)),
+            to(),
+            Cell::text(row.dst_address.clone().unwrap_or_default()),
+        ],
+        Grouping::DstService => vec![to(), Cell::text(service_text(row))],
+        Grouping::PeerService => vec![Cell::text(peer_text(row)), Cell::text(service_text(row))],
+    };
+    let decisions = decision_names(&row.decisions);
+    let blocked = decisions.iter().any(|d| d == "would-block" || d == "blocked");
+    FlowLine {
+        class: if blocked { "decision-would-block" } else { "decision-allowed" },
+        cells,
+        connections: row.connections,
+        packets: row.packets,
+        bytes: row.bytes,
+        first_seen: row.first_seen.format("%Y-%m-%d %H:%M:%S").to_string(),
+        last_seen: row.last_seen.format("%Y-%m-%d %H:%M:%S").to_string(),
+        versions: row.policy_versions.iter().map(|v| format!("v{v}")).collect::<Vec<_>>().join(", "),
+        decisions: decisions.join(", "),
+    }
+}
+
+async fn hostnames_of(
+    state: &ApiState,
+    rows: &[RollupRow],
+) -> Result<std::collections::BTreeMap<uuid::Uuid, String>, Error> {
+    let ids: Vec<uuid::Uuid> = rows.iter().filter_map(|r| r.workload_id).collect();
+    store::hostnames(&mut *state.pool.acquire().await?, &ids).await
+}
+
+/// The flow rollups (`flows::rollup`, as `flows rollup` and `GET /api/v1/flows/rollup`), by
+/// rule, rule and peer, source and destination, destination and service, or peer and service,
+/// filtered by decision, version, a destination selector and a range; every row names the
+/// versions and decisions behind it (and in the rule groupings, the rule).
+async fn flows_page(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+    axum::extract::Query(q): axum::extract::Query<FlowsQuery>,
+) -> Result<Response, Failure> {
+    let session = signed(&state, &headers).await?;
+    let q = q.normalised();
+    let mut page = FlowsPage {
+        who: Some(Who::from(&session)),
+        groupings: Grouping::ALL.iter().map(|g| g.name()).collect(),
+        decisions: vec!["", "allowed", "would-block", "blocked", "observed"],
+        error: None,
+        headers: Vec::new(),
+        rows: Vec::new(),
+        next: None,
+        csv: q.link("/flows/export.csv", None),
+        json: q.link("/flows/export.json", None),
+        q,
+    };
+    let (by, filter) = match page.q.filter(&state.pool).await {
+        Ok(parsed) => parsed,
+        Err(e) if e.kind() == crate::error::Kind::Invalid => {
+            page.error = Some(e.to_string());
+            return Ok((StatusCode::BAD_REQUEST, html(&page)).into_response());
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let request = PageRequest { limit: PAGE_ROWS, cursor: page.q.cursor.clone() };
+    let rows = flows::rollup(&state.pool, by, &filter, &request).await?;
+    let hosts = hostnames_of(&state, &rows.rows).await?;
+    page.headers = key_headers(by);
+    page.rows = rows.rows.iter().map(|r| flow_line(by, r, &hosts)).collect();
+    page.next = rows.next_cursor.as_deref().map(|c| page.q.link("/flows", Some(c)));
+    Ok(html(&page))
+}
+
+/// Every row of the query, up to [`EXPORT_ROWS`]; whether it stopped there.
+async fn export_rows(state: &ApiState, q: &FlowsQuery) -> Result<(Grouping, Vec<RollupRow>, bool), Failure> {
+    let (by, filter) = q.filter(&state.pool).await.map_err(|e| match e.kind() {
+        crate::error::Kind::Invalid => Failure::Invalid(e.to_string()),
+        _ => Failure::Domain(e),
+    })?;
+    let mut request = PageRequest { limit: flows::MAX_PAGE, cursor: None };
+    let mut rows = Vec::new();
+    loop {
+        let page = flows::rollup(&state.pool, by, &filter, &request).await?;
+        rows.extend(page.rows);
+        match page.next_cursor {
+            Some(cursor) if rows.len() < EXPORT_ROWS => request.cursor = Some(cursor),
+            Some(_) => return Ok((by, rows, true)),
+            None => return Ok((by, rows, false)),
+        }
+    }
+}
+
+/// A CSV field: quoted when it must be, and never read as a formula by a spreadsheet.
+fn csv_field(text: &str) -> String {
+    let text = match text.starts_with(['=', '+', '-', '@', '\t', '\r']) {
+        true => format!("'{text}"),
+        false => text.to_owned(),
+    };
+    match text.contains([',', '"', '\n', '\r']) {
+        true => format!("\"{}\"", text.replace('"', "\"\"")),
+        false => text,
+    }
+}
+
+fn attachment(kind: &'static str, name: &'static str, body: String) -> Response {
+    let disposition = HeaderValue::from_static(name);
+    (
+        [(header::CONTENT_TYPE, HeaderValue::from_static(kind)), (header::CONTENT_DISPOSITION, disposition)],
+        body,
+    )
+        .into_response()
+}
+
+/// The flows page's query as CSV: its key columns, then the sums, versions and decisions.
+async fn flows_csv(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+    axum::extract::Query(q): axum::extract::Query<FlowsQuery>,
+) -> Result<Response, Failure> {
+    signed(&state, &headers).await?;
+    let (by, rows, truncated) = export_rows(&state, &q.normalised()).await?;
+    let hosts = hostnames_of(&state, &rows).await?;
+    let mut out = key_headers(by).join(",");
+    out.push_str(",connections,packets,bytes,first_seen,last_seen,versions,decisions\n");
+    for row in &rows {
+        let line = flow_line(by, row, &hosts);
+        let mut fields: Vec<String> = line.cells.iter().map(|c| csv_field(&c.text)).collect();
+        fields.extend([
+            line.connections.to_string(),
+            line.packets.to_string(),
+            line.bytes.to_string(),
+            row.first_seen.to_rfc3339(),
+            row.last_seen.to_rfc3339(),
+            csv_field(&line.versions),
+            csv_field(&line.decisions),
+        ]);
+        out.push_str(&fields.join(","));
+        out.push('\n');
+    }
+    if truncated {
+        out.push_str(&format!("# stopped after {EXPORT_ROWS} rows: narrow the query\n"));
+    }
+    Ok(attachment("text/csv; charset=utf-8", "attachment; filename=\"innerwall-flows.csv\"", out))
+}
+
+/// The flows page's query as JSON: the rows as `flows rollup --json` prints them.
+async fn flows_json(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+    axum::extract::Query(q): axum::extract::Query<FlowsQuery>,
+) -> Result<Response, Failure> {
+    signed(&state, &headers).await?;
+    let q = q.normalised();
+    let (by, rows, truncated) = export_rows(&state, &q).await?;
+    let body = serde_json::json!({"by": by.name(), "rows": rows, "truncated": truncated});
+    Ok(attachment("application/json", "attachment; filename=\"innerwall-flows.json\"", body.to_string()))
+}
+
+// ---- map ---------------------------------------------------------------------------------
+
+/// The most rollup rows the map reads per decision.
+const MAP_ROWS: usize = 50_000;
+
+#[derive(Debug, Clone, Default, Deserialize)]
+struct MapQuery {
+    #[serde(default)]
+    key: String,
+    #[serde(default)]
+    key2: String,
+    #[serde(default)]
+    scope: String,
+    #[serde(default)]
+    since: String,
+}
+
+/// An edge's ends and decision.
+type EdgeKey = (String, String, &'static str);
+/// The selectors an edge's flows link narrows by: the destination's and the peer's.
+type EdgeSelectors = (Option<String>, Option<String>);
+
+/// An edge and where it leads (its flows on the flows page).
+struct Linked<T> {
+    href: String,
+    edge: map::Edge,
+    path: T,
+}
+
+#[derive(Template)]
+#[template(path = "map.html")]
+struct MapPage {
+    who: Option<Who>,
+    q: MapQuery,
+    error: Option<String>,
+    truncated: bool,
+    max_rows: usize,
+    layout: Option<MapLayout>,
+    edges: Vec<Linked<()>>,
+}
+
+struct MapLayout {
+    width: f64,
+    height: f64,
+    nodes: Vec<map::Node>,
+    paths: Vec<Linked<map::Path>>,
+}
+
+/// A group's name from `labels` by the page's keys: `app=db`, `app=db,env=prod`, `(no app)`.
+fn group_of(labels: &std::collections::BTreeMap<String, String>, keys: &[&str]) -> (String, Option<String>) {
+    let mut parts = Vec::new();
+    for key in keys {
+        match labels.get(*key) {
+            Some(value) => parts.push(format!("{key}={value}")),
+            None => return (format!("(no {key})"), None),
+        }
+    }
+    let selector = parts.join(",");
+    (selector.clone(), Some(selector))
+}
+
+/// Flows between groups of a label (and a second one): managed peers by their labels then,
+/// destinations by their labels now, address groups by name, other addresses as one group;
+/// aggregated on the server per decision from the source–destination rollups, and drawn in
+/// layers ([`map::layout`]); beyond [`map::MAX_GROUPS`] groups the page asks for a filter.
+async fn map_page(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+    axum::extract::Query(mut q): axum::extract::Query<MapQuery>,
+) -> Result<Response, Failure> {
+    let session = signed(&state, &headers).await?;
+    if q.key.trim().is_empty() {
+        q.key = "app".into();
+    }
+    if q.since.trim().is_empty() {
+        q.since = "24h".into();
+    }
+    let mut page = MapPage {
+        who: Some(Who::from(&session)),
+        q: q.clone(),
+        error: None,
+        truncated: false,
+        max_rows: MAP_ROWS,
+        layout: None,
+        edges: Vec::new(),
+    };
+    let keys: Vec<&str> = [q.key.trim(), q.key2.trim()].into_iter().filter(|k| !k.is_empty()).collect();
+    for key in &keys {
+        if let Err(e) = key.parse::<innerwall_wire::labels::LabelKey>() {
+            page.error = Some(format!("label key {key:?}: {e}"));
+            return Ok((StatusCode::BAD_REQUEST, html(&page)).into_response());
+        }
+    }
+    let flows_query =
+        FlowsQuery { scope: q.scope.clone(), since: q.since.clone(), ..FlowsQuery::default() }.normalised();
+    let (_, base) = match flows_query.filter(&state.pool).await {
+        Ok(parsed) => parsed,
+        Err(e) if e.kind() == crate::error::Kind::Invalid => {
+            page.error = Some(e.to_string());
+            return Ok((StatusCode::BAD_REQUEST, html(&page)).into_response());
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let mut rows: Vec<(&'static str, RollupRow)> = Vec::new();
+    for decision in [Decision::Allowed, Decision::WouldBlock, Decision::Blocked, Decision::Observed] {
+        let filter = RollupFilter { decisions: vec![decision], ..base.clone() };
+        let mut request = PageRequest { limit: flows::MAX_PAGE, cursor: None };
+        let mut read = 0;
+        loop {
+            let page_rows = flows::rollup(&state.pool, Grouping::SrcDst, &filter, &request).await?;
+            read += page_rows.rows.len();
+            rows.extend(page_rows.rows.into_iter().map(|r| (decision.name(), r)));
+            match page_rows.next_cursor {
+                Some(cursor) if read < MAP_ROWS => request.cursor = Some(cursor),
+                Some(_) => {
+                    page.truncated = true;
+                    break;
+                }
+                None => break,
+            }
+        }
+    }
+    let ids: Vec<uuid::Uuid> = rows
+        .iter()
+        .filter_map(|(_, r)| r.workload_id)
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let labels = store::labels_of(&mut *state.pool.acquire().await.map_err(Error::from)?, &ids).await?;
+    let no_labels = std::collections::BTreeMap::new();
+    // Each edge with the selectors its flows link narrows by: the destination's and the peer's.
+    let mut links: std::collections::BTreeMap<EdgeKey, EdgeSelectors> = std::collections::BTreeMap::new();
+    let edges = map::aggregate(rows.iter().map(|(decision, r)| {
+        let (to, to_selector) =
+            group_of(r.workload_id.and_then(|id| labels.get(&id)).unwrap_or(&no_labels), &keys);
+        let (from, from_selector) = match r.peer_kind {
+            Some(1) => {
+                let then: std::collections::BTreeMap<String, String> =
+                    r.peer_labels.clone().and_then(|v| serde_json::from_value(v).ok()).unwrap_or_default();
+                group_of(&then, &keys)
+            }
+            Some(2) => (format!("group {}", r.peer_key.clone().unwrap_or_default()), None),
+            _ => ("other addresses".to_owned(), None),
+        };
+        links.insert((from.clone(), to.clone(), decision), (to_selector, from_selector));
+        map::Edge { from, to, decision, connections: r.connections, flows: 1 }
+    }));
+    let href = |e: &map::Edge| {
+        let (to, from) = links.get(&(e.from.clone(), e.to.clone(), e.decision)).cloned().unwrap_or_default();
+        let query = FlowsQuery {
+            by: Grouping::SrcDst.name().into(),
+            scope: to.unwrap_or_default(),
+            peer: from.unwrap_or_default(),
+            decision: e.decision.into(),
+            since: q.since.clone(),
+            ..FlowsQuery::default()
+        };
+        query.link("/flows", None)
+    };
+    match map::layout(&edges) {
+        Some(layout) => {
+            page.layout = Some(MapLayout {
+                width: layout.width,
+                height: layout.height,
+                nodes: layout.nodes,
+                paths: layout
+                    .paths
+                    .into_iter()
+                    .map(|p| Linked { href: href(&p.edge), edge: p.edge.clone(), path: p })
+                    .collect(),
+            })
+        }
+        None => {
+            page.error = Some(format!(
+                "the flows name more than {} groups; narrow the map with a scope (To) or a shorter range",
+                map::MAX_GROUPS
+            ))
+        }
+    }
+    page.edges = edges.iter().map(|e| Linked { href: href(e), edge: e.clone(), path: () }).collect();
+    Ok(html(&page))
 }
