@@ -233,3 +233,98 @@ async fn console_flow_map_shows_decisions() {
     let anonymous = serve.call("GET", "/flows/export.csv?by=rule-peer&since=24h", "", &[], None).await;
     assert_eq!(anonymous.status, 303, "an export needs a session");
 }
+
+/// A draft made on the policy page shows its impact on recorded flows and the policy tests'
+/// results; committing it from the page moves exactly the versions the CLI then shows.
+#[tokio::test]
+async fn console_draft_impact() {
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    estate(pool).await;
+    let spec = innerwall_control_plane::foresight::policy_tests::parse_test_set_file(
+        "tests",
+        crate::foresight_api::TESTS,
+    )
+    .unwrap();
+    innerwall_control_plane::foresight::create_test_set(pool, "cli:test", &spec).await.unwrap();
+    // api-1 reached db-1 on tcp/6432, which no rule admits yet.
+    let db1: uuid::Uuid =
+        sqlx::query_scalar("SELECT id FROM workloads WHERE hostname = 'db-1'").fetch_one(pool).await.unwrap();
+    let db1 = WorkloadId::from_uuid(db1).unwrap();
+    let version =
+        store::persisted_policy(&mut pool.acquire().await.unwrap(), db1).await.unwrap().unwrap().0.version();
+    let start = Utc::now().timestamp_millis() - 2 * HOUR;
+    testing::installed(pool, db1, &[(version, Mode::Simulation, at(start - HOUR))]).await.unwrap();
+    sqlx::query("UPDATE workloads SET applied_version = $2 WHERE id = $1")
+        .bind(db1.uuid())
+        .bind(version as i64)
+        .execute(pool)
+        .await
+        .unwrap();
+    ingest(pool, db1, version, start, vec![flow_to("10.0.0.2", "10.0.0.4", 6432, None, 4, start)], vec![])
+        .await;
+    let editor = mint(pool, "ed", Role::Editor).await;
+    let serve = Serve::start(&db.url);
+    let base = format!("https://localhost:{}", serve.addr.port());
+
+    let browser = Browser::start();
+    sign_in(&browser, &base, &editor);
+    browser.wait_for("/fleet");
+    browser.goto(&format!("{base}/policy"));
+    browser.wait_for("New draft");
+    browser.type_into(&browser.one("#name"), "pgbouncer");
+    browser.type_into(&browser.one("#note"), "postgres through pgbouncer too");
+    browser.type_into(
+        &browser.one("#changes"),
+        "changes:\n  - service:\n      name: postgres\n      members: [tcp:5432, tcp:6432]\n",
+    );
+    browser.click(&browser.one("form.draft-new button"));
+    browser.wait_for("What a commit now would do");
+    assert!(browser.url().ends_with("/drafts/pgbouncer"), "{}", browser.url());
+    let text = browser.text();
+    assert!(text.contains("A commit now would pass"), "{text}");
+    let row = browser.script(
+        "return [...document.querySelectorAll('table.impact tbody tr')].map(r => [...r.cells].map(c => c.innerText));",
+        json!([]),
+    );
+    let rows = row.as_array().unwrap();
+    let db_row = rows.iter().find(|r| r[0] == "db-1").unwrap_or_else(|| panic!("no db-1 row: {row}"));
+    assert_eq!(
+        (&db_row[1], &db_row[3], &db_row[4]),
+        (&json!(format!("v{version} → v{}", version + 1)), &json!("0"), &json!("1")),
+        "{row}"
+    );
+    let results = browser.script(
+        "return [...document.querySelectorAll('table.tests tbody tr')].map(r => r.cells[3].innerText);",
+        json!([]),
+    );
+    assert_eq!(results, json!(["pass", "pass", "pass"]), "{}", browser.text());
+    browser.screenshot(&screenshots().join("draft.png"));
+
+    // Commit from the page: it names the versions it moved, and they are what the CLI shows.
+    browser.click(&browser.one("form.promote button"));
+    browser.wait_for("Versions moved");
+    let moved = browser.script(
+        "return [...document.querySelectorAll('table.moved tbody tr')].map(r => [r.cells[0].querySelector('a').getAttribute('href').split('/').pop(), r.cells[1].innerText]);",
+        json!([]),
+    );
+    let moved = moved.as_array().unwrap();
+    assert!(!moved.is_empty(), "the commit moved no version");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_innerwall"))
+        .args(["--database-url", &db.url, "--json", "workload", "list"])
+        .env_remove("INNERWALL_API")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let listed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for m in moved {
+        let w = listed.as_array().unwrap().iter().find(|w| w["id"] == m[0]).unwrap();
+        assert_eq!(json!(format!("v{}", w["latest_version"])), m[1], "{w}");
+    }
+    assert!(
+        moved.iter().any(|m| m[0] == json!(db1.to_string()) && m[1] == json!(format!("v{}", version + 1)))
+    );
+    browser.goto(&format!("{base}/drafts/pgbouncer"));
+    browser.wait_for("committed");
+    assert!(browser.all("form.promote").is_empty(), "a committed draft offers no commit");
+}

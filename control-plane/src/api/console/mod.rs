@@ -29,9 +29,12 @@ use super::extract::Path;
 use crate::audit::{self, AuditFilter};
 use crate::error::Error;
 use crate::flows::{self, Grouping, RollupFilter, RollupRow};
+use crate::foresight::drafts::{self, DraftSummary, DraftView};
+use crate::foresight::policy_tests::RunReport;
 use crate::gate::{self, Params, Promotion, Scope, Verdict};
 use crate::identity::operators::{Refused, Role};
 use crate::page::PageRequest;
+use crate::policy::authoring::{self, Expensive};
 use crate::policy::store::{self, WorkloadFilter, WorkloadRow, WorkloadView};
 
 /// Scripts, styles and images only from this origin, no plugins, no framing, forms only here.
@@ -60,6 +63,15 @@ pub fn router(state: ApiState) -> Router<ApiState> {
         .route("/flows/export.csv", get(flows_csv))
         .route("/flows/export.json", get(flows_json))
         .route("/map", get(map_page))
+        .route("/policy", get(policy_page))
+        // A change file may be as large as the CLI reads one (form encoding triples it at most).
+        .route(
+            "/drafts",
+            post(new_draft)
+                .layer(axum::extract::DefaultBodyLimit::max(3 * drafts::MAX_CHANGE_FILE as usize + 4096)),
+        )
+        .route("/drafts/{name}", get(draft_page))
+        .route("/drafts/{name}/commit", post(commit_draft))
         .route(
             "/assets/console.css",
             get(|| async { ([(header::CONTENT_TYPE, "text/css; charset=utf-8")], STYLE) }),
@@ -301,16 +313,18 @@ struct FleetQuery {
     cursor: Option<String>,
 }
 
-/// The query string of a page link: each value percent-encoded.
+/// `text` percent-encoded for a path segment or a query value.
+fn encode(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            true => (b as char).to_string(),
+            false => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// A page link: `path` and the non-empty `pairs` as its query, each value percent-encoded.
 fn link(path: &str, pairs: &[(&str, &str)]) -> String {
-    let encode = |text: &str| -> String {
-        text.bytes()
-            .map(|b| match b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-                true => (b as char).to_string(),
-                false => format!("%{b:02X}"),
-            })
-            .collect()
-    };
     let query: Vec<String> =
         pairs.iter().filter(|(_, v)| !v.is_empty()).map(|(k, v)| format!("{k}={}", encode(v))).collect();
     match query.is_empty() {
@@ -1184,5 +1198,279 @@ async fn map_page(
         }
     }
     page.edges = edges.iter().map(|e| Linked { href: href(e), edge: e.clone(), path: () }).collect();
+    Ok(html(&page))
+}
+
+// ---- policy and drafts -------------------------------------------------------------------
+
+/// The range a draft's page replays recorded flows over.
+const DRAFT_IMPACT_SINCE: &str = "7d";
+/// Rows of each kind a draft's impact names per workload.
+const DRAFT_IMPACT_TOP: usize = 5;
+
+struct RulesetLine {
+    spec: crate::policy::spec::RulesetSpec,
+    version: i64,
+    scope: String,
+}
+
+#[derive(Template)]
+#[template(path = "policy.html")]
+struct PolicyPage {
+    who: Option<Who>,
+    drafts: Vec<DraftSummary>,
+    rulesets: Vec<RulesetLine>,
+    services: Vec<store::ServiceView>,
+    groups: Vec<store::AddressGroupView>,
+    may_edit: bool,
+    csrf: String,
+}
+
+/// The authored model (rulesets, services, address groups) and the drafts, with the form that
+/// starts one for editors.
+async fn policy_page(State(state): State<ApiState>, headers: HeaderMap) -> Result<Response, Failure> {
+    let session = signed(&state, &headers).await?;
+    let mut conn = state.pool.acquire().await.map_err(Error::from)?;
+    let rulesets = store::list_rulesets(&mut conn)
+        .await?
+        .into_iter()
+        .map(|r| RulesetLine {
+            scope: r
+                .spec
+                .scope
+                .iter()
+                .map(|(k, vs)| format!("{k} in ({})", vs.join(", ")))
+                .collect::<Vec<_>>()
+                .join(" and "),
+            version: r.version,
+            spec: r.spec,
+        })
+        .collect();
+    let page = PolicyPage {
+        who: Some(Who::from(&session)),
+        drafts: drafts::list(&state.pool).await?,
+        rulesets,
+        services: store::list_services(&mut conn).await?,
+        groups: store::list_address_groups(&mut conn).await?,
+        may_edit: session.operator.role.allows(Role::Editor),
+        csrf: session.csrf.clone(),
+    };
+    Ok(html(&page))
+}
+
+#[derive(Deserialize)]
+struct NewDraftForm {
+    csrf: String,
+    name: String,
+    #[serde(default)]
+    note: String,
+    #[serde(default)]
+    changes: String,
+}
+
+/// A new draft (editor) with the changes of its change file, parsed before anything is
+/// written: `drafts::create`, then `drafts::add`, as `draft create` and `draft add -f`.
+async fn new_draft(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+    Form(form): Form<NewDraftForm>,
+) -> Result<Response, Failure> {
+    let session = writer(&state, &headers, Role::Editor, &form.csrf).await?;
+    let actor = session.operator.actor();
+    let file = match form.changes.trim().is_empty() {
+        true => None,
+        false => Some(drafts::parse_change_file("the change file", &form.changes)?),
+    };
+    drafts::create(&state.pool, &actor, &form.name, &form.note).await?;
+    if let Some(file) = file {
+        drafts::add(&state.pool, &actor, &form.name, &file, &state.limits.counts).await?;
+    }
+    Ok(Redirect::to(&format!("/drafts/{}", encode(&form.name))).into_response())
+}
+
+/// One workload's impact as the draft page shows it.
+struct ImpactLine {
+    id: String,
+    hostname: String,
+    from: u64,
+    to: u64,
+    delta: usize,
+    newly_blocked: u64,
+    blocked_connections: u64,
+    newly_allowed: u64,
+    unchanged: u64,
+    coverage: String,
+    top_blocked: Vec<String>,
+}
+
+struct ImpactView {
+    blockers: Vec<String>,
+    rows: Vec<ImpactLine>,
+}
+
+#[derive(Template)]
+#[template(path = "draft.html")]
+struct DraftPage {
+    who: Option<Who>,
+    d: DraftView,
+    error: Option<String>,
+    impact: Option<ImpactView>,
+    since: &'static str,
+    tests: Option<RunReport>,
+    may_commit: bool,
+    csrf: String,
+}
+
+/// A draft: its changes with their bases; for an open draft, what a commit now would do (the
+/// render's versions and deltas, its blockers, the recorded flows it would newly block or
+/// allow over [`DRAFT_IMPACT_SINCE`]) and every policy test's result on its render. Each of
+/// the two previews is an expensive operation, bounded as the API bounds it.
+async fn draft_page(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+) -> Result<Response, Failure> {
+    let session = signed(&state, &headers).await?;
+    let actor = session.operator.actor();
+    let d = drafts::show(&state.pool, &name).await?;
+    let mut page = DraftPage {
+        who: Some(Who::from(&session)),
+        error: None,
+        impact: None,
+        since: DRAFT_IMPACT_SINCE,
+        tests: None,
+        may_commit: d.committed_at.is_none() && session.operator.role.allows(Role::Editor),
+        csrf: session.csrf.clone(),
+        d,
+    };
+    if page.d.committed_at.is_some() || page.d.changes.is_empty() {
+        return Ok(html(&page));
+    }
+    let since = humantime::parse_duration(DRAFT_IMPACT_SINCE).expect("a fixed duration");
+    let range = crate::foresight::Range::ending_at(chrono::Utc::now(), since)?;
+    let counts = &state.limits.counts;
+    let preview = async {
+        authoring::charge_expensive(&state.pool, Expensive::Render, &actor, &state.limits.expensive).await?;
+        let (render, impact) =
+            drafts::impact(&state.pool, &actor, &name, counts, range, DRAFT_IMPACT_TOP).await?;
+        authoring::charge_expensive(&state.pool, Expensive::Render, &actor, &state.limits.expensive).await?;
+        let tests = drafts::run_tests(&state.pool, &actor, &name, counts).await?;
+        Ok::<_, Error>((render, impact, tests))
+    };
+    match preview.await {
+        Ok((render, impact, tests)) => {
+            let hosts: std::collections::BTreeMap<String, (String, u64, u64, String)> = impact
+                .workloads
+                .iter()
+                .map(|w| {
+                    let coverage = format!("{:.0}%", w.coverage.ratio * 100.0);
+                    (
+                        w.id.to_string(),
+                        (w.hostname.clone(), w.replayed.newly_allowed, w.replayed.unchanged, coverage),
+                    )
+                })
+                .collect();
+            let blocked: std::collections::BTreeMap<String, &crate::foresight::WorkloadImpact> =
+                impact.workloads.iter().map(|w| (w.id.to_string(), w)).collect();
+            let rows = render
+                .workloads
+                .iter()
+                .map(|r| {
+                    let id = r.workload.to_string();
+                    let w = blocked.get(&id);
+                    let (hostname, newly_allowed, unchanged, coverage) =
+                        hosts.get(&id).cloned().unwrap_or_else(|| (id.clone(), 0, 0, "-".into()));
+                    ImpactLine {
+                        hostname,
+                        from: r.from_version,
+                        to: r.to_version,
+                        delta: r.delta_changes,
+                        newly_blocked: w.map_or(0, |w| w.replayed.newly_blocked),
+                        blocked_connections: w.map_or(0, |w| w.replayed.blocked_connections),
+                        newly_allowed,
+                        unchanged,
+                        coverage,
+                        top_blocked: w.map_or_else(Vec::new, |w| {
+                            w.replayed
+                                .top_blocked
+                                .iter()
+                                .map(|b| {
+                                    format!(
+                                        "{} → {}/{} ({} conns)",
+                                        b.src_address, b.protocol, b.dst_port, b.connections
+                                    )
+                                })
+                                .collect()
+                        }),
+                        id,
+                    }
+                })
+                .collect();
+            page.impact = Some(ImpactView { blockers: render.blockers, rows });
+            page.tests = Some(tests);
+        }
+        Err(e)
+            if matches!(
+                e.kind(),
+                crate::error::Kind::Invalid | crate::error::Kind::RateLimited | crate::error::Kind::Stale
+            ) =>
+        {
+            page.error = Some(e.to_string())
+        }
+        Err(e) => return Err(e.into()),
+    }
+    Ok(html(&page))
+}
+
+#[derive(Deserialize)]
+struct CommitForm {
+    csrf: String,
+    expect_version: i64,
+}
+
+#[derive(Template)]
+#[template(path = "committed.html")]
+struct CommittedPage {
+    who: Option<Who>,
+    draft: String,
+    changes: usize,
+    promotions: Vec<uuid::Uuid>,
+    moved: Vec<(String, String, u64)>,
+}
+
+/// Commits the draft at the version the page showed (editor): `drafts::commit`, as `draft
+/// commit --expect-version`; the page names each workload's new version.
+async fn commit_draft(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+    Form(form): Form<CommitForm>,
+) -> Result<Response, Failure> {
+    let session = writer(&state, &headers, Role::Editor, &form.csrf).await?;
+    let done = drafts::commit(
+        &state.pool,
+        &session.operator.actor(),
+        &name,
+        form.expect_version,
+        &state.limits.counts,
+    )
+    .await?;
+    let ids: Vec<uuid::Uuid> = done.changed.iter().map(|c| c.workload.uuid()).collect();
+    let hosts = store::hostnames(&mut *state.pool.acquire().await.map_err(Error::from)?, &ids).await?;
+    let moved = done
+        .changed
+        .iter()
+        .map(|c| {
+            let id = c.workload.uuid();
+            (id.to_string(), hosts.get(&id).cloned().unwrap_or_else(|| id.to_string()), c.version)
+        })
+        .collect();
+    let page = CommittedPage {
+        who: Some(Who::from(&session)),
+        draft: done.value.draft,
+        changes: done.value.changes,
+        promotions: done.value.promotions,
+        moved,
+    };
     Ok(html(&page))
 }
