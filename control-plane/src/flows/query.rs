@@ -184,3 +184,30 @@ pub async fn gaps(
         ])
     }))
 }
+
+/// What the windows of `ids` that started since `since` say, per workload: the records decided
+/// would-block or blocked, and the evidence gaps (the fleet page's attention columns).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WindowTotals {
+    pub blocking_records: i64,
+    pub gaps: i64,
+}
+
+pub async fn window_totals(
+    pool: &PgPool,
+    ids: &[Uuid],
+    since: DateTime<Utc>,
+) -> Result<std::collections::BTreeMap<Uuid, WindowTotals>, Error> {
+    let rows: Vec<(Uuid, i64, i64)> = sqlx::query_as(
+        "SELECT workload_id, sum(would_block_records + blocked_records)::bigint, sum(gap_count)::bigint
+           FROM flow_windows WHERE workload_id = ANY($1) AND window_start >= $2 GROUP BY workload_id",
+    )
+    .bind(ids)
+    .bind(since)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(id, blocking_records, gaps)| (id, WindowTotals { blocking_records, gaps }))
+        .collect())
+}

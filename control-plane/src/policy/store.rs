@@ -1154,10 +1154,16 @@ pub struct WorkloadRow {
     pub label_version: i64,
     /// `PENDING`, `SYNCED`, `DEGRADED`, `OFFLINE` or `SUSPENDED`.
     pub sync_state: String,
+    /// Why it is in that state (`shown::DETAIL`).
+    #[serde(default)]
+    pub sync_detail: String,
     pub applied_version: i64,
     /// The latest rendered version (absent: never rendered).
     pub latest_version: Option<i64>,
     pub last_seen_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// When its certificate expires (absent: never issued one).
+    #[serde(default)]
+    pub credential_expires_at: Option<chrono::DateTime<chrono::Utc>>,
     pub retired: bool,
     pub denied: bool,
     /// Every address it reported, with its standing.
@@ -1180,8 +1186,8 @@ pub async fn workload_page(
         "SELECT * FROM (SELECT w.id, w.hostname, w.mode, w.label_version, ",
     );
     // The state as shown (`shown`): the filter and the attention order see it too.
-    q.push(crate::shown::STATE).push(
-        " AS sync_state, w.applied_version,
+    q.push(crate::shown::STATE).push(" AS sync_state, ").push(crate::shown::DETAIL).push(
+        " AS sync_detail, w.applied_version, w.credential_expires_at,
                 p.version AS latest_version, w.last_seen_at, w.retired_at IS NOT NULL AS retired,
                 w.denied_at IS NOT NULL AS denied,
                 coalesce(array_position(",
@@ -1248,9 +1254,11 @@ pub async fn workload_page(
                 labels: labels.remove(&id).unwrap_or_default(),
                 label_version: row.get("label_version"),
                 sync_state: state.name().to_owned(),
+                sync_detail: row.get("sync_detail"),
                 applied_version: row.get("applied_version"),
                 latest_version: row.get("latest_version"),
                 last_seen_at: row.get("last_seen_at"),
+                credential_expires_at: row.get("credential_expires_at"),
                 retired: row.get("retired"),
                 denied: row.get("denied"),
                 addresses: addresses.remove(&id).unwrap_or_default(),

@@ -73,6 +73,30 @@ async fn console_signin_and_roles() {
     }
     assert!(text.contains("vera · viewer"), "{text}");
     browser.screenshot(&screenshots().join("fleet-viewer.png"));
+    // The table follows the fleet while the page is open: a label change made elsewhere shows
+    // without a reload.
+    browser.script("window.stayed = true;", json!([]));
+    let api: uuid::Uuid = sqlx::query_scalar("SELECT id FROM workloads WHERE hostname = 'api-1'")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    let api = WorkloadId::from_uuid(api).unwrap();
+    innerwall_control_plane::operations::change_labels(
+        pool,
+        "cli:test",
+        api,
+        1,
+        &["env=staging".parse().unwrap()],
+        &[],
+    )
+    .await
+    .unwrap();
+    browser.wait_for("env=staging");
+    assert_eq!(
+        browser.script("return window.stayed === true;", json!([])),
+        json!(true),
+        "the page was reloaded"
+    );
     let writes = |b: &Browser| b.all("form[method=post]:not([action='/sign-out'])").len();
     assert_eq!(writes(&browser), 0, "the fleet page offers a viewer a write");
     browser.goto(&format!("{base}/workloads/{web}"));

@@ -37,7 +37,8 @@ async fn hostnames(pool: &PgPool) -> BTreeMap<String, String> {
 }
 
 /// `text` with what differs between two estates made alike by design: a workload id reads as its
-/// hostname, another id (a token's, a promotion's) as `<id>`, a time as `<time>`.
+/// hostname, another id (a token's, a promotion's) as `<id>`, a time as `<time>` (and lists of
+/// such texts compare in order of what they read as).
 fn alike(text: &str, hosts: &BTreeMap<String, String>) -> String {
     if let Some(host) = hosts.get(text) {
         return format!("<{host}>");
@@ -54,7 +55,15 @@ fn alike(text: &str, hosts: &BTreeMap<String, String>) -> String {
 fn alike_json(value: &Value, hosts: &BTreeMap<String, String>) -> Value {
     match value {
         Value::String(text) => Value::String(alike(text, hosts)),
-        Value::Array(items) => Value::Array(items.iter().map(|v| alike_json(v, hosts)).collect()),
+        // A list of workloads is in id order, which differs between the two estates: compare
+        // lists of names as sets.
+        Value::Array(items) => {
+            let mut items: Vec<Value> = items.iter().map(|v| alike_json(v, hosts)).collect();
+            if items.iter().all(Value::is_string) {
+                items.sort_by(|a, b| a.as_str().cmp(&b.as_str()));
+            }
+            Value::Array(items)
+        }
         Value::Object(map) => {
             Value::Object(map.iter().map(|(k, v)| (alike(k, hosts), alike_json(v, hosts))).collect())
         }

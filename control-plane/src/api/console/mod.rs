@@ -35,7 +35,7 @@ use crate::gate::{self, Params, Promotion, Scope, Verdict};
 use crate::identity::operators::{Refused, Role};
 use crate::page::PageRequest;
 use crate::policy::authoring::{self, Expensive};
-use crate::policy::store::{self, WorkloadFilter, WorkloadRow, WorkloadView};
+use crate::policy::store::{self, WorkloadFilter, WorkloadView};
 
 /// Scripts, styles and images only from this origin, no plugins, no framing, forms only here.
 pub const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; \
@@ -45,6 +45,7 @@ const PAGE_ROWS: u32 = 100;
 /// The longest form body read (a label set is the largest).
 const MAX_FORM: usize = 16 * 1024;
 const STYLE: &str = include_str!("../../../assets/console.css");
+const SCRIPT: &str = include_str!("../../../assets/console.js");
 
 /// The console's routes, for the API's router to mount beside its own.
 pub fn router(state: ApiState) -> Router<ApiState> {
@@ -53,6 +54,7 @@ pub fn router(state: ApiState) -> Router<ApiState> {
         .route("/sign-in", get(sign_in_page).post(sign_in))
         .route("/sign-out", post(sign_out))
         .route("/fleet", get(fleet))
+        .route("/fleet/rows", get(fleet_rows))
         .route("/workloads/{id}", get(workload))
         .route("/workloads/{id}/labels", post(set_labels))
         .route("/audit", get(audit_log))
@@ -75,6 +77,10 @@ pub fn router(state: ApiState) -> Router<ApiState> {
         .route(
             "/assets/console.css",
             get(|| async { ([(header::CONTENT_TYPE, "text/css; charset=utf-8")], STYLE) }),
+        )
+        .route(
+            "/assets/console.js",
+            get(|| async { ([(header::CONTENT_TYPE, "text/javascript; charset=utf-8")], SCRIPT) }),
         )
         .layer(axum::extract::DefaultBodyLimit::max(MAX_FORM))
         .layer(middleware::from_fn_with_state(state, guarded))
@@ -297,14 +303,37 @@ async fn sign_out(State(state): State<ApiState>, headers: HeaderMap, Form(form):
 
 // ---- fleet -------------------------------------------------------------------------------
 
+/// One workload as the fleet table shows it.
+struct FleetLine {
+    id: String,
+    hostname: String,
+    state: String,
+    detail: String,
+    mode: String,
+    labels: Vec<String>,
+    versions: String,
+    last_seen: String,
+    expires: String,
+    blocking: i64,
+    gaps: i64,
+}
+
 #[derive(Template)]
 #[template(path = "fleet.html")]
 struct FleetPage {
     who: Option<Who>,
     selector: String,
     error: Option<String>,
-    rows: Vec<WorkloadRow>,
+    rows: Vec<FleetLine>,
     next: Option<String>,
+    refresh: String,
+}
+
+/// The fleet table's rows alone, for the page's refresh.
+#[derive(Template)]
+#[template(path = "fleet_rows.html")]
+struct FleetRows {
+    rows: Vec<FleetLine>,
 }
 
 #[derive(Deserialize)]
@@ -312,6 +341,8 @@ struct FleetQuery {
     selector: Option<String>,
     cursor: Option<String>,
 }
+
+const TIME: &str = "%Y-%m-%d %H:%M:%S";
 
 /// `text` percent-encoded for a path segment or a query value.
 fn encode(text: &str) -> String {
@@ -333,8 +364,65 @@ fn link(path: &str, pairs: &[(&str, &str)]) -> String {
     }
 }
 
+/// A page of the fleet in attention order with each row's last 24 h of evidence (records that
+/// would be or were blocked, gaps), and the link to the next page.
+async fn fleet_lines(
+    state: &ApiState,
+    filter: &WorkloadFilter,
+    text: &str,
+    cursor: Option<String>,
+) -> Result<(Vec<FleetLine>, Option<String>), Error> {
+    let request = PageRequest { limit: PAGE_ROWS, cursor };
+    let page = store::workload_page(&mut *state.pool.acquire().await?, filter, &request).await?;
+    let ids: Vec<uuid::Uuid> = page.rows.iter().filter_map(|w| w.id.parse().ok()).collect();
+    let since = chrono::Utc::now() - chrono::TimeDelta::hours(24);
+    let totals = flows::window_totals(&state.pool, &ids, since).await?;
+    let lines = page
+        .rows
+        .into_iter()
+        .map(|w| {
+            let t = w.id.parse().ok().and_then(|id| totals.get(&id).copied()).unwrap_or_default();
+            let mut mode = w.mode.clone();
+            if w.denied {
+                mode.push_str(" (deny-listed)");
+            } else if w.retired {
+                mode.push_str(" (retired)");
+            }
+            FleetLine {
+                labels: w.labels.iter().map(|(k, v)| format!("{k}={v}")).collect(),
+                versions: format!(
+                    "v{} / {}",
+                    w.applied_version,
+                    w.latest_version.map_or("-".into(), |v| format!("v{v}"))
+                ),
+                last_seen: w.last_seen_at.map_or("never".into(), |t| t.format(TIME).to_string()),
+                expires: w.credential_expires_at.map_or("-".into(), |t| t.format(TIME).to_string()),
+                blocking: t.blocking_records,
+                gaps: t.gaps,
+                id: w.id,
+                hostname: w.hostname,
+                state: w.sync_state,
+                detail: w.sync_detail,
+                mode,
+            }
+        })
+        .collect();
+    let next = page.next_cursor.map(|c| link("/fleet", &[("selector", text), ("cursor", &c)]));
+    Ok((lines, next))
+}
+
+/// The selector of a fleet query, or why it is not one.
+fn fleet_filter(text: &str) -> Result<WorkloadFilter, String> {
+    let mut filter = WorkloadFilter::default();
+    if !text.trim().is_empty() {
+        filter.selector = Some(flows::parse_selector(text).map_err(|e| format!("selector {text:?}: {e}"))?);
+    }
+    Ok(filter)
+}
+
 /// The fleet in attention order (degraded, offline, suspended, pending, synced), a page of
-/// [`PAGE_ROWS`] at a time, filtered by a selector as the CLI writes it.
+/// [`PAGE_ROWS`] at a time, filtered by a selector as the CLI writes it; its table refreshes
+/// from [`fleet_rows`].
 async fn fleet(
     State(state): State<ApiState>,
     headers: HeaderMap,
@@ -342,29 +430,40 @@ async fn fleet(
 ) -> Result<Response, Failure> {
     let session = signed(&state, &headers).await?;
     let text = q.selector.unwrap_or_default();
-    let mut filter = WorkloadFilter::default();
+    let refresh = link(
+        "/fleet/rows",
+        &[("selector", text.as_str()), ("cursor", q.cursor.as_deref().unwrap_or_default())],
+    );
     let mut page = FleetPage {
         who: Some(Who::from(&session)),
         selector: text.clone(),
         error: None,
         rows: Vec::new(),
         next: None,
+        refresh,
     };
-    if !text.trim().is_empty() {
-        match flows::parse_selector(&text) {
-            Ok(selector) => filter.selector = Some(selector),
-            Err(e) => {
-                page.error = Some(format!("selector {text:?}: {e}"));
-                return Ok((StatusCode::BAD_REQUEST, html(&page)).into_response());
-            }
+    let filter = match fleet_filter(&text) {
+        Ok(filter) => filter,
+        Err(why) => {
+            page.error = Some(why);
+            return Ok((StatusCode::BAD_REQUEST, html(&page)).into_response());
         }
-    }
-    let request = PageRequest { limit: PAGE_ROWS, cursor: q.cursor };
-    let mut conn = state.pool.acquire().await.map_err(Error::from)?;
-    let rows = store::workload_page(&mut conn, &filter, &request).await?;
-    page.next = rows.next_cursor.map(|c| link("/fleet", &[("selector", &text), ("cursor", &c)]));
-    page.rows = rows.rows;
+    };
+    (page.rows, page.next) = fleet_lines(&state, &filter, &text, q.cursor).await?;
     Ok(html(&page))
+}
+
+/// The rows of a fleet page, for its refresh.
+async fn fleet_rows(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+    axum::extract::Query(q): axum::extract::Query<FleetQuery>,
+) -> Result<Response, Failure> {
+    signed(&state, &headers).await?;
+    let text = q.selector.unwrap_or_default();
+    let filter = fleet_filter(&text).map_err(Failure::Invalid)?;
+    let (rows, _) = fleet_lines(&state, &filter, &text, q.cursor).await?;
+    Ok(html(&FleetRows { rows }))
 }
 
 // ---- one workload ------------------------------------------------------------------------
