@@ -196,6 +196,26 @@ pub async fn page(
     Ok(page::page(&cursor_key, rows, limit, PROMOTIONS, |p| serde_json::json!([p.at, p.id])))
 }
 
+/// The newest `limit` promotion records that changed `workload`'s mode, newest first.
+pub async fn of_workload(
+    conn: &mut PgConnection,
+    workload: WorkloadId,
+    limit: i64,
+) -> Result<Vec<Promotion>, Error> {
+    sqlx::query(
+        "SELECT id, at, actor, reason, override_reason, to_mode, scope, expected_count, workloads, verdict
+         FROM promotions WHERE workloads @> jsonb_build_array(jsonb_build_object('id', $1::text))
+         ORDER BY at DESC, id LIMIT $2",
+    )
+    .bind(workload.uuid().to_string())
+    .bind(limit)
+    .fetch_all(&mut *conn)
+    .await?
+    .into_iter()
+    .map(promotion)
+    .collect()
+}
+
 /// One promotion record.
 pub async fn show(conn: &mut PgConnection, id: Uuid) -> Result<Promotion, Error> {
     let row = sqlx::query(

@@ -1476,3 +1476,47 @@ pub async fn labels_of(
     }
     Ok(labels)
 }
+
+/// `ruleset/rule` of each authored rule id in `ids` (the prefix of a rendered rule id); an id
+/// no rule has now (deleted since) is left out.
+pub async fn rule_names(conn: &mut PgConnection, ids: &[Uuid]) -> Result<BTreeMap<Uuid, String>, Error> {
+    let rows: Vec<(Uuid, String)> = sqlx::query_as(
+        "SELECT r.id, s.name || '/' || r.name FROM rules r JOIN rulesets s ON s.id = r.ruleset_id WHERE r.id = ANY($1)",
+    )
+    .bind(ids)
+    .fetch_all(&mut *conn)
+    .await?;
+    Ok(rows.into_iter().collect())
+}
+
+/// What each of the newest `count` versions of `id`'s policy changed from the one before it, newest
+/// first: the version, when it was rendered, and the changes of the delta between them (a first
+/// version is all upserts).
+pub async fn version_changes(
+    conn: &mut PgConnection,
+    id: WorkloadId,
+    count: usize,
+) -> Result<Vec<(u64, chrono::DateTime<chrono::Utc>, Vec<innerwall_wire::policy::Change>)>, Error> {
+    let rows = sqlx::query(
+        "SELECT h.version, c.policy, h.rendered_at
+         FROM workload_policy_history h JOIN policy_contents c ON c.digest = h.digest
+         WHERE h.workload_id = $1 ORDER BY h.version DESC LIMIT $2",
+    )
+    .bind(id.uuid())
+    .bind(count as i64 + 1)
+    .fetch_all(&mut *conn)
+    .await?;
+    let versions = rows.iter().map(decode_row).collect::<Result<Vec<_>, Error>>()?;
+    let mut out = Vec::new();
+    for (i, (policy, at)) in versions.iter().enumerate().take(count) {
+        let changes = match versions.get(i + 1) {
+            Some((before, _)) => innerwall_wire::policy::diff(before, policy).changes,
+            None => {
+                let nothing = WorkloadPolicy::new(0, policy.mode(), []).expect("an empty policy is valid");
+                innerwall_wire::policy::diff(&nothing, policy).changes
+            }
+        };
+        out.push((policy.version(), *at, changes));
+    }
+    Ok(out)
+}

@@ -240,6 +240,30 @@ async fn console_flow_map_shows_decisions() {
     browser.wait_for(&rule);
     browser.screenshot(&screenshots().join("flows.png"));
 
+    // The destination's page: its rules by name, what each version changed, its verdict and
+    // the flows of the day with their decisions and version.
+    browser.goto(&format!("{base}/workloads/{db1}"));
+    browser.wait_for("Rendered rules");
+    let names = browser.script(
+        "return [...document.querySelectorAll('table.rules tbody tr')].map(r => [r.cells[0].innerText, r.cells[1].innerText]);",
+        json!([]),
+    );
+    assert!(
+        names.as_array().unwrap().iter().any(|r| r[1] == json!(rule) && r[0].as_str().unwrap().contains('/')),
+        "{names}"
+    );
+    let versions =
+        browser.script("return document.querySelectorAll('table.versions tbody tr').length;", json!([]));
+    assert_eq!(versions, json!(version), "one row per version");
+    let text = browser.text();
+    assert!(text.contains("Verdict over the last 24 h") && text.contains(&format!("v{version}")), "{text}");
+    let decisions = browser.script(
+        "return [...document.querySelectorAll('table.flows tbody tr')].map(r => r.cells[8].innerText).sort();",
+        json!([]),
+    );
+    assert_eq!(decisions, json!(["allowed", "would-block"]), "{text}");
+    browser.screenshot(&screenshots().join("workload.png"));
+
     // The export is the same query, as CSV and JSON; it needs a session too.
     let fetch = "return fetch(arguments[0]).then(r => r.text());";
     let csv = browser.script(fetch, json!(["/flows/export.csv?by=rule-peer&since=24h"]));

@@ -468,6 +468,31 @@ async fn fleet_rows(
 
 // ---- one workload ------------------------------------------------------------------------
 
+/// How many of a workload's versions, promotions, flow groups and gaps its page shows.
+const WORKLOAD_ROWS: usize = 10;
+
+struct RuleLine {
+    id: String,
+    name: String,
+    protocol: String,
+    ports: String,
+    peers: String,
+}
+
+struct VersionLine {
+    version: u64,
+    at: String,
+    changes: Vec<String>,
+}
+
+struct GapLine {
+    kind: String,
+    from: String,
+    to: String,
+    count: i64,
+    detail: String,
+}
+
 #[derive(Template)]
 #[template(path = "workload.html")]
 struct WorkloadPage {
@@ -475,6 +500,13 @@ struct WorkloadPage {
     w: WorkloadView,
     may_label: bool,
     csrf: String,
+    policy: Option<(u64, String)>,
+    rules: Vec<RuleLine>,
+    versions: Vec<VersionLine>,
+    promotions: Vec<Promotion>,
+    verdict: Option<VerdictView>,
+    flows: Vec<FlowLine>,
+    gaps: Vec<GapLine>,
 }
 
 fn workload_id(text: &str) -> Result<WorkloadId, Failure> {
@@ -483,6 +515,40 @@ fn workload_id(text: &str) -> Result<WorkloadId, Failure> {
     })
 }
 
+/// A change of a delta in words, rules by their authored names.
+fn describe(
+    change: &innerwall_wire::policy::Change,
+    names: &std::collections::BTreeMap<String, String>,
+) -> String {
+    use innerwall_wire::policy::Change;
+    let name = |id: &innerwall_wire::policy::RuleId| {
+        let authored = names.get(id.authored()).cloned().unwrap_or_else(|| id.authored().to_owned());
+        format!("{authored} ({})", id.protocol())
+    };
+    match change {
+        Change::UpsertRule(rule) => format!("rule {} set: {} peer(s)", name(rule.id()), rule.peers().len()),
+        Change::RemoveRule(id) => format!("rule {} removed", name(id)),
+        Change::AddPeers { rule, peers } => {
+            format!(
+                "rule {} admits {}",
+                name(rule),
+                peers.iter().map(|c| c.text()).collect::<Vec<_>>().join(", ")
+            )
+        }
+        Change::RemovePeers { rule, peers } => {
+            format!(
+                "rule {} no longer admits {}",
+                name(rule),
+                peers.iter().map(|c| c.text()).collect::<Vec<_>>().join(", ")
+            )
+        }
+        Change::SetMode(mode) => format!("mode {mode}"),
+    }
+}
+
+/// One workload: its labels and addresses with their standing, the rendered rules by name, what
+/// each of its newest versions changed, the promotions that changed its mode, its verdict and
+/// its flows and gaps over the last 24 h.
 async fn workload(
     State(state): State<ApiState>,
     headers: HeaderMap,
@@ -490,9 +556,105 @@ async fn workload(
 ) -> Result<Response, Failure> {
     let session = signed(&state, &headers).await?;
     let id = workload_id(&id)?;
-    let w = store::workload_view(&mut *state.pool.acquire().await.map_err(Error::from)?, id).await?;
+    let mut conn = state.pool.acquire().await.map_err(Error::from)?;
+    let w = store::workload_view(&mut conn, id).await?;
+    let policy = match w.policy_version {
+        Some(_) => Some(store::policy_view(&mut conn, id).await?),
+        None => None,
+    };
+    let history = store::version_changes(&mut conn, id, WORKLOAD_ROWS).await?;
+    let mut authored: Vec<uuid::Uuid> = Vec::new();
+    for rule in policy.iter().flat_map(|p| &p.rules) {
+        authored.extend(rule.rule_id.rsplit_once('/').and_then(|(a, _)| a.parse::<uuid::Uuid>().ok()));
+    }
+    for (_, _, changes) in &history {
+        for change in changes {
+            use innerwall_wire::policy::Change;
+            let rule = match change {
+                Change::UpsertRule(r) => Some(r.id()),
+                Change::RemoveRule(id)
+                | Change::AddPeers { rule: id, .. }
+                | Change::RemovePeers { rule: id, .. } => Some(id),
+                Change::SetMode(_) => None,
+            };
+            authored.extend(rule.and_then(|r| r.authored().parse::<uuid::Uuid>().ok()));
+        }
+    }
+    let names: std::collections::BTreeMap<String, String> =
+        store::rule_names(&mut conn, &authored).await?.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+    let rules = policy
+        .iter()
+        .flat_map(|p| &p.rules)
+        .map(|r| {
+            let authored = r.rule_id.rsplit_once('/').map_or(r.rule_id.as_str(), |(a, _)| a);
+            RuleLine {
+                name: names.get(authored).cloned().unwrap_or_else(|| "(authored rule deleted since)".into()),
+                id: r.rule_id.clone(),
+                protocol: r.protocol.clone(),
+                ports: r.ports.join(", "),
+                peers: r.peers.join(" "),
+            }
+        })
+        .collect();
+    let versions = history
+        .iter()
+        .map(|(version, at, changes)| VersionLine {
+            version: *version,
+            at: at.format(TIME).to_string(),
+            changes: changes.iter().map(|c| describe(c, &names)).collect(),
+        })
+        .collect();
+    let promotions = gate::promote::of_workload(&mut conn, id, WORKLOAD_ROWS as i64).await?;
+    drop(conn);
+    let day = chrono::Utc::now().timestamp_millis();
+    let params = Params::ending_at(
+        day,
+        std::time::Duration::from_secs(86_400),
+        std::time::Duration::from_secs(86_400),
+    )?;
+    let verdict = gate::judge(&state.pool, &Scope::ids(vec![id])?, &params).await?;
+    let at = |ms| chrono::DateTime::from_timestamp_millis(ms).unwrap_or(chrono::DateTime::UNIX_EPOCH);
+    let filter = RollupFilter::range(at(params.from_ms), at(params.to_ms)).within([id].into());
+    let rows = flows::rollup(
+        &state.pool,
+        Grouping::RulePeer,
+        &filter,
+        &PageRequest { limit: WORKLOAD_ROWS as u32, cursor: None },
+    )
+    .await?;
+    let hosts = std::collections::BTreeMap::new();
+    let flows = rows.rows.iter().map(|r| flow_line(Grouping::RulePeer, r, &hosts)).collect();
+    let gaps = flows::gaps(
+        &state.pool,
+        Some(id),
+        at(params.from_ms),
+        &PageRequest { limit: WORKLOAD_ROWS as u32, cursor: None },
+    )
+    .await?
+    .rows
+    .into_iter()
+    .map(|g| GapLine {
+        kind: innerwall_wire::flows::GapKind::from_code(g.kind).map_or("?".into(), |k| k.to_string()),
+        from: g.gap_from.format(TIME).to_string(),
+        to: g.gap_to.format(TIME).to_string(),
+        count: g.count,
+        detail: g.detail,
+    })
+    .collect();
     let may_label = session.operator.role.allows(Role::Editor);
-    Ok(html(&WorkloadPage { who: Some(Who::from(&session)), csrf: session.csrf.clone(), w, may_label }))
+    Ok(html(&WorkloadPage {
+        who: Some(Who::from(&session)),
+        csrf: session.csrf.clone(),
+        may_label,
+        policy: policy.map(|p| (p.version, p.mode)),
+        rules,
+        versions,
+        promotions,
+        verdict: Some(VerdictView::from(&verdict)),
+        flows,
+        gaps,
+        w,
+    }))
 }
 
 #[derive(Deserialize)]
