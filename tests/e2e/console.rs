@@ -1,8 +1,9 @@
 //! The console's review page end to end (issue 29): agents running the real sync loop deliver
-//! evidence through the real ingest; a promoter reads the verdict in headless Chromium, sees it
-//! go from UNSAFE to SAFE as the evidence changes, and promotes from the page with the count it
-//! showed; a workload joining the scope between viewing and clicking refuses the promotion
-//! (match-count-mismatch on the page) and changes nothing.
+//! evidence through the real ingest; a promoter reads the verdict in headless Chromium, accepts
+//! the suggested rule for the blocked peer into a draft and commits it from the page, sees the
+//! verdict go from UNSAFE to SAFE on the evidence that follows, and promotes from the page with
+//! the count it showed; a workload joining the scope between viewing and clicking refuses the
+//! promotion (match-count-mismatch on the page) and changes nothing.
 
 use std::time::Duration;
 
@@ -80,8 +81,33 @@ async fn console_promotion_pins_the_count() {
     assert!(browser.text().contains(BATCH), "the reasons name the blocked peer:\n{}", browser.text());
     browser.screenshot(&screenshots().join("review-unsafe.png"));
 
-    // The fix and evidence under it: SAFE.
-    allow_db_from(&plane, "batch").await;
+    // The fix, from the evidence: the suggested rule for batch, accepted into a draft from the
+    // page, the draft's impact read, and committed; then evidence under it: SAFE.
+    browser.click(&browser.one("a[href^='/suggestions']"));
+    browser.wait_for("Suggested rules");
+    browser.goto(&format!("{url}/suggestions?scope=app%3Ddb&since=2d"));
+    browser.wait_for("Accept the checked ones");
+    let rows = browser.script(
+        "return [...document.querySelectorAll('table.suggestions tbody tr')].filter(r => r.cells.length > 2).map(r => [r.cells[1].innerText, r.cells[5].innerText]);",
+        serde_json::json!([]),
+    );
+    let batch = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r[1] == "app=batch,team=data")
+        .unwrap_or_else(|| panic!("no suggestion for batch: {rows}"));
+    let id = batch[0].as_str().unwrap();
+    browser.click(&browser.one(&format!("input[name=ids][value='{id}']")));
+    let draft = browser.one("#draft");
+    browser.clear(&draft);
+    browser.type_into(&draft, "batch-to-db");
+    browser.click(&browser.one("form.accept button"));
+    browser.wait_for("What a commit now would do");
+    assert!(browser.text().contains("A commit now would pass"), "{}", browser.text());
+    browser.screenshot(&screenshots().join("suggested-draft.png"));
+    browser.click(&browser.one("form.promote button"));
+    browser.wait_for("Versions moved");
     synced(&plane, &[&a, &b]).await;
     for host in [&a, &b] {
         host.deliver(base + 10 * SECOND, base + 15 * SECOND, &[WEB, BATCH], &[]).await;

@@ -36,6 +36,7 @@ use crate::identity::operators::{Refused, Role};
 use crate::page::PageRequest;
 use crate::policy::authoring::{self, Expensive};
 use crate::policy::store::{self, WorkloadFilter, WorkloadView};
+use crate::suggest;
 
 /// Scripts, styles and images only from this origin, no plugins, no framing, forms only here.
 pub const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; \
@@ -74,6 +75,8 @@ pub fn router(state: ApiState) -> Router<ApiState> {
         )
         .route("/drafts/{name}", get(draft_page))
         .route("/drafts/{name}/commit", post(commit_draft))
+        .route("/suggestions", get(suggestions_page))
+        .route("/suggestions/accept", post(accept_suggestions))
         .route(
             "/assets/console.css",
             get(|| async { ([(header::CONTENT_TYPE, "text/css; charset=utf-8")], STYLE) }),
@@ -816,6 +819,8 @@ struct ReviewPage {
     verdict: Option<VerdictView>,
     may_promote: bool,
     csrf: String,
+    /// The scope's suggested rules.
+    suggest: String,
 }
 
 #[derive(Deserialize)]
@@ -863,10 +868,12 @@ async fn review(
         verdict: None,
         may_promote: session.operator.role.allows(Role::Promoter),
         csrf: session.csrf.clone(),
+        suggest: String::new(),
     };
     if page.scope.trim().is_empty() {
         return Ok(html(&page));
     }
+    page.suggest = link("/suggestions", &[("scope", page.scope.as_str())]);
     let judged = match (Scope::parse_selector(&page.scope), evidence(&page.since, &page.min, &page.until)) {
         (Ok(scope), Ok(params)) => gate::judge(&state.pool, &scope, &params).await,
         (Err(e), _) => Err(e),
@@ -1734,4 +1741,152 @@ async fn commit_draft(
         moved,
     };
     Ok(html(&page))
+}
+
+// ---- suggestions -------------------------------------------------------------------------
+
+/// One suggestion as its table shows it.
+struct SuggestionLine {
+    id: String,
+    acceptable: bool,
+    state: String,
+    to: String,
+    port: String,
+    from: String,
+    service: String,
+    volume: String,
+    sources: usize,
+    days: String,
+    coverage: String,
+    rule_coverage: String,
+    note: String,
+}
+
+#[derive(Template)]
+#[template(path = "suggestions.html")]
+struct SuggestionsPage {
+    who: Option<Who>,
+    scope: String,
+    since: String,
+    error: Option<String>,
+    found: Option<Vec<SuggestionLine>>,
+    may_accept: bool,
+    csrf: String,
+}
+
+#[derive(Deserialize)]
+struct SuggestionsQuery {
+    #[serde(default)]
+    scope: String,
+    #[serde(default)]
+    since: String,
+}
+
+fn suggestion_line(s: &suggest::Suggestion) -> SuggestionLine {
+    let e = &s.evidence;
+    let (state, mut note) = match &s.state {
+        suggest::State::Learning { reason } => ("learning".to_owned(), reason.clone()),
+        suggest::State::Stable => ("stable".to_owned(), String::new()),
+        suggest::State::Accepted { draft } => (format!("accepted ({draft})"), String::new()),
+    };
+    if !s.new_since_ignored.is_empty() {
+        note = format!("was ignored; new since: {}", s.new_since_ignored.join(", "));
+    }
+    SuggestionLine {
+        id: s.id.clone(),
+        acceptable: s.is_rule() && !matches!(s.state, suggest::State::Accepted { .. }),
+        state,
+        to: suggest::group_text(&s.group),
+        port: format!("{}/{}", s.protocol, s.port),
+        from: match &s.peer {
+            suggest::SuggestedPeer::Workloads(labels) => suggest::group_text(labels),
+            suggest::SuggestedPeer::AddressGroup(g) => format!("group {g}"),
+            suggest::SuggestedPeer::Cidrs(c) => c.join(" "),
+            suggest::SuggestedPeer::NeedsAddressGroup { addresses } => {
+                format!("needs an address group ({addresses} addresses)")
+            }
+        },
+        service: format!("{}{}", s.service.name, if s.service.exists { "" } else { " (new)" }),
+        volume: format!("{}/{}", e.connections, e.flows),
+        sources: e.sources.len(),
+        days: format!("{} of {}", e.days_seen, e.days_in_range),
+        coverage: format!("{:.0}%", e.coverage * 100.0),
+        rule_coverage: format!(
+            "{:.0}% → {:.0}%",
+            e.rule_coverage_before * 100.0,
+            e.rule_coverage_after * 100.0
+        ),
+        note,
+    }
+}
+
+/// Suggested rules for a scope (`suggest::run`, as `innerwall suggest` and `GET
+/// /api/v1/suggestions`, charged as one expensive operation), with the form that accepts the
+/// checked ones into a draft for editors.
+async fn suggestions_page(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+    axum::extract::Query(q): axum::extract::Query<SuggestionsQuery>,
+) -> Result<Response, Failure> {
+    let session = signed(&state, &headers).await?;
+    let mut page = SuggestionsPage {
+        who: Some(Who::from(&session)),
+        since: if q.since.trim().is_empty() { "14d".into() } else { q.since.clone() },
+        scope: q.scope,
+        error: None,
+        found: None,
+        may_accept: session.operator.role.allows(Role::Editor),
+        csrf: session.csrf.clone(),
+    };
+    if page.scope.trim().is_empty() {
+        return Ok(html(&page));
+    }
+    let run = async {
+        let since = humantime::parse_duration(page.since.trim())
+            .map_err(|e| Error::Invalid(format!("since {:?}: {e} (write e.g. 14d)", page.since)))?;
+        let request = suggest::Request {
+            scope: page.scope.clone(),
+            range: suggest::range_since(chrono::Utc::now(), since)?,
+            excluded_keys: Default::default(),
+            max_breadth: suggest::DEFAULT_MAX_BREADTH,
+        };
+        request.check()?;
+        authoring::charge_expensive(
+            &state.pool,
+            Expensive::Render,
+            &session.operator.actor(),
+            &state.limits.expensive,
+        )
+        .await?;
+        suggest::run(&state.pool, &request).await
+    };
+    match run.await {
+        Ok(found) => page.found = Some(found.suggestions.iter().map(suggestion_line).collect()),
+        Err(e) if matches!(e.kind(), crate::error::Kind::Invalid | crate::error::Kind::RateLimited) => {
+            page.error = Some(e.to_string());
+            return Ok((StatusCode::BAD_REQUEST, html(&page)).into_response());
+        }
+        Err(e) => return Err(e.into()),
+    }
+    Ok(html(&page))
+}
+
+/// The checked suggestions into a draft (editor): `suggest::accept`, as `innerwall suggest
+/// accept … --into-draft`; then the draft's page, which shows their impact.
+async fn accept_suggestions(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+    // Repeated `ids` fields: the form as its pairs.
+    Form(pairs): Form<Vec<(String, String)>>,
+) -> Result<Response, Failure> {
+    let field =
+        |name: &str| pairs.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone()).unwrap_or_default();
+    let session = writer(&state, &headers, Role::Editor, &field("csrf")).await?;
+    let ids: Vec<String> = pairs.iter().filter(|(k, _)| k == "ids").map(|(_, v)| v.clone()).collect();
+    if ids.is_empty() {
+        return Err(Failure::Invalid("check at least one suggestion to accept".into()));
+    }
+    let draft = field("draft");
+    suggest::accept(&state.pool, &session.operator.actor(), &ids, &draft, &state.limits.counts).await?;
+    Ok(Redirect::to(&format!("/drafts/{}", encode(&draft))).into_response())
 }
