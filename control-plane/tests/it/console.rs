@@ -104,6 +104,12 @@ async fn console_signin_and_roles() {
     assert_eq!(writes(&browser), 0, "the workload page offers a viewer a write");
     browser.goto(&format!("{base}/audit"));
     assert!(browser.text().contains("console.sign-in"), "{}", browser.text());
+    browser.goto(&format!("{base}/audit?action=console.sign-in&since=1h"));
+    let actions = browser.script(
+        "return [...document.querySelectorAll('table.audit tbody tr')].map(r => r.cells[2].innerText);",
+        json!([]),
+    );
+    assert_eq!(actions, json!(["console.sign-in"]), "the filter keeps the one sign-in");
 
     // Nothing the pages loaded came from another origin.
     let loaded =

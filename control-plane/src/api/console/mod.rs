@@ -709,26 +709,71 @@ struct AuditLine {
 #[template(path = "audit.html")]
 struct AuditPage {
     who: Option<Who>,
+    q: AuditQuery,
+    error: Option<String>,
     rows: Vec<AuditLine>,
     next: Option<String>,
+    promotions: Vec<Promotion>,
 }
 
-#[derive(Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize)]
 struct AuditQuery {
+    #[serde(default)]
+    actor: String,
+    #[serde(default)]
+    action: String,
+    #[serde(default)]
+    object: String,
+    #[serde(default)]
+    since: String,
     cursor: Option<String>,
 }
 
-/// The audit log, newest first, a page at a time.
+/// The audit log, newest first, a page at a time, filtered as `audit list` filters it (exact
+/// actor, action and object; a range back from now); and the newest promotion records.
 async fn audit_log(
     State(state): State<ApiState>,
     headers: HeaderMap,
     axum::extract::Query(q): axum::extract::Query<AuditQuery>,
 ) -> Result<Response, Failure> {
     let session = signed(&state, &headers).await?;
-    let request = PageRequest { limit: PAGE_ROWS, cursor: q.cursor };
+    let some = |text: &str| Some(text.trim().to_owned()).filter(|t| !t.is_empty());
+    let mut page = AuditPage {
+        who: Some(Who::from(&session)),
+        q: q.clone(),
+        error: None,
+        rows: Vec::new(),
+        next: None,
+        promotions: Vec::new(),
+    };
+    let since = match q.since.trim() {
+        "" => Ok(None),
+        text => humantime::parse_duration(text)
+            .map(|d| {
+                Some(chrono::Utc::now() - chrono::TimeDelta::from_std(d).unwrap_or(chrono::TimeDelta::MAX))
+            })
+            .map_err(|e| format!("since {text:?}: {e} (write e.g. 24h, 7d)")),
+    };
+    let filter = match since {
+        Ok(since) => {
+            AuditFilter { actor: some(&q.actor), action: some(&q.action), object: some(&q.object), since }
+        }
+        Err(why) => {
+            page.error = Some(why);
+            return Ok((StatusCode::BAD_REQUEST, html(&page)).into_response());
+        }
+    };
+    let request = PageRequest { limit: PAGE_ROWS, cursor: q.cursor.clone() };
     let mut conn = state.pool.acquire().await.map_err(Error::from)?;
-    let page = audit::page(&mut conn, &AuditFilter::default(), &request).await?;
-    let rows = page
+    let found = match audit::page(&mut conn, &filter, &request).await {
+        Ok(found) => found,
+        Err(e) if e.kind() == crate::error::Kind::Invalid => {
+            page.error = Some(e.to_string());
+            return Ok((StatusCode::BAD_REQUEST, html(&page)).into_response());
+        }
+        Err(e) => return Err(e.into()),
+    };
+    page.rows = found
         .rows
         .into_iter()
         .map(|r| AuditLine {
@@ -739,8 +784,18 @@ async fn audit_log(
             subject: r.subject,
         })
         .collect();
-    let next = page.next_cursor.map(|c| link("/audit", &[("cursor", &c)]));
-    Ok(html(&AuditPage { who: Some(Who::from(&session)), rows, next }))
+    page.next = found.next_cursor.map(|c| {
+        let pairs = [
+            ("actor", q.actor.as_str()),
+            ("action", &q.action),
+            ("object", &q.object),
+            ("since", &q.since),
+            ("cursor", &c),
+        ];
+        link("/audit", &pairs)
+    });
+    page.promotions = gate::promote::page(&mut conn, &PageRequest { limit: 20, cursor: None }).await?.rows;
+    Ok(html(&page))
 }
 
 // ---- review and promote ------------------------------------------------------------------
