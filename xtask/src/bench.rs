@@ -147,6 +147,15 @@ const BENCHES: &[Bench] = &[
             quick: &[("INNERWALL_BENCH_QUICK", "1")],
         },
     },
+    Bench {
+        name: "console",
+        what: "PERF-11 the web console: fleet page, map of 150 groups, workload page at 10,000 workloads",
+        run: Run::Cargo {
+            package: "innerwall-control-plane",
+            target: "console",
+            quick: &[("INNERWALL_BENCH_QUICK", "1")],
+        },
+    },
 ];
 
 pub fn run(root: &Path, names: &[String], quick: bool) -> Result<()> {

@@ -45,14 +45,20 @@ enum Task {
     /// Run the benchmarks of DESIGN.md §11 (all, or those named) and print their figures with
     /// their goals; JSON under target/bench/.
     Bench {
-        /// render, publish, propagation, propagation-2, storm, density, nft, capture, ingest, rollup.
+        /// render, publish, propagation, propagation-2, storm, density, nft, capture, ingest, rollup,
+        /// impact, suggest, console.
         names: Vec<String>,
         /// Small sizes: proves each benchmark still works (CI), judges no figure.
         #[arg(long)]
         quick: bool,
     },
-    /// The main job (RUN-3): control plane and three agents in network namespaces, policy, traffic.
-    Demo,
+    /// The main job (RUN-3): control plane and three agents in network namespaces, policy, traffic,
+    /// and the web console with screenshots of its pages under target/demo/.
+    Demo {
+        /// Leave the estate and its console running until Enter is pressed, to click through it.
+        #[arg(long)]
+        keep: bool,
+    },
     /// Run every cargo-fuzz target for a while (AddressSanitizer; installs cargo-fuzz once).
     Fuzz {
         /// How long each target runs.
@@ -97,7 +103,7 @@ fn run(cli: Cli) -> Result<()> {
         Task::Test { cargo_args } => suite::test(&root, &cargo_args),
         Task::Lint => suite::lint(&root),
         Task::Bench { names, quick } => bench::run(&root, &names, quick),
-        Task::Demo => demo::run(&root),
+        Task::Demo { keep } => demo::run(&root, keep),
         Task::Fuzz { seconds } => fuzz::run(&root, std::time::Duration::from_secs(seconds)),
         Task::CheckCycles { dirs } if dirs.is_empty() => {
             cycles::check(&root, &cycles::CRATE_SOURCES.iter().map(PathBuf::from).collect::<Vec<_>>())

@@ -1,7 +1,8 @@
 //! A real browser for the console's tests: Debian's headless Chromium driven over W3C WebDriver
 //! by its `chromedriver` (both installed by `cargo xtask setup`). The client speaks HTTP/1.1 to
 //! the driver on the loopback, one request per connection (`Connection: close`; the driver
-//! answers with a length), so it needs nothing but std. The driver runs in a process group of
+//! answers with a length), so it needs nothing but std and serde_json: `cargo xtask demo`
+//! includes this file too (`#[path]`) for its screenshots. The driver runs in a process group of
 //! its own, which holds the browser too; the group is killed when the [`Browser`] is dropped.
 
 use std::io::{Read, Write};
@@ -57,7 +58,9 @@ impl Browser {
             assert!(Instant::now() < deadline, "chromedriver never listened on {port}");
             std::thread::sleep(Duration::from_millis(50));
         }
-        let profile = std::env::temp_dir().join(format!("iw-chromium-{}", uuid::Uuid::new_v4()));
+        let nanos =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+        let profile = std::env::temp_dir().join(format!("iw-chromium-{}-{port}-{nanos}", std::process::id()));
         let created = browser.call(
             "POST",
             "/session",
@@ -197,9 +200,8 @@ impl Browser {
 
     /// Saves what the window shows as a PNG at `path`.
     pub fn screenshot(&self, path: &std::path::Path) {
-        use base64::Engine as _;
         let png = self.call("GET", &self.at("/screenshot"), None);
-        let bytes = base64::engine::general_purpose::STANDARD.decode(png.as_str().unwrap()).unwrap();
+        let bytes = base64_decode(png.as_str().unwrap());
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
         std::fs::write(path, bytes).unwrap();
     }
@@ -212,8 +214,40 @@ impl Drop for Browser {
                 self.call("DELETE", &format!("/session/{}", self.session), None)
             }));
         }
-        let group = nix::unistd::Pid::from_raw(self.driver.id() as i32);
-        let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
+        // The driver's process group (it leads it): the driver and every browser process.
+        let _ = Command::new("kill").args(["-KILL", "--", &format!("-{}", self.driver.id())]).status();
+        let _ = self.driver.kill();
         let _ = self.driver.wait();
+    }
+}
+
+/// Standard base64 (the driver's screenshots), ignoring padding and line breaks.
+fn base64_decode(text: &str) -> Vec<u8> {
+    let value = |c: u8| match c {
+        b'A'..=b'Z' => Some(c - b'A'),
+        b'a'..=b'z' => Some(c - b'a' + 26),
+        b'0'..=b'9' => Some(c - b'0' + 52),
+        b'+' => Some(62),
+        b'/' => Some(63),
+        _ => None,
+    };
+    let sextets: Vec<u8> = text.bytes().filter_map(value).collect();
+    let mut out = Vec::with_capacity(sextets.len() * 3 / 4);
+    for chunk in sextets.chunks(4) {
+        let n = chunk.iter().enumerate().fold(0u32, |acc, (i, s)| acc | (u32::from(*s) << (18 - 6 * i)));
+        let bytes = [(n >> 16) as u8, (n >> 8) as u8, n as u8];
+        out.extend_from_slice(&bytes[..chunk.len().saturating_sub(1)]);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn base64_decodes_as_the_standard_says() {
+        assert_eq!(super::base64_decode("aGVsbG8="), b"hello");
+        assert_eq!(super::base64_decode("aGVsbG8h"), b"hello!");
+        assert_eq!(super::base64_decode("aGk="), b"hi");
+        assert_eq!(super::base64_decode("/+8A"), [0xff, 0xef, 0x00]);
     }
 }

@@ -8,6 +8,11 @@
 //! again by exact name at the next start if a run was killed (Ctrl-C cannot run the guard:
 //! xtask has no signal handler, and the children die with the terminal's SIGINT anyway).
 
+// The control plane's test browser, shared as a file (it needs only std and serde_json): the
+// demo uses part of it.
+#[allow(dead_code, reason = "the demo drives only some of the browser's commands")]
+#[path = "../../../control-plane/src/testing/browser.rs"]
+mod browser;
 mod cli;
 mod network;
 mod processes;
@@ -25,6 +30,7 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 
+use self::browser::Browser;
 use self::{
     cli::{AgentStatus, FlowRecord, MintedToken, RenderedPolicy, SyncStatus, VerdictJson, Workload},
     network::{BATCH, BRIDGE, DB, HOSTS, Host, WEB},
@@ -34,6 +40,8 @@ use crate::{cmd, setup, suite::root_cargo};
 
 const SERVER_NAME: &str = "10.77.0.1";
 const SERVER: &str = "10.77.0.1:7443";
+/// The operator API and console, on the bridge address the certificate names.
+const CONSOLE: &str = "10.77.0.1:8443";
 const DB_PORT: &str = "5432";
 /// A port db's policy never allows: in enforcement its SYNs are dropped.
 const OTHER_PORT: &str = "5433";
@@ -90,7 +98,7 @@ except OSError as e:
     print('error:', e); sys.exit(3)
 ";
 
-pub fn run(root: &Path) -> Result<()> {
+pub fn run(root: &Path, keep: bool) -> Result<()> {
     let started = Instant::now();
     section("0", "Prepare", "packages, toolchain and the two release binaries");
     ensure_root()?;
@@ -115,8 +123,11 @@ pub fn run(root: &Path) -> Result<()> {
 
     let demo_started = Instant::now();
     clean_leftovers()?;
-    let mut demo = Demo::create(release)?;
+    let mut demo = Demo::create(release, target_dir(root).join("demo"))?;
     let result = demo.show();
+    if keep && result.is_ok() {
+        demo.hold();
+    }
     demo.keep_dir = result.is_err();
     drop(demo);
     println!("\ndemo took {:.0?} ({:.0?} after the build)", started.elapsed(), demo_started.elapsed());
@@ -133,10 +144,14 @@ struct Demo {
     ids: BTreeMap<&'static str, String>,
     failures: Vec<String>,
     keep_dir: bool,
+    /// Where the console's screenshots go (`target/demo/`).
+    shots: PathBuf,
+    /// The console's URL and an admin's operator token, once it is up.
+    console: Option<(String, String)>,
 }
 
 impl Demo {
-    fn create(release: PathBuf) -> Result<Self> {
+    fn create(release: PathBuf, shots: PathBuf) -> Result<Self> {
         let nanos = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().subsec_nanos();
         let dir = std::env::temp_dir().join(format!("{DIR_PREFIX}{}-{nanos:08x}", std::process::id()));
         fs::create_dir(&dir).with_context(|| format!("while creating {}", dir.display()))?;
@@ -145,7 +160,16 @@ impl Demo {
             .with_context(|| format!("while making {} world-readable", dir.display()))?;
         let procs = Processes::new(&dir)?;
         println!("demo directory: {}   (shown as $DEMO below)", dir.display());
-        Ok(Self { dir, release, procs, ids: BTreeMap::new(), failures: Vec::new(), keep_dir: false })
+        Ok(Self {
+            dir,
+            release,
+            procs,
+            ids: BTreeMap::new(),
+            failures: Vec::new(),
+            keep_dir: false,
+            shots,
+            console: None,
+        })
     }
 
     fn show(&mut self) -> Result<()> {
@@ -164,10 +188,14 @@ impl Demo {
             "5s",
             "--flow-window",
             "5s",
+            "--api-listen",
+            CONSOLE,
         ]);
         self.spawn("serve", serve)?;
         let ready = self.wait_for_log("serve", "listening on", SERVE_READY_TIMEOUT)?;
         println!("  {}", ready.trim());
+        let api = self.wait_for_log("serve", "operator API on https://", SERVE_READY_TIMEOUT)?;
+        println!("  {}", api.trim());
 
         section("3", "Enrollment", "each agent enrolls with a one-time token, inside its namespace");
         let ca_bundle = self.dir.join("cp/ca/ca.crt");
@@ -393,6 +421,7 @@ impl Demo {
         );
         self.iw_print(&["flows", "gaps", "--workload", &db])?;
 
+        self.show_console(scope)?;
         self.summary()
     }
 
@@ -411,8 +440,66 @@ impl Demo {
         }
     }
 
+    /// The web console on the same estate: an admin's operator token, and screenshots of the
+    /// fleet, map and review pages taken in headless Chromium.
+    fn show_console(&mut self, scope: &str) -> Result<()> {
+        section("10", "Console", "the same estate in the web console, signed in with an operator token");
+        let minted =
+            self.iw(&["operator", "token", "mint", "--name", "demo", "--role", "admin", "--json"])?;
+        let MintedToken { token } = cli::parse(&minted, "operator token mint --json")?;
+        let url = format!("https://{CONSOLE}");
+        println!("  console: {url}/   (its certificate is from $DEMO/cp/ca/ca.crt)");
+        println!("  sign in with the operator token {token}");
+        let browser = Browser::start();
+        browser.goto(&format!("{url}/sign-in"));
+        browser.type_into(&browser.one("#token"), &token);
+        browser.click(&browser.one("form.sign-in button"));
+        browser.wait_for("/fleet");
+        let pages = [
+            ("fleet", "/fleet".to_owned(), "Fleet"),
+            ("map", "/map?key=app&since=15m".to_owned(), "Edges"),
+            (
+                "review",
+                format!(
+                    "/review?scope={}&since={EVIDENCE_SINCE}&min={MIN_EVIDENCE}",
+                    scope.replace('=', "%3D")
+                ),
+                "Verdict",
+            ),
+        ];
+        for (name, path, marker) in pages {
+            browser.goto(&format!("{url}{path}"));
+            browser.wait_for(marker);
+            let shot = self.shots.join(format!("{name}.png"));
+            browser.screenshot(&shot);
+            let size = fs::metadata(&shot).map(|m| m.len()).unwrap_or(0);
+            println!("  {name}: {} ({size} bytes)", shot.display());
+            self.expect(&format!("the console's {name} page is drawn"), size > 10_000, &size);
+        }
+        let text = browser.text();
+        self.expect(
+            "the review page shows the scope's verdict",
+            text.contains("Verdict: SAFE")
+                || text.contains("Verdict: UNSAFE")
+                || text.contains("Verdict: INSUFFICIENT"),
+            &"no verdict",
+        );
+        self.console = Some((url, token));
+        Ok(())
+    }
+
+    /// Leaves everything running until Enter is pressed (`--keep`).
+    fn hold(&self) {
+        if let Some((url, token)) = &self.console {
+            println!("\nthe estate keeps running: open {url}/ and sign in with {token}");
+        }
+        println!("press Enter to stop it and clean up (Ctrl-C leaves namespaces that the next demo clears)");
+        let mut line = String::new();
+        let _ = std::io::stdin().read_line(&mut line);
+    }
+
     fn summary(&self) -> Result<()> {
-        section("9", "Summary", "");
+        section("11", "Summary", "");
         println!(
             "  shown: token enrollment of three agents over mTLS, each inside its own network\n  \
              namespace; label-based policy rendered per host and streamed to the agents; the\n  \

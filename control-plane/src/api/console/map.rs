@@ -97,6 +97,16 @@ pub fn color(decision: &str) -> &'static str {
     }
 }
 
+/// A decision's lane among the edges of one pair of groups.
+fn decision_rank(decision: &str) -> usize {
+    match decision {
+        "allowed" => 0,
+        "observed" => 1,
+        "would-block" => 2,
+        _ => 3,
+    }
+}
+
 /// Lays `edges` out; `None` when they name more than [`MAX_GROUPS`] groups.
 pub fn layout(edges: &[Edge]) -> Option<Layout> {
     let groups: BTreeSet<&str> = edges.iter().flat_map(|e| [e.from.as_str(), e.to.as_str()]).collect();
@@ -126,8 +136,10 @@ pub fn layout(edges: &[Edge]) -> Option<Layout> {
             let (tx, ty) = at[e.to.as_str()];
             // Out of the source's right side, into the destination's left side; an edge to
             // itself or backwards loops out and in on the right.
-            let (sx, sy) = (fx + BOX_W, fy + BOX_H / 2.0);
-            let (ex, ey) = (tx, ty + BOX_H / 2.0);
+            // Each decision its own lane, so edges of one pair lie side by side, not on top.
+            let lane = (decision_rank(e.decision) as f64 - 1.5) * 6.0;
+            let (sx, sy) = (fx + BOX_W, fy + BOX_H / 2.0 + lane);
+            let (ex, ey) = (tx, ty + BOX_H / 2.0 + lane);
             let d = if ex > sx {
                 let bend = (ex - sx) / 2.0;
                 format!("M{sx:.1},{sy:.1} C{:.1},{sy:.1} {:.1},{ey:.1} {ex:.1},{ey:.1}", sx + bend, ex - bend)
@@ -135,14 +147,12 @@ pub fn layout(edges: &[Edge]) -> Option<Layout> {
                 let ex = tx + BOX_W;
                 format!("M{sx:.1},{sy:.1} C{:.1},{sy:.1} {:.1},{ey:.1} {ex:.1},{ey:.1}", sx + 60.0, ex + 60.0)
             };
-            // Two decisions on one pair: the labels sit apart.
-            let shift = if e.decision == "allowed" { -8.0 } else { 8.0 };
             Path {
                 d,
                 color: color(e.decision),
                 width: 1.5 + 4.5 * ((e.connections.max(1) as f64).ln() / most.ln().max(1.0)),
                 label_x: if ex > sx { (sx + ex) / 2.0 } else { sx + 50.0 },
-                label_y: (sy + ey) / 2.0 + shift,
+                label_y: (sy + ey) / 2.0 - 3.0,
                 edge: e.clone(),
             }
         })
