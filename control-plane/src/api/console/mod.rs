@@ -1345,6 +1345,8 @@ async fn flows_json(
 
 /// The most rollup rows the map reads per decision.
 const MAP_ROWS: usize = 50_000;
+/// The most edges the map's table lists (the heaviest).
+const MAP_TABLE_ROWS: usize = 200;
 
 #[derive(Debug, Clone, Default, Deserialize)]
 struct MapQuery {
@@ -1380,6 +1382,8 @@ struct MapPage {
     max_rows: usize,
     layout: Option<MapLayout>,
     edges: Vec<Linked<()>>,
+    /// Edges the table leaves out.
+    more_edges: usize,
 }
 
 struct MapLayout {
@@ -1426,6 +1430,7 @@ async fn map_page(
         max_rows: MAP_ROWS,
         layout: None,
         edges: Vec::new(),
+        more_edges: 0,
     };
     let keys: Vec<&str> = [q.key.trim(), q.key2.trim()].into_iter().filter(|k| !k.is_empty()).collect();
     for key in &keys {
@@ -1520,7 +1525,15 @@ async fn map_page(
             ))
         }
     }
-    page.edges = edges.iter().map(|e| Linked { href: href(e), edge: e.clone(), path: () }).collect();
+    // The table lists the heaviest edges; the drawing has them all.
+    let mut heaviest: Vec<&map::Edge> = edges.iter().collect();
+    heaviest.sort_by(|a, b| b.connections.cmp(&a.connections).then_with(|| a.cmp(b)));
+    page.more_edges = heaviest.len().saturating_sub(MAP_TABLE_ROWS);
+    page.edges = heaviest
+        .into_iter()
+        .take(MAP_TABLE_ROWS)
+        .map(|e| Linked { href: href(e), edge: e.clone(), path: () })
+        .collect();
     Ok(html(&page))
 }
 
