@@ -6,7 +6,7 @@ use innerwall_control_plane::identity::operators::{self, Role, TokenRef};
 use innerwall_control_plane::policy::store;
 use innerwall_control_plane::testing::{self, fresh_database};
 use innerwall_wire::identity::WorkloadId;
-use innerwall_wire::policy::Mode;
+use innerwall_wire::policy::{Mode, WorkloadPolicy};
 use serde_json::json;
 
 use crate::foresight_api::{Serve, estate, mint};
@@ -25,6 +25,30 @@ fn sign_in(browser: &Browser, base: &str, token: &str) {
     browser.clear(&field);
     browser.type_into(&field, token);
     browser.click(&browser.one("form.sign-in button"));
+}
+
+/// `host`'s latest persisted policy, installed in simulation at `since_ms` and applied, so
+/// windows under it are evidence: its id and that policy.
+async fn applied_in_simulation(
+    pool: &sqlx::PgPool,
+    host: &str,
+    since_ms: i64,
+) -> (WorkloadId, WorkloadPolicy) {
+    let id: uuid::Uuid = sqlx::query_scalar("SELECT id FROM workloads WHERE hostname = $1")
+        .bind(host)
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    let id = WorkloadId::from_uuid(id).unwrap();
+    let policy = store::persisted_policy(&mut pool.acquire().await.unwrap(), id).await.unwrap().unwrap().0;
+    testing::installed(pool, id, &[(policy.version(), Mode::Simulation, at(since_ms))]).await.unwrap();
+    sqlx::query("UPDATE workloads SET applied_version = $2 WHERE id = $1")
+        .bind(id.uuid())
+        .bind(policy.version() as i64)
+        .execute(pool)
+        .await
+        .unwrap();
+    (id, policy)
 }
 
 /// A form POST from the page (same origin, with the session's cookie), answering its status.
@@ -185,19 +209,9 @@ async fn console_flow_map_shows_decisions() {
     let db = fresh_database().await.unwrap();
     let pool = &db.pool;
     estate(pool).await;
-    let db1: uuid::Uuid =
-        sqlx::query_scalar("SELECT id FROM workloads WHERE hostname = 'db-1'").fetch_one(pool).await.unwrap();
-    let db1 = WorkloadId::from_uuid(db1).unwrap();
-    let policy = store::persisted_policy(&mut pool.acquire().await.unwrap(), db1).await.unwrap().unwrap().0;
-    let version = policy.version();
     let start = Utc::now().timestamp_millis() - 2 * HOUR;
-    testing::installed(pool, db1, &[(version, Mode::Simulation, at(start - HOUR))]).await.unwrap();
-    sqlx::query("UPDATE workloads SET applied_version = $2 WHERE id = $1")
-        .bind(db1.uuid())
-        .bind(version as i64)
-        .execute(pool)
-        .await
-        .unwrap();
+    let (db1, policy) = applied_in_simulation(pool, "db-1", start - HOUR).await;
+    let version = policy.version();
     let rule = rule_for(&policy, 5432);
     let flows = vec![
         flow_to("10.0.0.2", "10.0.0.4", 5432, Some(&rule), 3, start),
@@ -302,19 +316,9 @@ async fn console_draft_impact() {
     .unwrap();
     innerwall_control_plane::foresight::create_test_set(pool, "cli:test", &spec).await.unwrap();
     // api-1 reached db-1 on tcp/6432, which no rule admits yet.
-    let db1: uuid::Uuid =
-        sqlx::query_scalar("SELECT id FROM workloads WHERE hostname = 'db-1'").fetch_one(pool).await.unwrap();
-    let db1 = WorkloadId::from_uuid(db1).unwrap();
-    let version =
-        store::persisted_policy(&mut pool.acquire().await.unwrap(), db1).await.unwrap().unwrap().0.version();
     let start = Utc::now().timestamp_millis() - 2 * HOUR;
-    testing::installed(pool, db1, &[(version, Mode::Simulation, at(start - HOUR))]).await.unwrap();
-    sqlx::query("UPDATE workloads SET applied_version = $2 WHERE id = $1")
-        .bind(db1.uuid())
-        .bind(version as i64)
-        .execute(pool)
-        .await
-        .unwrap();
+    let (db1, policy) = applied_in_simulation(pool, "db-1", start - HOUR).await;
+    let version = policy.version();
     ingest(pool, db1, version, start, vec![flow_to("10.0.0.2", "10.0.0.4", 6432, None, 4, start)], vec![])
         .await;
     let editor = mint(pool, "ed", Role::Editor).await;
