@@ -341,6 +341,8 @@ async fn console_draft_impact() {
     assert!(browser.url().ends_with("/drafts/pgbouncer"), "{}", browser.url());
     let text = browser.text();
     assert!(text.contains("A commit now would pass"), "{text}");
+    let change = browser.script("return document.querySelector('pre.change').innerText;", json!([]));
+    assert!(change.as_str().unwrap().contains("tcp:6432"), "the draft shows what it writes: {change}");
     let row = browser.script(
         "return [...document.querySelectorAll('table.impact tbody tr')].map(r => [...r.cells].map(c => c.innerText));",
         json!([]),

@@ -1649,6 +1649,8 @@ struct ImpactView {
 struct DraftPage {
     who: Option<Who>,
     d: DraftView,
+    /// Each change with what it writes, as a change file has it.
+    changes: Vec<(drafts::DraftChange, String)>,
     error: Option<String>,
     impact: Option<ImpactView>,
     since: &'static str,
@@ -1669,8 +1671,16 @@ async fn draft_page(
     let session = signed(&state, &headers).await?;
     let actor = session.operator.actor();
     let d = drafts::show(&state.pool, &name).await?;
+    let changes = d
+        .changes
+        .iter()
+        .map(|c| {
+            (c.clone(), serde_norway::to_string(&c.change).unwrap_or_else(|e| format!("(not shown: {e})")))
+        })
+        .collect();
     let mut page = DraftPage {
         who: Some(Who::from(&session)),
+        changes,
         error: None,
         impact: None,
         since: DRAFT_IMPACT_SINCE,
