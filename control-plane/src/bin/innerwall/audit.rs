@@ -5,12 +5,12 @@
 use std::time::Duration;
 
 use clap::Subcommand;
-use innerwall_control_plane::audit::{AuditFilter, AuditRow};
+use innerwall_control_plane::audit::AuditRow;
 
-use crate::api::with_query;
 use crate::backend::Backend;
 use crate::duration;
 use crate::output::{print_json, print_table};
+use crate::requests::AuditQuery;
 
 #[derive(Debug, Subcommand)]
 pub enum AuditCmd {
@@ -36,40 +36,6 @@ pub async fn run(b: &impl Backend, json: bool, cmd: &AuditCmd) -> anyhow::Result
     let query =
         AuditQuery { actor: actor.clone(), action: action.clone(), object: object.clone(), since: *since };
     print_records(json, &b.audit(&query).await?)
-}
-
-/// `audit list`'s filter as given: `since` is measured back from now where the database is.
-pub struct AuditQuery {
-    pub actor: Option<String>,
-    pub action: Option<String>,
-    pub object: Option<String>,
-    pub since: Option<Duration>,
-}
-
-impl AuditQuery {
-    /// The library's filter, `since` back from now.
-    pub fn filter(&self) -> AuditFilter {
-        AuditFilter {
-            actor: self.actor.clone(),
-            action: self.action.clone(),
-            object: self.object.clone(),
-            since: self.since.as_ref().map(duration::since),
-        }
-    }
-
-    /// `GET /api/v1/audit` with the same filter.
-    pub fn path(&self) -> String {
-        let mut query = Vec::new();
-        for (name, value) in [("actor", &self.actor), ("action", &self.action), ("object", &self.object)] {
-            if let Some(value) = value {
-                query.push((name, value.clone()));
-            }
-        }
-        if let Some(back) = &self.since {
-            query.push(("since", duration::since_param(back)));
-        }
-        with_query("/api/v1/audit", &query)
-    }
 }
 
 fn print_records(json: bool, rows: &[AuditRow]) -> anyhow::Result<()> {

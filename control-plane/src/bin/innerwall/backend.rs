@@ -33,16 +33,13 @@ use innerwall_wire::policy::Cidr;
 use uuid::Uuid;
 
 use crate::api::{ApiClient, segment, with_query};
-use crate::audit::AuditQuery;
 use crate::ctx::Ctx;
-use crate::flows::{RecordQuery, Rollup, gaps_path};
 use crate::output::Outcome;
 use crate::pages;
-use crate::policy::Catalog;
 use crate::replay::ReplayArgs;
-use crate::suggest::SuggestArgs;
-use crate::tokens::Minted;
-use crate::workloads::{EvidenceArgs, ScopeArgs};
+use crate::requests::{
+    AuditQuery, Catalog, EvidenceArgs, Minted, RecordQuery, Rollup, ScopeArgs, SuggestArgs, gaps_path,
+};
 
 /// A workload's API path.
 fn workload(id: WorkloadId) -> String {

@@ -7,22 +7,21 @@
 
 use std::time::Duration;
 
-use chrono::{DateTime, SecondsFormat, Utc};
+use chrono::{DateTime, Utc};
 use clap::Subcommand;
 use innerwall_control_plane::flows::{
-    self as f, FlowRow, GapRow, Grouping, MAX_PAGE, Page, PageRequest, RollupFilter, RollupRow,
+    self as f, FlowRow, GapRow, Grouping, MAX_PAGE, Page, PageRequest, RollupRow,
 };
-use innerwall_control_plane::policy::model::Selector;
 use innerwall_wire::convert::WireEnum;
 use innerwall_wire::flows::{Decision, GapKind};
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::labels::Label;
 use innerwall_wire::policy::Protocol;
 
-use crate::api::with_query;
 use crate::backend::Backend;
-use crate::duration::{self, since, since_param};
+use crate::duration::{self};
 use crate::output::{print_json, print_table};
+use crate::requests::{Range, RecordQuery, Rollup};
 
 #[derive(Debug, Subcommand)]
 pub enum FlowsCmd {
@@ -198,24 +197,6 @@ fn print_gaps(json: bool, page: &Page<GapRow>) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The range of a rollup as given: `--from`/`--to`, `--since`, or the last hour.
-enum Range {
-    Between { from: DateTime<Utc>, to: Option<DateTime<Utc>> },
-    Since(Duration),
-}
-
-/// A rollup's flags, checked (in this order, in both modes) before anything is asked.
-pub struct Rollup {
-    pub by: Grouping,
-    range: Range,
-    decisions: Vec<Decision>,
-    peer_labels: Vec<Label>,
-    versions: Vec<u64>,
-    workloads: Vec<WorkloadId>,
-    /// The scope as written (the API parses it the same way) and parsed.
-    pub scope: Option<(String, Selector)>,
-}
-
 impl Rollup {
     fn from_cmd(cmd: &FlowsCmd) -> anyhow::Result<Rollup> {
         let FlowsCmd::Rollup {
@@ -258,66 +239,6 @@ impl Rollup {
             scope,
         })
     }
-
-    /// The library's filter over the range ending now, within `--workload`s (the scope is the
-    /// caller's to resolve).
-    pub fn filter(&self) -> RollupFilter {
-        let now = Utc::now();
-        let (start, end) = match self.range {
-            Range::Between { from, to } => (from, to.unwrap_or(now)),
-            Range::Since(back) => (since(&back), now),
-        };
-        let filter = RollupFilter {
-            decisions: self.decisions.clone(),
-            peer_labels: self.peer_labels.clone(),
-            versions: self.versions.clone(),
-            ..RollupFilter::range(start, end)
-        };
-        match self.workloads.is_empty() {
-            true => filter,
-            false => filter.within(self.workloads.iter().copied().collect()),
-        }
-    }
-
-    /// The query string of `GET /api/v1/flows/rollup`.
-    pub fn query(&self, request: &PageRequest) -> String {
-        let joined = |values: Vec<String>| values.join(",");
-        let mut q = vec![("by", self.by.name().to_owned())];
-        if !self.workloads.is_empty() {
-            q.push(("workload", joined(self.workloads.iter().map(ToString::to_string).collect())));
-        }
-        if let Some((text, _)) = &self.scope {
-            q.push(("scope", text.clone()));
-        }
-        if !self.peer_labels.is_empty() {
-            q.push(("peer_label", joined(self.peer_labels.iter().map(ToString::to_string).collect())));
-        }
-        if !self.decisions.is_empty() {
-            q.push(("decision", joined(self.decisions.iter().map(|d| d.name().to_owned()).collect())));
-        }
-        if !self.versions.is_empty() {
-            q.push(("version", joined(self.versions.iter().map(ToString::to_string).collect())));
-        }
-        match &self.range {
-            Range::Between { from, to } => {
-                q.push(("from", from.to_rfc3339_opts(SecondsFormat::AutoSi, true)));
-                if let Some(to) = to {
-                    q.push(("to", to.to_rfc3339_opts(SecondsFormat::AutoSi, true)));
-                }
-            }
-            Range::Since(back) => q.push(("since", since_param(back))),
-        }
-        push_page(&mut q, request);
-        with_query("/api/v1/flows/rollup", &q)
-    }
-}
-
-/// `limit` and `cursor`, passed through as given.
-fn push_page(q: &mut Vec<(&'static str, String)>, request: &PageRequest) {
-    q.push(("limit", request.limit.to_string()));
-    if let Some(cursor) = &request.cursor {
-        q.push(("cursor", cursor.clone()));
-    }
 }
 
 fn page_request(limit: u32, cursor: &Option<String>) -> PageRequest {
@@ -348,49 +269,6 @@ pub async fn run(b: &impl Backend, json: bool, cmd: &FlowsCmd) -> anyhow::Result
             print_rollup(json, rollup.by, &b.flow_rollup(&rollup, &page_request(*limit, cursor)).await?)
         }
     }
-}
-
-/// `flows list`'s filter as given: `since` is measured back from now where the database is.
-pub struct RecordQuery {
-    pub workload: WorkloadId,
-    pub since: Duration,
-    pub decision: Option<Decision>,
-    pub version: Option<u64>,
-}
-
-impl RecordQuery {
-    /// The library's filter, `since` back from now.
-    pub fn filter(&self) -> f::RecordFilter {
-        f::RecordFilter {
-            workload: self.workload,
-            since: since(&self.since),
-            decision: self.decision,
-            version: self.version,
-        }
-    }
-
-    /// The query string of `GET /api/v1/flows`.
-    pub fn path(&self, request: &PageRequest) -> String {
-        let mut q = vec![("workload", self.workload.to_string()), ("since", since_param(&self.since))];
-        if let Some(decision) = self.decision {
-            q.push(("decision", decision.name().to_owned()));
-        }
-        if let Some(version) = self.version {
-            q.push(("version", version.to_string()));
-        }
-        push_page(&mut q, request);
-        with_query("/api/v1/flows", &q)
-    }
-}
-
-/// The query string of `GET /api/v1/flows/gaps`.
-pub fn gaps_path(workload: Option<WorkloadId>, back: &Duration, request: &PageRequest) -> String {
-    let mut q = vec![("since", since_param(back))];
-    if let Some(workload) = workload {
-        q.push(("workload", workload.to_string()));
-    }
-    push_page(&mut q, request);
-    with_query("/api/v1/flows/gaps", &q)
 }
 
 /// `flows rollup`'s page, from either source: the whole page with `--json`, else a table whose

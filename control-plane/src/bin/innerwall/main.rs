@@ -37,6 +37,7 @@ mod pages;
 mod policy;
 mod promotions;
 mod replay;
+mod requests;
 mod serve;
 mod suggest;
 mod tokens;

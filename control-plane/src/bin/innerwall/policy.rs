@@ -20,11 +20,11 @@ use innerwall_control_plane::policy::spec::{
 };
 use innerwall_control_plane::policy::store::{self, AddressGroupView, ServiceView};
 use innerwall_wire::policy::Cidr;
-use serde::Serialize;
 use sqlx::{PgConnection, PgPool};
 
 use crate::backend::Backend;
 use crate::output::{print_changed, print_json, print_table, report};
+use crate::requests::Catalog;
 
 #[derive(Debug, Args)]
 pub struct Expect {
@@ -68,44 +68,6 @@ pub enum ObjectCmd<A: Args> {
     Show {
         name: String,
     },
-}
-
-/// A named, versioned object an operator creates, updates, deletes and lists from flags: the
-/// flags (`Self`), the spec they parse into, and the library calls and view for it.
-pub trait Catalog: Args {
-    /// As messages name it: `service`, `address group`.
-    const NOUN: &'static str;
-    /// The members' table column and the API body's key: `entries`, `cidrs`.
-    const MEMBERS: &'static str;
-    /// The API's collection: `/api/v1/services`, `/api/v1/address-groups`.
-    const PATH: &'static str;
-    type Spec;
-    type View: Serialize + serde::de::DeserializeOwned;
-
-    fn spec(&self) -> anyhow::Result<Self::Spec>;
-    /// The API's body for a create (with the name) or an update (without).
-    fn body(&self, with_name: bool) -> serde_json::Value;
-    fn arg_name(&self) -> &str;
-    /// `operations::create_…`.
-    async fn create(
-        pool: &PgPool,
-        actor: &str,
-        spec: &Self::Spec,
-        counts: &CountBounds,
-    ) -> Result<Committed<()>, Error>;
-    /// `operations::update_…`: the new version.
-    async fn update(
-        pool: &PgPool,
-        actor: &str,
-        spec: &Self::Spec,
-        expected: i64,
-    ) -> Result<Committed<i64>, Error>;
-    /// `operations::delete_…`.
-    async fn delete(pool: &PgPool, actor: &str, name: &str, expected: i64) -> Result<Committed<()>, Error>;
-    async fn page(conn: &mut PgConnection, request: &PageRequest) -> Result<Page<Self::View>, Error>;
-    async fn show(conn: &mut PgConnection, name: &str) -> Result<Self::View, Error>;
-    /// name, version, members, description.
-    fn row(view: Self::View) -> Vec<String>;
 }
 
 #[derive(Debug, Args)]

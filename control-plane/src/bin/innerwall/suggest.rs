@@ -3,15 +3,13 @@
 //! into a draft, `ignore` holds them back until a new source appears. On this host's database
 //! (`suggest::run`, `accept`, `ignore`) or through the API ([`Backend`]), printed alike.
 
-use std::path::PathBuf;
-
 use anyhow::Context;
 use clap::{Args, Subcommand};
-use innerwall_control_plane::suggest::{self, Accepted, Request, State, SuggestedPeer, Suggestions};
+use innerwall_control_plane::suggest::{self, Accepted, State, SuggestedPeer, Suggestions};
 
 use crate::backend::Backend;
-use crate::duration;
 use crate::output::{print_json, print_table};
+use crate::requests::SuggestArgs;
 
 #[derive(Debug, Args)]
 #[command(args_conflicts_with_subcommands = true)]
@@ -20,29 +18,6 @@ pub struct SuggestCmd {
     action: Option<SuggestAction>,
     #[command(flatten)]
     args: SuggestArgs,
-}
-
-#[derive(Debug, Args)]
-pub struct SuggestArgs {
-    /// The destinations to suggest rules for, as a selector (`app=payments-db`).
-    #[arg(long)]
-    scope: Option<String>,
-    /// The recorded range: from this long ago until now (at most 90 days).
-    #[arg(long, default_value = "14d", value_parser = duration::arg)]
-    since: std::time::Duration,
-    /// The range's end (RFC 3339; default now): the same flows and end give the same output.
-    #[arg(long, value_name = "TIME")]
-    until: Option<chrono::DateTime<chrono::Utc>>,
-    /// A label key that names a host rather than a role (repeatable): left out of destination
-    /// groups and source selectors.
-    #[arg(long = "exclude-key", value_name = "KEY")]
-    exclude_keys: Vec<String>,
-    /// The most workloads a source selector may pick now per observed source workload.
-    #[arg(long, default_value_t = suggest::DEFAULT_MAX_BREADTH)]
-    max_breadth: f64,
-    /// Also write each destination group's ruleset file (`ruleset create -f` reads it) here.
-    #[arg(long, value_name = "DIR")]
-    out_dir: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -60,41 +35,6 @@ enum SuggestAction {
         #[arg(required = true, value_name = "ID")]
         ids: Vec<String>,
     },
-}
-
-impl SuggestArgs {
-    fn scope(&self) -> anyhow::Result<&str> {
-        self.scope
-            .as_deref()
-            .context("innerwall suggest needs --scope SELECTOR (e.g. --scope app=payments-db)")
-    }
-
-    /// The request the flags make, ending now unless `--until` says when.
-    pub fn request(&self) -> anyhow::Result<Request> {
-        Ok(Request {
-            scope: self.scope()?.to_owned(),
-            range: suggest::range_since(self.until.unwrap_or_else(chrono::Utc::now), self.since)?,
-            excluded_keys: self.exclude_keys.iter().cloned().collect(),
-            max_breadth: self.max_breadth,
-        })
-    }
-
-    /// The API's query for the same request (the API ends it at its own now unless `until`).
-    pub fn query(&self) -> anyhow::Result<Vec<(&'static str, String)>> {
-        self.request()?;
-        let mut query = vec![
-            ("scope", self.scope()?.to_owned()),
-            ("since", duration::since_param(&self.since)),
-            ("max_breadth", self.max_breadth.to_string()),
-        ];
-        if let Some(until) = self.until {
-            query.push(("until", until.to_rfc3339()));
-        }
-        if !self.exclude_keys.is_empty() {
-            query.push(("exclude_keys", self.exclude_keys.join(",")));
-        }
-        Ok(query)
-    }
 }
 
 pub async fn run(b: &impl Backend, json: bool, cmd: &SuggestCmd) -> anyhow::Result<()> {

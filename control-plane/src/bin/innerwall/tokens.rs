@@ -3,7 +3,6 @@
 
 use std::path::Path;
 
-use chrono::{DateTime, Utc};
 use clap::Subcommand;
 use innerwall_control_plane::identity::ca;
 use innerwall_control_plane::identity::tokens;
@@ -14,6 +13,7 @@ use uuid::Uuid;
 use crate::backend::Backend;
 use crate::duration;
 use crate::output::{print_json, print_table};
+use crate::requests::Minted;
 
 #[derive(Debug, Subcommand)]
 pub enum TokenCmd {
@@ -127,18 +127,4 @@ pub async fn run(b: &impl Backend, json: bool, ca_dir: &Path, cmd: &TokenCmd) ->
         }
     }
     Ok(())
-}
-
-/// A minted token as the API answers it, and as a local mint becomes.
-#[derive(Debug, serde::Deserialize)]
-pub struct Minted {
-    pub id: Uuid,
-    pub token: String,
-    pub expires_at: DateTime<Utc>,
-}
-
-impl From<tokens::MintedToken> for Minted {
-    fn from(minted: tokens::MintedToken) -> Minted {
-        Minted { id: minted.id, token: minted.secret.clone(), expires_at: minted.expires_at }
-    }
 }

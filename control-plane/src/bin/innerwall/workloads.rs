@@ -4,7 +4,7 @@
 //! plane's API) and hands what either answers to one set of printers, so both print the same.
 
 use clap::Subcommand;
-use innerwall_control_plane::gate::{self, Params, Promotion, Scope, Verdict};
+use innerwall_control_plane::gate::{self, Promotion, Scope, Verdict};
 use innerwall_control_plane::policy::authoring::{LabelsReplaced, ResendRequested};
 use innerwall_control_plane::policy::store::{self, PolicyView, SyncStatusView, WorkloadRow, WorkloadView};
 use innerwall_wire::identity::WorkloadId;
@@ -13,7 +13,8 @@ use innerwall_wire::policy::Mode;
 
 use crate::backend::Backend;
 use crate::output::{escape, print_json, print_table, report};
-use crate::{duration, replay};
+use crate::replay;
+use crate::requests::{EvidenceArgs, ScopeArgs};
 
 #[derive(Debug, Subcommand)]
 pub enum WorkloadCmd {
@@ -101,54 +102,6 @@ pub enum WorkloadCmd {
         id: WorkloadId,
         address: std::net::IpAddr,
     },
-}
-
-/// The workloads a verdict or mode change is about.
-#[derive(Debug, clap::Args)]
-#[group(required = true, multiple = false)]
-pub struct ScopeArgs {
-    /// A label selector, `key=value`, several values `key=v1|v2`, keys ANDed with commas
-    /// (`app=web,env=prod|staging`), resolved to the live workloads in it now.
-    #[arg(long)]
-    pub scope: Option<String>,
-    /// Workload ids (repeat the flag).
-    #[arg(long = "id")]
-    pub ids: Vec<WorkloadId>,
-}
-
-impl ScopeArgs {
-    pub fn scope(&self) -> anyhow::Result<Scope> {
-        Ok(match &self.scope {
-            Some(text) => Scope::parse_selector(text)?,
-            None => Scope::ids(self.ids.clone())?,
-        })
-    }
-}
-
-/// The evidence a verdict judges.
-#[derive(Debug, clap::Args)]
-pub struct EvidenceArgs {
-    /// The evidence range: from this long ago until now.
-    #[arg(long, default_value = "24h", value_parser = duration::arg)]
-    evidence_since: std::time::Duration,
-    /// A shorter range is never enough evidence.
-    #[arg(long, default_value = "24h", value_parser = duration::arg)]
-    min_evidence: std::time::Duration,
-}
-
-impl EvidenceArgs {
-    /// The evidence until now. The remote CLI checks it here too, and sends the durations for
-    /// the API to end at its own now.
-    pub fn params(&self) -> anyhow::Result<Params> {
-        let now = chrono::Utc::now().timestamp_millis();
-        Ok(Params::ending_at(now, self.evidence_since, self.min_evidence)?)
-    }
-
-    /// `evidence_since` and `min_evidence` as the API reads them.
-    pub fn texts(&self) -> (String, String) {
-        let text = |d| humantime::format_duration(d).to_string();
-        (text(self.evidence_since), text(self.min_evidence))
-    }
 }
 
 /// Why a mode changes, and on what evidence.
