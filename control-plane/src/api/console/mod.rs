@@ -1345,6 +1345,8 @@ async fn flows_json(
 
 /// The most rollup rows the map reads per decision.
 const MAP_ROWS: usize = 50_000;
+/// How long the map reads flows before it draws what it read (and says so).
+const MAP_BUDGET: std::time::Duration = std::time::Duration::from_secs(5);
 /// The most edges the map's table lists (the heaviest).
 const MAP_TABLE_ROWS: usize = 200;
 
@@ -1450,7 +1452,12 @@ async fn map_page(
         Err(e) => return Err(e.into()),
     };
     let mut rows: Vec<(&'static str, RollupRow)> = Vec::new();
+    let deadline = std::time::Instant::now() + MAP_BUDGET;
     for decision in [Decision::Allowed, Decision::WouldBlock, Decision::Blocked, Decision::Observed] {
+        if std::time::Instant::now() >= deadline {
+            page.truncated = true;
+            break;
+        }
         let filter = RollupFilter { decisions: vec![decision], ..base.clone() };
         let mut request = PageRequest { limit: flows::MAX_PAGE, cursor: None };
         let mut read = 0;
@@ -1459,7 +1466,9 @@ async fn map_page(
             read += page_rows.rows.len();
             rows.extend(page_rows.rows.into_iter().map(|r| (decision.name(), r)));
             match page_rows.next_cursor {
-                Some(cursor) if read < MAP_ROWS => request.cursor = Some(cursor),
+                Some(cursor) if read < MAP_ROWS && std::time::Instant::now() < deadline => {
+                    request.cursor = Some(cursor)
+                }
                 Some(_) => {
                     page.truncated = true;
                     break;
