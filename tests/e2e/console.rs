@@ -14,7 +14,7 @@ use innerwall_control_plane::testing::browser::Browser;
 use innerwall_wire::convert::WireEnum;
 use innerwall_wire::policy::Mode;
 
-use crate::gate::{BATCH, Host, SECOND, WEB, allow_db_from, db, now_ms, set_mode, synced};
+use crate::gate::{BATCH, SECOND, WEB, synced, unsafe_db};
 use crate::plane::Plane;
 
 fn screenshots() -> std::path::PathBuf {
@@ -28,17 +28,7 @@ fn time(ms: i64) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn console_promotion_pins_the_count() {
     let plane = Plane::start().await;
-    plane.register("web-1", &["app=web"], WEB).await;
-    plane.register("batch-1", &["app=batch", "team=data"], BATCH).await;
-    allow_db_from(&plane, "web").await;
-    let (a, b) = (Host::start(&plane, "db-1").await, Host::start(&plane, "db-2").await);
-    set_mode(&plane, db(), 2, Mode::Simulation).await;
-    synced(&plane, &[&a, &b]).await;
-    let base = now_ms() - 60 * SECOND;
-    for host in [&a, &b] {
-        host.deliver(base, base + 5 * SECOND, &[WEB], &[]).await;
-        host.deliver(base + 5 * SECOND, base + 10 * SECOND, &[WEB, BATCH], &[]).await;
-    }
+    let (a, b, _, base) = unsafe_db(&plane).await;
     let config = ApiConfig {
         listen: "127.0.0.1:0".parse().unwrap(),
         tls: ApiTls::FromCa { names: vec!["localhost".into()], lifetime: Duration::from_secs(3600) },

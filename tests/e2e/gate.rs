@@ -30,7 +30,7 @@ pub(crate) fn now_ms() -> i64 {
 }
 
 /// `app=db` accepts tcp/5432 from workloads labelled `app=<from>` (ruleset `db-from-<from>`).
-pub(crate) async fn allow_db_from(plane: &Plane, from: &str) {
+async fn allow_db_from(plane: &Plane, from: &str) {
     let name = format!("db-from-{from}");
     testing::admit(plane.pool(), &name, ("app", "db"), ("app", from), "tcp:5432").await.unwrap();
 }
@@ -132,22 +132,28 @@ async fn count(plane: &Plane, sql: &str) -> i64 {
     sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned())).fetch_one(plane.pool()).await.unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn verdict_scenario_unsafe_then_safe() {
-    let plane = Plane::start().await;
+/// web-1 (`app=web`), batch-1 (`app=batch,team=data`) and two `app=db` hosts in simulation under
+/// a version (returned) that admits web only, with ten seconds of evidence from `base` (a minute
+/// ago, returned): web allowed, batch would-block.
+pub(crate) async fn unsafe_db(plane: &Plane) -> (Host, Host, i64, i64) {
     plane.register("web-1", &["app=web"], WEB).await;
     plane.register("batch-1", &["app=batch", "team=data"], BATCH).await;
-    allow_db_from(&plane, "web").await;
-    let (a, b) = (Host::start(&plane, "db-1").await, Host::start(&plane, "db-2").await);
-    set_mode(&plane, db(), 2, Mode::Simulation).await;
-    let v1 = synced(&plane, &[&a, &b]).await;
-
-    // Ten seconds of evidence under that version: web is allowed, batch would be blocked.
+    allow_db_from(plane, "web").await;
+    let (a, b) = (Host::start(plane, "db-1").await, Host::start(plane, "db-2").await);
+    set_mode(plane, db(), 2, Mode::Simulation).await;
+    let v1 = synced(plane, &[&a, &b]).await;
     let base = now_ms() - 60 * SECOND;
     for host in [&a, &b] {
         host.deliver(base, base + 5 * SECOND, &[WEB], &[]).await;
         host.deliver(base + 5 * SECOND, base + 10 * SECOND, &[WEB, BATCH], &[]).await;
     }
+    (a, b, v1, base)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verdict_scenario_unsafe_then_safe() {
+    let plane = Plane::start().await;
+    let (a, b, v1, base) = unsafe_db(&plane).await;
     let verdict = gate::judge(plane.pool(), &db(), &params(base, base + 10 * SECOND)).await.unwrap();
     assert_eq!(verdict.outcome, Outcome::Unsafe, "{}", verdict.summary());
     let summary = verdict.summary();

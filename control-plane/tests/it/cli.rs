@@ -154,7 +154,7 @@ async fn cli_is_safe_to_use_carelessly() -> anyhow::Result<()> {
 
 /// `innerwall <global> <args>` without any of the environment's control-plane settings: exit
 /// code, stdout, stderr.
-fn foresight_cli(global: &[String], args: &[&str]) -> (Option<i32>, String, String) {
+pub fn foresight_cli(global: &[String], args: &[&str]) -> (Option<i32>, String, String) {
     let mut command = Command::new(env!("CARGO_BIN_EXE_innerwall"));
     for var in [
         "INNERWALL_API",

@@ -4,13 +4,13 @@
 use chrono::Utc;
 use innerwall_control_plane::identity::operators::{self, Role, TokenRef};
 use innerwall_control_plane::policy::store;
-use innerwall_control_plane::testing::{self, fresh_database};
+use innerwall_control_plane::testing::fresh_database;
 use innerwall_wire::identity::WorkloadId;
-use innerwall_wire::policy::{Mode, WorkloadPolicy};
 use serde_json::json;
 
+use crate::cli::foresight_cli;
 use crate::foresight_api::{Serve, estate, mint};
-use crate::recorded::{HOUR, at, flow_to, ingest, rule_for};
+use crate::recorded::{HOUR, applied_in_simulation, flow_to, ingest, rule_for};
 use innerwall_control_plane::testing::browser::Browser;
 
 /// Where the tests leave their screenshots.
@@ -25,30 +25,6 @@ fn sign_in(browser: &Browser, base: &str, token: &str) {
     browser.clear(&field);
     browser.type_into(&field, token);
     browser.click(&browser.one("form.sign-in button"));
-}
-
-/// `host`'s latest persisted policy, installed in simulation at `since_ms` and applied, so
-/// windows under it are evidence: its id and that policy.
-async fn applied_in_simulation(
-    pool: &sqlx::PgPool,
-    host: &str,
-    since_ms: i64,
-) -> (WorkloadId, WorkloadPolicy) {
-    let id: uuid::Uuid = sqlx::query_scalar("SELECT id FROM workloads WHERE hostname = $1")
-        .bind(host)
-        .fetch_one(pool)
-        .await
-        .unwrap();
-    let id = WorkloadId::from_uuid(id).unwrap();
-    let policy = store::persisted_policy(&mut pool.acquire().await.unwrap(), id).await.unwrap().unwrap().0;
-    testing::installed(pool, id, &[(policy.version(), Mode::Simulation, at(since_ms))]).await.unwrap();
-    sqlx::query("UPDATE workloads SET applied_version = $2 WHERE id = $1")
-        .bind(id.uuid())
-        .bind(policy.version() as i64)
-        .execute(pool)
-        .await
-        .unwrap();
-    (id, policy)
 }
 
 /// A form POST from the page (same origin, with the session's cookie), answering its status.
@@ -370,13 +346,10 @@ async fn console_draft_impact() {
     );
     let moved = moved.as_array().unwrap();
     assert!(!moved.is_empty(), "the commit moved no version");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_innerwall"))
-        .args(["--database-url", &db.url, "--json", "workload", "list"])
-        .env_remove("INNERWALL_API")
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{out:?}");
-    let listed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let (code, out, err) =
+        foresight_cli(&["--database-url".to_owned(), db.url.clone()], &["--json", "workload", "list"]);
+    assert_eq!(code, Some(0), "{err}");
+    let listed: serde_json::Value = serde_json::from_str(&out).unwrap();
     for m in moved {
         let w = listed.as_array().unwrap().iter().find(|w| w["id"] == m[0]).unwrap();
         assert_eq!(json!(format!("v{}", w["latest_version"])), m[1], "{w}");

@@ -4,29 +4,19 @@
 //! — action, subject, detail and the versions each change moved — in two estates made alike.
 
 use std::collections::BTreeMap;
-use std::process::Command;
 
 use innerwall_control_plane::identity::operators::Role;
 use innerwall_control_plane::testing::fresh_database;
 use serde_json::Value;
 use sqlx::PgPool;
 
+use crate::cli::foresight_cli;
 use crate::foresight_api::{Serve, TESTS, estate, file, mint};
 
 fn innerwall(args: &[String]) -> String {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_innerwall"));
-    for var in [
-        "INNERWALL_API",
-        "INNERWALL_TOKEN",
-        "INNERWALL_API_TOKEN",
-        "INNERWALL_API_CA",
-        "INNERWALL_DATABASE_URL",
-    ] {
-        command.env_remove(var);
-    }
-    let out = command.args(args).output().expect("running innerwall");
-    assert!(out.status.success(), "innerwall {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8(out.stdout).unwrap()
+    let (code, out, err) = foresight_cli(args, &[]);
+    assert_eq!(code, Some(0), "innerwall {args:?}: {err}");
+    out
 }
 
 /// Hostname by workload id.

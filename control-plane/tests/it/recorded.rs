@@ -3,9 +3,11 @@
 
 use chrono::{DateTime, Utc};
 use innerwall_control_plane::flows;
+use innerwall_control_plane::policy::store;
+use innerwall_control_plane::testing;
 use innerwall_wire::flows::FlowWindow;
 use innerwall_wire::identity::WorkloadId;
-use innerwall_wire::policy::WorkloadPolicy;
+use innerwall_wire::policy::{Mode, WorkloadPolicy};
 use innerwall_wire::proto;
 
 pub const HOUR: i64 = 3_600_000;
@@ -67,4 +69,28 @@ pub fn rule_for(policy: &WorkloadPolicy, port: u16) -> String {
 
 pub fn at(ms: i64) -> DateTime<Utc> {
     DateTime::from_timestamp_millis(ms).unwrap()
+}
+
+/// `host`'s latest persisted policy, installed in simulation at `since_ms` and applied, so
+/// windows under it are evidence: its id and that policy.
+pub async fn applied_in_simulation(
+    pool: &sqlx::PgPool,
+    host: &str,
+    since_ms: i64,
+) -> (WorkloadId, WorkloadPolicy) {
+    let id: uuid::Uuid = sqlx::query_scalar("SELECT id FROM workloads WHERE hostname = $1")
+        .bind(host)
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    let id = WorkloadId::from_uuid(id).unwrap();
+    let policy = store::persisted_policy(&mut pool.acquire().await.unwrap(), id).await.unwrap().unwrap().0;
+    testing::installed(pool, id, &[(policy.version(), Mode::Simulation, at(since_ms))]).await.unwrap();
+    sqlx::query("UPDATE workloads SET applied_version = $2 WHERE id = $1")
+        .bind(id.uuid())
+        .bind(policy.version() as i64)
+        .execute(pool)
+        .await
+        .unwrap();
+    (id, policy)
 }

@@ -1,25 +1,22 @@
 //! Suggestions over the operator API (issue 28): viewers ask, editors accept and ignore; the
 //! remote CLI prints what the local one prints. Flows through the real ingest path.
 
-use std::process::Command;
-
 use chrono::{SecondsFormat, Utc};
 use innerwall_control_plane::error::Error;
 use innerwall_control_plane::foresight::Range;
 use innerwall_control_plane::identity::operators::Role;
 use innerwall_control_plane::suggest;
-use innerwall_control_plane::testing::{self, fresh_database};
-use innerwall_wire::identity::WorkloadId;
-use innerwall_wire::policy::Mode;
+use innerwall_control_plane::testing::fresh_database;
 use serde_json::{Value, json};
 
+use crate::cli::foresight_cli;
 use crate::foresight_api::{Serve, estate, mint};
-use crate::recorded::{HOUR, at, flow_to, ingest};
+use crate::recorded::{HOUR, applied_in_simulation, flow_to, ingest};
 
 fn cli(args: &[String]) -> Vec<u8> {
-    let out = Command::new(env!("CARGO_BIN_EXE_innerwall")).args(args).output().expect("running innerwall");
-    assert!(out.status.success(), "{args:?}: {out:?}");
-    out.stdout
+    let (code, out, err) = foresight_cli(args, &[]);
+    assert_eq!(code, Some(0), "{args:?}: {err}");
+    out.into_bytes()
 }
 
 #[tokio::test]
@@ -29,31 +26,11 @@ async fn suggestion_routes_over_http() {
     estate(pool).await;
     // db-1 (`app=db`) applied its latest version in simulation; web-1 reached it on postgres,
     // which only api and 10.9.0.0/16 may.
-    let (id, version): (uuid::Uuid, i64) = sqlx::query_as(
-        "SELECT w.id, p.version FROM workloads w JOIN workload_policies p ON p.workload_id = w.id
-         WHERE w.hostname = 'db-1'",
-    )
-    .fetch_one(pool)
-    .await
-    .unwrap();
-    let db1 = WorkloadId::from_uuid(id).unwrap();
     let start = Utc::now().timestamp_millis() - 2 * HOUR;
-    testing::installed(pool, db1, &[(version as u64, Mode::Simulation, at(start - HOUR))]).await.unwrap();
-    sqlx::query("UPDATE workloads SET applied_version = $2 WHERE id = $1")
-        .bind(id)
-        .bind(version)
-        .execute(pool)
-        .await
-        .unwrap();
-    ingest(
-        pool,
-        db1,
-        version as u64,
-        start,
-        vec![flow_to("10.0.0.1", "10.0.0.4", 5432, None, 3, start)],
-        vec![],
-    )
-    .await;
+    let (db1, policy) = applied_in_simulation(pool, "db-1", start - HOUR).await;
+    let version = policy.version();
+    ingest(pool, db1, version, start, vec![flow_to("10.0.0.1", "10.0.0.4", 5432, None, 3, start)], vec![])
+        .await;
 
     let viewer = mint(pool, "vera", Role::Viewer).await;
     let editor = mint(pool, "ed", Role::Editor).await;
@@ -117,29 +94,16 @@ async fn a_run_past_its_suggestion_bound_is_refused() {
     let db = fresh_database().await.unwrap();
     let pool = &db.pool;
     estate(pool).await;
-    let (id, version): (uuid::Uuid, i64) = sqlx::query_as(
-        "SELECT w.id, p.version FROM workloads w JOIN workload_policies p ON p.workload_id = w.id
-         WHERE w.hostname = 'db-1'",
-    )
-    .fetch_one(pool)
-    .await
-    .unwrap();
-    let db1 = WorkloadId::from_uuid(id).unwrap();
     let start = Utc::now().timestamp_millis() - 3 * HOUR;
-    testing::installed(pool, db1, &[(version as u64, Mode::Simulation, at(start - HOUR))]).await.unwrap();
-    sqlx::query("UPDATE workloads SET applied_version = $2 WHERE id = $1")
-        .bind(id)
-        .bind(version)
-        .execute(pool)
-        .await
-        .unwrap();
+    let (db1, policy) = applied_in_simulation(pool, "db-1", start - HOUR).await;
+    let version = policy.version();
     // web-1 reached db-1 on as many ports as one run shows, none of them admitted: one
     // suggestion per port.
     let bound = suggest::MAX_SUGGESTIONS as u32;
     let flows = |ports: std::ops::Range<u32>| {
         ports.map(|p| flow_to("10.0.0.1", "10.0.0.4", 20_000 + p, None, 1, start)).collect()
     };
-    ingest(pool, db1, version as u64, start, flows(0..bound), vec![]).await;
+    ingest(pool, db1, version, start, flows(0..bound), vec![]).await;
     let request = suggest::Request {
         scope: "app=db".into(),
         range: Range::ending_at(Utc::now(), std::time::Duration::from_secs(86_400)).unwrap(),
@@ -160,7 +124,7 @@ async fn a_run_past_its_suggestion_bound_is_refused() {
     assert_eq!(before.0, suggest::MAX_SUGGESTIONS as i64);
 
     // One port more, in the next window: the run is refused and writes nothing.
-    ingest(pool, db1, version as u64, start + HOUR, flows(bound..bound + 1), vec![]).await;
+    ingest(pool, db1, version, start + HOUR, flows(bound..bound + 1), vec![]).await;
     let request = suggest::Request {
         range: Range::ending_at(Utc::now(), std::time::Duration::from_secs(86_400)).unwrap(),
         ..request

@@ -748,11 +748,9 @@ async fn audit_log(
     };
     let since = match q.since.trim() {
         "" => Ok(None),
-        text => humantime::parse_duration(text)
-            .map(|d| {
-                Some(chrono::Utc::now() - chrono::TimeDelta::from_std(d).unwrap_or(chrono::TimeDelta::MAX))
-            })
-            .map_err(|e| format!("since {text:?}: {e} (write e.g. 24h, 7d)")),
+        text => duration("since", text).map(|d| {
+            Some(chrono::Utc::now() - chrono::TimeDelta::from_std(d).unwrap_or(chrono::TimeDelta::MAX))
+        }),
     };
     let filter = match since {
         Ok(since) => {
@@ -886,13 +884,14 @@ struct ReviewQuery {
     until: Option<String>,
 }
 
+/// A duration field as the CLI's flags read it (`24h`, `7d`), or why it is not one.
+fn duration(what: &str, text: &str) -> Result<std::time::Duration, String> {
+    humantime::parse_duration(text.trim()).map_err(|e| format!("{what} {text:?}: {e} (write e.g. 24h, 7d)"))
+}
+
 /// The evidence range `since` back from `until` (RFC 3339; empty: now), at least `min` long, as
 /// the CLI's flags read them.
 fn evidence(since: &str, min: &str, until: &str) -> Result<Params, String> {
-    let duration = |what: &str, text: &str| {
-        humantime::parse_duration(text.trim())
-            .map_err(|e| format!("{what} {text:?}: {e} (write e.g. 24h, 7d)"))
-    };
     let (since, min) = (duration("evidence since", since)?, duration("minimum evidence", min)?);
     let until = match until.trim() {
         "" => chrono::Utc::now(),
@@ -1055,8 +1054,7 @@ impl FlowsQuery {
     /// The grouping and the library's filter, each field checked as the CLI checks its flags.
     async fn filter(&self, pool: &sqlx::PgPool) -> Result<(Grouping, RollupFilter), Error> {
         let by: Grouping = self.by.parse()?;
-        let since = humantime::parse_duration(self.since.trim())
-            .map_err(|e| Error::Invalid(format!("since {:?}: {e} (write e.g. 1h, 24h, 7d)", self.since)))?;
+        let since = duration("since", &self.since).map_err(Error::Invalid)?;
         let params =
             Params::ending_at(chrono::Utc::now().timestamp_millis(), since, std::time::Duration::ZERO)?;
         let at = |ms| chrono::DateTime::from_timestamp_millis(ms).unwrap_or(chrono::DateTime::UNIX_EPOCH);
@@ -1929,8 +1927,7 @@ async fn suggestions_page(
         return Ok(html(&page));
     }
     let run = async {
-        let since = humantime::parse_duration(page.since.trim())
-            .map_err(|e| Error::Invalid(format!("since {:?}: {e} (write e.g. 14d)", page.since)))?;
+        let since = duration("since", &page.since).map_err(Error::Invalid)?;
         let request = suggest::Request {
             scope: page.scope.clone(),
             range: suggest::range_since(chrono::Utc::now(), since)?,
