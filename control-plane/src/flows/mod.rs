@@ -1,8 +1,10 @@
 //! Flow evidence (FLOW-2, FLOW-4..FLOW-6): ingest of validated windows from agents (`ingest`,
 //! written with the crate's binary `COPY`), daily partitions with retention (`retention`), the
 //! hourly pre-aggregation of closed hours (`hourly`), and what operators read: records and gaps
-//! (`query`) and rollups (`rollup`), a bounded page at a time (`page`).
+//! (`query`) and rollups (`rollup`), a bounded page at a time (`page`), and flows between label
+//! sets for the map (`edges`).
 
+mod edges;
 mod hourly;
 mod ingest;
 pub mod installs;
@@ -11,6 +13,7 @@ mod query;
 mod retention;
 mod rollup;
 
+pub use edges::{EdgeSum, Edges, MAX_EDGE_SUMS, MAX_PENDING_RECORDS, Peer, edges};
 pub use hourly::{ROLLUP_BATCH_RECORDS, ROLLUP_BATCH_WINDOWS, roll_up};
 pub use ingest::{IngestError, Ingested, Telemetry, TimeBounds, ingest, ingest_with};
 pub use page::{MAX_PAGE, Page, PageRequest};

@@ -14,11 +14,18 @@ pub const DEFAULT_RETENTION_DAYS: i64 = 30;
 pub(super) const PARTITION_LOCK_KEY: i64 = 0x6977_2d66_6c6f_7773;
 
 /// The partitioned flow tables, each with a partition a day.
-const PARTITIONED: [&str; 6] =
-    ["flow_windows", "flow_records", "flow_gaps", "flow_rollups", "flow_rule_rollups", "flow_key_days"];
+const PARTITIONED: [&str; 7] = [
+    "flow_windows",
+    "flow_records",
+    "flow_gaps",
+    "flow_rollups",
+    "flow_rule_rollups",
+    "flow_key_days",
+    "flow_edge_hours",
+];
 
 /// Each partitioned table with the name of its partition for `day`.
-pub(super) fn partitions(day: NaiveDate) -> [(&'static str, String); 6] {
+pub(super) fn partitions(day: NaiveDate) -> [(&'static str, String); 7] {
     let suffix = day.format("%Y%m%d");
     PARTITIONED.map(|table| (table, format!("{table}_{suffix}")))
 }

@@ -157,6 +157,22 @@ async fn console_signin_and_roles() {
     assert!(audited.starts_with("operator:ed/"), "{audited}");
     editing.screenshot(&screenshots().join("workload-editor.png"));
 
+    // Forms over their bound are refused before they are read, changing nothing: 16 KiB for
+    // every form, a change file's size (form-encoded) for a new draft.
+    let csrf = editing.attribute(&editing.one("form.who input[name=csrf]"), "value").unwrap();
+    let padded = format!("app=web\ntier={}", "x".repeat(17 * 1024));
+    let huge = json!({"csrf": csrf, "expect_label_version": after.1.to_string(), "labels": padded});
+    assert_eq!(editing.script(POST, json!([path, huge])), json!(413), "a 17 KiB label form");
+    assert_eq!(labels().await, after, "the refused form changed the labels");
+    let draft = |changes: String| json!({"csrf": csrf, "name": "big", "note": "", "changes": changes});
+    let status = editing.script(POST, json!(["/drafts", draft(format!("# {}", "x".repeat(20 * 1024)))]));
+    assert_ne!(status, json!(413), "a change file of 20 KiB is within the drafts' bound");
+    let over = 3 * innerwall_control_plane::foresight::drafts::MAX_CHANGE_FILE as usize + 8192;
+    let status = editing.script(POST, json!(["/drafts", draft("x".repeat(over))]));
+    assert_eq!(status, json!(413), "a form larger than any change file");
+    let drafts: i64 = sqlx::query_scalar("SELECT count(*) FROM drafts").fetch_one(pool).await.unwrap();
+    assert_eq!(drafts, 0, "no refused form made a draft");
+
     // Revoking the viewer's token ends its session and its sign-ins.
     operators::revoke_audited(pool, "cli:test", &TokenRef::Name("vera".into()), None).await.unwrap();
     browser.goto(&format!("{base}/fleet"));

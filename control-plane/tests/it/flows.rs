@@ -68,9 +68,16 @@ async fn retention_drops_whole_expired_partitions() {
         .unwrap()
     };
     let day = (now - chrono::Duration::seconds(60)).format("%Y%m%d").to_string();
-    let expected =
-        ["flow_gaps", "flow_key_days", "flow_records", "flow_rollups", "flow_rule_rollups", "flow_windows"]
-            .map(|t| format!("{t}_{day}"));
+    let expected = [
+        "flow_edge_hours",
+        "flow_gaps",
+        "flow_key_days",
+        "flow_records",
+        "flow_rollups",
+        "flow_rule_rollups",
+        "flow_windows",
+    ]
+    .map(|t| format!("{t}_{day}"));
     assert_eq!(partitions().await, expected);
 
     // Within retention nothing goes; 31 days later the whole day's partitions are dropped.
@@ -105,9 +112,9 @@ async fn retention_drops_many_partitions_in_batches() {
     };
     assert_eq!(count().await, 2 * 401);
     let dropped = flows::apply_retention(&db.pool, 30, now).await.unwrap();
-    // Days [now - 400, now - 31] are wholly before the cutoff day (now - 30): 370 days, six
-    // tables (windows, records, gaps, rollups, rule rollups, key days).
-    assert_eq!(dropped.len(), 6 * 370);
+    // Days [now - 400, now - 31] are wholly before the cutoff day (now - 30): 370 days, seven
+    // tables (windows, records, gaps, rollups, rule rollups, key days, edge hours).
+    assert_eq!(dropped.len(), 7 * 370);
     assert!(dropped.len() > 10 * flows::RETENTION_BATCH, "the test spans many batches");
     assert_eq!(count().await, 2 * 31);
     assert_eq!(flows::apply_retention(&db.pool, 30, now).await.unwrap(), Vec::<String>::new());
@@ -1079,4 +1086,130 @@ async fn deny_listed_addresses_are_not_attributed() {
         .await
         .unwrap_err();
     assert!(err.to_string().contains("workload_addresses_accepted_once"), "{err}");
+}
+
+/// (connections, records) per (destination labels, peer group, decision).
+type EdgeSums = BTreeMap<(BTreeMap<String, String>, flows::Peer, i16), (i64, i64)>;
+
+/// What the map's edges must say: the raw records of `[from, to)` summed per (destination
+/// labels in `labels_of`, peer group, decision) as (connections, records).
+fn edge_oracle(records: &[Raw], labels_of: &BTreeMap<uuid::Uuid, BTreeMap<String, String>>) -> EdgeSums {
+    let mut sums = BTreeMap::new();
+    for r in records {
+        let peer = match r.peer_kind {
+            1 => flows::Peer::Labelled(serde_json::from_value(r.peer_labels.clone()).unwrap()),
+            2 => flows::Peer::Group(r.peer_key.clone()),
+            _ => flows::Peer::Other,
+        };
+        let sum: &mut (i64, i64) =
+            sums.entry((labels_of[&r.workload_id].clone(), peer, r.decision)).or_default();
+        sum.0 += r.new_connections;
+        sum.1 += 1;
+    }
+    sums
+}
+
+fn edge_sums(edges: &flows::Edges) -> EdgeSums {
+    use innerwall_wire::convert::WireEnum;
+    let mut sums = BTreeMap::new();
+    for s in &edges.sums {
+        let key = (s.destination.clone(), s.peer.clone(), s.decision.code());
+        assert!(sums.insert(key, (s.connections, s.records)).is_none(), "one sum per edge: {s:?}");
+    }
+    sums
+}
+
+/// PERF-11's pre-aggregate is exact: the map's edges over a range (widened to the hour it starts
+/// in) equal the raw records' sums whether nothing is rolled up, part of it, a late window waits
+/// in an hour already rolled up, or everything is; windows not rolled up beyond the bound are
+/// left out and counted, never half-read; a destination relabelled after its flows were rolled
+/// up keeps them under its labels then.
+#[tokio::test]
+async fn map_edges_equal_the_raw_records_rolled_up_or_not() {
+    let db = fresh_database().await.unwrap();
+    let (dsts, _) = estate(&db.pool).await;
+    ingest_hours(&db.pool, &dsts, BASE, 4).await;
+    let (from, to) = (at(BASE + 30 * 60_000), at(BASE + 4 * 3_600_000));
+    let labels_now = async || {
+        let ids: Vec<uuid::Uuid> = dsts.iter().map(|d| d.uuid()).collect();
+        let mut conn = db.pool.acquire().await.unwrap();
+        innerwall_control_plane::policy::store::labels_of(&mut conn, &ids).await.unwrap()
+    };
+    let check = async |stage: &str, labels: &BTreeMap<uuid::Uuid, BTreeMap<String, String>>| {
+        let truth = raw(&db.pool, at(BASE), to).await;
+        let edges = flows::edges(&db.pool, from, to, flows::MAX_PENDING_RECORDS).await.unwrap();
+        assert_eq!((edges.from, edges.to), (at(BASE), to), "{stage}: whole hours from the first");
+        assert_eq!((edges.pending_left_out, edges.truncated), (0, false), "{stage}");
+        assert_eq!(edge_sums(&edges), edge_oracle(&truth, labels), "{stage}: the raw records' sums");
+        assert!(edges.sums.iter().any(|s| matches!(s.peer, flows::Peer::Group(ref g) if g == "corp")));
+        assert!(edges.sums.iter().any(|s| s.peer == flows::Peer::Other));
+        edges
+    };
+    let labels = labels_now().await;
+    check("nothing rolled up", &labels).await;
+    assert!(flows::roll_up(&db.pool, at(BASE + 2 * 3_600_000)).await.unwrap() > 0);
+    check("two hours rolled up", &labels).await;
+    let late = proto::FlowWindow {
+        policy_version: 1,
+        ..window_at(
+            BASE + 5 * 60_000,
+            vec![flow(
+                "192.0.2.77",
+                "10.1.0.5",
+                22,
+                proto::FlowDecision::WouldBlock,
+                9,
+                (BASE + 5 * 60_000, BASE + 6 * 60_000),
+            )],
+        )
+    };
+    flows::ingest(&db.pool, dsts[0], &FlowWindow::try_from(&late).unwrap()).await.unwrap();
+    check("a late window pending", &labels).await;
+
+    // Beyond the bound, what is not rolled up is left out and counted, never read in part.
+    let pending: i64 = sqlx::query_scalar(
+        "SELECT sum(record_count)::bigint FROM flow_windows WHERE NOT rolled_up AND window_start < $1",
+    )
+    .bind(to)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let bounded = flows::edges(&db.pool, from, to, pending - 1).await.unwrap();
+    assert_eq!(bounded.pending_left_out, pending);
+    let rolled: Vec<Raw> = sqlx::query_as(
+        "SELECT matched_rule_id AS rule, peer_kind, peer_key, peer_labels, host(src_address) AS src, workload_id,
+                host(dst_address) AS dst, dst_port, protocol, policy_version, decision, new_connections, packets,
+                bytes, first_seen, last_seen
+         FROM flow_records r WHERE EXISTS (SELECT 1 FROM flow_windows w WHERE w.rolled_up
+             AND w.workload_id = r.workload_id AND w.window_id = r.window_id AND w.window_start = r.window_start)",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(edge_sums(&bounded), edge_oracle(&rolled, &labels), "only the rolled-up hours");
+
+    // Relabelled after its flows were rolled up: those keep app=cache, the rest follow it.
+    innerwall_control_plane::foresight::commit(&db.pool, "test", "label", "cache", async |c| {
+        Ok((
+            authoring::edit_labels(c, dsts[2], 1, &["app=kv".parse().unwrap()], &[]).await?,
+            serde_json::json!({}),
+        ))
+    })
+    .await
+    .unwrap();
+    let edges = flows::edges(&db.pool, from, to, flows::MAX_PENDING_RECORDS).await.unwrap();
+    let app_of = |s: &flows::EdgeSum| s.destination.get("app").cloned().unwrap_or_default();
+    assert!(edges.sums.iter().any(|s| app_of(s) == "cache"), "the rolled-up hours keep app=cache");
+    assert!(edges.sums.iter().any(|s| app_of(s) == "kv"), "the pending ones read the labels now");
+    assert_eq!(flows::roll_up(&db.pool, at(BASE + 5 * 3_600_000)).await.unwrap(), 2 * 3 * 3 + 1);
+    // Everything rolled up: the hours rolled before the relabel under app=cache, after it app=kv.
+    let truth = raw(&db.pool, at(BASE), to).await;
+    let edges = flows::edges(&db.pool, from, to, flows::MAX_PENDING_RECORDS).await.unwrap();
+    let total = |sums: &EdgeSums| sums.values().fold((0, 0), |t, s| (t.0 + s.0, t.1 + s.1));
+    assert_eq!(total(&edge_sums(&edges)), total(&edge_oracle(&truth, &labels)), "every record once");
+    assert!(edges.sums.iter().any(|s| app_of(s) == "cache") && edges.sums.iter().any(|s| app_of(s) == "kv"));
+
+    // An empty range is refused.
+    let err = flows::edges(&db.pool, to, to, 1).await.unwrap_err().to_string();
+    assert!(err.contains("is empty"), "{err}");
 }

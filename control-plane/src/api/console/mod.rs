@@ -1035,6 +1035,15 @@ impl FlowsQuery {
         self
     }
 
+    /// `since` before now until now.
+    fn range(&self) -> Result<(chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>), Error> {
+        let since = duration("since", &self.since).map_err(Error::Invalid)?;
+        let params =
+            Params::ending_at(chrono::Utc::now().timestamp_millis(), since, std::time::Duration::ZERO)?;
+        let at = |ms| chrono::DateTime::from_timestamp_millis(ms).unwrap_or(chrono::DateTime::UNIX_EPOCH);
+        Ok((at(params.from_ms), at(params.to_ms)))
+    }
+
     /// The link to this query (without its cursor) at `path`, with `cursor` when given.
     fn link(&self, path: &str, cursor: Option<&str>) -> String {
         let mut pairs = vec![
@@ -1054,11 +1063,8 @@ impl FlowsQuery {
     /// The grouping and the library's filter, each field checked as the CLI checks its flags.
     async fn filter(&self, pool: &sqlx::PgPool) -> Result<(Grouping, RollupFilter), Error> {
         let by: Grouping = self.by.parse()?;
-        let since = duration("since", &self.since).map_err(Error::Invalid)?;
-        let params =
-            Params::ending_at(chrono::Utc::now().timestamp_millis(), since, std::time::Duration::ZERO)?;
-        let at = |ms| chrono::DateTime::from_timestamp_millis(ms).unwrap_or(chrono::DateTime::UNIX_EPOCH);
-        let mut filter = RollupFilter::range(at(params.from_ms), at(params.to_ms));
+        let (from, to) = self.range()?;
+        let mut filter = RollupFilter::range(from, to);
         if !self.decision.is_empty() {
             let decision = self.decision.parse::<Decision>().map_err(|_| {
                 Error::Invalid(format!(
@@ -1341,10 +1347,6 @@ async fn flows_json(
 
 // ---- map ---------------------------------------------------------------------------------
 
-/// The most rollup rows the map reads per decision.
-const MAP_ROWS: usize = 50_000;
-/// How long the map reads flows before it draws what it read (and says so).
-const MAP_BUDGET: std::time::Duration = std::time::Duration::from_secs(5);
 /// The most edges the map's table lists (the heaviest).
 const MAP_TABLE_ROWS: usize = 200;
 
@@ -1378,8 +1380,13 @@ struct MapPage {
     who: Option<Who>,
     q: MapQuery,
     error: Option<String>,
+    /// The whole hours drawn.
+    drawn: String,
+    /// Records not rolled up yet left out (too many to read at once).
+    pending_left_out: i64,
     truncated: bool,
-    max_rows: usize,
+    max_sums: i64,
+    max_pending: i64,
     layout: Option<MapLayout>,
     edges: Vec<Linked<()>>,
     /// Edges the table leaves out.
@@ -1406,9 +1413,9 @@ fn group_of(labels: &std::collections::BTreeMap<String, String>, keys: &[&str]) 
     (selector.clone(), Some(selector))
 }
 
-/// Flows between groups of a label (and a second one): managed peers by their labels then,
-/// destinations by their labels now, address groups by name, other addresses as one group;
-/// aggregated on the server per decision from the source–destination rollups, and drawn in
+/// Flows between groups of a label (and a second one): managed peers and destinations by their
+/// labels then, address groups by name, other addresses as one group; summed per decision from
+/// the map's hourly pre-aggregate ([`flows::edges`]), grouped here, and drawn in
 /// layers ([`map::layout`]); beyond [`map::MAX_GROUPS`] groups the page asks for a filter.
 async fn map_page(
     State(state): State<ApiState>,
@@ -1426,8 +1433,11 @@ async fn map_page(
         who: Some(Who::from(&session)),
         q: q.clone(),
         error: None,
+        drawn: String::new(),
+        pending_left_out: 0,
         truncated: false,
-        max_rows: MAP_ROWS,
+        max_sums: flows::MAX_EDGE_SUMS,
+        max_pending: flows::MAX_PENDING_RECORDS,
         layout: None,
         edges: Vec::new(),
         more_edges: 0,
@@ -1439,66 +1449,44 @@ async fn map_page(
             return Ok((StatusCode::BAD_REQUEST, html(&page)).into_response());
         }
     }
-    let flows_query =
-        FlowsQuery { scope: q.scope.clone(), since: q.since.clone(), ..FlowsQuery::default() }.normalised();
-    let (_, base) = match flows_query.filter(&state.pool).await {
+    let parsed = FlowsQuery { since: q.since.clone(), ..FlowsQuery::default() }
+        .normalised()
+        .range()
+        .and_then(|range| match q.scope.trim() {
+            "" => Ok((range, None)),
+            text => Ok((range, Some(flows::parse_selector(text)?))),
+        });
+    let (range, scope) = match parsed {
         Ok(parsed) => parsed,
-        Err(e) if e.kind() == crate::error::Kind::Invalid => {
+        Err(e) => {
             page.error = Some(e.to_string());
             return Ok((StatusCode::BAD_REQUEST, html(&page)).into_response());
         }
-        Err(e) => return Err(e.into()),
     };
-    let mut rows: Vec<(&'static str, RollupRow)> = Vec::new();
-    let deadline = std::time::Instant::now() + MAP_BUDGET;
-    for decision in [Decision::Allowed, Decision::WouldBlock, Decision::Blocked, Decision::Observed] {
-        if std::time::Instant::now() >= deadline {
-            page.truncated = true;
-            break;
-        }
-        let filter = RollupFilter { decisions: vec![decision], ..base.clone() };
-        let mut request = PageRequest { limit: flows::MAX_PAGE, cursor: None };
-        let mut read = 0;
-        loop {
-            let page_rows = flows::rollup(&state.pool, Grouping::SrcDst, &filter, &request).await?;
-            read += page_rows.rows.len();
-            rows.extend(page_rows.rows.into_iter().map(|r| (decision.name(), r)));
-            match page_rows.next_cursor {
-                Some(cursor) if read < MAP_ROWS && std::time::Instant::now() < deadline => {
-                    request.cursor = Some(cursor)
-                }
-                Some(_) => {
-                    page.truncated = true;
-                    break;
-                }
-                None => break,
-            }
-        }
-    }
-    let ids: Vec<uuid::Uuid> = rows
-        .iter()
-        .filter_map(|(_, r)| r.workload_id)
-        .collect::<std::collections::BTreeSet<_>>()
-        .into_iter()
-        .collect();
-    let labels = store::labels_of(&mut *state.pool.acquire().await.map_err(Error::from)?, &ids).await?;
-    let no_labels = std::collections::BTreeMap::new();
+    let read = flows::edges(&state.pool, range.0, range.1, flows::MAX_PENDING_RECORDS).await?;
+    page.drawn = format!("{} – {} UTC", read.from.format(TIME), read.to.format(TIME));
+    page.pending_left_out = read.pending_left_out;
+    page.truncated = read.truncated;
     // Each edge with the selectors its flows link narrows by: the destination's and the peer's.
     let mut links: std::collections::BTreeMap<EdgeKey, EdgeSelectors> = std::collections::BTreeMap::new();
-    let edges = map::aggregate(rows.iter().map(|(decision, r)| {
-        let (to, to_selector) =
-            group_of(r.workload_id.and_then(|id| labels.get(&id)).unwrap_or(&no_labels), &keys);
-        let (from, from_selector) = match r.peer_kind {
-            Some(1) => {
-                let then: std::collections::BTreeMap<String, String> =
-                    r.peer_labels.clone().and_then(|v| serde_json::from_value(v).ok()).unwrap_or_default();
-                group_of(&then, &keys)
-            }
-            Some(2) => (format!("group {}", r.peer_key.clone().unwrap_or_default()), None),
-            _ => ("other addresses".to_owned(), None),
+    let in_scope = |labels: &std::collections::BTreeMap<String, String>| match &scope {
+        None => true,
+        Some(selector) => {
+            let parsed: Option<std::collections::BTreeMap<_, _>> =
+                labels.iter().map(|(k, v)| Some((k.parse().ok()?, v.parse().ok()?))).collect();
+            parsed.is_some_and(|labels| selector.selects(&labels))
+        }
+    };
+    let edges = map::aggregate(read.sums.iter().filter(|s| in_scope(&s.destination)).map(|s| {
+        let (to, to_selector) = group_of(&s.destination, &keys);
+        let (from, from_selector) = match &s.peer {
+            flows::Peer::Labelled(then) => group_of(then, &keys),
+            flows::Peer::Group(name) => (format!("group {name}"), None),
+            flows::Peer::Other => ("other addresses".to_owned(), None),
         };
+        let decision = s.decision.name();
         links.insert((from.clone(), to.clone(), decision), (to_selector, from_selector));
-        map::Edge { from, to, decision, connections: r.connections, flows: 1 }
+        map::Edge { from, to, decision, connections: s.connections, flows: s.records }
     }));
     let href = |e: &map::Edge| {
         let (to, from) = links.get(&(e.from.clone(), e.to.clone(), e.decision)).cloned().unwrap_or_default();
