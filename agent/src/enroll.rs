@@ -186,8 +186,8 @@ pub async fn enroll(
     let request = proto::EnrollRequest {
         provisioning_token: token.trim().to_owned(),
         csr_pem,
-        facts: Some(facts::host_facts()?),
-        agent: Some(facts::agent_info()),
+        facts: Some((&facts::host_facts()?).into()),
+        agent: Some((&facts::agent_info()).into()),
         replace: proof.is_some(),
     };
     let response = proto::enrollment_service_client::EnrollmentServiceClient::new(channel)

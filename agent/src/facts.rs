@@ -8,7 +8,8 @@
 use std::collections::BTreeSet;
 use std::net::IpAddr;
 
-use innerwall_wire::proto;
+use innerwall_wire::identity::{AgentInfo, HostFacts, NetworkInterface, OsInfo};
+use innerwall_wire::policy::PortRange;
 
 /// Why the interfaces could not be listed.
 #[derive(Debug, thiserror::Error)]
@@ -33,7 +34,7 @@ fn read_trimmed(path: &str) -> String {
     std::fs::read_to_string(path).map(|s| s.trim().to_owned()).unwrap_or_default()
 }
 
-fn os_info() -> proto::OsInfo {
+fn os_info() -> OsInfo {
     let release = std::fs::read_to_string("/etc/os-release").unwrap_or_default();
     let field = |key: &str| {
         release
@@ -42,7 +43,7 @@ fn os_info() -> proto::OsInfo {
             .map(|v| v.trim_matches('"').to_owned())
             .unwrap_or_default()
     };
-    proto::OsInfo {
+    OsInfo {
         family: "linux".into(),
         name: field("NAME"),
         version: field("VERSION_ID"),
@@ -88,10 +89,10 @@ fn parse_ip_json(
 }
 
 /// Interface addresses from `ip -j address show` (iproute2 is on every host we run on).
-fn interfaces() -> Result<Vec<proto::NetworkInterface>, FactsError> {
+fn interfaces() -> Result<Vec<NetworkInterface>, FactsError> {
     Ok(ip_json("address")?
         .iter()
-        .map(|link| proto::NetworkInterface {
+        .map(|link| NetworkInterface {
             name: link["ifname"].as_str().unwrap_or_default().to_owned(),
             mac_address: link["address"].as_str().unwrap_or_default().to_owned(),
             addresses: link["addr_info"]
@@ -110,8 +111,8 @@ fn interfaces() -> Result<Vec<proto::NetworkInterface>, FactsError> {
 }
 
 /// What this host reports about itself; an error when its interfaces cannot be listed.
-pub fn host_facts() -> Result<proto::HostFacts, FactsError> {
-    Ok(proto::HostFacts {
+pub fn host_facts() -> Result<HostFacts, FactsError> {
+    Ok(HostFacts {
         hostname: read_trimmed("/proc/sys/kernel/hostname"),
         os: Some(os_info()),
         interfaces: interfaces()?,
@@ -122,18 +123,16 @@ pub fn host_facts() -> Result<proto::HostFacts, FactsError> {
 }
 
 /// `ip_local_port_range` (two numbers, whitespace between); `None` when it is not that.
-fn port_range(text: &str) -> Option<proto::PortRange> {
+fn port_range(text: &str) -> Option<PortRange> {
     let mut numbers = text.split_whitespace().map(str::parse::<u32>);
     match (numbers.next(), numbers.next(), numbers.next()) {
-        (Some(Ok(start)), Some(Ok(end)), None) if 1 <= start && start <= end && end <= 65_535 => {
-            Some(proto::PortRange { start, end })
-        }
+        (Some(Ok(start)), Some(Ok(end)), None) => PortRange::new(start, end).ok(),
         _ => None,
     }
 }
 
-pub fn agent_info() -> proto::AgentInfo {
-    proto::AgentInfo {
+pub fn agent_info() -> AgentInfo {
+    AgentInfo {
         version: env!("CARGO_PKG_VERSION").into(),
         capabilities: vec!["nftables".into(), "policy-deltas".into()],
     }
@@ -154,7 +153,7 @@ mod tests {
 
     #[test]
     fn the_ephemeral_range_is_two_ports_in_order() {
-        assert_eq!(port_range("32768\t60999"), Some(proto::PortRange { start: 32_768, end: 60_999 }));
+        assert_eq!(port_range("32768\t60999"), Some(PortRange::new(32_768, 60_999).unwrap()));
         for bad in ["", "32768", "60999 32768", "0 100", "1 65536", "1 2 3", "a b"] {
             assert_eq!(port_range(bad), None, "{bad:?}");
         }

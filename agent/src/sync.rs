@@ -6,9 +6,14 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime};
 
-use innerwall_wire::policy::{ApplyError, PolicyDelta, PolicyError, Version, WorkloadPolicy};
-use innerwall_wire::proto::{self, sync_request, sync_response};
-use innerwall_wire::sync::{MAX_POLICY_MESSAGE, MAX_TAMPER_DETAIL, MAX_TAMPER_REPORTS, UNREADABLE_UPDATE};
+use innerwall_wire::convert::ControlMessageError;
+use innerwall_wire::identity::HostFacts;
+use innerwall_wire::policy::{ApplyError, Version, WorkloadPolicy};
+use innerwall_wire::proto;
+use innerwall_wire::sync::{
+    self as wire, Ack, AgentMessage, ControlMessage, Directive, Heartbeat, Hello, Inventory,
+    MAX_POLICY_MESSAGE, MAX_TAMPER_DETAIL, MAX_TAMPER_REPORTS, UNREADABLE_UPDATE, Update,
+};
 use tokio::sync::mpsc;
 use tonic::transport::Channel;
 
@@ -16,30 +21,9 @@ use crate::enforce::{EnforceError, Installed, PolicyStore, TamperEvent};
 use crate::metrics::{ApplyResult, Metrics};
 use crate::{error, flows};
 
-/// An update as it arrived, before validation.
-#[derive(Debug, Clone)]
-pub enum WireUpdate {
-    Snapshot(proto::WorkloadPolicy),
-    Delta(proto::PolicyDelta),
-}
-
-impl WireUpdate {
-    /// The version this update would bring the agent to: what its ack names.
-    pub fn version(&self) -> Version {
-        match self {
-            WireUpdate::Snapshot(p) => p.version,
-            WireUpdate::Delta(d) => d.to_version,
-        }
-    }
-}
-
 /// Why an update was refused as a unit; its text is the detail of the FAILED ack.
 #[derive(Debug, thiserror::Error)]
 pub enum UpdateError {
-    #[error("malformed snapshot: {0}")]
-    MalformedSnapshot(#[source] PolicyError),
-    #[error("malformed delta: {0}")]
-    MalformedDelta(#[source] PolicyError),
     #[error("delta from version {from_version} but no policy is held; a snapshot must come first")]
     NoBase { from_version: Version },
     #[error(transparent)]
@@ -49,17 +33,14 @@ pub enum UpdateError {
 }
 
 /// The complete next policy an update describes, given what the agent holds; or why it is
-/// refused as a unit (SYNC-4): malformed, or a delta whose base the agent does not hold.
-pub fn next_policy(
-    held: Option<&WorkloadPolicy>,
-    update: &WireUpdate,
-) -> Result<WorkloadPolicy, UpdateError> {
+/// refused as a unit (SYNC-4): a delta whose base the agent does not hold. (A malformed update
+/// never gets here: the conversion at the edge refuses it, naming its version.)
+pub fn next_policy(held: Option<&WorkloadPolicy>, update: &Update) -> Result<WorkloadPolicy, UpdateError> {
     match update {
-        WireUpdate::Snapshot(p) => WorkloadPolicy::try_from(p).map_err(UpdateError::MalformedSnapshot),
-        WireUpdate::Delta(d) => {
-            let delta = PolicyDelta::try_from(d).map_err(UpdateError::MalformedDelta)?;
+        Update::Snapshot(p) => Ok(p.clone()),
+        Update::Delta(delta) => {
             let held = held.ok_or(UpdateError::NoBase { from_version: delta.from_version })?;
-            Ok(held.apply(&delta)?)
+            Ok(held.apply(delta)?)
         }
     }
 }
@@ -92,7 +73,7 @@ pub struct Enforcer<S> {
     /// What the agent exposes to Prometheus (`run --metrics-listen`).
     pub metrics: Arc<Metrics>,
     /// Host facts to report instead of this host's own (see [`Enforcer::report_facts`]).
-    fixed_facts: Mutex<Option<proto::HostFacts>>,
+    fixed_facts: Mutex<Option<HostFacts>>,
     /// The largest policy-stream message this agent decodes: `wire::sync::MAX_POLICY_MESSAGE`,
     /// lowered only to test what an agent does with an update it cannot read.
     max_message: std::sync::atomic::AtomicUsize,
@@ -169,13 +150,13 @@ impl<S: PolicyStore> Enforcer<S> {
     /// Reports `facts` in every Hello and inventory instead of listing this host's interfaces:
     /// for agents that stand for other hosts (the load generator runs thousands in one process,
     /// each with its own addresses).
-    pub fn report_facts(&self, facts: proto::HostFacts) {
+    pub fn report_facts(&self, facts: HostFacts) {
         *self.fixed_facts.lock().unwrap_or_else(PoisonError::into_inner) = Some(facts);
     }
 
     /// The facts the stream reports: the fixed ones, or this host's (`None`, logged, when its
     /// interfaces cannot be listed).
-    async fn facts(&self) -> Option<proto::HostFacts> {
+    async fn facts(&self) -> Option<HostFacts> {
         let fixed = self.fixed_facts.lock().unwrap_or_else(PoisonError::into_inner).clone();
         match fixed {
             Some(facts) => Some(facts),
@@ -249,7 +230,7 @@ impl<S: PolicyStore> Enforcer<S> {
 
     /// Applies one update atomically; on error nothing changed. Blocking (netlink). With the
     /// kill switch engaged the result is [`Installed::Held`].
-    pub fn apply(&self, update: &WireUpdate) -> Result<Installed, UpdateError> {
+    pub fn apply(&self, update: &Update) -> Result<Installed, UpdateError> {
         let started = Instant::now();
         let (installed, changed) = {
             let mut store = self.store.lock().unwrap_or_else(PoisonError::into_inner);
@@ -278,10 +259,10 @@ impl<S: PolicyStore> Enforcer<S> {
         *self.renewal_error.lock().unwrap_or_else(PoisonError::into_inner) = error;
     }
 
-    fn heartbeat(&self) -> proto::Heartbeat {
+    fn heartbeat(&self) -> AgentMessage {
         let tamper = self.tamper.lock().unwrap_or_else(PoisonError::into_inner).take();
-        proto::Heartbeat {
-            uptime_seconds: self.started.elapsed().as_secs(),
+        AgentMessage::Heartbeat(Heartbeat {
+            uptime: self.started.elapsed(),
             credential_renewal_error: self
                 .renewal_error
                 .lock()
@@ -289,7 +270,7 @@ impl<S: PolicyStore> Enforcer<S> {
                 .clone(),
             tamper_events: tamper,
             suspended: *self.suspension.borrow(),
-        }
+        })
     }
 }
 
@@ -334,15 +315,15 @@ impl TamperLog {
     }
 
     /// What the next heartbeat carries; the log starts over.
-    pub fn take(&mut self) -> Vec<proto::TamperEvent> {
+    pub fn take(&mut self) -> Vec<wire::TamperEvent> {
         let ms =
             |at: SystemTime| at.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
-        let mut out: Vec<proto::TamperEvent> = std::mem::take(&mut self.entries)
+        let mut out: Vec<wire::TamperEvent> = std::mem::take(&mut self.entries)
             .into_iter()
-            .map(|(e, count)| proto::TamperEvent { detected_at_unix_ms: ms(e.at), detail: e.detail, count })
+            .map(|(e, count)| wire::TamperEvent { detected_at_unix_ms: ms(e.at), detail: e.detail, count })
             .collect();
         if let Some((at, count)) = self.others.take() {
-            out.push(proto::TamperEvent {
+            out.push(wire::TamperEvent {
                 detected_at_unix_ms: ms(at),
                 detail: format!("{count} more outside changes with other details"),
                 count,
@@ -383,12 +364,12 @@ pub struct SessionStats {
     pub updates: u64,
 }
 
-fn msg(m: sync_request::Msg) -> proto::SyncRequest {
-    proto::SyncRequest { msg: Some(m) }
+fn msg(m: &AgentMessage) -> proto::SyncRequest {
+    m.into()
 }
 
 /// This host's facts, or `None` (logged) when its interfaces cannot be listed.
-async fn current_facts() -> Option<proto::HostFacts> {
+async fn current_facts() -> Option<HostFacts> {
     match tokio::task::spawn_blocking(crate::facts::host_facts).await {
         Ok(Ok(facts)) => Some(facts),
         Ok(Err(e)) => {
@@ -410,14 +391,14 @@ pub async fn session<S: PolicyStore + Send + 'static>(
     let facts = enforcer.facts().await;
     enforcer.note_suspension();
     let mut suspension = enforcer.suspension.subscribe();
-    let hello = proto::Hello {
+    let hello = Hello {
         applied_version: enforcer.applied_version(),
-        agent: Some(crate::facts::agent_info()),
+        agent: crate::facts::agent_info(),
         facts,
         suspended: *suspension.borrow_and_update(),
     };
     let (tx, rx) = mpsc::channel(64);
-    if tx.send(msg(sync_request::Msg::Hello(hello))).await.is_err() {
+    if tx.send(msg(&AgentMessage::Hello(hello))).await.is_err() {
         return SessionEnd::Closed("could not queue Hello".into());
     }
     // A renewal from here on moves the stream to the new certificate (one made between the dial
@@ -431,18 +412,20 @@ pub async fn session<S: PolicyStore + Send + 'static>(
         Err(s) => return refused("sync refused", &s),
     };
     let config = match tokio::time::timeout(Duration::from_secs(30), inbound.message()).await {
-        Ok(Ok(Some(proto::SyncResponse { msg: Some(sync_response::Msg::HelloAck(a)) }))) => a,
+        Ok(Ok(Some(res))) => match ControlMessage::try_from(res) {
+            Ok(ControlMessage::HelloAck(a)) => a,
+            _ => return SessionEnd::Closed("no HelloAck".into()),
+        },
         Ok(Err(s)) => return refused("stream refused", &s),
         _ => return SessionEnd::Closed("no HelloAck".into()),
     };
     stats.established = true;
-    enforcer.flow_window_secs.store(u64::from(config.flow_window_seconds.clamp(1, 3600)), Relaxed);
-    enforcer.flow_window_max_keys.store(u64::from(config.flow_window_max_keys.clamp(1, 1_000_000)), Relaxed);
+    enforcer.flow_window_secs.store(config.flow_window.as_secs(), Relaxed);
+    enforcer.flow_window_max_keys.store(u64::from(config.flow_window_max_keys), Relaxed);
     enforcer.streams.fetch_add(1, Relaxed);
     enforcer.metrics.stream_connected(true);
-    let every = |secs: u32| Duration::from_secs(u64::from(secs.max(1)));
-    let mut heartbeat = tokio::time::interval(every(config.heartbeat_interval_seconds));
-    let mut inventory = tokio::time::interval(every(config.inventory_interval_seconds));
+    let mut heartbeat = tokio::time::interval(config.heartbeat);
+    let mut inventory = tokio::time::interval(config.inventory);
     heartbeat.tick().await;
     inventory.tick().await;
     // Set once an update could not be read: the control plane was told, sends nothing more on
@@ -456,31 +439,34 @@ pub async fn session<S: PolicyStore + Send + 'static>(
             }
             next = inbound.message(), if !deaf => {
                 let update = match next {
-                    Ok(Some(proto::SyncResponse { msg: Some(m) })) => match m {
-                        sync_response::Msg::Snapshot(s) => match s.policy {
-                            Some(p) => WireUpdate::Snapshot(p),
-                            None => return SessionEnd::Closed("snapshot without a policy".into()),
-                        },
-                        sync_response::Msg::Delta(d) => WireUpdate::Delta(d),
-                        sync_response::Msg::Directive(d) => match d.directive {
-                            Some(proto::directive::Directive::Reconnect(_)) => return SessionEnd::Reconnect,
-                            Some(proto::directive::Directive::Reenroll(r)) => return SessionEnd::Reenroll(r.reason),
-                            None => continue,
-                        },
-                        sync_response::Msg::HelloAck(_) => continue,
+                    Ok(Some(res)) => match ControlMessage::try_from(res) {
+                        Ok(ControlMessage::Update(update)) => update,
+                        Ok(ControlMessage::Directive(Directive::Reconnect)) => return SessionEnd::Reconnect,
+                        Ok(ControlMessage::Directive(Directive::Reenroll { reason })) => return SessionEnd::Reenroll(reason),
+                        Ok(ControlMessage::HelloAck(_)) | Err(ControlMessageError::Unknown) => continue,
+                        Err(ControlMessageError::SnapshotWithoutPolicy) => {
+                            return SessionEnd::Closed("snapshot without a policy".into());
+                        }
+                        Err(malformed @ (ControlMessageError::MalformedSnapshot { version, .. }
+                        | ControlMessageError::MalformedDelta { version, .. })) => {
+                            // Refused as a unit, like any update that cannot be applied (SYNC-4).
+                            let detail = malformed.to_string();
+                            tracing::warn!(version, "refused an update: {detail}");
+                            enforcer.metrics.applied(ApplyResult::Failed, Duration::ZERO, enforcer.applied_version());
+                            stats.updates += 1;
+                            if tx.send(msg(&AgentMessage::Ack(Ack::Failed(version, detail)))).await.is_err() {
+                                return SessionEnd::Closed("stream closed while acking".into());
+                            }
+                            continue;
+                        }
                     },
-                    Ok(Some(_)) => continue,
                     Ok(None) => return SessionEnd::Closed("server closed the stream".into()),
                     Err(s) if unreadable(&s) => {
                         let detail = format!("{} (this agent decodes at most {max_message} bytes)", s.message());
                         tracing::warn!("could not read an update: {detail}");
                         enforcer.metrics.applied(ApplyResult::Failed, Duration::ZERO, enforcer.applied_version());
-                        let ack = proto::PolicyAck {
-                            version: UNREADABLE_UPDATE,
-                            status: proto::AckStatus::Failed.into(),
-                            detail,
-                        };
-                        if tx.send(msg(sync_request::Msg::Ack(ack))).await.is_err() {
+                        let ack = AgentMessage::Ack(Ack::Failed(UNREADABLE_UPDATE, detail));
+                        if tx.send(msg(&ack)).await.is_err() {
                             return SessionEnd::Closed("stream closed while reporting an unreadable update".into());
                         }
                         deaf = true;
@@ -497,27 +483,27 @@ pub async fn session<S: PolicyStore + Send + 'static>(
                 let ack = match result {
                     Ok(Installed::Held) => {
                         tracing::warn!(version, "kill switch engaged: holding the policy without installing it");
-                        proto::PolicyAck { version, status: proto::AckStatus::Held.into(), detail: String::new() }
+                        Ack::Held(version)
                     }
-                    Ok(_) => proto::PolicyAck { version, status: proto::AckStatus::Applied.into(), detail: String::new() },
+                    Ok(_) => Ack::Applied(version),
                     Err(detail) => {
                         tracing::warn!(version, "refused an update: {detail}");
-                        proto::PolicyAck { version, status: proto::AckStatus::Failed.into(), detail }
+                        Ack::Failed(version, detail)
                     }
                 };
-                if tx.send(msg(sync_request::Msg::Ack(ack))).await.is_err() {
+                if tx.send(msg(&AgentMessage::Ack(ack))).await.is_err() {
                     return SessionEnd::Closed("stream closed while acking".into());
                 }
             }
             _ = renewals.changed() => return SessionEnd::Renewed,
             // The kill switch engaged or released: said at once, not at the next heartbeat.
             _ = suspension.changed() => {
-                if tx.send(msg(sync_request::Msg::Heartbeat(enforcer.heartbeat()))).await.is_err() {
+                if tx.send(msg(&enforcer.heartbeat())).await.is_err() {
                     return SessionEnd::Closed("stream closed".into());
                 }
             }
             _ = heartbeat.tick() => {
-                if tx.send(msg(sync_request::Msg::Heartbeat(enforcer.heartbeat()))).await.is_err() {
+                if tx.send(msg(&enforcer.heartbeat())).await.is_err() {
                     return SessionEnd::Closed("stream closed".into());
                 }
             }
@@ -525,8 +511,8 @@ pub async fn session<S: PolicyStore + Send + 'static>(
                 // No report when the interfaces cannot be listed: the addresses the control plane
                 // knows stand, they never become "none".
                 if let Some(facts) = enforcer.facts().await {
-                    let report = proto::InventoryReport { facts: Some(facts), listening_services: Vec::new() };
-                    if tx.send(msg(sync_request::Msg::Inventory(report))).await.is_err() {
+                    let report = AgentMessage::Inventory(Inventory { facts: Some(facts), listening_services: Vec::new() });
+                    if tx.send(msg(&report)).await.is_err() {
                         return SessionEnd::Closed("stream closed".into());
                     }
                 }
@@ -608,18 +594,14 @@ mod tests {
     fn snapshots_replace_and_deltas_need_their_base() {
         let v1 = policy(1, &[22]);
         let v2 = policy(2, &[22, 443]);
-        let snap = WireUpdate::Snapshot((&v1).into());
+        let snap = Update::Snapshot(v1.clone());
         assert_eq!(next_policy(None, &snap).unwrap(), v1);
-        let delta = WireUpdate::Delta((&diff(&v1, &v2)).into());
+        let delta = Update::Delta(diff(&v1, &v2));
         assert_eq!(next_policy(Some(&v1), &delta).unwrap(), v2);
         let wrong_base = next_policy(Some(&v2), &delta).unwrap_err();
         assert!(matches!(wrong_base, UpdateError::Apply(_)), "{wrong_base}");
         assert!(wrong_base.to_string().contains("based on version 1 but version 2 is held"), "{wrong_base}");
         let no_base = next_policy(None, &delta).unwrap_err();
         assert!(matches!(no_base, UpdateError::NoBase { from_version: 1 }), "{no_base}");
-        let mut bad = proto::WorkloadPolicy::from(&v1);
-        bad.mode = 42;
-        let malformed = next_policy(None, &WireUpdate::Snapshot(bad)).unwrap_err();
-        assert!(malformed.to_string().starts_with("malformed snapshot"), "{malformed}");
     }
 }

@@ -81,23 +81,13 @@ impl<L: ClosedLabel, M: EncodeMetric + TypedMetric> EncodeMetric for Labeled<L, 
     }
 }
 
-/// How an agent acknowledged an update.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AckStatus {
-    Applied,
-    Held,
-    Failed,
-}
+pub use innerwall_wire::sync::AckStatus;
 
 impl ClosedLabel for AckStatus {
     const KEY: &'static str = "status";
     const ALL: &'static [Self] = &[AckStatus::Applied, AckStatus::Held, AckStatus::Failed];
     fn value(self) -> &'static str {
-        match self {
-            AckStatus::Applied => "APPLIED",
-            AckStatus::Held => "HELD",
-            AckStatus::Failed => "FAILED",
-        }
+        self.name()
     }
 }
 

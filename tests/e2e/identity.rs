@@ -172,14 +172,14 @@ async fn ca_rotation_keeps_the_fleet() {
     agent.abort();
 }
 
-fn facts(boot_id: &str) -> proto::HostFacts {
-    proto::HostFacts {
+fn facts(boot_id: &str) -> innerwall_wire::identity::HostFacts {
+    innerwall_wire::identity::HostFacts {
         hostname: "web-1".into(),
         // A cloned image copies /etc/machine-id: both copies report the same one, this host's
         // (the one enrollment registered).
         machine_id: std::fs::read_to_string("/etc/machine-id").unwrap_or_default().trim().into(),
         boot_id: boot_id.into(),
-        interfaces: vec![proto::NetworkInterface {
+        interfaces: vec![innerwall_wire::identity::NetworkInterface {
             name: "eth0".into(),
             addresses: vec!["10.1.0.5/24".into()],
             mac_address: String::new(),

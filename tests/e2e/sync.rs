@@ -6,12 +6,11 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use innerwall_agent::connect::RunConfig;
-use innerwall_agent::sync::{DialFailure, Enforcer, WireUpdate};
+use innerwall_agent::sync::{DialFailure, Enforcer};
 use innerwall_agent::telemetry::{self, Queue};
 use innerwall_agent::{daemon, renew};
 use innerwall_wire::flows::FlowWindow;
 use innerwall_wire::policy::diff;
-use innerwall_wire::proto;
 
 use crate::plane::{Gate, Plane, TestStore, credential, eventually, history, refusals_left, sample};
 
@@ -93,7 +92,7 @@ async fn failed_apply_keeps_last_good_and_acks_failed() {
 
     // The same refusal, directly: a delta on the wrong base leaves the store untouched.
     let v3 = enforcer.current().unwrap();
-    let wrong = WireUpdate::Delta(proto::PolicyDelta::from(&diff(&v1, &v1.clone().with_version(9))));
+    let wrong = innerwall_wire::sync::Update::Delta(diff(&v1, &v1.clone().with_version(9)));
     let err = enforcer.apply(&wrong).unwrap_err().to_string();
     assert!(err.contains("based on version 1 but version 3 is held"), "{err}");
     assert_eq!(enforcer.current().unwrap(), v3);

@@ -25,7 +25,6 @@ use innerwall_control_plane::policy::{authoring, store};
 use innerwall_control_plane::testing::{self, TestDatabase};
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::{Cidr, Protocol, WorkloadPolicy};
-use innerwall_wire::proto;
 use sqlx::PgPool;
 
 use crate::replica::{Replica, ReplicaConfig};
@@ -446,19 +445,19 @@ async fn produce_flows(i: usize, enforcer: Arc<Enforcer<LoadStore>>, queue: Queu
 }
 
 /// What agent `i` reports as its host: its own name, machine id and address.
-fn facts(i: usize) -> proto::HostFacts {
+fn facts(i: usize) -> innerwall_wire::identity::HostFacts {
     let address = agent_address(i);
-    proto::HostFacts {
+    innerwall_wire::identity::HostFacts {
         hostname: format!("load-{i}"),
         os: None,
-        interfaces: vec![proto::NetworkInterface {
+        interfaces: vec![innerwall_wire::identity::NetworkInterface {
             name: "eth0".into(),
             addresses: vec![format!("{address}/16")],
             mac_address: String::new(),
         }],
         machine_id: format!("{:032x}", i + 1),
         boot_id: String::new(),
-        ephemeral_ports: Some(proto::PortRange { start: 32_768, end: 60_999 }),
+        ephemeral_ports: Some(innerwall_wire::policy::PortRange::new(32_768, 60_999).expect("a port range")),
     }
 }
 

@@ -9,11 +9,17 @@ use std::net::IpAddr;
 use prost::Message;
 
 use crate::flows::{Decision, EvidenceGap, FlowError, FlowRecord, FlowWindow, GapKind};
+use crate::identity::{AgentInfo, HostFacts, NetworkInterface, OsInfo};
 use crate::policy::{
-    Change, Cidr, Mode, PolicyDelta, PolicyError, PortRange, Protocol, ResolvedRule, RuleId, WorkloadPolicy,
+    Change, Cidr, Mode, PolicyDelta, PolicyError, PortRange, Protocol, ResolvedRule, RuleId, Version,
+    WorkloadPolicy,
 };
 use crate::proto;
-use crate::sync::SyncState;
+use crate::sync::{
+    Ack, AckStatus, AgentMessage, ControlMessage, Directive, Heartbeat, Hello, HelloAck, Inventory,
+    ListeningService, MAX_ACK_DETAIL, MAX_RENEWAL_ERROR, MAX_TAMPER_DETAIL, MAX_TAMPER_REPORTS, SyncState,
+    TamperEvent, Update,
+};
 
 /// A domain enum with a protobuf counterpart. Its number is what travels on the wire and what
 /// the database stores; `UNSPECIFIED` (0) and unknown numbers are refused.
@@ -380,6 +386,297 @@ fn evidence_gap(g: &proto::EvidenceGap) -> Result<EvidenceGap, String> {
     Ok(EvidenceGap { kind, from_ms, to_ms, count: counter("gap count", g.count)?, detail: g.detail.clone() })
 }
 
+// ---- the policy stream ----------------------------------------------------------------------
+
+wire_enum!(AckStatus, proto::AckStatus, "ack status", { Applied <=> Applied, Held <=> Held, Failed <=> Failed });
+
+fn truncated(text: &str, max: usize) -> String {
+    text.chars().take(max).collect()
+}
+
+impl From<&HostFacts> for proto::HostFacts {
+    fn from(f: &HostFacts) -> Self {
+        proto::HostFacts {
+            hostname: f.hostname.clone(),
+            os: f.os.as_ref().map(|os| proto::OsInfo {
+                family: os.family.clone(),
+                name: os.name.clone(),
+                version: os.version.clone(),
+                kernel_version: os.kernel_version.clone(),
+                architecture: os.architecture.clone(),
+            }),
+            interfaces: f
+                .interfaces
+                .iter()
+                .map(|i| proto::NetworkInterface {
+                    name: i.name.clone(),
+                    addresses: i.addresses.clone(),
+                    mac_address: i.mac_address.clone(),
+                })
+                .collect(),
+            machine_id: f.machine_id.clone(),
+            boot_id: f.boot_id.clone(),
+            ephemeral_ports: f
+                .ephemeral_ports
+                .map(|p| proto::PortRange { start: u32::from(p.start()), end: u32::from(p.end()) }),
+        }
+    }
+}
+
+/// Host facts as an agent reported them: the texts as they came (whoever stores one bounds it),
+/// an ephemeral port range only when it is a valid one.
+impl From<&proto::HostFacts> for HostFacts {
+    fn from(f: &proto::HostFacts) -> Self {
+        HostFacts {
+            hostname: f.hostname.clone(),
+            os: f.os.as_ref().map(|os| OsInfo {
+                family: os.family.clone(),
+                name: os.name.clone(),
+                version: os.version.clone(),
+                kernel_version: os.kernel_version.clone(),
+                architecture: os.architecture.clone(),
+            }),
+            interfaces: f
+                .interfaces
+                .iter()
+                .map(|i| NetworkInterface {
+                    name: i.name.clone(),
+                    addresses: i.addresses.clone(),
+                    mac_address: i.mac_address.clone(),
+                })
+                .collect(),
+            machine_id: f.machine_id.clone(),
+            boot_id: f.boot_id.clone(),
+            ephemeral_ports: f.ephemeral_ports.and_then(|p| PortRange::new(p.start, p.end).ok()),
+        }
+    }
+}
+
+impl From<&AgentInfo> for proto::AgentInfo {
+    fn from(a: &AgentInfo) -> Self {
+        proto::AgentInfo { version: a.version.clone(), capabilities: a.capabilities.clone() }
+    }
+}
+
+impl From<&proto::AgentInfo> for AgentInfo {
+    fn from(a: &proto::AgentInfo) -> Self {
+        AgentInfo { version: a.version.clone(), capabilities: a.capabilities.clone() }
+    }
+}
+
+fn ack_to_wire(ack: &Ack) -> proto::PolicyAck {
+    let detail = match ack {
+        Ack::Failed(_, detail) => detail.clone(),
+        _ => String::new(),
+    };
+    proto::PolicyAck { version: ack.version(), status: ack.status().number(), detail }
+}
+
+fn listening_to_wire(l: &ListeningService) -> proto::ListeningService {
+    proto::ListeningService {
+        protocol: l.protocol.number(),
+        port: u32::from(l.port),
+        address: l.address.map(|a| a.to_string()).unwrap_or_default(),
+        process_name: l.process_name.clone(),
+    }
+}
+
+impl From<&AgentMessage> for proto::SyncRequest {
+    fn from(m: &AgentMessage) -> Self {
+        use proto::sync_request::Msg;
+        let msg = match m {
+            AgentMessage::Hello(h) => Msg::Hello(proto::Hello {
+                applied_version: h.applied_version,
+                agent: Some((&h.agent).into()),
+                facts: h.facts.as_ref().map(Into::into),
+                suspended: h.suspended,
+            }),
+            AgentMessage::Ack(a) => Msg::Ack(ack_to_wire(a)),
+            AgentMessage::Heartbeat(h) => Msg::Heartbeat(proto::Heartbeat {
+                uptime_seconds: h.uptime.as_secs(),
+                credential_renewal_error: h.credential_renewal_error.clone(),
+                tamper_events: h
+                    .tamper_events
+                    .iter()
+                    .map(|e| proto::TamperEvent {
+                        detected_at_unix_ms: e.detected_at_unix_ms,
+                        detail: e.detail.clone(),
+                        count: e.count,
+                    })
+                    .collect(),
+                suspended: h.suspended,
+            }),
+            AgentMessage::Inventory(i) => Msg::Inventory(proto::InventoryReport {
+                facts: i.facts.as_ref().map(Into::into),
+                listening_services: i.listening_services.iter().map(listening_to_wire).collect(),
+            }),
+        };
+        proto::SyncRequest { msg: Some(msg) }
+    }
+}
+
+/// Why a message from an agent was refused: the stream ends with this reason.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct MessageError(pub String);
+
+fn listening_from_wire(l: &proto::ListeningService) -> Result<ListeningService, MessageError> {
+    let protocol = enum_field::<Protocol>(l.protocol).map_err(MessageError)?;
+    let port = u16::try_from(l.port)
+        .ok()
+        .filter(|p| *p > 0)
+        .ok_or_else(|| MessageError(format!("listening port {} is not a port", l.port)))?;
+    let address = match l.address.as_str() {
+        "" => None,
+        text => Some(
+            text.parse::<IpAddr>()
+                .map_err(|_| MessageError(format!("listening address {text:?} is not an address")))?,
+        ),
+    };
+    Ok(ListeningService { protocol, port, address, process_name: truncated(&l.process_name, 256) })
+}
+
+/// Validates what an agent sent on its stream: an empty message or an ack of no known status is
+/// refused; texts are cut to the bounds the control plane keeps ([`MAX_ACK_DETAIL`],
+/// [`MAX_RENEWAL_ERROR`], [`MAX_TAMPER_DETAIL`]) and tamper events to the
+/// [`MAX_TAMPER_REPORTS`] and one an agent sends.
+impl TryFrom<proto::SyncRequest> for AgentMessage {
+    type Error = MessageError;
+
+    fn try_from(req: proto::SyncRequest) -> Result<Self, MessageError> {
+        use proto::sync_request::Msg;
+        match req.msg {
+            Some(Msg::Hello(h)) => Ok(AgentMessage::Hello(Hello {
+                applied_version: h.applied_version,
+                agent: h.agent.as_ref().map(AgentInfo::from).unwrap_or_default(),
+                facts: h.facts.as_ref().map(HostFacts::from),
+                suspended: h.suspended,
+            })),
+            Some(Msg::Ack(a)) => {
+                let status = AckStatus::from_number("ack status", a.status).map_err(|_| {
+                    MessageError(format!("ack status {} is not APPLIED, HELD or FAILED", a.status))
+                })?;
+                Ok(AgentMessage::Ack(match status {
+                    AckStatus::Applied => Ack::Applied(a.version),
+                    AckStatus::Held => Ack::Held(a.version),
+                    AckStatus::Failed => Ack::Failed(a.version, truncated(&a.detail, MAX_ACK_DETAIL)),
+                }))
+            }
+            Some(Msg::Heartbeat(h)) => Ok(AgentMessage::Heartbeat(Heartbeat {
+                uptime: std::time::Duration::from_secs(h.uptime_seconds),
+                credential_renewal_error: truncated(&h.credential_renewal_error, MAX_RENEWAL_ERROR),
+                tamper_events: h
+                    .tamper_events
+                    .iter()
+                    .take(MAX_TAMPER_REPORTS + 1)
+                    .map(|e| TamperEvent {
+                        detected_at_unix_ms: e.detected_at_unix_ms,
+                        detail: truncated(&e.detail, MAX_TAMPER_DETAIL),
+                        count: e.count.max(1),
+                    })
+                    .collect(),
+                suspended: h.suspended,
+            })),
+            Some(Msg::Inventory(i)) => Ok(AgentMessage::Inventory(Inventory {
+                facts: i.facts.as_ref().map(HostFacts::from),
+                listening_services: i
+                    .listening_services
+                    .iter()
+                    .map(listening_from_wire)
+                    .collect::<Result<_, _>>()?,
+            })),
+            None => Err(MessageError("empty sync message".into())),
+        }
+    }
+}
+
+fn seconds(d: std::time::Duration) -> u32 {
+    u32::try_from(d.as_secs().max(1)).unwrap_or(u32::MAX)
+}
+
+impl From<&ControlMessage> for proto::SyncResponse {
+    fn from(m: &ControlMessage) -> Self {
+        use proto::sync_response::Msg;
+        let msg = match m {
+            ControlMessage::HelloAck(a) => Msg::HelloAck(proto::HelloAck {
+                heartbeat_interval_seconds: seconds(a.heartbeat),
+                inventory_interval_seconds: seconds(a.inventory),
+                flow_window_seconds: seconds(a.flow_window),
+                flow_window_max_keys: a.flow_window_max_keys,
+            }),
+            ControlMessage::Update(Update::Snapshot(p)) => {
+                Msg::Snapshot(proto::PolicySnapshot { policy: Some(p.into()) })
+            }
+            ControlMessage::Update(Update::Delta(d)) => Msg::Delta(d.into()),
+            ControlMessage::Directive(Directive::Reconnect) => Msg::Directive(proto::Directive {
+                directive: Some(proto::directive::Directive::Reconnect(proto::Reconnect {})),
+            }),
+            ControlMessage::Directive(Directive::Reenroll { reason }) => Msg::Directive(proto::Directive {
+                directive: Some(proto::directive::Directive::Reenroll(proto::Reenroll {
+                    reason: reason.clone(),
+                })),
+            }),
+        };
+        proto::SyncResponse { msg: Some(msg) }
+    }
+}
+
+/// Why the agent cannot use a message from the control plane.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ControlMessageError {
+    /// Nothing it knows (an empty message, a directive of a later contract): skipped.
+    #[error("a message this agent does not know")]
+    Unknown,
+    /// A snapshot with no policy: the stream cannot go on.
+    #[error("snapshot without a policy")]
+    SnapshotWithoutPolicy,
+    /// An update that does not validate: acked FAILED, naming its version.
+    #[error("malformed snapshot: {error}")]
+    MalformedSnapshot { version: Version, error: PolicyError },
+    #[error("malformed delta: {error}")]
+    MalformedDelta { version: Version, error: PolicyError },
+}
+
+/// Validates what the control plane sent (the agent's side of the boundary). Timing is clamped
+/// to what the agent can keep (1 s to 1 h windows, at most 1,000,000 keys).
+impl TryFrom<proto::SyncResponse> for ControlMessage {
+    type Error = ControlMessageError;
+
+    fn try_from(res: proto::SyncResponse) -> Result<Self, ControlMessageError> {
+        use proto::sync_response::Msg;
+        let every = |secs: u32| std::time::Duration::from_secs(u64::from(secs.max(1)));
+        match res.msg {
+            Some(Msg::HelloAck(a)) => Ok(ControlMessage::HelloAck(HelloAck {
+                heartbeat: every(a.heartbeat_interval_seconds),
+                inventory: every(a.inventory_interval_seconds),
+                flow_window: every(a.flow_window_seconds.clamp(1, 3600)),
+                flow_window_max_keys: a.flow_window_max_keys.clamp(1, 1_000_000),
+            })),
+            Some(Msg::Snapshot(s)) => {
+                let p = s.policy.ok_or(ControlMessageError::SnapshotWithoutPolicy)?;
+                let policy = WorkloadPolicy::try_from(&p)
+                    .map_err(|error| ControlMessageError::MalformedSnapshot { version: p.version, error })?;
+                Ok(ControlMessage::Update(Update::Snapshot(policy)))
+            }
+            Some(Msg::Delta(d)) => {
+                let delta = PolicyDelta::try_from(&d)
+                    .map_err(|error| ControlMessageError::MalformedDelta { version: d.to_version, error })?;
+                Ok(ControlMessage::Update(Update::Delta(delta)))
+            }
+            Some(Msg::Directive(d)) => match d.directive {
+                Some(proto::directive::Directive::Reconnect(_)) => {
+                    Ok(ControlMessage::Directive(Directive::Reconnect))
+                }
+                Some(proto::directive::Directive::Reenroll(r)) => {
+                    Ok(ControlMessage::Directive(Directive::Reenroll { reason: truncated(&r.reason, 1024) }))
+                }
+                None => Err(ControlMessageError::Unknown),
+            },
+            None => Err(ControlMessageError::Unknown),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -607,5 +904,163 @@ mod tests {
         assert_ne!(canonical, bytes);
         assert_eq!(WorkloadPolicy::from_canonical_bytes(&canonical), Ok(policy));
         assert!(matches!(WorkloadPolicy::from_canonical_bytes(&[0xff, 0xff]), Err(PolicyError::Decode(_))));
+    }
+
+    fn agent_messages() -> Vec<AgentMessage> {
+        let facts = HostFacts {
+            hostname: "web-1".into(),
+            os: Some(OsInfo { family: "linux".into(), name: "Debian".into(), ..Default::default() }),
+            interfaces: vec![NetworkInterface {
+                name: "eth0".into(),
+                addresses: vec!["10.0.0.5/24".into()],
+                mac_address: "02:00:00:00:00:01".into(),
+            }],
+            machine_id: "m".into(),
+            boot_id: "b".into(),
+            ephemeral_ports: Some(PortRange::new(32_768, 60_999).unwrap()),
+        };
+        vec![
+            AgentMessage::Hello(Hello {
+                applied_version: 7,
+                agent: AgentInfo { version: "1.0".into(), capabilities: vec!["nftables".into()] },
+                facts: Some(facts.clone()),
+                suspended: true,
+            }),
+            AgentMessage::Ack(Ack::Applied(3)),
+            AgentMessage::Ack(Ack::Held(4)),
+            AgentMessage::Ack(Ack::Failed(5, "no base".into())),
+            AgentMessage::Heartbeat(Heartbeat {
+                uptime: std::time::Duration::from_secs(9),
+                credential_renewal_error: "refused".into(),
+                tamper_events: vec![TamperEvent { detected_at_unix_ms: 1, detail: "flush".into(), count: 2 }],
+                suspended: false,
+            }),
+            AgentMessage::Inventory(Inventory {
+                facts: Some(facts),
+                listening_services: vec![ListeningService {
+                    protocol: Protocol::Tcp,
+                    port: 443,
+                    address: Some("10.0.0.5".parse().unwrap()),
+                    process_name: "nginx".into(),
+                }],
+            }),
+            AgentMessage::Inventory(Inventory::default()),
+        ]
+    }
+
+    #[test]
+    fn sync_messages_cross_the_wire_unchanged() {
+        for m in agent_messages() {
+            let wire = proto::SyncRequest::from(&m);
+            let bytes = wire.encode_to_vec();
+            let back = AgentMessage::try_from(proto::SyncRequest::decode(bytes.as_slice()).unwrap()).unwrap();
+            assert_eq!(back, m);
+        }
+        let v1 = crate::testing::policy(1, Mode::Enforcement, &[22]);
+        let v2 = crate::testing::policy(2, Mode::Enforcement, &[22, 443]);
+        let hello_ack = HelloAck {
+            heartbeat: std::time::Duration::from_secs(30),
+            inventory: std::time::Duration::from_secs(300),
+            flow_window: std::time::Duration::from_secs(60),
+            flow_window_max_keys: 10_000,
+        };
+        for m in [
+            ControlMessage::HelloAck(hello_ack),
+            ControlMessage::Update(Update::Snapshot(v1.clone())),
+            ControlMessage::Update(Update::Delta(crate::policy::diff(&v1, &v2))),
+            ControlMessage::Directive(Directive::Reconnect),
+            ControlMessage::Directive(Directive::Reenroll { reason: "retired".into() }),
+        ] {
+            let bytes = proto::SyncResponse::from(&m).encode_to_vec();
+            let back =
+                ControlMessage::try_from(proto::SyncResponse::decode(bytes.as_slice()).unwrap()).unwrap();
+            assert_eq!(back, m);
+        }
+    }
+
+    /// What a hostile agent can send is refused or cut to the bounds the control plane keeps.
+    #[test]
+    fn hostile_agent_messages_are_refused_or_bounded() {
+        use proto::sync_request::Msg;
+        let refused =
+            |msg: Option<Msg>| AgentMessage::try_from(proto::SyncRequest { msg }).unwrap_err().to_string();
+        assert_eq!(refused(None), "empty sync message");
+        let ack = |status| Some(Msg::Ack(proto::PolicyAck { version: 1, status, detail: String::new() }));
+        assert!(refused(ack(0)).contains("ack status 0 is not APPLIED, HELD or FAILED"));
+        assert!(refused(ack(99)).contains("ack status 99"));
+        let service = |protocol, port, address: &str| {
+            Some(Msg::Inventory(proto::InventoryReport {
+                facts: None,
+                listening_services: vec![proto::ListeningService {
+                    protocol,
+                    port,
+                    address: address.into(),
+                    process_name: String::new(),
+                }],
+            }))
+        };
+        assert!(refused(service(1, 0, "")).contains("listening port 0 is not a port"));
+        assert!(refused(service(1, 70_000, "")).contains("listening port 70000"));
+        assert!(refused(service(1, 22, "nowhere")).contains("\"nowhere\" is not an address"));
+        assert!(refused(service(0, 22, "")).contains("unknown protocol 0"));
+
+        let failed = proto::PolicyAck { version: 2, status: 2, detail: "x".repeat(100_000) };
+        let Ok(AgentMessage::Ack(Ack::Failed(2, detail))) =
+            AgentMessage::try_from(proto::SyncRequest { msg: Some(Msg::Ack(failed)) })
+        else {
+            panic!("a FAILED ack");
+        };
+        assert_eq!(detail.chars().count(), MAX_ACK_DETAIL);
+        let flood = proto::Heartbeat {
+            credential_renewal_error: "e".repeat(100_000),
+            tamper_events: (0..10_000)
+                .map(|n| proto::TamperEvent { detected_at_unix_ms: n, detail: "d".repeat(5_000), count: 0 })
+                .collect(),
+            ..Default::default()
+        };
+        let Ok(AgentMessage::Heartbeat(h)) =
+            AgentMessage::try_from(proto::SyncRequest { msg: Some(Msg::Heartbeat(flood)) })
+        else {
+            panic!("a heartbeat");
+        };
+        assert_eq!(h.credential_renewal_error.chars().count(), MAX_RENEWAL_ERROR);
+        assert_eq!(h.tamper_events.len(), MAX_TAMPER_REPORTS + 1);
+        assert!(
+            h.tamper_events.iter().all(|e| e.detail.chars().count() == MAX_TAMPER_DETAIL && e.count == 1)
+        );
+        // An ephemeral range that is not one is dropped, never trusted.
+        let facts = proto::HostFacts {
+            ephemeral_ports: Some(proto::PortRange { start: 9, end: 2 }),
+            ..Default::default()
+        };
+        assert_eq!(HostFacts::from(&facts).ephemeral_ports, None);
+    }
+
+    /// A malformed update names its version, so the agent can ack it FAILED; nothing the agent
+    /// does not know ends its stream.
+    #[test]
+    fn malformed_updates_name_their_version() {
+        use proto::sync_response::Msg;
+        let control = |msg| ControlMessage::try_from(proto::SyncResponse { msg: Some(msg) });
+        let mut bad = proto::WorkloadPolicy::from(&crate::testing::policy(4, Mode::Enforcement, &[22]));
+        bad.mode = 42;
+        let err = control(Msg::Snapshot(proto::PolicySnapshot { policy: Some(bad) })).unwrap_err();
+        assert!(matches!(err, ControlMessageError::MalformedSnapshot { version: 4, .. }), "{err:?}");
+        assert!(err.to_string().starts_with("malformed snapshot"), "{err}");
+        let delta = proto::PolicyDelta {
+            from_version: 4,
+            to_version: 5,
+            changes: vec![proto::DeltaChange { change: None }],
+        };
+        let err = control(Msg::Delta(delta)).unwrap_err();
+        assert!(matches!(err, ControlMessageError::MalformedDelta { version: 5, .. }), "{err:?}");
+        let err = control(Msg::Snapshot(proto::PolicySnapshot { policy: None })).unwrap_err();
+        assert_eq!(err, ControlMessageError::SnapshotWithoutPolicy);
+        let err = control(Msg::Directive(proto::Directive { directive: None })).unwrap_err();
+        assert_eq!(err, ControlMessageError::Unknown);
+        let Ok(ControlMessage::HelloAck(ack)) = control(Msg::HelloAck(proto::HelloAck::default())) else {
+            panic!("a HelloAck");
+        };
+        assert_eq!((ack.heartbeat.as_secs(), ack.flow_window.as_secs(), ack.flow_window_max_keys), (1, 1, 1));
     }
 }

@@ -77,6 +77,47 @@ impl FromStr for WorkloadId {
     }
 }
 
+/// What an agent reports about its host, at enrollment and on its stream (Hello, inventory).
+/// The texts are as the host gave them; whoever stores one bounds it, and addresses are parsed
+/// where they are used (`routable_addresses` in the control plane).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HostFacts {
+    pub hostname: String,
+    pub os: Option<OsInfo>,
+    pub interfaces: Vec<NetworkInterface>,
+    /// `/etc/machine-id`: the same identity seen with two machine ids is a cloned host (IDN-7).
+    pub machine_id: String,
+    /// The kernel's boot id, to tell a reboot from a clone.
+    pub boot_id: String,
+    /// The local range the kernel picks ephemeral ports from, when known and valid.
+    pub ephemeral_ports: Option<crate::policy::PortRange>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OsInfo {
+    pub family: String,
+    pub name: String,
+    pub version: String,
+    pub kernel_version: String,
+    pub architecture: String,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NetworkInterface {
+    pub name: String,
+    /// In CIDR notation as the kernel lists them (`10.0.0.5/24`).
+    pub addresses: Vec<String>,
+    pub mac_address: String,
+}
+
+/// The agent's build and what it can do.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AgentInfo {
+    pub version: String,
+    /// Opaque feature strings, e.g. `nftables`, `ebpf-flows`.
+    pub capabilities: Vec<String>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

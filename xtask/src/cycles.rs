@@ -196,7 +196,7 @@ fn resolve(reference: &Reference, known: &BTreeSet<Vec<String>>) -> Option<Vec<S
 }
 
 #[derive(Debug, Clone, PartialEq)]
-enum Token {
+pub(crate) enum Token {
     Ident(String),
     /// `::`
     PathSep,
@@ -346,7 +346,7 @@ fn use_tree(
 
 /// Identifiers, `::` and single punctuation, each with its line; comments, string, char and
 /// byte literals, lifetimes and numbers are dropped.
-fn lex(text: &str) -> Vec<(Token, usize)> {
+pub(crate) fn lex(text: &str) -> Vec<(Token, usize)> {
     let chars: Vec<char> = text.chars().collect();
     let mut tokens = Vec::new();
     let mut line = 1;

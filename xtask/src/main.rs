@@ -10,6 +10,7 @@ mod elf;
 mod fuzz;
 mod setup;
 mod suite;
+mod transport;
 mod walk;
 mod wire;
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 
-use crate::{cargo_env, cmd, cycles, ebpf, fuzz, setup, wire};
+use crate::{cargo_env, cmd, cycles, ebpf, fuzz, setup, transport, wire};
 
 /// How long each fuzz target runs in the test command: long enough to catch a shallow panic.
 const FUZZ_IN_TESTS: Duration = Duration::from_secs(15);
@@ -26,13 +26,14 @@ pub fn test(root: &Path, cargo_args: &[String]) -> Result<()> {
 pub fn lint(root: &Path) -> Result<()> {
     cycles::check(root, &cycles::CRATE_SOURCES.iter().map(PathBuf::from).collect::<Vec<_>>())?;
     wire::check(root, &root.join(wire::PROTOS))?;
+    transport::check(root, &root.join(wire::PROTOS))?;
     cmd::run(root_cargo(root).args(["fmt", "--all", "--check"]))?;
     cmd::run(root_cargo(root).args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
     cmd::run(ebpf::crate_cargo(root).args(["fmt", "--all", "--check"]))?;
     cmd::run(setup::standalone_cargo().current_dir(root.join("fuzz")).args(["fmt", "--check"]))?;
     cmd::run(ebpf::bpf_cargo(root, "clippy").args(["--", "-D", "warnings"]))?;
     println!(
-        "lint: no import cycles, no breaking wire change; rustfmt and clippy passed for the workspace and agent-ebpf"
+        "lint: no import cycles, no breaking wire change, no prost type matched outside convert.rs; rustfmt and clippy passed for the workspace and agent-ebpf"
     );
     Ok(())
 }

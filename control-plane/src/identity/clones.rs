@@ -43,7 +43,7 @@ pub struct Presenter {
 }
 
 impl Presenter {
-    pub fn new(facts: Option<&innerwall_wire::proto::HostFacts>, key_sha256: &str) -> Self {
+    pub fn new(facts: Option<&innerwall_wire::identity::HostFacts>, key_sha256: &str) -> Self {
         let cut = |s: &str| s.chars().filter(|c| !c.is_control()).take(MAX_FACT).collect::<String>();
         Presenter {
             boot_id: cut(facts.map_or("", |f| f.boot_id.as_str())),

@@ -107,7 +107,7 @@ impl Checked {
         if req.csr_pem.len() > MAX_CSR_LEN {
             return Err(Error::Invalid(format!("csr is larger than {MAX_CSR_LEN} bytes")));
         }
-        let facts = req.facts.clone().unwrap_or_default();
+        let facts = req.facts.as_ref().map(innerwall_wire::identity::HostFacts::from).unwrap_or_default();
         let os = facts.os.as_ref().map(|os| format!("{} {} ({})", os.name, os.version, os.kernel_version));
         let token_hint: String = req.provisioning_token.chars().take(9).collect();
         Ok(Checked {
@@ -123,10 +123,7 @@ impl Checked {
                 MAX_FACT_LEN,
             )?
             .to_owned(),
-            ephemeral: facts
-                .ephemeral_ports
-                .filter(|p| 1 <= p.start && p.start <= p.end && p.end <= 65_535)
-                .map(|p| (p.start as i32, p.end as i32)),
+            ephemeral: facts.ephemeral_ports.map(|p| (i32::from(p.start()), i32::from(p.end()))),
             addresses: routable_addresses(&facts)?,
             replacing,
             actor: format!("enroll:{token_hint}"),

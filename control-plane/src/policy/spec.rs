@@ -8,7 +8,6 @@ use std::net::IpAddr;
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::labels::Label;
 use innerwall_wire::policy::Cidr;
-use innerwall_wire::proto;
 use serde::{Deserialize, Serialize};
 
 use crate::error::Error;
@@ -261,7 +260,7 @@ pub struct NewWorkload {
 /// Addresses a workload can be reached at, from its reported interfaces: loopback,
 /// link-local, unspecified and multicast addresses are dropped; malformed ones are refused.
 /// At most [`MAX_ADDRESSES`] routable addresses out of at most [`MAX_REPORTED_ADDRESSES`].
-pub fn routable_addresses(facts: &proto::HostFacts) -> Result<BTreeSet<IpAddr>, Error> {
+pub fn routable_addresses(facts: &innerwall_wire::identity::HostFacts) -> Result<BTreeSet<IpAddr>, Error> {
     let mut out = BTreeSet::new();
     let texts = facts.interfaces.iter().flat_map(|i| i.addresses.iter());
     for (n, text) in texts.enumerate() {
@@ -355,13 +354,13 @@ mod tests {
         assert!(check_label_count("workload w", MAX_LABELS + 1).is_err());
     }
 
-    fn facts(addresses: impl IntoIterator<Item = String>) -> proto::HostFacts {
-        let interface = proto::NetworkInterface {
+    fn facts(addresses: impl IntoIterator<Item = String>) -> innerwall_wire::identity::HostFacts {
+        let interface = innerwall_wire::identity::NetworkInterface {
             name: "eth0".into(),
             addresses: addresses.into_iter().collect(),
             ..Default::default()
         };
-        proto::HostFacts { interfaces: vec![interface], ..Default::default() }
+        innerwall_wire::identity::HostFacts { interfaces: vec![interface], ..Default::default() }
     }
 
     #[test]

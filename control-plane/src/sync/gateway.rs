@@ -12,8 +12,10 @@ use std::time::Duration;
 use innerwall_wire::convert::WireEnum;
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::WorkloadPolicy;
-use innerwall_wire::proto::{self, sync_request, sync_response};
-use innerwall_wire::sync::MAX_POLICY_MESSAGE;
+use innerwall_wire::proto;
+use innerwall_wire::sync::{
+    AgentMessage, ControlMessage, Directive, Heartbeat, Hello, HelloAck, MAX_POLICY_MESSAGE,
+};
 use sqlx::PgPool;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::{Stream, StreamExt};
@@ -27,7 +29,7 @@ use crate::metrics::{AckStatus, Metrics};
 use crate::postgres::Pools;
 use crate::sync::beats::{Beat, Beats};
 use crate::sync::reads::Reads;
-use crate::sync::session::{Ack, Action, Record, Session, SyncState, Update};
+use crate::sync::session::{Action, Record, Session, SyncState, Update};
 
 /// Timing the gateway hands each agent in `HelloAck`, and the liveness bound derived from it.
 #[derive(Debug, Clone)]
@@ -296,11 +298,8 @@ impl StreamTask {
         self.pushes.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    async fn send(&self, msg: sync_response::Msg) -> Result<(), Ended> {
-        self.out
-            .send(Ok(Box::new(proto::SyncResponse { msg: Some(msg) })))
-            .await
-            .map_err(|_| Ended::offline("agent went away"))
+    async fn send(&self, msg: &ControlMessage) -> Result<(), Ended> {
+        self.out.send(Ok(Box::new(msg.into()))).await.map_err(|_| Ended::offline("agent went away"))
     }
 
     /// Writes the stream's state; false when a newer stream (on any replica) owns the row.
@@ -338,14 +337,7 @@ impl StreamTask {
             match action {
                 Action::Send(update) => {
                     let version = update.version();
-                    let msg = match &update {
-                        Update::Snapshot(p) => {
-                            let policy = Some(proto::WorkloadPolicy::from(p));
-                            sync_response::Msg::Snapshot(proto::PolicySnapshot { policy })
-                        }
-                        Update::Delta(d) => sync_response::Msg::Delta(proto::PolicyDelta::from(d)),
-                    };
-                    let msg = proto::SyncResponse { msg: Some(msg) };
+                    let msg = proto::SyncResponse::from(&ControlMessage::Update(update));
                     let size = prost::Message::encoded_len(&msg);
                     if size > MAX_POLICY_MESSAGE {
                         tracing::warn!(workload = %self.id, version, size, max = MAX_POLICY_MESSAGE,
@@ -423,10 +415,11 @@ impl StreamTask {
             + credential_expiry.duration_since(std::time::SystemTime::now()).unwrap_or_default();
         let liveness = self.config().liveness();
         let hello = match tokio::time::timeout(liveness, inbound.message()).await {
-            Ok(Ok(Some(proto::SyncRequest { msg: Some(sync_request::Msg::Hello(h)) }))) => h,
-            Ok(Ok(Some(_))) => {
-                return Ended::refused(Status::invalid_argument("the first message must be Hello"));
-            }
+            Ok(Ok(Some(req))) => match AgentMessage::try_from(req) {
+                Ok(AgentMessage::Hello(h)) => h,
+                Ok(_) => return Ended::refused(Status::invalid_argument("the first message must be Hello")),
+                Err(e) => return Ended::refused(Status::invalid_argument(e.to_string())),
+            },
             Ok(Ok(None)) | Ok(Err(_)) => return Ended::offline("closed before Hello"),
             Err(_) => return Ended::offline("no Hello within the liveness bound"),
         };
@@ -440,13 +433,13 @@ impl StreamTask {
             return Ended::refused(Status::from(e));
         }
         let c = self.config();
-        let ack = proto::HelloAck {
-            heartbeat_interval_seconds: c.heartbeat.as_secs().max(1) as u32,
-            inventory_interval_seconds: c.inventory.as_secs().max(1) as u32,
-            flow_window_seconds: c.flow_window.as_secs().max(1) as u32,
+        let ack = HelloAck {
+            heartbeat: c.heartbeat,
+            inventory: c.inventory,
+            flow_window: c.flow_window,
             flow_window_max_keys: c.flow_window_max_keys,
         };
-        if let Err(e) = self.send(sync_response::Msg::HelloAck(ack)).await {
+        if let Err(e) = self.send(&ControlMessage::HelloAck(ack)).await {
             return e;
         }
         let persisted = match Box::pin(self.persisted()).await {
@@ -489,14 +482,12 @@ impl StreamTask {
                     match control {
                         None => None,
                         Some(Control::Reconnect) => {
-                            let directive = proto::Directive { directive: Some(proto::directive::Directive::Reconnect(proto::Reconnect {})) };
-                            let _ = self.send(sync_response::Msg::Directive(directive)).await;
+                            let _ = self.send(&ControlMessage::Directive(Directive::Reconnect)).await;
                             return Ended::offline("directed reconnect");
                         }
                         Some(Control::Reenroll { reason }) => {
-                            let reenroll = proto::Reenroll { reason: format!("{reason}: enroll this host again") };
-                            let directive = proto::Directive { directive: Some(proto::directive::Directive::Reenroll(reenroll)) };
-                            let _ = self.send(sync_response::Msg::Directive(directive)).await;
+                            let directive = Directive::Reenroll { reason: format!("{reason}: enroll this host again") };
+                            let _ = self.send(&ControlMessage::Directive(directive)).await;
                             return Ended { reason, offline: true, status: None };
                         }
                         Some(Control::End { reason, superseded }) => {
@@ -539,26 +530,12 @@ impl StreamTask {
         inventory: &mut Pending,
         req: proto::SyncRequest,
     ) -> Result<(), Ended> {
-        use sync_request::Msg;
-        match req.msg {
-            Some(Msg::Ack(a)) => {
-                let ack = match proto::AckStatus::try_from(a.status) {
-                    Ok(proto::AckStatus::Applied) => Ack::Applied(a.version),
-                    Ok(proto::AckStatus::Held) => Ack::Held(a.version),
-                    Ok(proto::AckStatus::Failed) => Ack::Failed(a.version, truncate(&a.detail, 1024)),
-                    _ => {
-                        return Err(Ended::refused(Status::invalid_argument(format!(
-                            "ack status {} is not APPLIED, HELD or FAILED",
-                            a.status
-                        ))));
-                    }
-                };
-                let committed = self.pushes().acked(a.version);
-                let status = match ack {
-                    Ack::Applied(_) => AckStatus::Applied,
-                    Ack::Held(_) => AckStatus::Held,
-                    Ack::Failed(..) => AckStatus::Failed,
-                };
+        let msg = AgentMessage::try_from(req)
+            .map_err(|e| Ended::refused(Status::invalid_argument(e.to_string())))?;
+        match msg {
+            AgentMessage::Ack(ack) => {
+                let committed = self.pushes().acked(ack.version());
+                let status = ack.status();
                 self.metrics().ack(status);
                 if let (AckStatus::Applied, Some(committed)) = (status, committed) {
                     self.metrics().applied(committed, chrono::Utc::now());
@@ -570,7 +547,7 @@ impl StreamTask {
                 }
                 self.execute(session, actions).await
             }
-            Some(Msg::Heartbeat(h)) => {
+            AgentMessage::Heartbeat(h) => {
                 // Over its bound the stream ends before anything is written; the agent
                 // reconnects after the retry-after it is told.
                 let bound = [(crate::rate::Bound::Heartbeats, 1.0)];
@@ -579,7 +556,7 @@ impl StreamTask {
                 let actions = session.suspended(h.suspended);
                 self.execute(session, actions).await
             }
-            Some(Msg::Inventory(inv)) => {
+            AgentMessage::Inventory(inv) => {
                 // A report without facts (the agent could not list its interfaces) says nothing
                 // about addresses: the last known set stands, it never becomes "no addresses".
                 if let Some(facts) = &inv.facts {
@@ -589,14 +566,13 @@ impl StreamTask {
                 }
                 Ok(())
             }
-            Some(Msg::Hello(_)) => {
+            AgentMessage::Hello(_) => {
                 Err(Ended::refused(Status::invalid_argument("Hello may only open a stream")))
             }
-            None => Err(Ended::refused(Status::invalid_argument("empty sync message"))),
         }
     }
 
-    async fn note_hello(&self, hello: &proto::Hello) -> Result<(), Error> {
+    async fn note_hello(&self, hello: &Hello) -> Result<(), Error> {
         let row: Option<bool> = sqlx::query_scalar(
             "SELECT retired_at IS NOT NULL OR denied_at IS NOT NULL FROM workloads WHERE id = $1",
         )
@@ -631,7 +607,7 @@ impl StreamTask {
         Ok(())
     }
 
-    async fn heartbeat(&self, h: &proto::Heartbeat) -> Result<(), Error> {
+    async fn heartbeat(&self, h: &Heartbeat) -> Result<(), Error> {
         // A sweep that found this stream silent (a heartbeat write delayed past the bound) is
         // answered by the stream's own state, if it is still the newest stream.
         let beat = Beat {
@@ -649,11 +625,11 @@ impl StreamTask {
             )
             .await?;
         }
-        // At most what an agent sends: the distinct details and one entry counting the rest.
-        for event in h.tamper_events.iter().take(innerwall_wire::sync::MAX_TAMPER_REPORTS + 1) {
-            let detail = truncate(&event.detail, innerwall_wire::sync::MAX_TAMPER_DETAIL);
-            let count = event.count.max(1);
-            tracing::warn!(workload = %self.id, count, "agent repaired its table after an outside change: {}", truncate(&detail, 256));
+        // At most what an agent sends (`convert` bounds it): the distinct details and one entry
+        // counting the rest.
+        for event in &h.tamper_events {
+            let (detail, count) = (&event.detail, event.count);
+            tracing::warn!(workload = %self.id, count, "agent repaired its table after an outside change: {}", truncate(detail, 256));
             // One row per workload per coalescing window, counting every change reported.
             let (actor, subject) = (format!("workload:{}", self.id), self.id.to_string());
             let detail = serde_json::json!({"detected_at_unix_ms": event.detected_at_unix_ms, "detail": detail, "count": count});

@@ -5,25 +5,9 @@
 
 use std::collections::VecDeque;
 
-use innerwall_wire::policy::{Mode, PolicyDelta, Version, WorkloadPolicy, diff};
-pub use innerwall_wire::sync::SyncState;
+use innerwall_wire::policy::{Mode, Version, WorkloadPolicy, diff};
 use innerwall_wire::sync::UNREADABLE_UPDATE;
-
-/// An update the stream sends.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Update {
-    Snapshot(WorkloadPolicy),
-    Delta(PolicyDelta),
-}
-
-impl Update {
-    pub fn version(&self) -> Version {
-        match self {
-            Update::Snapshot(p) => p.version(),
-            Update::Delta(d) => d.to_version,
-        }
-    }
-}
+pub use innerwall_wire::sync::{Ack, SyncState, Update};
 
 /// What the gateway must do, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -84,15 +68,6 @@ impl Sent {
             Sent::Snapshot { mode, .. } | Sent::Delta { mode, .. } => mode,
         }
     }
-}
-
-/// The acknowledgement of one update.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Ack {
-    Applied(Version),
-    /// Persisted but not installed: the kill switch is engaged on the host.
-    Held(Version),
-    Failed(Version, String),
 }
 
 /// What a SUSPENDED workload's detail says.
