@@ -398,7 +398,7 @@ pub async fn session<S: PolicyStore + Send + 'static>(
         suspended: *suspension.borrow_and_update(),
     };
     let (tx, rx) = mpsc::channel(64);
-    if tx.send(msg(&AgentMessage::Hello(hello))).await.is_err() {
+    if tx.send(msg(&AgentMessage::Hello(Box::new(hello)))).await.is_err() {
         return SessionEnd::Closed("could not queue Hello".into());
     }
     // A renewal from here on moves the stream to the new certificate (one made between the dial
@@ -511,7 +511,8 @@ pub async fn session<S: PolicyStore + Send + 'static>(
                 // No report when the interfaces cannot be listed: the addresses the control plane
                 // knows stand, they never become "none".
                 if let Some(facts) = enforcer.facts().await {
-                    let report = AgentMessage::Inventory(Inventory { facts: Some(facts), listening_services: Vec::new() });
+                    let report =
+                        AgentMessage::Inventory(Box::new(Inventory { facts: Some(facts), listening_services: Vec::new() }));
                     if tx.send(msg(&report)).await.is_err() {
                         return SessionEnd::Closed("stream closed".into());
                     }

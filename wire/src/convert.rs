@@ -546,12 +546,12 @@ impl TryFrom<proto::SyncRequest> for AgentMessage {
     fn try_from(req: proto::SyncRequest) -> Result<Self, MessageError> {
         use proto::sync_request::Msg;
         match req.msg {
-            Some(Msg::Hello(h)) => Ok(AgentMessage::Hello(Hello {
+            Some(Msg::Hello(h)) => Ok(AgentMessage::Hello(Box::new(Hello {
                 applied_version: h.applied_version,
                 agent: h.agent.as_ref().map(AgentInfo::from).unwrap_or_default(),
                 facts: h.facts.as_ref().map(HostFacts::from),
                 suspended: h.suspended,
-            })),
+            }))),
             Some(Msg::Ack(a)) => {
                 let status = AckStatus::from_number("ack status", a.status).map_err(|_| {
                     MessageError(format!("ack status {} is not APPLIED, HELD or FAILED", a.status))
@@ -577,14 +577,14 @@ impl TryFrom<proto::SyncRequest> for AgentMessage {
                     .collect(),
                 suspended: h.suspended,
             })),
-            Some(Msg::Inventory(i)) => Ok(AgentMessage::Inventory(Inventory {
+            Some(Msg::Inventory(i)) => Ok(AgentMessage::Inventory(Box::new(Inventory {
                 facts: i.facts.as_ref().map(HostFacts::from),
                 listening_services: i
                     .listening_services
                     .iter()
                     .map(listening_from_wire)
                     .collect::<Result<_, _>>()?,
-            })),
+            }))),
             None => Err(MessageError("empty sync message".into())),
         }
     }
@@ -920,12 +920,12 @@ mod tests {
             ephemeral_ports: Some(PortRange::new(32_768, 60_999).unwrap()),
         };
         vec![
-            AgentMessage::Hello(Hello {
+            AgentMessage::Hello(Box::new(Hello {
                 applied_version: 7,
                 agent: AgentInfo { version: "1.0".into(), capabilities: vec!["nftables".into()] },
                 facts: Some(facts.clone()),
                 suspended: true,
-            }),
+            })),
             AgentMessage::Ack(Ack::Applied(3)),
             AgentMessage::Ack(Ack::Held(4)),
             AgentMessage::Ack(Ack::Failed(5, "no base".into())),
@@ -935,7 +935,7 @@ mod tests {
                 tamper_events: vec![TamperEvent { detected_at_unix_ms: 1, detail: "flush".into(), count: 2 }],
                 suspended: false,
             }),
-            AgentMessage::Inventory(Inventory {
+            AgentMessage::Inventory(Box::new(Inventory {
                 facts: Some(facts),
                 listening_services: vec![ListeningService {
                     protocol: Protocol::Tcp,
@@ -943,8 +943,8 @@ mod tests {
                     address: Some("10.0.0.5".parse().unwrap()),
                     process_name: "nginx".into(),
                 }],
-            }),
-            AgentMessage::Inventory(Inventory::default()),
+            })),
+            AgentMessage::Inventory(Box::default()),
         ]
     }
 

@@ -171,10 +171,11 @@ pub struct Inventory {
 /// What an agent sends on its stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AgentMessage {
-    Hello(Hello),
+    /// Boxed, like the inventory: they carry host facts and come once per stream or interval.
+    Hello(Box<Hello>),
     Ack(Ack),
     Heartbeat(Heartbeat),
-    Inventory(Inventory),
+    Inventory(Box<Inventory>),
 }
 
 /// An instruction that ends the stream.

@@ -4,7 +4,10 @@
 
 pub mod beats;
 pub mod bridge;
+pub mod core;
+pub mod driver;
 pub mod gateway;
 pub mod liveness;
 pub mod reads;
 pub mod session;
+pub mod store;

@@ -1,0 +1,719 @@
+//! One stream's logic as a state machine without I/O or a clock (SYNC-2..SYNC-11):
+//! `handle(event, now) -> effects`. It holds the [`Session`] (tip, in-flight updates, acks,
+//! recovery snapshots, convergence states) and everything around it that used to live among
+//! SQL and tokio in the gateway's task: Hello first, liveness and the certificate's expiry as
+//! deadlines, supersede by epoch (a state write that finds a newer stream ends this one),
+//! directives, inventory coalescing and the push bookkeeping behind the latency metrics.
+//!
+//! The driver (`driver`) carries out the effects in order against a [`super::store::SyncStore`]
+//! and feeds what they return back as events; the gateway adds the network, the simulator
+//! simulated time. Time is a [`Duration`] since the driver's origin, so a test can be at any
+//! moment.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use innerwall_wire::policy::{Version, WorkloadPolicy};
+use innerwall_wire::sync::{
+    AckStatus, AgentMessage, ControlMessage, Directive, Heartbeat, Hello, HelloAck, SyncState, Update,
+};
+use tonic::Status;
+
+use super::session::{Action, Record, Session};
+
+/// A moment of the stream's clock: time since the driver's origin.
+pub type Time = Duration;
+
+/// What the core is told at the start.
+#[derive(Debug, Clone)]
+pub struct CoreConfig {
+    /// A stream silent this long ends (SYNC-9); also the wait for Hello.
+    pub liveness: Duration,
+    /// The timing handed to the agent in HelloAck.
+    pub hello_ack: HelloAck,
+    /// When the client certificate the stream was opened with expires.
+    pub expires: Time,
+}
+
+/// Instructions to one stream from outside.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Control {
+    /// Tell the agent to reconnect (directed resend-snapshot, SYNC-8), then end the stream.
+    Reconnect,
+    /// End the stream: superseded by a newer one from the same identity, or the replica is
+    /// shutting down.
+    End { reason: String, superseded: bool },
+    /// Tell the agent to enroll again (the workload was retired or deny-listed), then end.
+    Reenroll { reason: String },
+}
+
+/// What happened.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// A message from the agent.
+    Message(AgentMessage),
+    /// The store admitted the stream's Hello ([`Effect::Admit`]).
+    Admitted,
+    /// The workload's persisted policy ([`Effect::LoadPersisted`]).
+    Opened(WorkloadPolicy),
+    /// A render announced a newer version, or the listener reconnected: read the latest.
+    Announced,
+    /// The persisted policy as read ([`Effect::ReadLatest`]), with when it was committed.
+    Latest {
+        policy: WorkloadPolicy,
+        committed: DateTime<Utc>,
+    },
+    /// The update of `version` encodes to `size` bytes, over the stream's largest message: it
+    /// was not sent.
+    Unsendable {
+        version: Version,
+        size: usize,
+    },
+    /// A state write ([`Effect::Record`]) finished; `current` is false when a newer stream of
+    /// the identity (on any replica) owns the workload's row.
+    Recorded {
+        current: bool,
+    },
+    /// The store deferred an inventory change ([`Effect::CommitInventory`]) for `wait`.
+    InventoryDeferred {
+        addresses: BTreeSet<IpAddr>,
+        wait: Duration,
+    },
+    Control(Control),
+    /// Time passed: the deadlines are checked.
+    Tick,
+}
+
+/// What the driver must do, in order. An effect whose result the core needs is answered with
+/// the event its documentation names, before the effects after it.
+#[derive(Debug, Clone)]
+pub enum Effect {
+    /// Admit the Hello (a live workload, the next epoch, the version it reports installed, a
+    /// clone check); then [`Event::Admitted`], or the stream ends with the store's refusal.
+    Admit(Box<Hello>),
+    /// Read the persisted policy, rendering first if there is none (POL-6); then
+    /// [`Event::Opened`].
+    LoadPersisted,
+    /// Send to the agent; then [`Event::Unsendable`] if it is an update over the largest message.
+    Send(ControlMessage),
+    /// Send a directive whose stream ends next; a failure to send it changes nothing.
+    Direct(Directive),
+    /// Read the persisted policy; then [`Event::Latest`] if there is one.
+    ReadLatest,
+    /// Write the convergence state (installs first); then [`Event::Recorded`].
+    Record(Record),
+    /// A heartbeat: the stream's beat with the state it last recorded, and what it reports.
+    Beat { heartbeat: Heartbeat, state: Option<SyncState> },
+    /// Store the reported addresses (renders if they changed), unless they changed less than
+    /// the minimum interval ago; then [`Event::InventoryDeferred`] if deferred.
+    CommitInventory(BTreeSet<IpAddr>),
+    /// Count an ack; `committed`: when its version was committed, if it was pushed as a delta.
+    Acked { status: AckStatus, committed: Option<DateTime<Utc>> },
+    /// A version committed at `committed` was pushed as a delta.
+    Pushed { committed: DateTime<Utc> },
+    /// A recovery snapshot was sent (SYNC-5).
+    RecoverySnapshot,
+    /// The stream ends.
+    End(Ended),
+}
+
+/// Why a stream ended, whether its end means the workload is offline, and the status the agent
+/// is told (`None`: the stream just closes).
+#[derive(Debug, Clone)]
+pub struct Ended {
+    pub reason: String,
+    pub offline: bool,
+    pub status: Option<Status>,
+}
+
+impl Ended {
+    pub fn offline(reason: impl Into<String>) -> Self {
+        Ended { reason: reason.into(), offline: true, status: None }
+    }
+
+    pub fn refused(status: Status) -> Self {
+        Ended { reason: status.message().to_owned(), offline: true, status: Some(status) }
+    }
+
+    fn invalid(reason: impl Into<String>) -> Self {
+        Ended::refused(Status::invalid_argument(reason.into()))
+    }
+}
+
+#[derive(Debug)]
+enum Phase {
+    /// Until Hello, for at most the liveness bound from the start.
+    AwaitingHello,
+    /// Hello is being admitted and the persisted policy read; what Hello claimed.
+    Opening {
+        claimed: Version,
+        suspended: bool,
+    },
+    Open(Box<Session>),
+    Ended,
+}
+
+/// The latest inventory report not applied yet, and when it is due.
+#[derive(Debug, Default)]
+struct Pending {
+    addresses: Option<BTreeSet<IpAddr>>,
+    due: Option<Time>,
+}
+
+/// The commit times of versions sent as deltas and not acked yet (for the push latencies).
+/// Bounded: an agent that never acks cannot grow it.
+#[derive(Debug, Default)]
+struct Pushes(BTreeMap<Version, DateTime<Utc>>);
+
+impl Pushes {
+    const MAX: usize = 64;
+
+    fn sent(&mut self, version: Version, committed: DateTime<Utc>) {
+        self.0.insert(version, committed);
+        while self.0.len() > Self::MAX {
+            self.0.pop_first();
+        }
+    }
+
+    /// The commit time of `version` if it was sent as a delta; it and every older version are
+    /// settled (acks come in send order).
+    fn acked(&mut self, version: Version) -> Option<DateTime<Utc>> {
+        let later = self.0.split_off(&(version.saturating_add(1)));
+        let settled = std::mem::replace(&mut self.0, later);
+        settled.get(&version).copied()
+    }
+}
+
+/// One stream.
+#[derive(Debug)]
+pub struct StreamCore {
+    config: CoreConfig,
+    phase: Phase,
+    /// When the agent was last heard from (the start, before Hello).
+    heard: Time,
+    inventory: Pending,
+    pushes: Pushes,
+    /// The state this stream last recorded.
+    recorded: Option<SyncState>,
+}
+
+impl StreamCore {
+    /// A stream that opened at `now`; it waits for Hello.
+    pub fn new(config: CoreConfig, now: Time) -> Self {
+        StreamCore {
+            config,
+            phase: Phase::AwaitingHello,
+            heard: now,
+            inventory: Pending::default(),
+            pushes: Pushes::default(),
+            recorded: None,
+        }
+    }
+
+    /// The earliest moment a [`Event::Tick`] can change something.
+    pub fn next_deadline(&self) -> Time {
+        let mut next = self.config.expires.min(self.heard + self.config.liveness);
+        if let (Some(due), Some(_)) = (self.inventory.due, &self.inventory.addresses) {
+            next = next.min(due);
+        }
+        next
+    }
+
+    /// Whether the stream has ended.
+    pub fn ended(&self) -> bool {
+        matches!(self.phase, Phase::Ended)
+    }
+
+    /// Whether Hello was admitted and the opening snapshot sent.
+    pub fn is_open(&self) -> bool {
+        matches!(self.phase, Phase::Open(_))
+    }
+
+    /// The version the stream carries, once open.
+    pub fn tip_version(&self) -> Option<Version> {
+        match &self.phase {
+            Phase::Open(session) => Some(session.tip_version()),
+            _ => None,
+        }
+    }
+
+    fn end(&mut self, ended: Ended) -> Vec<Effect> {
+        self.phase = Phase::Ended;
+        vec![Effect::End(ended)]
+    }
+
+    /// The session's actions as effects: records remember their state, sends become messages.
+    fn effects(&mut self, actions: Vec<Action>) -> Vec<Effect> {
+        let mut out = Vec::with_capacity(actions.len());
+        for action in actions {
+            match action {
+                Action::Send(update) => out.push(Effect::Send(ControlMessage::Update(update))),
+                Action::Record(r) => {
+                    self.recorded = Some(r.state);
+                    out.push(Effect::Record(r));
+                }
+                Action::Close(reason) => {
+                    out.extend(self.end(Ended::invalid(reason)));
+                    break;
+                }
+                Action::Redial(reason) => {
+                    let status = Some(Status::aborted(reason.clone()));
+                    out.extend(self.end(Ended { reason, offline: false, status }));
+                    break;
+                }
+            }
+        }
+        out
+    }
+
+    pub fn handle(&mut self, event: Event, now: Time) -> Vec<Effect> {
+        if self.ended() {
+            return Vec::new();
+        }
+        match event {
+            Event::Tick => self.tick(now),
+            Event::Message(message) => {
+                self.heard = now;
+                self.message(message, now)
+            }
+            Event::Admitted => match self.phase {
+                Phase::Opening { .. } => {
+                    vec![Effect::Send(ControlMessage::HelloAck(self.config.hello_ack)), Effect::LoadPersisted]
+                }
+                _ => Vec::new(),
+            },
+            Event::Opened(persisted) => {
+                let Phase::Opening { claimed, suspended } = self.phase else { return Vec::new() };
+                let (session, actions) = Session::open(persisted, claimed, suspended);
+                self.phase = Phase::Open(Box::new(session));
+                self.effects(actions)
+            }
+            Event::Announced => match self.phase {
+                Phase::Open(_) => vec![Effect::ReadLatest],
+                _ => Vec::new(),
+            },
+            Event::Latest { policy, committed } => {
+                let Phase::Open(session) = &mut self.phase else { return Vec::new() };
+                let version = policy.version();
+                let actions = session.persisted(policy);
+                let delta = actions.iter().any(|a| matches!(a, Action::Send(Update::Delta(_))));
+                let mut out = self.effects(actions);
+                if delta {
+                    self.pushes.sent(version, committed);
+                    out.push(Effect::Pushed { committed });
+                }
+                out
+            }
+            Event::Unsendable { version, size } => {
+                let Phase::Open(session) = &mut self.phase else { return Vec::new() };
+                let max = innerwall_wire::sync::MAX_POLICY_MESSAGE;
+                let actions = session.unsendable(version, size, max);
+                self.effects(actions)
+            }
+            Event::Recorded { current: true } => Vec::new(),
+            Event::Recorded { current: false } => {
+                // Another replica holds a newer stream of this identity (the agent reconnected
+                // there): this one is stale and must not speak for it.
+                let reason = "superseded by a newer stream on another replica";
+                self.end(Ended {
+                    reason: reason.into(),
+                    offline: false,
+                    status: Some(Status::aborted(reason)),
+                })
+            }
+            Event::InventoryDeferred { addresses, wait } => {
+                // A newer report that arrived meanwhile wins.
+                self.inventory.addresses.get_or_insert(addresses);
+                self.inventory.due = Some(now + wait);
+                Vec::new()
+            }
+            Event::Control(control) => self.control(control),
+        }
+    }
+
+    fn tick(&mut self, now: Time) -> Vec<Effect> {
+        if now >= self.config.expires {
+            // An agent that cannot renew cannot hold a stream (seed 000): the agent renews well
+            // before, and reconnects.
+            let reason = "its client certificate expired: renew before expiry, or enroll again";
+            let status = Status::unauthenticated(format!("the stream ended because {reason}"));
+            return self.end(Ended { reason: reason.into(), offline: true, status: Some(status) });
+        }
+        if now >= self.heard + self.config.liveness {
+            let reason = match self.phase {
+                Phase::AwaitingHello => "no Hello within the liveness bound",
+                _ => "silent for three heartbeat intervals",
+            };
+            return self.end(Ended::offline(reason));
+        }
+        match (self.inventory.due, &self.phase) {
+            (Some(due), Phase::Open(_)) if due <= now => {
+                self.inventory.due = None;
+                self.inventory.addresses.take().map(Effect::CommitInventory).into_iter().collect()
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    fn message(&mut self, message: AgentMessage, now: Time) -> Vec<Effect> {
+        let session = match &mut self.phase {
+            Phase::AwaitingHello => {
+                return match message {
+                    AgentMessage::Hello(hello) => {
+                        self.phase =
+                            Phase::Opening { claimed: hello.applied_version, suspended: hello.suspended };
+                        vec![Effect::Admit(hello)]
+                    }
+                    _ => self.end(Ended::invalid("the first message must be Hello")),
+                };
+            }
+            // The driver reads nothing while a stream opens; a message now is out of order.
+            Phase::Opening { .. } => return self.end(Ended::invalid("a message before HelloAck")),
+            Phase::Open(session) => session,
+            Phase::Ended => return Vec::new(),
+        };
+        match message {
+            AgentMessage::Ack(ack) => {
+                let status = ack.status();
+                let committed = self.pushes.acked(ack.version());
+                let actions = session.ack(ack);
+                // The only snapshots an ack earns are recovery snapshots (SYNC-5).
+                let recoveries =
+                    actions.iter().filter(|a| matches!(a, Action::Send(Update::Snapshot(_)))).count();
+                let mut out = vec![Effect::Acked { status, committed }];
+                out.extend(std::iter::repeat_n(Effect::RecoverySnapshot, recoveries));
+                out.extend(self.effects(actions));
+                out
+            }
+            AgentMessage::Heartbeat(heartbeat) => {
+                let actions = session.suspended(heartbeat.suspended);
+                let mut out = vec![Effect::Beat { heartbeat, state: self.recorded }];
+                out.extend(self.effects(actions));
+                out
+            }
+            AgentMessage::Inventory(inventory) => {
+                // A report without facts (the agent could not list its interfaces) says nothing
+                // about addresses: the last known set stands, it never becomes "no addresses".
+                let Some(facts) = &inventory.facts else { return Vec::new() };
+                match crate::policy::spec::routable_addresses(facts) {
+                    Ok(addresses) => {
+                        // The latest report replaces any earlier pending one; the first is due
+                        // at once (the store decides whether it must wait).
+                        self.inventory.addresses = Some(addresses);
+                        self.inventory.due.get_or_insert(now);
+                        Vec::new()
+                    }
+                    Err(e) => self.end(Ended::refused(Status::from(e))),
+                }
+            }
+            AgentMessage::Hello(_) => self.end(Ended::invalid("Hello may only open a stream")),
+        }
+    }
+
+    fn control(&mut self, control: Control) -> Vec<Effect> {
+        match control {
+            Control::Reconnect => {
+                let mut out = vec![Effect::Direct(Directive::Reconnect)];
+                out.extend(self.end(Ended::offline("directed reconnect")));
+                out
+            }
+            Control::Reenroll { reason } => {
+                let directive = Directive::Reenroll { reason: format!("{reason}: enroll this host again") };
+                let mut out = vec![Effect::Direct(directive)];
+                out.extend(self.end(Ended { reason, offline: true, status: None }));
+                out
+            }
+            Control::End { reason, superseded } => {
+                let status = Status::aborted(reason.clone());
+                self.end(Ended { reason, offline: !superseded, status: Some(status) })
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+    use std::sync::Arc;
+
+    use innerwall_wire::identity::{HostFacts, NetworkInterface, WorkloadId};
+    use innerwall_wire::policy::Mode;
+    use innerwall_wire::proto;
+    use innerwall_wire::sync::{Ack, Inventory};
+
+    use super::*;
+    use crate::sync::driver::{Driver, Gone, Outbox};
+    use crate::sync::store::MemoryStore;
+
+    const LIVENESS: Duration = Duration::from_secs(90);
+
+    #[derive(Debug, Default)]
+    struct Sent(Vec<ControlMessage>);
+
+    impl Outbox for &mut Sent {
+        async fn send(&mut self, message: proto::SyncResponse) -> Result<(), Gone> {
+            self.0.push(ControlMessage::try_from(message).expect("the core sends what agents read"));
+            Ok(())
+        }
+    }
+
+    fn policy(version: u64) -> WorkloadPolicy {
+        innerwall_wire::testing::policy(version, Mode::Enforcement, &[22, 443 + version as u16])
+    }
+
+    fn core(at: Time) -> StreamCore {
+        let hello_ack = HelloAck {
+            heartbeat: Duration::from_secs(30),
+            inventory: Duration::from_secs(300),
+            flow_window: Duration::from_secs(60),
+            flow_window_max_keys: 10,
+        };
+        StreamCore::new(CoreConfig { liveness: LIVENESS, hello_ack, expires: Duration::from_secs(3_600) }, at)
+    }
+
+    fn hello(applied: u64) -> Event {
+        Event::Message(AgentMessage::Hello(Box::new(Hello {
+            applied_version: applied,
+            ..Default::default()
+        })))
+    }
+
+    fn versions(sent: &Sent) -> Vec<String> {
+        sent.0
+            .iter()
+            .map(|m| match m {
+                ControlMessage::HelloAck(_) => "hello-ack".to_owned(),
+                ControlMessage::Update(Update::Snapshot(p)) => format!("snapshot v{}", p.version()),
+                ControlMessage::Update(Update::Delta(d)) => {
+                    format!("delta v{}→v{}", d.from_version, d.to_version)
+                }
+                ControlMessage::Directive(d) => format!("{d:?}"),
+            })
+            .collect()
+    }
+
+    /// A stream on the in-memory store: Hello first, the snapshot, an ack, an announcement's
+    /// delta, its ack; the store follows.
+    #[tokio::test]
+    async fn a_stream_opens_syncs_and_follows_announcements() {
+        let (store, id) = (MemoryStore::default(), WorkloadId::new_random());
+        store.persist(id, policy(1), Utc::now());
+        let mut sent = Sent::default();
+        let mut driver = Driver {
+            id,
+            key_sha256: "k",
+            store: &store,
+            out: &mut sent,
+            epoch: 0,
+            liveness: LIVENESS,
+            metrics: Arc::new(crate::metrics::Metrics::new()),
+        };
+        let mut core = core(Duration::ZERO);
+        let second = Duration::from_secs(1);
+        assert!(driver.run(&mut core, hello(0), second).await.is_none());
+        assert!(core.is_open());
+        assert_eq!(driver.epoch, 1);
+        assert!(
+            driver.run(&mut core, Event::Message(AgentMessage::Ack(Ack::Applied(1))), second).await.is_none()
+        );
+        assert_eq!(store.workload(id).unwrap().state, Some(SyncState::Synced));
+        store.persist(id, policy(2), Utc::now());
+        assert!(driver.run(&mut core, Event::Announced, second).await.is_none());
+        assert_eq!(store.workload(id).unwrap().state, Some(SyncState::Pending));
+        assert!(
+            driver.run(&mut core, Event::Message(AgentMessage::Ack(Ack::Applied(2))), second).await.is_none()
+        );
+        let row = store.workload(id).unwrap();
+        assert_eq!((row.state, row.applied), (Some(SyncState::Synced), Some(2)));
+        assert!(row.installed.contains(&(2, Mode::Enforcement)));
+        // An announcement of nothing new sends nothing.
+        assert!(driver.run(&mut core, Event::Announced, second).await.is_none());
+        drop(driver);
+        assert_eq!(versions(&sent), ["hello-ack", "snapshot v1", "delta v1→v2"]);
+    }
+
+    #[test]
+    fn hello_comes_first_and_only_first() {
+        let mut c = core(Duration::ZERO);
+        let effects = c.handle(Event::Message(AgentMessage::Ack(Ack::Applied(1))), Duration::ZERO);
+        assert!(matches!(&effects[..], [Effect::End(e)] if e.reason == "the first message must be Hello"));
+        assert!(c.ended());
+        assert!(c.handle(hello(0), Duration::ZERO).is_empty(), "an ended stream does nothing");
+
+        let mut c = core(Duration::ZERO);
+        assert!(matches!(&c.handle(hello(0), Duration::ZERO)[..], [Effect::Admit(_)]));
+        assert!(matches!(
+            &c.handle(Event::Admitted, Duration::ZERO)[..],
+            [Effect::Send(_), Effect::LoadPersisted]
+        ));
+        c.handle(Event::Opened(policy(1)), Duration::ZERO);
+        let effects = c.handle(hello(1), Duration::ZERO);
+        assert!(matches!(&effects[..], [Effect::End(e)] if e.reason == "Hello may only open a stream"));
+    }
+
+    /// Liveness counts from the agent's last message: announcements do not keep a silent
+    /// stream alive; Hello must come within the bound too; the certificate's expiry ends it.
+    #[test]
+    fn deadlines_end_silent_and_expired_streams() {
+        let mut c = core(Duration::ZERO);
+        assert_eq!(c.next_deadline(), LIVENESS);
+        let effects = c.handle(Event::Tick, LIVENESS);
+        assert!(
+            matches!(&effects[..], [Effect::End(e)] if e.reason == "no Hello within the liveness bound" && e.offline)
+        );
+
+        let mut c = core(Duration::ZERO);
+        c.handle(hello(0), Duration::from_secs(10));
+        c.handle(Event::Admitted, Duration::from_secs(10));
+        c.handle(Event::Opened(policy(1)), Duration::from_secs(10));
+        for at in [30, 60, 90] {
+            c.handle(Event::Announced, Duration::from_secs(at));
+            assert!(c.handle(Event::Tick, Duration::from_secs(at)).is_empty(), "alive at {at} s");
+        }
+        assert_eq!(c.next_deadline(), Duration::from_secs(100));
+        let effects = c.handle(Event::Tick, Duration::from_secs(100));
+        assert!(
+            matches!(&effects[..], [Effect::End(e)] if e.reason == "silent for three heartbeat intervals")
+        );
+
+        let mut c = core(Duration::from_secs(3_550));
+        c.handle(hello(0), Duration::from_secs(3_550));
+        assert_eq!(c.next_deadline(), Duration::from_secs(3_600), "the certificate expires first");
+        let effects = c.handle(Event::Tick, Duration::from_secs(3_600));
+        let [Effect::End(ended)] = &effects[..] else { panic!("{effects:?}") };
+        assert_eq!(ended.status.as_ref().map(|s| s.code()), Some(tonic::Code::Unauthenticated));
+    }
+
+    /// Two streams of one identity: the newer's Hello takes the next epoch, and the older ends
+    /// at its next state write, not calling the workload offline.
+    #[tokio::test]
+    async fn a_newer_stream_supersedes_by_epoch() {
+        let (store, id) = (MemoryStore::default(), WorkloadId::new_random());
+        store.persist(id, policy(1), Utc::now());
+        let metrics = Arc::new(crate::metrics::Metrics::new());
+        let (mut old_sent, mut new_sent) = (Sent::default(), Sent::default());
+        let mut old = Driver {
+            id,
+            key_sha256: "k",
+            store: &store,
+            out: &mut old_sent,
+            epoch: 0,
+            liveness: LIVENESS,
+            metrics: metrics.clone(),
+        };
+        let mut old_core = core(Duration::ZERO);
+        assert!(old.run(&mut old_core, hello(0), Duration::ZERO).await.is_none());
+        let mut new = Driver {
+            id,
+            key_sha256: "k",
+            store: &store,
+            out: &mut new_sent,
+            epoch: 0,
+            liveness: LIVENESS,
+            metrics,
+        };
+        let mut new_core = core(Duration::ZERO);
+        assert!(new.run(&mut new_core, hello(0), Duration::ZERO).await.is_none());
+        assert_eq!((old.epoch, new.epoch), (1, 2));
+        let ended =
+            old.run(&mut old_core, Event::Message(AgentMessage::Ack(Ack::Applied(1))), Duration::ZERO).await;
+        let ended = ended.expect("the stale stream ends");
+        assert_eq!(ended.reason, "superseded by a newer stream on another replica");
+        assert!(!ended.offline);
+        assert_eq!(
+            store.workload(id).unwrap().state,
+            Some(SyncState::Pending),
+            "the newer stream's state stands"
+        );
+        // Its end marks nothing offline: its epoch is not the row's.
+        crate::sync::store::SyncStore::mark_offline(&store, id, 1, "ended").await;
+        assert_eq!(store.workload(id).unwrap().state, Some(SyncState::Pending));
+    }
+
+    /// Inventory reports coalesce into the latest; the store's deferral brings it back later.
+    #[test]
+    fn inventory_reports_coalesce() {
+        let report = |address: &str| {
+            let facts = HostFacts {
+                interfaces: vec![NetworkInterface {
+                    addresses: vec![format!("{address}/24")],
+                    ..Default::default()
+                }],
+                ..Default::default()
+            };
+            Event::Message(AgentMessage::Inventory(Box::new(Inventory {
+                facts: Some(facts),
+                ..Default::default()
+            })))
+        };
+        let at = Duration::from_secs;
+        let mut c = core(at(0));
+        c.handle(hello(0), at(0));
+        c.handle(Event::Admitted, at(0));
+        c.handle(Event::Opened(policy(1)), at(0));
+        assert!(c.handle(report("10.0.0.1"), at(5)).is_empty());
+        assert!(c.handle(report("10.0.0.2"), at(5)).is_empty());
+        assert_eq!(c.next_deadline(), at(5), "due at once");
+        let effects = c.handle(Event::Tick, at(5));
+        let [Effect::CommitInventory(addresses)] = &effects[..] else { panic!("{effects:?}") };
+        assert_eq!(addresses, &BTreeSet::from(["10.0.0.2".parse().unwrap()]));
+        c.handle(Event::InventoryDeferred { addresses: addresses.clone(), wait: at(3) }, at(5));
+        assert_eq!(c.next_deadline(), at(8));
+        assert!(c.handle(Event::Tick, at(7)).is_empty());
+        assert!(matches!(&c.handle(Event::Tick, at(8))[..], [Effect::CommitInventory(_)]));
+        // A malformed report ends the stream.
+        let bad = HostFacts {
+            interfaces: vec![NetworkInterface {
+                addresses: vec!["not-an-address".into()],
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let bad = Event::Message(AgentMessage::Inventory(Box::new(Inventory {
+            facts: Some(bad),
+            ..Default::default()
+        })));
+        assert!(matches!(&c.handle(bad, at(9))[..], [Effect::End(e)] if e.reason.contains("not an address")));
+    }
+
+    #[tokio::test]
+    async fn a_retired_workload_is_refused_at_hello() {
+        let (store, id) = (MemoryStore::default(), WorkloadId::new_random());
+        store.persist(id, policy(1), Utc::now());
+        store.retire(id);
+        let mut sent = Sent::default();
+        let mut driver = Driver {
+            id,
+            key_sha256: "k",
+            store: &store,
+            out: &mut sent,
+            epoch: 0,
+            liveness: LIVENESS,
+            metrics: Arc::new(crate::metrics::Metrics::new()),
+        };
+        let ended = driver.run(&mut core(Duration::ZERO), hello(0), Duration::ZERO).await.unwrap();
+        assert!(ended.reason.contains("retired or deny-listed"), "{}", ended.reason);
+        assert!(sent.0.is_empty());
+    }
+
+    #[test]
+    fn pushes_settle_in_send_order_and_stay_bounded() {
+        let at = |s: i64| DateTime::from_timestamp(1_800_000_000 + s, 0).unwrap();
+        let mut pushes = Pushes::default();
+        pushes.sent(2, at(2));
+        pushes.sent(3, at(3));
+        pushes.sent(5, at(5));
+        assert_eq!(pushes.acked(1), None, "the opening snapshot was no push");
+        assert_eq!(pushes.acked(3), Some(at(3)));
+        assert_eq!(pushes.acked(2), None, "settled with 3");
+        assert_eq!(pushes.acked(5), Some(at(5)));
+        for v in 10..200 {
+            pushes.sent(v, at(v as i64));
+        }
+        assert_eq!(pushes.0.len(), Pushes::MAX);
+        assert_eq!(pushes.acked(199), Some(at(199)));
+        assert!(pushes.0.is_empty());
+    }
+}

@@ -1,0 +1,134 @@
+//! Carries out a [`StreamCore`]'s effects, in order, against a [`SyncStore`] and an [`Outbox`]
+//! (the stream towards the agent), feeding what they return back to the core before the effects
+//! after them. The gateway drives it with the network and tokio's clock; the simulator with
+//! its own. Nothing here decides: what to send, record or end is the core's.
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::sync::Arc;
+
+use innerwall_wire::identity::WorkloadId;
+use innerwall_wire::proto;
+use innerwall_wire::sync::{ControlMessage, MAX_POLICY_MESSAGE};
+use tonic::Status;
+
+use super::core::{Effect, Ended, Event, StreamCore, Time};
+use super::store::SyncStore;
+use crate::metrics::Metrics;
+
+/// The agent went away: the stream towards it is closed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Gone;
+
+/// Where a stream's messages to its agent go.
+pub trait Outbox: Send {
+    /// Queues one encoded message (waiting while the queue is full).
+    fn send(&mut self, message: proto::SyncResponse) -> impl Future<Output = Result<(), Gone>> + Send;
+}
+
+/// One stream's side of the world: its identity, its epoch once admitted, its store, its
+/// outbox and where it counts.
+#[derive(Debug)]
+pub struct Driver<'a, S, O> {
+    pub id: WorkloadId,
+    /// The key of the certificate the stream's connection proved the identity with.
+    pub key_sha256: &'a str,
+    pub store: &'a S,
+    pub out: O,
+    /// This stream's epoch once Hello was admitted (0 before): its writes apply only while it
+    /// is the newest.
+    pub epoch: i64,
+    pub liveness: std::time::Duration,
+    pub metrics: Arc<Metrics>,
+}
+
+impl<S: SyncStore, O: Outbox> Driver<'_, S, O> {
+    /// Hands `event` to `core` and carries out what follows; `Some` when the stream ended.
+    pub async fn run(&mut self, core: &mut StreamCore, event: Event, now: Time) -> Option<Ended> {
+        let mut queue: VecDeque<Effect> = core.handle(event, now).into();
+        while let Some(effect) = queue.pop_front() {
+            let next = match self.execute(effect).await {
+                Ok(None) => continue,
+                Ok(Some(event)) => core.handle(event, now),
+                Err(ended) => return Some(ended),
+            };
+            for effect in next.into_iter().rev() {
+                queue.push_front(effect);
+            }
+        }
+        None
+    }
+
+    /// One effect; the event it answers with, if any.
+    async fn execute(&mut self, effect: Effect) -> Result<Option<Event>, Ended> {
+        let id = self.id;
+        let refused = |e: crate::error::Error| Ended::refused(Status::from(e));
+        match effect {
+            Effect::Admit(hello) => {
+                self.epoch =
+                    self.store.hello(id, self.key_sha256, &hello, self.liveness).await.map_err(refused)?;
+                Ok(Some(Event::Admitted))
+            }
+            Effect::LoadPersisted => {
+                Ok(Some(Event::Opened(self.store.persisted(id).await.map_err(refused)?)))
+            }
+            Effect::Send(message) => {
+                let update = match &message {
+                    ControlMessage::Update(u) => Some(u.version()),
+                    _ => None,
+                };
+                let encoded = proto::SyncResponse::from(&message);
+                let size = prost::Message::encoded_len(&encoded);
+                if let Some(version) = update.filter(|_| size > MAX_POLICY_MESSAGE) {
+                    // Never sent: the agent could not read it, and would redial for ever.
+                    tracing::warn!(workload = %id, version, size, max = MAX_POLICY_MESSAGE,
+                        "not sending an update over the policy stream's largest message");
+                    return Ok(Some(Event::Unsendable { version, size }));
+                }
+                self.out.send(encoded).await.map_err(|Gone| Ended::offline("agent went away"))?;
+                Ok(None)
+            }
+            Effect::Direct(directive) => {
+                let _ = self.out.send(proto::SyncResponse::from(&ControlMessage::Directive(directive))).await;
+                Ok(None)
+            }
+            Effect::ReadLatest => {
+                let latest = self.store.latest(id).await;
+                let latest =
+                    latest.map_err(|e| Ended::offline(format!("reading the persisted policy: {e}")))?;
+                Ok(latest.map(|(policy, committed)| Event::Latest { policy, committed }))
+            }
+            Effect::Record(record) => {
+                let current = self.store.record(id, self.epoch, &record).await;
+                let current = current.map_err(|e| Ended::offline(format!("recording state: {e}")))?;
+                Ok(Some(Event::Recorded { current }))
+            }
+            Effect::Beat { heartbeat, state } => {
+                self.store.beat(id, self.epoch, state, &heartbeat).await.map_err(refused)?;
+                Ok(None)
+            }
+            Effect::CommitInventory(addresses) => {
+                match self.store.commit_inventory(id, &addresses).await.map_err(refused)? {
+                    Some(wait) => Ok(Some(Event::InventoryDeferred { addresses, wait })),
+                    None => Ok(None),
+                }
+            }
+            Effect::Acked { status, committed } => {
+                self.metrics.ack(status);
+                if let (innerwall_wire::sync::AckStatus::Applied, Some(committed)) = (status, committed) {
+                    self.metrics.applied(committed, chrono::Utc::now());
+                }
+                Ok(None)
+            }
+            Effect::Pushed { committed } => {
+                self.metrics.pushed(committed, chrono::Utc::now());
+                Ok(None)
+            }
+            Effect::RecoverySnapshot => {
+                self.metrics.recovery_snapshot();
+                Ok(None)
+            }
+            Effect::End(ended) => Err(ended),
+        }
+    }
+}
