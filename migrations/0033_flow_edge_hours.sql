@@ -6,14 +6,19 @@
 -- per destination label set (the workload's labels when its flows were rolled up, within the
 -- hour they were recorded), peer group (kind 1: the digest of the peer's labels then; kind 2:
 -- the address group's name; kind 0: every other address, '') and decision: about a hundred times
--- fewer rows, read in whole hours and grouped by a label key at query time.
+-- fewer rows, read in whole hours and grouped by a label key at query time. Label sets are
+-- stored once, by digest (md5 of their jsonb text), so the rows and their grouping carry only
+-- digests.
+CREATE TABLE flow_label_sets (
+    digest uuid PRIMARY KEY,
+    labels jsonb NOT NULL
+);
+
 CREATE TABLE flow_edge_hours (
     hour            timestamptz NOT NULL,
     dst_digest      uuid NOT NULL,
-    dst_labels      jsonb NOT NULL,
     peer_kind       smallint NOT NULL,
     peer_group      text NOT NULL,
-    peer_labels     jsonb NOT NULL,
     decision        smallint NOT NULL,
     records         bigint NOT NULL CHECK (records > 0),
     new_connections bigint NOT NULL,
@@ -36,13 +41,23 @@ BEGIN
 END
 $$;
 
-INSERT INTO flow_edge_hours (hour, dst_digest, dst_labels, peer_kind, peer_group, peer_labels, decision, records,
-    new_connections)
-SELECT r.hour, md5(d.labels::text)::uuid, d.labels, r.peer_kind,
+CREATE TEMPORARY TABLE destinations AS
+SELECT w.id AS workload_id, COALESCE(jsonb_object_agg(l.key, l.value) FILTER (WHERE l.key IS NOT NULL), '{}'::jsonb) AS labels
+FROM workloads w LEFT JOIN workload_labels l ON l.workload_id = w.id GROUP BY w.id;
+
+INSERT INTO flow_label_sets (digest, labels)
+SELECT DISTINCT md5(labels::text)::uuid, labels FROM destinations
+UNION
+SELECT DISTINCT peer_digest, peer_labels FROM flow_rollups WHERE peer_kind = 1
+ON CONFLICT DO NOTHING;
+
+INSERT INTO flow_edge_hours (hour, dst_digest, peer_kind, peer_group, decision, records, new_connections)
+SELECT r.hour, md5(COALESCE(d.labels, '{}'::jsonb)::text)::uuid, r.peer_kind,
        CASE r.peer_kind WHEN 1 THEN r.peer_digest::text WHEN 2 THEN r.peer_key ELSE '' END,
-       CASE r.peer_kind WHEN 1 THEN r.peer_labels ELSE '{}'::jsonb END,
        r.decision, sum(r.records), sum(r.new_connections)
-FROM flow_rollups r
-CROSS JOIN LATERAL (SELECT COALESCE(jsonb_object_agg(l.key, l.value), '{}'::jsonb) AS labels
-                    FROM workload_labels l WHERE l.workload_id = r.workload_id) AS d
-GROUP BY 1, 2, 3, 4, 5, 6, 7;
+FROM flow_rollups r LEFT JOIN destinations d ON d.workload_id = r.workload_id
+GROUP BY 1, 2, 3, 4, 5;
+
+INSERT INTO flow_label_sets (digest, labels) VALUES (md5('{}'::jsonb::text)::uuid, '{}'::jsonb) ON CONFLICT DO NOTHING;
+
+DROP TABLE destinations;

@@ -92,10 +92,15 @@ pub async fn edges(
     .fetch_one(&mut *tx)
     .await?;
     let with_pending = pending <= max_pending;
+    // Rolled-up hours grouped by digests (cheap keys), their label sets joined at the end; the
+    // windows not rolled up yet carry their label sets themselves.
     let rows = sqlx::query(
         "WITH rolled AS (
-            SELECT dst_labels, peer_kind, peer_group, peer_labels, decision, new_connections AS c, records AS n
-            FROM flow_edge_hours WHERE hour >= $1 AND hour < $2),
+            SELECT dst_digest, peer_kind, peer_group, decision, sum(new_connections)::bigint AS c,
+                   sum(records)::bigint AS n
+            FROM flow_edge_hours WHERE hour >= $1 AND hour < $2
+            GROUP BY dst_digest, peer_kind, peer_group, decision
+            LIMIT $4),
          waiting AS (
             SELECT r.workload_id, r.peer_kind,
                    CASE r.peer_kind WHEN 1 THEN md5(r.peer_labels::text)::uuid::text
@@ -107,16 +112,15 @@ pub async fn edges(
               AND (r.workload_id, r.window_id, r.window_start) IN (
                   SELECT workload_id, window_id, window_start FROM flow_windows
                   WHERE NOT rolled_up AND window_start >= $1 AND window_start < $2)
-            GROUP BY 1, 2, 3, 4, 5),
-         raw AS (
-            SELECT COALESCE((SELECT jsonb_object_agg(l.key, l.value) FROM workload_labels l
-                             WHERE l.workload_id = w.workload_id), '{}'::jsonb) AS dst_labels,
-                   w.peer_kind, w.peer_group, w.peer_labels, w.decision, w.c, w.n
-            FROM waiting w)
-         SELECT dst_labels, peer_kind, peer_group, peer_labels, decision, sum(c)::bigint, sum(n)::bigint
-         FROM (SELECT * FROM rolled UNION ALL SELECT * FROM raw) AS e
-         GROUP BY dst_labels, peer_kind, peer_group, peer_labels, decision
-         LIMIT $4",
+            GROUP BY 1, 2, 3, 4, 5)
+         SELECT d.labels, r.peer_kind, r.peer_group, COALESCE(p.labels, '{}'::jsonb), r.decision, r.c, r.n
+         FROM rolled r JOIN flow_label_sets d ON d.digest = r.dst_digest
+              LEFT JOIN flow_label_sets p ON p.digest = CASE WHEN r.peer_kind = 1 THEN r.peer_group::uuid END
+         UNION ALL
+         SELECT COALESCE((SELECT jsonb_object_agg(l.key, l.value) FROM workload_labels l
+                          WHERE l.workload_id = w.workload_id), '{}'::jsonb),
+                w.peer_kind, w.peer_group, w.peer_labels, w.decision, w.c::bigint, w.n::bigint
+         FROM waiting w",
     )
     .bind(from)
     .bind(to)
@@ -125,25 +129,31 @@ pub async fn edges(
     .fetch_all(&mut *tx)
     .await?;
     tx.commit().await?;
-    let truncated = rows.len() as i64 > MAX_EDGE_SUMS;
-    let mut sums = Vec::with_capacity(rows.len());
-    for row in rows.into_iter().take(MAX_EDGE_SUMS as usize) {
+    // The two sides may name the same edge: summed here.
+    let mut sums: BTreeMap<(BTreeMap<String, String>, Peer, Decision), (i64, i64)> = BTreeMap::new();
+    for row in rows {
         let peer = match row.get::<i16, _>(1) {
             1 => Peer::Labelled(labels(row.get(3))?),
             2 => Peer::Group(row.get(2)),
             _ => Peer::Other,
         };
-        let decision = Decision::from_code(row.get(4)).map_err(|_| Error::Corrupt {
-            what: "flow decision",
-            detail: row.get::<i16, _>(4).to_string(),
-        })?;
-        sums.push(EdgeSum {
-            destination: labels(row.get(0))?,
+        let decision = Decision::from_code(row.get(4))
+            .map_err(|_| Error::Corrupt { what: "flow decision", detail: row.get::<i16, _>(4).to_string() })?;
+        let sum = sums.entry((labels(row.get(0))?, peer, decision)).or_default();
+        sum.0 += row.get::<i64, _>(5);
+        sum.1 += row.get::<i64, _>(6);
+    }
+    let truncated = sums.len() as i64 > MAX_EDGE_SUMS;
+    let sums = sums
+        .into_iter()
+        .take(MAX_EDGE_SUMS as usize)
+        .map(|((destination, peer, decision), (connections, records))| EdgeSum {
+            destination,
             peer,
             decision,
-            connections: row.get(5),
-            records: row.get(6),
-        });
-    }
+            connections,
+            records,
+        })
+        .collect();
     Ok(Edges { from, to, sums, pending_left_out: if with_pending { 0 } else { pending }, truncated })
 }

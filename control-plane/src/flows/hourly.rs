@@ -4,7 +4,7 @@
 //! (hour, version, decision, rule) into `flow_rule_rollups`, per (UTC day, impact flow key) into
 //! `flow_key_days` (added to: late windows of a day join its sums), and per (hour, destination
 //! label set now, peer group, decision) into `flow_edge_hours` (the map's edges, added to the
-//! same way), and each window is marked
+//! same way; the label sets by digest in `flow_label_sets`), and each window is marked
 //! `rolled_up` in the same transaction. Ingest writes nothing of this (PERF-7), and reviews stay
 //! exact at every moment: they read the rollups of windows marked and the raw records of the
 //! rest. The raw records remain the source of truth; rollups expire with them (`retention`).
@@ -80,29 +80,22 @@ pub async fn roll_up(pool: &PgPool, now: DateTime<Utc>) -> Result<u64, Error> {
                 SELECT a.workload_id, COALESCE((SELECT jsonb_object_agg(l.key, l.value) FROM workload_labels l
                                                 WHERE l.workload_id = a.workload_id), '{}'::jsonb) AS labels
                 FROM (SELECT DISTINCT workload_id FROM added) AS a),
+             label_sets AS (
+                INSERT INTO flow_label_sets (digest, labels)
+                SELECT md5(labels::text)::uuid, labels FROM destinations
+                UNION SELECT peer_digest, peer_labels FROM added WHERE peer_kind = 1
+                ON CONFLICT DO NOTHING),
              by_edge AS (
-                INSERT INTO flow_edge_hours AS e (hour, dst_digest, dst_labels, peer_kind, peer_group, peer_labels,
-                    decision, records, new_connections)
-                SELECT a.hour, md5(d.labels::text)::uuid, d.labels, a.peer_kind,
+                INSERT INTO flow_edge_hours AS e (hour, dst_digest, peer_kind, peer_group, decision, records,
+                    new_connections)
+                SELECT a.hour, md5(d.labels::text)::uuid, a.peer_kind,
                        CASE a.peer_kind WHEN 1 THEN a.peer_digest::text WHEN 2 THEN a.peer_key ELSE '' END,
-                       CASE a.peer_kind WHEN 1 THEN a.peer_labels ELSE '{}'::jsonb END,
                        a.decision, sum(a.records), sum(a.new_connections)
                 FROM added a JOIN destinations d ON d.workload_id = a.workload_id
-                GROUP BY 1, 2, 3, 4, 5, 6, 7
+                GROUP BY 1, 2, 3, 4, 5
                 ON CONFLICT (hour, dst_digest, peer_kind, peer_group, decision)
                 DO UPDATE SET records = e.records + EXCLUDED.records,
                               new_connections = e.new_connections + EXCLUDED.new_connections),
-             by_key AS (
-                INSERT INTO flow_key_days AS d (day, workload_id, src_address, peer_kind, peer_key, peer_digest,
-                    dst_port, protocol, records, new_connections, first_seen, last_seen)
-                SELECT date_trunc('day', hour, 'UTC'), workload_id, src_address, peer_kind, peer_key, peer_digest,
-                       dst_port, protocol, sum(records), sum(new_connections), min(first_seen), max(last_seen)
-                FROM added GROUP BY 1, 2, 3, 4, 5, 6, 7, 8
-                ON CONFLICT (workload_id, src_address, peer_kind, peer_key, peer_digest, dst_port, protocol, day)
-                DO UPDATE SET records = d.records + EXCLUDED.records,
-                              new_connections = d.new_connections + EXCLUDED.new_connections,
-                              first_seen = least(d.first_seen, EXCLUDED.first_seen),
-                              last_seen = greatest(d.last_seen, EXCLUDED.last_seen)),
              by_rule AS (
                 INSERT INTO flow_rule_rollups (hour, policy_version, decision, matched_rule_id, records,
                     new_connections, packets, bytes, first_seen, last_seen)

@@ -186,11 +186,18 @@ impl Pushes {
     }
 }
 
+/// The first wait before a stalled recovery is tried again, and the longest.
+pub const RECOVERY_RETRY: Duration = Duration::from_secs(30);
+pub const MAX_RECOVERY_RETRY: Duration = Duration::from_secs(600);
+
 /// One stream.
 #[derive(Debug)]
 pub struct StreamCore {
     config: CoreConfig,
     phase: Phase,
+    /// When a stalled recovery is tried again, and the wait after that one.
+    retry_at: Option<Time>,
+    retry_wait: Duration,
     /// When the agent was last heard from (the start, before Hello).
     heard: Time,
     inventory: Pending,
@@ -205,6 +212,8 @@ impl StreamCore {
         StreamCore {
             config,
             phase: Phase::AwaitingHello,
+            retry_at: None,
+            retry_wait: RECOVERY_RETRY,
             heard: now,
             inventory: Pending::default(),
             pushes: Pushes::default(),
@@ -217,6 +226,9 @@ impl StreamCore {
         let mut next = self.config.expires.min(self.heard + self.config.liveness);
         if let (Some(due), Some(_)) = (self.inventory.due, &self.inventory.addresses) {
             next = next.min(due);
+        }
+        if let Some(retry) = self.retry_at {
+            next = next.min(retry);
         }
         next
     }
@@ -348,13 +360,26 @@ impl StreamCore {
             };
             return self.end(Ended::offline(reason));
         }
-        match (self.inventory.due, &self.phase) {
-            (Some(due), Phase::Open(_)) if due <= now => {
-                self.inventory.due = None;
-                self.inventory.addresses.take().map(Effect::CommitInventory).into_iter().collect()
+        let mut out = Vec::new();
+        if let (Some(retry), Phase::Open(session)) = (self.retry_at, &mut self.phase)
+            && retry <= now
+        {
+            self.retry_at = None;
+            let actions = session.retry_recovery();
+            if !actions.is_empty() {
+                // The next wait doubles: a persistent refusal costs one snapshot per wait.
+                self.retry_wait = (self.retry_wait * 2).min(MAX_RECOVERY_RETRY);
+                out.push(Effect::RecoverySnapshot);
+                out.extend(self.effects(actions));
             }
-            _ => Vec::new(),
         }
+        if let (Some(due), Phase::Open(_)) = (self.inventory.due, &self.phase)
+            && due <= now
+        {
+            self.inventory.due = None;
+            out.extend(self.inventory.addresses.take().map(Effect::CommitInventory));
+        }
+        out
     }
 
     fn message(&mut self, message: AgentMessage, now: Time) -> Vec<Effect> {
@@ -384,6 +409,11 @@ impl StreamCore {
                     actions.iter().filter(|a| matches!(a, Action::Send(Update::Snapshot(_)))).count();
                 let mut out = vec![Effect::Acked { status, committed }];
                 out.extend(std::iter::repeat_n(Effect::RecoverySnapshot, recoveries));
+                if session.stalled() {
+                    self.retry_at.get_or_insert(now + self.retry_wait);
+                } else if matches!(status, AckStatus::Applied | AckStatus::Held) {
+                    self.retry_wait = RECOVERY_RETRY;
+                }
                 out.extend(self.effects(actions));
                 out
             }
@@ -715,5 +745,42 @@ mod tests {
         assert_eq!(pushes.0.len(), Pushes::MAX);
         assert_eq!(pushes.acked(199), Some(at(199)));
         assert!(pushes.0.is_empty());
+    }
+
+    /// A transient refusal of the recovery snapshot heals without a new version: the core tries
+    /// it again after a wait that doubles with each refusal (no storm), and resets once applied.
+    #[test]
+    fn a_stalled_recovery_is_tried_again_after_a_growing_wait() {
+        let at = Duration::from_secs;
+        let failed = |v| Event::Message(AgentMessage::Ack(Ack::Failed(v, "refused".into())));
+        let sends = |effects: &[Effect]| {
+            effects.iter().filter(|e| matches!(e, Effect::Send(ControlMessage::Update(_)))).count()
+        };
+        let mut c = core(at(0));
+        c.handle(hello(0), at(0));
+        c.handle(Event::Admitted, at(0));
+        c.handle(Event::Opened(policy(1)), at(0));
+        c.handle(Event::Message(AgentMessage::Ack(Ack::Applied(1))), at(1));
+        c.handle(Event::Latest { policy: policy(2), committed: Utc::now() }, at(2));
+        assert_eq!(sends(&c.handle(failed(2), at(3))), 1, "a failed delta earns a recovery snapshot");
+        assert_eq!(sends(&c.handle(failed(2), at(4))), 0, "a failed recovery snapshot is not answered at once");
+        assert_eq!(c.next_deadline(), at(4) + RECOVERY_RETRY);
+        for (n, wait) in [(1, RECOVERY_RETRY), (2, RECOVERY_RETRY * 2)] {
+            let now = c.retry_at.expect("a retry is scheduled");
+            // The agent stays alive meanwhile.
+            c.handle(Event::Message(AgentMessage::Heartbeat(Heartbeat::default())), now);
+            let effects = c.handle(Event::Tick, now);
+            assert_eq!(sends(&effects), 1, "retry {n}");
+            assert!(effects.iter().any(|e| matches!(e, Effect::RecoverySnapshot)));
+            c.handle(Event::Message(AgentMessage::Heartbeat(Heartbeat::default())), now);
+            assert!(c.handle(failed(2), now).iter().all(|e| !matches!(e, Effect::Send(_))));
+            assert_eq!(c.retry_at, Some(now + wait * 2), "the wait doubles after retry {n}");
+        }
+        let now = c.retry_at.expect("a retry is scheduled");
+        c.handle(Event::Message(AgentMessage::Heartbeat(Heartbeat::default())), now);
+        assert_eq!(sends(&c.handle(Event::Tick, now)), 1);
+        let effects = c.handle(Event::Message(AgentMessage::Ack(Ack::Applied(2))), now);
+        assert!(effects.iter().any(|e| matches!(e, Effect::Record(r) if r.state == SyncState::Synced)));
+        assert_eq!((c.retry_at, c.retry_wait), (None, RECOVERY_RETRY), "nothing scheduled once applied");
     }
 }

@@ -175,6 +175,27 @@ impl Session {
         actions
     }
 
+    /// A failed recovery snapshot left the agent behind with nothing in flight: no update will
+    /// reach it until the next persisted version. (Not when the tip cannot be sent at all, or
+    /// the agent cannot read this stream.)
+    pub fn stalled(&self) -> bool {
+        self.degraded && self.in_flight.is_empty() && !self.resnapshot && !self.deaf
+    }
+
+    /// Tries the recovery snapshot of the tip again (the core calls this after a backoff, so a
+    /// transient refusal heals without a new version and a persistent one is no storm).
+    pub fn retry_recovery(&mut self) -> Vec<Action> {
+        if !self.stalled() {
+            return Vec::new();
+        }
+        let (version, mode) = (self.tip.version(), self.tip.mode());
+        self.in_flight.push_back(Sent::Snapshot { version, mode, recovery: true });
+        vec![
+            Action::Record(Record { snapshot_sent: true, ..Record::state(self.state()) }),
+            Action::Send(Update::Snapshot(self.tip.clone())),
+        ]
+    }
+
     /// The agent says whether its kill switch is engaged (Hello, every heartbeat, and at once
     /// when it changes). Nothing to record if that did not change.
     pub fn suspended(&mut self, suspended: bool) -> Vec<Action> {
