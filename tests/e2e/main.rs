@@ -19,6 +19,7 @@ mod policy_size;
 mod remote;
 mod remote_fleet;
 mod remote_workloads;
+mod simulation;
 mod states;
 mod suggest;
 mod sync;

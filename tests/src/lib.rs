@@ -49,3 +49,5 @@ fn build_binaries() -> Result<PathBuf, String> {
     }
     Ok(profile_dir)
 }
+
+pub mod sim;

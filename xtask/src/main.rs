@@ -60,6 +60,13 @@ enum Task {
         #[arg(long)]
         keep: bool,
     },
+    /// Run the policy stream's deterministic simulator (issue 30) over many seeds; prints seeds
+    /// per second and each failing seed with the command that replays it.
+    Simulate {
+        /// Passed to `innerwall-sim` (`--seeds N --steps K --seed S --agents A --replicas R --trace`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     /// Run every cargo-fuzz target for a while (AddressSanitizer; installs cargo-fuzz once).
     Fuzz {
         /// How long each target runs.
@@ -105,6 +112,11 @@ fn run(cli: Cli) -> Result<()> {
         Task::Lint => suite::lint(&root),
         Task::Bench { names, quick } => bench::run(&root, &names, quick),
         Task::Demo { keep } => demo::run(&root, keep),
+        Task::Simulate { args } => cmd::run(
+            suite::root_cargo(&root)
+                .args(["run", "--quiet", "--release", "-p", "innerwall-e2e", "--bin", "innerwall-sim", "--"])
+                .args(&args),
+        ),
         Task::Fuzz { seconds } => fuzz::run(&root, std::time::Duration::from_secs(seconds)),
         Task::CheckCycles { dirs } if dirs.is_empty() => {
             cycles::check(&root, &cycles::CRATE_SOURCES.iter().map(PathBuf::from).collect::<Vec<_>>())

@@ -57,7 +57,10 @@ pub struct Edges {
     pub truncated: bool,
 }
 
-fn labels(value: serde_json::Value) -> Result<BTreeMap<String, String>, Error> {
+/// A label set as stored.
+type Labels = BTreeMap<String, String>;
+
+fn labels(value: serde_json::Value) -> Result<Labels, Error> {
     serde_json::from_value(value)
         .map_err(|e| Error::Corrupt { what: "flow edge labels", detail: e.to_string() })
 }
@@ -130,15 +133,17 @@ pub async fn edges(
     .await?;
     tx.commit().await?;
     // The two sides may name the same edge: summed here.
-    let mut sums: BTreeMap<(BTreeMap<String, String>, Peer, Decision), (i64, i64)> = BTreeMap::new();
+    let mut sums: BTreeMap<(Labels, Peer, Decision), (i64, i64)> = BTreeMap::new();
     for row in rows {
         let peer = match row.get::<i16, _>(1) {
             1 => Peer::Labelled(labels(row.get(3))?),
             2 => Peer::Group(row.get(2)),
             _ => Peer::Other,
         };
-        let decision = Decision::from_code(row.get(4))
-            .map_err(|_| Error::Corrupt { what: "flow decision", detail: row.get::<i16, _>(4).to_string() })?;
+        let decision = Decision::from_code(row.get(4)).map_err(|_| Error::Corrupt {
+            what: "flow decision",
+            detail: row.get::<i16, _>(4).to_string(),
+        })?;
         let sum = sums.entry((labels(row.get(0))?, peer, decision)).or_default();
         sum.0 += row.get::<i64, _>(5);
         sum.1 += row.get::<i64, _>(6);

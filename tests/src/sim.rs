@@ -1,0 +1,823 @@
+//! A deterministic simulator of the policy stream (issue 30): from a seed, replicas' worth of
+//! streams and a few agents run for a number of steps with simulated time, network, database
+//! and firewall, driving the real protocol logic — the control plane's `StreamCore` through its
+//! `Driver` on the `MemoryStore`, the real renderer on a random estate, the wire's diff and
+//! apply, and the agent's real `Enforcer::apply` (next policy, persist, install) on a simulated
+//! firewall. Faults: message delays (order kept within a stream), stream drops and half-open
+//! streams, lost and late announcements, listener reconnects, agent crashes between persist and
+//! install, failed applies, the kill switch, clock jumps and duplicate streams of one identity.
+//! After every step the invariants are checked; after the steps the faults stop and every live
+//! agent must converge within a bounded number of steps.
+//!
+//! What it does not cover yet: the agent's stream loop is modelled here (the agent's event-loop
+//! core is still inside its tokio session), replica death with the liveness sweep, and
+//! control-plane restarts mid-write.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use innerwall_agent::enforce::{EnforceError, Installed, PolicyStore};
+use innerwall_agent::sync::Enforcer;
+use innerwall_control_plane::policy::model::{
+    AuthoredModel, Peer, RegisteredWorkload, Rule, Ruleset, Selector, Service, ServiceEntry,
+};
+use innerwall_control_plane::policy::render::render;
+use innerwall_control_plane::sync::core::{Control, CoreConfig, Ended, Event, StreamCore};
+use innerwall_control_plane::sync::driver::{Driver, Gone, Outbox};
+use innerwall_control_plane::sync::store::MemoryStore;
+use innerwall_wire::identity::WorkloadId;
+use innerwall_wire::labels::{LabelKey, LabelValue};
+use innerwall_wire::policy::{Cidr, Mode, WorkloadPolicy};
+use innerwall_wire::proto;
+use innerwall_wire::sync::{
+    Ack, AgentMessage, ControlMessage, Directive, Heartbeat, Hello, HelloAck, SyncState, Update,
+};
+
+/// splitmix64: small, fast and the same everywhere.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n` (`n` > 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+
+    /// True with probability `percent` / 100.
+    pub fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+}
+
+/// What one run is made of.
+#[derive(Debug, Clone, Copy)]
+pub struct Params {
+    pub seed: u64,
+    pub steps: u32,
+    pub agents: usize,
+    pub replicas: usize,
+}
+
+impl Params {
+    pub fn quick(seed: u64) -> Self {
+        Params { seed, steps: 300, agents: 3, replicas: 2 }
+    }
+}
+
+/// A broken invariant, with the step it broke at and the trace up to it.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    pub seed: u64,
+    pub step: u32,
+    pub what: String,
+    pub trace: Vec<String>,
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "seed {} step {}: {}", self.seed, self.step, self.what)
+    }
+}
+
+const LIVENESS: Duration = Duration::from_secs(90);
+const HEARTBEAT: Duration = Duration::from_secs(30);
+
+/// The host's firewall and disk: a persisted policy and an installed one, with faults.
+#[derive(Debug, Default)]
+pub struct Firewall {
+    persisted: Option<WorkloadPolicy>,
+    installed: Option<WorkloadPolicy>,
+    suspended: bool,
+    /// The next apply fails (the kernel refused it).
+    fail_next: bool,
+    /// The process dies right after the next persist, before installing.
+    crash_after_persist: bool,
+    crashed: bool,
+}
+
+impl PolicyStore for Firewall {
+    fn apply(&mut self, next: &WorkloadPolicy) -> Result<Installed, EnforceError> {
+        if std::mem::take(&mut self.fail_next) {
+            let source = std::io::Error::other("injected refusal");
+            return Err(EnforceError::Install(innerwall_agent::enforce::NetlinkError::Io {
+                what: "sim",
+                source,
+            }));
+        }
+        self.persisted = Some(next.clone());
+        if std::mem::take(&mut self.crash_after_persist) {
+            self.crashed = true;
+            let source = std::io::Error::other("crashed after persisting");
+            return Err(EnforceError::Install(innerwall_agent::enforce::NetlinkError::Io {
+                what: "sim",
+                source,
+            }));
+        }
+        if self.suspended {
+            return Ok(Installed::Held);
+        }
+        self.installed = Some(next.clone());
+        Ok(Installed::Full)
+    }
+
+    fn current(&self) -> Option<&WorkloadPolicy> {
+        self.persisted.as_ref()
+    }
+
+    fn suspended(&self) -> bool {
+        self.suspended
+    }
+}
+
+/// A stream's two directions: messages with the time they arrive, in order.
+#[derive(Debug)]
+struct Stream {
+    agent: usize,
+    replica: usize,
+    core: StreamCore,
+    epoch: i64,
+    /// The control plane's side is gone (ended, or its replica forgot it).
+    cp_closed: bool,
+    /// The agent's side is gone.
+    agent_closed: bool,
+    to_agent: VecDeque<(Duration, ControlMessage)>,
+    to_cp: VecDeque<(Duration, AgentMessage)>,
+}
+
+/// Messages a driver sends, collected for the network.
+#[derive(Debug, Default)]
+struct Collect(Vec<ControlMessage>);
+
+impl Outbox for &mut Collect {
+    async fn send(&mut self, message: proto::SyncResponse) -> Result<(), Gone> {
+        self.0.push(ControlMessage::try_from(message).expect("the control plane sends what agents read"));
+        Ok(())
+    }
+}
+
+struct Agent {
+    id: WorkloadId,
+    enforcer: Enforcer<Firewall>,
+    /// Its stream, while it thinks it has one.
+    stream: Option<usize>,
+    /// Down until this time (crashed or between dials).
+    down_until: Option<Duration>,
+}
+
+/// The estate the renderer sees.
+struct Estate {
+    model: AuthoredModel,
+    workloads: Vec<RegisteredWorkload>,
+}
+
+fn label(key: &str, value: &str) -> (LabelKey, LabelValue) {
+    (LabelKey::new(key).expect("a key"), LabelValue::new(value).expect("a value"))
+}
+
+fn selector(value: &str) -> Selector {
+    Selector::from_strings([("app".to_owned(), vec![value.to_owned()])]).expect("a selector")
+}
+
+const APPS: [&str; 3] = ["web", "api", "db"];
+
+impl Estate {
+    fn new(ids: &[WorkloadId]) -> Self {
+        let workloads = ids
+            .iter()
+            .enumerate()
+            .map(|(i, id)| RegisteredWorkload {
+                id: *id,
+                mode: Mode::Simulation,
+                labels: BTreeMap::from([label("app", APPS[i % APPS.len()])]),
+                addresses: BTreeSet::from([IpAddr::V4(Ipv4Addr::new(10, 0, 0, i as u8 + 1))]),
+            })
+            .collect();
+        let service = Service {
+            id: uuid::Uuid::from_u128(1),
+            name: "svc".into(),
+            entries: vec![ServiceEntry::parse("tcp:443").expect("an entry")],
+        };
+        let model = AuthoredModel {
+            services: BTreeMap::from([(service.id, service)]),
+            address_groups: BTreeMap::new(),
+            rulesets: Vec::new(),
+        };
+        Estate { model, workloads }
+    }
+
+    /// One random authored change.
+    fn change(&mut self, rng: &mut Rng, n: u128) -> String {
+        match rng.below(5) {
+            0 | 1 => {
+                let (to, from) = (APPS[rng.below(3) as usize], APPS[rng.below(3) as usize]);
+                let port = 1000 + rng.below(50) as u16;
+                let service = Service {
+                    id: uuid::Uuid::from_u128(1000 + n),
+                    name: format!("s{n}"),
+                    entries: vec![ServiceEntry::parse(&format!("tcp:{port}")).expect("an entry")],
+                };
+                let rule = Rule {
+                    id: uuid::Uuid::from_u128(2000 + n),
+                    name: format!("r{n}"),
+                    enabled: true,
+                    peers: vec![
+                        Peer::Workloads(selector(from)),
+                        Peer::Cidr(Cidr::parse(&format!("192.168.{}.0/24", rng.below(200))).expect("a cidr")),
+                    ],
+                    services: vec![service.id],
+                };
+                self.model.services.insert(service.id, service);
+                self.model.rulesets.push(Ruleset {
+                    id: uuid::Uuid::from_u128(3000 + n),
+                    name: format!("rs{n}"),
+                    enabled: true,
+                    scope: selector(to),
+                    rules: vec![rule],
+                });
+                format!("ruleset rs{n}: {from} → {to}:{port}")
+            }
+            2 if !self.model.rulesets.is_empty() => {
+                let i = rng.below(self.model.rulesets.len() as u64) as usize;
+                let gone = self.model.rulesets.remove(i);
+                format!("ruleset {} deleted", gone.name)
+            }
+            3 => {
+                let i = rng.below(self.workloads.len() as u64) as usize;
+                let app = APPS[rng.below(3) as usize];
+                self.workloads[i].labels = BTreeMap::from([label("app", app)]);
+                format!("workload {i} relabelled app={app}")
+            }
+            _ => {
+                let i = rng.below(self.workloads.len() as u64) as usize;
+                let mode = if self.workloads[i].mode == Mode::Simulation {
+                    Mode::Enforcement
+                } else {
+                    Mode::Simulation
+                };
+                self.workloads[i].mode = mode;
+                format!("workload {i} to {mode}")
+            }
+        }
+    }
+}
+
+/// One simulated world.
+struct World {
+    rng: Rng,
+    now: Duration,
+    store: MemoryStore,
+    estate: Estate,
+    agents: Vec<Agent>,
+    streams: Vec<Stream>,
+    /// Announcements on their way to each replica's listener: (arrives at, workload).
+    notices: Vec<VecDeque<(Duration, WorkloadId)>>,
+    metrics: Arc<innerwall_control_plane::metrics::Metrics>,
+    runtime: tokio::runtime::Runtime,
+    trace: Vec<String>,
+    changes: u128,
+    /// Faults are on; off for convergence.
+    faults: bool,
+    /// Recovery snapshots sent per stream failure, at most (no storm).
+    snapshots: u64,
+    failures: u64,
+}
+
+fn epoch_time() -> DateTime<Utc> {
+    DateTime::from_timestamp(1_800_000_000, 0).expect("a time")
+}
+
+impl World {
+    pub fn new(params: &Params) -> Self {
+        let ids: Vec<WorkloadId> = (0..params.agents)
+            .map(|i| WorkloadId::from_uuid(uuid::Uuid::from_u128(0x1000 + i as u128)).expect("an id"))
+            .collect();
+        let runtime = tokio::runtime::Builder::new_current_thread().build().expect("a runtime");
+        let mut world = World {
+            rng: Rng::new(params.seed),
+            now: Duration::ZERO,
+            store: MemoryStore::default(),
+            estate: Estate::new(&ids),
+            agents: ids
+                .iter()
+                .map(|id| Agent {
+                    id: *id,
+                    enforcer: Enforcer::new(Firewall::default()),
+                    stream: None,
+                    down_until: None,
+                })
+                .collect(),
+            streams: Vec::new(),
+            notices: vec![VecDeque::new(); params.replicas.max(1)],
+            metrics: Arc::new(innerwall_control_plane::metrics::Metrics::new()),
+            runtime,
+            trace: Vec::new(),
+            changes: 0,
+            faults: true,
+            snapshots: 0,
+            failures: 0,
+        };
+        world.render("the estate");
+        world
+    }
+
+    fn log(&mut self, line: String) {
+        self.trace.push(format!("{:>8.1}s {line}", self.now.as_secs_f64()));
+    }
+
+    /// Renders the estate with the real renderer and persists a new version for each workload
+    /// whose content changed, announcing it to every replica (lost or late while faults are on).
+    fn render(&mut self, why: &str) {
+        let rendered = match render(&self.estate.model, &self.estate.workloads) {
+            Ok(r) => r,
+            Err(e) => {
+                self.log(format!("render refused ({why}): {e}"));
+                return;
+            }
+        };
+        let mut moved = Vec::new();
+        for agent in &self.agents {
+            let Some(policy) = rendered.get(&agent.id) else { continue };
+            let latest =
+                self.store.workload(agent.id).and_then(|w| w.policies.last().map(|(p, _)| p.clone()));
+            let next = latest.as_ref().map_or(1, |p| p.version() + 1);
+            if latest.as_ref().is_some_and(|p| policy.clone().with_version(p.version()) == *p) {
+                continue;
+            }
+            let at = epoch_time() + chrono::Duration::from_std(self.now).expect("a duration");
+            self.store.persist(agent.id, policy.clone().with_version(next), at);
+            moved.push((agent.id, next));
+        }
+        for (id, version) in &moved {
+            for r in 0..self.notices.len() {
+                if self.faults && self.rng.chance(10) {
+                    continue; // lost
+                }
+                let delay = Duration::from_millis(self.rng.below(if self.faults { 5_000 } else { 10 }));
+                self.notices[r].push_back((self.now + delay, *id));
+            }
+            let _ = version;
+        }
+        self.log(format!("render ({why}): {} moved", moved.len()));
+    }
+
+    /// Runs one core event through the driver for stream `s`, queueing what it sends.
+    fn drive(&mut self, s: usize, event: Event) {
+        if self.streams[s].cp_closed {
+            return;
+        }
+        let now = self.now;
+        let mut sent = Collect::default();
+        let stream = &mut self.streams[s];
+        let id = self.agents[stream.agent].id;
+        let mut driver = Driver {
+            id,
+            key_sha256: "sim",
+            store: &self.store,
+            out: &mut sent,
+            epoch: stream.epoch,
+            liveness: LIVENESS,
+            metrics: self.metrics.clone(),
+        };
+        let ended: Option<Ended> = self.runtime.block_on(driver.run(&mut stream.core, event, now));
+        stream.epoch = driver.epoch;
+        for message in sent.0 {
+            if matches!(&message, ControlMessage::Update(Update::Snapshot(_))) {
+                self.snapshots += 1;
+            }
+            let delay = Duration::from_millis(self.rng.below(if self.faults { 2_000 } else { 5 }));
+            let stream = &mut self.streams[s];
+            let at = stream.to_agent.back().map_or(now, |(t, _)| *t).max(now) + delay;
+            stream.to_agent.push_back((at, message));
+        }
+        if let Some(ended) = ended {
+            let stream = &mut self.streams[s];
+            stream.cp_closed = true;
+            let (epoch, offline) = (stream.epoch, ended.offline);
+            if offline && epoch > 0 {
+                let store = &self.store;
+                self.runtime.block_on(innerwall_control_plane::sync::store::SyncStore::mark_offline(
+                    store,
+                    id,
+                    epoch,
+                    &ended.reason,
+                ));
+            }
+            self.log(format!("stream {s} ended by the control plane: {}", ended.reason));
+        }
+    }
+
+    fn hello_ack() -> HelloAck {
+        HelloAck {
+            heartbeat: HEARTBEAT,
+            inventory: Duration::from_secs(300),
+            flow_window: Duration::from_secs(60),
+            flow_window_max_keys: 1_000,
+        }
+    }
+
+    /// Agent `a` dials: a new stream on a random replica, Hello first.
+    fn dial(&mut self, a: usize) {
+        let replica = self.rng.below(self.notices.len() as u64) as usize;
+        let config = CoreConfig {
+            liveness: LIVENESS,
+            hello_ack: Self::hello_ack(),
+            expires: Duration::from_secs(1 << 40),
+        };
+        let enforcer = &self.agents[a].enforcer;
+        let hello = Hello {
+            applied_version: enforcer.applied_version(),
+            suspended: enforcer.suspended(),
+            ..Default::default()
+        };
+        // An agent holds one stream: a new dial leaves the old one to the control plane's end.
+        if let Some(old) = self.agents[a].stream.take() {
+            self.streams[old].agent_closed = true;
+            self.streams[old].to_agent.clear();
+        }
+        let s = self.streams.len();
+        self.streams.push(Stream {
+            agent: a,
+            replica,
+            core: StreamCore::new(config, self.now),
+            epoch: 0,
+            cp_closed: false,
+            agent_closed: false,
+            to_agent: VecDeque::new(),
+            to_cp: VecDeque::from([(self.now, AgentMessage::Hello(Box::new(hello)))]),
+        });
+        self.agents[a].stream = Some(s);
+        self.log(format!("agent {a} dials: stream {s} on replica {replica}"));
+    }
+
+    /// Delivers the next message of one direction of stream `s`, if it is due.
+    fn deliver(&mut self, s: usize, to_agent: bool) {
+        let now = self.now;
+        if to_agent {
+            let Some((at, _)) = self.streams[s].to_agent.front() else { return };
+            if *at > now {
+                return;
+            }
+            let (_, message) = self.streams[s].to_agent.pop_front().expect("a message");
+            if self.streams[s].agent_closed {
+                return;
+            }
+            self.agent_receives(s, message);
+        } else {
+            let Some((at, _)) = self.streams[s].to_cp.front() else { return };
+            if *at > now {
+                return;
+            }
+            let (_, message) = self.streams[s].to_cp.pop_front().expect("a message");
+            self.drive(s, Event::Message(message));
+        }
+    }
+
+    fn agent_send(&mut self, s: usize, message: AgentMessage) {
+        let delay = Duration::from_millis(self.rng.below(if self.faults { 2_000 } else { 5 }));
+        let stream = &mut self.streams[s];
+        let at = stream.to_cp.back().map_or(self.now, |(t, _)| *t).max(self.now) + delay;
+        stream.to_cp.push_back((at, message));
+    }
+
+    /// The agent's side of the protocol (a model of its stream loop around the real apply):
+    /// each update applied in stream order through `Enforcer::apply`, then acked.
+    fn agent_receives(&mut self, s: usize, message: ControlMessage) {
+        let a = self.streams[s].agent;
+        match message {
+            ControlMessage::HelloAck(_) => {}
+            ControlMessage::Directive(Directive::Reconnect) => self.agent_drops(a, "directed reconnect"),
+            ControlMessage::Directive(Directive::Reenroll { .. }) => self.agent_drops(a, "told to re-enroll"),
+            ControlMessage::Update(update) => {
+                let version = update.version();
+                let result = self.agents[a].enforcer.apply(&update);
+                if self.agents[a].enforcer.store.lock().expect("the firewall").crashed {
+                    self.crash(a, "between persist and install");
+                    return;
+                }
+                let ack = match result {
+                    Ok(Installed::Held) => Ack::Held(version),
+                    Ok(_) => Ack::Applied(version),
+                    Err(e) => {
+                        self.failures += 1;
+                        Ack::Failed(version, e.to_string())
+                    }
+                };
+                self.log(format!("agent {a} acks {ack:?}"));
+                self.agent_send(s, AgentMessage::Ack(ack));
+            }
+        }
+    }
+
+    /// The agent loses its stream (it closes its side) and redials a little later.
+    fn agent_drops(&mut self, a: usize, why: &str) {
+        if let Some(s) = self.agents[a].stream.take() {
+            self.streams[s].agent_closed = true;
+            self.streams[s].to_agent.clear();
+        }
+        let wait = Duration::from_millis(100 + self.rng.below(3_000));
+        self.agents[a].down_until = Some(self.now + wait);
+        self.log(format!("agent {a} drops its stream ({why})"));
+    }
+
+    /// The agent process dies; on restart it installs what it persisted (fail-static) and dials.
+    fn crash(&mut self, a: usize, when: &str) {
+        self.agent_drops(a, &format!("crashed {when}"));
+        let mut firewall = self.agents[a].enforcer.store.lock().expect("the firewall");
+        firewall.crashed = false;
+        firewall.installed = if firewall.suspended { None } else { firewall.persisted.clone() };
+    }
+
+    /// Closes stream `s` on both sides at once (a connection reset).
+    fn reset(&mut self, s: usize) {
+        let a = self.streams[s].agent;
+        if self.agents[a].stream == Some(s) {
+            self.agent_drops(a, "connection reset");
+        }
+        self.drive(s, Event::Control(Control::End { reason: "connection reset".into(), superseded: false }));
+    }
+
+    fn live_streams(&self) -> Vec<usize> {
+        (0..self.streams.len())
+            .filter(|s| !self.streams[*s].cp_closed || !self.streams[*s].agent_closed)
+            .collect()
+    }
+
+    /// One random step.
+    fn step(&mut self) {
+        let live = self.live_streams();
+        let pick = self.rng.below(100);
+        match pick {
+            0..=49 if !live.is_empty() => {
+                // A message that is due, if any: the network is busy, faults are the exception.
+                let now = self.now;
+                let due: Vec<(usize, bool)> = live
+                    .iter()
+                    .flat_map(|s| {
+                        let stream = &self.streams[*s];
+                        let to_agent = stream.to_agent.front().is_some_and(|(at, _)| *at <= now);
+                        let to_cp = stream.to_cp.front().is_some_and(|(at, _)| *at <= now);
+                        [(*s, true, to_agent), (*s, false, to_cp)]
+                    })
+                    .filter(|(_, _, due)| *due)
+                    .map(|(s, dir, _)| (s, dir))
+                    .collect();
+                if let Some((s, to_agent)) =
+                    (!due.is_empty()).then(|| due[self.rng.below(due.len() as u64) as usize])
+                {
+                    self.deliver(s, to_agent);
+                } else {
+                    self.now += Duration::from_millis(self.rng.below(2_000));
+                }
+            }
+            50..=57 => {
+                self.now += Duration::from_millis(self.rng.below(if self.faults { 10_000 } else { 2_000 }))
+            }
+            58..=65 => {
+                self.changes += 1;
+                let n = self.changes;
+                let what = self.estate.change(&mut self.rng, n);
+                self.render(&what);
+            }
+            66..=72 => self.listeners(),
+            81..=83 if self.faults && !live.is_empty() => {
+                let s = live[self.rng.below(live.len() as u64) as usize];
+                self.log(format!("stream {s} resets"));
+                self.reset(s);
+            }
+            84..=85 if self.faults && !live.is_empty() => {
+                // Half-open: the agent's side is gone; only liveness ends the control plane's.
+                let s = live[self.rng.below(live.len() as u64) as usize];
+                let a = self.streams[s].agent;
+                if self.agents[a].stream == Some(s) {
+                    self.log(format!("stream {s} goes half-open"));
+                    self.agents[a].stream = None;
+                    self.streams[s].agent_closed = true;
+                    self.streams[s].to_cp.clear();
+                    self.agents[a].down_until = Some(self.now + Duration::from_millis(self.rng.below(5_000)));
+                }
+            }
+            86..=88 if self.faults => {
+                let a = self.rng.below(self.agents.len() as u64) as usize;
+                let fail = self.rng.chance(50);
+                let mut firewall = self.agents[a].enforcer.store.lock().expect("the firewall");
+                if fail {
+                    firewall.fail_next = true;
+                } else {
+                    firewall.crash_after_persist = true;
+                }
+            }
+            89 if self.faults => {
+                let a = self.rng.below(self.agents.len() as u64) as usize;
+                self.log(format!("agent {a} crashes"));
+                self.crash(a, "at rest");
+            }
+            90..=91 if self.faults => {
+                let a = self.rng.below(self.agents.len() as u64) as usize;
+                let suspended = {
+                    let mut firewall = self.agents[a].enforcer.store.lock().expect("the firewall");
+                    firewall.suspended = !firewall.suspended;
+                    firewall.installed = if firewall.suspended { None } else { firewall.persisted.clone() };
+                    firewall.suspended
+                };
+                self.log(format!("agent {a} kill switch {}", if suspended { "down" } else { "up" }));
+                if let Some(s) = self.agents[a].stream {
+                    self.agent_send(
+                        s,
+                        AgentMessage::Heartbeat(Heartbeat { suspended, ..Default::default() }),
+                    );
+                }
+            }
+            92 if self.faults => {
+                // A second stream of one identity (a reconnect racing the old one).
+                let a = self.rng.below(self.agents.len() as u64) as usize;
+                if self.agents[a].stream.is_some() {
+                    self.log(format!("agent {a} opens a duplicate stream"));
+                    self.dial(a);
+                }
+            }
+            93 if self.faults => {
+                // A listener reconnects: every stream of that replica re-reads (SYNC-7); what
+                // was on its way to the old listener is lost.
+                let r = self.rng.below(self.notices.len() as u64) as usize;
+                self.log(format!("replica {r}'s listener reconnects"));
+                self.notices[r].clear();
+                for s in self.live_streams() {
+                    if self.streams[s].replica == r {
+                        self.drive(s, Event::Announced);
+                    }
+                }
+            }
+            _ => self.timers(),
+        }
+    }
+
+    /// Announcements that reached their replica's listener go to that replica's streams.
+    fn listeners(&mut self) {
+        for r in 0..self.notices.len() {
+            while let Some((at, id)) = self.notices[r].front().copied() {
+                if at > self.now {
+                    break;
+                }
+                self.notices[r].pop_front();
+                for s in self.live_streams() {
+                    let stream = &self.streams[s];
+                    if stream.replica == r && self.agents[stream.agent].id == id {
+                        self.drive(s, Event::Announced);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Deadlines: the control plane's ticks, the agents' heartbeats and redials.
+    fn timers(&mut self) {
+        for s in self.live_streams() {
+            if self.streams[s].core.next_deadline() <= self.now {
+                self.drive(s, Event::Tick);
+            }
+        }
+        for a in 0..self.agents.len() {
+            match (self.agents[a].stream, self.agents[a].down_until) {
+                (None, Some(until)) if until <= self.now => {
+                    self.agents[a].down_until = None;
+                    self.dial(a);
+                }
+                (None, None) => self.dial(a),
+                (Some(s), _) => {
+                    let suspended = self.agents[a].enforcer.suspended();
+                    if self.streams[s].cp_closed && self.streams[s].to_agent.is_empty() {
+                        // The control plane ended it: the agent sees the end and redials.
+                        self.agent_drops(a, "the control plane ended the stream");
+                    } else {
+                        self.agent_send(
+                            s,
+                            AgentMessage::Heartbeat(Heartbeat { suspended, ..Default::default() }),
+                        );
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// The invariants that hold after every step.
+    fn check(&self) -> Result<(), String> {
+        for (a, agent) in self.agents.iter().enumerate() {
+            let stored = self.store.workload(agent.id).unwrap_or_default();
+            let firewall = agent.enforcer.store.lock().expect("the firewall");
+            // A host runs its last good policy or the latest, never one no render produced.
+            for held in [&firewall.installed, &firewall.persisted].into_iter().flatten() {
+                if !stored.policies.iter().any(|(p, _)| p == held) {
+                    return Err(format!(
+                        "agent {a} holds version {} whose content no render persisted",
+                        held.version()
+                    ));
+                }
+            }
+            // The recorded state never says SYNCED for a version the agent does not hold.
+            if stored.state == Some(SyncState::Synced) {
+                let holds = firewall.persisted.as_ref().map(WorkloadPolicy::version);
+                if stored.applied != holds {
+                    return Err(format!(
+                        "agent {a} is recorded SYNCED at {:?} but holds {holds:?}",
+                        stored.applied
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether every agent runs its latest version, recorded SYNCED (or SUSPENDED).
+    fn converged(&self) -> bool {
+        self.agents.iter().all(|agent| {
+            let stored = self.store.workload(agent.id).unwrap_or_default();
+            let latest = stored.policies.last().map(|(p, _)| p.clone());
+            let firewall = agent.enforcer.store.lock().expect("the firewall");
+            let want = if firewall.suspended { SyncState::Suspended } else { SyncState::Synced };
+            firewall.persisted == latest
+                && stored.state == Some(want)
+                && (firewall.suspended || firewall.installed == latest)
+        })
+    }
+}
+
+/// Runs one seed; the failure, if an invariant broke or the agents did not converge.
+pub fn run(params: &Params) -> Result<Vec<String>, Failure> {
+    let mut world = World::new(params);
+    let fail = |world: &World, step: u32, what: String| Failure {
+        seed: params.seed,
+        step,
+        what,
+        trace: world.trace.clone(),
+    };
+    for step in 0..params.steps {
+        world.step();
+        world.check().map_err(|what| fail(&world, step, what))?;
+    }
+    // Faults stop (armed ones are disarmed): every live agent converges within a bounded
+    // number of steps.
+    world.faults = false;
+    for agent in &world.agents {
+        let mut firewall = agent.enforcer.store.lock().expect("the firewall");
+        firewall.fail_next = false;
+        firewall.crash_after_persist = false;
+    }
+    for step in params.steps..params.steps + 4_000 {
+        world.now += Duration::from_secs(1);
+        world.listeners();
+        for s in world.live_streams() {
+            while !world.streams[s].to_agent.is_empty() || !world.streams[s].to_cp.is_empty() {
+                world.now += Duration::from_millis(10);
+                world.deliver(s, true);
+                world.deliver(s, false);
+            }
+        }
+        world.timers();
+        // A reconcile after the faults, as a listener's reconnect does.
+        if step % 50 == 0 {
+            for s in world.live_streams() {
+                world.drive(s, Event::Announced);
+            }
+        }
+        world.check().map_err(|what| fail(&world, step, what))?;
+        if world.converged() {
+            return Ok(world.trace);
+        }
+    }
+    let states: Vec<String> = world
+        .agents
+        .iter()
+        .map(|a| {
+            let w = world.store.workload(a.id).unwrap_or_default();
+            let fw = a.enforcer.store.lock().expect("the firewall");
+            format!(
+                "{:?}/{:?} latest {:?} holds {:?}",
+                w.state,
+                w.applied,
+                w.policies.last().map(|(p, _)| p.version()),
+                fw.persisted.as_ref().map(WorkloadPolicy::version)
+            )
+        })
+        .collect();
+    Err(fail(
+        &world,
+        params.steps + 4_000,
+        format!("did not converge once faults stopped: {}", states.join("; ")),
+    ))
+}
