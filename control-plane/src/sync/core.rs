@@ -763,7 +763,11 @@ mod tests {
         c.handle(Event::Message(AgentMessage::Ack(Ack::Applied(1))), at(1));
         c.handle(Event::Latest { policy: policy(2), committed: Utc::now() }, at(2));
         assert_eq!(sends(&c.handle(failed(2), at(3))), 1, "a failed delta earns a recovery snapshot");
-        assert_eq!(sends(&c.handle(failed(2), at(4))), 0, "a failed recovery snapshot is not answered at once");
+        assert_eq!(
+            sends(&c.handle(failed(2), at(4))),
+            0,
+            "a failed recovery snapshot is not answered at once"
+        );
         assert_eq!(c.next_deadline(), at(4) + RECOVERY_RETRY);
         for (n, wait) in [(1, RECOVERY_RETRY), (2, RECOVERY_RETRY * 2)] {
             let now = c.retry_at.expect("a retry is scheduled");
