@@ -292,6 +292,20 @@ async fn console_flow_map_shows_decisions() {
     );
     let anonymous = serve.call("GET", "/flows/export.csv?by=rule-peer&since=24h", "", &[], None).await;
     assert_eq!(anonymous.status, 303, "an export needs a session");
+
+    // A range that ends before the flows holds none of them; one around them holds both.
+    let at = |ms: i64| {
+        let t = chrono::DateTime::from_timestamp_millis(ms).unwrap().to_rfc3339();
+        t.replace('+', "%2B")
+    };
+    let rows = |until: String| {
+        let path = format!("/flows/export.csv?by=rule-peer&since=1h&until={until}");
+        browser.script(fetch, json!([path])).as_str().unwrap().lines().count()
+    };
+    assert_eq!(rows(at(start - 60_000)), 1, "only the header before the flows");
+    assert_eq!(rows(at(start + 30 * 60_000)), 3, "both flows within the hour before");
+    let status = "return fetch(arguments[0]).then(r => r.status);";
+    assert_eq!(browser.script(status, json!(["/flows?until=yesterday"])), json!(400), "a bad end is refused");
 }
 
 /// A draft made on the policy page shows its impact on recorded flows and the policy tests'

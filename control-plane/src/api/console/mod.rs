@@ -1021,6 +1021,9 @@ struct FlowsQuery {
     version: String,
     #[serde(default)]
     since: String,
+    /// The range's end (RFC 3339); empty: now.
+    #[serde(default)]
+    until: String,
     cursor: Option<String>,
 }
 
@@ -1035,11 +1038,9 @@ impl FlowsQuery {
         self
     }
 
-    /// `since` before now until now.
+    /// `since` before `until` (now when empty) until then.
     fn range(&self) -> Result<(chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>), Error> {
-        let since = duration("since", &self.since).map_err(Error::Invalid)?;
-        let params =
-            Params::ending_at(chrono::Utc::now().timestamp_millis(), since, std::time::Duration::ZERO)?;
+        let params = evidence(&self.since, "0s", &self.until).map_err(Error::Invalid)?;
         let at = |ms| chrono::DateTime::from_timestamp_millis(ms).unwrap_or(chrono::DateTime::UNIX_EPOCH);
         Ok((at(params.from_ms), at(params.to_ms)))
     }
@@ -1053,6 +1054,7 @@ impl FlowsQuery {
             ("decision", self.decision.as_str()),
             ("version", self.version.as_str()),
             ("since", self.since.as_str()),
+            ("until", self.until.as_str()),
         ];
         if let Some(cursor) = cursor {
             pairs.push(("cursor", cursor));
@@ -1360,6 +1362,8 @@ struct MapQuery {
     scope: String,
     #[serde(default)]
     since: String,
+    #[serde(default)]
+    until: String,
 }
 
 /// An edge's ends and decision.
@@ -1449,7 +1453,7 @@ async fn map_page(
             return Ok((StatusCode::BAD_REQUEST, html(&page)).into_response());
         }
     }
-    let parsed = FlowsQuery { since: q.since.clone(), ..FlowsQuery::default() }
+    let parsed = FlowsQuery { since: q.since.clone(), until: q.until.clone(), ..FlowsQuery::default() }
         .normalised()
         .range()
         .and_then(|range| match q.scope.trim() {
@@ -1496,6 +1500,7 @@ async fn map_page(
             peer: from.unwrap_or_default(),
             decision: e.decision.into(),
             since: q.since.clone(),
+            until: q.until.clone(),
             ..FlowsQuery::default()
         };
         query.link("/flows", None)
