@@ -27,3 +27,23 @@ fn simulation_is_deterministic() {
         assert_eq!(first, second, "seed {seed} replays identically");
     }
 }
+
+/// Each planted bug (`control-plane/src/sync/planted.rs`) is found by the quick batch's seeds,
+/// and the seeds it takes are printed (`--nocapture`).
+#[test]
+fn simulation_finds_planted_bugs() {
+    use innerwall_control_plane::sync::planted::{self, Bug};
+    for bug in [Bug::SyncedOnOlderAck, Bug::SnapshotEveryFailure] {
+        planted::plant(Some(bug));
+        let found = (1..=QUICK_SEEDS).find_map(|seed| sim::run(&Params::quick(seed)).err());
+        planted::plant(None);
+        let failure = found.unwrap_or_else(|| panic!("{bug:?} was not found in {QUICK_SEEDS} seeds"));
+        println!("{bug:?}: found by seed {} at step {}: {}", failure.seed, failure.step, failure.what);
+        // Unplanted, the seed that found it passes: the failure was the bug's.
+        assert!(
+            sim::run(&Params::quick(failure.seed)).is_ok(),
+            "seed {} fails without {bug:?}",
+            failure.seed
+        );
+    }
+}

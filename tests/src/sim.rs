@@ -25,7 +25,7 @@ use innerwall_control_plane::policy::model::{
     AuthoredModel, Peer, RegisteredWorkload, Rule, Ruleset, Selector, Service, ServiceEntry,
 };
 use innerwall_control_plane::policy::render::render;
-use innerwall_control_plane::sync::core::{Control, CoreConfig, Ended, Event, StreamCore};
+use innerwall_control_plane::sync::core::{Control, CoreConfig, Ended, Event, RECOVERY_RETRY, StreamCore};
 use innerwall_control_plane::sync::driver::{Driver, Gone, Outbox};
 use innerwall_control_plane::sync::store::MemoryStore;
 use innerwall_wire::identity::WorkloadId;
@@ -105,6 +105,8 @@ pub struct Firewall {
     suspended: bool,
     /// The next apply fails (the kernel refused it).
     fail_next: bool,
+    /// Every apply fails (a refusal that lasts, until the simulation lifts it).
+    refusing: bool,
     /// The process dies right after the next persist, before installing.
     crash_after_persist: bool,
     crashed: bool,
@@ -112,7 +114,7 @@ pub struct Firewall {
 
 impl PolicyStore for Firewall {
     fn apply(&mut self, next: &WorkloadPolicy) -> Result<Installed, EnforceError> {
-        if std::mem::take(&mut self.fail_next) {
+        if std::mem::take(&mut self.fail_next) || self.refusing {
             let source = std::io::Error::other("injected refusal");
             return Err(EnforceError::Install(innerwall_agent::enforce::NetlinkError::Io {
                 what: "sim",
@@ -157,6 +159,10 @@ struct Stream {
     agent_closed: bool,
     to_agent: VecDeque<(Duration, ControlMessage)>,
     to_cp: VecDeque<(Duration, AgentMessage)>,
+    opened_at: Duration,
+    /// Snapshots sent (the opening one included) and the versions of the updates sent.
+    snapshots: u64,
+    versions: BTreeSet<u64>,
 }
 
 /// Messages a driver sends, collected for the network.
@@ -292,9 +298,9 @@ struct World {
     changes: u128,
     /// Faults are on; off for convergence.
     faults: bool,
-    /// Recovery snapshots sent per stream failure, at most (no storm).
-    snapshots: u64,
     failures: u64,
+    /// Agents whose firewall refuses every apply, until when.
+    refusing: BTreeMap<usize, Duration>,
 }
 
 fn epoch_time() -> DateTime<Utc> {
@@ -328,8 +334,8 @@ impl World {
             trace: Vec::new(),
             changes: 0,
             faults: true,
-            snapshots: 0,
             failures: 0,
+            refusing: BTreeMap::new(),
         };
         world.render("the estate");
         world
@@ -396,8 +402,12 @@ impl World {
         let ended: Option<Ended> = self.runtime.block_on(driver.run(&mut stream.core, event, now));
         stream.epoch = driver.epoch;
         for message in sent.0 {
-            if matches!(&message, ControlMessage::Update(Update::Snapshot(_))) {
-                self.snapshots += 1;
+            if let ControlMessage::Update(update) = &message {
+                let stream = &mut self.streams[s];
+                stream.versions.insert(update.version());
+                if matches!(update, Update::Snapshot(_)) {
+                    stream.snapshots += 1;
+                }
             }
             let delay = Duration::from_millis(self.rng.below(if self.faults { 2_000 } else { 5 }));
             let stream = &mut self.streams[s];
@@ -459,6 +469,9 @@ impl World {
             agent_closed: false,
             to_agent: VecDeque::new(),
             to_cp: VecDeque::from([(self.now, AgentMessage::Hello(Box::new(hello)))]),
+            opened_at: self.now,
+            snapshots: 0,
+            versions: BTreeSet::new(),
         });
         self.agents[a].stream = Some(s);
         self.log(format!("agent {a} dials: stream {s} on replica {replica}"));
@@ -613,12 +626,21 @@ impl World {
             }
             86..=88 if self.faults => {
                 let a = self.rng.below(self.agents.len() as u64) as usize;
-                let fail = self.rng.chance(50);
+                let kind = self.rng.below(3);
+                let until = self.now + Duration::from_secs(30 + self.rng.below(300));
                 let mut firewall = self.agents[a].enforcer.store.lock().expect("the firewall");
-                if fail {
-                    firewall.fail_next = true;
-                } else {
-                    firewall.crash_after_persist = true;
+                match kind {
+                    0 => firewall.fail_next = true,
+                    1 => firewall.crash_after_persist = true,
+                    _ => {
+                        firewall.refusing = true;
+                        drop(firewall);
+                        self.refusing.insert(a, until);
+                        self.log(format!(
+                            "agent {a}'s firewall refuses every apply until {:.1}s",
+                            until.as_secs_f64()
+                        ));
+                    }
                 }
             }
             89 if self.faults => {
@@ -684,8 +706,15 @@ impl World {
         }
     }
 
-    /// Deadlines: the control plane's ticks, the agents' heartbeats and redials.
+    /// Deadlines: the control plane's ticks, the agents' heartbeats and redials, refusals lifted.
     fn timers(&mut self) {
+        let lifted: Vec<usize> =
+            self.refusing.iter().filter(|(_, until)| **until <= self.now).map(|(a, _)| *a).collect();
+        for a in lifted {
+            self.refusing.remove(&a);
+            self.agents[a].enforcer.store.lock().expect("the firewall").refusing = false;
+            self.log(format!("agent {a}'s firewall takes applies again"));
+        }
         for s in self.live_streams() {
             if self.streams[s].core.next_deadline() <= self.now {
                 self.drive(s, Event::Tick);
@@ -717,6 +746,20 @@ impl World {
 
     /// The invariants that hold after every step.
     fn check(&self) -> Result<(), String> {
+        // Recovery snapshots are bounded (no storm): beside the opening one, at most one per
+        // version the stream carried and one per retry interval it lived.
+        for (s, stream) in self.streams.iter().enumerate() {
+            let lived = (self.now - stream.opened_at).as_secs() / RECOVERY_RETRY.as_secs();
+            let bound = 1 + 2 * stream.versions.len() as u64 + lived + 1;
+            if stream.snapshots > bound {
+                return Err(format!(
+                    "stream {s} sent {} snapshots for {} versions in {:.0} s: a recovery storm",
+                    stream.snapshots,
+                    stream.versions.len(),
+                    (self.now - stream.opened_at).as_secs_f64()
+                ));
+            }
+        }
         for (a, agent) in self.agents.iter().enumerate() {
             let stored = self.store.workload(agent.id).unwrap_or_default();
             let firewall = agent.enforcer.store.lock().expect("the firewall");
@@ -777,7 +820,9 @@ pub fn run(params: &Params) -> Result<Vec<String>, Failure> {
         let mut firewall = agent.enforcer.store.lock().expect("the firewall");
         firewall.fail_next = false;
         firewall.crash_after_persist = false;
+        firewall.refusing = false;
     }
+    world.refusing.clear();
     for step in params.steps..params.steps + 4_000 {
         world.now += Duration::from_secs(1);
         world.listeners();

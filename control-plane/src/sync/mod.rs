@@ -8,6 +8,7 @@ pub mod core;
 pub mod driver;
 pub mod gateway;
 pub mod liveness;
+pub mod planted;
 pub mod reads;
 pub mod session;
 pub mod store;

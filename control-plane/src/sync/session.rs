@@ -121,7 +121,9 @@ impl Session {
             SyncState::Suspended
         } else if self.degraded {
             SyncState::Degraded
-        } else if self.in_flight.is_empty() && self.acked == Some(self.tip.version()) {
+        } else if (self.in_flight.is_empty() && self.acked == Some(self.tip.version()))
+            || (super::planted::on(super::planted::Bug::SyncedOnOlderAck) && self.acked.is_some())
+        {
             SyncState::Synced
         } else {
             SyncState::Pending
@@ -279,7 +281,9 @@ impl Session {
                 let record = Record { detail: Some(detail), failed: true, ..Record::state(self.state()) };
                 // A failed recovery snapshot is not answered with another one: the next
                 // persisted version will be (a persistent refusal must not become a loop).
-                if stale || recovery_failed {
+                if (stale || recovery_failed)
+                    && !super::planted::on(super::planted::Bug::SnapshotEveryFailure)
+                {
                     return vec![Action::Record(record)];
                 }
                 let (version, mode) = (self.tip.version(), self.tip.mode());
