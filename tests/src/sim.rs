@@ -301,6 +301,8 @@ struct World {
     failures: u64,
     /// Agents whose firewall refuses every apply, until when.
     refusing: BTreeMap<usize, Duration>,
+    /// A broken invariant seen while a step ran (reported by `check`).
+    violation: Option<String>,
 }
 
 fn epoch_time() -> DateTime<Utc> {
@@ -336,6 +338,7 @@ impl World {
             faults: true,
             failures: 0,
             refusing: BTreeMap::new(),
+            violation: None,
         };
         world.render("the estate");
         world
@@ -401,6 +404,12 @@ impl World {
         };
         let ended: Option<Ended> = self.runtime.block_on(driver.run(&mut stream.core, event, now));
         stream.epoch = driver.epoch;
+        // A stream whose state write found a newer stream of the identity ends there: it must
+        // not go on speaking for the workload.
+        let refused = self.store.workload(id).is_some_and(|w| w.superseded_writes.contains(&stream.epoch));
+        if refused && !stream.core.ended() {
+            self.violation.get_or_insert(format!("stream {s} goes on after a write found it superseded"));
+        }
         for message in sent.0 {
             if let ControlMessage::Update(update) = &message {
                 let stream = &mut self.streams[s];
@@ -746,6 +755,9 @@ impl World {
 
     /// The invariants that hold after every step.
     fn check(&self) -> Result<(), String> {
+        if let Some(violation) = &self.violation {
+            return Err(violation.clone());
+        }
         // Recovery snapshots are bounded (no storm): beside the opening one, at most one per
         // version the stream carried and one per retry interval it lived.
         for (s, stream) in self.streams.iter().enumerate() {

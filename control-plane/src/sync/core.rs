@@ -325,6 +325,11 @@ impl StreamCore {
                 self.effects(actions)
             }
             Event::Recorded { current: true } => Vec::new(),
+            Event::Recorded { current: false }
+                if super::planted::on(super::planted::Bug::KeepSupersededStream) =>
+            {
+                Vec::new()
+            }
             Event::Recorded { current: false } => {
                 // Another replica holds a newer stream of this identity (the agent reconnected
                 // there): this one is stale and must not speak for it.

@@ -9,6 +9,8 @@ pub enum Bug {
     SyncedOnOlderAck,
     /// Answer every failure with a recovery snapshot, stale ones and failed recoveries included.
     SnapshotEveryFailure,
+    /// Go on after a state write found a newer stream of the identity (superseded elsewhere).
+    KeepSupersededStream,
 }
 
 #[cfg(feature = "testing")]

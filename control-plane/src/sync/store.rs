@@ -337,6 +337,8 @@ pub struct MemoryWorkload {
     pub addresses: BTreeSet<IpAddr>,
     /// Heartbeats taken from the newest stream.
     pub beats: u64,
+    /// Epochs of streams whose state write was refused because a newer stream had opened.
+    pub superseded_writes: BTreeSet<i64>,
 }
 
 /// The store's rules in memory: epochs, state writes of the newest stream only, persisted
@@ -412,6 +414,7 @@ impl SyncStore for MemoryStore {
                 row.installed.insert((version, mode));
             }
             if row.epoch != epoch {
+                row.superseded_writes.insert(epoch);
                 return false;
             }
             row.state = Some(r.state);
