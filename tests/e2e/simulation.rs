@@ -33,7 +33,9 @@ fn simulation_is_deterministic() {
 #[test]
 fn simulation_finds_planted_bugs() {
     use innerwall_control_plane::sync::planted::{self, Bug};
-    for bug in [Bug::SyncedOnOlderAck, Bug::SnapshotEveryFailure, Bug::KeepSupersededStream] {
+    for bug in
+        [Bug::SyncedOnOlderAck, Bug::SnapshotEveryFailure, Bug::KeepSupersededStream, Bug::RetryFailedDelta]
+    {
         planted::plant(Some(bug));
         let found = (1..=QUICK_SEEDS).find_map(|seed| sim::run(&Params::quick(seed)).err());
         planted::plant(None);

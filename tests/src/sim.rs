@@ -839,7 +839,11 @@ pub fn run(params: &Params) -> Result<Vec<String>, Failure> {
         world.now += Duration::from_secs(1);
         world.listeners();
         for s in world.live_streams() {
-            while !world.streams[s].to_agent.is_empty() || !world.streams[s].to_cp.is_empty() {
+            // Bounded: a protocol that answers every message with another never drains.
+            for _ in 0..1_000 {
+                if world.streams[s].to_agent.is_empty() && world.streams[s].to_cp.is_empty() {
+                    break;
+                }
                 world.now += Duration::from_millis(10);
                 world.deliver(s, true);
                 world.deliver(s, false);

@@ -11,6 +11,8 @@ pub enum Bug {
     SnapshotEveryFailure,
     /// Go on after a state write found a newer stream of the identity (superseded elsewhere).
     KeepSupersededStream,
+    /// Answer a failed delta by sending the last delta again instead of a snapshot.
+    RetryFailedDelta,
 }
 
 #[cfg(feature = "testing")]

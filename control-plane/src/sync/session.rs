@@ -89,6 +89,8 @@ pub struct Session {
     resnapshot: bool,
     /// The agent could not read an update on this stream: nothing more is sent on it.
     deaf: bool,
+    /// The last delta sent, kept only while the planted `RetryFailedDelta` is on.
+    planted_delta: Option<innerwall_wire::policy::PolicyDelta>,
 }
 
 impl Session {
@@ -104,6 +106,7 @@ impl Session {
             acked: None,
             resnapshot: false,
             deaf: false,
+            planted_delta: None,
         };
         let record = Record { applied: Some(claimed), snapshot_sent: true, ..session.record() };
         // Record first, so whoever sees the snapshot arrive also sees the state that sent it.
@@ -167,6 +170,9 @@ impl Session {
             ];
         }
         let delta = diff(&self.tip, &latest);
+        if super::planted::on(super::planted::Bug::RetryFailedDelta) {
+            self.planted_delta = Some(delta.clone());
+        }
         self.in_flight.push_back(Sent::Delta { version: latest.version(), mode: latest.mode() });
         self.tip = latest;
         let mut actions = Vec::new();
@@ -285,6 +291,13 @@ impl Session {
                     && !super::planted::on(super::planted::Bug::SnapshotEveryFailure)
                 {
                     return vec![Action::Record(record)];
+                }
+                if let (true, Some(delta)) =
+                    (super::planted::on(super::planted::Bug::RetryFailedDelta), &self.planted_delta)
+                {
+                    self.in_flight
+                        .push_back(Sent::Delta { version: delta.to_version, mode: self.tip.mode() });
+                    return vec![Action::Record(record), Action::Send(Update::Delta(delta.clone()))];
                 }
                 let (version, mode) = (self.tip.version(), self.tip.mode());
                 self.in_flight.push_back(Sent::Snapshot { version, mode, recovery: true });
