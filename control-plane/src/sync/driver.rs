@@ -132,3 +132,148 @@ impl<S: SyncStore, O: Outbox> Driver<'_, S, O> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use chrono::Utc;
+    use innerwall_wire::identity::WorkloadId;
+    use innerwall_wire::policy::Mode;
+    use innerwall_wire::sync::{Ack, AgentMessage, SyncState, Update};
+
+    use super::*;
+    use crate::sync::core::test_support::{LIVENESS, core, hello, policy};
+    use crate::sync::store::{MemoryStore, SyncStore};
+
+    #[derive(Debug, Default)]
+    struct Sent(Vec<ControlMessage>);
+
+    impl Outbox for &mut Sent {
+        async fn send(&mut self, message: proto::SyncResponse) -> Result<(), Gone> {
+            self.0.push(ControlMessage::try_from(message).expect("the core sends what agents read"));
+            Ok(())
+        }
+    }
+
+    fn versions(sent: &Sent) -> Vec<String> {
+        sent.0
+            .iter()
+            .map(|m| match m {
+                ControlMessage::HelloAck(_) => "hello-ack".to_owned(),
+                ControlMessage::Update(Update::Snapshot(p)) => format!("snapshot v{}", p.version()),
+                ControlMessage::Update(Update::Delta(d)) => {
+                    format!("delta v{}→v{}", d.from_version, d.to_version)
+                }
+                ControlMessage::Directive(d) => format!("{d:?}"),
+            })
+            .collect()
+    }
+
+    /// A stream on the in-memory store: Hello first, the snapshot, an ack, an announcement's
+    /// delta, its ack; the store follows.
+    #[tokio::test]
+    async fn a_stream_opens_syncs_and_follows_announcements() {
+        let (store, id) = (MemoryStore::default(), WorkloadId::new_random());
+        store.persist(id, policy(1), Utc::now());
+        let mut sent = Sent::default();
+        let mut driver = Driver {
+            id,
+            key_sha256: "k",
+            store: &store,
+            out: &mut sent,
+            epoch: 0,
+            liveness: LIVENESS,
+            metrics: Arc::new(Metrics::new()),
+        };
+        let mut core = core(Duration::ZERO);
+        let second = Duration::from_secs(1);
+        assert!(driver.run(&mut core, hello(0), second).await.is_none());
+        assert!(core.is_open());
+        assert_eq!(driver.epoch, 1);
+        assert!(
+            driver.run(&mut core, Event::Message(AgentMessage::Ack(Ack::Applied(1))), second).await.is_none()
+        );
+        assert_eq!(store.workload(id).unwrap().state, Some(SyncState::Synced));
+        store.persist(id, policy(2), Utc::now());
+        assert!(driver.run(&mut core, Event::Announced, second).await.is_none());
+        assert_eq!(store.workload(id).unwrap().state, Some(SyncState::Pending));
+        assert!(
+            driver.run(&mut core, Event::Message(AgentMessage::Ack(Ack::Applied(2))), second).await.is_none()
+        );
+        let row = store.workload(id).unwrap();
+        assert_eq!((row.state, row.applied), (Some(SyncState::Synced), Some(2)));
+        assert!(row.installed.contains(&(2, Mode::Enforcement)));
+        // An announcement of nothing new sends nothing.
+        assert!(driver.run(&mut core, Event::Announced, second).await.is_none());
+        drop(driver);
+        assert_eq!(versions(&sent), ["hello-ack", "snapshot v1", "delta v1→v2"]);
+    }
+
+    /// Two streams of one identity: the newer's Hello takes the next epoch, and the older ends
+    /// at its next state write, not calling the workload offline.
+    #[tokio::test]
+    async fn a_newer_stream_supersedes_by_epoch() {
+        let (store, id) = (MemoryStore::default(), WorkloadId::new_random());
+        store.persist(id, policy(1), Utc::now());
+        let metrics = Arc::new(Metrics::new());
+        let (mut old_sent, mut new_sent) = (Sent::default(), Sent::default());
+        let mut old = Driver {
+            id,
+            key_sha256: "k",
+            store: &store,
+            out: &mut old_sent,
+            epoch: 0,
+            liveness: LIVENESS,
+            metrics: metrics.clone(),
+        };
+        let mut old_core = core(Duration::ZERO);
+        assert!(old.run(&mut old_core, hello(0), Duration::ZERO).await.is_none());
+        let mut new = Driver {
+            id,
+            key_sha256: "k",
+            store: &store,
+            out: &mut new_sent,
+            epoch: 0,
+            liveness: LIVENESS,
+            metrics,
+        };
+        let mut new_core = core(Duration::ZERO);
+        assert!(new.run(&mut new_core, hello(0), Duration::ZERO).await.is_none());
+        assert_eq!((old.epoch, new.epoch), (1, 2));
+        let ended =
+            old.run(&mut old_core, Event::Message(AgentMessage::Ack(Ack::Applied(1))), Duration::ZERO).await;
+        let ended = ended.expect("the stale stream ends");
+        assert_eq!(ended.reason, "superseded by a newer stream on another replica");
+        assert!(!ended.offline);
+        assert_eq!(
+            store.workload(id).unwrap().state,
+            Some(SyncState::Pending),
+            "the newer stream's state stands"
+        );
+        // Its end marks nothing offline: its epoch is not the row's.
+        SyncStore::mark_offline(&store, id, 1, "ended").await;
+        assert_eq!(store.workload(id).unwrap().state, Some(SyncState::Pending));
+    }
+
+    #[tokio::test]
+    async fn a_retired_workload_is_refused_at_hello() {
+        let (store, id) = (MemoryStore::default(), WorkloadId::new_random());
+        store.persist(id, policy(1), Utc::now());
+        store.retire(id);
+        let mut sent = Sent::default();
+        let mut driver = Driver {
+            id,
+            key_sha256: "k",
+            store: &store,
+            out: &mut sent,
+            epoch: 0,
+            liveness: LIVENESS,
+            metrics: Arc::new(Metrics::new()),
+        };
+        let ended = driver.run(&mut core(Duration::ZERO), hello(0), Duration::ZERO).await.unwrap();
+        assert!(ended.reason.contains("retired or deny-listed"), "{}", ended.reason);
+        assert!(sent.0.is_empty());
+    }
+}
