@@ -1,6 +1,6 @@
 //! Map names, key and value layouts shared by the eBPF programs (`agent-ebpf`) and the agent's
-//! loader (`innerwall_agent::capture`). Everything here is `#[repr(C)]`, padding-free and
-//! plain data, so the kernel map bytes and these structs are the same thing on both sides.
+//! loader (`innerwall_agent::evidence::capture`). Everything here is `#[repr(C)]`, padding-free
+//! and plain data, so the kernel map bytes and these structs are the same thing on both sides.
 //!
 //! Addresses are 16 bytes plus a family byte: IPv6 as is, IPv4 in the first 4 bytes with the
 //! remaining 12 zero (see [`FAMILY_V4`]).
@@ -41,8 +41,8 @@ pub const PROG_EGRESS_L3: &str = "innerwall_egress_l3";
 pub const DEFAULT_FLOW_ENTRIES: u32 = 65_536;
 /// Capacity of the connection-direction LRU map as compiled; the agent always sets it at load
 /// (`run --conn-table-entries`, by default derived from the host's memory: see
-/// `innerwall_agent::capture::conn_entries_for_memory`). An element costs [`CONN_ENTRY_BYTES`]
-/// of preallocated kernel memory, so this is 29 MB: four times Linux's usual
+/// `innerwall_agent::evidence::capture::conn_entries_for_memory`). An element costs
+/// [`CONN_ENTRY_BYTES`] of preallocated kernel memory, so this is 29 MB: four times Linux's usual
 /// `nf_conntrack_max` of 65,536, so this table is not the smaller one: a connection the kernel
 /// still tracks is rarely one that was evicted here.
 pub const CONN_ENTRIES: u32 = 262_144;

@@ -12,7 +12,7 @@ use std::io::{BufRead as _, BufReader};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
-use innerwall_agent::capture::{Capture, OBJECT_ENV};
+use innerwall_agent::evidence::capture::{Capture, OBJECT_ENV};
 
 const RECEIVER: &str = r#"
 import socket, sys

@@ -6,10 +6,11 @@ use std::process::ExitCode;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use innerwall_agent::connect::RunConfig;
 use innerwall_agent::daemon;
 use innerwall_agent::enforce::desired::DesiredTable;
 use innerwall_agent::enforce::{self, DEFAULT_STATE_DIR, LinuxPolicyStore, PolicyStore as _, status};
+use innerwall_agent::evidence::capture;
+use innerwall_agent::identity::connect::RunConfig;
 use innerwall_agent::policy_json;
 
 #[derive(Debug, Parser)]
@@ -66,7 +67,7 @@ enum Command {
             env = "INNERWALL_AGENT_CONN_TABLE_ENTRIES",
             value_name = "N",
             value_parser = clap::value_parser!(u32).range(
-                i64::from(innerwall_agent::capture::MIN_CONN_ENTRIES)..=i64::from(innerwall_agent::capture::MAX_CONN_ENTRIES)
+                i64::from(capture::MIN_CONN_ENTRIES)..=i64::from(capture::MAX_CONN_ENTRIES)
             )
         )]
         conn_table_entries: Option<u32>,
@@ -217,21 +218,21 @@ fn run(command: Command, log_format: LogFormat) -> anyhow::Result<()> {
         Command::Enroll { state, server, token, token_file, ca_bundle, force, keep_replaced } => {
             let token = match (token, token_file) {
                 (Some(token), _) => token,
-                (None, Some(path)) => innerwall_agent::enroll::read_token_file(&path)?,
+                (None, Some(path)) => innerwall_agent::identity::enroll::read_token_file(&path)?,
                 (None, None) => deprecated_token(log_format)?,
             };
-            innerwall_agent::enroll::check_token_kind(&token)?;
-            let ca = innerwall_agent::enroll::read_ca_bundle(&ca_bundle)?;
+            innerwall_agent::identity::enroll::check_token_kind(&token)?;
+            let ca = innerwall_agent::identity::enroll::read_ca_bundle(&ca_bundle)?;
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
                 .context("starting the async runtime")?;
-            let enrollment = runtime.block_on(innerwall_agent::enroll::enroll(
+            let enrollment = runtime.block_on(innerwall_agent::identity::enroll::enroll(
                 &server,
                 &token,
                 &ca,
                 &state.state_dir,
-                innerwall_agent::enroll::EnrollOptions { force, keep_replaced },
+                innerwall_agent::identity::enroll::EnrollOptions { force, keep_replaced },
             ))?;
             let credential = &enrollment.credential;
             println!(
@@ -243,7 +244,7 @@ fn run(command: Command, log_format: LogFormat) -> anyhow::Result<()> {
                     .map_or(0, |d| d.as_secs() / 3600),
                 state.state_dir.display()
             );
-            if let innerwall_agent::enroll::Replaced::Retired(old) = &enrollment.replaced {
+            if let innerwall_agent::identity::enroll::Replaced::Retired(old) = &enrollment.replaced {
                 println!("replaced workload {old}: the control plane retired it (it left every render)");
             }
             if let Some(warning) = enrollment.replaced.warning() {

@@ -3,7 +3,7 @@
 //! repairs, records and gaps per flow window, the flow capture's own counters (its connection
 //! table's size and evictions, replies skipped, ICMP errors, reply-like UDP without an entry,
 //! map-full drops), the telemetry queue's depth, reconnects, and the seconds the credential has
-//! left. Recorded by `sync`, `daemon`, `evidence` and `renew`; the
+//! left. Recorded by `sync`, `daemon`, `daemon::windows` and `daemon::renew`; the
 //! queue depth and the certificate's remaining life are read when scraped.
 //!
 //! Every series is registered up front and encoded in a fixed order. The listener is
@@ -24,7 +24,7 @@ use prometheus_client::metrics::{MetricType, TypedMetric};
 use prometheus_client::registry::{Registry, Unit};
 use tokio::net::TcpListener;
 
-use crate::telemetry::Queue;
+use crate::evidence::telemetry::Queue;
 
 /// The `Content-Type` of what `/metrics` answers (Prometheus text format 0.0.4).
 pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
@@ -188,7 +188,7 @@ impl Metrics {
     }
 
     /// Adds one drain's counters (each is the count since the previous drain).
-    pub fn capture_drained(&self, drained: &crate::capture::Drained) {
+    pub fn capture_drained(&self, drained: &crate::evidence::capture::Drained) {
         let c = &self.capture;
         c.map_full_drops.inc_by(drained.map_full_drops);
         c.replies_skipped.inc_by(drained.replies_skipped);
@@ -384,14 +384,14 @@ mod tests {
         m.applied(ApplyResult::Applied, Duration::from_millis(2), 7);
         m.window_closed(12, 1);
         m.capture_loaded(4096);
-        let drained = crate::capture::Drained {
+        let drained = crate::evidence::capture::Drained {
             map_full_drops: 1,
             replies_skipped: 2,
             icmp_errors_related: 3,
             icmp_errors_unmatched: 4,
             udp_reply_like_unmatched: 5,
             conn_evictions_at_least: 6,
-            ..crate::capture::Drained::default()
+            ..crate::evidence::capture::Drained::default()
         };
         m.capture_drained(&drained);
         m.capture_drained(&drained);

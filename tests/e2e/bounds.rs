@@ -6,9 +6,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use innerwall_agent::connect::connect;
+use innerwall_agent::evidence::telemetry::Queue;
+use innerwall_agent::identity::connect::connect;
 use innerwall_agent::sync::{self, Enforcer, SessionEnd, SessionStats};
-use innerwall_agent::telemetry::Queue;
 use innerwall_control_plane::rate::AgentBounds;
 use innerwall_control_plane::sync::gateway::GatewayConfig;
 use innerwall_wire::flows::FlowWindow;

@@ -3,8 +3,8 @@
 
 use std::time::{Duration, SystemTime};
 
-use innerwall_agent::enroll::{EnrollError, EnrollOptions, Enrollment, Replaced};
-use innerwall_agent::identity::{Credential, new_key_and_csr};
+use innerwall_agent::identity::credential::{Credential, new_key_and_csr};
+use innerwall_agent::identity::enroll::{EnrollError, EnrollOptions, Enrollment, Replaced};
 use innerwall_control_plane::identity::ca::Signer;
 use innerwall_wire::identity::WorkloadId;
 
@@ -21,7 +21,7 @@ async fn enroll_force_retires_the_replaced_workload_unless_kept() {
     let ca = plane.signer.ca_bundle_pem();
     let enroll = async |options: EnrollOptions| -> Result<Enrollment, EnrollError> {
         let token = plane.mint(&["app=web"]).await;
-        innerwall_agent::enroll::enroll(&plane.server(), &token, &ca, &state, options).await
+        innerwall_agent::identity::enroll::enroll(&plane.server(), &token, &ca, &state, options).await
     };
     let live = async |id: WorkloadId| -> bool {
         sqlx::query_scalar("SELECT retired_at IS NULL FROM workloads WHERE id = $1")

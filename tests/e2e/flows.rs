@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
-use innerwall_agent::connect::connect;
-use innerwall_agent::telemetry::{self, Queue};
+use innerwall_agent::evidence::telemetry::{self, Queue};
+use innerwall_agent::identity::connect::connect;
 use innerwall_control_plane::policy::authoring;
 use innerwall_control_plane::policy::spec::AddressGroupSpec;
 use innerwall_wire::flows::{Decision, FlowRecord, FlowWindow};

@@ -6,11 +6,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use innerwall_agent::connect::{RunConfig, connect};
 use innerwall_agent::daemon;
-use innerwall_agent::flows::{Counters, FlowKey, Window};
+use innerwall_agent::evidence::flows::{Counters, FlowKey, Window};
+use innerwall_agent::evidence::telemetry::Queue;
+use innerwall_agent::identity::connect::{RunConfig, connect};
 use innerwall_agent::sync::Enforcer;
-use innerwall_agent::telemetry::Queue;
 use innerwall_control_plane::error::Error;
 use innerwall_control_plane::gate::{self, Outcome, Params, Scope};
 use innerwall_control_plane::policy::authoring;

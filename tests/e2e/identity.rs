@@ -6,10 +6,10 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use innerwall_agent::connect::RunConfig;
-use innerwall_agent::identity::Credential;
+use innerwall_agent::daemon::{self, renew};
+use innerwall_agent::identity::connect::RunConfig;
+use innerwall_agent::identity::credential::Credential;
 use innerwall_agent::sync::Enforcer;
-use innerwall_agent::{daemon, renew};
 use innerwall_control_plane::identity::ca::{self, Signer};
 use innerwall_control_plane::identity::rotation;
 use innerwall_control_plane::policy::{authoring, store};
@@ -47,10 +47,11 @@ async fn issuer(plane: &Plane, id: WorkloadId) -> Option<String> {
 async fn probe(plane: &Plane, ca_pem: &str, cert: &str, key: &str) -> String {
     let state = plane.dir.join(format!("probe-{}", uuid::Uuid::new_v4()));
     Credential::new(key.to_owned(), cert.to_owned(), ca_pem.to_owned()).unwrap().save(&state).unwrap();
-    let channel = match innerwall_agent::connect::connect(&RunConfig::new(state, plane.server())).await {
-        Ok(channel) => channel,
-        Err(e) => return format!("dial failed: {e}"),
-    };
+    let channel =
+        match innerwall_agent::identity::connect::connect(&RunConfig::new(state, plane.server())).await {
+            Ok(channel) => channel,
+            Err(e) => return format!("dial failed: {e}"),
+        };
     let request = proto::RenewCredentialRequest { csr_pem: b"not a csr".to_vec() };
     match proto::agent_service_client::AgentServiceClient::new(channel).renew_credential(request).await {
         Ok(_) => "Ok".into(),
@@ -79,7 +80,7 @@ async fn ca_rotation_keeps_the_fleet() {
     assert_eq!(issuer(&plane, id).await.as_deref(), Some(plane.signer.current_sha256().as_str()));
 
     // A certificate of the old root that outlives the test, to knock with later.
-    let (probe_key, probe_csr) = innerwall_agent::identity::new_key_and_csr().unwrap();
+    let (probe_key, probe_csr) = innerwall_agent::identity::credential::new_key_and_csr().unwrap();
     let old_cert = plane
         .signer
         .issue_workload(id, &probe_csr, Duration::from_secs(3600), std::time::SystemTime::now())

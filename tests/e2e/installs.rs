@@ -9,11 +9,11 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use innerwall_agent::connect::{RunConfig, connect};
 use innerwall_agent::daemon;
-use innerwall_agent::flows::{Counters, FlowKey, Window};
+use innerwall_agent::evidence::flows::{Counters, FlowKey, Window};
+use innerwall_agent::evidence::telemetry::Queue;
+use innerwall_agent::identity::connect::{RunConfig, connect};
 use innerwall_agent::sync::Enforcer;
-use innerwall_agent::telemetry::Queue;
 use innerwall_control_plane::gate::{self, Params, Scope};
 use innerwall_control_plane::sync::gateway::GatewayConfig;
 use innerwall_control_plane::testing;

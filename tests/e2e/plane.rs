@@ -7,9 +7,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use innerwall_agent::connect::RunConfig;
 use innerwall_agent::enforce::{EnforceError, Installed, MemoryPolicyStore, PolicyStore};
-use innerwall_agent::identity::Credential;
+use innerwall_agent::identity::connect::RunConfig;
+use innerwall_agent::identity::credential::Credential;
 use innerwall_agent::sync::Enforcer;
 use innerwall_control_plane::identity::ca::{FileCa, Signer};
 use innerwall_control_plane::policy::spec::NewWorkload;
@@ -124,7 +124,7 @@ impl Plane {
     pub async fn enroll(&self, name: &str, labels: &[&str]) -> (WorkloadId, RunConfig) {
         let token = self.mint(labels).await;
         let state = self.dir.join(name);
-        let credential = innerwall_agent::enroll::enroll(
+        let credential = innerwall_agent::identity::enroll::enroll(
             &self.server(),
             &token,
             &self.signer.ca_bundle_pem(),

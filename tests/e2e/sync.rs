@@ -5,10 +5,10 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use innerwall_agent::connect::RunConfig;
+use innerwall_agent::daemon::{self, renew};
+use innerwall_agent::evidence::telemetry::{self, Queue};
+use innerwall_agent::identity::connect::RunConfig;
 use innerwall_agent::sync::{DialFailure, Enforcer};
-use innerwall_agent::telemetry::{self, Queue};
-use innerwall_agent::{daemon, renew};
 use innerwall_wire::flows::FlowWindow;
 use innerwall_wire::policy::diff;
 

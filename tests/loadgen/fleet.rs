@@ -14,11 +14,11 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use innerwall_agent::connect::RunConfig;
 use innerwall_agent::enforce::{EnforceError, Installed, MemoryPolicyStore, PolicyStore};
-use innerwall_agent::flows::{Counters, FlowKey, Window};
+use innerwall_agent::evidence::flows::{Counters, FlowKey, Window};
+use innerwall_agent::evidence::telemetry::{DEFAULT_MAX_WINDOWS, Queue, upload_forever};
+use innerwall_agent::identity::connect::RunConfig;
 use innerwall_agent::sync::Enforcer;
-use innerwall_agent::telemetry::{DEFAULT_MAX_WINDOWS, Queue, upload_forever};
 use innerwall_control_plane::identity::ca::{FileCa, Signer as _};
 use innerwall_control_plane::policy::spec::NewWorkload;
 use innerwall_control_plane::policy::{authoring, store};
@@ -227,9 +227,14 @@ impl Fleet {
             let permit = semaphore.clone().acquire_owned().await?;
             enrollments.spawn(async move {
                 let _permit = permit;
-                let enrolled =
-                    innerwall_agent::enroll::enroll(&server, &token, &ca_pem, &state, Default::default())
-                        .await;
+                let enrolled = innerwall_agent::identity::enroll::enroll(
+                    &server,
+                    &token,
+                    &ca_pem,
+                    &state,
+                    Default::default(),
+                )
+                .await;
                 (i, state, enrolled.map(|e| e.credential.id))
             });
         }

@@ -5,14 +5,14 @@ use std::net::IpAddr;
 use std::path::PathBuf;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use innerwall_agent::capture::{
+use innerwall_agent::evidence::capture::{
     Capture, CaptureError, CaptureOptions, Drained, FlowRecord, LinkChange, OBJECT_ENV,
 };
-use innerwall_agent::links::Framing;
+use innerwall_agent::evidence::links::Framing;
 
+use innerwall_agent::daemon::windows::OpenWindow;
 use innerwall_agent::enforce::{LinuxPolicyStore, PolicyStore as _};
-use innerwall_agent::evidence::OpenWindow;
-use innerwall_agent::flows::judged_as;
+use innerwall_agent::evidence::flows::judged_as;
 use innerwall_wire::flows::{Decision, FlowWindow};
 
 use crate::enforce::{matrix, policy};
@@ -224,8 +224,8 @@ fn map_full_becomes_gap() {
 
     // In the agent's window the drops become an evidence gap with their count (FLOW-2).
     let host: IpAddr = HOST4.parse().expect("host address");
-    let mut window = innerwall_agent::flows::Window::open(1_000, None, 100);
-    innerwall_agent::flows::absorb(&mut window, &drained, &[host].into(), 1_000, 2_000);
+    let mut window = innerwall_agent::evidence::flows::Window::open(1_000, None, 100);
+    innerwall_agent::evidence::flows::absorb(&mut window, &drained, &[host].into(), 1_000, 2_000);
     let closed = window.close(2_000);
     let gap = closed
         .gaps
@@ -817,7 +817,7 @@ fn late_udp_replies_are_counted_as_suspect() {
     // The window says its records may have the wrong direction, over the drain that saw them.
     let closed = window.close(4_000);
     let suspect = EvidenceGap::new(GapKind::SuspectDirection, 3_000, 4_000, 2)
-        .because(innerwall_agent::flows::SUSPECT_DIRECTION_DETAIL);
+        .because(innerwall_agent::evidence::flows::SUSPECT_DIRECTION_DETAIL);
     assert_eq!(closed.gaps, [suspect]);
     assert!(closed.records.iter().any(|r| r.dst_port == 40011), "{closed:?}");
 

@@ -41,7 +41,7 @@ use aya::{Ebpf, EbpfError, EbpfLoader};
 use innerwall_ebpf_common as common;
 use innerwall_ebpf_common::{FlowKey, FlowValue};
 
-use crate::links::{Framing, LinkError, LinkEvent, LinkWatcher};
+use super::links::{Framing, LinkError, LinkEvent, LinkWatcher};
 
 /// How long [`Capture::drain`] waits after switching maps before reading the idle one.
 pub const DRAIN_GRACE: Duration = Duration::from_millis(20);

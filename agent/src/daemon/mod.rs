@@ -1,18 +1,22 @@
 //! `innerwall-agent run`, the process's tasks and their lifetime: fail static first (re-apply
 //! the persisted policy before dialing anything, ENF-5), then hold the policy stream to the
 //! control plane under full-jitter backoff (SYNC-10), check the owned table for drift on a
-//! timer (ENF-7), and start renewal (`renew`) and flow evidence (`evidence`) beside it, until
-//! SIGINT/SIGTERM.
+//! timer (ENF-7), and start renewal ([`renew`]) and the flow evidence loop ([`windows`]) beside
+//! it, until SIGINT/SIGTERM. The tasks beside the stream live in this room because each holds
+//! the stream's `Enforcer` (`crate::sync`).
+
+pub mod renew;
+pub mod windows;
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use innerwall_wire::backoff;
 
-use crate::connect::{RunConfig, connect};
 use crate::enforce::{LinuxPolicyStore, PolicyStore, Restored};
+use crate::error;
+use crate::identity::connect::{RunConfig, connect};
 use crate::sync::{self, Enforcer, SessionEnd, SessionStats};
-use crate::{error, evidence, renew};
 
 /// Why `run` (or the stream it holds) ended with an error.
 #[derive(Debug, thiserror::Error)]
@@ -198,7 +202,7 @@ pub async fn run(config: RunConfig) -> Result<(), RunError> {
     });
     let drift = spawn_drift_checks(enforcer.clone(), config.drift_interval);
     let renewal = tokio::spawn(renew::renew_forever(config.clone(), enforcer.clone()));
-    let flows = evidence::start(&config, enforcer.clone());
+    let flows = windows::start(&config, enforcer.clone());
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(RunError::Signal)?;

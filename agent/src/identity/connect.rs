@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime};
 use innerwall_wire::backoff;
 use tonic::transport::{Channel, Endpoint};
 
-use crate::identity::{self, Credential, CredentialError};
+use super::credential::{self, Credential, CredentialError};
 
 /// Configuration of `run` and of everything it dials.
 #[derive(Debug, Clone)]
@@ -24,7 +24,7 @@ pub struct RunConfig {
     /// Where `run` serves `/metrics` (plain HTTP, unauthenticated); nowhere if `None`.
     pub metrics_listen: Option<std::net::SocketAddr>,
     /// Capacity of the flow capture's connection table (`--conn-table-entries`); `None`
-    /// derives it from the host's memory (`capture::default_conn_entries`).
+    /// derives it from the host's memory (`evidence::capture::default_conn_entries`).
     pub conn_entries: Option<u32>,
     /// The largest policy-stream message decoded; `wire::sync::MAX_POLICY_MESSAGE` unless
     /// lowered (a hidden flag, to test an update the agent cannot read).
@@ -105,7 +105,7 @@ pub async fn connect_for_enrollment(
     let transport = |source| ConnectError::Transport { server: server.to_owned(), source };
     Endpoint::from_shared(url)
         .map_err(transport)?
-        .tls_config(identity::enroll_tls(ca_pem, &host, previous))
+        .tls_config(credential::enroll_tls(ca_pem, &host, previous))
         .map_err(transport)?
         .connect()
         .await

@@ -182,7 +182,7 @@ pub const SUSPECT_DIRECTION_DETAIL: &str = "udp datagrams from a service port (b
 /// counters (replies skipped, ICMP errors, evictions) misclassify nothing: they are metrics.
 pub fn absorb(
     window: &mut Window,
-    drained: &crate::capture::Drained,
+    drained: &super::capture::Drained,
     local: &std::collections::BTreeSet<IpAddr>,
     since_ms: i64,
     now_ms: i64,

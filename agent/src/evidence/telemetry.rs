@@ -19,7 +19,7 @@ use innerwall_wire::flows::{EvidenceGap, FlowWindow, GapKind};
 use innerwall_wire::proto;
 use prost::Message;
 
-use crate::connect::{RunConfig, connect};
+use crate::identity::connect::{RunConfig, connect};
 use crate::{error, private};
 
 /// Default bound of the on-disk queue, in windows.

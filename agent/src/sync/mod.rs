@@ -18,8 +18,9 @@ use tokio::sync::mpsc;
 use tonic::transport::Channel;
 
 use crate::enforce::{EnforceError, Installed, PolicyStore, TamperEvent};
+use crate::error;
+use crate::evidence::flows;
 use crate::metrics::{ApplyResult, Metrics};
-use crate::{error, flows};
 
 /// Why an update was refused as a unit; its text is the detail of the FAILED ack.
 #[derive(Debug, thiserror::Error)]
@@ -370,7 +371,7 @@ fn msg(m: &AgentMessage) -> proto::SyncRequest {
 
 /// This host's facts, or `None` (logged) when its interfaces cannot be listed.
 async fn current_facts() -> Option<HostFacts> {
-    match tokio::task::spawn_blocking(crate::facts::host_facts).await {
+    match tokio::task::spawn_blocking(crate::identity::facts::host_facts).await {
         Ok(Ok(facts)) => Some(facts),
         Ok(Err(e)) => {
             tracing::warn!("not reporting host facts: {}", error::chain(&e));
@@ -393,7 +394,7 @@ pub async fn session<S: PolicyStore + Send + 'static>(
     let mut suspension = enforcer.suspension.subscribe();
     let hello = Hello {
         applied_version: enforcer.applied_version(),
-        agent: crate::facts::agent_info(),
+        agent: crate::identity::facts::agent_info(),
         facts,
         suspended: *suspension.borrow_and_update(),
     };

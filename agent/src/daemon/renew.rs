@@ -11,10 +11,10 @@ use innerwall_wire::backoff;
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::proto;
 
-use crate::connect::{ConnectError, RunConfig, connect};
 use crate::enforce::PolicyStore;
 use crate::error;
-use crate::identity::{self, Credential, CredentialError};
+use crate::identity::connect::{ConnectError, RunConfig, connect};
+use crate::identity::credential::{self, Credential, CredentialError};
 use crate::sync::Enforcer;
 
 /// Why one renewal failed.
@@ -34,7 +34,7 @@ pub enum RenewError {
 
 async fn renew_once(config: &RunConfig, credential: &Credential) -> Result<Credential, RenewError> {
     let channel = connect(config).await?;
-    let (key_pem, csr_pem) = identity::new_key_and_csr()?;
+    let (key_pem, csr_pem) = credential::new_key_and_csr()?;
     let response = proto::agent_service_client::AgentServiceClient::new(channel)
         .renew_credential(proto::RenewCredentialRequest { csr_pem })
         .await
@@ -46,7 +46,7 @@ async fn renew_once(config: &RunConfig, credential: &Credential) -> Result<Crede
     let ca_pem = match String::from_utf8(response.ca_bundle_pem).map_err(RenewError::NotPem)? {
         bundle if bundle.trim().is_empty() => credential.ca_pem.clone(),
         bundle => {
-            identity::check_bundle(&cert_pem, &bundle)?;
+            credential::check_bundle(&cert_pem, &bundle)?;
             bundle
         }
     };

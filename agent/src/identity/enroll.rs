@@ -14,9 +14,9 @@ use std::time::SystemTime;
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::proto;
 
-use crate::connect::{self, ConnectError};
-use crate::facts::{self, FactsError};
-use crate::identity::{self, Credential, CredentialError};
+use super::connect::{self, ConnectError};
+use super::credential::{self, Credential, CredentialError};
+use super::facts::{self, FactsError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EnrollError {
@@ -182,7 +182,7 @@ pub async fn enroll(
         }
     };
     let channel = connect::connect_for_enrollment(server, ca_pem, proof.as_ref()).await?;
-    let (key_pem, csr_pem) = identity::new_key_and_csr()?;
+    let (key_pem, csr_pem) = credential::new_key_and_csr()?;
     let request = proto::EnrollRequest {
         provisioning_token: token.trim().to_owned(),
         csr_pem,
@@ -212,7 +212,7 @@ pub async fn enroll(
     // rotation in progress (the certificate may be of that root), which renewal would bring
     // anyway. Kept only if it issued this certificate; an older control plane sends `ca_pem`.
     let bundle = String::from_utf8(response.ca_bundle_pem).unwrap_or_default();
-    let ca_pem = match identity::check_bundle(&cert_pem, &bundle) {
+    let ca_pem = match credential::check_bundle(&cert_pem, &bundle) {
         Ok(()) => bundle,
         Err(_) => ca_pem.to_owned(),
     };

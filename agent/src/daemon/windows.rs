@@ -3,7 +3,7 @@
 //! version changes, and queues it for upload; restart gaps; and starting and stopping it
 //! together with the uploader. The lifecycle itself ([`OpenWindow`]) takes time and the applied
 //! version as arguments; what a window is and how a drain is absorbed into it is pure and lives
-//! in `flows`.
+//! in `crate::evidence::flows`.
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
@@ -15,12 +15,13 @@ use innerwall_wire::flows::{EvidenceGap, FlowWindow, GapKind};
 use innerwall_wire::policy::WorkloadPolicy;
 use innerwall_wire::proto;
 
-use crate::capture::{self, Capture, CaptureError, Drained};
-use crate::connect::RunConfig;
 use crate::enforce::PolicyStore;
-use crate::facts;
+use crate::error;
+use crate::evidence::capture::{self, Capture, CaptureError, Drained};
+use crate::evidence::{flows, telemetry};
+use crate::identity::connect::RunConfig;
+use crate::identity::facts;
 use crate::sync::{Enforcer, WindowClose};
-use crate::{error, flows, telemetry};
 
 /// Loads the capture program with a connection table of `conn_entries` (`run
 /// --conn-table-entries`, else derived from the host's memory) and attaches it to this host's
