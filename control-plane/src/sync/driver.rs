@@ -171,6 +171,15 @@ mod tests {
             .collect()
     }
 
+    fn driver<'a>(
+        id: WorkloadId,
+        store: &'a MemoryStore,
+        out: &'a mut Sent,
+    ) -> Driver<'a, MemoryStore, &'a mut Sent> {
+        let metrics = Arc::new(Metrics::new());
+        Driver { id, key_sha256: "k", store, out, epoch: 0, liveness: LIVENESS, metrics }
+    }
+
     /// A stream on the in-memory store: Hello first, the snapshot, an ack, an announcement's
     /// delta, its ack; the store follows.
     #[tokio::test]
@@ -178,15 +187,7 @@ mod tests {
         let (store, id) = (MemoryStore::default(), WorkloadId::new_random());
         store.persist(id, policy(1), Utc::now());
         let mut sent = Sent::default();
-        let mut driver = Driver {
-            id,
-            key_sha256: "k",
-            store: &store,
-            out: &mut sent,
-            epoch: 0,
-            liveness: LIVENESS,
-            metrics: Arc::new(Metrics::new()),
-        };
+        let mut driver = driver(id, &store, &mut sent);
         let mut core = core(Duration::ZERO);
         let second = Duration::from_secs(1);
         assert!(driver.run(&mut core, hello(0), second).await.is_none());
@@ -217,28 +218,11 @@ mod tests {
     async fn a_newer_stream_supersedes_by_epoch() {
         let (store, id) = (MemoryStore::default(), WorkloadId::new_random());
         store.persist(id, policy(1), Utc::now());
-        let metrics = Arc::new(Metrics::new());
         let (mut old_sent, mut new_sent) = (Sent::default(), Sent::default());
-        let mut old = Driver {
-            id,
-            key_sha256: "k",
-            store: &store,
-            out: &mut old_sent,
-            epoch: 0,
-            liveness: LIVENESS,
-            metrics: metrics.clone(),
-        };
+        let mut old = driver(id, &store, &mut old_sent);
         let mut old_core = core(Duration::ZERO);
         assert!(old.run(&mut old_core, hello(0), Duration::ZERO).await.is_none());
-        let mut new = Driver {
-            id,
-            key_sha256: "k",
-            store: &store,
-            out: &mut new_sent,
-            epoch: 0,
-            liveness: LIVENESS,
-            metrics,
-        };
+        let mut new = driver(id, &store, &mut new_sent);
         let mut new_core = core(Duration::ZERO);
         assert!(new.run(&mut new_core, hello(0), Duration::ZERO).await.is_none());
         assert_eq!((old.epoch, new.epoch), (1, 2));
@@ -263,15 +247,7 @@ mod tests {
         store.persist(id, policy(1), Utc::now());
         store.retire(id);
         let mut sent = Sent::default();
-        let mut driver = Driver {
-            id,
-            key_sha256: "k",
-            store: &store,
-            out: &mut sent,
-            epoch: 0,
-            liveness: LIVENESS,
-            metrics: Arc::new(Metrics::new()),
-        };
+        let mut driver = driver(id, &store, &mut sent);
         let ended = driver.run(&mut core(Duration::ZERO), hello(0), Duration::ZERO).await.unwrap();
         assert!(ended.reason.contains("retired or deny-listed"), "{}", ended.reason);
         assert!(sent.0.is_empty());
