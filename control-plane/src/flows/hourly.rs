@@ -96,6 +96,17 @@ pub async fn roll_up(pool: &PgPool, now: DateTime<Utc>) -> Result<u64, Error> {
                 ON CONFLICT (hour, dst_digest, peer_kind, peer_group, decision)
                 DO UPDATE SET records = e.records + EXCLUDED.records,
                               new_connections = e.new_connections + EXCLUDED.new_connections),
+             by_key AS (
+                INSERT INTO flow_key_days AS d (day, workload_id, src_address, peer_kind, peer_key, peer_digest,
+                    dst_port, protocol, records, new_connections, first_seen, last_seen)
+                SELECT date_trunc('day', hour, 'UTC'), workload_id, src_address, peer_kind, peer_key, peer_digest,
+                       dst_port, protocol, sum(records), sum(new_connections), min(first_seen), max(last_seen)
+                FROM added GROUP BY 1, 2, 3, 4, 5, 6, 7, 8
+                ON CONFLICT (workload_id, src_address, peer_kind, peer_key, peer_digest, dst_port, protocol, day)
+                DO UPDATE SET records = d.records + EXCLUDED.records,
+                              new_connections = d.new_connections + EXCLUDED.new_connections,
+                              first_seen = least(d.first_seen, EXCLUDED.first_seen),
+                              last_seen = greatest(d.last_seen, EXCLUDED.last_seen)),
              by_rule AS (
                 INSERT INTO flow_rule_rollups (hour, policy_version, decision, matched_rule_id, records,
                     new_connections, packets, bytes, first_seen, last_seen)
