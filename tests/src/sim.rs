@@ -298,7 +298,6 @@ struct World {
     changes: u128,
     /// Faults are on; off for convergence.
     faults: bool,
-    failures: u64,
     /// Agents whose firewall refuses every apply, until when.
     refusing: BTreeMap<usize, Duration>,
     /// A broken invariant seen while a step ran (reported by `check`).
@@ -336,7 +335,6 @@ impl World {
             trace: Vec::new(),
             changes: 0,
             faults: true,
-            failures: 0,
             refusing: BTreeMap::new(),
             violation: None,
         };
@@ -369,9 +367,9 @@ impl World {
             }
             let at = epoch_time() + chrono::Duration::from_std(self.now).expect("a duration");
             self.store.persist(agent.id, policy.clone().with_version(next), at);
-            moved.push((agent.id, next));
+            moved.push(agent.id);
         }
-        for (id, version) in &moved {
+        for id in &moved {
             for r in 0..self.notices.len() {
                 if self.faults && self.rng.chance(10) {
                     continue; // lost
@@ -379,7 +377,6 @@ impl World {
                 let delay = Duration::from_millis(self.rng.below(if self.faults { 5_000 } else { 10 }));
                 self.notices[r].push_back((self.now + delay, *id));
             }
-            let _ = version;
         }
         self.log(format!("render ({why}): {} moved", moved.len()));
     }
@@ -534,10 +531,7 @@ impl World {
                 let ack = match result {
                     Ok(Installed::Held) => Ack::Held(version),
                     Ok(_) => Ack::Applied(version),
-                    Err(e) => {
-                        self.failures += 1;
-                        Ack::Failed(version, e.to_string())
-                    }
+                    Err(e) => Ack::Failed(version, e.to_string()),
                 };
                 self.log(format!("agent {a} acks {ack:?}"));
                 self.agent_send(s, AgentMessage::Ack(ack));
