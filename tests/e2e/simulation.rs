@@ -32,20 +32,29 @@ fn simulation_is_deterministic() {
 /// and the seeds it takes are printed (`--nocapture`).
 #[test]
 fn simulation_finds_planted_bugs() {
+    use innerwall_agent::sync::planted as agent;
     use innerwall_control_plane::sync::planted::{self, Bug};
-    for bug in
-        [Bug::SyncedOnOlderAck, Bug::SnapshotEveryFailure, Bug::KeepSupersededStream, Bug::RetryFailedDelta]
-    {
-        planted::plant(Some(bug));
+    let control_plane = [
+        Bug::SyncedOnOlderAck,
+        Bug::SnapshotEveryFailure,
+        Bug::KeepSupersededStream,
+        Bug::RetryFailedDelta,
+        Bug::DeltaFromClaim,
+    ];
+    let bugs = control_plane.map(|bug| (format!("{bug:?}"), Some(bug), None));
+    for (bug, in_control_plane, in_agent) in bugs.into_iter().chain([(
+        format!("{:?}", agent::Bug::AckBeforePersist),
+        None,
+        Some(agent::Bug::AckBeforePersist),
+    )]) {
+        planted::plant(in_control_plane);
+        agent::plant(in_agent);
         let found = (1..=QUICK_SEEDS).find_map(|seed| sim::run(&Params::quick(seed)).err());
         planted::plant(None);
-        let failure = found.unwrap_or_else(|| panic!("{bug:?} was not found in {QUICK_SEEDS} seeds"));
-        println!("{bug:?}: found by seed {} at step {}: {}", failure.seed, failure.step, failure.what);
+        agent::plant(None);
+        let failure = found.unwrap_or_else(|| panic!("{bug} was not found in {QUICK_SEEDS} seeds"));
+        println!("{bug}: found by seed {} at step {}: {}", failure.seed, failure.step, failure.what);
         // Unplanted, the seed that found it passes: the failure was the bug's.
-        assert!(
-            sim::run(&Params::quick(failure.seed)).is_ok(),
-            "seed {} fails without {bug:?}",
-            failure.seed
-        );
+        assert!(sim::run(&Params::quick(failure.seed)).is_ok(), "seed {} fails without {bug}", failure.seed);
     }
 }

@@ -5,13 +5,12 @@
 //! apply, and the agent's real `Enforcer::apply` (next policy, persist, install) on a simulated
 //! firewall. Faults: message delays (order kept within a stream), stream drops and half-open
 //! streams, lost and late announcements, listener reconnects, agent crashes between persist and
-//! install, failed applies, the kill switch, clock jumps and duplicate streams of one identity.
+//! install, failed applies, the kill switch, clock jumps, duplicate streams of one identity,
+//! replicas that die (mid-stream, between a send and the state write after it) and restart with
+//! their workloads left to the liveness sweep, and a database restored from a backup with the
+//! lost changes authored again (versions reused with other content).
 //! After every step the invariants are checked; after the steps the faults stop and every live
 //! agent must converge within a bounded number of steps.
-//!
-//! What it does not cover yet: the agent's stream loop is modelled here (the agent's event-loop
-//! core is still inside its tokio session), replica death with the liveness sweep, and
-//! control-plane restarts mid-write.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::{IpAddr, Ipv4Addr};
@@ -21,20 +20,19 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use innerwall_agent::enforce::{EnforceError, Installed, PolicyStore};
 use innerwall_agent::sync::Enforcer;
+use innerwall_agent::sync::core::{Effect as AgentEffect, Event as AgentEvent, StreamCore as AgentCore};
 use innerwall_control_plane::policy::model::{
     AuthoredModel, Peer, RegisteredWorkload, Rule, Ruleset, Selector, Service, ServiceEntry,
 };
 use innerwall_control_plane::policy::render::render;
 use innerwall_control_plane::sync::core::{Control, CoreConfig, Ended, Event, RECOVERY_RETRY, StreamCore};
 use innerwall_control_plane::sync::driver::{Driver, Gone, Outbox};
-use innerwall_control_plane::sync::store::MemoryStore;
+use innerwall_control_plane::sync::store::{MemoryBackup, MemoryStore};
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::labels::{LabelKey, LabelValue};
 use innerwall_wire::policy::{Cidr, Mode, WorkloadPolicy};
 use innerwall_wire::proto;
-use innerwall_wire::sync::{
-    Ack, AgentMessage, ControlMessage, Directive, Heartbeat, Hello, HelloAck, SyncState, Update,
-};
+use innerwall_wire::sync::{AgentMessage, ControlMessage, Heartbeat, Hello, HelloAck, SyncState, Update};
 
 /// splitmix64: small, fast and the same everywhere.
 #[derive(Debug, Clone)]
@@ -96,6 +94,8 @@ impl std::fmt::Display for Failure {
 
 const LIVENESS: Duration = Duration::from_secs(90);
 const HEARTBEAT: Duration = Duration::from_secs(30);
+/// How often every running replica sweeps (the heartbeat interval, as `service` does).
+const SWEEP_EVERY: Duration = HEARTBEAT;
 
 /// The host's firewall and disk: a persisted policy and an installed one, with faults.
 #[derive(Debug, Default)]
@@ -163,17 +163,48 @@ struct Stream {
     /// Snapshots sent (the opening one included) and the versions of the updates sent.
     snapshots: u64,
     versions: BTreeSet<u64>,
+    /// When its replica died under it (its end was never recorded).
+    died_at: Option<Duration>,
+    /// The agent's side of it.
+    agent_core: AgentCore,
 }
 
-/// Messages a driver sends, collected for the network.
+/// Messages a driver sends, collected for the network; with `dies_after`, the replica dies
+/// once that many more have been sent (the send after them fails, and nothing after it runs).
 #[derive(Debug, Default)]
-struct Collect(Vec<ControlMessage>);
+struct Collect {
+    sent: Vec<ControlMessage>,
+    dies_after: Option<usize>,
+}
 
 impl Outbox for &mut Collect {
     async fn send(&mut self, message: proto::SyncResponse) -> Result<(), Gone> {
-        self.0.push(ControlMessage::try_from(message).expect("the control plane sends what agents read"));
+        if self.dies_after.is_some_and(|n| self.sent.len() >= n) {
+            return Err(Gone);
+        }
+        self.sent.push(ControlMessage::try_from(message).expect("the control plane sends what agents read"));
         Ok(())
     }
+}
+
+/// One replica: whether it runs, and announcements on their way to its listener.
+#[derive(Debug, Default)]
+struct Replica {
+    /// Down until this time (it died and restarts then).
+    down_until: Option<Duration>,
+    /// Announcements on their way to its listener: (arrives at, workload).
+    notices: VecDeque<(Duration, WorkloadId)>,
+    /// The next stream this replica drives dies after this many sends.
+    dies_after: Option<usize>,
+    next_sweep: Duration,
+}
+
+/// A backup of the database: the store and the authored estate, and how many renders in.
+struct Backup {
+    at: Duration,
+    store: MemoryBackup,
+    estate: Estate,
+    renders: u64,
 }
 
 struct Agent {
@@ -186,6 +217,7 @@ struct Agent {
 }
 
 /// The estate the renderer sees.
+#[derive(Clone)]
 struct Estate {
     model: AuthoredModel,
     workloads: Vec<RegisteredWorkload>,
@@ -290,8 +322,13 @@ struct World {
     estate: Estate,
     agents: Vec<Agent>,
     streams: Vec<Stream>,
-    /// Announcements on their way to each replica's listener: (arrives at, workload).
-    notices: Vec<VecDeque<(Duration, WorkloadId)>>,
+    replicas: Vec<Replica>,
+    /// Every policy ever persisted per workload, those a restore lost included.
+    ever: BTreeMap<WorkloadId, Vec<WorkloadPolicy>>,
+    backups: VecDeque<Backup>,
+    /// Renders that moved a version, and when the last sweep ran.
+    renders: u64,
+    last_sweep: Option<Duration>,
     metrics: Arc<innerwall_control_plane::metrics::Metrics>,
     runtime: tokio::runtime::Runtime,
     trace: Vec<String>,
@@ -329,7 +366,11 @@ impl World {
                 })
                 .collect(),
             streams: Vec::new(),
-            notices: vec![VecDeque::new(); params.replicas.max(1)],
+            replicas: (0..params.replicas.max(1)).map(|_| Replica::default()).collect(),
+            ever: BTreeMap::new(),
+            backups: VecDeque::new(),
+            renders: 0,
+            last_sweep: None,
             metrics: Arc::new(innerwall_control_plane::metrics::Metrics::new()),
             runtime,
             trace: Vec::new(),
@@ -340,6 +381,11 @@ impl World {
         };
         world.render("the estate");
         world
+    }
+
+    /// The wall clock of the simulated world.
+    fn wall(&self) -> DateTime<Utc> {
+        epoch_time() + chrono::Duration::from_std(self.now).expect("a duration")
     }
 
     fn log(&mut self, line: String) {
@@ -365,17 +411,19 @@ impl World {
             if latest.as_ref().is_some_and(|p| policy.clone().with_version(p.version()) == *p) {
                 continue;
             }
-            let at = epoch_time() + chrono::Duration::from_std(self.now).expect("a duration");
-            self.store.persist(agent.id, policy.clone().with_version(next), at);
+            let persisted = policy.clone().with_version(next);
+            self.ever.entry(agent.id).or_default().push(persisted.clone());
+            self.store.persist(agent.id, persisted, self.wall());
             moved.push(agent.id);
         }
+        self.renders += u64::from(!moved.is_empty());
         for id in &moved {
-            for r in 0..self.notices.len() {
-                if self.faults && self.rng.chance(10) {
+            for r in 0..self.replicas.len() {
+                if self.replicas[r].down_until.is_some() || (self.faults && self.rng.chance(10)) {
                     continue; // lost
                 }
                 let delay = Duration::from_millis(self.rng.below(if self.faults { 5_000 } else { 10 }));
-                self.notices[r].push_back((self.now + delay, *id));
+                self.replicas[r].notices.push_back((self.now + delay, *id));
             }
         }
         self.log(format!("render ({why}): {} moved", moved.len()));
@@ -387,7 +435,10 @@ impl World {
             return;
         }
         let now = self.now;
-        let mut sent = Collect::default();
+        self.store.set_clock(self.wall());
+        let replica = self.streams[s].replica;
+        let mut sent = Collect { sent: Vec::new(), dies_after: self.replicas[replica].dies_after.take() };
+        let dies = sent.dies_after.is_some();
         let stream = &mut self.streams[s];
         let id = self.agents[stream.agent].id;
         let mut driver = Driver {
@@ -407,7 +458,10 @@ impl World {
         if refused && !stream.core.ended() {
             self.violation.get_or_insert(format!("stream {s} goes on after a write found it superseded"));
         }
-        for message in sent.0 {
+        let sent_count = sent.sent.len();
+        let died = ended.as_ref().is_some_and(|e| e.reason == "agent went away")
+            && sent.dies_after.is_some_and(|n| sent_count >= n);
+        for message in sent.sent {
             if let ControlMessage::Update(update) = &message {
                 let stream = &mut self.streams[s];
                 stream.versions.insert(update.version());
@@ -419,6 +473,15 @@ impl World {
             let stream = &mut self.streams[s];
             let at = stream.to_agent.back().map_or(now, |(t, _)| *t).max(now) + delay;
             stream.to_agent.push_back((at, message));
+        }
+        if died {
+            self.log(format!("replica {replica} dies while stream {s} sends"));
+            self.replica_dies(replica);
+            return;
+        }
+        if let (true, Some(n)) = (dies, sent.dies_after) {
+            // Fewer were sent this time: the replica dies on a later send.
+            self.replicas[replica].dies_after = Some(n - sent_count);
         }
         if let Some(ended) = ended {
             let stream = &mut self.streams[s];
@@ -448,18 +511,21 @@ impl World {
 
     /// Agent `a` dials: a new stream on a random replica, Hello first.
     fn dial(&mut self, a: usize) {
-        let replica = self.rng.below(self.notices.len() as u64) as usize;
+        let up: Vec<usize> =
+            (0..self.replicas.len()).filter(|r| self.replicas[*r].down_until.is_none()).collect();
+        if up.is_empty() {
+            self.agents[a].down_until = Some(self.now + Duration::from_secs(1));
+            return;
+        }
+        let replica = up[self.rng.below(up.len() as u64) as usize];
         let config = CoreConfig {
             liveness: LIVENESS,
             hello_ack: Self::hello_ack(),
             expires: Duration::from_secs(1 << 40),
         };
         let enforcer = &self.agents[a].enforcer;
-        let hello = Hello {
-            applied_version: enforcer.applied_version(),
-            suspended: enforcer.suspended(),
-            ..Default::default()
-        };
+        let suspended = enforcer.suspended();
+        let hello = Hello { applied_version: enforcer.applied_version(), suspended, ..Default::default() };
         // An agent holds one stream: a new dial leaves the old one to the control plane's end.
         if let Some(old) = self.agents[a].stream.take() {
             self.streams[old].agent_closed = true;
@@ -478,6 +544,8 @@ impl World {
             opened_at: self.now,
             snapshots: 0,
             versions: BTreeSet::new(),
+            died_at: None,
+            agent_core: AgentCore::new(suspended),
         });
         self.agents[a].stream = Some(s);
         self.log(format!("agent {a} dials: stream {s} on replica {replica}"));
@@ -513,28 +581,56 @@ impl World {
         stream.to_cp.push_back((at, message));
     }
 
-    /// The agent's side of the protocol (a model of its stream loop around the real apply):
-    /// each update applied in stream order through `Enforcer::apply`, then acked.
+    /// The agent's side of stream `s`: the agent's real stream core, its applies carried out
+    /// through the real `Enforcer::apply` on the simulated firewall.
     fn agent_receives(&mut self, s: usize, message: ControlMessage) {
+        let event = match message {
+            ControlMessage::HelloAck(ack) => AgentEvent::Opened(ack),
+            ControlMessage::Directive(directive) => AgentEvent::Directive(directive),
+            ControlMessage::Update(update) => AgentEvent::Update(update),
+        };
+        self.agent_event(s, event);
+    }
+
+    /// Hands `event` to stream `s`'s agent core and carries out its effects in order.
+    fn agent_event(&mut self, s: usize, event: AgentEvent) {
         let a = self.streams[s].agent;
-        match message {
-            ControlMessage::HelloAck(_) => {}
-            ControlMessage::Directive(Directive::Reconnect) => self.agent_drops(a, "directed reconnect"),
-            ControlMessage::Directive(Directive::Reenroll { .. }) => self.agent_drops(a, "told to re-enroll"),
-            ControlMessage::Update(update) => {
-                let version = update.version();
-                let result = self.agents[a].enforcer.apply(&update);
-                if self.agents[a].enforcer.store.lock().expect("the firewall").crashed {
-                    self.crash(a, "between persist and install");
+        let now = self.now - self.streams[s].opened_at;
+        let mut queue: VecDeque<AgentEffect> = self.streams[s].agent_core.handle(event, now).into();
+        while let Some(effect) = queue.pop_front() {
+            match effect {
+                AgentEffect::Send(message) => {
+                    if let AgentMessage::Ack(ack) = &message {
+                        self.log(format!("agent {a} acks {ack:?}"));
+                    }
+                    self.agent_send(s, message);
+                }
+                AgentEffect::Apply(update) => {
+                    let version = update.version();
+                    let result = self.agents[a].enforcer.apply(&update).map_err(|e| e.to_string());
+                    if self.agents[a].enforcer.store.lock().expect("the firewall").crashed {
+                        self.crash(a, "between persist and install");
+                        return;
+                    }
+                    let next =
+                        self.streams[s].agent_core.handle(AgentEvent::Applied { version, result }, now);
+                    for effect in next.into_iter().rev() {
+                        queue.push_front(effect);
+                    }
+                }
+                AgentEffect::Heartbeat => {
+                    let suspended = self.agents[a].enforcer.suspended();
+                    self.agent_send(
+                        s,
+                        AgentMessage::Heartbeat(Heartbeat { suspended, ..Default::default() }),
+                    );
+                }
+                // The simulated hosts report no facts (the control plane ignores such a report).
+                AgentEffect::Inventory => {}
+                AgentEffect::End(end) => {
+                    self.agent_drops(a, &format!("{end:?}"));
                     return;
                 }
-                let ack = match result {
-                    Ok(Installed::Held) => Ack::Held(version),
-                    Ok(_) => Ack::Applied(version),
-                    Err(e) => Ack::Failed(version, e.to_string()),
-                };
-                self.log(format!("agent {a} acks {ack:?}"));
-                self.agent_send(s, AgentMessage::Ack(ack));
             }
         }
     }
@@ -661,10 +757,7 @@ impl World {
                 };
                 self.log(format!("agent {a} kill switch {}", if suspended { "down" } else { "up" }));
                 if let Some(s) = self.agents[a].stream {
-                    self.agent_send(
-                        s,
-                        AgentMessage::Heartbeat(Heartbeat { suspended, ..Default::default() }),
-                    );
+                    self.agent_event(s, AgentEvent::Suspension(suspended));
                 }
             }
             92 if self.faults => {
@@ -678,27 +771,125 @@ impl World {
             93 if self.faults => {
                 // A listener reconnects: every stream of that replica re-reads (SYNC-7); what
                 // was on its way to the old listener is lost.
-                let r = self.rng.below(self.notices.len() as u64) as usize;
+                let r = self.rng.below(self.replicas.len() as u64) as usize;
                 self.log(format!("replica {r}'s listener reconnects"));
-                self.notices[r].clear();
+                self.replicas[r].notices.clear();
                 for s in self.live_streams() {
                     if self.streams[s].replica == r {
                         self.drive(s, Event::Announced);
                     }
                 }
             }
+            94 if self.faults => {
+                // A replica dies: at once, or on one of its next sends (between a send and the
+                // state write after it). One replica always stays up.
+                let up: Vec<usize> =
+                    (0..self.replicas.len()).filter(|r| self.replicas[*r].down_until.is_none()).collect();
+                if up.len() > 1 {
+                    let r = up[self.rng.below(up.len() as u64) as usize];
+                    if self.rng.chance(50) {
+                        self.log(format!("replica {r} dies"));
+                        self.replica_dies(r);
+                    } else {
+                        self.replicas[r].dies_after = Some(self.rng.below(3) as usize);
+                    }
+                }
+            }
+            95 if self.faults => self.take_backup(),
+            96 if self.faults && self.rng.chance(25) => self.restore(),
             _ => self.timers(),
+        }
+    }
+
+    /// Replica `r` dies: its streams end unrecorded (their agents see a reset), announcements
+    /// on their way to it are lost, and it restarts a while later.
+    fn replica_dies(&mut self, r: usize) {
+        for s in self.live_streams() {
+            if self.streams[s].replica != r || self.streams[s].cp_closed {
+                continue;
+            }
+            self.streams[s].cp_closed = true;
+            self.streams[s].died_at = Some(self.now);
+            let a = self.streams[s].agent;
+            if self.agents[a].stream == Some(s) {
+                self.agent_drops(a, "its replica died");
+            }
+        }
+        let replica = &mut self.replicas[r];
+        replica.notices.clear();
+        replica.dies_after = None;
+        replica.down_until = Some(self.now + Duration::from_secs(5 + self.rng.below(120)));
+    }
+
+    /// A replica (re)starts: it sweeps at once, as `service` does, and every interval after.
+    fn replica_starts(&mut self, r: usize) {
+        self.replicas[r].down_until = None;
+        self.log(format!("replica {r} starts"));
+        self.sweep(r);
+    }
+
+    fn sweep(&mut self, r: usize) {
+        self.store.set_clock(self.wall());
+        let swept = self
+            .runtime
+            .block_on(innerwall_control_plane::sync::store::SyncStore::sweep(&self.store))
+            .expect("the memory store sweeps");
+        self.replicas[r].next_sweep = self.now + SWEEP_EVERY;
+        self.last_sweep = Some(self.now);
+        if !swept.is_empty() {
+            self.log(format!("replica {r} sweeps {} workload(s) OFFLINE", swept.len()));
+        }
+    }
+
+    /// A backup of the database (store and authored estate); the last few are kept.
+    fn take_backup(&mut self) {
+        let backup = Backup {
+            at: self.now,
+            store: self.store.backup(),
+            estate: self.estate.clone(),
+            renders: self.renders,
+        };
+        self.backups.push_back(backup);
+        if self.backups.len() > 4 {
+            self.backups.pop_front();
+        }
+    }
+
+    /// The database is restored from the newest backup older than the liveness bound (as a
+    /// scheduled backup is): every replica stops, the restore loses what was written since,
+    /// the operator authors the lost changes again (other content under the versions a host
+    /// may hold), and the replicas start, sweeping.
+    fn restore(&mut self) {
+        let Some(i) = self.backups.iter().rposition(|b| b.at + LIVENESS < self.now) else { return };
+        let backup = self.backups.remove(i).expect("a backup");
+        self.log(format!("the database is restored from the backup of {:.1}s", backup.at.as_secs_f64()));
+        for r in 0..self.replicas.len() {
+            self.replica_dies(r);
+        }
+        self.store.restore(&backup.store);
+        self.estate = backup.estate;
+        self.backups.clear();
+        let lost = (self.renders - backup.renders).min(5);
+        self.renders = backup.renders;
+        for _ in 0..lost {
+            self.changes += 1;
+            let n = self.changes;
+            let what = self.estate.change(&mut self.rng, n);
+            self.render(&format!("authored again after the restore: {what}"));
+        }
+        for r in 0..self.replicas.len() {
+            self.replica_starts(r);
         }
     }
 
     /// Announcements that reached their replica's listener go to that replica's streams.
     fn listeners(&mut self) {
-        for r in 0..self.notices.len() {
-            while let Some((at, id)) = self.notices[r].front().copied() {
+        for r in 0..self.replicas.len() {
+            while let Some((at, id)) = self.replicas[r].notices.front().copied() {
                 if at > self.now {
                     break;
                 }
-                self.notices[r].pop_front();
+                self.replicas[r].notices.pop_front();
                 for s in self.live_streams() {
                     let stream = &self.streams[s];
                     if stream.replica == r && self.agents[stream.agent].id == id {
@@ -711,6 +902,13 @@ impl World {
 
     /// Deadlines: the control plane's ticks, the agents' heartbeats and redials, refusals lifted.
     fn timers(&mut self) {
+        for r in 0..self.replicas.len() {
+            match self.replicas[r].down_until {
+                Some(until) if until <= self.now => self.replica_starts(r),
+                None if self.replicas[r].next_sweep <= self.now => self.sweep(r),
+                _ => {}
+            }
+        }
         let lifted: Vec<usize> =
             self.refusing.iter().filter(|(_, until)| **until <= self.now).map(|(a, _)| *a).collect();
         for a in lifted {
@@ -731,15 +929,15 @@ impl World {
                 }
                 (None, None) => self.dial(a),
                 (Some(s), _) => {
-                    let suspended = self.agents[a].enforcer.suspended();
                     if self.streams[s].cp_closed && self.streams[s].to_agent.is_empty() {
                         // The control plane ended it: the agent sees the end and redials.
                         self.agent_drops(a, "the control plane ended the stream");
-                    } else {
-                        self.agent_send(
-                            s,
-                            AgentMessage::Heartbeat(Heartbeat { suspended, ..Default::default() }),
-                        );
+                    } else if self.streams[s]
+                        .opened_at
+                        .saturating_add(self.streams[s].agent_core.next_deadline())
+                        <= self.now
+                    {
+                        self.agent_event(s, AgentEvent::Tick);
                     }
                 }
                 _ => {}
@@ -769,24 +967,48 @@ impl World {
         for (a, agent) in self.agents.iter().enumerate() {
             let stored = self.store.workload(agent.id).unwrap_or_default();
             let firewall = agent.enforcer.store.lock().expect("the firewall");
-            // A host runs its last good policy or the latest, never one no render produced.
+            // A host runs its last good policy or the latest, never one no render produced
+            // (byte for byte, a version its workload really had, before a restore too).
+            let ever = self.ever.get(&agent.id).map_or(&[][..], Vec::as_slice);
             for held in [&firewall.installed, &firewall.persisted].into_iter().flatten() {
-                if !stored.policies.iter().any(|(p, _)| p == held) {
+                if !ever.contains(held) {
                     return Err(format!(
                         "agent {a} holds version {} whose content no render persisted",
                         held.version()
                     ));
                 }
             }
-            // The recorded state never says SYNCED for a version the agent does not hold.
+            // The recorded state never says SYNCED for a version the agent does not hold, by
+            // content: after a restore, a version number may stand for other content.
             if stored.state == Some(SyncState::Synced) {
-                let holds = firewall.persisted.as_ref().map(WorkloadPolicy::version);
-                if stored.applied != holds {
+                let recorded =
+                    stored.policies.iter().map(|(p, _)| p).find(|p| Some(p.version()) == stored.applied);
+                if recorded.is_none() || recorded != firewall.persisted.as_ref() {
+                    let holds = firewall.persisted.as_ref().map(WorkloadPolicy::version);
                     return Err(format!(
-                        "agent {a} is recorded SYNCED at {:?} but holds {holds:?}",
-                        stored.applied
+                        "agent {a} is recorded SYNCED at {:?} but holds {holds:?}{}",
+                        stored.applied,
+                        if recorded.is_some() && stored.applied == holds {
+                            " with other content"
+                        } else {
+                            ""
+                        }
                     ));
                 }
+            }
+            // Nor any state but OFFLINE (or none ever recorded) after its stream died with its
+            // replica, once a sweep ran beyond the liveness bound: the newest stream of the
+            // row's epoch decides whose the row is.
+            let owner = self.streams.iter().rev().find(|st| st.agent == a && st.epoch == stored.epoch);
+            if let (Some(died), Some(swept)) = (owner.and_then(|st| st.died_at), self.last_sweep)
+                && swept > died + LIVENESS
+                && stored.state.is_some_and(|state| state != SyncState::Offline)
+            {
+                return Err(format!(
+                    "agent {a} is recorded {:?} though its stream died with its replica at {:.1}s",
+                    stored.state,
+                    died.as_secs_f64()
+                ));
             }
         }
         Ok(())

@@ -11,11 +11,14 @@ use innerwall_wire::identity::HostFacts;
 use innerwall_wire::policy::{ApplyError, Version, WorkloadPolicy};
 use innerwall_wire::proto;
 use innerwall_wire::sync::{
-    self as wire, Ack, AgentMessage, ControlMessage, Directive, Heartbeat, Hello, Inventory,
-    MAX_POLICY_MESSAGE, MAX_TAMPER_DETAIL, MAX_TAMPER_REPORTS, UNREADABLE_UPDATE, Update,
+    self as wire, Ack, AgentMessage, ControlMessage, Heartbeat, Hello, Inventory, MAX_POLICY_MESSAGE,
+    MAX_TAMPER_DETAIL, MAX_TAMPER_REPORTS, Update,
 };
 use tokio::sync::mpsc;
 use tonic::transport::Channel;
+
+pub mod core;
+pub mod planted;
 
 use crate::enforce::{EnforceError, Installed, PolicyStore, TamperEvent};
 use crate::error;
@@ -381,7 +384,8 @@ async fn current_facts() -> Option<HostFacts> {
     }
 }
 
-/// One sync stream on `channel`, until it ends.
+/// One sync stream on `channel`, until it ends: the I/O around [`core::StreamCore`], which
+/// decides.
 pub async fn session<S: PolicyStore + Send + 'static>(
     channel: Channel,
     enforcer: Arc<Enforcer<S>>,
@@ -392,11 +396,12 @@ pub async fn session<S: PolicyStore + Send + 'static>(
     let facts = enforcer.facts().await;
     enforcer.note_suspension();
     let mut suspension = enforcer.suspension.subscribe();
+    let suspended = *suspension.borrow_and_update();
     let hello = Hello {
         applied_version: enforcer.applied_version(),
         agent: crate::identity::facts::agent_info(),
         facts,
-        suspended: *suspension.borrow_and_update(),
+        suspended,
     };
     let (tx, rx) = mpsc::channel(64);
     if tx.send(msg(&AgentMessage::Hello(Box::new(hello)))).await.is_err() {
@@ -412,7 +417,7 @@ pub async fn session<S: PolicyStore + Send + 'static>(
         Ok(r) => r.into_inner(),
         Err(s) => return refused("sync refused", &s),
     };
-    let config = match tokio::time::timeout(Duration::from_secs(30), inbound.message()).await {
+    let hello_ack = match tokio::time::timeout(Duration::from_secs(30), inbound.message()).await {
         Ok(Ok(Some(res))) => match ControlMessage::try_from(res) {
             Ok(ControlMessage::HelloAck(a)) => a,
             _ => return SessionEnd::Closed("no HelloAck".into()),
@@ -421,106 +426,119 @@ pub async fn session<S: PolicyStore + Send + 'static>(
         _ => return SessionEnd::Closed("no HelloAck".into()),
     };
     stats.established = true;
-    enforcer.flow_window_secs.store(config.flow_window.as_secs(), Relaxed);
-    enforcer.flow_window_max_keys.store(u64::from(config.flow_window_max_keys), Relaxed);
+    enforcer.flow_window_secs.store(hello_ack.flow_window.as_secs(), Relaxed);
+    enforcer.flow_window_max_keys.store(u64::from(hello_ack.flow_window_max_keys), Relaxed);
     enforcer.streams.fetch_add(1, Relaxed);
     enforcer.metrics.stream_connected(true);
-    let mut heartbeat = tokio::time::interval(config.heartbeat);
-    let mut inventory = tokio::time::interval(config.inventory);
-    heartbeat.tick().await;
-    inventory.tick().await;
-    // Set once an update could not be read: the control plane was told, sends nothing more on
-    // this stream, and ends it when a new version is persisted; until then heartbeats go on, so
-    // the workload reads DEGRADED with why, not OFFLINE.
-    let mut deaf = false;
+    let origin = tokio::time::Instant::now();
+    let mut core = core::StreamCore::new(suspended);
+    let mut next = Some(core::Event::Opened(hello_ack));
     loop {
-        tokio::select! {
-            () = tx.closed(), if deaf => {
-                return SessionEnd::Closed("the control plane ended the stream after an update this agent could not read".into());
-            }
-            next = inbound.message(), if !deaf => {
-                let update = match next {
-                    Ok(Some(res)) => match ControlMessage::try_from(res) {
-                        Ok(ControlMessage::Update(update)) => update,
-                        Ok(ControlMessage::Directive(Directive::Reconnect)) => return SessionEnd::Reconnect,
-                        Ok(ControlMessage::Directive(Directive::Reenroll { reason })) => return SessionEnd::Reenroll(reason),
-                        Ok(ControlMessage::HelloAck(_)) | Err(ControlMessageError::Unknown) => continue,
-                        Err(ControlMessageError::SnapshotWithoutPolicy) => {
-                            return SessionEnd::Closed("snapshot without a policy".into());
-                        }
-                        Err(malformed @ (ControlMessageError::MalformedSnapshot { version, .. }
-                        | ControlMessageError::MalformedDelta { version, .. })) => {
-                            // Refused as a unit, like any update that cannot be applied (SYNC-4).
-                            let detail = malformed.to_string();
-                            tracing::warn!(version, "refused an update: {detail}");
-                            enforcer.metrics.applied(ApplyResult::Failed, Duration::ZERO, enforcer.applied_version());
-                            stats.updates += 1;
-                            if tx.send(msg(&AgentMessage::Ack(Ack::Failed(version, detail)))).await.is_err() {
-                                return SessionEnd::Closed("stream closed while acking".into());
-                            }
-                            continue;
-                        }
-                    },
-                    Ok(None) => return SessionEnd::Closed("server closed the stream".into()),
-                    Err(s) if unreadable(&s) => {
-                        let detail = format!("{} (this agent decodes at most {max_message} bytes)", s.message());
-                        tracing::warn!("could not read an update: {detail}");
-                        enforcer.metrics.applied(ApplyResult::Failed, Duration::ZERO, enforcer.applied_version());
-                        let ack = AgentMessage::Ack(Ack::Failed(UNREADABLE_UPDATE, detail));
-                        if tx.send(msg(&ack)).await.is_err() {
-                            return SessionEnd::Closed("stream closed while reporting an unreadable update".into());
-                        }
-                        deaf = true;
-                        continue;
-                    }
-                    Err(s) => return refused("stream ended", &s),
-                };
-                let version = update.version();
-                let e = enforcer.clone();
-                let result = tokio::task::spawn_blocking(move || e.apply(&update).map_err(|e| error::chain(&e)))
-                    .await
-                    .unwrap_or_else(|e| Err(format!("apply task failed: {e}")));
-                stats.updates += 1;
-                let ack = match result {
-                    Ok(Installed::Held) => {
-                        tracing::warn!(version, "kill switch engaged: holding the policy without installing it");
-                        Ack::Held(version)
-                    }
-                    Ok(_) => Ack::Applied(version),
-                    Err(detail) => {
-                        tracing::warn!(version, "refused an update: {detail}");
-                        Ack::Failed(version, detail)
-                    }
-                };
-                if tx.send(msg(&AgentMessage::Ack(ack))).await.is_err() {
-                    return SessionEnd::Closed("stream closed while acking".into());
-                }
-            }
-            _ = renewals.changed() => return SessionEnd::Renewed,
-            // The kill switch engaged or released: said at once, not at the next heartbeat.
-            _ = suspension.changed() => {
-                if tx.send(msg(&enforcer.heartbeat())).await.is_err() {
-                    return SessionEnd::Closed("stream closed".into());
-                }
-            }
-            _ = heartbeat.tick() => {
-                if tx.send(msg(&enforcer.heartbeat())).await.is_err() {
-                    return SessionEnd::Closed("stream closed".into());
-                }
-            }
-            _ = inventory.tick() => {
-                // No report when the interfaces cannot be listed: the addresses the control plane
-                // knows stand, they never become "none".
-                if let Some(facts) = enforcer.facts().await {
-                    let report =
-                        AgentMessage::Inventory(Box::new(Inventory { facts: Some(facts), listening_services: Vec::new() }));
-                    if tx.send(msg(&report)).await.is_err() {
-                        return SessionEnd::Closed("stream closed".into());
-                    }
-                }
+        if let Some(event) = next.take() {
+            let now = origin.elapsed();
+            if let Some(end) = carry_out(&mut core, event, now, &enforcer, &tx, stats).await {
+                return end;
             }
         }
+        let deadline = origin + core.next_deadline().min(Duration::from_secs(86_400 * 365));
+        next = tokio::select! {
+            () = tx.closed(), if core.deaf() => {
+                return SessionEnd::Closed("the control plane ended the stream after an update this agent could not read".into());
+            }
+            message = inbound.message(), if !core.deaf() => match message {
+                Ok(Some(res)) => match ControlMessage::try_from(res) {
+                    Ok(ControlMessage::Update(update)) => Some(core::Event::Update(update)),
+                    Ok(ControlMessage::Directive(d)) => Some(core::Event::Directive(d)),
+                    Ok(ControlMessage::HelloAck(_)) | Err(ControlMessageError::Unknown) => None,
+                    Err(ControlMessageError::SnapshotWithoutPolicy) => {
+                        return SessionEnd::Closed("snapshot without a policy".into());
+                    }
+                    Err(malformed @ (ControlMessageError::MalformedSnapshot { version, .. }
+                    | ControlMessageError::MalformedDelta { version, .. })) => {
+                        enforcer.metrics.applied(ApplyResult::Failed, Duration::ZERO, enforcer.applied_version());
+                        Some(core::Event::Malformed { version, detail: malformed.to_string() })
+                    }
+                },
+                Ok(None) => return SessionEnd::Closed("server closed the stream".into()),
+                Err(s) if unreadable(&s) => {
+                    enforcer.metrics.applied(ApplyResult::Failed, Duration::ZERO, enforcer.applied_version());
+                    Some(core::Event::Unreadable(format!(
+                        "{} (this agent decodes at most {max_message} bytes)",
+                        s.message()
+                    )))
+                }
+                Err(s) => return refused("stream ended", &s),
+            },
+            _ = renewals.changed() => Some(core::Event::Renewed),
+            _ = suspension.changed() => Some(core::Event::Suspension(*suspension.borrow_and_update())),
+            () = tokio::time::sleep_until(deadline) => Some(core::Event::Tick),
+        };
     }
+}
+
+/// Hands `event` to the core and carries out its effects in order, feeding an apply's result
+/// back before the effects after it; `Some` when the stream ended.
+async fn carry_out<S: PolicyStore + Send + 'static>(
+    core: &mut core::StreamCore,
+    event: core::Event,
+    now: core::Time,
+    enforcer: &Arc<Enforcer<S>>,
+    tx: &mpsc::Sender<proto::SyncRequest>,
+    stats: &mut SessionStats,
+) -> Option<SessionEnd> {
+    let mut queue: std::collections::VecDeque<core::Effect> = core.handle(event, now).into();
+    while let Some(effect) = queue.pop_front() {
+        let message = match effect {
+            core::Effect::Send(message) => {
+                if let AgentMessage::Ack(ack) = &message {
+                    stats.updates += 1;
+                    if let Ack::Failed(version, detail) = ack {
+                        tracing::warn!(version, "refused an update: {detail}");
+                        // An apply counts itself (`Enforcer::apply`); a refusal without one here.
+                        if detail == core::AFTER_FAILURE {
+                            enforcer.metrics.applied(
+                                ApplyResult::Failed,
+                                Duration::ZERO,
+                                enforcer.applied_version(),
+                            );
+                        }
+                    }
+                }
+                message
+            }
+            core::Effect::Apply(update) => {
+                let version = update.version();
+                let e = enforcer.clone();
+                let result =
+                    tokio::task::spawn_blocking(move || e.apply(&update).map_err(|e| error::chain(&e)))
+                        .await
+                        .unwrap_or_else(|e| Err(format!("apply task failed: {e}")));
+                if let Ok(Installed::Held) = result {
+                    tracing::warn!(version, "kill switch engaged: holding the policy without installing it");
+                }
+                let next = core.handle(core::Event::Applied { version, result }, now);
+                for effect in next.into_iter().rev() {
+                    queue.push_front(effect);
+                }
+                continue;
+            }
+            core::Effect::Heartbeat => enforcer.heartbeat(),
+            core::Effect::Inventory => {
+                // No report when the interfaces cannot be listed: the addresses the control plane
+                // knows stand, they never become "none".
+                let Some(facts) = enforcer.facts().await else { continue };
+                AgentMessage::Inventory(Box::new(Inventory {
+                    facts: Some(facts),
+                    listening_services: Vec::new(),
+                }))
+            }
+            core::Effect::End(end) => return Some(end),
+        };
+        if tx.send(msg(&message)).await.is_err() {
+            return Some(SessionEnd::Closed("stream closed".into()));
+        }
+    }
+    None
 }
 
 #[cfg(test)]

@@ -56,8 +56,12 @@ pub enum Event {
     Message(AgentMessage),
     /// The store admitted the stream's Hello ([`Effect::Admit`]).
     Admitted,
-    /// The workload's persisted policy ([`Effect::LoadPersisted`]).
-    Opened(WorkloadPolicy),
+    /// The workload's persisted policy ([`Effect::LoadPersisted`]); `claimed` is the stored
+    /// policy of the version Hello claimed, read only under a planted bug (`planted`).
+    Opened {
+        persisted: WorkloadPolicy,
+        claimed: Option<WorkloadPolicy>,
+    },
     /// A render announced a newer version, or the listener reconnected: read the latest.
     Announced,
     /// The persisted policy as read ([`Effect::ReadLatest`]), with when it was committed.
@@ -94,8 +98,8 @@ pub enum Effect {
     /// clone check); then [`Event::Admitted`], or the stream ends with the store's refusal.
     Admit(Box<Hello>),
     /// Read the persisted policy, rendering first if there is none (POL-6); then
-    /// [`Event::Opened`].
-    LoadPersisted,
+    /// [`Event::Opened`]. `claimed` is the version Hello claimed (never a delta base).
+    LoadPersisted { claimed: Version },
     /// Send to the agent; then [`Event::Unsendable`] if it is an update over the largest message.
     Send(ControlMessage),
     /// Send a directive whose stream ends next; a failure to send it changes nothing.
@@ -291,14 +295,20 @@ impl StreamCore {
                 self.message(message, now)
             }
             Event::Admitted => match self.phase {
-                Phase::Opening { .. } => {
-                    vec![Effect::Send(ControlMessage::HelloAck(self.config.hello_ack)), Effect::LoadPersisted]
-                }
+                Phase::Opening { claimed, .. } => vec![
+                    Effect::Send(ControlMessage::HelloAck(self.config.hello_ack)),
+                    Effect::LoadPersisted { claimed },
+                ],
                 _ => Vec::new(),
             },
-            Event::Opened(persisted) => {
+            Event::Opened { persisted, claimed: base } => {
                 let Phase::Opening { claimed, suspended } = self.phase else { return Vec::new() };
-                let (session, actions) = Session::open(persisted, claimed, suspended);
+                let (session, actions) = match base {
+                    Some(base) if super::planted::on(super::planted::Bug::DeltaFromClaim) => {
+                        Session::planted_open_from(base, persisted, suspended)
+                    }
+                    _ => Session::open(persisted, claimed, suspended),
+                };
                 self.phase = Phase::Open(Box::new(session));
                 self.effects(actions)
             }
@@ -521,9 +531,9 @@ mod tests {
         assert!(matches!(&c.handle(hello(0), Duration::ZERO)[..], [Effect::Admit(_)]));
         assert!(matches!(
             &c.handle(Event::Admitted, Duration::ZERO)[..],
-            [Effect::Send(_), Effect::LoadPersisted]
+            [Effect::Send(_), Effect::LoadPersisted { .. }]
         ));
-        c.handle(Event::Opened(policy(1)), Duration::ZERO);
+        c.handle(Event::Opened { persisted: policy(1), claimed: None }, Duration::ZERO);
         let effects = c.handle(hello(1), Duration::ZERO);
         assert!(matches!(&effects[..], [Effect::End(e)] if e.reason == "Hello may only open a stream"));
     }
@@ -542,7 +552,7 @@ mod tests {
         let mut c = core(Duration::ZERO);
         c.handle(hello(0), Duration::from_secs(10));
         c.handle(Event::Admitted, Duration::from_secs(10));
-        c.handle(Event::Opened(policy(1)), Duration::from_secs(10));
+        c.handle(Event::Opened { persisted: policy(1), claimed: None }, Duration::from_secs(10));
         for at in [30, 60, 90] {
             c.handle(Event::Announced, Duration::from_secs(at));
             assert!(c.handle(Event::Tick, Duration::from_secs(at)).is_empty(), "alive at {at} s");
@@ -581,7 +591,7 @@ mod tests {
         let mut c = core(at(0));
         c.handle(hello(0), at(0));
         c.handle(Event::Admitted, at(0));
-        c.handle(Event::Opened(policy(1)), at(0));
+        c.handle(Event::Opened { persisted: policy(1), claimed: None }, at(0));
         assert!(c.handle(report("10.0.0.1"), at(5)).is_empty());
         assert!(c.handle(report("10.0.0.2"), at(5)).is_empty());
         assert_eq!(c.next_deadline(), at(5), "due at once");
@@ -638,7 +648,7 @@ mod tests {
         let mut c = core(at(0));
         c.handle(hello(0), at(0));
         c.handle(Event::Admitted, at(0));
-        c.handle(Event::Opened(policy(1)), at(0));
+        c.handle(Event::Opened { persisted: policy(1), claimed: None }, at(0));
         c.handle(Event::Message(AgentMessage::Ack(Ack::Applied(1))), at(1));
         c.handle(Event::Latest { policy: policy(2), committed: Utc::now() }, at(2));
         assert_eq!(sends(&c.handle(failed(2), at(3))), 1, "a failed delta earns a recovery snapshot");

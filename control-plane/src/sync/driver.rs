@@ -69,8 +69,13 @@ impl<S: SyncStore, O: Outbox> Driver<'_, S, O> {
                     self.store.hello(id, self.key_sha256, &hello, self.liveness).await.map_err(refused)?;
                 Ok(Some(Event::Admitted))
             }
-            Effect::LoadPersisted => {
-                Ok(Some(Event::Opened(self.store.persisted(id).await.map_err(refused)?)))
+            Effect::LoadPersisted { claimed } => {
+                let persisted = self.store.persisted(id).await.map_err(refused)?;
+                let claimed = match super::planted::on(super::planted::Bug::DeltaFromClaim) {
+                    true => self.store.policy_at(id, claimed).await,
+                    false => None,
+                };
+                Ok(Some(Event::Opened { persisted, claimed }))
             }
             Effect::Send(message) => {
                 let update = match &message {

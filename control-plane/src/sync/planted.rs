@@ -13,6 +13,8 @@ pub enum Bug {
     KeepSupersededStream,
     /// Answer a failed delta by sending the last delta again instead of a snapshot.
     RetryFailedDelta,
+    /// Open a stream with a delta from the version Hello claims instead of a snapshot.
+    DeltaFromClaim,
 }
 
 #[cfg(feature = "testing")]

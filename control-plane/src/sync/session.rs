@@ -113,6 +113,20 @@ impl Session {
         (session, vec![Action::Record(record), Action::Send(Update::Snapshot(persisted))])
     }
 
+    /// The planted bug `DeltaFromClaim`: the stream opens with a delta from `base`, the stored
+    /// policy of the version Hello claimed, as if the claim proved what the agent holds.
+    pub fn planted_open_from(
+        base: WorkloadPolicy,
+        persisted: WorkloadPolicy,
+        suspended: bool,
+    ) -> (Session, Vec<Action>) {
+        let (mut session, _) = Session::open(persisted.clone(), base.version(), suspended);
+        let (version, mode) = (persisted.version(), persisted.mode());
+        session.in_flight = VecDeque::from([Sent::Delta { version, mode }]);
+        let record = Record { applied: Some(base.version()), ..session.record() };
+        (session, vec![Action::Record(record), Action::Send(Update::Delta(diff(&base, &persisted)))])
+    }
+
     pub fn tip_version(&self) -> Version {
         self.tip.version()
     }

@@ -76,6 +76,21 @@ pub trait SyncStore: Send + Sync {
 
     /// Marks the workload OFFLINE with `reason`, unless a newer stream has opened since.
     fn mark_offline(&self, id: WorkloadId, epoch: i64, reason: &str) -> impl Future<Output = ()> + Send;
+
+    /// The liveness sweep (SYNC-6): every workload silent longer than its stream tolerates is
+    /// marked OFFLINE, whichever replica held the stream; returns them.
+    fn sweep(&self) -> impl Future<Output = Result<Vec<WorkloadId>, Error>> + Send;
+
+    /// The persisted policy of `version`, if the store keeps it. Only the planted bug that
+    /// takes a delta's base from Hello's claim reads it (`planted`); the production store
+    /// keeps no such read.
+    fn policy_at(
+        &self,
+        _id: WorkloadId,
+        _version: Version,
+    ) -> impl Future<Output = Option<WorkloadPolicy>> + Send {
+        async { None }
+    }
 }
 
 /// The production store.
@@ -319,6 +334,10 @@ impl SyncStore for PgSyncStore {
             tracing::error!(workload = %id, "could not record OFFLINE: {e}");
         }
     }
+
+    async fn sweep(&self) -> Result<Vec<WorkloadId>, Error> {
+        super::liveness::sweep(&self.pool).await
+    }
 }
 
 /// One workload as [`MemoryStore`] holds it.
@@ -339,6 +358,10 @@ pub struct MemoryWorkload {
     pub beats: u64,
     /// Epochs of streams whose state write was refused because a newer stream had opened.
     pub superseded_writes: BTreeSet<i64>,
+    /// The last sign of life (Hello, a state write, a heartbeat of the newest stream) and the
+    /// silence its stream tolerates, by the store's clock ([`MemoryStore::set_clock`]).
+    pub last_seen: Option<DateTime<Utc>>,
+    pub liveness: Option<Duration>,
 }
 
 /// The store's rules in memory: epochs, state writes of the newest stream only, persisted
@@ -347,7 +370,13 @@ pub struct MemoryWorkload {
 #[derive(Debug, Default)]
 pub struct MemoryStore {
     workloads: Mutex<BTreeMap<WorkloadId, MemoryWorkload>>,
+    /// What `now()` is to the store (the Unix epoch until a test sets it).
+    clock: Mutex<DateTime<Utc>>,
 }
+
+/// Everything a [`MemoryStore`] holds at a moment ([`MemoryStore::backup`]).
+#[derive(Debug, Clone)]
+pub struct MemoryBackup(BTreeMap<WorkloadId, MemoryWorkload>);
 
 impl MemoryStore {
     fn with<T>(&self, f: impl FnOnce(&mut BTreeMap<WorkloadId, MemoryWorkload>) -> T) -> T {
@@ -368,6 +397,25 @@ impl MemoryStore {
     pub fn workload(&self, id: WorkloadId) -> Option<MemoryWorkload> {
         self.with(|w| w.get(&id).cloned())
     }
+
+    /// Sets the store's clock: signs of life are stamped with it and the sweep judges by it.
+    pub fn set_clock(&self, now: DateTime<Utc>) {
+        *self.clock.lock().unwrap_or_else(|e| e.into_inner()) = now;
+    }
+
+    fn now(&self) -> DateTime<Utc> {
+        *self.clock.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Everything stored now.
+    pub fn backup(&self) -> MemoryBackup {
+        MemoryBackup(self.with(|w| w.clone()))
+    }
+
+    /// Replaces everything stored with `backup` (a restore: whatever was written since is gone).
+    pub fn restore(&self, backup: &MemoryBackup) {
+        self.with(|w| w.clone_from(&backup.0));
+    }
 }
 
 impl SyncStore for MemoryStore {
@@ -376,8 +424,9 @@ impl SyncStore for MemoryStore {
         id: WorkloadId,
         _key: &str,
         hello: &Hello,
-        _liveness: Duration,
+        liveness: Duration,
     ) -> Result<i64, Error> {
+        let now = self.now();
         self.with(|w| {
             let Some(row) = w.get_mut(&id) else {
                 return Err(Error::NotFound { what: "workload", name: id.to_string() });
@@ -388,6 +437,7 @@ impl SyncStore for MemoryStore {
                 )));
             }
             row.epoch += 1;
+            (row.last_seen, row.liveness) = (Some(now), Some(liveness));
             // A version the host reports it holds counts as installed once it was persisted.
             if let Some((p, _)) = row.policies.iter().find(|(p, _)| p.version() == hello.applied_version) {
                 row.installed.insert((p.version(), p.mode()));
@@ -408,6 +458,7 @@ impl SyncStore for MemoryStore {
     }
 
     async fn record(&self, id: WorkloadId, epoch: i64, r: &Record) -> Result<bool, Error> {
+        let now = self.now();
         Ok(self.with(|w| {
             let Some(row) = w.get_mut(&id) else { return false };
             if let (Some(mode), Some(version)) = (r.installed, r.applied) {
@@ -418,6 +469,7 @@ impl SyncStore for MemoryStore {
                 return false;
             }
             row.state = Some(r.state);
+            row.last_seen = Some(now);
             row.applied = r.applied.or(row.applied);
             if let Some(detail) = &r.detail {
                 row.detail.clone_from(detail);
@@ -433,9 +485,11 @@ impl SyncStore for MemoryStore {
         state: Option<SyncState>,
         _h: &Heartbeat,
     ) -> Result<(), Error> {
+        let now = self.now();
         self.with(|w| {
             if let Some(row) = w.get_mut(&id).filter(|row| row.epoch == epoch) {
                 row.beats += 1;
+                row.last_seen = Some(now);
                 if row.state == Some(SyncState::Offline) {
                     row.state = state;
                 }
@@ -464,5 +518,29 @@ impl SyncStore for MemoryStore {
                 reason.clone_into(&mut row.detail);
             }
         });
+    }
+
+    async fn sweep(&self) -> Result<Vec<WorkloadId>, Error> {
+        let now = self.now();
+        Ok(self.with(|w| {
+            let mut swept = Vec::new();
+            for (id, row) in w.iter_mut() {
+                let (Some(seen), Some(liveness)) = (row.last_seen, row.liveness) else { continue };
+                let silent = chrono::Duration::from_std(liveness).is_ok_and(|l| seen + l < now);
+                if silent && row.state != Some(SyncState::Offline) {
+                    row.state = Some(SyncState::Offline);
+                    row.detail = "silent for longer than its liveness bound".into();
+                    swept.push(*id);
+                }
+            }
+            swept
+        }))
+    }
+
+    async fn policy_at(&self, id: WorkloadId, version: Version) -> Option<WorkloadPolicy> {
+        self.with(|w| {
+            let row = w.get(&id)?;
+            row.policies.iter().find(|(p, _)| p.version() == version).map(|(p, _)| p.clone())
+        })
     }
 }
