@@ -19,4 +19,5 @@ pub mod identity;
 pub mod metrics;
 pub mod policy_json;
 pub mod private;
+pub mod rtnetlink;
 pub mod sync;

@@ -1,9 +1,8 @@
 //! Host facts (hostname, OS, machine and boot id, interfaces with their addresses) that every
 //! enrollment, Hello and inventory report carries, and the interface listings the agent acts on:
-//! this host's own addresses and the Ethernet interfaces flow capture attaches to. Facts are
-//! informational: the control plane authorizes nothing on them. Read with iproute2's JSON
-//! output (`ip -j`), which asks the kernel over netlink for the calling thread's network
-//! namespace.
+//! this host's own addresses. Facts are informational: the control plane authorizes nothing on
+//! them. Interfaces and addresses are read from the kernel over rtnetlink (`crate::rtnetlink`,
+//! one dump of links and one of addresses), in the calling thread's network namespace.
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
@@ -11,22 +10,16 @@ use std::net::IpAddr;
 use innerwall_wire::identity::{AgentInfo, HostFacts, NetworkInterface, OsInfo};
 use innerwall_wire::policy::PortRange;
 
-/// Why the interfaces could not be listed.
+use crate::rtnetlink::{self, Address, Link, RtnlError};
+
+/// Why the interfaces could not be listed: the kernel's rtnetlink dump failed.
 #[derive(Debug, thiserror::Error)]
 pub enum FactsError {
-    #[error("running `ip -j {object} show`")]
-    Spawn {
-        object: &'static str,
+    #[error("reading this host's {what} over rtnetlink")]
+    Netlink {
+        what: &'static str,
         #[source]
-        source: std::io::Error,
-    },
-    #[error("`ip -j {object} show` failed: {stderr}")]
-    Failed { object: &'static str, stderr: String },
-    #[error("parsing `ip -j {object} show`")]
-    Parse {
-        object: &'static str,
-        #[source]
-        source: serde_json::Error,
+        source: RtnlError,
     },
 }
 
@@ -52,62 +45,41 @@ fn os_info() -> OsInfo {
     }
 }
 
-/// Where iproute2's `ip` may live. The agent runs as root, so it never searches `PATH`: only a
-/// root-owned binary nobody else can write, at one of these paths, is run.
-const IP_PATHS: [&str; 4] = ["/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip"];
-
-/// `ip` by absolute path (the first trustworthy one; the first path when none is, so the
-/// failure names it).
-fn ip() -> std::process::Command {
-    use std::os::unix::fs::MetadataExt as _;
-    let trusted = |path: &&&str| {
-        std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.uid() == 0 && m.mode() & 0o022 == 0)
-    };
-    std::process::Command::new(IP_PATHS.iter().find(trusted).unwrap_or(&IP_PATHS[0]))
-}
-
-/// `ip -j <object> show`, parsed.
-fn ip_json(object: &'static str) -> Result<Vec<serde_json::Value>, FactsError> {
-    let out =
-        ip().args(["-j", object, "show"]).output().map_err(|source| FactsError::Spawn { object, source })?;
-    parse_ip_json(object, &out)
-}
-
-/// A failed or unparseable run is an error, never an empty list: a host that could not list
-/// its interfaces must not report that it has none.
-fn parse_ip_json(
-    object: &'static str,
-    out: &std::process::Output,
-) -> Result<Vec<serde_json::Value>, FactsError> {
-    if !out.status.success() {
-        return Err(FactsError::Failed {
-            object,
-            stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
-        });
-    }
-    serde_json::from_slice(&out.stdout).map_err(|source| FactsError::Parse { object, source })
-}
-
-/// Interface addresses from `ip -j address show` (iproute2 is on every host we run on).
+/// Every interface, in index order, with its addresses (`addr/prefixlen`, IPv4 and IPv6) in
+/// the order the kernel dumps them. A failed dump is an error, never an empty list: a host that
+/// could not list its interfaces must not report that it has none.
 fn interfaces() -> Result<Vec<NetworkInterface>, FactsError> {
-    Ok(ip_json("address")?
-        .iter()
+    let links = rtnetlink::links().map_err(|source| FactsError::Netlink { what: "links", source })?;
+    let addresses =
+        rtnetlink::addresses().map_err(|source| FactsError::Netlink { what: "addresses", source })?;
+    Ok(assemble(links, &addresses))
+}
+
+/// Links and addresses (two separate dumps) as interfaces; an address of a link the link dump
+/// did not report (one that came and went between the dumps) is left out.
+fn assemble(mut links: Vec<Link>, addresses: &[Address]) -> Vec<NetworkInterface> {
+    links.sort_by_key(|link| link.index);
+    links
+        .into_iter()
         .map(|link| NetworkInterface {
-            name: link["ifname"].as_str().unwrap_or_default().to_owned(),
-            mac_address: link["address"].as_str().unwrap_or_default().to_owned(),
-            addresses: link["addr_info"]
-                .as_array()
-                .map(|addrs| {
-                    addrs
-                        .iter()
-                        .filter_map(|a| {
-                            Some(format!("{}/{}", a["local"].as_str()?, a["prefixlen"].as_u64()?))
-                        })
-                        .collect()
-                })
-                .unwrap_or_default(),
+            mac_address: mac(&link.hardware_address),
+            addresses: addresses
+                .iter()
+                .filter(|a| a.index == link.index)
+                .map(|a| format!("{}/{}", a.address, a.prefix_len))
+                .collect(),
+            name: link.name,
         })
-        .collect())
+        .collect()
+}
+
+/// A 6-byte link-layer address as `aa:bb:cc:dd:ee:ff` (loopback's is all zero); empty for a
+/// link without one or with another kind (tunnels carry IP addresses there).
+fn mac(bytes: &[u8]) -> String {
+    if bytes.len() != 6 {
+        return String::new();
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
 }
 
 /// What this host reports about itself; an error when its interfaces cannot be listed.
@@ -160,27 +132,46 @@ mod tests {
     }
 
     #[test]
-    fn ip_is_run_by_absolute_path() {
-        let program = ip().get_program().to_owned();
-        assert!(std::path::Path::new(&program).is_absolute(), "{program:?}");
-        assert!(IP_PATHS.iter().any(|p| std::ffi::OsStr::new(p) == program));
-    }
-
-    /// `ip` failing or printing garbage is an error, never "no interfaces".
-    #[test]
-    fn a_failed_ip_run_is_an_error_not_an_empty_list() {
-        use std::os::unix::process::ExitStatusExt as _;
-        let run = |code: i32, stdout: &[u8]| std::process::Output {
-            status: std::process::ExitStatus::from_raw(code << 8),
-            stdout: stdout.to_vec(),
-            stderr: b"Cannot open netlink socket".to_vec(),
+    fn interfaces_in_index_order_with_their_addresses() {
+        let link = |index, name: &str, hardware_address: &[u8]| Link {
+            index,
+            name: name.into(),
+            link_type: libc::ARPHRD_ETHER,
+            kind: None,
+            hardware_address: hardware_address.to_vec(),
         };
-        assert_eq!(parse_ip_json("address", &run(0, b"[]")).unwrap(), Vec::<serde_json::Value>::new());
-        let failed = parse_ip_json("address", &run(1, b"")).unwrap_err();
-        assert_eq!(failed.to_string(), "`ip -j address show` failed: Cannot open netlink socket");
-        assert!(matches!(
-            parse_ip_json("link", &run(0, b"not json")),
-            Err(FactsError::Parse { object: "link", .. })
-        ));
+        let address = |index, address: &str, prefix_len| Address {
+            index,
+            address: address.parse().unwrap(),
+            prefix_len,
+        };
+        let links = vec![
+            link(3, "wg0", &[]),
+            link(1, "lo", &[0; 6]),
+            link(2, "eth0", &[0x02, 0x49, 0x57, 0x0a, 0xbc, 0xff]),
+        ];
+        let addresses = [
+            address(1, "127.0.0.1", 8),
+            address(2, "10.78.0.1", 24),
+            address(2, "10.79.0.1", 32),
+            address(9, "10.99.0.1", 24),
+            address(1, "::1", 128),
+            address(2, "fd78::1", 64),
+        ];
+        let got: Vec<(String, String, Vec<String>)> =
+            assemble(links, &addresses).into_iter().map(|i| (i.name, i.mac_address, i.addresses)).collect();
+        let want = |name: &str, mac: &str, addresses: &[&str]| {
+            (name.to_owned(), mac.to_owned(), addresses.iter().map(|a| (*a).to_owned()).collect::<Vec<_>>())
+        };
+        assert_eq!(
+            got,
+            [
+                want("lo", "00:00:00:00:00:00", &["127.0.0.1/8", "::1/128"]),
+                want("eth0", "02:49:57:0a:bc:ff", &["10.78.0.1/24", "10.79.0.1/32", "fd78::1/64"]),
+                want("wg0", "", &[]),
+            ]
+        );
+        assert_eq!(mac(&[0; 4]), "", "a tunnel's IPv4 endpoint is not a MAC");
+        assert_eq!(mac(&[0xff; 20]), "", "nor is an InfiniBand address");
     }
 }
