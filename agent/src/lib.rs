@@ -7,7 +7,7 @@
 //! - `enforce`: the owned nftables table behind the `PolicyStore` contract.
 //! - `evidence`: the host's links, eBPF capture, pure flow windows, the upload queue.
 //! - `metrics`: what the agent exposes to Prometheus.
-//! - `sync`: the policy stream and the `Enforcer` its tasks share.
+//! - `sync`: the policy stream (its core and session) and the `Agent` its tasks share, by role.
 //! - `daemon`: `innerwall-agent run`, tying them together, with the tasks beside the stream:
 //!   renewal (`daemon::renew`) and the flow evidence loop (`daemon::windows`).
 

@@ -85,7 +85,7 @@ pub fn seconds_until(not_after: SystemTime, now: SystemTime) -> i64 {
     }
 }
 
-/// The agent's metrics. Shared through the `Enforcer`; every instrument is atomic.
+/// The agent's metrics. Shared through `sync::Agent`; every instrument is atomic.
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,

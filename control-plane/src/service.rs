@@ -10,8 +10,8 @@ use std::time::Duration;
 use innerwall_wire::proto::agent_service_server::AgentServiceServer;
 use innerwall_wire::proto::enrollment_service_server::EnrollmentServiceServer;
 use innerwall_wire::proto::telemetry_service_server::TelemetryServiceServer;
+use innerwall_wire::tasks::Tasks;
 use sqlx::PgPool;
-use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tonic::service::interceptor::InterceptedService;
 
@@ -101,18 +101,15 @@ pub struct Running {
     pub gateway: Gateway,
     /// Retired and deny-listed identities, and the agent connections open on this replica.
     pub admission: Arc<Admission>,
-    stop: oneshot::Sender<()>,
     server: JoinHandle<Result<(), ServerError>>,
-    bridge: JoinHandle<()>,
-    retention: JoinHandle<()>,
-    liveness: JoinHandle<()>,
-    renewal: JoinHandle<()>,
+    /// The bridge, upkeep, liveness sweep, certificate renewal and metrics, under one token
+    /// that also stops the listener accepting.
+    tasks: Tasks,
     /// The listener's certificate, reissued before it expires.
     pub certificate: Arc<ServerCertificate>,
     /// This replica's metrics, and where they are served (if they are).
     pub metrics: Arc<Metrics>,
     pub metrics_addr: Option<SocketAddr>,
-    metrics_server: Option<JoinHandle<()>>,
     /// What the operator API needs to start: the authoring pool and the CA.
     authoring: PgPool,
     signer: Arc<dyn Signer>,
@@ -196,14 +193,7 @@ impl Running {
             api.stop(SHUTDOWN_GRACE).await;
         }
         self.gateway.end_all("control plane shutting down");
-        let _ = self.stop.send(());
-        self.bridge.abort();
-        self.retention.abort();
-        self.liveness.abort();
-        self.renewal.abort();
-        if let Some(metrics) = &self.metrics_server {
-            metrics.abort();
-        }
+        self.tasks.stop().await;
         let mut server = self.server;
         let joined = match tokio::time::timeout(SHUTDOWN_GRACE, &mut server).await {
             Ok(joined) => joined,
@@ -247,15 +237,23 @@ pub async fn start(
         Arc::new(Admission::new(bridge::load_refused(&pools.streams).await?, config.limits.clone()));
     let enroller = Enroller::new(pools.authoring.clone(), signer.clone(), config.cert_lifetime);
     let gateway = Gateway::new(&pools, config.gateway.clone(), enroller.clone(), metrics.clone());
-    let bridge =
-        tokio::spawn(bridge::run(pools.streams.clone(), gateway.clone(), admission.clone(), metrics.clone()));
-    let retention = tokio::spawn(flow_upkeep_forever(
-        pools.ingest.clone(),
-        config.flow_bounds.max_age.num_days(),
-        config.retention.clone(),
-    ));
-    let liveness =
-        tokio::spawn(crate::sync::liveness::sweep_forever(pools.streams.clone(), config.gateway.heartbeat));
+    let mut tasks = Tasks::default();
+    tasks.spawn(
+        "bridge",
+        bridge::run(pools.streams.clone(), gateway.clone(), admission.clone(), metrics.clone()),
+    );
+    tasks.spawn(
+        "flow upkeep",
+        flow_upkeep_forever(
+            pools.ingest.clone(),
+            config.flow_bounds.max_age.num_days(),
+            config.retention.clone(),
+        ),
+    );
+    tasks.spawn(
+        "liveness sweep",
+        crate::sync::liveness::sweep_forever(pools.streams.clone(), config.gateway.heartbeat),
+    );
 
     let certificate = ServerCertificate::issue(
         signer.clone(),
@@ -267,7 +265,7 @@ pub async fn start(
     let tls = listener::tls_config(signer.clone(), certificate.clone(), admission.clone())?;
     // The listener's certificate is reissued before it expires and whenever the CA changed;
     // the CA directory is re-read every few seconds (a rotation or retirement, IDN-8).
-    let renewal = tokio::spawn({
+    tasks.spawn("certificate renewal", {
         let (certificate, signer) = (certificate.clone(), signer.clone());
         async move {
             tokio::join!(certificate.renew_forever(), reload_ca_forever(signer));
@@ -316,14 +314,15 @@ pub async fn start(
                 .initial_connection_window_size(UNAUTHENTICATED_WINDOW),
         ),
     };
-    let (stop, stopped) = oneshot::channel::<()>();
+    let stopped = tasks.token();
     let server = tokio::spawn(listener::serve(tcp, tls, admission.clone(), routers, async move {
-        let _ = stopped.await;
+        stopped.cancelled().await;
     }));
     let metrics_addr = metrics_tcp.as_ref().map(|t| t.local_addr()).transpose().map_err(ServerError::Io)?;
     // The fleet's counts are read with the streams' pool: one short query per scrape.
-    let metrics_server = metrics_tcp
-        .map(|tcp| tokio::spawn(crate::metrics::serve(tcp, metrics.clone(), pools.streams.clone())));
+    if let Some(tcp) = metrics_tcp {
+        tasks.spawn("metrics", crate::metrics::serve(tcp, metrics.clone(), pools.streams.clone()));
+    }
     if let Some(addr) = metrics_addr {
         tracing::info!(%addr, "serving metrics at /metrics (plain HTTP, unauthenticated)");
     }
@@ -333,16 +332,11 @@ pub async fn start(
         startup_changes: changed.len(),
         gateway,
         admission,
-        stop,
         server,
-        bridge,
-        retention,
-        liveness,
-        renewal,
+        tasks,
         certificate,
         metrics,
         metrics_addr,
-        metrics_server,
         authoring: pools.authoring.clone(),
         signer,
         api: None,

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use innerwall_agent::evidence::telemetry::Queue;
 use innerwall_agent::identity::connect::connect;
-use innerwall_agent::sync::{self, Enforcer, SessionEnd, SessionStats};
+use innerwall_agent::sync::{self, Agent as Shared, SessionEnd, SessionStats};
 use innerwall_control_plane::rate::AgentBounds;
 use innerwall_control_plane::sync::gateway::GatewayConfig;
 use innerwall_wire::flows::FlowWindow;
@@ -26,19 +26,19 @@ async fn a_throttled_agent_keeps_its_windows_and_waits() {
         Plane::create(Duration::from_secs(3600), GatewayConfig { bounds, ..Default::default() }).await;
     plane.up().await;
     let (id, config) = plane.enroll("web-1", &["app=web"]).await;
-    let enforcer = Arc::new(Enforcer::new(TestStore::default()));
+    let shared = Arc::new(Shared::new(TestStore::default()));
 
     // The one stream open a minute allows: SYNCED.
     let channel = connect(&config).await.unwrap();
     let first = tokio::spawn({
-        let enforcer = enforcer.clone();
-        async move { sync::session(channel, enforcer, &mut SessionStats::default()).await }
+        let shared = shared.clone();
+        async move { sync::session(channel, shared, &mut SessionStats::default()).await }
     });
     plane.wait_synced(id, 1).await;
 
     // A second open is refused for rate: throttled, naming the bound and the wait.
     let mut stats = SessionStats::default();
-    let end = sync::session(connect(&config).await.unwrap(), enforcer.clone(), &mut stats).await;
+    let end = sync::session(connect(&config).await.unwrap(), shared.clone(), &mut stats).await;
     let SessionEnd::Throttled(reason, wait) = end else { panic!("not throttled: {end:?}") };
     assert!(reason.contains("--agent-hellos-per-minute"), "{reason}");
     assert!(wait >= Duration::from_secs(1) && wait <= Duration::from_secs(60), "{wait:?}");
@@ -47,7 +47,7 @@ async fn a_throttled_agent_keeps_its_windows_and_waits() {
 
     // Five windows queued after the install; two are stored, the third is refused for rate.
     let queue = Queue::new(&config.state_dir, 10).unwrap();
-    let (version, mode) = enforcer.judged_as();
+    let (version, mode) = shared.enforcer.judged_as();
     let start = now_ms() + 1_000;
     for n in 0..5 {
         let window = FlowWindow {

@@ -73,7 +73,7 @@ async fn group(plane: &Plane, name: &str, cidr: &str) {
 async fn flows_end_to_end_with_label_snapshot() {
     let plane = Plane::start().await;
     let (id, config) = plane.enroll("db-1", &["app=db"]).await;
-    let (_enforcer, _agent) = plane.hold(id, &config).await;
+    let (_shared, _agent) = plane.hold(id, &config).await;
     let peer = plane.register("peer", &["app=web", "env=prod"], "10.9.0.7").await;
     group(&plane, "corp", "10.8.0.0/16").await;
     group(&plane, "office", "10.8.1.0/24").await;
@@ -143,7 +143,7 @@ async fn flows_end_to_end_with_label_snapshot() {
 async fn flow_upload_is_idempotent() {
     let plane = Plane::start().await;
     let (id, config) = plane.enroll("db-1", &["app=db"]).await;
-    let (_enforcer, _agent) = plane.hold(id, &config).await;
+    let (_shared, _agent) = plane.hold(id, &config).await;
     let queue = Queue::new(&config.state_dir, 10).unwrap();
     let w = window(vec![record("192.0.2.1", 5432, 7)]);
     // A retry after a lost response is the same window again.
@@ -166,7 +166,7 @@ async fn flow_upload_is_idempotent() {
 async fn flow_buffer_survives_partition() {
     let mut plane = Plane::start().await;
     let (id, config) = plane.enroll("db-1", &["app=db"]).await;
-    let (_enforcer, agent) = plane.hold(id, &config).await;
+    let (_shared, agent) = plane.hold(id, &config).await;
     agent.abort();
     plane.down().await;
     // In the control plane's place, a listener that counts connections and drops them: every
@@ -262,7 +262,7 @@ async fn ingest_refuses_times_out_of_range() {
     const DAY: i64 = 86_400_000;
     let plane = Plane::start().await;
     let (id, config) = plane.enroll("db-1", &["app=db"]).await;
-    let (_enforcer, _agent) = plane.hold(id, &config).await;
+    let (_shared, _agent) = plane.hold(id, &config).await;
     let partition_exists = |offset_ms: i64| {
         let day = chrono::DateTime::from_timestamp_millis(now_ms() + offset_ms).unwrap().format("%Y%m%d");
         let pool = plane.pool().clone();

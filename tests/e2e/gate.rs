@@ -10,7 +10,7 @@ use innerwall_agent::daemon;
 use innerwall_agent::evidence::flows::{Counters, FlowKey, Window};
 use innerwall_agent::evidence::telemetry::Queue;
 use innerwall_agent::identity::connect::{RunConfig, connect};
-use innerwall_agent::sync::Enforcer;
+use innerwall_agent::sync::Agent as Shared;
 use innerwall_control_plane::error::Error;
 use innerwall_control_plane::gate::{self, Outcome, Params, Scope};
 use innerwall_control_plane::policy::authoring;
@@ -39,17 +39,17 @@ async fn allow_db_from(plane: &Plane, from: &str) {
 pub(crate) struct Host {
     pub(crate) id: WorkloadId,
     config: RunConfig,
-    enforcer: Arc<Enforcer<TestStore>>,
+    shared: Arc<Shared<TestStore>>,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl Host {
     pub(crate) async fn start(plane: &Plane, name: &str) -> Host {
         let (id, config) = plane.enroll(name, &["app=db"]).await;
-        let enforcer = Arc::new(Enforcer::new(TestStore::default()));
-        let (c, e) = (config.clone(), enforcer.clone());
+        let shared = Arc::new(Shared::new(TestStore::default()));
+        let (c, e) = (config.clone(), shared.clone());
         let task = tokio::spawn(async move { daemon::hold_stream(&c, e).await.unwrap() });
-        Host { id, config, enforcer, task }
+        Host { id, config, shared, task }
     }
 
     /// Builds a window over `[start, end)` with the agent's own window code, under the policy
@@ -62,7 +62,7 @@ impl Host {
 
     /// [`Host::deliver`] with tcp flows from each (peer, port).
     pub(crate) async fn deliver_to(&self, start: i64, end: i64, flows: &[(&str, u16)], gaps: &[EvidenceGap]) {
-        let mut window = Window::open(start, self.enforcer.current(), 1_000);
+        let mut window = Window::open(start, self.shared.enforcer.current(), 1_000);
         for (peer, port) in flows {
             let key = FlowKey {
                 src: peer.parse().unwrap(),
@@ -225,7 +225,7 @@ async fn verdict_scenario_unsafe_then_safe() {
     assert_eq!(count(&plane, "SELECT count(*) FROM audit_log WHERE action = 'workload.promote'").await, 1);
     // The agents get the enforcing version.
     synced(&plane, &[&a, &b]).await;
-    assert_eq!(a.enforcer.current().unwrap().mode(), Mode::Enforcement);
+    assert_eq!(a.shared.enforcer.current().unwrap().mode(), Mode::Enforcement);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -334,7 +334,7 @@ async fn verdict_refuses_stale_evidence() {
     offline.task.abort();
     plane.wait(offline.id, |s| s.0 == "OFFLINE", "OFFLINE").await;
     // The degraded host refuses its next version (the delta and the recovery snapshot).
-    degraded.enforcer.store.lock().unwrap().refuse = Some((v1 as u64 + 1, 2));
+    degraded.shared.enforcer.store.lock().unwrap().refuse = Some((v1 as u64 + 1, 2));
     new_version_for(&plane, degraded).await;
     plane.wait(degraded.id, |s| s.0 == "DEGRADED", "DEGRADED").await;
     // This one applies its next version, but has no window under it yet.

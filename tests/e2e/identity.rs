@@ -9,7 +9,7 @@ use std::time::Duration;
 use innerwall_agent::daemon::{self, renew};
 use innerwall_agent::identity::connect::RunConfig;
 use innerwall_agent::identity::credential::Credential;
-use innerwall_agent::sync::Enforcer;
+use innerwall_agent::sync::Agent as Shared;
 use innerwall_control_plane::identity::ca::{self, Signer};
 use innerwall_control_plane::identity::rotation;
 use innerwall_control_plane::policy::{authoring, store};
@@ -70,12 +70,12 @@ async fn ca_rotation_keeps_the_fleet() {
     let ca_dir = plane.dir.join("ca");
     let (id, config) = plane.enroll("web-1", &["app=web"]).await;
     let old_root = plane.signer.ca_bundle_pem();
-    let enforcer = Arc::new(Enforcer::new(TestStore::default()));
+    let shared = Arc::new(Shared::new(TestStore::default()));
     let agent = {
-        let (config, enforcer) = (config.clone(), enforcer.clone());
-        tokio::spawn(async move { daemon::hold_stream(&config, enforcer).await.unwrap() })
+        let (config, shared) = (config.clone(), shared.clone());
+        tokio::spawn(async move { daemon::hold_stream(&config, shared).await.unwrap() })
     };
-    let renewal = tokio::spawn(renew::renew_forever(config.clone(), enforcer.clone()));
+    let renewal = tokio::spawn(renew::renew_forever(config.clone(), shared.clone()));
     plane.wait_synced(id, 1).await;
     assert_eq!(issuer(&plane, id).await.as_deref(), Some(plane.signer.current_sha256().as_str()));
 
@@ -151,17 +151,17 @@ async fn ca_rotation_keeps_the_fleet() {
         credential(&config).ca_pem.trim() == new_root.trim()
     })
     .await;
-    let renewed = *enforcer.renewals.borrow();
+    let renewed = *shared.renewals.borrow();
     plane.bump(1).await;
     plane.wait_synced(id, 3).await;
-    assert_eq!(enforcer.current().unwrap().version(), 3, "the policy is kept");
+    assert_eq!(shared.enforcer.current().unwrap().version(), 3, "the policy is kept");
     renewal.abort();
     until(15, "one stream per renewal, no more", async || {
-        enforcer.streams.load(Ordering::Relaxed) == 1 + *enforcer.renewals.borrow()
+        shared.dials.streams.load(Ordering::Relaxed) == 1 + *shared.renewals.borrow()
     })
     .await;
     assert!(renewed >= 2, "renewed under the rotation and after the retirement: {renewed}");
-    assert_eq!(enforcer.dial_failures.load(Ordering::Relaxed), 0, "no dial failed across the rotation");
+    assert_eq!(shared.dials.failures.load(Ordering::Relaxed), 0, "no dial failed across the rotation");
 
     let audited: Vec<String> = sqlx::query_scalar(
         "SELECT action FROM audit_log WHERE action IN ('ca.rotate', 'ca.retire') ORDER BY id",
@@ -192,11 +192,11 @@ fn facts(boot_id: &str) -> innerwall_wire::identity::HostFacts {
 fn agent(
     config: &RunConfig,
     boot_id: &str,
-) -> (Arc<Enforcer<TestStore>>, tokio::task::JoinHandle<Result<(), daemon::RunError>>) {
-    let enforcer = Arc::new(Enforcer::new(TestStore::default()));
-    enforcer.report_facts(facts(boot_id));
-    let (config, e) = (config.clone(), enforcer.clone());
-    (enforcer, tokio::spawn(async move { daemon::hold_stream(&config, e).await }))
+) -> (Arc<Shared<TestStore>>, tokio::task::JoinHandle<Result<(), daemon::RunError>>) {
+    let shared = Arc::new(Shared::new(TestStore::default()));
+    shared.stream.report_facts(facts(boot_id));
+    let (config, e) = (config.clone(), shared.clone());
+    (shared, tokio::spawn(async move { daemon::hold_stream(&config, e).await }))
 }
 
 async fn epoch(plane: &Plane, id: WorkloadId) -> i64 {
@@ -233,7 +233,7 @@ async fn cloned_identity_is_reported() {
     plane.wait_synced(id, 1).await;
     first.abort();
     let opened = epoch(&plane, id).await;
-    let (genuine_enforcer, genuine) = agent(&config, "boot-a2");
+    let (genuine_shared, genuine) = agent(&config, "boot-a2");
     until(15, "the rebooted host reconnected", async || epoch(&plane, id).await > opened).await;
     plane.wait_synced(id, 1).await;
     assert!(status().await.clone.is_none(), "a reboot is not a clone");
@@ -244,7 +244,7 @@ async fn cloned_identity_is_reported() {
     Credential::load(&config.state_dir).unwrap().save(&copy).unwrap();
     let mut clone_config = RunConfig::new(copy, plane.server());
     (clone_config.backoff_base, clone_config.backoff_cap) = (config.backoff_base, config.backoff_cap);
-    let (clone_enforcer, clone) = agent(&clone_config, "boot-b");
+    let (clone_shared, clone) = agent(&clone_config, "boot-b");
 
     until(20, "both presenters are reported in status", async || {
         status().await.clone.is_some_and(|c| {
@@ -271,8 +271,9 @@ async fn cloned_identity_is_reported() {
     // Deny ends both: the copy holding the stream is told to enroll again (the directive); the
     // other is refused at every handshake from now on (a deny-listed identity gets no further
     // than TLS), so no stream of the identity opens again, however often it redials.
-    let copies = [("genuine", genuine_enforcer, genuine), ("clone", clone_enforcer, clone)];
-    let failures: Vec<u64> = copies.iter().map(|(_, e, _)| e.dial_failures.load(Ordering::Relaxed)).collect();
+    let copies = [("genuine", genuine_shared, genuine), ("clone", clone_shared, clone)];
+    let failures: Vec<u64> =
+        copies.iter().map(|(_, e, _)| e.dials.failures.load(Ordering::Relaxed)).collect();
     innerwall_control_plane::foresight::commit(
         plane.pool(),
         "test",
@@ -285,25 +286,27 @@ async fn cloned_identity_is_reported() {
     )
     .await
     .unwrap();
-    for ((name, enforcer, task), before) in copies.iter().zip(&failures) {
+    for ((name, shared, task), before) in copies.iter().zip(&failures) {
         until(20, &format!("the {name} copy ended or was refused three times"), async || {
-            task.is_finished() || enforcer.dial_failures.load(Ordering::Relaxed) >= before + 3
+            task.is_finished() || shared.dials.failures.load(Ordering::Relaxed) >= before + 3
         })
         .await;
     }
-    let (settled, streams): (i64, Vec<u64>) =
-        (epoch(&plane, id).await, copies.iter().map(|(_, e, _)| e.streams.load(Ordering::Relaxed)).collect());
-    for ((name, enforcer, task), _) in copies.iter().zip(&failures) {
+    let (settled, streams): (i64, Vec<u64>) = (
+        epoch(&plane, id).await,
+        copies.iter().map(|(_, e, _)| e.dials.streams.load(Ordering::Relaxed)).collect(),
+    );
+    for ((name, shared, task), _) in copies.iter().zip(&failures) {
         if !task.is_finished() {
-            let now = enforcer.dial_failures.load(Ordering::Relaxed);
+            let now = shared.dials.failures.load(Ordering::Relaxed);
             until(20, &format!("the {name} copy redialed three more times"), async || {
-                enforcer.dial_failures.load(Ordering::Relaxed) >= now + 3
+                shared.dials.failures.load(Ordering::Relaxed) >= now + 3
             })
             .await;
         }
     }
     assert_eq!(epoch(&plane, id).await, settled, "no stream of the deny-listed identity opened again");
-    let after: Vec<u64> = copies.iter().map(|(_, e, _)| e.streams.load(Ordering::Relaxed)).collect();
+    let after: Vec<u64> = copies.iter().map(|(_, e, _)| e.dials.streams.load(Ordering::Relaxed)).collect();
     assert_eq!(after, streams, "neither copy opened a stream after the deny");
     assert_eq!(plane.running.as_ref().unwrap().gateway.stream_count(), 0, "no stream is held");
     for (name, _, task) in copies {

@@ -13,7 +13,7 @@ use innerwall_agent::daemon;
 use innerwall_agent::evidence::flows::{Counters, FlowKey, Window};
 use innerwall_agent::evidence::telemetry::Queue;
 use innerwall_agent::identity::connect::{RunConfig, connect};
-use innerwall_agent::sync::Enforcer;
+use innerwall_agent::sync::Agent as Shared;
 use innerwall_control_plane::gate::{self, Params, Scope};
 use innerwall_control_plane::sync::gateway::GatewayConfig;
 use innerwall_control_plane::testing;
@@ -29,10 +29,10 @@ fn now_ms() -> i64 {
     chrono::Utc::now().timestamp_millis()
 }
 
-/// A window over `[start, end)` built with the agent's own window code under `enforcer`'s
+/// A window over `[start, end)` built with the agent's own window code under `shared`'s
 /// current policy, with one tcp/5432 flow.
-fn own_window(enforcer: &Enforcer<TestStore>, start: i64, end: i64) -> FlowWindow {
-    let mut window = Window::open(start, enforcer.current(), 100);
+fn own_window(shared: &Shared<TestStore>, start: i64, end: i64) -> FlowWindow {
+    let mut window = Window::open(start, shared.enforcer.current(), 100);
     let key = FlowKey {
         src: "10.9.0.7".parse().unwrap(),
         dst: "10.1.0.5".parse().unwrap(),
@@ -90,8 +90,8 @@ async fn windows_need_a_version_the_host_installed() {
     plane.flow_bounds.max_ahead = chrono::Duration::milliseconds(SKEW);
     plane.up().await;
     let (id, config) = plane.enroll("db-1", &["app=db"]).await;
-    let enforcer = Arc::new(Enforcer::new(TestStore::default()));
-    let (c, e) = (config.clone(), enforcer.clone());
+    let shared = Arc::new(Shared::new(TestStore::default()));
+    let (c, e) = (config.clone(), shared.clone());
     let agent = tokio::spawn(async move { daemon::hold_stream(&c, e).await.unwrap() });
     let v1 = plane.status(id).await.2.expect("a rendered policy");
     plane.wait_synced(id, v1).await;
@@ -99,21 +99,21 @@ async fn windows_need_a_version_the_host_installed() {
 
     // A window the agent captures under v1 and still holds when v2 is installed (a partition).
     let captured = now_ms();
-    let buffered = own_window(&enforcer, captured.max(v1_from), captured.max(v1_from) + 1);
+    let buffered = own_window(&shared, captured.max(v1_from), captured.max(v1_from) + 1);
     testing::admit(plane.pool(), "db-in", ("app", "db"), ("app", "web"), "tcp:5432").await.unwrap();
     let v2 = plane.status(id).await.2.unwrap();
     assert!(v2 > v1);
     plane.wait_synced(id, v2).await;
     let (v2_from, v2_by) = install(&plane, id, v2).await;
     assert!(v1_from <= buffered.start_ms + SKEW && buffered.end_ms <= v2_by + SKEW);
-    let mode = enforcer.current().unwrap().mode();
+    let mode = shared.enforcer.current().unwrap().mode();
     assert_eq!(mode, Mode::Visibility);
 
     // The agent's own windows are accepted: the buffered one under v1, uploaded after v2 was
     // installed, and one under v2.
     assert!(!upload(&config, &buffered).await.unwrap().duplicate, "buffered through the change to v2");
     let start = now_ms().max(v2_by);
-    let current = own_window(&enforcer, start, start + 1);
+    let current = own_window(&shared, start, start + 1);
     assert_eq!(current.policy_version, v2 as u64);
     assert_eq!(upload(&config, &current).await.unwrap().accepted_records, 1);
     assert!(upload(&config, &current).await.unwrap().duplicate, "a retry stays idempotent");
@@ -156,7 +156,7 @@ async fn windows_need_a_version_the_host_installed() {
     queue.push(hostile[0].1.clone()).unwrap();
     assert_eq!(queue.upload(connect(&config).await.unwrap()).await.unwrap(), 0);
     let next_start = now_ms();
-    queue.push(own_window(&enforcer, next_start, next_start + 1)).unwrap();
+    queue.push(own_window(&shared, next_start, next_start + 1)).unwrap();
     assert_eq!(queue.upload(connect(&config).await.unwrap()).await.unwrap(), 1);
     let gap: (i64, String) =
         sqlx::query_as("SELECT count, detail FROM flow_gaps WHERE workload_id = $1 AND kind = $2")

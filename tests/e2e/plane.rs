@@ -10,7 +10,7 @@ use std::time::Duration;
 use innerwall_agent::enforce::{EnforceError, Installed, MemoryPolicyStore, PolicyStore};
 use innerwall_agent::identity::connect::RunConfig;
 use innerwall_agent::identity::credential::Credential;
-use innerwall_agent::sync::Enforcer;
+use innerwall_agent::sync::Agent as Shared;
 use innerwall_control_plane::identity::ca::{FileCa, Signer};
 use innerwall_control_plane::policy::spec::NewWorkload;
 use innerwall_control_plane::policy::{authoring, store};
@@ -147,13 +147,13 @@ impl Plane {
         &self,
         id: WorkloadId,
         config: &RunConfig,
-    ) -> (Arc<Enforcer<TestStore>>, tokio::task::JoinHandle<()>) {
-        let enforcer = Arc::new(Enforcer::new(TestStore::default()));
-        let (c, e) = (config.clone(), enforcer.clone());
+    ) -> (Arc<Shared<TestStore>>, tokio::task::JoinHandle<()>) {
+        let shared = Arc::new(Shared::new(TestStore::default()));
+        let (c, e) = (config.clone(), shared.clone());
         let task = tokio::spawn(async move { innerwall_agent::daemon::hold_stream(&c, e).await.unwrap() });
         let latest = self.status(id).await.2.expect("a rendered policy");
         self.wait_synced(id, latest).await;
-        (enforcer, task)
+        (shared, task)
     }
 
     /// Registers a workload without an agent (a peer) with its labels and one address.
@@ -314,13 +314,13 @@ impl PolicyStore for TestStore {
     }
 }
 
-pub fn history(enforcer: &Enforcer<TestStore>) -> Vec<u64> {
-    enforcer.store.lock().unwrap().inner.history().to_vec()
+pub fn history(shared: &Shared<TestStore>) -> Vec<u64> {
+    shared.enforcer.store.lock().unwrap().inner.history().to_vec()
 }
 
 /// How many more times the store will refuse the version it was told to refuse.
-pub fn refusals_left(enforcer: &Enforcer<TestStore>) -> u32 {
-    enforcer.store.lock().unwrap().refuse.map_or(0, |(_, times)| times)
+pub fn refusals_left(shared: &Shared<TestStore>) -> u32 {
+    shared.enforcer.store.lock().unwrap().refuse.map_or(0, |(_, times)| times)
 }
 
 /// Polls `done` every 50 ms for up to 15 s; panics naming `what` if it never holds.

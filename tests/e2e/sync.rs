@@ -8,16 +8,16 @@ use std::time::Duration;
 use innerwall_agent::daemon::{self, renew};
 use innerwall_agent::evidence::telemetry::{self, Queue};
 use innerwall_agent::identity::connect::RunConfig;
-use innerwall_agent::sync::{DialFailure, Enforcer};
+use innerwall_agent::sync::{Agent as Shared, DialFailure};
 use innerwall_wire::flows::FlowWindow;
 use innerwall_wire::policy::diff;
 
 use crate::plane::{Gate, Plane, TestStore, credential, eventually, history, refusals_left, sample};
 
-fn spawn_agent(config: &RunConfig, enforcer: &Arc<Enforcer<TestStore>>) -> tokio::task::JoinHandle<()> {
-    let (config, enforcer) = (config.clone(), enforcer.clone());
+fn spawn_agent(config: &RunConfig, shared: &Arc<Shared<TestStore>>) -> tokio::task::JoinHandle<()> {
+    let (config, shared) = (config.clone(), shared.clone());
     tokio::spawn(async move {
-        daemon::hold_stream(&config, enforcer).await.unwrap();
+        daemon::hold_stream(&config, shared).await.unwrap();
     })
 }
 
@@ -27,8 +27,8 @@ async fn applies_in_order_and_acks_each() {
     let (id, config) = plane.enroll("web-1", &["app=web"]).await;
     // The store holds v2's apply until the test opens the gate: no ack for v2 can leave before.
     let gate = Gate::new(2);
-    let enforcer = Arc::new(Enforcer::new(TestStore { gate: Some(gate.clone()), ..Default::default() }));
-    let agent = spawn_agent(&config, &enforcer);
+    let shared = Arc::new(Shared::new(TestStore { gate: Some(gate.clone()), ..Default::default() }));
+    let agent = spawn_agent(&config, &shared);
     plane.wait_synced(id, 1).await;
     let pushed = || sample(&plane, "innerwall_push_sent_latency_seconds_count").unwrap();
     let applied = || sample(&plane, "innerwall_acks_total{status=\"APPLIED\"}").unwrap();
@@ -49,8 +49,8 @@ async fn applies_in_order_and_acks_each() {
     );
     gate.open();
     plane.wait_synced(id, 3).await;
-    assert_eq!(history(&enforcer), [1, 2, 3], "applied strictly in stream order, each once");
-    assert_eq!(enforcer.current().unwrap().version(), 3);
+    assert_eq!(history(&shared), [1, 2, 3], "applied strictly in stream order, each once");
+    assert_eq!(shared.enforcer.current().unwrap().version(), 3);
     assert_eq!((pushed(), applied()), (2.0, 3.0), "one ack per update");
     let failed: Option<chrono::DateTime<chrono::Utc>> =
         sqlx::query_scalar("SELECT last_apply_failed_at FROM workloads WHERE id = $1")
@@ -67,19 +67,19 @@ async fn failed_apply_keeps_last_good_and_acks_failed() {
     let plane = Plane::start().await;
     let (id, config) = plane.enroll("web-1", &["app=web"]).await;
     // The store refuses v2 twice: the delta and the recovery snapshot.
-    let enforcer = Arc::new(Enforcer::new(TestStore { refuse: Some((2, 2)), ..Default::default() }));
-    let agent = spawn_agent(&config, &enforcer);
+    let shared = Arc::new(Shared::new(TestStore { refuse: Some((2, 2)), ..Default::default() }));
+    let agent = spawn_agent(&config, &shared);
     plane.wait_synced(id, 1).await;
-    let v1 = enforcer.current().unwrap();
+    let v1 = shared.enforcer.current().unwrap();
     plane.bump(0).await;
     plane
         .wait(id, |s| s.0 == "DEGRADED" && s.3.contains("test refuses v2"), "DEGRADED with the refusal")
         .await;
     // Both v2 updates (the delta and its recovery snapshot) reached the store and were refused:
     // the store counts its refusals down.
-    eventually(|| refusals_left(&enforcer) == 0, "the store refused v2 twice").await;
-    assert_eq!(enforcer.current().unwrap(), v1, "v1 stays installed, unchanged");
-    assert_eq!(history(&enforcer), [1], "nothing was applied after v1");
+    eventually(|| refusals_left(&shared) == 0, "the store refused v2 twice").await;
+    assert_eq!(shared.enforcer.current().unwrap(), v1, "v1 stays installed, unchanged");
+    assert_eq!(history(&shared), [1], "nothing was applied after v1");
     assert_eq!(plane.status(id).await.1, 1, "applied is still v1");
 
     // The next version arrives as a delta from v2, a base the agent does not hold: refused as a
@@ -88,14 +88,14 @@ async fn failed_apply_keeps_last_good_and_acks_failed() {
     plane.wait_synced(id, 3).await;
     // v3 is the later marker: updates apply in stream order, so any other update sent after
     // v1 (a v2 that slipped through) would show up before it.
-    assert_eq!(history(&enforcer), [1, 3]);
+    assert_eq!(history(&shared), [1, 3]);
 
     // The same refusal, directly: a delta on the wrong base leaves the store untouched.
-    let v3 = enforcer.current().unwrap();
+    let v3 = shared.enforcer.current().unwrap();
     let wrong = innerwall_wire::sync::Update::Delta(diff(&v1, &v1.clone().with_version(9)));
-    let err = enforcer.apply(&wrong).unwrap_err().to_string();
+    let err = shared.enforcer.apply(&wrong).unwrap_err().to_string();
     assert!(err.contains("based on version 1 but version 3 is held"), "{err}");
-    assert_eq!(enforcer.current().unwrap(), v3);
+    assert_eq!(shared.enforcer.current().unwrap(), v3);
     agent.abort();
 }
 
@@ -126,13 +126,13 @@ async fn reconnect_is_fresh_hello_with_backoff() {
     let mut plane = Plane::start().await;
     let (id, config) = plane.enroll("web-1", &["app=web"]).await;
     plane.down().await;
-    let enforcer = Arc::new(Enforcer::new(TestStore::default()));
-    let agent = spawn_agent(&config, &enforcer);
+    let shared = Arc::new(Shared::new(TestStore::default()));
+    let agent = spawn_agent(&config, &shared);
     // The control plane is away: dials fail, each under its backoff window (the agent's own
     // log of its failed dials and the waits it chose).
-    eventually(|| enforcer.dial_failures_logged().len() >= 8, "eight failed dials").await;
-    assert_backoff(&enforcer.dial_failures_logged()[..8]);
-    assert_eq!(enforcer.streams.load(Ordering::Relaxed), 0);
+    eventually(|| shared.dials.logged().len() >= 8, "eight failed dials").await;
+    assert_backoff(&shared.dials.logged()[..8]);
+    assert_eq!(shared.dials.streams.load(Ordering::Relaxed), 0);
     plane.up().await;
     plane.wait_synced(id, 1).await;
     let healthy = std::time::Instant::now();
@@ -149,16 +149,16 @@ async fn reconnect_is_fresh_hello_with_backoff() {
     plane.bump(0).await;
     // The backoff starts over after a healthy stream.
     eventually(
-        || enforcer.dial_failures_logged().iter().filter(|f| f.failed_at > healthy).count() >= 4,
+        || shared.dials.logged().iter().filter(|f| f.failed_at > healthy).count() >= 4,
         "four failed dials after the stream ended",
     )
     .await;
     let again: Vec<DialFailure> =
-        enforcer.dial_failures_logged().into_iter().filter(|f| f.failed_at > healthy).take(4).collect();
+        shared.dials.logged().into_iter().filter(|f| f.failed_at > healthy).take(4).collect();
     assert_backoff(&again);
     // The reconnecting agent holds v1; its v2 apply waits at the gate.
     let gate = Gate::new(2);
-    enforcer.store.lock().unwrap().gate = Some(gate.clone());
+    shared.enforcer.store.lock().unwrap().gate = Some(gate.clone());
     plane.up().await;
     eventually(|| gate.entered(), "the new stream's snapshot of v2 being applied").await;
     // The fresh Hello reported v1: the server recorded it when the stream opened, before any
@@ -174,8 +174,8 @@ async fn reconnect_is_fresh_hello_with_backoff() {
     assert!(second_snapshot > first_snapshot);
     gate.open();
     plane.wait_synced(id, 2).await;
-    assert_eq!(enforcer.streams.load(Ordering::Relaxed), 2);
-    assert_eq!(history(&enforcer), [1, 2], "each stream's snapshot is applied");
+    assert_eq!(shared.dials.streams.load(Ordering::Relaxed), 2);
+    assert_eq!(history(&shared), [1, 2], "each stream's snapshot is applied");
     agent.abort();
 }
 
@@ -222,8 +222,8 @@ impl Relay {
 async fn telemetry_failure_leaves_the_policy_stream_up() {
     let plane = Plane::start().await;
     let (id, config) = plane.enroll("web-1", &["app=web"]).await;
-    let enforcer = Arc::new(Enforcer::new(TestStore::default()));
-    let agent = spawn_agent(&config, &enforcer);
+    let shared = Arc::new(Shared::new(TestStore::default()));
+    let agent = spawn_agent(&config, &shared);
     plane.wait_synced(id, 1).await;
     let epoch = async || -> i64 {
         sqlx::query_scalar("SELECT stream_epoch FROM workloads WHERE id = $1")
@@ -249,7 +249,7 @@ async fn telemetry_failure_leaves_the_policy_stream_up() {
     let queue = Queue::new(&config.state_dir, 16).unwrap();
     let start_ms =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
-    let v1 = enforcer.current().unwrap();
+    let v1 = shared.enforcer.current().unwrap();
     queue
         .push(FlowWindow {
             id: uuid::Uuid::new_v4(),
@@ -270,8 +270,8 @@ async fn telemetry_failure_leaves_the_policy_stream_up() {
     plane.bump(0).await;
     plane.wait_synced(id, 2).await;
     assert_eq!(epoch().await, opened, "the same stream");
-    assert_eq!(enforcer.streams.load(Ordering::Relaxed), 1);
-    assert_eq!(enforcer.dial_failures.load(Ordering::Relaxed), 0, "the stream never redialed");
+    assert_eq!(shared.dials.streams.load(Ordering::Relaxed), 1);
+    assert_eq!(shared.dials.failures.load(Ordering::Relaxed), 0, "the stream never redialed");
     assert_eq!(windows().await, 0);
 
     // Telemetry recovers on its own connection; the stream is still the same.
@@ -294,8 +294,8 @@ async fn telemetry_failure_leaves_the_policy_stream_up() {
 async fn sync_stream_end_to_end() {
     let mut plane = Plane::start().await;
     let (id, config) = plane.enroll("web-1", &["app=web"]).await;
-    let enforcer = Arc::new(Enforcer::new(TestStore::default()));
-    let agent = spawn_agent(&config, &enforcer);
+    let shared = Arc::new(Shared::new(TestStore::default()));
+    let agent = spawn_agent(&config, &shared);
     plane.wait_synced(id, 1).await;
 
     // An operator's change in a separate process: exactly one delta, acked.
@@ -316,7 +316,7 @@ async fn sync_stream_end_to_end() {
     // operator's change would show up between v2 and v3.
     plane.bump(0).await;
     plane.wait_synced(id, 3).await;
-    assert_eq!(history(&enforcer), [1, 2, 3], "exactly one update for each change after the snapshot");
+    assert_eq!(history(&shared), [1, 2, 3], "exactly one update for each change after the snapshot");
 
     // Restart the control plane: nothing re-renders, status and versions are kept, and the
     // reconnecting agent gets v3 as a snapshot.
@@ -329,7 +329,7 @@ async fn sync_stream_end_to_end() {
     );
     plane.wait_synced(id, 3).await;
     assert_eq!(plane.status(id).await.2, Some(3));
-    assert_eq!(history(&enforcer), [1, 2, 3, 3]);
+    assert_eq!(history(&shared), [1, 2, 3, 3]);
     agent.abort();
 }
 
@@ -339,9 +339,9 @@ async fn renewal_moves_the_stream_to_the_new_certificate() {
     let plane = Plane::start_with(Duration::from_secs(12)).await;
     let (id, config) = plane.enroll("web-1", &["app=web"]).await;
     let before = credential(&config);
-    let enforcer = Arc::new(Enforcer::new(TestStore::default()));
-    let agent = spawn_agent(&config, &enforcer);
-    let renewal = tokio::spawn(renew::renew_forever(config.clone(), enforcer.clone()));
+    let shared = Arc::new(Shared::new(TestStore::default()));
+    let agent = spawn_agent(&config, &shared);
+    let renewal = tokio::spawn(renew::renew_forever(config.clone(), shared.clone()));
     plane.wait_synced(id, 1).await;
     let epoch = |pool: sqlx::PgPool| async move {
         sqlx::query_scalar::<_, i64>("SELECT stream_epoch FROM workloads WHERE id = $1")
@@ -375,7 +375,7 @@ async fn renewal_moves_the_stream_to_the_new_certificate() {
     // The stream moves to the new certificate at once (the control plane ends a stream when
     // the certificate it was opened with expires): one more stream, no failed dial.
     eventually(
-        || enforcer.streams.load(Ordering::Relaxed) == 2,
+        || shared.dials.streams.load(Ordering::Relaxed) == 2,
         "the stream reopened with the new certificate",
     )
     .await;
@@ -385,8 +385,8 @@ async fn renewal_moves_the_stream_to_the_new_certificate() {
     plane.bump(0).await;
     plane.wait_synced(id, 2).await;
     assert_eq!(epoch(plane.pool().clone()).await, opened + 1, "exactly one reconnect, for the renewal");
-    assert_eq!(enforcer.streams.load(Ordering::Relaxed), 2);
-    assert_eq!(enforcer.dial_failures.load(Ordering::Relaxed), 0);
+    assert_eq!(shared.dials.streams.load(Ordering::Relaxed), 2);
+    assert_eq!(shared.dials.failures.load(Ordering::Relaxed), 0);
     renewal.abort();
     agent.abort();
 }
@@ -398,10 +398,10 @@ async fn renewal_moves_the_stream_to_the_new_certificate() {
 async fn retired_agent_is_told_to_reenroll() {
     let plane = Plane::start().await;
     let (id, config) = plane.enroll("web-1", &["app=web"]).await;
-    let enforcer = Arc::new(Enforcer::new(TestStore::default()));
+    let shared = Arc::new(Shared::new(TestStore::default()));
     let agent = {
-        let (config, enforcer) = (config.clone(), enforcer.clone());
-        tokio::spawn(async move { daemon::hold_stream(&config, enforcer).await })
+        let (config, shared) = (config.clone(), shared.clone());
+        tokio::spawn(async move { daemon::hold_stream(&config, shared).await })
     };
     plane.wait_synced(id, 1).await;
     innerwall_control_plane::foresight::commit(
@@ -425,12 +425,12 @@ async fn retired_agent_is_told_to_reenroll() {
         other => panic!("expected Reenroll, got {other:?}"),
     }
     // A restarted agent learns the same from the refusal, at its first attempt.
-    let again = tokio::time::timeout(Duration::from_secs(15), daemon::hold_stream(&config, enforcer.clone()))
+    let again = tokio::time::timeout(Duration::from_secs(15), daemon::hold_stream(&config, shared.clone()))
         .await
         .expect("the restarted agent kept redialing");
     match again {
         Err(daemon::RunError::Reenroll(reason)) => assert!(reason.contains("retired"), "{reason}"),
         other => panic!("expected Reenroll, got {other:?}"),
     }
-    assert_eq!(enforcer.dial_failures.load(Ordering::Relaxed), 0, "no redial");
+    assert_eq!(shared.dials.failures.load(Ordering::Relaxed), 0, "no redial");
 }

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use bytes::{BufMut as _, Bytes, BytesMut};
 use innerwall_agent::daemon;
-use innerwall_agent::sync::Enforcer;
+use innerwall_agent::sync::Agent as Shared;
 use innerwall_control_plane::admission::Limits;
 use innerwall_control_plane::identity::ca::Signer as _;
 use innerwall_control_plane::service::{ENROLL_MAX_MESSAGE, UNAUTHENTICATED_STREAMS};
@@ -284,13 +284,13 @@ async fn unauthenticated_clients_are_bounded_in_rss() {
 
     // One enrolled agent through the real path (token, CSR, certificate), holding its stream.
     let (id, config) = plane.enroll("agent", &["app=web"]).await;
-    let enforcer = Arc::new(Enforcer::new(TestStore::default()));
+    let shared = Arc::new(Shared::new(TestStore::default()));
     let agent = {
-        let (config, enforcer) = (config.clone(), enforcer.clone());
-        tokio::spawn(async move { daemon::hold_stream(&config, enforcer).await.unwrap() })
+        let (config, shared) = (config.clone(), shared.clone());
+        tokio::spawn(async move { daemon::hold_stream(&config, shared).await.unwrap() })
     };
     plane.wait_synced(id, 1).await;
-    assert_eq!(enforcer.streams.load(Ordering::Relaxed), 1);
+    assert_eq!(shared.dials.streams.load(Ordering::Relaxed), 1);
 
     serve.reset_peak();
     let baseline = serve.memory();
@@ -418,8 +418,8 @@ async fn unauthenticated_clients_are_bounded_in_rss() {
     // The agent's stream outlived the attack and still carries updates: no reconnect.
     plane.bump(0).await;
     plane.wait_synced(id, 2).await;
-    assert_eq!(history(&enforcer), [1, 2], "the snapshot, then the update after the attack");
-    assert_eq!(enforcer.streams.load(Ordering::Relaxed), 1, "the agent kept its one stream");
+    assert_eq!(history(&shared), [1, 2], "the snapshot, then the update after the attack");
+    assert_eq!(shared.dials.streams.load(Ordering::Relaxed), 1, "the agent kept its one stream");
     agent.abort();
     let log = serve.log();
     assert!(!log.contains("panicked"), "the replica panicked:\n{log}");

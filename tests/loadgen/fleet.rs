@@ -18,7 +18,7 @@ use innerwall_agent::enforce::{EnforceError, Installed, MemoryPolicyStore, Polic
 use innerwall_agent::evidence::flows::{Counters, FlowKey, Window};
 use innerwall_agent::evidence::telemetry::{DEFAULT_MAX_WINDOWS, Queue, upload_forever};
 use innerwall_agent::identity::connect::RunConfig;
-use innerwall_agent::sync::Enforcer;
+use innerwall_agent::sync::Agent as Shared;
 use innerwall_control_plane::identity::ca::{FileCa, Signer as _};
 use innerwall_control_plane::policy::spec::NewWorkload;
 use innerwall_control_plane::policy::{authoring, store};
@@ -78,7 +78,7 @@ impl std::fmt::Debug for Fleet {
 #[derive(Debug)]
 pub struct Agent {
     pub id: WorkloadId,
-    pub enforcer: Arc<Enforcer<LoadStore>>,
+    pub shared: Arc<Shared<LoadStore>>,
     pub log: Arc<ApplyLog>,
     task: tokio::task::JoinHandle<String>,
 }
@@ -270,7 +270,7 @@ impl Fleet {
                 bail!("agent {} stopped: the control plane ordered a re-enrollment", agent.id);
             }
             let streams_ok = self.agents.iter().all(|a| {
-                a.enforcer.streams.load(Ordering::Relaxed) >= min_streams.get(&a.id).copied().unwrap_or(1)
+                a.shared.dials.streams.load(Ordering::Relaxed) >= min_streams.get(&a.id).copied().unwrap_or(1)
             });
             if streams_ok
                 && self.synced().await? == self.agents.len()
@@ -365,7 +365,7 @@ impl Fleet {
 
     /// Streams established so far, per agent.
     pub fn streams(&self) -> BTreeMap<WorkloadId, u64> {
-        self.agents.iter().map(|a| (a.id, a.enforcer.streams.load(Ordering::Relaxed))).collect()
+        self.agents.iter().map(|a| (a.id, a.shared.dials.streams.load(Ordering::Relaxed))).collect()
     }
 
     pub fn installs(&self) -> u64 {
@@ -373,7 +373,7 @@ impl Fleet {
     }
 
     pub fn dial_failures(&self) -> u64 {
-        self.agents.iter().map(|a| a.enforcer.dial_failures.load(Ordering::Relaxed)).sum()
+        self.agents.iter().map(|a| a.shared.dials.failures.load(Ordering::Relaxed)).sum()
     }
 
     pub fn replica_pids(&self) -> Vec<u32> {
@@ -392,34 +392,33 @@ impl Drop for Fleet {
 /// Starts agent `i` on the real stream loop with its own facts (hostname, one address).
 fn start_agent(i: usize, id: WorkloadId, config: RunConfig, flows: Option<FlowLoad>) -> Agent {
     let log = Arc::new(ApplyLog::default());
-    let enforcer =
-        Arc::new(Enforcer::new(LoadStore { inner: MemoryPolicyStore::new(None), log: log.clone() }));
-    enforcer.report_facts(facts(i));
+    let shared = Arc::new(Shared::new(LoadStore { inner: MemoryPolicyStore::new(None), log: log.clone() }));
+    shared.stream.report_facts(facts(i));
     if let Some(load) = flows {
         match Queue::new(&config.state_dir, DEFAULT_MAX_WINDOWS) {
             Ok(queue) => {
-                tokio::spawn(produce_flows(i, enforcer.clone(), queue.clone(), load));
+                tokio::spawn(produce_flows(i, shared.clone(), queue.clone(), load));
                 tokio::spawn(upload_forever(config.clone(), queue, Duration::from_secs(1)));
             }
             Err(e) => eprintln!("agent {i}: no flow queue, so no flows: {e}"),
         }
     }
     let task = tokio::spawn({
-        let enforcer = enforcer.clone();
+        let shared = shared.clone();
         async move {
-            match innerwall_agent::daemon::hold_stream(&config, enforcer).await {
+            match innerwall_agent::daemon::hold_stream(&config, shared).await {
                 Ok(()) => "stream loop ended".to_owned(),
                 Err(e) => e.to_string(),
             }
         }
     });
-    Agent { id, enforcer, log, task }
+    Agent { id, shared, log, task }
 }
 
 /// Agent `i`'s flow windows: every `60 s / windows_per_minute`, a window of `records` inbound
 /// TCP flows to its address, judged under its applied policy, queued durably for the uploader.
 /// Agents start at spread offsets, so windows do not all close at once.
-async fn produce_flows(i: usize, enforcer: Arc<Enforcer<LoadStore>>, queue: Queue, load: FlowLoad) {
+async fn produce_flows(i: usize, shared: Arc<Shared<LoadStore>>, queue: Queue, load: FlowLoad) {
     let period = Duration::from_secs(60) / load.windows_per_minute.max(1);
     tokio::time::sleep(period.mul_f64((i % 1_000) as f64 / 1_000.0)).await;
     let dst = agent_address(i);
@@ -427,7 +426,7 @@ async fn produce_flows(i: usize, enforcer: Arc<Enforcer<LoadStore>>, queue: Queu
         let start_ms = chrono::Utc::now().timestamp_millis();
         tokio::time::sleep(period).await;
         let now_ms = chrono::Utc::now().timestamp_millis();
-        let mut window = Window::open(start_ms, enforcer.judged(), load.records);
+        let mut window = Window::open(start_ms, shared.enforcer.judged(), load.records);
         for r in 0..load.records {
             let src = IpAddr::from([172, 16, (r >> 8) as u8, (r & 0xff) as u8]);
             let key = FlowKey { src, dst, dst_port: 443, protocol: Protocol::Tcp };

@@ -360,7 +360,7 @@ impl World {
                 .iter()
                 .map(|id| Agent {
                     id: *id,
-                    enforcer: Enforcer::new(Firewall::default()),
+                    enforcer: Enforcer::new(Firewall::default(), Arc::default()),
                     stream: None,
                     down_until: None,
                 })

@@ -45,6 +45,7 @@ pub mod identity;
 pub mod labels;
 pub mod policy;
 pub mod sync;
+pub mod tasks;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 

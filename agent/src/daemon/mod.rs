@@ -2,8 +2,8 @@
 //! the persisted policy before dialing anything, ENF-5), then hold the policy stream to the
 //! control plane under full-jitter backoff (SYNC-10), check the owned table for drift on a
 //! timer (ENF-7), and start renewal ([`renew`]) and the flow evidence loop ([`windows`]) beside
-//! it, until SIGINT/SIGTERM. The tasks beside the stream live in this room because each holds
-//! the stream's `Enforcer` (`crate::sync`).
+//! it, until SIGINT/SIGTERM. Every task runs under one shutdown token (`innerwall_wire::tasks::Tasks`); they live in
+//! this room because each holds the agent's shared state (`crate::sync::Agent`).
 
 pub mod renew;
 pub mod windows;
@@ -12,11 +12,12 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use innerwall_wire::backoff;
+use innerwall_wire::tasks::Tasks;
 
 use crate::enforce::{LinuxPolicyStore, PolicyStore, Restored};
 use crate::error;
 use crate::identity::connect::{RunConfig, connect};
-use crate::sync::{self, Enforcer, SessionEnd, SessionStats};
+use crate::sync::{self, Agent, SessionEnd, SessionStats};
 
 /// Why `run` (or the stream it holds) ended with an error.
 #[derive(Debug, thiserror::Error)]
@@ -74,24 +75,24 @@ pub fn restore_before_dialing(store: &mut LinuxPolicyStore) -> u64 {
 /// full-jitter backoff, reset after a healthy stream, and at once on a `Reconnect` directive.
 pub async fn hold_stream<S: PolicyStore + Send + 'static>(
     config: &RunConfig,
-    enforcer: Arc<Enforcer<S>>,
+    agent: Arc<Agent<S>>,
 ) -> Result<(), RunError> {
-    enforcer.limit_messages(config.max_policy_message);
+    agent.stream.limit_messages(config.max_policy_message);
     let mut attempt: u32 = 0;
     let mut first = true;
     loop {
         if !std::mem::take(&mut first) {
-            enforcer.metrics.reconnecting();
+            agent.metrics.reconnecting();
         }
         let dialed_at = std::time::Instant::now();
         let mut retry_after = None;
         let failure = match connect(config).await {
             Err(e) => error::chain(&e),
             Ok(channel) => {
-                tracing::info!(server = %config.server, applied_version = enforcer.applied_version(), "connected to the control plane");
+                tracing::info!(server = %config.server, applied_version = agent.enforcer.applied_version(), "connected to the control plane");
                 let mut stats = SessionStats::default();
-                let end = sync::session(channel, enforcer.clone(), &mut stats).await;
-                enforcer.metrics.stream_connected(false);
+                let end = sync::session(channel, agent.clone(), &mut stats).await;
+                agent.metrics.stream_connected(false);
                 match end {
                     SessionEnd::Reconnect => {
                         tracing::info!("the control plane asked for a reconnect");
@@ -129,14 +130,13 @@ pub async fn hold_stream<S: PolicyStore + Send + 'static>(
             backoff::random_unit(),
             retry_after,
         );
-        enforcer.note_dial_failure(sync::DialFailure {
+        agent.dials.note(sync::DialFailure {
             attempt,
             dialed_at,
             failed_at: std::time::Instant::now(),
             wait,
         });
         attempt = attempt.saturating_add(1);
-        enforcer.dial_failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         tracing::warn!(
             "dial attempt {attempt} to {} failed: {failure}; retrying in {:.3}s",
             config.server,
@@ -146,40 +146,38 @@ pub async fn hold_stream<S: PolicyStore + Send + 'static>(
     }
 }
 
-fn spawn_drift_checks(
-    enforcer: Arc<Enforcer<LinuxPolicyStore>>,
-    every: Duration,
-) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
-        let mut ticker = tokio::time::interval(every);
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            ticker.tick().await;
-            let e = enforcer.clone();
-            let checked = tokio::task::spawn_blocking(move || {
-                let result = e
-                    .store
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .check_drift(SystemTime::now());
-                if let Ok(Some(event)) = &result {
-                    e.report_tamper(event.clone());
-                }
-                // `down` and `up` run in another process: the check is where this one notices.
-                e.refresh_suspension();
-                result
-            })
-            .await;
-            match checked {
-                Ok(Ok(Some(event))) => {
-                    enforcer.metrics.drift_repaired();
-                    tracing::warn!(detail = %event.detail, "repaired drift of table inet innerwall; reported with the next heartbeat")
-                }
-                Ok(Err(e)) => tracing::error!("drift check failed: {}", error::chain(&e)),
-                _ => {}
+/// Checks the owned table for drift every `every` (ENF-7), repairing it and reporting what was
+/// found with the next heartbeat; notices the kill switch (`down` and `up` run in another
+/// process: the check is where this one notices).
+async fn check_drift_forever(agent: Arc<Agent<LinuxPolicyStore>>, every: Duration) {
+    let mut ticker = tokio::time::interval(every);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        let a = agent.clone();
+        let checked = tokio::task::spawn_blocking(move || {
+            let result = a
+                .enforcer
+                .store
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .check_drift(SystemTime::now());
+            if let Ok(Some(event)) = &result {
+                a.reports.tamper(event.clone());
             }
+            a.enforcer.refresh_suspension();
+            result
+        })
+        .await;
+        match checked {
+            Ok(Ok(Some(event))) => {
+                agent.metrics.drift_repaired();
+                tracing::warn!(detail = %event.detail, "repaired drift of table inet innerwall; reported with the next heartbeat")
+            }
+            Ok(Err(e)) => tracing::error!("drift check failed: {}", error::chain(&e)),
+            _ => {}
         }
-    })
+    }
 }
 
 /// Runs the agent until SIGINT/SIGTERM. Kernel rules stay in place when it returns.
@@ -193,32 +191,30 @@ pub async fn run(config: RunConfig) -> Result<(), RunError> {
     };
     let mut store = LinuxPolicyStore::new(&config.state_dir);
     restore_before_dialing(&mut store);
-    let enforcer = Arc::new(Enforcer::new(store));
-    let metrics = metrics.map(|tcp| {
+    let agent = Arc::new(Agent::new(store));
+    let mut tasks = Tasks::default();
+    if let Some(tcp) = metrics {
         if let Ok(addr) = tcp.local_addr() {
             tracing::info!(%addr, "serving metrics at /metrics (plain HTTP, unauthenticated)");
         }
-        tokio::spawn(crate::metrics::serve(tcp, enforcer.metrics.clone()))
-    });
-    let drift = spawn_drift_checks(enforcer.clone(), config.drift_interval);
-    let renewal = tokio::spawn(renew::renew_forever(config.clone(), enforcer.clone()));
-    let flows = windows::start(&config, enforcer.clone());
+        tasks.spawn("metrics", crate::metrics::serve(tcp, agent.metrics.clone()));
+    }
+    tasks.spawn("drift check", check_drift_forever(agent.clone(), config.drift_interval));
+    tasks.spawn("renewal", renew::renew_forever(config.clone(), agent.clone()));
+    let flows = windows::start(&config, agent.clone(), &mut tasks);
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(RunError::Signal)?;
     let result = tokio::select! {
-        r = hold_stream(&config, enforcer) => r,
+        r = hold_stream(&config, agent) => r,
         _ = tokio::signal::ctrl_c() => { tracing::info!("interrupted"); Ok(()) }
         _ = term.recv() => { tracing::info!("terminated"); Ok(()) }
     };
-    drift.abort();
-    renewal.abort();
-    if let Some(metrics) = metrics {
-        metrics.abort();
-    }
+    // The open flow window is queued first, then every task stops under the one token.
     if let Some(flows) = flows {
         flows.stop().await;
     }
+    tasks.stop().await;
     tracing::info!("stopping; table inet innerwall stays in place (fail static)");
     result
 }

@@ -15,7 +15,7 @@ use crate::enforce::PolicyStore;
 use crate::error;
 use crate::identity::connect::{ConnectError, RunConfig, connect};
 use crate::identity::credential::{self, Credential, CredentialError};
-use crate::sync::Enforcer;
+use crate::sync::Agent;
 
 /// Why one renewal failed.
 #[derive(Debug, thiserror::Error)]
@@ -61,7 +61,7 @@ async fn renew_once(config: &RunConfig, credential: &Credential) -> Result<Crede
 /// Renews in the last third of each credential's life (jittered); on failure retries with
 /// backoff and reports the failure in heartbeats; an expired credential is reported as
 /// needing re-enrollment.
-pub async fn renew_forever<S: PolicyStore + Send + 'static>(config: RunConfig, enforcer: Arc<Enforcer<S>>) {
+pub async fn renew_forever<S: PolicyStore + Send + 'static>(config: RunConfig, agent: Arc<Agent<S>>) {
     loop {
         let credential = match Credential::load(&config.state_dir) {
             Ok(c) => c,
@@ -70,15 +70,15 @@ pub async fn renew_forever<S: PolicyStore + Send + 'static>(config: RunConfig, e
                 continue;
             }
         };
-        enforcer.metrics.certificate(credential.not_after);
+        agent.metrics.certificate(credential.not_after);
         sleep_until_wall(credential.renew_at(backoff::random_unit())).await;
         let mut attempt = 0;
         loop {
             match renew_once(&config, &credential).await {
                 Ok(renewed) => {
-                    enforcer.metrics.certificate(renewed.not_after);
-                    enforcer.set_renewal_error(String::new());
-                    enforcer.renewals.send_modify(|n| *n += 1);
+                    agent.metrics.certificate(renewed.not_after);
+                    agent.reports.set_renewal_error(String::new());
+                    agent.renewals.send_modify(|n| *n += 1);
                     tracing::info!(workload = %renewed.id, "renewed the credential; valid until {:?}", renewed.not_after);
                     break;
                 }
@@ -93,7 +93,7 @@ pub async fn renew_forever<S: PolicyStore + Send + 'static>(config: RunConfig, e
                         error::chain(&e)
                     };
                     tracing::error!("credential renewal failed: {message}");
-                    enforcer.set_renewal_error(message);
+                    agent.reports.set_renewal_error(message);
                     let wait = backoff::wait(
                         attempt,
                         Duration::from_secs(1),

@@ -21,7 +21,7 @@ use crate::evidence::capture::{self, Capture, CaptureError, Drained};
 use crate::evidence::{flows, telemetry};
 use crate::identity::connect::RunConfig;
 use crate::identity::facts;
-use crate::sync::{Enforcer, WindowClose};
+use crate::sync::{Agent, WindowClose};
 
 /// Loads the capture program with a connection table of `conn_entries` (`run
 /// --conn-table-entries`, else derived from the host's memory) and attaches it to this host's
@@ -158,7 +158,7 @@ impl Outbox {
 fn capture_forever<S: PolicyStore + Send + 'static>(
     mut capture: Result<Capture, String>,
     conn_entries: Option<u32>,
-    enforcer: Arc<Enforcer<S>>,
+    agent: Arc<Agent<S>>,
     queue: telemetry::Queue,
     state_dir: &Path,
     wakes: &std::sync::mpsc::Receiver<Wake>,
@@ -166,12 +166,12 @@ fn capture_forever<S: PolicyStore + Send + 'static>(
 ) {
     use std::sync::atomic::Ordering::Relaxed;
     let marker = state_dir.join("telemetry").join("last_window_end");
-    let max_keys = || enforcer.flow_window_max_keys.load(Relaxed) as usize;
-    let mut open = OpenWindow::new(now_ms(), enforcer.judged(), max_keys());
+    let max_keys = || agent.stream.flow_window_max_keys.load(Relaxed) as usize;
+    let mut open = OpenWindow::new(now_ms(), agent.enforcer.judged(), max_keys());
     if let Some(last) = std::fs::read_to_string(&marker).ok().and_then(|t| t.trim().parse::<i64>().ok()) {
         open.restarted_after(last);
     }
-    let mut outbox = Outbox { queue, marker, unqueued: None, metrics: enforcer.metrics.clone() };
+    let mut outbox = Outbox { queue, marker, unqueued: None, metrics: agent.metrics.clone() };
     // This host's addresses: only flows to them are inbound. When they cannot be listed, the
     // last known set stands.
     let refresh = |local: &mut BTreeSet<IpAddr>| match facts::local_addresses() {
@@ -200,21 +200,21 @@ fn capture_forever<S: PolicyStore + Send + 'static>(
             Err(why) => Err(why.clone()),
         };
         if let Ok(drained) = &drained {
-            enforcer.metrics.capture_drained(drained);
+            agent.metrics.capture_drained(drained);
         }
         open.absorb(drained.as_ref().map_err(String::as_str), &local, now);
         if matches!(wake, Some(Wake::Stop)) {
             outbox.push(open.close(now), now);
             return;
         }
-        let length = enforcer.flow_window_secs.load(Relaxed) as i64 * 1000;
+        let length = agent.stream.flow_window_secs.load(Relaxed) as i64 * 1000;
         if let Some(closed) =
-            open.rotate(now, enforcer.judged_as(), length, || (enforcer.judged(), max_keys()))
+            open.rotate(now, agent.enforcer.judged_as(), length, || (agent.enforcer.judged(), max_keys()))
         {
             outbox.push(closed, now);
             refresh(&mut local);
             if capture.is_err() {
-                capture = attach(conn_entries, &enforcer.metrics)
+                capture = attach(conn_entries, &agent.metrics)
                     .map_err(|e| format!("flow capture unavailable: {}", error::chain(&e)));
                 if let Ok(c) = &capture {
                     tracing::info!(interfaces = ?c.interfaces(), "flow capture attached");
@@ -259,7 +259,6 @@ fn next_wake(
 /// Flow capture and upload, as started by [`start`].
 #[derive(Debug)]
 pub struct FlowTasks {
-    uploader: tokio::task::JoinHandle<()>,
     wake: std::sync::mpsc::Sender<Wake>,
     capture: Option<std::thread::JoinHandle<()>>,
 }
@@ -275,7 +274,6 @@ impl FlowTasks {
                 tracing::warn!("flow capture did not stop within 5 s; its open window is lost");
             }
         }
-        self.uploader.abort();
     }
 }
 
@@ -283,7 +281,8 @@ impl FlowTasks {
 /// reason is logged; the windows then carry CAPTURE_UNAVAILABLE gaps until capture attaches.
 pub fn start<S: PolicyStore + Send + 'static>(
     config: &RunConfig,
-    enforcer: Arc<Enforcer<S>>,
+    agent: Arc<Agent<S>>,
+    tasks: &mut innerwall_wire::tasks::Tasks,
 ) -> Option<FlowTasks> {
     let queue = match telemetry::Queue::new(&config.state_dir, telemetry::DEFAULT_MAX_WINDOWS) {
         Ok(q) => q,
@@ -292,15 +291,17 @@ pub fn start<S: PolicyStore + Send + 'static>(
             return None;
         }
     };
-    enforcer.metrics.watch_queue(queue.clone());
-    let uploader =
-        tokio::spawn(telemetry::upload_forever(config.clone(), queue.clone(), Duration::from_secs(1)));
+    agent.metrics.watch_queue(queue.clone());
+    tasks.spawn(
+        "flow upload",
+        telemetry::upload_forever(config.clone(), queue.clone(), Duration::from_secs(1)),
+    );
     let state_dir = config.state_dir.clone();
     let (wake, wakes) = std::sync::mpsc::channel();
-    let closes = enforcer.window_closes();
+    let closes = agent.enforcer.window_closes();
     let conn_entries = config.conn_entries;
     let spawned = std::thread::Builder::new().name("flow-capture".into()).spawn(move || {
-        let capture = attach(conn_entries, &enforcer.metrics)
+        let capture = attach(conn_entries, &agent.metrics)
             .map_err(|e| format!("flow capture unavailable: {}", error::chain(&e)));
         match &capture {
             Ok(c) => tracing::info!(
@@ -312,10 +313,10 @@ pub fn start<S: PolicyStore + Send + 'static>(
                 "{why}; enforcement continues, and flow windows carry capture-unavailable gaps until it attaches"
             ),
         }
-        capture_forever(capture, conn_entries, enforcer, queue, &state_dir, &wakes, &closes);
+        capture_forever(capture, conn_entries, agent, queue, &state_dir, &wakes, &closes);
     });
     let capture = spawned.map_err(|e| tracing::error!("could not start the flow capture thread: {e}")).ok();
-    Some(FlowTasks { uploader, wake, capture })
+    Some(FlowTasks { wake, capture })
 }
 
 #[cfg(test)]

@@ -352,7 +352,10 @@ pub async fn run(args: &ServeArgs, database: &Database, ca_dir: &Path) -> anyhow
         Arc::new(FileCa::load(ca_dir).context("while loading the CA (create it with `innerwall ca init`)")?);
     let (pools, supervisor) = database.connect_pools(&args.pools()).await?;
     // On the embedded cluster, a postmaster that dies is restarted (and logged) while we run.
-    let supervisor = supervisor.map(|s| tokio::spawn(s.run(pools.clone())));
+    let mut tasks = innerwall_wire::tasks::Tasks::default();
+    if let Some(supervisor) = supervisor {
+        tasks.spawn("postmaster supervisor", supervisor.run(pools.clone()));
+    }
     let config = service::ServiceConfig {
         listen: args.listen,
         server_names: if args.server_names.is_empty() {
@@ -398,9 +401,7 @@ pub async fn run(args: &ServeArgs, database: &Database, ca_dir: &Path) -> anyhow
         tracing::info!(target: crate::logs::NOTICE, "innerwall: metrics at http://{addr}/metrics (unauthenticated)");
     }
     shutdown.await;
-    if let Some(supervisor) = supervisor {
-        supervisor.abort();
-    }
+    tasks.stop().await;
     running.stop().await?;
     Ok(())
 }
