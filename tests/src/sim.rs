@@ -32,7 +32,9 @@ use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::labels::{LabelKey, LabelValue};
 use innerwall_wire::policy::{Cidr, Mode, WorkloadPolicy};
 use innerwall_wire::proto;
-use innerwall_wire::sync::{AgentMessage, ControlMessage, Heartbeat, Hello, HelloAck, SyncState, Update};
+use innerwall_wire::sync::{
+    Ack, AgentMessage, ControlMessage, Heartbeat, Hello, HelloAck, SyncState, Update,
+};
 
 /// splitmix64: small, fast and the same everywhere.
 #[derive(Debug, Clone)]
@@ -602,6 +604,13 @@ impl World {
                 AgentEffect::Send(message) => {
                     if let AgentMessage::Ack(ack) = &message {
                         self.log(format!("agent {a} acks {ack:?}"));
+                        // An agent's ack of a version says it holds that version.
+                        let holds = self.agents[a].enforcer.applied_version();
+                        if matches!(ack, Ack::Applied(_) | Ack::Held(_)) && ack.version() != holds {
+                            self.violation.get_or_insert(format!(
+                                "agent {a} acks {ack:?} while it holds version {holds}"
+                            ));
+                        }
                     }
                     self.agent_send(s, message);
                 }
