@@ -35,24 +35,34 @@ impl<T: DeserializeOwned> FromRequest<ApiState> for JsonBody<T> {
                 return Err(ApiError::UnsupportedMediaType(content_type.unwrap_or_else(|| "nothing".into())));
             }
         }
-        let declared =
-            request.headers().get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-        if declared.is_some_and(|n| n > limit as u64) {
-            return Err(ApiError::PayloadTooLarge { limit });
-        }
-        let bytes = axum::body::to_bytes(request.into_body(), limit).await.map_err(|e| {
-            let too_large =
-                std::iter::successors(Some(&e as &(dyn std::error::Error + 'static)), |e| e.source())
-                    .any(|e| e.is::<http_body_util::LengthLimitError>());
-            if too_large {
-                ApiError::PayloadTooLarge { limit }
-            } else {
-                ApiError::Malformed(format!("the request body could not be read: {e}"))
-            }
-        })?;
+        let (_, bytes) = read_body(request, limit).await?;
         serde_json::from_slice(&bytes).map(JsonBody).map_err(|e| {
             ApiError::Malformed(format!("the request body is not what this operation takes: {e}"))
         })
+    }
+}
+
+/// The request's body read into memory: 413 over `limit` (by its `Content-Length` before
+/// reading, or while reading a chunked one), 400 if it cannot be read. The router reads every
+/// body before anything answers, so a request refused early (403, 428, …) is answered after its
+/// client finished writing, not cut off with a broken pipe.
+pub async fn read_body(request: Request<Body>, limit: usize) -> Result<(Parts, axum::body::Bytes), ApiError> {
+    let declared = request.headers().get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(ApiError::PayloadTooLarge { limit });
+    }
+    let (parts, body) = request.into_parts();
+    let bytes = axum::body::to_bytes(body, limit).await.map_err(|e| body_error(&e, limit))?;
+    Ok((parts, bytes))
+}
+
+fn body_error(e: &axum::Error, limit: usize) -> ApiError {
+    let too_large = std::iter::successors(Some(e as &(dyn std::error::Error + 'static)), |e| e.source())
+        .any(|e| e.is::<http_body_util::LengthLimitError>());
+    if too_large {
+        ApiError::PayloadTooLarge { limit }
+    } else {
+        ApiError::Malformed(format!("the request body could not be read: {e}"))
     }
 }
 

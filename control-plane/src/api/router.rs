@@ -151,11 +151,25 @@ pub fn build(state: ApiState) -> (Router, Vec<Route>) {
     (router, table.routes)
 }
 
-/// Around every request: the body limit for the extractors, the request timeout, and
-/// `Cache-Control: no-store` (answers name tokens and evidence; nothing should keep them).
+/// Around every request: a body within the listener's limit read before anything answers, the
+/// body limit for the extractors, the request timeout, and `Cache-Control: no-store` (answers name tokens and
+/// evidence; nothing should keep them).
 async fn bounded(State(limits): State<ApiLimits>, mut request: Request, next: Next) -> Response {
     request.extensions_mut().insert(BodyLimit(limits.max_body));
-    let mut response = match tokio::time::timeout(limits.request_timeout, next.run(request)).await {
+    let work = async {
+        // A body that declares its length within the listener's limit is read first; a larger
+        // or chunked one is left to the route, which may take more (a draft's change file).
+        let declared =
+            request.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+        if declared.is_none_or(|n| n == 0 || n > limits.max_body as u64) {
+            return next.run(request).await;
+        }
+        match super::extract::read_body(request, limits.max_body).await {
+            Ok((parts, body)) => next.run(Request::from_parts(parts, body.into())).await,
+            Err(refused) => refused.into_response(),
+        }
+    };
+    let mut response = match tokio::time::timeout(limits.request_timeout, work).await {
         Ok(response) => response,
         Err(_) => ApiError::Timeout(limits.request_timeout).into_response(),
     };

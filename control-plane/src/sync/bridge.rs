@@ -88,7 +88,14 @@ impl PgBus {
 impl Bus for PgBus {
     async fn listen(&mut self) -> Result<(), String> {
         self.listener = None;
-        let mut listener = PgListener::connect_with(&self.pool).await.map_err(|e| e.to_string())?;
+        // A connection of its own, never one of the pool's: a pooled connection would be taken
+        // from the streams' jobs for as long as the replica runs, and a reconnect could pick up
+        // an idle one opened before the server stopped taking connections.
+        let own = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect_lazy_with((*self.pool.connect_options()).clone());
+        let mut listener = PgListener::connect_with(&own).await.map_err(|e| e.to_string())?;
         // A lost connection is reported at once (`Ok(None)`) and `relay` reconnects with its
         // own backoff, metrics and reconcile; sqlx's eager reconnect would first wait inside
         // `try_recv` for a new connection (up to the pool's acquire timeout while the server

@@ -204,6 +204,39 @@ async fn written(pool: &PgPool) -> (i64, i64, BTreeMap<String, i64>) {
     (audit, services, labels.into_iter().collect())
 }
 
+/// A write refused before its handler reads the body (a viewer's, 403) is answered after the
+/// body was read, so the connection stays usable: a second request on it is answered too.
+/// Before, the refusal closed the connection with the body unread, and a client still writing
+/// it saw a broken pipe instead of the 403.
+#[tokio::test]
+async fn a_write_refused_before_its_body_keeps_the_connection() {
+    let plane = Plane::start(ApiLimits::default()).await;
+    let viewer = mint(plane.pool(), "vera", Role::Viewer).await;
+    let tcp = tokio::net::TcpStream::connect(plane.addr).await.unwrap();
+    let stream = plane.tls.connect(ServerName::try_from("localhost").unwrap(), tcp).await.unwrap();
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
+    tokio::spawn(connection);
+    let body = serde_json::to_vec(
+        &serde_json::json!({"name": "svc", "description": "d".repeat(32 * 1024), "members": ["tcp:1"]}),
+    )
+    .unwrap();
+    for round in 0..3 {
+        let request = hyper::Request::builder()
+            .method("POST")
+            .uri("/api/v1/services")
+            .header("host", "localhost")
+            .header("authorization", format!("Bearer {}", viewer.token))
+            .header("content-type", "application/json")
+            .body(full(body.clone()))
+            .unwrap();
+        sender.ready().await.unwrap_or_else(|e| panic!("round {round}: the connection was closed: {e}"));
+        let response = sender.send_request(request).await.unwrap_or_else(|e| panic!("round {round}: {e}"));
+        assert_eq!(response.status(), 403, "round {round}");
+        response.into_body().collect().await.unwrap();
+    }
+    plane.stop().await;
+}
+
 #[tokio::test]
 async fn api_rejects_bad_auth_and_bodies() {
     let plane = Plane::start(ApiLimits::default()).await;

@@ -8,9 +8,10 @@ use std::process::{Command, Stdio};
 use innerwall_control_plane::testing::fresh_database;
 
 /// The CLI's peak RSS while it refuses a bomb. A debug build connecting to Postgres peaks near
-/// 27 MiB alone, and was seen at 100 MiB while the whole suite ran beside it (the runtime's
-/// threads and their allocator arenas); a 3 KB bomb took the CLI to 575 MiB before the fix.
-const PEAK_RSS_BOUND_KIB: i64 = 192 * 1024;
+/// 27 MiB alone, and was seen at 100 MiB, once at 195 MiB, while the whole suite and a benchmark
+/// load ran beside it (the runtime's threads and their allocator arenas); a 3 KB bomb took the
+/// CLI to 575 MiB before the fix, which this bound still catches.
+const PEAK_RSS_BOUND_KIB: i64 = 256 * 1024;
 
 struct Run {
     code: i32,
