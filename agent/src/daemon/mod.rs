@@ -5,6 +5,7 @@
 //! it, until SIGINT/SIGTERM. Every task runs under one shutdown token (`innerwall_wire::tasks::Tasks`); they live in
 //! this room because each holds the agent's shared state (`crate::sync::Agent`).
 
+pub mod notify;
 pub mod renew;
 pub mod windows;
 
@@ -190,9 +191,19 @@ pub async fn run(config: RunConfig) -> Result<(), RunError> {
         None => None,
     };
     let mut store = LinuxPolicyStore::new(&config.state_dir);
-    restore_before_dialing(&mut store);
+    let restored = restore_before_dialing(&mut store);
+    // Ready means enforcing what it last enforced: said only after the restore (ENF-5).
+    let notifier = notify::Notifier::from_env().map(Arc::new);
+    if let Some(notifier) = &notifier {
+        notifier.send(&format!(
+            "READY=1\nSTATUS=enforcing persisted policy v{restored}; dialing the control plane"
+        ));
+    }
     let agent = Arc::new(Agent::new(store));
     let mut tasks = Tasks::default();
+    if let (Some(notifier), Some(every)) = (&notifier, notify::watchdog_interval()) {
+        tasks.spawn("watchdog", notify::watchdog_forever(notifier.clone(), every));
+    }
     if let Some(tcp) = metrics {
         if let Ok(addr) = tcp.local_addr() {
             tracing::info!(%addr, "serving metrics at /metrics (plain HTTP, unauthenticated)");
@@ -210,6 +221,9 @@ pub async fn run(config: RunConfig) -> Result<(), RunError> {
         _ = tokio::signal::ctrl_c() => { tracing::info!("interrupted"); Ok(()) }
         _ = term.recv() => { tracing::info!("terminated"); Ok(()) }
     };
+    if let Some(notifier) = &notifier {
+        notifier.send("STOPPING=1");
+    }
     // The open flow window is queued first, then every task stops under the one token.
     if let Some(flows) = flows {
         flows.stop().await;
