@@ -461,10 +461,7 @@ fn dump(what: Dump) -> Result<Vec<Reply>, RtnlError> {
 pub fn links() -> Result<Vec<Link>, RtnlError> {
     Ok(dump(Dump::Links)?
         .into_iter()
-        .filter_map(|reply| match reply {
-            Reply::NewLink(link) => Some(link),
-            _ => None,
-        })
+        .filter_map(|reply| if let Reply::NewLink(l) = reply { Some(l) } else { None })
         .collect())
 }
 
@@ -473,10 +470,7 @@ pub fn links() -> Result<Vec<Link>, RtnlError> {
 pub fn addresses() -> Result<Vec<Address>, RtnlError> {
     Ok(dump(Dump::Addresses)?
         .into_iter()
-        .filter_map(|reply| match reply {
-            Reply::NewAddress(address) => Some(address),
-            _ => None,
-        })
+        .filter_map(|reply| if let Reply::NewAddress(a) = reply { Some(a) } else { None })
         .collect())
 }
 

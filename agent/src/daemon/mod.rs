@@ -12,7 +12,6 @@ pub mod windows;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use innerwall_wire::backoff;
 use innerwall_wire::tasks::Tasks;
 
 use crate::enforce::{LinuxPolicyStore, PolicyStore, Restored};
@@ -124,13 +123,7 @@ pub async fn hold_stream<S: PolicyStore + Send + 'static>(
                 }
             }
         };
-        let wait = backoff::after_refusal(
-            attempt,
-            config.backoff_base,
-            config.backoff_cap,
-            backoff::random_unit(),
-            retry_after,
-        );
+        let wait = config.backoff(attempt, retry_after);
         agent.dials.note(sync::DialFailure {
             attempt,
             dialed_at,

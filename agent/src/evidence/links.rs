@@ -44,24 +44,8 @@ pub enum Framing {
     Ip,
 }
 
-/// One network interface as rtnetlink reports it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Link {
-    /// Interface index.
-    pub index: u32,
-    /// Interface name.
-    pub name: String,
-    /// `ARPHRD_*` link type (1 Ethernet, 772 loopback, 65534 none: WireGuard, tun).
-    pub link_type: u16,
-    /// `IFLA_INFO_KIND` (`veth`, `bridge`, `wireguard`, …); `None` for physical devices.
-    pub kind: Option<String>,
-}
-
-impl From<rtnetlink::Link> for Link {
-    fn from(link: rtnetlink::Link) -> Link {
-        Link { index: link.index, name: link.name, link_type: link.link_type, kind: link.kind }
-    }
-}
+/// One network interface as rtnetlink reports it (its hardware address is not looked at here).
+pub use crate::rtnetlink::Link;
 
 impl Link {
     /// How flow capture attaches to this link, or `None` if it does not (see [`framing`]).
@@ -156,7 +140,7 @@ impl LinkWatcher {
                     if let Some(seen) = self.dumping.as_mut() {
                         seen.insert(link.index);
                     }
-                    self.added(link.into(), events);
+                    self.added(link, events);
                 }
                 Some(Reply::DelLink(link)) => {
                     if let Some(old) = self.known.remove(&link.index) {
@@ -254,7 +238,8 @@ mod tests {
                 index: 3,
                 name: "wg0".into(),
                 link_type: libc::ARPHRD_NONE,
-                kind: Some("wireguard".into())
+                kind: Some("wireguard".into()),
+                hardware_address: Vec::new(),
             }
         );
         // The same link again (up/down): nothing; renamed: out and in; deleted: out.

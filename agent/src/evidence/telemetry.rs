@@ -251,13 +251,7 @@ pub async fn upload_forever(config: RunConfig, queue: Queue, poll: Duration) {
             match result {
                 Ok(_) => attempt = 0,
                 Err((e, retry_after)) => {
-                    let wait = backoff::after_refusal(
-                        attempt,
-                        config.backoff_base,
-                        config.backoff_cap,
-                        backoff::random_unit(),
-                        retry_after,
-                    );
+                    let wait = config.backoff(attempt, retry_after);
                     attempt = attempt.saturating_add(1);
                     tracing::warn!(
                         "flow upload failed: {e}; {} window(s) queued; retrying in {:.3}s",

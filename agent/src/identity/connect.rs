@@ -45,6 +45,18 @@ impl RunConfig {
             max_policy_message: innerwall_wire::sync::MAX_POLICY_MESSAGE,
         }
     }
+
+    /// The full-jitter wait before dial `attempt` again (REL-1), never shorter than a rate
+    /// refusal's `retry_after`: the one rule every connection of the agent backs off by.
+    pub fn backoff(&self, attempt: u32, retry_after: Option<Duration>) -> Duration {
+        backoff::after_refusal(
+            attempt,
+            self.backoff_base,
+            self.backoff_cap,
+            backoff::random_unit(),
+            retry_after,
+        )
+    }
 }
 
 /// Why no channel to the control plane could be made.
