@@ -6,7 +6,9 @@
 //! (headers within the same timeout, at most 16 KiB of them buffered, pipelined requests
 //! included). A connection whose writes stall for `write_timeout` — a client that does not read
 //! its answers, or pipelines and never reads — is closed ([`WriteDeadline`]), and every
-//! connection ends after `connection_lifetime`. Stopping closes the listener, lets each
+//! connection ends after `connection_lifetime`. A connection the server ends while its client
+//! may still be sending (an oversized body answered 413 unread) closes lingering ([`linger`]),
+//! so the client reads its answer instead of a reset. Stopping closes the listener, lets each
 //! connection finish the request it is serving, and waits for them up to a grace period.
 
 use std::future::Future;
@@ -23,9 +25,9 @@ use hyper_util::service::TowerToHyperService;
 use rustls::ServerConfig;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject};
 use sqlx::PgPool;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::TcpListener;
-use tokio::sync::oneshot;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Semaphore, oneshot};
 use tokio::task::JoinHandle;
 use tokio_rustls::TlsAcceptor;
 
@@ -37,6 +39,12 @@ use crate::identity::server_cert::{self, ServerCertificate};
 
 /// The most header bytes a request may send (hyper's read buffer).
 const MAX_HEADER_BYTES: usize = 16 * 1024;
+
+/// How long, how much, and how many at once closed connections are read and discarded by
+/// [`linger`]; beyond these a connection closes at once, as it would without lingering.
+const LINGER_TIME: Duration = Duration::from_secs(2);
+const LINGER_BYTES: usize = 1024 * 1024;
+const MAX_LINGERING: usize = 256;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiStartError {
@@ -155,6 +163,7 @@ async fn serve(
             ..Limits::default()
         },
     ));
+    let lingering = Arc::new(Semaphore::new(MAX_LINGERING));
     let mut refused_since_log: Option<SystemTime> = None;
     let mut refused = 0u64;
     loop {
@@ -187,7 +196,13 @@ async fn serve(
             continue;
         };
         let (tls, router, watcher) = (tls.clone(), router.clone(), graceful.watcher());
+        let lingering = lingering.clone();
         tokio::spawn(async move {
+            // A second handle on the socket keeps it open after hyper is done with the first.
+            let (stream, spare) = match split_handle(stream) {
+                Ok(handles) => handles,
+                Err(e) => return tracing::debug!(%peer, "API connection dropped: {e}"),
+            };
             let stream = WriteDeadline::new(stream, limits.write_timeout, Some(slot));
             let stream = match tokio::time::timeout(limits.handshake_timeout, tls.accept(stream)).await {
                 Ok(Ok(stream)) => stream,
@@ -210,10 +225,44 @@ async fn serve(
                 Ok(Err(e)) => tracing::debug!(%peer, "API connection ended: {e}"),
                 Err(_) => tracing::debug!(%peer, "API connection closed: open longer than its lifetime"),
             }
+            linger(spare, &lingering).await;
         });
     }
     drop(tcp);
     graceful.shutdown().await;
+}
+
+/// The accepted socket and a duplicate of it (one socket, two descriptors): the second is
+/// registered with the runtime only when [`linger`] takes it.
+fn split_handle(stream: TcpStream) -> std::io::Result<(TcpStream, std::net::TcpStream)> {
+    let stream = stream.into_std()?;
+    let spare = stream.try_clone()?;
+    Ok((TcpStream::from_std(stream)?, spare))
+}
+
+/// A lingering close. Closing a socket whose client is still sending makes the kernel answer
+/// with a reset, which discards the answer not yet read and fails the client's write (a
+/// 413 for a body the server refused unread arrives as "broken pipe"). So once hyper is done,
+/// the socket's sending side is shut (the answer, then FIN) and what the client still sends is
+/// read and discarded until it closes, for at most [`LINGER_TIME`] and [`LINGER_BYTES`]; with
+/// [`MAX_LINGERING`] connections already lingering, the socket closes at once.
+async fn linger(spare: std::net::TcpStream, lingering: &Semaphore) {
+    let Ok(_permit) = lingering.try_acquire() else { return };
+    let Ok(mut socket) = TcpStream::from_std(spare) else { return };
+    if socket.shutdown().await.is_err() {
+        return;
+    }
+    let mut sink = vec![0u8; 16 * 1024];
+    let mut left = LINGER_BYTES;
+    let _ = tokio::time::timeout(LINGER_TIME, async {
+        while left > 0 {
+            match socket.read(&mut sink).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => left = left.saturating_sub(n),
+            }
+        }
+    })
+    .await;
 }
 
 /// A connection whose writes fail once they have made no progress for `timeout`: the socket's

@@ -237,6 +237,44 @@ async fn a_write_refused_before_its_body_keeps_the_connection() {
     plane.stop().await;
 }
 
+/// A body over the limit is answered 413 unread and the connection closes; the client, still
+/// sending its body, is not met by a reset (the lingering close), so it can read that answer.
+/// The body goes as raw bytes after the answer and its close: it arrives after the server is
+/// done with the connection.
+#[tokio::test]
+async fn a_refused_oversized_body_meets_a_clean_close_not_a_reset() {
+    let plane = Plane::start(ApiLimits::default()).await;
+    let editor = mint(plane.pool(), "ed", Role::Editor).await;
+    let length = 4 * api::DEFAULT_MAX_BODY;
+    for round in 0..2 {
+        let tcp = tokio::net::TcpStream::connect(plane.addr).await.unwrap();
+        let mut tls = plane.tls.connect(ServerName::try_from("localhost").unwrap(), tcp).await.unwrap();
+        let head = format!(
+            "POST /api/v1/services HTTP/1.1\r\nhost: localhost\r\nauthorization: Bearer {}\r\n\
+             content-type: application/json\r\ncontent-length: {length}\r\n\r\n",
+            editor.token
+        );
+        tls.write_all(head.as_bytes()).await.unwrap();
+        tls.flush().await.unwrap();
+        // The answer, then the server's close: everything it will say has been said.
+        let mut answer = Vec::new();
+        tls.read_to_end(&mut answer)
+            .await
+            .unwrap_or_else(|e| panic!("round {round}: reading the answer: {e}"));
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 413"), "round {round}: {answer}");
+        let (mut raw, _) = tls.into_inner();
+        // In small writes, so a reset the first one meets fails the ones after it.
+        for chunk in vec![b'x'; length].chunks(4096) {
+            raw.write_all(chunk)
+                .await
+                .unwrap_or_else(|e| panic!("round {round}: the body met a closed socket: {e}"));
+        }
+        raw.shutdown().await.unwrap();
+    }
+    plane.stop().await;
+}
+
 #[tokio::test]
 async fn api_rejects_bad_auth_and_bodies() {
     let plane = Plane::start(ApiLimits::default()).await;

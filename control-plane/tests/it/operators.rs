@@ -293,6 +293,18 @@ async fn tokens_are_unambiguous() {
             .await
             .unwrap();
     assert_eq!(revokes, 2);
+    // One id in 64 begins with "-": the CLI reads it as the value it is, never as a flag.
+    let dashed = mint("dashed.bot", &[]);
+    let minted_id = dashed["id"].as_str().unwrap();
+    let dashed_id = format!("-{}", &minted_id[1..]);
+    sqlx::query("UPDATE operator_tokens SET id = $1 WHERE id = $2")
+        .bind(&dashed_id)
+        .bind(minted_id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    ok(&[local[0], local[1], "operator", "token", "revoke", "--id", &dashed_id]);
+    assert!(status(&pool, &dashed_id).await.0);
 
     // Over the API: DELETE takes an id only; a name there is a 400 and revokes nothing.
     let token = ada["token"].as_str().unwrap();

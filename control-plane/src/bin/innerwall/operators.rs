@@ -49,11 +49,12 @@ pub enum TokenCmd {
     /// next request.
     #[command(group = clap::ArgGroup::new("which").required(true).args(["id", "name"]))]
     Revoke {
-        /// The token's id, as the list shows it (8 characters).
-        #[arg(long)]
+        /// The token's id, as the list shows it (8 characters; one in 64 begins with "-", so
+        /// the value is never read as a flag).
+        #[arg(long, allow_hyphen_values = true)]
         id: Option<String>,
         /// The name of a live token.
-        #[arg(long)]
+        #[arg(long, allow_hyphen_values = true)]
         name: Option<String>,
     },
 }
