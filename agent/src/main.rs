@@ -5,22 +5,131 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::Context as _;
-use clap::{Parser, Subcommand};
+use std::ffi::OsString;
+
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use innerwall_agent::daemon;
 use innerwall_agent::enforce::desired::DesiredTable;
 use innerwall_agent::enforce::{self, DEFAULT_STATE_DIR, LinuxPolicyStore, PolicyStore as _, status};
 use innerwall_agent::evidence::capture;
 use innerwall_agent::identity::connect::RunConfig;
 use innerwall_agent::policy_json;
+use innerwall_wire::config;
 
 #[derive(Debug, Parser)]
 #[command(name = "innerwall-agent", version, about = "Innerwall host agent")]
 struct Cli {
-    /// How stderr logs read: text, or one JSON object per line (filter: RUST_LOG).
+    /// The configuration file (TOML): its keys are the long names of `run`'s flags, and
+    /// log-format and log-level; a flag or variable given wins over it (`state-dir` and
+    /// `server` hold for `enroll`, `status`, `down` and `up` too). Default:
+    /// /etc/innerwall/agent.toml, if it exists. `innerwall-agent config check` checks it.
+    #[arg(long, env = "INNERWALL_AGENT_CONFIG", global = true, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// How stderr logs read: text, or one JSON object per line (filter: --log-level).
     #[arg(long, global = true, value_enum, default_value_t)]
     log_format: LogFormat,
+    /// Which log lines are written: a level or per-module directives
+    /// (`info,innerwall_agent::sync=debug`). Given neither this nor its variable nor a file
+    /// value, RUST_LOG is read, as before.
+    #[arg(long, env = "INNERWALL_AGENT_LOG", global = true, default_value = "info")]
+    log_level: String,
     #[command(subcommand)]
     command: Command,
+}
+
+/// The agent's file: `run`'s flags and the logging ones.
+const CONFIG: config::Spec = config::Spec {
+    default_path: "/etc/innerwall/agent.toml",
+    env: "INNERWALL_AGENT_CONFIG",
+    service: "run",
+    globals: &["log_format", "log_level"],
+    shared_with: &["enroll", "down", "up", "status"],
+};
+
+#[derive(Debug, Subcommand)]
+enum ConfigCmd {
+    /// Check the file, with the environment, as `run` would read it: every problem is listed,
+    /// and the exit status is 1 if there is one.
+    Check,
+    /// Print the file's settings; with --effective, every value `run` would use and where it
+    /// came from (flag, env, file, default).
+    Show {
+        #[arg(long)]
+        effective: bool,
+    },
+}
+
+/// The command line with the file under it, and whether the log level was given. With a
+/// problem in the file only `config check` and the kill switch (`down`, on the file's valid
+/// keys) run: anything else prints the problems and exits 2.
+fn parse(argv: &[OsString]) -> Result<(Cli, config::Layer, bool), ExitCode> {
+    let layer = config::load(&CONFIG, &Cli::command(), argv);
+    let report = |layer: &config::Layer| {
+        for problem in &layer.problems {
+            eprintln!("error: {problem}");
+        }
+    };
+    let matches =
+        config::apply(&CONFIG, Cli::command(), &layer).try_get_matches_from(argv).unwrap_or_else(|e| {
+            report(&layer);
+            e.exit()
+        });
+    let level_given =
+        matches.value_source("log_level").is_some_and(|s| s != clap::parser::ValueSource::DefaultValue)
+            || layer.values.contains_key("log_level");
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    // The kill switch works whatever the file says: its problems are warnings there.
+    if !layer.problems.is_empty() && matches!(cli.command, Command::Down { .. }) {
+        for problem in &layer.problems {
+            eprintln!("warning: {problem} (ignored by the kill switch)");
+        }
+        return Ok((cli, layer, level_given));
+    }
+    if !layer.problems.is_empty() && !matches!(cli.command, Command::Config(ConfigCmd::Check)) {
+        report(&layer);
+        eprintln!(
+            "innerwall-agent: the configuration has {} problem(s); nothing was done (`innerwall-agent config check` lists them)",
+            layer.problems.len()
+        );
+        return Err(ExitCode::from(2));
+    }
+    Ok((cli, layer, level_given))
+}
+
+/// `config check` and `config show`, on the `run` command line the file and environment make.
+fn config_command(cmd: &ConfigCmd, argv: &[OsString], layer: &config::Layer) -> anyhow::Result<()> {
+    let argv = config::service_argv(&CONFIG, argv);
+    let command = config::apply(&CONFIG, Cli::command(), layer);
+    let mut problems: Vec<String> = layer.problems.iter().map(ToString::to_string).collect();
+    let mut settings = Vec::new();
+    match command.clone().try_get_matches_from(&argv) {
+        Err(e) => problems.push(config::clap_problem(&e)),
+        Ok(matches) => {
+            let run = matches.subcommand_matches(CONFIG.service).unwrap_or(&matches);
+            settings = config::effective(&CONFIG, &command, layer, run);
+        }
+    }
+    let file = layer
+        .path
+        .as_ref()
+        .map_or_else(|| format!("{} (absent)", CONFIG.default_path), |p| p.display().to_string());
+    match cmd {
+        ConfigCmd::Check if problems.is_empty() => println!("ok: {file}; `run` would start with it"),
+        ConfigCmd::Check | ConfigCmd::Show { .. } if !problems.is_empty() => {
+            for problem in &problems {
+                println!("error: {problem}");
+            }
+            anyhow::bail!("{} problem(s); `run` would not start with this configuration", problems.len());
+        }
+        ConfigCmd::Check => unreachable!("handled above"),
+        ConfigCmd::Show { effective } => {
+            for s in settings.iter().filter(|s| *effective || matches!(s.source, config::Source::File(_))) {
+                let value = s.values.as_ref().map_or("(hidden)".to_owned(), |v| v.join(","));
+                println!("{:<22} {:<40} {}", s.key, value, s.source);
+            }
+        }
+    }
+    Ok(())
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -41,6 +150,9 @@ struct StateDir {
 enum Command {
     /// Print the agent contract package this build speaks.
     Contract,
+    /// The configuration file: `check` it, `show` what is in force.
+    #[command(subcommand)]
+    Config(ConfigCmd),
     /// Run the agent: re-apply the persisted policy, then connect to the control plane.
     Run {
         #[command(flatten)]
@@ -142,15 +254,23 @@ enum Command {
 
 fn main() -> ExitCode {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let cli = Cli::parse();
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+    let argv: Vec<OsString> = std::env::args_os().collect();
+    let (cli, layer, level_given) = match parse(&argv) {
+        Ok(parsed) => parsed,
+        Err(code) => return code,
+    };
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(former) if !level_given && !former.is_empty() => former,
+        _ => cli.log_level.clone(),
+    };
+    let filter = tracing_subscriber::EnvFilter::try_new(&filter)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let logs = tracing_subscriber::fmt().with_writer(std::io::stderr).with_env_filter(filter);
     match cli.log_format {
         LogFormat::Text => logs.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).init(),
         LogFormat::Json => logs.json().init(),
     }
-    match run(cli.command, cli.log_format) {
+    match run(cli.command, cli.log_format, &argv, &layer) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             let chain = innerwall_agent::error::chain(err.as_ref());
@@ -192,9 +312,15 @@ fn read_policy(file: &Path) -> anyhow::Result<innerwall_wire::policy::WorkloadPo
     policy_json::parse(&bytes).with_context(|| format!("parsing {}", file.display()))
 }
 
-fn run(command: Command, log_format: LogFormat) -> anyhow::Result<()> {
+fn run(
+    command: Command,
+    log_format: LogFormat,
+    argv: &[OsString],
+    layer: &config::Layer,
+) -> anyhow::Result<()> {
     match command {
         Command::Contract => println!("{}", innerwall_wire::CONTRACT_PACKAGE),
+        Command::Config(cmd) => config_command(&cmd, argv, layer)?,
         Command::Run {
             state,
             server,

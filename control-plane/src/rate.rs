@@ -198,6 +198,14 @@ impl<K: Ord + Clone, B: Kind> Limiter<K, B> {
         Limiter { per_minute: rates, max_tracked, entries: BTreeMap::new(), kinds: std::marker::PhantomData }
     }
 
+    /// Changes every bound's allowance (as [`Limiter::with_rates`]); buckets keep their
+    /// tokens, capped at the new capacity when next read.
+    pub fn set_rates(&mut self, per_minute: impl Fn(B) -> f64) {
+        for &b in B::ALL {
+            self.per_minute[b.index()] = per_minute(b).max(1.0);
+        }
+    }
+
     pub fn tracked(&self) -> usize {
         self.entries.len()
     }

@@ -1,6 +1,7 @@
 //! The Innerwall agent contract: generated protobuf types and services, the rendered-policy
 //! domain model with the one diff/apply implementation (SYNC-1), the flow evidence vocabulary
-//! with the one flow decision (FLOW-1..3), and the identity and label grammar (IDN-3, IDN-6). Both the control plane and the agent link this crate; it depends on
+//! with the one flow decision (FLOW-1..3), and the identity and label grammar (IDN-3, IDN-6); and the little both binaries' processes share
+//! (shutdown tasks, backoff, configuration files). Both the control plane and the agent link this crate; it depends on
 //! nothing else in the workspace.
 
 /// Gives a fieldless enum its `ALL`, `name()`, `Display` and `FromStr` from one table of
@@ -39,6 +40,7 @@ macro_rules! named_enum {
 
 pub mod backoff;
 pub mod codec;
+pub mod config;
 pub mod convert;
 pub mod flows;
 pub mod identity;

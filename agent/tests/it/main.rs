@@ -3,6 +3,7 @@
 //! and outside).
 
 mod capture;
+mod config;
 mod enforce;
 mod evaluator;
 mod facts;

@@ -59,25 +59,63 @@ const MAX_VOUCHED: usize = 4_096;
 /// The bounds of one listener, shared by its requests.
 #[derive(Debug)]
 pub struct Edge {
-    limits: ApiLimits,
+    /// The request bounds in force ([`Edge::set_rates`] changes them while serving).
+    rates: Mutex<EdgeRates>,
     limiter: Mutex<Limiter<Key, ApiRate>>,
     in_flight: Mutex<BTreeMap<String, usize>>,
     /// SHA-256 of the bearer tokens that authenticated lately, and when they last did.
     vouched: Mutex<BTreeMap<[u8; 32], Instant>>,
 }
 
+/// The bounds of [`ApiLimits`] an [`Edge`] holds, the ones a reload may change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EdgeRates {
+    pub requests_per_minute: u32,
+    pub max_concurrent_per_token: usize,
+    pub unauthenticated_per_minute: u32,
+}
+
+impl From<ApiLimits> for EdgeRates {
+    fn from(limits: ApiLimits) -> Self {
+        EdgeRates {
+            requests_per_minute: limits.requests_per_minute,
+            max_concurrent_per_token: limits.max_concurrent_per_token,
+            unauthenticated_per_minute: limits.unauthenticated_per_minute,
+        }
+    }
+}
+
+impl EdgeRates {
+    fn per_minute(self, bound: ApiRate) -> f64 {
+        match bound {
+            ApiRate::Requests => f64::from(self.requests_per_minute),
+            ApiRate::Unauthenticated => f64::from(self.unauthenticated_per_minute),
+        }
+    }
+}
+
 impl Edge {
     pub fn new(limits: ApiLimits) -> Arc<Edge> {
-        let rates = move |b: ApiRate| match b {
-            ApiRate::Requests => f64::from(limits.requests_per_minute),
-            ApiRate::Unauthenticated => f64::from(limits.unauthenticated_per_minute),
-        };
+        let rates = EdgeRates::from(limits);
         Arc::new(Edge {
-            limits,
-            limiter: Mutex::new(Limiter::with_rates(rates, MAX_TRACKED)),
+            rates: Mutex::new(rates),
+            limiter: Mutex::new(Limiter::with_rates(|b| rates.per_minute(b), MAX_TRACKED)),
             in_flight: Mutex::default(),
             vouched: Mutex::default(),
         })
+    }
+
+    /// The request bounds in force.
+    pub fn rates(&self) -> EdgeRates {
+        *self.rates.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Puts `rates` in force for the requests that come after (a configuration reload); each
+    /// bucket keeps what it holds, up to its new capacity.
+    pub fn set_rates(&self, rates: EdgeRates) {
+        let mut limiter = self.limiter.lock().unwrap_or_else(PoisonError::into_inner);
+        limiter.set_rates(|b| rates.per_minute(b));
+        *self.rates.lock().unwrap_or_else(PoisonError::into_inner) = rates;
     }
 
     fn take(&self, key: Key, bound: ApiRate) -> Result<(), Duration> {
@@ -89,13 +127,14 @@ impl Edge {
     /// allowed; otherwise a place held until the request is answered.
     pub fn admit_token(self: &Arc<Self>, token: &str) -> Result<InFlight, ApiError> {
         // In flight first: a request refused for that costs nothing of the token's rate.
+        let rates = self.rates();
         let mut in_flight = self.in_flight.lock().unwrap_or_else(PoisonError::into_inner);
-        if in_flight.get(token).copied().unwrap_or(0) >= self.limits.max_concurrent_per_token {
+        if in_flight.get(token).copied().unwrap_or(0) >= rates.max_concurrent_per_token {
             return Err(ApiError::RateLimited {
                 detail: format!(
                     "token {token} has {} requests in flight, the most {CONCURRENT_FLAG} allows; wait for \
                      their answers",
-                    self.limits.max_concurrent_per_token
+                    rates.max_concurrent_per_token
                 ),
                 bound: CONCURRENT_FLAG,
                 retry_after: Duration::from_secs(1),
@@ -104,7 +143,7 @@ impl Edge {
         self.take(Key::Token(token.to_owned()), ApiRate::Requests).map_err(|wait| ApiError::RateLimited {
             detail: format!(
                 "token {token} made more than {} requests in a minute ({REQUESTS_FLAG}); retry after {} s",
-                self.limits.requests_per_minute,
+                rates.requests_per_minute,
                 super::problem::retry_secs(wait)
             ),
             bound: REQUESTS_FLAG,
@@ -147,7 +186,7 @@ impl Edge {
             detail: format!(
                 "{source} made more than {} requests without a valid operator token in a minute \
                  ({UNAUTHENTICATED_FLAG}); retry after {} s",
-                self.limits.unauthenticated_per_minute,
+                self.rates().unauthenticated_per_minute,
                 super::problem::retry_secs(wait)
             ),
             bound: UNAUTHENTICATED_FLAG,

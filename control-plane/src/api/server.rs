@@ -67,9 +67,39 @@ pub struct ApiServer {
     stop: oneshot::Sender<()>,
     server: JoinHandle<()>,
     renewal: Option<JoinHandle<()>>,
+    edge: Arc<super::edge::Edge>,
+    /// The certificate from files (`ApiTls::Files`), which a reload reads again.
+    files: Option<Arc<FileCertificate>>,
+}
+
+/// What a reload changed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reloaded {
+    pub rates: bool,
+    /// The new certificate's SHA-256 fingerprint when the files held another, or why they
+    /// were not taken (the one presented stays).
+    pub certificate: Result<Option<String>, String>,
 }
 
 impl ApiServer {
+    /// The request bounds in force.
+    pub fn rates(&self) -> super::edge::EdgeRates {
+        self.edge.rates()
+    }
+
+    /// Puts new request bounds in force and, when the certificate comes from files, reads
+    /// them again (a renewed certificate is presented to new connections; open ones keep
+    /// theirs; files that cannot be read or do not match change nothing).
+    pub fn reload(&self, rates: super::edge::EdgeRates) -> Reloaded {
+        let changed = self.edge.rates() != rates;
+        self.edge.set_rates(rates);
+        let certificate = match &self.files {
+            Some(files) => files.reload().map_err(|e| e.to_string()),
+            None => Ok(None),
+        };
+        Reloaded { rates: changed, certificate }
+    }
+
     /// Stops accepting, lets open connections finish their request within `grace`, then ends
     /// what is left.
     pub async fn stop(self, grace: Duration) {
@@ -97,21 +127,18 @@ pub async fn start(
         .with_safe_default_protocol_versions()
         .map_err(|e| ApiStartError::Certificate(format!("protocol versions: {e}")))?
         .with_no_client_auth();
-    let (mut tls, fingerprint, renewal) = match &config.tls {
+    let (mut tls, fingerprint, renewal, files) = match &config.tls {
         ApiTls::Files { cert, key } => {
-            let (chain, private) = read_pem(cert, key)?;
-            let fingerprint = server_cert::fingerprint(&chain[0]);
-            let tls = builder.with_single_cert(chain, private).map_err(|e| {
-                ApiStartError::Certificate(format!("{} / {}: {e}", cert.display(), key.display()))
-            })?;
-            (tls, fingerprint, None)
+            let files = Arc::new(FileCertificate::read(cert, key, provider)?);
+            let fingerprint = files.fingerprint();
+            (builder.with_cert_resolver(files.clone()), fingerprint, None, Some(files))
         }
         ApiTls::FromCa { names, lifetime } => {
             let certificate = ServerCertificate::issue(signer, provider, names, *lifetime)
                 .map_err(|e| ApiStartError::Certificate(e.to_string()))?;
             let fingerprint = certificate.fingerprint();
             let renewal = tokio::spawn(certificate.clone().renew_forever());
-            (builder.with_cert_resolver(certificate), fingerprint, Some(renewal))
+            (builder.with_cert_resolver(certificate), fingerprint, Some(renewal), None)
         }
     };
     tls.alpn_protocols = vec![b"http/1.1".to_vec()];
@@ -120,11 +147,72 @@ pub async fn start(
         .map_err(|source| ApiStartError::Bind { addr: config.listen, source })?;
     let local_addr =
         tcp.local_addr().map_err(|source| ApiStartError::Bind { addr: config.listen, source })?;
-    let (router, _) = router::build(ApiState::new(pool, config.limits));
+    let state = ApiState::new(pool, config.limits);
+    let edge = state.edge.clone();
+    let (router, _) = router::build(state);
     let (stop, stopped) = oneshot::channel();
     let server = tokio::spawn(serve(tcp, TlsAcceptor::from(Arc::new(tls)), router, config.limits, stopped));
     tracing::info!(%local_addr, %fingerprint, "operator API listening");
-    Ok(ApiServer { local_addr, fingerprint, stop, server, renewal })
+    Ok(ApiServer { local_addr, fingerprint, stop, server, renewal, edge, files })
+}
+
+/// The API's certificate and key from PEM files, presented to each new connection, and read
+/// again by [`ApiServer::reload`].
+#[derive(Debug)]
+struct FileCertificate {
+    cert: std::path::PathBuf,
+    key: std::path::PathBuf,
+    provider: Arc<rustls::crypto::CryptoProvider>,
+    current: std::sync::RwLock<Arc<rustls::sign::CertifiedKey>>,
+}
+
+impl FileCertificate {
+    fn read(
+        cert: &std::path::Path,
+        key: &std::path::Path,
+        provider: Arc<rustls::crypto::CryptoProvider>,
+    ) -> Result<FileCertificate, ApiStartError> {
+        let current = Self::load(cert, key, &provider)?;
+        Ok(FileCertificate {
+            cert: cert.to_owned(),
+            key: key.to_owned(),
+            provider,
+            current: std::sync::RwLock::new(Arc::new(current)),
+        })
+    }
+
+    fn load(
+        cert: &std::path::Path,
+        key: &std::path::Path,
+        provider: &rustls::crypto::CryptoProvider,
+    ) -> Result<rustls::sign::CertifiedKey, ApiStartError> {
+        let (chain, private) = read_pem(cert, key)?;
+        rustls::sign::CertifiedKey::from_der(chain, private, provider)
+            .map_err(|e| ApiStartError::Certificate(format!("{} / {}: {e}", cert.display(), key.display())))
+    }
+
+    fn presented(&self) -> Arc<rustls::sign::CertifiedKey> {
+        self.current.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    fn fingerprint(&self) -> String {
+        server_cert::fingerprint(&self.presented().cert[0])
+    }
+
+    /// Reads the files again: the new fingerprint when they hold another certificate.
+    fn reload(&self) -> Result<Option<String>, ApiStartError> {
+        let before = self.fingerprint();
+        let loaded = Arc::new(Self::load(&self.cert, &self.key, &self.provider)?);
+        *self.current.write().unwrap_or_else(std::sync::PoisonError::into_inner) = loaded;
+        let after = self.fingerprint();
+        Ok((after != before).then_some(after))
+    }
+}
+
+impl rustls::server::ResolvesServerCert for FileCertificate {
+    fn resolve(&self, _hello: rustls::server::ClientHello<'_>) -> Option<Arc<rustls::sign::CertifiedKey>> {
+        Some(self.presented())
+    }
 }
 
 fn read_pem(

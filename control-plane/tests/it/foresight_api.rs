@@ -38,6 +38,8 @@ pub struct Serve {
     pub ca: PathBuf,
     pub dir: PathBuf,
     tls: tokio_rustls::TlsConnector,
+    /// Its stderr, line by line, from after the API's announcement.
+    lines: std::sync::Mutex<mpsc::Receiver<String>>,
 }
 
 /// One answer: status, headers, body.
@@ -73,6 +75,11 @@ impl Reply {
 impl Serve {
     /// Starts `innerwall serve` on `url` and waits for it to say where its API listens.
     pub fn start(url: &str) -> Serve {
+        Serve::start_with(url, &[], &[])
+    }
+
+    /// [`Serve::start`] with more global flags (before `serve`) and variables.
+    pub fn start_with(url: &str, globals: &[&str], env: &[(&str, &str)]) -> Serve {
         let dir = std::env::temp_dir().join(format!("iw-foresight-{}", uuid::Uuid::new_v4()));
         let signer = FileCa::init(&dir.join("ca")).unwrap();
         let pem = signer.ca_bundle_pem();
@@ -84,11 +91,14 @@ impl Serve {
         }
         let mut child = command
             .env_remove("INNERWALL_DATABASE_URL")
+            .env_remove("INNERWALL_CONFIG")
             .args(["--database-url", url, "--ca-dir"])
             .arg(dir.join("ca"))
+            .args(globals)
             .args(["serve", "--listen", "127.0.0.1:0", "--server-name", "localhost"])
             .args(["--api-listen", "127.0.0.1:0"])
             .env("INNERWALL_LOG", "info")
+            .envs(env.iter().copied())
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawning innerwall serve");
@@ -117,8 +127,6 @@ impl Serve {
                 }
             }
         };
-        // Keep draining its log so it never blocks on a full pipe.
-        std::thread::spawn(move || while lines.recv().is_ok() {});
         let mut roots = rustls::RootCertStore::empty();
         for cert in CertificateDer::pem_slice_iter(pem.as_bytes()) {
             roots.add(cert.unwrap()).unwrap();
@@ -130,7 +138,25 @@ impl Serve {
                 .with_root_certificates(roots)
                 .with_no_client_auth();
         let tls = tokio_rustls::TlsConnector::from(Arc::new(client));
-        Serve { child, addr, ca, dir, tls }
+        Serve { child, addr, ca, dir, tls, lines: std::sync::Mutex::new(lines) }
+    }
+
+    pub fn pid(&self) -> i32 {
+        i32::try_from(self.child.id()).unwrap()
+    }
+
+    /// Waits for a line of its log holding `needle`, and returns it.
+    pub fn wait_for_line(&self, needle: &str) -> String {
+        let lines = self.lines.lock().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut seen = Vec::new();
+        loop {
+            match lines.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(line) if line.contains(needle) => return line,
+                Ok(line) => seen.push(line),
+                Err(e) => panic!("no line with {needle:?} ({e}); it logged:\n{}", seen.join("\n")),
+            }
+        }
     }
 
     /// The global flags of a CLI run against this API with `token`.

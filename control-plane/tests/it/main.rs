@@ -5,6 +5,7 @@ mod answers;
 mod api;
 mod bounds;
 mod cli;
+mod config;
 mod console;
 mod drafts;
 mod drafts_edge;

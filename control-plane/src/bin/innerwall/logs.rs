@@ -1,6 +1,6 @@
 //! How `innerwall` logs (`--log-format`): `text` for people, `json` (one JSON object per line,
-//! tracing-subscriber's format) for log pipelines; on stderr, filtered by `INNERWALL_LOG`
-//! (default `warn`). Notices — the lines an operator always sees: where `serve` listens, a
+//! tracing-subscriber's format) for log pipelines; on stderr, filtered by `--log-level`
+//! (`INNERWALL_LOG`, default `warn`; a configuration reload changes it while `serve` runs). Notices — the lines an operator always sees: where `serve` listens, a
 //! fatal error — are events of the target [`NOTICE`], whatever the filter: their bare message
 //! in text mode (as they always read), JSON events in JSON mode, so that with `--log-format
 //! json` every line on stderr is JSON.
@@ -9,7 +9,7 @@ use tracing::Subscriber;
 use tracing_subscriber::filter::{EnvFilter, LevelFilter, Targets};
 use tracing_subscriber::fmt::MakeWriter;
 use tracing_subscriber::layer::SubscriberExt as _;
-use tracing_subscriber::{Layer as _, Registry, fmt};
+use tracing_subscriber::{Layer as _, Registry, fmt, reload};
 
 /// The target of notices: `tracing::info!(target: NOTICE, "innerwall: …")`.
 pub const NOTICE: &str = "innerwall::notice";
@@ -21,24 +21,48 @@ pub enum LogFormat {
     Json,
 }
 
-/// Installs the process's subscriber, on stderr.
-pub fn init(format: LogFormat) {
-    let filter = std::env::var("INNERWALL_LOG").unwrap_or_default();
-    let _ = tracing::subscriber::set_global_default(subscriber(format, &filter, std::io::stderr));
+/// Changes the filter of the subscriber it came with.
+type Reload = Box<dyn Fn(&str) -> Result<(), String> + Send + Sync>;
+
+static RELOAD: std::sync::OnceLock<Reload> = std::sync::OnceLock::new();
+
+/// Installs the process's subscriber, on stderr, with `filter` (`--log-level`, an `EnvFilter`
+/// spelling; empty or malformed means `warn`).
+pub fn init(format: LogFormat, filter: &str) {
+    let (subscriber, reload) = subscriber(format, filter, std::io::stderr);
+    if tracing::subscriber::set_global_default(subscriber).is_ok() {
+        let _ = RELOAD.set(reload);
+    }
+}
+
+/// Puts a new filter in force (a configuration reload); a malformed one changes nothing.
+pub fn set_filter(filter: &str) -> Result<(), String> {
+    RELOAD.get().ok_or("no subscriber is installed")?(filter)
 }
 
 /// `filter` is an `EnvFilter` spelling; empty or malformed means `warn`.
-fn subscriber<W>(format: LogFormat, filter: &str, writer: W) -> Box<dyn Subscriber + Send + Sync>
+fn subscriber<W>(format: LogFormat, filter: &str, writer: W) -> (Box<dyn Subscriber + Send + Sync>, Reload)
 where
     W: for<'w> MakeWriter<'w> + Clone + Send + Sync + 'static,
 {
-    let spec = if filter.trim().is_empty() { "warn" } else { filter };
-    let filter = || EnvFilter::try_new(spec).unwrap_or_else(|_| EnvFilter::new("warn"));
     let notices = |level: &str| format!("{NOTICE}={level}").parse().expect("a valid directive");
-    match format {
+    // Notices pass any filter: off in the text logs (they have a layer of their own), on in JSON.
+    let notices_level = match format {
+        LogFormat::Text => "off",
+        LogFormat::Json => "trace",
+    };
+    let parse = move |spec: &str| {
+        let spec = if spec.trim().is_empty() { "warn" } else { spec };
+        EnvFilter::try_new(spec)
+            .map(|f| f.add_directive(notices(notices_level)))
+            .map_err(|e| format!("{spec:?}: {e}"))
+    };
+    let initial = parse(filter).unwrap_or_else(|_| parse("warn").expect("a valid filter"));
+    let (filter, handle) = reload::Layer::new(initial);
+    let reload: Reload = Box::new(move |spec| handle.reload(parse(spec)?).map_err(|e| e.to_string()));
+    let subscriber: Box<dyn Subscriber + Send + Sync> = match format {
         LogFormat::Text => {
-            let logs =
-                fmt::layer().with_writer(writer.clone()).with_filter(filter().add_directive(notices("off")));
+            let logs = fmt::layer().with_writer(writer.clone()).with_filter(filter);
             let notices = fmt::layer()
                 .with_writer(writer)
                 .without_time()
@@ -49,11 +73,10 @@ where
             Box::new(Registry::default().with(logs).with(notices))
         }
         LogFormat::Json => {
-            let logs =
-                fmt::layer().json().with_writer(writer).with_filter(filter().add_directive(notices("trace")));
-            Box::new(Registry::default().with(logs))
+            Box::new(Registry::default().with(fmt::layer().json().with_writer(writer).with_filter(filter)))
         }
-    }
+    };
+    (subscriber, reload)
 }
 
 #[cfg(test)]
@@ -87,12 +110,28 @@ mod tests {
     /// What a subscriber of `format` with `filter` writes for a notice, a warning and an info.
     fn logged(format: LogFormat, filter: &str) -> String {
         let buffer = Buffer::default();
-        tracing::subscriber::with_default(subscriber(format, filter, buffer.clone()), || {
+        tracing::subscriber::with_default(subscriber(format, filter, buffer.clone()).0, || {
             tracing::info!(target: NOTICE, "innerwall: listening on 127.0.0.1:7443 as localhost");
             tracing::warn!(workload = "w-1", "a warning");
             tracing::info!("an info");
         });
         String::from_utf8(buffer.0.lock().unwrap().clone()).unwrap()
+    }
+
+    #[test]
+    fn a_reloaded_filter_applies_to_what_comes_after_and_a_bad_one_changes_nothing() {
+        let buffer = Buffer::default();
+        let (subscriber, reload) = subscriber(LogFormat::Text, "warn", buffer.clone());
+        tracing::subscriber::with_default(subscriber, || {
+            tracing::info!("before the reload");
+            reload("info").unwrap();
+            tracing::info!("after the reload");
+            assert!(reload("not a [filter").is_err());
+            tracing::info!("after the refused reload");
+        });
+        let text = String::from_utf8(buffer.0.lock().unwrap().clone()).unwrap();
+        assert!(!text.contains("before the reload"), "{text}");
+        assert!(text.contains("after the reload") && text.contains("after the refused reload"), "{text}");
     }
 
     #[test]

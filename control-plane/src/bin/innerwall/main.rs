@@ -24,6 +24,7 @@ mod api;
 mod audit;
 mod backend;
 mod ca;
+mod config;
 mod ctx;
 mod drafts;
 mod duration;
@@ -55,6 +56,12 @@ use crate::ctx::{Ctx, Database};
 #[derive(Debug, Parser)]
 #[command(name = "innerwall", version, about = "Innerwall control plane and operator CLI")]
 struct Cli {
+    /// The configuration file (TOML): its keys are the long names of `serve`'s flags and of
+    /// --database-url, --state-dir, --ca-dir, --max-rendered-entries, --max-rendered-bytes,
+    /// --log-format and --log-level; a flag or variable given wins over it. Default:
+    /// /etc/innerwall/innerwall.toml, if it exists. `innerwall config check` checks it.
+    #[arg(long, env = "INNERWALL_CONFIG", global = true, value_name = "FILE")]
+    config: Option<PathBuf>,
     /// Postgres to use. Without it, the private cluster under --state-dir is used: started for
     /// the command if it is not running (and stopped again after it), refused if there is none
     /// (`serve`, `migrate` and --init create it).
@@ -104,9 +111,13 @@ struct Cli {
         default_value_t = innerwall_wire::sync::DEFAULT_MAX_RENDERED_BYTES as u64,
         value_parser = clap::value_parser!(u64).range(1..=(innerwall_wire::sync::MAX_POLICY_MESSAGE as u64 / 2)))]
     max_rendered_bytes: u64,
-    /// How stderr logs read: text, or one JSON object per line (filter: INNERWALL_LOG).
+    /// How stderr logs read: text, or one JSON object per line (filter: --log-level).
     #[arg(long, global = true, value_enum, default_value_t)]
     log_format: logs::LogFormat,
+    /// Which log lines are written: a level (error, warn, info, debug, trace) or per-module
+    /// directives (`warn,innerwall_control_plane::sync=debug`). `serve` reloads it on SIGHUP.
+    #[arg(long, env = "INNERWALL_LOG", global = true, default_value = "warn")]
+    log_level: String,
     #[command(subcommand)]
     command: Command,
 }
@@ -118,7 +129,12 @@ enum Command {
     /// Apply database migrations and exit (creating the embedded cluster if there is none).
     Migrate,
     /// Run the control-plane service: agent listener, NOTIFY bridge; renders once at start.
+    /// SIGHUP reloads the configuration: the log level, the API's request bounds and its
+    /// certificate files take effect; other changes are named as needing a restart.
     Serve(Box<serve::ServeArgs>),
+    /// The configuration file: `check` it, `show` what is in force.
+    #[command(subcommand)]
+    Config(config::ConfigCmd),
     /// The certificate authority that issues workload identities.
     #[command(subcommand)]
     Ca(ca::CaCmd),
@@ -190,12 +206,16 @@ enum Command {
 const CLOSED_PIPE: u8 = 128 + 13;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let (cli, layer) = match config::parse(&argv) {
+        Ok(parsed) => parsed,
+        Err(code) => return code,
+    };
     innerwall_control_plane::policy::publish::set_bound(innerwall_control_plane::policy::render::Bound {
         entries: cli.max_rendered_entries as usize,
         bytes: cli.max_rendered_bytes as usize,
     });
-    logs::init(cli.log_format);
+    logs::init(cli.log_format, &cli.log_level);
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -203,7 +223,8 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| runtime.block_on(run(cli))));
+    let ran =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| runtime.block_on(run(cli, &argv, &layer))));
     match ran {
         Ok(Ok(())) => ExitCode::SUCCESS,
         Ok(Err(e)) => {
@@ -224,7 +245,14 @@ fn main() -> ExitCode {
     }
 }
 
-async fn run(cli: Cli) -> anyhow::Result<()> {
+async fn run(
+    cli: Cli,
+    argv: &[std::ffi::OsString],
+    layer: &innerwall_wire::config::Layer,
+) -> anyhow::Result<()> {
+    if let Command::Config(cmd) = &cli.command {
+        return config::run(cmd, argv, layer, cli.json);
+    }
     if let Some(api) = &cli.api {
         let done = remote(api, &cli).await;
         output::flush();
@@ -244,7 +272,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             database.connect().await?;
             println!("migrations applied");
         }
-        Command::Serve(args) => serve::run(args, &database, &ca_dir).await?,
+        Command::Serve(args) => serve::run(args, &database, &ca_dir, argv).await?,
         Command::Ca(cmd) => ca::run(cmd, &ca_dir, &database, cli.json, cli.page_size).await?,
         Command::Operator(cmd) => operators::run(&connect().await?, cmd).await?,
         command => operate(&connect().await?, command, cli.json, &ca_dir).await?,
@@ -322,7 +350,12 @@ async fn operate(
         Command::Flows(cmd) => flows::run(b, json, cmd).await,
         Command::Promotions(cmd) => promotions::run(b, json, cmd).await,
         Command::Audit(cmd) => audit::run(b, json, cmd).await,
-        Command::Contract | Command::Migrate | Command::Serve(_) | Command::Ca(_) | Command::Operator(_) => {
+        Command::Contract
+        | Command::Config(_)
+        | Command::Migrate
+        | Command::Serve(_)
+        | Command::Ca(_)
+        | Command::Operator(_) => {
             unreachable!("host-only commands are run on the host, never as operations")
         }
     }

@@ -1,6 +1,7 @@
 //! `innerwall serve`: one control-plane replica, from start-up to a drained stop on SIGINT or
-//! SIGTERM.
+//! SIGTERM, reloading its configuration on SIGHUP.
 
+use std::ffi::OsString;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -14,6 +15,7 @@ use innerwall_control_plane::postgres::{PoolConfig, PoolsConfig};
 use innerwall_control_plane::rate::AgentBounds;
 use innerwall_control_plane::sync::gateway;
 use innerwall_control_plane::{flows, service};
+use innerwall_wire::config::Setting;
 
 use crate::ctx::Database;
 use crate::duration;
@@ -116,7 +118,26 @@ pub struct ServeArgs {
     metrics_listen: Option<std::net::SocketAddr>,
 }
 
+/// The keys a reload puts in force while `serve` runs; a change to any other is named as
+/// needing a restart. The API's certificate files are read again on every reload.
+const RELOADED: &[&str] = &[
+    "log-level",
+    "api-requests-per-minute",
+    "api-max-concurrent-per-token",
+    "api-unauthenticated-per-minute",
+];
+
 impl ServeArgs {
+    /// Everything about these arguments that can be wrong before anything starts (`config
+    /// check` runs it, as `serve` does).
+    pub fn check(&self) -> anyhow::Result<()> {
+        let flows = days(self.flow_retention, "--flow-retention")?;
+        chrono::Duration::from_std(self.flow_max_ahead).context("--flow-max-ahead is too large")?;
+        self.retention.retention(flows)?;
+        self.api.config(&[], self.server_cert_lifetime)?;
+        Ok(())
+    }
+
     fn pools(&self) -> PoolsConfig {
         let defaults = PoolsConfig::default();
         PoolsConfig {
@@ -295,11 +316,6 @@ impl ApiArgs {
         names: &[String],
         lifetime: std::time::Duration,
     ) -> anyhow::Result<Option<api::ApiConfig>> {
-        let Some(listen) = self.api_listen else { return Ok(None) };
-        let tls = match (&self.api_cert, &self.api_key) {
-            (Some(cert), Some(key)) => api::ApiTls::Files { cert: cert.clone(), key: key.clone() },
-            _ => api::ApiTls::FromCa { names: names.to_vec(), lifetime },
-        };
         if self.api_max_body == 0
             || self.api_max_connections == 0
             || self.api_request_timeout.is_zero()
@@ -311,6 +327,13 @@ impl ApiArgs {
                  --api-connection-lifetime must be more than 0"
             );
         }
+        let Some(listen) = self.api_listen else { return Ok(None) };
+        let tls = match (&self.api_cert, &self.api_key) {
+            (Some(cert), Some(key)) => api::ApiTls::Files { cert: cert.clone(), key: key.clone() },
+            (None, None) => api::ApiTls::FromCa { names: names.to_vec(), lifetime },
+            // The flags require each other; a file or the environment could give one alone.
+            _ => anyhow::bail!("--api-cert and --api-key are given together or not at all"),
+        };
         let defaults = ApiLimits::default();
         let limits = ApiLimits {
             max_body: self.api_max_body,
@@ -345,9 +368,19 @@ fn days(d: std::time::Duration, flag: &str) -> anyhow::Result<chrono::Duration> 
     chrono::Duration::try_days(days as i64).with_context(|| format!("{flag} is too large"))
 }
 
-/// Loads the CA before touching the database, so a replica without one fails at once.
-pub async fn run(args: &ServeArgs, database: &Database, ca_dir: &Path) -> anyhow::Result<()> {
+/// Loads the CA before touching the database, so a replica without one fails at once. `argv`
+/// is read again, with the configuration file as it is then, on each SIGHUP.
+pub async fn run(
+    args: &ServeArgs,
+    database: &Database,
+    ca_dir: &Path,
+    argv: &[OsString],
+) -> anyhow::Result<()> {
     let shutdown = shutdown_signal()?;
+    let mut hangups = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        .context("while installing the SIGHUP handler")?;
+    args.check()?;
+    let mut in_force = crate::config::view(argv).map_err(|p| anyhow::anyhow!("{}", p.join("; ")))?.settings;
     let signer: Arc<dyn ca::Signer> =
         Arc::new(FileCa::load(ca_dir).context("while loading the CA (create it with `innerwall ca init`)")?);
     let (pools, supervisor) = database.connect_pools(&args.pools()).await?;
@@ -400,10 +433,71 @@ pub async fn run(args: &ServeArgs, database: &Database, ca_dir: &Path) -> anyhow
     if let Some(addr) = running.metrics_addr {
         tracing::info!(target: crate::logs::NOTICE, "innerwall: metrics at http://{addr}/metrics (unauthenticated)");
     }
-    shutdown.await;
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            () = &mut shutdown => break,
+            _ = hangups.recv() => reload(argv, &mut in_force, &running),
+        }
+    }
     tasks.stop().await;
     running.stop().await?;
     Ok(())
+}
+
+/// A SIGHUP: reads the command line and the file again and puts in force what can change
+/// while running ([`RELOADED`], the API certificate's files); says what changed, what did
+/// not take effect and why. A configuration with a problem changes nothing.
+fn reload(argv: &[OsString], in_force: &mut [Setting], running: &service::Running) {
+    let notice = |text: String| tracing::warn!(target: crate::logs::NOTICE, "innerwall: {text}");
+    let view = match crate::config::view(argv) {
+        Ok(view) => view,
+        Err(problems) => {
+            return notice(format!("reload refused, nothing changed: {}", problems.join("; ")));
+        }
+    };
+    let changed: Vec<&str> = view
+        .settings
+        .iter()
+        .filter(|new| {
+            in_force.iter().find(|old| old.key == new.key).is_none_or(|old| old.values != new.values)
+        })
+        .map(|s| s.key.as_str())
+        .collect();
+    let (applied, restart): (Vec<&str>, Vec<&str>) = changed.iter().partition(|k| RELOADED.contains(k));
+    let mut said = Vec::new();
+    if applied.contains(&"log-level")
+        && let Err(e) = crate::logs::set_filter(&view.log_level)
+    {
+        return notice(format!("reload refused, nothing changed: --log-level {e}"));
+    }
+    if let Some(api) = running.api() {
+        let limits = view.args.api.config(&[], view.args.server_cert_lifetime).ok().flatten();
+        let rates = limits.map_or_else(|| api.rates(), |c| api::edge::EdgeRates::from(c.limits));
+        match api.reload(rates).certificate {
+            Ok(Some(fingerprint)) => said.push(format!("the API certificate is now SHA-256 {fingerprint}")),
+            Ok(None) => {}
+            Err(e) => said.push(format!("the API certificate was kept: {e}")),
+        }
+    }
+    if !applied.is_empty() {
+        said.insert(0, format!("applied {}", applied.join(", ")));
+    }
+    if !restart.is_empty() {
+        said.push(format!("not applied until a restart: {}", restart.join(", ")));
+    }
+    if said.is_empty() {
+        said.push("nothing changed".to_owned());
+    }
+    notice(format!("configuration reloaded: {}", said.join("; ")));
+    // What needs a restart stays recorded as it runs, so the next reload names it again.
+    for setting in &view.settings {
+        if applied.contains(&setting.key.as_str())
+            && let Some(old) = in_force.iter_mut().find(|old| old.key == setting.key)
+        {
+            *old = setting.clone();
+        }
+    }
 }
 
 /// Resolves on SIGINT or SIGTERM. The handlers are installed when this is called, not when it

@@ -1,0 +1,100 @@
+//! The agent's configuration file (issue 32, RUN-6) through the real binary: flag >
+//! environment > file > default, the file's `state-dir` used by every command that takes one,
+//! and every problem listed by `config check` while any other command but the kill switch
+//! does nothing.
+
+use std::process::Command;
+
+const AGENT: &str = env!("CARGO_BIN_EXE_innerwall-agent");
+
+/// `innerwall-agent ARGS` with only `env` of the INNERWALL_ variables (and no RUST_LOG) set.
+fn agent(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
+    let mut command = Command::new(AGENT);
+    for (name, _) in std::env::vars() {
+        if name.starts_with("INNERWALL_") || name == "RUST_LOG" {
+            command.env_remove(name);
+        }
+    }
+    let out = command.args(args).envs(env.iter().copied()).output().unwrap();
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (out.status.code().unwrap_or(-1), text(&out.stdout), text(&out.stderr))
+}
+
+/// The line `config show --effective` prints for `key`, as (value, source).
+fn shown(out: &str, key: &str) -> (String, String) {
+    let line = out
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(key))
+        .unwrap_or_else(|| panic!("{key}: {out}"));
+    let words: Vec<&str> = line.split_whitespace().collect();
+    (words[1].to_owned(), words[2..].join(" "))
+}
+
+#[test]
+fn agent_config_files_are_checked() {
+    let dir = std::env::temp_dir().join(format!("iw-agent-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("agent.toml");
+    let path = file.to_str().unwrap();
+    let state = dir.join("state");
+    std::fs::write(
+        &file,
+        format!("server = \"cp.example:7443\"\nstate-dir = \"{}\"\nlog-level = \"warn\"\n", state.display()),
+    )
+    .unwrap();
+
+    let (code, out, err) = agent(
+        &["--config", path, "--log-level", "debug", "config", "show", "--effective"],
+        &[("INNERWALL_AGENT_LOG", "trace"), ("INNERWALL_AGENT_METRICS_LISTEN", "127.0.0.1:9001")],
+    );
+    assert_eq!(code, 0, "{out}{err}");
+    let file_source = format!("file {path}");
+    assert_eq!(shown(&out, "server"), ("cp.example:7443".into(), file_source.clone()));
+    assert_eq!(shown(&out, "log-level"), ("debug".into(), "flag".into()));
+    assert_eq!(
+        shown(&out, "metrics-listen"),
+        ("127.0.0.1:9001".into(), "env INNERWALL_AGENT_METRICS_LISTEN".into())
+    );
+    assert_eq!(shown(&out, "drift-interval-ms"), ("2000".into(), "default".into()));
+    // The variable beats the file; the file's state-dir is the one `status` reads.
+    let (code, out, _) = agent(
+        &["--config", path, "config", "show", "--effective"],
+        &[("INNERWALL_AGENT_SERVER", "other.example:7443")],
+    );
+    assert_eq!(code, 0);
+    assert_eq!(shown(&out, "server"), ("other.example:7443".into(), "env INNERWALL_AGENT_SERVER".into()));
+    let (code, out, err) = agent(&["--config", path, "status"], &[]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains(&state.display().to_string()), "{out}");
+    let (code, out, _) = agent(&["config", "check"], &[("INNERWALL_AGENT_CONFIG", path)]);
+    assert_eq!(code, 0, "{out}");
+
+    // Every problem listed with its key; any other command refuses and does nothing.
+    std::fs::write(
+        &file,
+        "drift-interval-ms = \"often\"\nserver = [\"a:1\"]\nbogus = 1\nstate_dir = \"/x\"\n",
+    )
+    .unwrap();
+    let (code, out, err) = agent(&["--config", path, "config", "check"], &[]);
+    assert_eq!(code, 1, "{out}{err}");
+    for key in ["drift-interval-ms", "server", "bogus", "state_dir"] {
+        assert!(out.contains(&format!("{path}: {key}: ")), "no problem names {key}: {out}");
+    }
+    assert!(out.contains("did you mean \"state-dir\""), "{out}");
+    let (code, _, err) = agent(&["--config", path, "status"], &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("nothing was done"), "{err}");
+    // The kill switch works anyway (in a network namespace of its own), warning of each.
+    std::fs::create_dir_all(&state).unwrap();
+    std::fs::write(&file, format!("bogus = 1\nstate-dir = \"{}\"\n", state.display())).unwrap();
+    let out = Command::new("unshare").args(["--net", AGENT, "--config", path, "down"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("bogus") && err.contains("ignored by the kill switch"), "{err}");
+    assert!(state.join("down").exists(), "down recorded itself under the file's state-dir");
+    // Without a file and without --server, `run` could not start: check says so.
+    let (code, out, _) = agent(&["--config", "/nonexistent/agent.toml", "config", "check"], &[]);
+    assert_eq!(code, 1);
+    assert!(out.contains("cannot be read"), "{out}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
