@@ -15,6 +15,7 @@ mod kill_switch;
 mod metrics;
 mod notify;
 mod operator_edge;
+mod packages;
 mod plane;
 mod policy_size;
 mod remote;

@@ -8,6 +8,7 @@ mod demo;
 mod ebpf;
 mod elf;
 mod fuzz;
+mod package;
 mod setup;
 mod suite;
 mod transport;
@@ -59,6 +60,15 @@ enum Task {
         /// Leave the estate and its console running until Enter is pressed, to click through it.
         #[arg(long)]
         keep: bool,
+    },
+    /// Build the Debian packages `innerwall` and `innerwall-agent` (the eBPF object embedded)
+    /// into target/packages/ (or --out).
+    Package {
+        #[arg(long, value_name = "DIR")]
+        out: Option<PathBuf>,
+        /// Debug binaries, as `cargo xtask test` packages them for its tests.
+        #[arg(long)]
+        dev: bool,
     },
     /// Run the policy stream's deterministic simulator (issue 30) over many seeds; prints seeds
     /// per second and each failing seed with the command that replays it.
@@ -112,6 +122,11 @@ fn run(cli: Cli) -> Result<()> {
         Task::Lint => suite::lint(&root),
         Task::Bench { names, quick } => bench::run(&root, &names, quick),
         Task::Demo { keep } => demo::run(&root, keep),
+        Task::Package { out, dev } => {
+            let profile = if dev { package::Profile::Dev } else { package::Profile::Release };
+            package::build(&root, profile, &out.unwrap_or_else(|| root.join(package::TEST_PACKAGES)))
+                .map(drop)
+        }
         Task::Simulate { args } => cmd::run(
             suite::root_cargo(&root)
                 .args(["run", "--quiet", "--release", "-p", "innerwall-e2e", "--bin", "innerwall-sim", "--"])

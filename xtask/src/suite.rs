@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 
-use crate::{cargo_env, cmd, cycles, ebpf, fuzz, setup, transport, wire};
+use crate::{cargo_env, cmd, cycles, ebpf, fuzz, package, setup, transport, wire};
 
 /// How long each fuzz target runs in the test command: long enough to catch a shallow panic.
 const FUZZ_IN_TESTS: Duration = Duration::from_secs(15);
@@ -16,7 +16,8 @@ const FUZZ_IN_TESTS: Duration = Duration::from_secs(15);
 pub fn test(root: &Path, cargo_args: &[String]) -> Result<()> {
     // build-ebpf runs the rest of setup (rust-src, bpf-linker) itself.
     setup::apt_packages()?;
-    ebpf::build(root)?;
+    // The packages the tests install (`packages_install_and_enforce`), eBPF object included.
+    package::build(root, package::Profile::Dev, &root.join(package::TEST_PACKAGES))?;
     cmd::run(root_cargo(root).args(["test", "--workspace"]).args(cargo_args))?;
     fuzz::run(root, FUZZ_IN_TESTS)
 }

@@ -29,7 +29,7 @@ use crate::sync::{Agent, WindowClose};
 fn attach(conn_entries: Option<u32>, metrics: &crate::metrics::Metrics) -> Result<Capture, CaptureError> {
     let conn_capacity = Some(conn_entries.unwrap_or_else(capture::default_conn_entries));
     let options = capture::CaptureOptions { conn_capacity, ..capture::CaptureOptions::default() };
-    let mut capture = Capture::load(&capture::default_object_path(), options, log::logger())?;
+    let mut capture = Capture::load_object(&capture::daemon_object(), options, log::logger())?;
     metrics.capture_loaded(capture.conn_capacity());
     capture.follow_links()?;
     Ok(capture)

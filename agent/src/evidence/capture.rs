@@ -20,10 +20,12 @@
 //! counter) are read from their ring buffer at each drain and handed to a `log` logger: the
 //! process's own (`log::logger()`, which the agent bridges into tracing) or one a test passes.
 //!
-//! The object is read from a file, never embedded, so a plain `cargo build` needs no BPF
-//! toolchain: [`default_object_path`] (`$INNERWALL_EBPF_OBJECT`, else
-//! `<dir of the executable>/../bpf/innerwall-ebpf`, which is `target/bpf/innerwall-ebpf` for
-//! cargo builds; `cargo xtask build-ebpf` puts it there). Because it is built separately, the
+//! A plain `cargo build` needs no BPF toolchain: the object is read from a file,
+//! [`default_object_path`] (`$INNERWALL_EBPF_OBJECT`, else `<dir of the executable>/../bpf/
+//! innerwall-ebpf`, which is `target/bpf/innerwall-ebpf` for cargo builds; `cargo xtask
+//! build-ebpf` puts it there). A packaged agent is built with the `embedded-ebpf` feature
+//! (`cargo xtask package`): the object is in the binary, and no path is trusted at run time
+//! ([`daemon_object`]). Because it is built separately, the
 //! object carries the ABI version of the layouts it was built against
 //! (`innerwall_ebpf_common::ABI_VERSION` in its `innerwall_abi` section), and one with another
 //! version, or none, is refused before anything is loaded.
@@ -48,6 +50,34 @@ pub const DRAIN_GRACE: Duration = Duration::from_millis(20);
 
 /// The environment variable that overrides where the eBPF object is read from.
 pub const OBJECT_ENV: &str = "INNERWALL_EBPF_OBJECT";
+
+/// Where the program comes from.
+#[derive(Debug, Clone)]
+pub enum Object {
+    /// A file, checked before it is read ([`read_trusted`]).
+    File(PathBuf),
+    /// Bytes built into this binary.
+    Embedded(&'static [u8]),
+}
+
+/// What errors name an embedded object by.
+const EMBEDDED_NAME: &str = "(embedded in this binary)";
+
+#[cfg(feature = "embedded-ebpf")]
+static EMBEDDED: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/innerwall-ebpf"));
+
+/// The object the daemon loads: the one embedded in this build.
+#[cfg(feature = "embedded-ebpf")]
+pub fn daemon_object() -> Object {
+    Object::Embedded(EMBEDDED)
+}
+
+/// The object the daemon loads: this build has none embedded, so the file at
+/// [`default_object_path`].
+#[cfg(not(feature = "embedded-ebpf"))]
+pub fn daemon_object() -> Object {
+    Object::File(default_object_path())
+}
 
 /// What can go wrong loading, attaching or draining.
 #[derive(Debug, thiserror::Error)]
@@ -317,10 +347,21 @@ impl Capture {
         options: CaptureOptions,
         log: &'static dyn log::Log,
     ) -> Result<Capture, CaptureError> {
+        Capture::load_object(&Object::File(object_path.to_owned()), options, log)
+    }
+
+    /// [`Capture::load`] from a file or from bytes built into this binary.
+    pub fn load_object(
+        object: &Object,
+        options: CaptureOptions,
+        log: &'static dyn log::Log,
+    ) -> Result<Capture, CaptureError> {
         root_required(effective_uid())?;
-        if !object_path.is_file() {
-            return Err(CaptureError::ObjectMissing(object_path.to_owned()));
-        }
+        let (object_path, bytes) = match object {
+            Object::File(path) if !path.is_file() => return Err(CaptureError::ObjectMissing(path.clone())),
+            Object::File(path) => (path.as_path(), std::borrow::Cow::Owned(read_trusted(path)?)),
+            Object::Embedded(bytes) => (Path::new(EMBEDDED_NAME), std::borrow::Cow::Borrowed(*bytes)),
+        };
         let mut loader = EbpfLoader::new();
         if let Some(capacity) = options.flow_capacity {
             loader.map_max_entries(common::FLOWS_A, capacity);
@@ -329,7 +370,6 @@ impl Capture {
         if let Some(capacity) = options.conn_capacity {
             loader.map_max_entries(common::CONNS, capacity);
         }
-        let bytes = read_trusted(object_path)?;
         check_abi(object_path, &bytes)?;
         let mut ebpf = loader.load(&bytes).map_err(|source| CaptureError::Load {
             path: object_path.to_owned(),
