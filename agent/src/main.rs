@@ -63,35 +63,21 @@ enum ConfigCmd {
 /// problem in the file only `config check` and the kill switch (`down`, on the file's valid
 /// keys) run: anything else prints the problems and exits 2.
 fn parse(argv: &[OsString]) -> Result<(Cli, config::Layer, bool), ExitCode> {
-    let layer = config::load(&CONFIG, &Cli::command(), argv);
-    let report = |layer: &config::Layer| {
-        for problem in &layer.problems {
-            eprintln!("error: {problem}");
-        }
-    };
-    let matches =
-        config::apply(&CONFIG, Cli::command(), &layer).try_get_matches_from(argv).unwrap_or_else(|e| {
-            report(&layer);
-            e.exit()
-        });
+    let (matches, layer) = config::parse(&CONFIG, Cli::command, argv);
     let level_given =
         matches.value_source("log_level").is_some_and(|s| s != clap::parser::ValueSource::DefaultValue)
             || layer.values.contains_key("log_level");
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if let Command::Enroll { token: Some(_), .. } = &cli.command {
+        refuse_token_flag();
+    }
     // The kill switch works whatever the file says: its problems are warnings there.
     if !layer.problems.is_empty() && matches!(cli.command, Command::Down { .. }) {
-        for problem in &layer.problems {
-            eprintln!("warning: {problem} (ignored by the kill switch)");
-        }
+        config::print_problems(&layer, "warning", " (ignored by the kill switch)");
         return Ok((cli, layer, level_given));
     }
     if !layer.problems.is_empty() && !matches!(cli.command, Command::Config(ConfigCmd::Check)) {
-        report(&layer);
-        eprintln!(
-            "innerwall-agent: the configuration has {} problem(s); nothing was done (`innerwall-agent config check` lists them)",
-            layer.problems.len()
-        );
-        return Err(ExitCode::from(2));
+        return Err(config::refuse(&layer, "innerwall-agent"));
     }
     Ok((cli, layer, level_given))
 }
@@ -196,15 +182,17 @@ enum Command {
         /// Control-plane address, HOST:PORT (HOST must be a name in its certificate).
         #[arg(long, env = "INNERWALL_AGENT_SERVER")]
         server: String,
-        /// The provisioning token (iw_…). Prefer --token-file: other users can read a process's
-        /// arguments, and a shell keeps its command lines. (INNERWALL_TOKEN, its former
-        /// variable, is still read, with a warning.)
-        #[arg(long, env = "INNERWALL_PROVISIONING_TOKEN", hide_env_values = true)]
-        token: Option<String>,
-        /// A file holding the provisioning token (surrounding whitespace ignored), as the
-        /// command `innerwall token mint` prints has it.
-        #[arg(long, conflicts_with = "token")]
+        /// A file holding the provisioning token (iw_…), as the command `innerwall token mint`
+        /// prints has it, or `-` to read it from standard input (surrounding whitespace
+        /// ignored; at most 4 KiB). Without it, INNERWALL_PROVISIONING_TOKEN is read
+        /// (INNERWALL_TOKEN, its former name, still is, with a warning). The token is never
+        /// taken as a flag: other users can read a process's arguments, and a shell keeps its
+        /// command lines.
+        #[arg(long, value_name = "FILE")]
         token_file: Option<PathBuf>,
+        /// The former --token: refused, saying what to use instead.
+        #[arg(long, hide = true, value_name = "TOKEN")]
+        token: Option<String>,
         /// The CA certificate delivered with the token; the only trust anchor for the server.
         #[arg(long)]
         ca_bundle: PathBuf,
@@ -284,11 +272,43 @@ fn main() -> ExitCode {
     }
 }
 
+/// `enroll --token TOKEN`, the flag the token was once given as: a usage error (exit 2) that
+/// says what to do instead, without repeating the token.
+fn refuse_token_flag() -> ! {
+    let mut cli = Cli::command();
+    cli.build();
+    let enroll = cli.find_subcommand_mut("enroll").expect("enroll is a subcommand");
+    enroll
+        .error(
+            clap::error::ErrorKind::UnknownArgument,
+            "enroll no longer takes the provisioning token as --token: other users can read a \
+             process's arguments, and a shell keeps its command lines. Save the token in a file only \
+             root reads and pass --token-file FILE (`--token-file -` reads it from standard input), \
+             or set INNERWALL_PROVISIONING_TOKEN",
+        )
+        .exit()
+}
+
+/// The variable that holds the provisioning token when --token-file is not given.
+const TOKEN_VAR: &str = "INNERWALL_PROVISIONING_TOKEN";
+
 /// The former name of `INNERWALL_PROVISIONING_TOKEN`, which the CLI's operator token also used.
 const DEPRECATED_TOKEN_VAR: &str = "INNERWALL_TOKEN";
 
-/// Without --token, INNERWALL_PROVISIONING_TOKEN or --token-file: the deprecated
-/// `INNERWALL_TOKEN`, with a warning, or an error saying what to give.
+/// The provisioning token: from --token-file (`-`: standard input), else
+/// `INNERWALL_PROVISIONING_TOKEN`, else the deprecated `INNERWALL_TOKEN`.
+fn provisioning_token(token_file: Option<&Path>, log_format: LogFormat) -> anyhow::Result<String> {
+    if let Some(path) = token_file {
+        return Ok(innerwall_agent::identity::enroll::read_token_file(path)?);
+    }
+    if let Some(token) = std::env::var(TOKEN_VAR).ok().filter(|t| !t.trim().is_empty()) {
+        return Ok(token.trim().to_owned());
+    }
+    deprecated_token(log_format)
+}
+
+/// Without --token-file or INNERWALL_PROVISIONING_TOKEN: the deprecated `INNERWALL_TOKEN`,
+/// with a warning, or an error saying what to give.
 fn deprecated_token(log_format: LogFormat) -> anyhow::Result<String> {
     let Some(token) = std::env::var(DEPRECATED_TOKEN_VAR).ok().filter(|t| !t.is_empty()) else {
         anyhow::bail!(
@@ -341,12 +361,8 @@ fn run(
                 .context("starting the async runtime")?;
             runtime.block_on(daemon::run(config))?;
         }
-        Command::Enroll { state, server, token, token_file, ca_bundle, force, keep_replaced } => {
-            let token = match (token, token_file) {
-                (Some(token), _) => token,
-                (None, Some(path)) => innerwall_agent::identity::enroll::read_token_file(&path)?,
-                (None, None) => deprecated_token(log_format)?,
-            };
+        Command::Enroll { state, server, token: _, token_file, ca_bundle, force, keep_replaced } => {
+            let token = provisioning_token(token_file.as_deref(), log_format)?;
             innerwall_agent::identity::enroll::check_token_kind(&token)?;
             let ca = innerwall_agent::identity::enroll::read_ca_bundle(&ca_bundle)?;
             let runtime = tokio::runtime::Builder::new_current_thread()

@@ -15,6 +15,7 @@
 pub mod admission;
 pub mod api;
 pub mod audit;
+pub mod backup;
 mod batch;
 pub mod copy;
 pub mod counts;

@@ -1,6 +1,10 @@
 //! `innerwall-agent enroll --force` through the agent's own enrollment path against a replica
-//! over real mTLS (issue 16 item 3): what becomes of the workload a re-enrollment replaces.
+//! over real mTLS (issue 16 item 3): what becomes of the workload a re-enrollment replaces. And
+//! the `innerwall-agent enroll` command itself takes the provisioning token from a file or
+//! standard input, never from a flag (issue 32 item 3).
 
+use std::io::Write as _;
+use std::process::{Command, Stdio};
 use std::time::{Duration, SystemTime};
 
 use innerwall_agent::identity::credential::{Credential, new_key_and_csr};
@@ -64,4 +68,67 @@ async fn enroll_force_retires_the_replaced_workload_unless_kept() {
     let warning = fourth.replaced.warning().unwrap();
     assert!(warning.contains(&format!("`innerwall workload retire {third_id}`")), "{warning}");
     assert_eq!((live(third_id).await, live(fourth.credential.id).await), (true, true));
+}
+
+/// `innerwall-agent enroll` never takes the token as a flag: `--token` is a usage error (exit 2)
+/// that names what to use instead, does not repeat the token, stores nothing and spends nothing
+/// (the same one-time token enrolls afterwards); `--token-file -` reads it from standard input;
+/// a missing file or empty input is an error naming it. (Worker threads serve the replica while
+/// the test waits on the command.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enroll_takes_the_token_from_stdin_never_a_flag() {
+    let plane = Plane::start().await;
+    std::fs::create_dir_all(&plane.dir).unwrap();
+    let ca = plane.dir.join("enroll-ca.pem");
+    std::fs::write(&ca, plane.signer.ca_bundle_pem()).unwrap();
+    let state = plane.dir.join("stdin-host");
+    let token = plane.mint(&["app=web"]).await;
+    let enroll = |extra: &[&str], input: &str| -> (Option<i32>, String, String) {
+        let mut child = Command::new(innerwall_e2e::workspace_bin("innerwall-agent"))
+            .env_remove("INNERWALL_PROVISIONING_TOKEN")
+            .env_remove("INNERWALL_TOKEN")
+            .args(["enroll", "--server", &plane.server(), "--ca-bundle"])
+            .arg(&ca)
+            .arg("--state-dir")
+            .arg(&state)
+            .args(extra)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("running innerwall-agent enroll");
+        // One that exits without reading closes the pipe; its status and stderr say why.
+        let _ = child.stdin.take().unwrap().write_all(input.as_bytes());
+        let out = child.wait_with_output().unwrap();
+        let text = |b: Vec<u8>| String::from_utf8_lossy(&b).into_owned();
+        (out.status.code(), text(out.stdout), text(out.stderr))
+    };
+    let workloads = async || -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM workloads").fetch_one(plane.pool()).await.unwrap()
+    };
+
+    let (code, stdout, stderr) = enroll(&["--token", &token], "");
+    assert_eq!(code, Some(2), "{stdout}{stderr}");
+    assert!(
+        stderr.contains("--token-file FILE") && stderr.contains("INNERWALL_PROVISIONING_TOKEN"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains(&token), "the token is not repeated: {stderr}");
+    assert!(!state.exists(), "a refused enroll stored something");
+    assert_eq!(workloads().await, 0);
+
+    let missing = plane.dir.join("no-such-token");
+    let (code, _, stderr) = enroll(&["--token-file", missing.to_str().unwrap()], &token);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains(&format!("reading the token file {}", missing.display())), "{stderr}");
+    let (code, _, stderr) = enroll(&["--token-file", "-"], " \n");
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("the token from standard input (--token-file -) is empty"), "{stderr}");
+    assert_eq!(workloads().await, 0);
+
+    let (code, stdout, stderr) = enroll(&["--token-file", "-"], &format!("{token}\n"));
+    assert_eq!(code, Some(0), "{stdout}{stderr}");
+    let id = Credential::load(&state).unwrap().id;
+    assert!(stdout.contains(&format!("enrolled as workload {id}")), "{stdout}");
+    assert_eq!(workloads().await, 1);
 }

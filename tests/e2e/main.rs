@@ -1,6 +1,7 @@
 //! End-to-end tests across crates. One test binary; one module per capability.
 
 mod agent_restart;
+mod backup;
 mod binaries;
 mod bounds;
 mod console;

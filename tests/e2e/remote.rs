@@ -206,8 +206,11 @@ async fn remote_cli_matches_local() {
     let token = mint_token(&remote, "e2e-editor", "editor");
 
     let local_flags = vec!["--database-url".to_owned(), local.db.url.clone()];
-    let remote_flags: Vec<String> =
-        ["--api", &api, "--token", &token, "--api-ca", ca].iter().map(|s| (*s).to_owned()).collect();
+    let token_file = token_file(&remote, &token);
+    let remote_flags: Vec<String> = ["--api", &api, "--token-file", &token_file, "--api-ca", ca]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
     let by_db = run(&local_flags, file);
     let by_api = run(&remote_flags, file);
     assert_eq!(by_db.len(), by_api.len());
@@ -225,14 +228,16 @@ async fn remote_cli_matches_local() {
     assert!(!help.contains(&token), "{help}");
 
     // A bad token: the 401 problem's detail as the error, exit 1.
-    let (code, stdout, stderr) =
-        innerwall(&["--api", &api, "--token", "iwo_not-a-token", "--api-ca", ca, "service", "list"], &[]);
+    let (code, stdout, stderr) = innerwall(
+        &["--api", &api, "--api-ca", ca, "service", "list"],
+        &[("INNERWALL_API_TOKEN", "iwo_not-a-token")],
+    );
     assert_eq!(code, Some(1), "{stdout}{stderr}");
     assert!(stdout.is_empty(), "{stdout}");
     assert!(stderr.contains("error: ") && stderr.to_lowercase().contains("token"), "{stderr}");
 
     // Without --api-ca: what to pass.
-    let (code, _, stderr) = innerwall(&["--api", &api, "--token", &token, "service", "list"], &[]);
+    let (code, _, stderr) = innerwall(&["--api", &api, "--token-file", &token_file, "service", "list"], &[]);
     assert_eq!(code, Some(1));
     assert!(stderr.contains("--api-ca"), "{stderr}");
 
@@ -243,6 +248,18 @@ async fn remote_cli_matches_local() {
         assert_eq!(code, Some(1), "{host_only:?}: {stderr}");
         assert!(stderr.contains("administers this host and does not take --api"), "{host_only:?}: {stderr}");
     }
+}
+
+/// `token` in a file of `plane`'s directory only its owner reads (mode 0600), for
+/// `--token-file`: the CLI takes no secret as a flag.
+pub(crate) fn token_file(plane: &Plane, token: &str) -> String {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    std::fs::create_dir_all(&plane.dir).unwrap();
+    let path = plane.dir.join(format!("token-{}", uuid::Uuid::new_v4()));
+    let mut file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path).unwrap();
+    file.write_all(token.as_bytes()).unwrap();
+    path.to_str().unwrap().to_owned()
 }
 
 /// An operator token with `role`, minted on `plane`'s host by the CLI.

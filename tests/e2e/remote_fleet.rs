@@ -29,7 +29,7 @@ use innerwall_wire::policy::{Cidr, Mode, Protocol, RuleId};
 use sqlx::PgPool;
 
 use crate::plane::Plane;
-use crate::remote::{Serve, innerwall, mint_token};
+use crate::remote::{Serve, innerwall, mint_token, token_file};
 
 /// The workloads, under the same ids in both databases.
 const DB: &str = "00000000-0000-4000-8000-0000000000d1";
@@ -432,7 +432,8 @@ async fn remote_cli_matches_local_fleet() {
 
     let on_db = |plane: &Plane| vec!["--database-url".to_owned(), plane.db.url.clone()];
     let through_api = |token: &str| -> Vec<String> {
-        ["--api", &api, "--token", token, "--api-ca", ca].iter().map(|s| (*s).to_owned()).collect()
+        let token = token_file(&remote, token);
+        ["--api", &api, "--token-file", &token, "--api-ca", ca].iter().map(|s| (*s).to_owned()).collect()
     };
     let local_a = Cli { global: on_db(&local), pool: local.pool() };
     let local_b = Cli { global: on_db(&remote), pool: remote.pool() };

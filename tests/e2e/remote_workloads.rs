@@ -287,8 +287,9 @@ struct Target<'a> {
 /// One step's output: stdout, or for a failure the exit code and the error message.
 async fn run(target: &Target<'_>, step: &Step) -> String {
     let mut args: Vec<String> = target.flags.clone();
+    let mut env = vec![("USER", "e2e"), ("SUDO_USER", "e2e")];
     if let Some(tokens) = target.tokens {
-        args.extend(["--token".to_owned(), tokens[&step.role].clone()]);
+        env.push(("INNERWALL_API_TOKEN", tokens[&step.role].as_str()));
     }
     for arg in &step.args {
         // The newest record, and the newest that stood on a verdict.
@@ -309,7 +310,7 @@ async fn run(target: &Target<'_>, step: &Step) -> String {
     }
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     // The local actor is `cli:<the real uid's user name>` (never $USER), read as `<actor>`.
-    let (code, stdout, stderr) = innerwall(&args, &[("USER", "e2e"), ("SUDO_USER", "e2e")]);
+    let (code, stdout, stderr) = innerwall(&args, &env);
     if step.ok {
         assert_eq!(code, Some(0), "{args:?}: {stderr}");
         return stdout;
@@ -560,9 +561,8 @@ fn refused_by_role(by_api: &Target<'_>, tokens: &BTreeMap<Role, String>) {
     ];
     for (role, step, needed) in cases {
         let mut args: Vec<&str> = by_api.flags.iter().map(String::as_str).collect();
-        args.extend(["--token", &tokens[role]]);
         args.extend(*step);
-        let (code, stdout, stderr) = innerwall(&args, &[]);
+        let (code, stdout, stderr) = innerwall(&args, &[("INNERWALL_API_TOKEN", &tokens[role])]);
         assert_eq!(code, Some(1), "{args:?}: {stdout}{stderr}");
         assert!(stdout.is_empty(), "{stdout}");
         let has = format!("{role:?}").to_lowercase();

@@ -257,6 +257,35 @@ pub fn apply(spec: &Spec, command: Command, layer: &Layer) -> Command {
     command
 }
 
+/// `argv` parsed with the file under it ([`load`], [`apply`]): the matches and the file. A
+/// usage error prints the file's problems, then clap's message, and exits.
+pub fn parse(spec: &Spec, command: fn() -> Command, argv: &[OsString]) -> (ArgMatches, Layer) {
+    let layer = load(spec, &command(), argv);
+    let matches = apply(spec, command(), &layer).try_get_matches_from(argv).unwrap_or_else(|e| {
+        print_problems(&layer, "error", "");
+        e.exit()
+    });
+    (matches, layer)
+}
+
+/// Each of the file's problems on stderr, as `{level}: {problem}{suffix}`.
+pub fn print_problems(layer: &Layer, level: &str, suffix: &str) {
+    for problem in &layer.problems {
+        eprintln!("{level}: {problem}{suffix}");
+    }
+}
+
+/// Refuses a command while the file has problems: prints them and what to run, and returns
+/// the exit status (2).
+pub fn refuse(layer: &Layer, binary: &str) -> std::process::ExitCode {
+    print_problems(layer, "error", "");
+    eprintln!(
+        "{binary}: the configuration has {} problem(s); nothing was done (`{binary} config check` lists them)",
+        layer.problems.len()
+    );
+    std::process::ExitCode::from(2)
+}
+
 /// `argv` of a `config …` command as the service's command line it stands for: the flags
 /// before `config`, then the service's subcommand.
 pub fn service_argv(spec: &Spec, argv: &[OsString]) -> Vec<OsString> {

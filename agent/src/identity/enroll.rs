@@ -28,14 +28,19 @@ pub enum EnrollError {
         #[source]
         source: std::io::Error,
     },
-    #[error("reading the token file {path}")]
+    #[error("reading {}", token_source(path))]
     TokenFile {
         path: PathBuf,
         #[source]
         source: std::io::Error,
     },
-    #[error("token file {path} is {len} bytes; a token is 46 characters")]
-    TokenFileTooLarge { path: PathBuf, len: u64 },
+    #[error("{} holds more than {MAX_TOKEN_FILE} bytes; a token is 46 characters", token_source(path))]
+    TokenFileTooLarge { path: PathBuf },
+    #[error(
+        "{} is empty; it should hold the provisioning token (iw_…) `innerwall token mint` printed",
+        token_source(path)
+    )]
+    TokenFileEmpty { path: PathBuf },
     #[error(
         "the token given is an operator token (iwo_…), which calls the control plane's API; enroll \
          takes a provisioning token (iw_…), minted with `innerwall token mint`"
@@ -63,16 +68,38 @@ pub fn read_ca_bundle(path: &Path) -> Result<String, EnrollError> {
     std::fs::read_to_string(path).map_err(|source| EnrollError::CaBundle { path: path.to_owned(), source })
 }
 
-/// Reads a provisioning token from a file (surrounding whitespace ignored; at most 1 KiB).
+/// The most bytes a token file may hold (a token is 46 characters).
+pub const MAX_TOKEN_FILE: u64 = 4096;
+
+/// `--token-file PATH` as messages name it: `-` is standard input.
+fn token_source(path: &Path) -> String {
+    if path == Path::new("-") {
+        "the token from standard input (--token-file -)".to_owned()
+    } else {
+        format!("the token file {}", path.display())
+    }
+}
+
+/// Reads a provisioning token from a file, or from standard input when `path` is `-`
+/// (surrounding whitespace ignored; at most [`MAX_TOKEN_FILE`] bytes; never empty).
 pub fn read_token_file(path: &Path) -> Result<String, EnrollError> {
     use std::io::Read as _;
     let failed = |source| EnrollError::TokenFile { path: path.to_owned(), source };
+    let reader: Box<dyn std::io::Read> = if path == Path::new("-") {
+        Box::new(std::io::stdin())
+    } else {
+        Box::new(std::fs::File::open(path).map_err(failed)?)
+    };
     let mut text = String::new();
-    std::fs::File::open(path).map_err(failed)?.take(1025).read_to_string(&mut text).map_err(failed)?;
-    if text.len() > 1024 {
-        return Err(EnrollError::TokenFileTooLarge { path: path.to_owned(), len: text.len() as u64 });
+    reader.take(MAX_TOKEN_FILE + 1).read_to_string(&mut text).map_err(failed)?;
+    if text.len() as u64 > MAX_TOKEN_FILE {
+        return Err(EnrollError::TokenFileTooLarge { path: path.to_owned() });
     }
-    Ok(text.trim().to_owned())
+    let token = text.trim();
+    if token.is_empty() {
+        return Err(EnrollError::TokenFileEmpty { path: path.to_owned() });
+    }
+    Ok(token.to_owned())
 }
 
 /// Refuses a token that is plainly not a provisioning token: an operator token (`iwo_`), the
@@ -237,9 +264,19 @@ mod tests {
         let path = std::env::temp_dir().join(format!("iw-token-{}", std::process::id()));
         std::fs::write(&path, "  iw_abc\n").unwrap();
         assert_eq!(read_token_file(&path).unwrap(), "iw_abc");
-        std::fs::write(&path, "x".repeat(2048)).unwrap();
-        assert!(read_token_file(&path).unwrap_err().to_string().contains("a token is 46 characters"));
+        std::fs::write(&path, "x".repeat(4096)).unwrap();
+        assert_eq!(read_token_file(&path).unwrap().len(), 4096, "4 KiB is read");
+        std::fs::write(&path, "x".repeat(4097)).unwrap();
+        let error = read_token_file(&path).unwrap_err().to_string();
+        assert!(
+            error.contains("a token is 46 characters") && error.contains(path.to_str().unwrap()),
+            "{error}"
+        );
+        std::fs::write(&path, " \n\t\n").unwrap();
+        let error = read_token_file(&path).unwrap_err().to_string();
+        assert!(error.contains("is empty") && error.contains(path.to_str().unwrap()), "{error}");
         std::fs::remove_file(&path).unwrap();
-        assert!(read_token_file(&path).unwrap_err().to_string().starts_with("reading the token file"));
+        let error = read_token_file(&path).unwrap_err().to_string();
+        assert!(error.starts_with(&format!("reading the token file {}", path.display())), "{error}");
     }
 }

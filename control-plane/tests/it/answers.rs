@@ -402,6 +402,7 @@ async fn viewer_answers_are_bounded() {
     // The CLI reads the same bounded pages, through the API and from the database: every group
     // once.
     let api = format!("https://localhost:{}", addr.rsplit(':').next().unwrap());
+    let token_file = crate::foresight_api::token_file(&dir, &token);
     for args in [
         vec![
             "--json",
@@ -409,8 +410,8 @@ async fn viewer_answers_are_bounded() {
             "1000",
             "--api",
             api.as_str(),
-            "--token",
-            token.as_str(),
+            "--token-file",
+            token_file.to_str().unwrap(),
             "--api-ca",
             ca.as_str(),
             "address-group",
@@ -490,9 +491,11 @@ async fn cursors_are_authenticated() {
     // a non-zero exit.
     let api = format!("https://localhost:{}", addr.rsplit(':').next().unwrap());
     let workload = ids[0].to_string();
+    let token_file = crate::foresight_api::token_file(&dir, &token);
+    let token_file = token_file.to_str().unwrap();
     for bad in [forged.as_str(), tampered.as_str(), cursor.as_str()] {
         for mode in [
-            vec!["--api", api.as_str(), "--token", token.as_str(), "--api-ca", ca.as_str()],
+            vec!["--api", api.as_str(), "--token-file", token_file, "--api-ca", ca.as_str()],
             vec!["--database-url", db.url.as_str()],
         ] {
             let mut args = mode.clone();

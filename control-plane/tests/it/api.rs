@@ -1308,7 +1308,34 @@ async fn api_serves_an_operator_certificate() {
     let reply = plane.get("/api/v1/services", Some(&viewer.token)).await;
     assert_eq!(reply.status, 200, "{reply:?}");
     assert_eq!(reply.json()["rows"], json!([]));
+
+    // A reload (SIGHUP) reads the files again: a renewed certificate is presented to the next
+    // connection; files that do not match keep the one presented.
+    let presented = || async {
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let tls =
+            connector(&ca_cert.pem()).connect(ServerName::try_from("localhost").unwrap(), tcp).await.unwrap();
+        let der = tls.get_ref().1.peer_certificates().unwrap()[0].clone();
+        innerwall_control_plane::identity::server_cert::fingerprint(&der)
+    };
+    let renewed_key = rcgen::KeyPair::generate().unwrap();
+    let renewed = rcgen::CertificateParams::new(vec!["localhost".to_owned()])
+        .unwrap()
+        .signed_by(&renewed_key, &issuer)
+        .unwrap();
+    let renewed_fingerprint = innerwall_control_plane::identity::server_cert::fingerprint(renewed.der());
+    std::fs::write(&cert, renewed.pem()).unwrap();
+    std::fs::write(&key, renewed_key.serialize_pem()).unwrap();
+    let reloaded = server.reload(server.rates());
+    assert_eq!(reloaded.certificate, Ok(Some(renewed_fingerprint.clone())));
+    assert!(!reloaded.rates, "the same bounds are no change");
+    assert_eq!(presented().await, renewed_fingerprint);
+    std::fs::write(&key, std::fs::read(&other).unwrap()).unwrap();
+    let refused = server.reload(server.rates()).certificate.unwrap_err();
+    assert!(refused.contains(&key.display().to_string()), "{refused}");
+    assert_eq!(presented().await, renewed_fingerprint, "a key that does not match changes nothing");
     server.stop(Duration::from_secs(1)).await;
+    std::fs::write(&key, renewed_key.serialize_pem()).unwrap();
 
     for (cert, key, named) in [(&cert, &other, &other), (&dir.join("nope.crt"), &key, &dir.join("nope.crt"))]
     {

@@ -517,7 +517,9 @@ async fn drafts_edge_cli_local_and_remote_agree() {
             .token;
     let url = format!("https://localhost:{}", serve.port);
     let (ca, file) = (ca.to_str().unwrap(), file.to_str().unwrap());
-    let remote = ["--api", url.as_str(), "--token", token.as_str(), "--api-ca", ca];
+    let token = crate::foresight_api::token_file(&dir, &token);
+    let token = token.to_str().unwrap();
+    let remote = ["--api", url.as_str(), "--token-file", token, "--api-ca", ca];
     let local = ["--database-url", db.url.as_str()];
 
     // A draft made locally reads the same both ways, and so does one made remotely.

@@ -159,10 +159,11 @@ impl Serve {
         }
     }
 
-    /// The global flags of a CLI run against this API with `token`.
+    /// The global flags of a CLI run against this API with `token` (in a file of its own).
     pub fn remote(&self, token: &str) -> Vec<String> {
         let url = format!("https://localhost:{}", self.addr.port());
-        ["--api", &url, "--token", token, "--api-ca", self.ca.to_str().unwrap()]
+        let token = token_file(&self.dir, token);
+        ["--api", &url, "--token-file", token.to_str().unwrap(), "--api-ca", self.ca.to_str().unwrap()]
             .iter()
             .map(|s| (*s).to_owned())
             .collect()
@@ -229,6 +230,24 @@ impl Drop for Serve {
         let _ = self.child.wait();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// `token` in a file of `dir` only its owner reads (mode 0600), for `--token-file`: the CLI takes
+/// no secret as a flag. The same token is always the same file.
+pub fn token_file(dir: &Path, token: &str) -> PathBuf {
+    use std::hash::{Hash as _, Hasher as _};
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    token.hash(&mut hasher);
+    let path = dir.join(format!("token-{:016x}", hasher.finish()));
+    // Written whole under another name, then renamed: a reader never sees it half written.
+    let partial = dir.join(format!("token-{}.partial", uuid::Uuid::new_v4()));
+    let mut file =
+        std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&partial).unwrap();
+    file.write_all(token.as_bytes()).unwrap();
+    std::fs::rename(&partial, &path).unwrap();
+    path
 }
 
 pub async fn mint(pool: &PgPool, name: &str, role: Role) -> String {

@@ -120,10 +120,11 @@ impl Plane {
         }
     }
 
-    /// The global flags of a CLI run against this plane's API with `token`.
+    /// The global flags of a CLI run against this plane's API with `token` (in a file).
     fn remote(&self, token: &str) -> Vec<String> {
         let url = format!("https://localhost:{}", self.addr.port());
-        ["--api", &url, "--token", token, "--api-ca", self.ca.to_str().unwrap()]
+        let token = crate::foresight_api::token_file(&self.dir, token);
+        ["--api", &url, "--token-file", token.to_str().unwrap(), "--api-ca", self.ca.to_str().unwrap()]
             .iter()
             .map(|s| (*s).to_owned())
             .collect()

@@ -3,6 +3,7 @@
 mod addresses;
 mod answers;
 mod api;
+mod backup;
 mod bounds;
 mod cli;
 mod config;

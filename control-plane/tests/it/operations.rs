@@ -96,7 +96,7 @@ const RULESET_2: &str = "name: lab\nscope: {app: [db]}\nrules:\n- {name: from-la
 const CHANGES: &str = "changes:\n  - service:\n      name: https\n      members: [tcp:443, tcp:8443]\n";
 
 /// Every operator change the CLI makes, in an order each can succeed in, against `side`'s flags
-/// (`--database-url …` or `--api … --token …`) on the estate of `pool`.
+/// (`--database-url …` or `--api … --token-file …`) on the estate of `pool`.
 async fn operate(pool: &PgPool, side: &[String], dir: &std::path::Path) {
     let files =
         [("lab.yaml", RULESET), ("lab-2.yaml", RULESET_2), ("changes.yaml", CHANGES), ("tests.yaml", TESTS)];

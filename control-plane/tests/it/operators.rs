@@ -2,7 +2,9 @@
 //! operator tokens are revoked by --id or --name and a name never has an id's shape; a token
 //! expires after 90 days unless minted with `--expires never`, which the list shows; a mint
 //! whose secret cannot be written leaves no live token; and `--api` pointed at the agent port,
-//! at plain HTTP or with the wrong CA names the mistake and the fix.
+//! at plain HTTP or with the wrong CA names the mistake and the fix; and the CLI takes the
+//! operator token from `--token-file` (a file, or `-` for stdin) or the environment, never from
+//! a flag (issue 32).
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -125,9 +127,8 @@ impl Drop for Serve {
     }
 }
 
-/// `innerwall <args>` with stdout as given: exit code, stdout, stderr. No `INNERWALL_*` of the
-/// test's environment leaks in.
-fn innerwall_with(args: &[&str], stdout: Stdio, env: &[(&str, &str)]) -> (Option<i32>, String, String) {
+/// `innerwall`, with no `INNERWALL_*` of the test's environment.
+fn command() -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_innerwall"));
     for var in [
         "INNERWALL_API",
@@ -138,7 +139,13 @@ fn innerwall_with(args: &[&str], stdout: Stdio, env: &[(&str, &str)]) -> (Option
     ] {
         command.env_remove(var);
     }
-    let out = command
+    command
+}
+
+/// `innerwall <args>` with stdout as given: exit code, stdout, stderr. No `INNERWALL_*` of the
+/// test's environment leaks in.
+fn innerwall_with(args: &[&str], stdout: Stdio, env: &[(&str, &str)]) -> (Option<i32>, String, String) {
+    let out = command()
         .args(args)
         .envs(env.iter().copied())
         .stdout(stdout)
@@ -154,6 +161,27 @@ fn innerwall_with(args: &[&str], stdout: Stdio, env: &[(&str, &str)]) -> (Option
 
 fn innerwall(args: &[&str]) -> (Option<i32>, String, String) {
     innerwall_with(args, Stdio::piped(), &[])
+}
+
+/// [`innerwall_with`] with `input` on its standard input and its stdout piped.
+fn innerwall_input(args: &[&str], input: &str, env: &[(&str, &str)]) -> (Option<i32>, String, String) {
+    use std::io::Write as _;
+    let mut child = command()
+        .args(args)
+        .envs(env.iter().copied())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("running innerwall");
+    // One that exits without reading it closes the pipe; its status and stderr say why.
+    let _ = child.stdin.take().unwrap().write_all(input.as_bytes());
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 #[track_caller]
@@ -432,10 +460,14 @@ async fn operator_token_mint_never_leaves_an_unshown_token() {
     assert_eq!(live(&pool).await, 1);
 }
 
-/// Runs `service list` through `--api url` with `ca`: exit code and stderr.
+/// Runs `service list` through `--api url` with `ca` and `token` (in INNERWALL_API_TOKEN): exit
+/// code and stderr.
 fn remote(url: &str, token: &str, ca: &Path) -> (Option<i32>, String) {
-    let (code, _, stderr) =
-        innerwall(&["--api", url, "--token", token, "--api-ca", ca.to_str().unwrap(), "service", "list"]);
+    let (code, _, stderr) = innerwall_with(
+        &["--api", url, "--api-ca", ca.to_str().unwrap(), "service", "list"],
+        Stdio::piped(),
+        &[("INNERWALL_API_TOKEN", token)],
+    );
     (code, stderr)
 }
 
@@ -516,4 +548,61 @@ async fn api_errors_say_what_to_do() {
     let (code, _, stderr) = innerwall_with(&list, Stdio::piped(), &[("INNERWALL_TOKEN", "iw_abc")]);
     assert_eq!(code, Some(1), "{stderr}");
     assert!(stderr.contains("set INNERWALL_API_TOKEN"), "{stderr}");
+
+    // A secret is never a flag (issue 32): `--token` is a usage error (exit 2) that says what
+    // to use instead, does not repeat the token, and calls nothing, though the token could.
+    let editor = "stdin.test";
+    let minted =
+        operators::mint_audited(serve.pool(), "test", editor, Role::Editor, Expiry::default()).await.unwrap();
+    let editor_token = minted.token.as_str();
+    let called = async || -> (bool, i64) {
+        let used: bool =
+            sqlx::query_scalar("SELECT last_used_at IS NOT NULL FROM operator_tokens WHERE name = $1")
+                .bind(editor)
+                .fetch_one(serve.pool())
+                .await
+                .unwrap();
+        let made: i64 = sqlx::query_scalar("SELECT count(*) FROM services WHERE name = 'from-stdin'")
+            .fetch_one(serve.pool())
+            .await
+            .unwrap();
+        (used, made)
+    };
+    let create =
+        ["--api", api.as_str(), "--api-ca", ca, "service", "create", "from-stdin", "--entry", "tcp:80"];
+    let flagged: Vec<&str> = ["--token", editor_token].iter().chain(&create).copied().collect();
+    let (code, stdout, stderr) = innerwall(&flagged);
+    assert_eq!(code, Some(2), "{stdout}{stderr}");
+    assert!(stdout.is_empty(), "{stdout}");
+    assert!(stderr.contains("--token-file FILE") && stderr.contains("INNERWALL_API_TOKEN"), "{stderr}");
+    assert!(!stderr.contains(editor_token), "the token is not repeated: {stderr}");
+    assert_eq!(called().await, (false, 0), "a refused --token called the API");
+
+    // `--token-file -`: the token on standard input, whitespace around it ignored, and ahead of
+    // INNERWALL_API_TOKEN (here the viewer's, which may not create a service).
+    let piped: Vec<&str> = ["--token-file", "-"].iter().chain(&create).copied().collect();
+    let (code, stdout, stderr) =
+        innerwall_input(&piped, &format!("\n  {editor_token}\n"), &[("INNERWALL_API_TOKEN", token)]);
+    assert_eq!(code, Some(0), "{stdout}{stderr}");
+    assert_eq!(called().await, (true, 1), "the token from stdin was not the one used");
+    let (code, _, stderr) = innerwall_input(&piped, " \n", &[("INNERWALL_API_TOKEN", token)]);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("standard input (--token-file -) is empty"), "{stderr}");
+
+    // A token file missing, empty or too large: exit 1 naming the file, never another token.
+    let (empty, large) = (serve.dir.join("empty-token"), serve.dir.join("large-token"));
+    std::fs::write(&empty, "\n").unwrap();
+    std::fs::write(&large, format!("{editor_token}\n{}", " ".repeat(4096))).unwrap();
+    for (file, why) in [
+        (serve.dir.join("no-such-token"), "cannot read the operator token"),
+        (empty, "is empty"),
+        (large, "holds more than 4096 bytes"),
+    ] {
+        let file = file.to_str().unwrap();
+        let args: Vec<&str> = ["--token-file", file].iter().chain(&list).copied().collect();
+        let (code, stdout, stderr) = innerwall_with(&args, Stdio::piped(), &[("INNERWALL_API_TOKEN", token)]);
+        assert_eq!(code, Some(1), "{file}: {stdout}{stderr}");
+        assert!(stdout.is_empty(), "{stdout}");
+        assert!(stderr.contains(&format!("--token-file {file}")) && stderr.contains(why), "{stderr}");
+    }
 }

@@ -207,6 +207,9 @@ impl Demo {
             let MintedToken { token } = cli::parse(&self.checked(&mut mint)?, "token mint --json")?;
             println!("    token {token}");
             let state = self.agent_state(host);
+            // The token goes in a file only root reads, as on a real host: never on a command line.
+            let token_file = self.dir.join(format!("enroll-token-{}", host.name));
+            write_secret(&token_file, &token)?;
             // A UTS namespace of its own gives each host its own hostname, which enrollment
             // reports; the network namespace alone would leave all three with this machine's.
             let mut enroll = Command::new("ip");
@@ -224,7 +227,8 @@ impl Demo {
             enroll
                 .arg(self.release.join("innerwall-agent"))
                 .arg("enroll")
-                .args(["--server", SERVER, "--token", &token]);
+                .args(["--server", SERVER, "--token-file"])
+                .arg(&token_file);
             enroll.arg("--ca-bundle").arg(&ca_bundle).arg("--state-dir").arg(&state);
             self.run_print(&mut enroll)?;
         }
@@ -848,6 +852,22 @@ fn print_indented(text: &str, indent: usize) {
         let _ = writeln!(out, "{pad}{line}");
     }
     print!("{out}");
+}
+
+/// Writes `secret` to `path`, readable by its owner only (mode 0600).
+fn write_secret(path: &Path, secret: &str) -> Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut file = fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("while writing {}", path.display()))?;
+    // An older file keeps its mode when opened: set it again.
+    file.set_permissions(fs::Permissions::from_mode(0o600))?;
+    file.write_all(secret.as_bytes()).with_context(|| format!("while writing {}", path.display()))
 }
 
 fn ensure_root() -> Result<()> {

@@ -20,7 +20,8 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// The largest response body read; list pages are bounded far below this by the API.
 const MAX_RESPONSE: usize = 16 << 20;
 
-/// A control plane's API, reached as `--api https://host:port` with `--token`.
+/// A control plane's API, reached as `--api https://host:port` with an operator token
+/// (`--token-file` or `INNERWALL_API_TOKEN`).
 pub struct ApiClient {
     host: String,
     port: u16,
@@ -64,7 +65,8 @@ impl ApiClient {
         let host = host.trim_start_matches('[').trim_end_matches(']').to_owned();
         let Some(token) = token.filter(|t| !t.is_empty()) else {
             bail!(
-                "--api needs an operator token: pass --token or set INNERWALL_API_TOKEN (mint one on the host with `innerwall operator token mint`)"
+                "--api needs an operator token: pass --token-file FILE (`-` for standard input) or set \
+                 INNERWALL_API_TOKEN (mint one on the host with `innerwall operator token mint`)"
             );
         };
         if !token.starts_with(OPERATOR_TOKEN_PREFIX) && token.starts_with("iw_") {

@@ -45,25 +45,10 @@ pub enum ConfigCmd {
 /// The command line with the file under it. With a problem in the file, only `config check`
 /// runs: anything else prints the problems and exits 2, having done nothing.
 pub fn parse(argv: &[OsString]) -> Result<(Cli, Layer), ExitCode> {
-    let layer = config::load(&SPEC, &Cli::command(), argv);
-    let report = |layer: &Layer| {
-        for problem in &layer.problems {
-            eprintln!("error: {problem}");
-        }
-    };
-    let matches =
-        config::apply(&SPEC, Cli::command(), &layer).try_get_matches_from(argv).unwrap_or_else(|e| {
-            report(&layer);
-            e.exit()
-        });
+    let (matches, layer) = config::parse(&SPEC, Cli::command, argv);
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     if !layer.problems.is_empty() && !matches!(cli.command, Command::Config(ConfigCmd::Check)) {
-        report(&layer);
-        eprintln!(
-            "innerwall: the configuration has {} problem(s); nothing was done (`innerwall config check` lists them)",
-            layer.problems.len()
-        );
-        return Err(ExitCode::from(2));
+        return Err(config::refuse(&layer, "innerwall"));
     }
     Ok((cli, layer))
 }

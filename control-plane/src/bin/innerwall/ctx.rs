@@ -39,7 +39,25 @@ impl Database {
 
     /// Connects and applies migrations, starting the embedded cluster first when no URL is given.
     pub async fn connect(&self) -> anyhow::Result<PgPool> {
-        Ok(postgres::connect(&self.url().await?).await?)
+        let url = self.url().await?;
+        self.dump_before_migrating(&url).await?;
+        Ok(postgres::connect(&url).await?)
+    }
+
+    /// A dump under `<state-dir>/backups` before migrations this build brings are applied.
+    async fn dump_before_migrating(&self, url: &str) -> anyhow::Result<()> {
+        let dir = self.state_dir.join("backups");
+        let dumped = innerwall_control_plane::backup::before_migrating(url, &dir)
+            .await
+            .context("while dumping the database before migrating it (nothing was migrated)")?;
+        if let Some(path) = dumped {
+            tracing::info!(
+                target: crate::logs::NOTICE,
+                "innerwall: new migrations to apply; the database was dumped to {} first",
+                path.display()
+            );
+        }
+        Ok(())
     }
 
     /// A replica's pools (one per job, sized by `config`); on the embedded cluster also its
@@ -52,6 +70,7 @@ impl Database {
                 format!("while starting the embedded database in {}", self.state_dir.display())
             })?,
         };
+        self.dump_before_migrating(&url).await?;
         let pools = Pools::connect(&url, config).await?;
         let supervisor = match &self.url {
             Some(_) => None,
@@ -64,7 +83,8 @@ impl Database {
         Ok((pools, supervisor))
     }
 
-    async fn url(&self) -> anyhow::Result<String> {
+    /// The database's URL, starting the embedded cluster (for this command) when no URL is given.
+    pub async fn url(&self) -> anyhow::Result<String> {
         if let Some(url) = &self.url {
             return Ok(url.clone());
         }
@@ -103,7 +123,7 @@ impl Ctx {
 /// The operator behind this command, as the audit log names it: `cli:<user>`, the user name of
 /// the process's real uid (`uid:<n>` when it has no passwd entry). Never `$USER` or
 /// `$SUDO_USER`, which whoever runs the command sets at will; under sudo that is `cli:root`.
-fn actor() -> String {
+pub fn actor() -> String {
     let uid = nix::unistd::getuid();
     let user = match nix::unistd::User::from_uid(uid) {
         Ok(Some(user)) => user.name,

@@ -23,6 +23,7 @@ macro_rules! print {
 mod api;
 mod audit;
 mod backend;
+mod backup;
 mod ca;
 mod config;
 mod ctx;
@@ -47,6 +48,7 @@ mod workloads;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 
 use innerwall_control_plane::postgres::Create;
@@ -78,9 +80,15 @@ struct Cli {
     /// contract) stays local and is refused with it.
     #[arg(long, env = "INNERWALL_API", global = true)]
     api: Option<String>,
-    /// The operator token (iwo_…) for --api, minted on the host with `innerwall operator token
-    /// mint`. (INNERWALL_TOKEN, its former variable, is still read, with a warning.)
-    #[arg(long, env = "INNERWALL_API_TOKEN", global = true, hide_env_values = true)]
+    /// A file holding the operator token (iwo_…) for --api, minted on the host with `innerwall
+    /// operator token mint`; `-` reads it from standard input (surrounding whitespace ignored;
+    /// at most 4 KiB). Without it, INNERWALL_API_TOKEN is read (INNERWALL_TOKEN, its former
+    /// name, still is, with a warning). A secret is never taken as a flag: other users can
+    /// read a process's arguments, and a shell keeps its command lines.
+    #[arg(long, global = true, value_name = "FILE")]
+    token_file: Option<PathBuf>,
+    /// The former --token: refused, saying what to use instead.
+    #[arg(long, global = true, hide = true, value_name = "TOKEN")]
     token: Option<String>,
     /// The PEM bundle that issued the API's certificate (the host's <ca-dir>/ca.crt).
     #[arg(long, env = "INNERWALL_API_CA", global = true)]
@@ -135,6 +143,9 @@ enum Command {
     /// The configuration file: `check` it, `show` what is in force.
     #[command(subcommand)]
     Config(config::ConfigCmd),
+    /// Backups of the database, the CA and the configuration file: create, verify, restore.
+    #[command(subcommand)]
+    Backup(backup::BackupCmd),
     /// The certificate authority that issues workload identities.
     #[command(subcommand)]
     Ca(ca::CaCmd),
@@ -211,6 +222,9 @@ fn main() -> ExitCode {
         Ok(parsed) => parsed,
         Err(code) => return code,
     };
+    if cli.token.is_some() {
+        refuse_token_flag();
+    }
     innerwall_control_plane::policy::publish::set_bound(innerwall_control_plane::policy::render::Bound {
         entries: cli.max_rendered_entries as usize,
         bytes: cli.max_rendered_bytes as usize,
@@ -261,7 +275,9 @@ async fn run(
     let ca_dir = cli.ca_dir.unwrap_or_else(|| cli.state_dir.join("ca"));
     let create = match cli.command {
         _ if cli.init => Create::Yes,
-        Command::Migrate | Command::Serve(_) => Create::Yes,
+        Command::Migrate | Command::Serve(_) | Command::Backup(backup::BackupCmd::Restore { .. }) => {
+            Create::Yes
+        }
         _ => Create::No,
     };
     let database = Database::new(cli.database_url, cli.state_dir, create);
@@ -273,6 +289,9 @@ async fn run(
             println!("migrations applied");
         }
         Command::Serve(args) => serve::run(args, &database, &ca_dir, argv).await?,
+        Command::Backup(cmd) => {
+            backup::run(cmd, &database, &ca_dir, layer.path.as_deref(), &ctx::actor(), cli.json).await?
+        }
         Command::Ca(cmd) => ca::run(cmd, &ca_dir, &database, cli.json, cli.page_size).await?,
         Command::Operator(cmd) => operators::run(&connect().await?, cmd).await?,
         command => operate(&connect().await?, command, cli.json, &ca_dir).await?,
@@ -281,14 +300,39 @@ async fn run(
     database.end()
 }
 
+/// `--token TOKEN`, the flag the operator token was once given as: a usage error (exit 2) that
+/// says what to do instead, without repeating the token.
+fn refuse_token_flag() -> ! {
+    use clap::CommandFactory as _;
+    Cli::command()
+        .error(
+            clap::error::ErrorKind::UnknownArgument,
+            "--token is no longer accepted: other users can read a process's arguments, and a shell \
+             keeps its command lines. Put the operator token in a file only you can read and pass \
+             --token-file FILE (`--token-file -` reads it from standard input), or set \
+             INNERWALL_API_TOKEN",
+        )
+        .exit()
+}
+
+/// The variable that holds the operator token when --token-file is not given.
+const TOKEN_VAR: &str = "INNERWALL_API_TOKEN";
+
 /// The former name of `INNERWALL_API_TOKEN`, which the agent's provisioning token also used.
 const DEPRECATED_TOKEN_VAR: &str = "INNERWALL_TOKEN";
 
-/// The operator token: `--token` or `INNERWALL_API_TOKEN`, else the deprecated
-/// `INNERWALL_TOKEN` with a warning (never when it holds a provisioning token).
-fn operator_token(given: Option<&str>) -> anyhow::Result<Option<String>> {
-    if let Some(token) = given {
-        return Ok(Some(token.to_owned()));
+/// The most bytes --token-file may hold (an operator token is 55 characters).
+const MAX_TOKEN_FILE: u64 = 4096;
+
+/// The operator token: from `--token-file` (`-`: standard input), else `INNERWALL_API_TOKEN`,
+/// else the deprecated `INNERWALL_TOKEN` with a warning (never when it holds a provisioning
+/// token).
+fn operator_token(file: Option<&Path>) -> anyhow::Result<Option<String>> {
+    if let Some(path) = file {
+        return read_token_file(path).map(Some);
+    }
+    if let Some(token) = std::env::var(TOKEN_VAR).ok().filter(|t| !t.is_empty()) {
+        return Ok(Some(token));
     }
     let Some(old) = std::env::var(DEPRECATED_TOKEN_VAR).ok().filter(|t| !t.is_empty()) else {
         return Ok(None);
@@ -296,16 +340,46 @@ fn operator_token(given: Option<&str>) -> anyhow::Result<Option<String>> {
     if !old.starts_with(innerwall_control_plane::identity::operators::OPERATOR_TOKEN_PREFIX) {
         anyhow::bail!(
             "{DEPRECATED_TOKEN_VAR} does not hold an operator token (iwo_…), and the CLI no longer reads it \
-             for one: set INNERWALL_API_TOKEN to an operator token (mint one on the host with \
-             `innerwall operator token mint`); an agent's provisioning token goes in a file for \
-             `innerwall-agent enroll --token-file`"
+             for one: set {TOKEN_VAR} to an operator token or pass --token-file FILE (mint one on \
+             the host with `innerwall operator token mint`); an agent's provisioning token goes in \
+             a file for `innerwall-agent enroll --token-file`"
         );
     }
     tracing::warn!(
         target: logs::NOTICE,
-        "warning: {DEPRECATED_TOKEN_VAR} is deprecated for the operator token; set INNERWALL_API_TOKEN instead"
+        "warning: {DEPRECATED_TOKEN_VAR} is deprecated for the operator token; set {TOKEN_VAR} or pass --token-file FILE instead"
     );
     Ok(Some(old))
+}
+
+/// `--token-file PATH`: the operator token in it, or on standard input when `PATH` is `-`;
+/// surrounding whitespace ignored, at most [`MAX_TOKEN_FILE`] bytes, never empty.
+fn read_token_file(path: &Path) -> anyhow::Result<String> {
+    use std::io::Read as _;
+    let name = if path == Path::new("-") {
+        "standard input (--token-file -)".to_owned()
+    } else {
+        format!("--token-file {}", path.display())
+    };
+    let mut text = String::new();
+    let read = if path == Path::new("-") {
+        std::io::stdin().take(MAX_TOKEN_FILE + 1).read_to_string(&mut text)
+    } else {
+        std::fs::File::open(path).and_then(|f| f.take(MAX_TOKEN_FILE + 1).read_to_string(&mut text))
+    };
+    read.with_context(|| format!("cannot read the operator token from {name}"))?;
+    if text.len() as u64 > MAX_TOKEN_FILE {
+        anyhow::bail!(
+            "{name} holds more than {MAX_TOKEN_FILE} bytes; it should hold only the operator token (iwo_…)"
+        );
+    }
+    let token = text.trim();
+    if token.is_empty() {
+        anyhow::bail!(
+            "{name} is empty; it should hold the operator token (iwo_…) `innerwall operator token mint` printed"
+        );
+    }
+    Ok(token.to_owned())
 }
 
 /// A command with `--api`: through the remote control plane's API, never this host's database.
@@ -313,6 +387,7 @@ async fn remote(api: &str, cli: &Cli) -> anyhow::Result<()> {
     let host_only = match &cli.command {
         Command::Contract => Some("contract"),
         Command::Migrate => Some("migrate"),
+        Command::Backup(_) => Some("backup"),
         Command::Serve(_) => Some("serve"),
         Command::Ca(_) => Some("ca"),
         Command::Operator(_) => Some("operator"),
@@ -323,7 +398,7 @@ async fn remote(api: &str, cli: &Cli) -> anyhow::Result<()> {
             "`innerwall {name}` administers this host and does not take --api; run it on the control-plane host without --api (and without INNERWALL_API)"
         );
     }
-    let token = operator_token(cli.token.as_deref())?;
+    let token = operator_token(cli.token_file.as_deref())?;
     let client = api::ApiClient::new(api, token.as_deref(), cli.api_ca.as_deref(), cli.page_size)?;
     let ca_dir = cli.ca_dir.clone().unwrap_or_else(|| cli.state_dir.join("ca"));
     operate(&client, &cli.command, cli.json, &ca_dir).await
@@ -352,6 +427,7 @@ async fn operate(
         Command::Audit(cmd) => audit::run(b, json, cmd).await,
         Command::Contract
         | Command::Config(_)
+        | Command::Backup(_)
         | Command::Migrate
         | Command::Serve(_)
         | Command::Ca(_)

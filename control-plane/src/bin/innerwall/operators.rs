@@ -67,8 +67,9 @@ fn minted_text(json: bool, minted: &MintedOperatorToken) -> anyhow::Result<Strin
     let until = minted.expires_at.map_or("never expires".to_owned(), |t| format!("expires {t}"));
     Ok(format!(
         "operator token {} for {} ({}, {until}), shown once:\n\n  {}\n\n\
-         call the API with `Authorization: Bearer <token>` (the CLI: --token or INNERWALL_API_TOKEN); \
-         keep it in a file only you read, and revoke it with `innerwall operator token revoke --id {}`\n",
+         call the API with `Authorization: Bearer <token>` (the CLI: --token-file FILE or \
+         INNERWALL_API_TOKEN); keep it in a file only you read, and revoke it with \
+         `innerwall operator token revoke --id {}`\n",
         minted.id, minted.name, minted.role, minted.token, minted.id
     ))
 }
