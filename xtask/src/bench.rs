@@ -11,7 +11,7 @@ use std::process::{Command, Stdio};
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
-use crate::{cmd, ebpf, setup, suite};
+use crate::{cmd, ebpf, setup};
 
 /// Where the agent (and its capture bench) reads the eBPF object from.
 const OBJECT_ENV: &str = "INNERWALL_EBPF_OBJECT";
@@ -169,7 +169,7 @@ pub fn run(root: &Path, names: &[String], quick: bool) -> Result<()> {
     setup::apt_packages()?;
     let object = ebpf::build(root)?;
     if chosen.iter().any(|b| matches!(b.run, Run::Loadgen { .. })) {
-        cmd::run(suite::root_cargo(root).args([
+        cmd::run(cmd::root_cargo(root).args([
             "build",
             "--release",
             "-p",
@@ -189,7 +189,7 @@ pub fn run(root: &Path, names: &[String], quick: bool) -> Result<()> {
         println!("\n=== {} ({}){}", bench.name, bench.what, if quick { ", quick" } else { "" });
         let mut command = match &bench.run {
             Run::Cargo { package, target, quick: vars } => {
-                let mut c = suite::root_cargo(root);
+                let mut c = cmd::root_cargo(root);
                 c.args(["bench", "-p", package, "--bench", target]);
                 if quick {
                     c.envs(vars.iter().copied());

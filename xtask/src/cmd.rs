@@ -1,8 +1,19 @@
 //! Running child processes: echoing them, capturing output, and errors that name the full command.
 
-use std::{ffi::OsStr, process::Command};
+use std::{ffi::OsStr, path::Path, process::Command};
 
 use anyhow::{Context, Result, bail};
+
+use crate::cargo_env;
+
+/// `cargo` in the root workspace, inheriting the toolchain and build settings `cargo xtask`
+/// runs with, but not what cargo set for xtask itself (which would force rebuilds).
+pub fn root_cargo(root: &Path) -> Command {
+    let mut cmd = Command::new("cargo");
+    cargo_env::isolate_cargo_env(&mut cmd);
+    cmd.current_dir(root);
+    cmd
+}
 
 /// Runs `cmd` with inherited stdio after echoing it; fails unless it exits successfully.
 pub fn run(cmd: &mut Command) -> Result<()> {

@@ -128,7 +128,7 @@ fn run(cli: Cli) -> Result<()> {
                 .map(drop)
         }
         Task::Simulate { args } => cmd::run(
-            suite::root_cargo(&root)
+            cmd::root_cargo(&root)
                 .args(["run", "--quiet", "--release", "-p", "innerwall-e2e", "--bin", "innerwall-sim", "--"])
                 .args(&args),
         ),

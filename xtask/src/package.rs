@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 
-use crate::{cmd, ebpf, suite};
+use crate::{cmd, ebpf};
 
 /// Where `cargo xtask test` puts the packages its tests install.
 pub const TEST_PACKAGES: &str = "target/packages";
@@ -85,13 +85,13 @@ const AGENT: Package = Package {
 /// Builds both packages into `out` and returns their paths.
 pub fn build(root: &Path, profile: Profile, out: &Path) -> Result<Vec<PathBuf>> {
     let object = ebpf::build(root)?;
-    let mut cargo = suite::root_cargo(root);
+    let mut cargo = cmd::root_cargo(root);
     cargo.args(["build", "-p", "innerwall-control-plane", "--bin", "innerwall"]);
     if profile == Profile::Release {
         cargo.arg("--release");
     }
     cmd::run(&mut cargo)?;
-    let mut cargo = suite::root_cargo(root);
+    let mut cargo = cmd::root_cargo(root);
     cargo
         .args(["build", "-p", "innerwall-agent", "--bin", "innerwall-agent", "--features", "embedded-ebpf"])
         .env("INNERWALL_EBPF_EMBED", &object);

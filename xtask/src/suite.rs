@@ -2,12 +2,11 @@
 //! (import cycles, wire breaking changes, formatting, clippy).
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
 use anyhow::Result;
 
-use crate::{cargo_env, cmd, cycles, ebpf, fuzz, package, setup, transport, wire};
+use crate::{cmd, cycles, ebpf, fuzz, package, setup, transport, wire};
 
 /// How long each fuzz target runs in the test command: long enough to catch a shallow panic.
 const FUZZ_IN_TESTS: Duration = Duration::from_secs(15);
@@ -18,7 +17,7 @@ pub fn test(root: &Path, cargo_args: &[String]) -> Result<()> {
     setup::apt_packages()?;
     // The packages the tests install (`packages_install_and_enforce`), eBPF object included.
     package::build(root, package::Profile::Dev, &root.join(package::TEST_PACKAGES))?;
-    cmd::run(root_cargo(root).args(["test", "--workspace"]).args(cargo_args))?;
+    cmd::run(cmd::root_cargo(root).args(["test", "--workspace"]).args(cargo_args))?;
     fuzz::run(root, FUZZ_IN_TESTS)
 }
 
@@ -28,8 +27,8 @@ pub fn lint(root: &Path) -> Result<()> {
     cycles::check(root, &cycles::CRATE_SOURCES.iter().map(PathBuf::from).collect::<Vec<_>>())?;
     wire::check(root, &root.join(wire::PROTOS))?;
     transport::check(root, &root.join(wire::PROTOS))?;
-    cmd::run(root_cargo(root).args(["fmt", "--all", "--check"]))?;
-    cmd::run(root_cargo(root).args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
+    cmd::run(cmd::root_cargo(root).args(["fmt", "--all", "--check"]))?;
+    cmd::run(cmd::root_cargo(root).args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
     cmd::run(ebpf::crate_cargo(root).args(["fmt", "--all", "--check"]))?;
     cmd::run(setup::standalone_cargo().current_dir(root.join("fuzz")).args(["fmt", "--check"]))?;
     cmd::run(ebpf::bpf_cargo(root, "clippy").args(["--", "-D", "warnings"]))?;
@@ -37,13 +36,4 @@ pub fn lint(root: &Path) -> Result<()> {
         "lint: no import cycles, no breaking wire change, no prost type matched outside convert.rs; rustfmt and clippy passed for the workspace and agent-ebpf"
     );
     Ok(())
-}
-
-/// `cargo` in the root workspace, inheriting the toolchain and build settings `cargo xtask`
-/// runs with, but not what cargo set for xtask itself (which would force rebuilds).
-pub fn root_cargo(root: &Path) -> Command {
-    let mut cmd = Command::new("cargo");
-    cargo_env::isolate_cargo_env(&mut cmd);
-    cmd.current_dir(root);
-    cmd
 }

@@ -36,7 +36,8 @@ use self::{
     network::{BATCH, BRIDGE, DB, HOSTS, Host, WEB},
     processes::{POLL, Processes, capture},
 };
-use crate::{cmd, setup, suite::root_cargo};
+use crate::cmd::root_cargo;
+use crate::{cmd, setup};
 
 const SERVER_NAME: &str = "10.77.0.1";
 const SERVER: &str = "10.77.0.1:7443";

@@ -10,6 +10,7 @@ use std::process::ExitCode;
 use clap::{ArgMatches, CommandFactory, FromArgMatches, Subcommand};
 use innerwall_wire::config::{self, Layer, Setting, Spec};
 
+use crate::serve::View;
 use crate::{Cli, Command};
 
 /// The control plane's file: `serve`'s flags, and the global flags a service sets.
@@ -51,13 +52,6 @@ pub fn parse(argv: &[OsString]) -> Result<(Cli, Layer), ExitCode> {
         return Err(config::refuse(&layer, "innerwall"));
     }
     Ok((cli, layer))
-}
-
-/// What `serve` runs with: its arguments, every key's value and source.
-pub struct View {
-    pub args: Box<crate::serve::ServeArgs>,
-    pub log_level: String,
-    pub settings: Vec<Setting>,
 }
 
 /// `argv` (a `serve` command line) read again with the file as it is now: what a reload

@@ -288,7 +288,7 @@ async fn run(
             database.connect().await?;
             println!("migrations applied");
         }
-        Command::Serve(args) => serve::run(args, &database, &ca_dir, argv).await?,
+        Command::Serve(args) => serve::run(args, &database, &ca_dir, &|| config::view(argv)).await?,
         Command::Backup(cmd) => {
             backup::run(cmd, &database, &ca_dir, layer.path.as_deref(), &ctx::actor(), cli.json).await?
         }

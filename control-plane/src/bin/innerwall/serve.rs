@@ -1,7 +1,6 @@
 //! `innerwall serve`: one control-plane replica, from start-up to a drained stop on SIGINT or
 //! SIGTERM, reloading its configuration on SIGHUP.
 
-use std::ffi::OsString;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -368,19 +367,30 @@ fn days(d: std::time::Duration, flag: &str) -> anyhow::Result<chrono::Duration> 
     chrono::Duration::try_days(days as i64).with_context(|| format!("{flag} is too large"))
 }
 
-/// Loads the CA before touching the database, so a replica without one fails at once. `argv`
-/// is read again, with the configuration file as it is then, on each SIGHUP.
+/// What `serve` runs with, read from its command line and configuration file: its arguments,
+/// and every key's value and source.
+pub struct View {
+    pub args: Box<ServeArgs>,
+    pub log_level: String,
+    pub settings: Vec<Setting>,
+}
+
+/// Reads the command line and the configuration file as they are now (at start, and on each
+/// SIGHUP): what would be in force, or every problem with it.
+pub type Reread<'a> = &'a dyn Fn() -> Result<View, Vec<String>>;
+
+/// Loads the CA before touching the database, so a replica without one fails at once.
 pub async fn run(
     args: &ServeArgs,
     database: &Database,
     ca_dir: &Path,
-    argv: &[OsString],
+    reread: Reread<'_>,
 ) -> anyhow::Result<()> {
     let shutdown = shutdown_signal()?;
     let mut hangups = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
         .context("while installing the SIGHUP handler")?;
     args.check()?;
-    let mut in_force = crate::config::view(argv).map_err(|p| anyhow::anyhow!("{}", p.join("; ")))?.settings;
+    let mut in_force = reread().map_err(|p| anyhow::anyhow!("{}", p.join("; ")))?.settings;
     let signer: Arc<dyn ca::Signer> =
         Arc::new(FileCa::load(ca_dir).context("while loading the CA (create it with `innerwall ca init`)")?);
     let (pools, supervisor) = database.connect_pools(&args.pools()).await?;
@@ -437,7 +447,7 @@ pub async fn run(
     loop {
         tokio::select! {
             () = &mut shutdown => break,
-            _ = hangups.recv() => reload(argv, &mut in_force, &running),
+            _ = hangups.recv() => reload(reread, &mut in_force, &running),
         }
     }
     tasks.stop().await;
@@ -448,9 +458,9 @@ pub async fn run(
 /// A SIGHUP: reads the command line and the file again and puts in force what can change
 /// while running ([`RELOADED`], the API certificate's files); says what changed, what did
 /// not take effect and why. A configuration with a problem changes nothing.
-fn reload(argv: &[OsString], in_force: &mut [Setting], running: &service::Running) {
+fn reload(reread: Reread<'_>, in_force: &mut [Setting], running: &service::Running) {
     let notice = |text: String| tracing::warn!(target: crate::logs::NOTICE, "innerwall: {text}");
-    let view = match crate::config::view(argv) {
+    let view = match reread() {
         Ok(view) => view,
         Err(problems) => {
             return notice(format!("reload refused, nothing changed: {}", problems.join("; ")));
