@@ -20,6 +20,7 @@ use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 
 use crate::audit;
+use crate::identity::ca::hex;
 use crate::postgres::Binaries;
 
 /// The manifest's format; a later one is refused by this build.
@@ -91,10 +92,6 @@ pub struct Sources<'a> {
 /// Reports a long operation's steps (a terminal shows them as they come).
 pub type Progress<'a> = &'a dyn Fn(&str);
 
-fn hex(digest: ring::digest::Digest) -> String {
-    digest.as_ref().iter().map(|b| format!("{b:02x}")).collect()
-}
-
 fn file_sha256(path: &Path) -> Result<(u64, String), Error> {
     let mut file = File::open(path).map_err(io_error("opening", path))?;
     let mut context = ring::digest::Context::new(&ring::digest::SHA256);
@@ -108,7 +105,7 @@ fn file_sha256(path: &Path) -> Result<(u64, String), Error> {
         total += n as u64;
         context.update(&buf[..n]);
     }
-    Ok((total, hex(context.finish())))
+    Ok((total, hex(context.finish().as_ref())))
 }
 
 fn tool(name: &str) -> Result<PathBuf, Error> {
@@ -499,6 +496,6 @@ mod tests {
     #[test]
     fn sha256_is_the_known_digest() {
         let digest = ring::digest::digest(&ring::digest::SHA256, b"abc");
-        assert_eq!(hex(digest), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+        assert_eq!(hex(digest.as_ref()), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
     }
 }
