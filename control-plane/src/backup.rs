@@ -466,19 +466,13 @@ pub async fn before_migrating(url: &str, dir: &Path) -> Result<Option<PathBuf>, 
     let mut conn = sqlx::PgConnection::connect(url).await.map_err(|source| {
         crate::postgres::Error::Connect { url: crate::postgres::redact_url(url), source }
     })?;
-    // A new database has no migrations table: checked first, as a query naming it would fail.
-    let exists: bool =
-        sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL").fetch_one(&mut conn).await?;
-    let applied: i64 = if exists {
-        sqlx::query_scalar("SELECT COALESCE(max(version), 0) FROM _sqlx_migrations WHERE success")
-            .fetch_one(&mut conn)
-            .await?
-    } else {
-        0
-    };
+    let applied = crate::postgres::applied(&mut conn).await?;
     let _ = conn.close().await;
-    let latest = crate::postgres::MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0);
-    if applied == 0 || applied >= latest {
+    let plan = crate::postgres::plan_build(&applied);
+    // A new database has nothing to keep; a history this build cannot serve is refused by the
+    // migration that follows, which this dump would not help.
+    let Some(applied) = applied.iter().map(|a| a.version).max() else { return Ok(None) };
+    if !matches!(plan, Ok(crate::postgres::Plan::Behind { .. })) {
         return Ok(None);
     }
     fs::create_dir_all(dir).map_err(io_error("creating", dir))?;

@@ -9,6 +9,7 @@ mod enroll;
 mod evidence;
 mod flows;
 mod gate;
+mod ha;
 mod host;
 mod identity;
 mod installs;

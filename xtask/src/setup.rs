@@ -25,6 +25,11 @@ const APT_PACKAGES: &[&str] = &[
     "bpftool",
     "chromium",
     "chromium-driver",
+    // The highly available database of `patroni_failover_keeps_the_fleet` (and its certificates).
+    "patroni",
+    "etcd-server",
+    "haproxy",
+    "openssl",
 ];
 
 /// The toolchain the eBPF crate is built with (`cargo +stable`, with RUSTC_BOOTSTRAP=1).

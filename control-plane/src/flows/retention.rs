@@ -3,7 +3,7 @@
 //! so uploads run side by side; creating and dropping partitions holds it exclusively.
 
 use chrono::{DateTime, Duration, NaiveDate, Utc};
-use sqlx::{AssertSqlSafe, PgConnection, PgPool};
+use sqlx::{PgConnection, PgPool};
 
 use crate::error::Error;
 
@@ -42,11 +42,13 @@ pub async fn ensure_partitions(
     let mut day = from.date_naive();
     while day <= to.date_naive() {
         let next = day.succ_opt().expect("dates far from the end of time");
-        for (table, partition) in partitions(day) {
-            let sql = format!(
-                "CREATE TABLE IF NOT EXISTS {partition} PARTITION OF {table} FOR VALUES FROM ('{day}') TO ('{next}')"
-            );
-            sqlx::query(AssertSqlSafe(sql)).execute(&mut *conn).await?;
+        // As the schema's owner (migration 0035): a replica's role need not own the tables.
+        for table in PARTITIONED {
+            sqlx::query("SELECT innerwall_ensure_partition($1, $2)")
+                .bind(table)
+                .bind(day)
+                .execute(&mut *conn)
+                .await?;
         }
         day = next;
     }
@@ -89,7 +91,7 @@ pub async fn apply_retention(pool: &PgPool, days: i64, now: DateTime<Utc>) -> Re
         let last = batch.len() <= RETENTION_BATCH;
         batch.truncate(RETENTION_BATCH);
         for name in &batch {
-            sqlx::query(AssertSqlSafe(format!("DROP TABLE {name}"))).execute(&mut *tx).await?;
+            sqlx::query("SELECT innerwall_drop_partition($1)").bind(name).execute(&mut *tx).await?;
         }
         tx.commit().await?;
         dropped.extend(batch);

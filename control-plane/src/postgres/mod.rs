@@ -31,6 +31,7 @@
 mod child;
 mod cluster;
 mod embedded;
+mod schema;
 mod supervise;
 mod system_user;
 mod test_server;
@@ -46,6 +47,7 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 pub use self::child::ChildServer;
 pub use self::cluster::{Binaries, Cluster};
 pub use self::embedded::{Create, Session, embedded, embedded_cluster};
+pub use self::schema::{Applied, Migrated, Plan, Problem, applied, grant_runtime, migrate, plan, plan_build};
 pub use self::supervise::{Health, Supervisor};
 pub use self::system_user::ServerUser;
 pub use self::test_server::TestCluster;
@@ -133,6 +135,16 @@ pub enum Error {
         #[source]
         source: MigrateError,
     },
+    #[error("the database at {url} cannot be served by this build: {problem}")]
+    Schema { url: String, problem: Problem },
+    #[error(
+        "the database at {url} lacks migrations {pending:?} of this build, and role {role} may not create \
+         objects in its schema: run `innerwall migrate` with the schema owner's URL (and \
+         `--runtime-role {role}`), then start this again"
+    )]
+    MigrationsPending { url: String, role: String, pending: Vec<i64> },
+    #[error("cannot grant role {role} a replica's privileges: {reason}")]
+    RuntimeRole { role: String, reason: &'static str },
     #[error("{action} failed")]
     Sql {
         action: String,
@@ -152,8 +164,19 @@ pub async fn connect(url: &str) -> Result<PgPool, Error> {
         .connect(url)
         .await
         .map_err(|source| Error::Connect { url: redact_url(url), source })?;
-    MIGRATOR.run(&pool).await.map_err(|source| Error::Migrate { url: redact_url(url), source })?;
+    report(&migrate(&pool, url).await?);
     Ok(pool)
+}
+
+/// Logs a schema newer than this build's, which it serves (expand/contract).
+fn report(migrated: &Migrated) {
+    if !migrated.ahead.is_empty() {
+        tracing::warn!(
+            ahead = ?migrated.ahead,
+            "the database has migrations newer than this build; serving it as the previous release \
+             (upgrade this replica)"
+        );
+    }
 }
 
 /// Bounds on what one database connection may wait for (issue 16): no statement, lock wait or
@@ -266,7 +289,7 @@ impl Pools {
             c.options().connect(url).await.map_err(|source| Error::Connect { url: redact_url(url), source })
         };
         let authoring = open(&config.authoring).await?;
-        MIGRATOR.run(&authoring).await.map_err(|source| Error::Migrate { url: redact_url(url), source })?;
+        report(&migrate(&authoring, url).await?);
         Ok(Pools { streams: open(&config.streams).await?, ingest: open(&config.ingest).await?, authoring })
     }
 

@@ -25,6 +25,7 @@ mod postgres;
 mod publish;
 mod recorded;
 mod retention;
+mod schema;
 mod states;
 mod suggest_api;
 mod sync;

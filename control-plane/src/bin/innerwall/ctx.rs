@@ -44,6 +44,18 @@ impl Database {
         Ok(postgres::connect(&url).await?)
     }
 
+    /// [`Database::connect`] that says what it migrated (`innerwall migrate`).
+    pub async fn migrate(&self) -> anyhow::Result<(PgPool, postgres::Migrated)> {
+        let url = self.url().await?;
+        self.dump_before_migrating(&url).await?;
+        let pool = postgres::pool_options()
+            .connect(&url)
+            .await
+            .map_err(|source| postgres::Error::Connect { url: postgres::redact_url(&url), source })?;
+        let migrated = postgres::migrate(&pool, &url).await?;
+        Ok((pool, migrated))
+    }
+
     /// A dump under `<state-dir>/backups` before migrations this build brings are applied.
     async fn dump_before_migrating(&self, url: &str) -> anyhow::Result<()> {
         let dir = self.state_dir.join("backups");

@@ -51,7 +51,7 @@ use std::process::ExitCode;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 
-use innerwall_control_plane::postgres::Create;
+use innerwall_control_plane::postgres::{self, Create};
 
 use crate::ctx::{Ctx, Database};
 
@@ -134,8 +134,14 @@ struct Cli {
 enum Command {
     /// Print the agent contract package this build speaks.
     Contract,
-    /// Apply database migrations and exit (creating the embedded cluster if there is none).
-    Migrate,
+    /// Apply database migrations and exit (creating the embedded cluster if there is none). Run
+    /// it as the schema's owner; `--runtime-role` then grants the replicas' own role what they
+    /// need (rows, sequences, the partition upkeep functions) and no DDL.
+    Migrate {
+        /// The role `serve` connects as (not a superuser), granted a replica's privileges.
+        #[arg(long, value_name = "ROLE")]
+        runtime_role: Option<String>,
+    },
     /// Run the control-plane service: agent listener, NOTIFY bridge; renders once at start.
     /// SIGHUP reloads the configuration: the log level, the API's request bounds and its
     /// certificate files take effect; other changes are named as needing a restart.
@@ -275,7 +281,7 @@ async fn run(
     let ca_dir = cli.ca_dir.unwrap_or_else(|| cli.state_dir.join("ca"));
     let create = match cli.command {
         _ if cli.init => Create::Yes,
-        Command::Migrate | Command::Serve(_) | Command::Backup(backup::BackupCmd::Restore { .. }) => {
+        Command::Migrate { .. } | Command::Serve(_) | Command::Backup(backup::BackupCmd::Restore { .. }) => {
             Create::Yes
         }
         _ => Create::No,
@@ -284,9 +290,19 @@ async fn run(
     let connect = || Ctx::connect(&database, cli.json, cli.page_size);
     match &cli.command {
         Command::Contract => println!("{}", innerwall_wire::CONTRACT_PACKAGE),
-        Command::Migrate => {
-            database.connect().await?;
-            println!("migrations applied");
+        Command::Migrate { runtime_role } => {
+            let (pool, migrated) = database.migrate().await?;
+            match (migrated.applied.first(), migrated.applied.last()) {
+                (Some(first), Some(last)) => println!("migrations {first}..={last} applied"),
+                _ => println!("schema current: no migrations to apply"),
+            }
+            if !migrated.ahead.is_empty() {
+                println!("the database also has newer migrations than this build: {:?}", migrated.ahead);
+            }
+            if let Some(role) = runtime_role {
+                postgres::grant_runtime(&pool, role).await?;
+                println!("role {role} granted a replica's privileges (rows, sequences, partition upkeep)");
+            }
         }
         Command::Serve(args) => serve::run(args, &database, &ca_dir, &|| config::view(argv)).await?,
         Command::Backup(cmd) => {
@@ -386,7 +402,7 @@ fn read_token_file(path: &Path) -> anyhow::Result<String> {
 async fn remote(api: &str, cli: &Cli) -> anyhow::Result<()> {
     let host_only = match &cli.command {
         Command::Contract => Some("contract"),
-        Command::Migrate => Some("migrate"),
+        Command::Migrate { .. } => Some("migrate"),
         Command::Backup(_) => Some("backup"),
         Command::Serve(_) => Some("serve"),
         Command::Ca(_) => Some("ca"),
@@ -428,7 +444,7 @@ async fn operate(
         Command::Contract
         | Command::Config(_)
         | Command::Backup(_)
-        | Command::Migrate
+        | Command::Migrate { .. }
         | Command::Serve(_)
         | Command::Ca(_)
         | Command::Operator(_) => {
