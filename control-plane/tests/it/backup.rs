@@ -226,3 +226,80 @@ async fn new_migrations_are_preceded_by_a_dump() {
     assert_eq!(std::fs::read_dir(state.join("backups")).unwrap().count(), 1);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `innerwall ARGS` with `input` on its standard input: (exit status, stdout, stderr).
+fn innerwall_with_stdin(url: &str, ca: &Path, args: &[&str], input: &str) -> (i32, String, String) {
+    use std::io::Write as _;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_innerwall"))
+        .env_remove("INNERWALL_CONFIG")
+        .env_remove("INNERWALL_DATABASE_URL")
+        .args(["--database-url", url, "--ca-dir"])
+        .arg(ca)
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let _ = child.stdin.take().unwrap().write_all(input.as_bytes());
+    let out = child.wait_with_output().unwrap();
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (out.status.code().unwrap_or(-1), text(&out.stdout), text(&out.stderr))
+}
+
+#[tokio::test]
+async fn encrypted_backups_need_their_passphrase() {
+    let source = fresh_database().await.unwrap();
+    let dir = std::env::temp_dir().join(format!("iw-backup-sealed-{}", uuid::Uuid::new_v4()));
+    let ca = dir.join("ca");
+    FileCa::init(&ca).unwrap();
+    ok(&source.url, &ca, &["service", "create", "web", "--entry", "tcp:80"]);
+    let passphrase = dir.join("passphrase");
+    std::fs::write(&passphrase, "a long enough passphrase\n").unwrap();
+    let pass = passphrase.to_str().unwrap();
+    let file = dir.join("sealed.backup");
+    let path = file.to_str().unwrap();
+
+    // Too short a passphrase: refused before anything is written.
+    let (code, _, err) = innerwall_with_stdin(
+        &source.url,
+        &ca,
+        &["backup", "create", path, "--passphrase-file", "-"],
+        "short\n",
+    );
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("shorter than 12"), "{err}");
+    assert!(!file.exists(), "a refused backup left a file");
+
+    // Sealed: not a tar any more (no CA key readable in it), and nothing opens it without the
+    // passphrase, or with another; with it, verify and restore work as for a plain one.
+    let said = ok(&source.url, &ca, &["backup", "create", path, "--passphrase-file", pass]);
+    assert!(said.starts_with(&format!("backup {path}:")), "{said}");
+    let bytes = std::fs::read(&file).unwrap();
+    assert!(bytes.starts_with(b"innerwall-sealed-v1\n"));
+    let key = std::fs::read(ca.join("ca.key")).unwrap();
+    assert!(!bytes.windows(32).any(|w| w == &key[40..72]), "the CA key is readable in the sealed file");
+    let (code, _, err) = innerwall(&source.url, &ca, &["backup", "verify", path]);
+    assert_eq!(code, 1);
+    assert!(err.contains("encrypted: give its passphrase (--passphrase-file)"), "{err}");
+    let (code, _, err) = innerwall_with_stdin(
+        &source.url,
+        &ca,
+        &["backup", "verify", path, "--passphrase-file", "-"],
+        "not the passphrase at all",
+    );
+    assert_eq!(code, 1);
+    assert!(err.contains("the passphrase is wrong, or the file was altered"), "{err}");
+    let said = ok(&source.url, &ca, &["backup", "verify", path, "--passphrase-file", pass]);
+    assert!(said.starts_with("verified"), "{said}");
+
+    let empty = fresh_database().await.unwrap();
+    sqlx::query("DROP SCHEMA public CASCADE").execute(&empty.pool).await.unwrap();
+    sqlx::query("CREATE SCHEMA public").execute(&empty.pool).await.unwrap();
+    let fresh_ca = dir.join("fresh-ca");
+    let said = ok(&empty.url, &fresh_ca, &["backup", "restore", path, "--passphrase-file", pass]);
+    assert!(said.starts_with("restored"), "{said}");
+    let restored = innerwall_control_plane::postgres::pool_options().connect(&empty.url).await.unwrap();
+    assert_eq!(services(&restored).await, ["web"]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

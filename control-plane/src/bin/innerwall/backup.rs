@@ -12,10 +12,18 @@ use crate::ctx::Database;
 #[derive(Debug, Subcommand)]
 pub enum BackupCmd {
     /// Write a backup (the database, the CA directory and the configuration file) to FILE, a
-    /// new file with mode 0600.
-    Create { file: PathBuf },
+    /// new file with mode 0600; encrypted with a passphrase when --passphrase-file is given.
+    Create {
+        file: PathBuf,
+        #[command(flatten)]
+        passphrase: Passphrase,
+    },
     /// Check a backup: every member against its manifest's SHA-256, the dump readable.
-    Verify { file: PathBuf },
+    Verify {
+        file: PathBuf,
+        #[command(flatten)]
+        passphrase: Passphrase,
+    },
     /// Restore a backup into this host's database (which must hold no control plane yet) and
     /// CA directory (which must be empty or the same CA).
     Restore {
@@ -27,7 +35,26 @@ pub enum BackupCmd {
         /// configuration file.
         #[arg(long)]
         force: bool,
+        #[command(flatten)]
+        passphrase: Passphrase,
     },
+}
+
+#[derive(Debug, clap::Args)]
+pub struct Passphrase {
+    /// The backup's passphrase (at least 12 bytes), read from FILE, or standard input with `-`;
+    /// never a flag's value. An encrypted backup needs it to be verified or restored.
+    #[arg(long, value_name = "FILE")]
+    passphrase_file: Option<PathBuf>,
+}
+
+impl Passphrase {
+    fn read(&self) -> anyhow::Result<Option<String>> {
+        self.passphrase_file
+            .as_deref()
+            .map(|path| crate::read_secret(path, "--passphrase-file", "the backup's passphrase"))
+            .transpose()
+    }
 }
 
 /// Each step on stderr when it is a terminal.
@@ -63,21 +90,39 @@ pub async fn run(
     json: bool,
 ) -> anyhow::Result<()> {
     match cmd {
-        BackupCmd::Create { file } => {
+        BackupCmd::Create { file, passphrase } => {
+            let passphrase = passphrase.read()?;
             let pool = database.connect().await?;
             let url = database.url().await?;
             let sources = Sources { database_url: &url, ca_dir, config };
-            let manifest = backup::create(&pool, actor, &sources, file, &progress).await?;
+            let manifest = backup::create(
+                &pool,
+                actor,
+                &sources,
+                file,
+                passphrase.as_deref().map(str::as_bytes),
+                &progress,
+            )
+            .await?;
             summary("backup", file, &manifest, json);
         }
-        BackupCmd::Verify { file } => {
-            let manifest = backup::verify(file, &progress)?;
+        BackupCmd::Verify { file, passphrase } => {
+            let manifest = backup::verify(file, passphrase.read()?.as_deref().map(str::as_bytes), &progress)?;
             summary("verified", file, &manifest, json);
         }
-        BackupCmd::Restore { file, config_out, force } => {
+        BackupCmd::Restore { file, config_out, force, passphrase } => {
+            let passphrase = passphrase.read()?;
             let url = database.url().await?;
             let target = Sources { database_url: &url, ca_dir, config: config_out.as_deref() };
-            let manifest = backup::restore(file, &target, actor, *force, &progress).await?;
+            let manifest = backup::restore(
+                file,
+                &target,
+                actor,
+                *force,
+                passphrase.as_deref().map(str::as_bytes),
+                &progress,
+            )
+            .await?;
             summary("restored", file, &manifest, json);
         }
     }

@@ -368,14 +368,20 @@ fn operator_token(file: Option<&Path>) -> anyhow::Result<Option<String>> {
     Ok(Some(old))
 }
 
-/// `--token-file PATH`: the operator token in it, or on standard input when `PATH` is `-`;
-/// surrounding whitespace ignored, at most [`MAX_TOKEN_FILE`] bytes, never empty.
+/// `--token-file PATH`: the operator token in it, or on standard input when `PATH` is `-`.
 fn read_token_file(path: &Path) -> anyhow::Result<String> {
+    read_secret(path, "--token-file", "the operator token (iwo_…)")
+}
+
+/// A secret from `flag PATH` (RUN-6: never from a flag itself): the file's text, or standard
+/// input's when `PATH` is `-`; surrounding whitespace ignored, at most [`MAX_TOKEN_FILE`] bytes,
+/// never empty. `what` says what it should hold.
+pub fn read_secret(path: &Path, flag: &str, what: &str) -> anyhow::Result<String> {
     use std::io::Read as _;
     let name = if path == Path::new("-") {
-        "standard input (--token-file -)".to_owned()
+        format!("standard input ({flag} -)")
     } else {
-        format!("--token-file {}", path.display())
+        format!("{flag} {}", path.display())
     };
     let mut text = String::new();
     let read = if path == Path::new("-") {
@@ -383,19 +389,15 @@ fn read_token_file(path: &Path) -> anyhow::Result<String> {
     } else {
         std::fs::File::open(path).and_then(|f| f.take(MAX_TOKEN_FILE + 1).read_to_string(&mut text))
     };
-    read.with_context(|| format!("cannot read the operator token from {name}"))?;
+    read.with_context(|| format!("cannot read {what} from {name}"))?;
     if text.len() as u64 > MAX_TOKEN_FILE {
-        anyhow::bail!(
-            "{name} holds more than {MAX_TOKEN_FILE} bytes; it should hold only the operator token (iwo_…)"
-        );
+        anyhow::bail!("{name} holds more than {MAX_TOKEN_FILE} bytes; it should hold only {what}");
     }
-    let token = text.trim();
-    if token.is_empty() {
-        anyhow::bail!(
-            "{name} is empty; it should hold the operator token (iwo_…) `innerwall operator token mint` printed"
-        );
+    let secret = text.trim();
+    if secret.is_empty() {
+        anyhow::bail!("{name} is empty; it should hold {what}");
     }
-    Ok(token.to_owned())
+    Ok(secret.to_owned())
 }
 
 /// A command with `--api`: through the remote control plane's API, never this host's database.

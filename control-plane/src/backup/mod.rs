@@ -7,6 +7,9 @@
 //! control plane already), and records itself in the restored audit log. [`before_migrating`]
 //! is the dump `serve` and `migrate` take before applying new migrations.
 //!
+//! With a passphrase the archive is sealed ([`seal`]: ChaCha20-Poly1305 in chunks, the key from
+//! PBKDF2), and opening it needs the passphrase; a sealed file says so in its first bytes.
+//!
 //! `pg_dump` and `pg_restore` are PostgreSQL's own, from the directory the embedded cluster's
 //! binaries come from (the newest installed version, which reads any older server).
 
@@ -18,6 +21,8 @@ use std::process::Command;
 
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
+
+pub mod seal;
 
 use crate::audit;
 use crate::identity::ca::hex;
@@ -151,8 +156,17 @@ pub async fn create(
     actor: &str,
     sources: &Sources<'_>,
     out: &Path,
+    passphrase: Option<&[u8]>,
     progress: Progress<'_>,
 ) -> Result<Manifest, Error> {
+    if let Some(p) = passphrase
+        && p.len() < seal::MIN_PASSPHRASE
+    {
+        return Err(Error::Invalid(format!(
+            "the passphrase is shorter than {} bytes: a backup holds the CA's key",
+            seal::MIN_PASSPHRASE
+        )));
+    }
     if out.exists() {
         return Err(Error::Invalid(format!("{} exists: a backup never replaces a file", out.display())));
     }
@@ -202,8 +216,14 @@ pub async fn create(
             members,
         };
         progress("writing the archive");
-        let file = private_file(out)?;
-        let mut archive = tar::Builder::new(io::BufWriter::new(file));
+        let file = io::BufWriter::new(private_file(out)?);
+        let sink = match passphrase {
+            Some(p) => {
+                Sink::Sealed(seal::Writer::new(file, p, seal::ROUNDS).map_err(io_error("sealing", out))?)
+            }
+            None => Sink::Plain(file),
+        };
+        let mut archive = tar::Builder::new(sink);
         let manifest_bytes =
             serde_json::to_vec_pretty(&manifest).map_err(|e| Error::Invalid(e.to_string()))?;
         append(&mut archive, MANIFEST, &mut manifest_bytes.as_slice(), manifest_bytes.len() as u64, out)?;
@@ -212,7 +232,11 @@ pub async fn create(
             let len = file.metadata().map_err(io_error("reading", path))?.len();
             append(&mut archive, name, &mut file, len, out)?;
         }
-        let mut writer = archive.into_inner().map_err(io_error("writing", out))?;
+        let mut writer = archive
+            .into_inner()
+            .map_err(io_error("writing", out))?
+            .finish()
+            .map_err(io_error("writing", out))?;
         writer.flush().map_err(io_error("writing", out))?;
         writer.get_ref().sync_all().map_err(io_error("syncing", out))?;
         Ok(manifest)
@@ -222,6 +246,45 @@ pub async fn create(
         let _ = fs::remove_file(out);
     }
     made
+}
+
+/// Where an archive is written: the file, or a seal over it.
+enum Sink {
+    Plain(io::BufWriter<File>),
+    Sealed(seal::Writer<io::BufWriter<File>>),
+}
+
+impl Sink {
+    fn finish(self) -> io::Result<io::BufWriter<File>> {
+        match self {
+            Sink::Plain(file) => Ok(file),
+            Sink::Sealed(sealed) => sealed.finish(),
+        }
+    }
+}
+
+impl Write for Sink {
+    fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+        match self {
+            Sink::Plain(file) => file.write(data),
+            Sink::Sealed(sealed) => sealed.write(data),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        match self {
+            Sink::Plain(file) => file.flush(),
+            Sink::Sealed(sealed) => sealed.flush(),
+        }
+    }
+}
+
+/// Whether `file` is a sealed backup (its first bytes say so).
+pub fn is_sealed(file: &Path) -> Result<bool, Error> {
+    let mut head = [0u8; seal::MAGIC.len()];
+    let mut f = File::open(file).map_err(io_error("opening", file))?;
+    let n = f.read(&mut head).map_err(io_error("reading", file))?;
+    Ok(n == head.len() && &head == seal::MAGIC)
 }
 
 fn append(
@@ -248,11 +311,27 @@ pub struct Opened {
 /// Reads the backup `file` into a new private directory beside `scratch` and checks it: the
 /// members are exactly the manifest's (names, sizes, hashes), the CA holds a certificate and a
 /// key, and `pg_restore` can list the dump. Nothing outside that directory is written.
-pub fn open(file: &Path, scratch: &Path, progress: Progress<'_>) -> Result<Opened, Error> {
+/// A sealed backup needs `passphrase`; a plain one refuses it (the file is not the one meant).
+pub fn open(
+    file: &Path,
+    scratch: &Path,
+    passphrase: Option<&[u8]>,
+    progress: Progress<'_>,
+) -> Result<Opened, Error> {
+    let invalid = |what: &str| Error::Invalid(format!("{}: {what}", file.display()));
+    let reader = io::BufReader::new(File::open(file).map_err(io_error("opening", file))?);
+    let source: Box<dyn Read> = match (is_sealed(file)?, passphrase) {
+        (true, Some(p)) => Box::new(seal::Reader::new(reader, p).map_err(|e| invalid(&e.to_string()))?),
+        (true, None) => {
+            return Err(invalid("the backup is encrypted: give its passphrase (--passphrase-file)"));
+        }
+        (false, Some(_)) => return Err(invalid("the backup is not encrypted, yet a passphrase was given")),
+        (false, None) => Box::new(reader),
+    };
     let dir = scratch.join(format!("innerwall-backup-{}", uuid::Uuid::new_v4()));
     fs::create_dir_all(&dir).map_err(io_error("creating", &dir))?;
     fs::set_permissions(&dir, fs::Permissions::from_mode(0o700)).map_err(io_error("securing", &dir))?;
-    match read_members(file, &dir, progress) {
+    match read_members(file, source, &dir, progress) {
         Ok(manifest) => Ok(Opened { manifest, dir }),
         Err(e) => {
             let _ = fs::remove_dir_all(&dir);
@@ -261,11 +340,15 @@ pub fn open(file: &Path, scratch: &Path, progress: Progress<'_>) -> Result<Opene
     }
 }
 
-fn read_members(file: &Path, dir: &Path, progress: Progress<'_>) -> Result<Manifest, Error> {
+fn read_members(
+    file: &Path,
+    source: impl Read,
+    dir: &Path,
+    progress: Progress<'_>,
+) -> Result<Manifest, Error> {
     let invalid = |what: String| Error::Invalid(format!("{} is not a usable backup: {what}", file.display()));
     progress("reading the archive");
-    let mut archive =
-        tar::Archive::new(io::BufReader::new(File::open(file).map_err(io_error("opening", file))?));
+    let mut archive = tar::Archive::new(source);
     let mut manifest: Option<Manifest> = None;
     let mut seen: Vec<Member> = Vec::new();
     for (index, entry) in archive.entries().map_err(|e| invalid(e.to_string()))?.enumerate() {
@@ -350,8 +433,8 @@ fn read_members(file: &Path, dir: &Path, progress: Progress<'_>) -> Result<Manif
 }
 
 /// Checks the backup `file` ([`open`]) and returns its manifest.
-pub fn verify(file: &Path, progress: Progress<'_>) -> Result<Manifest, Error> {
-    let opened = open(file, &std::env::temp_dir(), progress)?;
+pub fn verify(file: &Path, passphrase: Option<&[u8]>, progress: Progress<'_>) -> Result<Manifest, Error> {
+    let opened = open(file, &std::env::temp_dir(), passphrase, progress)?;
     let _ = fs::remove_dir_all(&opened.dir);
     Ok(opened.manifest)
 }
@@ -366,10 +449,11 @@ pub async fn restore(
     target: &Sources<'_>,
     actor: &str,
     force: bool,
+    passphrase: Option<&[u8]>,
     progress: Progress<'_>,
 ) -> Result<Manifest, Error> {
     let scratch = target.ca_dir.parent().unwrap_or(Path::new("/tmp"));
-    let opened = open(file, scratch, progress)?;
+    let opened = open(file, scratch, passphrase, progress)?;
     let done = restore_opened(&opened, file, target, actor, force, progress).await;
     let _ = fs::remove_dir_all(&opened.dir);
     done.map(|()| opened.manifest)
