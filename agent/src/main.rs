@@ -46,6 +46,44 @@ const CONFIG: config::Spec = config::Spec {
     shared_with: &["enroll", "down", "up", "status"],
 };
 
+/// `run`'s settings.
+#[derive(Debug, Clone, PartialEq, clap::Args)]
+struct RunArgs {
+    #[command(flatten)]
+    state: StateDir,
+    /// Control-plane address, HOST:PORT.
+    #[arg(long, env = "INNERWALL_AGENT_SERVER")]
+    server: String,
+    /// How often the owned table is checked for outside changes, in milliseconds.
+    #[arg(long, default_value_t = 2000)]
+    drift_interval_ms: u64,
+    /// Serve Prometheus metrics at http://ADDR/metrics. Plain HTTP without authentication:
+    /// bind it to loopback or a private address. Off by default.
+    #[arg(long, env = "INNERWALL_AGENT_METRICS_LISTEN", value_name = "ADDR")]
+    metrics_listen: Option<std::net::SocketAddr>,
+    /// Capacity of the flow capture's connection table (who started each connection, so
+    /// replies are not recorded as inbound), in entries of 112 bytes of kernel memory each.
+    /// Default: 1/256 of the host's memory, within 65,536..=1,048,576 entries (8 GB: 299,593,
+    /// 33 MB). When more connections than this come and go while a conversation is idle, its
+    /// entry is evicted and its late replies are recorded as inbound: counted
+    /// (innerwall_agent_capture_udp_reply_like_unmatched_total) and reported as a
+    /// suspect-direction gap on the window.
+    #[arg(
+        long,
+        env = "INNERWALL_AGENT_CONN_TABLE_ENTRIES",
+        value_name = "N",
+        value_parser = clap::value_parser!(u32).range(
+            i64::from(capture::MIN_CONN_ENTRIES)..=i64::from(capture::MAX_CONN_ENTRIES)
+        )
+    )]
+    conn_table_entries: Option<u32>,
+    /// Testing: decode policy-stream messages only up to this many bytes (never more than
+    /// the contract's largest message), to see an update this agent cannot read reported.
+    #[arg(long, env = "INNERWALL_AGENT_MAX_POLICY_MESSAGE", hide = true, value_name = "BYTES",
+          default_value_t = innerwall_wire::sync::MAX_POLICY_MESSAGE)]
+    max_policy_message: usize,
+}
+
 #[derive(Debug, Subcommand)]
 enum ConfigCmd {
     /// Check the file, with the environment, as `run` would read it: every problem is listed,
@@ -125,7 +163,7 @@ enum LogFormat {
     Json,
 }
 
-#[derive(Debug, clap::Args)]
+#[derive(Debug, Clone, PartialEq, clap::Args)]
 struct StateDir {
     /// Where the agent keeps its identity and persisted policy.
     #[arg(long, env = "INNERWALL_AGENT_STATE_DIR", default_value = DEFAULT_STATE_DIR)]
@@ -140,41 +178,9 @@ enum Command {
     #[command(subcommand)]
     Config(ConfigCmd),
     /// Run the agent: re-apply the persisted policy, then connect to the control plane.
-    Run {
-        #[command(flatten)]
-        state: StateDir,
-        /// Control-plane address, HOST:PORT.
-        #[arg(long, env = "INNERWALL_AGENT_SERVER")]
-        server: String,
-        /// How often the owned table is checked for outside changes, in milliseconds.
-        #[arg(long, default_value_t = 2000)]
-        drift_interval_ms: u64,
-        /// Serve Prometheus metrics at http://ADDR/metrics. Plain HTTP without authentication:
-        /// bind it to loopback or a private address. Off by default.
-        #[arg(long, env = "INNERWALL_AGENT_METRICS_LISTEN", value_name = "ADDR")]
-        metrics_listen: Option<std::net::SocketAddr>,
-        /// Capacity of the flow capture's connection table (who started each connection, so
-        /// replies are not recorded as inbound), in entries of 112 bytes of kernel memory each.
-        /// Default: 1/256 of the host's memory, within 65,536..=1,048,576 entries (8 GB: 299,593,
-        /// 33 MB). When more connections than this come and go while a conversation is idle, its
-        /// entry is evicted and its late replies are recorded as inbound: counted
-        /// (innerwall_agent_capture_udp_reply_like_unmatched_total) and reported as a
-        /// suspect-direction gap on the window.
-        #[arg(
-            long,
-            env = "INNERWALL_AGENT_CONN_TABLE_ENTRIES",
-            value_name = "N",
-            value_parser = clap::value_parser!(u32).range(
-                i64::from(capture::MIN_CONN_ENTRIES)..=i64::from(capture::MAX_CONN_ENTRIES)
-            )
-        )]
-        conn_table_entries: Option<u32>,
-        /// Testing: decode policy-stream messages only up to this many bytes (never more than
-        /// the contract's largest message), to see an update this agent cannot read reported.
-        #[arg(long, env = "INNERWALL_AGENT_MAX_POLICY_MESSAGE", hide = true, value_name = "BYTES",
-              default_value_t = innerwall_wire::sync::MAX_POLICY_MESSAGE)]
-        max_policy_message: usize,
-    },
+    /// SIGHUP reads the command line and file again: the log level takes effect; other changed
+    /// settings are named as needing a restart.
+    Run(RunArgs),
     /// Enroll this host: generate a key here, present the token, store the issued identity.
     Enroll {
         #[command(flatten)]
@@ -247,18 +253,9 @@ fn main() -> ExitCode {
         Ok(parsed) => parsed,
         Err(code) => return code,
     };
-    let filter = match std::env::var("RUST_LOG") {
-        Ok(former) if !level_given && !former.is_empty() => former,
-        _ => cli.log_level.clone(),
-    };
-    let filter = tracing_subscriber::EnvFilter::try_new(&filter)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let logs = tracing_subscriber::fmt().with_writer(std::io::stderr).with_env_filter(filter);
-    match cli.log_format {
-        LogFormat::Text => logs.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).init(),
-        LogFormat::Json => logs.json().init(),
-    }
-    match run(cli.command, cli.log_format, &argv, &layer) {
+    let filter = log_filter(&cli, level_given);
+    let logs = init_logs(cli.log_format, &filter);
+    match run(cli.command, cli.log_format, &argv, &layer, Logs { handle: logs, filter }) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             let chain = innerwall_agent::error::chain(err.as_ref());
@@ -268,6 +265,111 @@ fn main() -> ExitCode {
                 LogFormat::Json => tracing::error!("{chain}"),
             }
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// The log filter in force: the level given (flag, variable or file), else RUST_LOG, as before.
+fn log_filter(cli: &Cli, level_given: bool) -> String {
+    match std::env::var("RUST_LOG") {
+        Ok(former) if !level_given && !former.is_empty() => former,
+        _ => cli.log_level.clone(),
+    }
+}
+
+type LogHandle =
+    tracing_subscriber::reload::Handle<tracing_subscriber::EnvFilter, tracing_subscriber::Registry>;
+
+/// Logs to stderr through a filter SIGHUP can replace; a malformed filter means `info`.
+fn init_logs(format: LogFormat, filter: &str) -> LogHandle {
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+    let filter = tracing_subscriber::EnvFilter::try_new(filter)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let (filter, handle) = tracing_subscriber::reload::Layer::new(filter);
+    let logs = tracing_subscriber::registry().with(filter);
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => {
+            logs.with(fmt.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))).init()
+        }
+        LogFormat::Json => logs.with(fmt.json()).init(),
+    }
+    handle
+}
+
+/// The logs' filter and the spelling in force.
+struct Logs {
+    handle: LogHandle,
+    filter: String,
+}
+
+/// What SIGHUP does to a running agent: reads the command line and the file again (as at
+/// start), puts a changed log level in force and names the other changed settings, which need
+/// a restart. A file with problems changes nothing and is reported.
+struct Hangup {
+    argv: Vec<OsString>,
+    started: RunArgs,
+    logs: std::sync::Mutex<Logs>,
+}
+
+impl Hangup {
+    fn reread(&self) {
+        let (matches, layer) = config::parse(&CONFIG, Cli::command, &self.argv);
+        if !layer.problems.is_empty() {
+            let problems: Vec<String> = layer.problems.iter().map(ToString::to_string).collect();
+            tracing::warn!(
+                "SIGHUP: nothing reloaded; the configuration has problems: {}",
+                problems.join("; ")
+            );
+            return;
+        }
+        let level_given =
+            matches.value_source("log_level").is_some_and(|s| s != clap::parser::ValueSource::DefaultValue)
+                || layer.values.contains_key("log_level");
+        let cli = match Cli::from_arg_matches(&matches) {
+            Ok(cli) => cli,
+            Err(e) => return tracing::warn!("SIGHUP: nothing reloaded: {e}"),
+        };
+        let Command::Run(now) = &cli.command else { unreachable!("the same command line names `run`") };
+        let mut logs = self.logs.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let filter = log_filter(&cli, level_given);
+        let mut changed = Vec::new();
+        if filter != logs.filter {
+            match tracing_subscriber::EnvFilter::try_new(&filter) {
+                Ok(new) => match logs.handle.reload(new) {
+                    Ok(()) => {
+                        changed.push(format!("log-level {} → {filter}", logs.filter));
+                        logs.filter = filter;
+                    }
+                    Err(e) => tracing::warn!("SIGHUP: the log level stays {}: {e}", logs.filter),
+                },
+                Err(e) => tracing::warn!(
+                    "SIGHUP: the log level stays {}: {filter:?} is not a filter: {e}",
+                    logs.filter
+                ),
+            }
+        }
+        let was = &self.started;
+        let restart: Vec<&str> = [
+            ("state-dir", was.state != now.state),
+            ("server", was.server != now.server),
+            ("drift-interval-ms", was.drift_interval_ms != now.drift_interval_ms),
+            ("metrics-listen", was.metrics_listen != now.metrics_listen),
+            ("conn-table-entries", was.conn_table_entries != now.conn_table_entries),
+            ("max-policy-message", was.max_policy_message != now.max_policy_message),
+        ]
+        .into_iter()
+        .filter_map(|(name, differs)| differs.then_some(name))
+        .collect();
+        let changed = if changed.is_empty() { "nothing changed".to_owned() } else { changed.join(", ") };
+        if restart.is_empty() {
+            tracing::info!("SIGHUP: configuration read again: {changed}");
+        } else {
+            tracing::warn!(
+                "SIGHUP: configuration read again: {changed}; changed but in force only after a restart: {}",
+                restart.join(", ")
+            );
         }
     }
 }
@@ -337,29 +439,24 @@ fn run(
     log_format: LogFormat,
     argv: &[OsString],
     layer: &config::Layer,
+    logs: Logs,
 ) -> anyhow::Result<()> {
     match command {
         Command::Contract => println!("{}", innerwall_wire::CONTRACT_PACKAGE),
         Command::Config(cmd) => config_command(&cmd, argv, layer)?,
-        Command::Run {
-            state,
-            server,
-            drift_interval_ms,
-            metrics_listen,
-            conn_table_entries,
-            max_policy_message,
-        } => {
-            let mut config = RunConfig::new(state.state_dir, server);
-            config.drift_interval = std::time::Duration::from_millis(drift_interval_ms.max(100));
-            config.metrics_listen = metrics_listen;
-            config.conn_entries = conn_table_entries;
-            config.max_policy_message = max_policy_message;
+        Command::Run(args) => {
+            let mut config = RunConfig::new(args.state.state_dir.clone(), args.server.clone());
+            config.drift_interval = std::time::Duration::from_millis(args.drift_interval_ms.max(100));
+            config.metrics_listen = args.metrics_listen;
+            config.conn_entries = args.conn_table_entries;
+            config.max_policy_message = args.max_policy_message;
+            let hangup = Hangup { argv: argv.to_vec(), started: args, logs: std::sync::Mutex::new(logs) };
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
                 .enable_all()
                 .build()
                 .context("starting the async runtime")?;
-            runtime.block_on(daemon::run(config))?;
+            runtime.block_on(daemon::run(config, Box::new(move || hangup.reread())))?;
         }
         Command::Enroll { state, server, token: _, token_file, ca_bundle, force, keep_replaced } => {
             let token = provisioning_token(token_file.as_deref(), log_format)?;

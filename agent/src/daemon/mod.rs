@@ -175,7 +175,7 @@ async fn check_drift_forever(agent: Arc<Agent<LinuxPolicyStore>>, every: Duratio
 }
 
 /// Runs the agent until SIGINT/SIGTERM. Kernel rules stay in place when it returns.
-pub async fn run(config: RunConfig) -> Result<(), RunError> {
+pub async fn run(config: RunConfig, hangup: Box<dyn Fn() + Send + Sync>) -> Result<(), RunError> {
     // Bound first: a taken address fails the start before anything is touched.
     let metrics = match config.metrics_listen {
         Some(addr) => Some(
@@ -209,10 +209,17 @@ pub async fn run(config: RunConfig) -> Result<(), RunError> {
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(RunError::Signal)?;
-    let result = tokio::select! {
-        r = hold_stream(&config, agent) => r,
-        _ = tokio::signal::ctrl_c() => { tracing::info!("interrupted"); Ok(()) }
-        _ = term.recv() => { tracing::info!("terminated"); Ok(()) }
+    let mut hup =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).map_err(RunError::Signal)?;
+    let hold = hold_stream(&config, agent);
+    tokio::pin!(hold);
+    let result = loop {
+        tokio::select! {
+            r = &mut hold => break r,
+            _ = tokio::signal::ctrl_c() => { tracing::info!("interrupted"); break Ok(()) }
+            _ = term.recv() => { tracing::info!("terminated"); break Ok(()) }
+            _ = hup.recv() => hangup(),
+        }
     };
     if let Some(notifier) = &notifier {
         notifier.send("STOPPING=1");

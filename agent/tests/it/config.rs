@@ -98,3 +98,87 @@ fn agent_config_files_are_checked() {
     assert!(out.contains("cannot be read"), "{out}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// SIGHUP to a running agent (in a network namespace of its own, not enrolled, so it keeps
+/// redialing): the file read again, a new log level in force, the settings that need a restart
+/// named, a file with problems reported and nothing changed, and the agent running throughout.
+#[test]
+fn agent_reloads_its_configuration_on_sighup() {
+    use std::io::{BufRead as _, BufReader};
+    let dir = std::env::temp_dir().join(format!("iw-agent-hup-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("agent.toml");
+    let state = dir.join("state");
+    let write = |extra: &str| {
+        std::fs::write(
+            &file,
+            format!("server = \"127.0.0.1:9\"\nstate-dir = \"{}\"\n{extra}", state.display()),
+        )
+        .unwrap()
+    };
+    write("log-level = \"warn\"\n");
+    /// The agent, killed by its PID if the test fails first.
+    struct Running(std::process::Child);
+    impl Drop for Running {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut agent = Running(
+        Command::new("unshare")
+            .args(["--net", AGENT, "--config", file.to_str().unwrap(), "run"])
+            .env_remove("RUST_LOG")
+            .env_remove("INNERWALL_AGENT_LOG")
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    // `unshare` execs the agent: the child's PID is the agent's.
+    let pid = libc::pid_t::try_from(agent.0.id()).unwrap();
+    #[allow(unsafe_code)]
+    let signal = move |signal| {
+        // SAFETY: kill(2) on our own child, not reaped yet.
+        assert_eq!(unsafe { libc::kill(pid, signal) }, 0);
+    };
+    let mut lines = BufReader::new(agent.0.stderr.take().unwrap()).lines().map_while(Result::ok);
+    let mut until = |what: &str| -> String {
+        let mut seen = Vec::new();
+        for line in lines.by_ref() {
+            if line.contains(what) {
+                return line;
+            }
+            seen.push(line);
+        }
+        panic!("the agent's log ended without {what:?}:\n{}", seen.join("\n"));
+    };
+    // At warn, the dial failures are logged and the agent's info lines are not.
+    until("dial attempt 1");
+    let hup = || signal(libc::SIGHUP);
+
+    write("log-level = \"info\"\ndrift-interval-ms = 500\n");
+    hup();
+    let said = until("SIGHUP");
+    assert!(said.contains("log-level warn → info"), "{said}");
+    assert!(said.contains("in force only after a restart: drift-interval-ms"), "{said}");
+    // Info lines now come through: the next reload's own line is one (drift-interval-ms is
+    // back to what is in force, so nothing needs a restart).
+    write("log-level = \"info\"\n");
+    hup();
+    let said = until("SIGHUP");
+    assert!(said.contains("INFO") && said.contains("nothing changed") && !said.contains("restart"), "{said}");
+
+    write("bogus = 1\n");
+    hup();
+    let said = until("SIGHUP");
+    assert!(said.contains("nothing reloaded") && said.contains("bogus"), "{said}");
+    // Still running, and still at info: a later reload answers.
+    write("log-level = \"info\"\n");
+    hup();
+    let said = until("SIGHUP");
+    assert!(said.contains("nothing changed") && !said.contains("restart"), "{said}");
+    assert!(agent.0.try_wait().unwrap().is_none(), "the agent exited");
+    signal(libc::SIGTERM);
+    assert!(agent.0.wait().unwrap().success());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
