@@ -184,6 +184,52 @@ async fn drain(
 /// run if it deleted anything. Workloads go first (their history goes with them), contents last
 /// (the history deleted before leaves them orphans).
 pub async fn apply(pool: &PgPool, retention: &Retention, now: DateTime<Utc>) -> Result<Removed, Error> {
+    let removed = delete_expired(pool, retention, now).await?;
+    if removed.total() > 0 {
+        let detail = serde_json::to_value(removed).expect("plain data serializes");
+        audit_run(pool, "innerwall-retention", detail).await?;
+    }
+    Ok(removed)
+}
+
+/// What a retention run started by hand removed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Run {
+    /// The daily flow partitions dropped (FLOW-5).
+    pub flow_partitions: Vec<String>,
+    pub removed: Removed,
+}
+
+/// The retention `serve` applies hourly, now, by `actor` (`innerwall retention`): flow partitions
+/// older than `flow_days`, then the control plane's own rows; each step reported to `progress`
+/// as it starts, and the run audited as `retention.run` by `actor`, whatever it removed.
+pub async fn run_now(
+    pool: &PgPool,
+    actor: &str,
+    flow_days: i64,
+    retention: &Retention,
+    now: DateTime<Utc>,
+    progress: &dyn Fn(&str),
+) -> Result<Run, Error> {
+    progress(&format!("dropping the flow evidence's daily partitions older than {flow_days} days"));
+    let flow_partitions = crate::flows::apply_retention(pool, flow_days, now).await?;
+    progress("deleting the control plane's rows past their retention");
+    let removed = delete_expired(pool, retention, now).await?;
+    let run = Run { flow_partitions, removed };
+    audit_run(pool, actor, serde_json::to_value(&run).expect("plain data serializes")).await?;
+    Ok(run)
+}
+
+async fn audit_run(pool: &PgPool, actor: &str, detail: serde_json::Value) -> Result<(), Error> {
+    let mut conn = pool.acquire().await?;
+    crate::audit::write(
+        &mut conn,
+        &crate::audit::Record::new(actor, "retention.run", "control-plane").detail(detail),
+    )
+    .await
+}
+
+async fn delete_expired(pool: &PgPool, retention: &Retention, now: DateTime<Utc>) -> Result<Removed, Error> {
     let batch = retention.batch.max(1);
     let at = |age: Duration| Some(now - age);
     let removed = Removed {
@@ -196,15 +242,5 @@ pub async fn apply(pool: &PgPool, retention: &Retention, now: DateTime<Utc>) -> 
         operator_tokens: drain(pool, OPERATOR_TOKENS, at(retention.tokens), batch, false).await?,
         policy_contents: drain(pool, POLICY_CONTENTS, None, batch, true).await?,
     };
-    if removed.total() > 0 {
-        let mut conn = pool.acquire().await?;
-        let detail = serde_json::to_value(removed).expect("plain data serializes");
-        crate::audit::write(
-            &mut conn,
-            &crate::audit::Record::new("innerwall-retention", "retention.run", "control-plane")
-                .detail(detail),
-        )
-        .await?;
-    }
     Ok(removed)
 }

@@ -218,9 +218,9 @@ pub async fn create(
         progress("writing the archive");
         let file = io::BufWriter::new(private_file(out)?);
         let sink = match passphrase {
-            Some(p) => {
-                Sink::Sealed(seal::Writer::new(file, p, seal::ROUNDS).map_err(io_error("sealing", out))?)
-            }
+            Some(p) => Sink::Sealed(Box::new(
+                seal::Writer::new(file, p, seal::ROUNDS).map_err(io_error("sealing", out))?,
+            )),
             None => Sink::Plain(file),
         };
         let mut archive = tar::Builder::new(sink);
@@ -251,7 +251,7 @@ pub async fn create(
 /// Where an archive is written: the file, or a seal over it.
 enum Sink {
     Plain(io::BufWriter<File>),
-    Sealed(seal::Writer<io::BufWriter<File>>),
+    Sealed(Box<seal::Writer<io::BufWriter<File>>>),
 }
 
 impl Sink {

@@ -164,7 +164,7 @@ pub async fn connect(url: &str) -> Result<PgPool, Error> {
         .connect(url)
         .await
         .map_err(|source| Error::Connect { url: redact_url(url), source })?;
-    report(&migrate(&pool, url).await?);
+    report(&migrate(&pool, url, &|_| {}).await?);
     Ok(pool)
 }
 
@@ -289,7 +289,7 @@ impl Pools {
             c.options().connect(url).await.map_err(|source| Error::Connect { url: redact_url(url), source })
         };
         let authoring = open(&config.authoring).await?;
-        report(&migrate(&authoring, url).await?);
+        report(&migrate(&authoring, url, &|_| {}).await?);
         Ok(Pools { streams: open(&config.streams).await?, ingest: open(&config.ingest).await?, authoring })
     }
 

@@ -115,8 +115,8 @@ pub struct Migrated {
 /// Brings the database behind `pool` (reached by `url`, for messages) up to this build's
 /// schema: nothing when it is current or ahead; the pending migrations when it is behind and
 /// the role may create objects in its schema; else an error naming what is pending and how to
-/// migrate, having changed nothing.
-pub async fn migrate(pool: &PgPool, url: &str) -> Result<Migrated, Error> {
+/// migrate, having changed nothing. Each migration is reported to `progress` as it starts.
+pub async fn migrate(pool: &PgPool, url: &str, progress: &dyn Fn(&str)) -> Result<Migrated, Error> {
     let sql = |action: &str| {
         let action = action.to_owned();
         move |source| Error::Sql { action, source }
@@ -138,7 +138,14 @@ pub async fn migrate(pool: &PgPool, url: &str) -> Result<Migrated, Error> {
         return Err(Error::MigrationsPending { url: redact_url(url), role, pending });
     }
     drop(conn);
-    MIGRATOR.run(pool).await.map_err(|source| Error::Migrate { url: redact_url(url), source })?;
+    for version in &pending {
+        let description = MIGRATOR.iter().find(|m| m.version == *version).map_or("", |m| &*m.description);
+        progress(&format!("applying migration {version} ({description})"));
+        MIGRATOR
+            .run_to(*version, pool)
+            .await
+            .map_err(|source| Error::Migrate { url: redact_url(url), source })?;
+    }
     Ok(Migrated { applied: pending, ahead: Vec::new() })
 }
 

@@ -301,3 +301,64 @@ async fn referenced_policy_content_cannot_be_deleted() {
         .rows_affected();
     assert_eq!(n, 1);
 }
+
+/// `innerwall retention`, run by hand through the real binary: the flow partitions past the
+/// file's --flow-retention and the rows past theirs go, the summary says how many, a setting
+/// that would lose history is refused having done nothing, and the run is audited by its actor.
+#[tokio::test]
+async fn retention_runs_by_hand() {
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    let old = chrono::Utc::now() - chrono::Duration::days(40);
+    let mut tx = pool.begin().await.unwrap();
+    ensure_partitions(&mut tx, old, old).await.unwrap();
+    tx.commit().await.unwrap();
+    let partition = format!("flow_records_{}", old.format("%Y%m%d"));
+    sqlx::query("INSERT INTO audit_log (at, actor, action, subject, detail) VALUES (now() - interval '400 days', 'x', 'old.thing', 's', '{}')")
+        .execute(pool)
+        .await
+        .unwrap();
+    let dir = std::env::temp_dir().join(format!("iw-retention-{}", Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("innerwall.toml");
+    let innerwall = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_innerwall"))
+            .env_remove("INNERWALL_DATABASE_URL")
+            .args(["--config", config.to_str().unwrap(), "--database-url", &db.url])
+            .args(args)
+            .output()
+            .unwrap();
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        (out.status.code(), text(&out.stdout), text(&out.stderr))
+    };
+
+    // History kept shorter than flow evidence would strand windows: refused, nothing done.
+    std::fs::write(&config, "flow-retention = \"30d\"\npolicy-history-retention = \"7d\"\n").unwrap();
+    let (code, _, err) = innerwall(&["retention"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("--policy-history-retention (7 days) must be at least --flow-retention"), "{err}");
+    let exists = format!("SELECT count(*) FROM pg_class WHERE relname = '{partition}'");
+    assert_eq!(count(pool, &exists).await, 1, "a refused run dropped a partition");
+
+    std::fs::write(&config, "flow-retention = \"30d\"\n").unwrap();
+    let day = format!("SELECT count(*) FROM pg_class WHERE relname LIKE '%\\_{}'", old.format("%Y%m%d"));
+    let partitions = count(pool, &day).await;
+    assert!(partitions >= 7, "{partitions}");
+    let (code, out, err) = innerwall(&["retention"]);
+    assert_eq!(code, Some(0), "{err}");
+    let said = format!("retention applied: {partitions} flow partition(s) dropped");
+    assert!(out.contains(&said) && out.contains("1 audit record(s)"), "{out}");
+    assert_eq!(count(pool, &exists).await, 0, "the partition outlived the retention");
+    // The second time: nothing left, and still audited.
+    let (code, out, _) = innerwall(&["--json", "retention"]);
+    assert_eq!(code, Some(0));
+    let run: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(run["flow_partitions"].as_array().map(Vec::len), Some(0), "{run}");
+    let runs = count(
+        pool,
+        "SELECT count(*) FROM audit_log WHERE action = 'retention.run' AND actor <> 'innerwall-retention'",
+    )
+    .await;
+    assert_eq!(runs, 2);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -61,7 +61,7 @@ async fn drill(owner_url: &str, app_url: &str, app: &str, superuser: &str) -> an
     assert!(!exists, "a refused role created the migrations table");
 
     // The owner migrates and grants; a superuser or a missing role is never granted.
-    let migrated = postgres::migrate(&owner_pool, owner_url).await?;
+    let migrated = postgres::migrate(&owner_pool, owner_url, &|_| {}).await?;
     assert_eq!(&migrated.applied, pending);
     for (role, why) in [(superuser, "superuser"), ("iw_nobody_here", "no such role")] {
         let e = postgres::grant_runtime(&owner_pool, role).await.unwrap_err();
@@ -109,7 +109,7 @@ async fn drill(owner_url: &str, app_url: &str, app: &str, superuser: &str) -> an
     .await;
     let served = Pools::connect(app_url, &PoolsConfig::default()).await?;
     served.authoring.close().await;
-    let migrated = postgres::migrate(&owner_pool, owner_url).await?;
+    let migrated = postgres::migrate(&owner_pool, owner_url, &|_| {}).await?;
     assert_eq!((migrated.applied, migrated.ahead), (vec![], vec![99990101000000]));
 
     // A migration of this build applied differently, or one that failed: refused.

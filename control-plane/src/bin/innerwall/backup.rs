@@ -1,7 +1,6 @@
 //! `innerwall backup create|verify|restore` (issue 32): the library's `backup` calls, with
 //! progress on a terminal and a summary at the end.
 
-use std::io::IsTerminal as _;
 use std::path::{Path, PathBuf};
 
 use clap::Subcommand;
@@ -57,13 +56,6 @@ impl Passphrase {
     }
 }
 
-/// Each step on stderr when it is a terminal.
-fn progress(step: &str) {
-    if std::io::stderr().is_terminal() {
-        eprintln!("… {step}");
-    }
-}
-
 fn summary(verb: &str, file: &Path, manifest: &Manifest, json: bool) {
     if json {
         println!("{}", serde_json::json!({ "file": file, "manifest": manifest }));
@@ -101,13 +93,17 @@ pub async fn run(
                 &sources,
                 file,
                 passphrase.as_deref().map(str::as_bytes),
-                &progress,
+                &crate::output::progress,
             )
             .await?;
             summary("backup", file, &manifest, json);
         }
         BackupCmd::Verify { file, passphrase } => {
-            let manifest = backup::verify(file, passphrase.read()?.as_deref().map(str::as_bytes), &progress)?;
+            let manifest = backup::verify(
+                file,
+                passphrase.read()?.as_deref().map(str::as_bytes),
+                &crate::output::progress,
+            )?;
             summary("verified", file, &manifest, json);
         }
         BackupCmd::Restore { file, config_out, force, passphrase } => {
@@ -120,7 +116,7 @@ pub async fn run(
                 actor,
                 *force,
                 passphrase.as_deref().map(str::as_bytes),
-                &progress,
+                &crate::output::progress,
             )
             .await?;
             summary("restored", file, &manifest, json);

@@ -27,7 +27,7 @@ pub const SPEC: Spec = Spec {
         "log_format",
         "log_level",
     ],
-    shared_with: &[],
+    shared_with: &["retention"],
 };
 
 #[derive(Debug, Subcommand)]

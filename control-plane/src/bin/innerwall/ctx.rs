@@ -52,7 +52,7 @@ impl Database {
             .connect(&url)
             .await
             .map_err(|source| postgres::Error::Connect { url: postgres::redact_url(&url), source })?;
-        let migrated = postgres::migrate(&pool, &url).await?;
+        let migrated = postgres::migrate(&pool, &url, &crate::output::progress).await?;
         Ok((pool, migrated))
     }
 

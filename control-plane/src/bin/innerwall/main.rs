@@ -40,6 +40,7 @@ mod policy;
 mod promotions;
 mod replay;
 mod requests;
+mod retention;
 mod serve;
 mod suggest;
 mod tokens;
@@ -152,6 +153,10 @@ enum Command {
     /// Backups of the database, the CA and the configuration file: create, verify, restore.
     #[command(subcommand)]
     Backup(backup::BackupCmd),
+    /// Apply the retention `serve` applies hourly, now: flow partitions older than
+    /// --flow-retention, then the control plane's own rows past theirs (the same flags and
+    /// file keys as `serve`). Audited as `retention.run`.
+    Retention(retention::RetentionCmd),
     /// The certificate authority that issues workload identities.
     #[command(subcommand)]
     Ca(ca::CaCmd),
@@ -310,6 +315,7 @@ async fn run(
         }
         Command::Ca(cmd) => ca::run(cmd, &ca_dir, &database, cli.json, cli.page_size).await?,
         Command::Operator(cmd) => operators::run(&connect().await?, cmd).await?,
+        Command::Retention(cmd) => retention::run(&connect().await?, cmd).await?,
         command => operate(&connect().await?, command, cli.json, &ca_dir).await?,
     }
     output::flush();
@@ -406,6 +412,7 @@ async fn remote(api: &str, cli: &Cli) -> anyhow::Result<()> {
         Command::Contract => Some("contract"),
         Command::Migrate { .. } => Some("migrate"),
         Command::Backup(_) => Some("backup"),
+        Command::Retention(_) => Some("retention"),
         Command::Serve(_) => Some("serve"),
         Command::Ca(_) => Some("ca"),
         Command::Operator(_) => Some("operator"),
@@ -446,6 +453,7 @@ async fn operate(
         Command::Contract
         | Command::Config(_)
         | Command::Backup(_)
+        | Command::Retention(_)
         | Command::Migrate { .. }
         | Command::Serve(_)
         | Command::Ca(_)

@@ -58,6 +58,14 @@ pub fn note(args: std::fmt::Arguments<'_>) {
     let _ = std::io::stderr().lock().write_all(line.as_bytes());
 }
 
+/// A long operation's step (backup, restore, migrations, retention), on stderr when it is a
+/// terminal: pipelines and logs get only the summary the command prints at the end.
+pub fn progress(step: &str) {
+    if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        note(format_args!("… {step}"));
+    }
+}
+
 /// `text` with every control character (C0, DEL, C1) and every bidirectional-override
 /// character written as a visible escape (`\n`, `\t`, `\r`, else `\u001b`, `\u202e`, …), so that
 /// what a terminal shows is what the text holds. The one escaping of the CLI's output. The

@@ -199,7 +199,7 @@ pub struct RetentionArgs {
 
 impl RetentionArgs {
     /// The retention, refused if history would go before the flow windows it explains.
-    fn retention(
+    pub fn retention(
         &self,
         flows: chrono::Duration,
     ) -> anyhow::Result<innerwall_control_plane::retention::Retention> {
@@ -359,7 +359,7 @@ impl ApiArgs {
 }
 
 /// A retention in whole days, at least one.
-fn days(d: std::time::Duration, flag: &str) -> anyhow::Result<chrono::Duration> {
+pub fn days(d: std::time::Duration, flag: &str) -> anyhow::Result<chrono::Duration> {
     let days = d.as_secs() / 86_400;
     if days == 0 || !d.as_secs().is_multiple_of(86_400) {
         anyhow::bail!("{flag} must be a whole number of days, at least 1d");
