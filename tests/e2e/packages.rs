@@ -8,6 +8,10 @@
 //! /etc, /usr and /var are overlays on the machine's own (writes land in the test's directory
 //! and vanish with it), and the processes in a network namespace of their own. `cargo xtask
 //! test` builds the packages (debug binaries, the same packaging) into target/packages.
+//!
+//! An upgrade (issue 32, item 5): the previous release's agent package (target/previous, see
+//! tests/fixtures/previous-release) installed and enforcing, upgraded with dpkg to this one
+//! while real packets stream from outside; not one blocked datagram arrives.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -76,6 +80,17 @@ impl Sandbox {
 
     fn ok(&self, args: &[&str]) -> String {
         self.ok_in(None, args)
+    }
+
+    /// Writes `text` to `path` as the sandbox sees it.
+    fn write(&self, path: &str, text: &str) {
+        let mut child = self
+            .command(None, &["sh", "-c", &format!("cat > {path}")])
+            .stdin(Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::io::Write::write_all(child.stdin.as_mut().unwrap(), text.as_bytes()).unwrap();
+        assert!(child.wait().unwrap().success(), "writing {path}");
     }
 
     /// Whether `path` exists as the sandbox sees it.
@@ -190,15 +205,7 @@ fn packages_install_and_enforce() {
     );
 
     // The installed configuration files, edited as an operator would, and checked.
-    let write = |path: &str, text: &str| {
-        let mut child = sandbox
-            .command(None, &["sh", "-c", &format!("cat > {path}")])
-            .stdin(Stdio::piped())
-            .spawn()
-            .unwrap();
-        std::io::Write::write_all(child.stdin.as_mut().unwrap(), text.as_bytes()).unwrap();
-        assert!(child.wait().unwrap().success(), "writing {path}");
-    };
+    let write = |path: &str, text: &str| sandbox.write(path, text);
     write(
         "/etc/innerwall/innerwall.toml",
         "listen = \"127.0.0.1:7443\"\nserver-name = [\"localhost\"]\nflow-window = \"2s\"\nheartbeat-interval = \"2s\"\n",
@@ -301,13 +308,10 @@ fn packages_install_and_enforce() {
     agent_run.terminate();
     serve.terminate();
     // The embedded cluster outlives `serve` by design (its unit's stop ends the whole control
-    // group); here it is stopped by its PID, as that stop would.
+    // group); without systemd, the package's removal stops it before the purge deletes it.
     let postmaster = sandbox.ok(&["head", "-1", "/var/lib/innerwall/postgres/data/postmaster.pid"]);
     let postmaster = nix::unistd::Pid::from_raw(postmaster.trim().parse().unwrap());
-    nix::sys::signal::kill(postmaster, nix::sys::signal::Signal::SIGINT).unwrap();
-    wait_for("the embedded cluster stopped", 60, &dir, || {
-        (!Path::new(&format!("/proc/{postmaster}")).exists()).then_some(())
-    });
+    assert!(Path::new(&format!("/proc/{postmaster}")).exists(), "the embedded cluster runs after serve");
     sandbox.ok_in(netns, &["dpkg", "--remove", "innerwall-agent"]);
     assert!(
         sandbox.run_in(netns, &["nft", "list", "table", "inet", "innerwall"]).status.success(),
@@ -316,10 +320,215 @@ fn packages_install_and_enforce() {
     assert!(sandbox.exists("/var/lib/innerwall-agent"), "remove keeps the state");
     sandbox.ok_in(netns, &["dpkg", "--purge", "innerwall-agent", "innerwall"]);
     assert!(
+        !Path::new(&format!("/proc/{postmaster}")).exists(),
+        "the purge left the embedded cluster running"
+    );
+    assert!(
         !sandbox.run_in(netns, &["nft", "list", "table", "inet", "innerwall"]).status.success(),
         "purge removes the table"
     );
     for gone in ["/var/lib/innerwall-agent", "/var/lib/innerwall", "/etc/innerwall", "/usr/bin/innerwall"] {
         assert!(!sandbox.exists(gone), "{gone} is left after purge");
     }
+}
+
+/// The previous release's agent package (built by `cargo xtask test` from the commit
+/// tests/fixtures/previous-release pins) is installed, enrolled and enforcing; real packets
+/// stream from outside throughout — one to a blocked port and one to an allowed port every
+/// millisecond — while `dpkg -i` upgrades it to this tree's package (the real maintainer
+/// scripts: the old prerm and postrm, the new postinst), and while the running agent is
+/// restarted as the unit's service manager would: SIGTERM to the old process, then the
+/// installed unit's ExecStart (`/usr/bin/innerwall-agent run`, the new binary). Not one blocked
+/// datagram arrives at any point; allowed ones arrive in every phase (dpkg, the old agent
+/// stopping, no agent at all, the new agent starting, after); the new agent finds the table in
+/// place, and the control plane records it SYNCED at the same version.
+///
+/// No systemd runs here (not PID 1), so the scripts' systemd branch (`try-restart`) does
+/// nothing; the test asserts the old agent kept running through dpkg, then plays the service
+/// manager's part itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_upgrade_keeps_enforcing() {
+    use crate::previous::{Stream, drop_counter, previous_agent_package};
+    use innerwall_control_plane::identity::ca::Signer as _;
+    use innerwall_control_plane::sync::gateway::GatewayConfig;
+    use innerwall_wire::identity::WorkloadId;
+    use innerwall_wire::policy::Mode;
+
+    require_root();
+    let previous = previous_agent_package();
+    let short = crate::previous::previous_release().0[..12].to_owned();
+    let (_, current) = packages();
+    let gateway = GatewayConfig { heartbeat: Duration::from_secs(1), ..GatewayConfig::default() };
+    // The database from the machine's namespace; the listener in the host's.
+    let mut plane = crate::plane::Plane::create(Duration::from_secs(3600), gateway).await;
+    let dir = std::env::temp_dir().join(format!("iw-upgrade-{}", std::process::id()));
+    let sandbox = Sandbox::create(&dir);
+    let netns = format!("iw-upg-{}", std::process::id());
+    let ns = Namespace::create(netns.clone());
+    let peer = Peer::create(&ns);
+    let peer_netns = format!("{netns}-peer");
+    ns.enter();
+    plane.up().await;
+    let pool = plane.pool().clone();
+    plane.register("peer", &["app=peer"], crate::host::PEER_ADDRESS).await;
+    innerwall_control_plane::testing::admit(&pool, "allowed", ("app", "web"), ("app", "peer"), "udp:7000")
+        .await
+        .unwrap();
+    let installed_version = || sandbox.ok(&["dpkg-query", "-W", "-f=${Version}", "innerwall-agent"]);
+
+    // The previous release, installed, enrolled and enforcing.
+    sandbox.ok(&["dpkg", "-i", previous.to_str().unwrap()]);
+    let old_version = installed_version();
+    assert!(old_version.ends_with(&format!("~prev.{short}")), "installed {old_version}");
+    sandbox.write("/etc/innerwall/agent.toml", &format!("server = \"{}\"\n", plane.server()));
+    let (ca, token) = (dir.join("ca.pem"), dir.join("token"));
+    std::fs::write(&ca, plane.signer.ca_bundle_pem()).unwrap();
+    std::fs::write(&token, plane.mint(&["app=web"]).await).unwrap();
+    let netns_opt = Some(netns.as_str());
+    sandbox.ok_in(
+        netns_opt,
+        &[
+            "/usr/bin/innerwall-agent",
+            "enroll",
+            "--token-file",
+            token.to_str().unwrap(),
+            "--ca-bundle",
+            ca.to_str().unwrap(),
+        ],
+    );
+    let (id, enrolled_as): (uuid::Uuid, String) =
+        sqlx::query_as("SELECT id, agent_version FROM workloads WHERE hostname <> 'peer'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    let id = WorkloadId::from_uuid(id).unwrap();
+    assert!(enrolled_as.ends_with(&format!("-prev-{short}")), "enrolled by {enrolled_as}");
+    plane.set_mode(id, Mode::Enforcement).await;
+    let old_log = dir.join("agent.log");
+    let mut old_agent = Running(
+        sandbox
+            .command(netns_opt, &["/usr/bin/innerwall-agent", "run"])
+            .stderr(std::fs::File::create(&old_log).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    let version = plane.status(id).await.2.expect("a rendered policy");
+    plane.wait_synced(id, version).await;
+
+    // Packets from outside from here on: 7001 blocked, 7000 allowed.
+    let stream = Stream::start(&peer_netns, 7000, 7001);
+    let before = stream.checkpoint("before the upgrade");
+
+    // The upgrade, its maintainer scripts run in the host's network namespace (where the
+    // table is). Without systemd they leave the running agent alone.
+    let upgrade = sandbox
+        .command(netns_opt, &["dpkg", "-i", "--force-confold", current.to_str().unwrap()])
+        .env("DEBIAN_FRONTEND", "noninteractive")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    assert!(upgrade.status.success(), "dpkg -i: {}{}", text(&upgrade.stdout), text(&upgrade.stderr));
+    let new_version = installed_version();
+    assert_eq!(new_version, env!("CARGO_PKG_VERSION"), "upgraded from {old_version}");
+    assert!(old_agent.0.try_wait().unwrap().is_none(), "the old agent stopped during dpkg (no systemd here)");
+    let upgraded = stream.checkpoint("during dpkg -i");
+
+    // The restart systemd's try-restart makes: stop (SIGTERM, the unit's KillSignal) ...
+    let stopped_at: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT now()").fetch_one(&pool).await.unwrap();
+    old_agent.terminate();
+    let stopped = stream.checkpoint("while the old agent stopped");
+    // A while with no agent at all: 200 more allowed datagrams, and the blocked ones between.
+    stream.wait_arrivals(stopped, 200, "with no agent running");
+    assert!(
+        sandbox.run_in(netns_opt, &["nft", "list", "table", "inet", "innerwall"]).status.success(),
+        "the table stays when the agent stops"
+    );
+    // ... then start: the installed unit's ExecStart, the new binary from its installed path.
+    let exec_start =
+        sandbox.ok(&["sed", "-n", "s/^ExecStart=//p", "/lib/systemd/system/innerwall-agent.service"]);
+    let exec_start: Vec<&str> = exec_start.split_whitespace().collect();
+    assert_eq!(exec_start.first(), Some(&"/usr/bin/innerwall-agent"), "{exec_start:?}");
+    let started = stream.checkpoint("with no agent running");
+    let new_log = dir.join("agent-new.log");
+    let new_agent = Running(
+        sandbox
+            .command(netns_opt, &exec_start)
+            .stderr(std::fs::File::create(&new_log).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    // The new agent's own stream acked: SYNCED at the same version, acknowledged after the stop.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let acked: bool =
+            sqlx::query_scalar("SELECT coalesce(last_acked_at > $1, false) FROM workloads WHERE id = $2")
+                .bind(stopped_at)
+                .bind(id.uuid())
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        let (state, applied, latest, _) = plane.status(id).await;
+        if acked && state == "SYNCED" {
+            assert_eq!(
+                (applied, latest),
+                (version, Some(version)),
+                "the same policy version after the upgrade"
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the new agent never acked v{version}: {state} v{applied}\n{}",
+            std::fs::read_to_string(&new_log).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let synced = stream.checkpoint("while the new agent started and synced");
+    let exe = std::fs::read_link(format!("/proc/{}/exe", new_agent.0.id())).unwrap();
+    assert_eq!(exe, Path::new("/usr/bin/innerwall-agent"), "the new agent runs the installed binary");
+    let reported = sandbox.ok(&["/usr/bin/innerwall-agent", "--version"]);
+    assert!(reported.contains(env!("CARGO_PKG_VERSION")) && !reported.contains("prev"), "{reported}");
+    let new_log_text = std::fs::read_to_string(&new_log).unwrap();
+    assert!(
+        new_log_text.contains(&format!(
+            "re-applied persisted policy v{version} before dialing (the kernel still held it)"
+        )),
+        "the new agent did not start from its persisted policy:\n{new_log_text}"
+    );
+
+    let (end, allowed, blocked) = stream.finish();
+    assert!(
+        blocked.is_empty(),
+        "{} blocked datagrams got through during the upgrade (first sequence numbers: {:?})",
+        blocked.len(),
+        blocked
+            .iter()
+            .take(10)
+            .map(|d| d.first_chunk::<8>().map(|b| u64::from_be_bytes(*b)))
+            .collect::<Vec<_>>()
+    );
+    let phases = [
+        ("dpkg -i", before, upgraded),
+        ("the old agent stopping", upgraded, stopped),
+        ("no agent", stopped, started),
+        ("the new agent starting and syncing", started, synced),
+        ("after", synced, end),
+    ];
+    for (phase, from, to) in phases {
+        let n = allowed.iter().filter(|&&s| (from..to).contains(&s)).count();
+        assert!(n > 0, "no allowed packet arrived during {phase} ({from}..{to})");
+        println!("upgrade: {phase}: {} pairs sent, {n} allowed arrived, 0 blocked arrived", to - from);
+    }
+    // The blocked ones reached the table and its drop rule dropped them (at least those sent
+    // after the new agent synced, whatever it did to the counters before).
+    let dropped = drop_counter(&netns).expect("the table's drop rule");
+    assert!(
+        dropped >= end - synced,
+        "the drop rule counted {dropped}, {} were sent after sync",
+        end - synced
+    );
+    drop(new_agent);
+    drop(peer);
 }

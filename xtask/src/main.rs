@@ -8,6 +8,7 @@ mod demo;
 mod ebpf;
 mod elf;
 mod fuzz;
+mod migrations;
 mod package;
 mod setup;
 mod suite;
@@ -70,6 +71,10 @@ enum Task {
         #[arg(long)]
         dev: bool,
     },
+    /// Build the previous release (the commit tests/fixtures/previous-release pins: its agent,
+    /// package and `innerwall`) into target/previous/, as `cargo xtask test` does; kept by
+    /// commit. Needs the current eBPF object (`cargo xtask build-ebpf`).
+    Previous,
     /// Run the policy stream's deterministic simulator (issue 30) over many seeds; prints seeds
     /// per second and each failing seed with the command that replays it.
     Simulate {
@@ -88,6 +93,9 @@ enum Task {
         /// Crate `src` folders relative to the workspace root; default: control-plane, agent, wire, xtask.
         dirs: Vec<PathBuf>,
     },
+    /// Fail on a migration that changes a released one or contracts what the previous release
+    /// (tests/fixtures/previous-release) uses; `cargo xtask lint` runs it.
+    CheckMigrations,
     /// Fail on a breaking change of the wire contract (`wire/proto`) against the released one
     /// (`wire/contract/innerwall.agent.v1.binpb`); `cargo xtask lint` runs it.
     CheckWire {
@@ -127,6 +135,7 @@ fn run(cli: Cli) -> Result<()> {
             package::build(&root, profile, &out.unwrap_or_else(|| root.join(package::TEST_PACKAGES)))
                 .map(drop)
         }
+        Task::Previous => package::previous::build(&root, &root.join(ebpf::OBJECT_PATH)).map(drop),
         Task::Simulate { args } => cmd::run(
             cmd::root_cargo(&root)
                 .args(["run", "--quiet", "--release", "-p", "innerwall-e2e", "--bin", "innerwall-sim", "--"])
@@ -137,6 +146,7 @@ fn run(cli: Cli) -> Result<()> {
             cycles::check(&root, &cycles::CRATE_SOURCES.iter().map(PathBuf::from).collect::<Vec<_>>())
         }
         Task::CheckCycles { dirs } => cycles::check(&root, &dirs),
+        Task::CheckMigrations => migrations::check(&root),
         Task::CheckWire { bless: true, .. } => wire::bless(&root, &root.join(wire::PROTOS)),
         Task::CheckWire { bless: false, protos } => {
             wire::check(&root, &protos.unwrap_or_else(|| root.join(wire::PROTOS)))

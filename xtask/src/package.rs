@@ -11,7 +11,9 @@
 //!   upgrade restarts a running agent, whose persisted policy keeps the table in place; purge
 //!   removes its state and `table inet innerwall`, and nothing else removes the table.
 //!
-//! The maintainer scripts call systemctl only where systemd runs (`/run/systemd/system`).
+//! The maintainer scripts call systemctl only where systemd runs (`/run/systemd/system`); they
+//! are read from the tree being packaged. [`previous`] builds the previous release's agent
+//! package (the commit tests/fixtures/previous-release pins) for the version-skew tests.
 
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
@@ -20,6 +22,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 
 use crate::{cmd, ebpf};
+
+pub mod previous;
 
 /// Where `cargo xtask test` puts the packages its tests install.
 pub const TEST_PACKAGES: &str = "target/packages";
@@ -49,9 +53,9 @@ struct Package {
     binary: &'static str,
     unit: (&'static str, &'static str),
     config: (&'static str, &'static str, u32),
-    postinst: &'static str,
-    prerm: &'static str,
-    postrm: &'static str,
+    /// The maintainer scripts, `<this>.postinst`, `.prerm` and `.postrm`, read from the tree
+    /// being packaged (so a previous release's package carries that release's scripts).
+    scripts: &'static str,
 }
 
 const CONTROL_PLANE: Package = Package {
@@ -63,9 +67,7 @@ const CONTROL_PLANE: Package = Package {
     binary: "innerwall",
     unit: ("control-plane/systemd/innerwall.service", "innerwall.service"),
     config: ("control-plane/systemd/innerwall.toml", "innerwall.toml", 0o640),
-    postinst: include_str!("package/innerwall.postinst"),
-    prerm: include_str!("package/innerwall.prerm"),
-    postrm: include_str!("package/innerwall.postrm"),
+    scripts: "xtask/src/package/innerwall",
 };
 
 const AGENT: Package = Package {
@@ -77,9 +79,7 @@ const AGENT: Package = Package {
     binary: "innerwall-agent",
     unit: ("agent/systemd/innerwall-agent.service", "innerwall-agent.service"),
     config: ("agent/systemd/agent.toml", "agent.toml", 0o644),
-    postinst: include_str!("package/innerwall-agent.postinst"),
-    prerm: include_str!("package/innerwall-agent.prerm"),
-    postrm: include_str!("package/innerwall-agent.postrm"),
+    scripts: "xtask/src/package/innerwall-agent",
 };
 
 /// Builds both packages into `out` and returns their paths.
@@ -101,7 +101,7 @@ pub fn build(root: &Path, profile: Profile, out: &Path) -> Result<Vec<PathBuf>> 
     cmd::run(&mut cargo)?;
     fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     let version = workspace_version(root)?;
-    let arch = cmd::output(std::process::Command::new("dpkg").arg("--print-architecture"))?.trim().to_owned();
+    let arch = architecture()?;
     let built = root.join("target").join(profile.dir());
     let mut debs = Vec::new();
     // Staged and built one after the other: the agent's binary is copied before anything
@@ -113,18 +113,49 @@ pub fn build(root: &Path, profile: Profile, out: &Path) -> Result<Vec<PathBuf>> 
         }
         stage_package(root, package, &built.join(package.binary), &stage, &version, &arch)?;
         let deb = out.join(format!("{}_{version}_{arch}.deb", package.name));
-        cmd::run(
-            std::process::Command::new("dpkg-deb")
-                .args(["--root-owner-group", "-Zxz", "--build"])
-                .arg(&stage)
-                .arg(&deb),
-        )?;
+        dpkg_deb(&stage, &deb)?;
         debs.push(deb);
     }
     for deb in &debs {
         println!("package: {}", deb.display());
     }
     Ok(debs)
+}
+
+/// `dpkg-deb --build` of a staged tree.
+fn dpkg_deb(stage: &Path, deb: &Path) -> Result<()> {
+    cmd::run(
+        std::process::Command::new("dpkg-deb")
+            .args(["--root-owner-group", "-Zxz", "--build"])
+            .arg(stage)
+            .arg(deb),
+    )
+}
+
+/// This machine's Debian architecture.
+fn architecture() -> Result<String> {
+    Ok(cmd::output(std::process::Command::new("dpkg").arg("--print-architecture"))?.trim().to_owned())
+}
+
+/// Stages `package` from the tree at `root` (its unit, configuration file and maintainer
+/// scripts) with `binary`, and builds `<out>/<name>_<version>_<arch>.deb`.
+fn stage_and_build(
+    root: &Path,
+    package: &Package,
+    binary: &Path,
+    version: &str,
+    out: &Path,
+) -> Result<PathBuf> {
+    let arch = architecture()?;
+    let stage = out.join("stage");
+    if stage.exists() {
+        fs::remove_dir_all(&stage).with_context(|| format!("clearing {}", stage.display()))?;
+    }
+    stage_package(root, package, binary, &stage, version, &arch)?;
+    let deb = out.join(format!("{}_{version}_{arch}.deb", package.name));
+    dpkg_deb(&stage, &deb)?;
+    fs::remove_dir_all(&stage).with_context(|| format!("clearing {}", stage.display()))?;
+    Ok(deb)
 }
 
 fn stage_package(
@@ -160,9 +191,9 @@ fn stage_package(
     );
     put("DEBIAN/control", control.as_bytes(), 0o644)?;
     put("DEBIAN/conffiles", format!("/etc/innerwall/{config_name}\n").as_bytes(), 0o644)?;
-    put("DEBIAN/postinst", package.postinst.as_bytes(), 0o755)?;
-    put("DEBIAN/prerm", package.prerm.as_bytes(), 0o755)?;
-    put("DEBIAN/postrm", package.postrm.as_bytes(), 0o755)?;
+    for script in ["postinst", "prerm", "postrm"] {
+        put(&format!("DEBIAN/{script}"), &read(&root.join(format!("{}.{script}", package.scripts)))?, 0o755)?;
+    }
     Ok(())
 }
 
