@@ -2,8 +2,9 @@
 //! flows (about 10 M records, rolled up): p95 of `foresight::impact` (goal < 2 s). Every
 //! workload applied version 1 of a policy admitting postgres and https from the estate's peers
 //! and ssh from the corporate group; the change narrows the https ruleset's peers and adds a
-//! range, so every workload's proposed policy differs from its applied one and all its flows
-//! are replayed. Flows are loaded as the `rollup` bench loads them (direct server-side inserts,
+//! range, so every workload's proposed policy differs from its applied one and is listed; the
+//! flow keys the changed ruleset can match (tcp 443 and 8080 from 10.1.0.0/16 or 192.0.2.0/24) are
+//! replayed, the others counted (`flow_key_lasts`, migration 0034). Flows are loaded as the `rollup` bench loads them (direct server-side inserts,
 //! then `flows::roll_up` and `VACUUM ANALYZE`); policies are stored as a render stores them
 //! (contents by digest, history rows, the applied version).
 //!
@@ -111,7 +112,7 @@ async fn measure(
             let blocked: u64 = impact.newly_blocked();
             let allowed: u64 = impact.workloads.iter().map(|w| w.replayed.newly_allowed).sum();
             println!(
-                "  {} workloads listed, {} flow keys replayed: {blocked} newly blocked, {allowed} newly allowed (warm-up {ms:.0} ms)",
+                "  {} workloads listed, {} flow keys in the range: {blocked} newly blocked, {allowed} newly allowed (warm-up {ms:.0} ms)",
                 impact.workloads.len(),
                 impact.keys
             );

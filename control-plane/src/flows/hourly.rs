@@ -5,7 +5,9 @@
 //! `flow_key_days` (added to: late windows of a day join its sums), and per (hour, destination
 //! label set now, peer group, decision) into `flow_edge_hours` (the map's edges, added to the
 //! same way; the label sets by digest in `flow_label_sets`), and each window is marked
-//! `rolled_up` in the same transaction. Ingest writes nothing of this (PERF-7), and reviews stay
+//! `rolled_up` in the same transaction; a trigger on `flow_rollups` moves each key's last hour
+//! forward in `flow_key_lasts` (what an impact counts its unchanged keys by; migration 0034), and
+//! the job deletes the last hours older than every rollup left. Ingest writes nothing of this (PERF-7), and reviews stay
 //! exact at every moment: they read the rollups of windows marked and the raw records of the
 //! rest. The raw records remain the source of truth; rollups expire with them (`retention`).
 
@@ -48,6 +50,16 @@ pub async fn roll_up(pool: &PgPool, now: DateTime<Utc>) -> Result<u64, Error> {
             .await?;
         if !ours {
             return Ok(total);
+        }
+        if total == 0 {
+            // The last hours of keys whose every rollup expired with its partition (all of them
+            // when no rollup is left).
+            sqlx::query(
+                "DELETE FROM flow_key_lasts
+                 WHERE last_hour < COALESCE((SELECT min(hour) FROM flow_rollups), 'infinity'::timestamptz)",
+            )
+            .execute(&mut *tx)
+            .await?;
         }
         let windows: i64 = sqlx::query_scalar(
             "WITH oldest AS (

@@ -3,16 +3,19 @@
 //! replayed through both (`replay`, pure) and reported per transition, with the evidence's
 //! coverage of the range, its gaps, the admissions no flow exercised and the relabelled peers.
 //! `replay` does the same between two stored versions of one workload. Reads only, through one
-//! connection; the flow keys stream from one statement and are folded as they come.
+//! connection; the flow keys stream as binary `COPY` and are folded as they come. Where the range
+//! ends with the rollups (a range ending now), only the keys a workload's change can affect, or
+//! whose peer was relabelled, are read and replayed; the others are counted unchanged from
+//! `flow_key_lasts` ([`Read::Narrowed`], exact: the tests compare it with [`Read::Full`]).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
 use chrono::{DateTime, DurationRound, Utc};
 use innerwall_wire::convert::WireEnum;
 use innerwall_wire::flows::{EvidenceGap, GapKind};
 use innerwall_wire::identity::WorkloadId;
-use innerwall_wire::policy::{Protocol, WorkloadPolicy};
+use innerwall_wire::policy::{Change, Cidr, Protocol, ResolvedRule, WorkloadPolicy, diff};
 use serde::{Deserialize, Serialize};
 use sqlx::{Connection, PgConnection, Row};
 use tokio_stream::StreamExt;
@@ -182,6 +185,30 @@ pub async fn impact(
     range: Range,
     top: usize,
 ) -> Result<Impact, Error> {
+    Ok(impact_read(conn, proposed, range, top, Read::Narrowed).await?.0)
+}
+
+/// Which read an impact made of its flow keys (the answer is the same either way).
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Read {
+    /// Every flow key of the range, each replayed.
+    Full,
+    /// Only the keys whose decision can change or whose peer was relabelled, replayed; the others
+    /// counted from `flow_key_lasts` (ranges with nothing rolled up after their whole hours).
+    Narrowed,
+}
+
+/// [`impact`] with the read asked for (`Narrowed` where it applies, else `Full`) and the one
+/// made: the tests compare the two.
+#[doc(hidden)]
+pub async fn impact_read(
+    conn: &mut PgConnection,
+    proposed: &BTreeMap<WorkloadId, WorkloadPolicy>,
+    range: Range,
+    top: usize,
+    read: Read,
+) -> Result<(Impact, Read), Error> {
     check_top(top)?;
     range.check()?;
     if proposed.len() > MAX_WORKLOADS {
@@ -210,7 +237,7 @@ pub async fn impact(
         }
         jobs.push(Job { id: *id, hostname, from_version: version, from, to_version: None, to: to.clone() });
     }
-    run(conn, jobs, range, top).await
+    run(conn, jobs, range, top, read).await
 }
 
 /// The replay of `workload`'s recorded flows over `range` between two of its stored versions
@@ -242,7 +269,7 @@ pub async fn replay(
         v => Some(stored.remove(&(workload, v)).ok_or_else(|| missing(v))?),
     };
     let job = Job { id: workload, hostname, from_version, from, to_version: Some(to_version), to };
-    run(conn, vec![job], range, top).await
+    Ok(run(conn, vec![job], range, top, Read::Narrowed).await?.0)
 }
 
 /// Label digests now of every live workload, by its peer key (its id as text), as ingest writes
@@ -324,19 +351,36 @@ pub(crate) async fn evidence(
     range: Range,
 ) -> Result<(BTreeMap<Uuid, Vec<(i64, i64)>>, BTreeMap<Uuid, Vec<EvidenceGap>>), Error> {
     let mut windows: BTreeMap<Uuid, Vec<(i64, i64)>> = BTreeMap::new();
-    for row in sqlx::query(
-        "SELECT workload_id, window_start, window_end FROM flow_windows
-         WHERE workload_id = ANY($1) AND window_end > $2 AND window_start < $3 AND window_start >= $4",
-    )
-    .bind(ids)
-    .bind(range.from)
-    .bind(range.to)
-    .bind(range.from - WINDOW_REACH)
-    .fetch_all(&mut *conn)
-    .await?
-    {
-        let ms = |i| row.get::<DateTime<Utc>, _>(i).timestamp_millis();
-        windows.entry(row.get(0)).or_default().push((ms(1), ms(2)));
+    // A week of a busy estate is millions of windows: binary `COPY` (literals, as `keys_of` has
+    // them) from the index that holds their ends (migration 0034).
+    let statement = format!(
+        "COPY (SELECT workload_id, window_start, window_end FROM flow_windows
+               WHERE workload_id = ANY({}) AND window_end > {} AND window_start < {} AND window_start >= {})
+         TO STDOUT (FORMAT binary)",
+        ids_literal(ids),
+        time_literal(range.from),
+        time_literal(range.to),
+        time_literal(range.from - WINDOW_REACH)
+    );
+    let mut chunks = conn.copy_out_raw(&statement).await?;
+    let mut reader = copy::Reader::default();
+    while let Some(chunk) = chunks.next().await.transpose()? {
+        reader.feed(&chunk);
+        while let Some(mut row) = reader.next_row()? {
+            let workload = row.uuid("window workload")?;
+            let span = (row.timestamptz_ms("window start")?, row.timestamptz_ms("window end")?);
+            if !row.exhausted() {
+                return Err(Error::Corrupt {
+                    what: "window row",
+                    detail: "more fields than a window has".into(),
+                });
+            }
+            windows.entry(workload).or_default().push(span);
+        }
+    }
+    drop(chunks);
+    if !reader.finished() {
+        return Err(Error::Corrupt { what: "COPY stream", detail: "it ended before its trailer".into() });
     }
     let mut gaps: BTreeMap<Uuid, Vec<EvidenceGap>> = BTreeMap::new();
     for row in sqlx::query(
@@ -445,33 +489,44 @@ async fn tail_whole(conn: &mut PgConnection, to: DateTime<Utc>) -> Result<bool, 
 /// particular order: whole days from `flow_key_days` (migration 0030), the hours around them
 /// from `flow_rollups`, without the rows' label sets.
 fn rollup_statement(ids: &[Uuid], parts: Vec<Part>, bucketed: bool) -> String {
-    let ids = ids_literal(ids);
-    let parts: Vec<String> = parts
-        .into_iter()
-        .map(|part| {
-            let (table, column, from, to) = match part {
-                Part::Days(from, to) => ("flow_key_days", "day", from, to),
-                Part::Hours(from, to) => ("flow_rollups", "hour", from, to),
-            };
-            let bucket = if bucketed { format!(", {column} AS bucket") } else { String::new() };
-            format!(
+    let selection = format!("workload_id = ANY({})", ids_literal(ids));
+    keys_of(&rollup_parts(&[selection], &parts, bucketed), bucketed)
+}
+
+/// The statements of `parts`, one per part and selection (a condition on a row's key columns).
+fn rollup_parts(selections: &[String], parts: &[Part], bucketed: bool) -> Vec<String> {
+    let mut out = Vec::new();
+    for part in parts {
+        let (table, column, from, to) = match *part {
+            Part::Days(from, to) => ("flow_key_days", "day", from, to),
+            Part::Hours(from, to) => ("flow_rollups", "hour", from, to),
+        };
+        let bucket = if bucketed { format!(", {column} AS bucket") } else { String::new() };
+        for selection in selections {
+            out.push(format!(
                 "SELECT workload_id, src_address, peer_kind, peer_key, peer_digest, dst_port, protocol,
                         new_connections AS c, records AS r, first_seen, last_seen{bucket} FROM {table}
-                 WHERE {column} >= {} AND {column} < {} AND workload_id = ANY({ids})",
+                 WHERE {column} >= {} AND {column} < {} AND {selection}",
                 time_literal(from),
                 time_literal(to)
-            )
-        })
-        .collect();
-    keys_of(&parts, bucketed)
+            ));
+        }
+    }
+    out
 }
 
 /// The flow keys towards `ids` in the raw parts of `sources` (the partial hours at the ends and
 /// the windows not rolled up yet), summed per key; `None` when there are none.
 fn raw_statement(ids: &[Uuid], sources: &[Source], bucketed: bool) -> Option<String> {
+    let parts = raw_parts(ids, sources, bucketed);
+    (!parts.is_empty()).then(|| keys_of(&parts, bucketed))
+}
+
+/// The statements of the raw parts of `sources` towards `ids`.
+fn raw_parts(ids: &[Uuid], sources: &[Source], bucketed: bool) -> Vec<String> {
     let ids = ids_literal(ids);
     let bucket = if bucketed { ", date_trunc('hour', window_start, 'UTC') AS bucket" } else { "" };
-    let parts: Vec<String> = sources
+    sources
         .iter()
         .filter_map(|source| {
             let (from, to, pending) = match *source {
@@ -494,8 +549,7 @@ fn raw_statement(ids: &[Uuid], sources: &[Source], bucketed: bool) -> Option<Str
                    AND workload_id = ANY({ids})"
             ))
         })
-        .collect();
-    (!parts.is_empty()).then(|| keys_of(&parts, bucketed))
+        .collect()
 }
 
 /// A flow key: workload, source, peer kind, peer key, label digest, port, protocol.
@@ -724,16 +778,354 @@ async fn fold(
     Ok(keys.count)
 }
 
-async fn run(conn: &mut PgConnection, jobs: Vec<Job>, range: Range, top: usize) -> Result<Impact, Error> {
+/// The most keys of relabelled peers a narrowed read names one by one; with more it reads every
+/// key instead ([`Read::Full`]).
+const MAX_RELABELLED: usize = 20_000;
+
+/// What of a flow key a rule the two policies of a workload do not share looks at: its protocol
+/// (code), its port (any when `ports` is empty, as for ICMP) and its source.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Matcher {
+    protocol: i16,
+    ports: Vec<(u16, u16)>,
+    peers: BTreeSet<Cidr>,
+}
+
+/// A protocol code and port ranges, as rules name them.
+type Service = (i16, Vec<(u16, u16)>);
+
+/// The flow keys whose admission can differ between `from` and `to`, both judged as enforcement
+/// would (so their modes do not matter): `None` when every key can (nothing applied admits
+/// everything), else the keys some rule the two do not share matches, as `diff` finds them: a
+/// rule removed, added or given other ports, whole (both of them when changed); the peers a rule
+/// lost or gained, with its protocol and ports. A key no such rule matches is matched by the
+/// same shared rules at both, so it is admitted at both or at neither; and every admission `to`
+/// adds (`replay::new_admissions`) is of such a rule, so no other key exercises one.
+fn changed_matchers(from: Option<&WorkloadPolicy>, to: &WorkloadPolicy) -> Option<Vec<Matcher>> {
+    let from = from?;
+    let mut by_service: BTreeMap<Service, BTreeSet<Cidr>> = BTreeMap::new();
+    let mut add = |rule: &ResolvedRule, peers: &BTreeSet<Cidr>| {
+        let ports = rule.ports().iter().map(|p| (p.start(), p.end())).collect();
+        by_service.entry((rule.protocol().code(), ports)).or_default().extend(peers.iter().copied());
+    };
+    for change in diff(from, to).changes {
+        match change {
+            Change::SetMode(_) => {}
+            Change::RemoveRule(id) => from.rule(&id).into_iter().for_each(|r| add(r, r.peers())),
+            Change::UpsertRule(new) => {
+                from.rule(new.id()).into_iter().for_each(|r| add(r, r.peers()));
+                add(&new, new.peers());
+            }
+            Change::RemovePeers { rule, peers } => from.rule(&rule).into_iter().for_each(|r| add(r, &peers)),
+            Change::AddPeers { rule, peers } => to.rule(&rule).into_iter().for_each(|r| add(r, &peers)),
+        }
+    }
+    Some(
+        by_service
+            .into_iter()
+            .filter(|(_, peers)| !peers.is_empty())
+            .map(|((protocol, ports), peers)| Matcher { protocol, ports, peers })
+            .collect(),
+    )
+}
+
+/// `matchers` as a condition on a flow key's columns (`protocol`, `dst_port`, `src_address`),
+/// as `decide` matches a rule; `None` is every key. Literals only: codes, ports and canonical
+/// CIDR text (digits, hex, `.`, `:`, `/`).
+fn matcher_condition(matchers: Option<&[Matcher]>) -> String {
+    let Some(matchers) = matchers else { return "true".to_owned() };
+    if matchers.is_empty() {
+        return "false".to_owned();
+    }
+    let each: Vec<String> = matchers
+        .iter()
+        .map(|m| {
+            let ports = match m.ports.is_empty() {
+                true => "true".to_owned(),
+                false => {
+                    let ranges: Vec<String> =
+                        m.ports.iter().map(|(a, b)| format!("dst_port BETWEEN {a} AND {b}")).collect();
+                    ranges.join(" OR ")
+                }
+            };
+            let peers: Vec<String> =
+                m.peers.iter().map(|c| format!("src_address <<= '{}'::inet", c.text())).collect();
+            format!("(protocol = {} AND ({ports}) AND ({}))", m.protocol, peers.join(" OR "))
+        })
+        .collect();
+    format!("({})", each.join(" OR "))
+}
+
+/// A text literal (standard-conforming: only `'` is special).
+fn text_literal(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "''"))
+}
+
+/// The flow keys of the range towards the jobs' workloads that can change decision, by condition
+/// (workloads sharing one condition together).
+struct Wanted {
+    /// `workload_id = ANY(…) AND condition` per condition that can hold, in parts read apart.
+    selections: Vec<String>,
+    /// Whether a key (its columns unqualified) is wanted.
+    case: String,
+}
+
+impl Wanted {
+    fn of(jobs: &[Job]) -> Wanted {
+        let mut groups: BTreeMap<String, (Vec<Uuid>, BTreeSet<Cidr>)> = BTreeMap::new();
+        for job in jobs {
+            let matchers = changed_matchers(job.from.as_ref(), &job.to);
+            let group = groups.entry(matcher_condition(matchers.as_deref())).or_default();
+            group.0.push(job.id.uuid());
+            if let Some(matchers) = matchers {
+                group.1.extend(matchers.iter().flat_map(|m| m.peers.iter().copied()));
+            }
+        }
+        let mut selections = Vec::new();
+        let mut case = String::from("CASE");
+        for (condition, (ids, peers)) in &groups {
+            if condition == "false" {
+                continue;
+            }
+            let ids = ids_literal(ids);
+            case.push_str(&format!(" WHEN workload_id = ANY({ids}) THEN {condition}"));
+            if condition == "true" {
+                selections.push(format!("workload_id = ANY({ids})"));
+                continue;
+            }
+            // One part per outermost peer CIDR (CIDRs nest or are apart, so these are apart and
+            // a key is read by one part at most): each reads a range of the key index per workload.
+            let outermost =
+                peers.iter().filter(|c| !peers.iter().any(|d| d != *c && d.net().contains(&c.net())));
+            for cidr in outermost {
+                selections.push(format!(
+                    "workload_id = ANY({ids}) AND src_address <<= '{}'::inet AND {condition}",
+                    cidr.text()
+                ));
+            }
+        }
+        case.push_str(" ELSE false END");
+        if selections.is_empty() {
+            case = "false".to_owned();
+        }
+        Wanted { selections, case }
+    }
+}
+
+/// A key of a relabelled peer as `flow_key_lasts` holds it: workload, source (as text), peer key,
+/// label digest then, port, protocol code.
+type RelabelledKey = (Uuid, String, String, Uuid, i32, i16);
+
+/// The narrowed read ([`Read::Narrowed`]) of the flow keys towards the jobs' workloads over
+/// `range`, folded into `replayers`; the number of keys of the range (as [`fold`] returns it), or
+/// `None` when it does not apply (then nothing was folded): the range has no whole hour, something
+/// is rolled up at or after its whole hours' end (a range ending in the past), nothing is rolled
+/// up at all, or more than [`MAX_RELABELLED`] keys have relabelled peers.
+///
+/// Exact: each workload's keys are those of `flow_key_lasts` last rolled up in the range's whole
+/// hours (every key with a rollup there, as nothing is rolled up after them; from the oldest
+/// rollup on, older rows having expired) and the raw parts' keys no rollup of the range has. The
+/// keys replayed are those the workload's condition ([`changed_matchers`]) selects and those
+/// whose peer was relabelled, with all their sums, as [`fold`] replays them; every other key is
+/// `unchanged`, not relabelled and exercises no new admission, so adding it to the replayer
+/// would only count it as unchanged, which `Replayer::add_unchanged` does.
+async fn narrowed_fold(
+    conn: &mut PgConnection,
+    jobs: &[Job],
+    range: Range,
+    replayers: &mut BTreeMap<Uuid, Replayer>,
+    now: &BTreeMap<String, LabelDigest>,
+) -> Result<Option<u64>, Error> {
+    let sources = crate::flows::sources(range.from, range.to);
+    let Some((hours_from, hours_to)) = sources.iter().find_map(|s| match *s {
+        Source::Hours(from, to) => Some((from, to)),
+        _ => None,
+    }) else {
+        return Ok(None);
+    };
+    let ids: Vec<Uuid> = jobs.iter().map(|j| j.id.uuid()).collect();
+    let wanted = Wanted::of(jobs);
+    let mut tx = snapshot(conn).await?;
+    let (later, oldest): (bool, Option<DateTime<Utc>>) = sqlx::query_as(
+        "SELECT EXISTS (SELECT 1 FROM flow_rollups WHERE hour >= $1), (SELECT min(hour) FROM flow_rollups)",
+    )
+    .bind(hours_to)
+    .fetch_one(&mut *tx)
+    .await?;
+    let Some(oldest) = oldest.filter(|_| !later) else {
+        tx.rollback().await?;
+        return Ok(None);
+    };
+    let since = oldest.max(hours_from);
+    // Keys of relabelled peers last rolled up in the range that the conditions do not select.
+    let (now_keys, now_digests): (Vec<&str>, Vec<Uuid>) = now.iter().map(|(k, d)| (k.as_str(), *d)).unzip();
+    let relabelled: Vec<RelabelledKey> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT workload_id, src_address::text, peer_key, peer_digest, dst_port, protocol FROM flow_key_lasts
+         WHERE workload_id = ANY($1) AND last_hour >= $2 AND peer_kind = 1
+           AND NOT EXISTS (SELECT 1 FROM unnest($3::text[], $4::uuid[]) AS n (key, digest)
+                           WHERE n.key = peer_key AND n.digest = peer_digest)
+           AND NOT ({}) LIMIT {}",
+        wanted.case,
+        MAX_RELABELLED + 1
+    )))
+    .bind(&ids)
+    .bind(since)
+    .bind(&now_keys)
+    .bind(&now_digests)
+    .fetch_all(&mut *tx)
+    .await?;
+    if relabelled.len() > MAX_RELABELLED {
+        tx.rollback().await?;
+        return Ok(None);
+    }
+    let mut totals: BTreeMap<Uuid, u64> = BTreeMap::new();
+    for (workload, keys) in sqlx::query_as::<_, (Uuid, i64)>(
+        "SELECT workload_id, count(*) FROM flow_key_lasts WHERE workload_id = ANY($1) AND last_hour >= $2
+         GROUP BY workload_id",
+    )
+    .bind(&ids)
+    .bind(since)
+    .fetch_all(&mut *tx)
+    .await?
+    {
+        totals.insert(workload, keys.max(0) as u64);
+    }
+    // The raw parts' keys, each with whether it is wanted and whether a rollup of the range has it.
+    let mut raw: BTreeMap<Key, (Sums, bool)> = BTreeMap::new();
+    let parts = raw_parts(&ids, &sources, false);
+    if !parts.is_empty() {
+        let statement = format!(
+            // A scalar subquery, so each key is one probe of the key index (which holds the
+            // hour), never a hash table of every key of the table.
+            "COPY (SELECT g.*, ({})::int::smallint, COALESCE((SELECT 1::smallint FROM flow_key_lasts l
+                     WHERE l.workload_id = g.workload_id AND l.src_address = g.src_address
+                       AND l.peer_kind = g.peer_kind AND l.peer_key = g.peer_key AND l.peer_digest = g.peer_digest
+                       AND l.dst_port = g.dst_port AND l.protocol = g.protocol AND l.last_hour >= {}), 0::smallint)
+                   FROM (SELECT {KEY_COLUMNS} FROM ({}) AS f {KEY_GROUPS}) AS g) TO STDOUT (FORMAT binary)",
+            wanted.case,
+            time_literal(since),
+            parts.join(" UNION ALL ")
+        );
+        let mut chunks = tx.copy_out_raw(&statement).await?;
+        let mut reader = copy::Reader::default();
+        while let Some(chunk) = chunks.next().await.transpose()? {
+            reader.feed(&chunk);
+            while let Some(mut row) = reader.next_row()? {
+                let (key, sums) = key_fields(&mut row)?;
+                let selected = row.i16("flow key wanted")? != 0;
+                let rolled = row.i16("flow key rolled up")? != 0;
+                if !row.exhausted() {
+                    return Err(Error::Corrupt {
+                        what: "flow key row",
+                        detail: "more fields than a key has".into(),
+                    });
+                }
+                if !rolled {
+                    *totals.entry(key.0).or_default() += 1;
+                }
+                let relabelled = key.2 == 1 && now.get(&key.3) != Some(&key.4);
+                if selected || relabelled {
+                    raw.insert(key, (sums, rolled));
+                }
+            }
+        }
+        drop(chunks);
+        if !reader.finished() {
+            return Err(Error::Corrupt { what: "COPY stream", detail: "it ended before its trailer".into() });
+        }
+    }
+    let total: u64 = totals.values().sum();
+    if total > MAX_KEYS {
+        return Err(too_many_keys());
+    }
+    // The rolled-up keys wanted, and those of relabelled peers, with their raw sums.
+    let mut selections = wanted.selections.clone();
+    if !relabelled.is_empty() {
+        let rows: Vec<String> = relabelled
+            .iter()
+            .map(|(w, src, key, digest, port, protocol)| {
+                format!(
+                    "('{w}'::uuid, {}::inet, 1::smallint, {}::text, '{digest}'::uuid, {port}, {protocol}::smallint)",
+                    text_literal(src),
+                    text_literal(key)
+                )
+            })
+            .collect();
+        selections.push(format!(
+            "(workload_id, src_address, peer_kind, peer_key, peer_digest, dst_port, protocol) IN (VALUES {})",
+            rows.join(", ")
+        ));
+    }
+    let mut replayed: BTreeMap<Uuid, u64> = BTreeMap::new();
+    let mut keys = Keys { replayers, now, count: 0 };
+    if !selections.is_empty() {
+        let parts = split_days(hours_from, hours_to, tail_whole(&mut tx, hours_to).await?);
+        let statement = keys_of(&rollup_parts(&selections, &parts, false), false);
+        copy_rows(&mut tx, &statement, false, |key, sums, _| {
+            let sums = match raw.remove(&key) {
+                Some((more, _)) => sums.merge(more),
+                None => sums,
+            };
+            *replayed.entry(key.0).or_default() += 1;
+            keys.add(key, sums)
+        })
+        .await?;
+    }
+    tx.rollback().await?;
+    for (key, (sums, rolled)) in raw {
+        if rolled {
+            return Err(Error::Corrupt {
+                what: "flow key last hours",
+                detail: format!(
+                    "a key towards {} is rolled up in the range but no rollup of it was read",
+                    key.0
+                ),
+            });
+        }
+        *replayed.entry(key.0).or_default() += 1;
+        keys.add(key, sums)?;
+    }
+    for (workload, replayer) in keys.replayers.iter_mut() {
+        let all = totals.get(workload).copied().unwrap_or(0);
+        let seen = replayed.get(workload).copied().unwrap_or(0);
+        if seen > all {
+            return Err(Error::Corrupt {
+                what: "flow key last hours",
+                detail: format!("workload {workload} has {all} keys in the range but {seen} were replayed"),
+            });
+        }
+        replayer.add_unchanged(all - seen);
+    }
+    Ok(Some(total))
+}
+
+async fn run(
+    conn: &mut PgConnection,
+    jobs: Vec<Job>,
+    range: Range,
+    top: usize,
+    read: Read,
+) -> Result<(Impact, Read), Error> {
     let ids: Vec<Uuid> = jobs.iter().map(|j| j.id.uuid()).collect();
     let mut replayers: BTreeMap<Uuid, Replayer> =
         jobs.iter().map(|j| (j.id.uuid(), Replayer::new(j.from.as_ref(), &j.to, top))).collect();
     let mut labels = BTreeMap::new();
     let mut keys = 0u64;
+    let mut made = Read::Full;
     if !ids.is_empty() {
         let (now, sets) = labels_now(conn).await?;
         labels = sets;
-        keys = fold(conn, &ids, range, &mut replayers, &now).await?;
+        let narrowed = match read {
+            Read::Narrowed => narrowed_fold(conn, &jobs, range, &mut replayers, &now).await?,
+            Read::Full => None,
+        };
+        keys = match narrowed {
+            Some(keys) => {
+                made = Read::Narrowed;
+                keys
+            }
+            None => fold(conn, &ids, range, &mut replayers, &now).await?,
+        };
         // Every label set a kept row names, once, with a flow key that has it.
         let mut wanted: BTreeMap<LabelDigest, (Uuid, i16, String)> = BTreeMap::new();
         for (workload, replayer) in &replayers {
@@ -773,7 +1165,7 @@ async fn run(conn: &mut PgConnection, jobs: Vec<Job>, range: Range, top: usize) 
         });
     }
     out.sort_by_key(|w| w.id);
-    Ok(Impact { range, top, workloads: out, keys })
+    Ok((Impact { range, top, workloads: out, keys }, made))
 }
 
 #[cfg(test)]

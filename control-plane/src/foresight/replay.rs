@@ -236,6 +236,13 @@ impl Replayer {
         transition
     }
 
+    /// Counts `keys` more flow keys as unchanged: keys whose admission is the same at both
+    /// policies, whose peer was not relabelled and which exercise no new admission (what
+    /// [`Replayer::add`] would do with each of them, without judging them one by one).
+    pub fn add_unchanged(&mut self, keys: u64) {
+        self.counts.unchanged += keys;
+    }
+
     /// The label sets the rows kept so far name (then and now), each with the peer of its row
     /// (kind, key); a set may come more than once.
     pub fn label_sets(&self) -> impl Iterator<Item = (LabelDigest, i16, &str)> + '_ {

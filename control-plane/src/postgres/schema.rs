@@ -1,4 +1,4 @@
-//! The schema's version as this build sees it, and bringing it up to date (RUN-7, issue 32).
+//! The schema's version as this build sees it, and bringing it up to date (RUN-8, RUN-9, issue 32).
 //!
 //! Migrations are expand/contract: a release's migrations only add (tables, columns with
 //! defaults, indexes, functions), so the previous release's replicas keep serving a database

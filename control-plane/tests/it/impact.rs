@@ -355,3 +355,266 @@ async fn impact_reads_whole_days_from_day_sums() {
         assert_eq!(r.newly_blocked, raw.len() as u64);
     }
 }
+
+/// A flow of `protocol` (tcp, udp or icmp, then port 0) from `src`, would-block.
+fn flow_of(src: &str, protocol: proto::Protocol, port: u32, connections: u64, at: i64) -> proto::FlowRecord {
+    let mut record = recorded::flow_to(src, "10.9.0.1", port, None, connections, at);
+    record.protocol = protocol.into();
+    record
+}
+
+/// A ten-minute window of `id` under `version` from `start`, ingested.
+async fn ingest_short(
+    pool: &sqlx::PgPool,
+    id: WorkloadId,
+    version: u64,
+    start: i64,
+    records: Vec<proto::FlowRecord>,
+) {
+    let window = proto::FlowWindow {
+        window_id: uuid::Uuid::new_v4().to_string(),
+        start_unix_ms: start,
+        end_unix_ms: start + 10 * 60_000,
+        policy_version: version,
+        mode: 2,
+        records,
+        gaps: vec![],
+    };
+    flows::ingest(pool, id, &FlowWindow::try_from(&window).unwrap()).await.unwrap();
+}
+
+/// The narrowed read (only the keys a change can affect, or of relabelled peers, replayed; the
+/// rest counted from `flow_key_lasts`) answers exactly what replaying every key answers: for
+/// random proposals over several workloads at once (peers narrowed and widened, ports changed,
+/// rules of other protocols added and removed, IPv6 peers, mode changes only, nothing applied),
+/// over flows in whole days, partial days, a partial first hour, late and pending windows, with a
+/// peer relabelled since.
+#[tokio::test]
+async fn impact_narrowed_read_equals_full_replay() {
+    use innerwall_control_plane::foresight::impact::{Read, impact_read};
+    use innerwall_wire::policy::{Cidr, PortRange, ResolvedRule, RuleId};
+
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    let dsts = [
+        register(pool, "web-1").await,
+        register(pool, "web-2").await,
+        register(pool, "web-3").await,
+        register(pool, "web-4").await,
+    ];
+    let fresh = register(pool, "web-5").await;
+    // v3 of every web workload: tcp/8001 and tcp/8002 from 192.0.2.0/24.
+    testing::add_web_port(pool, 1).await.unwrap();
+    testing::add_web_port(pool, 2).await.unwrap();
+    let relabelled = peer(pool, &["app=batch"], "10.5.0.1").await;
+    peer(pool, &["app=api"], "10.5.0.2").await;
+    let now = Utc::now();
+    let hour = now.duration_trunc(TimeDelta::hours(1)).unwrap().timestamp_millis();
+    let from = hour - 3 * 24 * HOUR + 30 * 60_000;
+    // Installed everywhere, applied (acknowledged) everywhere but on web-5.
+    testing::installed(pool, fresh, &[(3, Mode::Simulation, at(from - 2 * HOUR))]).await.unwrap();
+    for id in dsts {
+        testing::installed(pool, id, &[(3, Mode::Simulation, at(from - 2 * HOUR))]).await.unwrap();
+        sqlx::query("UPDATE workloads SET applied_version = 3 WHERE id = $1")
+            .bind(id.uuid())
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+    use proto::Protocol::{Icmp, Tcp, Udp};
+    let sources = ["192.0.2.5", "192.0.2.77", "198.51.100.7", "10.5.0.1", "10.5.0.2", "203.0.113.9"];
+    let services = [(Tcp, 8001), (Tcp, 8002), (Tcp, 8005), (Tcp, 22), (Udp, 53), (Icmp, 0)];
+    // Windows from before the range (the hour its start falls in) over the whole days to the last
+    // closed hour; each a different mix of keys per workload.
+    let starts = [
+        from - 20 * 60_000,
+        from + 10 * 60_000,
+        from + 5 * HOUR,
+        from + 30 * HOUR,
+        from + 50 * HOUR,
+        hour - 2 * HOUR,
+        hour - HOUR,
+    ];
+    let mut n = 0usize;
+    let mut records = |salt: usize, start: i64| -> Vec<proto::FlowRecord> {
+        let mut out = Vec::new();
+        for (i, src) in sources.iter().enumerate() {
+            for (j, (protocol, port)) in services.iter().enumerate() {
+                n += 1;
+                if (i * 7 + j * 3 + salt).is_multiple_of(4) {
+                    out.push(flow_of(src, *protocol, *port, 1 + (n % 5) as u64, start));
+                }
+            }
+        }
+        out.push(flow_of("2001:db8::5", Tcp, 8001, 2, start));
+        out
+    };
+    for (k, start) in starts.iter().enumerate() {
+        for (w, id) in dsts.iter().chain([&fresh]).enumerate() {
+            ingest_short(pool, *id, 3, *start, records(k + w, *start)).await;
+        }
+    }
+    assert!(flows::roll_up(pool, now).await.unwrap() >= starts.len() as u64);
+    // A late window of an hour rolled up before (not rolled up yet), one in the open hour, and
+    // the relabel after them.
+    let late = from + 30 * HOUR + 15 * 60_000;
+    let open = Utc::now().timestamp_millis() - 30_000;
+    for id in dsts.iter().chain([&fresh]) {
+        ingest_short(pool, *id, 3, late, records(11, late)).await;
+        let window = proto::FlowWindow {
+            window_id: uuid::Uuid::new_v4().to_string(),
+            start_unix_ms: open,
+            end_unix_ms: open + 29_000,
+            policy_version: 3,
+            mode: 2,
+            records: records(13, open),
+            gaps: vec![],
+        };
+        flows::ingest(pool, *id, &FlowWindow::try_from(&window).unwrap()).await.unwrap();
+    }
+    relabel(pool, relabelled, "app=etl").await;
+
+    // Proposals drawn from rules over the same services and peers (xorshift, fixed seed).
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let mut next = |below: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % below
+    };
+    let mut conn = pool.acquire().await.unwrap();
+    let v3 = store::persisted_policy(&mut conn, dsts[0]).await.unwrap().unwrap().0;
+    let peers = [
+        "192.0.2.0/24",
+        "192.0.2.0/28",
+        "198.51.100.0/24",
+        "10.5.0.1/32",
+        "10.5.0.0/16",
+        "0.0.0.0/0",
+        "2001:db8::/32",
+    ];
+    let ports: [&[(u32, u32)]; 4] =
+        [&[(8001, 8001)], &[(8001, 8002)], &[(8000, 8010)], &[(22, 22), (8002, 8002)]];
+    let range = Range { from: at(from), to: at(now.timestamp_millis() + 60_000) };
+    let mut seen = [0u64; 5];
+    for case in 0..30 {
+        let mut proposed = BTreeMap::new();
+        for (w, id) in dsts.iter().chain([&fresh]).enumerate() {
+            // Each applied rule kept, dropped, given other peers (some kept) or other ports.
+            let mut rules = Vec::new();
+            for rule in v3.rules() {
+                let mut chosen: Vec<Cidr> =
+                    peers.iter().filter(|_| next(3) == 0).map(|c| Cidr::parse(c).unwrap()).collect();
+                match next(4) {
+                    0 => rules.push(rule.clone()),
+                    1 => {}
+                    2 => {
+                        chosen.extend(rule.peers().iter().filter(|_| next(2) == 0));
+                        rules.push(
+                            ResolvedRule::new(rule.id().clone(), rule.ports().to_vec(), chosen).unwrap(),
+                        );
+                    }
+                    _ => {
+                        let ranges =
+                            ports[next(4) as usize].iter().map(|(a, b)| PortRange::new(*a, *b).unwrap());
+                        rules.push(
+                            ResolvedRule::new(rule.id().clone(), ranges, rule.peers().clone()).unwrap(),
+                        );
+                    }
+                }
+            }
+            for (r, protocol) in [Protocol::Tcp, Protocol::Udp, Protocol::Icmp].into_iter().enumerate() {
+                if next(2) == 0 {
+                    continue;
+                }
+                let chosen: Vec<Cidr> =
+                    peers.iter().filter(|_| next(3) == 0).map(|c| Cidr::parse(c).unwrap()).collect();
+                let ranges: Vec<PortRange> = match protocol {
+                    Protocol::Icmp => vec![],
+                    Protocol::Udp => vec![PortRange::new(53, 53).unwrap()],
+                    _ => {
+                        ports[next(4) as usize].iter().map(|(a, b)| PortRange::new(*a, *b).unwrap()).collect()
+                    }
+                };
+                let id = RuleId::new(&format!("case-{r}"), protocol).unwrap();
+                rules.push(ResolvedRule::new(id, ranges, chosen).unwrap());
+            }
+            // Now and then the applied rules under another mode only.
+            let mode = [Mode::Visibility, Mode::Simulation, Mode::Enforcement][next(3) as usize];
+            let policy = match (case + w) % 7 {
+                0 => v3.clone().with_mode(Mode::Enforcement).with_version(4),
+                _ => WorkloadPolicy::new(4, mode, rules).unwrap(),
+            };
+            proposed.insert(*id, policy);
+        }
+        let (narrowed, read) = impact_read(&mut conn, &proposed, range, 3, Read::Narrowed).await.unwrap();
+        assert_eq!(read, Read::Narrowed, "case {case}: the range ends now, so the read is narrowed");
+        let (full, read) = impact_read(&mut conn, &proposed, range, 3, Read::Full).await.unwrap();
+        assert_eq!(read, Read::Full);
+        assert_eq!(narrowed, full, "case {case}: {proposed:#?}");
+        for w in &full.workloads {
+            let r = &w.replayed;
+            for (i, count) in
+                [r.newly_blocked, r.newly_allowed, r.unchanged, r.relabelled, w.unseen_admission_count]
+                    .into_iter()
+                    .enumerate()
+            {
+                seen[i] += count;
+            }
+        }
+    }
+    assert!(seen.iter().all(|&n| n > 0), "every count was exercised: {seen:?}");
+    // A range ending in the past (rollups after it) is read whole.
+    let past = Range { from: at(from), to: at(hour - 2 * HOUR) };
+    let proposed = BTreeMap::from([(dsts[0], v3.clone().with_mode(Mode::Enforcement).with_version(4))]);
+    let (_, read) = impact_read(&mut conn, &proposed, past, 3, Read::Narrowed).await.unwrap();
+    assert_eq!(read, Read::Full);
+}
+
+/// When a day's partitions expire, the last hours of keys seen only on that day are left behind
+/// until the roll-up job deletes them; a narrowed impact reaching back past the oldest rollup
+/// does not count them in between, and answers what the full replay answers.
+#[tokio::test]
+async fn impact_counts_no_key_whose_rollups_expired() {
+    use innerwall_control_plane::foresight::impact::{Read, impact_read};
+
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    let dst = register(pool, "web-1").await;
+    let now = Utc::now();
+    let today = now.duration_trunc(TimeDelta::days(1)).unwrap().timestamp_millis();
+    let day = 24 * HOUR;
+    testing::installed(pool, dst, &[(1, Mode::Simulation, at(today - 5 * day))]).await.unwrap();
+    sqlx::query("UPDATE workloads SET applied_version = 1 WHERE id = $1")
+        .bind(dst.uuid())
+        .execute(pool)
+        .await
+        .unwrap();
+    let blocked = |src, at| flow(src, 8001, None, 1, at);
+    // 192.0.2.30 only on the day that expires; 192.0.2.10 then and later; 192.0.2.20 later only.
+    let old = today - 3 * day + HOUR;
+    ingest_short(pool, dst, 1, old, vec![blocked("192.0.2.30", old), blocked("192.0.2.10", old)]).await;
+    let later = today - day + HOUR;
+    ingest_short(pool, dst, 1, later, vec![blocked("192.0.2.10", later), blocked("192.0.2.20", later)]).await;
+    assert_eq!(flows::roll_up(pool, now).await.unwrap(), 2);
+    let lasts = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM flow_key_lasts").fetch_one(pool).await.unwrap()
+    };
+    assert_eq!(lasts().await, 3);
+    let dropped = flows::apply_retention(pool, 2, now).await.unwrap();
+    assert!(dropped.iter().any(|p| p.starts_with("flow_rollups_")), "{dropped:?}");
+    assert_eq!(lasts().await, 3, "the expired key's last hour is still there");
+
+    let none = innerwall_wire::testing::rule("other", Protocol::Tcp, &[9999], &["203.0.113.0/24"]);
+    let proposed = BTreeMap::from([(dst, WorkloadPolicy::new(2, Mode::Enforcement, [none]).unwrap())]);
+    let range = Range { from: at(today - 4 * day), to: at(now.timestamp_millis() + 60_000) };
+    let mut conn = pool.acquire().await.unwrap();
+    let (narrowed, read) = impact_read(&mut conn, &proposed, range, 5, Read::Narrowed).await.unwrap();
+    assert_eq!(read, Read::Narrowed);
+    let (full, _) = impact_read(&mut conn, &proposed, range, 5, Read::Full).await.unwrap();
+    assert_eq!(narrowed, full);
+    assert_eq!((narrowed.keys, narrowed.workloads[0].replayed.unchanged), (2, 2));
+    // The job's next run deletes it.
+    assert_eq!(flows::roll_up(pool, now).await.unwrap(), 0);
+    assert_eq!(lasts().await, 2);
+}
