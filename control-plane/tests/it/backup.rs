@@ -214,7 +214,8 @@ async fn new_migrations_are_preceded_by_a_dump() {
         std::fs::read_dir(state.join("backups")).unwrap().map(|e| e.unwrap().path()).collect();
     assert_eq!(dumps.len(), 1, "{dumps:?}");
     let name = dumps[0].file_name().unwrap().to_string_lossy().into_owned();
-    assert!(name.starts_with(&format!("before-migration-{}-", latest - 1)), "{name}");
+    let from = older.iter().map(|m| m.version).max().unwrap();
+    assert!(name.starts_with(&format!("before-migration-{from}-")), "{name}");
     assert!(err.contains(&dumps[0].display().to_string()), "the notice names the dump: {err}");
     assert_eq!(std::fs::metadata(&dumps[0]).unwrap().permissions().mode() & 0o777, 0o600);
     let bin = innerwall_control_plane::postgres::Binaries::find().unwrap();
