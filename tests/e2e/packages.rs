@@ -348,9 +348,8 @@ fn packages_install_and_enforce() {
 /// manager's part itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_upgrade_keeps_enforcing() {
-    use crate::previous::{Stream, drop_counter, previous_agent_package};
+    use crate::previous::{PeerEstate, Stream, drop_counter, previous_agent_package};
     use innerwall_control_plane::identity::ca::Signer as _;
-    use innerwall_control_plane::sync::gateway::GatewayConfig;
     use innerwall_wire::identity::WorkloadId;
     use innerwall_wire::policy::Mode;
 
@@ -358,22 +357,10 @@ async fn agent_upgrade_keeps_enforcing() {
     let previous = previous_agent_package();
     let short = crate::previous::previous_release().0[..12].to_owned();
     let (_, current) = packages();
-    let gateway = GatewayConfig { heartbeat: Duration::from_secs(1), ..GatewayConfig::default() };
-    // The database from the machine's namespace; the listener in the host's.
-    let mut plane = crate::plane::Plane::create(Duration::from_secs(3600), gateway).await;
     let dir = std::env::temp_dir().join(format!("iw-upgrade-{}", std::process::id()));
     let sandbox = Sandbox::create(&dir);
-    let netns = format!("iw-upg-{}", std::process::id());
-    let ns = Namespace::create(netns.clone());
-    let peer = Peer::create(&ns);
-    let peer_netns = format!("{netns}-peer");
-    ns.enter();
-    plane.up().await;
+    let PeerEstate { plane, netns, ns: _ns, peer, peer_netns } = PeerEstate::start("iw-upg", "allowed").await;
     let pool = plane.pool().clone();
-    plane.register("peer", &["app=peer"], crate::host::PEER_ADDRESS).await;
-    innerwall_control_plane::testing::admit(&pool, "allowed", ("app", "web"), ("app", "peer"), "udp:7000")
-        .await
-        .unwrap();
     let installed_version = || sandbox.ok(&["dpkg-query", "-W", "-f=${Version}", "innerwall-agent"]);
 
     // The previous release, installed, enrolled and enforcing.

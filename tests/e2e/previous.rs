@@ -282,25 +282,49 @@ impl Drop for PreviousAgent {
     }
 }
 
+/// A host namespace with a peer namespace on its veth, the calling thread moved into the host's,
+/// and a control plane (1 s heartbeats) whose listener is bound there: the peer `app=peer` at
+/// [`PEER_ADDRESS`] is registered, and `app=web` admits it on udp:7000 (ruleset `ruleset`).
+pub(crate) struct PeerEstate {
+    pub(crate) plane: Plane,
+    pub(crate) netns: String,
+    pub(crate) ns: Namespace,
+    pub(crate) peer: Peer,
+    pub(crate) peer_netns: String,
+}
+
+impl PeerEstate {
+    pub(crate) async fn start(prefix: &str, ruleset: &str) -> PeerEstate {
+        let gateway = GatewayConfig { heartbeat: Duration::from_secs(1), ..GatewayConfig::default() };
+        // The database first, from the machine's namespace; then the listener in the host's.
+        let mut plane = Plane::create(Duration::from_secs(3600), gateway).await;
+        let netns = format!("{prefix}-{}", std::process::id());
+        let ns = Namespace::create(netns.clone());
+        let peer = Peer::create(&ns);
+        let peer_netns = format!("{netns}-peer");
+        ns.enter();
+        plane.up().await;
+        plane.register("peer", &["app=peer"], PEER_ADDRESS).await;
+        innerwall_control_plane::testing::admit(
+            plane.pool(),
+            ruleset,
+            ("app", "web"),
+            ("app", "peer"),
+            "udp:7000",
+        )
+        .await
+        .unwrap();
+        PeerEstate { plane, netns, ns, peer, peer_netns }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn previous_agent_works_with_this_control_plane() {
     require_root();
     let (commit, _) = previous_release();
     let binary = previous_agent();
-    let gateway = GatewayConfig { heartbeat: Duration::from_secs(1), ..GatewayConfig::default() };
-    // The database first, from the machine's namespace; then the listener in the host's.
-    let mut plane = Plane::create(Duration::from_secs(3600), gateway).await;
-    let netns = format!("iw-prev-{}", std::process::id());
-    let ns = Namespace::create(netns.clone());
-    let peer = Peer::create(&ns);
-    let peer_netns = format!("{netns}-peer");
-    ns.enter();
-    plane.up().await;
+    let PeerEstate { plane, netns, ns: _ns, peer, peer_netns } = PeerEstate::start("iw-prev", "early").await;
     let pool = plane.pool().clone();
-    plane.register("peer", &["app=peer"], PEER_ADDRESS).await;
-    innerwall_control_plane::testing::admit(&pool, "early", ("app", "web"), ("app", "peer"), "udp:7000")
-        .await
-        .unwrap();
 
     // Enrollment with the previous release's own CLI (the token on standard input).
     std::fs::create_dir_all(&plane.dir).unwrap();
