@@ -2,7 +2,9 @@
 //! other, each printing its figures as `FIGURE {json}` lines among its own output. Collected,
 //! they are printed one line each with their goal, the core count and the commit, and written to
 //! `target/bench/bench-<unix time>.json` (and `latest.json`). `--quick` runs small sizes to
-//! prove every benchmark still works (`.ci/run` does); its figures judge nothing.
+//! prove every benchmark still works (`.ci/run` does); its figures judge nothing. Quick runs
+//! build as `cargo test --workspace` does (the `test` profile, the workspace's features), so
+//! after the tests they build only the bench targets instead of the workspace again in release.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -168,16 +170,17 @@ pub fn run(root: &Path, names: &[String], quick: bool) -> Result<()> {
         BENCHES.iter().filter(|b| names.is_empty() || names.contains(&b.name.to_owned())).collect();
     setup::apt_packages()?;
     let object = ebpf::build(root)?;
+    // Full runs: release (`cargo bench`'s own profile), each package's own features. Quick
+    // runs: what the tests built.
+    let (profile, selection, profile_dir): (&[&str], &[&str], &str) = if quick {
+        (&["--profile", "test"], &["--workspace"], "debug")
+    } else {
+        (&["--release"], &["-p", "innerwall-e2e", "-p", "innerwall-control-plane"], "release")
+    };
     if chosen.iter().any(|b| matches!(b.run, Run::Loadgen { .. })) {
-        cmd::run(cmd::root_cargo(root).args([
-            "build",
-            "--release",
-            "-p",
-            "innerwall-e2e",
+        cmd::run(cmd::root_cargo(root).arg("build").args(profile).args(selection).args([
             "--bin",
             "innerwall-loadgen",
-            "-p",
-            "innerwall-control-plane",
             "--bin",
             "innerwall",
         ]))?;
@@ -190,14 +193,17 @@ pub fn run(root: &Path, names: &[String], quick: bool) -> Result<()> {
         let mut command = match &bench.run {
             Run::Cargo { package, target, quick: vars } => {
                 let mut c = cmd::root_cargo(root);
-                c.args(["bench", "-p", package, "--bench", target]);
+                c.arg("bench");
                 if quick {
-                    c.envs(vars.iter().copied());
+                    c.args(profile).args(selection).envs(vars.iter().copied());
+                } else {
+                    c.args(["-p", package]);
                 }
+                c.args(["--bench", target]);
                 c
             }
             Run::Loadgen { full, quick: small } => {
-                let mut c = Command::new(target_dir(root).join("release").join("innerwall-loadgen"));
+                let mut c = Command::new(target_dir(root).join(profile_dir).join("innerwall-loadgen"));
                 c.args(if quick { *small } else { *full });
                 c
             }

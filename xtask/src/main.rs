@@ -141,7 +141,9 @@ fn run(cli: Cli) -> Result<()> {
                 .args(["run", "--quiet", "--release", "-p", "innerwall-e2e", "--bin", "innerwall-sim", "--"])
                 .args(&args),
         ),
-        Task::Fuzz { seconds } => fuzz::run(&root, std::time::Duration::from_secs(seconds)),
+        Task::Fuzz { seconds } => {
+            fuzz::run(&root, std::time::Duration::from_secs(seconds), fuzz::Build::Optimized)
+        }
         Task::CheckCycles { dirs } if dirs.is_empty() => {
             cycles::check(&root, &cycles::CRATE_SOURCES.iter().map(PathBuf::from).collect::<Vec<_>>())
         }

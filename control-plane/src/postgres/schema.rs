@@ -183,6 +183,10 @@ pub async fn grant_runtime(pool: &PgPool, role: &str) -> Result<(), Error> {
         format!("GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {schema} TO {role}"),
         format!("GRANT USAGE, SELECT, UPDATE ON ALL SEQUENCES IN SCHEMA {schema} TO {role}"),
         format!("GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA {schema} TO {role}"),
+        // A replica reads the migration history to check the schema; only `migrate` (the
+        // owner) writes it. A replica that could rewrite it could make the next start refuse
+        // the database or hide a migration that failed.
+        format!("REVOKE INSERT, UPDATE, DELETE, TRUNCATE ON {schema}._sqlx_migrations FROM {role}"),
     ] {
         sqlx::query(sqlx::AssertSqlSafe(grant.clone())).execute(&mut *tx).await.map_err(sql(grant))?;
     }

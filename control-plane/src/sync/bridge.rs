@@ -173,9 +173,12 @@ pub async fn run(pool: PgPool, gateway: Gateway, admission: Arc<Admission>, metr
 }
 
 /// Relays what `bus` carries to `hearer`, reconnecting with full-jitter backoff (base 0.5 s, cap
-/// 30 s) and telling the hearer of every (re)connect before the first notice after it.
+/// 5 s) and telling the hearer of every (re)connect before the first notice after it. The cap is
+/// short because every second without the bridge is a second this replica's agents may miss a
+/// policy, and the cost of one connection attempt per replica every few seconds is nothing to
+/// a database that has just come back (a failover takes about 10 s).
 pub async fn relay(mut bus: impl Bus, hearer: &impl Hearer) {
-    let (base, cap) = (Duration::from_millis(500), Duration::from_secs(30));
+    let (base, cap) = (Duration::from_millis(500), Duration::from_secs(5));
     let mut attempt = 0;
     let mut connected_before = false;
     loop {

@@ -78,6 +78,15 @@ async fn drill(owner_url: &str, app_url: &str, app: &str, superuser: &str) -> an
     assert!(insufficient_privilege(&ddl), "{ddl}");
     let drop = sqlx::raw_sql("DROP TABLE workloads").execute(pool).await.unwrap_err();
     assert!(insufficient_privilege(&drop), "{drop}");
+    for history in [
+        "UPDATE _sqlx_migrations SET checksum = '\\x01'",
+        "DELETE FROM _sqlx_migrations",
+        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+         VALUES (99990101000000, 'forged', true, '\\x00', 1)",
+    ] {
+        let e = sqlx::raw_sql(history).execute(pool).await.unwrap_err();
+        assert!(insufficient_privilege(&e), "{history}: {e}");
+    }
     let day = NaiveDate::from_ymd_opt(2020, 1, 2).unwrap();
     let at = Utc.from_utc_datetime(&day.and_hms_opt(12, 0, 0).unwrap());
     let mut tx = pool.begin().await?;
