@@ -46,6 +46,7 @@ pub mod flows;
 pub mod identity;
 pub mod labels;
 pub mod policy;
+pub mod secret;
 pub mod sync;
 pub mod tasks;
 #[cfg(any(test, feature = "testing"))]

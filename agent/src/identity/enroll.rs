@@ -13,6 +13,7 @@ use std::time::SystemTime;
 
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::proto;
+use innerwall_wire::secret::{self, SecretError};
 
 use super::connect::{self, ConnectError};
 use super::credential::{self, Credential, CredentialError};
@@ -69,7 +70,7 @@ pub fn read_ca_bundle(path: &Path) -> Result<String, EnrollError> {
 }
 
 /// The most bytes a token file may hold (a token is 46 characters).
-pub const MAX_TOKEN_FILE: u64 = 4096;
+pub const MAX_TOKEN_FILE: u64 = secret::MAX_SECRET_FILE;
 
 /// `--token-file PATH` as messages name it: `-` is standard input.
 fn token_source(path: &Path) -> String {
@@ -83,23 +84,12 @@ fn token_source(path: &Path) -> String {
 /// Reads a provisioning token from a file, or from standard input when `path` is `-`
 /// (surrounding whitespace ignored; at most [`MAX_TOKEN_FILE`] bytes; never empty).
 pub fn read_token_file(path: &Path) -> Result<String, EnrollError> {
-    use std::io::Read as _;
-    let failed = |source| EnrollError::TokenFile { path: path.to_owned(), source };
-    let reader: Box<dyn std::io::Read> = if path == Path::new("-") {
-        Box::new(std::io::stdin())
-    } else {
-        Box::new(std::fs::File::open(path).map_err(failed)?)
-    };
-    let mut text = String::new();
-    reader.take(MAX_TOKEN_FILE + 1).read_to_string(&mut text).map_err(failed)?;
-    if text.len() as u64 > MAX_TOKEN_FILE {
-        return Err(EnrollError::TokenFileTooLarge { path: path.to_owned() });
-    }
-    let token = text.trim();
-    if token.is_empty() {
-        return Err(EnrollError::TokenFileEmpty { path: path.to_owned() });
-    }
-    Ok(token.to_owned())
+    let path_buf = path.to_owned();
+    secret::read(path).map_err(|e| match e {
+        SecretError::Read(source) => EnrollError::TokenFile { path: path_buf, source },
+        SecretError::TooLarge => EnrollError::TokenFileTooLarge { path: path_buf },
+        SecretError::Empty => EnrollError::TokenFileEmpty { path: path_buf },
+    })
 }
 
 /// Refuses a token that is plainly not a provisioning token: an operator token (`iwo_`), the

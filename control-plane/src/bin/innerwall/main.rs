@@ -49,10 +49,10 @@ mod workloads;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 
 use innerwall_control_plane::postgres::{self, Create};
+use innerwall_wire::secret::{self, MAX_SECRET_FILE, SecretError};
 
 use crate::ctx::{Ctx, Database};
 
@@ -343,9 +343,6 @@ const TOKEN_VAR: &str = "INNERWALL_API_TOKEN";
 /// The former name of `INNERWALL_API_TOKEN`, which the agent's provisioning token also used.
 const DEPRECATED_TOKEN_VAR: &str = "INNERWALL_TOKEN";
 
-/// The most bytes --token-file may hold (an operator token is 55 characters).
-const MAX_TOKEN_FILE: u64 = 4096;
-
 /// The operator token: from `--token-file` (`-`: standard input), else `INNERWALL_API_TOKEN`,
 /// else the deprecated `INNERWALL_TOKEN` with a warning (never when it holds a provisioning
 /// token).
@@ -380,30 +377,23 @@ fn read_token_file(path: &Path) -> anyhow::Result<String> {
 }
 
 /// A secret from `flag PATH` (RUN-6: never from a flag itself): the file's text, or standard
-/// input's when `PATH` is `-`; surrounding whitespace ignored, at most [`MAX_TOKEN_FILE`] bytes,
+/// input's when `PATH` is `-`; surrounding whitespace ignored, at most [`MAX_SECRET_FILE`] bytes,
 /// never empty. `what` says what it should hold.
 pub fn read_secret(path: &Path, flag: &str, what: &str) -> anyhow::Result<String> {
-    use std::io::Read as _;
     let name = if path == Path::new("-") {
         format!("standard input ({flag} -)")
     } else {
         format!("{flag} {}", path.display())
     };
-    let mut text = String::new();
-    let read = if path == Path::new("-") {
-        std::io::stdin().take(MAX_TOKEN_FILE + 1).read_to_string(&mut text)
-    } else {
-        std::fs::File::open(path).and_then(|f| f.take(MAX_TOKEN_FILE + 1).read_to_string(&mut text))
-    };
-    read.with_context(|| format!("cannot read {what} from {name}"))?;
-    if text.len() as u64 > MAX_TOKEN_FILE {
-        anyhow::bail!("{name} holds more than {MAX_TOKEN_FILE} bytes; it should hold only {what}");
-    }
-    let secret = text.trim();
-    if secret.is_empty() {
-        anyhow::bail!("{name} is empty; it should hold {what}");
-    }
-    Ok(secret.to_owned())
+    secret::read(path).map_err(|e| match e {
+        SecretError::Read(source) => {
+            anyhow::Error::new(source).context(format!("cannot read {what} from {name}"))
+        }
+        SecretError::TooLarge => {
+            anyhow::anyhow!("{name} holds more than {MAX_SECRET_FILE} bytes; it should hold only {what}")
+        }
+        SecretError::Empty => anyhow::anyhow!("{name} is empty; it should hold {what}"),
+    })
 }
 
 /// A command with `--api`: through the remote control plane's API, never this host's database.
