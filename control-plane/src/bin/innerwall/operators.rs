@@ -32,7 +32,8 @@ pub enum TokenCmd {
     /// Mint a token; it is printed once and stored only as a hash.
     Mint {
         /// Who holds it (named in every audit record of its requests): 1-63 of A-Z a-z 0-9 . _ -
-        #[arg(long)]
+        /// (a value beginning with "-" is read as a name, so it is refused with the reason).
+        #[arg(long, allow_hyphen_values = true)]
         name: String,
         /// viewer (reads), editor (+ authoring, labels, provisioning tokens), promoter (+ mode
         /// changes), admin (+ retire and deny).
