@@ -81,7 +81,7 @@ fn model(rulesets: usize) -> AuthoredModel {
                 .collect(),
         })
         .collect();
-    AuthoredModel { services, address_groups: BTreeMap::new(), rulesets }
+    AuthoredModel { services, address_groups: BTreeMap::new(), rulesets, ..Default::default() }
 }
 
 fn tests() -> Vec<TestSetSpec> {

@@ -73,7 +73,7 @@ fn model(rulesets: usize, rules_per_set: usize) -> AuthoredModel {
                 .collect(),
         })
         .collect();
-    AuthoredModel { services, address_groups: groups, rulesets }
+    AuthoredModel { services, address_groups: groups, rulesets, ..Default::default() }
 }
 
 fn peak_rss_kib() -> u64 {

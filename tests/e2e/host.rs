@@ -71,6 +71,19 @@ impl Peer {
         peer
     }
 
+    /// Moves the calling thread into the peer's namespace ([`Namespace::enter`]).
+    pub fn enter(&self) {
+        self.0.enter();
+    }
+
+    /// Adds `address` (/24) to the peer's end of the veth pair, beside [`PEER_ADDRESS`].
+    pub fn add_address(&self, address: &str) {
+        let cidr = format!("{address}/24");
+        let args = ["-n", &self.0.0, "address", "add", &cidr, "dev", "iw1"];
+        let status = Command::new("ip").args(args).status().expect("running ip");
+        assert!(status.success(), "ip {args:?} failed");
+    }
+
     /// Runs `f` on a thread inside the peer's namespace, so processes it starts run there.
     pub fn inside<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
         let name = self.0.0.clone();

@@ -7,6 +7,7 @@ mod bounds;
 mod console;
 mod enroll;
 mod evidence;
+mod failsafe;
 mod flows;
 mod gate;
 mod ha;

@@ -97,8 +97,14 @@ impl Plane {
         }
     }
 
+    /// What agents dial: `localhost` while the replica listens on loopback or every address,
+    /// else its listening address.
     pub fn server(&self) -> String {
-        format!("localhost:{}", self.port)
+        if self.listen_ip.is_loopback() || self.listen_ip.is_unspecified() {
+            format!("localhost:{}", self.port)
+        } else {
+            format!("{}:{}", self.listen_ip, self.port)
+        }
     }
 
     pub fn pool(&self) -> &PgPool {

@@ -256,6 +256,7 @@ impl Estate {
             services: BTreeMap::from([(service.id, service)]),
             address_groups: BTreeMap::new(),
             rulesets: Vec::new(),
+            ..Default::default()
         };
         Estate { model, workloads }
     }

@@ -33,6 +33,7 @@ pub mod extract;
 pub mod flows;
 pub mod gate;
 pub mod impact;
+pub mod management;
 pub mod openapi;
 pub mod operators;
 pub mod policy_tests;

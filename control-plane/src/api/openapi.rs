@@ -17,8 +17,8 @@ use utoipa::openapi::{Components, OpenApi, Ref, RefOr};
 use super::Route;
 use super::problem::{PROBLEM_JSON, Problem, ProblemType};
 use super::{
-    audit, catalog, drafts, estate, flows, gate, impact, operators, policy_tests, render, suggestions,
-    tokens, workloads,
+    audit, catalog, drafts, estate, flows, gate, impact, management, operators, policy_tests, render,
+    suggestions, tokens, workloads,
 };
 use crate::identity::operators::Role;
 
@@ -56,7 +56,8 @@ pub const CHECKED_IN: &str = "openapi.json";
         drafts::list, drafts::create, drafts::show, drafts::discard, drafts::add, drafts::render,
         drafts::impact, drafts::tests, drafts::commit,
         suggestions::list, suggestions::accept, suggestions::ignore,
-        estate::list, estate::add, estate::remove, render::render,
+        estate::list, estate::add, estate::remove, management::show, management::narrow,
+        management::narrow_workload, render::render,
         tokens::list, tokens::mint, tokens::revoke,
         flows::list_records, flows::gaps, flows::rollup,
         gate::verdict, gate::list, gate::show, gate::promote,
@@ -70,6 +71,7 @@ pub const CHECKED_IN: &str = "openapi.json";
         (name = "drafts", description = "Drafts: stored sets of changes, rendered, replayed and tested before one checked commit"),
         (name = "suggestions", description = "Suggested rules from recorded flows, with their evidence, accepted into a draft or ignored"),
         (name = "estate-ranges", description = "The address ranges whose reported workload addresses may become peers"),
+        (name = "management", description = "Management access every workload keeps whatever its policy says (the failsafe rule)"),
         (name = "render", description = "Render every workload on request"),
         (name = "provisioning-tokens", description = "Tokens hosts enroll with"),
         (name = "flows", description = "Flow evidence: records, gaps, rollups"),

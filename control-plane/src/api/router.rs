@@ -15,8 +15,8 @@ use axum::routing::MethodFilter;
 use super::extract::BodyLimit;
 use super::problem::ApiError;
 use super::{
-    ApiLimits, ApiState, Route, audit, auth, catalog, console, drafts, estate, flows, gate, impact, openapi,
-    operators, policy_tests, render, suggestions, tokens, workloads,
+    ApiLimits, ApiState, Route, audit, auth, catalog, console, drafts, estate, flows, gate, impact,
+    management, openapi, operators, policy_tests, render, suggestions, tokens, workloads,
 };
 use crate::identity::operators::Role;
 
@@ -117,6 +117,9 @@ pub fn build(state: ApiState) -> (Router, Vec<Route>) {
         .mount("GET", "/api/v1/estate-ranges", Some(Viewer), estate::list)
         .mount("POST", "/api/v1/estate-ranges", Some(Admin), estate::add)
         .mount("DELETE", "/api/v1/estate-ranges/{address}/{prefix}", Some(Admin), estate::remove)
+        .mount("GET", "/api/v1/management", Some(Viewer), management::show)
+        .mount("PUT", "/api/v1/management", Some(Admin), management::narrow)
+        .mount("PUT", "/api/v1/workloads/{id}/management", Some(Admin), management::narrow_workload)
         // A render changes no authored object; it is what every editor's change does anyway.
         .mount("POST", "/api/v1/render", Some(Editor), render::render)
         .mount("GET", "/api/v1/provisioning-tokens", Some(Viewer), tokens::list)

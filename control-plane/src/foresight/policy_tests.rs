@@ -1139,6 +1139,7 @@ mod tests {
                     rules: vec![rule(21, "from-api", vec![Peer::Workloads(sel("app", "api"))], true)],
                 },
             ],
+            ..Default::default()
         };
         let registry = vec![
             workload(1, &[("app", "web")], "10.0.0.1", Mode::Enforcement),

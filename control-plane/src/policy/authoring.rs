@@ -736,6 +736,16 @@ pub async fn remove_estate_range(conn: &mut PgConnection, range: Cidr) -> Result
     Ok(())
 }
 
+/// Locks a live workload for a change of its own: an unknown one is not found, a retired one
+/// refused.
+pub async fn lock_live(conn: &mut PgConnection, id: WorkloadId) -> Result<(), Error> {
+    let (_, retired) = lock_workload(conn, id).await?;
+    if retired {
+        return Err(Error::Invalid(format!("workload {id} is retired")));
+    }
+    Ok(())
+}
+
 async fn lock_workload(conn: &mut PgConnection, id: WorkloadId) -> Result<(i64, bool), Error> {
     let row =
         sqlx::query("SELECT label_version, retired_at IS NOT NULL FROM workloads WHERE id = $1 FOR UPDATE")
@@ -905,10 +915,7 @@ async fn apply_labels(
 }
 
 pub async fn set_mode(conn: &mut PgConnection, id: WorkloadId, mode: Mode) -> Result<(), Error> {
-    let (_, retired) = lock_workload(conn, id).await?;
-    if retired {
-        return Err(Error::Invalid(format!("workload {id} is retired")));
-    }
+    lock_live(conn, id).await?;
     sqlx::query("UPDATE workloads SET mode = $2 WHERE id = $1")
         .bind(id.uuid())
         .bind(mode.code())

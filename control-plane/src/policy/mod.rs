@@ -5,6 +5,7 @@ pub mod addresses;
 pub mod authoring;
 pub mod file;
 pub mod lifecycle;
+pub mod management;
 pub mod model;
 pub mod publish;
 pub mod render;

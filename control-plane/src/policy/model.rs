@@ -193,6 +193,116 @@ pub struct AuthoredModel {
     pub services: BTreeMap<Uuid, Service>,
     pub address_groups: BTreeMap<Uuid, AddressGroup>,
     pub rulesets: Vec<Ruleset>,
+    /// The estate's management access (`serve --management-cidr`); none until one is set.
+    pub management: Option<Management>,
+    /// Workloads whose management access was narrowed from the estate's.
+    pub management_of: BTreeMap<WorkloadId, Management>,
+}
+
+impl AuthoredModel {
+    /// The management access `workload` keeps whatever its policy says: its own narrowing, or
+    /// the estate's.
+    pub fn management_for(&self, workload: &WorkloadId) -> Option<&Management> {
+        self.management_of.get(workload).or(self.management.as_ref())
+    }
+}
+
+/// The authored id of the failsafe rule every workload's render carries (issue 31, no
+/// lock-out): `failsafe:management/<protocol>` in the rendered policy and in flow records. No
+/// authored rule can have it (theirs are uuids).
+pub const FAILSAFE_RULE: &str = "failsafe:management";
+/// Most source ranges management access may name.
+pub const MAX_MANAGEMENT_CIDRS: usize = 64;
+
+/// Management access (issue 31, no lock-out): sources and the services they reach on every
+/// workload, whatever its policy says, rendered as the failsafe rule. It can be narrowed (fewer
+/// or smaller ranges, fewer ports) by an admin, never widened or removed but by whoever holds
+/// the database (`innerwall management reset`). Canonical: ports merged per protocol.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Management {
+    cidrs: BTreeSet<Cidr>,
+    services: BTreeMap<Protocol, Vec<PortRange>>,
+}
+
+impl Management {
+    pub fn new(
+        cidrs: impl IntoIterator<Item = Cidr>,
+        services: impl IntoIterator<Item = ServiceEntry>,
+    ) -> Result<Self, ModelError> {
+        let cidrs: BTreeSet<Cidr> = cidrs.into_iter().collect();
+        let mut by_protocol: BTreeMap<Protocol, Vec<PortRange>> = BTreeMap::new();
+        for entry in services {
+            by_protocol.entry(entry.protocol).or_default().extend(entry.ports);
+        }
+        let bad = |reason: String| Err(ModelError::Management(reason));
+        if cidrs.is_empty() || by_protocol.is_empty() {
+            return bad("management access needs at least one source range and one service".into());
+        }
+        if cidrs.len() > MAX_MANAGEMENT_CIDRS {
+            return bad(format!("management access names at most {MAX_MANAGEMENT_CIDRS} source ranges"));
+        }
+        let services = by_protocol.into_iter().map(|(p, ports)| (p, merged(ports))).collect();
+        Ok(Management { cidrs, services })
+    }
+
+    pub fn cidrs(&self) -> &BTreeSet<Cidr> {
+        &self.cidrs
+    }
+
+    /// The services, one entry per protocol, ports merged.
+    pub fn services(&self) -> Vec<ServiceEntry> {
+        self.services
+            .iter()
+            .map(|(&protocol, ports)| ServiceEntry { protocol, ports: ports.clone() })
+            .collect()
+    }
+
+    /// Whether this admits nothing `wider` does not: every range inside one of its ranges, every
+    /// service's protocol in it with every port inside one of its port ranges. Otherwise the
+    /// first thing outside, said.
+    pub fn within(&self, wider: &Management) -> Result<(), String> {
+        for cidr in &self.cidrs {
+            if !wider.cidrs.iter().any(|w| w.net().contains(&cidr.net())) {
+                return Err(format!("source range {cidr} is outside every range of the current set"));
+            }
+        }
+        for (protocol, ports) in &self.services {
+            let Some(outer) = wider.services.get(protocol) else {
+                return Err(format!("{protocol} is not a service of the current set"));
+            };
+            if let Some(port) =
+                ports.iter().find(|p| !outer.iter().any(|o| o.start() <= p.start() && p.end() <= o.end()))
+            {
+                return Err(format!("{protocol} port {port} is outside the current set's ports"));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for Management {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let cidrs: Vec<String> = self.cidrs.iter().map(ToString::to_string).collect();
+        let services: Vec<String> = self.services().iter().map(ToString::to_string).collect();
+        write!(f, "{} from {}", services.join(" "), cidrs.join(" "))
+    }
+}
+
+/// Sorted, overlapping and adjacent ranges merged.
+fn merged(mut ports: Vec<PortRange>) -> Vec<PortRange> {
+    ports.sort();
+    let mut out: Vec<PortRange> = Vec::with_capacity(ports.len());
+    for p in ports {
+        match out.last_mut() {
+            Some(last) if u32::from(p.start()) <= u32::from(last.end()) + 1 => {
+                if p.end() > last.end() {
+                    *last = PortRange::new(last.start().into(), p.end().into()).expect("ordered, in range");
+                }
+            }
+            _ => out.push(p),
+        }
+    }
+    out
 }
 
 /// A live (not retired) workload as the renderer sees it.
@@ -214,6 +324,8 @@ pub enum ModelError {
     EmptyMatch { key: String },
     #[error("service entry {text:?}: {reason}")]
     Entry { text: String, reason: &'static str },
+    #[error("{0}")]
+    Management(String),
     #[error(transparent)]
     Label(#[from] LabelError),
     #[error(transparent)]

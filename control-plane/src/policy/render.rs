@@ -12,7 +12,7 @@ use innerwall_wire::policy::{
 };
 use uuid::Uuid;
 
-use crate::policy::model::{AuthoredModel, Peer, RegisteredWorkload, Selector};
+use crate::policy::model::{AuthoredModel, FAILSAFE_RULE, Management, Peer, RegisteredWorkload, Selector};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RenderError {
@@ -180,13 +180,16 @@ pub fn render(model: &AuthoredModel, workloads: &[RegisteredWorkload]) -> Result
         }
         resolved.push(rules);
     }
-    let mut shared: BTreeMap<(&[usize], Mode), usize> = BTreeMap::new();
+    let mut shared: BTreeMap<(&[usize], Mode, Option<&Management>), usize> = BTreeMap::new();
     let mut out = Rendered::default();
     for (w, rulesets) in workloads.iter().zip(&selected_by) {
-        let i = match shared.entry((rulesets.as_slice(), w.mode)) {
+        let management = model.management_for(&w.id);
+        let i = match shared.entry((rulesets.as_slice(), w.mode, management)) {
             Entry::Occupied(e) => *e.get(),
             Entry::Vacant(e) => {
-                let rules = rulesets.iter().flat_map(|&r| resolved[r].iter().cloned());
+                let failsafe = management.map(failsafe_rules).transpose()?.unwrap_or_default();
+                let rules =
+                    failsafe.into_iter().chain(rulesets.iter().flat_map(|&r| resolved[r].iter().cloned()));
                 let policy = WorkloadPolicy::new(0, w.mode, rules)
                     .map_err(|source| RenderError::Policy { rule: Uuid::nil(), source })?;
                 out.policies.push(policy);
@@ -196,6 +199,19 @@ pub fn render(model: &AuthoredModel, workloads: &[RegisteredWorkload]) -> Result
         out.of.insert(w.id, i);
     }
     Ok(out)
+}
+
+/// The failsafe rule of `management`: one resolved rule per protocol, `failsafe:management/<p>`.
+fn failsafe_rules(management: &Management) -> Result<Vec<ResolvedRule>, RenderError> {
+    let policy_err = |source| RenderError::Policy { rule: Uuid::nil(), source };
+    management
+        .services()
+        .into_iter()
+        .map(|entry| {
+            let id = RuleId::new(FAILSAFE_RULE, entry.protocol).map_err(policy_err)?;
+            ResolvedRule::new(id, entry.ports, management.cidrs().iter().copied()).map_err(policy_err)
+        })
+        .collect()
 }
 
 /// One authored rule → one resolved rule per protocol its services permit, all with the same
@@ -342,6 +358,7 @@ mod tests {
             .map(|g| (g.id, g))
             .collect(),
             rulesets: vec![ruleset(100, sel(&[("app", &["db"])]), rules)],
+            ..Default::default()
         }
     }
 
@@ -441,6 +458,61 @@ mod tests {
         let (web, dev) = (rendered.get(&wid(2)).unwrap(), rendered.get(&wid(3)).unwrap());
         assert_eq!((web.mode(), dev.mode()), (Mode::Enforcement, Mode::Simulation));
         assert!(web.rules().eq(dev.rules()));
+    }
+
+    fn management(cidrs: &[&str], services: &[&str]) -> Management {
+        Management::new(
+            cidrs.iter().map(|c| Cidr::parse(c).unwrap()),
+            services.iter().map(|e| ServiceEntry::parse(e).unwrap()),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn management_access_renders_as_the_failsafe_rule_of_every_workload() {
+        let mut model = db_model(vec![rule(10, vec![Peer::Workloads(sel(&[("app", &["web"])]))], &[1])]);
+        model.management = Some(management(&["192.0.2.0/24", "2001:db8::/48"], &["tcp:22", "udp:161"]));
+        let failsafe = [
+            "failsafe:management/tcp 22 <- 192.0.2.0/24 2001:db8::/48",
+            "failsafe:management/udp 161 <- 192.0.2.0/24 2001:db8::/48",
+        ];
+        let db: Vec<&str> =
+            ["a/tcp 5432 <- 10.0.0.2/32 10.0.0.3/32 fd00::2/128"].into_iter().chain(failsafe).collect();
+        // Selected by no ruleset, a workload still keeps its management access.
+        check(&model, &estate(), &[(1, &db), (2, &failsafe), (4, &failsafe)]);
+        // A narrowing is that workload's alone, and its policy is its own.
+        model.management_of.insert(wid(2), management(&["192.0.2.8/29"], &["tcp:22"]));
+        check(&model, &estate(), &[(2, &["failsafe:management/tcp 22 <- 192.0.2.8/29"]), (4, &failsafe)]);
+        let rendered = render(&model, &estate()).unwrap();
+        let of: BTreeMap<WorkloadId, usize> = rendered.shares().collect();
+        assert_ne!(of[&wid(2)], of[&wid(4)]);
+        assert_eq!(of[&wid(3)], of[&wid(4)]);
+        // Without management access, nothing is added.
+        model.management = None;
+        model.management_of.clear();
+        check(&model, &estate(), &[(2, &[])]);
+    }
+
+    #[test]
+    fn management_access_narrows_and_never_widens() {
+        let current = management(&["192.0.2.0/24", "10.9.0.0/16"], &["tcp:22,2200-2299", "udp:161"]);
+        let within = |cidrs: &[&str], services: &[&str]| management(cidrs, services).within(&current);
+        assert_eq!(within(&["192.0.2.64/26"], &["tcp:22"]), Ok(()));
+        assert_eq!(within(&["10.9.3.0/24", "192.0.2.0/24"], &["tcp:2210-2220", "udp:161"]), Ok(()));
+        assert_eq!(within(&["192.0.2.0/24", "10.9.0.0/16"], &["tcp:22,2200-2299", "udp:161"]), Ok(()));
+        let err = within(&["192.0.0.0/16"], &["tcp:22"]).unwrap_err();
+        assert!(err.contains("192.0.0.0/16"), "{err}");
+        let err = within(&["192.0.2.0/24"], &["tcp:22-23"]).unwrap_err();
+        assert!(err.contains("22-23"), "{err}");
+        let err = within(&["192.0.2.0/24"], &["icmp"]).unwrap_err();
+        assert!(err.contains("icmp"), "{err}");
+        // Adjacent ranges merge, so a narrowing may span them.
+        let adjacent = management(&["192.0.2.0/24"], &["tcp:22", "tcp:23"]);
+        assert_eq!(management(&["192.0.2.0/24"], &["tcp:22-23"]).within(&adjacent), Ok(()));
+        assert_eq!(adjacent, management(&["192.0.2.0/24"], &["tcp:22-23"]));
+        // Empty is refused: access can be narrowed, never removed.
+        assert!(Management::new([], [ServiceEntry::parse("tcp:22").unwrap()]).is_err());
+        assert!(Management::new([Cidr::parse("192.0.2.0/24").unwrap()], []).is_err());
     }
 
     mod sharing_equals_one_by_one {

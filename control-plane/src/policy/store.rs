@@ -160,6 +160,7 @@ pub async fn load_model(conn: &mut PgConnection) -> Result<AuthoredModel, Error>
             rules: rules_of.remove(&id).unwrap_or_default(),
         });
     }
+    crate::policy::management::load(conn, &mut model).await?;
     Ok(model)
 }
 

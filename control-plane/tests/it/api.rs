@@ -20,11 +20,14 @@ use innerwall_control_plane::error::Error;
 use innerwall_control_plane::identity::ca::{FileCa, Signer};
 use innerwall_control_plane::identity::operators::{self, Refused, Role};
 use innerwall_control_plane::policy::authoring;
+use innerwall_control_plane::policy::management::{self, Seeded};
+use innerwall_control_plane::policy::model::{Management, ServiceEntry};
 use innerwall_control_plane::policy::spec::NewWorkload;
 use innerwall_control_plane::postgres::Pools;
 use innerwall_control_plane::service::{self, Running};
 use innerwall_control_plane::testing::{TestDatabase, fresh_database};
 use innerwall_wire::identity::WorkloadId;
+use innerwall_wire::policy::Cidr;
 use rustls::pki_types::{CertificateDer, ServerName, pem::PemObject};
 use serde_json::{Value, json};
 use sqlx::PgPool;
@@ -889,6 +892,145 @@ async fn estate_ranges_and_render_over_the_api() {
     plane.stop().await;
 }
 
+/// The failsafe rules of `id`'s rendered policy over the API: `proto ports <- peers` lines.
+async fn failsafe(plane: &Plane, token: &str, id: WorkloadId) -> Vec<String> {
+    let policy = plane.get(&format!("/api/v1/workloads/{id}/policy"), Some(token)).await.json();
+    policy["rules"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{policy}"))
+        .iter()
+        .filter(|r| r["rule_id"].as_str().unwrap().starts_with("failsafe:management/"))
+        .map(|r| {
+            let list = |k: &str| -> Vec<&str> {
+                r[k].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect()
+            };
+            format!(
+                "{} {} <- {}",
+                r["protocol"].as_str().unwrap(),
+                list("ports").join(","),
+                list("peers").join(" ")
+            )
+        })
+        .collect()
+}
+
+fn management(cidrs: &[&str], services: &[&str]) -> Management {
+    Management::new(
+        cidrs.iter().map(|c| Cidr::parse(c).unwrap()),
+        services.iter().map(|e| ServiceEntry::parse(e).unwrap()),
+    )
+    .unwrap()
+}
+
+#[tokio::test]
+async fn management_access_narrows_and_is_never_removed() {
+    let plane = Plane::start(ApiLimits::default()).await;
+    let pool = plane.pool().clone();
+    let editor = mint(&pool, "ed", Role::Editor).await;
+    let admin = mint(&pool, "ada", Role::Admin).await;
+    let web = register(&pool, "web-1", &["app=web"]).await;
+    let db = register(&pool, "db-1", &["app=db"]).await;
+    let path = "/api/v1/management";
+    let body = |cidrs: &[&str], services: &[&str]| json!({"cidrs": cidrs, "services": services});
+
+    // None set: nothing rendered, and nothing to narrow.
+    assert_eq!(failsafe(&plane, &admin.token, web).await, Vec::<String>::new());
+    let doc = plane
+        .write("PUT", path, &admin.token, None, &body(&["192.0.2.0/24"], &["tcp:22"]))
+        .await
+        .problem(400, ProblemType::Invalid);
+    assert!(doc["detail"].as_str().unwrap().contains("--management-cidr"), "{doc}");
+
+    // Seeded (as serve does at start): every workload's render carries it; a second seed of the
+    // same set does nothing, of another reports the stored one and keeps it.
+    let seeded = management(&["192.0.2.0/24", "2001:db8::/48"], &["tcp:22", "udp:161"]);
+    assert_eq!(management::seed(&pool, "serve", &seeded).await.unwrap(), Seeded::Stored);
+    assert_eq!(management::seed(&pool, "serve", &seeded).await.unwrap(), Seeded::Same);
+    let other = management(&["0.0.0.0/0"], &["tcp:22"]);
+    assert_eq!(management::seed(&pool, "serve", &other).await.unwrap(), Seeded::Differs(seeded.clone()));
+    let full = ["tcp 22 <- 192.0.2.0/24 2001:db8::/48", "udp 161 <- 192.0.2.0/24 2001:db8::/48"];
+    assert_eq!(failsafe(&plane, &admin.token, web).await, full);
+    assert_eq!(failsafe(&plane, &admin.token, db).await, full);
+
+    // Refused, writing nothing: an editor; a wider set; an empty one; a malformed or oversized one.
+    let before = written(&pool).await;
+    plane
+        .write("PUT", path, &editor.token, None, &body(&["192.0.2.0/25"], &["tcp:22"]))
+        .await
+        .problem(403, ProblemType::Forbidden);
+    for (wider, says) in [
+        (body(&["192.0.0.0/16"], &["tcp:22"]), "192.0.0.0/16"),
+        (body(&["192.0.2.0/24"], &["tcp:22-23"]), "22-23"),
+        (body(&["192.0.2.0/24"], &["icmp"]), "icmp"),
+    ] {
+        let doc =
+            plane.write("PUT", path, &admin.token, None, &wider).await.problem(400, ProblemType::Invalid);
+        let detail = doc["detail"].as_str().unwrap();
+        assert!(detail.contains("can only be narrowed") && detail.contains(says), "{doc}");
+    }
+    let many: Vec<String> = (0..65).map(|i| format!("192.0.2.{i}/32")).collect();
+    let many: Vec<&str> = many.iter().map(String::as_str).collect();
+    for bad in [
+        body(&[], &["tcp:22"]),
+        body(&["192.0.2.0/24"], &[]),
+        body(&["192.0.2.1/24"], &["tcp:22"]),
+        body(&["192.0.2.0/24"], &["tcp:0"]),
+        body(&many, &["tcp:22"]),
+        json!({"cidrs": ["192.0.2.0/24"], "services": ["tcp:22"], "x": 1}),
+    ] {
+        plane.write("PUT", path, &admin.token, None, &bad).await.problem(400, ProblemType::Invalid);
+    }
+    assert_eq!(written(&pool).await, before);
+    assert_eq!(failsafe(&plane, &admin.token, web).await, full);
+
+    // An admin narrows the estate's set: audited with the token, every workload's policy moves.
+    let reply = plane.write("PUT", path, &admin.token, None, &body(&["192.0.2.0/25"], &["tcp:22"])).await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert_eq!(reply.json()["changed"].as_array().unwrap().len(), 2, "{reply:?}");
+    assert_eq!(failsafe(&plane, &admin.token, db).await, ["tcp 22 <- 192.0.2.0/25"]);
+    let actor = format!("operator:ada/{}", admin.id);
+    assert_eq!(audited(&pool, "management.narrow").await, [(actor.clone(), "estate".to_owned())]);
+
+    // One workload's narrowing: inside the estate's or refused; then the estate's set cannot be
+    // narrowed past it.
+    let own = format!("/api/v1/workloads/{web}/management");
+    plane
+        .write("PUT", &own, &admin.token, None, &body(&["192.0.2.128/25"], &["tcp:22"]))
+        .await
+        .problem(400, ProblemType::Invalid);
+    let reply = plane.write("PUT", &own, &admin.token, None, &body(&["192.0.2.8/29"], &["tcp:22"])).await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert_eq!(failsafe(&plane, &admin.token, web).await, ["tcp 22 <- 192.0.2.8/29"]);
+    assert_eq!(failsafe(&plane, &admin.token, db).await, ["tcp 22 <- 192.0.2.0/25"]);
+    let doc = plane
+        .write("PUT", path, &admin.token, None, &body(&["192.0.2.64/26"], &["tcp:22"]))
+        .await
+        .problem(400, ProblemType::Invalid);
+    assert!(doc["detail"].as_str().unwrap().contains(&web.to_string()), "{doc}");
+    let missing = format!("/api/v1/workloads/{}/management", WorkloadId::new_random());
+    plane
+        .write("PUT", &missing, &admin.token, None, &body(&["192.0.2.8/29"], &["tcp:22"]))
+        .await
+        .problem(404, ProblemType::NotFound);
+    let listed = plane.get(path, Some(&editor.token)).await.json();
+    assert_eq!(listed["estate"]["cidrs"], json!(["192.0.2.0/25"]), "{listed}");
+    assert_eq!(listed["workloads"][0]["workload_id"], json!(web.to_string()), "{listed}");
+    assert_eq!(listed["workloads"][0]["updated_by"], json!(actor), "{listed}");
+
+    // Reset (the database's holder only; the API has no route for it) widens and drops the
+    // narrowings, audited with what it replaced.
+    management::reset(&pool, "cli:root", &seeded).await.unwrap();
+    assert_eq!(failsafe(&plane, &admin.token, web).await, full);
+    let detail: Value = sqlx::query_scalar("SELECT detail FROM audit_log WHERE action = 'management.reset'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(detail["narrowings_dropped"], json!([web.to_string()]), "{detail}");
+    assert_eq!(detail["before"], json!("tcp:22 from 192.0.2.0/25"), "{detail}");
+    assert_eq!(audited(&pool, "management.seed").await, [("serve".to_owned(), "estate".to_owned())]);
+    plane.stop().await;
+}
+
 /// A path of the document with its parameters filled in.
 fn concrete(path: &str) -> String {
     path.replace("{id}", "00000000-0000-4000-8000-000000000001")
@@ -917,6 +1059,9 @@ const EXPECTED_ROUTES: &[(&str, &str, Option<&str>)] = &[
     ("GET", "/api/v1/estate-ranges", Some("viewer")),
     ("POST", "/api/v1/estate-ranges", Some("admin")),
     ("DELETE", "/api/v1/estate-ranges/{address}/{prefix}", Some("admin")),
+    ("GET", "/api/v1/management", Some("viewer")),
+    ("PUT", "/api/v1/management", Some("admin")),
+    ("PUT", "/api/v1/workloads/{id}/management", Some("admin")),
     ("GET", "/api/v1/audit", Some("viewer")),
     ("GET", "/api/v1/flows", Some("viewer")),
     ("GET", "/api/v1/flows/gaps", Some("viewer")),

@@ -40,6 +40,11 @@ struct Serve {
 
 impl Serve {
     async fn start() -> Serve {
+        Serve::start_with(&[]).await
+    }
+
+    /// [`Serve::start`] with `extra` flags for `serve`.
+    async fn start_with(extra: &[&str]) -> Serve {
         let db = fresh_database().await.unwrap();
         let dir = std::env::temp_dir().join(format!("iw-operators-{}", uuid::Uuid::new_v4()));
         let signer = FileCa::init(&dir.join("ca")).unwrap();
@@ -53,6 +58,7 @@ impl Serve {
             .args(["--listen", &format!("127.0.0.1:{agent_port}")])
             .args(["--api-listen", &format!("127.0.0.1:{api_port}")])
             .args(["--metrics-listen", &format!("127.0.0.1:{metrics_port}")])
+            .args(extra)
             .env("INNERWALL_LOG", "info")
             .stderr(Stdio::piped())
             .spawn()
@@ -631,4 +637,75 @@ async fn api_errors_say_what_to_do() {
         assert!(stdout.is_empty(), "{stdout}");
         assert!(stderr.contains(&format!("--token-file {file}")) && stderr.contains(why), "{stderr}");
     }
+}
+
+/// Management access from the command line: `serve --management-cidr` stores the estate's set,
+/// an admin narrows it through the API with the remote CLI and cannot widen it there, and only
+/// `management reset` on the database replaces it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn management_access_from_serve_and_the_cli() {
+    let serve =
+        Serve::start_with(&["--management-cidr", "192.0.2.0/24", "--management-service", "tcp:22"]).await;
+    let url = serve.db.url.clone();
+    let local = ["--json", "--database-url", url.as_str()];
+    let show = |args: &[&str]| -> Value {
+        serde_json::from_str(&ok(&[args, &["management", "show"]].concat())).unwrap()
+    };
+    assert_eq!(show(&local)["estate"]["cidrs"], json!(["192.0.2.0/24"]));
+    assert_eq!(show(&local)["estate"]["updated_by"], json!("serve"));
+
+    let admin: Value = serde_json::from_str(&ok(&[
+        "--json",
+        "--database-url",
+        &url,
+        "operator",
+        "token",
+        "mint",
+        "--name",
+        "ada.admin",
+        "--role",
+        "admin",
+    ]))
+    .unwrap();
+    let token = admin["token"].as_str().unwrap();
+    let api = format!("https://localhost:{}", serve.api_port);
+    let ca = serve.ca.to_str().unwrap();
+    let remote = |args: &[&str]| {
+        innerwall_with(
+            &[&["--json", "--api", &api, "--api-ca", ca], args].concat(),
+            Stdio::piped(),
+            &[("INNERWALL_API_TOKEN", token)],
+        )
+    };
+    let (code, _, stderr) = remote(&["management", "narrow", "--cidr", "192.0.2.0/25"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let (code, out, stderr) = remote(&["management", "show"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let listed: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(listed["estate"]["cidrs"], json!(["192.0.2.0/25"]), "{listed}");
+    assert_eq!(listed["estate"]["services"], json!(["tcp:22"]), "{listed}");
+
+    // Wider through the API: refused, naming what falls outside. Reset: not through the API.
+    let (code, _, stderr) = remote(&["management", "narrow", "--cidr", "192.0.2.0/24"]);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("can only be narrowed") && stderr.contains("192.0.2.0/24"), "{stderr}");
+    let (code, _, stderr) = remote(&["management", "reset", "--cidr", "192.0.2.0/24"]);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("`innerwall management reset` administers this host"), "{stderr}");
+    assert_eq!(show(&local)["estate"]["cidrs"], json!(["192.0.2.0/25"]));
+
+    // On the database, reset replaces it, wider or not.
+    ok(&[
+        "--database-url",
+        &url,
+        "management",
+        "reset",
+        "--cidr",
+        "198.51.100.0/24",
+        "--service",
+        "tcp:2222",
+    ]);
+    let listed = show(&local);
+    assert_eq!(listed["estate"]["cidrs"], json!(["198.51.100.0/24"]), "{listed}");
+    assert_eq!(listed["estate"]["services"], json!(["tcp:2222"]), "{listed}");
 }

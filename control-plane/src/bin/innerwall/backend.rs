@@ -21,7 +21,8 @@ use innerwall_control_plane::gate::{self, Promotion, Verdict};
 use innerwall_control_plane::identity::tokens::{self, TokenView};
 use innerwall_control_plane::operations;
 use innerwall_control_plane::policy::authoring::{self, LabelsReplaced, ResendRequested};
-use innerwall_control_plane::policy::model::Selector;
+use innerwall_control_plane::policy::management::{self, ManagementListing, Scope};
+use innerwall_control_plane::policy::model::{Management, Selector};
 use innerwall_control_plane::policy::spec::RulesetSpec;
 use innerwall_control_plane::policy::store::{
     self, EstateRangeView, PolicyView, RulesetView, SyncStatusView, WorkloadRow, WorkloadView,
@@ -49,6 +50,7 @@ fn workload(id: WorkloadId) -> String {
 const RULESETS: &str = "/api/v1/rulesets";
 const TEST_SETS: &str = "/api/v1/policy-test-sets";
 const ESTATE_RANGES: &str = "/api/v1/estate-ranges";
+const MANAGEMENT: &str = "/api/v1/management";
 const DRAFTS: &str = "/api/v1/drafts";
 const SUGGESTIONS: &str = "/api/v1/suggestions";
 const TOKENS: &str = "/api/v1/provisioning-tokens";
@@ -99,6 +101,12 @@ pub trait Backend {
     async fn add_estate_range(&self, range: Cidr, description: &str) -> anyhow::Result<Outcome<()>>;
     async fn remove_estate_range(&self, range: Cidr) -> anyhow::Result<Outcome<()>>;
     async fn estate_ranges(&self) -> anyhow::Result<Vec<EstateRangeView>>;
+
+    // ---- management access ----
+    async fn management(&self) -> anyhow::Result<ManagementListing>;
+    async fn narrow_management(&self, scope: Scope, set: &Management) -> anyhow::Result<Outcome<()>>;
+    /// Only on this host's database: the API does not offer it.
+    async fn reset_management(&self, set: &Management) -> anyhow::Result<Outcome<()>>;
 
     // ---- workloads ----
     /// Every workload, retired and deny-listed ones too, in attention order.
@@ -246,6 +254,17 @@ impl Backend for Ctx {
     async fn estate_ranges(&self) -> anyhow::Result<Vec<EstateRangeView>> {
         let mut conn = self.pool.acquire().await?;
         pages::local(self.page_size, None, async |r| store::estate_range_page(&mut conn, r).await).await
+    }
+
+    async fn management(&self) -> anyhow::Result<ManagementListing> {
+        let mut conn = self.pool.acquire().await?;
+        Ok(management::list(&mut conn).await?)
+    }
+    async fn narrow_management(&self, scope: Scope, set: &Management) -> anyhow::Result<Outcome<()>> {
+        Ok(management::narrow(&self.pool, &self.actor, scope, set).await?.into())
+    }
+    async fn reset_management(&self, set: &Management) -> anyhow::Result<Outcome<()>> {
+        Ok(management::reset(&self.pool, &self.actor, set).await?.into())
     }
 
     async fn workloads(&self) -> anyhow::Result<Vec<WorkloadRow>> {
@@ -489,6 +508,25 @@ impl Backend for ApiClient {
     }
     async fn estate_ranges(&self) -> anyhow::Result<Vec<EstateRangeView>> {
         pages::remote(self, ESTATE_RANGES, None).await
+    }
+
+    async fn management(&self) -> anyhow::Result<ManagementListing> {
+        self.get(MANAGEMENT).await
+    }
+    async fn narrow_management(&self, scope: Scope, set: &Management) -> anyhow::Result<Outcome<()>> {
+        let path = match scope {
+            Scope::Estate => MANAGEMENT.to_owned(),
+            Scope::Workload(id) => format!("{}/management", workload(id)),
+        };
+        let cidrs: Vec<String> = set.cidrs().iter().map(ToString::to_string).collect();
+        let services: Vec<String> = set.services().iter().map(ToString::to_string).collect();
+        let body = serde_json::json!({"cidrs": cidrs, "services": services});
+        self.write("PUT", &path, None, Some(&body)).await
+    }
+    async fn reset_management(&self, _: &Management) -> anyhow::Result<Outcome<()>> {
+        bail!(
+            "`innerwall management reset` replaces the estate's management access on the database only; run it on the control-plane host without --api"
+        )
     }
 
     async fn workloads(&self) -> anyhow::Result<Vec<WorkloadRow>> {

@@ -33,6 +33,7 @@ mod estate;
 mod file;
 mod flows;
 mod logs;
+mod management;
 mod operators;
 mod output;
 mod pages;
@@ -206,6 +207,9 @@ enum Command {
     /// The estate's workload address ranges: only addresses in them are rendered as peers.
     #[command(subcommand, name = "estate-range")]
     EstateRange(estate::EstateRangeCmd),
+    /// Management access every workload keeps whatever its policy says (the failsafe rule).
+    #[command(subcommand)]
+    Management(management::ManagementCmd),
     /// Enrolled hosts: labels, mode, rendered policy.
     #[command(subcommand)]
     Workload(workloads::WorkloadCmd),
@@ -406,6 +410,7 @@ async fn remote(api: &str, cli: &Cli) -> anyhow::Result<()> {
         Command::Serve(_) => Some("serve"),
         Command::Ca(_) => Some("ca"),
         Command::Operator(_) => Some("operator"),
+        Command::Management(management::ManagementCmd::Reset { .. }) => Some("management reset"),
         _ => None,
     };
     if let Some(name) = host_only {
@@ -436,6 +441,7 @@ async fn operate(
         Command::Draft(cmd) => drafts::run(b, json, cmd).await,
         Command::Suggest(cmd) => suggest::run(b, json, cmd).await,
         Command::EstateRange(cmd) => estate::run(b, json, cmd).await,
+        Command::Management(cmd) => management::run(b, json, cmd).await,
         Command::Workload(cmd) => workloads::run(b, json, cmd).await,
         Command::Flows(cmd) => flows::run(b, json, cmd).await,
         Command::Promotions(cmd) => promotions::run(b, json, cmd).await,

@@ -10,11 +10,14 @@ use innerwall_control_plane::admission::Limits;
 use innerwall_control_plane::api::{self, ApiLimits};
 use innerwall_control_plane::counts::CountBounds;
 use innerwall_control_plane::identity::ca::{self, FileCa};
+use innerwall_control_plane::policy::management::{self, Seeded};
+use innerwall_control_plane::policy::model::{Management, ServiceEntry};
 use innerwall_control_plane::postgres::{PoolConfig, PoolsConfig};
 use innerwall_control_plane::rate::AgentBounds;
 use innerwall_control_plane::sync::gateway;
 use innerwall_control_plane::{flows, service};
 use innerwall_wire::config::Setting;
+use innerwall_wire::policy::Cidr;
 
 use crate::ctx::Database;
 use crate::duration;
@@ -51,6 +54,15 @@ pub struct ServeArgs {
     /// How far ahead of this replica's clock a flow window's times may be (agents' clock skew).
     #[arg(long, default_value = "5m", value_parser = duration::arg)]
     flow_max_ahead: std::time::Duration,
+    /// Management sources every workload admits whatever its policy says, as the failsafe rule
+    /// `failsafe:management` (repeatable, e.g. 192.0.2.0/24). Stored as the estate's set when
+    /// none is; after that the set only narrows (`innerwall management narrow`) or is replaced
+    /// on the database (`innerwall management reset`), and a different value here is reported.
+    #[arg(long = "management-cidr", value_parser = crate::estate::parse_cidr)]
+    management_cidr: Vec<Cidr>,
+    /// The services management sources reach (repeatable service entries, e.g. tcp:22 udp:161).
+    #[arg(long = "management-service", default_value = "tcp:22", value_parser = parse_entry)]
+    management_service: Vec<ServiceEntry>,
     #[command(flatten)]
     retention: RetentionArgs,
     #[command(flatten)]
@@ -134,6 +146,7 @@ impl ServeArgs {
         chrono::Duration::from_std(self.flow_max_ahead).context("--flow-max-ahead is too large")?;
         self.retention.retention(flows)?;
         self.api.config(&[], self.server_cert_lifetime)?;
+        self.management()?;
         Ok(())
     }
 
@@ -358,6 +371,59 @@ impl ApiArgs {
     }
 }
 
+impl ServeArgs {
+    /// The management access the flags name, if they name any source.
+    fn management(&self) -> anyhow::Result<Option<Management>> {
+        if self.management_cidr.is_empty() {
+            return Ok(None);
+        }
+        let set =
+            Management::new(self.management_cidr.iter().copied(), self.management_service.iter().cloned())
+                .context("--management-cidr and --management-service")?;
+        Ok(Some(set))
+    }
+}
+
+fn parse_entry(text: &str) -> Result<ServiceEntry, String> {
+    ServiceEntry::parse(text).map_err(|e| e.to_string())
+}
+
+/// Stores the flags' management access as the estate's when none is stored; what to say about
+/// the estate's management access once the replica is listening (a warning, or not).
+async fn seed_management(args: &ServeArgs, pool: &sqlx::PgPool) -> anyhow::Result<(bool, String)> {
+    let Some(set) = args.management()? else {
+        let mut conn = pool.acquire().await?;
+        return Ok(match management::list(&mut conn).await?.estate {
+            None => (
+                true,
+                "no management access is set: an enforced host admits only what its policy does (and \
+                 loopback, its own connections, neighbour discovery); give --management-cidr"
+                    .to_owned(),
+            ),
+            Some(view) => (
+                false,
+                format!(
+                    "management access of the estate: {} from {}",
+                    view.services.join(" "),
+                    view.cidrs.join(" ")
+                ),
+            ),
+        });
+    };
+    Ok(match management::seed(pool, "serve", &set).await? {
+        Seeded::Stored => (false, format!("management access of the estate set to {set}")),
+        Seeded::Same => (false, format!("management access of the estate: {set}")),
+        Seeded::Differs(stored) => (
+            true,
+            format!(
+                "--management-cidr and --management-service say {set}, but the estate's stored \
+                 management access is {stored}, and it stays: narrow it with `innerwall management \
+                 narrow`, replace it with `innerwall management reset` on the database"
+            ),
+        ),
+    })
+}
+
 /// A retention in whole days, at least one.
 pub fn days(d: std::time::Duration, flag: &str) -> anyhow::Result<chrono::Duration> {
     let days = d.as_secs() / 86_400;
@@ -394,6 +460,7 @@ pub async fn run(
     let signer: Arc<dyn ca::Signer> =
         Arc::new(FileCa::load(ca_dir).context("while loading the CA (create it with `innerwall ca init`)")?);
     let (pools, supervisor) = database.connect_pools(&args.pools()).await?;
+    let (warn, management) = seed_management(args, &pools.authoring).await?;
     // On the embedded cluster, a postmaster that dies is restarted (and logged) while we run.
     let mut tasks = innerwall_wire::tasks::Tasks::default();
     if let Some(supervisor) = supervisor {
@@ -440,6 +507,11 @@ pub async fn run(
         running.local_addr,
         running.server_names.join(", ")
     );
+    if warn {
+        tracing::warn!(target: crate::logs::NOTICE, "innerwall: {management}");
+    } else {
+        tracing::info!(target: crate::logs::NOTICE, "innerwall: {management}");
+    }
     if let Some(addr) = running.metrics_addr {
         tracing::info!(target: crate::logs::NOTICE, "innerwall: metrics at http://{addr}/metrics (unauthenticated)");
     }
