@@ -13,6 +13,13 @@
 -- the statement that writes the rollups, whichever release's roll-up job runs it (the previous
 -- release keeps rolling up while this one migrates); the job deletes the rows whose hour is older
 -- than every rollup left (their partitions expired). Not partitioned: a key's row moves forward.
+-- The tables this migration changes, locked first and in the order the roll-up job writes them
+-- (windows, then rollups): a previous release's job running while this migrates then finishes
+-- before it, or waits for it, instead of deadlocking with it (the trigger below locks the
+-- rollups, the index swap the windows).
+LOCK TABLE flow_windows IN ACCESS EXCLUSIVE MODE;
+LOCK TABLE flow_rollups IN SHARE ROW EXCLUSIVE MODE;
+
 CREATE TABLE flow_key_lasts (
     workload_id     uuid NOT NULL,
     src_address     inet NOT NULL,

@@ -267,6 +267,7 @@ pub struct Metrics {
     streams_open: Gauge,
     acks: Labeled<AckStatus, Counter>,
     recovery_snapshots: Counter,
+    auto_demotions: Counter,
     push_sent: Histogram,
     push_applied: Histogram,
     windows_stored: Counter,
@@ -303,6 +304,7 @@ impl Metrics {
             streams_open: Gauge::default(),
             acks: Labeled::new(Counter::default),
             recovery_snapshots: Counter::default(),
+            auto_demotions: Counter::default(),
             push_sent: latency(),
             push_applied: latency(),
             windows_stored: Counter::default(),
@@ -352,6 +354,11 @@ impl Metrics {
             "recovery_snapshots",
             "Recovery snapshots sent after an agent failed to apply an update",
             m.recovery_snapshots.clone(),
+        );
+        r.register(
+            "auto_demotions",
+            "Workloads the auto-demotion guard moved back to simulation (blocked flows their evidence showed allowed)",
+            m.auto_demotions.clone(),
         );
         r.register("flow_windows_ingested", "Flow windows stored", m.windows_stored.clone());
         r.register("flow_records_ingested", "Flow records stored", m.records_stored.clone());
@@ -417,6 +424,10 @@ impl Metrics {
 
     pub fn recovery_snapshot(&self) {
         self.recovery_snapshots.inc();
+    }
+
+    pub fn auto_demoted(&self) {
+        self.auto_demotions.inc();
     }
 
     /// A delta to a version committed at `committed` was sent at `now`.
@@ -696,6 +707,7 @@ mod tests {
                 "innerwall_push_applied_latency_seconds histogram",
                 "innerwall_acks_total counter",
                 "innerwall_recovery_snapshots_total counter",
+                "innerwall_auto_demotions_total counter",
                 "innerwall_flow_windows_ingested_total counter",
                 "innerwall_flow_records_ingested_total counter",
                 "innerwall_flow_gaps_ingested_total counter",

@@ -54,6 +54,7 @@ pub struct Removed {
     pub workloads: u64,
     pub policy_history: u64,
     pub policy_contents: u64,
+    pub policy_sources: u64,
     pub label_history: u64,
     pub audit: u64,
     pub provisioning_tokens: u64,
@@ -65,6 +66,7 @@ impl Removed {
         self.workloads
             + self.policy_history
             + self.policy_contents
+            + self.policy_sources
             + self.label_history
             + self.audit
             + self.provisioning_tokens
@@ -132,6 +134,16 @@ const POLICY_CONTENTS: &str = "WITH doomed AS (
          LIMIT $1
      )
      DELETE FROM policy_contents c USING doomed d WHERE c.digest = d.digest";
+
+/// Authored sources no history row or rollback pin refers to (the foreign keys refuse deleting
+/// a referenced one).
+const POLICY_SOURCES: &str = "WITH doomed AS (
+         SELECT s.digest FROM policy_sources s
+         WHERE NOT EXISTS (SELECT 1 FROM workload_policy_history h WHERE h.source_digest = s.digest)
+           AND NOT EXISTS (SELECT 1 FROM workloads w WHERE w.pinned_source = s.digest)
+         LIMIT $1
+     )
+     DELETE FROM policy_sources s USING doomed d WHERE s.digest = d.digest";
 
 const LABEL_HISTORY: &str = "WITH doomed AS (
          SELECT workload_id, label_version FROM workload_label_history
@@ -241,6 +253,7 @@ async fn delete_expired(pool: &PgPool, retention: &Retention, now: DateTime<Utc>
         provisioning_tokens: drain(pool, PROVISIONING_TOKENS, at(retention.tokens), batch, false).await?,
         operator_tokens: drain(pool, OPERATOR_TOKENS, at(retention.tokens), batch, false).await?,
         policy_contents: drain(pool, POLICY_CONTENTS, None, batch, true).await?,
+        policy_sources: drain(pool, POLICY_SOURCES, None, batch, true).await?,
     };
     Ok(removed)
 }

@@ -30,7 +30,7 @@ pub(crate) fn now_ms() -> i64 {
 }
 
 /// `app=db` accepts tcp/5432 from workloads labelled `app=<from>` (ruleset `db-from-<from>`).
-async fn allow_db_from(plane: &Plane, from: &str) {
+pub(crate) async fn allow_db_from(plane: &Plane, from: &str) {
     let name = format!("db-from-{from}");
     testing::admit(plane.pool(), &name, ("app", "db"), ("app", from), "tcp:5432").await.unwrap();
 }
@@ -89,6 +89,13 @@ impl Host {
     }
 }
 
+impl Host {
+    /// The policy the agent installed.
+    pub(crate) fn enforcer_current(&self) -> innerwall_wire::policy::WorkloadPolicy {
+        self.shared.enforcer.current().expect("an installed policy")
+    }
+}
+
 impl Drop for Host {
     fn drop(&mut self) {
         self.task.abort();
@@ -116,6 +123,7 @@ pub(crate) async fn set_mode(plane: &Plane, scope: Scope, count: usize, to: Mode
         params: Params { from_ms: 0, to_ms: 0, min_duration_ms: 0, top_peers: 5 },
         reason: format!("test: to {to}"),
         override_reason: None,
+        guard: None,
     };
     gate::promote(plane.pool(), "test", &request).await.unwrap()
 }
@@ -172,6 +180,7 @@ async fn verdict_scenario_unsafe_then_safe() {
         params: params(base, base + 10 * SECOND),
         reason: "go".into(),
         override_reason: None,
+        guard: None,
     };
     let refused = gate::promote(plane.pool(), "test", &request).await.unwrap_err();
     assert!(matches!(refused, Error::EvidenceInsufficient { outcome: "UNSAFE", .. }), "{refused}");
@@ -254,6 +263,7 @@ async fn promotion_count_mismatch_changes_nothing() {
         params: Params { from_ms: 0, to_ms: 0, min_duration_ms: 0, top_peers: 5 },
         reason: "roll back".into(),
         override_reason: None,
+        guard: None,
     };
     let err = gate::promote(plane.pool(), "test", &to_visibility(3)).await.unwrap_err();
     assert!(matches!(err, Error::CountMismatch { expected: 3, matched: 2, .. }), "{err}");

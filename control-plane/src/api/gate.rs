@@ -17,10 +17,12 @@ use utoipa::{IntoParams, ToSchema};
 use super::auth::Caller;
 use super::extract::{JsonBody, Path, Query};
 use super::problem::{ApiError, Problem};
-use super::{ApiState, PageQuery, page_request};
+use super::{ApiState, Changed, Nothing, PageQuery, page_request};
 use crate::error::Error;
+use crate::gate::guard::Guard;
 use crate::gate::{self, Params, Scope, promote as promotions};
 use crate::page::Page;
+use crate::policy::rollback::{self, RolledBack, Target};
 
 /// The evidence range and minimum when a request names none.
 const DEFAULT_EVIDENCE: &str = "24h";
@@ -147,6 +149,9 @@ pub struct PromotionRequest {
     pub evidence_since: Option<String>,
     /// A shorter range is never enough evidence (default 24h).
     pub min_evidence: Option<String>,
+    /// A move to enforcement's auto-demotion guard (default: 30 minutes, 5 connections, seen
+    /// sources only; `minutes: 0` for none).
+    pub guard: Option<Guard>,
 }
 
 #[utoipa::path(post, path = "/api/v1/promotions", tag = "gate", request_body = PromotionRequest,
@@ -170,7 +175,54 @@ pub async fn promote(
         params: params(body.evidence_since.as_deref(), body.min_evidence.as_deref())?,
         reason: body.reason,
         override_reason: body.override_reason,
+        guard: body.guard,
     };
     let promotion = gate::promote(&state.pool, &caller.actor(), &request).await?;
     Ok((StatusCode::CREATED, Json(promotion)).into_response())
+}
+
+/// A rollback of exactly the set a scope names, if it names as many as expected.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RollbackRequest {
+    /// A selector (`app=web,env=prod|staging`) …
+    pub scope: Option<String>,
+    /// … or workload ids.
+    #[serde(default)]
+    pub ids: Vec<String>,
+    /// How many workloads the scope must name now; any other number changes nothing (409).
+    pub expect_count: usize,
+    /// The version whose source to render again; absent: each workload's newest earlier version
+    /// a promotion's verdict judged SAFE.
+    pub to_version: Option<u64>,
+}
+
+/// Rolls workloads back to an earlier version's authored source, rendered again as a new
+/// version; they stay pinned to it until unpinned.
+#[utoipa::path(post, path = "/api/v1/rollbacks", tag = "gate", request_body = RollbackRequest,
+    responses((status = 200, description = "Rolled back; `changed` names the new versions", body = Changed<Vec<RolledBack>>),
+        (status = 409, description = "match-count-mismatch (`expected`, `matched`, `names`); nothing was changed",
+            body = Problem, content_type = "application/problem+json")))]
+pub async fn rollback(
+    State(state): State<ApiState>,
+    caller: Caller,
+    JsonBody(body): JsonBody<RollbackRequest>,
+) -> Result<Json<Changed<Vec<RolledBack>>>, ApiError> {
+    let scope = scope(body.scope.as_deref(), &body.ids)?;
+    let target = body.to_version.map_or(Target::LastClean, Target::Version);
+    let done = rollback::rollback(&state.pool, &caller.actor(), &scope, body.expect_count, target).await?;
+    Ok(Json(done.into()))
+}
+
+/// After a rollback: the workload renders from the rulesets again.
+#[utoipa::path(post, path = "/api/v1/workloads/{id}/unpin", tag = "gate",
+    params(("id" = String, Path, description = "The workload id")),
+    responses((status = 200, description = "Unpinned; `changed` names the new version", body = Changed<Nothing>)))]
+pub async fn unpin(
+    State(state): State<ApiState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<Json<Changed<Nothing>>, ApiError> {
+    let id = super::workloads::workload(&id)?;
+    Ok(Json(rollback::unpin(&state.pool, &caller.actor(), id).await?.into()))
 }

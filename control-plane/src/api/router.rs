@@ -74,6 +74,8 @@ pub fn build(state: ApiState) -> (Router, Vec<Route>) {
         .mount("POST", "/api/v1/workloads/{id}/resend-snapshot", Some(Editor), workloads::resend_snapshot)
         .mount("POST", "/api/v1/workloads/{id}/retire", Some(Admin), workloads::retire)
         .mount("POST", "/api/v1/workloads/{id}/deny", Some(Admin), workloads::deny)
+        .mount("POST", "/api/v1/workloads/{id}/unpin", Some(Promoter), gate::unpin)
+        .mount("POST", "/api/v1/rollbacks", Some(Promoter), gate::rollback)
         .mount("POST", "/api/v1/workloads/{id}/release-address", Some(Editor), workloads::release_address)
         .mount("GET", "/api/v1/sync-status", Some(Viewer), workloads::sync_statuses)
         .mount("GET", "/api/v1/sync-status/{id}", Some(Viewer), workloads::sync_status)

@@ -475,6 +475,17 @@ impl proto::telemetry_service_server::TelemetryService for Telemetry {
             }
             Ok(done) => {
                 self.metrics.window_stored(done.records, window.gaps.len(), started.elapsed());
+                // Blocked flows of a workload under an auto-demotion guard: judged before the
+                // answer, so the agent's next upload finds the guard's decision made.
+                if window.records.iter().any(|r| r.decision == Decision::Blocked) {
+                    match crate::gate::guard::judge(&self.pool, workload).await {
+                        Ok(Some(_)) => self.metrics.auto_demoted(),
+                        Ok(None) => {}
+                        Err(e) => {
+                            tracing::warn!(%workload, "the auto-demotion guard could not judge a window: {e}")
+                        }
+                    }
+                }
                 done
             }
             Err(e) => {

@@ -499,6 +499,7 @@ impl Change {
                     reason: reason.clone(),
                     // A preview notes a verdict that is not SAFE instead of refusing on it.
                     override_reason: (judged == Judged::Noted).then(|| "draft preview".to_owned()),
+                    guard: None,
                 };
                 return promote::flip(conn, actor, &request).await.map(Some);
             }

@@ -33,6 +33,8 @@ pub struct Request {
     pub reason: String,
     /// Enforce without a SAFE verdict, for this reason (audited on the record).
     pub override_reason: Option<String>,
+    /// A move to enforcement's auto-demotion guard; absent: the default (`Guard::default`).
+    pub guard: Option<crate::gate::guard::Guard>,
 }
 
 /// A stored promotion record.
@@ -113,6 +115,9 @@ pub(crate) async fn flip(tx: &mut PgConnection, actor: &str, request: &Request) 
     if let Some(text) = &request.override_reason {
         check_text("override reason", text, true)?;
     }
+    if let Some(guard) = &request.guard {
+        guard.check()?;
+    }
     let members = evidence::resolve(&mut *tx, &request.scope).await?;
     if members.len() != request.expect_count {
         return Err(Error::CountMismatch {
@@ -156,6 +161,7 @@ pub(crate) async fn flip(tx: &mut PgConnection, actor: &str, request: &Request) 
     .bind(&verdict)
     .fetch_one(&mut *tx)
     .await?;
+    crate::gate::guard::arm(&mut *tx, promotion_id, at, &members, request).await?;
     Ok(Promotion {
         id: promotion_id,
         at,

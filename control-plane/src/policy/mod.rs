@@ -9,5 +9,7 @@ pub mod management;
 pub mod model;
 pub mod publish;
 pub mod render;
+pub mod rollback;
+pub mod source;
 pub mod spec;
 pub mod store;

@@ -197,6 +197,16 @@ pub struct AuthoredModel {
     pub management: Option<Management>,
     /// Workloads whose management access was narrowed from the estate's.
     pub management_of: BTreeMap<WorkloadId, Management>,
+    /// Workloads pinned to an earlier version's authored source by a rollback: rendered from it
+    /// (against the registry as it is), not from the rulesets above, until unpinned.
+    pub pinned: BTreeMap<WorkloadId, Pin>,
+}
+
+/// A rollback's pin: the stored source (by its digest) and the model it renders.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pin {
+    pub digest: Vec<u8>,
+    pub model: AuthoredModel,
 }
 
 impl AuthoredModel {

@@ -16,8 +16,9 @@ use crate::copy;
 use crate::error::Error;
 use crate::notice::{self, Notice};
 use crate::policy::addresses::{self, Standing};
-use crate::policy::model::{AuthoredModel, RegisteredWorkload};
-use crate::policy::render::{Bound, Oversize, Rendered, oversize, render};
+use crate::policy::model::{AuthoredModel, RegisteredWorkload, Ruleset};
+use crate::policy::render::{Bound, Origin, Oversize, Rendered, oversize, render};
+use crate::policy::source::Source;
 use crate::policy::store;
 
 /// Key of the transaction-scoped advisory lock every render takes (ASCII "iw-rendr").
@@ -142,6 +143,7 @@ async fn render_and_persist(conn: &mut PgConnection, overflow: Overflow) -> Resu
     let mut changed = Vec::new();
     if !next.is_empty() {
         persist(conn, &next, &contents).await?;
+        persist_sources(conn, &model, &rendered, &next).await?;
         let notices: Vec<Notice> = next.iter().map(|n| Notice::Policy(n.workload, n.version)).collect();
         notice::publish(conn, &notices).await?;
         changed = next.iter().map(|n| Changed { workload: n.workload, version: n.version }).collect();
@@ -354,6 +356,63 @@ async fn persist(conn: &mut PgConnection, next: &[Next], contents: &[store::Cont
          SELECT workload_id, version, digest, rendered_at FROM workload_policies WHERE workload_id = ANY($1)",
     )
     .bind(&ids)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// Stores the authored source of each new version (`policy::source`, by content) and names it
+/// on the version's history row: a pinned workload's is its pin's.
+async fn persist_sources(
+    conn: &mut PgConnection,
+    model: &AuthoredModel,
+    rendered: &Rendered,
+    next: &[Next],
+) -> Result<(), Error> {
+    let mut digests: BTreeMap<usize, Vec<u8>> = BTreeMap::new();
+    let mut new: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
+    for n in next {
+        if digests.contains_key(&n.content) {
+            continue;
+        }
+        let digest = match rendered.origin(n.content) {
+            Origin::Pinned(w) => {
+                model.pinned.get(w).map(|p| p.digest.clone()).ok_or_else(|| Error::Corrupt {
+                    what: "rollback pin",
+                    detail: format!("workload {w} rendered from a pin it does not have"),
+                })?
+            }
+            Origin::Rulesets(at) => {
+                let rulesets: Vec<&Ruleset> = at.iter().map(|&i| &model.rulesets[i]).collect();
+                let (bytes, digest) = Source::of(model, &rulesets).encode();
+                new.insert(digest.clone(), bytes);
+                digest
+            }
+        };
+        digests.insert(n.content, digest);
+    }
+    let (keys, values): (Vec<Vec<u8>>, Vec<Vec<u8>>) = new.into_iter().unzip();
+    let values: Vec<String> =
+        values.into_iter().map(|v| String::from_utf8(v).expect("JSON is UTF-8")).collect();
+    sqlx::query(
+        "INSERT INTO policy_sources (digest, source)
+         SELECT d, s::jsonb FROM unnest($1::bytea[], $2::text[]) AS t (d, s) ON CONFLICT (digest) DO NOTHING",
+    )
+    .bind(&keys)
+    .bind(&values)
+    .execute(&mut *conn)
+    .await?;
+    let ids: Vec<Uuid> = next.iter().map(|n| n.workload.uuid()).collect();
+    let versions: Vec<i64> = next.iter().map(|n| n.version as i64).collect();
+    let sources: Vec<&[u8]> = next.iter().map(|n| digests[&n.content].as_slice()).collect();
+    sqlx::query(
+        "UPDATE workload_policy_history h SET source_digest = t.s
+         FROM unnest($1::uuid[], $2::bigint[], $3::bytea[]) AS t (w, v, s)
+         WHERE h.workload_id = t.w AND h.version = t.v",
+    )
+    .bind(&ids)
+    .bind(&versions)
+    .bind(&sources)
     .execute(&mut *conn)
     .await?;
     Ok(())

@@ -75,8 +75,18 @@ impl<'a> LabelIndex<'a> {
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Rendered {
     policies: Vec<WorkloadPolicy>,
+    /// Where each of `policies` came from.
+    origins: Vec<Origin>,
     /// Each workload's policy: an index into `policies`.
     of: BTreeMap<WorkloadId, usize>,
+}
+
+/// What a rendered policy was rendered from: the rulesets that selected its workloads (indices
+/// into the model's `rulesets`, in render order), or one workload's rollback pin.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Origin {
+    Rulesets(Vec<usize>),
+    Pinned(WorkloadId),
 }
 
 impl Rendered {
@@ -93,6 +103,11 @@ impl Rendered {
     /// Each workload with its policy, in id order.
     pub fn iter(&self) -> impl Iterator<Item = (WorkloadId, &WorkloadPolicy)> + '_ {
         self.of.iter().map(|(id, &i)| (*id, &self.policies[i]))
+    }
+
+    /// Where the policy at `index` of [`Rendered::policies`] came from.
+    pub fn origin(&self, index: usize) -> &Origin {
+        &self.origins[index]
     }
 
     pub fn get(&self, id: &WorkloadId) -> Option<&WorkloadPolicy> {
@@ -164,9 +179,10 @@ pub fn oversize(policy: &WorkloadPolicy, bytes: usize, bound: Bound) -> Option<O
 pub fn render(model: &AuthoredModel, workloads: &[RegisteredWorkload]) -> Result<Rendered, RenderError> {
     let index = LabelIndex::new(workloads);
     // Each enabled ruleset that selects anyone, resolved once; each workload's list of them.
-    let mut resolved: Vec<Vec<ResolvedRule>> = Vec::new();
+    // Resolved rules and the model index of each ruleset resolved.
+    let mut resolved: Vec<(Vec<ResolvedRule>, usize)> = Vec::new();
     let mut selected_by: Vec<Vec<usize>> = vec![Vec::new(); workloads.len()];
-    for ruleset in model.rulesets.iter().filter(|rs| rs.enabled) {
+    for (at, ruleset) in model.rulesets.iter().enumerate().filter(|(_, rs)| rs.enabled) {
         let scope = index.select(&ruleset.scope);
         if scope.is_empty() {
             continue;
@@ -178,27 +194,53 @@ pub fn render(model: &AuthoredModel, workloads: &[RegisteredWorkload]) -> Result
         for &i in &scope {
             selected_by[i].push(resolved.len());
         }
-        resolved.push(rules);
+        resolved.push((rules, at));
     }
     let mut shared: BTreeMap<(&[usize], Mode, Option<&Management>), usize> = BTreeMap::new();
     let mut out = Rendered::default();
     for (w, rulesets) in workloads.iter().zip(&selected_by) {
         let management = model.management_for(&w.id);
+        if let Some(pin) = model.pinned.get(&w.id) {
+            // Its pinned source, every ruleset of it applied, peers resolved as they are now.
+            let mut rules = Vec::new();
+            for rule in pin.model.rulesets.iter().flat_map(|rs| &rs.rules) {
+                rules.extend(resolve_rule(&pin.model, workloads, &index, rule)?);
+            }
+            out.push(w, management, rules, Origin::Pinned(w.id))?;
+            continue;
+        }
         let i = match shared.entry((rulesets.as_slice(), w.mode, management)) {
             Entry::Occupied(e) => *e.get(),
             Entry::Vacant(e) => {
-                let failsafe = management.map(failsafe_rules).transpose()?.unwrap_or_default();
-                let rules =
-                    failsafe.into_iter().chain(rulesets.iter().flat_map(|&r| resolved[r].iter().cloned()));
-                let policy = WorkloadPolicy::new(0, w.mode, rules)
-                    .map_err(|source| RenderError::Policy { rule: Uuid::nil(), source })?;
-                out.policies.push(policy);
-                *e.insert(out.policies.len() - 1)
+                let rules = rulesets.iter().flat_map(|&r| resolved[r].0.iter().cloned()).collect();
+                let origin = Origin::Rulesets(rulesets.iter().map(|&r| resolved[r].1).collect());
+                *e.insert(out.push(w, management, rules, origin)?)
             }
         };
         out.of.insert(w.id, i);
     }
     Ok(out)
+}
+
+impl Rendered {
+    /// Adds the policy of `rules` and `management` in `w`'s mode, as `w`'s; its index (others
+    /// may share it).
+    fn push(
+        &mut self,
+        w: &RegisteredWorkload,
+        management: Option<&Management>,
+        rules: Vec<ResolvedRule>,
+        origin: Origin,
+    ) -> Result<usize, RenderError> {
+        let failsafe = management.map(failsafe_rules).transpose()?.unwrap_or_default();
+        let policy = WorkloadPolicy::new(0, w.mode, failsafe.into_iter().chain(rules))
+            .map_err(|source| RenderError::Policy { rule: Uuid::nil(), source })?;
+        self.policies.push(policy);
+        self.origins.push(origin);
+        let i = self.policies.len() - 1;
+        self.of.insert(w.id, i);
+        Ok(i)
+    }
 }
 
 /// The failsafe rule of `management`: one resolved rule per protocol, `failsafe:management/<p>`.
@@ -513,6 +555,68 @@ mod tests {
         // Empty is refused: access can be narrowed, never removed.
         assert!(Management::new([], [ServiceEntry::parse("tcp:22").unwrap()]).is_err());
         assert!(Management::new([Cidr::parse("192.0.2.0/24").unwrap()], []).is_err());
+    }
+
+    #[test]
+    fn a_pinned_workload_renders_its_source_against_the_registry_as_it_is() {
+        use crate::policy::model::Pin;
+        use crate::policy::source::Source;
+        let peers = vec![Peer::AddressGroup(id(9)), Peer::Workloads(sel(&[("app", &["web"])]))];
+        let mut model = db_model(vec![rule(10, peers, &[1, 2])]);
+        model.management = Some(management(&["192.0.2.0/24"], &["tcp:22"]));
+        let before = render(&model, &estate()).unwrap();
+        let Origin::Rulesets(at) = before.origin(before.shares().find(|(w, _)| *w == wid(1)).unwrap().1)
+        else {
+            panic!("rendered from rulesets")
+        };
+        let rulesets: Vec<&Ruleset> = at.iter().map(|&i| &model.rulesets[i]).collect();
+        let source = Source::of(&model, &rulesets);
+        let (bytes, digest) = source.encode();
+        let decoded: Source = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(decoded, source);
+        assert_eq!(decoded.encode().1, digest, "canonical: the same bytes again");
+
+        // Pinned, the rulesets change and do not reach it; the registry does.
+        model.pinned.insert(wid(1), Pin { digest, model: decoded.model().unwrap() });
+        model.rulesets[0].rules.clear();
+        let mut workloads = estate();
+        workloads[1].addresses.insert("10.0.0.9".parse().unwrap());
+        let after = render(&model, &workloads).unwrap();
+        let expected = render(
+            &db_model(vec![rule(
+                10,
+                vec![Peer::AddressGroup(id(9)), Peer::Workloads(sel(&[("app", &["web"])]))],
+                &[1, 2],
+            )]),
+            &workloads,
+        )
+        .unwrap();
+        let failsafe: Vec<_> = after
+            .get(&wid(1))
+            .unwrap()
+            .rules()
+            .filter(|r| r.id().authored() == FAILSAFE_RULE)
+            .cloned()
+            .collect();
+        assert_eq!(failsafe.len(), 1, "the current management access still applies");
+        let rules: Vec<_> = after
+            .get(&wid(1))
+            .unwrap()
+            .rules()
+            .filter(|r| r.id().authored() != FAILSAFE_RULE)
+            .cloned()
+            .collect();
+        assert!(rules.iter().eq(expected.get(&wid(1)).unwrap().rules()), "{rules:?}");
+        assert!(rules.iter().any(|r| r.peers().contains(&Cidr::parse("10.0.0.9/32").unwrap())));
+        assert!(matches!(
+            after.origin(after.shares().find(|(w, _)| *w == wid(1)).unwrap().1),
+            Origin::Pinned(_)
+        ));
+        assert_eq!(
+            after.get(&wid(2)).unwrap().rules().len(),
+            1,
+            "the others follow the rulesets: the failsafe only"
+        );
     }
 
     mod sharing_equals_one_by_one {

@@ -161,6 +161,7 @@ pub async fn load_model(conn: &mut PgConnection) -> Result<AuthoredModel, Error>
         });
     }
     crate::policy::management::load(conn, &mut model).await?;
+    crate::policy::rollback::load_pins(conn, &mut model).await?;
     Ok(model)
 }
 
@@ -812,6 +813,13 @@ pub struct WorkloadView {
     /// The ranges its enrolling token narrowed it to (empty: the estate ranges alone).
     pub address_ranges: Vec<String>,
     pub policy_version: Option<i64>,
+    /// Pinned by a rollback to the authored source of this version (`workload unpin` ends it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pinned_to_source_of: Option<i64>,
+    /// The demotion record of the auto-demotion guard that moved it back to simulation, while
+    /// no promotion since replaced that guard (`promotions show` has the flows).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auto_demoted_by: Option<Uuid>,
     pub retired: bool,
     /// `PENDING`, `SYNCED`, `DEGRADED`, `OFFLINE` or `SUSPENDED`, judged when read: a workload
     /// silent longer than its stream tolerates is OFFLINE whatever was stored.
@@ -937,7 +945,9 @@ pub async fn list_workloads(
         ranges.entry(row.get(0)).or_default().push(row.get(1));
     }
     let sql = format!(
-        "SELECT w.id, w.hostname, w.mode, w.label_version, p.version, w.retired_at IS NOT NULL, {}, {}
+        "SELECT w.id, w.hostname, w.mode, w.label_version, p.version, w.retired_at IS NOT NULL, {}, {},
+                w.pinned_version,
+                (SELECT g.demotion_id FROM enforcement_guards g WHERE g.workload_id = w.id AND g.tripped_at IS NOT NULL)
          FROM workloads w LEFT JOIN workload_policies p ON p.workload_id = w.id
          WHERE $1::uuid IS NULL OR w.id = $1 ORDER BY w.hostname, w.id",
         crate::shown::STATE,
@@ -957,6 +967,8 @@ pub async fn list_workloads(
                 addresses: addresses.remove(&id).unwrap_or_default(),
                 address_ranges: ranges.remove(&id).unwrap_or_default(),
                 policy_version: row.get(4),
+                pinned_to_source_of: row.get(8),
+                auto_demoted_by: row.get(9),
                 retired: row.get(5),
                 sync_state: stored::<innerwall_wire::sync::SyncState>(row.get(6))?.name().to_owned(),
                 sync_detail: row.get(7),

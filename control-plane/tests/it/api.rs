@@ -1031,6 +1031,100 @@ async fn management_access_narrows_and_is_never_removed() {
     plane.stop().await;
 }
 
+#[tokio::test]
+async fn rollback_and_unpin_over_the_api() {
+    let plane = Plane::start(ApiLimits::default()).await;
+    let pool = plane.pool().clone();
+    let editor = mint(&pool, "ed", Role::Editor).await;
+    let promoter = mint(&pool, "pat", Role::Promoter).await;
+    let db = register(&pool, "db-1", &["app=db"]).await;
+    register(&pool, "web-1", &["app=web"]).await;
+    let admit = async |name: &str, from: &str| {
+        innerwall_control_plane::testing::admit(&pool, name, ("app", "db"), ("app", from), "tcp:5432")
+            .await
+            .unwrap();
+    };
+    let latest = async || -> u64 {
+        let policy = plane.get(&format!("/api/v1/workloads/{db}/policy"), Some(&editor.token)).await.json();
+        policy["version"].as_u64().unwrap()
+    };
+    let rules = async || -> Vec<String> {
+        let policy = plane.get(&format!("/api/v1/workloads/{db}/policy"), Some(&editor.token)).await.json();
+        policy["rules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["rule_id"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    admit("db-from-web", "web").await;
+    let one = latest().await;
+    let one_rules = rules().await;
+    admit("db-from-ops", "ops").await;
+    let two = latest().await;
+    assert!(two > one);
+
+    let path = "/api/v1/rollbacks";
+    let body = |count: usize, to: Option<u64>| json!({"ids": [db.to_string()], "expect_count": count, "to_version": to});
+    let before = written(&pool).await;
+    plane
+        .write("POST", path, &editor.token, None, &body(1, Some(one)))
+        .await
+        .problem(403, ProblemType::Forbidden);
+    plane
+        .write("POST", path, &promoter.token, None, &body(2, Some(one)))
+        .await
+        .problem(409, ProblemType::MatchCountMismatch);
+    let doc = plane
+        .write("POST", path, &promoter.token, None, &body(1, None))
+        .await
+        .problem(400, ProblemType::Invalid);
+    assert!(doc["detail"].as_str().unwrap().contains("--to-version"), "{doc}");
+    plane
+        .write("POST", path, &promoter.token, None, &body(1, Some(two)))
+        .await
+        .problem(400, ProblemType::Invalid);
+    plane
+        .write(
+            "POST",
+            path,
+            &promoter.token,
+            None,
+            &json!({"ids": [db.to_string()], "expect_count": 1, "x": 1}),
+        )
+        .await
+        .problem(400, ProblemType::Invalid);
+    assert_eq!(written(&pool).await, before);
+    assert_eq!(latest().await, two);
+
+    let reply = plane.write("POST", path, &promoter.token, None, &body(1, Some(one))).await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    let answer = reply.json();
+    assert_eq!(answer["result"][0]["source_of"], one, "{answer}");
+    assert_eq!(answer["result"][0]["from_version"], two, "{answer}");
+    let three = answer["result"][0]["version"].as_u64().unwrap();
+    assert_eq!((latest().await, rules().await), (three, one_rules.clone()));
+    // Pinned: a ruleset change does not reach it; unpinned, it does.
+    admit("db-from-mail", "mail").await;
+    assert_eq!(latest().await, three);
+    let unpin = format!("/api/v1/workloads/{db}/unpin");
+    plane
+        .call("POST", &unpin, Some(&editor.token), &[], full(Bytes::new()))
+        .await
+        .problem(403, ProblemType::Forbidden);
+    let reply = plane.call("POST", &unpin, Some(&promoter.token), &[], full(Bytes::new())).await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert_eq!(rules().await.len(), one_rules.len() + 2, "db-from-ops and db-from-mail");
+    plane
+        .call("POST", &unpin, Some(&promoter.token), &[], full(Bytes::new()))
+        .await
+        .problem(400, ProblemType::Invalid);
+    let actor = format!("operator:pat/{}", promoter.id);
+    assert_eq!(audited(&pool, "workload.unpin").await, [(actor.clone(), db.to_string())]);
+    assert_eq!(audited(&pool, "workload.rollback").await.len(), 1);
+    plane.stop().await;
+}
+
 /// A path of the document with its parameters filled in.
 fn concrete(path: &str) -> String {
     path.replace("{id}", "00000000-0000-4000-8000-000000000001")
@@ -1059,6 +1153,8 @@ const EXPECTED_ROUTES: &[(&str, &str, Option<&str>)] = &[
     ("GET", "/api/v1/estate-ranges", Some("viewer")),
     ("POST", "/api/v1/estate-ranges", Some("admin")),
     ("DELETE", "/api/v1/estate-ranges/{address}/{prefix}", Some("admin")),
+    ("POST", "/api/v1/rollbacks", Some("promoter")),
+    ("POST", "/api/v1/workloads/{id}/unpin", Some("promoter")),
     ("GET", "/api/v1/management", Some("viewer")),
     ("PUT", "/api/v1/management", Some("admin")),
     ("PUT", "/api/v1/workloads/{id}/management", Some("admin")),

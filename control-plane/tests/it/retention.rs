@@ -174,6 +174,11 @@ async fn control_plane_retention_keeps_what_evidence_needs() {
     .await
     .unwrap();
     let contents = count(pool, "SELECT count(*) FROM policy_contents").await;
+    // An authored source nothing refers to.
+    sqlx::query("INSERT INTO policy_sources (digest, source) VALUES (sha256('\\x01'::bytea), '{}')")
+        .execute(pool)
+        .await
+        .unwrap();
 
     let removed = retention::apply(pool, &Retention::default(), chrono::Utc::now()).await.unwrap();
     // `gone` held v1 only (its content may be shared with `recent`'s, which stays).
@@ -187,7 +192,24 @@ async fn control_plane_retention_keeps_what_evidence_needs() {
             provisioning_tokens: 1,
             operator_tokens: 1,
             policy_contents: removed.policy_contents,
+            policy_sources: removed.policy_sources,
         }
+    );
+    // The stray source went, and v3's and v4's if no kept version shares them; every kept
+    // version's source stays (a foreign key holds them).
+    assert!(removed.policy_sources >= 1, "{removed:?}");
+    assert_eq!(
+        count(pool, "SELECT count(*) FROM policy_sources WHERE digest = sha256('\\x01'::bytea)").await,
+        0
+    );
+    assert_eq!(
+        count(
+            pool,
+            "SELECT count(*) FROM workload_policy_history h WHERE source_digest IS NULL
+             OR NOT EXISTS (SELECT 1 FROM policy_sources s WHERE s.digest = h.source_digest)"
+        )
+        .await,
+        0
     );
     assert_eq!(history(pool, web).await, [1, 2, 5], "v1 (a window), v2 (a promotion) and v5 (latest) stay");
     // v3 and v4 had contents of their own, and the stray one had none: all three went.

@@ -975,6 +975,7 @@ async fn promote(
         params: evidence(&form.since, &form.min, &form.until).map_err(Failure::Invalid)?,
         reason: form.reason,
         override_reason: Some(form.override_reason).filter(|r| !r.trim().is_empty()),
+        guard: None,
     };
     let promotion = gate::promote(&state.pool, &session.operator.actor(), &request).await?;
     Ok(Redirect::to(&format!("/promotions/{}", promotion.id)).into_response())

@@ -17,12 +17,13 @@ use innerwall_control_plane::foresight::drafts::{
     ChangeFile, DraftCommitted, DraftRender, DraftSummary, DraftView,
 };
 use innerwall_control_plane::foresight::{self, Impact, RunReport, TestSetRow, TestSetSpec, drafts};
-use innerwall_control_plane::gate::{self, Promotion, Verdict};
+use innerwall_control_plane::gate::{self, Promotion, Scope, Verdict};
 use innerwall_control_plane::identity::tokens::{self, TokenView};
 use innerwall_control_plane::operations;
 use innerwall_control_plane::policy::authoring::{self, LabelsReplaced, ResendRequested};
-use innerwall_control_plane::policy::management::{self, ManagementListing, Scope};
+use innerwall_control_plane::policy::management::{self, ManagementListing, Scope as ManagementScope};
 use innerwall_control_plane::policy::model::{Management, Selector};
+use innerwall_control_plane::policy::rollback::{self, RolledBack, Target};
 use innerwall_control_plane::policy::spec::RulesetSpec;
 use innerwall_control_plane::policy::store::{
     self, EstateRangeView, PolicyView, RulesetView, SyncStatusView, WorkloadRow, WorkloadView,
@@ -104,7 +105,11 @@ pub trait Backend {
 
     // ---- management access ----
     async fn management(&self) -> anyhow::Result<ManagementListing>;
-    async fn narrow_management(&self, scope: Scope, set: &Management) -> anyhow::Result<Outcome<()>>;
+    async fn narrow_management(
+        &self,
+        scope: ManagementScope,
+        set: &Management,
+    ) -> anyhow::Result<Outcome<()>>;
     /// Only on this host's database: the API does not offer it.
     async fn reset_management(&self, set: &Management) -> anyhow::Result<Outcome<()>>;
 
@@ -130,6 +135,14 @@ pub trait Backend {
     /// One workload's convergence, or every live workload's by hostname.
     async fn sync_status(&self, id: Option<WorkloadId>) -> anyhow::Result<Vec<SyncStatusView>>;
     async fn resend_snapshot(&self, id: WorkloadId) -> anyhow::Result<ResendRequested>;
+    async fn rollback(
+        &self,
+        scope: &Scope,
+        args: &ScopeArgs,
+        expect_count: usize,
+        target: Target,
+    ) -> anyhow::Result<Outcome<Vec<RolledBack>>>;
+    async fn unpin(&self, id: WorkloadId) -> anyhow::Result<Outcome<()>>;
     async fn retire(&self, id: WorkloadId) -> anyhow::Result<Outcome<()>>;
     async fn deny(&self, id: WorkloadId) -> anyhow::Result<Outcome<()>>;
     async fn release_address(&self, id: WorkloadId, address: std::net::IpAddr)
@@ -260,7 +273,11 @@ impl Backend for Ctx {
         let mut conn = self.pool.acquire().await?;
         Ok(management::list(&mut conn).await?)
     }
-    async fn narrow_management(&self, scope: Scope, set: &Management) -> anyhow::Result<Outcome<()>> {
+    async fn narrow_management(
+        &self,
+        scope: ManagementScope,
+        set: &Management,
+    ) -> anyhow::Result<Outcome<()>> {
         Ok(management::narrow(&self.pool, &self.actor, scope, set).await?.into())
     }
     async fn reset_management(&self, set: &Management) -> anyhow::Result<Outcome<()>> {
@@ -306,6 +323,18 @@ impl Backend for Ctx {
     }
     async fn resend_snapshot(&self, id: WorkloadId) -> anyhow::Result<ResendRequested> {
         Ok(authoring::request_snapshot(&self.pool, &self.actor, id).await?)
+    }
+    async fn rollback(
+        &self,
+        scope: &Scope,
+        _: &ScopeArgs,
+        expect_count: usize,
+        target: Target,
+    ) -> anyhow::Result<Outcome<Vec<RolledBack>>> {
+        Ok(rollback::rollback(&self.pool, &self.actor, scope, expect_count, target).await?.into())
+    }
+    async fn unpin(&self, id: WorkloadId) -> anyhow::Result<Outcome<()>> {
+        Ok(rollback::unpin(&self.pool, &self.actor, id).await?.into())
     }
     async fn retire(&self, id: WorkloadId) -> anyhow::Result<Outcome<()>> {
         Ok(operations::retire(&self.pool, &self.actor, id).await?.into())
@@ -513,10 +542,14 @@ impl Backend for ApiClient {
     async fn management(&self) -> anyhow::Result<ManagementListing> {
         self.get(MANAGEMENT).await
     }
-    async fn narrow_management(&self, scope: Scope, set: &Management) -> anyhow::Result<Outcome<()>> {
+    async fn narrow_management(
+        &self,
+        scope: ManagementScope,
+        set: &Management,
+    ) -> anyhow::Result<Outcome<()>> {
         let path = match scope {
-            Scope::Estate => MANAGEMENT.to_owned(),
-            Scope::Workload(id) => format!("{}/management", workload(id)),
+            ManagementScope::Estate => MANAGEMENT.to_owned(),
+            ManagementScope::Workload(id) => format!("{}/management", workload(id)),
         };
         let cidrs: Vec<String> = set.cidrs().iter().map(ToString::to_string).collect();
         let services: Vec<String> = set.services().iter().map(ToString::to_string).collect();
@@ -602,6 +635,7 @@ impl Backend for ApiClient {
             "override_reason": request.override_reason,
             "evidence_since": since,
             "min_evidence": min,
+            "guard": request.guard,
         });
         self.write("POST", "/api/v1/promotions", None, Some(&body)).await
     }
@@ -610,6 +644,25 @@ impl Backend for ApiClient {
             Some(id) => Ok(vec![self.get(&format!("/api/v1/sync-status/{id}")).await?]),
             None => pages::remote_sized(self, "/api/v1/sync-status", WORKLOAD_PAGE).await,
         }
+    }
+    async fn rollback(
+        &self,
+        _: &Scope,
+        args: &ScopeArgs,
+        expect_count: usize,
+        target: Target,
+    ) -> anyhow::Result<Outcome<Vec<RolledBack>>> {
+        let ids: Vec<String> = args.ids.iter().map(ToString::to_string).collect();
+        let body = serde_json::json!({
+            "scope": args.scope,
+            "ids": if args.scope.is_some() { Vec::new() } else { ids },
+            "expect_count": expect_count,
+            "to_version": match target { Target::Version(v) => Some(v), Target::LastClean => None },
+        });
+        self.write("POST", "/api/v1/rollbacks", None, Some(&body)).await
+    }
+    async fn unpin(&self, id: WorkloadId) -> anyhow::Result<Outcome<()>> {
+        self.write("POST", &format!("{}/unpin", workload(id)), None, None).await
     }
     async fn resend_snapshot(&self, id: WorkloadId) -> anyhow::Result<ResendRequested> {
         self.write("POST", &format!("{}/resend-snapshot", workload(id)), None, None).await

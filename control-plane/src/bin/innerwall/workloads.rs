@@ -15,6 +15,8 @@ use crate::backend::Backend;
 use crate::output::{escape, print_json, print_table, report};
 use crate::replay;
 use crate::requests::{EvidenceArgs, ScopeArgs};
+use innerwall_control_plane::gate::guard::Guard;
+use innerwall_control_plane::policy::rollback::Target;
 
 #[derive(Debug, Subcommand)]
 pub enum WorkloadCmd {
@@ -88,6 +90,27 @@ pub enum WorkloadCmd {
     ResendSnapshot {
         id: WorkloadId,
     },
+    /// Roll back to an earlier version's authored source, rendered again as a new version
+    /// (against today's registry, in today's mode); the workloads stay pinned to it, whatever
+    /// the rulesets say, until `workload unpin`.
+    #[command(group = clap::ArgGroup::new("target").required(true).args(["to_last_clean", "to_version"]))]
+    Rollback {
+        #[command(flatten)]
+        scope: ScopeArgs,
+        /// How many workloads you expect the scope to name; any other number changes nothing.
+        #[arg(long)]
+        expect_count: usize,
+        /// Each to the newest earlier version a promotion's verdict judged SAFE.
+        #[arg(long)]
+        to_last_clean: bool,
+        /// To this version (one workload).
+        #[arg(long)]
+        to_version: Option<u64>,
+    },
+    /// Render from the rulesets again after a rollback.
+    Unpin {
+        id: WorkloadId,
+    },
     /// Retire: identity and addresses leave every render; its stream is closed.
     Retire {
         id: WorkloadId,
@@ -113,8 +136,24 @@ pub struct ChangeArgs {
     /// Enforce without a SAFE verdict, for this reason (kept on the record).
     #[arg(long = "override")]
     override_reason: Option<String>,
+    /// The auto-demotion guard of a move to enforcement: minutes it watches (0: none).
+    #[arg(long, default_value_t = Guard::default().minutes)]
+    guard_minutes: u32,
+    /// New connections blocked from one source, protocol and port, that the evidence range
+    /// showed allowed, that demote the workload to simulation.
+    #[arg(long, default_value_t = Guard::default().threshold)]
+    guard_threshold: u32,
+    /// Also demote on blocked sources the evidence range never showed.
+    #[arg(long)]
+    guard_unseen: bool,
     #[command(flatten)]
     evidence: EvidenceArgs,
+}
+
+impl ChangeArgs {
+    pub fn guard(&self) -> Guard {
+        Guard { minutes: self.guard_minutes, threshold: self.guard_threshold, unseen: self.guard_unseen }
+    }
 }
 
 /// A mode change as the promotion path takes it: `default_reason` stands in for no `--reason`
@@ -133,6 +172,7 @@ fn mode_request(
         params: change.evidence.params()?,
         reason: change.reason.clone().unwrap_or_else(|| default_reason.to_owned()),
         override_reason: change.override_reason.clone(),
+        guard: Some(change.guard()),
     })
 }
 
@@ -156,6 +196,25 @@ pub async fn run(b: &impl Backend, json: bool, cmd: &WorkloadCmd) -> anyhow::Res
         }
         WorkloadCmd::Status { id } => print_status(json, b.sync_status(*id).await?)?,
         WorkloadCmd::ResendSnapshot { id } => print_resend(json, *id, &b.resend_snapshot(*id).await?)?,
+        WorkloadCmd::Rollback { scope, expect_count, to_version, .. } => {
+            let target = to_version.map_or(Target::LastClean, Target::Version);
+            let done = b.rollback(&scope.scope()?, scope, *expect_count, target).await?;
+            let lines: Vec<String> = done
+                .result
+                .iter()
+                .map(|r| {
+                    let now = r.version.map_or("nothing moved".to_owned(), |v| format!("now v{v}"));
+                    format!(
+                        "workload {} rolled back from v{} to the source of v{} ({now}); pinned until `workload unpin`",
+                        r.workload, r.from_version, r.source_of
+                    )
+                })
+                .collect();
+            report(json, &lines.join("\n"), &done);
+        }
+        WorkloadCmd::Unpin { id } => {
+            report(json, &format!("workload {id} renders from the rulesets again"), &b.unpin(*id).await?)
+        }
         WorkloadCmd::Retire { id } => report(json, &lifecycle_done(*id, true), &b.retire(*id).await?),
         WorkloadCmd::Deny { id } => report(json, &lifecycle_done(*id, false), &b.deny(*id).await?),
         WorkloadCmd::ReleaseAddress { id, address } => {
@@ -226,6 +285,16 @@ fn print_show(json: bool, w: WorkloadView) -> anyhow::Result<()> {
     );
     if !w.sync_detail.is_empty() {
         println!("state: {}", escape(&w.sync_detail));
+    }
+    if let Some(id) = w.auto_demoted_by {
+        println!(
+            "auto-demoted to simulation by its enforcement guard: `innerwall promotions show {id}` has the flows"
+        );
+    }
+    if let Some(v) = w.pinned_to_source_of {
+        println!(
+            "pinned by a rollback to the authored source of v{v}: rulesets do not reach it until `workload unpin`"
+        );
     }
     if let Some(f) = &w.facts {
         let when = |t: Option<chrono::DateTime<chrono::Utc>>| t.map_or("-".into(), |t| t.to_rfc3339());
