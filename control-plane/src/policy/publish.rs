@@ -142,8 +142,8 @@ async fn render_and_persist(conn: &mut PgConnection, overflow: Overflow) -> Resu
     save_held(conn, &held).await?;
     let mut changed = Vec::new();
     if !next.is_empty() {
-        persist(conn, &next, &contents).await?;
-        persist_sources(conn, &model, &rendered, &next).await?;
+        let sources = store_sources(conn, &model, &rendered, &next).await?;
+        persist(conn, &next, &contents, &sources).await?;
         let notices: Vec<Notice> = next.iter().map(|n| Notice::Policy(n.workload, n.version)).collect();
         notice::publish(conn, &notices).await?;
         changed = next.iter().map(|n| Changed { workload: n.workload, version: n.version }).collect();
@@ -312,7 +312,12 @@ async fn next_versions(
 
 /// Writes the contents `next` refers to (each once; a stored one stays), each workload's latest
 /// row, and its history row.
-async fn persist(conn: &mut PgConnection, next: &[Next], contents: &[store::Content]) -> Result<(), Error> {
+async fn persist(
+    conn: &mut PgConnection,
+    next: &[Next],
+    contents: &[store::Content],
+    sources: &[Vec<u8>],
+) -> Result<(), Error> {
     // Groups that render equal policies share a digest: one row; a stored one stays. Only a
     // publish writes contents, under the render lock: none can appear between the two statements.
     let mut new: BTreeMap<&[u8], &[u8]> = next
@@ -351,24 +356,28 @@ async fn persist(conn: &mut PgConnection, next: &[Next], contents: &[store::Cont
     .bind(&digests)
     .execute(&mut *conn)
     .await?;
+    // now() is the transaction's time: the same `rendered_at` as the latest rows'.
     sqlx::query(
-        "INSERT INTO workload_policy_history (workload_id, version, digest, rendered_at)
-         SELECT workload_id, version, digest, rendered_at FROM workload_policies WHERE workload_id = ANY($1)",
+        "INSERT INTO workload_policy_history (workload_id, version, digest, rendered_at, source_digest)
+         SELECT w, v, d, now(), s FROM unnest($1::uuid[], $2::bigint[], $3::bytea[], $4::bytea[]) AS t (w, v, d, s)",
     )
     .bind(&ids)
+    .bind(&versions)
+    .bind(&digests)
+    .bind(sources)
     .execute(&mut *conn)
     .await?;
     Ok(())
 }
 
-/// Stores the authored source of each new version (`policy::source`, by content) and names it
-/// on the version's history row: a pinned workload's is its pin's.
-async fn persist_sources(
+/// Stores the authored source of each new version (`policy::source`, by content): each one's
+/// digest, in `next`'s order, for its history row. A pinned workload's is its pin's.
+async fn store_sources(
     conn: &mut PgConnection,
     model: &AuthoredModel,
     rendered: &Rendered,
     next: &[Next],
-) -> Result<(), Error> {
+) -> Result<Vec<Vec<u8>>, Error> {
     let mut digests: BTreeMap<usize, Vec<u8>> = BTreeMap::new();
     let mut new: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
     for n in next {
@@ -391,6 +400,10 @@ async fn persist_sources(
         };
         digests.insert(n.content, digest);
     }
+    let sources = next.iter().map(|n| digests[&n.content].clone()).collect();
+    if new.is_empty() {
+        return Ok(sources);
+    }
     let (keys, values): (Vec<Vec<u8>>, Vec<Vec<u8>>) = new.into_iter().unzip();
     let values: Vec<String> =
         values.into_iter().map(|v| String::from_utf8(v).expect("JSON is UTF-8")).collect();
@@ -402,20 +415,7 @@ async fn persist_sources(
     .bind(&values)
     .execute(&mut *conn)
     .await?;
-    let ids: Vec<Uuid> = next.iter().map(|n| n.workload.uuid()).collect();
-    let versions: Vec<i64> = next.iter().map(|n| n.version as i64).collect();
-    let sources: Vec<&[u8]> = next.iter().map(|n| digests[&n.content].as_slice()).collect();
-    sqlx::query(
-        "UPDATE workload_policy_history h SET source_digest = t.s
-         FROM unnest($1::uuid[], $2::bigint[], $3::bytea[]) AS t (w, v, s)
-         WHERE h.workload_id = t.w AND h.version = t.v",
-    )
-    .bind(&ids)
-    .bind(&versions)
-    .bind(&sources)
-    .execute(&mut *conn)
-    .await?;
-    Ok(())
+    Ok(sources)
 }
 
 /// Address trust: judges every live workload's reported addresses, stores the standings that
