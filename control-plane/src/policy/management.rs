@@ -28,6 +28,16 @@ pub enum Scope {
     Workload(WorkloadId),
 }
 
+impl Scope {
+    /// Its workload's row key; the estate's row has none.
+    fn workload(self) -> Option<Uuid> {
+        match self {
+            Scope::Estate => None,
+            Scope::Workload(id) => Some(id.uuid()),
+        }
+    }
+}
+
 impl std::fmt::Display for Scope {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -96,33 +106,20 @@ pub async fn load(conn: &mut PgConnection, model: &mut AuthoredModel) -> Result<
     Ok(())
 }
 
-/// The stored set of `scope`, locked for the change.
+/// The stored set of `scope`, locked for the change (in a transaction).
 async fn current(conn: &mut PgConnection, scope: Scope) -> Result<Option<Management>, Error> {
-    let row: Option<(Vec<String>, Vec<String>)> =
-        match scope {
-            Scope::Estate => sqlx::query_as(
-                "SELECT cidrs::text[], services FROM management_access WHERE workload_id IS NULL FOR UPDATE",
-            )
-            .fetch_optional(&mut *conn)
-            .await?,
-            Scope::Workload(id) => {
-                sqlx::query_as(
-                    "SELECT cidrs::text[], services FROM management_access WHERE workload_id = $1 FOR UPDATE",
-                )
-                .bind(id.uuid())
-                .fetch_optional(&mut *conn)
-                .await?
-            }
-        };
+    let row: Option<(Vec<String>, Vec<String>)> = sqlx::query_as(
+        "SELECT cidrs::text[], services FROM management_access WHERE workload_id IS NOT DISTINCT FROM $1 FOR UPDATE",
+    )
+    .bind(scope.workload())
+    .fetch_optional(&mut *conn)
+    .await?;
     row.map(|(c, s)| parse(&c, &s)).transpose()
 }
 
 async fn store(conn: &mut PgConnection, scope: Scope, set: &Management, actor: &str) -> Result<(), Error> {
     let (cidrs, services) = texts(set);
-    let workload = match scope {
-        Scope::Estate => None,
-        Scope::Workload(id) => Some(id.uuid()),
-    };
+    let workload = scope.workload();
     let updated = sqlx::query(
         "UPDATE management_access SET cidrs = $2::text[]::cidr[], services = $3, updated_at = now(), updated_by = $4
          WHERE workload_id IS NOT DISTINCT FROM $1",
@@ -168,12 +165,14 @@ pub enum Seeded {
 /// different stored set stays (it may only have narrowed since); the caller says so.
 pub async fn seed(pool: &PgPool, actor: &str, set: &Management) -> Result<Seeded, Error> {
     let mut conn = pool.acquire().await?;
-    if let Some(stored) = current_unlocked(&mut conn).await? {
+    if let Some(stored) = current(&mut conn, Scope::Estate).await? {
         return Ok(if &stored == set { Seeded::Same } else { Seeded::Differs(stored) });
     }
     drop(conn);
     let seeded = commit(pool, actor, "management.seed", "estate", async |c| {
-        // Two replicas starting together: the second finds the first's and leaves it.
+        // Two replicas starting together: the render lock orders them, and the second finds
+        // the first's set and leaves it.
+        crate::policy::publish::lock_renders(c).await?;
         if current(c, Scope::Estate).await?.is_some() {
             return Ok((false, json!({})));
         }
@@ -182,14 +181,6 @@ pub async fn seed(pool: &PgPool, actor: &str, set: &Management) -> Result<Seeded
     })
     .await?;
     Ok(if seeded.value { Seeded::Stored } else { Seeded::Same })
-}
-
-async fn current_unlocked(conn: &mut PgConnection) -> Result<Option<Management>, Error> {
-    let row: Option<(Vec<String>, Vec<String>)> =
-        sqlx::query_as("SELECT cidrs::text[], services FROM management_access WHERE workload_id IS NULL")
-            .fetch_optional(&mut *conn)
-            .await?;
-    row.map(|(c, s)| parse(&c, &s)).transpose()
 }
 
 /// `management.narrow`: `set` replaces the management access of `scope`, inside what it
