@@ -1,10 +1,16 @@
--- Rollback (issue 31): the authored source of each rendered version (the rulesets that selected
--- the workload with their rules, and the services and address groups those name), stored by
--- content as `policy::source::Source` renders it, so an earlier version's source can be rendered
--- again. Versions rendered before this migration have none and cannot be rolled back to.
+-- Rollback (issue 31): the authored source of each rendered version — the rulesets that selected
+-- the workload with their rules, and the services and address groups those name — so an earlier
+-- version's source can be rendered again. Stored in parts (`policy::source::Part`: one ruleset,
+-- service or group, canonical JSON by SHA-256, written once however many sources name it) and a
+-- source as its parts' digests concatenated in order, by the SHA-256 of that. Versions rendered
+-- before this migration have none and cannot be rolled back to.
+CREATE TABLE policy_source_parts (
+    digest bytea PRIMARY KEY,
+    part jsonb NOT NULL
+);
 CREATE TABLE policy_sources (
     digest bytea PRIMARY KEY,
-    source jsonb NOT NULL
+    parts bytea NOT NULL CHECK (length(parts) % 32 = 0)
 );
 ALTER TABLE workload_policy_history ADD COLUMN source_digest bytea REFERENCES policy_sources (digest);
 CREATE INDEX workload_policy_history_source ON workload_policy_history (source_digest);

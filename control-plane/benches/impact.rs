@@ -97,7 +97,10 @@ async fn main() -> anyhow::Result<()> {
     let rolled = flows::roll_up(&db.pool, now).await?;
     // A maintenance statement, not a request: at 30 days it outlasts the pool's statement bound.
     let mut conn = db.pool.acquire().await?;
-    sqlx::raw_sql("SET statement_timeout = 0; VACUUM ANALYZE").execute(&mut *conn).await?;
+    // Two statements: VACUUM cannot run in the implicit transaction of a multi-statement string.
+    sqlx::raw_sql("SET statement_timeout = 0").execute(&mut *conn).await?;
+    sqlx::raw_sql("VACUUM ANALYZE").execute(&mut *conn).await?;
+    sqlx::raw_sql("RESET statement_timeout").execute(&mut *conn).await?;
     drop(conn);
     println!("loaded and rolled up ({rolled} windows) in {:.1} s", t.elapsed().as_secs_f64());
     let range = Range { from: now - TimeDelta::days(days), to: now };

@@ -145,6 +145,14 @@ const POLICY_SOURCES: &str = "WITH doomed AS (
      )
      DELETE FROM policy_sources s USING doomed d WHERE s.digest = d.digest";
 
+/// Parts no source names (under the render lock, as a publish names stored parts).
+const POLICY_SOURCE_PARTS: &str = "WITH doomed AS (
+         SELECT p.digest FROM policy_source_parts p
+         WHERE NOT EXISTS (SELECT 1 FROM policy_sources s WHERE position(p.digest IN s.parts) > 0)
+         LIMIT $1
+     )
+     DELETE FROM policy_source_parts p USING doomed d WHERE p.digest = d.digest";
+
 const LABEL_HISTORY: &str = "WITH doomed AS (
          SELECT workload_id, label_version FROM workload_label_history
          WHERE valid_to IS NOT NULL AND valid_to < $1 LIMIT $2
@@ -253,7 +261,8 @@ async fn delete_expired(pool: &PgPool, retention: &Retention, now: DateTime<Utc>
         provisioning_tokens: drain(pool, PROVISIONING_TOKENS, at(retention.tokens), batch, false).await?,
         operator_tokens: drain(pool, OPERATOR_TOKENS, at(retention.tokens), batch, false).await?,
         policy_contents: drain(pool, POLICY_CONTENTS, None, batch, true).await?,
-        policy_sources: drain(pool, POLICY_SOURCES, None, batch, true).await?,
+        policy_sources: drain(pool, POLICY_SOURCES, None, batch, true).await?
+            + drain(pool, POLICY_SOURCE_PARTS, None, batch, true).await?,
     };
     Ok(removed)
 }

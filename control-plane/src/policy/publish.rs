@@ -16,9 +16,9 @@ use crate::copy;
 use crate::error::Error;
 use crate::notice::{self, Notice};
 use crate::policy::addresses::{self, Standing};
-use crate::policy::model::{AuthoredModel, RegisteredWorkload, Ruleset};
+use crate::policy::model::{AuthoredModel, RegisteredWorkload};
 use crate::policy::render::{Bound, Origin, Oversize, Rendered, oversize, render};
-use crate::policy::source::Source;
+use crate::policy::source::{Sources, source_digest};
 use crate::policy::store;
 
 /// Key of the transaction-scoped advisory lock every render takes (ASCII "iw-rendr").
@@ -370,14 +370,16 @@ async fn persist(
     Ok(())
 }
 
-/// Stores the authored source of each new version (`policy::source`, by content): each one's
-/// digest, in `next`'s order, for its history row. A pinned workload's is its pin's.
+/// Stores the authored source of each new version (`policy::source`: new parts, then new
+/// sources) and returns each one's digest, in `next`'s order, for its history row. A pinned
+/// workload's is its pin's.
 async fn store_sources(
     conn: &mut PgConnection,
     model: &AuthoredModel,
     rendered: &Rendered,
     next: &[Next],
 ) -> Result<Vec<Vec<u8>>, Error> {
+    let mut sources = Sources::new(model);
     let mut digests: BTreeMap<usize, Vec<u8>> = BTreeMap::new();
     let mut new: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
     for n in next {
@@ -392,30 +394,43 @@ async fn store_sources(
                 })?
             }
             Origin::Rulesets(at) => {
-                let rulesets: Vec<&Ruleset> = at.iter().map(|&i| &model.rulesets[i]).collect();
-                let (bytes, digest) = Source::of(model, &rulesets).encode();
-                new.insert(digest.clone(), bytes);
+                let parts = sources.source(at);
+                let digest = source_digest(&parts).to_vec();
+                new.insert(digest.clone(), parts);
                 digest
             }
         };
         digests.insert(n.content, digest);
     }
-    let sources = next.iter().map(|n| digests[&n.content].clone()).collect();
+    let out = next.iter().map(|n| digests[&n.content].clone()).collect();
     if new.is_empty() {
-        return Ok(sources);
+        return Ok(out);
     }
-    let (keys, values): (Vec<Vec<u8>>, Vec<Vec<u8>>) = new.into_iter().unzip();
-    let values: Vec<String> =
-        values.into_iter().map(|v| String::from_utf8(v).expect("JSON is UTF-8")).collect();
+    let (keys, parts): (Vec<Vec<u8>>, Vec<String>) = sources
+        .parts
+        .into_iter()
+        .map(|(d, bytes)| (d.to_vec(), String::from_utf8(bytes).expect("JSON is UTF-8")))
+        .unzip();
     sqlx::query(
-        "INSERT INTO policy_sources (digest, source)
-         SELECT d, s::jsonb FROM unnest($1::bytea[], $2::text[]) AS t (d, s) ON CONFLICT (digest) DO NOTHING",
+        "INSERT INTO policy_source_parts (digest, part)
+         SELECT d, p::jsonb FROM unnest($1::bytea[], $2::text[]) AS t (d, p)
+         WHERE NOT EXISTS (SELECT 1 FROM policy_source_parts s WHERE s.digest = t.d)
+         ON CONFLICT (digest) DO NOTHING",
     )
     .bind(&keys)
-    .bind(&values)
+    .bind(&parts)
     .execute(&mut *conn)
     .await?;
-    Ok(sources)
+    let (keys, lists): (Vec<Vec<u8>>, Vec<Vec<u8>>) = new.into_iter().unzip();
+    sqlx::query(
+        "INSERT INTO policy_sources (digest, parts)
+         SELECT d, p FROM unnest($1::bytea[], $2::bytea[]) AS t (d, p) ON CONFLICT (digest) DO NOTHING",
+    )
+    .bind(&keys)
+    .bind(&lists)
+    .execute(&mut *conn)
+    .await?;
+    Ok(out)
 }
 
 /// Address trust: judges every live workload's reported addresses, stores the standings that

@@ -560,7 +560,7 @@ mod tests {
     #[test]
     fn a_pinned_workload_renders_its_source_against_the_registry_as_it_is() {
         use crate::policy::model::Pin;
-        use crate::policy::source::Source;
+        use crate::policy::source::{Part, Source, Sources, source_digest};
         let peers = vec![Peer::AddressGroup(id(9)), Peer::Workloads(sel(&[("app", &["web"])]))];
         let mut model = db_model(vec![rule(10, peers, &[1, 2])]);
         model.management = Some(management(&["192.0.2.0/24"], &["tcp:22"]));
@@ -569,12 +569,16 @@ mod tests {
         else {
             panic!("rendered from rulesets")
         };
-        let rulesets: Vec<&Ruleset> = at.iter().map(|&i| &model.rulesets[i]).collect();
-        let source = Source::of(&model, &rulesets);
-        let (bytes, digest) = source.encode();
-        let decoded: Source = serde_json::from_slice(&bytes).unwrap();
-        assert_eq!(decoded, source);
-        assert_eq!(decoded.encode().1, digest, "canonical: the same bytes again");
+        let mut sources = Sources::new(&model);
+        let stored = sources.source(at);
+        assert_eq!(stored.len() % 32, 0);
+        assert_eq!(sources.source(at), stored, "canonical: the same digests again");
+        // Read back as a publish stored it: the parts by digest, in the source's order.
+        let parts: Vec<Part> =
+            stored.chunks(32).map(|d| serde_json::from_slice(&sources.parts[d]).unwrap()).collect();
+        assert_eq!(parts.len(), 1 + 2 + 1, "the ruleset, its two services, its group");
+        let decoded = Source::from_parts(parts);
+        let digest = source_digest(&stored).to_vec();
 
         // Pinned, the rulesets change and do not reach it; the registry does.
         model.pinned.insert(wid(1), Pin { digest, model: decoded.model().unwrap() });

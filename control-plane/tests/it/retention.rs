@@ -175,7 +175,7 @@ async fn control_plane_retention_keeps_what_evidence_needs() {
     .unwrap();
     let contents = count(pool, "SELECT count(*) FROM policy_contents").await;
     // An authored source nothing refers to.
-    sqlx::query("INSERT INTO policy_sources (digest, source) VALUES (sha256('\\x01'::bytea), '{}')")
+    sqlx::query("INSERT INTO policy_sources (digest, parts) VALUES (sha256('\\x01'::bytea), '\\x'::bytea)")
         .execute(pool)
         .await
         .unwrap();
