@@ -12,7 +12,10 @@ CREATE TABLE policy_sources (
     digest bytea PRIMARY KEY,
     parts bytea NOT NULL CHECK (length(parts) % 32 = 0)
 );
-ALTER TABLE workload_policy_history ADD COLUMN source_digest bytea REFERENCES policy_sources (digest);
+-- No foreign key: a publish writes thousands of history rows at once, and a check per row cost
+-- it more than the rows; sources are only deleted under the render lock every publish holds
+-- (retention), when no history row names them.
+ALTER TABLE workload_policy_history ADD COLUMN source_digest bytea;
 CREATE INDEX workload_policy_history_source ON workload_policy_history (source_digest);
 -- A workload pinned by a rollback renders from this source (and not from the rulesets) until
 -- unpinned; pinned_version is the version whose source it is.

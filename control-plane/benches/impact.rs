@@ -85,18 +85,24 @@ async fn main() -> anyhow::Result<()> {
         return measure(&pool, range, goal, workloads, runs, records).await;
     }
     let db = fresh_database().await?;
+    let pool = db.pool.clone();
+    // The database is dropped with its guard when the bench ends, however it ends; kept, the
+    // guard is forgotten at once, so whatever fails below leaves what was loaded to reuse.
+    let _guard = if std::env::var_os("INNERWALL_BENCH_KEEP").is_some() {
+        println!("keeping the database: {}", db.url);
+        std::mem::forget(db);
+        None
+    } else {
+        Some(db)
+    };
     let now = Utc::now();
     let t = Instant::now();
-    flow_estate::load(&db.pool, now - TimeDelta::days(days), days, windows, workloads).await?;
+    flow_estate::load(&pool, now - TimeDelta::days(days), days, windows, workloads).await?;
     let (applied, _) = policies();
-    flow_estate::store_policies(&db.pool, &applied).await?;
-    if std::env::var_os("INNERWALL_BENCH_KEEP").is_some() {
-        // Kept from here on, so a failure below leaves the loaded flows to measure again.
-        println!("keeping the database: {}", db.url);
-    }
-    let rolled = flows::roll_up(&db.pool, now).await?;
+    flow_estate::store_policies(&pool, &applied).await?;
+    let rolled = flows::roll_up(&pool, now).await?;
     // A maintenance statement, not a request: at 30 days it outlasts the pool's statement bound.
-    let mut conn = db.pool.acquire().await?;
+    let mut conn = pool.acquire().await?;
     // Two statements: VACUUM cannot run in the implicit transaction of a multi-statement string.
     sqlx::raw_sql("SET statement_timeout = 0").execute(&mut *conn).await?;
     sqlx::raw_sql("VACUUM ANALYZE").execute(&mut *conn).await?;
@@ -104,11 +110,7 @@ async fn main() -> anyhow::Result<()> {
     drop(conn);
     println!("loaded and rolled up ({rolled} windows) in {:.1} s", t.elapsed().as_secs_f64());
     let range = Range { from: now - TimeDelta::days(days), to: now };
-    let measured = measure(&db.pool, range, goal, workloads, runs, windows * RECORDS_PER_WINDOW).await;
-    if std::env::var_os("INNERWALL_BENCH_KEEP").is_some() {
-        std::mem::forget(db);
-    }
-    measured
+    measure(&pool, range, goal, workloads, runs, windows * RECORDS_PER_WINDOW).await
 }
 
 /// Times `runs` impacts (after one warm-up) over `range` and prints the figures against `goal`

@@ -135,8 +135,8 @@ const POLICY_CONTENTS: &str = "WITH doomed AS (
      )
      DELETE FROM policy_contents c USING doomed d WHERE c.digest = d.digest";
 
-/// Authored sources no history row or rollback pin refers to (the foreign keys refuse deleting
-/// a referenced one).
+/// Authored sources no history row or rollback pin refers to (under the render lock, as a
+/// publish names stored sources; the pin's foreign key refuses deleting a pinned one).
 const POLICY_SOURCES: &str = "WITH doomed AS (
          SELECT s.digest FROM policy_sources s
          WHERE NOT EXISTS (SELECT 1 FROM workload_policy_history h WHERE h.source_digest = s.digest)

@@ -196,7 +196,7 @@ async fn control_plane_retention_keeps_what_evidence_needs() {
         }
     );
     // The stray source went, and v3's and v4's if no kept version shares them; every kept
-    // version's source stays (a foreign key holds them).
+    // version's source stays.
     assert!(removed.policy_sources >= 1, "{removed:?}");
     assert_eq!(
         count(pool, "SELECT count(*) FROM policy_sources WHERE digest = sha256('\\x01'::bytea)").await,
