@@ -33,6 +33,7 @@ pub mod policy;
 pub mod postgres;
 pub mod rate;
 pub mod retention;
+pub mod safety;
 pub mod service;
 pub mod shown;
 pub mod suggest;

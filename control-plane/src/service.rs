@@ -280,6 +280,7 @@ pub async fn start(
         bounds: config.flow_bounds,
         metrics: metrics.clone(),
         rate: gateway.bounds(),
+        on_blocked: guard(pools.authoring.clone(), metrics.clone()),
     };
     // Every service on both: a client without a certificate calling an agent service hears
     // from `Authenticate` that it must enroll first.
@@ -341,4 +342,19 @@ pub async fn start(
         signer,
         api: None,
     })
+}
+
+/// The auto-demotion guard (`safety::guard`) as the telemetry service's [`crate::flows::OnBlocked`]:
+/// judged with an authoring connection (a demotion renders), counted when it demotes.
+fn guard(pool: PgPool, metrics: Arc<Metrics>) -> crate::flows::OnBlocked {
+    crate::flows::OnBlocked(Arc::new(move |workload| {
+        let (pool, metrics) = (pool.clone(), metrics.clone());
+        Box::pin(async move {
+            match crate::safety::guard::judge(&pool, workload).await {
+                Ok(Some(_)) => metrics.auto_demoted(),
+                Ok(None) => {}
+                Err(e) => tracing::warn!(%workload, "the auto-demotion guard could not judge a window: {e}"),
+            }
+        })
+    }))
 }

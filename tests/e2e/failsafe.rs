@@ -10,8 +10,8 @@ use std::net::SocketAddr;
 use std::process::Command;
 use std::time::Duration;
 
-use innerwall_control_plane::policy::management::{self, Scope, Seeded};
 use innerwall_control_plane::policy::model::{Management, ServiceEntry};
+use innerwall_control_plane::safety::management::{self, Scope, Seeded};
 use innerwall_control_plane::sync::gateway::GatewayConfig;
 use innerwall_wire::convert::WireEnum as _;
 use innerwall_wire::flows::Decision;

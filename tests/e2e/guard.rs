@@ -5,7 +5,7 @@
 //! recorded with the flows. A source never seen in the range does not, unless the promotion
 //! asked for it.
 
-use innerwall_control_plane::gate::guard::Guard;
+use innerwall_control_plane::gate::promote::Guard;
 use innerwall_control_plane::gate::{self, Outcome, Scope};
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::Mode;

@@ -6,8 +6,8 @@
 
 use innerwall_control_plane::error::Error;
 use innerwall_control_plane::gate::{self, Outcome, Scope};
-use innerwall_control_plane::policy::rollback::{self, Target};
 use innerwall_control_plane::policy::store;
+use innerwall_control_plane::safety::rollback::{self, Target};
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::{Mode, WorkloadPolicy};
 

@@ -19,10 +19,10 @@ use super::extract::{JsonBody, Path, Query};
 use super::problem::{ApiError, Problem};
 use super::{ApiState, Changed, Nothing, PageQuery, page_request};
 use crate::error::Error;
-use crate::gate::guard::Guard;
+use crate::gate::promote::Guard;
 use crate::gate::{self, Params, Scope, promote as promotions};
 use crate::page::Page;
-use crate::policy::rollback::{self, RolledBack, Target};
+use crate::safety::rollback::{self, RolledBack, Target};
 
 /// The evidence range and minimum when a request names none.
 const DEFAULT_EVIDENCE: &str = "24h";

@@ -1,6 +1,6 @@
 //! `/api/v1/management`: the management access every workload keeps whatever its policy says
 //! (the failsafe rule) — shown, and narrowed for the estate or for one workload through the
-//! library calls `innerwall management` makes (`policy::management`). Narrowing needs the admin
+//! library calls `innerwall management` makes (`safety::management`). Narrowing needs the admin
 //! role (see `router`). Nothing here widens or removes it: replacing it (`management reset`) is
 //! offered only on the database, so a stolen token cannot open every host's management ports.
 
@@ -15,8 +15,8 @@ use super::problem::ApiError;
 use super::workloads::workload;
 use super::{ApiState, Changed, Nothing};
 use crate::error::Error;
-use crate::policy::management::{self, ManagementListing, Scope};
 use crate::policy::model::{MAX_MANAGEMENT_CIDRS, Management, ServiceEntry};
+use crate::safety::management::{self, ManagementListing, Scope};
 use innerwall_wire::policy::Cidr;
 
 /// Management access as written: source ranges and service entries.

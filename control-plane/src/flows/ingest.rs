@@ -433,6 +433,27 @@ impl TimeBounds {
     }
 }
 
+/// What runs after a window with a BLOCKED record is stored, before the upload is answered:
+/// the auto-demotion guard (`safety::guard`), wired in by `service`, so that this module does
+/// not depend on what judges its windows. The default does nothing.
+#[derive(Clone)]
+pub struct OnBlocked(pub std::sync::Arc<dyn Fn(WorkloadId) -> Blocked + Send + Sync>);
+
+/// What an [`OnBlocked`] returns: the judgement, awaited before the upload is answered.
+pub type Blocked = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
+
+impl Default for OnBlocked {
+    fn default() -> Self {
+        OnBlocked(std::sync::Arc::new(|_| Box::pin(async {})))
+    }
+}
+
+impl std::fmt::Debug for OnBlocked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OnBlocked")
+    }
+}
+
 /// The telemetry service (SYNC-10: its own connection from the agent; same listener).
 #[derive(Debug, Clone)]
 pub struct Telemetry {
@@ -441,6 +462,7 @@ pub struct Telemetry {
     pub metrics: std::sync::Arc<Metrics>,
     /// Per-identity upload rate and bytes (REL-1), shared with the gateway.
     pub rate: crate::rate::Bounds,
+    pub on_blocked: OnBlocked,
 }
 
 #[tonic::async_trait]
@@ -475,16 +497,10 @@ impl proto::telemetry_service_server::TelemetryService for Telemetry {
             }
             Ok(done) => {
                 self.metrics.window_stored(done.records, window.gaps.len(), started.elapsed());
-                // Blocked flows of a workload under an auto-demotion guard: judged before the
-                // answer, so the agent's next upload finds the guard's decision made.
+                // Blocked flows: judged before the answer (the auto-demotion guard), so the
+                // agent's next upload finds the decision made.
                 if window.records.iter().any(|r| r.decision == Decision::Blocked) {
-                    match crate::gate::guard::judge(&self.pool, workload).await {
-                        Ok(Some(_)) => self.metrics.auto_demoted(),
-                        Ok(None) => {}
-                        Err(e) => {
-                            tracing::warn!(%workload, "the auto-demotion guard could not judge a window: {e}")
-                        }
-                    }
+                    (self.on_blocked.0)(workload).await;
                 }
                 done
             }

@@ -15,7 +15,7 @@ mod rollup;
 
 pub use edges::{EdgeSum, Edges, MAX_EDGE_SUMS, MAX_PENDING_RECORDS, Peer, edges};
 pub use hourly::{ROLLUP_BATCH_RECORDS, ROLLUP_BATCH_WINDOWS, roll_up};
-pub use ingest::{IngestError, Ingested, Telemetry, TimeBounds, ingest, ingest_with};
+pub use ingest::{IngestError, Ingested, OnBlocked, Telemetry, TimeBounds, ingest, ingest_with};
 pub use page::{MAX_PAGE, Page, PageRequest};
 pub use query::{FlowRow, GapRow, RecordFilter, WindowTotals, gaps, list, window_totals};
 pub use retention::{DEFAULT_RETENTION_DAYS, RETENTION_BATCH, apply_retention, ensure_partitions};

@@ -8,7 +8,6 @@
 //! - [`promote`]: count-pinned mode changes with their promotion records.
 
 pub mod evidence;
-pub mod guard;
 pub mod promote;
 pub mod verdict;
 

@@ -17,9 +17,10 @@ use crate::error::Error;
 use crate::policy::addresses::Standing;
 use crate::policy::lifecycle;
 use crate::policy::model::{
-    AddressGroup, AuthoredModel, ModelError, Peer, RegisteredWorkload, Rule, Ruleset, Selector, Service,
-    ServiceEntry,
+    AddressGroup, AuthoredModel, Management, ModelError, Peer, Pin, RegisteredWorkload, Rule, Ruleset,
+    Selector, Service, ServiceEntry,
 };
+use crate::policy::source::{Part, Source};
 
 /// A stored enum number (the schema keeps protobuf numbers), refused as corrupt if unknown.
 fn stored<E: WireEnum>(n: i16) -> Result<E, Error> {
@@ -160,9 +161,80 @@ pub async fn load_model(conn: &mut PgConnection) -> Result<AuthoredModel, Error>
             rules: rules_of.remove(&id).unwrap_or_default(),
         });
     }
-    crate::policy::management::load(conn, &mut model).await?;
-    crate::policy::rollback::load_pins(conn, &mut model).await?;
+    load_management(conn, &mut model).await?;
+    load_pins(conn, &mut model).await?;
     Ok(model)
+}
+
+/// Reads every stored management access set into `model` (`safety::management`).
+async fn load_management(conn: &mut PgConnection, model: &mut AuthoredModel) -> Result<(), Error> {
+    let rows = sqlx::query(
+        "SELECT m.workload_id, m.cidrs::text[], m.services FROM management_access m
+         LEFT JOIN workloads w ON w.id = m.workload_id
+         WHERE m.workload_id IS NULL OR w.retired_at IS NULL ORDER BY m.workload_id NULLS FIRST",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    for row in rows {
+        let workload: Option<Uuid> = row.get(0);
+        let set = management_set(&row.get::<Vec<String>, _>(1), &row.get::<Vec<String>, _>(2))
+            .map_err(|e| Error::Corrupt { what: "management access", detail: e.to_string() })?;
+        match workload {
+            None => model.management = Some(set),
+            Some(id) => {
+                let id = WorkloadId::from_uuid(id).ok_or_else(|| Error::Corrupt {
+                    what: "management access",
+                    detail: format!("{id} is not a workload id"),
+                })?;
+                model.management_of.insert(id, set);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Reads every live workload's rollback pin into `model` (`safety::rollback`).
+async fn load_pins(conn: &mut PgConnection, model: &mut AuthoredModel) -> Result<(), Error> {
+    let pins: Vec<(Uuid, Vec<u8>, Vec<u8>)> = sqlx::query_as(
+        "SELECT w.id, s.digest, s.parts FROM workloads w JOIN policy_sources s ON s.digest = w.pinned_source
+         WHERE w.retired_at IS NULL ORDER BY w.id",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    if pins.is_empty() {
+        return Ok(());
+    }
+    let corrupt = |detail: String| Error::Corrupt { what: "policy source", detail };
+    let wanted: Vec<&[u8]> = pins.iter().flat_map(|(_, _, parts)| parts.chunks(32)).collect();
+    let stored: BTreeMap<Vec<u8>, String> =
+        sqlx::query_as("SELECT digest, part::text FROM policy_source_parts WHERE digest = ANY($1)")
+            .bind(&wanted)
+            .fetch_all(&mut *conn)
+            .await?
+            .into_iter()
+            .collect();
+    for (id, digest, parts) in pins {
+        let id = WorkloadId::from_uuid(id).ok_or_else(|| corrupt("not a workload id".into()))?;
+        let parts = parts
+            .chunks(32)
+            .map(|d| {
+                let text = stored
+                    .get(d)
+                    .ok_or_else(|| corrupt(format!("workload {id}'s pin names a missing part")))?;
+                serde_json::from_str::<Part>(text).map_err(|e| corrupt(e.to_string()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let pinned = Source::from_parts(parts).model().map_err(|e| corrupt(e.to_string()))?;
+        model.pinned.insert(id, Pin { digest, model: pinned });
+    }
+    Ok(())
+}
+
+/// A stored management access set from its texts.
+pub fn management_set(cidrs: &[String], services: &[String]) -> Result<Management, Error> {
+    let cidrs = cidrs.iter().map(|c| Cidr::parse_lenient(c)).collect::<Result<Vec<_>, _>>()?;
+    let services = services.iter().map(|s| ServiceEntry::parse(s)).collect::<Result<Vec<_>, _>>()?;
+    Ok(Management::new(cidrs, services)?)
 }
 
 /// What a render reads about the registry: every live workload with its labels and every

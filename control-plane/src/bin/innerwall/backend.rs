@@ -21,13 +21,13 @@ use innerwall_control_plane::gate::{self, Promotion, Scope, Verdict};
 use innerwall_control_plane::identity::tokens::{self, TokenView};
 use innerwall_control_plane::operations;
 use innerwall_control_plane::policy::authoring::{self, LabelsReplaced, ResendRequested};
-use innerwall_control_plane::policy::management::{self, ManagementListing, Scope as ManagementScope};
 use innerwall_control_plane::policy::model::{Management, Selector};
-use innerwall_control_plane::policy::rollback::{self, RolledBack, Target};
 use innerwall_control_plane::policy::spec::RulesetSpec;
 use innerwall_control_plane::policy::store::{
     self, EstateRangeView, PolicyView, RulesetView, SyncStatusView, WorkloadRow, WorkloadView,
 };
+use innerwall_control_plane::safety::management::{self, ManagementListing, Scope as ManagementScope};
+use innerwall_control_plane::safety::rollback::{self, RolledBack, Target};
 use innerwall_control_plane::suggest::{self, Accepted, Suggestions};
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::labels::{Label, LabelKey};

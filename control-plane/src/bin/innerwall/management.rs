@@ -3,8 +3,8 @@
 //! plane's API ([`Backend`]); replaced (`reset`) only on the database.
 
 use clap::Subcommand;
-use innerwall_control_plane::policy::management::{ManagementListing, ManagementView, Scope};
 use innerwall_control_plane::policy::model::{Management, ServiceEntry};
+use innerwall_control_plane::safety::management::{ManagementListing, ManagementView, Scope};
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::Cidr;
 

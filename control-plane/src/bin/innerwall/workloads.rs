@@ -15,8 +15,8 @@ use crate::backend::Backend;
 use crate::output::{escape, print_json, print_table, report};
 use crate::replay;
 use crate::requests::{EvidenceArgs, ScopeArgs};
-use innerwall_control_plane::gate::guard::Guard;
-use innerwall_control_plane::policy::rollback::Target;
+use innerwall_control_plane::gate::promote::Guard;
+use innerwall_control_plane::safety::rollback::Target;
 
 #[derive(Debug, Subcommand)]
 pub enum WorkloadCmd {

@@ -10,16 +10,16 @@
 
 use chrono::{DateTime, Utc};
 use innerwall_wire::identity::WorkloadId;
-use innerwall_wire::policy::Cidr;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
-use sqlx::{PgConnection, PgPool, Row};
+use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
 use crate::error::Error;
 use crate::foresight::commit;
 use crate::policy::authoring::Committed;
-use crate::policy::model::{AuthoredModel, Management, ServiceEntry};
+use crate::policy::model::Management;
+use crate::policy::store;
 
 /// Where management access applies: the estate, or one workload (a narrowing of the estate's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,43 +67,10 @@ pub struct ManagementListing {
     pub workloads: Vec<ManagementView>,
 }
 
-fn parse(cidrs: &[String], services: &[String]) -> Result<Management, Error> {
-    let cidrs = cidrs.iter().map(|c| Cidr::parse_lenient(c)).collect::<Result<Vec<_>, _>>()?;
-    let services = services.iter().map(|s| ServiceEntry::parse(s)).collect::<Result<Vec<_>, _>>()?;
-    Ok(Management::new(cidrs, services)?)
-}
-
 fn texts(management: &Management) -> (Vec<String>, Vec<String>) {
     let cidrs = management.cidrs().iter().map(ToString::to_string).collect();
     let services = management.services().iter().map(ToString::to_string).collect();
     (cidrs, services)
-}
-
-/// Reads every stored set into `model` (the render's input).
-pub async fn load(conn: &mut PgConnection, model: &mut AuthoredModel) -> Result<(), Error> {
-    let rows = sqlx::query(
-        "SELECT m.workload_id, m.cidrs::text[], m.services FROM management_access m
-         LEFT JOIN workloads w ON w.id = m.workload_id
-         WHERE m.workload_id IS NULL OR w.retired_at IS NULL ORDER BY m.workload_id NULLS FIRST",
-    )
-    .fetch_all(&mut *conn)
-    .await?;
-    for row in rows {
-        let workload: Option<Uuid> = row.get(0);
-        let set = parse(&row.get::<Vec<String>, _>(1), &row.get::<Vec<String>, _>(2))
-            .map_err(|e| Error::Corrupt { what: "management access", detail: e.to_string() })?;
-        match workload {
-            None => model.management = Some(set),
-            Some(id) => {
-                let id = WorkloadId::from_uuid(id).ok_or_else(|| Error::Corrupt {
-                    what: "management access",
-                    detail: format!("{id} is not a workload id"),
-                })?;
-                model.management_of.insert(id, set);
-            }
-        }
-    }
-    Ok(())
 }
 
 /// The stored set of `scope`, locked for the change (in a transaction).
@@ -114,7 +81,7 @@ async fn current(conn: &mut PgConnection, scope: Scope) -> Result<Option<Managem
     .bind(scope.workload())
     .fetch_optional(&mut *conn)
     .await?;
-    row.map(|(c, s)| parse(&c, &s)).transpose()
+    row.map(|(c, s)| store::management_set(&c, &s)).transpose()
 }
 
 async fn store(conn: &mut PgConnection, scope: Scope, set: &Management, actor: &str) -> Result<(), Error> {
@@ -221,7 +188,7 @@ pub async fn narrow(
             .fetch_all(&mut *c)
             .await?;
             for (workload, cidrs, services) in rows {
-                if let Err(why) = parse(&cidrs, &services)?.within(set) {
+                if let Err(why) = store::management_set(&cidrs, &services)?.within(set) {
                     return Err(Error::Invalid(format!(
                         "workload {workload}'s management access would be outside the estate's: {why}; \
                          narrow that workload's first; nothing was changed"

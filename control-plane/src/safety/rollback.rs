@@ -14,15 +14,12 @@ use innerwall_wire::policy::Version;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use sqlx::{PgConnection, PgPool};
-use uuid::Uuid;
 
 use crate::error::Error;
 use crate::foresight::commit;
 use crate::gate::evidence::{self, Scope};
 use crate::policy::authoring::{self, Committed};
-use crate::policy::model::{AuthoredModel, Pin};
 use crate::policy::publish;
-use crate::policy::source::{Part, Source};
 
 /// Which earlier version's source.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,43 +40,6 @@ pub struct RolledBack {
     pub source_of: Version,
     /// The new version (absent if the source renders what it has: nothing moved).
     pub version: Option<Version>,
-}
-
-/// Reads every live workload's pin into `model` (the render's input).
-pub async fn load_pins(conn: &mut PgConnection, model: &mut AuthoredModel) -> Result<(), Error> {
-    let pins: Vec<(Uuid, Vec<u8>, Vec<u8>)> = sqlx::query_as(
-        "SELECT w.id, s.digest, s.parts FROM workloads w JOIN policy_sources s ON s.digest = w.pinned_source
-         WHERE w.retired_at IS NULL ORDER BY w.id",
-    )
-    .fetch_all(&mut *conn)
-    .await?;
-    if pins.is_empty() {
-        return Ok(());
-    }
-    let corrupt = |detail: String| Error::Corrupt { what: "policy source", detail };
-    let wanted: Vec<&[u8]> = pins.iter().flat_map(|(_, _, parts)| parts.chunks(32)).collect();
-    let stored: BTreeMap<Vec<u8>, String> =
-        sqlx::query_as("SELECT digest, part::text FROM policy_source_parts WHERE digest = ANY($1)")
-            .bind(&wanted)
-            .fetch_all(&mut *conn)
-            .await?
-            .into_iter()
-            .collect();
-    for (id, digest, parts) in pins {
-        let id = WorkloadId::from_uuid(id).ok_or_else(|| corrupt("not a workload id".into()))?;
-        let parts = parts
-            .chunks(32)
-            .map(|d| {
-                let text = stored
-                    .get(d)
-                    .ok_or_else(|| corrupt(format!("workload {id}'s pin names a missing part")))?;
-                serde_json::from_str::<Part>(text).map_err(|e| corrupt(e.to_string()))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let pinned = Source::from_parts(parts).model().map_err(|e| corrupt(e.to_string()))?;
-        model.pinned.insert(id, Pin { digest, model: pinned });
-    }
-    Ok(())
 }
 
 /// The newest version before `before` whose verdict in a promotion record was SAFE for `id`.

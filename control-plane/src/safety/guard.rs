@@ -17,92 +17,15 @@ use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::Mode;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgPool;
 use uuid::Uuid;
 
 use crate::audit;
 use crate::error::Error;
-use crate::gate::evidence::{Member, Scope};
+use crate::gate::evidence::Scope;
 use crate::gate::promote::{self, Promotion, Request, audit_detail};
 use crate::gate::verdict::Params;
 use crate::policy::publish;
-
-/// A promotion's guard; a field left out takes its default.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
-#[serde(default, deny_unknown_fields)]
-pub struct Guard {
-    /// Minutes after the promotion it watches; 0: no guard.
-    pub minutes: u32,
-    /// New connections blocked from one (source, protocol, port) that trip it.
-    pub threshold: u32,
-    /// Also sources the evidence range never showed allowed.
-    pub unseen: bool,
-}
-
-impl Default for Guard {
-    fn default() -> Self {
-        Guard { minutes: 30, threshold: 5, unseen: false }
-    }
-}
-
-/// The most a guard watches: a day.
-pub const MAX_GUARD_MINUTES: u32 = 24 * 60;
-
-impl Guard {
-    pub fn check(&self) -> Result<(), Error> {
-        if self.minutes > MAX_GUARD_MINUTES || self.threshold == 0 {
-            return Err(Error::Invalid(format!(
-                "a guard watches 0 to {MAX_GUARD_MINUTES} minutes and trips at 1 or more blocked connections"
-            )));
-        }
-        Ok(())
-    }
-}
-
-/// Arms `guard` for the workloads a promotion to enforcement just enforced (replacing an earlier
-/// guard), or drops their guards when it moved them elsewhere.
-pub(crate) async fn arm(
-    tx: &mut PgConnection,
-    promotion: Uuid,
-    at: DateTime<Utc>,
-    members: &[Member],
-    request: &Request,
-) -> Result<(), Error> {
-    let ids: Vec<Uuid> = members.iter().map(|m| m.id.uuid()).collect();
-    let guard = request.guard.unwrap_or_default();
-    if request.to != Mode::Enforcement {
-        // A tripped guard keeps its flows: the demotion it made is one of these.
-        sqlx::query("DELETE FROM enforcement_guards WHERE workload_id = ANY($1) AND tripped_at IS NULL")
-            .bind(&ids)
-            .execute(&mut *tx)
-            .await?;
-        return Ok(());
-    }
-    sqlx::query("DELETE FROM enforcement_guards WHERE workload_id = ANY($1)")
-        .bind(&ids)
-        .execute(&mut *tx)
-        .await?;
-    if guard.minutes == 0 {
-        return Ok(());
-    }
-    let time = |ms: i64| DateTime::<Utc>::from_timestamp_millis(ms).unwrap_or(at);
-    sqlx::query(
-        "INSERT INTO enforcement_guards (workload_id, promotion_id, since, until, evidence_from, evidence_to,
-             threshold, unseen)
-         SELECT w, $2, $3, $3 + make_interval(mins => $4), $5, $6, $7, $8 FROM unnest($1::uuid[]) AS w",
-    )
-    .bind(&ids)
-    .bind(promotion)
-    .bind(at)
-    .bind(guard.minutes as i32)
-    .bind(time(request.params.from_ms))
-    .bind(time(request.params.to_ms))
-    .bind(guard.threshold as i32)
-    .bind(guard.unseen)
-    .execute(&mut *tx)
-    .await?;
-    Ok(())
-}
 
 /// One (source, protocol, port) that tripped a guard: the blocked new connections since the
 /// promotion, and whether the evidence range showed it allowed.
