@@ -98,7 +98,7 @@ impl fmt::Display for PortRange {
 }
 
 /// Sorts and merges overlapping or adjacent ranges (POL-3).
-fn merge_ports(ports: impl IntoIterator<Item = PortRange>) -> Vec<PortRange> {
+pub fn merge_ports(ports: impl IntoIterator<Item = PortRange>) -> Vec<PortRange> {
     let mut sorted: Vec<PortRange> = ports.into_iter().collect();
     sorted.sort();
     let mut merged: Vec<PortRange> = Vec::with_capacity(sorted.len());

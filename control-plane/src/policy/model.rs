@@ -8,7 +8,7 @@ use std::net::IpAddr;
 
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::labels::{LabelError, LabelKey, LabelValue};
-use innerwall_wire::policy::{Cidr, Mode, PolicyError, PortRange, Protocol};
+use innerwall_wire::policy::{Cidr, Mode, PolicyError, PortRange, Protocol, merge_ports};
 use uuid::Uuid;
 
 /// Names of services, address groups, rulesets and rules: 1–63 of `[a-z0-9._-]`, starting and
@@ -251,7 +251,7 @@ impl Management {
         if cidrs.len() > MAX_MANAGEMENT_CIDRS {
             return bad(format!("management access names at most {MAX_MANAGEMENT_CIDRS} source ranges"));
         }
-        let services = by_protocol.into_iter().map(|(p, ports)| (p, merged(ports))).collect();
+        let services = by_protocol.into_iter().map(|(p, ports)| (p, merge_ports(ports))).collect();
         Ok(Management { cidrs, services })
     }
 
@@ -296,23 +296,6 @@ impl fmt::Display for Management {
         let services: Vec<String> = self.services().iter().map(ToString::to_string).collect();
         write!(f, "{} from {}", services.join(" "), cidrs.join(" "))
     }
-}
-
-/// Sorted, overlapping and adjacent ranges merged.
-fn merged(mut ports: Vec<PortRange>) -> Vec<PortRange> {
-    ports.sort();
-    let mut out: Vec<PortRange> = Vec::with_capacity(ports.len());
-    for p in ports {
-        match out.last_mut() {
-            Some(last) if u32::from(p.start()) <= u32::from(last.end()) + 1 => {
-                if p.end() > last.end() {
-                    *last = PortRange::new(last.start().into(), p.end().into()).expect("ordered, in range");
-                }
-            }
-            _ => out.push(p),
-        }
-    }
-    out
 }
 
 /// A live (not retired) workload as the renderer sees it.

@@ -48,7 +48,8 @@ impl SetArgs {
     }
 }
 
-fn parse_entry(text: &str) -> Result<ServiceEntry, String> {
+/// A service entry as the CLI takes it, e.g. `tcp:22`.
+pub fn parse_entry(text: &str) -> Result<ServiceEntry, String> {
     ServiceEntry::parse(text).map_err(|e| e.to_string())
 }
 

@@ -61,7 +61,7 @@ pub struct ServeArgs {
     #[arg(long = "management-cidr", value_parser = crate::estate::parse_cidr)]
     management_cidr: Vec<Cidr>,
     /// The services management sources reach (repeatable service entries, e.g. tcp:22 udp:161).
-    #[arg(long = "management-service", default_value = "tcp:22", value_parser = parse_entry)]
+    #[arg(long = "management-service", default_value = "tcp:22", value_parser = crate::management::parse_entry)]
     management_service: Vec<ServiceEntry>,
     #[command(flatten)]
     retention: RetentionArgs,
@@ -382,10 +382,6 @@ impl ServeArgs {
                 .context("--management-cidr and --management-service")?;
         Ok(Some(set))
     }
-}
-
-fn parse_entry(text: &str) -> Result<ServiceEntry, String> {
-    ServiceEntry::parse(text).map_err(|e| e.to_string())
 }
 
 /// Stores the flags' management access as the estate's when none is stored; what to say about
