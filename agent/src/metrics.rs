@@ -92,6 +92,7 @@ pub struct Metrics {
     applies: Applies,
     applied_version: Gauge,
     drift_repairs: Counter,
+    deadline_reverts: Counter,
     window_records: Histogram,
     window_gaps: Histogram,
     capture: CaptureCounters,
@@ -117,6 +118,7 @@ impl Metrics {
             applies: Applies::new(),
             applied_version: Gauge::default(),
             drift_repairs: Counter::default(),
+            deadline_reverts: Counter::default(),
             window_records: Histogram::new([0.0, 1.0, 10.0, 100.0, 1_000.0, 10_000.0, 100_000.0]),
             window_gaps: Histogram::new([0.0, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0]),
             capture: CaptureCounters::default(),
@@ -140,6 +142,11 @@ impl Metrics {
             "drift_repairs",
             "Times table inet innerwall was found changed from outside and restored",
             m.drift_repairs.clone(),
+        );
+        r.register(
+            "deadline_reverts",
+            "Promotions this host reverted to simulation by itself because no confirmation came before their deadline",
+            m.deadline_reverts.clone(),
         );
         r.register("flow_window_records", "Flow records per closed window", m.window_records.clone());
         r.register("flow_window_gaps", "Evidence gaps per closed window", m.window_gaps.clone());
@@ -175,6 +182,10 @@ impl Metrics {
 
     pub fn drift_repaired(&self) {
         self.drift_repairs.inc();
+    }
+
+    pub fn reverted_at_deadline(&self) {
+        self.deadline_reverts.inc();
     }
 
     pub fn window_closed(&self, records: usize, gaps: usize) {
@@ -405,6 +416,7 @@ mod tests {
                 "innerwall_agent_apply_duration_seconds histogram",
                 "innerwall_agent_applied_version gauge",
                 "innerwall_agent_drift_repairs_total counter",
+                "innerwall_agent_deadline_reverts_total counter",
                 "innerwall_agent_flow_window_records histogram",
                 "innerwall_agent_flow_window_gaps histogram",
                 "innerwall_agent_capture_conn_table_entries gauge",

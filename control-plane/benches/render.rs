@@ -26,6 +26,7 @@ fn estate(workloads: usize) -> Vec<RegisteredWorkload> {
         .map(|i| RegisteredWorkload {
             id: WorkloadId::new_random(),
             mode: Mode::Enforcement,
+            revert_at: None,
             labels: BTreeMap::from([
                 (LabelKey::new("app").unwrap(), LabelValue::new(&format!("app{}", i % APPS)).unwrap()),
                 (LabelKey::new("env").unwrap(), LabelValue::new(&format!("env{}", i % 5)).unwrap()),

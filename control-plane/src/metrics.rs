@@ -268,6 +268,7 @@ pub struct Metrics {
     acks: Labeled<AckStatus, Counter>,
     recovery_snapshots: Counter,
     auto_demotions: Counter,
+    deadline_reverts: Counter,
     push_sent: Histogram,
     push_applied: Histogram,
     windows_stored: Counter,
@@ -305,6 +306,7 @@ impl Metrics {
             acks: Labeled::new(Counter::default),
             recovery_snapshots: Counter::default(),
             auto_demotions: Counter::default(),
+            deadline_reverts: Counter::default(),
             push_sent: latency(),
             push_applied: latency(),
             windows_stored: Counter::default(),
@@ -359,6 +361,11 @@ impl Metrics {
             "auto_demotions",
             "Workloads the auto-demotion guard moved back to simulation (blocked flows their evidence showed allowed)",
             m.auto_demotions.clone(),
+        );
+        r.register(
+            "deadline_reverts",
+            "Promotions to enforcement reverted to simulation because no confirmation came before their deadline",
+            m.deadline_reverts.clone(),
         );
         r.register("flow_windows_ingested", "Flow windows stored", m.windows_stored.clone());
         r.register("flow_records_ingested", "Flow records stored", m.records_stored.clone());
@@ -428,6 +435,10 @@ impl Metrics {
 
     pub fn auto_demoted(&self) {
         self.auto_demotions.inc();
+    }
+
+    pub fn deadline_reverted(&self) {
+        self.deadline_reverts.inc();
     }
 
     /// A delta to a version committed at `committed` was sent at `now`.
@@ -708,6 +719,7 @@ mod tests {
                 "innerwall_acks_total counter",
                 "innerwall_recovery_snapshots_total counter",
                 "innerwall_auto_demotions_total counter",
+                "innerwall_deadline_reverts_total counter",
                 "innerwall_flow_windows_ingested_total counter",
                 "innerwall_flow_records_ingested_total counter",
                 "innerwall_flow_gaps_ingested_total counter",

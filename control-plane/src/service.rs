@@ -250,6 +250,7 @@ pub async fn start(
             config.retention.clone(),
         ),
     );
+    tasks.spawn("confirm deadlines", revert_unconfirmed_forever(pools.authoring.clone(), metrics.clone()));
     tasks.spawn(
         "liveness sweep",
         crate::sync::liveness::sweep_forever(pools.streams.clone(), config.gateway.heartbeat),
@@ -342,6 +343,23 @@ pub async fn start(
         signer,
         api: None,
     })
+}
+
+/// How often each replica looks for promotions past their confirm deadline.
+const CONFIRM_SWEEP: Duration = Duration::from_secs(1);
+
+/// Reverts promotions whose confirm deadline passed unconfirmed (`safety::confirm`), every
+/// [`CONFIRM_SWEEP`], counting each; replicas serialize on the render lock.
+async fn revert_unconfirmed_forever(pool: PgPool, metrics: Arc<Metrics>) {
+    let mut ticker = tokio::time::interval(CONFIRM_SWEEP);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        match crate::safety::confirm::revert_expired(&pool).await {
+            Ok(reverted) => reverted.iter().for_each(|_| metrics.deadline_reverted()),
+            Err(e) => tracing::warn!("reverting promotions past their confirm deadline failed: {e}"),
+        }
+    }
 }
 
 /// The auto-demotion guard (`safety::guard`) as the telemetry service's [`crate::flows::OnBlocked`]:

@@ -23,7 +23,7 @@ use crate::host::{Agent, HOST_ADDRESS, Namespace, PEER_ADDRESS, Peer, require_ro
 use crate::plane::Plane;
 
 /// The control plane's address, in the peer's namespace: outside the management range.
-const PLANE_ADDRESS: &str = "10.81.0.3";
+pub(crate) const PLANE_ADDRESS: &str = "10.81.0.3";
 
 fn management(services: &[&str]) -> Management {
     Management::new(
@@ -35,7 +35,7 @@ fn management(services: &[&str]) -> Management {
 
 /// Whether a TCP handshake from `src` in the peer's namespace to the host's `port` completes
 /// within `wait` (a dropped SYN never does).
-fn connects(peer: &Peer, src: &str, port: u16, wait: Duration) -> bool {
+pub(crate) fn connects(peer: &Peer, src: &str, port: u16, wait: Duration) -> bool {
     let src: SocketAddr = format!("{src}:0").parse().unwrap();
     let dst: SocketAddr = format!("{HOST_ADDRESS}:{port}").parse().unwrap();
     peer.inside(move || {
@@ -50,7 +50,7 @@ fn connects(peer: &Peer, src: &str, port: u16, wait: Duration) -> bool {
 
 /// The packets counted by the rule of the owned table whose comment is `comment`, in this
 /// thread's namespace (0 without such a rule).
-fn counted(comment: &str) -> u64 {
+pub(crate) fn counted(comment: &str) -> u64 {
     let out = Command::new("nft").args(["list", "table", "inet", "innerwall"]).output().expect("running nft");
     assert!(out.status.success(), "nft list: {out:?}");
     String::from_utf8_lossy(&out.stdout)
@@ -61,7 +61,7 @@ fn counted(comment: &str) -> u64 {
 }
 
 /// The stored flow records of `id` from `src` to `port`: (decision, deciding rule).
-async fn records(pool: &PgPool, id: WorkloadId, src: &str, port: i32) -> Vec<(i16, String)> {
+pub(crate) async fn records(pool: &PgPool, id: WorkloadId, src: &str, port: i32) -> Vec<(i16, String)> {
     sqlx::query_as(
         "SELECT decision, matched_rule_id FROM flow_records
          WHERE workload_id = $1 AND src_address = $2::inet AND dst_port = $3",

@@ -124,6 +124,7 @@ pub(crate) async fn set_mode(plane: &Plane, scope: Scope, count: usize, to: Mode
         reason: format!("test: to {to}"),
         override_reason: None,
         guard: None,
+        confirm_within: None,
     };
     gate::promote(plane.pool(), "test", &request).await.unwrap()
 }
@@ -181,6 +182,7 @@ async fn verdict_scenario_unsafe_then_safe() {
         reason: "go".into(),
         override_reason: None,
         guard: None,
+        confirm_within: None,
     };
     let refused = gate::promote(plane.pool(), "test", &request).await.unwrap_err();
     assert!(matches!(refused, Error::EvidenceInsufficient { outcome: "UNSAFE", .. }), "{refused}");
@@ -264,6 +266,7 @@ async fn promotion_count_mismatch_changes_nothing() {
         reason: "roll back".into(),
         override_reason: None,
         guard: None,
+        confirm_within: None,
     };
     let err = gate::promote(plane.pool(), "test", &to_visibility(3)).await.unwrap_err();
     assert!(matches!(err, Error::CountMismatch { expected: 3, matched: 2, .. }), "{err}");

@@ -65,6 +65,7 @@ async fn auto_demotion_on_previously_allowed_traffic() {
         reason: "evidence is clean".into(),
         override_reason: None,
         guard: Some(Guard { minutes: 30, threshold: 3, unseen }),
+        confirm_within: None,
     };
     gate::promote(plane.pool(), "alice", &enforce(&a, false)).await.unwrap();
     gate::promote(plane.pool(), "alice", &enforce(&b, true)).await.unwrap();

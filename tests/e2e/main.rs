@@ -4,6 +4,7 @@ mod agent_restart;
 mod backup;
 mod binaries;
 mod bounds;
+mod confirm;
 mod console;
 mod enroll;
 mod evidence;

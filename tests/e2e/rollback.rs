@@ -52,6 +52,7 @@ async fn rollback_renders_the_last_clean_source() {
         reason: "clean".into(),
         override_reason: None,
         guard: None,
+        confirm_within: None,
     };
     gate::promote(plane.pool(), "alice", &request).await.unwrap();
     let clean = synced(&plane, &[&host]).await;

@@ -19,8 +19,8 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use innerwall_agent::enforce::{EnforceError, Installed, PolicyStore};
-use innerwall_agent::sync::Enforcer;
 use innerwall_agent::sync::core::{Effect as AgentEffect, Event as AgentEvent, StreamCore as AgentCore};
+use innerwall_agent::sync::{Enforcer, Standing};
 use innerwall_control_plane::policy::model::{
     AuthoredModel, Peer, RegisteredWorkload, Rule, Ruleset, Selector, Service, ServiceEntry,
 };
@@ -243,6 +243,7 @@ impl Estate {
             .map(|(i, id)| RegisteredWorkload {
                 id: *id,
                 mode: Mode::Simulation,
+                revert_at: None,
                 labels: BTreeMap::from([label("app", APPS[i % APPS.len()])]),
                 addresses: BTreeSet::from([IpAddr::V4(Ipv4Addr::new(10, 0, 0, i as u8 + 1))]),
             })
@@ -548,7 +549,7 @@ impl World {
             snapshots: 0,
             versions: BTreeSet::new(),
             died_at: None,
-            agent_core: AgentCore::new(suspended),
+            agent_core: AgentCore::new(Standing { suspended, reverted_version: 0 }),
         });
         self.agents[a].stream = Some(s);
         self.log(format!("agent {a} dials: stream {s} on replica {replica}"));
@@ -767,7 +768,7 @@ impl World {
                 };
                 self.log(format!("agent {a} kill switch {}", if suspended { "down" } else { "up" }));
                 if let Some(s) = self.agents[a].stream {
-                    self.agent_event(s, AgentEvent::Suspension(suspended));
+                    self.agent_event(s, AgentEvent::Standing(Standing { suspended, reverted_version: 0 }));
                 }
             }
             92 if self.faults => {

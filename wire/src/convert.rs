@@ -135,6 +135,7 @@ impl From<&WorkloadPolicy> for proto::WorkloadPolicy {
             version: policy.version(),
             mode: proto::EnforcementMode::from(policy.mode()).into(),
             inbound_rules: policy.rules().map(Into::into).collect(),
+            revert_at_unix_ms: policy.revert_at().unwrap_or(0),
         }
     }
 }
@@ -144,7 +145,9 @@ impl TryFrom<&proto::WorkloadPolicy> for WorkloadPolicy {
 
     fn try_from(wire: &proto::WorkloadPolicy) -> Result<Self, PolicyError> {
         let rules = wire.inbound_rules.iter().map(ResolvedRule::try_from).collect::<Result<Vec<_>, _>>()?;
-        WorkloadPolicy::new(wire.version, Mode::from_number("policy.mode", wire.mode)?, rules)
+        let revert_at = (wire.revert_at_unix_ms != 0).then_some(wire.revert_at_unix_ms);
+        WorkloadPolicy::new(wire.version, Mode::from_number("policy.mode", wire.mode)?, rules)?
+            .with_revert_at(revert_at)
     }
 }
 
@@ -177,6 +180,7 @@ impl From<&Change> for proto::DeltaChange {
             Change::AddPeers { rule, peers } => W::AddPeers(peer_change(rule, peers)),
             Change::RemovePeers { rule, peers } => W::RemovePeers(peer_change(rule, peers)),
             Change::SetMode(mode) => W::SetMode(proto::EnforcementMode::from(*mode).into()),
+            Change::SetRevertAt(at) => W::SetRevertAtUnixMs(at.unwrap_or(0)),
         };
         proto::DeltaChange { change: Some(change) }
     }
@@ -199,6 +203,11 @@ impl TryFrom<&proto::DeltaChange> for Change {
                 peers: cidrs_from_wire(&pc.peer_cidrs)?,
             },
             W::SetMode(mode) => Change::SetMode(Mode::from_number("delta_change.set_mode", *mode)?),
+            W::SetRevertAtUnixMs(at) => Change::SetRevertAt(match *at {
+                0 => None,
+                at if at < 0 => return Err(PolicyError::RevertDeadline { at_ms: at }),
+                at => Some(at),
+            }),
         })
     }
 }
@@ -490,6 +499,7 @@ impl From<&AgentMessage> for proto::SyncRequest {
                 agent: Some((&h.agent).into()),
                 facts: h.facts.as_ref().map(Into::into),
                 suspended: h.suspended,
+                reverted_version: h.reverted_version,
             }),
             AgentMessage::Ack(a) => Msg::Ack(ack_to_wire(a)),
             AgentMessage::Heartbeat(h) => Msg::Heartbeat(proto::Heartbeat {
@@ -505,6 +515,7 @@ impl From<&AgentMessage> for proto::SyncRequest {
                     })
                     .collect(),
                 suspended: h.suspended,
+                reverted_version: h.reverted_version,
             }),
             AgentMessage::Inventory(i) => Msg::Inventory(proto::InventoryReport {
                 facts: i.facts.as_ref().map(Into::into),
@@ -551,6 +562,7 @@ impl TryFrom<proto::SyncRequest> for AgentMessage {
                 agent: h.agent.as_ref().map(AgentInfo::from).unwrap_or_default(),
                 facts: h.facts.as_ref().map(HostFacts::from),
                 suspended: h.suspended,
+                reverted_version: h.reverted_version,
             }))),
             Some(Msg::Ack(a)) => {
                 let status = AckStatus::from_number("ack status", a.status).map_err(|_| {
@@ -576,6 +588,7 @@ impl TryFrom<proto::SyncRequest> for AgentMessage {
                     })
                     .collect(),
                 suspended: h.suspended,
+                reverted_version: h.reverted_version,
             })),
             Some(Msg::Inventory(i)) => Ok(AgentMessage::Inventory(Box::new(Inventory {
                 facts: i.facts.as_ref().map(HostFacts::from),
@@ -885,6 +898,14 @@ mod tests {
             changes: vec![proto::DeltaChange { change: Some(proto::delta_change::Change::SetMode(7)) }],
         };
         assert!(matches!(PolicyDelta::try_from(&delta), Err(PolicyError::Enum { value: 7, .. })));
+        let before_1970 = proto::PolicyDelta {
+            from_version: 1,
+            to_version: 2,
+            changes: vec![proto::DeltaChange {
+                change: Some(proto::delta_change::Change::SetRevertAtUnixMs(-1)),
+            }],
+        };
+        assert_eq!(PolicyDelta::try_from(&before_1970), Err(PolicyError::RevertDeadline { at_ms: -1 }));
     }
 
     #[test]
@@ -896,6 +917,7 @@ mod tests {
                 wire_rule("b/tcp", proto::Protocol::Tcp, &[], &[(1, 1)]),
                 wire_rule("a/tcp", proto::Protocol::Tcp, &["10.0.0.0/8", "1.0.0.0/8"], &[(2, 2), (1, 1)]),
             ],
+            revert_at_unix_ms: 0,
         };
         let bytes = unsorted.encode_to_vec();
         assert_eq!(WorkloadPolicy::from_canonical_bytes(&bytes), Err(PolicyError::NotCanonical));
@@ -925,6 +947,7 @@ mod tests {
                 agent: AgentInfo { version: "1.0".into(), capabilities: vec!["nftables".into()] },
                 facts: Some(facts.clone()),
                 suspended: true,
+                reverted_version: 6,
             })),
             AgentMessage::Ack(Ack::Applied(3)),
             AgentMessage::Ack(Ack::Held(4)),
@@ -934,6 +957,7 @@ mod tests {
                 credential_renewal_error: "refused".into(),
                 tamper_events: vec![TamperEvent { detected_at_unix_ms: 1, detail: "flush".into(), count: 2 }],
                 suspended: false,
+                reverted_version: 4,
             }),
             AgentMessage::Inventory(Box::new(Inventory {
                 facts: Some(facts),

@@ -381,6 +381,9 @@ pub struct WorkloadPolicy {
     version: Version,
     mode: Mode,
     rules: BTreeMap<RuleId, ResolvedRule>,
+    /// A promotion awaiting confirmation (FLOW-11): from this moment on (unix milliseconds) the
+    /// policy is enforced in simulation, unless a later version clears it.
+    revert_at_ms: Option<i64>,
 }
 
 impl WorkloadPolicy {
@@ -395,7 +398,7 @@ impl WorkloadPolicy {
                 return Err(PolicyError::DuplicateRule { rule: dup.id.to_string() });
             }
         }
-        Ok(WorkloadPolicy { version, mode, rules: map })
+        Ok(WorkloadPolicy { version, mode, rules: map, revert_at_ms: None })
     }
 
     pub fn version(&self) -> Version {
@@ -416,6 +419,39 @@ impl WorkloadPolicy {
     pub fn with_mode(mut self, mode: Mode) -> Self {
         self.mode = mode;
         self
+    }
+
+    /// The same policy with a revert deadline (unix milliseconds; `None`: none). A deadline is
+    /// a moment after the epoch: anything else is refused.
+    pub fn with_revert_at(mut self, at_ms: Option<i64>) -> Result<Self, PolicyError> {
+        if let Some(at) = at_ms
+            && at <= 0
+        {
+            return Err(PolicyError::RevertDeadline { at_ms: at });
+        }
+        self.revert_at_ms = at_ms;
+        Ok(self)
+    }
+
+    /// When an unconfirmed promotion reverts (unix milliseconds), if one is pending.
+    pub fn revert_at(&self) -> Option<i64> {
+        self.revert_at_ms
+    }
+
+    /// Whether the revert deadline of an enforcing policy has passed at `now_ms`: it is then
+    /// enforced as its simulation (the agent's table, and the decisions flows are judged with).
+    pub fn reverted_at(&self, now_ms: i64) -> bool {
+        self.mode == Mode::Enforcement && self.revert_at_ms.is_some_and(|at| now_ms >= at)
+    }
+
+    /// The policy as enforced at `now_ms`: itself, or its simulation once its revert deadline
+    /// passed ([`reverted_at`](Self::reverted_at)).
+    pub fn effective_at(&self, now_ms: i64) -> std::borrow::Cow<'_, WorkloadPolicy> {
+        if self.reverted_at(now_ms) {
+            std::borrow::Cow::Owned(self.clone().with_mode(Mode::Simulation))
+        } else {
+            std::borrow::Cow::Borrowed(self)
+        }
     }
 
     /// Rules in id order.
@@ -448,6 +484,14 @@ impl WorkloadPolicy {
     fn apply_change(&mut self, change: &Change) -> Result<(), ApplyError> {
         match change {
             Change::SetMode(mode) => self.mode = *mode,
+            Change::SetRevertAt(at) => {
+                if let Some(at_ms) = *at
+                    && at_ms <= 0
+                {
+                    return Err(ApplyError::Malformed(PolicyError::RevertDeadline { at_ms }));
+                }
+                self.revert_at_ms = *at;
+            }
             Change::UpsertRule(rule) => {
                 self.rules.insert(rule.id.clone(), rule.clone());
             }
@@ -497,6 +541,8 @@ pub enum Change {
         peers: BTreeSet<Cidr>,
     },
     SetMode(Mode),
+    /// The revert deadline of a promotion awaiting confirmation (`None` clears it).
+    SetRevertAt(Option<i64>),
 }
 
 /// The changes that take the policy at `from_version` to the policy at `to_version`.
@@ -514,13 +560,17 @@ impl PolicyDelta {
     }
 }
 
-/// The minimal change list from `a` to `b` (SYNC-1): the mode first, then per rule in id order
+/// The minimal change list from `a` to `b` (SYNC-1): the mode first, then the revert deadline,
+/// then per rule in id order
 /// a removal, an upsert (new rule, or its ports changed), or peer removals and additions.
 /// A rule whose peers all go stays as an empty rule; only its absence from `b` removes it.
 pub fn diff(a: &WorkloadPolicy, b: &WorkloadPolicy) -> PolicyDelta {
     let mut changes = Vec::new();
     if a.mode != b.mode {
         changes.push(Change::SetMode(b.mode));
+    }
+    if a.revert_at_ms != b.revert_at_ms {
+        changes.push(Change::SetRevertAt(b.revert_at_ms));
     }
     let ids: BTreeSet<&RuleId> = a.rules.keys().chain(b.rules.keys()).collect();
     for id in ids {
@@ -569,6 +619,8 @@ pub enum PolicyError {
     Enum { field: &'static str, value: i32 },
     #[error("{field} is missing")]
     Missing { field: &'static str },
+    #[error("revert deadline {at_ms} is not a moment after 1970 (unix milliseconds)")]
+    RevertDeadline { at_ms: i64 },
     #[error("policy bytes do not decode: {0}")]
     Decode(#[from] prost::DecodeError),
     #[error("policy bytes are not in canonical form (re-encoding differs)")]
@@ -720,5 +772,40 @@ mod tests {
         let rule = ResolvedRule::new(id, [PortRange::single(53).unwrap()], []).unwrap();
         let e = WorkloadPolicy::new(1, Mode::Enforcement, [rule.clone(), rule]).unwrap_err();
         assert_eq!(e, PolicyError::DuplicateRule { rule: "r/udp".into() });
+    }
+
+    #[test]
+    fn a_revert_deadline_turns_enforcement_into_its_simulation_once_passed() {
+        let id = RuleId::new("r", Protocol::Tcp).unwrap();
+        let rule = ResolvedRule::new(id, [PortRange::single(22).unwrap()], cidrs(&["10.0.0.0/8"])).unwrap();
+        let enforced = WorkloadPolicy::new(4, Mode::Enforcement, [rule]).unwrap();
+        let pending = enforced.clone().with_revert_at(Some(1_000)).unwrap();
+        assert!(!pending.reverted_at(999));
+        assert_eq!(pending.effective_at(999).mode(), Mode::Enforcement);
+        assert!(pending.reverted_at(1_000));
+        let reverted = pending.effective_at(1_000);
+        assert_eq!(reverted.mode(), Mode::Simulation);
+        assert_eq!((reverted.version(), reverted.rules().len()), (4, 1), "same version and rules");
+        // Without a deadline, or outside enforcement, nothing reverts.
+        assert!(!enforced.reverted_at(i64::MAX));
+        assert!(!pending.clone().with_mode(Mode::Simulation).reverted_at(i64::MAX));
+        // The deadline is content: it changes the bytes, and a delta sets and clears it.
+        assert_ne!(pending.canonical_bytes(), enforced.canonical_bytes());
+        let set = diff(&enforced, &pending.clone().with_version(5));
+        assert_eq!(set.changes, vec![Change::SetRevertAt(Some(1_000))]);
+        let cleared = diff(&pending, &enforced.clone().with_version(5));
+        assert_eq!(cleared.changes, vec![Change::SetRevertAt(None)]);
+        assert_eq!(pending.apply(&cleared).unwrap().revert_at(), None);
+        // A moment before 1970 is refused, by the constructor and by a delta alike.
+        assert_eq!(
+            enforced.clone().with_revert_at(Some(0)).unwrap_err(),
+            PolicyError::RevertDeadline { at_ms: 0 }
+        );
+        let bad =
+            PolicyDelta { from_version: 4, to_version: 5, changes: vec![Change::SetRevertAt(Some(-5))] };
+        assert!(matches!(
+            enforced.apply(&bad),
+            Err(ApplyError::Malformed(PolicyError::RevertDeadline { at_ms: -5 }))
+        ));
     }
 }

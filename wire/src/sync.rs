@@ -9,6 +9,14 @@ use std::time::Duration;
 use crate::identity::{AgentInfo, HostFacts};
 use crate::policy::{PolicyDelta, Protocol, Version, WorkloadPolicy};
 
+/// The capability (in Hello's agent info) of an agent that holds a policy's revert deadline
+/// (FLOW-11): the control plane gives a confirm deadline only to workloads whose agent says it.
+pub const CONFIRM_DEADLINE: &str = "confirm-deadline";
+
+/// Capabilities the control plane keeps of one Hello, and the longest it keeps of each.
+pub const MAX_CAPABILITIES: usize = 32;
+pub const MAX_CAPABILITY: usize = 64;
+
 /// Distinct tamper details one heartbeat carries; further outside changes are only counted, in
 /// one more entry. The control plane audits at most this many plus that one.
 pub const MAX_TAMPER_REPORTS: usize = 16;
@@ -119,6 +127,9 @@ pub struct Hello {
     pub facts: Option<HostFacts>,
     /// The kill switch is engaged on the host.
     pub suspended: bool,
+    /// The held version whose revert deadline passed unconfirmed (FLOW-11): the host enforces it
+    /// in simulation. 0: none.
+    pub reverted_version: Version,
 }
 
 /// The control plane's answer to Hello: the timing the agent keeps.
@@ -149,6 +160,8 @@ pub struct Heartbeat {
     /// At most [`MAX_TAMPER_REPORTS`] details and one entry counting the rest.
     pub tamper_events: Vec<TamperEvent>,
     pub suspended: bool,
+    /// As in [`Hello`]; said at once when it changes.
+    pub reverted_version: Version,
 }
 
 /// A socket listening on the host.

@@ -159,7 +159,7 @@ async fn check_drift_forever(agent: Arc<Agent<LinuxPolicyStore>>, every: Duratio
             if let Ok(Some(event)) = &result {
                 a.reports.tamper(event.clone());
             }
-            a.enforcer.refresh_suspension();
+            a.enforcer.refresh_standing();
             result
         })
         .await;
@@ -170,6 +170,39 @@ async fn check_drift_forever(agent: Arc<Agent<LinuxPolicyStore>>, every: Duratio
             }
             Ok(Err(e)) => tracing::error!("drift check failed: {}", error::chain(&e)),
             _ => {}
+        }
+    }
+}
+
+/// How often the agent looks at the applied policy's revert deadline (FLOW-11): a promotion not
+/// confirmed in time is enforced as its simulation at most this long after its deadline.
+const DEADLINE_CHECK: Duration = Duration::from_secs(1);
+
+/// Holds the applied policy's revert deadline (FLOW-11), with or without a control plane: once
+/// it passes unconfirmed, the table becomes the policy's simulation and the stream says so.
+async fn hold_deadline_forever(agent: Arc<Agent<LinuxPolicyStore>>) {
+    let mut ticker = tokio::time::interval(DEADLINE_CHECK);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        let a = agent.clone();
+        let checked = tokio::task::spawn_blocking(move || {
+            let now = crate::enforce::store::now_ms();
+            let result = a
+                .enforcer
+                .store
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .check_deadline(now);
+            if matches!(result, Ok(Some(_))) {
+                a.metrics.reverted_at_deadline();
+                a.enforcer.refresh_standing();
+            }
+            result
+        })
+        .await;
+        if let Ok(Err(e)) = checked {
+            tracing::error!("reverting at the deadline failed (retrying): {}", error::chain(&e));
         }
     }
 }
@@ -204,8 +237,10 @@ pub async fn run(config: RunConfig, hangup: Box<dyn Fn() + Send + Sync>) -> Resu
         tasks.spawn("metrics", crate::metrics::serve(tcp, agent.metrics.clone()));
     }
     tasks.spawn("drift check", check_drift_forever(agent.clone(), config.drift_interval));
+    tasks.spawn("revert deadline", hold_deadline_forever(agent.clone()));
+    // Before any dial: the capture remembers the connections the agent opens (FLOW-1).
+    let flows = windows::start(&config, agent.clone(), &mut tasks).await;
     tasks.spawn("renewal", renew::renew_forever(config.clone(), agent.clone()));
-    let flows = windows::start(&config, agent.clone(), &mut tasks);
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(RunError::Signal)?;

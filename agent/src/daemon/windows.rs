@@ -277,9 +277,17 @@ impl FlowTasks {
     }
 }
 
+/// How long the agent waits for the capture to attach before it dials anything anyway.
+const ATTACH_WAIT: Duration = Duration::from_secs(10);
+
 /// Starts flow capture and upload. Without root or the BPF object, enforcement goes on and the
 /// reason is logged; the windows then carry CAPTURE_UNAVAILABLE gaps until capture attaches.
-pub fn start<S: PolicyStore + Send + 'static>(
+///
+/// Returns once the capture attached (or failed to, or [`ATTACH_WAIT`] passed), and only then
+/// dials the telemetry connection: the agent's own connections are opened after the egress
+/// program that remembers them, so their replies are never taken for inbound flows (FLOW-1).
+/// The caller dials the policy stream after it too.
+pub async fn start<S: PolicyStore + Send + 'static>(
     config: &RunConfig,
     agent: Arc<Agent<S>>,
     tasks: &mut innerwall_wire::tasks::Tasks,
@@ -292,14 +300,12 @@ pub fn start<S: PolicyStore + Send + 'static>(
         }
     };
     agent.metrics.watch_queue(queue.clone());
-    tasks.spawn(
-        "flow upload",
-        telemetry::upload_forever(config.clone(), queue.clone(), Duration::from_secs(1)),
-    );
     let state_dir = config.state_dir.clone();
     let (wake, wakes) = std::sync::mpsc::channel();
     let closes = agent.enforcer.window_closes();
     let conn_entries = config.conn_entries;
+    let (attached, tried) = tokio::sync::oneshot::channel();
+    let upload_queue = queue.clone();
     let spawned = std::thread::Builder::new().name("flow-capture".into()).spawn(move || {
         let capture = attach(conn_entries, &agent.metrics)
             .map_err(|e| format!("flow capture unavailable: {}", error::chain(&e)));
@@ -313,9 +319,17 @@ pub fn start<S: PolicyStore + Send + 'static>(
                 "{why}; enforcement continues, and flow windows carry capture-unavailable gaps until it attaches"
             ),
         }
+        let _ = attached.send(());
         capture_forever(capture, conn_entries, agent, queue, &state_dir, &wakes, &closes);
     });
     let capture = spawned.map_err(|e| tracing::error!("could not start the flow capture thread: {e}")).ok();
+    if capture.is_some() && tokio::time::timeout(ATTACH_WAIT, tried).await.is_err() {
+        tracing::warn!("the flow capture did not attach within {ATTACH_WAIT:?}; dialing anyway");
+    }
+    tasks.spawn(
+        "flow upload",
+        telemetry::upload_forever(config.clone(), upload_queue, Duration::from_secs(1)),
+    );
     Some(FlowTasks { wake, capture })
 }
 

@@ -22,7 +22,7 @@ use super::netlink;
 use super::nft;
 use super::persist::{PersistError, PersistedPolicy};
 use super::state::{self, TableState};
-use super::store::{EnforceError, Installed, PolicyStore, TamperEvent};
+use super::store::{EnforceError, Installed, PolicyStore, TamperEvent, now_ms};
 
 /// Marker left by `innerwall-agent down`: while it exists nothing is installed (policies are
 /// persisted and held) and drift is not repaired. Only `innerwall-agent up` removes it.
@@ -34,9 +34,21 @@ const ENFORCE_LOCK: &str = "enforce.lock";
 #[derive(Debug)]
 struct Applied {
     policy: WorkloadPolicy,
+    /// The table of the policy as enforced: its simulation once its revert deadline passed.
     desired: DesiredTable,
+    /// The revert deadline had passed when `desired` was built (FLOW-11).
+    reverted: bool,
     /// Computed on first need (drift check): the table state the kernel should hold.
     expected: Option<TableState>,
+}
+
+impl Applied {
+    /// `policy` as enforced at `now_ms`.
+    fn at(policy: WorkloadPolicy, now_ms: i64) -> Applied {
+        let reverted = policy.reverted_at(now_ms);
+        let desired = DesiredTable::from_policy(&policy.effective_at(now_ms));
+        Applied { policy, desired, reverted, expected: None }
+    }
 }
 
 /// The Linux enforcement backend.
@@ -95,16 +107,23 @@ impl LinuxPolicyStore {
         let Some(policy) = self.file.load()? else {
             return Ok(Restored::Nothing);
         };
-        let desired = DesiredTable::from_policy(&policy);
         let version = policy.version();
+        let mut applied = Applied::at(policy, now_ms());
+        if applied.reverted {
+            tracing::warn!(
+                version,
+                "the persisted policy's promotion was not confirmed by its deadline: enforcing it as its simulation"
+            );
+        }
         if self.suspended() {
             self.was_suspended = true;
-            self.applied = Some(Applied { policy, desired, expected: None });
+            self.applied = Some(applied);
             return Ok(Restored::Suspended { version });
         }
-        let expected = nft::expected_state(&desired);
-        let holds = install_unless_held(&desired, &expected)?;
-        self.applied = Some(Applied { policy, desired, expected: Some(expected) });
+        let expected = nft::expected_state(&applied.desired);
+        let holds = install_unless_held(&applied.desired, &expected)?;
+        applied.expected = Some(expected);
+        self.applied = Some(applied);
         self.verified_generation = None;
         Ok(if holds { Restored::AlreadyInstalled { version } } else { Restored::Installed { version } })
     }
@@ -160,6 +179,29 @@ impl LinuxPolicyStore {
         nft::full_replace_batch(&applied.desired).send().map_err(EnforceError::Install)?;
         self.verified_generation = None;
         Ok(Some(TamperEvent { at: now, detail }))
+    }
+
+    /// The revert deadline (FLOW-11): once the applied policy's deadline passed unconfirmed, its
+    /// simulation replaces it in the kernel (held instead while the kill switch is engaged).
+    /// Returns the version reverted now, if this call reverted it.
+    pub fn check_deadline(&mut self, now_ms: i64) -> Result<Option<u64>, EnforceError> {
+        if !self.applied.as_ref().is_some_and(|a| !a.reverted && a.policy.reverted_at(now_ms)) {
+            return Ok(None);
+        }
+        let _lock = lock(self.state_dir());
+        let Some(current) = self.applied.as_ref() else { return Ok(None) };
+        let next = Applied::at(current.policy.clone(), now_ms);
+        if !self.suspended() {
+            self.full_replace(&next.desired)?;
+            self.verified_generation = None;
+        }
+        let version = next.policy.version();
+        tracing::warn!(
+            version,
+            "the promotion to enforcement was not confirmed by its deadline: enforcing v{version} as its simulation"
+        );
+        self.applied = Some(next);
+        Ok(Some(version))
     }
 
     /// Whether the kill switch is engaged (`innerwall-agent down` until `innerwall-agent up`).
@@ -220,15 +262,15 @@ impl PolicyStore for LinuxPolicyStore {
     fn apply(&mut self, next: &WorkloadPolicy) -> Result<Installed, EnforceError> {
         let _lock = lock(self.state_dir());
         self.file.store(next)?;
-        let desired = DesiredTable::from_policy(next);
+        let applied = Applied::at(next.clone(), now_ms());
         if self.suspended() {
             self.was_suspended = true;
-            self.applied = Some(Applied { policy: next.clone(), desired, expected: None });
+            self.applied = Some(applied);
             return Ok(Installed::Held);
         }
-        match self.install(next, &desired) {
+        match self.install(next, &applied.desired) {
             Ok(how) => {
-                self.applied = Some(Applied { policy: next.clone(), desired, expected: None });
+                self.applied = Some(applied);
                 self.verified_generation = None;
                 Ok(how)
             }
@@ -253,6 +295,11 @@ impl PolicyStore for LinuxPolicyStore {
 
     fn suspended(&self) -> bool {
         LinuxPolicyStore::suspended(self)
+    }
+
+    /// What the kernel holds says: the version whose simulation replaced it at its deadline.
+    fn reverted_version(&self) -> u64 {
+        self.applied.as_ref().filter(|a| a.reverted).map_or(0, |a| a.policy.version())
     }
 }
 
@@ -329,7 +376,7 @@ pub fn release_kill_switch(state_dir: &Path) -> Result<ReleaseReport, EnforceErr
     let was_engaged = marker.exists();
     let policy = PersistedPolicy::new(state_dir).load()?;
     if let Some(policy) = &policy {
-        let desired = DesiredTable::from_policy(policy);
+        let desired = DesiredTable::from_policy(&policy.effective_at(now_ms()));
         install_unless_held(&desired, &nft::expected_state(&desired))?;
     }
     match fs::remove_file(&marker) {

@@ -12,7 +12,7 @@ use super::linux::KILL_SWITCH_MARKER;
 use super::nft;
 use super::persist::PersistedPolicy;
 use super::state::{self, RuleCounter};
-use super::store::EnforceError;
+use super::store::{EnforceError, now_ms};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct RuleHits {
@@ -26,6 +26,10 @@ pub struct StatusReport {
     pub state_dir: String,
     pub applied_version: Option<u64>,
     pub mode: Option<String>,
+    /// A promotion awaiting confirmation: when the host reverts it (unix milliseconds).
+    pub revert_at_unix_ms: Option<i64>,
+    /// The deadline passed unconfirmed: the policy is enforced as its simulation.
+    pub reverted: bool,
     pub rule_count: Option<usize>,
     /// Why the persisted policy could not be read, if it could not.
     pub persisted_error: Option<String>,
@@ -56,6 +60,8 @@ pub fn status(state_dir: &Path) -> Result<StatusReport, EnforceError> {
         state_dir: state_dir.display().to_string(),
         applied_version: policy.as_ref().map(|p| p.version()),
         mode: policy.as_ref().map(|p| p.mode().to_string()),
+        revert_at_unix_ms: policy.as_ref().and_then(|p| p.revert_at()),
+        reverted: policy.as_ref().is_some_and(|p| p.reverted_at(now_ms())),
         rule_count: policy.as_ref().map(|p| p.rules().len()),
         persisted_error,
         table_present: table.is_some(),
@@ -70,7 +76,7 @@ pub fn status(state_dir: &Path) -> Result<StatusReport, EnforceError> {
     let Some(table) = table else { return Ok(report) };
     report.sets = state::interval_counts(&table);
     if let Some(policy) = &policy {
-        let expected = nft::expected_state(&DesiredTable::from_policy(policy));
+        let expected = nft::expected_state(&DesiredTable::from_policy(&policy.effective_at(now_ms())));
         report.differences = table.differences(&expected);
         report.kernel_matches_persisted = Some(report.differences.is_empty());
     }
@@ -131,6 +137,22 @@ impl StatusReport {
             (None, None) => {
                 let _ = writeln!(w, "applied policy:   none persisted");
             }
+        }
+        if let Some(at) = self.revert_at_unix_ms {
+            let at = u64::try_from(at).map_or_else(
+                |_| at.to_string(),
+                |ms| {
+                    let t = std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms);
+                    humantime::format_rfc3339_seconds(t).to_string()
+                },
+            );
+            let _ = match self.reverted {
+                true => writeln!(
+                    w,
+                    "confirm deadline: {at}, PASSED unconfirmed: enforced as its simulation (nothing is dropped)"
+                ),
+                false => writeln!(w, "confirm deadline: {at}: reverts to simulation then unless confirmed"),
+            };
         }
         let table = match (self.table_present, self.kernel_matches_persisted) {
             (false, _) => "absent",

@@ -57,6 +57,19 @@ pub trait PolicyStore {
     fn suspended(&self) -> bool {
         false
     }
+
+    /// The applied version when its revert deadline passed unconfirmed (FLOW-11): it is enforced
+    /// as its simulation. 0 otherwise. By default the deadline and the wall clock say.
+    fn reverted_version(&self) -> u64 {
+        self.current().filter(|p| p.reverted_at(now_ms())).map_or(0, WorkloadPolicy::version)
+    }
+}
+
+/// The wall clock in unix milliseconds, the clock revert deadlines are written in.
+pub fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
 /// A change to the owned table that the agent did not make, found and repaired (ENF-7). The

@@ -50,17 +50,18 @@ pub fn judged_as(policy: Option<&WorkloadPolicy>) -> JudgedAs {
     policy.map_or((0, Mode::Visibility), |p| (p.version(), p.mode()))
 }
 
-/// The mode flows are judged in under a policy of `mode`: the same, except that with the kill
-/// switch engaged (`suspended`) nothing is enforced, so an enforcing policy's drops are judged
+/// The mode flows are judged in under a policy of `mode`: the same, except that when its drops
+/// are held back (`held_back`: the kill switch is engaged, or the revert deadline of an
+/// unconfirmed promotion passed) nothing is dropped, so an enforcing policy's drops are judged
 /// as what they then are — would-blocks (its simulation).
-pub fn judged_mode(mode: Mode, suspended: bool) -> Mode {
-    if suspended && mode == Mode::Enforcement { Mode::Simulation } else { mode }
+pub fn judged_mode(mode: Mode, held_back: bool) -> Mode {
+    if held_back && mode == Mode::Enforcement { Mode::Simulation } else { mode }
 }
 
 /// The policy flows are judged under while `applied` is held ([`judged_mode`]).
-pub fn judged(applied: Option<WorkloadPolicy>, suspended: bool) -> Option<WorkloadPolicy> {
+pub fn judged(applied: Option<WorkloadPolicy>, held_back: bool) -> Option<WorkloadPolicy> {
     applied.map(|p| {
-        let mode = judged_mode(p.mode(), suspended);
+        let mode = judged_mode(p.mode(), held_back);
         p.with_mode(mode)
     })
 }

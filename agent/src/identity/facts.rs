@@ -106,7 +106,11 @@ fn port_range(text: &str) -> Option<PortRange> {
 pub fn agent_info() -> AgentInfo {
     AgentInfo {
         version: env!("CARGO_PKG_VERSION").into(),
-        capabilities: vec!["nftables".into(), "policy-deltas".into()],
+        capabilities: vec![
+            "nftables".into(),
+            "policy-deltas".into(),
+            innerwall_wire::sync::CONFIRM_DEADLINE.into(),
+        ],
     }
 }
 

@@ -20,6 +20,7 @@ use innerwall_wire::policy::Version;
 use innerwall_wire::sync::{Ack, AgentMessage, Directive, HelloAck, UNREADABLE_UPDATE, Update};
 
 use super::SessionEnd;
+use super::shared::Standing;
 use crate::enforce::Installed;
 
 /// A moment of the stream's clock: time since the stream opened.
@@ -45,8 +46,8 @@ pub enum Event {
         result: Result<Installed, String>,
     },
     Directive(Directive),
-    /// The kill switch, as seen now.
-    Suspension(bool),
+    /// The kill switch and a passed revert deadline, as seen now.
+    Standing(Standing),
     /// The credential was renewed: the stream moves to the new certificate.
     Renewed,
     /// Time passed: the deadlines are checked.
@@ -89,8 +90,8 @@ pub struct StreamCore {
     queued: VecDeque<Update>,
     /// An update on this stream failed: deltas are refused until a snapshot applies.
     broken: bool,
-    /// The kill switch as last reported.
-    suspended: bool,
+    /// The kill switch and a passed revert deadline, as last reported.
+    standing: Standing,
 }
 
 /// Why a delta is refused after a failure (the detail of its FAILED ack).
@@ -98,8 +99,8 @@ pub const AFTER_FAILURE: &str =
     "an earlier update on this stream failed; only a snapshot is applied until one succeeds";
 
 impl StreamCore {
-    /// A stream whose Hello said `suspended`.
-    pub fn new(suspended: bool) -> Self {
+    /// A stream whose Hello said `standing`.
+    pub fn new(standing: Standing) -> Self {
         StreamCore {
             phase: Phase::AwaitingHelloAck,
             hello_ack: None,
@@ -108,7 +109,7 @@ impl StreamCore {
             applying: None,
             queued: VecDeque::new(),
             broken: false,
-            suspended,
+            standing,
         }
     }
 
@@ -164,9 +165,9 @@ impl StreamCore {
             Event::Applied { version, result } => self.applied(version, result),
             Event::Directive(Directive::Reconnect) => self.end(SessionEnd::Reconnect),
             Event::Directive(Directive::Reenroll { reason }) => self.end(SessionEnd::Reenroll(reason)),
-            Event::Suspension(suspended) => {
+            Event::Standing(standing) => {
                 // A change is said at once, not at the next heartbeat.
-                let changed = std::mem::replace(&mut self.suspended, suspended) != suspended;
+                let changed = std::mem::replace(&mut self.standing, standing) != standing;
                 if changed && self.phase != Phase::AwaitingHelloAck {
                     vec![Effect::Heartbeat]
                 } else {
@@ -249,7 +250,7 @@ mod tests {
     use super::*;
 
     fn open() -> StreamCore {
-        let mut core = StreamCore::new(false);
+        let mut core = StreamCore::new(Standing::default());
         let ack = HelloAck {
             heartbeat: Duration::from_secs(30),
             inventory: Duration::from_secs(300),
@@ -330,11 +331,18 @@ mod tests {
         assert_eq!(core.next_deadline(), Duration::from_secs(60));
         let both = core.handle(Event::Tick, Duration::from_secs(300));
         assert!(matches!(&both[..], [Effect::Heartbeat, Effect::Inventory]), "{both:?}");
+        let down = Standing { suspended: true, reverted_version: 0 };
         assert!(matches!(
-            &core.handle(Event::Suspension(true), Duration::from_secs(301))[..],
+            &core.handle(Event::Standing(down), Duration::from_secs(301))[..],
             [Effect::Heartbeat]
         ));
-        assert!(core.handle(Event::Suspension(true), Duration::from_secs(302)).is_empty(), "no change");
+        assert!(core.handle(Event::Standing(down), Duration::from_secs(302)).is_empty(), "no change");
+        // A revert deadline passing is said at once too.
+        let reverted = Standing { suspended: true, reverted_version: 7 };
+        assert!(matches!(
+            &core.handle(Event::Standing(reverted), Duration::from_secs(303))[..],
+            [Effect::Heartbeat]
+        ));
     }
 
     #[test]

@@ -21,7 +21,7 @@ pub mod planted;
 pub mod shared;
 
 pub use shared::{
-    Agent, DIAL_LOG, DialFailure, Dials, Enforcer, Reports, StreamSettings, TamperLog, WindowClose,
+    Agent, DIAL_LOG, DialFailure, Dials, Enforcer, Reports, Standing, StreamSettings, TamperLog, WindowClose,
 };
 
 use crate::enforce::{EnforceError, Installed, PolicyStore};
@@ -125,14 +125,15 @@ pub async fn session<S: PolicyStore + Send + 'static>(
     use std::sync::atomic::Ordering::Relaxed;
     // Without facts (interfaces could not be listed) the Hello says nothing about the host.
     let facts = agent.stream.facts().await;
-    agent.enforcer.note_suspension();
-    let mut suspension = agent.enforcer.suspension.subscribe();
-    let suspended = *suspension.borrow_and_update();
+    agent.enforcer.note_standing();
+    let mut standings = agent.enforcer.standing.subscribe();
+    let standing = *standings.borrow_and_update();
     let hello = Hello {
         applied_version: agent.enforcer.applied_version(),
         agent: crate::identity::facts::agent_info(),
         facts,
-        suspended,
+        suspended: standing.suspended,
+        reverted_version: standing.reverted_version,
     };
     let (tx, rx) = mpsc::channel(64);
     if tx.send(msg(&AgentMessage::Hello(Box::new(hello)))).await.is_err() {
@@ -161,7 +162,7 @@ pub async fn session<S: PolicyStore + Send + 'static>(
     agent.dials.streams.fetch_add(1, Relaxed);
     agent.metrics.stream_connected(true);
     let origin = tokio::time::Instant::now();
-    let mut core = core::StreamCore::new(suspended);
+    let mut core = core::StreamCore::new(standing);
     let mut next = Some(core::Event::Opened(hello_ack));
     loop {
         if let Some(event) = next.take() {
@@ -200,7 +201,7 @@ pub async fn session<S: PolicyStore + Send + 'static>(
                 Err(s) => return refused("stream ended", &s),
             },
             _ = renewals.changed() => Some(core::Event::Renewed),
-            _ = suspension.changed() => Some(core::Event::Suspension(*suspension.borrow_and_update())),
+            _ = standings.changed() => Some(core::Event::Standing(*standings.borrow_and_update())),
             () = tokio::time::sleep_until(deadline) => Some(core::Event::Tick),
         };
     }

@@ -49,19 +49,42 @@ impl<S: PolicyStore> Agent<S> {
 
     /// The heartbeat to send now.
     pub fn heartbeat(&self) -> AgentMessage {
-        self.reports.heartbeat(*self.enforcer.suspension.borrow())
+        self.reports.heartbeat(*self.enforcer.standing.borrow())
+    }
+}
+
+/// What the host's table does with the applied policy beside enforcing it, as Hello and every
+/// heartbeat say (a change is said at once).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Standing {
+    /// The kill switch is engaged: nothing is installed.
+    pub suspended: bool,
+    /// The applied version whose revert deadline passed unconfirmed (FLOW-11), enforced as its
+    /// simulation; 0: none.
+    pub reverted_version: Version,
+}
+
+impl Standing {
+    fn of(store: &impl PolicyStore) -> Standing {
+        Standing { suspended: store.suspended(), reverted_version: store.reverted_version() }
+    }
+
+    /// Whether an enforcing policy's drops are not happening now (they are would-blocks).
+    pub fn holds_back(self) -> bool {
+        self.suspended || self.reverted_version != 0
     }
 }
 
 /// The policy store and what a version change sets off: the metrics of each apply, the kill
-/// switch as last seen (a change is said on the stream at once), and the evidence loop's
-/// window, closed at every version change before its ack.
+/// switch and a passed revert deadline as last seen ([`Standing`]: a change is said on the
+/// stream at once), and the evidence loop's window, closed at every version change before its
+/// ack.
 #[derive(Debug)]
 pub struct Enforcer<S> {
     pub store: Mutex<S>,
     metrics: Arc<Metrics>,
-    /// Whether the kill switch is engaged, as last seen.
-    pub(super) suspension: tokio::sync::watch::Sender<bool>,
+    /// The kill switch and a passed revert deadline, as last seen.
+    pub(super) standing: tokio::sync::watch::Sender<Standing>,
     /// The evidence loop, when one runs (see [`Enforcer::window_closes`]).
     evidence: Mutex<Option<std::sync::mpsc::Sender<WindowClose>>>,
 }
@@ -77,7 +100,7 @@ impl<S: PolicyStore> Enforcer<S> {
     pub fn new(store: S, metrics: Arc<Metrics>) -> Self {
         metrics.set_applied_version(store.applied_version());
         Enforcer {
-            suspension: tokio::sync::watch::Sender::new(store.suspended()),
+            standing: tokio::sync::watch::Sender::new(Standing::of(&store)),
             store: Mutex::new(store),
             metrics,
             evidence: Mutex::new(None),
@@ -115,27 +138,27 @@ impl<S: PolicyStore> Enforcer<S> {
     /// The policy flows are judged under now ([`flows::judged`]).
     pub fn judged(&self) -> Option<WorkloadPolicy> {
         let store = self.store.lock().unwrap_or_else(PoisonError::into_inner);
-        flows::judged(store.current().cloned(), store.suspended())
+        flows::judged(store.current().cloned(), Standing::of(&*store).holds_back())
     }
 
     /// The version and mode flows are judged under now, without copying the policy.
     pub fn judged_as(&self) -> flows::JudgedAs {
         let store = self.store.lock().unwrap_or_else(PoisonError::into_inner);
         let (version, mode) = flows::judged_as(store.current());
-        (version, flows::judged_mode(mode, store.suspended()))
+        (version, flows::judged_mode(mode, Standing::of(&*store).holds_back()))
     }
 
-    /// Looks at the kill switch again; a change is reported on the stream at once. Returns
-    /// whether it changed.
-    pub fn note_suspension(&self) -> bool {
-        let now = self.suspended();
-        self.suspension.send_if_modified(|seen| std::mem::replace(seen, now) != now)
+    /// Looks at the kill switch and the revert deadline again; a change is reported on the
+    /// stream at once. Returns whether it changed.
+    pub fn note_standing(&self) -> bool {
+        let now = Standing::of(&*self.store.lock().unwrap_or_else(PoisonError::into_inner));
+        self.standing.send_if_modified(|seen| std::mem::replace(seen, now) != now)
     }
 
-    /// [`note_suspension`](Self::note_suspension), and on a change the evidence loop closes its
+    /// [`note_standing`](Self::note_standing), and on a change the evidence loop closes its
     /// window (what an enforcing policy does changed). Blocking.
-    pub fn refresh_suspension(&self) {
-        if self.note_suspension() {
+    pub fn refresh_standing(&self) {
+        if self.note_standing() {
             self.close_evidence_window();
         }
     }
@@ -165,7 +188,7 @@ impl<S: PolicyStore> Enforcer<S> {
             self.metrics.applied(result, started.elapsed(), store.applied_version());
             (applied?, store.applied_version() != before)
         };
-        if self.note_suspension() || changed {
+        if self.note_standing() || changed {
             self.close_evidence_window();
         }
         Ok(installed)
@@ -197,7 +220,7 @@ impl Reports {
     }
 
     /// The next heartbeat; the tamper log starts over.
-    fn heartbeat(&self, suspended: bool) -> AgentMessage {
+    fn heartbeat(&self, standing: Standing) -> AgentMessage {
         let tamper = self.tamper.lock().unwrap_or_else(PoisonError::into_inner).take();
         AgentMessage::Heartbeat(Heartbeat {
             uptime: self.started.elapsed(),
@@ -207,7 +230,8 @@ impl Reports {
                 .unwrap_or_else(PoisonError::into_inner)
                 .clone(),
             tamper_events: tamper,
-            suspended,
+            suspended: standing.suspended,
+            reverted_version: standing.reverted_version,
         })
     }
 }

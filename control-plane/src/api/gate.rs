@@ -118,14 +118,47 @@ pub async fn show(
     State(state): State<ApiState>,
     Path(id): Path<String>,
 ) -> Result<Json<promotions::Promotion>, ApiError> {
-    let id: uuid::Uuid = id.parse().map_err(|_| {
+    let mut conn = state.pool.acquire().await.map_err(Error::from)?;
+    Ok(Json(promotions::show(&mut conn, promotion_id(&id)?).await?))
+}
+
+fn promotion_id(text: &str) -> Result<uuid::Uuid, ApiError> {
+    text.parse().map_err(|_| {
         ApiError::Malformed(format!(
             "{:?} is not a promotion id (a UUID)",
-            id.chars().take(64).collect::<String>()
+            text.chars().take(64).collect::<String>()
         ))
-    })?;
-    let mut conn = state.pool.acquire().await.map_err(Error::from)?;
-    Ok(Json(promotions::show(&mut conn, id).await?))
+    })
+}
+
+/// A confirmation of a promotion with a confirm deadline.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ConfirmRequest {
+    /// Confirm without a SAFE verdict at the promoted version, for this reason (kept on the
+    /// record).
+    pub override_reason: Option<String>,
+}
+
+/// Confirms a promotion before its deadline, on a fresh verdict at the promoted version (the
+/// evidence since the promotion: nothing blocked, no gap, covered, SYNCED): the deadline leaves
+/// the workloads' policies and they stay enforced.
+#[utoipa::path(post, path = "/api/v1/promotions/{id}/confirm", tag = "gate", request_body = ConfirmRequest,
+    params(("id" = String, Path, description = "The promotion record's id")),
+    responses((status = 200, description = "Confirmed; the promotion record", body = serde_json::Value),
+        (status = 409, description = "evidence-insufficient (`outcome`, `reasons`), or the promotion is not pending             (reverted by its deadline, confirmed, superseded); nothing was changed",
+            body = Problem, content_type = "application/problem+json")))]
+pub async fn confirm(
+    State(state): State<ApiState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    JsonBody(body): JsonBody<ConfirmRequest>,
+) -> Result<Json<promotions::Promotion>, ApiError> {
+    let id = promotion_id(&id)?;
+    let done =
+        crate::safety::confirm::confirm(&state.pool, &caller.actor(), id, body.override_reason.as_deref())
+            .await?;
+    Ok(Json(done))
 }
 
 /// A mode change of exactly the set a scope names, if it names as many as expected.
@@ -152,6 +185,10 @@ pub struct PromotionRequest {
     /// A move to enforcement's auto-demotion guard (default: 30 minutes, 5 connections, seen
     /// sources only; `minutes: 0` for none).
     pub guard: Option<Guard>,
+    /// A move to enforcement that reverts to simulation unless confirmed within this long
+    /// (`POST /api/v1/promotions/{id}/confirm`), e.g. `10m`; 10s to 24h. The agents hold the
+    /// deadline themselves.
+    pub confirm_within: Option<String>,
 }
 
 #[utoipa::path(post, path = "/api/v1/promotions", tag = "gate", request_body = PromotionRequest,
@@ -176,6 +213,13 @@ pub async fn promote(
         reason: body.reason,
         override_reason: body.override_reason,
         guard: body.guard,
+        confirm_within: match body.confirm_within.as_deref() {
+            None => None,
+            Some(text) => Some(humantime::parse_duration(text).map_err(|e| {
+                let text: String = text.chars().take(64).collect();
+                ApiError::Malformed(format!("confirm_within {text:?}: {e}; write e.g. 10m"))
+            })?),
+        },
     };
     let promotion = gate::promote(&state.pool, &caller.actor(), &request).await?;
     Ok((StatusCode::CREATED, Json(promotion)).into_response())

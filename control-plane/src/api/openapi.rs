@@ -60,7 +60,7 @@ pub const CHECKED_IN: &str = "openapi.json";
         management::narrow_workload, render::render,
         tokens::list, tokens::mint, tokens::revoke,
         flows::list_records, flows::gaps, flows::rollup,
-        gate::verdict, gate::list, gate::show, gate::promote, gate::rollback, gate::unpin,
+        gate::verdict, gate::list, gate::show, gate::promote, gate::confirm, gate::rollback, gate::unpin,
         operators::list, operators::mint, operators::revoke, audit::list,
     ),
     components(schemas(Problem, ProblemType, Role)),

@@ -134,6 +134,7 @@ pub fn build(state: ApiState) -> (Router, Vec<Route>) {
         .mount("GET", "/api/v1/promotions", Some(Viewer), gate::list)
         .mount("POST", "/api/v1/promotions", Some(Promoter), gate::promote)
         .mount("GET", "/api/v1/promotions/{id}", Some(Viewer), gate::show)
+        .mount("POST", "/api/v1/promotions/{id}/confirm", Some(Promoter), gate::confirm)
         .mount("GET", "/api/v1/operator-tokens", Some(Admin), operators::list)
         .mount("POST", "/api/v1/operator-tokens", Some(Admin), operators::mint)
         .mount("DELETE", "/api/v1/operator-tokens/{id}", Some(Admin), operators::revoke)

@@ -126,8 +126,9 @@ pub fn judge(window: &FlowWindow, claim: &Claim, skew: chrono::Duration) -> Resu
             ),
         ));
     }
-    // With the kill switch engaged an enforcing version is judged as its simulation (the agent
-    // enforces nothing), so its windows say simulation.
+    // With the kill switch engaged, or once the confirm deadline of an unconfirmed promotion
+    // passed (FLOW-11), an enforcing version is judged as its simulation (the agent drops
+    // nothing), so its windows say simulation.
     let kill_switch = installed.mode == Mode::Enforcement && window.mode == Mode::Simulation;
     if window.mode != installed.mode && !kill_switch {
         return Err((

@@ -500,6 +500,7 @@ impl Change {
                     // A preview notes a verdict that is not SAFE instead of refusing on it.
                     override_reason: (judged == Judged::Noted).then(|| "draft preview".to_owned()),
                     guard: None,
+                    confirm_within: None,
                 };
                 return promote::flip(conn, actor, &request).await.map(Some);
             }

@@ -810,7 +810,7 @@ fn changed_matchers(from: Option<&WorkloadPolicy>, to: &WorkloadPolicy) -> Optio
     };
     for change in diff(from, to).changes {
         match change {
-            Change::SetMode(_) => {}
+            Change::SetMode(_) | Change::SetRevertAt(_) => {}
             Change::RemoveRule(id) => from.rule(&id).into_iter().for_each(|r| add(r, r.peers())),
             Change::UpsertRule(new) => {
                 from.rule(new.id()).into_iter().for_each(|r| add(r, r.peers()));

@@ -1085,6 +1085,7 @@ mod tests {
         RegisteredWorkload {
             id: WorkloadId::from_uuid(id(0x1000 + n)).unwrap(),
             mode,
+            revert_at: None,
             labels: labels
                 .iter()
                 .map(|(k, v)| (LabelKey::new(k).unwrap(), LabelValue::new(v).unwrap()))

@@ -35,7 +35,15 @@ pub struct Request {
     pub override_reason: Option<String>,
     /// A move to enforcement's auto-demotion guard; absent: the default (`Guard::default`).
     pub guard: Option<Guard>,
+    /// A move to enforcement that reverts unless confirmed within this long (FLOW-11): the
+    /// agents hold the deadline ([`MIN_CONFIRM`] to [`MAX_CONFIRM`]).
+    pub confirm_within: Option<std::time::Duration>,
 }
+
+/// The shortest confirm deadline a promotion may carry.
+pub const MIN_CONFIRM: std::time::Duration = std::time::Duration::from_secs(10);
+/// The longest confirm deadline a promotion may carry: a day.
+pub const MAX_CONFIRM: std::time::Duration = std::time::Duration::from_secs(86_400);
 
 /// A stored promotion record.
 #[derive(Debug, Clone, Serialize, serde::Deserialize)]
@@ -53,9 +61,51 @@ pub struct Promotion {
     pub workloads: Vec<Member>,
     /// The verdict the change stood on, with its inputs (a move to enforcement only).
     pub verdict: Option<serde_json::Value>,
+    /// A promotion that reverts unless confirmed (FLOW-11): its deadline and how it was settled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub confirmation: Option<Confirmation>,
 }
 
-fn check_text(what: &str, text: &str, required: bool) -> Result<(), Error> {
+/// The confirm deadline of a promotion and what became of it.
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct Confirmation {
+    pub deadline: DateTime<Utc>,
+    /// `pending` (awaiting `promotions confirm`), `confirmed`, `reverted` (by the deadline), or
+    /// `superseded` (a later mode change of its workloads came first).
+    pub state: String,
+    pub settled_at: Option<DateTime<Utc>>,
+    /// Who confirmed it, or `deadline`.
+    pub settled_by: Option<String>,
+    /// The verdict a confirmation stood on (evidence since the promotion, judged at the promoted
+    /// version).
+    pub verdict: Option<serde_json::Value>,
+    pub workloads: Vec<ConfirmedWorkload>,
+}
+
+/// One workload of a promotion awaiting confirmation.
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct ConfirmedWorkload {
+    pub id: Uuid,
+    /// The version the promotion rendered (with the deadline in it).
+    pub version: Option<i64>,
+    pub state: String,
+    /// When its agent reported having reverted by itself at the deadline.
+    pub agent_reverted_at: Option<DateTime<Utc>>,
+}
+
+impl Confirmation {
+    /// The whole promotion's state: pending while any workload is, else reverted if any was,
+    /// else confirmed if any was, else superseded.
+    fn settle_state(workloads: &[ConfirmedWorkload]) -> String {
+        ["pending", "reverted", "confirmed"]
+            .into_iter()
+            .find(|s| workloads.iter().any(|w| w.state == *s))
+            .unwrap_or("superseded")
+            .to_owned()
+    }
+}
+
+pub(crate) fn check_text(what: &str, text: &str, required: bool) -> Result<(), Error> {
     if required && text.trim().is_empty() {
         return Err(Error::Invalid(format!("a mode change needs a {what}: say why")));
     }
@@ -81,6 +131,21 @@ pub async fn promote(pool: &PgPool, actor: &str, request: &Request) -> Result<Pr
     publish::lock_renders(&mut tx).await?;
     let promotion = flip(&mut tx, actor, request).await?;
     let changed = publish::publish(&mut tx).await?;
+    if promotion.confirmation.is_some() {
+        // The version each workload now holds carries the deadline: the one its agent reports.
+        let (ids, versions): (Vec<Uuid>, Vec<i64>) =
+            changed.iter().map(|c| (c.workload.uuid(), c.version as i64)).unzip();
+        sqlx::query(
+            "UPDATE promotion_confirmations c SET version = v.version
+             FROM unnest($2::uuid[], $3::bigint[]) AS v (workload_id, version)
+             WHERE c.promotion_id = $1 AND c.workload_id = v.workload_id",
+        )
+        .bind(promotion.id)
+        .bind(&ids)
+        .bind(&versions)
+        .execute(&mut *tx)
+        .await?;
+    }
     let action = if request.to == Mode::Enforcement { "workload.promote" } else { "workload.demote" };
     let record = audit::Record {
         detail: audit_detail(&promotion),
@@ -102,6 +167,7 @@ pub(crate) fn audit_detail(p: &Promotion) -> serde_json::Value {
         "reason": p.reason,
         "override": p.override_reason,
         "verdict": p.verdict.as_ref().and_then(|v| v.get("outcome")).cloned(),
+        "confirm_deadline": p.confirmation.as_ref().map(|c| c.deadline),
     })
 }
 
@@ -117,6 +183,21 @@ pub(crate) async fn flip(tx: &mut PgConnection, actor: &str, request: &Request) 
     }
     if let Some(guard) = &request.guard {
         guard.check()?;
+    }
+    if let Some(within) = request.confirm_within {
+        if request.to != Mode::Enforcement {
+            return Err(Error::Invalid(
+                "a confirm deadline belongs to a move to enforcement: leave --confirm-within out".into(),
+            ));
+        }
+        if !(MIN_CONFIRM..=MAX_CONFIRM).contains(&within) {
+            return Err(Error::Invalid(format!(
+                "a confirm deadline is {} to {} after the promotion, not {}",
+                humantime::format_duration(MIN_CONFIRM),
+                humantime::format_duration(MAX_CONFIRM),
+                humantime::format_duration(within)
+            )));
+        }
     }
     let members = evidence::resolve(&mut *tx, &request.scope).await?;
     if members.len() != request.expect_count {
@@ -162,6 +243,7 @@ pub(crate) async fn flip(tx: &mut PgConnection, actor: &str, request: &Request) 
     .fetch_one(&mut *tx)
     .await?;
     arm(&mut *tx, promotion_id, at, &members, request).await?;
+    let confirmation = hold(&mut *tx, actor, promotion_id, at, &members, request.confirm_within).await?;
     Ok(Promotion {
         id: promotion_id,
         at,
@@ -173,7 +255,90 @@ pub(crate) async fn flip(tx: &mut PgConnection, actor: &str, request: &Request) 
         expected_count: request.expect_count as i32,
         workloads: members,
         verdict,
+        confirmation,
     })
+}
+
+/// A mode change settles every confirmation still pending for its workloads (superseded); a
+/// promotion with a confirm deadline then gives each of them one, pending, which the render
+/// reads (`policy::store`). Refused, changing nothing, when an agent of the set has not said it
+/// holds deadlines: it would enforce without ever reverting.
+async fn hold(
+    tx: &mut PgConnection,
+    actor: &str,
+    promotion: Uuid,
+    at: DateTime<Utc>,
+    members: &[Member],
+    within: Option<std::time::Duration>,
+) -> Result<Option<Confirmation>, Error> {
+    let ids: Vec<Uuid> = members.iter().map(|m| m.id.uuid()).collect();
+    let Some(within) = within else {
+        supersede(&mut *tx, actor, &ids).await?;
+        return Ok(None);
+    };
+    let unable: Vec<String> = sqlx::query_scalar(
+        "SELECT hostname || ' (' || id || ')' FROM workloads
+         WHERE id = ANY($1) AND NOT ($2 = ANY(agent_capabilities)) ORDER BY hostname, id",
+    )
+    .bind(&ids)
+    .bind(innerwall_wire::sync::CONFIRM_DEADLINE)
+    .fetch_all(&mut *tx)
+    .await?;
+    if !unable.is_empty() {
+        return Err(Error::Invalid(format!(
+            "the agent of {} has not said it holds a confirm deadline (an older agent, or one that never \
+             connected): it would never revert. Upgrade it, or promote without a confirm deadline; nothing \
+             was changed",
+            unable.join(", ")
+        )));
+    }
+    supersede(&mut *tx, actor, &ids).await?;
+    let deadline = at + chrono::Duration::from_std(within).map_err(|e| Error::Invalid(e.to_string()))?;
+    sqlx::query("UPDATE promotions SET confirm_deadline = $2 WHERE id = $1")
+        .bind(promotion)
+        .bind(deadline)
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query(
+        "INSERT INTO promotion_confirmations (promotion_id, workload_id) SELECT $1, w FROM unnest($2::uuid[]) AS w",
+    )
+    .bind(promotion)
+    .bind(&ids)
+    .execute(&mut *tx)
+    .await?;
+    let workloads = ids
+        .iter()
+        .map(|&id| ConfirmedWorkload { id, version: None, state: "pending".into(), agent_reverted_at: None })
+        .collect();
+    Ok(Some(Confirmation {
+        deadline,
+        state: "pending".into(),
+        settled_at: None,
+        settled_by: None,
+        verdict: None,
+        workloads,
+    }))
+}
+
+/// Settles the pending confirmations of `ids` as superseded by `actor`'s mode change.
+async fn supersede(tx: &mut PgConnection, actor: &str, ids: &[Uuid]) -> Result<(), Error> {
+    let settled: Vec<Uuid> = sqlx::query_scalar(
+        "UPDATE promotion_confirmations SET state = 'superseded'
+         WHERE workload_id = ANY($1) AND state = 'pending' RETURNING promotion_id",
+    )
+    .bind(ids)
+    .fetch_all(&mut *tx)
+    .await?;
+    sqlx::query(
+        "UPDATE promotions p SET confirm_settled_at = now(), confirm_settled_by = $2
+         WHERE p.id = ANY($1) AND p.confirm_settled_at IS NULL
+           AND NOT EXISTS (SELECT 1 FROM promotion_confirmations c WHERE c.promotion_id = p.id AND c.state = 'pending')",
+    )
+    .bind(&settled)
+    .bind(actor)
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
 }
 
 /// A promotion's guard; a field left out takes its default.
@@ -255,6 +420,13 @@ async fn arm(
 
 const PROMOTIONS: &str = "promotion list";
 
+/// A promotion record's columns, its confirmation's per-workload rows last (as JSON).
+const COLUMNS: &str = "p.id, p.at, p.actor, p.reason, p.override_reason, p.to_mode, p.scope, p.expected_count,
+     p.workloads, p.verdict, p.confirm_deadline, p.confirm_settled_at, p.confirm_settled_by, p.confirm_verdict,
+     (SELECT jsonb_agg(jsonb_build_object('id', c.workload_id, 'version', c.version, 'state', c.state,
+                                          'agent_reverted_at', c.agent_reverted_at) ORDER BY c.workload_id)
+      FROM promotion_confirmations c WHERE c.promotion_id = p.id)";
+
 /// A page of the promotion records, newest first (OPS-2).
 pub async fn page(
     conn: &mut PgConnection,
@@ -264,12 +436,11 @@ pub async fn page(
     let limit = request.checked_limit()?;
     let cursor_key = page::cursor_key(&mut *conn).await?;
     let after = request.after_pair::<DateTime<Utc>, Uuid>(&cursor_key, PROMOTIONS)?;
-    let rows = sqlx::query(
-        "SELECT id, at, actor, reason, override_reason, to_mode, scope, expected_count, workloads, verdict
-         FROM promotions
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {COLUMNS} FROM promotions p
          WHERE $1::timestamptz IS NULL OR at < $1 OR (at = $1 AND id > $2)
-         ORDER BY at DESC, id LIMIT $3",
-    )
+         ORDER BY at DESC, id LIMIT $3"
+    )))
     .bind(after.map(|a| a.0))
     .bind(after.map(|a| a.1))
     .bind(limit + 1)
@@ -285,11 +456,11 @@ pub async fn of_workload(
     workload: WorkloadId,
     limit: i64,
 ) -> Result<Vec<Promotion>, Error> {
-    sqlx::query(
-        "SELECT id, at, actor, reason, override_reason, to_mode, scope, expected_count, workloads, verdict
-         FROM promotions WHERE workloads @> jsonb_build_array(jsonb_build_object('id', $1::text))
-         ORDER BY at DESC, id LIMIT $2",
-    )
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {COLUMNS} FROM promotions p
+         WHERE workloads @> jsonb_build_array(jsonb_build_object('id', $1::text))
+         ORDER BY at DESC, id LIMIT $2"
+    )))
     .bind(workload.uuid().to_string())
     .bind(limit)
     .fetch_all(&mut *conn)
@@ -301,14 +472,11 @@ pub async fn of_workload(
 
 /// One promotion record.
 pub async fn show(conn: &mut PgConnection, id: Uuid) -> Result<Promotion, Error> {
-    let row = sqlx::query(
-        "SELECT id, at, actor, reason, override_reason, to_mode, scope, expected_count, workloads, verdict
-         FROM promotions WHERE id = $1",
-    )
-    .bind(id)
-    .fetch_optional(&mut *conn)
-    .await?
-    .ok_or_else(|| Error::NotFound { what: "promotion", name: id.to_string() })?;
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!("SELECT {COLUMNS} FROM promotions p WHERE id = $1")))
+        .bind(id)
+        .fetch_optional(&mut *conn)
+        .await?
+        .ok_or_else(|| Error::NotFound { what: "promotion", name: id.to_string() })?;
     promotion(row)
 }
 
@@ -337,6 +505,22 @@ fn promotion(row: sqlx::postgres::PgRow) -> Result<Promotion, Error> {
             })
             .collect::<Result<_, Error>>()?,
         verdict: row.get(9),
+        confirmation: match row.get::<Option<DateTime<Utc>>, _>(10) {
+            None => None,
+            Some(deadline) => {
+                let workloads: Vec<ConfirmedWorkload> =
+                    serde_json::from_value(row.get::<Option<serde_json::Value>, _>(14).unwrap_or_default())
+                        .map_err(|e| corrupt("promotion confirmations", e.to_string()))?;
+                Some(Confirmation {
+                    deadline,
+                    state: Confirmation::settle_state(&workloads),
+                    settled_at: row.get(11),
+                    settled_by: row.get(12),
+                    verdict: row.get(13),
+                    workloads,
+                })
+            }
+        },
     })
 }
 

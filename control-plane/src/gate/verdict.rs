@@ -162,6 +162,10 @@ pub enum Reason {
     WrongMode {
         #[serde(deserialize_with = "crate::gate::mode_name")]
         mode: crate::gate::Name,
+        /// The mode the verdict judges in: simulation (a promotion's), or enforcement (a
+        /// confirmation's, FLOW-11). Records written before it was kept say simulation.
+        #[serde(deserialize_with = "crate::gate::mode_name", default = "simulation")]
+        expected: crate::gate::Name,
     },
     NoPolicy,
     Offline,
@@ -213,7 +217,7 @@ impl std::fmt::Display for Reason {
                     min_ms / 1000
                 )
             }
-            Reason::WrongMode { mode } => write!(f, "in {mode} mode, not simulation"),
+            Reason::WrongMode { mode, expected } => write!(f, "in {mode} mode, not {expected}"),
             Reason::NoPolicy => write!(f, "no rendered policy"),
             Reason::Offline => write!(f, "offline"),
             Reason::Degraded => write!(f, "degraded: its last update failed"),
@@ -349,9 +353,25 @@ impl Verdict {
     }
 }
 
+fn simulation() -> crate::gate::Name {
+    Mode::Simulation.name()
+}
+
 /// Judges a scope's workloads over `params`' range. An empty scope is INSUFFICIENT.
 pub fn judge(params: &Params, workloads: &[WorkloadFacts]) -> Verdict {
-    let judged: Vec<WorkloadVerdict> = workloads.iter().map(|w| judge_one(params, w)).collect();
+    judge_in(Mode::Simulation, params, workloads)
+}
+
+/// The verdict a confirmation of a promotion with a deadline stands on (FLOW-11): the same
+/// judgement of workloads now in enforcement, over the range since the promotion, where a flow
+/// the promoted version blocked (as recorded, or by replay of the windows before it applied)
+/// counts as one it would block.
+pub fn judge_enforced(params: &Params, workloads: &[WorkloadFacts]) -> Verdict {
+    judge_in(Mode::Enforcement, params, workloads)
+}
+
+fn judge_in(expected: Mode, params: &Params, workloads: &[WorkloadFacts]) -> Verdict {
+    let judged: Vec<WorkloadVerdict> = workloads.iter().map(|w| judge_one(expected, params, w)).collect();
     let outcome = if judged.is_empty() {
         Outcome::Insufficient
     } else if judged.iter().any(|w| w.outcome() == Outcome::Unsafe) {
@@ -364,14 +384,14 @@ pub fn judge(params: &Params, workloads: &[WorkloadFacts]) -> Verdict {
     Verdict { outcome, params: *params, workloads: judged }
 }
 
-fn judge_one(params: &Params, w: &WorkloadFacts) -> WorkloadVerdict {
+fn judge_one(expected: Mode, params: &Params, w: &WorkloadFacts) -> WorkloadVerdict {
     let (from, to) = (params.from_ms, params.to_ms.max(params.from_ms));
     let mut reasons = Vec::new();
     if to - from < params.min_duration_ms {
         reasons.push(Reason::RangeTooShort { range_ms: to - from, min_ms: params.min_duration_ms });
     }
-    if w.mode != Mode::Simulation {
-        reasons.push(Reason::WrongMode { mode: w.mode.name() });
+    if w.mode != expected {
+        reasons.push(Reason::WrongMode { mode: w.mode.name(), expected: expected.name() });
     }
     let latest_version = w.latest.as_ref().map(WorkloadPolicy::version);
     match (w.state, latest_version) {
@@ -441,7 +461,9 @@ fn judge_one(params: &Params, w: &WorkloadFacts) -> WorkloadVerdict {
         } else {
             decide(w.latest.as_ref(), flow.src, flow.dst_port, flow.protocol).0
         };
-        if decision != Decision::WouldBlock {
+        // Under a simulated latest version nothing is BLOCKED natively; under an enforced one
+        // (a confirmation) a drop is what a would-block becomes.
+        if !matches!(decision, Decision::WouldBlock | Decision::Blocked) {
             continue;
         }
         evidence.would_block_flows += 1;

@@ -303,6 +303,9 @@ impl fmt::Display for Management {
 pub struct RegisteredWorkload {
     pub id: WorkloadId,
     pub mode: Mode,
+    /// The confirm deadline of a pending promotion to enforcement (FLOW-11), unix milliseconds:
+    /// rendered into the policy, held by the agent.
+    pub revert_at: Option<i64>,
     pub labels: BTreeMap<LabelKey, LabelValue>,
     pub addresses: BTreeSet<IpAddr>,
 }

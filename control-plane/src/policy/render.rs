@@ -175,6 +175,11 @@ pub fn oversize(policy: &WorkloadPolicy, bytes: usize, bound: Bound) -> Option<O
     Some(Oversize { entries, bytes, largest_rule })
 }
 
+/// What workloads that share one rendered policy have in common: the rulesets that select them
+/// (indices into the resolved rulesets), their mode, their confirm deadline, their management
+/// access.
+type ShareKey<'a> = (&'a [usize], Mode, Option<i64>, Option<&'a Management>);
+
 /// Renders the policy of every workload in `workloads` (the live, non-retired registry).
 pub fn render(model: &AuthoredModel, workloads: &[RegisteredWorkload]) -> Result<Rendered, RenderError> {
     let index = LabelIndex::new(workloads);
@@ -196,7 +201,7 @@ pub fn render(model: &AuthoredModel, workloads: &[RegisteredWorkload]) -> Result
         }
         resolved.push((rules, at));
     }
-    let mut shared: BTreeMap<(&[usize], Mode, Option<&Management>), usize> = BTreeMap::new();
+    let mut shared: BTreeMap<ShareKey, usize> = BTreeMap::new();
     let mut out = Rendered::default();
     for (w, rulesets) in workloads.iter().zip(&selected_by) {
         let management = model.management_for(&w.id);
@@ -209,7 +214,7 @@ pub fn render(model: &AuthoredModel, workloads: &[RegisteredWorkload]) -> Result
             out.push(w, management, rules, Origin::Pinned(w.id))?;
             continue;
         }
-        let i = match shared.entry((rulesets.as_slice(), w.mode, management)) {
+        let i = match shared.entry((rulesets.as_slice(), w.mode, w.revert_at, management)) {
             Entry::Occupied(e) => *e.get(),
             Entry::Vacant(e) => {
                 let rules = rulesets.iter().flat_map(|&r| resolved[r].0.iter().cloned()).collect();
@@ -223,8 +228,8 @@ pub fn render(model: &AuthoredModel, workloads: &[RegisteredWorkload]) -> Result
 }
 
 impl Rendered {
-    /// Adds the policy of `rules` and `management` in `w`'s mode, as `w`'s; its index (others
-    /// may share it).
+    /// Adds the policy of `rules` and `management` in `w`'s mode (and with its confirm deadline),
+    /// as `w`'s; its index (others may share it).
     fn push(
         &mut self,
         w: &RegisteredWorkload,
@@ -234,6 +239,7 @@ impl Rendered {
     ) -> Result<usize, RenderError> {
         let failsafe = management.map(failsafe_rules).transpose()?.unwrap_or_default();
         let policy = WorkloadPolicy::new(0, w.mode, failsafe.into_iter().chain(rules))
+            .and_then(|p| p.with_revert_at(w.revert_at))
             .map_err(|source| RenderError::Policy { rule: Uuid::nil(), source })?;
         self.policies.push(policy);
         self.origins.push(origin);
@@ -335,6 +341,7 @@ mod tests {
         RegisteredWorkload {
             id: wid(n),
             mode: Mode::Enforcement,
+            revert_at: None,
             labels: labels
                 .iter()
                 .map(|(k, v)| (LabelKey::new(k).unwrap(), LabelValue::new(v).unwrap()))

@@ -288,8 +288,13 @@ pub async fn load_registry(conn: &mut PgConnection) -> Result<Registry, Error> {
         .into_iter()
         .map(stored_cidr)
         .collect::<Result<_, _>>()?;
+    // A pending confirmation's deadline (`gate::promote`, FLOW-11) renders into the policy.
     let rows = sqlx::query(
-        "SELECT id, mode FROM workloads WHERE retired_at IS NULL AND denied_at IS NULL ORDER BY id",
+        "SELECT w.id, w.mode, (extract(epoch FROM p.confirm_deadline) * 1000)::bigint
+         FROM workloads w
+         LEFT JOIN promotion_confirmations c ON c.workload_id = w.id AND c.state = 'pending'
+         LEFT JOIN promotions p ON p.id = c.promotion_id
+         WHERE w.retired_at IS NULL AND w.denied_at IS NULL ORDER BY w.id",
     )
     .fetch_all(&mut *conn)
     .await?;
@@ -300,6 +305,7 @@ pub async fn load_registry(conn: &mut PgConnection) -> Result<Registry, Error> {
             Ok(RegisteredWorkload {
                 id: workload_id(uuid)?,
                 mode: stored::<Mode>(row.get(1))?,
+                revert_at: row.get(2),
                 labels: labels.remove(&uuid).unwrap_or_default(),
                 addresses: addresses.remove(&uuid).unwrap_or_default(),
             })

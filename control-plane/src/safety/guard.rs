@@ -112,6 +112,7 @@ pub async fn judge(pool: &PgPool, workload: WorkloadId) -> Result<Option<Promoti
         ),
         override_reason: None,
         guard: None,
+        confirm_within: None,
     };
     sqlx::query("UPDATE enforcement_guards SET tripped_at = now(), evidence = $2 WHERE workload_id = $1")
         .bind(workload.uuid())

@@ -183,17 +183,28 @@ impl SyncStore for PgSyncStore {
                 "workload {id} is retired or deny-listed; enroll the host again"
             )));
         }
+        // What the agent says it can do, bounded (a Hello is hostile input).
+        let capabilities: Vec<String> = hello
+            .agent
+            .capabilities
+            .iter()
+            .take(innerwall_wire::sync::MAX_CAPABILITIES)
+            .map(|c| cut(c, innerwall_wire::sync::MAX_CAPABILITY))
+            .collect();
         let epoch: i64 = sqlx::query_scalar(
             // A Hello is a sign of life: readers judge silence from `last_seen_at` against the
             // liveness written here (`shown`), so both move together.
             "UPDATE workloads SET stream_epoch = stream_epoch + 1, stream_liveness = make_interval(secs => $2),
-                 last_seen_at = now()
+                 last_seen_at = now(), agent_capabilities = $3
              WHERE id = $1 RETURNING stream_epoch",
         )
         .bind(id.uuid())
         .bind(liveness.as_secs_f64())
+        .bind(&capabilities)
         .fetch_one(&self.pool)
         .await?;
+        // A promotion its host reverted at the deadline while it could not say so (FLOW-11).
+        crate::safety::confirm::reported_revert(&self.pool, id, hello.reverted_version).await?;
         // The same identity from a second host: a cloned image or a stolen key (IDN-7), judged
         // by boot id and certificate key, audited once per episode.
         let presenter = crate::identity::clones::Presenter::new(hello.facts.as_ref(), key_sha256);
@@ -269,6 +280,7 @@ impl SyncStore for PgSyncStore {
         // answered by the stream's own state, if it is still the newest stream.
         let beat = Beat { workload: id.uuid(), epoch, state: state.map_or(0, |s| s.code()) };
         self.beats.write(beat).await?;
+        crate::safety::confirm::reported_revert(&self.pool, id, h.reverted_version).await?;
         if !h.credential_renewal_error.is_empty() {
             tracing::warn!(workload = %id, "agent reports credential renewal failing: {}", cut(&h.credential_renewal_error, 256));
             crate::identity::enroll::record_reported_renewal_failure(

@@ -1031,6 +1031,138 @@ async fn management_access_narrows_and_is_never_removed() {
     plane.stop().await;
 }
 
+/// A promotion that reverts unless confirmed (issue 31, FLOW-11) over the API: the deadline's
+/// bounds, the agent's capability, who may confirm, what a confirmation needs, the second
+/// confirmation, the revert by the deadline (once), and a later mode change superseding it.
+/// The real agent holding the deadline is `e2e::confirm`.
+#[tokio::test]
+async fn promotion_confirm_over_the_api() {
+    let plane = Plane::start(ApiLimits::default()).await;
+    let pool = plane.pool().clone();
+    let editor = mint(&pool, "ed", Role::Editor).await;
+    let promoter = mint(&pool, "pat", Role::Promoter).await;
+    let db = register(&pool, "db-1", &["app=db"]).await;
+    let latest = async || -> u64 {
+        let policy = plane.get(&format!("/api/v1/workloads/{db}/policy"), Some(&editor.token)).await.json();
+        policy["version"].as_u64().unwrap()
+    };
+    let promote = |to: &str, within: Option<&str>| {
+        json!({"ids": [db.to_string()], "expect_count": 1, "to": to, "reason": "try it",
+               "override_reason": "no agent in this test", "confirm_within": within})
+    };
+    let post =
+        async |body: &Value| plane.write("POST", "/api/v1/promotions", &promoter.token, None, body).await;
+    let before = (written(&pool).await, latest().await);
+    for (body, says) in [
+        (promote("enforcement", Some("5s")), "10s to 1day"),
+        (promote("enforcement", Some("soon")), "confirm_within \"soon\""),
+        (promote("simulation", Some("1m")), "belongs to a move to enforcement"),
+        // No agent ever said it holds a deadline: it would never revert.
+        (promote("enforcement", Some("1m")), "db-1"),
+    ] {
+        let doc = post(&body).await.problem(400, ProblemType::Invalid);
+        assert!(doc["detail"].as_str().unwrap().contains(says), "{says}: {doc}");
+    }
+    assert_eq!((written(&pool).await, latest().await), before, "nothing was changed");
+
+    // The agent said so in its Hello (stood in for here).
+    sqlx::query("UPDATE workloads SET agent_capabilities = '{confirm-deadline}' WHERE id = $1")
+        .bind(db.uuid())
+        .execute(&pool)
+        .await
+        .unwrap();
+    let reply = post(&promote("enforcement", Some("1m"))).await;
+    assert_eq!(reply.status, 201, "{reply:?}");
+    let first = reply.json();
+    assert_eq!(first["confirmation"]["state"], "pending", "{first}");
+    let held = latest().await;
+    assert!(held > before.1, "the deadline renders into the policy");
+    assert_eq!(first["confirmation"]["workloads"][0]["version"], Value::Null, "set after the render");
+    let listed = plane.get("/api/v1/promotions", Some(&editor.token)).await.json();
+    assert_eq!(listed["rows"][0]["confirmation"]["state"], "pending", "{listed}");
+    assert_eq!(listed["rows"][0]["confirmation"]["workloads"][0]["version"], held, "{listed}");
+
+    let id = first["id"].as_str().unwrap().to_owned();
+    let confirm = |id: &str| format!("/api/v1/promotions/{id}/confirm");
+    plane
+        .write("POST", &confirm(&id), &editor.token, None, &json!({}))
+        .await
+        .problem(403, ProblemType::Forbidden);
+    plane
+        .write("POST", &confirm("nope"), &promoter.token, None, &json!({}))
+        .await
+        .problem(400, ProblemType::Invalid);
+    plane
+        .write("POST", &confirm(&uuid::Uuid::new_v4().to_string()), &promoter.token, None, &json!({}))
+        .await
+        .problem(404, ProblemType::NotFound);
+    plane
+        .write("POST", &confirm(&id), &promoter.token, None, &json!({"x": 1}))
+        .await
+        .problem(400, ProblemType::Invalid);
+    // A fresh verdict at the promoted version: no agent, no evidence.
+    let doc = plane
+        .write("POST", &confirm(&id), &promoter.token, None, &json!({}))
+        .await
+        .problem(409, ProblemType::EvidenceInsufficient);
+    assert_eq!(doc["outcome"], "INSUFFICIENT", "{doc}");
+    assert_eq!(latest().await, held);
+    let reply = plane
+        .write(
+            "POST",
+            &confirm(&id),
+            &promoter.token,
+            None,
+            &json!({"override_reason": "watched it by hand"}),
+        )
+        .await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    let confirmed = reply.json();
+    assert_eq!(confirmed["confirmation"]["state"], "confirmed", "{confirmed}");
+    let pat = confirmed["actor"].as_str().unwrap().to_owned();
+    assert!(pat.starts_with("operator:pat"), "{pat}");
+    assert_eq!(confirmed["confirmation"]["settled_by"], pat.as_str(), "{confirmed}");
+    let after = latest().await;
+    assert!(after > held, "the deadline leaves the policy");
+    let doc = plane
+        .write("POST", &confirm(&id), &promoter.token, None, &json!({}))
+        .await
+        .problem(400, ProblemType::Invalid);
+    assert!(doc["detail"].as_str().unwrap().contains(&format!("confirmed by {pat}")), "{doc}");
+
+    // Not confirmed: past its deadline, the sweep reverts it to simulation, once.
+    post(&promote("simulation", None)).await;
+    let second = post(&promote("enforcement", Some("1m"))).await.json();
+    let second_id: uuid::Uuid = second["id"].as_str().unwrap().parse().unwrap();
+    sqlx::query("UPDATE promotions SET confirm_deadline = now() - interval '1 second' WHERE id = $1")
+        .bind(second_id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let reverted = innerwall_control_plane::safety::confirm::revert_expired(&pool).await.unwrap();
+    assert_eq!(reverted.len(), 1);
+    let c = reverted[0].confirmation.as_ref().unwrap();
+    assert_eq!((c.state.as_str(), c.settled_by.as_deref()), ("reverted", Some("deadline")));
+    assert!(innerwall_control_plane::safety::confirm::revert_expired(&pool).await.unwrap().is_empty());
+    let shown = plane.get(&format!("/api/v1/workloads/{db}"), Some(&editor.token)).await.json();
+    assert_eq!(shown["workload"]["mode"], "simulation", "{shown}");
+    let doc = plane
+        .write("POST", &confirm(&second_id.to_string()), &promoter.token, None, &json!({}))
+        .await
+        .problem(400, ProblemType::Invalid);
+    assert!(doc["detail"].as_str().unwrap().contains("reverted to simulation by its deadline"), "{doc}");
+
+    // A later mode change supersedes a pending one.
+    let third = post(&promote("enforcement", Some("1m"))).await.json();
+    post(&promote("simulation", None)).await;
+    let third = plane
+        .get(&format!("/api/v1/promotions/{}", third["id"].as_str().unwrap()), Some(&editor.token))
+        .await
+        .json();
+    assert_eq!(third["confirmation"]["state"], "superseded", "{third}");
+    assert_eq!(third["confirmation"]["settled_by"], pat.as_str(), "{third}");
+}
+
 #[tokio::test]
 async fn rollback_and_unpin_over_the_api() {
     let plane = Plane::start(ApiLimits::default()).await;
@@ -1169,6 +1301,7 @@ const EXPECTED_ROUTES: &[(&str, &str, Option<&str>)] = &[
     ("GET", "/api/v1/promotions", Some("viewer")),
     ("POST", "/api/v1/promotions", Some("promoter")),
     ("GET", "/api/v1/promotions/{id}", Some("viewer")),
+    ("POST", "/api/v1/promotions/{id}/confirm", Some("promoter")),
     ("GET", "/api/v1/provisioning-tokens", Some("viewer")),
     ("POST", "/api/v1/provisioning-tokens", Some("editor")),
     ("DELETE", "/api/v1/provisioning-tokens/{id}", Some("editor")),
@@ -1960,6 +2093,7 @@ async fn parameters_never_panic() {
             ("POST", "/api/v1/promotions") => {
                 json!({"ids": [workload], "expect_count": 1, "to": "simulation", "reason": "r"})
             }
+            ("POST", "/api/v1/promotions/{id}/confirm") => json!({"override_reason": "r"}),
             _ => return None,
         })
     };

@@ -31,7 +31,7 @@ async fn wait_state(pool: &PgPool, id: WorkloadId, want: &str, version: i64) {
 /// Opens a stream with Hello; the refusal if the control plane refuses the call itself.
 async fn open(channel: Channel, applied: u64) -> Result<Scripted, tonic::Status> {
     let (tx, rx) = mpsc::channel(64);
-    let hello = proto::Hello { applied_version: applied, agent: None, facts: None, suspended: false };
+    let hello = proto::Hello { applied_version: applied, ..Default::default() };
     tx.send(proto::SyncRequest { msg: Some(sync_request::Msg::Hello(hello)) }).await.unwrap();
     let mut client = proto::agent_service_client::AgentServiceClient::new(channel);
     let inbound = client.sync(tokio_stream::wrappers::ReceiverStream::new(rx)).await?.into_inner();

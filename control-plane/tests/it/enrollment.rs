@@ -201,7 +201,7 @@ async fn open_sync(
     tonic::Status,
 > {
     let (tx, rx) = tokio::sync::mpsc::channel(8);
-    let hello = proto::Hello { applied_version: 0, agent: None, facts: None, suspended: false };
+    let hello = proto::Hello { applied_version: 0, ..Default::default() };
     tx.send(proto::SyncRequest { msg: Some(sync_request::Msg::Hello(hello)) }).await.unwrap();
     let mut client = proto::agent_service_client::AgentServiceClient::new(channel);
     let mut inbound = client.sync(tokio_stream::wrappers::ReceiverStream::new(rx)).await?.into_inner();

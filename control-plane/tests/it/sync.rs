@@ -26,7 +26,7 @@ pub struct Scripted {
 impl Scripted {
     pub async fn open(channel: Channel, applied: u64) -> Scripted {
         let (tx, rx) = mpsc::channel(16);
-        let hello = proto::Hello { applied_version: applied, agent: None, facts: None, suspended: false };
+        let hello = proto::Hello { applied_version: applied, ..Default::default() };
         tx.send(proto::SyncRequest { msg: Some(sync_request::Msg::Hello(hello)) }).await.unwrap();
         let mut client = proto::agent_service_client::AgentServiceClient::new(channel);
         let inbound =

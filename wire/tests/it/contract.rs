@@ -64,11 +64,27 @@ fn mode() -> impl Strategy<Value = Mode> {
     select(&Mode::ALL[..])
 }
 
+/// A revert deadline (FLOW-11) about one policy in three carries.
+fn revert_at() -> impl Strategy<Value = Option<i64>> {
+    prop_oneof![2 => Just(None), 1 => (1i64..4_000_000_000_000).prop_map(Some)]
+}
+
 fn policy() -> impl Strategy<Value = WorkloadPolicy> {
-    (1u64..1000, mode(), prop::collection::vec(rule(), 0..8)).prop_map(|(version, mode, rules)| {
-        let unique: BTreeMap<RuleId, ResolvedRule> = rules.into_iter().map(|r| (r.id().clone(), r)).collect();
-        WorkloadPolicy::new(version, mode, unique.into_values()).unwrap()
-    })
+    (1u64..1000, mode(), prop::collection::vec(rule(), 0..8), revert_at()).prop_map(
+        |(version, mode, rules, revert_at)| {
+            let unique: BTreeMap<RuleId, ResolvedRule> =
+                rules.into_iter().map(|r| (r.id().clone(), r)).collect();
+            WorkloadPolicy::new(version, mode, unique.into_values())
+                .unwrap()
+                .with_revert_at(revert_at)
+                .unwrap()
+        },
+    )
+}
+
+/// `p`'s version, mode and revert deadline over other rules.
+fn with_rules(p: &WorkloadPolicy, rules: impl IntoIterator<Item = ResolvedRule>) -> WorkloadPolicy {
+    WorkloadPolicy::new(p.version(), p.mode(), rules).unwrap().with_revert_at(p.revert_at()).unwrap()
 }
 
 /// The same content under a later version, as a render would stamp it.
@@ -98,10 +114,16 @@ fn check_contract(a: &WorkloadPolicy, b: &WorkloadPolicy) -> PolicyDelta {
 fn assert_minimal(a: &WorkloadPolicy, b: &WorkloadPolicy, delta: &PolicyDelta) {
     let mode_changes = delta.changes.iter().filter(|c| matches!(c, Change::SetMode(_))).count();
     assert_eq!(mode_changes, usize::from(a.mode() != b.mode()), "set_mode iff modes differ");
+    let deadline_changes = delta.changes.iter().filter(|c| matches!(c, Change::SetRevertAt(_))).count();
+    assert_eq!(
+        deadline_changes,
+        usize::from(a.revert_at() != b.revert_at()),
+        "set_revert_at iff deadlines differ"
+    );
     let mut touched: BTreeMap<&RuleId, Vec<&Change>> = BTreeMap::new();
     for change in &delta.changes {
         match change {
-            Change::SetMode(_) => {}
+            Change::SetMode(_) | Change::SetRevertAt(_) => {}
             Change::UpsertRule(rule) => {
                 let old = a.rule(rule.id());
                 assert!(
@@ -134,6 +156,7 @@ fn assert_minimal(a: &WorkloadPolicy, b: &WorkloadPolicy, delta: &PolicyDelta) {
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Kind {
     SetMode,
+    SetRevertAt,
     UpsertNew,
     UpsertPorts,
     RemoveRule,
@@ -144,6 +167,7 @@ enum Kind {
 fn kind_of(change: &Change, a: &WorkloadPolicy) -> Kind {
     match change {
         Change::SetMode(_) => Kind::SetMode,
+        Change::SetRevertAt(_) => Kind::SetRevertAt,
         Change::UpsertRule(r) if a.rule(r.id()).is_some() => Kind::UpsertPorts,
         Change::UpsertRule(_) => Kind::UpsertNew,
         Change::RemoveRule(_) => Kind::RemoveRule,
@@ -155,7 +179,7 @@ fn kind_of(change: &Change, a: &WorkloadPolicy) -> Kind {
 fn replace_rule(p: &WorkloadPolicy, rule: ResolvedRule) -> WorkloadPolicy {
     let id = rule.id().clone();
     let rules = p.rules().filter(|r| *r.id() != id).cloned().chain([rule]);
-    WorkloadPolicy::new(p.version(), p.mode(), rules).unwrap()
+    with_rules(p, rules)
 }
 
 /// Applies one mutation of `kind` to `p`, driven by `seed`; `None` if `p` offers no target.
@@ -165,8 +189,15 @@ fn mutate(p: &WorkloadPolicy, kind: Kind, seed: &Seed) -> Option<WorkloadPolicy>
     match kind {
         Kind::SetMode => {
             let others: Vec<Mode> = Mode::ALL.into_iter().filter(|m| *m != p.mode()).collect();
-            let rules = p.rules().cloned();
-            Some(WorkloadPolicy::new(p.version(), others[seed.index % 2], rules).unwrap())
+            Some(p.clone().with_mode(others[seed.index % 2]))
+        }
+        Kind::SetRevertAt => {
+            let at = match p.revert_at() {
+                Some(_) if seed.index.is_multiple_of(2) => None,
+                Some(at) => Some(at + 1 + (seed.index % 600_000) as i64),
+                None => Some(1_700_000_000_000 + (seed.index % 600_000) as i64),
+            };
+            Some(p.clone().with_revert_at(at).unwrap())
         }
         Kind::UpsertNew => {
             if p.rule(seed.rule.id()).is_some() {
@@ -187,10 +218,7 @@ fn mutate(p: &WorkloadPolicy, kind: Kind, seed: &Seed) -> Option<WorkloadPolicy>
         }
         Kind::RemoveRule => {
             let gone = rules.get(pick(rules.len())?)?.id().clone();
-            Some(
-                WorkloadPolicy::new(p.version(), p.mode(), p.rules().filter(|r| *r.id() != gone).cloned())
-                    .unwrap(),
-            )
+            Some(with_rules(p, p.rules().filter(|r| *r.id() != gone).cloned()))
         }
         Kind::AddPeers | Kind::RemovePeers => {
             let adding = kind == Kind::AddPeers;
@@ -256,14 +284,22 @@ macro_rules! single_variant {
 }
 
 single_variant!(diff_apply_contract_set_mode, Kind::SetMode);
+single_variant!(diff_apply_contract_set_revert_at, Kind::SetRevertAt);
 single_variant!(diff_apply_contract_upsert_new_rule, Kind::UpsertNew);
 single_variant!(diff_apply_contract_upsert_changed_ports, Kind::UpsertPorts);
 single_variant!(diff_apply_contract_remove_rule, Kind::RemoveRule);
 single_variant!(diff_apply_contract_add_peers, Kind::AddPeers);
 single_variant!(diff_apply_contract_remove_peers, Kind::RemovePeers);
 
-const KINDS: [Kind; 6] =
-    [Kind::SetMode, Kind::UpsertNew, Kind::UpsertPorts, Kind::RemoveRule, Kind::AddPeers, Kind::RemovePeers];
+const KINDS: [Kind; 7] = [
+    Kind::SetMode,
+    Kind::SetRevertAt,
+    Kind::UpsertNew,
+    Kind::UpsertPorts,
+    Kind::RemoveRule,
+    Kind::AddPeers,
+    Kind::RemovePeers,
+];
 
 proptest! {
     #![proptest_config(config(2000))]

@@ -546,6 +546,11 @@ fn describe(
             )
         }
         Change::SetMode(mode) => format!("mode {mode}"),
+        Change::SetRevertAt(Some(at)) => match chrono::DateTime::<chrono::Utc>::from_timestamp_millis(*at) {
+            Some(t) => format!("reverts to simulation at {} unless confirmed", t.format("%F %T UTC")),
+            None => format!("reverts to simulation at {at} ms unless confirmed"),
+        },
+        Change::SetRevertAt(None) => "confirmed: no revert deadline".to_owned(),
     }
 }
 
@@ -578,7 +583,7 @@ async fn workload(
                 Change::RemoveRule(id)
                 | Change::AddPeers { rule: id, .. }
                 | Change::RemovePeers { rule: id, .. } => Some(id),
-                Change::SetMode(_) => None,
+                Change::SetMode(_) | Change::SetRevertAt(_) => None,
             };
             authored.extend(rule.and_then(|r| r.authored().parse::<uuid::Uuid>().ok()));
         }
@@ -976,6 +981,7 @@ async fn promote(
         reason: form.reason,
         override_reason: Some(form.override_reason).filter(|r| !r.trim().is_empty()),
         guard: None,
+        confirm_within: None,
     };
     let promotion = gate::promote(&state.pool, &session.operator.actor(), &request).await?;
     Ok(Redirect::to(&format!("/promotions/{}", promotion.id)).into_response())

@@ -26,6 +26,7 @@ use innerwall_control_plane::policy::spec::RulesetSpec;
 use innerwall_control_plane::policy::store::{
     self, EstateRangeView, PolicyView, RulesetView, SyncStatusView, WorkloadRow, WorkloadView,
 };
+use innerwall_control_plane::safety::confirm;
 use innerwall_control_plane::safety::management::{self, ManagementListing, Scope as ManagementScope};
 use innerwall_control_plane::safety::rollback::{self, RolledBack, Target};
 use innerwall_control_plane::suggest::{self, Accepted, Suggestions};
@@ -192,6 +193,7 @@ pub trait Backend {
     /// The newest promotion records, at most `limit` (every one without).
     async fn promotions(&self, limit: Option<u32>) -> anyhow::Result<Vec<Promotion>>;
     async fn promotion(&self, id: Uuid) -> anyhow::Result<Promotion>;
+    async fn confirm_promotion(&self, id: Uuid, override_reason: Option<&str>) -> anyhow::Result<Promotion>;
     async fn audit(&self, query: &AuditQuery) -> anyhow::Result<Vec<AuditRow>>;
 }
 
@@ -446,6 +448,9 @@ impl Backend for Ctx {
     async fn promotion(&self, id: Uuid) -> anyhow::Result<Promotion> {
         Ok(gate::promote::show(&mut *self.pool.acquire().await?, id).await?)
     }
+    async fn confirm_promotion(&self, id: Uuid, override_reason: Option<&str>) -> anyhow::Result<Promotion> {
+        Ok(confirm::confirm(&self.pool, &self.actor, id, override_reason).await?)
+    }
     async fn audit(&self, query: &AuditQuery) -> anyhow::Result<Vec<AuditRow>> {
         let filter = query.filter();
         let mut conn = self.pool.acquire().await?;
@@ -636,6 +641,7 @@ impl Backend for ApiClient {
             "evidence_since": since,
             "min_evidence": min,
             "guard": request.guard,
+            "confirm_within": request.confirm_within.map(|d| humantime::format_duration(d).to_string()),
         });
         self.write("POST", "/api/v1/promotions", None, Some(&body)).await
     }
@@ -788,6 +794,10 @@ impl Backend for ApiClient {
     }
     async fn promotion(&self, id: Uuid) -> anyhow::Result<Promotion> {
         self.get(&format!("/api/v1/promotions/{id}")).await
+    }
+    async fn confirm_promotion(&self, id: Uuid, override_reason: Option<&str>) -> anyhow::Result<Promotion> {
+        let body = serde_json::json!({ "override_reason": override_reason });
+        self.write("POST", &format!("/api/v1/promotions/{id}/confirm"), None, Some(&body)).await
     }
     async fn audit(&self, query: &AuditQuery) -> anyhow::Result<Vec<AuditRow>> {
         pages::remote(self, &query.path(), None).await

@@ -146,6 +146,10 @@ pub struct ChangeArgs {
     /// Also demote on blocked sources the evidence range never showed.
     #[arg(long)]
     guard_unseen: bool,
+    /// A move to enforcement that reverts to simulation unless `innerwall promotions confirm`
+    /// comes within this long (e.g. 10m; 10s to 24h): the agents hold the deadline themselves.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    confirm_within: Option<std::time::Duration>,
     #[command(flatten)]
     evidence: EvidenceArgs,
 }
@@ -173,6 +177,7 @@ fn mode_request(
         reason: change.reason.clone().unwrap_or_else(|| default_reason.to_owned()),
         override_reason: change.override_reason.clone(),
         guard: Some(change.guard()),
+        confirm_within: change.confirm_within,
     })
 }
 
