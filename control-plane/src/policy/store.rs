@@ -898,6 +898,10 @@ pub struct WorkloadView {
     /// no promotion since replaced that guard (`promotions show` has the flows).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub auto_demoted_by: Option<Uuid>,
+    /// A promotion to enforcement awaiting confirmation (FLOW-11): its id and deadline, past
+    /// which the host enforces its simulation (`promotions confirm` before it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub awaiting_confirmation: Option<(Uuid, chrono::DateTime<chrono::Utc>)>,
     pub retired: bool,
     /// `PENDING`, `SYNCED`, `DEGRADED`, `OFFLINE` or `SUSPENDED`, judged when read: a workload
     /// silent longer than its stream tolerates is OFFLINE whatever was stored.
@@ -1025,8 +1029,11 @@ pub async fn list_workloads(
     let sql = format!(
         "SELECT w.id, w.hostname, w.mode, w.label_version, p.version, w.retired_at IS NOT NULL, {}, {},
                 w.pinned_version,
-                (SELECT g.demotion_id FROM enforcement_guards g WHERE g.workload_id = w.id AND g.tripped_at IS NOT NULL)
+                (SELECT g.demotion_id FROM enforcement_guards g WHERE g.workload_id = w.id AND g.tripped_at IS NOT NULL),
+                c.promotion_id, pr.confirm_deadline
          FROM workloads w LEFT JOIN workload_policies p ON p.workload_id = w.id
+         LEFT JOIN promotion_confirmations c ON c.workload_id = w.id AND c.state = 'pending'
+         LEFT JOIN promotions pr ON pr.id = c.promotion_id
          WHERE $1::uuid IS NULL OR w.id = $1 ORDER BY w.hostname, w.id",
         crate::shown::STATE,
         crate::shown::DETAIL
@@ -1047,6 +1054,9 @@ pub async fn list_workloads(
                 policy_version: row.get(4),
                 pinned_to_source_of: row.get(8),
                 auto_demoted_by: row.get(9),
+                awaiting_confirmation: row
+                    .get::<Option<Uuid>, _>(10)
+                    .zip(row.get::<Option<chrono::DateTime<chrono::Utc>>, _>(11)),
                 retired: row.get(5),
                 sync_state: stored::<innerwall_wire::sync::SyncState>(row.get(6))?.name().to_owned(),
                 sync_detail: row.get(7),

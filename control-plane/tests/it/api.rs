@@ -1050,6 +1050,11 @@ async fn promotion_confirm_over_the_api() {
         json!({"ids": [db.to_string()], "expect_count": 1, "to": to, "reason": "try it",
                "override_reason": "no agent in this test", "confirm_within": within})
     };
+    let guarded = |guard: Value| {
+        let mut body = promote("enforcement", None);
+        body["guard"] = guard;
+        body
+    };
     let post =
         async |body: &Value| plane.write("POST", "/api/v1/promotions", &promoter.token, None, body).await;
     let before = (written(&pool).await, latest().await);
@@ -1059,6 +1064,9 @@ async fn promotion_confirm_over_the_api() {
         (promote("simulation", Some("1m")), "belongs to a move to enforcement"),
         // No agent ever said it holds a deadline: it would never revert.
         (promote("enforcement", Some("1m")), "db-1"),
+        // The guard watches a day at most, and trips at one connection or more.
+        (guarded(json!({"minutes": 24 * 60 + 1})), "0 to 1440 minutes"),
+        (guarded(json!({"threshold": 0})), "1 or more blocked connections"),
     ] {
         let doc = post(&body).await.problem(400, ProblemType::Invalid);
         assert!(doc["detail"].as_str().unwrap().contains(says), "{says}: {doc}");
@@ -1075,6 +1083,8 @@ async fn promotion_confirm_over_the_api() {
     assert_eq!(reply.status, 201, "{reply:?}");
     let first = reply.json();
     assert_eq!(first["confirmation"]["state"], "pending", "{first}");
+    let shown = plane.get(&format!("/api/v1/workloads/{db}"), Some(&editor.token)).await.json();
+    assert_eq!(shown["workload"]["awaiting_confirmation"][0], first["id"], "{shown}");
     let held = latest().await;
     assert!(held > before.1, "the deadline renders into the policy");
     assert_eq!(first["confirmation"]["workloads"][0]["version"], Value::Null, "set after the render");
@@ -1124,6 +1134,8 @@ async fn promotion_confirm_over_the_api() {
     assert_eq!(confirmed["confirmation"]["settled_by"], pat.as_str(), "{confirmed}");
     let after = latest().await;
     assert!(after > held, "the deadline leaves the policy");
+    let shown = plane.get(&format!("/api/v1/workloads/{db}"), Some(&editor.token)).await.json();
+    assert!(shown["workload"].get("awaiting_confirmation").is_none(), "{shown}");
     let doc = plane
         .write("POST", &confirm(&id), &promoter.token, None, &json!({}))
         .await

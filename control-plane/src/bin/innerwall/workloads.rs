@@ -291,6 +291,12 @@ fn print_show(json: bool, w: WorkloadView) -> anyhow::Result<()> {
     if !w.sync_detail.is_empty() {
         println!("state: {}", escape(&w.sync_detail));
     }
+    if let Some((id, deadline)) = w.awaiting_confirmation {
+        println!(
+            "enforced until {} unless confirmed: `innerwall promotions confirm {id}` (the host then reverts to simulation by itself)",
+            deadline.format("%F %T UTC")
+        );
+    }
     if let Some(id) = w.auto_demoted_by {
         println!(
             "auto-demoted to simulation by its enforcement guard: `innerwall promotions show {id}` has the flows"
