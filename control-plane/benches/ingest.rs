@@ -58,10 +58,12 @@ fn window(n: usize, start_ms: i64) -> proto::FlowWindow {
                 new_connections: 1,
                 first_seen_unix_ms: start_ms + 1 + (i % 30_000) as i64,
                 last_seen_unix_ms: start_ms + 30_001 + (i % 30_000) as i64,
+                ..Default::default()
             }
         })
         .collect();
     proto::FlowWindow {
+        staged_set: String::new(),
         window_id: uuid::Uuid::new_v4().to_string(),
         start_unix_ms: start_ms,
         end_unix_ms: start_ms + 60_000,

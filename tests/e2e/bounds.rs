@@ -58,6 +58,7 @@ async fn a_throttled_agent_keeps_its_windows_and_waits() {
             mode,
             records: vec![],
             gaps: vec![],
+            staged_set: None,
         };
         queue.push(window).unwrap();
     }

@@ -217,6 +217,7 @@ async fn every_loss_is_a_gap() {
         mode: proto::EnforcementMode::Simulation.into(),
         records: Vec::new(),
         gaps: Vec::new(),
+        staged_set: String::new(),
     };
     queue_file(&telemetry, 1, ancient, ancient + 1_000, &refused.encode_to_vec());
     let refused_from = db_now_ms(&pool).await;

@@ -30,6 +30,7 @@ fn record(src: &str, port: u16, packets: u64) -> FlowRecord {
         new_connections: 1,
         first_seen_ms: now_ms() - 5_000,
         last_seen_ms: now_ms() - 1_000,
+        pending: None,
     }
 }
 
@@ -52,6 +53,7 @@ fn window(records: Vec<FlowRecord>) -> FlowWindow {
         mode: Mode::Visibility,
         records,
         gaps: vec![],
+        staged_set: None,
     }
 }
 

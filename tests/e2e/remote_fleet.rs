@@ -105,6 +105,7 @@ async fn estate(pool: &PgPool, base: DateTime<Utc>) {
         new_connections: 1,
         first_seen_ms: ms(minutes_ago) + 1_000,
         last_seen_ms: ms(minutes_ago) + 50_000,
+        pending: None,
     };
     let window =
         |id: u128, minutes_ago: i64, version: u64, records: Vec<FlowRecord>, gaps: Vec<EvidenceGap>| {
@@ -116,6 +117,7 @@ async fn estate(pool: &PgPool, base: DateTime<Utc>) {
                 mode: Mode::Simulation,
                 records,
                 gaps,
+                staged_set: None,
             }
         };
     let windows = [

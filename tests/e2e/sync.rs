@@ -259,6 +259,7 @@ async fn telemetry_failure_leaves_the_policy_stream_up() {
             mode: v1.mode(),
             records: Vec::new(),
             gaps: Vec::new(),
+            staged_set: None,
         })
         .unwrap();
     let uploads =

@@ -11,7 +11,7 @@ use prost::Message;
 use crate::flows::{Decision, EvidenceGap, FlowError, FlowRecord, FlowWindow, GapKind};
 use crate::identity::{AgentInfo, HostFacts, NetworkInterface, OsInfo};
 use crate::policy::{
-    Change, Cidr, Mode, PolicyDelta, PolicyError, PortRange, Protocol, ResolvedRule, RuleId, Version,
+    Change, Cidr, Mode, PolicyDelta, PolicyError, PortRange, Protocol, ResolvedRule, RuleId, Staged, Version,
     WorkloadPolicy,
 };
 use crate::proto;
@@ -136,6 +136,7 @@ impl From<&WorkloadPolicy> for proto::WorkloadPolicy {
             mode: proto::EnforcementMode::from(policy.mode()).into(),
             inbound_rules: policy.rules().map(Into::into).collect(),
             revert_at_unix_ms: policy.revert_at().unwrap_or(0),
+            staged: policy.staged().map(Into::into),
         }
     }
 }
@@ -146,8 +147,38 @@ impl TryFrom<&proto::WorkloadPolicy> for WorkloadPolicy {
     fn try_from(wire: &proto::WorkloadPolicy) -> Result<Self, PolicyError> {
         let rules = wire.inbound_rules.iter().map(ResolvedRule::try_from).collect::<Result<Vec<_>, _>>()?;
         let revert_at = (wire.revert_at_unix_ms != 0).then_some(wire.revert_at_unix_ms);
-        WorkloadPolicy::new(wire.version, Mode::from_number("policy.mode", wire.mode)?, rules)?
-            .with_revert_at(revert_at)
+        let staged = wire.staged.as_ref().map(Staged::try_from).transpose()?;
+        Ok(WorkloadPolicy::new(wire.version, Mode::from_number("policy.mode", wire.mode)?, rules)?
+            .with_revert_at(revert_at)?
+            .with_staged(staged))
+    }
+}
+
+impl From<&Staged> for proto::StagedRules {
+    fn from(staged: &Staged) -> Self {
+        proto::StagedRules {
+            set: staged.set().to_owned(),
+            upserts: staged.upserts().map(Into::into).collect(),
+            removals: staged.removals().map(ToString::to_string).collect(),
+        }
+    }
+}
+
+impl TryFrom<&proto::StagedRules> for Staged {
+    type Error = PolicyError;
+
+    fn try_from(wire: &proto::StagedRules) -> Result<Self, PolicyError> {
+        let upserts = wire.upserts.iter().map(ResolvedRule::try_from).collect::<Result<Vec<_>, _>>()?;
+        let removals = wire.removals.iter().map(|id| RuleId::parse(id)).collect::<Result<Vec<_>, _>>()?;
+        Staged::new(&wire.set, upserts, removals)
+    }
+}
+
+/// A delta's staged set: a message with an empty set id clears it.
+fn staged_from_wire(wire: &proto::StagedRules) -> Result<Option<Staged>, PolicyError> {
+    match wire.set.is_empty() && wire.upserts.is_empty() && wire.removals.is_empty() {
+        true => Ok(None),
+        false => Staged::try_from(wire).map(Some),
     }
 }
 
@@ -181,6 +212,7 @@ impl From<&Change> for proto::DeltaChange {
             Change::RemovePeers { rule, peers } => W::RemovePeers(peer_change(rule, peers)),
             Change::SetMode(mode) => W::SetMode(proto::EnforcementMode::from(*mode).into()),
             Change::SetRevertAt(at) => W::SetRevertAtUnixMs(at.unwrap_or(0)),
+            Change::SetStaged(staged) => W::SetStaged(staged.as_ref().map(Into::into).unwrap_or_default()),
         };
         proto::DeltaChange { change: Some(change) }
     }
@@ -203,6 +235,7 @@ impl TryFrom<&proto::DeltaChange> for Change {
                 peers: cidrs_from_wire(&pc.peer_cidrs)?,
             },
             W::SetMode(mode) => Change::SetMode(Mode::from_number("delta_change.set_mode", *mode)?),
+            W::SetStaged(staged) => Change::SetStaged(staged_from_wire(staged)?),
             W::SetRevertAtUnixMs(at) => Change::SetRevertAt(match *at {
                 0 => None,
                 at if at < 0 => return Err(PolicyError::RevertDeadline { at_ms: at }),
@@ -248,6 +281,13 @@ impl From<&FlowRecord> for proto::FlowRecord {
             new_connections: r.new_connections,
             first_seen_unix_ms: r.first_seen_ms,
             last_seen_unix_ms: r.last_seen_ms,
+            pending_decision: r.pending.as_ref().map_or(0, |p| p.decision.number()),
+            pending_rule_id: r
+                .pending
+                .as_ref()
+                .and_then(|p| p.rule.as_ref())
+                .map(ToString::to_string)
+                .unwrap_or_default(),
         }
     }
 }
@@ -274,6 +314,7 @@ impl From<&FlowWindow> for proto::FlowWindow {
             mode: w.mode.number(),
             records: w.records.iter().map(Into::into).collect(),
             gaps: w.gaps.iter().map(Into::into).collect(),
+            staged_set: w.staged_set.clone().unwrap_or_default(),
         }
     }
 }
@@ -320,11 +361,20 @@ impl TryFrom<&proto::FlowWindow> for FlowWindow {
             )));
         }
         counter("policy version", wire.policy_version).map_err(FlowError::Window)?;
+        let staged_set = match wire.staged_set.as_str() {
+            "" => None,
+            set => {
+                crate::policy::check_staged_set(set).map_err(|e| FlowError::Window(e.to_string()))?;
+                Some(set.to_owned())
+            }
+        };
         let records = wire
             .records
             .iter()
             .enumerate()
-            .map(|(index, r)| flow_record(r).map_err(|reason| FlowError::Record { index, reason }))
+            .map(|(index, r)| {
+                flow_record(r, staged_set.is_some()).map_err(|reason| FlowError::Record { index, reason })
+            })
             .collect::<Result<Vec<_>, _>>()?;
         let gaps = wire
             .gaps
@@ -332,11 +382,34 @@ impl TryFrom<&proto::FlowWindow> for FlowWindow {
             .enumerate()
             .map(|(index, g)| evidence_gap(g).map_err(|reason| FlowError::Gap { index, reason }))
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(FlowWindow { id, start_ms, end_ms, policy_version: wire.policy_version, mode, records, gaps })
+        Ok(FlowWindow {
+            id,
+            start_ms,
+            end_ms,
+            policy_version: wire.policy_version,
+            mode,
+            records,
+            gaps,
+            staged_set,
+        })
     }
 }
 
-fn flow_record(r: &proto::FlowRecord) -> Result<FlowRecord, String> {
+/// A decision and the rule id that goes with it: present exactly for ALLOWED.
+fn decided_by(decision: Decision, rule: &str, what: &str) -> Result<Option<RuleId>, String> {
+    let allowed = decision == Decision::Allowed;
+    if allowed == rule.is_empty() {
+        return Err(format!("a {what} rule id is required exactly for ALLOWED"));
+    }
+    match allowed {
+        true => Ok(Some(RuleId::parse(rule).map_err(|e| e.to_string())?)),
+        false => Ok(None),
+    }
+}
+
+/// One record of a window; `staged`: the window has a staged set, so the record carries the
+/// pending decision (and otherwise none).
+fn flow_record(r: &proto::FlowRecord, staged: bool) -> Result<FlowRecord, String> {
     let addr = |what: &str, text: &str| {
         text.parse::<IpAddr>()
             .map(|a| a.to_canonical())
@@ -348,12 +421,22 @@ fn flow_record(r: &proto::FlowRecord) -> Result<FlowRecord, String> {
     if !protocol.has_ports() && dst_port != 0 {
         return Err("icmp flows carry no port".into());
     }
-    let allowed = decision == Decision::Allowed;
-    if allowed == r.matched_rule_id.is_empty() {
-        return Err("a matched rule id is required exactly for ALLOWED".into());
-    }
-    let matched_rule =
-        if allowed { Some(RuleId::parse(&r.matched_rule_id).map_err(|e| e.to_string())?) } else { None };
+    let matched_rule = decided_by(decision, &r.matched_rule_id, "matched")?;
+    let pending = match (staged, r.pending_decision) {
+        (false, 0) if r.pending_rule_id.is_empty() => None,
+        (false, _) => return Err("a pending decision without a staged set".into()),
+        (true, 0) => return Err("no pending decision under a staged set".into()),
+        (true, code) => {
+            let decision: Decision = enum_field(code)?;
+            if decision == Decision::Observed {
+                return Err("a pending decision is made by rules: it is never OBSERVED".into());
+            }
+            Some(crate::flows::Pending {
+                decision,
+                rule: decided_by(decision, &r.pending_rule_id, "pending")?,
+            })
+        }
+    };
     let first_seen_ms = time("first seen", r.first_seen_unix_ms)?;
     let last_seen_ms = time("last seen", r.last_seen_unix_ms)?;
     if first_seen_ms > last_seen_ms {
@@ -371,6 +454,7 @@ fn flow_record(r: &proto::FlowRecord) -> Result<FlowRecord, String> {
         new_connections: counter("new connections", r.new_connections)?,
         first_seen_ms,
         last_seen_ms,
+        pending,
     })
 }
 
@@ -703,6 +787,7 @@ mod tests {
             mode: proto::EnforcementMode::Simulation.into(),
             records,
             gaps: vec![],
+            staged_set: String::new(),
         }
     }
 
@@ -719,6 +804,8 @@ mod tests {
             new_connections: 1,
             first_seen_unix_ms: 1_700_000_001_000,
             last_seen_unix_ms: 1_700_000_002_000,
+            pending_decision: 0,
+            pending_rule_id: String::new(),
         }
     }
 
@@ -757,6 +844,7 @@ mod tests {
             (Box::new(|r| r.first_seen_unix_ms = r.last_seen_unix_ms + 1), "first seen is after last seen"),
             (Box::new(|r| r.packets = u64::MAX), "packets 18446744073709551615 is out of range"),
             (Box::new(|r| r.protocol = proto::Protocol::Icmp.into()), "icmp flows carry no port"),
+            (Box::new(|r| r.pending_decision = 4), "a pending decision without a staged set"),
         ];
         for (mutate, want) in bad {
             let mut second = wire_record();
@@ -766,6 +854,33 @@ mod tests {
             assert!(err.contains(want), "{err} lacks {want}");
         }
         let refused = |w: proto::FlowWindow| FlowWindow::try_from(&w).unwrap_err().to_string();
+        // Under a staged set every record carries the pending decision, and its rule exactly
+        // when it allows.
+        let staged = |records: Vec<proto::FlowRecord>| proto::FlowWindow {
+            staged_set: "rs.db:3".into(),
+            ..wire_window(records)
+        };
+        let pending = |decision: proto::FlowDecision, rule: &str| proto::FlowRecord {
+            pending_decision: decision.into(),
+            pending_rule_id: rule.into(),
+            ..wire_record()
+        };
+        let good =
+            FlowWindow::try_from(&staged(vec![pending(proto::FlowDecision::Allowed, "r/tcp")])).unwrap();
+        assert_eq!(good.staged_set.as_deref(), Some("rs.db:3"));
+        let p = good.records[0].pending.as_ref().unwrap();
+        assert_eq!(
+            (p.decision, p.rule.as_ref().map(ToString::to_string)),
+            (Decision::Allowed, Some("r/tcp".into()))
+        );
+        assert!(refused(staged(vec![wire_record()])).contains("no pending decision under a staged set"));
+        assert!(
+            refused(staged(vec![pending(proto::FlowDecision::Blocked, "r/tcp")])).contains("pending rule id")
+        );
+        assert!(refused(staged(vec![pending(proto::FlowDecision::Observed, "")])).contains("never OBSERVED"));
+        let mut w = staged(vec![]);
+        w.staged_set = "No Caps".into();
+        assert!(refused(w).contains("staged set"));
         let mut w = wire_window(vec![]);
         w.window_id = "x".into();
         assert!(refused(w).contains("not a uuid"));
@@ -918,6 +1033,7 @@ mod tests {
                 wire_rule("a/tcp", proto::Protocol::Tcp, &["10.0.0.0/8", "1.0.0.0/8"], &[(2, 2), (1, 1)]),
             ],
             revert_at_unix_ms: 0,
+            staged: None,
         };
         let bytes = unsorted.encode_to_vec();
         assert_eq!(WorkloadPolicy::from_canonical_bytes(&bytes), Err(PolicyError::NotCanonical));

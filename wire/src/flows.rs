@@ -86,6 +86,17 @@ pub struct FlowRecord {
     pub new_connections: u64,
     pub first_seen_ms: i64,
     pub last_seen_ms: i64,
+    /// Under the window's staged set (FLOW-10): what its pending rules decide. `None` exactly
+    /// when the window has no staged set.
+    pub pending: Option<Pending>,
+}
+
+/// The decision of a staged set's pending rules about a flow, and the rule that allowed it
+/// (present exactly when `Allowed`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pending {
+    pub decision: Decision,
+    pub rule: Option<RuleId>,
 }
 
 /// What could not be recorded over `[from_ms, to_ms)`.
@@ -150,6 +161,8 @@ pub struct FlowWindow {
     pub mode: Mode,
     pub records: Vec<FlowRecord>,
     pub gaps: Vec<EvidenceGap>,
+    /// The staged set of the version it was decided under (FLOW-10), if that version had one.
+    pub staged_set: Option<String>,
 }
 
 /// Bounds on one window from an agent: beyond them it is refused whole.
@@ -259,6 +272,58 @@ mod tests {
         check(Mode::Simulation, "192.0.2.1", 0, Protocol::Icmp, Allowed, "ping/icmp");
         check(Mode::Visibility, "10.0.1.9", 5432, Protocol::Tcp, Observed, "");
         assert_eq!(decide(None, ip("10.0.0.9"), 5432, Protocol::Tcp), (Observed, None));
+    }
+
+    /// The pending rules of a staged set (FLOW-10) decide beside the enforced ones: a staged
+    /// narrowing blocks what the rules allow, a staged new rule allows what they block, a staged
+    /// removal falls through to the mode's default even when nothing else is left (calico#13416:
+    /// the default is not lost when the staged rule is the last), and the enforced decision never
+    /// moves.
+    #[test]
+    fn pending_rules_decide_beside_the_enforced_ones() {
+        use crate::policy::Staged;
+        use Decision::*;
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let narrowed = rule("db", Protocol::Tcp, &[5432], &["10.0.0.0/25"]);
+        let new = rule("ssh", Protocol::Tcp, &[22], &["10.9.0.0/16"]);
+        let ping = RuleId::new("ping", Protocol::Icmp).unwrap();
+        let staged = Staged::new("rs.db:2", [narrowed, new], [ping]).unwrap();
+        let p = policy(Mode::Enforcement).with_staged(Some(staged));
+        let pending = p.pending().unwrap();
+        assert_eq!((pending.version(), pending.mode(), pending.staged()), (4, Mode::Enforcement, None));
+        let both = |src, port, proto| {
+            let name = |(d, r): (Decision, Option<RuleId>)| (d, r.map(|r| r.to_string()));
+            (name(decide(Some(&p), ip(src), port, proto)), name(decide(Some(&pending), ip(src), port, proto)))
+        };
+        let db = Some("db/tcp".to_owned());
+        assert_eq!(
+            both("10.0.0.200", 5432, Protocol::Tcp),
+            ((Allowed, db.clone()), (Blocked, None)),
+            "narrowed"
+        );
+        assert_eq!(both("10.0.0.9", 5432, Protocol::Tcp), ((Allowed, db.clone()), (Allowed, db)), "still in");
+        assert_eq!(
+            both("10.9.1.1", 22, Protocol::Tcp),
+            ((Blocked, None), (Allowed, Some("ssh/tcp".to_owned()))),
+            "a staged new rule admits nothing yet"
+        );
+        assert_eq!(
+            both("192.0.2.1", 0, Protocol::Icmp),
+            ((Allowed, Some("ping/icmp".to_owned())), (Blocked, None)),
+            "a staged removal falls through to the default"
+        );
+        // Staged the last rule away: the pending default still holds.
+        let db = RuleId::new("db", Protocol::Tcp).unwrap();
+        let all = Staged::new("rs.db:3", [], [db, RuleId::new("ping", Protocol::Icmp).unwrap()]).unwrap();
+        let emptied = policy(Mode::Simulation).with_staged(Some(all)).pending().unwrap();
+        assert_eq!(emptied.rules().len(), 0);
+        assert_eq!(decide(Some(&emptied), ip("10.0.0.9"), 5432, Protocol::Tcp), (WouldBlock, None));
+        assert_eq!(policy(Mode::Enforcement).pending(), None, "no staged set, no pending rules");
+        // A staged set names itself and changes something, and a rule is upserted or removed.
+        let id = || RuleId::new("x", Protocol::Tcp).unwrap();
+        assert!(Staged::new("Bad Name", [], [id()]).is_err());
+        assert!(Staged::new("ok", [], []).is_err());
+        assert!(Staged::new("ok", [rule("x", Protocol::Tcp, &[1], &[])], [id()]).is_err());
     }
 
     #[test]

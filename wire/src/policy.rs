@@ -384,6 +384,75 @@ pub struct WorkloadPolicy {
     /// A promotion awaiting confirmation (FLOW-11): from this moment on (unix milliseconds) the
     /// policy is enforced in simulation, unless a later version clears it.
     revert_at_ms: Option<i64>,
+    /// Rules staged beside the enforced ones (FLOW-10).
+    staged: Option<Staged>,
+}
+
+/// The most characters a staged set's id has.
+pub const MAX_STAGED_SET: usize = 64;
+
+/// A staged set's id: 1 to [`MAX_STAGED_SET`] characters of a-z 0-9 . _ : - (as a policy and a
+/// flow window carry it).
+pub fn check_staged_set(set: &str) -> Result<(), PolicyError> {
+    let allowed = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || "._:-".contains(c);
+    if set.is_empty() || set.len() > MAX_STAGED_SET || !set.chars().all(allowed) {
+        return Err(PolicyError::Staged {
+            set: set.chars().take(MAX_STAGED_SET).collect(),
+            reason: "its id is 1 to 64 characters of a-z 0-9 . _ : -",
+        });
+    }
+    Ok(())
+}
+
+/// A staged set (FLOW-10): changes to a policy's rules that are evaluated beside them and never
+/// acted on — the pending policy is the rules with `removals` taken out and `upserts` put in.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Staged {
+    set: String,
+    upserts: BTreeMap<RuleId, ResolvedRule>,
+    removals: BTreeSet<RuleId>,
+}
+
+impl Staged {
+    /// A staged set named `set` (1 to [`MAX_STAGED_SET`] characters of a-z 0-9 . _ : -) that
+    /// changes something, with no rule both upserted and removed.
+    pub fn new(
+        set: &str,
+        upserts: impl IntoIterator<Item = ResolvedRule>,
+        removals: impl IntoIterator<Item = RuleId>,
+    ) -> Result<Staged, PolicyError> {
+        check_staged_set(set)?;
+        let bad = |reason| PolicyError::Staged { set: set.to_owned(), reason };
+        let mut map = BTreeMap::new();
+        for rule in upserts {
+            if let Some(dup) = map.insert(rule.id.clone(), rule) {
+                return Err(PolicyError::DuplicateRule { rule: dup.id.to_string() });
+            }
+        }
+        let removals: BTreeSet<RuleId> = removals.into_iter().collect();
+        if removals.iter().any(|id| map.contains_key(id)) {
+            return Err(bad("a rule is both upserted and removed"));
+        }
+        if map.is_empty() && removals.is_empty() {
+            return Err(bad("it changes nothing"));
+        }
+        Ok(Staged { set: set.to_owned(), upserts: map, removals })
+    }
+
+    /// The set's id.
+    pub fn set(&self) -> &str {
+        &self.set
+    }
+
+    /// Rules added or replaced, in id order.
+    pub fn upserts(&self) -> impl ExactSizeIterator<Item = &ResolvedRule> {
+        self.upserts.values()
+    }
+
+    /// Rule ids removed, in order.
+    pub fn removals(&self) -> impl ExactSizeIterator<Item = &RuleId> {
+        self.removals.iter()
+    }
 }
 
 impl WorkloadPolicy {
@@ -398,7 +467,7 @@ impl WorkloadPolicy {
                 return Err(PolicyError::DuplicateRule { rule: dup.id.to_string() });
             }
         }
-        Ok(WorkloadPolicy { version, mode, rules: map, revert_at_ms: None })
+        Ok(WorkloadPolicy { version, mode, rules: map, revert_at_ms: None, staged: None })
     }
 
     pub fn version(&self) -> Version {
@@ -431,6 +500,33 @@ impl WorkloadPolicy {
         }
         self.revert_at_ms = at_ms;
         Ok(self)
+    }
+
+    /// The same policy with rules staged beside its own (`None`: none).
+    pub fn with_staged(mut self, staged: Option<Staged>) -> Self {
+        self.staged = staged;
+        self
+    }
+
+    /// The staged set, if any (FLOW-10).
+    pub fn staged(&self) -> Option<&Staged> {
+        self.staged.as_ref()
+    }
+
+    /// The pending policy of the staged set: the same version and mode, its rules with the
+    /// staged removals taken out and the upserts put in (no staged set, no deadline of its own).
+    pub fn pending(&self) -> Option<WorkloadPolicy> {
+        let staged = self.staged.as_ref()?;
+        let mut rules = self.rules.clone();
+        rules.retain(|id, _| !staged.removals.contains(id));
+        rules.extend(staged.upserts.iter().map(|(id, r)| (id.clone(), r.clone())));
+        Some(WorkloadPolicy {
+            version: self.version,
+            mode: self.mode,
+            rules,
+            revert_at_ms: None,
+            staged: None,
+        })
     }
 
     /// When an unconfirmed promotion reverts (unix milliseconds), if one is pending.
@@ -484,6 +580,7 @@ impl WorkloadPolicy {
     fn apply_change(&mut self, change: &Change) -> Result<(), ApplyError> {
         match change {
             Change::SetMode(mode) => self.mode = *mode,
+            Change::SetStaged(staged) => self.staged = staged.clone(),
             Change::SetRevertAt(at) => {
                 if let Some(at_ms) = *at
                     && at_ms <= 0
@@ -543,6 +640,8 @@ pub enum Change {
     SetMode(Mode),
     /// The revert deadline of a promotion awaiting confirmation (`None` clears it).
     SetRevertAt(Option<i64>),
+    /// The staged set, whole (`None` clears it).
+    SetStaged(Option<Staged>),
 }
 
 /// The changes that take the policy at `from_version` to the policy at `to_version`.
@@ -561,7 +660,7 @@ impl PolicyDelta {
 }
 
 /// The minimal change list from `a` to `b` (SYNC-1): the mode first, then the revert deadline,
-/// then per rule in id order
+/// then the staged set (whole), then per rule in id order
 /// a removal, an upsert (new rule, or its ports changed), or peer removals and additions.
 /// A rule whose peers all go stays as an empty rule; only its absence from `b` removes it.
 pub fn diff(a: &WorkloadPolicy, b: &WorkloadPolicy) -> PolicyDelta {
@@ -571,6 +670,9 @@ pub fn diff(a: &WorkloadPolicy, b: &WorkloadPolicy) -> PolicyDelta {
     }
     if a.revert_at_ms != b.revert_at_ms {
         changes.push(Change::SetRevertAt(b.revert_at_ms));
+    }
+    if a.staged != b.staged {
+        changes.push(Change::SetStaged(b.staged.clone()));
     }
     let ids: BTreeSet<&RuleId> = a.rules.keys().chain(b.rules.keys()).collect();
     for id in ids {
@@ -621,6 +723,8 @@ pub enum PolicyError {
     Missing { field: &'static str },
     #[error("revert deadline {at_ms} is not a moment after 1970 (unix milliseconds)")]
     RevertDeadline { at_ms: i64 },
+    #[error("staged set {set:?}: {reason}")]
+    Staged { set: String, reason: &'static str },
     #[error("policy bytes do not decode: {0}")]
     Decode(#[from] prost::DecodeError),
     #[error("policy bytes are not in canonical form (re-encoding differs)")]

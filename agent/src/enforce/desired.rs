@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::{self, Write as _};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-use innerwall_wire::policy::{Cidr, Mode, PortRange, Protocol, WorkloadPolicy};
+use innerwall_wire::policy::{Cidr, Mode, PortRange, Protocol, ResolvedRule, WorkloadPolicy};
 use ipnet::IpNet;
 
 /// The one table the agent owns (ENF-1), in family `inet`.
@@ -18,6 +18,8 @@ pub const CHAIN: &str = "input";
 pub const TERMINAL_DROP: &str = "innerwall:drop";
 /// Comment of the simulation terminal rule (count + mark + accept).
 pub const TERMINAL_WOULD_BLOCK: &str = "innerwall:would-block";
+/// Prefix of the comment of a staged rule's counter (FLOW-10): `staged:<rule id>`.
+pub const STAGED_PREFIX: &str = "staged:";
 /// Conntrack mark bit the simulation terminal sets on connections it would have blocked. Only
 /// this bit is written; every other bit of the mark is preserved.
 pub const WOULD_BLOCK_CT_MARK: u32 = 0x0100_0000;
@@ -238,8 +240,9 @@ pub enum RuleSpec {
     /// ICMPv6 neighbour discovery accept.
     NeighbourDiscovery,
     /// A resolved rule for one address family: source in `set`, protocol, ports → counter,
-    /// attribution (the rule id as the comment), accept.
-    Policy { id: String, family: Family, protocol: Protocol, set: String, ports: PortMatch },
+    /// attribution (the rule id as the comment), accept. A `staged` one (FLOW-10) only counts,
+    /// with no verdict of its own, commented `staged:<rule id>`, before every enforced rule.
+    Policy { id: String, family: Family, protocol: Protocol, set: String, ports: PortMatch, staged: bool },
     /// The terminal rule of the mode.
     Terminal(Mode),
 }
@@ -248,7 +251,8 @@ impl RuleSpec {
     /// The comment the rule carries in the kernel, which ties its counter to a rule id.
     pub fn comment(&self) -> Option<String> {
         match self {
-            RuleSpec::Policy { id, .. } => Some(rule_comment(id)),
+            RuleSpec::Policy { id, staged: false, .. } => Some(rule_comment(id)),
+            RuleSpec::Policy { id, staged: true, .. } => Some(rule_comment(&format!("{STAGED_PREFIX}{id}"))),
             RuleSpec::Terminal(Mode::Simulation) => Some(TERMINAL_WOULD_BLOCK.to_owned()),
             RuleSpec::Terminal(_) => Some(TERMINAL_DROP.to_owned()),
             _ => None,
@@ -285,48 +289,62 @@ pub struct DesiredTable {
 
 impl DesiredTable {
     pub fn from_policy(policy: &WorkloadPolicy) -> DesiredTable {
-        let mut rules = vec![RuleSpec::Loopback, RuleSpec::EstablishedRelated, RuleSpec::NeighbourDiscovery];
-        let mut sets = Vec::new();
+        let mut table = DesiredTable {
+            sets: Vec::new(),
+            rules: vec![RuleSpec::Loopback, RuleSpec::EstablishedRelated, RuleSpec::NeighbourDiscovery],
+        };
         if policy.mode() == Mode::Visibility {
-            return DesiredTable { sets, rules };
+            return table;
         }
-        for (index, rule) in policy.rules().enumerate() {
-            let families: &[Family] = match rule.protocol() {
-                Protocol::Tcp | Protocol::Udp => &[Family::V4, Family::V6],
-                Protocol::Icmp => &[Family::V4],
-                Protocol::Icmpv6 => &[Family::V6],
-            };
-            let ports = match rule.ports() {
-                [] => PortMatch::None,
-                [one] => PortMatch::Range(one.start(), one.end()),
-                many => {
-                    let name = format!("r{index}_ports");
-                    sets.push(SetSpec {
-                        name: name.clone(),
-                        kind: KeyKind::Port,
-                        intervals: port_intervals(many),
-                    });
-                    PortMatch::Set(name)
-                }
-            };
-            for &family in families {
-                let name = format!("r{index}_{}", family.suffix());
-                sets.push(SetSpec {
-                    name: name.clone(),
-                    kind: KeyKind::Addr(family),
-                    intervals: merge_cidrs(family, rule.peers()),
-                });
-                rules.push(RuleSpec::Policy {
-                    id: rule.id().to_string(),
-                    family,
-                    protocol: rule.protocol(),
-                    set: name,
-                    ports: ports.clone(),
-                });
+        // Staged rules count before any enforced rule accepts (FLOW-10).
+        if let Some(staged) = policy.staged() {
+            for (index, rule) in staged.upserts().enumerate() {
+                table.push_rule(&format!("s{index}"), rule, true);
             }
         }
-        rules.push(RuleSpec::Terminal(policy.mode()));
-        DesiredTable { sets, rules }
+        for (index, rule) in policy.rules().enumerate() {
+            table.push_rule(&format!("r{index}"), rule, false);
+        }
+        table.rules.push(RuleSpec::Terminal(policy.mode()));
+        table
+    }
+
+    /// Adds the sets and the per-family rules of one resolved rule, its sets named `<prefix>_…`.
+    fn push_rule(&mut self, prefix: &str, rule: &ResolvedRule, staged: bool) {
+        let families: &[Family] = match rule.protocol() {
+            Protocol::Tcp | Protocol::Udp => &[Family::V4, Family::V6],
+            Protocol::Icmp => &[Family::V4],
+            Protocol::Icmpv6 => &[Family::V6],
+        };
+        let ports = match rule.ports() {
+            [] => PortMatch::None,
+            [one] => PortMatch::Range(one.start(), one.end()),
+            many => {
+                let name = format!("{prefix}_ports");
+                self.sets.push(SetSpec {
+                    name: name.clone(),
+                    kind: KeyKind::Port,
+                    intervals: port_intervals(many),
+                });
+                PortMatch::Set(name)
+            }
+        };
+        for &family in families {
+            let name = format!("{prefix}_{}", family.suffix());
+            self.sets.push(SetSpec {
+                name: name.clone(),
+                kind: KeyKind::Addr(family),
+                intervals: merge_cidrs(family, rule.peers()),
+            });
+            self.rules.push(RuleSpec::Policy {
+                id: rule.id().to_string(),
+                family,
+                protocol: rule.protocol(),
+                set: name,
+                ports: ports.clone(),
+                staged,
+            });
+        }
     }
 
     /// The same table with every set emptied: equal shapes differ only in set elements.
@@ -347,6 +365,7 @@ impl DesiredTable {
             protocol: Protocol::Tcp,
             set: "innerwall_no_such_set".to_owned(),
             ports: PortMatch::None,
+            staged: false,
         };
         broken.rules.insert(broken.rules.len() / 2, refused);
         broken
@@ -445,7 +464,7 @@ impl fmt::Display for RenderRule<'_> {
                 "meta nfproto ipv6 meta l4proto ipv6-icmp icmpv6 type {}-{} accept",
                 ND_TYPES.0, ND_TYPES.1
             ),
-            RuleSpec::Policy { id, family, protocol, set, ports } => {
+            RuleSpec::Policy { id, family, protocol, set, ports, staged } => {
                 let nfproto = match family {
                     Family::V4 => "ipv4",
                     Family::V6 => "ipv6",
@@ -463,7 +482,12 @@ impl fmt::Display for RenderRule<'_> {
                     PortMatch::Range(a, b) => write!(f, "{protocol} dport {a}-{b} ")?,
                     PortMatch::Set(name) => write!(f, "{protocol} dport @{name} ")?,
                 }
-                write!(f, "counter accept comment \"{}\"", rule_comment(id))
+                match staged {
+                    true => {
+                        write!(f, "counter comment \"{}\"", rule_comment(&format!("{STAGED_PREFIX}{id}")))
+                    }
+                    false => write!(f, "counter accept comment \"{}\"", rule_comment(id)),
+                }
             }
             RuleSpec::Terminal(Mode::Simulation) => write!(
                 f,

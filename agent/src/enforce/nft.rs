@@ -293,7 +293,7 @@ fn build_rule<'c>(chain: &'c Chain<'_>, spec: &RuleSpec, set_ids: &BTreeMap<Stri
             rule.add_expr(&RangeExpr { from: vec![ND_TYPES.0], to: vec![ND_TYPES.1] });
             rule.add_expr(&Verdict::Accept);
         }
-        RuleSpec::Policy { family, protocol, set, ports, .. } => {
+        RuleSpec::Policy { family, protocol, set, ports, staged, .. } => {
             rule.add_expr(&Meta::NfProto);
             match family {
                 Family::V4 => {
@@ -330,7 +330,10 @@ fn build_rule<'c>(chain: &'c Chain<'_>, spec: &RuleSpec, set_ids: &BTreeMap<Stri
                 PortMatch::Set(name) => rule.add_expr(&lookup(name)),
             }
             rule.add_expr(&Counter);
-            rule.add_expr(&Verdict::Accept);
+            // A staged rule counts and lets the packet go on to the enforced rules (FLOW-10).
+            if !staged {
+                rule.add_expr(&Verdict::Accept);
+            }
         }
         RuleSpec::Terminal(Mode::Simulation) => {
             rule.add_expr(&Counter);

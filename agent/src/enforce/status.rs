@@ -30,6 +30,8 @@ pub struct StatusReport {
     pub revert_at_unix_ms: Option<i64>,
     /// The deadline passed unconfirmed: the policy is enforced as its simulation.
     pub reverted: bool,
+    /// The staged set counted beside the enforced rules (FLOW-10): its id and its staged rules.
+    pub staged_set: Option<(String, usize)>,
     pub rule_count: Option<usize>,
     /// Why the persisted policy could not be read, if it could not.
     pub persisted_error: Option<String>,
@@ -62,6 +64,7 @@ pub fn status(state_dir: &Path) -> Result<StatusReport, EnforceError> {
         mode: policy.as_ref().map(|p| p.mode().to_string()),
         revert_at_unix_ms: policy.as_ref().and_then(|p| p.revert_at()),
         reverted: policy.as_ref().is_some_and(|p| p.reverted_at(now_ms())),
+        staged_set: policy.as_ref().and_then(|p| p.staged()).map(|s| (s.set().to_owned(), s.upserts().len())),
         rule_count: policy.as_ref().map(|p| p.rules().len()),
         persisted_error,
         table_present: table.is_some(),
@@ -153,6 +156,12 @@ impl StatusReport {
                 ),
                 false => writeln!(w, "confirm deadline: {at}: reverts to simulation then unless confirmed"),
             };
+        }
+        if let Some((set, rules)) = &self.staged_set {
+            let _ = writeln!(
+                w,
+                "staged set:       {set}: {rules} rule(s) counted (staged:<rule>) beside the enforced ones, never acted on"
+            );
         }
         let table = match (self.table_present, self.kernel_matches_persisted) {
             (false, _) => "absent",

@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
-use innerwall_wire::flows::{EvidenceGap, FlowRecord, FlowWindow, GapKind, decide};
+use innerwall_wire::flows::{EvidenceGap, FlowRecord, FlowWindow, GapKind, Pending, decide};
 use innerwall_wire::policy::{Mode, Protocol, WorkloadPolicy};
 
 /// The aggregation key of an inbound flow.
@@ -127,7 +127,9 @@ impl Window {
     }
 
     /// Closes the window at `end_ms`: every record gets its decision under this window's
-    /// policy, and its first and last seen are kept inside the window. (The kernel's clock is
+    /// policy (and, under a staged set, the decision of its pending rules: FLOW-10; never in
+    /// visibility, where no rule is evaluated), and its first and last seen are kept inside the
+    /// window. (The kernel's clock is
     /// converted to wall-clock time at each drain and the map switch races a program run by
     /// microseconds, so a time can fall a millisecond past a bound; evidence about one window
     /// never claims a moment outside it.)
@@ -139,11 +141,17 @@ impl Window {
             let from = self.first_overflow_ms.unwrap_or(self.start_ms);
             self.gap(EvidenceGap::new(GapKind::WindowKeyOverflow, from, end_ms, self.overflow));
         }
+        let pending =
+            self.policy.as_ref().filter(|p| p.mode() != Mode::Visibility).and_then(WorkloadPolicy::pending);
         let records = self
             .flows
             .iter()
             .map(|(k, c)| {
                 let (decision, matched_rule) = decide(self.policy.as_ref(), k.src, k.dst_port, k.protocol);
+                let pending = pending.as_ref().map(|p| {
+                    let (decision, rule) = decide(Some(p), k.src, k.dst_port, k.protocol);
+                    Pending { decision, rule }
+                });
                 FlowRecord {
                     src: k.src,
                     dst: k.dst,
@@ -156,6 +164,7 @@ impl Window {
                     new_connections: c.new_connections,
                     first_seen_ms: inside(c.first_seen_ms),
                     last_seen_ms: inside(c.last_seen_ms),
+                    pending,
                 }
             })
             .collect();
@@ -167,6 +176,8 @@ impl Window {
             mode: self.policy.as_ref().map_or(Mode::Visibility, WorkloadPolicy::mode),
             records,
             gaps: self.gaps,
+            staged_set: pending
+                .and(self.policy.as_ref().and_then(|p| p.staged()).map(|s| s.set().to_owned())),
         }
     }
 }
@@ -294,5 +305,52 @@ mod tests {
         assert_eq!(first.decision, Decision::Allowed);
         assert_eq!(first.matched_rule.as_ref().map(ToString::to_string).as_deref(), Some("db/tcp"));
         assert_eq!(closed.gaps, [EvidenceGap::new(GapKind::WindowKeyOverflow, 1_400, 2_000, 2)]);
+    }
+
+    /// A window under a staged set (FLOW-10) names it, and each record carries the decision of
+    /// the pending rules beside the enforced one: the narrowed-away peer is enforced-allowed and
+    /// pending-blocked; under the kill switch both are judged as the simulation.
+    #[test]
+    fn records_under_a_staged_set_carry_the_pending_decision() {
+        let key = |n: u8| FlowKey {
+            src: IpAddr::from([10, 0, 0, n]),
+            dst: IpAddr::from([10, 0, 0, 100]),
+            dst_port: 5432,
+            protocol: Protocol::Tcp,
+        };
+        let c =
+            Counters { packets: 1, bytes: 60, new_connections: 1, first_seen_ms: 1_100, last_seen_ms: 1_100 };
+        let narrowed = rule("db", Protocol::Tcp, &[5432], &["10.0.0.0/28"]);
+        let staged = innerwall_wire::policy::Staged::new("rs.db:2", [narrowed], []).unwrap();
+        let staged_policy = |mode| policy(mode).with_staged(Some(staged.clone()));
+        let mut w = Window::open(1_000, Some(staged_policy(Mode::Enforcement)), 10);
+        w.add(key(1), c, 1_100);
+        w.add(key(200), c, 1_100);
+        let closed = w.close(2_000);
+        assert_eq!(closed.staged_set.as_deref(), Some("rs.db:2"));
+        let pending =
+            |i: usize| closed.records[i].pending.clone().map(|p| (p.decision, p.rule.map(|r| r.to_string())));
+        assert_eq!(
+            (closed.records[0].decision, pending(0)),
+            (Decision::Allowed, Some((Decision::Allowed, Some("db/tcp".into()))))
+        );
+        assert_eq!(
+            (closed.records[1].decision, pending(1)),
+            (Decision::Allowed, Some((Decision::Blocked, None)))
+        );
+        let held = judged(Some(staged_policy(Mode::Enforcement)), true);
+        let mut w = Window::open(1_000, held, 10);
+        w.add(key(200), c, 1_100);
+        let closed = w.close(2_000);
+        assert_eq!(closed.records[0].pending.as_ref().map(|p| p.decision), Some(Decision::WouldBlock));
+        // In visibility nothing is evaluated: no pending decision, no staged set named.
+        let mut w = Window::open(1_000, Some(staged_policy(Mode::Visibility)), 10);
+        w.add(key(1), c, 1_100);
+        let closed = w.close(2_000);
+        assert_eq!((closed.staged_set, closed.records[0].pending.clone()), (None, None));
+        // Without a staged set: none.
+        let mut w = Window::open(1_000, Some(policy(Mode::Enforcement)), 10);
+        w.add(key(1), c, 1_100);
+        assert_eq!(w.close(2_000).records[0].pending, None);
     }
 }

@@ -294,6 +294,7 @@ mod tests {
             mode: innerwall_wire::policy::Mode::Simulation,
             records: Vec::new(),
             gaps: Vec::new(),
+            staged_set: None,
         };
         queue.push(window(10_000)).unwrap();
         assert!(queue.pending().is_empty(), "reported on the window just queued");

@@ -111,6 +111,55 @@ fn netns_simulation_counts_would_block() {
     assert!(marked.contains("ct mark set ct mark | 0x01000000"), "{marked}");
 }
 
+/// Staged rules (FLOW-10) in the kernel: each is counted before the enforced rules and acts on
+/// nothing — a staged narrowing leaves what the rules admit admitted, a staged new rule admits
+/// nothing — and the next version without them takes them out.
+#[test]
+fn netns_staged_rules_count_without_acting() {
+    use innerwall_wire::policy::Staged;
+    let pair = Pair::new("stg");
+    let _server = Server::start(&pair.host, &[8080, 8081], &[]);
+    let state = TempDir::new("stg");
+    let narrowed = rule("web", Protocol::Tcp, &[8080], &[&format!("{ALLOWED6}/128")]);
+    let new = rule("extra", Protocol::Tcp, &[8081], &[&format!("{OTHER4}/32")]);
+    let staged = Staged::new("rs.web:2", [narrowed, new], []).unwrap();
+    let enforced = policy(1, "enforcement", &[ALLOWED4, ALLOWED6]).with_staged(Some(staged));
+    pair.host.enter(|| LinuxPolicyStore::new(&state.0).apply(&enforced)).expect("apply");
+    expect_reach(
+        &pair.host,
+        &pair.client,
+        &[
+            (tcp(ALLOWED4, HOST4, 8080), true), // staged away, still enforced-allowed
+            (tcp(ALLOWED6, HOST6, 8080), true),
+            (tcp(OTHER4, HOST4, 8081), false), // staged in, not admitted yet
+        ],
+    );
+    let report = kernel_status(&pair.host, &state.0);
+    assert_eq!(report.kernel_matches_persisted, Some(true), "{report:?}");
+    assert_eq!(report.staged_set, Some(("rs.web:2".to_owned(), 2)));
+    assert!(report.render().contains("staged set:       rs.web:2: 2 rule(s)"), "{}", report.render());
+    let hits = |id: &str| report.rules.iter().find(|r| r.rule == id).map(|r| r.packets).unwrap_or(0);
+    assert!(hits("staged:web/tcp") >= 1, "the narrowed rule counted the v6 peer it keeps: {report:?}");
+    assert!(hits("staged:extra/tcp") >= 1, "the new rule counted the attempt it would admit: {report:?}");
+    assert!(hits("web/tcp") >= 2, "{report:?}");
+    assert!(report.dropped.expect("the terminal drop").packets >= 1, "{report:?}");
+    let listed = pair.host.nft(&["list", "chain", "inet", "innerwall", "input"]);
+    let staged_lines: Vec<&str> = listed.lines().filter(|l| l.contains("staged:")).collect();
+    assert!(!staged_lines.is_empty() && staged_lines.iter().all(|l| !l.contains("accept")), "{listed}");
+
+    // The second version drops the staged set: its counters leave the table.
+    let next = policy(2, "enforcement", &[ALLOWED4, ALLOWED6]);
+    pair.host
+        .enter(|| {
+            let mut store = LinuxPolicyStore::new(&state.0);
+            store.restore_persisted().expect("restore");
+            store.apply(&next)
+        })
+        .expect("apply");
+    assert!(!pair.host.nft(&["list", "chain", "inet", "innerwall", "input"]).contains("staged:"));
+    assert_eq!(kernel_status(&pair.host, &state.0).kernel_matches_persisted, Some(true));
+}
+
 #[test]
 fn netns_peer_delta_without_rebuild() {
     let pair = Pair::new("delta");

@@ -529,6 +529,7 @@ mod tests {
 
     fn window(start_ms: i64, seen_ms: i64) -> FlowWindow {
         let record = FlowRecord {
+            pending: None,
             src: "10.0.0.1".parse().unwrap(),
             dst: "10.0.0.2".parse().unwrap(),
             dst_port: 22,
@@ -542,6 +543,7 @@ mod tests {
             last_seen_ms: seen_ms,
         };
         FlowWindow {
+            staged_set: None,
             id: uuid::Uuid::new_v4(),
             start_ms,
             end_ms: start_ms + MIN,

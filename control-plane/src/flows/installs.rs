@@ -263,6 +263,7 @@ mod tests {
 
     fn window(version: u64, mode: Mode, start_ms: i64, end_ms: i64) -> FlowWindow {
         FlowWindow {
+            staged_set: None,
             id: uuid::Uuid::new_v4(),
             start_ms,
             end_ms,

@@ -810,7 +810,8 @@ fn changed_matchers(from: Option<&WorkloadPolicy>, to: &WorkloadPolicy) -> Optio
     };
     for change in diff(from, to).changes {
         match change {
-            Change::SetMode(_) | Change::SetRevertAt(_) => {}
+            // What is staged is never acted on: it changes no decision of the enforced rules.
+            Change::SetMode(_) | Change::SetRevertAt(_) | Change::SetStaged(_) => {}
             Change::RemoveRule(id) => from.rule(&id).into_iter().for_each(|r| add(r, r.peers())),
             Change::UpsertRule(new) => {
                 from.rule(new.id()).into_iter().for_each(|r| add(r, r.peers()));

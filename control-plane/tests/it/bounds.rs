@@ -55,6 +55,8 @@ fn heartbeat(n: i64) -> proto::SyncRequest {
 /// workload's first version has), with `records` observed flows from distinct sources.
 fn window(start_ms: i64, records: u32) -> proto::FlowWindow {
     let record = |n: u32| proto::FlowRecord {
+        pending_decision: 0,
+        pending_rule_id: String::new(),
         src_address: format!("10.9.{}.{}", n / 250, n % 250 + 1),
         dst_address: "10.1.0.5".into(),
         dst_port: 443,
@@ -68,6 +70,7 @@ fn window(start_ms: i64, records: u32) -> proto::FlowWindow {
         last_seen_unix_ms: start_ms,
     };
     proto::FlowWindow {
+        staged_set: String::new(),
         window_id: uuid::Uuid::new_v4().to_string(),
         start_unix_ms: start_ms,
         end_unix_ms: start_ms + 1_000,

@@ -226,6 +226,8 @@ async fn foresight_remote_cli_matches_local() -> anyhow::Result<()> {
         .execute(pool)
         .await?;
     let record = |src: &str, port: u32, rule: &str, n: u64| proto::FlowRecord {
+        pending_decision: 0,
+        pending_rule_id: String::new(),
         src_address: src.into(),
         dst_address: "10.0.0.1".into(),
         dst_port: port,
@@ -239,6 +241,7 @@ async fn foresight_remote_cli_matches_local() -> anyhow::Result<()> {
         last_seen_unix_ms: h0 + 2_000,
     };
     let window = proto::FlowWindow {
+        staged_set: String::new(),
         window_id: uuid::Uuid::new_v4().to_string(),
         start_unix_ms: h0,
         end_unix_ms: h0 + hour,

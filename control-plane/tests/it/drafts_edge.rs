@@ -676,6 +676,8 @@ async fn drafts_edge_impact_exit_status_blocks() {
         .await
         .unwrap();
     let record = proto::FlowRecord {
+        pending_decision: 0,
+        pending_rule_id: String::new(),
         src_address: "192.0.2.10".into(),
         dst_address: "10.9.0.1".into(),
         dst_port: 8001,
@@ -689,6 +691,7 @@ async fn drafts_edge_impact_exit_status_blocks() {
         last_seen_unix_ms: h0 + 2_000,
     };
     let window = proto::FlowWindow {
+        staged_set: String::new(),
         window_id: uuid::Uuid::new_v4().to_string(),
         start_unix_ms: h0,
         end_unix_ms: h0 + HOUR,

@@ -427,6 +427,7 @@ async fn retired_and_denied_cannot_upload() {
     let window = || {
         let start = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         proto::FlowWindow {
+            staged_set: String::new(),
             window_id: uuid::Uuid::new_v4().to_string(),
             start_unix_ms: start,
             end_unix_ms: start + 1,

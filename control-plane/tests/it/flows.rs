@@ -32,12 +32,15 @@ async fn retention_drops_whole_expired_partitions() {
         .await
         .unwrap();
     let wire = proto::FlowWindow {
+        staged_set: String::new(),
         window_id: uuid::Uuid::new_v4().to_string(),
         start_unix_ms: now.timestamp_millis() - 60_000,
         end_unix_ms: now.timestamp_millis(),
         policy_version: 1,
         mode: 1,
         records: vec![proto::FlowRecord {
+            pending_decision: 0,
+            pending_rule_id: String::new(),
             src_address: "192.0.2.7".into(),
             dst_address: "10.0.0.1".into(),
             dst_port: 22,
@@ -163,6 +166,8 @@ fn flow(
 ) -> proto::FlowRecord {
     let allowed = decision == proto::FlowDecision::Allowed;
     proto::FlowRecord {
+        pending_decision: 0,
+        pending_rule_id: String::new(),
         src_address: src.into(),
         dst_address: dst.into(),
         dst_port: port,
@@ -226,6 +231,7 @@ async fn ingest_stores_records_resolved_and_totals_summed() {
     let seen = (start + 1_001, start + 59_999);
     use proto::FlowDecision::{Allowed, WouldBlock};
     let wire = |records| proto::FlowWindow {
+        staged_set: String::new(),
         window_id: uuid::Uuid::new_v4().to_string(),
         start_unix_ms: start,
         end_unix_ms: start + 60_000,
@@ -440,6 +446,7 @@ async fn ingest_refuses_a_retired_workload_in_its_transaction() {
 
 fn window_at(start: i64, records: Vec<proto::FlowRecord>) -> proto::FlowWindow {
     proto::FlowWindow {
+        staged_set: String::new(),
         window_id: uuid::Uuid::new_v4().to_string(),
         start_unix_ms: start,
         end_unix_ms: start + 60_000,

@@ -232,6 +232,7 @@ async fn impact_reports_peer_labels_then_and_now() {
     // open hour: batch as app=etl.
     let t = Utc::now().timestamp_millis() + 1;
     let after = proto::FlowWindow {
+        staged_set: String::new(),
         window_id: uuid::Uuid::new_v4().to_string(),
         start_unix_ms: t - 60_000,
         end_unix_ms: t + 1_000,
@@ -372,6 +373,7 @@ async fn ingest_short(
     records: Vec<proto::FlowRecord>,
 ) {
     let window = proto::FlowWindow {
+        staged_set: String::new(),
         window_id: uuid::Uuid::new_v4().to_string(),
         start_unix_ms: start,
         end_unix_ms: start + 10 * 60_000,
@@ -462,6 +464,7 @@ async fn impact_narrowed_read_equals_full_replay() {
     for id in dsts.iter().chain([&fresh]) {
         ingest_short(pool, *id, 3, late, records(11, late)).await;
         let window = proto::FlowWindow {
+            staged_set: String::new(),
             window_id: uuid::Uuid::new_v4().to_string(),
             start_unix_ms: open,
             end_unix_ms: open + 29_000,

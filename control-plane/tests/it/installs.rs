@@ -42,6 +42,7 @@ async fn a_lost_ack_is_recorded_from_the_next_hello() {
     drop(agent);
     let start = received.timestamp_millis();
     let window = proto::FlowWindow {
+        staged_set: String::new(),
         window_id: uuid::Uuid::new_v4().to_string(),
         start_unix_ms: start,
         end_unix_ms: start + 1,

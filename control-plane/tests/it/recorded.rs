@@ -27,6 +27,8 @@ pub fn flow_to(
         None => proto::FlowDecision::WouldBlock,
     };
     proto::FlowRecord {
+        pending_decision: 0,
+        pending_rule_id: String::new(),
         src_address: src.into(),
         dst_address: dst.into(),
         dst_port: port,
@@ -51,6 +53,7 @@ pub async fn ingest(
     gaps: Vec<proto::EvidenceGap>,
 ) {
     let wire = proto::FlowWindow {
+        staged_set: String::new(),
         window_id: uuid::Uuid::new_v4().to_string(),
         start_unix_ms: start,
         end_unix_ms: start + HOUR,

@@ -5,8 +5,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use innerwall_wire::policy::{
-    ApplyError, Change, Cidr, Mode, PolicyDelta, PortRange, Protocol, ResolvedRule, RuleId, WorkloadPolicy,
-    diff,
+    ApplyError, Change, Cidr, Mode, PolicyDelta, PortRange, Protocol, ResolvedRule, RuleId, Staged,
+    WorkloadPolicy, diff,
 };
 use innerwall_wire::proto;
 use proptest::prelude::*;
@@ -69,22 +69,43 @@ fn revert_at() -> impl Strategy<Value = Option<i64>> {
     prop_oneof![2 => Just(None), 1 => (1i64..4_000_000_000_000).prop_map(Some)]
 }
 
+/// A staged set (FLOW-10) about one policy in three carries: upserts and removals, disjoint.
+fn staged() -> impl Strategy<Value = Option<Staged>> {
+    let set = (
+        select(&["rs.db:1", "rs.db:2", "web:7"][..]),
+        prop::collection::vec(rule(), 0..3),
+        prop::collection::vec(rule_id(), 0..3),
+    )
+        .prop_map(|(set, upserts, removals)| {
+            let upserts: BTreeMap<RuleId, ResolvedRule> =
+                upserts.into_iter().map(|r| (r.id().clone(), r)).collect();
+            let removals: Vec<RuleId> = removals.into_iter().filter(|id| !upserts.contains_key(id)).collect();
+            Staged::new(set, upserts.into_values(), removals).ok()
+        });
+    prop_oneof![2 => Just(None), 1 => set]
+}
+
 fn policy() -> impl Strategy<Value = WorkloadPolicy> {
-    (1u64..1000, mode(), prop::collection::vec(rule(), 0..8), revert_at()).prop_map(
-        |(version, mode, rules, revert_at)| {
+    (1u64..1000, mode(), prop::collection::vec(rule(), 0..8), revert_at(), staged()).prop_map(
+        |(version, mode, rules, revert_at, staged)| {
             let unique: BTreeMap<RuleId, ResolvedRule> =
                 rules.into_iter().map(|r| (r.id().clone(), r)).collect();
             WorkloadPolicy::new(version, mode, unique.into_values())
                 .unwrap()
                 .with_revert_at(revert_at)
                 .unwrap()
+                .with_staged(staged)
         },
     )
 }
 
-/// `p`'s version, mode and revert deadline over other rules.
+/// `p`'s version, mode, revert deadline and staged set over other rules.
 fn with_rules(p: &WorkloadPolicy, rules: impl IntoIterator<Item = ResolvedRule>) -> WorkloadPolicy {
-    WorkloadPolicy::new(p.version(), p.mode(), rules).unwrap().with_revert_at(p.revert_at()).unwrap()
+    WorkloadPolicy::new(p.version(), p.mode(), rules)
+        .unwrap()
+        .with_revert_at(p.revert_at())
+        .unwrap()
+        .with_staged(p.staged().cloned())
 }
 
 /// The same content under a later version, as a render would stamp it.
@@ -120,10 +141,12 @@ fn assert_minimal(a: &WorkloadPolicy, b: &WorkloadPolicy, delta: &PolicyDelta) {
         usize::from(a.revert_at() != b.revert_at()),
         "set_revert_at iff deadlines differ"
     );
+    let staged_changes = delta.changes.iter().filter(|c| matches!(c, Change::SetStaged(_))).count();
+    assert_eq!(staged_changes, usize::from(a.staged() != b.staged()), "set_staged iff staged sets differ");
     let mut touched: BTreeMap<&RuleId, Vec<&Change>> = BTreeMap::new();
     for change in &delta.changes {
         match change {
-            Change::SetMode(_) | Change::SetRevertAt(_) => {}
+            Change::SetMode(_) | Change::SetRevertAt(_) | Change::SetStaged(_) => {}
             Change::UpsertRule(rule) => {
                 let old = a.rule(rule.id());
                 assert!(
@@ -157,6 +180,7 @@ fn assert_minimal(a: &WorkloadPolicy, b: &WorkloadPolicy, delta: &PolicyDelta) {
 enum Kind {
     SetMode,
     SetRevertAt,
+    SetStaged,
     UpsertNew,
     UpsertPorts,
     RemoveRule,
@@ -168,6 +192,7 @@ fn kind_of(change: &Change, a: &WorkloadPolicy) -> Kind {
     match change {
         Change::SetMode(_) => Kind::SetMode,
         Change::SetRevertAt(_) => Kind::SetRevertAt,
+        Change::SetStaged(_) => Kind::SetStaged,
         Change::UpsertRule(r) if a.rule(r.id()).is_some() => Kind::UpsertPorts,
         Change::UpsertRule(_) => Kind::UpsertNew,
         Change::RemoveRule(_) => Kind::RemoveRule,
@@ -198,6 +223,15 @@ fn mutate(p: &WorkloadPolicy, kind: Kind, seed: &Seed) -> Option<WorkloadPolicy>
                 None => Some(1_700_000_000_000 + (seed.index % 600_000) as i64),
             };
             Some(p.clone().with_revert_at(at).unwrap())
+        }
+        Kind::SetStaged => {
+            let staged = match p.staged() {
+                Some(_) if seed.index.is_multiple_of(2) => None,
+                _ => {
+                    Some(Staged::new(&format!("set:{}", seed.index % 1000), [seed.rule.clone()], []).unwrap())
+                }
+            };
+            (p.staged() != staged.as_ref()).then(|| p.clone().with_staged(staged))
         }
         Kind::UpsertNew => {
             if p.rule(seed.rule.id()).is_some() {
@@ -285,15 +319,17 @@ macro_rules! single_variant {
 
 single_variant!(diff_apply_contract_set_mode, Kind::SetMode);
 single_variant!(diff_apply_contract_set_revert_at, Kind::SetRevertAt);
+single_variant!(diff_apply_contract_set_staged, Kind::SetStaged);
 single_variant!(diff_apply_contract_upsert_new_rule, Kind::UpsertNew);
 single_variant!(diff_apply_contract_upsert_changed_ports, Kind::UpsertPorts);
 single_variant!(diff_apply_contract_remove_rule, Kind::RemoveRule);
 single_variant!(diff_apply_contract_add_peers, Kind::AddPeers);
 single_variant!(diff_apply_contract_remove_peers, Kind::RemovePeers);
 
-const KINDS: [Kind; 7] = [
+const KINDS: [Kind; 8] = [
     Kind::SetMode,
     Kind::SetRevertAt,
+    Kind::SetStaged,
     Kind::UpsertNew,
     Kind::UpsertPorts,
     Kind::RemoveRule,

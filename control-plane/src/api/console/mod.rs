@@ -551,6 +551,13 @@ fn describe(
             None => format!("reverts to simulation at {at} ms unless confirmed"),
         },
         Change::SetRevertAt(None) => "confirmed: no revert deadline".to_owned(),
+        Change::SetStaged(Some(staged)) => format!(
+            "staged set {}: {} rule(s) staged, {} removal(s) staged",
+            staged.set(),
+            staged.upserts().len(),
+            staged.removals().len()
+        ),
+        Change::SetStaged(None) => "no staged set".to_owned(),
     }
 }
 
@@ -583,7 +590,7 @@ async fn workload(
                 Change::RemoveRule(id)
                 | Change::AddPeers { rule: id, .. }
                 | Change::RemovePeers { rule: id, .. } => Some(id),
-                Change::SetMode(_) | Change::SetRevertAt(_) => None,
+                Change::SetMode(_) | Change::SetRevertAt(_) | Change::SetStaged(_) => None,
             };
             authored.extend(rule.and_then(|r| r.authored().parse::<uuid::Uuid>().ok()));
         }
