@@ -24,7 +24,7 @@ use crate::sync::{self, Agent, SessionEnd, SessionStats};
 pub enum RunError {
     #[error("the control plane says this host must be enrolled again: {0}")]
     Reenroll(String),
-    #[error("installing the SIGTERM handler")]
+    #[error("installing the SIGTERM, SIGINT and SIGHUP handlers")]
     Signal(#[source] std::io::Error),
     #[error("binding the metrics listener on {addr} (--metrics-listen)")]
     Metrics {
@@ -216,6 +216,14 @@ pub async fn run(config: RunConfig, hangup: Box<dyn Fn() + Send + Sync>) -> Resu
         ),
         None => None,
     };
+    // Handled from here on: a SIGTERM or SIGINT while the capture attaches stops the agent
+    // cleanly once it has.
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(RunError::Signal)?;
+    let mut hup =
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).map_err(RunError::Signal)?;
+    let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+        .map_err(RunError::Signal)?;
     let mut store = LinuxPolicyStore::new(&config.state_dir);
     let restored = restore_before_dialing(&mut store);
     // Ready means enforcing what it last enforced: said only after the restore (ENF-5).
@@ -242,16 +250,12 @@ pub async fn run(config: RunConfig, hangup: Box<dyn Fn() + Send + Sync>) -> Resu
     let flows = windows::start(&config, agent.clone(), &mut tasks).await;
     tasks.spawn("renewal", renew::renew_forever(config.clone(), agent.clone()));
 
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .map_err(RunError::Signal)?;
-    let mut hup =
-        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).map_err(RunError::Signal)?;
     let hold = hold_stream(&config, agent);
     tokio::pin!(hold);
     let result = loop {
         tokio::select! {
             r = &mut hold => break r,
-            _ = tokio::signal::ctrl_c() => { tracing::info!("interrupted"); break Ok(()) }
+            _ = int.recv() => { tracing::info!("interrupted"); break Ok(()) }
             _ = term.recv() => { tracing::info!("terminated"); break Ok(()) }
             _ = hup.recv() => hangup(),
         }
