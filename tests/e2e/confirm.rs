@@ -14,16 +14,14 @@ use innerwall_control_plane::error::Error;
 use innerwall_control_plane::gate::promote::{Guard, Promotion};
 use innerwall_control_plane::gate::{self, Params, Scope};
 use innerwall_control_plane::safety::confirm;
-use innerwall_control_plane::sync::gateway::GatewayConfig;
 use innerwall_wire::convert::WireEnum as _;
 use innerwall_wire::flows::Decision;
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::Mode;
 use sqlx::PgPool;
 
-use crate::failsafe::{PLANE_ADDRESS, connects, counted};
-use crate::host::{Agent, Namespace, PEER_ADDRESS, Peer, now_ms, require_root, wait_until};
-use crate::plane::Plane;
+use crate::failsafe::{connects, counted, plane_across_the_veth};
+use crate::host::{Agent, PEER_ADDRESS, now_ms, require_root, wait_until};
 
 /// A port the host listens on that no rule admits: dropped under enforcement, admitted (and
 /// recorded would-block) under simulation.
@@ -103,20 +101,7 @@ async fn mode(pool: &PgPool, id: WorkloadId) -> i16 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unconfirmed_promotion_reverts_on_the_host() {
     require_root();
-    let gateway = GatewayConfig {
-        heartbeat: Duration::from_secs(1),
-        flow_window: Duration::from_secs(1),
-        ..GatewayConfig::default()
-    };
-    let mut plane = Plane::create(Duration::from_secs(3600), gateway).await;
-    let ns = Namespace::create(format!("iw-confirm-{}", std::process::id()));
-    let peer = Peer::create(&ns);
-    peer.add_address(PLANE_ADDRESS);
-    plane.listen_ip = PLANE_ADDRESS.parse().unwrap();
-    plane.server_names = vec![PLANE_ADDRESS.into()];
-    peer.enter();
-    plane.up().await;
-    ns.enter();
+    let (mut plane, ns, peer) = plane_across_the_veth("confirm").await;
     let pool = plane.pool().clone();
     let (id, config) = plane.enroll("confirm", &["app=vault"]).await;
     let state = config.state_dir.clone();

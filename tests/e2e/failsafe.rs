@@ -12,7 +12,6 @@ use std::time::Duration;
 
 use innerwall_control_plane::policy::model::{Management, ServiceEntry};
 use innerwall_control_plane::safety::management::{self, Scope, Seeded};
-use innerwall_control_plane::sync::gateway::GatewayConfig;
 use innerwall_wire::convert::WireEnum as _;
 use innerwall_wire::flows::Decision;
 use innerwall_wire::identity::WorkloadId;
@@ -20,7 +19,7 @@ use innerwall_wire::policy::{Cidr, Mode};
 use sqlx::PgPool;
 
 use crate::host::{Agent, HOST_ADDRESS, Namespace, PEER_ADDRESS, Peer, require_root, wait_until};
-use crate::plane::Plane;
+use crate::plane::{Plane, fast_gateway};
 
 /// The control plane's address, in the peer's namespace: outside the management range.
 pub(crate) const PLANE_ADDRESS: &str = "10.81.0.3";
@@ -83,16 +82,12 @@ async fn narrow_and_sync(plane: &Plane, id: WorkloadId, scope: Scope, services: 
     version
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn failsafe_keeps_management_and_control_plane() {
-    require_root();
-    let gateway = GatewayConfig {
-        heartbeat: Duration::from_secs(1),
-        flow_window: Duration::from_secs(1),
-        ..GatewayConfig::default()
-    };
-    let mut plane = Plane::create(Duration::from_secs(3600), gateway).await;
-    let ns = Namespace::create(format!("iw-failsafe-{}", std::process::id()));
+/// A replica with [`fast_gateway`]'s timing listening across the veth at [`PLANE_ADDRESS`] (in
+/// the peer's namespace), and the host's namespace `iw-<name>-<pid>` entered: an agent started
+/// from here dials its control plane through its own table.
+pub(crate) async fn plane_across_the_veth(name: &str) -> (Plane, Namespace, Peer) {
+    let mut plane = Plane::create(Duration::from_secs(3600), fast_gateway()).await;
+    let ns = Namespace::create(format!("iw-{name}-{}", std::process::id()));
     let peer = Peer::create(&ns);
     peer.add_address(PLANE_ADDRESS);
     plane.listen_ip = PLANE_ADDRESS.parse().unwrap();
@@ -100,6 +95,13 @@ async fn failsafe_keeps_management_and_control_plane() {
     peer.enter();
     plane.up().await;
     ns.enter();
+    (plane, ns, peer)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failsafe_keeps_management_and_control_plane() {
+    require_root();
+    let (mut plane, ns, peer) = plane_across_the_veth("failsafe").await;
     let pool = plane.pool().clone();
     let seeded = management(&["tcp:22", "tcp:2222", "tcp:2223"]);
     assert_eq!(management::seed(&pool, "serve", &seeded).await.unwrap(), Seeded::Stored);

@@ -17,7 +17,7 @@ use innerwall_wire::policy::Mode;
 use sqlx::PgPool;
 
 use crate::host::{Agent, Namespace, require_root, wait_until};
-use crate::plane::Plane;
+use crate::plane::{Plane, fast_gateway};
 
 /// `innerwall-agent <command> --state-dir <state>`, which must succeed; its stdout.
 fn agent_cli(command: &str, state: &Path) -> String {
@@ -91,12 +91,7 @@ async fn wait_held(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_switch_holds_across_reconnects_and_versions() {
     require_root();
-    let gateway = GatewayConfig {
-        heartbeat: Duration::from_secs(1),
-        flow_window: Duration::from_secs(1),
-        ..GatewayConfig::default()
-    };
-    let mut plane = Plane::create(Duration::from_secs(3600), gateway).await;
+    let mut plane = Plane::create(Duration::from_secs(3600), fast_gateway()).await;
     let ns = Namespace::create(format!("iw-kill-{}", std::process::id()));
     ns.enter();
     plane.up().await;

@@ -40,6 +40,15 @@ pub struct Plane {
     pub running: Option<Running>,
 }
 
+/// Heartbeats and flow windows every second: tests of real agents see their state soon.
+pub fn fast_gateway() -> GatewayConfig {
+    GatewayConfig {
+        heartbeat: Duration::from_secs(1),
+        flow_window: Duration::from_secs(1),
+        ..GatewayConfig::default()
+    }
+}
+
 impl Plane {
     pub async fn start() -> Plane {
         Plane::start_with(Duration::from_secs(3600)).await
