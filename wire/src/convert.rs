@@ -17,8 +17,8 @@ use crate::policy::{
 use crate::proto;
 use crate::sync::{
     Ack, AckStatus, AgentMessage, ControlMessage, Directive, Heartbeat, Hello, HelloAck, Inventory,
-    ListeningService, MAX_ACK_DETAIL, MAX_RENEWAL_ERROR, MAX_TAMPER_DETAIL, MAX_TAMPER_REPORTS, SyncState,
-    TamperEvent, Update,
+    ListeningService, MAX_ACK_DETAIL, MAX_CAPABILITIES, MAX_CAPABILITY, MAX_RENEWAL_ERROR, MAX_TAMPER_DETAIL,
+    MAX_TAMPER_REPORTS, SyncState, TamperEvent, Update,
 };
 
 /// A domain enum with a protobuf counterpart. Its number is what travels on the wire and what
@@ -551,9 +551,13 @@ impl From<&AgentInfo> for proto::AgentInfo {
     }
 }
 
+/// What an agent says of itself, its capabilities bounded ([`MAX_CAPABILITIES`], each at most
+/// [`MAX_CAPABILITY`] characters) as every other text it sends.
 impl From<&proto::AgentInfo> for AgentInfo {
     fn from(a: &proto::AgentInfo) -> Self {
-        AgentInfo { version: a.version.clone(), capabilities: a.capabilities.clone() }
+        let capabilities =
+            a.capabilities.iter().take(MAX_CAPABILITIES).map(|c| truncated(c, MAX_CAPABILITY)).collect();
+        AgentInfo { version: a.version.clone(), capabilities }
     }
 }
 
@@ -1125,6 +1129,21 @@ mod tests {
         let refused =
             |msg: Option<Msg>| AgentMessage::try_from(proto::SyncRequest { msg }).unwrap_err().to_string();
         assert_eq!(refused(None), "empty sync message");
+        // A Hello's capabilities: at most MAX_CAPABILITIES kept, each cut to MAX_CAPABILITY.
+        let hello = proto::Hello {
+            agent: Some(proto::AgentInfo {
+                version: "9".into(),
+                capabilities: vec!["c".repeat(MAX_CAPABILITY * 4); MAX_CAPABILITIES + 10],
+            }),
+            ..Default::default()
+        };
+        let Ok(AgentMessage::Hello(h)) =
+            AgentMessage::try_from(proto::SyncRequest { msg: Some(Msg::Hello(hello)) })
+        else {
+            panic!("a Hello");
+        };
+        assert_eq!(h.agent.capabilities.len(), MAX_CAPABILITIES);
+        assert!(h.agent.capabilities.iter().all(|c| c.chars().count() == MAX_CAPABILITY));
         let ack = |status| Some(Msg::Ack(proto::PolicyAck { version: 1, status, detail: String::new() }));
         assert!(refused(ack(0)).contains("ack status 0 is not APPLIED, HELD or FAILED"));
         assert!(refused(ack(99)).contains("ack status 99"));

@@ -183,14 +183,6 @@ impl SyncStore for PgSyncStore {
                 "workload {id} is retired or deny-listed; enroll the host again"
             )));
         }
-        // What the agent says it can do, bounded (a Hello is hostile input).
-        let capabilities: Vec<String> = hello
-            .agent
-            .capabilities
-            .iter()
-            .take(innerwall_wire::sync::MAX_CAPABILITIES)
-            .map(|c| cut(c, innerwall_wire::sync::MAX_CAPABILITY))
-            .collect();
         let epoch: i64 = sqlx::query_scalar(
             // A Hello is a sign of life: readers judge silence from `last_seen_at` against the
             // liveness written here (`shown`), so both move together.
@@ -200,7 +192,8 @@ impl SyncStore for PgSyncStore {
         )
         .bind(id.uuid())
         .bind(liveness.as_secs_f64())
-        .bind(&capabilities)
+        // What the agent says it can do, bounded where the Hello was decoded (`wire::convert`).
+        .bind(&hello.agent.capabilities)
         .fetch_one(&self.pool)
         .await?;
         // A promotion its host reverted at the deadline while it could not say so (FLOW-11).
