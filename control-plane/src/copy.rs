@@ -47,6 +47,10 @@ impl Rows {
         self.buf.extend_from_slice(bytes);
     }
 
+    /// A NULL field.
+    pub fn null(&mut self) {
+        self.buf.extend_from_slice(&(-1i32).to_be_bytes());
+    }
     pub fn i16(&mut self, v: i16) {
         self.field(&v.to_be_bytes());
     }

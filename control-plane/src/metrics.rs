@@ -108,6 +108,8 @@ pub enum Refusal {
     ModeMismatch,
     /// It overlaps a window the workload already reported (FLOW-5).
     Overlap,
+    /// It names a staged set its version did not carry (FLOW-10).
+    StagedSetMismatch,
     /// Its version has no acknowledgement yet (one lost with its connection is reported by the
     /// agent's next Hello); the agent sends it again.
     VersionPending,
@@ -127,6 +129,7 @@ impl ClosedLabel for Refusal {
         Refusal::VersionNotInstalled,
         Refusal::ModeMismatch,
         Refusal::Overlap,
+        Refusal::StagedSetMismatch,
         Refusal::VersionPending,
         Refusal::Unavailable,
         Refusal::Internal,
@@ -140,6 +143,7 @@ impl ClosedLabel for Refusal {
             Refusal::VersionNotInstalled => "version_not_installed",
             Refusal::ModeMismatch => "mode_mismatch",
             Refusal::Overlap => "overlap",
+            Refusal::StagedSetMismatch => "staged_set_mismatch",
             Refusal::VersionPending => "version_pending",
             Refusal::Unavailable => "unavailable",
             Refusal::Internal => "internal",
@@ -693,6 +697,7 @@ mod tests {
                 "innerwall_flow_records_refused_total{reason=\"version_not_installed\"} 0",
                 "innerwall_flow_records_refused_total{reason=\"mode_mismatch\"} 0",
                 "innerwall_flow_records_refused_total{reason=\"overlap\"} 0",
+                "innerwall_flow_records_refused_total{reason=\"staged_set_mismatch\"} 0",
                 "innerwall_flow_records_refused_total{reason=\"version_pending\"} 0",
                 "innerwall_flow_records_refused_total{reason=\"unavailable\"} 0",
                 "innerwall_flow_records_refused_total{reason=\"internal\"} 0",

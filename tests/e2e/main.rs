@@ -30,6 +30,7 @@ mod remote_workloads;
 mod rollback;
 mod simulation;
 mod skew;
+mod staged;
 mod states;
 mod suggest;
 mod sync;

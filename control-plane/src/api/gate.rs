@@ -27,7 +27,7 @@ use crate::safety::rollback::{self, RolledBack, Target};
 /// The evidence range and minimum when a request names none.
 const DEFAULT_EVIDENCE: &str = "24h";
 
-fn duration(what: &str, text: Option<&str>) -> Result<std::time::Duration, ApiError> {
+pub(super) fn duration(what: &str, text: Option<&str>) -> Result<std::time::Duration, ApiError> {
     let text = text.unwrap_or(DEFAULT_EVIDENCE);
     humantime::parse_duration(text)
         .map_err(|e| ApiError::Malformed(format!("{what} {text:?}: {e}; write e.g. 24h, 7d")))

@@ -41,6 +41,7 @@ pub mod problem;
 pub mod render;
 pub mod router;
 pub mod server;
+pub mod staged;
 pub mod suggestions;
 pub mod tokens;
 pub mod workloads;

@@ -17,7 +17,7 @@ use utoipa::openapi::{Components, OpenApi, Ref, RefOr};
 use super::Route;
 use super::problem::{PROBLEM_JSON, Problem, ProblemType};
 use super::{
-    audit, catalog, drafts, estate, flows, gate, impact, management, operators, policy_tests, render,
+    audit, catalog, drafts, estate, flows, gate, impact, management, operators, policy_tests, render, staged,
     suggestions, tokens, workloads,
 };
 use crate::identity::operators::Role;
@@ -51,6 +51,7 @@ pub const CHECKED_IN: &str = "openapi.json";
         catalog::delete_service, catalog::list_groups, catalog::create_group, catalog::show_group,
         catalog::update_group, catalog::delete_group, catalog::list_rulesets, catalog::create_ruleset,
         catalog::show_ruleset, catalog::update_ruleset, catalog::delete_ruleset,
+        staged::list, staged::show, staged::stage, staged::unstage, staged::promote,
         policy_tests::list, policy_tests::create, policy_tests::show, policy_tests::update,
         policy_tests::delete, policy_tests::run,
         drafts::list, drafts::create, drafts::show, drafts::discard, drafts::add, drafts::render,

@@ -16,7 +16,7 @@ use super::extract::BodyLimit;
 use super::problem::ApiError;
 use super::{
     ApiLimits, ApiState, Route, audit, auth, catalog, console, drafts, estate, flows, gate, impact,
-    management, openapi, operators, policy_tests, render, suggestions, tokens, workloads,
+    management, openapi, operators, policy_tests, render, staged, suggestions, tokens, workloads,
 };
 use crate::identity::operators::Role;
 
@@ -94,6 +94,11 @@ pub fn build(state: ApiState) -> (Router, Vec<Route>) {
         .mount("GET", "/api/v1/rulesets/{name}", Some(Viewer), catalog::show_ruleset)
         .mount("PUT", "/api/v1/rulesets/{name}", Some(Editor), catalog::update_ruleset)
         .mount("DELETE", "/api/v1/rulesets/{name}", Some(Editor), catalog::delete_ruleset)
+        .mount("GET", "/api/v1/staged-rulesets", Some(Viewer), staged::list)
+        .mount("POST", "/api/v1/staged-rulesets", Some(Editor), staged::stage)
+        .mount("GET", "/api/v1/staged-rulesets/{name}", Some(Viewer), staged::show)
+        .mount("DELETE", "/api/v1/staged-rulesets/{name}", Some(Editor), staged::unstage)
+        .mount("POST", "/api/v1/staged-rulesets/{name}/promote", Some(Promoter), staged::promote)
         .mount("GET", "/api/v1/policy-test-sets", Some(Viewer), policy_tests::list)
         .mount("POST", "/api/v1/policy-test-sets", Some(Editor), policy_tests::create)
         .mount("GET", "/api/v1/policy-test-sets/{name}", Some(Viewer), policy_tests::show)

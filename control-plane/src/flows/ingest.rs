@@ -151,6 +151,7 @@ impl IngestError {
                 installs::Refusal::VersionNotInstalled => Refusal::VersionNotInstalled,
                 installs::Refusal::ModeMismatch => Refusal::ModeMismatch,
                 installs::Refusal::Overlap => Refusal::Overlap,
+                installs::Refusal::StagedSetMismatch => Refusal::StagedSetMismatch,
                 installs::Refusal::VersionPending => Refusal::VersionPending,
             },
             IngestError::Other(e) => Refusal::of(e),
@@ -281,8 +282,8 @@ pub async fn ingest_with(
     let fresh = sqlx::query(
         "INSERT INTO flow_windows (workload_id, window_id, window_start, window_end, policy_version, mode, record_count,
             gap_count, packets, bytes, new_connections, observed_records, allowed_records, would_block_records,
-            blocked_records)
-         SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15
+            blocked_records, staged_set)
+         SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16
          WHERE NOT EXISTS (SELECT 1 FROM flow_windows WHERE workload_id = $1 AND window_id = $2)
          ON CONFLICT DO NOTHING",
     )
@@ -301,6 +302,7 @@ pub async fn ingest_with(
     .bind(totals.records[1])
     .bind(totals.records[2])
     .bind(totals.records[3])
+    .bind(window.staged_set.as_deref())
     .execute(&mut *tx)
     .await?;
     // Windows are partitioned by start, so the key alone only catches a retry of the same start
@@ -321,7 +323,7 @@ pub async fn ingest_with(
 
     let mut rows = copy::Rows::default();
     for (ordinal, (r, peer)) in window.records.iter().zip(&resolved).enumerate() {
-        rows.row(19);
+        rows.row(21);
         rows.uuid(workload.uuid());
         rows.uuid(window.id);
         rows.timestamptz(start)?;
@@ -342,12 +344,22 @@ pub async fn ingest_with(
         rows.jsonb(&peer.labels);
         // At most MAX_RECORDS records: the position fits.
         rows.i32(ordinal as i32);
+        match &r.pending {
+            Some(pending) => {
+                rows.i16(pending.decision.code());
+                rows.text(pending.rule.as_ref().map(|id| id.as_str()).unwrap_or_default());
+            }
+            None => {
+                rows.null();
+                rows.null();
+            }
+        }
     }
     copy_in(
         &mut tx,
         "COPY flow_records (workload_id, window_id, window_start, policy_version, src_address, dst_address,
             dst_port, protocol, decision, matched_rule_id, packets, bytes, new_connections, first_seen, last_seen,
-            peer_kind, peer_key, peer_labels, ordinal) FROM STDIN (FORMAT binary)",
+            peer_kind, peer_key, peer_labels, ordinal, pending_decision, pending_rule_id) FROM STDIN (FORMAT binary)",
         rows,
     )
     .await?;

@@ -33,6 +33,8 @@ pub enum Refusal {
     ModeMismatch,
     /// The window overlaps one the workload already reported.
     Overlap,
+    /// The window names a staged set (FLOW-10) its version did not carry.
+    StagedSetMismatch,
     /// The workload has the version but no acknowledgement of it yet, and none of a later one:
     /// the ack may have been lost with its connection, and the agent's next Hello reports it.
     /// Not a refusal for good: the agent sends the window again.
@@ -47,6 +49,7 @@ impl Refusal {
             Refusal::VersionNotInstalled => "version-not-installed",
             Refusal::ModeMismatch => "mode-mismatch",
             Refusal::Overlap => "overlap",
+            Refusal::StagedSetMismatch => "staged-set-mismatch",
             Refusal::VersionPending => "version-pending",
         }
     }
@@ -67,13 +70,15 @@ pub struct Installed {
 }
 
 /// What the database knows about a window's claimed version on its workload.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Claim {
     /// The workload had the version (a history row; version 0, no policy yet, always).
     pub known: bool,
     pub installed: Option<Installed>,
     /// The earliest `installed_by` of a later version (the end of this one's tenure), if any.
     pub next_by: Option<DateTime<Utc>>,
+    /// The staged set the version carried (FLOW-10), if any.
+    pub staged_set: Option<String>,
 }
 
 fn at(ms: i64) -> DateTime<Utc> {
@@ -136,6 +141,18 @@ pub fn judge(window: &FlowWindow, claim: &Claim, skew: chrono::Duration) -> Resu
             format!("the window says {}, but policy version {v} is in {}", window.mode, installed.mode),
         ));
     }
+    // Pending decisions count as evidence for a staged set only under a version that carried it.
+    // (A window without one is the agent's to send: in visibility, or from an agent that does
+    // not evaluate staged sets, it is evidence of nothing staged.)
+    if let Some(set) = &window.staged_set
+        && claim.staged_set.as_ref() != Some(set)
+    {
+        let carried = claim.staged_set.as_ref().map_or_else(|| "none".to_owned(), |s| format!("{s:?}"));
+        return Err((
+            Refusal::StagedSetMismatch,
+            format!("the window names staged set {set:?}, but policy version {v} carried {carried}"),
+        ));
+    }
     Ok(())
 }
 
@@ -147,12 +164,21 @@ pub(super) async fn claim(
     version: u64,
     created_at: DateTime<Utc>,
 ) -> Result<Claim, Error> {
-    type Row = (bool, Option<i16>, Option<DateTime<Utc>>, Option<DateTime<Utc>>, Option<DateTime<Utc>>);
-    let (known, mode, from, by, next_by): Row = sqlx::query_as(
-        "SELECT EXISTS (SELECT 1 FROM workload_policy_history WHERE workload_id = $1 AND version = $2),
-                i.mode, i.installed_from, i.installed_by,
-                (SELECT min(n.installed_by) FROM workload_installs n WHERE n.workload_id = $1 AND n.version > $2)
-         FROM (SELECT 1) AS one LEFT JOIN workload_installs i ON i.workload_id = $1 AND i.version = $2",
+    type Row = (
+        bool,
+        Option<i16>,
+        Option<DateTime<Utc>>,
+        Option<DateTime<Utc>>,
+        Option<DateTime<Utc>>,
+        Option<String>,
+    );
+    let (known, mode, from, by, next_by, staged_set): Row = sqlx::query_as(
+        "SELECT h.version IS NOT NULL, i.mode, i.installed_from, i.installed_by,
+                (SELECT min(n.installed_by) FROM workload_installs n WHERE n.workload_id = $1 AND n.version > $2),
+                h.staged_set
+         FROM (SELECT 1) AS one
+         LEFT JOIN workload_policy_history h ON h.workload_id = $1 AND h.version = $2
+         LEFT JOIN workload_installs i ON i.workload_id = $1 AND i.version = $2",
     )
     .bind(workload.uuid())
     .bind(version as i64)
@@ -172,7 +198,7 @@ pub(super) async fn claim(
             _ => None,
         }
     };
-    Ok(Claim { known: known || version == 0, installed, next_by })
+    Ok(Claim { known: known || version == 0, installed, next_by, staged_set })
 }
 
 /// Records that `version` (in `mode`) was installed on `workload` within `[from, by]` (each
@@ -283,8 +309,12 @@ mod tests {
         let skew = chrono::Duration::seconds(5);
         let sim = Mode::Simulation;
         // v2 installed at T (ack at T + 1 s), v3 acked at T + 100 s.
-        let claim =
-            Claim { known: true, installed: installed(sim, T, T + S), next_by: Some(at(T + 100 * S)) };
+        let claim = Claim {
+            known: true,
+            installed: installed(sim, T, T + S),
+            next_by: Some(at(T + 100 * S)),
+            staged_set: None,
+        };
         let judge = |w: FlowWindow, c: &Claim| judge(&w, c, skew).map_err(|e| e.0);
         assert_eq!(judge(window(2, sim, T, T + 60 * S), &claim), Ok(()));
         assert_eq!(judge(window(2, sim, T - 5 * S, T + 60 * S), &claim), Ok(()), "within the skew");
@@ -299,20 +329,27 @@ mod tests {
             Err(Refusal::VersionNotInstalled)
         );
         assert_eq!(judge(window(2, Mode::Visibility, T, T + S), &claim), Err(Refusal::ModeMismatch));
-        let open = Claim { next_by: None, ..claim };
+        let open = Claim { next_by: None, ..claim.clone() };
         assert_eq!(judge(window(2, sim, T, T + 10_000 * S), &open), Ok(()), "the latest has no end");
-        let enforcing = Claim { installed: installed(Mode::Enforcement, T, T), ..open };
+        let enforcing = Claim { installed: installed(Mode::Enforcement, T, T), ..open.clone() };
         assert_eq!(
             judge(window(2, sim, T, T + S), &enforcing),
             Ok(()),
             "the kill switch judges as simulation"
         );
         assert_eq!(judge(window(2, Mode::Visibility, T, T + S), &enforcing), Err(Refusal::ModeMismatch));
-        let unknown = Claim { known: false, installed: None, next_by: None };
+        // A window names a staged set only under a version that carried that very set.
+        let staged = |set: &str| FlowWindow { staged_set: Some(set.into()), ..window(2, sim, T, T + S) };
+        assert_eq!(judge(staged("db:1"), &open), Err(Refusal::StagedSetMismatch), "the version had none");
+        let carried = Claim { staged_set: Some("db:1".into()), ..open.clone() };
+        assert_eq!(judge(staged("db:1"), &carried), Ok(()));
+        assert_eq!(judge(staged("db:2"), &carried), Err(Refusal::StagedSetMismatch), "another stage");
+        assert_eq!(judge(window(2, sim, T, T + S), &carried), Ok(()), "a window may carry none");
+        let unknown = Claim { known: false, installed: None, next_by: None, staged_set: None };
         assert_eq!(judge(window(7, sim, T, T + S), &unknown), Err(Refusal::VersionUnknown));
-        let pending = Claim { known: true, installed: None, next_by: None };
+        let pending = Claim { known: true, installed: None, next_by: None, staged_set: None };
         assert_eq!(judge(window(2, sim, T, T + S), &pending), Err(Refusal::VersionPending));
-        let skipped = Claim { known: true, installed: None, next_by: Some(at(T)) };
+        let skipped = Claim { known: true, installed: None, next_by: Some(at(T)), staged_set: None };
         assert_eq!(judge(window(2, sim, T, T + S), &skipped), Err(Refusal::VersionNotInstalled));
     }
 }

@@ -169,6 +169,36 @@ pub async fn facts(
     members: &[Member],
     params: &Params,
 ) -> Result<Vec<WorkloadFacts>, Error> {
+    read(conn, members, params, None).await
+}
+
+/// What the verdict on promoting a staged ruleset (FLOW-10) needs of `members`, each under its
+/// staged set (`sets`, in `members`' order): only the windows decided under that set, each
+/// counted as captured under the latest version, and their flows summed per key with the
+/// decision that matters — BLOCKED where the flow is ALLOWED now and its pending decision
+/// blocks it (BLOCKED, or WOULD_BLOCK in simulation), ALLOWED otherwise. Gaps as for
+/// [`facts`].
+pub async fn staged_facts(
+    conn: &mut PgConnection,
+    members: &[Member],
+    sets: &[String],
+    params: &Params,
+) -> Result<Vec<WorkloadFacts>, Error> {
+    let mut facts = read(conn, members, params, Some(sets)).await?;
+    for w in &mut facts {
+        let latest = w.latest.as_ref().map_or(0, |p| p.version());
+        w.windows.iter_mut().for_each(|window| window.policy_version = latest);
+        w.flows.iter_mut().for_each(|flow| flow.policy_version = latest);
+    }
+    Ok(facts)
+}
+
+async fn read(
+    conn: &mut PgConnection,
+    members: &[Member],
+    params: &Params,
+    staged: Option<&[String]>,
+) -> Result<Vec<WorkloadFacts>, Error> {
     let ids: Vec<Uuid> = members.iter().map(|m| m.id.uuid()).collect();
     let (from, to) = (time(params.from_ms), time(params.to_ms));
     let mut facts = BTreeMap::new();
@@ -199,9 +229,28 @@ pub async fn facts(
             },
         );
     }
-    let sql = "SELECT workload_id, window_start, window_end, policy_version FROM flow_windows
-         WHERE workload_id = ANY($1) AND window_end > $2 AND window_start < $3 AND window_start >= $4";
-    for row in in_range(conn, sql, &ids, (from, to), from - WINDOW_REACH).await? {
+    let windows = match staged {
+        None => {
+            let sql = "SELECT workload_id, window_start, window_end, policy_version FROM flow_windows
+                 WHERE workload_id = ANY($1) AND window_end > $2 AND window_start < $3 AND window_start >= $4";
+            in_range(conn, sql, &ids, (from, to), from - WINDOW_REACH).await?
+        }
+        Some(sets) => {
+            sqlx::query(
+                "SELECT w.workload_id, w.window_start, w.window_end, w.policy_version
+                 FROM flow_windows w JOIN unnest($1::uuid[], $5::text[]) AS s (id, set) ON s.id = w.workload_id
+                 WHERE w.staged_set = s.set AND w.window_end > $2 AND w.window_start < $3 AND w.window_start >= $4",
+            )
+            .bind(&ids)
+            .bind(from)
+            .bind(to)
+            .bind(from - WINDOW_REACH)
+            .bind(sets)
+            .fetch_all(&mut *conn)
+            .await?
+        }
+    };
+    for row in windows {
         if let Some(w) = facts.get_mut(&workload_id(row.get(0))?) {
             w.windows.push(WindowFacts {
                 start_ms: row.get::<DateTime<Utc>, _>(1).timestamp_millis(),
@@ -225,14 +274,43 @@ pub async fn facts(
             w.gaps.push(gap.because(row.get::<&str, _>(5)));
         }
     }
-    let sql =
-        "SELECT r.workload_id, r.policy_version, host(r.src_address), r.dst_port, r.protocol, r.decision,
-                sum(r.new_connections)::bigint, sum(r.packets)::bigint, (array_agg(r.peer_labels))[1]
-         FROM flow_records r
-         JOIN flow_windows w ON w.workload_id = r.workload_id AND w.window_id = r.window_id
-         WHERE r.workload_id = ANY($1) AND r.window_start >= $4 AND r.window_start < $3 AND w.window_end > $2
-         GROUP BY 1, 2, 3, 4, 5, 6";
-    for row in in_range(conn, sql, &ids, (from, to), from - WINDOW_REACH).await? {
+    let flows = match staged {
+        None => {
+            let sql =
+                "SELECT r.workload_id, r.policy_version, host(r.src_address), r.dst_port, r.protocol, r.decision,
+                        sum(r.new_connections)::bigint, sum(r.packets)::bigint, (array_agg(r.peer_labels))[1]
+                 FROM flow_records r
+                 JOIN flow_windows w ON w.workload_id = r.workload_id AND w.window_id = r.window_id
+                 WHERE r.workload_id = ANY($1) AND r.window_start >= $4 AND r.window_start < $3 AND w.window_end > $2
+                 GROUP BY 1, 2, 3, 4, 5, 6";
+            in_range(conn, sql, &ids, (from, to), from - WINDOW_REACH).await?
+        }
+        Some(sets) => {
+            let (allowed, blocked) = (Decision::Allowed.code(), Decision::Blocked.code());
+            let blocking = [Decision::Blocked.code(), Decision::WouldBlock.code()];
+            sqlx::query(
+                "SELECT r.workload_id, r.policy_version, host(r.src_address), r.dst_port, r.protocol,
+                        CASE WHEN r.decision = $6 AND r.pending_decision = ANY($8) THEN $7 ELSE $6 END,
+                        sum(r.new_connections)::bigint, sum(r.packets)::bigint, (array_agg(r.peer_labels))[1]
+                 FROM flow_records r
+                 JOIN flow_windows w ON w.workload_id = r.workload_id AND w.window_id = r.window_id
+                 JOIN unnest($1::uuid[], $5::text[]) AS s (id, set) ON s.id = w.workload_id
+                 WHERE r.workload_id = ANY($1) AND w.staged_set = s.set AND r.window_start >= $4 AND r.window_start < $3 AND w.window_end > $2
+                 GROUP BY 1, 2, 3, 4, 5, 6",
+            )
+            .bind(&ids)
+            .bind(from)
+            .bind(to)
+            .bind(from - WINDOW_REACH)
+            .bind(sets)
+            .bind(allowed)
+            .bind(blocked)
+            .bind(&blocking[..])
+            .fetch_all(&mut *conn)
+            .await?
+        }
+    };
+    for row in flows {
         let src: String = row.get(2);
         let corrupt = |what: &'static str, detail: String| Error::Corrupt { what, detail };
         let flow = FlowFacts {

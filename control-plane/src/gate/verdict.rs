@@ -370,8 +370,33 @@ pub fn judge_enforced(params: &Params, workloads: &[WorkloadFacts]) -> Verdict {
     judge_in(Mode::Enforcement, params, workloads)
 }
 
+/// The verdict promoting a staged ruleset stands on (FLOW-10), over facts read by
+/// `evidence::staged_facts` (only windows decided under each workload's staged set, a flow
+/// counted as blocked when it is allowed now and its pending decision blocks it): each workload
+/// judged in its own mode over the range from when it acknowledged its staged set (`acked`, unix
+/// milliseconds; a workload missing from it has not: an empty range) to `params.to_ms`. SAFE
+/// when no flow the staged rules would block is allowed now, no gap touches the range and the
+/// windows cover it.
+pub fn judge_staged(
+    params: &Params,
+    acked: &BTreeMap<WorkloadId, i64>,
+    workloads: &[WorkloadFacts],
+) -> Verdict {
+    let judged = workloads
+        .iter()
+        .map(|w| {
+            let from_ms = acked.get(&w.id).copied().unwrap_or(params.to_ms).min(params.to_ms);
+            judge_one(w.mode, &Params { from_ms, ..*params }, w)
+        })
+        .collect();
+    verdict_of(params, judged)
+}
+
 fn judge_in(expected: Mode, params: &Params, workloads: &[WorkloadFacts]) -> Verdict {
-    let judged: Vec<WorkloadVerdict> = workloads.iter().map(|w| judge_one(expected, params, w)).collect();
+    verdict_of(params, workloads.iter().map(|w| judge_one(expected, params, w)).collect())
+}
+
+fn verdict_of(params: &Params, judged: Vec<WorkloadVerdict>) -> Verdict {
     let outcome = if judged.is_empty() {
         Outcome::Insufficient
     } else if judged.iter().any(|w| w.outcome() == Outcome::Unsafe) {
@@ -589,6 +614,33 @@ mod tests {
             "{}",
             verdict.summary()
         );
+    }
+
+    /// FLOW-10: a staged set is judged in the workload's own mode, over the range since it was
+    /// acknowledged: a flow allowed now that its pending rules block (BLOCKED in the facts) is
+    /// UNSAFE, an unacknowledged set has no range, and windows before the acknowledgement do not
+    /// count.
+    #[test]
+    fn a_staged_set_is_judged_since_it_was_acknowledged() {
+        let mut enforced =
+            workload(&[2, 2, 2, 2, 2, 2, 2, 2, 2, 2], vec![flow(2, "10.0.0.7", Decision::Allowed)]);
+        enforced.mode = Mode::Enforcement;
+        let p = Params { min_duration_ms: 5 * MIN, ..params() };
+        let acked = BTreeMap::from([(enforced.id, 4 * MIN)]);
+        let verdict = judge_staged(&p, &acked, std::slice::from_ref(&enforced));
+        assert_eq!(verdict.outcome, Outcome::Safe, "{}", verdict.summary());
+        assert_eq!(verdict.workloads[0].evidence.range_ms, 6 * MIN);
+        let mut blocked = enforced.clone();
+        blocked.flows.push(flow(2, "10.0.0.9", Decision::Blocked));
+        let verdict = judge_staged(&p, &acked, &[blocked]);
+        assert_eq!(verdict.outcome, Outcome::Unsafe, "{}", verdict.summary());
+        // Not acknowledged: an empty range, too short.
+        let verdict = judge_staged(&p, &BTreeMap::new(), std::slice::from_ref(&enforced));
+        assert_eq!(verdict.outcome, Outcome::Insufficient);
+        assert!(matches!(verdict.workloads[0].reasons[0], Reason::RangeTooShort { range_ms: 0, .. }));
+        // Acknowledged too recently for the minimum.
+        let verdict = judge_staged(&p, &BTreeMap::from([(enforced.id, 8 * MIN)]), &[enforced]);
+        assert_eq!(verdict.outcome, Outcome::Insufficient, "{}", verdict.summary());
     }
 
     #[test]

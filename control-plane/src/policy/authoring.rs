@@ -16,7 +16,7 @@ use crate::audit;
 use crate::counts::{CountBounds, Counted};
 use crate::error::Error;
 use crate::notice::{self, Notice};
-use crate::policy::model::{ServiceEntry, validate_name};
+use crate::policy::model::{ServiceEntry, new_rule_id, validate_name};
 use crate::policy::publish::{Changed, Overflow, Rendering, publish_rendering, publish_with};
 use crate::policy::spec::{
     AddressGroupSpec, NewWorkload, PeerRef, RulesetSpec, ServiceSpec, check_estate_range, check_label_count,
@@ -477,22 +477,6 @@ async fn id_by_name(conn: &mut PgConnection, kind: Kind, name: &str, context: &s
         .fetch_optional(&mut *conn)
         .await?
         .ok_or_else(|| Error::Invalid(format!("{context} references unknown {} {name:?}", kind.what())))
-}
-
-/// The id of a rule new to its ruleset: derived from the two names (a UUID of RFC 9562's
-/// custom version 8, from SHA-256), not drawn at random, so a draft that renders a new rule
-/// without committing shows the very rule ids (and so the very deltas) its commit persists. An
-/// existing rule keeps its stored id.
-pub fn new_rule_id(ruleset: &str, rule: &str) -> Uuid {
-    let mut input = Vec::with_capacity(ruleset.len() + rule.len() + 20);
-    input.extend_from_slice(b"innerwall-rule\0");
-    input.extend_from_slice(ruleset.as_bytes());
-    input.push(0);
-    input.extend_from_slice(rule.as_bytes());
-    let digest = ring::digest::digest(&ring::digest::SHA256, &input);
-    let mut bytes = [0u8; 16];
-    bytes.copy_from_slice(&digest.as_ref()[..16]);
-    uuid::Builder::from_custom_bytes(bytes).into_uuid()
 }
 
 async fn write_rules(conn: &mut PgConnection, ruleset: Uuid, spec: &RulesetSpec) -> Result<(), Error> {

@@ -10,4 +10,5 @@ pub mod publish;
 pub mod render;
 pub mod source;
 pub mod spec;
+pub mod staged;
 pub mod store;

@@ -23,6 +23,22 @@ pub fn validate_name(what: &'static str, name: &str) -> Result<(), ModelError> {
     if ok { Ok(()) } else { Err(ModelError::Name { what, name: name.to_owned() }) }
 }
 
+/// The id of a rule new to its ruleset: derived from the two names (a UUID of RFC 9562's
+/// custom version 8, from SHA-256), not drawn at random, so a draft that renders a new rule
+/// without committing shows the very rule ids (and so the very deltas) its commit persists. An
+/// existing rule keeps its stored id.
+pub fn new_rule_id(ruleset: &str, rule: &str) -> Uuid {
+    let mut input = Vec::with_capacity(ruleset.len() + rule.len() + 20);
+    input.extend_from_slice(b"innerwall-rule\0");
+    input.extend_from_slice(ruleset.as_bytes());
+    input.push(0);
+    input.extend_from_slice(rule.as_bytes());
+    let digest = ring::digest::digest(&ring::digest::SHA256, &input);
+    let mut bytes = [0u8; 16];
+    bytes.copy_from_slice(&digest.as_ref()[..16]);
+    uuid::Builder::from_custom_bytes(bytes).into_uuid()
+}
+
 /// `key in (v1, v2…)` matches, ANDed. The empty selector matches nothing (POL-1).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub struct Selector {
@@ -200,6 +216,16 @@ pub struct AuthoredModel {
     /// Workloads pinned to an earlier version's authored source by a rollback: rendered from it
     /// (against the registry as it is), not from the rulesets above, until unpinned.
     pub pinned: BTreeMap<WorkloadId, Pin>,
+    /// Staged rulesets (issue 31, FLOW-10), in name order: evaluated beside the rulesets above,
+    /// never enforced, until promoted.
+    pub staged: Vec<StagedRuleset>,
+}
+
+/// A staged ruleset: the ruleset it would become (or a new one), and its stage number.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StagedRuleset {
+    pub stage: i64,
+    pub ruleset: Ruleset,
 }
 
 /// A rollback's pin: the stored source (by its digest) and the model it renders.

@@ -143,7 +143,9 @@ async fn render_and_persist(conn: &mut PgConnection, overflow: Overflow) -> Resu
     let mut changed = Vec::new();
     if !next.is_empty() {
         let sources = store_sources(conn, &model, &rendered, &next).await?;
-        persist(conn, &next, &contents, &sources).await?;
+        let staged: Vec<Option<&str>> =
+            next.iter().map(|n| rendered.policies()[n.content].staged().map(|s| s.set())).collect();
+        persist(conn, &next, &contents, &sources, &staged).await?;
         let notices: Vec<Notice> = next.iter().map(|n| Notice::Policy(n.workload, n.version)).collect();
         notice::publish(conn, &notices).await?;
         changed = next.iter().map(|n| Changed { workload: n.workload, version: n.version }).collect();
@@ -311,12 +313,13 @@ async fn next_versions(
 }
 
 /// Writes the contents `next` refers to (each once; a stored one stays), each workload's latest
-/// row, and its history row.
+/// row, and its history row (with its source and its staged set, in `next`'s order).
 async fn persist(
     conn: &mut PgConnection,
     next: &[Next],
     contents: &[store::Content],
     sources: &[Vec<u8>],
+    staged: &[Option<&str>],
 ) -> Result<(), Error> {
     // Groups that render equal policies share a digest: one row; a stored one stays. Only a
     // publish writes contents, under the render lock: none can appear between the two statements.
@@ -358,13 +361,15 @@ async fn persist(
     .await?;
     // now() is the transaction's time: the same `rendered_at` as the latest rows'.
     sqlx::query(
-        "INSERT INTO workload_policy_history (workload_id, version, digest, rendered_at, source_digest)
-         SELECT w, v, d, now(), s FROM unnest($1::uuid[], $2::bigint[], $3::bytea[], $4::bytea[]) AS t (w, v, d, s)",
+        "INSERT INTO workload_policy_history (workload_id, version, digest, rendered_at, source_digest, staged_set)
+         SELECT w, v, d, now(), s, g
+         FROM unnest($1::uuid[], $2::bigint[], $3::bytea[], $4::bytea[], $5::text[]) AS t (w, v, d, s, g)",
     )
     .bind(&ids)
     .bind(&versions)
     .bind(&digests)
     .bind(sources)
+    .bind(staged)
     .execute(&mut *conn)
     .await?;
     Ok(())
@@ -440,12 +445,7 @@ async fn judge_addresses(
     conn: &mut PgConnection,
     registry: store::Registry,
 ) -> Result<Vec<RegisteredWorkload>, Error> {
-    let claims = registry.workloads.iter().map(|w| addresses::Claim {
-        workload: w.id,
-        addresses: &w.addresses,
-        narrowed_to: registry.narrowed.get(&w.id).map_or(&[], Vec::as_slice),
-    });
-    let standings = addresses::judge(&registry.estate, claims);
+    let standings = standings(&registry);
     let changes = addresses::changes(&registry.stored, &standings);
     store::save_standings(conn, &changes).await?;
     let conflicts = addresses::conflicts(&standings);
@@ -469,11 +469,33 @@ async fn judge_addresses(
             .detail(serde_json::json!({"addresses": entries}));
         audit::write(conn, &record).await?;
     }
-    Ok(registry
+    Ok(accepted_only(registry, &standings))
+}
+
+/// The standing of every reported address of every live workload of `registry`.
+fn standings(registry: &store::Registry) -> addresses::Standings {
+    let claims = registry.workloads.iter().map(|w| addresses::Claim {
+        workload: w.id,
+        addresses: &w.addresses,
+        narrowed_to: registry.narrowed.get(&w.id).map_or(&[], Vec::as_slice),
+    });
+    addresses::judge(&registry.estate, claims)
+}
+
+fn accepted_only(registry: store::Registry, standings: &addresses::Standings) -> Vec<RegisteredWorkload> {
+    registry
         .workloads
         .into_iter()
-        .map(|w| RegisteredWorkload { addresses: addresses::accepted(&standings, w.id), ..w })
-        .collect())
+        .map(|w| RegisteredWorkload { addresses: addresses::accepted(standings, w.id), ..w })
+        .collect()
+}
+
+/// The registry as the next render sees it (each workload with only its accepted addresses),
+/// read without storing anything: for what-if renders inside a change (`safety::staged`).
+pub async fn registry_as_rendered(conn: &mut PgConnection) -> Result<Vec<RegisteredWorkload>, Error> {
+    let registry = store::load_registry(conn).await?;
+    let standings = standings(&registry);
+    Ok(accepted_only(registry, &standings))
 }
 
 #[cfg(test)]

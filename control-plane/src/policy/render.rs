@@ -12,12 +12,17 @@ use innerwall_wire::policy::{
 };
 use uuid::Uuid;
 
-use crate::policy::model::{AuthoredModel, FAILSAFE_RULE, Management, Peer, RegisteredWorkload, Selector};
+use crate::policy::model::{
+    AuthoredModel, FAILSAFE_RULE, Management, Peer, RegisteredWorkload, Selector, StagedRuleset,
+};
+use crate::policy::staged;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RenderError {
     #[error("rule {rule} references {what} {id} which does not exist")]
     UnknownReference { rule: Uuid, what: &'static str, id: Uuid },
+    #[error("staged set {set}: {reason}")]
+    Staged { set: String, reason: String },
     #[error("rule {rule}: {source}")]
     Policy {
         rule: Uuid,
@@ -180,8 +185,18 @@ pub fn oversize(policy: &WorkloadPolicy, bytes: usize, bound: Bound) -> Option<O
 /// access.
 type ShareKey<'a> = (&'a [usize], Mode, Option<i64>, Option<&'a Management>);
 
-/// Renders the policy of every workload in `workloads` (the live, non-retired registry).
+/// Renders the policy of every workload in `workloads` (the live, non-retired registry), with
+/// the staged set of each workload a staged ruleset touches (FLOW-10).
 pub fn render(model: &AuthoredModel, workloads: &[RegisteredWorkload]) -> Result<Rendered, RenderError> {
+    let mut rendered = render_in_force(model, workloads)?;
+    if !model.staged.is_empty() {
+        stage(&mut rendered, model, workloads)?;
+    }
+    Ok(rendered)
+}
+
+/// The rules in force: what [`render`] renders before staging.
+fn render_in_force(model: &AuthoredModel, workloads: &[RegisteredWorkload]) -> Result<Rendered, RenderError> {
     let index = LabelIndex::new(workloads);
     // Each enabled ruleset that selects anyone, resolved once; each workload's list of them.
     // Resolved rules and the model index of each ruleset resolved.
@@ -247,6 +262,57 @@ impl Rendered {
         self.of.insert(w.id, i);
         Ok(i)
     }
+}
+
+/// Gives each workload a staged ruleset touches (its scope, or the scope of the ruleset it
+/// replaces, selects the workload) the staged set between its rules in force and the rules it
+/// would have with every staged ruleset in force (`staged::between`), named after the staged
+/// rulesets touching it (`staged::set_id`). A workload pinned by a rollback renders its pin and
+/// stages nothing. Workloads that share a policy, a pending policy and the staged rulesets
+/// touching them share the staged policy too.
+fn stage(
+    out: &mut Rendered,
+    model: &AuthoredModel,
+    workloads: &[RegisteredWorkload],
+) -> Result<(), RenderError> {
+    let pending = render_in_force(&model.with_staged(|_| true), workloads)?;
+    let index = LabelIndex::new(workloads);
+    let mut touching: Vec<Vec<usize>> = vec![Vec::new(); workloads.len()];
+    for (s, staged) in model.staged.iter().enumerate() {
+        let replaced = model.rulesets.iter().find(|r| r.name == staged.ruleset.name);
+        let mut scope: BTreeSet<usize> = BTreeSet::new();
+        for ruleset in replaced.into_iter().chain([&staged.ruleset]).filter(|r| r.enabled) {
+            scope.extend(index.select(&ruleset.scope));
+        }
+        for i in scope {
+            touching[i].push(s);
+        }
+    }
+    let mut staged_policies: BTreeMap<(usize, usize, &[usize]), Option<usize>> = BTreeMap::new();
+    for (w, touched) in workloads.iter().zip(&touching) {
+        if touched.is_empty() || model.pinned.contains_key(&w.id) {
+            continue;
+        }
+        let (base, then) = (out.of[&w.id], pending.of[&w.id]);
+        let i = match staged_policies.entry((base, then, touched.as_slice())) {
+            Entry::Occupied(e) => *e.get(),
+            Entry::Vacant(e) => {
+                let named: Vec<&StagedRuleset> = touched.iter().map(|&s| &model.staged[s]).collect();
+                let set = staged::set_id(&named);
+                let staged = staged::between(&out.policies[base], &pending.policies[then], &set)
+                    .map_err(|e| RenderError::Staged { set, reason: e.to_string() })?;
+                *e.insert(staged.map(|staged| {
+                    out.policies.push(out.policies[base].clone().with_staged(Some(staged)));
+                    out.origins.push(out.origins[base].clone());
+                    out.policies.len() - 1
+                }))
+            }
+        };
+        if let Some(i) = i {
+            out.of.insert(w.id, i);
+        }
+    }
+    Ok(())
 }
 
 /// The failsafe rule of `management`: one resolved rule per protocol, `failsafe:management/<p>`.
@@ -562,6 +628,68 @@ mod tests {
         // Empty is refused: access can be narrowed, never removed.
         assert!(Management::new([], [ServiceEntry::parse("tcp:22").unwrap()]).is_err());
         assert!(Management::new([Cidr::parse("192.0.2.0/24").unwrap()], []).is_err());
+    }
+
+    /// FLOW-10: a staged ruleset gives each workload it touches the staged set between its rules
+    /// in force and the rules it would have with the ruleset promoted; the rules in force stay
+    /// exactly as they are.
+    #[test]
+    fn a_staged_ruleset_renders_beside_the_rules_in_force() {
+        use crate::policy::model::StagedRuleset;
+        let web = Peer::Workloads(sel(&[("app", &["web"])]));
+        let dev = Peer::Workloads(sel(&[("env", &["dev"])]));
+        let model = db_model(vec![rule(10, vec![web.clone()], &[1])]);
+        let in_force = render(&model, &estate()).unwrap();
+        // A narrowing of rule 10 to the dev web server, and a new rule 11 from the vpn.
+        let staged_rules = vec![rule(10, vec![dev], &[1]), rule(11, vec![Peer::AddressGroup(id(9))], &[1])];
+        let mut staged = model.clone();
+        staged.staged =
+            vec![StagedRuleset { stage: 7, ruleset: ruleset(100, sel(&[("app", &["db"])]), staged_rules) }];
+        let rendered = render(&staged, &estate()).unwrap();
+        let db = rendered.get(&wid(1)).unwrap();
+        assert!(db.rules().eq(in_force.get(&wid(1)).unwrap().rules()), "the rules in force are unchanged");
+        let set = db.staged().expect("the db workload is touched");
+        assert_eq!(set.set(), "rs100:7");
+        let upserts: Vec<String> = set
+            .upserts()
+            .map(|r| {
+                let peers: Vec<String> = r.peers().iter().map(ToString::to_string).collect();
+                format!("{} <- {}", r.id().authored().trim_start_matches(['0', '-']), peers.join(" "))
+            })
+            .collect();
+        assert_eq!(upserts, ["a <- 10.0.0.3/32", "b <- 10.8.0.0/16 fd08::/48"]);
+        assert_eq!(set.removals().len(), 0);
+        let pending = db.pending().unwrap();
+        assert_eq!(pending.rules().count(), 2);
+        // Workloads it does not touch carry no staged set, and share their policy as before.
+        for n in [2, 3, 4] {
+            assert_eq!(rendered.get(&wid(n)), in_force.get(&wid(n)), "workload {n}");
+        }
+        // Removing a rule is a removal; staging the ruleset as it is stages nothing.
+        staged.staged[0].ruleset.rules = vec![rule(11, vec![Peer::AddressGroup(id(9))], &[1])];
+        let removed = render(&staged, &estate()).unwrap();
+        let set = removed.get(&wid(1)).unwrap().staged().unwrap().clone();
+        assert_eq!(set.removals().map(|r| r.authored().to_owned()).collect::<Vec<_>>(), [id(10).to_string()]);
+        staged.staged[0].ruleset = model.rulesets[0].clone();
+        assert_eq!(render(&staged, &estate()).unwrap(), in_force);
+        // A staged ruleset new to the estate touches what its own scope selects; two staged
+        // rulesets touching one workload name their set by digest.
+        let mut new =
+            ruleset(200, sel(&[("app", &["web"])]), vec![rule(20, vec![Peer::AddressGroup(id(9))], &[2])]);
+        new.name = "web-vpn".into();
+        staged.staged = vec![
+            StagedRuleset { stage: 3, ruleset: new },
+            StagedRuleset { stage: 4, ruleset: ruleset(100, sel(&[("app", &["db", "web"])]), vec![]) },
+        ];
+        let both = render(&staged, &estate()).unwrap();
+        assert_eq!(both.get(&wid(1)).unwrap().staged().unwrap().set(), "rs100:4");
+        let web_set = both.get(&wid(2)).unwrap().staged().unwrap().set().to_owned();
+        assert!(web_set.starts_with("staged:") && web_set.len() == 23, "{web_set}");
+        assert_eq!(both.get(&wid(3)).unwrap().staged(), both.get(&wid(2)).unwrap().staged());
+        assert_eq!(both.get(&wid(4)).unwrap().staged(), None);
+        // A pinned workload renders its pin and stages nothing.
+        staged.pinned.insert(wid(1), crate::policy::model::Pin { digest: vec![], model: model.clone() });
+        assert_eq!(render(&staged, &estate()).unwrap().get(&wid(1)).unwrap().staged(), None);
     }
 
     #[test]

@@ -5,6 +5,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
+use chrono::{DateTime, Utc};
+
 use innerwall_wire::convert::WireEnum;
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::labels::{LabelKey, LabelValue};
@@ -18,9 +20,10 @@ use crate::policy::addresses::Standing;
 use crate::policy::lifecycle;
 use crate::policy::model::{
     AddressGroup, AuthoredModel, Management, ModelError, Peer, Pin, RegisteredWorkload, Rule, Ruleset,
-    Selector, Service, ServiceEntry,
+    Selector, Service, ServiceEntry, StagedRuleset,
 };
 use crate::policy::source::{Part, Source};
+use crate::policy::spec::RulesetSpec;
 
 /// A stored enum number (the schema keeps protobuf numbers), refused as corrupt if unknown.
 fn stored<E: WireEnum>(n: i16) -> Result<E, Error> {
@@ -163,7 +166,45 @@ pub async fn load_model(conn: &mut PgConnection) -> Result<AuthoredModel, Error>
     }
     load_management(conn, &mut model).await?;
     load_pins(conn, &mut model).await?;
+    for stored in staged_rulesets(conn).await? {
+        // One whose references went away since it was staged is left out of the render (its
+        // listing says why) rather than failing every render.
+        match crate::policy::staged::resolve(&stored.spec, &model) {
+            Ok(ruleset) => model.staged.push(StagedRuleset { stage: stored.stage, ruleset }),
+            Err(e) => {
+                tracing::warn!(ruleset = %stored.spec.name, error = %e, "a staged ruleset no longer resolves")
+            }
+        }
+    }
     Ok(model)
+}
+
+/// A staged ruleset as stored (issue 31, FLOW-10).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredStaged {
+    pub spec: RulesetSpec,
+    pub stage: i64,
+    /// The ruleset's version when staged; `None`: new to the estate.
+    pub base_version: Option<i64>,
+    pub staged_by: String,
+    pub staged_at: DateTime<Utc>,
+}
+
+/// Every staged ruleset, in name order.
+pub async fn staged_rulesets(conn: &mut PgConnection) -> Result<Vec<StoredStaged>, Error> {
+    type Row = (serde_json::Value, i64, Option<i64>, String, DateTime<Utc>);
+    let rows: Vec<Row> = sqlx::query_as(
+        "SELECT spec, stage, base_version, staged_by, staged_at FROM staged_rulesets ORDER BY name",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    rows.into_iter()
+        .map(|(spec, stage, base_version, staged_by, staged_at)| {
+            let spec = serde_json::from_value(spec)
+                .map_err(|e| Error::Corrupt { what: "staged ruleset", detail: e.to_string() })?;
+            Ok(StoredStaged { spec, stage, base_version, staged_by, staged_at })
+        })
+        .collect()
 }
 
 /// Reads every stored management access set into `model` (`safety::management`).
@@ -433,13 +474,13 @@ impl Persisted {
 }
 
 /// A policy row joined to its content (columns `version`, `policy`, `rendered_at`), undecoded.
-fn persisted_row(row: &sqlx::postgres::PgRow) -> Result<(Persisted, chrono::DateTime<chrono::Utc>), Error> {
+fn persisted_row(row: &sqlx::postgres::PgRow) -> Result<(Persisted, DateTime<Utc>), Error> {
     let persisted = Persisted { version: stored_version(row.get("version"))?, bytes: row.get("policy") };
     Ok((persisted, row.get("rendered_at")))
 }
 
 /// [`persisted_row`], decoded.
-fn decode_row(row: &sqlx::postgres::PgRow) -> Result<(WorkloadPolicy, chrono::DateTime<chrono::Utc>), Error> {
+fn decode_row(row: &sqlx::postgres::PgRow) -> Result<(WorkloadPolicy, DateTime<Utc>), Error> {
     let (persisted, rendered_at) = persisted_row(row)?;
     Ok((persisted.decode()?, rendered_at))
 }
@@ -449,7 +490,7 @@ fn decode_row(row: &sqlx::postgres::PgRow) -> Result<(WorkloadPolicy, chrono::Da
 pub async fn persisted_bytes_of(
     pool: &PgPool,
     ids: &[Uuid],
-) -> Result<BTreeMap<WorkloadId, (Persisted, chrono::DateTime<chrono::Utc>)>, Error> {
+) -> Result<BTreeMap<WorkloadId, (Persisted, DateTime<Utc>)>, Error> {
     let rows = sqlx::query(
         "SELECT p.workload_id, p.version, c.policy, p.rendered_at
          FROM workload_policies p JOIN policy_contents c ON c.digest = p.digest
@@ -465,7 +506,7 @@ pub async fn persisted_bytes_of(
 pub async fn persisted_policy(
     conn: &mut PgConnection,
     id: WorkloadId,
-) -> Result<Option<(WorkloadPolicy, chrono::DateTime<chrono::Utc>)>, Error> {
+) -> Result<Option<(WorkloadPolicy, DateTime<Utc>)>, Error> {
     sqlx::query(
         "SELECT p.version, c.policy, p.rendered_at
          FROM workload_policies p JOIN policy_contents c ON c.digest = p.digest WHERE p.workload_id = $1",
@@ -577,7 +618,7 @@ pub async fn list_address_groups(conn: &mut PgConnection) -> Result<Vec<AddressG
 pub struct RulesetView {
     pub version: i64,
     #[serde(flatten)]
-    pub spec: crate::policy::spec::RulesetSpec,
+    pub spec: RulesetSpec,
 }
 
 /// Every ruleset in the shape an operator writes it, so `show` output can be edited and applied.
@@ -901,7 +942,7 @@ pub struct WorkloadView {
     /// A promotion to enforcement awaiting confirmation (FLOW-11): its id and deadline, past
     /// which the host enforces its simulation (`promotions confirm` before it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub awaiting_confirmation: Option<(Uuid, chrono::DateTime<chrono::Utc>)>,
+    pub awaiting_confirmation: Option<(Uuid, DateTime<Utc>)>,
     pub retired: bool,
     /// `PENDING`, `SYNCED`, `DEGRADED`, `OFFLINE` or `SUSPENDED`, judged when read: a workload
     /// silent longer than its stream tolerates is OFFLINE whatever was stored.
@@ -994,7 +1035,7 @@ pub async fn address_views(
 pub struct EstateRangeView {
     pub cidr: String,
     pub description: String,
-    pub created_at: chrono::DateTime<chrono::Utc>,
+    pub created_at: DateTime<Utc>,
 }
 
 pub async fn list_estate_ranges(conn: &mut PgConnection) -> Result<Vec<EstateRangeView>, Error> {
@@ -1056,7 +1097,7 @@ pub async fn list_workloads(
                 auto_demoted_by: row.get(9),
                 awaiting_confirmation: row
                     .get::<Option<Uuid>, _>(10)
-                    .zip(row.get::<Option<chrono::DateTime<chrono::Utc>>, _>(11)),
+                    .zip(row.get::<Option<DateTime<Utc>>, _>(11)),
                 retired: row.get(5),
                 sync_state: stored::<innerwall_wire::sync::SyncState>(row.get(6))?.name().to_owned(),
                 sync_detail: row.get(7),
@@ -1087,10 +1128,10 @@ pub struct SyncStatusView {
     #[schema(value_type = String)]
     pub state: StateName,
     pub detail: String,
-    pub last_seen_at: Option<chrono::DateTime<chrono::Utc>>,
-    pub last_acked_at: Option<chrono::DateTime<chrono::Utc>>,
-    pub last_snapshot_sent_at: Option<chrono::DateTime<chrono::Utc>>,
-    pub last_apply_failed_at: Option<chrono::DateTime<chrono::Utc>>,
+    pub last_seen_at: Option<DateTime<Utc>>,
+    pub last_acked_at: Option<DateTime<Utc>>,
+    pub last_snapshot_sent_at: Option<DateTime<Utc>>,
+    pub last_apply_failed_at: Option<DateTime<Utc>>,
     /// Reported addresses that are not rendered, with the reason (address trust).
     #[sqlx(skip)]
     pub address_issues: Vec<AddressView>,
@@ -1261,10 +1302,10 @@ pub struct WorkloadRow {
     pub applied_version: i64,
     /// The latest rendered version (absent: never rendered).
     pub latest_version: Option<i64>,
-    pub last_seen_at: Option<chrono::DateTime<chrono::Utc>>,
+    pub last_seen_at: Option<DateTime<Utc>>,
     /// When its certificate expires (absent: never issued one).
     #[serde(default)]
-    pub credential_expires_at: Option<chrono::DateTime<chrono::Utc>>,
+    pub credential_expires_at: Option<DateTime<Utc>>,
     pub retired: bool,
     pub denied: bool,
     /// Every address it reported, with its standing.
@@ -1380,20 +1421,20 @@ pub async fn workload_page(
 /// credential.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, sqlx::FromRow, utoipa::ToSchema)]
 pub struct WorkloadFacts {
-    pub enrolled_at: chrono::DateTime<chrono::Utc>,
+    pub enrolled_at: DateTime<Utc>,
     /// The provisioning token that enrolled it (absent once the token is deleted).
     pub enrolled_by_token: Option<Uuid>,
     pub agent_version: String,
     pub os: String,
     pub credential_serial: String,
-    pub credential_expires_at: Option<chrono::DateTime<chrono::Utc>>,
-    pub last_renewed_at: Option<chrono::DateTime<chrono::Utc>>,
-    pub retired_at: Option<chrono::DateTime<chrono::Utc>>,
-    pub denied_at: Option<chrono::DateTime<chrono::Utc>>,
+    pub credential_expires_at: Option<DateTime<Utc>>,
+    pub last_renewed_at: Option<DateTime<Utc>>,
+    pub retired_at: Option<DateTime<Utc>>,
+    pub denied_at: Option<DateTime<Utc>>,
     /// SHA-256 of the root that issued the current certificate (absent: before issue 25).
     pub credential_issuer: Option<String>,
     /// The last refused renewal, whether or not one succeeded since (compare `last_renewed_at`).
-    pub last_renewal_failed_at: Option<chrono::DateTime<chrono::Utc>>,
+    pub last_renewal_failed_at: Option<DateTime<Utc>>,
     pub last_renewal_error: Option<String>,
     /// The clone episode in progress, if any (IDN-7).
     #[sqlx(skip)]
@@ -1421,7 +1462,7 @@ pub struct PolicyView {
     pub workload: String,
     pub version: u64,
     pub mode: String,
-    pub rendered_at: chrono::DateTime<chrono::Utc>,
+    pub rendered_at: DateTime<Utc>,
     pub rules: Vec<RuleView>,
 }
 
@@ -1436,7 +1477,7 @@ pub struct RuleView {
 }
 
 impl PolicyView {
-    pub fn of(id: WorkloadId, policy: &WorkloadPolicy, rendered_at: chrono::DateTime<chrono::Utc>) -> Self {
+    pub fn of(id: WorkloadId, policy: &WorkloadPolicy, rendered_at: DateTime<Utc>) -> Self {
         PolicyView {
             workload: id.to_string(),
             version: policy.version(),
@@ -1472,7 +1513,7 @@ pub struct PolicyVersionView {
     /// SHA-256 of the policy's content (without its version), lower-case hex: versions with the
     /// same digest enforce the same rules.
     pub digest: String,
-    pub rendered_at: chrono::DateTime<chrono::Utc>,
+    pub rendered_at: DateTime<Utc>,
     /// The size of the stored policy in bytes (uncompressed), as the database measures it.
     pub bytes: i64,
     /// The API path of this version in full.
@@ -1597,7 +1638,7 @@ pub async fn version_changes(
     conn: &mut PgConnection,
     id: WorkloadId,
     count: usize,
-) -> Result<Vec<(u64, chrono::DateTime<chrono::Utc>, Vec<innerwall_wire::policy::Change>)>, Error> {
+) -> Result<Vec<(u64, DateTime<Utc>, Vec<innerwall_wire::policy::Change>)>, Error> {
     let rows = sqlx::query(
         "SELECT h.version, c.policy, h.rendered_at
          FROM workload_policy_history h JOIN policy_contents c ON c.digest = h.digest

@@ -1175,6 +1175,191 @@ async fn promotion_confirm_over_the_api() {
     assert_eq!(third["confirmation"]["settled_by"], pat.as_str(), "{third}");
 }
 
+/// Staged rulesets over the API (issue 31, FLOW-10): staging renders a staged set into the
+/// policy of each workload the ruleset touches and enforces nothing; a window may only name its
+/// version's set; promoting is count-pinned and judged on the pending decisions recorded since
+/// the set was acknowledged (UNSAFE with a flow allowed now that the staged rules block), and
+/// writes the ruleset, recorded and audited; unstaging drops the set.
+#[tokio::test]
+async fn staged_rulesets_over_the_api() {
+    use innerwall_control_plane::flows::{self, installs};
+    use innerwall_control_plane::policy::store;
+    use innerwall_wire::flows::{Decision, FlowRecord, FlowWindow, Pending};
+    use innerwall_wire::policy::{Mode, Protocol};
+
+    let plane = Plane::start(ApiLimits::default()).await;
+    let pool = plane.pool().clone();
+    let viewer = mint(&pool, "vic", Role::Viewer).await;
+    let editor = mint(&pool, "ed", Role::Editor).await;
+    let promoter = mint(&pool, "pat", Role::Promoter).await;
+    let db = register(&pool, "db-1", &["app=db"]).await;
+    register(&pool, "web-1", &["app=web"]).await;
+    let write = async |method: &str, path: &str, token: &str, body: &Value| {
+        plane.write(method, path, token, None, body).await
+    };
+    let pg = json!({"name": "pg", "description": "", "entries": ["tcp:5432"]});
+    assert_eq!(write("POST", "/api/v1/services", &editor.token, &pg).await.status, 201);
+    let ruleset = |clients: &str, extra: bool| {
+        let mut rules = vec![json!({"name": "clients", "peers": [{"cidr": clients}], "services": ["pg"]})];
+        if extra {
+            rules.push(json!({"name": "admins", "peers": [{"cidr": "192.0.2.0/24"}], "services": ["pg"]}));
+        }
+        json!({"name": "db", "scope": {"app": ["db"]}, "rules": rules})
+    };
+    assert_eq!(
+        write("POST", "/api/v1/rulesets", &editor.token, &ruleset("10.0.0.0/24", false)).await.status,
+        201
+    );
+    let promote = json!({"ids": [db.to_string()], "expect_count": 1, "to": "enforcement", "reason": "r",
+                         "override_reason": "no agent in this test"});
+    assert_eq!(write("POST", "/api/v1/promotions", &promoter.token, &promote).await.status, 201);
+    let latest =
+        async || store::persisted_policy(&mut pool.acquire().await.unwrap(), db).await.unwrap().unwrap().0;
+    let in_force = latest().await;
+
+    // Refused, changing nothing: a viewer; a reference to nothing; the ruleset as it is.
+    let staged = ruleset("10.0.0.0/28", true);
+    let before = (written(&pool).await, latest().await.version());
+    write("POST", "/api/v1/staged-rulesets", &viewer.token, &staged)
+        .await
+        .problem(403, ProblemType::Forbidden);
+    let mut unknown = staged.clone();
+    unknown["rules"][0]["services"] = json!(["ssh"]);
+    let doc = write("POST", "/api/v1/staged-rulesets", &editor.token, &unknown)
+        .await
+        .problem(400, ProblemType::Invalid);
+    assert!(doc["detail"].as_str().unwrap().contains("unknown service \"ssh\""), "{doc}");
+    let doc = write("POST", "/api/v1/staged-rulesets", &editor.token, &ruleset("10.0.0.0/24", false))
+        .await
+        .problem(400, ProblemType::Invalid);
+    assert!(doc["detail"].as_str().unwrap().contains("nothing to stage"), "{doc}");
+    assert_eq!((written(&pool).await, latest().await.version()), before);
+
+    // Staged: the db workload's policy carries the staged set beside the same rules.
+    let reply = write("POST", "/api/v1/staged-rulesets", &editor.token, &staged).await;
+    assert_eq!(reply.status, 201, "{reply:?}");
+    let stage = reply.json()["result"].as_i64().unwrap();
+    let policy = latest().await;
+    assert!(policy.rules().eq(in_force.rules()), "nothing is enforced by staging");
+    let set = policy.staged().expect("a staged set").clone();
+    assert_eq!(set.set(), format!("db:{stage}"));
+    assert_eq!((set.upserts().len(), set.removals().len()), (2, 0));
+    let listed = plane.get("/api/v1/staged-rulesets", Some(&viewer.token)).await.json();
+    assert_eq!(listed[0]["workloads"].as_array().unwrap().len(), 1, "{listed}");
+    assert_eq!(listed[0]["workloads"][0]["staged_set"], set.set(), "{listed}");
+    assert_eq!(listed[0]["base_version"], 1, "{listed}");
+
+    // The agent applied it (stood in for) and sent a window of both decisions: 10.0.0.77 is
+    // allowed now and pending-blocked (the narrowing), 10.0.0.5 allowed by both.
+    installs::record(&mut pool.acquire().await.unwrap(), db, policy.version(), Mode::Enforcement, None, None)
+        .await
+        .unwrap();
+    let acked: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT now()").fetch_one(&pool).await.unwrap();
+    let start = acked.timestamp_millis() - 500;
+    let clients = policy.rules().next().unwrap().id().clone();
+    let record = |src: &str, pending: Decision| FlowRecord {
+        src: src.parse().unwrap(),
+        dst: "10.0.0.1".parse().unwrap(),
+        dst_port: 5432,
+        protocol: Protocol::Tcp,
+        decision: Decision::Allowed,
+        matched_rule: Some(clients.clone()),
+        packets: 3,
+        bytes: 180,
+        new_connections: 1,
+        first_seen_ms: start + 10,
+        last_seen_ms: start + 20,
+        pending: Some(Pending {
+            decision: pending,
+            rule: (pending == Decision::Allowed).then(|| clients.clone()),
+        }),
+    };
+    let window = |set: &str, start_ms: i64, records: Vec<FlowRecord>| FlowWindow {
+        id: uuid::Uuid::new_v4(),
+        start_ms,
+        end_ms: start_ms + 1_000,
+        policy_version: policy.version(),
+        mode: Mode::Enforcement,
+        records,
+        gaps: vec![],
+        staged_set: Some(set.to_owned()),
+    };
+    // A window naming a set its version never carried is refused.
+    let err = flows::ingest(&pool, db, &window("db:999", start, vec![])).await.unwrap_err();
+    assert!(err.to_string().contains("staged set \"db:999\""), "{err}");
+    let records = vec![record("10.0.0.5", Decision::Allowed), record("10.0.0.77", Decision::Blocked)];
+    flows::ingest(&pool, db, &window(set.set(), start, records)).await.unwrap();
+    let stored: (Option<String>, i64) = sqlx::query_as(
+        "SELECT (SELECT staged_set FROM flow_windows WHERE workload_id = $1),
+                (SELECT count(*) FROM flow_records WHERE workload_id = $1 AND pending_decision IS NOT NULL)",
+    )
+    .bind(db.uuid())
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(stored, (Some(set.set().to_owned()), 2));
+
+    // Promoting: a promoter's; count-pinned; UNSAFE names the flow the staged rules would block.
+    let path = "/api/v1/staged-rulesets/db/promote";
+    let before = (written(&pool).await, latest().await.version());
+    let ask = |count: usize, reason: Option<&str>| json!({"expect_count": count, "min_evidence": "0s", "override_reason": reason});
+    write("POST", path, &editor.token, &ask(1, None)).await.problem(403, ProblemType::Forbidden);
+    let doc = write("POST", path, &promoter.token, &ask(2, None))
+        .await
+        .problem(409, ProblemType::MatchCountMismatch);
+    assert_eq!(doc["names"][0].as_str().unwrap(), format!("db-1 ({db})"), "{doc}");
+    let doc = write("POST", path, &promoter.token, &ask(1, None))
+        .await
+        .problem(409, ProblemType::EvidenceInsufficient);
+    assert_eq!(doc["outcome"], "UNSAFE", "{doc}");
+    assert!(doc["reasons"].as_str().unwrap().contains("10.0.0.77"), "{doc}");
+    assert!(!doc["reasons"].as_str().unwrap().contains("10.0.0.5 "), "{doc}");
+    assert_eq!((written(&pool).await, latest().await.version()), before, "nothing was changed");
+
+    // With an override it is the ruleset: enforced, no staged set left, recorded and audited.
+    let reply = write("POST", path, &promoter.token, &ask(1, Some("the narrowing is intended"))).await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    let done = reply.json();
+    assert_eq!(
+        (done["result"]["version"].as_i64(), done["result"]["stage"].as_i64()),
+        (Some(2), Some(stage))
+    );
+    assert_eq!(done["result"]["verdict"]["outcome"], "UNSAFE", "{done}");
+    assert_eq!(done["changed"][0]["workload"], db.to_string(), "{done}");
+    let promoted = latest().await;
+    assert_eq!(promoted.staged(), None);
+    assert!(promoted.rules().eq(policy.pending().unwrap().rules()), "the staged rules are the rules");
+    assert_eq!(plane.get("/api/v1/staged-rulesets", Some(&viewer.token)).await.json(), json!([]));
+    let (records, audited): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM staged_promotions WHERE ruleset = 'db' AND override_reason IS NOT NULL),
+                (SELECT count(*) FROM audit_log WHERE action = 'ruleset.promote-staged')",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!((records, audited), (1, 1));
+    write("POST", path, &promoter.token, &ask(1, None)).await.problem(404, ProblemType::NotFound);
+
+    // Staged again, then again (a new stage), then unstaged: the set leaves the policy.
+    let widen = ruleset("10.0.0.0/24", true);
+    let first =
+        write("POST", "/api/v1/staged-rulesets", &editor.token, &widen).await.json()["result"].as_i64();
+    let second =
+        write("POST", "/api/v1/staged-rulesets", &editor.token, &widen).await.json()["result"].as_i64();
+    assert!(second > first, "{first:?} then {second:?}");
+    assert_eq!(latest().await.staged().map(|s| s.set().to_owned()), Some(format!("db:{}", second.unwrap())));
+    let reply = plane.write("DELETE", "/api/v1/staged-rulesets/db", &editor.token, None, &json!(null)).await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert_eq!(latest().await.staged(), None);
+    assert!(latest().await.rules().eq(promoted.rules()));
+    plane
+        .write("DELETE", "/api/v1/staged-rulesets/db", &editor.token, None, &json!(null))
+        .await
+        .problem(404, ProblemType::NotFound);
+    plane.stop().await;
+}
+
 #[tokio::test]
 async fn rollback_and_unpin_over_the_api() {
     let plane = Plane::start(ApiLimits::default()).await;
@@ -1323,6 +1508,11 @@ const EXPECTED_ROUTES: &[(&str, &str, Option<&str>)] = &[
     ("DELETE", "/api/v1/rulesets/{name}", Some("editor")),
     ("GET", "/api/v1/rulesets/{name}", Some("viewer")),
     ("PUT", "/api/v1/rulesets/{name}", Some("editor")),
+    ("GET", "/api/v1/staged-rulesets", Some("viewer")),
+    ("POST", "/api/v1/staged-rulesets", Some("editor")),
+    ("DELETE", "/api/v1/staged-rulesets/{name}", Some("editor")),
+    ("GET", "/api/v1/staged-rulesets/{name}", Some("viewer")),
+    ("POST", "/api/v1/staged-rulesets/{name}/promote", Some("promoter")),
     ("GET", "/api/v1/policy-test-sets", Some("viewer")),
     ("POST", "/api/v1/policy-test-sets", Some("editor")),
     ("DELETE", "/api/v1/policy-test-sets/{name}", Some("editor")),
@@ -2094,6 +2284,12 @@ async fn parameters_never_panic() {
             }
             ("PUT", "/api/v1/rulesets/{name}") => {
                 json!({"name": "rs", "description": "", "scope": {"app": ["web"]}, "rules": []})
+            }
+            ("POST", "/api/v1/staged-rulesets") => {
+                json!({"name": "rs", "description": "", "scope": {"app": ["db"]}, "rules": []})
+            }
+            ("POST", "/api/v1/staged-rulesets/{name}/promote") => {
+                json!({"expect_count": 1, "override_reason": "r"})
             }
             ("POST", "/api/v1/policy-test-sets") => json!({"name": "ts2", "description": "", "tests": []}),
             ("POST", "/api/v1/drafts") => json!({"name": "d2", "note": ""}),

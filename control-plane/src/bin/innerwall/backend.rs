@@ -29,6 +29,7 @@ use innerwall_control_plane::policy::store::{
 use innerwall_control_plane::safety::confirm;
 use innerwall_control_plane::safety::management::{self, ManagementListing, Scope as ManagementScope};
 use innerwall_control_plane::safety::rollback::{self, RolledBack, Target};
+use innerwall_control_plane::safety::staged::{self, PromoteStaged, StagedPromotion, StagedView};
 use innerwall_control_plane::suggest::{self, Accepted, Suggestions};
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::labels::{Label, LabelKey};
@@ -50,6 +51,7 @@ fn workload(id: WorkloadId) -> String {
 }
 
 const RULESETS: &str = "/api/v1/rulesets";
+const STAGED: &str = "/api/v1/staged-rulesets";
 const TEST_SETS: &str = "/api/v1/policy-test-sets";
 const ESTATE_RANGES: &str = "/api/v1/estate-ranges";
 const MANAGEMENT: &str = "/api/v1/management";
@@ -86,6 +88,11 @@ pub trait Backend {
     async fn delete_ruleset(&self, name: &str, expected: i64) -> anyhow::Result<Outcome<()>>;
     async fn rulesets(&self) -> anyhow::Result<Vec<RulesetView>>;
     async fn ruleset(&self, name: &str) -> anyhow::Result<RulesetView>;
+    /// Stages a ruleset (FLOW-10); its stage number.
+    async fn stage_ruleset(&self, spec: &RulesetSpec) -> anyhow::Result<Outcome<i64>>;
+    async fn unstage_ruleset(&self, name: &str) -> anyhow::Result<Outcome<()>>;
+    async fn staged_rulesets(&self) -> anyhow::Result<Vec<StagedView>>;
+    async fn promote_staged(&self, request: &PromoteStaged) -> anyhow::Result<Outcome<StagedPromotion>>;
 
     /// Every workload rendered now, audited.
     async fn render(&self) -> anyhow::Result<Outcome<()>>;
@@ -232,6 +239,18 @@ impl Backend for Ctx {
     }
     async fn ruleset(&self, name: &str) -> anyhow::Result<RulesetView> {
         Ok(store::ruleset_view(&mut *self.pool.acquire().await?, name).await?)
+    }
+    async fn stage_ruleset(&self, spec: &RulesetSpec) -> anyhow::Result<Outcome<i64>> {
+        Ok(staged::stage(&self.pool, &self.actor, spec).await?.into())
+    }
+    async fn unstage_ruleset(&self, name: &str) -> anyhow::Result<Outcome<()>> {
+        Ok(staged::unstage(&self.pool, &self.actor, name).await?.into())
+    }
+    async fn staged_rulesets(&self) -> anyhow::Result<Vec<StagedView>> {
+        Ok(staged::list(&self.pool).await?)
+    }
+    async fn promote_staged(&self, request: &PromoteStaged) -> anyhow::Result<Outcome<StagedPromotion>> {
+        Ok(staged::promote_staged(&self.pool, &self.actor, request).await?.into())
     }
 
     async fn render(&self) -> anyhow::Result<Outcome<()>> {
@@ -501,6 +520,23 @@ impl Backend for ApiClient {
     }
     async fn ruleset(&self, name: &str) -> anyhow::Result<RulesetView> {
         ruleset_view(self.get(&format!("{RULESETS}/{}", segment(name))).await?)
+    }
+    async fn stage_ruleset(&self, spec: &RulesetSpec) -> anyhow::Result<Outcome<i64>> {
+        self.write("POST", STAGED, None, Some(&serde_json::to_value(spec)?)).await
+    }
+    async fn unstage_ruleset(&self, name: &str) -> anyhow::Result<Outcome<()>> {
+        self.write("DELETE", &format!("{STAGED}/{}", segment(name)), None, None).await
+    }
+    async fn staged_rulesets(&self) -> anyhow::Result<Vec<StagedView>> {
+        self.get(STAGED).await
+    }
+    async fn promote_staged(&self, request: &PromoteStaged) -> anyhow::Result<Outcome<StagedPromotion>> {
+        let body = serde_json::json!({
+            "expect_count": request.expect_count,
+            "min_evidence": humantime::format_duration(request.min_evidence).to_string(),
+            "override_reason": request.override_reason,
+        });
+        self.write("POST", &format!("{STAGED}/{}/promote", segment(&request.name)), None, Some(&body)).await
     }
 
     async fn render(&self) -> anyhow::Result<Outcome<()>> {

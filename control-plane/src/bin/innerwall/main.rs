@@ -187,7 +187,7 @@ enum Command {
         mut_subcommand("update", |c| c.about("Replace the ruleset named in the file; rules keep their identity by name")),
         mut_subcommand("show", |c| c.about("Print in the file format (YAML; `--json` for JSON)")),
     )]
-    Ruleset(policy::ObjectCmd<policy::RulesetFile>),
+    Ruleset(policy::RulesetCmd),
     /// Policy tests: named assertions every operator change must pass (`test-set`, `test`).
     #[command(
         subcommand,

@@ -19,6 +19,7 @@ use innerwall_control_plane::policy::spec::{
     self, AddressGroupSpec, MAX_RULESET_FILE, RulesetSpec, ServiceSpec,
 };
 use innerwall_control_plane::policy::store::{self, AddressGroupView, ServiceView};
+use innerwall_control_plane::safety::staged::{PromoteStaged, StagedView};
 use innerwall_wire::policy::Cidr;
 use sqlx::{PgConnection, PgPool};
 
@@ -205,7 +206,79 @@ fn read_ruleset_file(path: &Path) -> anyhow::Result<RulesetSpec> {
     Ok(spec::parse_ruleset_file(&origin, &text)?)
 }
 
-pub async fn ruleset(b: &impl Backend, json: bool, cmd: &ObjectCmd<RulesetFile>) -> anyhow::Result<()> {
+/// `innerwall ruleset …`: the named, versioned object, and staging (FLOW-10).
+#[derive(Debug, Subcommand)]
+pub enum RulesetCmd {
+    #[command(flatten)]
+    Object(ObjectCmd<RulesetFile>),
+    /// Stage a ruleset file (a new version of a ruleset, or a new one): every workload it
+    /// touches evaluates it beside the rules in force and records what it would decide, and
+    /// nothing is enforced by it until `promote-staged`. Staging a name again replaces it.
+    Stage(RulesetFile),
+    /// Drop a staged ruleset: its staged sets leave every policy.
+    Unstage { name: String },
+    /// The staged rulesets, with the workloads promoting each would change (one, by name, in
+    /// full).
+    Staged { name: Option<String> },
+    /// Make a staged ruleset the ruleset, if it changes the rules in force of exactly as many
+    /// workloads as you expect and no flow allowed now was pending-blocked, with no evidence
+    /// gap, since each acknowledged its staged set (or --override says why).
+    PromoteStaged {
+        name: String,
+        /// How many workloads' rules in force it must change; any other number changes nothing.
+        #[arg(long)]
+        expect_count: usize,
+        /// Less evidence than this since a workload acknowledged its staged set is never enough.
+        #[arg(long, default_value = "24h", value_parser = crate::duration::arg)]
+        min_evidence: std::time::Duration,
+        /// Promote without a SAFE verdict, for this reason (kept on the record).
+        #[arg(long = "override")]
+        override_reason: Option<String>,
+    },
+}
+
+pub async fn ruleset(b: &impl Backend, json: bool, cmd: &RulesetCmd) -> anyhow::Result<()> {
+    let cmd = match cmd {
+        RulesetCmd::Object(cmd) => cmd,
+        RulesetCmd::Stage(RulesetFile { file }) => {
+            let spec = read_ruleset_file(file)?;
+            let done = b.stage_ruleset(&spec).await?;
+            let what =
+                format!("ruleset {} staged (stage {}): nothing is enforced by it", spec.name, done.result);
+            report(json, &what, &done);
+            return Ok(());
+        }
+        RulesetCmd::Unstage { name } => {
+            let done = b.unstage_ruleset(name).await?;
+            report(json, &format!("ruleset {name} unstaged"), &done);
+            return Ok(());
+        }
+        RulesetCmd::Staged { name } => {
+            return print_staged(json, name.as_deref(), b.staged_rulesets().await?);
+        }
+        RulesetCmd::PromoteStaged { name, expect_count, min_evidence, override_reason } => {
+            let request = PromoteStaged {
+                name: name.clone(),
+                expect_count: *expect_count,
+                min_evidence: *min_evidence,
+                override_reason: override_reason.clone(),
+            };
+            let done = b.promote_staged(&request).await?;
+            let p = &done.result;
+            let outcome = p.verdict["outcome"].as_str().unwrap_or("?");
+            let mut what = format!(
+                "ruleset {name} promoted from stage {} (ruleset version {}): {} workload(s), verdict {outcome}",
+                p.stage,
+                p.version,
+                p.workloads.len()
+            );
+            if let Some(reason) = &p.override_reason {
+                what.push_str(&format!(", overridden: {reason}"));
+            }
+            report(json, &what, &done);
+            return Ok(());
+        }
+    };
     match cmd {
         ObjectCmd::Create(RulesetFile { file }) => {
             let spec = read_ruleset_file(file)?;
@@ -226,6 +299,66 @@ pub async fn ruleset(b: &impl Backend, json: bool, cmd: &ObjectCmd<RulesetFile>)
         ObjectCmd::List => print_rulesets(json, cmd, b.rulesets().await?)?,
         ObjectCmd::Show { name } => print_rulesets(json, cmd, vec![b.ruleset(name).await?])?,
     }
+    Ok(())
+}
+
+/// `ruleset staged` (a table) and `ruleset staged NAME` (its workloads and the file).
+fn print_staged(json: bool, name: Option<&str>, all: Vec<StagedView>) -> anyhow::Result<()> {
+    let Some(name) = name else {
+        if json {
+            return print_json(&all);
+        }
+        let rows = all
+            .into_iter()
+            .map(|v| {
+                let sets: std::collections::BTreeSet<&str> =
+                    v.workloads.iter().filter_map(|w| w.staged_set.as_deref()).collect();
+                let applied = v
+                    .workloads
+                    .iter()
+                    .filter(|w| w.latest_version.is_some_and(|l| l == w.applied_version))
+                    .count();
+                vec![
+                    v.name.clone(),
+                    v.stage.to_string(),
+                    v.base_version.map_or_else(|| "new".into(), |b| b.to_string()),
+                    v.problem.clone().unwrap_or_else(|| format!("{} ({applied} applied)", v.workloads.len())),
+                    sets.into_iter().collect::<Vec<_>>().join(" "),
+                    format!("{} {}", v.staged_by, v.staged_at.format("%F %T")),
+                ]
+            })
+            .collect();
+        print_table(&["name", "stage", "base version", "workloads", "staged sets", "staged"], rows);
+        return Ok(());
+    };
+    let Some(view) = all.into_iter().find(|v| v.name == name) else {
+        bail!("no staged ruleset {name:?}");
+    };
+    if json {
+        return print_json(&view);
+    }
+    println!(
+        "# stage {} of ruleset {} (base version {}), staged by {} at {}",
+        view.stage,
+        view.name,
+        view.base_version.map_or_else(|| "none: new".into(), |b| b.to_string()),
+        view.staged_by,
+        view.staged_at.format("%F %T")
+    );
+    if let Some(problem) = &view.problem {
+        println!("# left out of every render: {problem}");
+    }
+    for w in &view.workloads {
+        println!(
+            "# changes {} ({}): staged set {}, latest v{}, applied v{}",
+            w.hostname,
+            w.id,
+            w.staged_set.as_deref().unwrap_or("none"),
+            w.latest_version.unwrap_or(0),
+            w.applied_version
+        );
+    }
+    print!("{}", serde_norway::to_string(&view.spec)?);
     Ok(())
 }
 
