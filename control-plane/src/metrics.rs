@@ -205,6 +205,8 @@ pub struct WorkloadCounts {
     pub by_state: [i64; SyncState::ALL.len()],
     /// In `Mode::ALL` order.
     pub by_mode: [i64; Mode::ALL.len()],
+    /// Rulesets staged beside the rules in force (FLOW-10), awaiting promotion.
+    pub staged_rulesets: i64,
 }
 
 impl WorkloadCounts {
@@ -257,6 +259,14 @@ impl Collector for Fleet {
         for (mode, n) in Mode::ALL.iter().zip(counts.by_mode) {
             ConstGauge::new(n).encode(family.encode_family(&[("mode", mode.name())])?)?;
         }
+        let family = encoder.encode_descriptor(
+            "staged_rulesets",
+            "Rulesets staged beside the rules in force and not promoted or unstaged yet, read from the \
+             database at scrape time",
+            None,
+            MetricType::Gauge,
+        )?;
+        ConstGauge::new(counts.staged_rulesets).encode(family)?;
         Ok(())
     }
 }
@@ -501,20 +511,25 @@ impl Metrics {
     /// encodes everything.
     pub async fn scrape(&self, pool: &PgPool) -> String {
         let _one_at_a_time = self.scrape.lock().await;
-        let rows = tokio::time::timeout(
-            FLEET_QUERY_TIMEOUT,
+        let read = async {
             // The state as shown (`shown`), so a fleet with no replica left to sweep
             // counts its silent workloads OFFLINE.
-            sqlx::query_as::<_, (i16, i16, i64)>(sqlx::AssertSqlSafe(format!(
+            let rows = sqlx::query_as::<_, (i16, i16, i64)>(sqlx::AssertSqlSafe(format!(
                 "SELECT {}, w.mode, count(*) FROM workloads w
                  WHERE w.retired_at IS NULL AND w.denied_at IS NULL GROUP BY 1, 2",
                 crate::shown::STATE
             )))
-            .fetch_all(pool),
-        )
-        .await;
-        let counts = match rows {
-            Ok(Ok(rows)) => Some(WorkloadCounts::from_rows(&rows)),
+            .fetch_all(pool)
+            .await?;
+            let staged: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM staged_rulesets").fetch_one(pool).await?;
+            Ok::<_, sqlx::Error>(WorkloadCounts {
+                staged_rulesets: staged,
+                ..WorkloadCounts::from_rows(&rows)
+            })
+        };
+        let counts = match tokio::time::timeout(FLEET_QUERY_TIMEOUT, read).await {
+            Ok(Ok(counts)) => Some(counts),
             Ok(Err(e)) => {
                 tracing::warn!("metrics: could not count the fleet's workloads: {e}");
                 None
@@ -751,12 +766,13 @@ mod tests {
             WorkloadCounts::from_rows(&[(synced, vis, 2), (synced, enf, 3), (offline, enf, 1), (99, vis, 8)]);
         assert_eq!(
             counts,
-            WorkloadCounts { by_state: [0, 5, 0, 1, 0], by_mode: [2, 0, 4] },
+            WorkloadCounts { by_state: [0, 5, 0, 1, 0], by_mode: [2, 0, 4], staged_rulesets: 0 },
             "code 99 is no state"
         );
         let m = Metrics::new();
-        *m.fleet.0.lock().unwrap() = Some(counts);
+        *m.fleet.0.lock().unwrap() = Some(WorkloadCounts { staged_rulesets: 2, ..counts });
         let text = m.encode();
+        assert_eq!(family(&text, "innerwall_staged_rulesets")[2..], ["innerwall_staged_rulesets 2"]);
         assert_eq!(
             family(&text, "innerwall_workloads_by_sync_state")[2..],
             [

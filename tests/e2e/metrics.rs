@@ -139,6 +139,7 @@ async fn metrics_reflect_the_fleet() {
     assert_eq!(sample(&after, "innerwall_workloads_by_sync_state{state=\"SYNCED\"}"), Some(2.0), "{after}");
     assert_eq!(sample(&after, "innerwall_workloads_by_sync_state{state=\"OFFLINE\"}"), Some(0.0), "{after}");
     assert_eq!(sample(&after, "innerwall_workloads_by_mode{mode=\"visibility\"}"), Some(2.0), "{after}");
+    assert_eq!(sample(&after, "innerwall_staged_rulesets"), Some(0.0), "{after}");
     // Renders are counted per process and other tests render in this one too: at least ours.
     assert!(
         counter(&after, "innerwall_render_duration_seconds_count") > renders,

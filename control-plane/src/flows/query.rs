@@ -32,6 +32,14 @@ pub struct FlowRow {
     pub packets: i64,
     pub bytes: i64,
     pub new_connections: i64,
+    /// Under a staged set (FLOW-10): the set its window was decided under, what the pending
+    /// rules decided, and the pending rule that allowed it ('' when none did).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub staged_set: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending_decision: Option<i16>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending_rule_id: Option<String>,
 }
 
 /// Which records [`list`] reads: one workload's since `since`, optionally of one decision and one
@@ -59,8 +67,12 @@ pub async fn list(
     let mut q = QueryBuilder::<Postgres>::new(
         "SELECT window_start, window_id, ordinal, policy_version, host(src_address) AS src_address,
                 host(dst_address) AS dst_address, peer_kind, peer_key, peer_labels, dst_port, protocol, decision,
-                matched_rule_id, packets, bytes, new_connections
-         FROM flow_records WHERE workload_id = ",
+                matched_rule_id, packets, bytes, new_connections, pending_decision, pending_rule_id,
+                CASE WHEN pending_decision IS NOT NULL THEN
+                    (SELECT w.staged_set FROM flow_windows w WHERE w.workload_id = r.workload_id
+                       AND w.window_id = r.window_id AND w.window_start = r.window_start)
+                END AS staged_set
+         FROM flow_records r WHERE workload_id = ",
     );
     q.push_bind(filter.workload.uuid()).push(" AND window_start >= ").push_bind(filter.since);
     if let Some(decision) = filter.decision {

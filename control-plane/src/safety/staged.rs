@@ -250,7 +250,8 @@ async fn acknowledged(
 
 /// `ruleset.promote-staged`: the staged ruleset becomes the ruleset, if it changes the rules in
 /// force of exactly `expect_count` workloads and the evidence since each acknowledged its
-/// staged set is SAFE (or an override says why not), in one commit.
+/// staged set is SAFE (or an override says why not; with no workload changed there is nothing
+/// to judge), in one commit.
 pub async fn promote_staged(
     pool: &PgPool,
     actor: &str,
@@ -287,7 +288,9 @@ pub async fn promote_staged(
         params.from_ms = acked.values().copied().min().unwrap_or(now).min(now);
         let facts = evidence::staged_facts(c, &members, &sets, &params).await?;
         let judged = verdict::judge_staged(&params, &acked, &facts);
-        if judged.outcome != Outcome::Safe && request.override_reason.is_none() {
+        // Changing no workload's rules in force (it selects none yet), it enforces nothing now:
+        // there is nothing to judge, and nothing to refuse.
+        if judged.outcome != Outcome::Safe && !members.is_empty() && request.override_reason.is_none() {
             return Err(Error::EvidenceInsufficient { outcome: judged.outcome.name(), reasons: judged.summary() });
         }
         let version = match stored.base_version {

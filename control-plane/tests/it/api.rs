@@ -1184,6 +1184,7 @@ async fn promotion_confirm_over_the_api() {
 async fn staged_rulesets_over_the_api() {
     use innerwall_control_plane::flows::{self, installs};
     use innerwall_control_plane::policy::store;
+    use innerwall_wire::convert::WireEnum as _;
     use innerwall_wire::flows::{Decision, FlowRecord, FlowWindow, Pending};
     use innerwall_wire::policy::{Mode, Protocol};
 
@@ -1299,6 +1300,16 @@ async fn staged_rulesets_over_the_api() {
     .await
     .unwrap();
     assert_eq!(stored, (Some(set.set().to_owned()), 2));
+    // Operators read both decisions, with the set they were made under.
+    let listed = plane.get(&format!("/api/v1/flows?workload={db}"), Some(&viewer.token)).await.json();
+    let narrowed: Vec<&Value> =
+        listed["rows"].as_array().unwrap().iter().filter(|r| r["src_address"] == "10.0.0.77").collect();
+    assert_eq!(narrowed.len(), 1, "{listed}");
+    assert_eq!(
+        (&narrowed[0]["staged_set"], &narrowed[0]["pending_decision"], &narrowed[0]["pending_rule_id"]),
+        (&json!(set.set()), &json!(Decision::Blocked.code()), &json!("")),
+        "{listed}"
+    );
 
     // Promoting: a promoter's; count-pinned; UNSAFE names the flow the staged rules would block.
     let path = "/api/v1/staged-rulesets/db/promote";
@@ -1357,6 +1368,19 @@ async fn staged_rulesets_over_the_api() {
         .write("DELETE", "/api/v1/staged-rulesets/db", &editor.token, None, &json!(null))
         .await
         .problem(404, ProblemType::NotFound);
+
+    // A new ruleset that selects no workload yet changes no rule in force: promoting it needs no
+    // evidence (there is none to judge), only the count.
+    let future = json!({"name": "future", "scope": {"app": ["none"]},
+                        "rules": [{"name": "clients", "peers": [{"cidr": "10.1.0.0/16"}], "services": ["pg"]}]});
+    assert_eq!(write("POST", "/api/v1/staged-rulesets", &editor.token, &future).await.status, 201);
+    let listed = plane.get("/api/v1/staged-rulesets/future", Some(&viewer.token)).await.json();
+    assert_eq!((&listed["base_version"], &listed["workloads"]), (&Value::Null, &json!([])), "{listed}");
+    let reply = write("POST", "/api/v1/staged-rulesets/future/promote", &promoter.token, &ask(0, None)).await;
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert_eq!(reply.json()["result"]["version"], 1);
+    let created = plane.get("/api/v1/rulesets/future", Some(&viewer.token)).await.json();
+    assert_eq!(created["rules"][0]["name"], "clients", "{created}");
     plane.stop().await;
 }
 

@@ -140,6 +140,19 @@ fn print_rows_json<T: serde::Serialize>(page: &Page<T>, command: &str) -> anyhow
     print_json(&page.rows)
 }
 
+/// What a record's staged set decided (FLOW-10): `BLOCKED (set)`, `ALLOWED by rule (set)`, or
+/// nothing outside a staged set.
+fn pending(r: &FlowRow) -> String {
+    let Some(decision) = r.pending_decision else {
+        return String::new();
+    };
+    let set = r.staged_set.as_deref().unwrap_or("?");
+    match r.pending_rule_id.as_deref().filter(|rule| !rule.is_empty()) {
+        Some(rule) => format!("{} by {rule} ({set})", stored::<Decision>(decision)),
+        None => format!("{} ({set})", stored::<Decision>(decision)),
+    }
+}
+
 /// `flows list`'s page, from either source.
 fn print_records(json: bool, page: &Page<FlowRow>) -> anyhow::Result<()> {
     const COMMAND: &str = "innerwall flows list";
@@ -158,6 +171,7 @@ fn print_records(json: bool, page: &Page<FlowRow>) -> anyhow::Result<()> {
                 format!("{}/{}", stored::<Protocol>(r.protocol), r.dst_port),
                 stored::<Decision>(r.decision),
                 r.matched_rule_id.clone(),
+                pending(r),
                 r.new_connections.to_string(),
                 r.packets.to_string(),
                 r.bytes.to_string(),
@@ -165,7 +179,10 @@ fn print_records(json: bool, page: &Page<FlowRow>) -> anyhow::Result<()> {
         })
         .collect();
     print_table(
-        &["window", "policy", "source", "peer", "service", "decision", "rule", "conns", "packets", "bytes"],
+        &[
+            "window", "policy", "source", "peer", "service", "decision", "rule", "pending", "conns",
+            "packets", "bytes",
+        ],
         rows,
     );
     print_more(page, COMMAND);
