@@ -13,7 +13,9 @@
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
+use innerwall_wire::convert::WireEnum;
 use innerwall_wire::identity::WorkloadId;
+use innerwall_wire::policy::Mode;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use sqlx::{PgConnection, PgPool};
@@ -21,7 +23,7 @@ use uuid::Uuid;
 
 use crate::error::Error;
 use crate::foresight::commit;
-use crate::gate::evidence::{self, Member, Scope};
+use crate::gate::evidence::{self, Member};
 use crate::gate::promote::check_text;
 use crate::gate::verdict::{self, Outcome, Params};
 use crate::policy::authoring::{self, Committed};
@@ -160,7 +162,7 @@ pub async fn list(pool: &PgPool) -> Result<Vec<StagedView>, Error> {
             Err(e) => (Some(e.to_string()), Vec::new()),
             Ok(_) => {
                 let ids = changed_by(&model, &registry, &s.spec.name)?;
-                (None, standing(&mut tx, &ids).await?)
+                (None, standing(&mut tx, &ids).await?.into_iter().map(|(_, w)| w).collect())
             }
         };
         views.push(StagedView {
@@ -203,25 +205,40 @@ pub fn changed_by(
         .collect())
 }
 
-/// Each of `ids` with its latest version's staged set and its applied version.
-async fn standing(conn: &mut PgConnection, ids: &[WorkloadId]) -> Result<Vec<StagedWorkload>, Error> {
-    let members = evidence::resolve(conn, &Scope::Ids(ids.to_vec())).await?;
-    let mut out = Vec::with_capacity(members.len());
-    for m in members {
-        let latest = store::persisted_policy(conn, m.id).await?.map(|(p, _)| p);
-        let applied: i64 = sqlx::query_scalar("SELECT applied_version FROM workloads WHERE id = $1")
-            .bind(m.id.uuid())
-            .fetch_one(&mut *conn)
-            .await?;
-        out.push(StagedWorkload {
-            id: m.id.to_string(),
-            hostname: m.hostname,
-            staged_set: latest.as_ref().and_then(|p| p.staged()).map(|s| s.set().to_owned()),
-            latest_version: latest.as_ref().map(|p| p.version()),
-            applied_version: applied.max(0) as u64,
-        });
-    }
-    Ok(out)
+/// Each of `ids` (live workloads, in id order) as a verdict's member, with its latest version's
+/// staged set and its applied version: one query, however many.
+async fn standing(
+    conn: &mut PgConnection,
+    ids: &[WorkloadId],
+) -> Result<Vec<(Member, StagedWorkload)>, Error> {
+    let uuids: Vec<Uuid> = ids.iter().map(WorkloadId::uuid).collect();
+    type Row = (Uuid, String, i16, i64, Option<i64>, Option<String>);
+    let rows: Vec<Row> = sqlx::query_as(
+        "SELECT w.id, w.hostname, w.mode, w.applied_version, p.version, h.staged_set
+         FROM workloads w
+         LEFT JOIN workload_policies p ON p.workload_id = w.id
+         LEFT JOIN workload_policy_history h ON h.workload_id = w.id AND h.version = p.version
+         WHERE w.id = ANY($1) AND w.retired_at IS NULL AND w.denied_at IS NULL ORDER BY w.id",
+    )
+    .bind(&uuids)
+    .fetch_all(&mut *conn)
+    .await?;
+    rows.into_iter()
+        .map(|(id, hostname, mode, applied, latest, staged_set)| {
+            let corrupt = |what, detail: String| Error::Corrupt { what, detail };
+            let id = WorkloadId::from_uuid(id).ok_or_else(|| corrupt("workload id", id.to_string()))?;
+            let mode = Mode::from_code(mode).map_err(|_| corrupt("workload mode", mode.to_string()))?;
+            let member = Member { id, hostname: hostname.clone(), mode: mode.name() };
+            let workload = StagedWorkload {
+                id: id.to_string(),
+                hostname,
+                staged_set,
+                latest_version: latest.map(|v| v.max(0) as u64),
+                applied_version: applied.max(0) as u64,
+            };
+            Ok((member, workload))
+        })
+        .collect()
 }
 
 /// When each workload first acknowledged a version carrying its staged set (`sets`, in `ids`'
@@ -269,7 +286,8 @@ pub async fn promote_staged(
         staged::resolve(&stored.spec, &model)?;
         let registry = publish::registry_as_rendered(c).await?;
         let ids = changed_by(&model, &registry, name)?;
-        let members = evidence::resolve(c, &Scope::Ids(ids.clone())).await?;
+        let (members, standing): (Vec<Member>, Vec<StagedWorkload>) =
+            standing(c, &ids).await?.into_iter().unzip();
         if members.len() != request.expect_count {
             return Err(Error::CountMismatch {
                 expected: request.expect_count,
@@ -279,9 +297,8 @@ pub async fn promote_staged(
         }
         // The evidence: each workload's flows since it acknowledged the staged set its latest
         // version carries.
-        let standing = standing(c, &ids).await?;
         let sets: Vec<String> = standing.iter().map(|w| w.staged_set.clone().unwrap_or_default()).collect();
-        let uuids: Vec<Uuid> = ids.iter().map(WorkloadId::uuid).collect();
+        let uuids: Vec<Uuid> = members.iter().map(|m| m.id.uuid()).collect();
         let acked = acknowledged(c, &uuids, &sets).await?;
         let now = Utc::now().timestamp_millis();
         let mut params = Params::ending_at(now, std::time::Duration::ZERO, request.min_evidence)?;
