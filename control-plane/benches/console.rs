@@ -94,6 +94,13 @@ fn figure(id: &str, name: &str, value: f64, unit: &str, bound: f64, workloads: i
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    let result = run().await;
+    // The private Postgres this process started goes with it, directory and all.
+    innerwall_control_plane::testing::release().await?;
+    result
+}
+
+async fn run() -> anyhow::Result<()> {
     let quick = std::env::var_os("INNERWALL_BENCH_QUICK").is_some();
     let (workloads, records, runs) = if quick { (1_000, 100_000, 5) } else { (10_000, 10_000_000, 20) };
     let windows = (records / RECORDS_PER_WINDOW).max(workloads);

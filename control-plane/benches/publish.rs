@@ -72,6 +72,13 @@ fn median(mut samples: Vec<Duration>) -> f64 {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    let result = run().await;
+    // The private Postgres this process started goes with it, directory and all.
+    innerwall_control_plane::testing::release().await?;
+    result
+}
+
+async fn run() -> anyhow::Result<()> {
     let quick = std::env::var_os("INNERWALL_BENCH_QUICK").is_some();
     let (workloads, sets) = if quick { (1_000, 100) } else { (10_000, 1_000) };
     println!(

@@ -88,11 +88,14 @@ fn main() -> anyhow::Result<()> {
     raise_file_limit()?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async {
-        match cli.scenario {
+        let result = match cli.scenario {
             Scenario::Propagation { knobs, changes } => propagation(&knobs, changes).await,
             Scenario::Storm { knobs } => storm(&knobs).await,
             Scenario::Density { knobs, settle } => density(&knobs, settle).await,
-        }
+        };
+        // The private Postgres this process started goes with it, directory and all.
+        innerwall_control_plane::testing::release().await?;
+        result
     })
 }
 

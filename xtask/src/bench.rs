@@ -190,6 +190,7 @@ pub fn run(root: &Path, names: &[String], quick: bool) -> Result<()> {
     let mut figures = Vec::new();
     for bench in &chosen {
         println!("\n=== {} ({}){}", bench.name, bench.what, if quick { ", quick" } else { "" });
+        let clusters_before = test_clusters();
         let mut command = match &bench.run {
             Run::Cargo { package, target, quick: vars } => {
                 let mut c = cmd::root_cargo(root);
@@ -210,6 +211,16 @@ pub fn run(root: &Path, names: &[String], quick: bool) -> Result<()> {
         };
         command.env(OBJECT_ENV, &object);
         let found = run_collecting(&mut command)?;
+        let left: Vec<String> =
+            test_clusters().difference(&clusters_before).map(|p| p.display().to_string()).collect();
+        if !left.is_empty() {
+            bail!(
+                "benchmark {} left its test cluster behind ({}): every benchmark process removes what it \
+                 started (`testing::release`)",
+                bench.name,
+                left.join(", ")
+            );
+        }
         if found.is_empty() {
             bail!("benchmark {} printed no FIGURE line", bench.name);
         }
@@ -265,6 +276,20 @@ pub fn run(root: &Path, names: &[String], quick: bool) -> Result<()> {
         println!("{missed} goal(s) missed");
     }
     Ok(())
+}
+
+/// The private test servers' directories under the temp directory (`innerwall-pgtest-*`,
+/// `postgres::TestCluster`): what a benchmark must not leave behind.
+fn test_clusters() -> std::collections::BTreeSet<PathBuf> {
+    std::fs::read_dir(std::env::temp_dir())
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|entry| entry.path())
+        .filter(|p| {
+            p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("innerwall-pgtest-"))
+        })
+        .collect()
 }
 
 /// Runs `command` with its output passed through, and returns the figures it printed.

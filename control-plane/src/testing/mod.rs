@@ -46,8 +46,8 @@ struct Server {
     admin_url: String,
     template: String,
     external: bool,
-    /// Keeps the private server's handle for the life of the process.
-    _cluster: Option<postgres::TestCluster>,
+    /// The private server's handle, kept for the life of the process or until [`release`].
+    cluster: std::sync::Mutex<Option<postgres::TestCluster>>,
 }
 
 /// A failed start is kept as its message so every test fails with the cause, not only the first.
@@ -80,6 +80,20 @@ pub async fn fresh_database() -> anyhow::Result<TestDatabase> {
     Ok(TestDatabase { pool, url, name, drop_via: server.external.then(|| server.admin_url.clone()) })
 }
 
+/// Stops the private server this process started, if it did, and removes its directory. A
+/// process-wide server is never dropped, so without this its directory stays until the next test
+/// process clears it; benchmarks, which must leave nothing behind, call it last. Databases on an
+/// external server go with their [`TestDatabase`]. A later [`fresh_database`] in this process
+/// fails.
+pub async fn release() -> anyhow::Result<()> {
+    let Some(Ok(server)) = SERVER.get() else { return Ok(()) };
+    let cluster = server.cluster.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+    match cluster {
+        Some(cluster) => cluster.remove().await.context("removing the private test server"),
+        None => Ok(()),
+    }
+}
+
 async fn start() -> anyhow::Result<Server> {
     let (admin_url, cluster) = match std::env::var(DATABASE_URL_ENV) {
         Ok(url) if !url.is_empty() => (url, None),
@@ -92,7 +106,7 @@ async fn start() -> anyhow::Result<Server> {
     };
     let template = template_name(&MIGRATOR);
     create_template(&admin_url, &template).await?;
-    Ok(Server { admin_url, template, external: cluster.is_none(), _cluster: cluster })
+    Ok(Server { admin_url, template, external: cluster.is_none(), cluster: std::sync::Mutex::new(cluster) })
 }
 
 async fn admin_connection(admin_url: &str) -> anyhow::Result<PgConnection> {
