@@ -6,6 +6,7 @@ pub mod authoring;
 pub mod file;
 pub mod lifecycle;
 pub mod model;
+pub mod narrow;
 pub mod publish;
 pub mod render;
 pub mod source;

@@ -38,12 +38,12 @@ impl From<RenderError> for crate::error::Error {
 }
 
 /// Workloads by label, so a selector resolves by set intersection instead of a scan (POL-7).
-struct LabelIndex<'a> {
+pub(crate) struct LabelIndex<'a> {
     postings: BTreeMap<(&'a LabelKey, &'a LabelValue), Vec<usize>>,
 }
 
 impl<'a> LabelIndex<'a> {
-    fn new(workloads: &'a [RegisteredWorkload]) -> Self {
+    pub(crate) fn new(workloads: &'a [RegisteredWorkload]) -> Self {
         let mut postings: BTreeMap<_, Vec<usize>> = BTreeMap::new();
         for (i, w) in workloads.iter().enumerate() {
             for (k, v) in &w.labels {
@@ -54,7 +54,7 @@ impl<'a> LabelIndex<'a> {
     }
 
     /// Indices of the workloads `selector` selects, ascending. Empty selector → none.
-    fn select(&self, selector: &Selector) -> Vec<usize> {
+    pub(crate) fn select(&self, selector: &Selector) -> Vec<usize> {
         let mut result: Option<BTreeSet<usize>> = None;
         for (key, values) in selector.matches() {
             let any_value: BTreeSet<usize> = values
@@ -188,22 +188,50 @@ type ShareKey<'a> = (&'a [usize], Mode, Option<i64>, Option<&'a Management>);
 /// Renders the policy of every workload in `workloads` (the live, non-retired registry), with
 /// the staged set of each workload a staged ruleset touches (FLOW-10).
 pub fn render(model: &AuthoredModel, workloads: &[RegisteredWorkload]) -> Result<Rendered, RenderError> {
-    let mut rendered = render_in_force(model, workloads)?;
+    render_some(model, workloads, None)
+}
+
+/// [`render`] of the workloads `only` names (POL-7's narrowed render: `policy::narrow` says
+/// which a change can touch), each exactly as the full render renders it: peers are still
+/// resolved against every workload of `workloads`.
+pub fn render_only(
+    model: &AuthoredModel,
+    workloads: &[RegisteredWorkload],
+    only: &BTreeSet<WorkloadId>,
+) -> Result<Rendered, RenderError> {
+    let at: BTreeSet<usize> =
+        workloads.iter().enumerate().filter(|(_, w)| only.contains(&w.id)).map(|(i, _)| i).collect();
+    render_some(model, workloads, Some(&at))
+}
+
+fn render_some(
+    model: &AuthoredModel,
+    workloads: &[RegisteredWorkload],
+    only: Option<&BTreeSet<usize>>,
+) -> Result<Rendered, RenderError> {
+    let mut rendered = render_in_force(model, workloads, only)?;
     if !model.staged.is_empty() {
-        stage(&mut rendered, model, workloads)?;
+        stage(&mut rendered, model, workloads, only)?;
     }
     Ok(rendered)
 }
 
-/// The rules in force: what [`render`] renders before staging.
-fn render_in_force(model: &AuthoredModel, workloads: &[RegisteredWorkload]) -> Result<Rendered, RenderError> {
+/// The rules in force: what [`render`] renders before staging, of every workload or of those at
+/// the indices `only` holds.
+fn render_in_force(
+    model: &AuthoredModel,
+    workloads: &[RegisteredWorkload],
+    only: Option<&BTreeSet<usize>>,
+) -> Result<Rendered, RenderError> {
+    let wanted = |i: &usize| only.is_none_or(|only| only.contains(i));
     let index = LabelIndex::new(workloads);
     // Each enabled ruleset that selects anyone, resolved once; each workload's list of them.
     // Resolved rules and the model index of each ruleset resolved.
     let mut resolved: Vec<(Vec<ResolvedRule>, usize)> = Vec::new();
     let mut selected_by: Vec<Vec<usize>> = vec![Vec::new(); workloads.len()];
     for (at, ruleset) in model.rulesets.iter().enumerate().filter(|(_, rs)| rs.enabled) {
-        let scope = index.select(&ruleset.scope);
+        let mut scope = index.select(&ruleset.scope);
+        scope.retain(wanted);
         if scope.is_empty() {
             continue;
         }
@@ -218,7 +246,10 @@ fn render_in_force(model: &AuthoredModel, workloads: &[RegisteredWorkload]) -> R
     }
     let mut shared: BTreeMap<ShareKey, usize> = BTreeMap::new();
     let mut out = Rendered::default();
-    for (w, rulesets) in workloads.iter().zip(&selected_by) {
+    for (i, (w, rulesets)) in workloads.iter().zip(&selected_by).enumerate() {
+        if !wanted(&i) {
+            continue;
+        }
         let management = model.management_for(&w.id);
         if let Some(pin) = model.pinned.get(&w.id) {
             // Its pinned source, every ruleset of it applied, peers resolved as they are now.
@@ -274,8 +305,9 @@ fn stage(
     out: &mut Rendered,
     model: &AuthoredModel,
     workloads: &[RegisteredWorkload],
+    only: Option<&BTreeSet<usize>>,
 ) -> Result<(), RenderError> {
-    let pending = render_in_force(&model.with_staged(|_| true), workloads)?;
+    let pending = render_in_force(&model.with_staged(|_| true), workloads, only)?;
     let index = LabelIndex::new(workloads);
     let mut touching: Vec<Vec<usize>> = vec![Vec::new(); workloads.len()];
     for (s, staged) in model.staged.iter().enumerate() {
@@ -284,7 +316,7 @@ fn stage(
         for ruleset in replaced.into_iter().chain([&staged.ruleset]).filter(|r| r.enabled) {
             scope.extend(index.select(&ruleset.scope));
         }
-        for i in scope {
+        for i in scope.into_iter().filter(|i| only.is_none_or(|only| only.contains(i))) {
             touching[i].push(s);
         }
     }
