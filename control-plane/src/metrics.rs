@@ -281,6 +281,7 @@ pub struct Metrics {
     streams_open: Gauge,
     acks: Labeled<AckStatus, Counter>,
     recovery_snapshots: Counter,
+    announcements_coalesced: Counter,
     auto_demotions: Counter,
     deadline_reverts: Counter,
     push_sent: Histogram,
@@ -319,6 +320,7 @@ impl Metrics {
             streams_open: Gauge::default(),
             acks: Labeled::new(Counter::default),
             recovery_snapshots: Counter::default(),
+            announcements_coalesced: Counter::default(),
             auto_demotions: Counter::default(),
             deadline_reverts: Counter::default(),
             push_sent: latency(),
@@ -370,6 +372,12 @@ impl Metrics {
             "recovery_snapshots",
             "Recovery snapshots sent after an agent failed to apply an update",
             m.recovery_snapshots.clone(),
+        );
+        r.register(
+            "announcements_coalesced",
+            "New versions announced to a stream that were folded into a later one before its task \
+             took them (a slow agent gets one delta from its tip to the latest, not one per version)",
+            m.announcements_coalesced.clone(),
         );
         r.register(
             "auto_demotions",
@@ -445,6 +453,11 @@ impl Metrics {
 
     pub fn recovery_snapshot(&self) {
         self.recovery_snapshots.inc();
+    }
+
+    /// `n` announcements were folded into the one a stream's task took.
+    pub fn announcements_coalesced(&self, n: u64) {
+        self.announcements_coalesced.inc_by(n);
     }
 
     pub fn auto_demoted(&self) {
@@ -738,6 +751,7 @@ mod tests {
                 "innerwall_push_applied_latency_seconds histogram",
                 "innerwall_acks_total counter",
                 "innerwall_recovery_snapshots_total counter",
+                "innerwall_announcements_coalesced_total counter",
                 "innerwall_auto_demotions_total counter",
                 "innerwall_deadline_reverts_total counter",
                 "innerwall_flow_windows_ingested_total counter",

@@ -70,6 +70,8 @@ impl GatewayConfig {
 struct Signal {
     /// The newest version a render announced for this workload.
     announced: u64,
+    /// How many newer versions were announced: the task counts those it never saw one by one.
+    announcements: u64,
     /// The first instruction to end the stream; every one ends it, so later ones are moot.
     control: Option<Control>,
 }
@@ -162,6 +164,7 @@ impl Gateway {
             h.signal.send_if_modified(|signal| {
                 let newer = version > signal.announced;
                 signal.announced = signal.announced.max(version);
+                signal.announcements += u64::from(newer);
                 newer
             });
         }
@@ -264,6 +267,7 @@ impl Gateway {
             liveness: config.liveness(),
             metrics: self.inner.metrics.clone(),
         };
+        let mut taken = 0;
         loop {
             let open = core.is_open();
             let event = tokio::select! {
@@ -292,9 +296,19 @@ impl Gateway {
                     if changed.is_err() {
                         return (Ended::offline("gateway dropped the stream"), driver.epoch);
                     }
-                    match signal.borrow_and_update().control.clone() {
+                    let seen = signal.borrow_and_update();
+                    match seen.control.clone() {
                         Some(control) => Event::Control(control),
-                        None => Event::Announced,
+                        None => {
+                            // Announcements made while the task was busy (a full queue towards
+                            // a slow agent) fold into this one.
+                            let folded = seen.announcements.saturating_sub(taken + 1);
+                            if folded > 0 {
+                                self.inner.metrics.announcements_coalesced(folded);
+                            }
+                            taken = seen.announcements;
+                            Event::Announced
+                        }
                     }
                 }
             };

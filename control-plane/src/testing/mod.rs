@@ -235,6 +235,11 @@ pub fn loopback_service() -> crate::service::ServiceConfig {
 
 /// Adds service `svc-<n>` (tcp/8000+n) and ruleset `rs-<n>` allowing it from 192.0.2.0/24 to
 /// every `app=web` workload: one new policy version for each of them, committed as the CLI does.
+/// Every `app=web` workload admits `peer` on one port (a ruleset `rs-fleet` of its own).
+pub async fn allow_from(pool: &PgPool, peer: crate::policy::spec::PeerSpec) -> anyhow::Result<()> {
+    allow(pool, "svc-fleet", "rs-fleet", ("app", "web"), peer, "tcp:7999").await
+}
+
 pub async fn add_web_port(pool: &PgPool, n: u16) -> anyhow::Result<()> {
     use crate::policy::spec::PeerSpec;
     let (service, ruleset) = (format!("svc-{n}"), format!("rs-{n}"));

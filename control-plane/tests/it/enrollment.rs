@@ -96,6 +96,24 @@ impl Plane {
         .unwrap()
     }
 
+    /// [`Plane::mutual`] whose HTTP/2 receive windows are `window` bytes: a client that does
+    /// not read lets the server send that much, then the server waits.
+    pub async fn mutual_windowed(&self, cert_pem: &str, key_pem: &str, window: u32) -> Channel {
+        let tls = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(self.ca_pem()))
+            .identity(Identity::from_pem(cert_pem, key_pem))
+            .domain_name("localhost");
+        Endpoint::from_shared(format!("https://{}", self.addr()))
+            .unwrap()
+            .tls_config(tls)
+            .unwrap()
+            .initial_stream_window_size(window)
+            .initial_connection_window_size(window)
+            .connect()
+            .await
+            .unwrap()
+    }
+
     pub async fn mutual(&self, cert_pem: &str, key_pem: &str) -> Result<Channel, tonic::transport::Error> {
         let tls = ClientTlsConfig::new()
             .ca_certificate(Certificate::from_pem(self.ca_pem()))

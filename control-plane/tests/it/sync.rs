@@ -998,3 +998,77 @@ async fn concurrent_policy_reads_share_a_query_and_each_gets_its_own_policy() {
     assert!(reads.latest(ids[0]).await.unwrap().is_some());
     assert_eq!(reads.queries(), 2);
 }
+
+/// Issue 33 item 4 at test size: a tenth of the agents stop reading their stream, and the others
+/// are not slowed. Every fast agent receives and acknowledges every version in turn; a slow
+/// agent's stream holds what its HTTP/2 buffers and the gateway's bounded queue take, and the
+/// versions announced meanwhile fold into one (counted) rather than queue without bound: when it
+/// reads again, it gets a few deltas, chained, ending at the latest, not one per version.
+#[tokio::test]
+async fn slow_agents_do_not_slow_the_fleet() {
+    use innerwall_control_plane::counts::CountBounds;
+    use innerwall_control_plane::operations;
+    use innerwall_control_plane::policy::spec::{AddressGroupSpec, PeerSpec};
+    use innerwall_wire::policy::Cidr;
+
+    const AGENTS: usize = 10;
+    const CHANGES: u32 = 40;
+    let plane = Plane::start(GatewayConfig { outbound_queue: 2, ..GatewayConfig::default() }).await;
+    let pool = &plane.db.pool;
+    // Each change replaces a group of 2,000 host routes every agent admits: deltas of tens of
+    // KiB, so a stream nobody reads backs up within a few of them.
+    let group = |n: u32| AddressGroupSpec {
+        name: "fleet".into(),
+        description: String::new(),
+        cidrs: (0..2_000u32)
+            .map(|i| Cidr::parse(&format!("10.{}.{}.{}/32", 100 + n % 100, i / 250, i % 250)).unwrap())
+            .collect(),
+    };
+    operations::create_address_group(pool, "test", &group(0), &CountBounds::default()).await.unwrap();
+    innerwall_control_plane::testing::allow_from(pool, PeerSpec::address_group("fleet")).await.unwrap();
+    let mut fast = Vec::new();
+    let mut slow = None;
+    for i in 0..AGENTS {
+        let token = plane.mint(&["app=web"], None).await;
+        let (id, cert, key) = plane.enroll(&token).await.unwrap();
+        let channel = match i {
+            0 => plane.mutual_windowed(&cert, &key, 16 * 1024).await,
+            _ => plane.mutual(&cert, &key).await.unwrap(),
+        };
+        let mut agent = Scripted::open(channel, 0).await;
+        let (kind, _, v) = agent.update().await;
+        assert_eq!(kind, "snapshot");
+        agent.ack(v, true, "").await;
+        if i == 0 { slow = Some((id, agent, v)) } else { fast.push((id, agent, v)) }
+    }
+    let before = sample(&plane, "innerwall_announcements_coalesced_total").unwrap_or(0.0);
+    for n in 1..=CHANGES {
+        operations::update_address_group(pool, "test", &group(n), i64::from(n)).await.unwrap();
+        for (_, agent, at) in &mut fast {
+            let (kind, from, to) = agent.update().await;
+            assert_eq!((kind, from), ("delta", *at), "change {n}");
+            agent.ack(to, true, "").await;
+            *at = to;
+        }
+    }
+    let latest = fast[0].2;
+    for (id, _, at) in &fast {
+        assert_eq!(*at, latest);
+        assert_eq!(wait_state(pool, *id, "SYNCED").await.1, latest as i64);
+    }
+
+    // The slow agent read nothing since its snapshot. It reads now.
+    let (id, mut agent, mut at) = slow.unwrap();
+    let mut received = 0;
+    while at < latest {
+        let (kind, from, to) = agent.update().await;
+        assert_eq!((kind, from), ("delta", at), "deltas chain from the stream's tip");
+        agent.ack(to, true, "").await;
+        received += 1;
+        at = to;
+    }
+    assert_eq!(wait_state(pool, id, "SYNCED").await.1, latest as i64);
+    assert!(received < CHANGES / 2, "{received} deltas for {CHANGES} versions: they were queued, not folded");
+    let folded = sample(&plane, "innerwall_announcements_coalesced_total").unwrap() - before;
+    assert!(folded >= f64::from(CHANGES - received), "{folded} folded, {received} of {CHANGES} sent");
+}
