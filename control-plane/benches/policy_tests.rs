@@ -138,7 +138,7 @@ fn main() {
     let registry = estate(workloads);
     let model = model(rulesets);
     let rendered = render(&model, &registry).unwrap();
-    let rendering = Rendering { model, registry, rendered, changed: Vec::new() };
+    let rendering = Rendering { model, registry, rendered, changed: Vec::new(), narrowed: false };
     let sets = tests();
     let count: usize = sets.iter().map(|s| s.tests.len()).sum();
     let mut best = f64::MAX;

@@ -188,19 +188,16 @@ async fn measure(shape: Shape, workloads: usize, sets: usize) -> anyhow::Result<
     for run in 0..RUNS {
         let value: Label = if run % 2 == 0 { "app=moved" } else { "app=app0" }.parse()?;
         let t = Instant::now();
-        let done =
-            innerwall_control_plane::foresight::commit(pool, "bench", "workload.label", "h0", async |c| {
-                let version = authoring::edit_labels(
-                    c,
-                    estate[0].id,
-                    run as i64 + 1,
-                    std::slice::from_ref(&value),
-                    &[],
-                )
-                .await?;
-                Ok((version, serde_json::json!({})))
-            })
-            .await?;
+        // The operator's edit (CLI, API): rendered narrowed to what it can touch (POL-7).
+        let done = innerwall_control_plane::operations::change_labels(
+            pool,
+            "bench",
+            estate[0].id,
+            run as i64 + 1,
+            std::slice::from_ref(&value),
+            &[],
+        )
+        .await?;
         label.push(t.elapsed());
         moved = moved.max(done.changed.len());
     }

@@ -19,8 +19,9 @@ use sqlx::PgPool;
 
 use crate::counts::CountBounds;
 use crate::error::Error;
-use crate::foresight::commit;
+use crate::foresight::{commit, commit_touching};
 use crate::policy::authoring::{self, Committed, LabelsReplaced};
+use crate::policy::publish::Touched;
 use crate::policy::spec::{AddressGroupSpec, RulesetSpec, ServiceSpec};
 
 /// The detail of a service's create or update: its entries in their canonical text
@@ -177,7 +178,7 @@ pub async fn change_labels(
     set: &[Label],
     remove: &[LabelKey],
 ) -> Result<Committed<LabelsReplaced>, Error> {
-    commit(pool, actor, "workload.label", &id.to_string(), async |c| {
+    commit_touching(pool, actor, "workload.label", &id.to_string(), &[Touched::Labels(id)], async |c| {
         let done = authoring::change_labels(c, id, expected, set, remove).await?;
         let detail = labels(&done);
         Ok((done, detail))
@@ -194,7 +195,7 @@ pub async fn replace_labels(
     expected: i64,
     new: &[Label],
 ) -> Result<Committed<LabelsReplaced>, Error> {
-    commit(pool, actor, "workload.label", &id.to_string(), async |c| {
+    commit_touching(pool, actor, "workload.label", &id.to_string(), &[Touched::Labels(id)], async |c| {
         let done = authoring::replace_labels(c, id, expected, new).await?;
         let detail = labels(&done);
         Ok((done, detail))

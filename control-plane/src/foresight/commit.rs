@@ -13,7 +13,7 @@ use crate::foresight::policy_tests::{
     self, MAX_OBSERVED_TESTS, MAX_PAIRS, MAX_TEST_SETS, Observations, Replay, RunReport, TestSetSpec,
 };
 use crate::policy::authoring::{self, Committed};
-use crate::policy::publish::{Overflow, Rendering, publish_rendering};
+use crate::policy::publish::{Overflow, Rendering, Touched, publish_rendering};
 
 /// Runs `change`, renders, evaluates every policy test on the rendering, audits and commits,
 /// in one transaction: a change that makes any test fail is refused with
@@ -27,6 +27,19 @@ pub async fn commit<T>(
     change: impl AsyncFnOnce(&mut PgConnection) -> Result<(T, serde_json::Value), Error>,
 ) -> Result<Committed<T>, Error> {
     authoring::commit_checked(pool, actor, action, subject, change, check).await
+}
+
+/// [`commit`] of a change that touched only `touched` (a label edit): rendered narrowed to the
+/// workloads it can touch (POL-7) unless policy tests exist, which judge the whole estate.
+pub async fn commit_touching<T>(
+    pool: &PgPool,
+    actor: &str,
+    action: &str,
+    subject: &str,
+    touched: &[Touched],
+    change: impl AsyncFnOnce(&mut PgConnection) -> Result<(T, serde_json::Value), Error>,
+) -> Result<Committed<T>, Error> {
+    authoring::commit_checked_touching(pool, actor, action, subject, touched, change, check).await
 }
 
 /// The check of [`commit`]: all stored sets over `rendering`.
@@ -44,6 +57,13 @@ async fn check(conn: &mut PgConnection, rendering: &Rendering) -> Result<(), Err
 /// over its bound: either way the commit writes nothing.
 pub(crate) async fn judge(conn: &mut PgConnection, rendering: &Rendering) -> Result<RunReport, Error> {
     let sets = load_sets(conn).await?;
+    if rendering.narrowed && !sets.is_empty() {
+        // `publish_touched` renders everything when a test set exists: this cannot happen.
+        return Err(Error::Corrupt {
+            what: "render",
+            detail: "policy tests were asked to judge a narrowed render".into(),
+        });
+    }
     judge_sets(conn, &sets, rendering).await
 }
 

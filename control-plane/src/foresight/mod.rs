@@ -12,8 +12,8 @@ pub mod policy_tests;
 pub mod replay;
 
 pub use commit::{
-    TestSetRow, commit, create_test_set, delete_test_set, list_test_sets, run_policy_tests, show_test_set,
-    update_test_set,
+    TestSetRow, commit, commit_touching, create_test_set, delete_test_set, list_test_sets, run_policy_tests,
+    show_test_set, update_test_set,
 };
 pub use impact::{Impact, MAX_TOP, Range, WorkloadImpact, impact, replay};
 pub use policy_tests::{RunReport, TestResult, TestSetSpec};

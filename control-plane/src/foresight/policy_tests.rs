@@ -1148,7 +1148,7 @@ mod tests {
             workload(3, &[("app", "payments")], "10.0.0.3", Mode::Visibility),
         ];
         let rendered = render(&model, &registry).unwrap();
-        Rendering { model, registry, rendered, changed: Vec::new() }
+        Rendering { model, registry, rendered, changed: Vec::new(), narrowed: false }
     }
 
     fn run(text: &str, r: &Rendering) -> Vec<TestResult> {

@@ -17,7 +17,7 @@ use crate::counts::{CountBounds, Counted};
 use crate::error::Error;
 use crate::notice::{self, Notice};
 use crate::policy::model::{ServiceEntry, new_rule_id, validate_name};
-use crate::policy::publish::{Changed, Overflow, Rendering, publish_rendering, publish_with};
+use crate::policy::publish::{Changed, Overflow, Rendering, Touched, publish_touched, publish_with};
 use crate::policy::spec::{
     AddressGroupSpec, NewWorkload, PeerRef, RulesetSpec, ServiceSpec, check_estate_range, check_label_count,
     selector_of, validate_ruleset,
@@ -46,7 +46,21 @@ pub async fn commit_checked<T>(
     change: impl AsyncFnOnce(&mut PgConnection) -> Result<(T, serde_json::Value), Error>,
     check: impl AsyncFnOnce(&mut PgConnection, &Rendering) -> Result<(), Error>,
 ) -> Result<Committed<T>, Error> {
-    commit_with(pool, Overflow::Refuse, actor, action, subject, change, check).await
+    commit_with(pool, Overflow::Refuse, actor, action, subject, &[], change, check).await
+}
+
+/// [`commit_checked`] of a change that touched only `touched` (POL-7): the render is narrowed
+/// to the workloads it can touch when that is sound (`publish::publish_touched`).
+pub async fn commit_checked_touching<T>(
+    pool: &PgPool,
+    actor: &str,
+    action: &str,
+    subject: &str,
+    touched: &[Touched],
+    change: impl AsyncFnOnce(&mut PgConnection) -> Result<(T, serde_json::Value), Error>,
+    check: impl AsyncFnOnce(&mut PgConnection, &Rendering) -> Result<(), Error>,
+) -> Result<Committed<T>, Error> {
+    commit_with(pool, Overflow::Refuse, actor, action, subject, touched, change, check).await
 }
 
 /// A change nobody can take back (an agent's inventory, a repair render), unchecked: a
@@ -59,21 +73,23 @@ pub async fn commit_holding<T>(
     subject: &str,
     change: impl AsyncFnOnce(&mut PgConnection) -> Result<(T, serde_json::Value), Error>,
 ) -> Result<Committed<T>, Error> {
-    commit_with(pool, Overflow::Hold, actor, action, subject, change, async |_, _| Ok(())).await
+    commit_with(pool, Overflow::Hold, actor, action, subject, &[], change, async |_, _| Ok(())).await
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn commit_with<T>(
     pool: &PgPool,
     overflow: Overflow,
     actor: &str,
     action: &str,
     subject: &str,
+    touched: &[Touched],
     change: impl AsyncFnOnce(&mut PgConnection) -> Result<(T, serde_json::Value), Error>,
     check: impl AsyncFnOnce(&mut PgConnection, &Rendering) -> Result<(), Error>,
 ) -> Result<Committed<T>, Error> {
     let mut tx = pool.begin().await?;
     let (value, detail) = change(&mut tx).await?;
-    let rendering = publish_rendering(&mut tx, overflow).await?;
+    let rendering = publish_touched(&mut tx, overflow, touched).await?;
     check(&mut tx, &rendering).await?;
     let changed = rendering.changed;
     let record = audit::Record {

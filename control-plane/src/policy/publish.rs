@@ -3,8 +3,8 @@
 //! version only on a non-empty diff, persist, and announce on the notice channel — delivered by
 //! Postgres only when the caller's transaction commits.
 
-use std::collections::BTreeMap;
 use std::collections::btree_map::Entry;
+use std::collections::{BTreeMap, BTreeSet};
 
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::{Version, WorkloadPolicy, diff};
@@ -17,7 +17,8 @@ use crate::error::Error;
 use crate::notice::{self, Notice};
 use crate::policy::addresses::{self, Standing};
 use crate::policy::model::{AuthoredModel, RegisteredWorkload};
-use crate::policy::render::{Bound, Origin, Oversize, Rendered, oversize, render};
+use crate::policy::narrow;
+use crate::policy::render::{Bound, Origin, Oversize, Rendered, oversize, render, render_only};
 use crate::policy::source::{Sources, source_digest};
 use crate::policy::store;
 
@@ -111,35 +112,114 @@ pub async fn publish_with(conn: &mut PgConnection, overflow: Overflow) -> Result
 
 /// What one render saw and produced, kept for checks that judge the rendered estate inside the
 /// same transaction (`foresight`'s policy tests): the authored model, the registry with the
-/// addresses accepted as rendered, every workload's rendered policy, and the versions advanced.
+/// addresses accepted as rendered, every workload's rendered policy (only the workloads the
+/// change could touch when `narrowed`), and the versions advanced.
 #[derive(Debug)]
 pub struct Rendering {
     pub model: AuthoredModel,
     pub registry: Vec<RegisteredWorkload>,
     pub rendered: Rendered,
     pub changed: Vec<Changed>,
+    /// Rendered narrowed (POL-7): `rendered` holds the workloads the change could touch, and
+    /// every other kept its policy.
+    pub narrowed: bool,
+}
+
+/// What a change touched, when the change says (POL-7): the publish then renders only the
+/// workloads it can touch (`policy::narrow`), not the estate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Touched {
+    /// The workload's labels were edited in this transaction (its label-history row closed in
+    /// it holds the labels before).
+    Labels(WorkloadId),
 }
 
 /// [`publish_with`], keeping the pieces of the render ([`Rendering`]).
 pub async fn publish_rendering(conn: &mut PgConnection, overflow: Overflow) -> Result<Rendering, Error> {
+    publish_touched(conn, overflow, &[]).await
+}
+
+/// [`publish_rendering`] of a change that touched only `touched` (none: render everything). It
+/// renders everything anyway when that is the only honest answer: an address standing moved in
+/// this render, a touched workload is not live, or policy tests exist (they judge the whole
+/// rendered estate).
+pub async fn publish_touched(
+    conn: &mut PgConnection,
+    overflow: Overflow,
+    touched: &[Touched],
+) -> Result<Rendering, Error> {
     lock_renders(conn).await?;
     let started = std::time::Instant::now();
-    let rendering = render_and_persist(conn, overflow).await?;
+    let rendering = render_and_persist(conn, overflow, touched).await?;
     crate::metrics::observe_render(started.elapsed(), rendering.changed.len());
     Ok(rendering)
 }
 
-/// `publish` under the render lock.
-async fn render_and_persist(conn: &mut PgConnection, overflow: Overflow) -> Result<Rendering, Error> {
+/// The workloads a render of `touched` must render again, or `None` for all of them.
+async fn narrowing(
+    conn: &mut PgConnection,
+    model: &AuthoredModel,
+    registry: &[RegisteredWorkload],
+    touched: &[Touched],
+) -> Result<Option<BTreeSet<WorkloadId>>, Error> {
+    if touched.is_empty() {
+        return Ok(None);
+    }
+    // Policy tests (`foresight`) judge every workload's rendered policy.
+    let tests: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM policy_test_sets)").fetch_one(&mut *conn).await?;
+    if tests {
+        return Ok(None);
+    }
+    let mut before = Vec::with_capacity(touched.len());
+    for Touched::Labels(id) in touched {
+        let Some(now) = registry.iter().find(|w| w.id == *id) else { return Ok(None) };
+        // The row this transaction closed, if the edit changed anything (`now()` is the
+        // transaction's time).
+        let was: Option<serde_json::Value> = sqlx::query_scalar(
+            "SELECT labels FROM workload_label_history WHERE workload_id = $1 AND valid_to = now()",
+        )
+        .bind(id.uuid())
+        .fetch_optional(&mut *conn)
+        .await?;
+        let labels = match was {
+            None => now.labels.clone(),
+            Some(json) => store::labels_from_json(json)?,
+        };
+        before.push(RegisteredWorkload { labels, ..now.clone() });
+    }
+    let changes: Vec<narrow::Change<'_>> = before
+        .iter()
+        .map(|was| narrow::Change::Workload {
+            before: Some(was),
+            after: registry.iter().find(|w| w.id == was.id),
+        })
+        .collect();
+    Ok(Some(narrow::affected(model, registry, &changes)))
+}
+
+/// `publish` under the render lock: of every workload, or of those `touched` can touch.
+async fn render_and_persist(
+    conn: &mut PgConnection,
+    overflow: Overflow,
+    touched: &[Touched],
+) -> Result<Rendering, Error> {
     let model = store::load_model(conn).await?;
     let registry = store::load_registry(conn).await?;
-    let registry = judge_addresses(conn, registry).await?;
-    let rendered = render(&model, &registry)?;
+    let (registry, standings_moved) = judge_addresses(conn, registry).await?;
+    let only = match standings_moved {
+        true => None,
+        false => narrowing(conn, &model, &registry, touched).await?,
+    };
+    let rendered = match &only {
+        Some(only) => render_only(&model, &registry, only)?,
+        None => render(&model, &registry)?,
+    };
     let contents = contents_of(rendered.policies());
-    let latest = store::load_latest(conn).await?;
+    let latest = store::load_latest_of(conn, only.as_ref()).await?;
     let mut next = next_versions(conn, &rendered, &contents, &latest).await?;
     let held = over_bound(&model, &rendered, &contents, &mut next, bound(), overflow)?;
-    save_held(conn, &held).await?;
+    save_held(conn, &held, only.as_ref()).await?;
     let mut changed = Vec::new();
     if !next.is_empty() {
         let sources = store_sources(conn, &model, &rendered, &next).await?;
@@ -150,7 +230,7 @@ async fn render_and_persist(conn: &mut PgConnection, overflow: Overflow) -> Resu
         notice::publish(conn, &notices).await?;
         changed = next.iter().map(|n| Changed { workload: n.workload, version: n.version }).collect();
     }
-    Ok(Rendering { model, registry, rendered, changed })
+    Ok(Rendering { model, registry, rendered, changed, narrowed: only.is_some() })
 }
 
 /// Checks every policy about to be persisted against `bound`. Refusing, the first workload over
@@ -223,13 +303,23 @@ fn describe_oversize(
 }
 
 /// Marks the workloads held in this render (their reason) and clears every other hold.
-async fn save_held(conn: &mut PgConnection, held: &[(WorkloadId, String)]) -> Result<(), Error> {
+async fn save_held(
+    conn: &mut PgConnection,
+    held: &[(WorkloadId, String)],
+    rendered: Option<&BTreeSet<WorkloadId>>,
+) -> Result<(), Error> {
     let ids: Vec<Uuid> = held.iter().map(|(w, _)| w.uuid()).collect();
     let reasons: Vec<&str> = held.iter().map(|(_, r)| r.as_str()).collect();
-    sqlx::query("UPDATE workloads SET policy_held = NULL WHERE policy_held IS NOT NULL AND id <> ALL($1)")
-        .bind(&ids)
-        .execute(&mut *conn)
-        .await?;
+    // Only a workload rendered now can stop being held.
+    let scope: Option<Vec<Uuid>> = rendered.map(|ids| ids.iter().map(WorkloadId::uuid).collect());
+    sqlx::query(
+        "UPDATE workloads SET policy_held = NULL
+         WHERE policy_held IS NOT NULL AND id <> ALL($1) AND ($2::uuid[] IS NULL OR id = ANY($2))",
+    )
+    .bind(&ids)
+    .bind(&scope)
+    .execute(&mut *conn)
+    .await?;
     if !held.is_empty() {
         sqlx::query(
             "UPDATE workloads w SET policy_held = t.r FROM unnest($1::uuid[], $2::text[]) AS t (id, r)
@@ -444,7 +534,7 @@ async fn store_sources(
 async fn judge_addresses(
     conn: &mut PgConnection,
     registry: store::Registry,
-) -> Result<Vec<RegisteredWorkload>, Error> {
+) -> Result<(Vec<RegisteredWorkload>, bool), Error> {
     let standings = standings(&registry);
     let changes = addresses::changes(&registry.stored, &standings);
     store::save_standings(conn, &changes).await?;
@@ -469,7 +559,8 @@ async fn judge_addresses(
             .detail(serde_json::json!({"addresses": entries}));
         audit::write(conn, &record).await?;
     }
-    Ok(accepted_only(registry, &standings))
+    let moved = !changes.is_empty();
+    Ok((accepted_only(registry, &standings), moved))
 }
 
 /// The standing of every reported address of every live workload of `registry`.

@@ -55,6 +55,19 @@ fn selector_from_json(value: serde_json::Value) -> Result<Selector, Error> {
     Ok(Selector::from_strings(matches.into_iter().map(|m| (m.key, m.values)))?)
 }
 
+/// A label set as the label history stores it (a JSON object of key → value).
+pub fn labels_from_json(value: serde_json::Value) -> Result<BTreeMap<LabelKey, LabelValue>, Error> {
+    let corrupt = |detail: String| Error::Corrupt { what: "label history", detail };
+    let map: BTreeMap<String, String> = serde_json::from_value(value).map_err(|e| corrupt(e.to_string()))?;
+    map.into_iter()
+        .map(|(k, v)| {
+            let key = LabelKey::new(&k).map_err(|e| corrupt(e.to_string()))?;
+            let value = LabelValue::new(&v).map_err(|e| corrupt(e.to_string()))?;
+            Ok((key, value))
+        })
+        .collect()
+}
+
 fn service_entry(
     protocol: i16,
     start: Option<i32>,
@@ -433,9 +446,21 @@ fn stored_version(version: i64) -> Result<u64, Error> {
 /// The latest version and content digest of every workload that has a persisted policy (a render
 /// compares digests, and reads the content of only those that differ).
 pub async fn load_latest(conn: &mut PgConnection) -> Result<BTreeMap<WorkloadId, Latest>, Error> {
-    let rows = sqlx::query("SELECT workload_id, version, digest FROM workload_policies")
-        .fetch_all(&mut *conn)
-        .await?;
+    load_latest_of(conn, None).await
+}
+
+/// [`load_latest`] of the workloads `ids` only (`None`: all).
+pub async fn load_latest_of(
+    conn: &mut PgConnection,
+    ids: Option<&BTreeSet<WorkloadId>>,
+) -> Result<BTreeMap<WorkloadId, Latest>, Error> {
+    let ids: Option<Vec<Uuid>> = ids.map(|ids| ids.iter().map(WorkloadId::uuid).collect());
+    let rows = sqlx::query(
+        "SELECT workload_id, version, digest FROM workload_policies WHERE $1::uuid[] IS NULL OR workload_id = ANY($1)",
+    )
+    .bind(&ids)
+    .fetch_all(&mut *conn)
+    .await?;
     rows.into_iter()
         .map(|row| {
             Ok((

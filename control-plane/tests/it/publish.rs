@@ -844,3 +844,86 @@ async fn contents_stored_with_their_version_inside_still_compare_and_read_back()
     }
     assert_eq!(assert_history_obeys_contract(pool, host).await, 3);
 }
+
+/// POL-7 on a real database: a label edit renders only the workloads it can touch, and what it
+/// persists is exactly what the full render persists. After each narrowed edit a full render
+/// (the oracle) changes nothing; the edit moved the versions of the peers that gained or lost
+/// the workload and of the workload itself, and no other; with a policy test set stored, the
+/// same edit renders everything (tests judge the whole estate).
+#[tokio::test]
+async fn a_label_edit_renders_only_what_it_touches() {
+    use innerwall_control_plane::operations;
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    let db1 = register(pool, "db-1", &["app=db"], &["10.0.0.10"]).await;
+    let web = register(pool, "web-1", &["app=web"], &["10.0.0.20"]).await;
+    let batch = register(pool, "batch-1", &["app=batch"], &["10.0.0.30"]).await;
+    let cache = register(pool, "cache-1", &["app=cache"], &["10.0.0.40"]).await;
+    service(pool, "postgres", &["tcp:5432"]).await;
+    service(pool, "redis", &["tcp:6379"]).await;
+    create_ruleset(
+        pool,
+        &ruleset("db", "db", vec![PeerSpec::workloads(sel(&[("app", "web")]))], &["postgres"]),
+    )
+    .await;
+    create_ruleset(
+        pool,
+        &ruleset("cache", "cache", vec![PeerSpec::workloads(sel(&[("app", "batch")]))], &["redis"]),
+    )
+    .await;
+    let full_render_changes_nothing = async || {
+        let mut tx = pool.begin().await.unwrap();
+        let rendering = publish::publish_rendering(&mut tx, publish::Overflow::Refuse).await.unwrap();
+        tx.rollback().await.unwrap();
+        assert!(!rendering.narrowed);
+        assert_eq!(rendering.changed, Vec::new(), "the full render finds what the narrowed one persisted");
+    };
+    let versions = async || {
+        let mut out = Vec::new();
+        for id in [db1, web, batch, cache] {
+            out.push(version(pool, id).await);
+        }
+        out
+    };
+    let before = versions().await;
+    // batch-1 becomes a web server: db-1 gains its address, cache-1 loses it.
+    let label: Label = "app=web".parse().unwrap();
+    let done =
+        operations::change_labels(pool, "test", batch, 1, std::slice::from_ref(&label), &[]).await.unwrap();
+    assert_eq!(done.changed, changed(&[(db1, before[0] + 1), (cache, before[3] + 1)]));
+    full_render_changes_nothing().await;
+    // A label no selector names: nothing moves at all.
+    let label: Label = "team=blue".parse().unwrap();
+    let done =
+        operations::change_labels(pool, "test", web, 1, std::slice::from_ref(&label), &[]).await.unwrap();
+    assert_eq!(done.changed, Vec::new());
+    full_render_changes_nothing().await;
+    // The workload's own scope: db-1 stops being a database; its own policy empties.
+    let done =
+        operations::replace_labels(pool, "test", db1, 1, &["app=retired".parse().unwrap()]).await.unwrap();
+    assert_eq!(done.changed, changed(&[(db1, before[0] + 2)]));
+    full_render_changes_nothing().await;
+
+    // With a policy test set stored, an edit renders the whole estate for the tests to judge.
+    let set: innerwall_control_plane::foresight::TestSetSpec = serde_json::from_value(serde_json::json!({
+        "name": "t", "tests": [{"name": "cache-from-batch", "allow": {"from": {"app": ["batch"]}, "to": {"app": ["cache"]}, "service": "redis"}, "allow_empty": true}]
+    }))
+    .unwrap();
+    innerwall_control_plane::foresight::create_test_set(pool, "test", &set).await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    let rendering =
+        publish::publish_touched(&mut tx, publish::Overflow::Refuse, &[publish::Touched::Labels(web)])
+            .await
+            .unwrap();
+    tx.rollback().await.unwrap();
+    assert!(!rendering.narrowed && rendering.rendered.len() == 4);
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("DELETE FROM policy_test_sets").execute(&mut *tx).await.unwrap();
+    let rendering =
+        publish::publish_touched(&mut tx, publish::Overflow::Refuse, &[publish::Touched::Labels(web)])
+            .await
+            .unwrap();
+    tx.rollback().await.unwrap();
+    assert!(rendering.narrowed, "without tests, narrowed");
+    assert_eq!(rendering.rendered.len(), 1, "an unchanged label set touches the workload alone");
+}
