@@ -47,7 +47,8 @@ pub async fn create_service(
     spec: &ServiceSpec,
     counts: &CountBounds,
 ) -> Result<Committed<()>, Error> {
-    commit(pool, actor, "service.create", &spec.name, async |c| {
+    let touched = [Touched::Service(spec.name.clone())];
+    commit_touching(pool, actor, "service.create", &spec.name, &touched, async |c| {
         authoring::create_service_within(c, spec, counts).await?;
         Ok(((), entries(spec)))
     })
@@ -61,7 +62,8 @@ pub async fn update_service(
     spec: &ServiceSpec,
     expected: i64,
 ) -> Result<Committed<i64>, Error> {
-    commit(pool, actor, "service.update", &spec.name, async |c| {
+    let touched = [Touched::Service(spec.name.clone())];
+    commit_touching(pool, actor, "service.update", &spec.name, &touched, async |c| {
         Ok((authoring::update_service(c, spec, expected).await?, entries(spec)))
     })
     .await
@@ -74,7 +76,8 @@ pub async fn delete_service(
     name: &str,
     expected: i64,
 ) -> Result<Committed<()>, Error> {
-    commit(pool, actor, "service.delete", name, async |c| {
+    let touched = [Touched::Service(name.to_owned())];
+    commit_touching(pool, actor, "service.delete", name, &touched, async |c| {
         authoring::delete_service(c, name, expected).await?;
         Ok(((), json!({})))
     })
@@ -88,7 +91,8 @@ pub async fn create_address_group(
     spec: &AddressGroupSpec,
     counts: &CountBounds,
 ) -> Result<Committed<()>, Error> {
-    commit(pool, actor, "address-group.create", &spec.name, async |c| {
+    let touched = [Touched::AddressGroup(spec.name.clone())];
+    commit_touching(pool, actor, "address-group.create", &spec.name, &touched, async |c| {
         authoring::create_address_group_within(c, spec, counts).await?;
         Ok(((), cidrs(spec)))
     })
@@ -102,7 +106,8 @@ pub async fn update_address_group(
     spec: &AddressGroupSpec,
     expected: i64,
 ) -> Result<Committed<i64>, Error> {
-    commit(pool, actor, "address-group.update", &spec.name, async |c| {
+    let touched = [Touched::AddressGroup(spec.name.clone())];
+    commit_touching(pool, actor, "address-group.update", &spec.name, &touched, async |c| {
         Ok((authoring::update_address_group(c, spec, expected).await?, cidrs(spec)))
     })
     .await
@@ -115,7 +120,8 @@ pub async fn delete_address_group(
     name: &str,
     expected: i64,
 ) -> Result<Committed<()>, Error> {
-    commit(pool, actor, "address-group.delete", name, async |c| {
+    let touched = [Touched::AddressGroup(name.to_owned())];
+    commit_touching(pool, actor, "address-group.delete", name, &touched, async |c| {
         authoring::delete_address_group(c, name, expected).await?;
         Ok(((), json!({})))
     })

@@ -127,11 +127,15 @@ pub struct Rendering {
 
 /// What a change touched, when the change says (POL-7): the publish then renders only the
 /// workloads it can touch (`policy::narrow`), not the estate.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Touched {
     /// The workload's labels were edited in this transaction (its label-history row closed in
     /// it holds the labels before).
     Labels(WorkloadId),
+    /// The address group of this name was created, changed or deleted.
+    AddressGroup(String),
+    /// The service of this name was created, changed or deleted.
+    Service(String),
 }
 
 /// [`publish_with`], keeping the pieces of the render ([`Rendering`]).
@@ -172,7 +176,36 @@ async fn narrowing(
         return Ok(None);
     }
     let mut before = Vec::with_capacity(touched.len());
-    for Touched::Labels(id) in touched {
+    let mut catalog = Vec::new();
+    for touched in touched {
+        let id = match touched {
+            Touched::Labels(id) => id,
+            // A staged ruleset names groups and services by name and is rendered once they
+            // resolve: a new one may bring it in. Rare; render everything.
+            Touched::AddressGroup(_) | Touched::Service(_) if !model.staged.is_empty() => return Ok(None),
+            // Gone, nothing names it (deleting one that rules name is refused); new, nothing
+            // names it yet.
+            Touched::AddressGroup(name) => {
+                catalog.extend(
+                    model
+                        .address_groups
+                        .values()
+                        .filter(|g| &g.name == name)
+                        .map(|g| narrow::Change::AddressGroup(g.id)),
+                );
+                continue;
+            }
+            Touched::Service(name) => {
+                catalog.extend(
+                    model
+                        .services
+                        .values()
+                        .filter(|s| &s.name == name)
+                        .map(|s| narrow::Change::Service(s.id)),
+                );
+                continue;
+            }
+        };
         let Some(now) = registry.iter().find(|w| w.id == *id) else { return Ok(None) };
         // The row this transaction closed, if the edit changed anything (`now()` is the
         // transaction's time).
@@ -194,6 +227,7 @@ async fn narrowing(
             before: Some(was),
             after: registry.iter().find(|w| w.id == was.id),
         })
+        .chain(catalog)
         .collect();
     Ok(Some(narrow::affected(model, registry, &changes)))
 }

@@ -927,3 +927,65 @@ async fn a_label_edit_renders_only_what_it_touches() {
     assert!(rendering.narrowed, "without tests, narrowed");
     assert_eq!(rendering.rendered.len(), 1, "an unchanged label set touches the workload alone");
 }
+
+/// POL-7 on a real database, for the catalog: an address group's or a service's edit renders
+/// only the workloads whose rules name it (a new one, nothing), and a full render after each
+/// changes nothing.
+#[tokio::test]
+async fn a_group_or_service_edit_renders_only_what_names_it() {
+    use innerwall_control_plane::counts::CountBounds;
+    use innerwall_control_plane::operations;
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    let db1 = register(pool, "db-1", &["app=db"], &["10.0.0.10"]).await;
+    let cache = register(pool, "cache-1", &["app=cache"], &["10.0.0.40"]).await;
+    register(pool, "web-1", &["app=web"], &["10.0.0.20"]).await;
+    service(pool, "postgres", &["tcp:5432"]).await;
+    service(pool, "redis", &["tcp:6379"]).await;
+    let group = |name: &str, cidr: &str| AddressGroupSpec {
+        name: name.into(),
+        description: String::new(),
+        cidrs: [innerwall_wire::policy::Cidr::parse(cidr).unwrap()].into(),
+    };
+    operations::create_address_group(pool, "test", &group("vpn", "10.8.0.0/16"), &CountBounds::default())
+        .await
+        .unwrap();
+    create_ruleset(pool, &ruleset("db", "db", vec![PeerSpec::address_group("vpn")], &["postgres"])).await;
+    create_ruleset(pool, &ruleset("cache", "cache", vec![PeerSpec::cidr("192.0.2.0/24")], &["redis"])).await;
+    let oracle = async || {
+        let mut tx = pool.begin().await.unwrap();
+        let rendering = publish::publish_rendering(&mut tx, publish::Overflow::Refuse).await.unwrap();
+        tx.rollback().await.unwrap();
+        assert_eq!(rendering.changed, Vec::new(), "the full render finds what the narrowed one persisted");
+    };
+    let (vdb, vcache) = (version(pool, db1).await, version(pool, cache).await);
+    // A new group: no rule names it, nothing renders.
+    let done = operations::create_address_group(
+        pool,
+        "test",
+        &group("spare", "10.9.0.0/16"),
+        &CountBounds::default(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(done.changed, Vec::new());
+    oracle().await;
+    // The group db's rule names: db-1 alone moves.
+    let done =
+        operations::update_address_group(pool, "test", &group("vpn", "10.10.0.0/16"), 1).await.unwrap();
+    assert_eq!(done.changed, changed(&[(db1, vdb + 1)]));
+    oracle().await;
+    // The service cache's rule names: cache-1 alone moves.
+    let spec = ServiceSpec {
+        name: "redis".into(),
+        description: String::new(),
+        entries: vec![ServiceEntry::parse("tcp:6380").unwrap()],
+    };
+    let done = operations::update_service(pool, "test", &spec, 1).await.unwrap();
+    assert_eq!(done.changed, changed(&[(cache, vcache + 1)]));
+    oracle().await;
+    // Deleting the unnamed group: nothing moves.
+    let done = operations::delete_address_group(pool, "test", "spare", 1).await.unwrap();
+    assert_eq!(done.changed, Vec::new());
+    oracle().await;
+}
