@@ -93,7 +93,52 @@ async fn run() -> anyhow::Result<()> {
             );
         }
     }
+    let groups = if quick { 24 } else { 240 };
+    let last = authoring_groups(groups).await?;
+    println!(
+        "FIGURE {{\"id\":\"POL-7\",\"name\":\"create the last of {groups} address groups of {GROUP_CIDRS} CIDRs\",\"value\":{last:.3},\"unit\":\"ms\",\"goal\":{{\"op\":\"<\",\"bound\":1000}},\"context\":{{\"groups\":{groups},\"cidrs_each\":{GROUP_CIDRS}}}}}"
+    );
     Ok(())
+}
+
+/// CIDRs in each address group of [`authoring_groups`].
+const GROUP_CIDRS: u32 = 3_000;
+
+/// Authoring must not slow with the estate (issue 33 item 2): `count` address groups of
+/// [`GROUP_CIDRS`] host routes each, created one after the other as an operator does (one
+/// checked commit each), on a fresh database. Prints every
+/// tenth creation's time; returns the median of the last five, in ms.
+async fn authoring_groups(count: u32) -> anyhow::Result<f64> {
+    use innerwall_control_plane::counts::CountBounds;
+    use innerwall_control_plane::operations;
+    let db = fresh_database().await?;
+    let pool = &db.pool;
+    let counts = CountBounds::default();
+    let mut times = Vec::new();
+    for g in 0..count {
+        let spec = AddressGroupSpec {
+            name: format!("ag{g}"),
+            description: String::new(),
+            cidrs: (0..GROUP_CIDRS)
+                .map(|i| {
+                    let a = g * GROUP_CIDRS + i;
+                    Cidr::host(IpAddr::V4(Ipv4Addr::new(10, (a >> 16) as u8, (a >> 8) as u8, a as u8)))
+                })
+                .collect::<Result<_, _>>()?,
+        };
+        let t = Instant::now();
+        operations::create_address_group(pool, "bench", &spec, &counts).await?;
+        let took = t.elapsed();
+        if (g + 1) % 10 == 0 || g + 1 == count {
+            println!(
+                "  address group {} of {count}: created in {:.1} ms",
+                g + 1,
+                took.as_secs_f64() * 1000.0
+            );
+        }
+        times.push(took);
+    }
+    Ok(median(times.split_off(times.len().saturating_sub(5))))
 }
 
 /// Builds the estate on a fresh database and times its first full render, a render that
