@@ -206,8 +206,12 @@ async fn flow_buffer_survives_partition() {
         queue.push(window(vec![record("192.0.2.1", 1000 + n, 1 + u64::from(n))])).unwrap();
     }
     assert_eq!(queue.len(), 3);
-    let uploader =
-        tokio::spawn(telemetry::upload_forever(config.clone(), queue.clone(), Duration::from_millis(100)));
+    let uploader = tokio::spawn(telemetry::upload_forever(
+        config.clone(),
+        queue.clone(),
+        Duration::from_millis(100),
+        Default::default(),
+    ));
     // Nothing is lost while uploads fail, checked once the uploader has tried and failed twice.
     eventually(|| attempts.load(Ordering::Relaxed) >= 2, "two failed upload attempts").await;
     assert_eq!(queue.len(), 3, "nothing is lost while the control plane is away");

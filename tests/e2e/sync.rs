@@ -262,8 +262,12 @@ async fn telemetry_failure_leaves_the_policy_stream_up() {
             staged_set: None,
         })
         .unwrap();
-    let uploads =
-        tokio::spawn(telemetry::upload_forever(telemetry, queue.clone(), Duration::from_millis(50)));
+    let uploads = tokio::spawn(telemetry::upload_forever(
+        telemetry,
+        queue.clone(),
+        Duration::from_millis(50),
+        Default::default(),
+    ));
     eventually(|| relay.closed.load(Ordering::SeqCst) >= 3, "three failed telemetry connections").await;
     assert_eq!(queue.len(), 1, "the window waits for a working connection");
 

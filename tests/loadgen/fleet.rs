@@ -398,7 +398,12 @@ fn start_agent(i: usize, id: WorkloadId, config: RunConfig, flows: Option<FlowLo
         match Queue::new(&config.state_dir, DEFAULT_MAX_WINDOWS) {
             Ok(queue) => {
                 tokio::spawn(produce_flows(i, shared.clone(), queue.clone(), load));
-                tokio::spawn(upload_forever(config.clone(), queue, Duration::from_secs(1)));
+                tokio::spawn(upload_forever(
+                    config.clone(),
+                    queue,
+                    Duration::from_secs(1),
+                    Default::default(),
+                ));
             }
             Err(e) => eprintln!("agent {i}: no flow queue, so no flows: {e}"),
         }

@@ -90,6 +90,7 @@ pub async fn hold_stream<S: PolicyStore + Send + 'static>(
             Err(e) => error::chain(&e),
             Ok(channel) => {
                 tracing::info!(server = %config.server, applied_version = agent.enforcer.applied_version(), "connected to the control plane");
+                agent.reachable.notify_one();
                 let mut stats = SessionStats::default();
                 let end = sync::session(channel, agent.clone(), &mut stats).await;
                 agent.metrics.stream_connected(false);

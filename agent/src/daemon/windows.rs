@@ -306,6 +306,7 @@ pub async fn start<S: PolicyStore + Send + 'static>(
     let conn_entries = config.conn_entries;
     let (attached, tried) = tokio::sync::oneshot::channel();
     let upload_queue = queue.clone();
+    let reachable = agent.reachable.clone();
     let spawned = std::thread::Builder::new().name("flow-capture".into()).spawn(move || {
         let capture = attach(conn_entries, &agent.metrics)
             .map_err(|e| format!("flow capture unavailable: {}", error::chain(&e)));
@@ -328,7 +329,7 @@ pub async fn start<S: PolicyStore + Send + 'static>(
     }
     tasks.spawn(
         "flow upload",
-        telemetry::upload_forever(config.clone(), upload_queue, Duration::from_secs(1)),
+        telemetry::upload_forever(config.clone(), upload_queue, Duration::from_secs(1), reachable),
     );
     Some(FlowTasks { wake, capture })
 }

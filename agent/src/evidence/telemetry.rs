@@ -236,8 +236,15 @@ fn parse_gap(line: &str) -> Option<EvidenceGap> {
     Some(EvidenceGap::new(kind, from_ms, to_ms, count.max(0) as u64).because(detail))
 }
 
-/// Drains the queue forever on its own connection, with its own full-jitter backoff.
-pub async fn upload_forever(config: RunConfig, queue: Queue, poll: Duration) {
+/// Drains the queue forever on its own connection, with its own full-jitter backoff, cut short
+/// when the policy stream reaches the control plane again (`reachable`): evidence queued while
+/// it was away goes up as soon as it is back, not a backoff of up to a minute later.
+pub async fn upload_forever(
+    config: RunConfig,
+    queue: Queue,
+    poll: Duration,
+    reachable: std::sync::Arc<tokio::sync::Notify>,
+) {
     let mut attempt: u32 = 0;
     loop {
         if !queue.is_empty() {
@@ -258,7 +265,13 @@ pub async fn upload_forever(config: RunConfig, queue: Queue, poll: Duration) {
                         queue.len(),
                         wait.as_secs_f64()
                     );
-                    tokio::time::sleep(wait).await;
+                    tokio::select! {
+                        () = tokio::time::sleep(wait) => {}
+                        () = reachable.notified() => {
+                            tracing::info!("the control plane is reachable again: uploading the queued windows now");
+                            attempt = 0;
+                        }
+                    }
                     continue;
                 }
             }

@@ -32,6 +32,9 @@ pub struct Agent<S> {
     pub renewals: tokio::sync::watch::Sender<u64>,
     /// What the agent exposes to Prometheus (`run --metrics-listen`).
     pub metrics: Arc<Metrics>,
+    /// Told each time the policy stream reaches the control plane: the flow uploader, waiting
+    /// out its backoff after failures, uploads at once instead.
+    pub reachable: Arc<tokio::sync::Notify>,
 }
 
 impl<S: PolicyStore> Agent<S> {
@@ -44,6 +47,7 @@ impl<S: PolicyStore> Agent<S> {
             stream: StreamSettings::default(),
             renewals: tokio::sync::watch::Sender::new(0),
             metrics,
+            reachable: Arc::default(),
         }
     }
 
