@@ -885,6 +885,12 @@ mod tests {
         let mut w = staged(vec![]);
         w.staged_set = "No Caps".into();
         assert!(refused(w).contains("staged set"));
+        // An agent's set id is bounded: 64 characters pass, 65 are refused.
+        let mut w = staged(vec![]);
+        w.staged_set = "a".repeat(crate::policy::MAX_STAGED_SET);
+        assert!(FlowWindow::try_from(&w).is_ok());
+        w.staged_set.push('a');
+        assert!(refused(w).contains("1 to 64 characters"));
         let mut w = wire_window(vec![]);
         w.window_id = "x".into();
         assert!(refused(w).contains("not a uuid"));

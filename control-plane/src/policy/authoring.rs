@@ -46,7 +46,7 @@ pub async fn commit_checked<T>(
     change: impl AsyncFnOnce(&mut PgConnection) -> Result<(T, serde_json::Value), Error>,
     check: impl AsyncFnOnce(&mut PgConnection, &Rendering) -> Result<(), Error>,
 ) -> Result<Committed<T>, Error> {
-    commit_with(pool, Overflow::Refuse, actor, action, subject, &[], change, check).await
+    commit_checked_touching(pool, actor, action, subject, &[], change, check).await
 }
 
 /// [`commit_checked`] of a change that touched only `touched` (POL-7): the render is narrowed

@@ -1369,6 +1369,30 @@ async fn staged_rulesets_over_the_api() {
         .await
         .problem(404, ProblemType::NotFound);
 
+    // At most MAX_STAGED at once: one more is refused naming the bound, and writes nothing.
+    let max = innerwall_control_plane::safety::staged::MAX_STAGED;
+    let many = |n: usize| {
+        json!({"name": format!("extra-{n}"), "scope": {"app": ["none"]},
+                                 "rules": [{"name": "r", "peers": [{"cidr": "10.2.0.0/16"}], "services": ["pg"]}]})
+    };
+    for n in 0..max {
+        assert_eq!(
+            write("POST", "/api/v1/staged-rulesets", &editor.token, &many(n)).await.status,
+            201,
+            "{n}"
+        );
+    }
+    let before = written(&pool).await;
+    let doc = write("POST", "/api/v1/staged-rulesets", &editor.token, &many(max))
+        .await
+        .problem(409, ProblemType::LimitReached);
+    assert!(doc["detail"].as_str().unwrap().contains("MAX_STAGED"), "{doc}");
+    assert_eq!(written(&pool).await, before);
+    for n in 0..max {
+        let path = format!("/api/v1/staged-rulesets/extra-{n}");
+        assert_eq!(plane.write("DELETE", &path, &editor.token, None, &json!(null)).await.status, 200);
+    }
+
     // A new ruleset that selects no workload yet changes no rule in force: promoting it needs no
     // evidence (there is none to judge), only the count.
     let future = json!({"name": "future", "scope": {"app": ["none"]},
