@@ -15,6 +15,7 @@ use innerwall_control_plane::foresight::policy_tests::{
     FlowSpec, Observations, ObservedSpec, OnlyFromSpec, TestSetSpec, TestSpec, evaluate, replays,
 };
 use innerwall_control_plane::foresight::{Impact, Range};
+use innerwall_control_plane::policy::inputs::Outcome;
 use innerwall_control_plane::policy::model::{
     AuthoredModel, Peer, RegisteredWorkload, Rule, Ruleset, Selector, Service, ServiceEntry,
 };
@@ -138,7 +139,14 @@ fn main() {
     let registry = estate(workloads);
     let model = model(rulesets);
     let rendered = render(&model, &registry).unwrap();
-    let rendering = Rendering { model, registry, rendered, changed: Vec::new(), narrowed: false };
+    let rendering = Rendering {
+        model: model.into(),
+        registry: registry.into(),
+        rendered,
+        changed: Vec::new(),
+        narrowed: false,
+        inputs: Outcome::Loaded,
+    };
     let sets = tests();
     let count: usize = sets.iter().map(|s| s.tests.len()).sum();
     let mut best = f64::MAX;

@@ -102,12 +102,27 @@ fn database_unavailable(e: &sqlx::Error) -> bool {
     match e {
         sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::Io(_) => true,
         // query_canceled (statement timeout), admin_shutdown (also a postmaster that died under
-        // the connection), crash_shutdown, cannot_connect_now, too_many_connections.
+        // the connection), crash_shutdown, cannot_connect_now, too_many_connections,
+        // lock_not_available (the lock timeout).
         sqlx::Error::Database(d) => {
-            matches!(d.code().as_deref(), Some("57014" | "57P01" | "57P02" | "57P03" | "53300"))
+            matches!(d.code().as_deref(), Some("57014" | "57P01" | "57P02" | "57P03" | "53300" | "55P03"))
         }
         _ => false,
     }
+}
+
+/// What a change that could not take the render lock in time is told.
+pub const RENDER_LOCK_HELD: &str = "the render lock stayed held past the lock timeout: another render, or a \
+                                    client stalled in the middle of a change, holds it; nothing was written, retry";
+
+/// A lock timeout in the trigger every write to a render's input runs (migration 0041), which
+/// takes the render lock first.
+fn waited_for_render_lock(e: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(d) = e else { return false };
+    d.code().as_deref() == Some("55P03")
+        && d.try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+            .and_then(|pg| pg.r#where())
+            .is_some_and(|w| w.contains("innerwall_render_inputs_written"))
 }
 
 fn describe_database(e: &sqlx::Error) -> String {
@@ -115,6 +130,7 @@ fn describe_database(e: &sqlx::Error) -> String {
         sqlx::Error::PoolTimedOut => "unavailable: no connection within the pool's acquire timeout (the \
                                       server is down or every connection is busy); retry later"
             .into(),
+        e if waited_for_render_lock(e) => RENDER_LOCK_HELD.into(),
         e if database_unavailable(e) => format!("unavailable: {e}; retry later"),
         e => e.to_string(),
     }

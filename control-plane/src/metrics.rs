@@ -176,6 +176,15 @@ impl Refusal {
 struct Renders {
     duration: Histogram,
     changed: Histogram,
+    inputs: Labeled<crate::policy::inputs::Outcome, Counter>,
+}
+
+impl ClosedLabel for crate::policy::inputs::Outcome {
+    const KEY: &'static str = "inputs";
+    const ALL: &'static [Self] = &[Self::Kept, Self::Refreshed, Self::Loaded];
+    fn value(self) -> &'static str {
+        self.name()
+    }
 }
 
 static RENDERS: LazyLock<Renders> = LazyLock::new(|| Renders {
@@ -183,10 +192,16 @@ static RENDERS: LazyLock<Renders> = LazyLock::new(|| Renders {
     changed: Histogram::new([
         0.0, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10_000.0,
     ]),
+    inputs: Labeled::new(Counter::default),
 });
 
 /// Records one render: how long it took (without waiting for the render lock) and how many
 /// workloads' versions it advanced.
+/// Counts how one render came by its inputs (`policy::inputs`).
+pub fn count_render_inputs(outcome: crate::policy::inputs::Outcome) {
+    RENDERS.inputs.get(outcome).inc();
+}
+
 pub fn observe_render(took: Duration, changed: usize) {
     RENDERS.duration.observe(took.as_secs_f64());
     RENDERS.changed.observe(changed as f64);
@@ -354,6 +369,11 @@ impl Metrics {
             "render_workloads_changed",
             "Workloads whose policy version one render advanced",
             RENDERS.changed.clone(),
+        );
+        r.register(
+            "render_inputs",
+            "Renders by how they came by the authored model and registry: kept from the last render, kept with what the change wrote read again, or loaded whole",
+            RENDERS.inputs.clone(),
         );
         r.register_with_unit(
             "push_sent_latency",
@@ -747,6 +767,7 @@ mod tests {
                 "innerwall_streams_open gauge",
                 "innerwall_render_duration_seconds histogram",
                 "innerwall_render_workloads_changed histogram",
+                "innerwall_render_inputs_total counter",
                 "innerwall_push_sent_latency_seconds histogram",
                 "innerwall_push_applied_latency_seconds histogram",
                 "innerwall_acks_total counter",

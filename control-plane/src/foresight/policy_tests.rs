@@ -1072,9 +1072,11 @@ impl<'a> Estate<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::inputs::Outcome;
     use crate::policy::model::{AddressGroup, AuthoredModel, Ruleset, ServiceEntry};
     use crate::policy::render::render;
     use innerwall_wire::identity::WorkloadId;
+    use std::sync::Arc;
     use uuid::Uuid;
 
     fn id(n: u128) -> Uuid {
@@ -1148,7 +1150,14 @@ mod tests {
             workload(3, &[("app", "payments")], "10.0.0.3", Mode::Visibility),
         ];
         let rendered = render(&model, &registry).unwrap();
-        Rendering { model, registry, rendered, changed: Vec::new(), narrowed: false }
+        Rendering {
+            model: model.into(),
+            registry: registry.into(),
+            rendered,
+            changed: Vec::new(),
+            narrowed: false,
+            inputs: Outcome::Loaded,
+        }
     }
 
     fn run(text: &str, r: &Rendering) -> Vec<TestResult> {
@@ -1213,7 +1222,7 @@ mod tests {
         let none = results[1].failure.as_ref().unwrap();
         assert!(none.reason.contains("no ruleset scopes workload"), "{none:?}");
         let mut r = r;
-        r.model.rulesets.truncate(1);
+        Arc::make_mut(&mut r.model).rulesets.truncate(1);
         let results = run(
             "name: s\ntests:\n- {name: api, allow: {from: {app: [api]}, to: {app: [payments]}, service: https}}\n",
             &r,
@@ -1349,7 +1358,7 @@ mod tests {
     fn observed_tests_are_judged_by_the_replay_of_their_range() {
         // from-web now names app=api: web's recorded https flows to payments are dropped.
         let mut r = rendering("tcp:443");
-        r.model.rulesets[0].rules[0].peers = vec![Peer::Workloads(sel("app", "api"))];
+        Arc::make_mut(&mut r.model).rulesets[0].rules[0].peers = vec![Peer::Workloads(sel("app", "api"))];
         r.rendered = render(&r.model, &r.registry).unwrap();
         let text = "name: s\ntests:\n\
              - {name: web, allow: {from: {app: [web]}, to: {app: [payments]}, service: https}}\n\
@@ -1415,11 +1424,11 @@ mod tests {
         assert_eq!(results[4].failure.as_ref().unwrap().reason, "no workload matches to app=nobody");
 
         // The rule's ruleset disabled, the rule gone: each says so.
-        r.model.rulesets[0].enabled = false;
+        Arc::make_mut(&mut r.model).rulesets[0].enabled = false;
         let results = evaluate(std::slice::from_ref(&spec), &r, &observations).results;
         assert!(results[1].failure.as_ref().unwrap().reason.ends_with("ruleset payments is disabled"));
-        r.model.rulesets[0].enabled = true;
-        r.model.rulesets[0].rules.remove(0);
+        Arc::make_mut(&mut r.model).rulesets[0].enabled = true;
+        Arc::make_mut(&mut r.model).rulesets[0].rules.remove(0);
         let results = evaluate(std::slice::from_ref(&spec), &r, &observations).results;
         let gone = &results[1].failure.as_ref().unwrap().reason;
         assert!(gone.contains(&format!("admitted at applied version 3 by rule {from_web}")), "{gone}");

@@ -4,6 +4,7 @@
 pub mod addresses;
 pub mod authoring;
 pub mod file;
+pub mod inputs;
 pub mod lifecycle;
 pub mod model;
 pub mod narrow;

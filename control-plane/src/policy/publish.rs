@@ -5,6 +5,7 @@
 
 use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::{Version, WorkloadPolicy, diff};
@@ -16,6 +17,7 @@ use crate::copy;
 use crate::error::Error;
 use crate::notice::{self, Notice};
 use crate::policy::addresses::{self, Standing};
+use crate::policy::inputs::{self, Inputs};
 use crate::policy::model::{AuthoredModel, RegisteredWorkload};
 use crate::policy::narrow;
 use crate::policy::render::{Bound, Origin, Oversize, Rendered, oversize, render, render_only};
@@ -87,11 +89,7 @@ pub async fn lock_renders(conn: &mut PgConnection) -> Result<(), Error> {
     sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(RENDER_LOCK_KEY).execute(&mut *conn).await.map_err(
         |e| match e.as_database_error().and_then(|d| d.code()).as_deref() {
             // lock_not_available: the connection's lock_timeout passed (postgres::Timeouts).
-            Some("55P03") => Error::Busy(
-                "the render lock stayed held past the lock timeout: another render, or a client \
-                 stalled in the middle of a change, holds it; nothing was written, retry"
-                    .into(),
-            ),
+            Some("55P03") => Error::Busy(crate::error::RENDER_LOCK_HELD.into()),
             _ => Error::Database(e),
         },
     )?;
@@ -116,13 +114,15 @@ pub async fn publish_with(conn: &mut PgConnection, overflow: Overflow) -> Result
 /// change could touch when `narrowed`), and the versions advanced.
 #[derive(Debug)]
 pub struct Rendering {
-    pub model: AuthoredModel,
-    pub registry: Vec<RegisteredWorkload>,
+    pub model: Arc<AuthoredModel>,
+    pub registry: Arc<Vec<RegisteredWorkload>>,
     pub rendered: Rendered,
     pub changed: Vec<Changed>,
     /// Rendered narrowed (POL-7): `rendered` holds the workloads the change could touch, and
     /// every other kept its policy.
     pub narrowed: bool,
+    /// How the render came by the model and registry (`policy::inputs`).
+    pub inputs: inputs::Outcome,
 }
 
 /// What a change touched, when the change says (POL-7): the publish then renders only the
@@ -238,9 +238,15 @@ async fn render_and_persist(
     overflow: Overflow,
     touched: &[Touched],
 ) -> Result<Rendering, Error> {
-    let model = store::load_model(conn).await?;
-    let registry = store::load_registry(conn).await?;
-    let (registry, standings_moved) = judge_addresses(conn, registry).await?;
+    let (mut inputs, outcome) = match inputs::kept(conn, touched).await? {
+        Some(kept) => kept,
+        None => (load_inputs(conn).await?, inputs::Outcome::Loaded),
+    };
+    crate::metrics::count_render_inputs(outcome);
+    let model = Arc::clone(&inputs.model);
+    let registry = Arc::clone(&inputs.accepted);
+    // Judged on a load, which stores the standings that moved.
+    let standings_moved = outcome == inputs::Outcome::Loaded && judge_addresses(conn, &mut inputs).await?;
     let only = match standings_moved {
         true => None,
         false => narrowing(conn, &model, &registry, touched).await?,
@@ -264,7 +270,8 @@ async fn render_and_persist(
         notice::publish(conn, &notices).await?;
         changed = next.iter().map(|n| Changed { workload: n.workload, version: n.version }).collect();
     }
-    Ok(Rendering { model, registry, rendered, changed, narrowed: only.is_some() })
+    inputs::keep(conn, &inputs).await?;
+    Ok(Rendering { model, registry, rendered, changed, narrowed: only.is_some(), inputs: outcome })
 }
 
 /// Checks every policy about to be persisted against `bound`. Refusing, the first workload over
@@ -562,15 +569,25 @@ async fn store_sources(
     Ok(out)
 }
 
+/// The render's inputs loaded whole, their addresses judged as stored (not yet judged again).
+async fn load_inputs(conn: &mut PgConnection) -> Result<Inputs, Error> {
+    let model = store::load_model(conn).await?;
+    let registry = store::load_registry(conn).await?;
+    let accepted = accepted_only(&registry);
+    Ok(Inputs { model: Arc::new(model), registry: Arc::new(registry), accepted: Arc::new(accepted) })
+}
+
 /// Address trust: judges every live workload's reported addresses, stores the standings that
 /// changed (auditing each workload whose addresses were refused, came into conflict, or were
-/// accepted again), and returns the workloads with only their accepted addresses, to render.
-async fn judge_addresses(
-    conn: &mut PgConnection,
-    registry: store::Registry,
-) -> Result<(Vec<RegisteredWorkload>, bool), Error> {
-    let standings = standings(&registry);
+/// accepted again), and leaves `inputs` as stored after it: the standings, and the workloads
+/// with only their accepted addresses, to render. Returns whether any standing moved.
+async fn judge_addresses(conn: &mut PgConnection, inputs: &mut Inputs) -> Result<bool, Error> {
+    let registry = &inputs.registry;
+    let standings = standings(registry);
     let changes = addresses::changes(&registry.stored, &standings);
+    if changes.is_empty() {
+        return Ok(false);
+    }
     store::save_standings(conn, &changes).await?;
     let conflicts = addresses::conflicts(&standings);
     let mut noteworthy: BTreeMap<WorkloadId, Vec<serde_json::Value>> = BTreeMap::new();
@@ -593,8 +610,12 @@ async fn judge_addresses(
             .detail(serde_json::json!({"addresses": entries}));
         audit::write(conn, &record).await?;
     }
-    let moved = !changes.is_empty();
-    Ok((accepted_only(registry, &standings), moved))
+    // The workloads rendered are those of the standings just judged (`accepted_only`).
+    let registry = Arc::make_mut(&mut inputs.registry);
+    for &(w, address, standing) in &changes {
+        registry.stored.insert((w, address), Some(standing));
+    }
+    Ok(true)
 }
 
 /// The standing of every reported address of every live workload of `registry`.
@@ -607,11 +628,14 @@ fn standings(registry: &store::Registry) -> addresses::Standings {
     addresses::judge(&registry.estate, claims)
 }
 
-fn accepted_only(registry: store::Registry, standings: &addresses::Standings) -> Vec<RegisteredWorkload> {
+/// The live workloads of `registry` with only the addresses address trust accepts of their
+/// claims (judged again, not as stored).
+pub(crate) fn accepted_only(registry: &store::Registry) -> Vec<RegisteredWorkload> {
+    let standings = standings(registry);
     registry
         .workloads
-        .into_iter()
-        .map(|w| RegisteredWorkload { addresses: addresses::accepted(standings, w.id), ..w })
+        .iter()
+        .map(|w| RegisteredWorkload { addresses: addresses::accepted(&standings, w.id), ..w.clone() })
         .collect()
 }
 
@@ -619,8 +643,7 @@ fn accepted_only(registry: store::Registry, standings: &addresses::Standings) ->
 /// read without storing anything: for what-if renders inside a change (`safety::staged`).
 pub async fn registry_as_rendered(conn: &mut PgConnection) -> Result<Vec<RegisteredWorkload>, Error> {
     let registry = store::load_registry(conn).await?;
-    let standings = standings(&registry);
-    Ok(accepted_only(registry, &standings))
+    Ok(accepted_only(&registry))
 }
 
 #[cfg(test)]

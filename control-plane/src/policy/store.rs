@@ -12,6 +12,7 @@ use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::labels::{LabelKey, LabelValue};
 use innerwall_wire::policy::{Cidr, Mode, PortRange, Protocol, WorkloadPolicy};
 use serde::{Deserialize, Serialize};
+use sqlx::postgres::PgArguments;
 use sqlx::{PgConnection, PgPool, Row};
 use uuid::Uuid;
 
@@ -93,35 +94,8 @@ fn entries_from_rows(rows: Vec<(Protocol, Option<PortRange>)>) -> Result<Vec<Ser
 /// The whole authored model, in deterministic order.
 pub async fn load_model(conn: &mut PgConnection) -> Result<AuthoredModel, Error> {
     let mut model = AuthoredModel::default();
-
-    let mut entry_rows: BTreeMap<Uuid, Vec<(Protocol, Option<PortRange>)>> = BTreeMap::new();
-    for row in sqlx::query(
-        "SELECT service_id, protocol, port_start, port_end FROM service_entries ORDER BY service_id, ordinal",
-    )
-    .fetch_all(&mut *conn)
-    .await?
-    {
-        entry_rows.entry(row.get(0)).or_default().push(service_entry(row.get(1), row.get(2), row.get(3))?);
-    }
-    for row in sqlx::query("SELECT id, name FROM services").fetch_all(&mut *conn).await? {
-        let id: Uuid = row.get(0);
-        let entries = entries_from_rows(entry_rows.remove(&id).unwrap_or_default())?;
-        model.services.insert(id, Service { id, name: row.get(1), entries });
-    }
-
-    for row in sqlx::query("SELECT id, name FROM address_groups").fetch_all(&mut *conn).await? {
-        let id: Uuid = row.get(0);
-        model.address_groups.insert(id, AddressGroup { id, name: row.get(1), cidrs: BTreeSet::new() });
-    }
-    for row in
-        sqlx::query("SELECT group_id, cidr::text FROM address_group_cidrs").fetch_all(&mut *conn).await?
-    {
-        let id: Uuid = row.get(0);
-        let text: String = row.get(1);
-        if let Some(group) = model.address_groups.get_mut(&id) {
-            group.cidrs.insert(Cidr::parse_lenient(&text)?);
-        }
-    }
+    model.services = load_services(conn, None).await?;
+    model.address_groups = load_address_groups(conn, None).await?;
 
     let mut peers: BTreeMap<Uuid, Vec<Peer>> = BTreeMap::new();
     for row in sqlx::query(
@@ -190,6 +164,81 @@ pub async fn load_model(conn: &mut PgConnection) -> Result<AuthoredModel, Error>
         }
     }
     Ok(model)
+}
+
+/// `text` with its one parameter bound to `filter`, or without one.
+fn filtered<'q, T>(
+    text: &'static str,
+    filter: Option<&'q [T]>,
+) -> sqlx::query::Query<'q, sqlx::Postgres, PgArguments>
+where
+    T: sqlx::Type<sqlx::Postgres> + sqlx::postgres::PgHasArrayType + sqlx::Encode<'q, sqlx::Postgres> + Sync,
+{
+    match filter {
+        Some(filter) => sqlx::query(text).bind(filter),
+        None => sqlx::query(text),
+    }
+}
+
+/// The services of these names (`None`: every service), by id.
+pub async fn load_services(
+    conn: &mut PgConnection,
+    names: Option<&[String]>,
+) -> Result<BTreeMap<Uuid, Service>, Error> {
+    let mut entry_rows: BTreeMap<Uuid, Vec<(Protocol, Option<PortRange>)>> = BTreeMap::new();
+    // Two texts, not `$1 IS NULL OR …`: a prepared statement's generic plan of that scans.
+    let (entries, heads) = match names {
+        None => (
+            "SELECT service_id, protocol, port_start, port_end FROM service_entries ORDER BY service_id, ordinal",
+            "SELECT id, name FROM services",
+        ),
+        Some(_) => (
+            "SELECT e.service_id, e.protocol, e.port_start, e.port_end FROM service_entries e
+             JOIN services s ON s.id = e.service_id WHERE s.name = ANY($1) ORDER BY e.service_id, e.ordinal",
+            "SELECT id, name FROM services WHERE name = ANY($1)",
+        ),
+    };
+    for row in filtered(entries, names).fetch_all(&mut *conn).await? {
+        entry_rows.entry(row.get(0)).or_default().push(service_entry(row.get(1), row.get(2), row.get(3))?);
+    }
+    let mut services = BTreeMap::new();
+    for row in filtered(heads, names).fetch_all(&mut *conn).await? {
+        let id: Uuid = row.get(0);
+        let entries = entries_from_rows(entry_rows.remove(&id).unwrap_or_default())?;
+        services.insert(id, Service { id, name: row.get(1), entries });
+    }
+    Ok(services)
+}
+
+/// The address groups of these names (`None`: every group) with their CIDRs, by id.
+pub async fn load_address_groups(
+    conn: &mut PgConnection,
+    names: Option<&[String]>,
+) -> Result<BTreeMap<Uuid, AddressGroup>, Error> {
+    // Two texts, not `$1 IS NULL OR …`: a prepared statement's generic plan of that scans.
+    let (heads, cidrs) = match names {
+        None => {
+            ("SELECT id, name FROM address_groups", "SELECT group_id, cidr::text FROM address_group_cidrs")
+        }
+        Some(_) => (
+            "SELECT id, name FROM address_groups WHERE name = ANY($1)",
+            "SELECT group_id, cidr::text FROM address_group_cidrs WHERE group_id = ANY($1)",
+        ),
+    };
+    let mut groups = BTreeMap::new();
+    for row in filtered(heads, names).fetch_all(&mut *conn).await? {
+        let id: Uuid = row.get(0);
+        groups.insert(id, AddressGroup { id, name: row.get(1), cidrs: BTreeSet::new() });
+    }
+    let ids: Option<Vec<Uuid>> = names.map(|_| groups.keys().copied().collect());
+    for row in filtered(cidrs, ids.as_deref()).fetch_all(&mut *conn).await? {
+        let id: Uuid = row.get(0);
+        let text: String = row.get(1);
+        if let Some(group) = groups.get_mut(&id) {
+            group.cidrs.insert(Cidr::parse_lenient(&text)?);
+        }
+    }
+    Ok(groups)
 }
 
 /// A staged ruleset as stored (issue 31, FLOW-10).
@@ -293,7 +342,7 @@ pub fn management_set(cidrs: &[String], services: &[String]) -> Result<Managemen
 
 /// What a render reads about the registry: every live workload with its labels and every
 /// address it reported (accepted or not), and what address trust needs to judge those.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Registry {
     /// Live (not retired, not deny-listed) workloads in id order.
     pub workloads: Vec<RegisteredWorkload>,
@@ -306,17 +355,7 @@ pub struct Registry {
 }
 
 pub async fn load_registry(conn: &mut PgConnection) -> Result<Registry, Error> {
-    let mut labels: BTreeMap<Uuid, BTreeMap<LabelKey, LabelValue>> = BTreeMap::new();
-    for row in
-        sqlx::query("SELECT workload_id, key, value FROM workload_labels").fetch_all(&mut *conn).await?
-    {
-        let key: String = row.get(1);
-        let value: String = row.get(2);
-        labels.entry(row.get(0)).or_default().insert(
-            LabelKey::new(&key).map_err(ModelError::from)?,
-            LabelValue::new(&value).map_err(ModelError::from)?,
-        );
-    }
+    let mut labels = load_labels(conn, None).await?;
     let mut addresses: BTreeMap<Uuid, BTreeSet<IpAddr>> = BTreeMap::new();
     let mut standings = BTreeMap::new();
     for row in sqlx::query("SELECT workload_id, host(address), standing FROM workload_addresses")
@@ -368,6 +407,27 @@ pub async fn load_registry(conn: &mut PgConnection) -> Result<Registry, Error> {
     // Claims of retired and deny-listed workloads are not judged: they are not rendered.
     standings.retain(|(w, _), _| workloads.binary_search_by_key(w, |l| l.id).is_ok());
     Ok(Registry { workloads, narrowed, estate, stored: standings })
+}
+
+/// The labels of these workloads (`None`: of every workload) as stored, by workload.
+pub async fn load_labels(
+    conn: &mut PgConnection,
+    ids: Option<&[Uuid]>,
+) -> Result<BTreeMap<Uuid, BTreeMap<LabelKey, LabelValue>>, Error> {
+    let mut labels: BTreeMap<Uuid, BTreeMap<LabelKey, LabelValue>> = BTreeMap::new();
+    let text = match ids {
+        None => "SELECT workload_id, key, value FROM workload_labels",
+        Some(_) => "SELECT workload_id, key, value FROM workload_labels WHERE workload_id = ANY($1)",
+    };
+    for row in filtered(text, ids).fetch_all(&mut *conn).await? {
+        let key: String = row.get(1);
+        let value: String = row.get(2);
+        labels.entry(row.get(0)).or_default().insert(
+            LabelKey::new(&key).map_err(ModelError::from)?,
+            LabelValue::new(&value).map_err(ModelError::from)?,
+        );
+    }
+    Ok(labels)
 }
 
 fn stored_cidr(text: String) -> Result<Cidr, Error> {

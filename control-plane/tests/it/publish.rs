@@ -989,3 +989,143 @@ async fn a_group_or_service_edit_renders_only_what_names_it() {
     assert_eq!(done.changed, Vec::new());
     oracle().await;
 }
+
+/// Issue 33 (POL-7, PERF-1): a publish reuses the inputs its replica kept from the last one only
+/// when no other transaction wrote one since, and reads again only what its own change names;
+/// anything else loads them whole. (Debug builds also compare each reuse with a whole load and
+/// fail the publish if they differ, so every test here checks the contents too.)
+#[tokio::test]
+async fn kept_render_inputs_are_reused_only_while_true() {
+    use innerwall_control_plane::policy::inputs::Outcome;
+    use publish::Touched;
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    let db1 = register(pool, "db-1", &["app=db"], &["10.0.0.10"]).await;
+    let batch = register(pool, "batch-1", &["app=batch"], &["10.0.0.30"]).await;
+    service(pool, "postgres", &["tcp:5432"]).await;
+    create_ruleset(
+        pool,
+        &ruleset("db", "db", vec![PeerSpec::workloads(sel(&[("app", "web")]))], &["postgres"]),
+    )
+    .await;
+    // One transaction: `write` (its change touching `touched`), a publish, then commit or not.
+    let publish = async |touched: &[Touched], commit: bool, write: Write| {
+        let mut tx = pool.begin().await.unwrap();
+        match write {
+            Write::Nothing => {}
+            Write::Sql(sql) => {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(&mut *tx).await.unwrap();
+            }
+            Write::App(id, app) => set_app(&mut tx, id, app).await,
+        }
+        let rendering = publish::publish_touched(&mut tx, publish::Overflow::Refuse, touched).await.unwrap();
+        match commit {
+            true => tx.commit().await.unwrap(),
+            false => tx.rollback().await.unwrap(),
+        }
+        (rendering.inputs, rendering.changed)
+    };
+
+    // After a commit, a publish that wrote nothing reuses what it kept.
+    assert_eq!(publish(&[], true, Write::Nothing).await.0, Outcome::Kept);
+    assert_eq!(publish(&[], true, Write::Nothing).await.0, Outcome::Kept);
+
+    // A label edit reads that workload's labels again: batch-1 becomes a web server.
+    let before = version(pool, db1).await;
+    let (inputs, changed) = publish(&[Touched::Labels(batch)], true, Write::App(batch, "web")).await;
+    assert_eq!(inputs, Outcome::Refreshed);
+    assert_eq!(changed, vec![Changed { workload: db1, version: before + 1 }], "db-1 admits batch-1 now");
+
+    // A change rolled back leaves a generation no one commits: the next publish loads.
+    let (inputs, _) = publish(&[Touched::Labels(batch)], false, Write::App(batch, "batch")).await;
+    assert_eq!(inputs, Outcome::Refreshed);
+    let (inputs, changed) = publish(&[], true, Write::Nothing).await;
+    assert_eq!((inputs, changed), (Outcome::Loaded, Vec::new()), "the rolled-back edit left nothing");
+
+    // Another transaction's write, without a publish of this replica's: the next publish loads.
+    set_app(&mut *pool.acquire().await.unwrap(), batch, "batch").await;
+    let (inputs, changed) = publish(&[], true, Write::Nothing).await;
+    assert_eq!(inputs, Outcome::Loaded);
+    assert_eq!(changed, vec![Changed { workload: db1, version: before + 2 }], "the write is seen");
+    assert_eq!(publish(&[], true, Write::Nothing).await.0, Outcome::Kept);
+
+    // A write the change does not name (a table the touched edit does not write): load.
+    let (inputs, _) = publish(
+        &[Touched::Labels(batch)],
+        true,
+        Write::Sql(format!("UPDATE workloads SET mode = mode WHERE id = '{batch}'")),
+    )
+    .await;
+    assert_eq!(inputs, Outcome::Loaded);
+    let (inputs, _) = publish(&[Touched::Service("postgres".into())], true, Write::App(batch, "web")).await;
+    assert_eq!(inputs, Outcome::Loaded, "labels written, a service named");
+    assert_eq!(version(pool, db1).await, before + 3, "batch-1 is a web server again");
+    // A state write (heartbeat, sync state) is not an input.
+    sqlx::query("UPDATE workloads SET last_seen_at = now(), sync_state = sync_state WHERE id = $1")
+        .bind(batch.uuid())
+        .execute(pool)
+        .await
+        .unwrap();
+    assert_eq!(publish(&[], true, Write::Nothing).await.0, Outcome::Kept);
+
+    // A write after the publish in the same transaction names a newer generation.
+    let mut tx = pool.begin().await.unwrap();
+    publish::publish(&mut tx).await.unwrap();
+    set_app(&mut tx, batch, "batch").await;
+    tx.commit().await.unwrap();
+    let (inputs, changed) = publish(&[], true, Write::Nothing).await;
+    assert_eq!(inputs, Outcome::Loaded);
+    assert_eq!(changed, vec![Changed { workload: db1, version: before + 4 }]);
+
+    // A service edit reads that service again.
+    let (inputs, changed) = publish(
+        &[Touched::Service("postgres".into())],
+        true,
+        Write::Sql("UPDATE service_entries SET port_start = 5433, port_end = 5433".into()),
+    )
+    .await;
+    assert_eq!(inputs, Outcome::Refreshed);
+    assert_eq!(changed, vec![Changed { workload: db1, version: before + 5 }]);
+    let policy = store::persisted_policy(&mut pool.acquire().await.unwrap(), db1).await.unwrap().unwrap().0;
+    assert!(format!("{policy:?}").contains("5433"), "the edited port is rendered: {policy:?}");
+}
+
+/// Sets a workload's `app` label as `workload label` does, at its current label-set version.
+async fn set_app(conn: &mut sqlx::PgConnection, id: WorkloadId, app: &str) {
+    let version: i64 = sqlx::query_scalar("SELECT label_version FROM workloads WHERE id = $1")
+        .bind(id.uuid())
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    let label: Label = format!("app={app}").parse().unwrap();
+    authoring::change_labels(conn, id, version, &[label], &[]).await.unwrap();
+}
+
+/// What a transaction of `kept_render_inputs_are_reused_only_while_true` writes.
+enum Write {
+    Nothing,
+    Sql(String),
+    /// The workload's `app` label set to this, as `workload label` does.
+    App(WorkloadId, &'static str),
+}
+
+/// The trigger of migration 0041 takes the very render lock `publish` takes.
+#[tokio::test]
+async fn an_input_write_takes_the_render_lock() {
+    let db = fresh_database().await.unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO estate_ranges (cidr, description) VALUES ('10.9.0.0/16', 'x')")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let held: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()
+             AND ((classid::bigint << 32) | objid::bigint) = $1)",
+    )
+    .bind(publish::RENDER_LOCK_KEY)
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    assert!(held, "the render lock is held after a write to an input");
+    tx.rollback().await.unwrap();
+}

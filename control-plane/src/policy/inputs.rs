@@ -1,0 +1,228 @@
+//! The render's inputs kept between publishes (issue 33, POL-7, PERF-1). Loading the authored
+//! model and the registry whole costs a publish more than rendering the few workloads a small
+//! change touches (about 75 ms at 10,000 workloads), so the replica keeps what its last publish
+//! rendered from, named by the generation of the inputs it was (migration 0041): every statement
+//! that writes a table a render reads first takes the render lock and gives the generation a new
+//! random value, and tells its transaction what it wrote.
+//!
+//! Under the render lock a publish reuses what it kept only when the committed generation is
+//! still the one it kept (no other transaction, of this replica or another, changed an input
+//! since), and its own transaction wrote nothing, or only what the change it publishes names
+//! (`publish::Touched`: a workload's labels, an address group, a service) and can be read again
+//! alone. Anything else loads the inputs whole. What it keeps is named by the generation its own
+//! transaction leaves, so a rollback leaves a name no one commits, and the next publish loads.
+//!
+//! Debug builds (every test) load the inputs whole beside each reuse and fail the publish if the
+//! two differ.
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+use crate::error::Error;
+use crate::policy::model::{AuthoredModel, RegisteredWorkload};
+use crate::policy::publish::Touched;
+use crate::policy::store::{self, Registry};
+
+/// What a render reads, as the database holds it at `generation`.
+#[derive(Debug, Clone)]
+pub struct Inputs {
+    pub model: Arc<AuthoredModel>,
+    /// The registry with its stored address standings.
+    pub registry: Arc<Registry>,
+    /// The live workloads with only their accepted addresses: what is rendered.
+    pub accepted: Arc<Vec<RegisteredWorkload>>,
+}
+
+struct Kept {
+    generation: Uuid,
+    inputs: Inputs,
+}
+
+/// The kept inputs of each database this process renders for (one for a replica; a test
+/// process serves many), by the database's identity: its oid and the server's start. Only the
+/// generation decides whether they are still true; the identity only keeps databases apart.
+static KEPT: Mutex<Vec<(String, Kept)>> = Mutex::new(Vec::new());
+
+/// At most this many databases' inputs are kept (the oldest kept goes).
+const KEPT_DATABASES: usize = 16;
+
+fn take(database: &str) -> Option<Kept> {
+    let mut kept = KEPT.lock().expect("kept inputs lock");
+    let at = kept.iter().position(|(d, _)| d == database)?;
+    Some(kept.remove(at).1)
+}
+
+/// How a publish came by its inputs (`innerwall_render_inputs_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Kept from the last publish; nothing changed since.
+    Kept,
+    /// Kept, with what this change wrote read again.
+    Refreshed,
+    /// Loaded whole.
+    Loaded,
+}
+
+impl Outcome {
+    pub fn name(self) -> &'static str {
+        match self {
+            Outcome::Kept => "kept",
+            Outcome::Refreshed => "refreshed",
+            Outcome::Loaded => "loaded",
+        }
+    }
+}
+
+/// The generation and what the caller's transaction wrote since it began or last published.
+struct Written {
+    database: String,
+    generation: Uuid,
+    /// The generation before this transaction's writes; `None`: it wrote none.
+    base: Option<Uuid>,
+    tables: BTreeSet<String>,
+}
+
+async fn written(conn: &mut PgConnection) -> Result<Written, Error> {
+    type Row = (String, Uuid, Option<String>, Option<String>, Option<String>);
+    let (database, generation, pending, base, tables): Row = sqlx::query_as(
+        "SELECT (SELECT oid FROM pg_database WHERE datname = current_database())::text || '@'
+                    || pg_postmaster_start_time()::text,
+                generation, current_setting('innerwall.inputs_pending', true),
+                current_setting('innerwall.inputs_base', true), current_setting('innerwall.inputs_tables', true)
+         FROM render_inputs",
+    )
+    .fetch_one(&mut *conn)
+    .await?;
+    let base = match pending.as_deref() {
+        Some("yes") => {
+            let text = base.unwrap_or_default();
+            Some(
+                text.parse()
+                    .map_err(|_| Error::Corrupt { what: "render inputs generation", detail: text })?,
+            )
+        }
+        _ => None,
+    };
+    let tables = tables.unwrap_or_default().split(',').filter(|t| !t.is_empty()).map(String::from).collect();
+    Ok(Written { database, generation, base, tables })
+}
+
+/// The inputs kept from the last publish, brought up to what this transaction wrote, or `None`
+/// when they must be loaded whole. Called under the render lock.
+pub async fn kept(conn: &mut PgConnection, touched: &[Touched]) -> Result<Option<(Inputs, Outcome)>, Error> {
+    let written = written(conn).await?;
+    let Some(kept) = take(&written.database) else { return Ok(None) };
+    if kept.generation != written.base.unwrap_or(written.generation) {
+        return Ok(None);
+    }
+    let (inputs, outcome) = match written.base {
+        None => (kept.inputs, Outcome::Kept),
+        Some(_) => match refresh(conn, kept.inputs, &written.tables, touched).await? {
+            Some(inputs) => (inputs, Outcome::Refreshed),
+            None => return Ok(None),
+        },
+    };
+    if cfg!(debug_assertions) {
+        verify(conn, &inputs).await?;
+    }
+    Ok(Some((inputs, outcome)))
+}
+
+/// Keeps `inputs` as what the caller's transaction holds now; called at the end of a publish,
+/// after its own writes. A later write in the same transaction names a new generation.
+pub async fn keep(conn: &mut PgConnection, inputs: &Inputs) -> Result<(), Error> {
+    let (database, generation): (String, Uuid) = sqlx::query_as(
+        "SELECT (SELECT oid FROM pg_database WHERE datname = current_database())::text || '@'
+                    || pg_postmaster_start_time()::text,
+                generation
+         FROM render_inputs, set_config('innerwall.inputs_pending', '', true)",
+    )
+    .fetch_one(&mut *conn)
+    .await?;
+    let mut kept = KEPT.lock().expect("kept inputs lock");
+    kept.retain(|(d, _)| *d != database);
+    if kept.len() >= KEPT_DATABASES {
+        kept.remove(0);
+    }
+    kept.push((database, Kept { generation, inputs: inputs.clone() }));
+    Ok(())
+}
+
+/// `inputs` with what `touched` names read again, when the tables this transaction wrote are
+/// all what those edits write; `None` otherwise.
+async fn refresh(
+    conn: &mut PgConnection,
+    mut inputs: Inputs,
+    tables: &BTreeSet<String>,
+    touched: &[Touched],
+) -> Result<Option<Inputs>, Error> {
+    let mut labels = Vec::new();
+    let mut groups = Vec::new();
+    let mut services = Vec::new();
+    for t in touched {
+        match t {
+            Touched::Labels(id) => labels.push(id.uuid()),
+            Touched::AddressGroup(name) => groups.push(name.clone()),
+            Touched::Service(name) => services.push(name.clone()),
+        }
+    }
+    let covered = |table: &str| match table {
+        "workload_labels" => !labels.is_empty(),
+        "address_groups" | "address_group_cidrs" => !groups.is_empty(),
+        "services" | "service_entries" => !services.is_empty(),
+        _ => false,
+    };
+    // A staged ruleset resolves its groups and services by name when loaded.
+    let catalog = !groups.is_empty() || !services.is_empty();
+    if !tables.iter().all(|t| covered(t)) || (catalog && !inputs.model.staged.is_empty()) {
+        return Ok(None);
+    }
+    if catalog {
+        let model = Arc::make_mut(&mut inputs.model);
+        if !groups.is_empty() {
+            model.address_groups.retain(|_, g| !groups.contains(&g.name));
+            model.address_groups.extend(store::load_address_groups(conn, Some(&groups)).await?);
+        }
+        if !services.is_empty() {
+            model.services.retain(|_, s| !services.contains(&s.name));
+            model.services.extend(store::load_services(conn, Some(&services)).await?);
+        }
+    }
+    if !labels.is_empty() {
+        let mut now = store::load_labels(conn, Some(&labels)).await?;
+        let registry = Arc::make_mut(&mut inputs.registry);
+        let accepted = Arc::make_mut(&mut inputs.accepted);
+        for id in &labels {
+            let fresh = now.remove(id).unwrap_or_default();
+            for workloads in [&mut registry.workloads, &mut *accepted] {
+                if let Ok(at) = workloads.binary_search_by_key(id, |w| w.id.uuid()) {
+                    workloads[at].labels = fresh.clone();
+                }
+            }
+        }
+    }
+    Ok(Some(inputs))
+}
+
+/// Debug builds: the inputs kept equal the inputs loaded whole.
+async fn verify(conn: &mut PgConnection, inputs: &Inputs) -> Result<(), Error> {
+    let model = store::load_model(conn).await?;
+    let registry = store::load_registry(conn).await?;
+    let diverged = |what: &str| Error::Corrupt {
+        what: "kept render inputs",
+        detail: format!("the {what} kept differs from the {what} loaded"),
+    };
+    if *inputs.model != model {
+        return Err(diverged("model"));
+    }
+    if *inputs.registry != registry {
+        return Err(diverged("registry"));
+    }
+    if *inputs.accepted != crate::policy::publish::accepted_only(&registry) {
+        return Err(diverged("accepted registry"));
+    }
+    Ok(())
+}
