@@ -93,9 +93,11 @@ fn entries_from_rows(rows: Vec<(Protocol, Option<PortRange>)>) -> Result<Vec<Ser
 
 /// The whole authored model, in deterministic order.
 pub async fn load_model(conn: &mut PgConnection) -> Result<AuthoredModel, Error> {
-    let mut model = AuthoredModel::default();
-    model.services = load_services(conn, None).await?;
-    model.address_groups = load_address_groups(conn, None).await?;
+    let mut model = AuthoredModel {
+        services: load_services(conn, None).await?,
+        address_groups: load_address_groups(conn, None).await?,
+        ..AuthoredModel::default()
+    };
 
     let mut peers: BTreeMap<Uuid, Vec<Peer>> = BTreeMap::new();
     for row in sqlx::query(
