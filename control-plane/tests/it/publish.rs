@@ -1043,7 +1043,7 @@ async fn kept_render_inputs_are_reused_only_while_true() {
     assert_eq!((inputs, changed), (Outcome::Loaded, Vec::new()), "the rolled-back edit left nothing");
 
     // Another transaction's write, without a publish of this replica's: the next publish loads.
-    set_app(&mut *pool.acquire().await.unwrap(), batch, "batch").await;
+    set_app(&mut pool.acquire().await.unwrap(), batch, "batch").await;
     let (inputs, changed) = publish(&[], true, Write::Nothing).await;
     assert_eq!(inputs, Outcome::Loaded);
     assert_eq!(changed, vec![Changed { workload: db1, version: before + 2 }], "the write is seen");
