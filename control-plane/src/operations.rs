@@ -135,7 +135,8 @@ pub async fn create_ruleset(
     spec: &RulesetSpec,
     counts: &CountBounds,
 ) -> Result<Committed<()>, Error> {
-    commit(pool, actor, "ruleset.create", &spec.name, async |c| {
+    let touched = [Touched::Ruleset(spec.name.clone())];
+    commit_touching(pool, actor, "ruleset.create", &spec.name, &touched, async |c| {
         authoring::create_ruleset_within(c, spec, counts).await?;
         Ok(((), ruleset(spec)))
     })
@@ -150,7 +151,8 @@ pub async fn update_ruleset(
     spec: &RulesetSpec,
     expected: i64,
 ) -> Result<Committed<i64>, Error> {
-    commit(pool, actor, "ruleset.update", &spec.name, async |c| {
+    let touched = [Touched::Ruleset(spec.name.clone())];
+    commit_touching(pool, actor, "ruleset.update", &spec.name, &touched, async |c| {
         Ok((authoring::update_ruleset(c, spec, expected).await?, ruleset(spec)))
     })
     .await
@@ -163,7 +165,8 @@ pub async fn delete_ruleset(
     name: &str,
     expected: i64,
 ) -> Result<Committed<()>, Error> {
-    commit(pool, actor, "ruleset.delete", name, async |c| {
+    let touched = [Touched::Ruleset(name.to_owned())];
+    commit_touching(pool, actor, "ruleset.delete", name, &touched, async |c| {
         authoring::delete_ruleset(c, name, expected).await?;
         Ok(((), json!({})))
     })

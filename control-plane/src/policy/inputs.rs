@@ -15,15 +15,17 @@
 //! Debug builds (every test) load the inputs whole beside each reuse and fail the publish if the
 //! two differ.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
 use sqlx::PgConnection;
 use uuid::Uuid;
 
 use crate::error::Error;
-use crate::policy::model::{AuthoredModel, RegisteredWorkload};
+use crate::policy::model::{AuthoredModel, RegisteredWorkload, Ruleset};
+use crate::policy::narrow::Consumers;
 use crate::policy::publish::Touched;
+use crate::policy::render::LabelIndex;
 use crate::policy::store::{self, Registry};
 
 /// What a render reads, as the database holds it at `generation`.
@@ -34,6 +36,24 @@ pub struct Inputs {
     pub registry: Arc<Registry>,
     /// The live workloads with only their accepted addresses: what is rendered.
     pub accepted: Arc<Vec<RegisteredWorkload>>,
+    /// The label index of `accepted`.
+    pub labels: Arc<LabelIndex>,
+    /// The consumers of `model`'s rules (`narrow`).
+    pub consumers: Arc<Consumers>,
+}
+
+impl Inputs {
+    /// The inputs of this model and registry, `accepted` being the registry's workloads with
+    /// only their accepted addresses.
+    pub fn new(model: AuthoredModel, registry: Registry, accepted: Vec<RegisteredWorkload>) -> Inputs {
+        Inputs {
+            labels: Arc::new(LabelIndex::new(&accepted)),
+            consumers: Arc::new(Consumers::new(&model)),
+            model: Arc::new(model),
+            registry: Arc::new(registry),
+            accepted: Arc::new(accepted),
+        }
+    }
 }
 
 struct Kept {
@@ -110,25 +130,34 @@ async fn written(conn: &mut PgConnection) -> Result<Written, Error> {
     Ok(Written { database, generation, base, tables })
 }
 
+/// Inputs reused from the last publish ([`kept`]).
+#[derive(Debug)]
+pub struct Reused {
+    pub inputs: Inputs,
+    pub outcome: Outcome,
+    /// Each ruleset this transaction wrote (`Touched::Ruleset`) as it was before (`None`: new).
+    pub rulesets_before: BTreeMap<String, Option<Ruleset>>,
+}
+
 /// The inputs kept from the last publish, brought up to what this transaction wrote, or `None`
 /// when they must be loaded whole. Called under the render lock.
-pub async fn kept(conn: &mut PgConnection, touched: &[Touched]) -> Result<Option<(Inputs, Outcome)>, Error> {
+pub async fn kept(conn: &mut PgConnection, touched: &[Touched]) -> Result<Option<Reused>, Error> {
     let written = written(conn).await?;
     let Some(kept) = take(&written.database) else { return Ok(None) };
     if kept.generation != written.base.unwrap_or(written.generation) {
         return Ok(None);
     }
-    let (inputs, outcome) = match written.base {
-        None => (kept.inputs, Outcome::Kept),
+    let reused = match written.base {
+        None => Reused { inputs: kept.inputs, outcome: Outcome::Kept, rulesets_before: BTreeMap::new() },
         Some(_) => match refresh(conn, kept.inputs, &written.tables, touched).await? {
-            Some(inputs) => (inputs, Outcome::Refreshed),
+            Some(reused) => reused,
             None => return Ok(None),
         },
     };
     if cfg!(debug_assertions) {
-        verify(conn, &inputs).await?;
+        verify(conn, &reused.inputs).await?;
     }
-    Ok(Some((inputs, outcome)))
+    Ok(Some(reused))
 }
 
 /// Keeps `inputs` as what the caller's transaction holds now; called at the end of a publish,
@@ -158,29 +187,56 @@ async fn refresh(
     mut inputs: Inputs,
     tables: &BTreeSet<String>,
     touched: &[Touched],
-) -> Result<Option<Inputs>, Error> {
+) -> Result<Option<Reused>, Error> {
     let mut labels = Vec::new();
     let mut groups = Vec::new();
     let mut services = Vec::new();
+    let mut rulesets = Vec::new();
     for t in touched {
         match t {
             Touched::Labels(id) => labels.push(id.uuid()),
             Touched::AddressGroup(name) => groups.push(name.clone()),
             Touched::Service(name) => services.push(name.clone()),
+            Touched::Ruleset(name) => rulesets.push(name.clone()),
         }
     }
     let covered = |table: &str| match table {
         "workload_labels" => !labels.is_empty(),
         "address_groups" | "address_group_cidrs" => !groups.is_empty(),
         "services" | "service_entries" => !services.is_empty(),
+        "rulesets" | "rules" | "rule_peers" | "rule_services" => !rulesets.is_empty(),
         _ => false,
     };
-    // A staged ruleset resolves its groups and services by name when loaded.
-    let catalog = !groups.is_empty() || !services.is_empty();
-    if !tables.iter().all(|t| covered(t)) || (catalog && !inputs.model.staged.is_empty()) {
+    // A staged ruleset resolves its groups, services and the rule ids of the ruleset it
+    // replaces when loaded.
+    let authored = !groups.is_empty() || !services.is_empty() || !rulesets.is_empty();
+    if !tables.iter().all(|t| covered(t)) || (authored && !inputs.model.staged.is_empty()) {
         return Ok(None);
     }
-    if catalog {
+    let mut rulesets_before = BTreeMap::new();
+    if !rulesets.is_empty() {
+        let model = Arc::make_mut(&mut inputs.model);
+        let mut now: BTreeMap<String, Ruleset> = store::load_rulesets(conn, Some(&rulesets))
+            .await?
+            .into_iter()
+            .map(|r| (r.name.clone(), r))
+            .collect();
+        for name in &rulesets {
+            let at = model.rulesets.iter().position(|r| &r.name == name);
+            let before = at.map(|at| model.rulesets.remove(at));
+            if let Some(ruleset) = now.remove(name) {
+                // In the database's order of names (its collation, not Rust's): load_model's.
+                let at: i64 = sqlx::query_scalar("SELECT count(*) FROM rulesets WHERE name < $1")
+                    .bind(name)
+                    .fetch_one(&mut *conn)
+                    .await?;
+                model.rulesets.insert((at as usize).min(model.rulesets.len()), ruleset);
+            }
+            rulesets_before.entry(name.clone()).or_insert(before);
+        }
+        inputs.consumers = Arc::new(Consumers::new(model));
+    }
+    if !groups.is_empty() || !services.is_empty() {
         let model = Arc::make_mut(&mut inputs.model);
         if !groups.is_empty() {
             model.address_groups.retain(|_, g| !groups.contains(&g.name));
@@ -195,16 +251,19 @@ async fn refresh(
         let mut now = store::load_labels(conn, Some(&labels)).await?;
         let registry = Arc::make_mut(&mut inputs.registry);
         let accepted = Arc::make_mut(&mut inputs.accepted);
+        let index = Arc::make_mut(&mut inputs.labels);
         for id in &labels {
             let fresh = now.remove(id).unwrap_or_default();
-            for workloads in [&mut registry.workloads, &mut *accepted] {
-                if let Ok(at) = workloads.binary_search_by_key(id, |w| w.id.uuid()) {
-                    workloads[at].labels = fresh.clone();
-                }
+            if let Ok(at) = registry.workloads.binary_search_by_key(id, |w| w.id.uuid()) {
+                registry.workloads[at].labels = fresh.clone();
+            }
+            if let Ok(at) = accepted.binary_search_by_key(id, |w| w.id.uuid()) {
+                index.relabel(at, &accepted[at].labels, &fresh);
+                accepted[at].labels = fresh;
             }
         }
     }
-    Ok(Some(inputs))
+    Ok(Some(Reused { inputs, outcome: Outcome::Refreshed, rulesets_before }))
 }
 
 /// Debug builds: the inputs kept equal the inputs loaded whole.
@@ -221,8 +280,15 @@ async fn verify(conn: &mut PgConnection, inputs: &Inputs) -> Result<(), Error> {
     if *inputs.registry != registry {
         return Err(diverged("registry"));
     }
-    if *inputs.accepted != crate::policy::publish::accepted_only(&registry) {
+    let accepted = crate::policy::publish::accepted_only(&registry);
+    if *inputs.accepted != accepted {
         return Err(diverged("accepted registry"));
+    }
+    if *inputs.labels != LabelIndex::new(&accepted) {
+        return Err(diverged("label index"));
+    }
+    if *inputs.consumers != Consumers::new(&model) {
+        return Err(diverged("consumers index"));
     }
     Ok(())
 }

@@ -39,44 +39,53 @@ pub enum Change<'a> {
 
 /// Who renders a rule: the workloads a ruleset (or a staged ruleset) applies to, or a pinned
 /// workload.
-#[derive(Debug, Clone)]
-enum Applies<'m> {
-    Scopes(Vec<&'m Selector>),
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Applies {
+    Scopes(Vec<Selector>),
     Workload(WorkloadId),
 }
 
 /// A rule of a consumer: (consumer, rule) indices.
 type RuleAt = (usize, usize);
 
-/// The consumers of the model with the terms that find them.
-#[derive(Debug)]
-struct Index<'m> {
-    consumers: Vec<(Applies<'m>, Vec<&'m Rule>)>,
-    /// Label term → the (consumer, rule) pairs with a peer selector that names it, and the
-    /// selector.
-    by_term: BTreeMap<(&'m LabelKey, &'m LabelValue), Vec<(RuleAt, &'m Selector)>>,
+/// The consumers of a model with the terms that find them: an inverted index from label terms,
+/// address groups and services to the rulesets, staged rulesets and pins whose rules name them.
+/// Depends on the model's rules only, so a replica keeps it between renders (`policy::inputs`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Consumers {
+    applies: Vec<Applies>,
+    /// The peer selectors of the consumers' rules.
+    selectors: Vec<Selector>,
+    /// Label key → value → the (consumer, rule) pairs with a peer selector (an index into
+    /// `selectors`) that names the term.
+    by_term: BTreeMap<LabelKey, BTreeMap<LabelValue, Vec<(RuleAt, usize)>>>,
     by_group: BTreeMap<Uuid, BTreeSet<usize>>,
     by_service: BTreeMap<Uuid, BTreeSet<usize>>,
 }
 
-impl<'m> Index<'m> {
-    fn new(model: &'m AuthoredModel) -> Index<'m> {
-        let mut consumers: Vec<(Applies<'m>, Vec<&'m Rule>)> = Vec::new();
-        let enabled = |rs: &'m Ruleset| rs.rules.iter().filter(|r| r.enabled).collect::<Vec<_>>();
+impl Consumers {
+    pub fn new(model: &AuthoredModel) -> Consumers {
+        fn enabled(rs: &Ruleset) -> Vec<&Rule> {
+            rs.rules.iter().filter(|r| r.enabled).collect()
+        }
+        let mut consumers: Vec<(Applies, Vec<&Rule>)> = Vec::new();
         for rs in model.rulesets.iter().filter(|rs| rs.enabled) {
-            consumers.push((Applies::Scopes(vec![&rs.scope]), enabled(rs)));
+            consumers.push((Applies::Scopes(vec![rs.scope.clone()]), enabled(rs)));
         }
         for staged in &model.staged {
-            let mut scopes = vec![&staged.ruleset.scope];
-            scopes.extend(model.rulesets.iter().filter(|r| r.name == staged.ruleset.name).map(|r| &r.scope));
+            let mut scopes = vec![staged.ruleset.scope.clone()];
+            scopes.extend(
+                model.rulesets.iter().filter(|r| r.name == staged.ruleset.name).map(|r| r.scope.clone()),
+            );
             consumers.push((Applies::Scopes(scopes), enabled(&staged.ruleset)));
         }
         for (id, pin) in &model.pinned {
             let rules = pin.model.rulesets.iter().flat_map(|rs| &rs.rules).collect();
             consumers.push((Applies::Workload(*id), rules));
         }
-        let mut index = Index {
-            consumers: Vec::new(),
+        let mut index = Consumers {
+            applies: Vec::new(),
+            selectors: Vec::new(),
             by_term: BTreeMap::new(),
             by_group: BTreeMap::new(),
             by_service: BTreeMap::new(),
@@ -92,9 +101,12 @@ impl<'m> Index<'m> {
                             index.by_group.entry(*g).or_default().insert(c);
                         }
                         Peer::Workloads(selector) => {
+                            let at = index.selectors.len();
+                            index.selectors.push(selector.clone());
                             for (key, values) in selector.matches() {
+                                let by_value = index.by_term.entry(key.clone()).or_default();
                                 for value in values {
-                                    index.by_term.entry((key, value)).or_default().push(((c, r), selector));
+                                    by_value.entry(value.clone()).or_default().push(((c, r), at));
                                 }
                             }
                         }
@@ -103,7 +115,7 @@ impl<'m> Index<'m> {
                 }
             }
         }
-        index.consumers = consumers;
+        index.applies = consumers.into_iter().map(|(applies, _)| applies).collect();
         index
     }
 
@@ -111,9 +123,10 @@ impl<'m> Index<'m> {
     /// hold its addresses.
     fn selecting(&self, w: &RegisteredWorkload) -> BTreeSet<RuleAt> {
         let mut found = BTreeSet::new();
-        for term in &w.labels {
-            for (rule, selector) in self.by_term.get(&term).into_iter().flatten() {
-                if !found.contains(rule) && selector.selects(&w.labels) {
+        for (key, value) in &w.labels {
+            let Some(rules) = self.by_term.get(key).and_then(|values| values.get(value)) else { continue };
+            for (rule, selector) in rules {
+                if !found.contains(rule) && self.selectors[*selector].selects(&w.labels) {
                     found.insert(*rule);
                 }
             }
@@ -122,14 +135,24 @@ impl<'m> Index<'m> {
     }
 }
 
-/// The workloads of `workloads` (the registry after the changes) whose rendered policy
-/// `changes` can change, given `model` (the authored model after them).
+/// The workloads of `workloads` (the registry after the changes, in id order) whose rendered
+/// policy `changes` can change, given `model` (the authored model after them).
 pub fn affected(
     model: &AuthoredModel,
     workloads: &[RegisteredWorkload],
     changes: &[Change<'_>],
 ) -> BTreeSet<WorkloadId> {
-    let index = Index::new(model);
+    affected_indexed(model, workloads, &LabelIndex::new(workloads), &Consumers::new(model), changes)
+}
+
+/// [`affected`], with the [`LabelIndex`] of `workloads` and the [`Consumers`] of `model` at hand.
+pub fn affected_indexed(
+    model: &AuthoredModel,
+    workloads: &[RegisteredWorkload],
+    labels: &LabelIndex,
+    index: &Consumers,
+    changes: &[Change<'_>],
+) -> BTreeSet<WorkloadId> {
     let mut consumers: BTreeSet<usize> = BTreeSet::new();
     let mut scopes: Vec<&Selector> = Vec::new();
     let mut out: BTreeSet<WorkloadId> = BTreeSet::new();
@@ -157,21 +180,17 @@ pub fn affected(
         }
     }
     for c in consumers {
-        match &index.consumers[c].0 {
-            Applies::Scopes(s) => scopes.extend(s.iter().copied()),
+        match &index.applies[c] {
+            Applies::Scopes(s) => scopes.extend(s.iter()),
             Applies::Workload(id) => {
                 out.insert(*id);
             }
         }
     }
-    if !scopes.is_empty() {
-        let labels = LabelIndex::new(workloads);
-        for scope in scopes {
-            out.extend(labels.select(scope).into_iter().map(|i| workloads[i].id));
-        }
+    for scope in scopes {
+        out.extend(labels.select(scope).into_iter().map(|i| workloads[i].id));
     }
-    let live: BTreeSet<WorkloadId> = workloads.iter().map(|w| w.id).collect();
-    out.retain(|id| live.contains(id));
+    out.retain(|id| workloads.binary_search_by_key(id, |w| w.id).is_ok());
     out
 }
 
@@ -388,8 +407,19 @@ mod tests {
             }
             let full_before = render(&before, &workloads).unwrap();
             let full_after = render(&after, &registry).unwrap();
-            let touched = affected(&after, &registry, &changes);
-            let narrowed = render_only(&after, &registry, &touched).unwrap();
+            // The label index kept between renders follows a relabel by `relabel`.
+            let labels = match &edit {
+                Edit::Relabel(i, ..) => {
+                    let mut labels = LabelIndex::new(&workloads);
+                    labels.relabel(*i, &workloads[*i].labels, &registry[*i].labels);
+                    prop_assert_eq!(&labels, &LabelIndex::new(&registry));
+                    labels
+                }
+                _ => LabelIndex::new(&registry),
+            };
+            let touched = affected_indexed(&after, &registry, &labels, &Consumers::new(&after), &changes);
+            prop_assert_eq!(&touched, &affected(&after, &registry, &changes));
+            let narrowed = render_only(&after, &registry, &labels, &touched).unwrap();
             prop_assert_eq!(narrowed.len(), touched.len());
             for w in &registry {
                 if touched.contains(&w.id) {

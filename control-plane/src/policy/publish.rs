@@ -18,7 +18,7 @@ use crate::error::Error;
 use crate::notice::{self, Notice};
 use crate::policy::addresses::{self, Standing};
 use crate::policy::inputs::{self, Inputs};
-use crate::policy::model::{AuthoredModel, RegisteredWorkload};
+use crate::policy::model::{AuthoredModel, RegisteredWorkload, Ruleset};
 use crate::policy::narrow;
 use crate::policy::render::{Bound, Origin, Oversize, Rendered, oversize, render, render_only};
 use crate::policy::source::{Sources, source_digest};
@@ -136,6 +136,9 @@ pub enum Touched {
     AddressGroup(String),
     /// The service of this name was created, changed or deleted.
     Service(String),
+    /// The ruleset of this name was created, changed or deleted (narrowed when the replica
+    /// kept the inputs from before it: `policy::inputs`).
+    Ruleset(String),
 }
 
 /// [`publish_with`], keeping the pieces of the render ([`Rendering`]).
@@ -162,10 +165,11 @@ pub async fn publish_touched(
 /// The workloads a render of `touched` must render again, or `None` for all of them.
 async fn narrowing(
     conn: &mut PgConnection,
-    model: &AuthoredModel,
-    registry: &[RegisteredWorkload],
+    inputs: &Inputs,
+    rulesets_before: &BTreeMap<String, Option<Ruleset>>,
     touched: &[Touched],
 ) -> Result<Option<BTreeSet<WorkloadId>>, Error> {
+    let (model, registry) = (&*inputs.model, &*inputs.accepted);
     if touched.is_empty() {
         return Ok(None);
     }
@@ -180,6 +184,13 @@ async fn narrowing(
     for touched in touched {
         let id = match touched {
             Touched::Labels(id) => id,
+            // Its rules before: only from the inputs kept from before the change.
+            Touched::Ruleset(name) => {
+                let Some(before) = rulesets_before.get(name) else { return Ok(None) };
+                let after = model.rulesets.iter().find(|r| &r.name == name);
+                catalog.push(narrow::Change::Ruleset { before: before.as_ref(), after });
+                continue;
+            }
             // A staged ruleset names groups and services by name and is rendered once they
             // resolve: a new one may bring it in. Rare; render everything.
             Touched::AddressGroup(_) | Touched::Service(_) if !model.staged.is_empty() => return Ok(None),
@@ -229,7 +240,7 @@ async fn narrowing(
         })
         .chain(catalog)
         .collect();
-    Ok(Some(narrow::affected(model, registry, &changes)))
+    Ok(Some(narrow::affected_indexed(model, registry, &inputs.labels, &inputs.consumers, &changes)))
 }
 
 /// `publish` under the render lock: of every workload, or of those `touched` can touch.
@@ -238,9 +249,9 @@ async fn render_and_persist(
     overflow: Overflow,
     touched: &[Touched],
 ) -> Result<Rendering, Error> {
-    let (mut inputs, outcome) = match inputs::kept(conn, touched).await? {
-        Some(kept) => kept,
-        None => (load_inputs(conn).await?, inputs::Outcome::Loaded),
+    let (mut inputs, outcome, rulesets_before) = match inputs::kept(conn, touched).await? {
+        Some(reused) => (reused.inputs, reused.outcome, reused.rulesets_before),
+        None => (load_inputs(conn).await?, inputs::Outcome::Loaded, BTreeMap::new()),
     };
     crate::metrics::count_render_inputs(outcome);
     let model = Arc::clone(&inputs.model);
@@ -249,10 +260,10 @@ async fn render_and_persist(
     let standings_moved = outcome == inputs::Outcome::Loaded && judge_addresses(conn, &mut inputs).await?;
     let only = match standings_moved {
         true => None,
-        false => narrowing(conn, &model, &registry, touched).await?,
+        false => narrowing(conn, &inputs, &rulesets_before, touched).await?,
     };
     let rendered = match &only {
-        Some(only) => render_only(&model, &registry, only)?,
+        Some(only) => render_only(&model, &registry, &inputs.labels, only)?,
         None => render(&model, &registry)?,
     };
     let contents = contents_of(rendered.policies());
@@ -574,7 +585,7 @@ async fn load_inputs(conn: &mut PgConnection) -> Result<Inputs, Error> {
     let model = store::load_model(conn).await?;
     let registry = store::load_registry(conn).await?;
     let accepted = accepted_only(&registry);
-    Ok(Inputs { model: Arc::new(model), registry: Arc::new(registry), accepted: Arc::new(accepted) })
+    Ok(Inputs::new(model, registry, accepted))
 }
 
 /// Address trust: judges every live workload's reported addresses, stores the standings that

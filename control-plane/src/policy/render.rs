@@ -38,19 +38,54 @@ impl From<RenderError> for crate::error::Error {
 }
 
 /// Workloads by label, so a selector resolves by set intersection instead of a scan (POL-7).
-pub(crate) struct LabelIndex<'a> {
-    postings: BTreeMap<(&'a LabelKey, &'a LabelValue), Vec<usize>>,
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LabelIndex {
+    /// Key → value → the indices of the workloads with that label, ascending.
+    postings: BTreeMap<LabelKey, BTreeMap<LabelValue, Vec<usize>>>,
 }
 
-impl<'a> LabelIndex<'a> {
-    pub(crate) fn new(workloads: &'a [RegisteredWorkload]) -> Self {
-        let mut postings: BTreeMap<_, Vec<usize>> = BTreeMap::new();
+impl LabelIndex {
+    pub fn new(workloads: &[RegisteredWorkload]) -> Self {
+        let mut index = LabelIndex::default();
         for (i, w) in workloads.iter().enumerate() {
-            for (k, v) in &w.labels {
-                postings.entry((k, v)).or_default().push(i);
+            index.add(i, &w.labels);
+        }
+        index
+    }
+
+    fn add(&mut self, i: usize, labels: &BTreeMap<LabelKey, LabelValue>) {
+        for (k, v) in labels {
+            let list = self.postings.entry(k.clone()).or_default().entry(v.clone()).or_default();
+            if let Err(at) = list.binary_search(&i) {
+                list.insert(at, i);
             }
         }
-        LabelIndex { postings }
+    }
+
+    /// The workload at index `i` relabelled from `was` to `now`.
+    pub fn relabel(
+        &mut self,
+        i: usize,
+        was: &BTreeMap<LabelKey, LabelValue>,
+        now: &BTreeMap<LabelKey, LabelValue>,
+    ) {
+        for (k, v) in was {
+            let Some(values) = self.postings.get_mut(k) else { continue };
+            if let Some(list) = values.get_mut(v) {
+                list.retain(|&j| j != i);
+                if list.is_empty() {
+                    values.remove(v);
+                }
+            }
+            if values.is_empty() {
+                self.postings.remove(k);
+            }
+        }
+        self.add(i, now);
+    }
+
+    fn postings(&self, key: &LabelKey, value: &LabelValue) -> Option<&Vec<usize>> {
+        self.postings.get(key)?.get(value)
     }
 
     /// Indices of the workloads `selector` selects, ascending. Empty selector → none.
@@ -59,7 +94,7 @@ impl<'a> LabelIndex<'a> {
         for (key, values) in selector.matches() {
             let any_value: BTreeSet<usize> = values
                 .iter()
-                .filter_map(|v| self.postings.get(&(key, v)))
+                .filter_map(|v| self.postings(key, v))
                 .flat_map(|list| list.iter().copied())
                 .collect();
             result = Some(match result {
@@ -188,30 +223,33 @@ type ShareKey<'a> = (&'a [usize], Mode, Option<i64>, Option<&'a Management>);
 /// Renders the policy of every workload in `workloads` (the live, non-retired registry), with
 /// the staged set of each workload a staged ruleset touches (FLOW-10).
 pub fn render(model: &AuthoredModel, workloads: &[RegisteredWorkload]) -> Result<Rendered, RenderError> {
-    render_some(model, workloads, None)
+    render_some(model, workloads, &LabelIndex::new(workloads), None)
 }
 
 /// [`render`] of the workloads `only` names (POL-7's narrowed render: `policy::narrow` says
 /// which a change can touch), each exactly as the full render renders it: peers are still
-/// resolved against every workload of `workloads`.
+/// resolved against every workload of `workloads`, found through `index`, the
+/// [`LabelIndex`] of `workloads` (kept between renders: `policy::inputs`).
 pub fn render_only(
     model: &AuthoredModel,
     workloads: &[RegisteredWorkload],
+    index: &LabelIndex,
     only: &BTreeSet<WorkloadId>,
 ) -> Result<Rendered, RenderError> {
     let at: BTreeSet<usize> =
         workloads.iter().enumerate().filter(|(_, w)| only.contains(&w.id)).map(|(i, _)| i).collect();
-    render_some(model, workloads, Some(&at))
+    render_some(model, workloads, index, Some(&at))
 }
 
 fn render_some(
     model: &AuthoredModel,
     workloads: &[RegisteredWorkload],
+    index: &LabelIndex,
     only: Option<&BTreeSet<usize>>,
 ) -> Result<Rendered, RenderError> {
-    let mut rendered = render_in_force(model, workloads, only)?;
+    let mut rendered = render_in_force(model, workloads, index, only)?;
     if !model.staged.is_empty() {
-        stage(&mut rendered, model, workloads, only)?;
+        stage(&mut rendered, model, workloads, index, only)?;
     }
     Ok(rendered)
 }
@@ -221,10 +259,10 @@ fn render_some(
 fn render_in_force(
     model: &AuthoredModel,
     workloads: &[RegisteredWorkload],
+    index: &LabelIndex,
     only: Option<&BTreeSet<usize>>,
 ) -> Result<Rendered, RenderError> {
     let wanted = |i: &usize| only.is_none_or(|only| only.contains(i));
-    let index = LabelIndex::new(workloads);
     // Each enabled ruleset that selects anyone, resolved once; each workload's list of them.
     // Resolved rules and the model index of each ruleset resolved.
     let mut resolved: Vec<(Vec<ResolvedRule>, usize)> = Vec::new();
@@ -237,7 +275,7 @@ fn render_in_force(
         }
         let mut rules = Vec::new();
         for rule in ruleset.rules.iter().filter(|r| r.enabled) {
-            rules.extend(resolve_rule(model, workloads, &index, rule)?);
+            rules.extend(resolve_rule(model, workloads, index, rule)?);
         }
         for &i in &scope {
             selected_by[i].push(resolved.len());
@@ -255,7 +293,7 @@ fn render_in_force(
             // Its pinned source, every ruleset of it applied, peers resolved as they are now.
             let mut rules = Vec::new();
             for rule in pin.model.rulesets.iter().flat_map(|rs| &rs.rules) {
-                rules.extend(resolve_rule(&pin.model, workloads, &index, rule)?);
+                rules.extend(resolve_rule(&pin.model, workloads, index, rule)?);
             }
             out.push(w, management, rules, Origin::Pinned(w.id))?;
             continue;
@@ -305,10 +343,10 @@ fn stage(
     out: &mut Rendered,
     model: &AuthoredModel,
     workloads: &[RegisteredWorkload],
+    index: &LabelIndex,
     only: Option<&BTreeSet<usize>>,
 ) -> Result<(), RenderError> {
-    let pending = render_in_force(&model.with_staged(|_| true), workloads, only)?;
-    let index = LabelIndex::new(workloads);
+    let pending = render_in_force(&model.with_staged(|_| true), workloads, index, only)?;
     let mut touching: Vec<Vec<usize>> = vec![Vec::new(); workloads.len()];
     for (s, staged) in model.staged.iter().enumerate() {
         let replaced = model.rulesets.iter().find(|r| r.name == staged.ruleset.name);
@@ -366,7 +404,7 @@ fn failsafe_rules(management: &Management) -> Result<Vec<ResolvedRule>, RenderEr
 fn resolve_rule(
     model: &AuthoredModel,
     workloads: &[RegisteredWorkload],
-    index: &LabelIndex<'_>,
+    index: &LabelIndex,
     rule: &crate::policy::model::Rule,
 ) -> Result<Vec<ResolvedRule>, RenderError> {
     let policy_err = |source| RenderError::Policy { rule: rule.id, source };

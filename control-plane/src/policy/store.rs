@@ -99,60 +99,7 @@ pub async fn load_model(conn: &mut PgConnection) -> Result<AuthoredModel, Error>
         ..AuthoredModel::default()
     };
 
-    let mut peers: BTreeMap<Uuid, Vec<Peer>> = BTreeMap::new();
-    for row in sqlx::query(
-        "SELECT rule_id, selector, address_group_id, cidr::text FROM rule_peers ORDER BY rule_id, ordinal",
-    )
-    .fetch_all(&mut *conn)
-    .await?
-    {
-        let selector: Option<serde_json::Value> = row.get(1);
-        let group: Option<Uuid> = row.get(2);
-        let cidr: Option<String> = row.get(3);
-        let peer = match (selector, group, cidr) {
-            (Some(s), None, None) => Peer::Workloads(selector_from_json(s)?),
-            (None, Some(g), None) => Peer::AddressGroup(g),
-            (None, None, Some(c)) => Peer::Cidr(Cidr::parse_lenient(&c)?),
-            _ => {
-                return Err(Error::Corrupt { what: "rule peer", detail: "not exactly one kind".into() });
-            }
-        };
-        peers.entry(row.get(0)).or_default().push(peer);
-    }
-    let mut services_of: BTreeMap<Uuid, Vec<Uuid>> = BTreeMap::new();
-    for row in sqlx::query("SELECT rule_id, service_id FROM rule_services ORDER BY rule_id, service_id")
-        .fetch_all(&mut *conn)
-        .await?
-    {
-        services_of.entry(row.get(0)).or_default().push(row.get(1));
-    }
-    let mut rules_of: BTreeMap<Uuid, Vec<Rule>> = BTreeMap::new();
-    for row in sqlx::query("SELECT id, ruleset_id, name, enabled FROM rules ORDER BY ruleset_id, ordinal")
-        .fetch_all(&mut *conn)
-        .await?
-    {
-        let id: Uuid = row.get(0);
-        rules_of.entry(row.get(1)).or_default().push(Rule {
-            id,
-            name: row.get(2),
-            enabled: row.get(3),
-            peers: peers.remove(&id).unwrap_or_default(),
-            services: services_of.remove(&id).unwrap_or_default(),
-        });
-    }
-    for row in sqlx::query("SELECT id, name, enabled, scope FROM rulesets ORDER BY name")
-        .fetch_all(&mut *conn)
-        .await?
-    {
-        let id: Uuid = row.get(0);
-        model.rulesets.push(Ruleset {
-            id,
-            name: row.get(1),
-            enabled: row.get(2),
-            scope: selector_from_json(row.get(3))?,
-            rules: rules_of.remove(&id).unwrap_or_default(),
-        });
-    }
+    model.rulesets = load_rulesets(conn, None).await?;
     load_management(conn, &mut model).await?;
     load_pins(conn, &mut model).await?;
     for stored in staged_rulesets(conn).await? {
@@ -210,6 +157,72 @@ pub async fn load_services(
         services.insert(id, Service { id, name: row.get(1), entries });
     }
     Ok(services)
+}
+
+/// The rulesets of these names (`None`: every ruleset) with their rules, in name order.
+pub async fn load_rulesets(conn: &mut PgConnection, names: Option<&[String]>) -> Result<Vec<Ruleset>, Error> {
+    // Two texts each, not `$1 IS NULL OR …`: a prepared statement's generic plan of that scans.
+    let (peer_rows, service_rows, rule_rows, heads) = match names {
+        None => (
+            "SELECT rule_id, selector, address_group_id, cidr::text FROM rule_peers ORDER BY rule_id, ordinal",
+            "SELECT rule_id, service_id FROM rule_services ORDER BY rule_id, service_id",
+            "SELECT id, ruleset_id, name, enabled FROM rules ORDER BY ruleset_id, ordinal",
+            "SELECT id, name, enabled, scope FROM rulesets ORDER BY name",
+        ),
+        Some(_) => (
+            "SELECT p.rule_id, p.selector, p.address_group_id, p.cidr::text FROM rule_peers p
+             JOIN rules r ON r.id = p.rule_id JOIN rulesets s ON s.id = r.ruleset_id
+             WHERE s.name = ANY($1) ORDER BY p.rule_id, p.ordinal",
+            "SELECT v.rule_id, v.service_id FROM rule_services v
+             JOIN rules r ON r.id = v.rule_id JOIN rulesets s ON s.id = r.ruleset_id
+             WHERE s.name = ANY($1) ORDER BY v.rule_id, v.service_id",
+            "SELECT r.id, r.ruleset_id, r.name, r.enabled FROM rules r JOIN rulesets s ON s.id = r.ruleset_id
+             WHERE s.name = ANY($1) ORDER BY r.ruleset_id, r.ordinal",
+            "SELECT id, name, enabled, scope FROM rulesets WHERE name = ANY($1) ORDER BY name",
+        ),
+    };
+    let mut peers: BTreeMap<Uuid, Vec<Peer>> = BTreeMap::new();
+    for row in filtered(peer_rows, names).fetch_all(&mut *conn).await? {
+        let selector: Option<serde_json::Value> = row.get(1);
+        let group: Option<Uuid> = row.get(2);
+        let cidr: Option<String> = row.get(3);
+        let peer = match (selector, group, cidr) {
+            (Some(s), None, None) => Peer::Workloads(selector_from_json(s)?),
+            (None, Some(g), None) => Peer::AddressGroup(g),
+            (None, None, Some(c)) => Peer::Cidr(Cidr::parse_lenient(&c)?),
+            _ => {
+                return Err(Error::Corrupt { what: "rule peer", detail: "not exactly one kind".into() });
+            }
+        };
+        peers.entry(row.get(0)).or_default().push(peer);
+    }
+    let mut services_of: BTreeMap<Uuid, Vec<Uuid>> = BTreeMap::new();
+    for row in filtered(service_rows, names).fetch_all(&mut *conn).await? {
+        services_of.entry(row.get(0)).or_default().push(row.get(1));
+    }
+    let mut rules_of: BTreeMap<Uuid, Vec<Rule>> = BTreeMap::new();
+    for row in filtered(rule_rows, names).fetch_all(&mut *conn).await? {
+        let id: Uuid = row.get(0);
+        rules_of.entry(row.get(1)).or_default().push(Rule {
+            id,
+            name: row.get(2),
+            enabled: row.get(3),
+            peers: peers.remove(&id).unwrap_or_default(),
+            services: services_of.remove(&id).unwrap_or_default(),
+        });
+    }
+    let mut rulesets = Vec::new();
+    for row in filtered(heads, names).fetch_all(&mut *conn).await? {
+        let id: Uuid = row.get(0);
+        rulesets.push(Ruleset {
+            id,
+            name: row.get(1),
+            enabled: row.get(2),
+            scope: selector_from_json(row.get(3))?,
+            rules: rules_of.remove(&id).unwrap_or_default(),
+        });
+    }
+    Ok(rulesets)
 }
 
 /// The address groups of these names (`None`: every group) with their CIDRs, by id.
@@ -517,12 +530,12 @@ pub async fn load_latest_of(
     ids: Option<&BTreeSet<WorkloadId>>,
 ) -> Result<BTreeMap<WorkloadId, Latest>, Error> {
     let ids: Option<Vec<Uuid>> = ids.map(|ids| ids.iter().map(WorkloadId::uuid).collect());
-    let rows = sqlx::query(
-        "SELECT workload_id, version, digest FROM workload_policies WHERE $1::uuid[] IS NULL OR workload_id = ANY($1)",
-    )
-    .bind(&ids)
-    .fetch_all(&mut *conn)
-    .await?;
+    // Two texts, not `$1 IS NULL OR …`: a prepared statement's generic plan of that scans.
+    let text = match ids {
+        None => "SELECT workload_id, version, digest FROM workload_policies",
+        Some(_) => "SELECT workload_id, version, digest FROM workload_policies WHERE workload_id = ANY($1)",
+    };
+    let rows = filtered(text, ids.as_deref()).fetch_all(&mut *conn).await?;
     rows.into_iter()
         .map(|row| {
             Ok((

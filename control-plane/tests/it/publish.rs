@@ -1129,3 +1129,82 @@ async fn an_input_write_takes_the_render_lock() {
     assert!(held, "the render lock is held after a write to an input");
     tx.rollback().await.unwrap();
 }
+
+/// POL-7: a ruleset's create, update and delete render only the workloads its scope selects
+/// before or after (the rules before come from the inputs the replica kept); a full render
+/// afterwards changes nothing; a publish with the inputs loaded whole renders everything.
+#[tokio::test]
+async fn a_ruleset_edit_renders_only_what_it_selects() {
+    use innerwall_control_plane::counts::CountBounds;
+    use innerwall_control_plane::operations;
+    use innerwall_control_plane::policy::inputs::Outcome;
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    let db1 = register(pool, "db-1", &["app=db"], &["10.0.0.10"]).await;
+    let web = register(pool, "web-1", &["app=web"], &["10.0.0.20"]).await;
+    let cache = register(pool, "cache-1", &["app=cache"], &["10.0.0.40"]).await;
+    service(pool, "postgres", &["tcp:5432"]).await;
+    service(pool, "redis", &["tcp:6379"]).await;
+    create_ruleset(pool, &ruleset("cache", "cache", vec![PeerSpec::cidr("192.0.2.0/24")], &["redis"])).await;
+    let oracle = async || {
+        let mut tx = pool.begin().await.unwrap();
+        let rendering = publish::publish_rendering(&mut tx, publish::Overflow::Refuse).await.unwrap();
+        tx.rollback().await.unwrap();
+        assert_eq!(rendering.changed, Vec::new(), "the full render finds what the narrowed one persisted");
+    };
+    // One edit in a transaction of its own, published as `operations` publishes it.
+    let edit = async |spec: Option<&RulesetSpec>, name: &str| {
+        let mut tx = pool.begin().await.unwrap();
+        match spec {
+            Some(spec) => match authoring::update_ruleset(&mut tx, spec, 1).await {
+                Ok(_) => {}
+                Err(Error::NotFound { .. }) => {
+                    authoring::create_ruleset_within(&mut tx, spec, &CountBounds::default()).await.unwrap();
+                }
+                Err(e) => panic!("{e}"),
+            },
+            None => authoring::delete_ruleset(&mut tx, name, 2).await.unwrap(),
+        }
+        let touched = [publish::Touched::Ruleset(name.into())];
+        let rendering = publish::publish_touched(&mut tx, publish::Overflow::Refuse, &touched).await.unwrap();
+        tx.commit().await.unwrap();
+        (
+            rendering.inputs,
+            rendering.narrowed,
+            rendering.rendered.shares().map(|(w, _)| w).collect::<Vec<_>>(),
+        )
+    };
+    let (vdb, vweb, vcache) =
+        (version(pool, db1).await, version(pool, web).await, version(pool, cache).await);
+    // A new ruleset for db-1: only db-1 renders.
+    let db_rules = ruleset("db", "db", vec![PeerSpec::workloads(sel(&[("app", "web")]))], &["postgres"]);
+    assert_eq!(edit(Some(&db_rules), "db").await, (Outcome::Refreshed, true, vec![db1]));
+    oracle().await;
+    // Its scope moves to web-1: both render; db-1 loses the rules, web-1 gains them.
+    let moved = ruleset("db", "web", vec![PeerSpec::workloads(sel(&[("app", "web")]))], &["postgres"]);
+    let (inputs, narrowed, mut rendered) = edit(Some(&moved), "db").await;
+    rendered.sort();
+    let mut both = vec![db1, web];
+    both.sort();
+    assert_eq!((inputs, narrowed, rendered), (Outcome::Refreshed, true, both));
+    oracle().await;
+    assert_eq!(
+        (version(pool, db1).await, version(pool, web).await, version(pool, cache).await),
+        (vdb + 2, vweb + 1, vcache),
+        "cache-1 never rendered again"
+    );
+    // Deleted: web-1 alone renders, and loses the rules.
+    assert_eq!(edit(None, "db").await, (Outcome::Refreshed, true, vec![web]));
+    oracle().await;
+    assert_eq!(version(pool, web).await, vweb + 2);
+
+    // Through the operation (as the CLI and API edit), after another transaction's write: the
+    // inputs are loaded whole, the rules before are unknown, and everything renders.
+    sqlx::query("UPDATE estate_ranges SET description = 'x' WHERE cidr = '10.0.0.0/8'")
+        .execute(pool)
+        .await
+        .unwrap();
+    operations::create_ruleset(pool, "test", &db_rules, &CountBounds::default()).await.unwrap();
+    oracle().await;
+    assert_eq!(version(pool, db1).await, vdb + 3, "db-1 has its rules again");
+}
