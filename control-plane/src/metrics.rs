@@ -176,10 +176,31 @@ impl Refusal {
 struct Renders {
     duration: Histogram,
     changed: Histogram,
-    inputs: Labeled<crate::policy::inputs::Outcome, Counter>,
+    inputs: Labeled<RenderInputs, Counter>,
 }
 
-impl ClosedLabel for crate::policy::inputs::Outcome {
+/// How a publish came by its inputs (`innerwall_render_inputs_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RenderInputs {
+    /// Kept from the last publish; nothing changed since.
+    Kept,
+    /// Kept, with what this change wrote read again.
+    Refreshed,
+    /// Loaded whole.
+    Loaded,
+}
+
+impl RenderInputs {
+    pub fn name(self) -> &'static str {
+        match self {
+            RenderInputs::Kept => "kept",
+            RenderInputs::Refreshed => "refreshed",
+            RenderInputs::Loaded => "loaded",
+        }
+    }
+}
+
+impl ClosedLabel for RenderInputs {
     const KEY: &'static str = "inputs";
     const ALL: &'static [Self] = &[Self::Kept, Self::Refreshed, Self::Loaded];
     fn value(self) -> &'static str {
@@ -198,7 +219,7 @@ static RENDERS: LazyLock<Renders> = LazyLock::new(|| Renders {
 /// Records one render: how long it took (without waiting for the render lock) and how many
 /// workloads' versions it advanced.
 /// Counts how one render came by its inputs (`policy::inputs`).
-pub fn count_render_inputs(outcome: crate::policy::inputs::Outcome) {
+pub fn count_render_inputs(outcome: RenderInputs) {
     RENDERS.inputs.get(outcome).inc();
 }
 

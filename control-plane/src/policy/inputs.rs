@@ -22,9 +22,10 @@ use sqlx::PgConnection;
 use uuid::Uuid;
 
 use crate::error::Error;
+use crate::policy::addresses;
 use crate::policy::model::{AuthoredModel, RegisteredWorkload, Ruleset};
 use crate::policy::narrow::Consumers;
-use crate::policy::publish::Touched;
+use crate::policy::narrow::Touched;
 use crate::policy::render::LabelIndex;
 use crate::policy::store::{self, Registry};
 
@@ -75,26 +76,7 @@ fn take(database: &str) -> Option<Kept> {
     Some(kept.remove(at).1)
 }
 
-/// How a publish came by its inputs (`innerwall_render_inputs_total`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
-    /// Kept from the last publish; nothing changed since.
-    Kept,
-    /// Kept, with what this change wrote read again.
-    Refreshed,
-    /// Loaded whole.
-    Loaded,
-}
-
-impl Outcome {
-    pub fn name(self) -> &'static str {
-        match self {
-            Outcome::Kept => "kept",
-            Outcome::Refreshed => "refreshed",
-            Outcome::Loaded => "loaded",
-        }
-    }
-}
+pub use crate::metrics::RenderInputs as Outcome;
 
 /// The generation and what the caller's transaction wrote since it began or last published.
 struct Written {
@@ -280,7 +262,7 @@ async fn verify(conn: &mut PgConnection, inputs: &Inputs) -> Result<(), Error> {
     if *inputs.registry != registry {
         return Err(diverged("registry"));
     }
-    let accepted = crate::policy::publish::accepted_only(&registry);
+    let accepted = accepted_only(&registry);
     if *inputs.accepted != accepted {
         return Err(diverged("accepted registry"));
     }
@@ -291,4 +273,25 @@ async fn verify(conn: &mut PgConnection, inputs: &Inputs) -> Result<(), Error> {
         return Err(diverged("consumers index"));
     }
     Ok(())
+}
+
+/// The standing of every reported address of every live workload of `registry`.
+pub(crate) fn standings(registry: &Registry) -> addresses::Standings {
+    let claims = registry.workloads.iter().map(|w| addresses::Claim {
+        workload: w.id,
+        addresses: &w.addresses,
+        narrowed_to: registry.narrowed.get(&w.id).map_or(&[], Vec::as_slice),
+    });
+    addresses::judge(&registry.estate, claims)
+}
+
+/// The live workloads of `registry` with only the addresses address trust accepts of their
+/// claims (judged again, not as stored).
+pub(crate) fn accepted_only(registry: &Registry) -> Vec<RegisteredWorkload> {
+    let standings = standings(registry);
+    registry
+        .workloads
+        .iter()
+        .map(|w| RegisteredWorkload { addresses: addresses::accepted(&standings, w.id), ..w.clone() })
+        .collect()
 }

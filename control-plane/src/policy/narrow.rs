@@ -23,6 +23,22 @@ use uuid::Uuid;
 use crate::policy::model::{AuthoredModel, Peer, RegisteredWorkload, Rule, Ruleset, Selector};
 use crate::policy::render::LabelIndex;
 
+/// What a change touched, when the change says (POL-7): the publish then renders only the
+/// workloads it can touch (`affected`), not the estate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Touched {
+    /// The workload's labels were edited in this transaction (its label-history row closed in
+    /// it holds the labels before).
+    Labels(WorkloadId),
+    /// The address group of this name was created, changed or deleted.
+    AddressGroup(String),
+    /// The service of this name was created, changed or deleted.
+    Service(String),
+    /// The ruleset of this name was created, changed or deleted (narrowed when the replica
+    /// kept the inputs from before it: `policy::inputs`).
+    Ruleset(String),
+}
+
 /// One change a narrowed render is told of.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Change<'a> {

@@ -20,6 +20,7 @@ use crate::policy::addresses::{self, Standing};
 use crate::policy::inputs::{self, Inputs};
 use crate::policy::model::{AuthoredModel, RegisteredWorkload, Ruleset};
 use crate::policy::narrow;
+pub use crate::policy::narrow::Touched;
 use crate::policy::render::{Bound, Origin, Oversize, Rendered, oversize, render, render_only};
 use crate::policy::source::{Sources, source_digest};
 use crate::policy::store;
@@ -123,22 +124,6 @@ pub struct Rendering {
     pub narrowed: bool,
     /// How the render came by the model and registry (`policy::inputs`).
     pub inputs: inputs::Outcome,
-}
-
-/// What a change touched, when the change says (POL-7): the publish then renders only the
-/// workloads it can touch (`policy::narrow`), not the estate.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Touched {
-    /// The workload's labels were edited in this transaction (its label-history row closed in
-    /// it holds the labels before).
-    Labels(WorkloadId),
-    /// The address group of this name was created, changed or deleted.
-    AddressGroup(String),
-    /// The service of this name was created, changed or deleted.
-    Service(String),
-    /// The ruleset of this name was created, changed or deleted (narrowed when the replica
-    /// kept the inputs from before it: `policy::inputs`).
-    Ruleset(String),
 }
 
 /// [`publish_with`], keeping the pieces of the render ([`Rendering`]).
@@ -584,7 +569,7 @@ async fn store_sources(
 async fn load_inputs(conn: &mut PgConnection) -> Result<Inputs, Error> {
     let model = store::load_model(conn).await?;
     let registry = store::load_registry(conn).await?;
-    let accepted = accepted_only(&registry);
+    let accepted = inputs::accepted_only(&registry);
     Ok(Inputs::new(model, registry, accepted))
 }
 
@@ -594,7 +579,7 @@ async fn load_inputs(conn: &mut PgConnection) -> Result<Inputs, Error> {
 /// with only their accepted addresses, to render. Returns whether any standing moved.
 async fn judge_addresses(conn: &mut PgConnection, inputs: &mut Inputs) -> Result<bool, Error> {
     let registry = &inputs.registry;
-    let standings = standings(registry);
+    let standings = inputs::standings(registry);
     let changes = addresses::changes(&registry.stored, &standings);
     if changes.is_empty() {
         return Ok(false);
@@ -629,32 +614,11 @@ async fn judge_addresses(conn: &mut PgConnection, inputs: &mut Inputs) -> Result
     Ok(true)
 }
 
-/// The standing of every reported address of every live workload of `registry`.
-fn standings(registry: &store::Registry) -> addresses::Standings {
-    let claims = registry.workloads.iter().map(|w| addresses::Claim {
-        workload: w.id,
-        addresses: &w.addresses,
-        narrowed_to: registry.narrowed.get(&w.id).map_or(&[], Vec::as_slice),
-    });
-    addresses::judge(&registry.estate, claims)
-}
-
-/// The live workloads of `registry` with only the addresses address trust accepts of their
-/// claims (judged again, not as stored).
-pub(crate) fn accepted_only(registry: &store::Registry) -> Vec<RegisteredWorkload> {
-    let standings = standings(registry);
-    registry
-        .workloads
-        .iter()
-        .map(|w| RegisteredWorkload { addresses: addresses::accepted(&standings, w.id), ..w.clone() })
-        .collect()
-}
-
 /// The registry as the next render sees it (each workload with only its accepted addresses),
 /// read without storing anything: for what-if renders inside a change (`safety::staged`).
 pub async fn registry_as_rendered(conn: &mut PgConnection) -> Result<Vec<RegisteredWorkload>, Error> {
     let registry = store::load_registry(conn).await?;
-    Ok(accepted_only(&registry))
+    Ok(inputs::accepted_only(&registry))
 }
 
 #[cfg(test)]
