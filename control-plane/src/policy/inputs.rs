@@ -142,6 +142,15 @@ pub async fn kept(conn: &mut PgConnection, touched: &[Touched]) -> Result<Option
     Ok(Some(reused))
 }
 
+/// The inputs loaded whole: the workloads to render with the addresses address trust accepts of
+/// their claims now, the standings as stored (the publish stores those that moved).
+pub async fn load(conn: &mut PgConnection) -> Result<Inputs, Error> {
+    let model = store::load_model(conn).await?;
+    let registry = store::load_registry(conn).await?;
+    let accepted = accepted_only(&registry);
+    Ok(Inputs::new(model, registry, accepted))
+}
+
 /// Keeps `inputs` as what the caller's transaction holds now; called at the end of a publish,
 /// after its own writes. A later write in the same transaction names a new generation.
 pub async fn keep(conn: &mut PgConnection, inputs: &Inputs) -> Result<(), Error> {
@@ -250,26 +259,24 @@ async fn refresh(
 
 /// Debug builds: the inputs kept equal the inputs loaded whole.
 async fn verify(conn: &mut PgConnection, inputs: &Inputs) -> Result<(), Error> {
-    let model = store::load_model(conn).await?;
-    let registry = store::load_registry(conn).await?;
+    let loaded = load(conn).await?;
     let diverged = |what: &str| Error::Corrupt {
         what: "kept render inputs",
         detail: format!("the {what} kept differs from the {what} loaded"),
     };
-    if *inputs.model != model {
+    if inputs.model != loaded.model {
         return Err(diverged("model"));
     }
-    if *inputs.registry != registry {
+    if inputs.registry != loaded.registry {
         return Err(diverged("registry"));
     }
-    let accepted = accepted_only(&registry);
-    if *inputs.accepted != accepted {
+    if inputs.accepted != loaded.accepted {
         return Err(diverged("accepted registry"));
     }
-    if *inputs.labels != LabelIndex::new(&accepted) {
+    if inputs.labels != loaded.labels {
         return Err(diverged("label index"));
     }
-    if *inputs.consumers != Consumers::new(&model) {
+    if inputs.consumers != loaded.consumers {
         return Err(diverged("consumers index"));
     }
     Ok(())

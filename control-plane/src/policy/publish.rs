@@ -236,7 +236,7 @@ async fn render_and_persist(
 ) -> Result<Rendering, Error> {
     let (mut inputs, outcome, rulesets_before) = match inputs::kept(conn, touched).await? {
         Some(reused) => (reused.inputs, reused.outcome, reused.rulesets_before),
-        None => (load_inputs(conn).await?, inputs::Outcome::Loaded, BTreeMap::new()),
+        None => (inputs::load(conn).await?, inputs::Outcome::Loaded, BTreeMap::new()),
     };
     crate::metrics::count_render_inputs(outcome);
     let model = Arc::clone(&inputs.model);
@@ -563,14 +563,6 @@ async fn store_sources(
     .execute(&mut *conn)
     .await?;
     Ok(out)
-}
-
-/// The render's inputs loaded whole, their addresses judged as stored (not yet judged again).
-async fn load_inputs(conn: &mut PgConnection) -> Result<Inputs, Error> {
-    let model = store::load_model(conn).await?;
-    let registry = store::load_registry(conn).await?;
-    let accepted = inputs::accepted_only(&registry);
-    Ok(Inputs::new(model, registry, accepted))
 }
 
 /// Address trust: judges every live workload's reported addresses, stores the standings that

@@ -845,6 +845,16 @@ async fn contents_stored_with_their_version_inside_still_compare_and_read_back()
     assert_eq!(assert_history_obeys_contract(pool, host).await, 3);
 }
 
+/// The oracle of the narrowed-render tests: a full render, rolled back, finds what the narrowed
+/// ones persisted and changes nothing.
+async fn oracle(pool: &PgPool) -> publish::Rendering {
+    let mut tx = pool.begin().await.unwrap();
+    let rendering = publish::publish_rendering(&mut tx, publish::Overflow::Refuse).await.unwrap();
+    tx.rollback().await.unwrap();
+    assert_eq!(rendering.changed, Vec::new(), "the full render finds what the narrowed one persisted");
+    rendering
+}
+
 /// POL-7 on a real database: a label edit renders only the workloads it can touch, and what it
 /// persists is exactly what the full render persists. After each narrowed edit a full render
 /// (the oracle) changes nothing; the edit moved the versions of the peers that gained or lost
@@ -871,13 +881,7 @@ async fn a_label_edit_renders_only_what_it_touches() {
         &ruleset("cache", "cache", vec![PeerSpec::workloads(sel(&[("app", "batch")]))], &["redis"]),
     )
     .await;
-    let full_render_changes_nothing = async || {
-        let mut tx = pool.begin().await.unwrap();
-        let rendering = publish::publish_rendering(&mut tx, publish::Overflow::Refuse).await.unwrap();
-        tx.rollback().await.unwrap();
-        assert!(!rendering.narrowed);
-        assert_eq!(rendering.changed, Vec::new(), "the full render finds what the narrowed one persisted");
-    };
+    let full_render_changes_nothing = async || assert!(!oracle(pool).await.narrowed);
     let versions = async || {
         let mut out = Vec::new();
         for id in [db1, web, batch, cache] {
@@ -952,12 +956,6 @@ async fn a_group_or_service_edit_renders_only_what_names_it() {
         .unwrap();
     create_ruleset(pool, &ruleset("db", "db", vec![PeerSpec::address_group("vpn")], &["postgres"])).await;
     create_ruleset(pool, &ruleset("cache", "cache", vec![PeerSpec::cidr("192.0.2.0/24")], &["redis"])).await;
-    let oracle = async || {
-        let mut tx = pool.begin().await.unwrap();
-        let rendering = publish::publish_rendering(&mut tx, publish::Overflow::Refuse).await.unwrap();
-        tx.rollback().await.unwrap();
-        assert_eq!(rendering.changed, Vec::new(), "the full render finds what the narrowed one persisted");
-    };
     let (vdb, vcache) = (version(pool, db1).await, version(pool, cache).await);
     // A new group: no rule names it, nothing renders.
     let done = operations::create_address_group(
@@ -969,12 +967,12 @@ async fn a_group_or_service_edit_renders_only_what_names_it() {
     .await
     .unwrap();
     assert_eq!(done.changed, Vec::new());
-    oracle().await;
+    oracle(pool).await;
     // The group db's rule names: db-1 alone moves.
     let done =
         operations::update_address_group(pool, "test", &group("vpn", "10.10.0.0/16"), 1).await.unwrap();
     assert_eq!(done.changed, changed(&[(db1, vdb + 1)]));
-    oracle().await;
+    oracle(pool).await;
     // The service cache's rule names: cache-1 alone moves.
     let spec = ServiceSpec {
         name: "redis".into(),
@@ -983,11 +981,11 @@ async fn a_group_or_service_edit_renders_only_what_names_it() {
     };
     let done = operations::update_service(pool, "test", &spec, 1).await.unwrap();
     assert_eq!(done.changed, changed(&[(cache, vcache + 1)]));
-    oracle().await;
+    oracle(pool).await;
     // Deleting the unnamed group: nothing moves.
     let done = operations::delete_address_group(pool, "test", "spare", 1).await.unwrap();
     assert_eq!(done.changed, Vec::new());
-    oracle().await;
+    oracle(pool).await;
 }
 
 /// Issue 33 (POL-7, PERF-1): a publish reuses the inputs its replica kept from the last one only
@@ -1146,12 +1144,6 @@ async fn a_ruleset_edit_renders_only_what_it_selects() {
     service(pool, "postgres", &["tcp:5432"]).await;
     service(pool, "redis", &["tcp:6379"]).await;
     create_ruleset(pool, &ruleset("cache", "cache", vec![PeerSpec::cidr("192.0.2.0/24")], &["redis"])).await;
-    let oracle = async || {
-        let mut tx = pool.begin().await.unwrap();
-        let rendering = publish::publish_rendering(&mut tx, publish::Overflow::Refuse).await.unwrap();
-        tx.rollback().await.unwrap();
-        assert_eq!(rendering.changed, Vec::new(), "the full render finds what the narrowed one persisted");
-    };
     // One edit in a transaction of its own, published as `operations` publishes it.
     let edit = async |spec: Option<&RulesetSpec>, name: &str| {
         let mut tx = pool.begin().await.unwrap();
@@ -1179,7 +1171,7 @@ async fn a_ruleset_edit_renders_only_what_it_selects() {
     // A new ruleset for db-1: only db-1 renders.
     let db_rules = ruleset("db", "db", vec![PeerSpec::workloads(sel(&[("app", "web")]))], &["postgres"]);
     assert_eq!(edit(Some(&db_rules), "db").await, (Outcome::Refreshed, true, vec![db1]));
-    oracle().await;
+    oracle(pool).await;
     // Its scope moves to web-1: both render; db-1 loses the rules, web-1 gains them.
     let moved = ruleset("db", "web", vec![PeerSpec::workloads(sel(&[("app", "web")]))], &["postgres"]);
     let (inputs, narrowed, mut rendered) = edit(Some(&moved), "db").await;
@@ -1187,7 +1179,7 @@ async fn a_ruleset_edit_renders_only_what_it_selects() {
     let mut both = vec![db1, web];
     both.sort();
     assert_eq!((inputs, narrowed, rendered), (Outcome::Refreshed, true, both));
-    oracle().await;
+    oracle(pool).await;
     assert_eq!(
         (version(pool, db1).await, version(pool, web).await, version(pool, cache).await),
         (vdb + 2, vweb + 1, vcache),
@@ -1195,7 +1187,7 @@ async fn a_ruleset_edit_renders_only_what_it_selects() {
     );
     // Deleted: web-1 alone renders, and loses the rules.
     assert_eq!(edit(None, "db").await, (Outcome::Refreshed, true, vec![web]));
-    oracle().await;
+    oracle(pool).await;
     assert_eq!(version(pool, web).await, vweb + 2);
 
     // Through the operation (as the CLI and API edit), after another transaction's write: the
@@ -1205,6 +1197,6 @@ async fn a_ruleset_edit_renders_only_what_it_selects() {
         .await
         .unwrap();
     operations::create_ruleset(pool, "test", &db_rules, &CountBounds::default()).await.unwrap();
-    oracle().await;
+    oracle(pool).await;
     assert_eq!(version(pool, db1).await, vdb + 3, "db-1 has its rules again");
 }
