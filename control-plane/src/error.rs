@@ -115,11 +115,16 @@ fn database_unavailable(e: &sqlx::Error) -> bool {
 pub const RENDER_LOCK_HELD: &str = "the render lock stayed held past the lock timeout: another render, or a \
                                     client stalled in the middle of a change, holds it; nothing was written, retry";
 
+/// A lock timeout (`lock_not_available`): a lock stayed held past this transaction's `lock_timeout`.
+pub(crate) fn lock_not_available(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(d) if d.code().as_deref() == Some("55P03"))
+}
+
 /// A lock timeout in the trigger every write to a render's input runs (migration 0041), which
 /// takes the render lock first.
 fn waited_for_render_lock(e: &sqlx::Error) -> bool {
     let sqlx::Error::Database(d) = e else { return false };
-    d.code().as_deref() == Some("55P03")
+    lock_not_available(e)
         && d.try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
             .and_then(|pg| pg.r#where())
             .is_some_and(|w| w.contains("innerwall_render_inputs_written"))

@@ -143,13 +143,17 @@ async fn reload_ca_forever(signer: Arc<dyn Signer>) {
     }
 }
 
-/// Rolls up the records of closed hours every minute (FLOW-6), drops expired flow partitions
-/// hourly (FLOW-5) and then deletes the control plane's expired rows (`retention`); replicas
+/// Makes today's and tomorrow's flow partitions and rolls up the records of closed hours every
+/// minute (FLOW-6; ingest then finds its partitions made), drops expired flow partitions hourly (FLOW-5) and then deletes the control plane's expired rows (`retention`); replicas
 /// serialize on their locks.
 async fn flow_upkeep_forever(pool: PgPool, days: i64, retention: crate::retention::Retention) {
     let mut minutely = tokio::time::interval(Duration::from_secs(60));
     for minute in 0u64.. {
         minutely.tick().await;
+        let now = chrono::Utc::now();
+        if let Err(e) = crate::flows::create_partitions(&pool, now, now + chrono::Duration::days(1)).await {
+            tracing::warn!("creating the next flow partitions failed: {e:#}");
+        }
         if let Err(e) = crate::flows::roll_up(&pool, chrono::Utc::now()).await {
             tracing::warn!("flow roll-up failed: {e:#}");
         }

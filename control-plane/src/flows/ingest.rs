@@ -19,7 +19,7 @@ use serde::Serialize;
 use sqlx::{PgConnection, PgPool, Row};
 
 use super::installs;
-use super::retention::{PARTITION_LOCK_KEY, ensure_partitions, partitions};
+use super::retention::{PARTITION_LOCK_KEY, create_partitions};
 use crate::copy::{self, copy_in};
 use crate::error::Error;
 use crate::metrics::{Metrics, Refusal};
@@ -202,17 +202,8 @@ pub async fn ingest_with(
     skew: chrono::Duration,
 ) -> Result<Ingested, IngestError> {
     let (start, end) = (time(window.start_ms), time(window.end_ms));
-    let names: Vec<String> = partitions(start.date_naive()).into_iter().map(|(_, name)| name).collect();
-    let exists: bool =
-        sqlx::query_scalar("SELECT bool_and(to_regclass(n) IS NOT NULL) FROM unnest($1::text[]) AS n")
-            .bind(&names)
-            .fetch_one(pool)
-            .await?;
-    if !exists {
-        let mut tx = pool.begin().await?;
-        ensure_partitions(&mut tx, start, start).await?;
-        tx.commit().await?;
-    }
+    // Made ahead by the upkeep (`service`), so this normally finds them and locks nothing.
+    create_partitions(pool, start, start).await?;
 
     let totals = window_totals(&window.records).map_err(IngestError::Other)?;
     let mut tx = pool.begin().await?;

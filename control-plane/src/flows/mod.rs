@@ -18,6 +18,9 @@ pub use hourly::{ROLLUP_BATCH_RECORDS, ROLLUP_BATCH_WINDOWS, roll_up};
 pub use ingest::{IngestError, Ingested, OnBlocked, Telemetry, TimeBounds, ingest, ingest_with};
 pub use page::{MAX_PAGE, Page, PageRequest};
 pub use query::{FlowRow, GapRow, RecordFilter, WindowTotals, gaps, list, window_totals};
-pub use retention::{DEFAULT_RETENTION_DAYS, RETENTION_BATCH, apply_retention, ensure_partitions};
+pub use retention::{
+    DDL_LOCK_TIMEOUT, DEFAULT_RETENTION_DAYS, RETENTION_BATCH, apply_retention, create_partitions,
+    ensure_partitions,
+};
 pub use rollup::{Grouping, RollupFilter, RollupRow, parse_selector, rollup, workloads_in};
 pub(crate) use rollup::{Source, sources};

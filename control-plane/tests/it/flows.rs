@@ -1220,3 +1220,66 @@ async fn map_edges_equal_the_raw_records_rolled_up_or_not() {
     let err = flows::edges(&db.pool, to, to, 1).await.unwrap_err().to_string();
     assert!(err.contains("is empty"), "{err}");
 }
+
+/// Creating a day's partitions locks each parent table exclusively in turn. While a reader holds
+/// one of them (a records page holds `flow_records`, then reads `flow_windows`), creation must not
+/// sit on the tables it already took: it gives them back within its lock timeout, so other readers
+/// pass (and none is the victim of a deadlock), and it says busy rather than waiting without end.
+#[tokio::test]
+async fn partition_changes_yield_to_readers() {
+    let db = fresh_database().await.unwrap();
+    let day = chrono::Utc::now() + chrono::Duration::days(3);
+    // A long read of flow_records, open throughout.
+    let mut reader = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM flow_records LIMIT 0").execute(&mut *reader).await.unwrap();
+
+    let creating = tokio::spawn({
+        let pool = db.pool.clone();
+        async move { flows::create_partitions(&pool, day, day).await }
+    });
+    // Creation has made the day's flow_windows partition and waits for flow_records.
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'flow_records'::regclass",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        assert!(!creating.is_finished(), "creation finished without waiting: {:?}", creating.await);
+        tokio::task::yield_now().await;
+    }
+    // Another reader of flow_windows passes while the first is still open (the bound only guards
+    // against a hang: without the lock timeout this waits for ever).
+    let windows = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM flow_windows").fetch_one(&db.pool),
+    )
+    .await
+    .expect("a reader of flow_windows queued behind a waiting partition change")
+    .unwrap();
+    assert_eq!(windows, 0);
+
+    // Creation gives up, busy, with the first reader still open: it never made the day.
+    let refused = creating.await.unwrap().expect_err("creation cannot take flow_records");
+    assert_eq!(refused.kind(), innerwall_control_plane::error::Kind::Busy, "{refused}");
+    let made: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
+        .bind(format!("flow_windows_{}", day.format("%Y%m%d")))
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(made, None, "the day's partitions came as a whole or not at all");
+
+    // Once the reader is done, the same call makes them, and a second call finds them.
+    reader.commit().await.unwrap();
+    flows::create_partitions(&db.pool, day, day).await.unwrap();
+    flows::create_partitions(&db.pool, day, day).await.unwrap();
+    let made: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_class WHERE relname LIKE '%\\_' || $1")
+        .bind(day.format("%Y%m%d").to_string())
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(made, 7, "one partition of each of the seven flow tables");
+}
