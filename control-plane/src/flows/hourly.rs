@@ -10,7 +10,14 @@
 //! the job deletes the last hours older than every rollup left. Ingest writes nothing of this (PERF-7), and reviews stay
 //! exact at every moment: they read the rollups of windows marked and the raw records of the
 //! rest. The raw records remain the source of truth; rollups expire with them (`retention`).
-
+//!
+//! A batch is two statements in one transaction: the first marks the windows and writes
+//! `flow_rollups`, keeping the rows it wrote in a temporary table (dropped at commit); the second
+//! sums that table into the other four. Written as one statement (until issue 33), the planner
+//! saw the rows a data-modifying CTE returns as one row and joined every rollup row with every
+//! destination workload (4 of 6 s in a batch of 35,000 records); a temporary table is planned by
+//! its real size. What a batch costs now is mostly per rollup row written: the six indexes of
+//! `flow_rollups`, the key-day upsert and the trigger's upsert (PERF-8 in BENCHMARKS.md).
 use chrono::{DateTime, DurationRound, TimeDelta, Utc};
 use sqlx::PgPool;
 
@@ -18,9 +25,11 @@ use super::retention::PARTITION_LOCK_KEY;
 use crate::error::Error;
 
 /// At most this many windows are rolled up in one transaction…
-pub const ROLLUP_BATCH_WINDOWS: i64 = 5_000;
-/// …and at most about this many records (a window is never split).
-pub const ROLLUP_BATCH_RECORDS: i64 = 500_000;
+pub const ROLLUP_BATCH_WINDOWS: i64 = 50_000;
+/// …and at most about this many records (a window is never split): a batch's first statement
+/// stays well inside the statement bound of the pool the job runs on (ingest's, 30 s) at the
+/// 25,000–40,000 rollup rows/s this machine writes, also when little of a batch compresses.
+pub const ROLLUP_BATCH_RECORDS: i64 = 200_000;
 
 /// Key of the transaction-scoped advisory lock the roll-up job takes ("iw-rollu"): one replica
 /// rolls up at a time; the others skip their turn.
@@ -61,6 +70,19 @@ pub async fn roll_up(pool: &PgPool, now: DateTime<Utc>) -> Result<u64, Error> {
             .execute(&mut *tx)
             .await?;
         }
+        sqlx::query("SET LOCAL work_mem = '64MB'").execute(&mut *tx).await?;
+        sqlx::query(
+            "CREATE TEMPORARY TABLE flow_rollup_batch (
+                hour timestamptz, policy_version bigint, decision smallint, matched_rule_id text, records bigint,
+                new_connections bigint, packets bigint, bytes bigint, first_seen timestamptz,
+                last_seen timestamptz, workload_id uuid, src_address inet, peer_kind smallint, peer_key text,
+                peer_digest uuid, dst_port integer, protocol smallint, peer_labels jsonb) ON COMMIT DROP",
+        )
+        .persistent(false)
+        .execute(&mut *tx)
+        .await?;
+        // The pending windows are looked up in the partitions of the candidates' days only (the
+        // bounds from `oldest`), not in every partition with a window pending.
         let windows: i64 = sqlx::query_scalar(
             "WITH oldest AS (
                 SELECT workload_id, window_id, window_start, record_count FROM flow_windows
@@ -73,6 +95,8 @@ pub async fn roll_up(pool: &PgPool, now: DateTime<Utc>) -> Result<u64, Error> {
                 UPDATE flow_windows w SET rolled_up = true FROM candidates c
                 WHERE c.before < $3 AND w.workload_id = c.workload_id AND w.window_id = c.window_id
                   AND w.window_start = c.window_start AND NOT w.rolled_up
+                  AND w.window_start >= (SELECT min(window_start) FROM oldest)
+                  AND w.window_start <= (SELECT max(window_start) FROM oldest)
                 RETURNING w.workload_id, w.window_id, w.window_start),
              added AS (
                 INSERT INTO flow_rollups (hour, workload_id, policy_version, decision, matched_rule_id, peer_kind,
@@ -88,50 +112,61 @@ pub async fn roll_up(pool: &PgPool, now: DateTime<Utc>) -> Result<u64, Error> {
                 RETURNING hour, policy_version, decision, matched_rule_id, records, new_connections, packets, bytes,
                           first_seen, last_seen, workload_id, src_address, peer_kind, peer_key, peer_digest, dst_port,
                           protocol, peer_labels),
-             destinations AS (
-                SELECT a.workload_id, COALESCE((SELECT jsonb_object_agg(l.key, l.value) FROM workload_labels l
-                                                WHERE l.workload_id = a.workload_id), '{}'::jsonb) AS labels
-                FROM (SELECT DISTINCT workload_id FROM added) AS a),
-             label_sets AS (
-                INSERT INTO flow_label_sets (digest, labels)
-                SELECT md5(labels::text)::uuid, labels FROM destinations
-                UNION SELECT peer_digest, peer_labels FROM added WHERE peer_kind = 1
-                ON CONFLICT DO NOTHING),
-             by_edge AS (
-                INSERT INTO flow_edge_hours AS e (hour, dst_digest, peer_kind, peer_group, decision, records,
-                    new_connections)
-                SELECT a.hour, md5(d.labels::text)::uuid, a.peer_kind,
-                       CASE a.peer_kind WHEN 1 THEN a.peer_digest::text WHEN 2 THEN a.peer_key ELSE '' END,
-                       a.decision, sum(a.records), sum(a.new_connections)
-                FROM added a JOIN destinations d ON d.workload_id = a.workload_id
-                GROUP BY 1, 2, 3, 4, 5
-                ON CONFLICT (hour, dst_digest, peer_kind, peer_group, decision)
-                DO UPDATE SET records = e.records + EXCLUDED.records,
-                              new_connections = e.new_connections + EXCLUDED.new_connections),
-             by_key AS (
-                INSERT INTO flow_key_days AS d (day, workload_id, src_address, peer_kind, peer_key, peer_digest,
-                    dst_port, protocol, records, new_connections, first_seen, last_seen)
-                SELECT date_trunc('day', hour, 'UTC'), workload_id, src_address, peer_kind, peer_key, peer_digest,
-                       dst_port, protocol, sum(records), sum(new_connections), min(first_seen), max(last_seen)
-                FROM added GROUP BY 1, 2, 3, 4, 5, 6, 7, 8
-                ON CONFLICT (workload_id, src_address, peer_kind, peer_key, peer_digest, dst_port, protocol, day)
-                DO UPDATE SET records = d.records + EXCLUDED.records,
-                              new_connections = d.new_connections + EXCLUDED.new_connections,
-                              first_seen = least(d.first_seen, EXCLUDED.first_seen),
-                              last_seen = greatest(d.last_seen, EXCLUDED.last_seen)),
-             by_rule AS (
-                INSERT INTO flow_rule_rollups (hour, policy_version, decision, matched_rule_id, records,
-                    new_connections, packets, bytes, first_seen, last_seen)
-                SELECT hour, policy_version, decision, matched_rule_id, sum(records), sum(new_connections),
-                       sum(packets), sum(bytes), min(first_seen), max(last_seen)
-                FROM added GROUP BY 1, 2, 3, 4)
+             staged AS (INSERT INTO pg_temp.flow_rollup_batch SELECT * FROM added)
              SELECT count(*) FROM marked",
         )
         .bind(horizon)
         .bind(ROLLUP_BATCH_WINDOWS)
         .bind(ROLLUP_BATCH_RECORDS)
+        .persistent(false)
         .fetch_one(&mut *tx)
         .await?;
+        if windows > 0 {
+            sqlx::query(
+                "WITH destinations AS (
+                    SELECT workload_id, labels, md5(labels::text)::uuid AS digest
+                    FROM (SELECT a.workload_id,
+                                 COALESCE((SELECT jsonb_object_agg(l.key, l.value) FROM workload_labels l
+                                           WHERE l.workload_id = a.workload_id), '{}'::jsonb) AS labels
+                          FROM (SELECT DISTINCT workload_id FROM pg_temp.flow_rollup_batch) AS a) AS w),
+                 label_sets AS (
+                    INSERT INTO flow_label_sets (digest, labels)
+                    SELECT digest, labels FROM destinations
+                    UNION SELECT peer_digest, peer_labels FROM pg_temp.flow_rollup_batch WHERE peer_kind = 1
+                    ON CONFLICT DO NOTHING),
+                 by_edge AS (
+                    INSERT INTO flow_edge_hours AS e (hour, dst_digest, peer_kind, peer_group, decision, records,
+                        new_connections)
+                    SELECT a.hour, d.digest, a.peer_kind,
+                           CASE a.peer_kind WHEN 1 THEN a.peer_digest::text WHEN 2 THEN a.peer_key ELSE '' END,
+                           a.decision, sum(a.records), sum(a.new_connections)
+                    FROM pg_temp.flow_rollup_batch a JOIN destinations d ON d.workload_id = a.workload_id
+                    GROUP BY 1, 2, 3, 4, 5
+                    ON CONFLICT (hour, dst_digest, peer_kind, peer_group, decision)
+                    DO UPDATE SET records = e.records + EXCLUDED.records,
+                                  new_connections = e.new_connections + EXCLUDED.new_connections),
+                 by_key AS (
+                    INSERT INTO flow_key_days AS d (day, workload_id, src_address, peer_kind, peer_key, peer_digest,
+                        dst_port, protocol, records, new_connections, first_seen, last_seen)
+                    SELECT date_trunc('day', hour, 'UTC'), workload_id, src_address, peer_kind, peer_key,
+                           peer_digest, dst_port, protocol, sum(records), sum(new_connections), min(first_seen),
+                           max(last_seen)
+                    FROM pg_temp.flow_rollup_batch GROUP BY 1, 2, 3, 4, 5, 6, 7, 8
+                    ON CONFLICT (workload_id, src_address, peer_kind, peer_key, peer_digest, dst_port, protocol, day)
+                    DO UPDATE SET records = d.records + EXCLUDED.records,
+                                  new_connections = d.new_connections + EXCLUDED.new_connections,
+                                  first_seen = least(d.first_seen, EXCLUDED.first_seen),
+                                  last_seen = greatest(d.last_seen, EXCLUDED.last_seen))
+                 INSERT INTO flow_rule_rollups (hour, policy_version, decision, matched_rule_id, records,
+                    new_connections, packets, bytes, first_seen, last_seen)
+                 SELECT hour, policy_version, decision, matched_rule_id, sum(records), sum(new_connections),
+                        sum(packets), sum(bytes), min(first_seen), max(last_seen)
+                 FROM pg_temp.flow_rollup_batch GROUP BY 1, 2, 3, 4",
+            )
+            .persistent(false)
+            .execute(&mut *tx)
+            .await?;
+        }
         tx.commit().await?;
         total += windows as u64;
         if windows == 0 {
