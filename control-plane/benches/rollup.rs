@@ -12,10 +12,15 @@
 //! Then `VACUUM ANALYZE`, as autovacuum would. Runs on the test harness's server (not durable; reads are
 //! what is measured).
 //!
-//! `INNERWALL_BENCH_RECORDS` sets the size (default 10,000,000; e.g. 200000 for a quick check).
+//! `INNERWALL_BENCH_RECORDS` sets the size (default 10,000,000; e.g. 200000 for a quick check), in
+//! windows of 7 records; `INNERWALL_BENCH_WINDOWS` sets the number of windows instead and
+//! `INNERWALL_BENCH_RECORDS_PER_WINDOW` their records (e.g. 10,000,000 windows of 1 record, the
+//! "10 M windows" of PERF-8 in a size this machine's disk holds). The roll-up's records/s is
+//! printed as a figure of its own (goal ≥ 200,000).
 //! `INNERWALL_BENCH_KEEP=1` with `INNERWALL_TEST_DATABASE_URL` leaves the loaded database on that
 //! server (its URL is printed) to look at plans with `EXPLAIN`; `INNERWALL_BENCH_REUSE=<url>`
-//! measures such a database again without loading it.
+//! measures such a database again without loading it, first rolling up (timed) whatever windows
+//! it has pending.
 //! Run with `cargo bench -p innerwall-control-plane --bench rollup`.
 
 use std::collections::BTreeSet;
@@ -104,16 +109,38 @@ async fn run() -> anyhow::Result<()> {
         Ok(text) => text.parse()?,
         Err(_) => 10_000_000,
     };
-    let windows = (records / RECORDS_PER_WINDOW).max(WORKLOADS);
+    let per_window: i64 = match std::env::var("INNERWALL_BENCH_RECORDS_PER_WINDOW") {
+        Ok(text) => text.parse()?,
+        Err(_) => RECORDS_PER_WINDOW,
+    };
+    anyhow::ensure!(per_window >= 1, "INNERWALL_BENCH_RECORDS_PER_WINDOW must be at least 1");
+    let windows = match std::env::var("INNERWALL_BENCH_WINDOWS") {
+        Ok(text) => text.parse::<i64>()?,
+        Err(_) => records / per_window,
+    }
+    .max(WORKLOADS);
     println!(
-        "PERF-8 review rollups (target p95 < 200 ms): {} records in {windows} windows, {WORKLOADS} workloads, {DAYS} days",
-        windows * RECORDS_PER_WINDOW
+        "PERF-8 review rollups (target p95 < 200 ms): {} records in {windows} windows of {per_window}, {WORKLOADS} workloads, {DAYS} days",
+        windows * per_window
     );
     if let Ok(url) = std::env::var("INNERWALL_BENCH_REUSE") {
         // A database an earlier run kept: measure its rollups again, as of its latest window.
-        let pool = PgPool::connect(&url).await?;
+        // The control plane's pool settings (no JIT, as a replica's job runs).
+        let pool = innerwall_control_plane::postgres::pool_options().connect(&url).await?;
         let latest: DateTime<Utc> =
             sqlx::query_scalar("SELECT max(window_start) FROM flow_windows").fetch_one(&pool).await?;
+        let t = Instant::now();
+        let rolled = flows::roll_up(&pool, Utc::now()).await?;
+        if rolled > 0 {
+            // Kept before its roll-up (e.g. a copy of a loaded database reset to nothing rolled up).
+            let records: i64 = sqlx::query_scalar("SELECT sum(record_count)::bigint FROM flow_windows")
+                .fetch_one(&pool)
+                .await?;
+            println!(
+                "roll_up: {rolled} windows pending, rolled up in {:.1} s ({records} records in the database)",
+                t.elapsed().as_secs_f64()
+            );
+        }
         println!("reusing {url}, as of its latest window {latest}:");
         report(&pool, latest + TimeDelta::minutes(1)).await?;
         return Ok(());
@@ -121,7 +148,8 @@ async fn run() -> anyhow::Result<()> {
     let db = fresh_database().await?;
     let now = Utc::now();
     let t = Instant::now();
-    flow_estate::load(&db.pool, now - TimeDelta::days(DAYS), DAYS, windows, WORKLOADS).await?;
+    flow_estate::load_with(&db.pool, now - TimeDelta::days(DAYS), DAYS, windows, WORKLOADS, per_window)
+        .await?;
     println!("loaded in {:.1} s (direct inserts, see the header)", t.elapsed().as_secs_f64());
 
     println!("nothing rolled up yet (raw records only):");
@@ -135,9 +163,9 @@ async fn run() -> anyhow::Result<()> {
     )
     .fetch_one(&db.pool)
     .await?;
+    let rate = (rolled as i64 * per_window) as f64 / secs;
     println!(
-        "roll_up: {rolled} windows ({:.0} records/s) into {rollup_rows} rollup rows in {secs:.1} s; {pending} windows of the open hour left raw",
-        (rolled as i64 * RECORDS_PER_WINDOW) as f64 / secs
+        "roll_up: {rolled} windows ({rate:.0} records/s) into {rollup_rows} rollup rows in {secs:.1} s; {pending} windows of the open hour left raw"
     );
     sqlx::query("VACUUM ANALYZE").execute(&db.pool).await?;
 
@@ -147,7 +175,11 @@ async fn run() -> anyhow::Result<()> {
     println!("PERF-8: worst p95 over every grouping and range, rolled up: {worst:.1} ms (target < 200 ms)");
     println!(
         "FIGURE {{\"id\":\"PERF-8\",\"name\":\"rollup worst p95\",\"value\":{worst:.3},\"unit\":\"ms\",\"goal\":{{\"op\":\"<\",\"bound\":200}},\"context\":{{\"records\":{}}}}}",
-        windows * RECORDS_PER_WINDOW
+        windows * per_window
+    );
+    println!(
+        "FIGURE {{\"id\":\"PERF-8\",\"name\":\"roll-up throughput\",\"value\":{rate:.0},\"unit\":\"records/s\",\"goal\":{{\"op\":\">=\",\"bound\":200000}},\"context\":{{\"records\":{},\"windows\":{windows},\"rollup_rows\":{rollup_rows}}}}}",
+        windows * per_window
     );
     if std::env::var_os("INNERWALL_BENCH_KEEP").is_some() {
         println!("kept the database: {}", db.url);

@@ -12,12 +12,26 @@ pub const RECORDS_PER_WINDOW: i64 = 7;
 
 /// `workloads` workloads, labels (app=a0..a49; env=prod), and `windows` windows of
 /// `RECORDS_PER_WINDOW` records spread evenly over `[start, start + days)`.
+#[allow(dead_code, reason = "the rollup bench loads with `load_with`")]
 pub async fn load(
     pool: &PgPool,
     start: DateTime<Utc>,
     days: i64,
     windows: i64,
     workloads: i64,
+) -> anyhow::Result<()> {
+    load_with(pool, start, days, windows, workloads, RECORDS_PER_WINDOW).await
+}
+
+/// [`load`] with `records_per_window` records in each window (records 0..n of the same rotation
+/// of each workload's nine flow keys).
+pub async fn load_with(
+    pool: &PgPool,
+    start: DateTime<Utc>,
+    days: i64,
+    windows: i64,
+    workloads: i64,
+    records_per_window: i64,
 ) -> anyhow::Result<()> {
     let mut tx = pool.begin().await?;
     flows::ensure_partitions(&mut tx, start, start + TimeDelta::days(days)).await?;
@@ -60,7 +74,7 @@ pub async fn load(
         .bind(workloads)
         .bind(start)
         .bind(spacing_ms)
-        .bind(RECORDS_PER_WINDOW as i32)
+        .bind(records_per_window as i32)
         .execute(pool)
         .await?;
         sqlx::query(
@@ -94,7 +108,7 @@ pub async fn load(
         .bind(workloads)
         .bind(start)
         .bind(spacing_ms)
-        .bind(RECORDS_PER_WINDOW as i32)
+        .bind(records_per_window as i32)
         .execute(pool)
         .await?;
         from = to;
