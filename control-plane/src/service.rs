@@ -236,6 +236,13 @@ pub async fn start(
     let metrics = Arc::new(Metrics::new());
     let changed = authoring::render_now(&pools.authoring).await?;
     tracing::info!(changed = changed.len(), "startup render done");
+    // Today's and tomorrow's flow partitions, before any task runs: creating one locks the tables
+    // it references, so it is done here, at once, rather than under whatever the tasks are doing.
+    let now = chrono::Utc::now();
+    if let Err(e) = crate::flows::create_partitions(&pools.ingest, now, now + chrono::Duration::days(1)).await
+    {
+        tracing::warn!("creating the flow partitions failed (ingest creates them as needed): {e:#}");
+    }
 
     let admission =
         Arc::new(Admission::new(bridge::load_refused(&pools.streams).await?, config.limits.clone()));
