@@ -195,3 +195,72 @@ async fn silent_synced_row_reads_offline_in_every_reader() {
     assert_eq!(status.state.0, SyncState::Offline, "silence dominates SUSPENDED");
     assert!(status.detail.contains(&format!("no replica has swept since {at} ")), "{}", status.detail);
 }
+
+/// Every row the scans in `plan` read from `relation`: those they returned and those their
+/// filters (or a bitmap's recheck) removed, over all loops.
+fn rows_read(plan: &serde_json::Value, relation: &str) -> f64 {
+    let own = if plan["Relation Name"] == relation && plan["Node Type"] != "ModifyTable" {
+        let n = |key: &str| plan[key].as_f64().unwrap_or(0.0);
+        (n("Actual Rows") + n("Rows Removed by Filter") + n("Rows Removed by Index Recheck"))
+            * n("Actual Loops")
+    } else {
+        0.0
+    };
+    let children =
+        plan["Plans"].as_array().map(|p| p.iter().map(|c| rows_read(c, relation)).sum()).unwrap_or(0.0);
+    own + children
+}
+
+/// SYNC-6 at fleet scale (issue 33, item 1): the sweep every replica runs once per heartbeat
+/// interval reads the rows past their deadline, not every live stream's row.
+#[tokio::test]
+async fn the_liveness_sweep_reads_only_rows_past_their_deadline() {
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    // 5,000 live streams, three silent for an hour, two silent and OFFLINE already, one never on
+    // a stream.
+    sqlx::raw_sql(
+        "INSERT INTO workloads (id, hostname, sync_state, last_seen_at, stream_liveness)
+         SELECT gen_random_uuid(), 'live-' || g, 2, now(), interval '90 seconds' FROM generate_series(1, 5000) g;
+         INSERT INTO workloads (id, hostname, sync_state, last_seen_at, stream_liveness)
+         SELECT gen_random_uuid(), 'silent-' || g, CASE WHEN g <= 3 THEN 2 ELSE 4 END, now() - interval '1 hour',
+                interval '90 seconds'
+         FROM generate_series(1, 5) g;
+         INSERT INTO workloads (id, hostname) VALUES (gen_random_uuid(), 'never');
+         ANALYZE workloads;",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+
+    let mut tx = pool.begin().await.unwrap();
+    let explained: serde_json::Value = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "EXPLAIN (ANALYZE, FORMAT JSON) {}",
+        liveness::SWEEP
+    )))
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    tx.rollback().await.unwrap();
+    let plan = &explained[0]["Plan"];
+    assert_eq!(rows_read(plan, "workloads"), 3.0, "the sweep read more than the silent rows: {plan:#}");
+
+    let mut swept: Vec<String> = Vec::new();
+    for id in liveness::sweep(pool).await.unwrap() {
+        let host: String =
+            sqlx::query_scalar("SELECT hostname FROM workloads WHERE id = $1 AND sync_state = 4")
+                .bind(id.uuid())
+                .fetch_one(pool)
+                .await
+                .unwrap();
+        swept.push(host);
+    }
+    swept.sort();
+    assert_eq!(swept, ["silent-1", "silent-2", "silent-3"]);
+    assert!(liveness::sweep(pool).await.unwrap().is_empty(), "a second sweep finds nothing new");
+    let live: i64 = sqlx::query_scalar("SELECT count(*) FROM workloads WHERE sync_state = 2")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    assert_eq!(live, 5_000);
+}
