@@ -61,6 +61,10 @@ struct RunArgs {
     /// bind it to loopback or a private address. Off by default.
     #[arg(long, env = "INNERWALL_AGENT_METRICS_LISTEN", value_name = "ADDR")]
     metrics_listen: Option<std::net::SocketAddr>,
+    /// The local address the agent's connections to the control plane leave from, on a host with
+    /// several (a firewall on the way may allow one). Default: the one the kernel picks.
+    #[arg(long, env = "INNERWALL_AGENT_SOURCE_ADDRESS", value_name = "IP")]
+    source_address: Option<std::net::IpAddr>,
     /// Capacity of the flow capture's connection table (who started each connection, so
     /// replies are not recorded as inbound), in entries of 112 bytes of kernel memory each.
     /// Default: 1/256 of the host's memory, within 65,536..=1,048,576 entries (8 GB: 299,593,
@@ -356,6 +360,7 @@ impl Hangup {
             ("server", was.server != now.server),
             ("drift-interval-ms", was.drift_interval_ms != now.drift_interval_ms),
             ("metrics-listen", was.metrics_listen != now.metrics_listen),
+            ("source-address", was.source_address != now.source_address),
             ("conn-table-entries", was.conn_table_entries != now.conn_table_entries),
             ("max-policy-message", was.max_policy_message != now.max_policy_message),
         ]
@@ -448,6 +453,7 @@ fn run(
             let mut config = RunConfig::new(args.state.state_dir.clone(), args.server.clone());
             config.drift_interval = std::time::Duration::from_millis(args.drift_interval_ms.max(100));
             config.metrics_listen = args.metrics_listen;
+            config.source_address = args.source_address;
             config.conn_entries = args.conn_table_entries;
             config.max_policy_message = args.max_policy_message;
             let hangup = Hangup { argv: argv.to_vec(), started: args, logs: std::sync::Mutex::new(logs) };

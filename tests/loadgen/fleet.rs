@@ -245,12 +245,15 @@ impl Fleet {
         Ok(started.elapsed())
     }
 
-    /// Starts every enrolled agent, agent `i` on its own connection to replica `i % replicas`.
+    /// Starts every enrolled agent, agent `i` on its own connection to replica `i % replicas`,
+    /// from loopback address `127.0.0.(1 + i % SOURCES)`.
     pub fn connect(&mut self) {
         self.enrolled.sort_by_key(|(i, _, _)| *i);
         for (i, id, state) in std::mem::take(&mut self.enrolled) {
             let server = self.replicas[i % self.replicas.len()].server();
-            self.agents.push(start_agent(i, id, RunConfig::new(state, server), self.flows));
+            let mut config = RunConfig::new(state, server);
+            config.source_address = Some(source_address(i));
+            self.agents.push(start_agent(i, id, config, self.flows));
         }
     }
 
@@ -468,6 +471,16 @@ fn facts(i: usize) -> innerwall_wire::identity::HostFacts {
         boot_id: String::new(),
         ephemeral_ports: Some(innerwall_wire::policy::PortRange::new(32_768, 60_999).expect("a port range")),
     }
+}
+
+/// Loopback addresses the agents' streams leave from: a connection from one address to the one
+/// replica's takes a port of the 28,232 of Linux's default ephemeral range, so 50,000 streams
+/// need two addresses at least; four leave room for the enrollments' connections in TIME_WAIT.
+const SOURCES: usize = 4;
+
+/// The loopback address agent `i`'s connections leave from.
+fn source_address(i: usize) -> IpAddr {
+    IpAddr::V4(std::net::Ipv4Addr::new(127, 0, 0, 1 + (i % SOURCES) as u8))
 }
 
 /// Agent `i`'s address, in [`AGENT_RANGE`].

@@ -23,6 +23,9 @@ pub struct RunConfig {
     pub dial_timeout: Duration,
     /// Where `run` serves `/metrics` (plain HTTP, unauthenticated); nowhere if `None`.
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// The local address connections to the control plane leave from (`--source-address`);
+    /// the kernel's choice if `None`.
+    pub source_address: Option<std::net::IpAddr>,
     /// Capacity of the flow capture's connection table (`--conn-table-entries`); `None`
     /// derives it from the host's memory (`evidence::capture::default_conn_entries`).
     pub conn_entries: Option<u32>,
@@ -41,6 +44,7 @@ impl RunConfig {
             backoff_cap: backoff::CAP,
             dial_timeout: Duration::from_secs(10),
             metrics_listen: None,
+            source_address: None,
             conn_entries: None,
             max_policy_message: innerwall_wire::sync::MAX_POLICY_MESSAGE,
         }
@@ -98,6 +102,7 @@ pub async fn connect(config: &RunConfig) -> Result<Channel, ConnectError> {
         .tls_config(credential.tls(&host))
         .map_err(transport)?
         .connect_timeout(config.dial_timeout)
+        .local_address(config.source_address)
         .http2_keep_alive_interval(Duration::from_secs(30))
         .keep_alive_timeout(Duration::from_secs(10))
         .connect()

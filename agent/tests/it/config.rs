@@ -39,7 +39,10 @@ fn agent_config_files_are_checked() {
     let state = dir.join("state");
     std::fs::write(
         &file,
-        format!("server = \"cp.example:7443\"\nstate-dir = \"{}\"\nlog-level = \"warn\"\n", state.display()),
+        format!(
+            "server = \"cp.example:7443\"\nstate-dir = \"{}\"\nlog-level = \"warn\"\nsource-address = \"127.0.0.2\"\n",
+            state.display()
+        ),
     )
     .unwrap();
 
@@ -56,6 +59,7 @@ fn agent_config_files_are_checked() {
         ("127.0.0.1:9001".into(), "env INNERWALL_AGENT_METRICS_LISTEN".into())
     );
     assert_eq!(shown(&out, "drift-interval-ms"), ("2000".into(), "default".into()));
+    assert_eq!(shown(&out, "source-address"), ("127.0.0.2".into(), file_source.clone()));
     // The variable beats the file; the file's state-dir is the one `status` reads.
     let (code, out, _) = agent(
         &["--config", path, "config", "show", "--effective"],
