@@ -290,15 +290,16 @@ async fn ingest_refuses_times_out_of_range() {
     assert!(err.message().starts_with("window refused: window start"), "{err:?}");
     assert!(err.message().contains("ahead of the control plane's clock"), "{err:?}");
 
-    // Through the agent's queue: one window 40 days old (3 records), one a day ahead (2).
+    // Through the agent's queue: one window 40 days old (3 records), one two days ahead (2; the
+    // replica makes tomorrow's partitions ahead, so a refusal a day ahead would find one made).
     let queue = Queue::new(&config.state_dir, 10).unwrap();
     let old = vec![record("192.0.2.1", 22, 1), record("192.0.2.2", 22, 1), record("192.0.2.3", 22, 1)];
     queue.push(shifted(old, -40 * DAY)).unwrap();
-    queue.push(shifted(vec![record("192.0.2.4", 22, 1), record("192.0.2.5", 22, 1)], DAY)).unwrap();
+    queue.push(shifted(vec![record("192.0.2.4", 22, 1), record("192.0.2.5", 22, 1)], 2 * DAY)).unwrap();
     assert_eq!(queue.upload(connect(&config).await.unwrap()).await.unwrap(), 0, "both refused");
     assert!(queue.is_empty(), "refused windows are not retried");
     assert!(
-        !partition_exists(-40 * DAY).await && !partition_exists(DAY).await,
+        !partition_exists(-40 * DAY).await && !partition_exists(2 * DAY).await,
         "no partition for their days"
     );
     let windows: i64 =

@@ -16,7 +16,7 @@ use crate::audit;
 use crate::error::Error;
 use crate::identity::ca::{IssuedCertificate, Signer};
 use crate::policy::authoring;
-use crate::policy::publish::{Overflow, publish_with};
+use crate::policy::publish::{Overflow, Touched, publish_touched};
 use crate::policy::spec::NewWorkload;
 use crate::policy::spec::routable_addresses;
 
@@ -325,7 +325,14 @@ impl Writer {
         if enrolled.is_empty() {
             return Ok(results);
         }
-        let changed = publish_with(&mut tx, Overflow::Hold).await?;
+        // New workloads only: the render reads and renders what they can touch (POL-7). One that
+        // replaces another also takes the old one out of every render: everything renders.
+        let replaced = batch.iter().zip(&results).any(|(c, r)| r.is_ok() && c.replacing.is_some());
+        let touched: Vec<Touched> = match replaced {
+            true => Vec::new(),
+            false => results.iter().flatten().map(|e| Touched::Enrolled(e.id)).collect(),
+        };
+        let changed = publish_touched(&mut tx, Overflow::Hold, &touched).await?.changed;
         let record = audit::Record {
             detail: serde_json::json!({"enrollments": enrolled}),
             workload_versions: changed.iter().map(|c| (c.workload.to_string(), c.version)).collect(),

@@ -183,16 +183,20 @@ async fn refresh(
     let mut groups = Vec::new();
     let mut services = Vec::new();
     let mut rulesets = Vec::new();
+    let mut enrolled = Vec::new();
     for t in touched {
         match t {
             Touched::Labels(id) => labels.push(id.uuid()),
             Touched::AddressGroup(name) => groups.push(name.clone()),
             Touched::Service(name) => services.push(name.clone()),
             Touched::Ruleset(name) => rulesets.push(name.clone()),
+            Touched::Enrolled(id) => enrolled.push(id.uuid()),
         }
     }
     let covered = |table: &str| match table {
-        "workload_labels" => !labels.is_empty(),
+        "workload_labels" => !labels.is_empty() || !enrolled.is_empty(),
+        // An enrollment inserts the workload, its addresses and ranges.
+        "workloads" | "workload_addresses" | "workload_ranges" => !enrolled.is_empty(),
         "address_groups" | "address_group_cidrs" => !groups.is_empty(),
         "services" | "service_entries" => !services.is_empty(),
         "rulesets" | "rules" | "rule_peers" | "rule_services" => !rulesets.is_empty(),
@@ -254,7 +258,30 @@ async fn refresh(
             }
         }
     }
+    if !enrolled.is_empty() && !enroll(conn, &mut inputs, &enrolled).await? {
+        return Ok(None);
+    }
     Ok(Some(Reused { inputs, outcome: Outcome::Refreshed, rulesets_before }))
+}
+
+/// Adds the workloads `ids` enrolled to `inputs`: false (load whole) if one was there already.
+/// Their addresses may change other workloads' standings, so what is rendered is judged again
+/// whole, and the label index is built again for it.
+async fn enroll(conn: &mut PgConnection, inputs: &mut Inputs, ids: &[Uuid]) -> Result<bool, Error> {
+    let (workloads, narrowed, stored) = store::load_workloads(conn, Some(ids)).await?;
+    let registry = Arc::make_mut(&mut inputs.registry);
+    for workload in workloads {
+        match registry.workloads.binary_search_by_key(&workload.id, |w| w.id) {
+            Ok(_) => return Ok(false),
+            Err(at) => registry.workloads.insert(at, workload),
+        }
+    }
+    registry.narrowed.extend(narrowed);
+    registry.stored.extend(stored);
+    let accepted = accepted_only(registry);
+    inputs.labels = Arc::new(LabelIndex::new(&accepted));
+    inputs.accepted = Arc::new(accepted);
+    Ok(true)
 }
 
 /// Debug builds: the inputs kept equal the inputs loaded whole.

@@ -37,6 +37,9 @@ pub enum Touched {
     /// The ruleset of this name was created, changed or deleted (narrowed when the replica
     /// kept the inputs from before it: `policy::inputs`).
     Ruleset(String),
+    /// This workload was enrolled (registered with its labels, addresses and ranges) in this
+    /// transaction, replacing none.
+    Enrolled(WorkloadId),
 }
 
 /// One change a narrowed render is told of.

@@ -169,6 +169,12 @@ async fn narrowing(
     for touched in touched {
         let id = match touched {
             Touched::Labels(id) => id,
+            // New: it was nowhere before.
+            Touched::Enrolled(id) => {
+                let after = registry.iter().find(|w| w.id == *id);
+                catalog.push(narrow::Change::Workload { before: None, after });
+                continue;
+            }
             // Its rules before: only from the inputs kept from before the change.
             Touched::Ruleset(name) => {
                 let Some(before) = rulesets_before.get(name) else { return Ok(None) };
@@ -241,8 +247,15 @@ async fn render_and_persist(
     crate::metrics::count_render_inputs(outcome);
     let model = Arc::clone(&inputs.model);
     let registry = Arc::clone(&inputs.accepted);
-    // Judged on a load, which stores the standings that moved.
-    let standings_moved = outcome == inputs::Outcome::Loaded && judge_addresses(conn, &mut inputs).await?;
+    // Judged on a load, which stores the standings that moved, and when workloads enrolled (their
+    // claims are new): a standing that moved for any other workload renders everything.
+    let enrolled: BTreeSet<WorkloadId> =
+        touched.iter().filter_map(|t| if let Touched::Enrolled(id) = t { Some(*id) } else { None }).collect();
+    let standings_moved = match outcome {
+        inputs::Outcome::Loaded => !judge_addresses(conn, &mut inputs).await?.is_empty(),
+        _ if !enrolled.is_empty() => !judge_addresses(conn, &mut inputs).await?.is_subset(&enrolled),
+        _ => false,
+    };
     let only = match standings_moved {
         true => None,
         false => narrowing(conn, &inputs, &rulesets_before, touched).await?,
@@ -568,13 +581,16 @@ async fn store_sources(
 /// Address trust: judges every live workload's reported addresses, stores the standings that
 /// changed (auditing each workload whose addresses were refused, came into conflict, or were
 /// accepted again), and leaves `inputs` as stored after it: the standings, and the workloads
-/// with only their accepted addresses, to render. Returns whether any standing moved.
-async fn judge_addresses(conn: &mut PgConnection, inputs: &mut Inputs) -> Result<bool, Error> {
+/// with only their accepted addresses, to render. Returns the workloads whose standings moved.
+async fn judge_addresses(
+    conn: &mut PgConnection,
+    inputs: &mut Inputs,
+) -> Result<BTreeSet<WorkloadId>, Error> {
     let registry = &inputs.registry;
     let standings = inputs::standings(registry);
     let changes = addresses::changes(&registry.stored, &standings);
     if changes.is_empty() {
-        return Ok(false);
+        return Ok(BTreeSet::new());
     }
     store::save_standings(conn, &changes).await?;
     let conflicts = addresses::conflicts(&standings);
@@ -603,7 +619,7 @@ async fn judge_addresses(conn: &mut PgConnection, inputs: &mut Inputs) -> Result
     for &(w, address, standing) in &changes {
         registry.stored.insert((w, address), Some(standing));
     }
-    Ok(true)
+    Ok(changes.iter().map(|&(w, _, _)| w).collect())
 }
 
 /// The registry as the next render sees it (each workload with only its accepted addresses),

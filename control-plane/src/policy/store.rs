@@ -362,21 +362,41 @@ pub struct Registry {
     /// Live (not retired, not deny-listed) workloads in id order.
     pub workloads: Vec<RegisteredWorkload>,
     /// The ranges each workload's enrolling token narrowed it to; absent: not narrowed.
-    pub narrowed: BTreeMap<WorkloadId, Vec<Cidr>>,
+    pub narrowed: Narrowed,
     /// The estate's workload address ranges.
     pub estate: Vec<Cidr>,
     /// The standing each live workload's address has in the database (`None`: not judged yet).
-    pub stored: BTreeMap<(WorkloadId, IpAddr), Option<Standing>>,
+    pub stored: Stored,
 }
 
 pub async fn load_registry(conn: &mut PgConnection) -> Result<Registry, Error> {
-    let mut labels = load_labels(conn, None).await?;
-    let mut addresses: BTreeMap<Uuid, BTreeSet<IpAddr>> = BTreeMap::new();
-    let mut standings = BTreeMap::new();
-    for row in sqlx::query("SELECT workload_id, host(address), standing FROM workload_addresses")
+    let estate = sqlx::query_scalar::<_, String>("SELECT cidr::text FROM estate_ranges ORDER BY cidr")
         .fetch_all(&mut *conn)
         .await?
-    {
+        .into_iter()
+        .map(stored_cidr)
+        .collect::<Result<_, _>>()?;
+    let (workloads, narrowed, stored) = load_workloads(conn, None).await?;
+    Ok(Registry { workloads, narrowed, estate, stored })
+}
+
+/// The registry's part for these workloads (`None`: for every workload): the live ones in id
+/// order, the ranges each is narrowed to (of every one asked for, live or not) and the stored
+/// standings of the live ones' addresses.
+pub async fn load_workloads(
+    conn: &mut PgConnection,
+    ids: Option<&[Uuid]>,
+) -> Result<(Vec<RegisteredWorkload>, Narrowed, Stored), Error> {
+    let mut labels = load_labels(conn, ids).await?;
+    let mut addresses: BTreeMap<Uuid, BTreeSet<IpAddr>> = BTreeMap::new();
+    let mut standings = BTreeMap::new();
+    let text = match ids {
+        None => "SELECT workload_id, host(address), standing FROM workload_addresses",
+        Some(_) => {
+            "SELECT workload_id, host(address), standing FROM workload_addresses WHERE workload_id = ANY($1)"
+        }
+    };
+    for row in filtered(text, ids).fetch_all(&mut *conn).await? {
         let text: String = row.get(1);
         let ip =
             text.parse().map_err(|_| Error::Corrupt { what: "workload address", detail: text.clone() })?;
@@ -384,29 +404,34 @@ pub async fn load_registry(conn: &mut PgConnection) -> Result<Registry, Error> {
         standings.insert((workload_id(row.get(0))?, ip), standing);
         addresses.entry(row.get(0)).or_default().insert(ip);
     }
-    let mut narrowed: BTreeMap<WorkloadId, Vec<Cidr>> = BTreeMap::new();
-    for row in
-        sqlx::query("SELECT workload_id, cidr::text FROM workload_ranges").fetch_all(&mut *conn).await?
-    {
+    let mut narrowed: Narrowed = BTreeMap::new();
+    let text = match ids {
+        None => "SELECT workload_id, cidr::text FROM workload_ranges",
+        Some(_) => "SELECT workload_id, cidr::text FROM workload_ranges WHERE workload_id = ANY($1)",
+    };
+    for row in filtered(text, ids).fetch_all(&mut *conn).await? {
         narrowed.entry(workload_id(row.get(0))?).or_default().push(stored_cidr(row.get(1))?);
     }
-    let estate = sqlx::query_scalar::<_, String>("SELECT cidr::text FROM estate_ranges ORDER BY cidr")
+    // A pending confirmation's deadline (`gate::promote`, FLOW-11) renders into the policy.
+    let text = match ids {
+        None => {
+            "SELECT w.id, w.mode, (extract(epoch FROM p.confirm_deadline) * 1000)::bigint
+             FROM workloads w
+             LEFT JOIN promotion_confirmations c ON c.workload_id = w.id AND c.state = 'pending'
+             LEFT JOIN promotions p ON p.id = c.promotion_id
+             WHERE w.retired_at IS NULL AND w.denied_at IS NULL ORDER BY w.id"
+        }
+        Some(_) => {
+            "SELECT w.id, w.mode, (extract(epoch FROM p.confirm_deadline) * 1000)::bigint
+             FROM workloads w
+             LEFT JOIN promotion_confirmations c ON c.workload_id = w.id AND c.state = 'pending'
+             LEFT JOIN promotions p ON p.id = c.promotion_id
+             WHERE w.retired_at IS NULL AND w.denied_at IS NULL AND w.id = ANY($1) ORDER BY w.id"
+        }
+    };
+    let workloads = filtered(text, ids)
         .fetch_all(&mut *conn)
         .await?
-        .into_iter()
-        .map(stored_cidr)
-        .collect::<Result<_, _>>()?;
-    // A pending confirmation's deadline (`gate::promote`, FLOW-11) renders into the policy.
-    let rows = sqlx::query(
-        "SELECT w.id, w.mode, (extract(epoch FROM p.confirm_deadline) * 1000)::bigint
-         FROM workloads w
-         LEFT JOIN promotion_confirmations c ON c.workload_id = w.id AND c.state = 'pending'
-         LEFT JOIN promotions p ON p.id = c.promotion_id
-         WHERE w.retired_at IS NULL AND w.denied_at IS NULL ORDER BY w.id",
-    )
-    .fetch_all(&mut *conn)
-    .await?;
-    let workloads = rows
         .into_iter()
         .map(|row| {
             let uuid: Uuid = row.get(0);
@@ -421,8 +446,13 @@ pub async fn load_registry(conn: &mut PgConnection) -> Result<Registry, Error> {
         .collect::<Result<Vec<_>, Error>>()?;
     // Claims of retired and deny-listed workloads are not judged: they are not rendered.
     standings.retain(|(w, _), _| workloads.binary_search_by_key(w, |l| l.id).is_ok());
-    Ok(Registry { workloads, narrowed, estate, stored: standings })
+    Ok((workloads, narrowed, standings))
 }
+
+/// The ranges each workload's enrolling token narrowed it to.
+pub type Narrowed = BTreeMap<WorkloadId, Vec<Cidr>>;
+/// The standing each workload address has in the database (`None`: not judged yet).
+pub type Stored = BTreeMap<(WorkloadId, IpAddr), Option<Standing>>;
 
 /// The labels of these workloads (`None`: of every workload) as stored, by workload.
 pub async fn load_labels(

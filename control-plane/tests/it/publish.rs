@@ -1200,3 +1200,77 @@ async fn a_ruleset_edit_renders_only_what_it_selects() {
     oracle(pool).await;
     assert_eq!(version(pool, db1).await, vdb + 3, "db-1 has its rules again");
 }
+
+/// POL-7 for enrollment (issue 33, item 2): a batch of new workloads renders the new workloads
+/// and the workloads whose rules select them, nothing else, and persists what the full render
+/// persists. A new workload whose address another live workload claims moves that one's
+/// standing: then everything renders.
+#[tokio::test]
+async fn an_enrollment_batch_renders_only_what_it_touches() {
+    use innerwall_control_plane::policy::inputs::Outcome;
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    let db1 = register(pool, "db-1", &["app=db"], &["10.0.0.10"]).await;
+    let cache = register(pool, "cache-1", &["app=cache"], &["10.0.0.40"]).await;
+    service(pool, "postgres", &["tcp:5432"]).await;
+    service(pool, "redis", &["tcp:6379"]).await;
+    create_ruleset(
+        pool,
+        &ruleset("db", "db", vec![PeerSpec::workloads(sel(&[("app", "web")]))], &["postgres"]),
+    )
+    .await;
+    create_ruleset(pool, &ruleset("cache", "cache", vec![PeerSpec::cidr("192.0.2.0/24")], &["redis"])).await;
+    // The batch as the enrollment writer writes it: each workload registered, one publish.
+    let enroll = async |hosts: &[(&str, &str, &str)]| {
+        let mut tx = pool.begin().await.unwrap();
+        let mut touched = Vec::new();
+        let mut ids = Vec::new();
+        for &(host, label, address) in hosts {
+            let new = NewWorkload {
+                id: WorkloadId::new_random(),
+                hostname: host.into(),
+                labels: vec![label.parse().unwrap()],
+                addresses: [address.parse::<IpAddr>().unwrap()].into(),
+            };
+            authoring::register_workload(&mut tx, &new).await.unwrap();
+            touched.push(publish::Touched::Enrolled(new.id));
+            ids.push(new.id);
+        }
+        let rendering = publish::publish_touched(&mut tx, publish::Overflow::Refuse, &touched).await.unwrap();
+        tx.commit().await.unwrap();
+        let mut rendered: Vec<WorkloadId> = rendering.rendered.shares().map(|(w, _)| w).collect();
+        rendered.sort();
+        (ids, rendering.inputs, rendering.narrowed, rendered)
+    };
+    let vcache = version(pool, cache).await;
+    let vdb = version(pool, db1).await;
+
+    // Two web servers: they and db-1 (its peers gain them) render; cache-1 does not.
+    let (ids, inputs, narrowed, rendered) =
+        enroll(&[("web-1", "app=web", "10.0.0.20"), ("web-2", "app=web", "10.0.0.21")]).await;
+    let mut want = vec![db1, ids[0], ids[1]];
+    want.sort();
+    assert_eq!((inputs, narrowed, rendered), (Outcome::Refreshed, true, want));
+    oracle(pool).await;
+    assert_eq!((version(pool, db1).await, version(pool, cache).await), (vdb + 1, vcache));
+    assert_eq!((version(pool, ids[0]).await, version(pool, ids[1]).await), (1, 1));
+
+    // A workload nothing selects: it alone renders.
+    let (ids, inputs, narrowed, rendered) = enroll(&[("batch-1", "app=batch", "10.0.0.30")]).await;
+    assert_eq!((inputs, narrowed, rendered), (Outcome::Refreshed, true, ids.clone()));
+    oracle(pool).await;
+    assert_eq!((version(pool, db1).await, version(pool, cache).await), (vdb + 1, vcache));
+
+    // One that claims cache-1's address: cache-1's standing moves, so everything renders, and
+    // what it stores is what the full render stores.
+    let (_, inputs, narrowed, _) = enroll(&[("impostor", "app=web", "10.0.0.40")]).await;
+    assert_eq!((inputs, narrowed), (Outcome::Refreshed, false));
+    oracle(pool).await;
+    let standing: Option<i16> =
+        sqlx::query_scalar("SELECT standing FROM workload_addresses WHERE workload_id = $1")
+            .bind(cache.uuid())
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    assert_eq!(standing, Some(4), "cache-1's address is in conflict");
+}
