@@ -116,7 +116,9 @@ pub fn inventory(addresses: Option<&[&str]>) -> proto::SyncRequest {
 /// live workloads never reach another workload's peer set, whether reported at enrollment or in
 /// inventory; each is shown with its reason and audited; retiring one claimant and adding an
 /// estate range are how an operator resolves them.
-#[tokio::test]
+// Several threads: the test blocks in CLI calls while the replica it started runs its tasks
+// (on one thread, a task in the middle of a transaction would hold its locks until the call ends).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spoofed_addresses_never_reach_peer_sets() {
     let plane =
         Plane::start(GatewayConfig { inventory_min_interval: Duration::ZERO, ..Default::default() }).await;

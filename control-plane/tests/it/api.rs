@@ -2017,7 +2017,9 @@ async fn cidr_rows(pool: &PgPool) -> [i64; 5] {
 /// set or in a non-canonical spelling is refused naming the canonical form, by the CLI (address
 /// group, ruleset file, estate range) and the API (the same three), writing nothing; the
 /// canonical forms are taken, and values stored before the rule still load and render.
-#[tokio::test]
+// Several threads: the test blocks in CLI calls while the replica it started runs its tasks
+// (on one thread, a task in the middle of a transaction would hold its locks until the call ends).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cidrs_mean_what_they_say() {
     let plane = Plane::start(ApiLimits::default()).await;
     let pool = plane.pool().clone();

@@ -336,7 +336,9 @@ async fn stale_stream_on_another_replica_ends() {
     a.running.take().unwrap().stop().await.unwrap();
 }
 
-#[tokio::test]
+// Several threads: the test blocks in CLI calls while the replica it started runs its tasks
+// (on one thread, a task in the middle of a transaction would hold its locks until the call ends).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_replicas() {
     let mut a = Plane::start(GatewayConfig::default()).await;
     // A second replica: same database and CA, its own listener and LISTEN connection.
@@ -647,7 +649,9 @@ async fn slow_agent_does_not_slow_the_others() {
     assert_eq!(wait_state(pool, slow_id, "SYNCED").await.1, latest as i64);
 }
 
-#[tokio::test]
+// Several threads: the test blocks in CLI calls while the replica it started runs its tasks
+// (on one thread, a task in the middle of a transaction would hold its locks until the call ends).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retire_closes_stream_refuses_renewal_and_leaves_renders() {
     let plane = Plane::start(GatewayConfig::default()).await;
     let pool = &plane.db.pool;
@@ -737,7 +741,9 @@ async fn inventory_without_facts_changes_nothing() {
 
 /// A replica killed with SIGKILL never marks its streams OFFLINE; the surviving replica's
 /// liveness sweep does, within three of the heartbeat intervals the dead one gave its agent.
-#[tokio::test]
+// Several threads: the test blocks in CLI calls while the replica it started runs its tasks
+// (on one thread, a task in the middle of a transaction would hold its locks until the call ends).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_replica_workloads_go_offline() {
     use std::io::BufRead;
 
