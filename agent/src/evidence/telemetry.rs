@@ -33,13 +33,17 @@ const PENDING_FILE: &str = "pending.gaps";
 pub struct Queue {
     dir: PathBuf,
     max_windows: usize,
+    /// Held while the pending gaps are read and written: the window task reports them on the
+    /// window it queues and removes the file while the uploader adds a refused window's gap to
+    /// it; interleaved, a gap was removed unreported, or reported twice.
+    pending_file: std::sync::Arc<std::sync::Mutex<()>>,
 }
 
 impl Queue {
     pub fn new(state_dir: &Path, max_windows: usize) -> std::io::Result<Queue> {
         let dir = state_dir.join("telemetry");
         private::dir(&dir)?;
-        Ok(Queue { dir, max_windows: max_windows.max(1) })
+        Ok(Queue { dir, max_windows: max_windows.max(1), pending_file: Default::default() })
     }
 
     /// Queued files, oldest first. Each is named `<seq>-<start_ms>-<end_ms>.window`.
@@ -76,6 +80,7 @@ impl Queue {
             fs::remove_file(old)?;
             tracing::warn!("telemetry queue full: dropped the oldest window, recorded as a gap");
         }
+        let _pending_file = self.lock_pending();
         let pending = self.pending();
         let reported = !pending.is_empty();
         window.gaps.extend(pending);
@@ -89,6 +94,10 @@ impl Queue {
             fs::remove_file(self.dir.join(PENDING_FILE))?;
         }
         Ok(())
+    }
+
+    fn lock_pending(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.pending_file.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// The gaps of lost windows not yet reported on a queued window, one per kind. A line is
@@ -111,6 +120,7 @@ impl Queue {
     /// Adds a lost window's gap ([`lost`]) to the gap of its kind the next queued window
     /// carries, so nothing lost goes unreported however often it happens.
     fn note(&self, gap: EvidenceGap) -> std::io::Result<()> {
+        let _pending_file = self.lock_pending();
         let mut gaps = self.pending();
         match gaps.iter_mut().find(|g| g.kind == gap.kind) {
             Some(earlier) => earlier.absorb(gap),
@@ -323,6 +333,52 @@ mod tests {
         queue.unreadable(&files[1], "test").unwrap();
         assert_eq!(queue.pending(), [gap(GapKind::QueueFailed, 11_000, 12_000, 0).because("test")]);
         assert_eq!(queue.len(), 1);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The window task queues windows (reporting the pending gaps on each) while the uploader
+    /// notes refused windows: every refused record is reported once, on a queued window or still
+    /// pending, however the two interleave.
+    #[test]
+    fn gaps_noted_while_windows_are_queued_are_never_lost() {
+        let dir = std::env::temp_dir().join(format!("iw-queue-{}", uuid::Uuid::new_v4()));
+        let queue = Queue::new(&dir, 1_000).unwrap();
+        const NOTES: u64 = 150;
+        let noting = std::thread::spawn({
+            let queue = queue.clone();
+            move || {
+                for i in 0..NOTES as i64 {
+                    queue.note(EvidenceGap::new(GapKind::UploadRefused, i, i + 1, 1)).unwrap();
+                }
+            }
+        });
+        let mut start_ms = 0;
+        while !noting.is_finished() {
+            start_ms += 1_000;
+            queue
+                .push(FlowWindow {
+                    id: uuid::Uuid::new_v4(),
+                    start_ms,
+                    end_ms: start_ms + 1_000,
+                    policy_version: 1,
+                    mode: innerwall_wire::policy::Mode::Simulation,
+                    records: Vec::new(),
+                    gaps: Vec::new(),
+                    staged_set: None,
+                })
+                .unwrap();
+        }
+        noting.join().unwrap();
+        let queued: u64 = queue
+            .files()
+            .unwrap()
+            .iter()
+            .flat_map(|f| proto::FlowWindow::decode(&fs::read(f).unwrap()[..]).unwrap().gaps)
+            .map(|g| g.count)
+            .sum();
+        let pending: u64 = queue.pending().iter().map(|g| g.count).sum();
+        assert!(start_ms > 1_000, "windows were queued while gaps were noted");
+        assert_eq!(queued + pending, NOTES, "{queued} reported on windows, {pending} pending");
         fs::remove_dir_all(&dir).unwrap();
     }
 
