@@ -85,7 +85,12 @@ fn converge_limit(agents: usize) -> Duration {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    raise_file_limit()?;
+    let agents = match &cli.scenario {
+        Scenario::Propagation { knobs, .. } | Scenario::Storm { knobs } | Scenario::Density { knobs, .. } => {
+            knobs.agents
+        }
+    };
+    raise_file_limit(agents)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async {
         let result = match cli.scenario {
@@ -102,7 +107,10 @@ fn main() -> anyhow::Result<()> {
 /// Every agent is a connection on both sides of loopback: raise this process's open-file limit
 /// (replicas inherit it) to what the fleet needs. The product's defaults are left alone; the
 /// operator's equivalent is `LimitNOFILE=` in the replica's unit (BENCHMARKS.md).
-fn raise_file_limit() -> anyhow::Result<()> {
+/// Refuses to start a fleet the limit cannot hold: each agent's stream takes a descriptor here
+/// and one in its replica (which inherits the limit), and a replica at its limit refuses
+/// connections, which the agents retry without end.
+fn raise_file_limit(agents: usize) -> anyhow::Result<()> {
     use nix::sys::resource::{Resource, getrlimit, setrlimit};
     const WANT: u64 = 1 << 20;
     let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
@@ -111,6 +119,13 @@ fn raise_file_limit() -> anyhow::Result<()> {
             .or_else(|_| setrlimit(Resource::RLIMIT_NOFILE, hard, hard))
             .context("raising the open-file limit")?;
     }
+    let (limit, _) = getrlimit(Resource::RLIMIT_NOFILE)?;
+    let needed = agents as u64 + 1_000;
+    anyhow::ensure!(
+        limit >= needed,
+        "{agents} agents need about {needed} open files in this process and as many in a replica, and \
+         the limit here is {limit} (the hard limit, which only CAP_SYS_RESOURCE raises; `ulimit -Hn`)"
+    );
     Ok(())
 }
 

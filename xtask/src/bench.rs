@@ -100,14 +100,6 @@ const BENCHES: &[Bench] = &[
         },
     },
     Bench {
-        name: "density-50k",
-        what: "PERF-4 idle streams on one replica, 50,000 agents",
-        run: Run::Loadgen {
-            full: &["density", "--agents", "50000"],
-            quick: &["density", "--agents", "50", "--settle", "1s", "--heartbeat", "2s"],
-        },
-    },
-    Bench {
         name: "nft",
         what: "PERF-5 nftables full replace and peer-only deltas",
         run: Run::Cargo { package: "innerwall-agent", target: "nft", quick: &[] },
