@@ -294,6 +294,20 @@ pub async fn upload_forever(
 mod tests {
     use super::*;
 
+    /// A window of one second from `start_ms`, without records or gaps.
+    fn empty_window(start_ms: i64) -> FlowWindow {
+        FlowWindow {
+            id: uuid::Uuid::new_v4(),
+            start_ms,
+            end_ms: start_ms + 1_000,
+            policy_version: 1,
+            mode: innerwall_wire::policy::Mode::Simulation,
+            records: Vec::new(),
+            gaps: Vec::new(),
+            staged_set: None,
+        }
+    }
+
     #[test]
     fn lost_windows_wait_as_one_gap_per_kind_and_queued_names_carry_their_interval() {
         let dir = std::env::temp_dir().join(format!("iw-queue-{}", uuid::Uuid::new_v4()));
@@ -309,19 +323,9 @@ mod tests {
                 gap(GapKind::QueueFailed, 1_000, 2_000, 0).because("bad bytes")
             ]
         );
-        let window = |start_ms| FlowWindow {
-            id: uuid::Uuid::new_v4(),
-            start_ms,
-            end_ms: start_ms + 1_000,
-            policy_version: 1,
-            mode: innerwall_wire::policy::Mode::Simulation,
-            records: Vec::new(),
-            gaps: Vec::new(),
-            staged_set: None,
-        };
-        queue.push(window(10_000)).unwrap();
+        queue.push(empty_window(10_000)).unwrap();
         assert!(queue.pending().is_empty(), "reported on the window just queued");
-        queue.push(window(11_000)).unwrap();
+        queue.push(empty_window(11_000)).unwrap();
         let files = queue.files().unwrap();
         assert_eq!(
             files.iter().map(|f| (sequence(f), interval(f))).collect::<Vec<_>>(),
@@ -355,18 +359,7 @@ mod tests {
         let mut start_ms = 0;
         while !noting.is_finished() {
             start_ms += 1_000;
-            queue
-                .push(FlowWindow {
-                    id: uuid::Uuid::new_v4(),
-                    start_ms,
-                    end_ms: start_ms + 1_000,
-                    policy_version: 1,
-                    mode: innerwall_wire::policy::Mode::Simulation,
-                    records: Vec::new(),
-                    gaps: Vec::new(),
-                    staged_set: None,
-                })
-                .unwrap();
+            queue.push(empty_window(start_ms)).unwrap();
         }
         noting.join().unwrap();
         let queued: u64 = queue
