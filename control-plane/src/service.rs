@@ -144,14 +144,13 @@ async fn reload_ca_forever(signer: Arc<dyn Signer>) {
 }
 
 /// Makes today's and tomorrow's flow partitions and rolls up the records of closed hours every
-/// minute (FLOW-6; ingest then finds its partitions made), drops expired flow partitions hourly (FLOW-5) and then deletes the control plane's expired rows (`retention`); replicas
-/// serialize on their locks.
+/// minute (FLOW-6), drops expired flow partitions hourly (FLOW-5) and then deletes the control
+/// plane's expired rows (`retention`); replicas serialize on their locks.
 async fn flow_upkeep_forever(pool: PgPool, days: i64, retention: crate::retention::Retention) {
     let mut minutely = tokio::time::interval(Duration::from_secs(60));
     for minute in 0u64.. {
         minutely.tick().await;
-        let now = chrono::Utc::now();
-        if let Err(e) = crate::flows::create_partitions(&pool, now, now + chrono::Duration::days(1)).await {
+        if let Err(e) = crate::flows::create_partitions_ahead(&pool).await {
             tracing::warn!("creating the next flow partitions failed: {e:#}");
         }
         if let Err(e) = crate::flows::roll_up(&pool, chrono::Utc::now()).await {
@@ -236,11 +235,9 @@ pub async fn start(
     let metrics = Arc::new(Metrics::new());
     let changed = authoring::render_now(&pools.authoring).await?;
     tracing::info!(changed = changed.len(), "startup render done");
-    // Today's and tomorrow's flow partitions, before any task runs: creating one locks the tables
-    // it references, so it is done here, at once, rather than under whatever the tasks are doing.
-    let now = chrono::Utc::now();
-    if let Err(e) = crate::flows::create_partitions(&pools.ingest, now, now + chrono::Duration::days(1)).await
-    {
+    // Before any task runs: creating a partition locks the tables it references, so it is done
+    // here, at once, rather than under whatever the tasks are doing.
+    if let Err(e) = crate::flows::create_partitions_ahead(&pools.ingest).await {
         tracing::warn!("creating the flow partitions failed (ingest creates them as needed): {e:#}");
     }
 

@@ -78,6 +78,16 @@ enum Scenario {
     },
 }
 
+impl Scenario {
+    fn knobs(&self) -> &Knobs {
+        match self {
+            Scenario::Propagation { knobs, .. }
+            | Scenario::Storm { knobs }
+            | Scenario::Density { knobs, .. } => knobs,
+        }
+    }
+}
+
 /// How long a fleet may take to converge, by size: generous, it is a bound, not a figure.
 fn converge_limit(agents: usize) -> Duration {
     Duration::from_secs(120 + agents as u64 / 20)
@@ -85,12 +95,7 @@ fn converge_limit(agents: usize) -> Duration {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    let agents = match &cli.scenario {
-        Scenario::Propagation { knobs, .. } | Scenario::Storm { knobs } | Scenario::Density { knobs, .. } => {
-            knobs.agents
-        }
-    };
-    raise_file_limit(agents)?;
+    raise_file_limit(cli.scenario.knobs().agents)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async {
         let result = match cli.scenario {
@@ -106,10 +111,9 @@ fn main() -> anyhow::Result<()> {
 
 /// Every agent is a connection on both sides of loopback: raise this process's open-file limit
 /// (replicas inherit it) to what the fleet needs. The product's defaults are left alone; the
-/// operator's equivalent is `LimitNOFILE=` in the replica's unit (BENCHMARKS.md).
-/// Refuses to start a fleet the limit cannot hold: each agent's stream takes a descriptor here
-/// and one in its replica (which inherits the limit), and a replica at its limit refuses
-/// connections, which the agents retry without end.
+/// operator's equivalent is `LimitNOFILE=` in the replica's unit (BENCHMARKS.md). A fleet the
+/// limit cannot hold is refused before it starts: each stream takes a descriptor here and one in
+/// its replica, and a replica at its limit refuses connections, which agents retry without end.
 fn raise_file_limit(agents: usize) -> anyhow::Result<()> {
     use nix::sys::resource::{Resource, getrlimit, setrlimit};
     const WANT: u64 = 1 << 20;

@@ -19,7 +19,7 @@ pub use ingest::{IngestError, Ingested, OnBlocked, Telemetry, TimeBounds, ingest
 pub use page::{MAX_PAGE, Page, PageRequest};
 pub use query::{FlowRow, GapRow, RecordFilter, WindowTotals, gaps, list, window_totals};
 pub use retention::{
-    DDL_LOCK_TIMEOUT, DEFAULT_RETENTION_DAYS, RETENTION_BATCH, apply_retention, create_partitions,
+    DEFAULT_RETENTION_DAYS, RETENTION_BATCH, apply_retention, create_partitions, create_partitions_ahead,
     ensure_partitions,
 };
 pub use rollup::{Grouping, RollupFilter, RollupRow, parse_selector, rollup, workloads_in};

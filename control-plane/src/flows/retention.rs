@@ -24,7 +24,7 @@ pub(super) const PARTITION_LOCK_KEY: i64 = 0x6977_2d66_6c6f_7773;
 
 /// How long a partition change waits for a table's lock before it gives up its own (and retries): well under
 /// Postgres's `deadlock_timeout` (1 s by default), so in a lock cycle with a reader the change is the one that yields.
-pub const DDL_LOCK_TIMEOUT: &str = "200ms";
+const DDL_LOCK_TIMEOUT: &str = "200ms";
 
 /// Attempts of a partition change whose table locks were busy, with a doubling pause between them from
 /// [`DDL_RETRY_PAUSE`]: about three seconds in all before the caller is told to retry later.
@@ -87,9 +87,7 @@ pub async fn ensure_partitions(
     to: DateTime<Utc>,
 ) -> Result<(), Error> {
     lock_for_ddl(conn).await?;
-    let mut day = from.date_naive();
-    while day <= to.date_naive() {
-        let next = day.succ_opt().expect("dates far from the end of time");
+    for day in days(from, to) {
         // As the schema's owner (migration 0035): a replica's role need not own the tables.
         for table in PARTITIONED {
             sqlx::query("SELECT innerwall_ensure_partition($1, $2)")
@@ -98,20 +96,20 @@ pub async fn ensure_partitions(
                 .execute(&mut *conn)
                 .await?;
         }
-        day = next;
     }
     Ok(())
+}
+
+/// Every day from `from`'s to `to`'s.
+fn days(from: DateTime<Utc>, to: DateTime<Utc>) -> impl Iterator<Item = NaiveDate> {
+    let last = to.date_naive();
+    from.date_naive().iter_days().take_while(move |day| *day <= last)
 }
 
 /// Creates the daily partitions of every day in `[from, to]` that lacks one, each attempt a
 /// transaction of its own, retried while table locks are busy. Nothing is locked when they exist.
 pub async fn create_partitions(pool: &PgPool, from: DateTime<Utc>, to: DateTime<Utc>) -> Result<(), Error> {
-    let mut names = Vec::new();
-    let mut day = from.date_naive();
-    while day <= to.date_naive() {
-        names.extend(partitions(day).into_iter().map(|(_, name)| name));
-        day = day.succ_opt().expect("dates far from the end of time");
-    }
+    let names: Vec<String> = days(from, to).flat_map(partitions).map(|(_, name)| name).collect();
     let exist: bool =
         sqlx::query_scalar("SELECT bool_and(to_regclass(n) IS NOT NULL) FROM unnest($1::text[]) AS n")
             .bind(&names)
@@ -127,6 +125,13 @@ pub async fn create_partitions(pool: &PgPool, from: DateTime<Utc>, to: DateTime<
         Ok(())
     })
     .await
+}
+
+/// Today's and tomorrow's partitions, made ahead so that ingest finds them: the replica makes
+/// them as it starts, before its tasks run, and its upkeep every minute after.
+pub async fn create_partitions_ahead(pool: &PgPool) -> Result<(), Error> {
+    let now = Utc::now();
+    create_partitions(pool, now, now + Duration::days(1)).await
 }
 
 /// At most this many partitions are dropped in one transaction: each `DROP` holds its lock until

@@ -9,8 +9,9 @@
 //! still the one it kept (no other transaction, of this replica or another, changed an input
 //! since), and its own transaction wrote nothing, or only what the change it publishes names
 //! (`publish::Touched`: a workload's labels, an address group, a service, a ruleset, workloads
-//! enrolled) and can be read again alone. Anything else loads the inputs whole. What it keeps is named by the generation its own
-//! transaction leaves, so a rollback leaves a name no one commits, and the next publish loads.
+//! enrolled) and can be read again alone. Anything else loads the inputs whole. What it keeps is
+//! named by the generation its own transaction leaves, so a rollback leaves a name no one
+//! commits, and the next publish loads.
 //!
 //! Debug builds (every test) load the inputs whole beside each reuse and fail the publish if the
 //! two differ.

@@ -15,9 +15,10 @@ use uuid::Uuid;
 
 use crate::error::Error;
 
-/// The sweep's statement (public for the test that checks its plan). It reads only the rows past their deadline, through the index on it
-/// (migration 0042), whose condition it repeats word for word: OFFLINE is state 4 (a literal, not
-/// a parameter, so the planner can match the index's condition in a generic plan too).
+/// The sweep's statement (public for the test that checks its plan). It reads only the rows past
+/// their deadline, through the index on it (migration 0042), whose condition it repeats word for
+/// word: OFFLINE is state 4 (a literal, not a parameter, so the planner can match the index's
+/// condition in a generic plan too).
 pub const SWEEP: &str = "WITH swept AS (
         INSERT INTO liveness_sweeps (one, swept_at) VALUES (true, now())
         ON CONFLICT (one) DO UPDATE SET swept_at = excluded.swept_at

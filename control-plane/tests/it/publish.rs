@@ -855,6 +855,18 @@ async fn oracle(pool: &PgPool) -> publish::Rendering {
     rendering
 }
 
+/// The estate's services of the narrowed-render tests (postgres, redis) and the ruleset `db`:
+/// app=db admits app=web to postgres.
+async fn db_admits_web(pool: &PgPool) {
+    service(pool, "postgres", &["tcp:5432"]).await;
+    service(pool, "redis", &["tcp:6379"]).await;
+    create_ruleset(
+        pool,
+        &ruleset("db", "db", vec![PeerSpec::workloads(sel(&[("app", "web")]))], &["postgres"]),
+    )
+    .await;
+}
+
 /// POL-7 on a real database: a label edit renders only the workloads it can touch, and what it
 /// persists is exactly what the full render persists. After each narrowed edit a full render
 /// (the oracle) changes nothing; the edit moved the versions of the peers that gained or lost
@@ -869,13 +881,7 @@ async fn a_label_edit_renders_only_what_it_touches() {
     let web = register(pool, "web-1", &["app=web"], &["10.0.0.20"]).await;
     let batch = register(pool, "batch-1", &["app=batch"], &["10.0.0.30"]).await;
     let cache = register(pool, "cache-1", &["app=cache"], &["10.0.0.40"]).await;
-    service(pool, "postgres", &["tcp:5432"]).await;
-    service(pool, "redis", &["tcp:6379"]).await;
-    create_ruleset(
-        pool,
-        &ruleset("db", "db", vec![PeerSpec::workloads(sel(&[("app", "web")]))], &["postgres"]),
-    )
-    .await;
+    db_admits_web(pool).await;
     create_ruleset(
         pool,
         &ruleset("cache", "cache", vec![PeerSpec::workloads(sel(&[("app", "batch")]))], &["redis"]),
@@ -1212,13 +1218,7 @@ async fn an_enrollment_batch_renders_only_what_it_touches() {
     let pool = &db.pool;
     let db1 = register(pool, "db-1", &["app=db"], &["10.0.0.10"]).await;
     let cache = register(pool, "cache-1", &["app=cache"], &["10.0.0.40"]).await;
-    service(pool, "postgres", &["tcp:5432"]).await;
-    service(pool, "redis", &["tcp:6379"]).await;
-    create_ruleset(
-        pool,
-        &ruleset("db", "db", vec![PeerSpec::workloads(sel(&[("app", "web")]))], &["postgres"]),
-    )
-    .await;
+    db_admits_web(pool).await;
     create_ruleset(pool, &ruleset("cache", "cache", vec![PeerSpec::cidr("192.0.2.0/24")], &["redis"])).await;
     // The batch as the enrollment writer writes it: each workload registered, one publish.
     let enroll = async |hosts: &[(&str, &str, &str)]| {
