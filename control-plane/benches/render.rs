@@ -1,5 +1,6 @@
 //! PERF-1: a full render of 10,000 workloads, 1,000 rulesets and 5,000 rules (target < 1 s,
-//! memory linear). Prints the figures; run with
+//! memory linear), and of ten times that estate (100,000 workloads in 5,000 apps of 20). Prints
+//! the figures; run with
 //! `cargo bench -p innerwall-control-plane --bench render`.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -15,20 +16,21 @@ use innerwall_wire::labels::{LabelKey, LabelValue};
 use innerwall_wire::policy::{Cidr, Mode};
 use uuid::Uuid;
 
-const APPS: usize = 500;
+/// Workloads in each app.
+const MEMBERS: usize = 20;
 
 fn selector(key: &str, value: String) -> Selector {
     Selector::from_strings([(key.to_string(), vec![value])]).unwrap()
 }
 
-fn estate(workloads: usize) -> Vec<RegisteredWorkload> {
+fn estate(workloads: usize, apps: usize) -> Vec<RegisteredWorkload> {
     (0..workloads)
         .map(|i| RegisteredWorkload {
             id: WorkloadId::new_random(),
             mode: Mode::Enforcement,
             revert_at: None,
             labels: BTreeMap::from([
-                (LabelKey::new("app").unwrap(), LabelValue::new(&format!("app{}", i % APPS)).unwrap()),
+                (LabelKey::new("app").unwrap(), LabelValue::new(&format!("app{}", i % apps)).unwrap()),
                 (LabelKey::new("env").unwrap(), LabelValue::new(&format!("env{}", i % 5)).unwrap()),
             ]),
             addresses: BTreeSet::from([IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i as u32))]),
@@ -36,7 +38,7 @@ fn estate(workloads: usize) -> Vec<RegisteredWorkload> {
         .collect()
 }
 
-fn model(rulesets: usize, rules_per_set: usize) -> AuthoredModel {
+fn model(rulesets: usize, rules_per_set: usize, apps: usize) -> AuthoredModel {
     let services: BTreeMap<Uuid, Service> = (0..200)
         .map(|i| {
             let entries = vec![ServiceEntry::parse(&format!("tcp:{},{}", 1000 + i, 2000 + i)).unwrap()];
@@ -58,14 +60,14 @@ fn model(rulesets: usize, rules_per_set: usize) -> AuthoredModel {
             id: Uuid::new_v4(),
             name: format!("rs{j}"),
             enabled: true,
-            scope: selector("app", format!("app{}", j % APPS)),
+            scope: selector("app", format!("app{}", j % apps)),
             rules: (0..rules_per_set)
                 .map(|k| Rule {
                     id: Uuid::new_v4(),
                     name: format!("r{k}"),
                     enabled: true,
                     peers: vec![
-                        Peer::Workloads(selector("app", format!("app{}", (j * 7 + k) % APPS))),
+                        Peer::Workloads(selector("app", format!("app{}", (j * 7 + k) % apps))),
                         Peer::AddressGroup(group_ids[(j + k) % group_ids.len()]),
                         Peer::Cidr(Cidr::parse(&format!("192.168.{}.0/24", k)).unwrap()),
                     ],
@@ -96,12 +98,12 @@ fn main() {
     );
     // `INNERWALL_BENCH_QUICK`: the smallest size only (a smoke run).
     let scales: &[usize] =
-        if std::env::var_os("INNERWALL_BENCH_QUICK").is_some() { &[1] } else { &[1, 2, 4] };
-    let mut last = (0, 0.0);
+        if std::env::var_os("INNERWALL_BENCH_QUICK").is_some() { &[1] } else { &[1, 2, 4, 40] };
+    let mut figures = Vec::new();
     for &scale in scales {
         let (workloads, rulesets) = (2_500 * scale, 250 * scale);
-        let estate = estate(workloads);
-        let model = model(rulesets, 5);
+        let estate = estate(workloads, workloads / MEMBERS);
+        let model = model(rulesets, 5, workloads / MEMBERS);
         let mut best = f64::MAX;
         let mut resolved = 0;
         let mut bytes = 0;
@@ -118,10 +120,13 @@ fn main() {
             peak_rss_kib() as f64 / 1024.0,
             bytes as f64 / 1024.0 / workloads as f64
         );
-        last = (workloads, best);
+        figures.push((workloads, best));
     }
-    let (workloads, best) = last;
-    println!(
-        "FIGURE {{\"id\":\"PERF-1\",\"name\":\"pure render\",\"value\":{best:.3},\"unit\":\"ms\",\"goal\":{{\"op\":\"<\",\"bound\":1000}},\"context\":{{\"workloads\":{workloads}}}}}"
-    );
+    // The largest two sizes: 10,000 (PERF-1's goal) and 100,000 (its render is a part of the
+    // end-to-end goals `publish` measures).
+    for (workloads, best) in figures.into_iter().rev().take(2) {
+        println!(
+            "FIGURE {{\"id\":\"PERF-1\",\"name\":\"pure render\",\"value\":{best:.3},\"unit\":\"ms\",\"goal\":{{\"op\":\"<\",\"bound\":1000}},\"context\":{{\"workloads\":{workloads}}}}}"
+        );
+    }
 }

@@ -21,7 +21,7 @@ use crate::policy::inputs::{self, Inputs};
 use crate::policy::model::{AuthoredModel, RegisteredWorkload, Ruleset};
 use crate::policy::narrow;
 pub use crate::policy::narrow::Touched;
-use crate::policy::render::{Bound, Origin, Oversize, Rendered, oversize, render, render_only};
+use crate::policy::render::{Bound, Origin, Oversize, Rendered, oversize, render_indexed, render_only};
 use crate::policy::source::{Sources, source_digest};
 use crate::policy::store;
 
@@ -262,7 +262,7 @@ async fn render_and_persist(
     };
     let rendered = match &only {
         Some(only) => render_only(&model, &registry, &inputs.labels, only)?,
-        None => render(&model, &registry)?,
+        None => render_indexed(&model, &registry, &inputs.labels)?,
     };
     let contents = contents_of(rendered.policies());
     let latest = store::load_latest_of(conn, only.as_ref()).await?;

@@ -223,7 +223,17 @@ type ShareKey<'a> = (&'a [usize], Mode, Option<i64>, Option<&'a Management>);
 /// Renders the policy of every workload in `workloads` (the live, non-retired registry), with
 /// the staged set of each workload a staged ruleset touches (FLOW-10).
 pub fn render(model: &AuthoredModel, workloads: &[RegisteredWorkload]) -> Result<Rendered, RenderError> {
-    render_some(model, workloads, &LabelIndex::new(workloads), None)
+    render_indexed(model, workloads, &LabelIndex::new(workloads))
+}
+
+/// [`render`] with `index`, the [`LabelIndex`] of `workloads` (kept between renders:
+/// `policy::inputs`), instead of building one.
+pub fn render_indexed(
+    model: &AuthoredModel,
+    workloads: &[RegisteredWorkload],
+    index: &LabelIndex,
+) -> Result<Rendered, RenderError> {
+    render_some(model, workloads, index, None)
 }
 
 /// [`render`] of the workloads `only` names (POL-7's narrowed render: `policy::narrow` says
@@ -263,6 +273,7 @@ fn render_in_force(
     only: Option<&BTreeSet<usize>>,
 ) -> Result<Rendered, RenderError> {
     let wanted = |i: &usize| only.is_none_or(|only| only.contains(i));
+    let mut selected = Selected::new(workloads, index);
     // Each enabled ruleset that selects anyone, resolved once; each workload's list of them.
     // Resolved rules and the model index of each ruleset resolved.
     let mut resolved: Vec<(Vec<ResolvedRule>, usize)> = Vec::new();
@@ -275,7 +286,7 @@ fn render_in_force(
         }
         let mut rules = Vec::new();
         for rule in ruleset.rules.iter().filter(|r| r.enabled) {
-            rules.extend(resolve_rule(model, workloads, index, rule)?);
+            rules.extend(resolve_rule(model, &mut selected, rule)?);
         }
         for &i in &scope {
             selected_by[i].push(resolved.len());
@@ -293,7 +304,7 @@ fn render_in_force(
             // Its pinned source, every ruleset of it applied, peers resolved as they are now.
             let mut rules = Vec::new();
             for rule in pin.model.rulesets.iter().flat_map(|rs| &rs.rules) {
-                rules.extend(resolve_rule(&pin.model, workloads, index, rule)?);
+                rules.extend(resolve_rule(&pin.model, &mut selected, rule)?);
             }
             out.push(w, management, rules, Origin::Pinned(w.id))?;
             continue;
@@ -398,14 +409,47 @@ fn failsafe_rules(management: &Management) -> Result<Vec<ResolvedRule>, RenderEr
         .collect()
 }
 
+/// The host routes of the workloads each peer selector selects, resolved once per selector in a
+/// render: rules of many rulesets name the same apps, and reading every selected workload's
+/// addresses again for each rule was most of a large estate's render (its workloads are spread
+/// over memory no cache holds: 100,000 workloads, 50,000 rules).
+struct Selected<'a> {
+    workloads: &'a [RegisteredWorkload],
+    index: &'a LabelIndex,
+    /// Looked up, never iterated: a hash map (a B-tree compares selectors' label maps).
+    #[allow(clippy::disallowed_types)]
+    hosts: std::collections::HashMap<&'a Selector, Vec<Cidr>>,
+}
+
+impl<'a> Selected<'a> {
+    fn new(workloads: &'a [RegisteredWorkload], index: &'a LabelIndex) -> Self {
+        #[allow(clippy::disallowed_types)]
+        let hosts = std::collections::HashMap::new();
+        Selected { workloads, index, hosts }
+    }
+
+    /// The host route of each address of each workload `selector` selects.
+    fn hosts(&mut self, selector: &'a Selector) -> Result<&[Cidr], PolicyError> {
+        if !self.hosts.contains_key(selector) {
+            let mut hosts = Vec::new();
+            for i in self.index.select(selector) {
+                for addr in &self.workloads[i].addresses {
+                    hosts.push(Cidr::host(*addr)?);
+                }
+            }
+            self.hosts.insert(selector, hosts);
+        }
+        Ok(&self.hosts[selector])
+    }
+}
+
 /// One authored rule → one resolved rule per protocol its services permit, all with the same
 /// peers. A rule whose peers resolve to nothing still renders (empty), so peers that appear
 /// later arrive as peer additions rather than new rules.
-fn resolve_rule(
-    model: &AuthoredModel,
-    workloads: &[RegisteredWorkload],
-    index: &LabelIndex,
-    rule: &crate::policy::model::Rule,
+fn resolve_rule<'a>(
+    model: &'a AuthoredModel,
+    selected: &mut Selected<'a>,
+    rule: &'a crate::policy::model::Rule,
 ) -> Result<Vec<ResolvedRule>, RenderError> {
     let policy_err = |source| RenderError::Policy { rule: rule.id, source };
     let mut peers: BTreeSet<Cidr> = BTreeSet::new();
@@ -423,11 +467,7 @@ fn resolve_rule(
                 peers.extend(group.cidrs.iter().copied());
             }
             Peer::Workloads(selector) => {
-                for i in index.select(selector) {
-                    for addr in &workloads[i].addresses {
-                        peers.insert(Cidr::host(*addr).map_err(policy_err)?);
-                    }
-                }
+                peers.extend(selected.hosts(selector).map_err(policy_err)?.iter().copied());
             }
         }
     }
@@ -879,10 +919,12 @@ mod tests {
                 prop_assert_eq!(rendered.len(), workloads.len());
                 let index = LabelIndex::new(&workloads);
                 for w in &workloads {
+                    // Resolved alone: nothing memoized by another workload's render.
+                    let mut selected = Selected::new(&workloads, &index);
                     let mut rules = Vec::new();
                     for rs in model.rulesets.iter().filter(|rs| rs.enabled && rs.scope.selects(&w.labels)) {
                         for r in rs.rules.iter().filter(|r| r.enabled) {
-                            rules.extend(resolve_rule(&model, &workloads, &index, r).unwrap());
+                            rules.extend(resolve_rule(&model, &mut selected, r).unwrap());
                         }
                     }
                     let alone = WorkloadPolicy::new(0, w.mode, rules).unwrap();
