@@ -35,7 +35,7 @@ enum Run {
 const BENCHES: &[Bench] = &[
     Bench {
         name: "render",
-        what: "PERF-1 pure render, 10,000 workloads / 1,000 rulesets",
+        what: "PERF-1 pure render, 10,000 and 100,000 workloads (1,000 and 10,000 rulesets)",
         run: Run::Cargo {
             package: "innerwall-control-plane",
             target: "render",
@@ -44,7 +44,7 @@ const BENCHES: &[Bench] = &[
     },
     Bench {
         name: "publish",
-        what: "PERF-1 end to end: the publish transaction at 10,000 workloads / 1,000 rulesets",
+        what: "PERF-1 end to end: the publish transaction at 10,000 and 100,000 workloads",
         run: Run::Cargo {
             package: "innerwall-control-plane",
             target: "publish",
