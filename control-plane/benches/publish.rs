@@ -55,12 +55,20 @@ impl Shape {
         }
     }
 
-    /// How the figures of this shape are named, and whether PERF-1's goals judge them.
+    fn name(self) -> String {
+        match self {
+            Shape::Apps(members) => format!("apps of {members}"),
+            Shape::Distinct => "every policy distinct".to_owned(),
+        }
+    }
+
+    /// How the figures of this shape are named (the estate of apps of [`MEMBERS`] by the bare
+    /// figure name), and whether PERF-1's goals judge them (not the larger apps).
     fn suffix(self) -> (String, bool) {
         match self {
             Shape::Apps(MEMBERS) => (String::new(), true),
-            Shape::Apps(members) => (format!(", apps of {members}"), false),
-            Shape::Distinct => (", every policy distinct".to_owned(), true),
+            Shape::Apps(_) => (format!(", {}", self.name()), false),
+            Shape::Distinct => (format!(", {}", self.name()), true),
         }
     }
 }
@@ -289,10 +297,7 @@ async fn measure(shape: Shape, workloads: usize, sets: usize) -> anyhow::Result<
     .await?;
     println!(
         "  {}: first full render: {full:.1} ms (load + render + diff + persist {} policies, {distinct} distinct of {:.1} MB, + commit; the {workloads} registrations before it took {:.1} ms)",
-        match shape {
-            Shape::Apps(members) => format!("apps of {members}"),
-            Shape::Distinct => "every policy distinct".to_owned(),
-        },
+        shape.name(),
         done.changed.len(),
         bytes as f64 / 1e6,
         inserts.as_secs_f64() * 1000.0
