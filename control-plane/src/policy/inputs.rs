@@ -36,6 +36,9 @@ pub struct Inputs {
     pub model: Arc<AuthoredModel>,
     /// The registry with its stored address standings.
     pub registry: Arc<Registry>,
+    /// Every reported address of `registry`'s live workloads, judged now (the publish stores
+    /// those that differ from the stored standings).
+    pub standings: Arc<addresses::Standings>,
     /// The live workloads with only their accepted addresses: what is rendered.
     pub accepted: Arc<Vec<RegisteredWorkload>>,
     /// The label index of `accepted`.
@@ -45,14 +48,22 @@ pub struct Inputs {
 }
 
 impl Inputs {
-    /// The inputs of this model and registry, `accepted` being the registry's workloads with
-    /// only their accepted addresses.
-    pub fn new(model: AuthoredModel, registry: Registry, accepted: Vec<RegisteredWorkload>) -> Inputs {
+    /// The inputs of this model and registry: the registry judged, and the indexes built (the
+    /// model's on another core meanwhile).
+    pub fn new(model: AuthoredModel, registry: Registry) -> Inputs {
+        let (standings, accepted, labels, consumers) = std::thread::scope(|scope| {
+            let consumers = scope.spawn(|| Consumers::new(&model));
+            let standings = standings(&registry);
+            let accepted = accepted_by(&registry, &standings);
+            let labels = LabelIndex::new(&accepted);
+            (standings, accepted, labels, consumers.join().expect("indexing the model does not panic"))
+        });
         Inputs {
-            labels: Arc::new(LabelIndex::new(&accepted)),
-            consumers: Arc::new(Consumers::new(&model)),
+            labels: Arc::new(labels),
+            consumers: Arc::new(consumers),
             model: Arc::new(model),
             registry: Arc::new(registry),
+            standings: Arc::new(standings),
             accepted: Arc::new(accepted),
         }
     }
@@ -148,8 +159,7 @@ pub async fn kept(conn: &mut PgConnection, touched: &[Touched]) -> Result<Option
 pub async fn load(conn: &mut PgConnection) -> Result<Inputs, Error> {
     let model = store::load_model(conn).await?;
     let registry = store::load_registry(conn).await?;
-    let accepted = accepted_only(&registry);
-    Ok(Inputs::new(model, registry, accepted))
+    Ok(Inputs::new(model, registry))
 }
 
 /// Keeps `inputs` as what the caller's transaction holds now; called at the end of a publish,
@@ -279,8 +289,10 @@ async fn enroll(conn: &mut PgConnection, inputs: &mut Inputs, ids: &[Uuid]) -> R
     }
     registry.narrowed.extend(narrowed);
     registry.stored.extend(stored);
-    let accepted = accepted_only(registry);
+    let standings = standings(registry);
+    let accepted = accepted_by(registry, &standings);
     inputs.labels = Arc::new(LabelIndex::new(&accepted));
+    inputs.standings = Arc::new(standings);
     inputs.accepted = Arc::new(accepted);
     Ok(true)
 }
@@ -298,6 +310,9 @@ async fn verify(conn: &mut PgConnection, inputs: &Inputs) -> Result<(), Error> {
     if inputs.registry != loaded.registry {
         return Err(diverged("registry"));
     }
+    if inputs.standings != loaded.standings {
+        return Err(diverged("address standings"));
+    }
     if inputs.accepted != loaded.accepted {
         return Err(diverged("accepted registry"));
     }
@@ -311,7 +326,7 @@ async fn verify(conn: &mut PgConnection, inputs: &Inputs) -> Result<(), Error> {
 }
 
 /// The standing of every reported address of every live workload of `registry`.
-pub(crate) fn standings(registry: &Registry) -> addresses::Standings {
+fn standings(registry: &Registry) -> addresses::Standings {
     let claims = registry.workloads.iter().map(|w| addresses::Claim {
         workload: w.id,
         addresses: &w.addresses,
@@ -323,10 +338,14 @@ pub(crate) fn standings(registry: &Registry) -> addresses::Standings {
 /// The live workloads of `registry` with only the addresses address trust accepts of their
 /// claims (judged again, not as stored).
 pub(crate) fn accepted_only(registry: &Registry) -> Vec<RegisteredWorkload> {
-    let standings = standings(registry);
+    accepted_by(registry, &standings(registry))
+}
+
+/// The live workloads of `registry` with only the addresses `standings` accepts.
+fn accepted_by(registry: &Registry, standings: &addresses::Standings) -> Vec<RegisteredWorkload> {
     registry
         .workloads
         .iter()
-        .map(|w| RegisteredWorkload { addresses: addresses::accepted(&standings, w.id), ..w.clone() })
+        .map(|w| RegisteredWorkload { addresses: addresses::accepted(standings, w.id), ..w.clone() })
         .collect()
 }

@@ -5,6 +5,7 @@
 
 use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
 use std::sync::Arc;
 
 use innerwall_wire::identity::WorkloadId;
@@ -22,7 +23,7 @@ use crate::policy::model::{AuthoredModel, RegisteredWorkload, Ruleset};
 use crate::policy::narrow;
 pub use crate::policy::narrow::Touched;
 use crate::policy::render::{Bound, Origin, Oversize, Rendered, oversize, render_indexed, render_only};
-use crate::policy::source::{Sources, source_digest};
+use crate::policy::source::{Digest, Sources, source_digest};
 use crate::policy::store;
 
 /// Key of the transaction-scoped advisory lock every render takes (ASCII "iw-rendr").
@@ -251,30 +252,60 @@ async fn render_and_persist(
     // claims are new): a standing that moved for any other workload renders everything.
     let enrolled: BTreeSet<WorkloadId> =
         touched.iter().filter_map(|t| if let Touched::Enrolled(id) = t { Some(*id) } else { None }).collect();
+    let judged = match outcome {
+        inputs::Outcome::Loaded => Some(judge(&inputs)),
+        _ if !enrolled.is_empty() => Some(judge(&inputs)),
+        _ => None,
+    };
+    let moved: BTreeSet<WorkloadId> =
+        judged.iter().flat_map(|j| j.changes.iter().map(|&(w, _, _)| w)).collect();
     let standings_moved = match outcome {
-        inputs::Outcome::Loaded => !judge_addresses(conn, &mut inputs).await?.is_empty(),
-        _ if !enrolled.is_empty() => !judge_addresses(conn, &mut inputs).await?.is_subset(&enrolled),
-        _ => false,
+        inputs::Outcome::Loaded => !moved.is_empty(),
+        _ => !moved.is_subset(&enrolled),
     };
     let only = match standings_moved {
         true => None,
         false => narrowing(conn, &inputs, &rulesets_before, touched).await?,
     };
-    let rendered = match &only {
-        Some(only) => render_only(&model, &registry, &inputs.labels, only)?,
-        None => render_indexed(&model, &registry, &inputs.labels)?,
+    // The render is CPU, Postgres's writes are not: it runs on another thread meanwhile.
+    let rendering = {
+        let (model, registry, labels, only) =
+            (Arc::clone(&model), Arc::clone(&registry), Arc::clone(&inputs.labels), only.clone());
+        off_thread(move || {
+            let rendered = match &only {
+                Some(only) => render_only(&model, &registry, &labels, only)?,
+                None => render_indexed(&model, &registry, &labels)?,
+            };
+            let contents = contents_of(rendered.policies());
+            Ok::<_, Error>((rendered, contents))
+        })
     };
-    let contents = contents_of(rendered.policies());
+    if let Some(judged) = judged {
+        store_judgement(conn, &mut inputs, judged).await?;
+    }
     let latest = store::load_latest_of(conn, only.as_ref()).await?;
+    let (mut rendered, contents) = rendering.await?;
     let mut next = next_versions(conn, &rendered, &contents, &latest).await?;
     let held = over_bound(&model, &rendered, &contents, &mut next, bound(), overflow)?;
     save_held(conn, &held, only.as_ref()).await?;
     let mut changed = Vec::new();
     if !next.is_empty() {
-        let sources = store_sources(conn, &model, &rendered, &next).await?;
+        // Each new version's source is worked out while its latest row is written.
+        let sourcing = {
+            let model = Arc::clone(&model);
+            let wanted: Vec<usize> = next.iter().map(|n| n.content).collect();
+            off_thread(move || {
+                let sourced = sources_of(&model, &rendered, &wanted);
+                (rendered, sourced)
+            })
+        };
+        persist_latest(conn, &next, &contents).await?;
+        let sourced;
+        (rendered, sourced) = sourcing.await;
+        let sources = store_sources(conn, &next, sourced?).await?;
         let staged: Vec<Option<&str>> =
             next.iter().map(|n| rendered.policies()[n.content].staged().map(|s| s.set())).collect();
-        persist(conn, &next, &contents, &sources, &staged).await?;
+        persist_history(conn, &next, &contents, &sources, &staged).await?;
         let notices: Vec<Notice> = next.iter().map(|n| Notice::Policy(n.workload, n.version)).collect();
         notice::publish(conn, &notices).await?;
         changed = next.iter().map(|n| Changed { workload: n.workload, version: n.version }).collect();
@@ -452,14 +483,12 @@ async fn next_versions(
     Ok(next)
 }
 
-/// Writes the contents `next` refers to (each once; a stored one stays), each workload's latest
-/// row, and its history row (with its source and its staged set, in `next`'s order).
-async fn persist(
+/// Writes the contents `next` refers to (each once; a stored one stays) and each workload's
+/// latest row.
+async fn persist_latest(
     conn: &mut PgConnection,
     next: &[Next],
     contents: &[store::Content],
-    sources: &[Vec<u8>],
-    staged: &[Option<&str>],
 ) -> Result<(), Error> {
     // Groups that render equal policies share a digest: one row; a stored one stays. Only a
     // publish writes contents, under the render lock: none can appear between the two statements.
@@ -499,6 +528,21 @@ async fn persist(
     .bind(&digests)
     .execute(&mut *conn)
     .await?;
+    Ok(())
+}
+
+/// Writes each workload's history row of `next` (with its source and its staged set, in `next`'s
+/// order), after [`persist_latest`] in the same transaction.
+async fn persist_history(
+    conn: &mut PgConnection,
+    next: &[Next],
+    contents: &[store::Content],
+    sources: &[Vec<u8>],
+    staged: &[Option<&str>],
+) -> Result<(), Error> {
+    let ids: Vec<Uuid> = next.iter().map(|n| n.workload.uuid()).collect();
+    let versions: Vec<i64> = next.iter().map(|n| n.version as i64).collect();
+    let digests: Vec<&[u8]> = next.iter().map(|n| contents[n.content].digest.as_slice()).collect();
     // now() is the transaction's time: the same `rendered_at` as the latest rows'.
     sqlx::query(
         "INSERT INTO workload_policy_history (workload_id, version, digest, rendered_at, source_digest, staged_set)
@@ -515,23 +559,28 @@ async fn persist(
     Ok(())
 }
 
-/// Stores the authored source of each new version (`policy::source`: new parts, then new
-/// sources) and returns each one's digest, in `next`'s order, for its history row. A pinned
+/// The authored sources of a render's new versions (`policy::source`), worked out without
+/// storing them: each content's source digest, the sources, and the parts they list.
+struct Sourced {
+    /// Each content's source digest, by its index in the render.
+    digests: BTreeMap<usize, Vec<u8>>,
+    /// Each source rendered from rulesets: digest → the digests of its parts.
+    new: BTreeMap<Vec<u8>, Vec<u8>>,
+    /// Every part those sources list: digest → canonical bytes.
+    parts: BTreeMap<Digest, Vec<u8>>,
+}
+
+/// The sources of the contents `wanted` (indices into `rendered`'s policies). A pinned
 /// workload's is its pin's.
-async fn store_sources(
-    conn: &mut PgConnection,
-    model: &AuthoredModel,
-    rendered: &Rendered,
-    next: &[Next],
-) -> Result<Vec<Vec<u8>>, Error> {
+fn sources_of(model: &AuthoredModel, rendered: &Rendered, wanted: &[usize]) -> Result<Sourced, Error> {
     let mut sources = Sources::new(model);
     let mut digests: BTreeMap<usize, Vec<u8>> = BTreeMap::new();
     let mut new: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
-    for n in next {
-        if digests.contains_key(&n.content) {
+    for &content in wanted {
+        if digests.contains_key(&content) {
             continue;
         }
-        let digest = match rendered.origin(n.content) {
+        let digest = match rendered.origin(content) {
             Origin::Pinned(w) => {
                 model.pinned.get(w).map(|p| p.digest.clone()).ok_or_else(|| Error::Corrupt {
                     what: "rollback pin",
@@ -545,14 +594,24 @@ async fn store_sources(
                 digest
             }
         };
-        digests.insert(n.content, digest);
+        digests.insert(content, digest);
     }
+    Ok(Sourced { digests, new, parts: sources.parts })
+}
+
+/// Stores the sources of `next`'s new versions (new parts, then new sources) and returns each
+/// one's digest, in `next`'s order, for its history row.
+async fn store_sources(
+    conn: &mut PgConnection,
+    next: &[Next],
+    sourced: Sourced,
+) -> Result<Vec<Vec<u8>>, Error> {
+    let Sourced { digests, new, parts } = sourced;
     let out = next.iter().map(|n| digests[&n.content].clone()).collect();
     if new.is_empty() {
         return Ok(out);
     }
-    let (keys, parts): (Vec<Vec<u8>>, Vec<String>) = sources
-        .parts
+    let (keys, parts): (Vec<Vec<u8>>, Vec<String>) = parts
         .into_iter()
         .map(|(d, bytes)| (d.to_vec(), String::from_utf8(bytes).expect("JSON is UTF-8")))
         .unzip();
@@ -578,22 +637,31 @@ async fn store_sources(
     Ok(out)
 }
 
-/// Address trust: judges every live workload's reported addresses, stores the standings that
-/// changed (auditing each workload whose addresses were refused, came into conflict, or were
-/// accepted again), and leaves `inputs` as stored after it: the standings, and the workloads
-/// with only their accepted addresses, to render. Returns the workloads whose standings moved.
-async fn judge_addresses(
-    conn: &mut PgConnection,
-    inputs: &mut Inputs,
-) -> Result<BTreeSet<WorkloadId>, Error> {
-    let registry = &inputs.registry;
-    let standings = inputs::standings(registry);
-    let changes = addresses::changes(&registry.stored, &standings);
-    if changes.is_empty() {
-        return Ok(BTreeSet::new());
+/// Address trust, judged and not yet stored: the standings that differ from those stored, and
+/// the addresses more than one workload claims.
+struct Judged {
+    changes: Vec<(WorkloadId, IpAddr, Standing)>,
+    conflicts: BTreeMap<IpAddr, BTreeSet<WorkloadId>>,
+}
+
+/// Judges every live workload's reported addresses against the standings stored.
+fn judge(inputs: &Inputs) -> Judged {
+    Judged {
+        changes: addresses::changes(&inputs.registry.stored, &inputs.standings),
+        conflicts: addresses::conflicts(&inputs.standings),
     }
+}
+
+/// Stores the standings that moved (auditing each workload whose addresses were refused, came
+/// into conflict, or were accepted again) and leaves `inputs` as stored after it: the
+/// standings, and the workloads with only their accepted addresses, to render.
+async fn store_judgement(conn: &mut PgConnection, inputs: &mut Inputs, judged: Judged) -> Result<(), Error> {
+    let Judged { changes, conflicts } = judged;
+    if changes.is_empty() {
+        return Ok(());
+    }
+    let registry = &inputs.registry;
     store::save_standings(conn, &changes).await?;
-    let conflicts = addresses::conflicts(&standings);
     let mut noteworthy: BTreeMap<WorkloadId, Vec<serde_json::Value>> = BTreeMap::new();
     for &(w, address, standing) in &changes {
         let before = registry.stored.get(&(w, address)).copied().flatten();
@@ -616,10 +684,17 @@ async fn judge_addresses(
     }
     // The workloads rendered are those of the standings just judged (`accepted_only`).
     let registry = Arc::make_mut(&mut inputs.registry);
-    for &(w, address, standing) in &changes {
+    for (w, address, standing) in changes {
         registry.stored.insert((w, address), Some(standing));
     }
-    Ok(changes.iter().map(|&(w, _, _)| w).collect())
+    Ok(())
+}
+
+/// Runs CPU-bound `work` on a blocking thread, so the caller's Postgres statements proceed
+/// meanwhile; a panic in it is the caller's.
+fn off_thread<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> impl Future<Output = T> {
+    let handle = tokio::task::spawn_blocking(work);
+    async move { handle.await.unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic())) }
 }
 
 /// The registry as the next render sees it (each workload with only its accepted addresses),

@@ -384,3 +384,83 @@ async fn retention_runs_by_hand() {
     assert_eq!(runs, 2);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Latest and history rows are checked per statement (migration 0043), with the guarantees the
+/// foreign keys gave: each row refers to a workload that exists and a content that is stored,
+/// else the statement is refused and changes nothing; a workload's id never changes; deleting a
+/// workload deletes its rows; and a delete waits for a transaction that wrote rows referring to
+/// it, then takes them too, so none is left referring to nothing.
+#[tokio::test]
+async fn policy_rows_refer_to_existing_workloads_and_contents() {
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    let web = register(pool, "web-1", &["app=web"], &["10.0.0.1"]).await;
+    add_web_port(pool, 1).await.unwrap();
+    let rows = "SELECT (SELECT count(*) FROM workload_policies) * 1000 + (SELECT count(*) FROM workload_policy_history)";
+    let before = count(pool, rows).await;
+    assert_eq!(before, 1002, "one latest row, two history rows");
+    let refused = [
+        (
+            "INSERT INTO workload_policies (workload_id, version, digest, rendered_at)
+             SELECT gen_random_uuid(), 1, digest, now() FROM workload_policies",
+            "which does not exist",
+        ),
+        (
+            "INSERT INTO workload_policy_history (workload_id, version, digest, rendered_at)
+             SELECT workload_id, 9, sha256('\\x01'::bytea), now() FROM workload_policies",
+            "which is not stored",
+        ),
+        ("UPDATE workload_policies SET digest = sha256('\\x01'::bytea)", "which is not stored"),
+        ("UPDATE workload_policy_history SET workload_id = gen_random_uuid()", "which does not exist"),
+        ("UPDATE workloads SET id = gen_random_uuid()", "cannot change its id"),
+    ];
+    for (sql, why) in refused {
+        let err = sqlx::query(sqlx::AssertSqlSafe(sql)).execute(pool).await.expect_err(sql);
+        assert!(err.to_string().contains(why), "{sql}: {err}");
+        assert_eq!(count(pool, rows).await, before, "{sql} changed nothing");
+    }
+
+    // A transaction writes a history row of web's; a delete of web meanwhile waits for it.
+    let mut writer = pool.begin().await.unwrap();
+    sqlx::query(
+        "INSERT INTO workload_policy_history (workload_id, version, digest, rendered_at)
+         SELECT workload_id, 9, digest, now() FROM workload_policies WHERE workload_id = $1",
+    )
+    .bind(web.uuid())
+    .execute(&mut *writer)
+    .await
+    .unwrap();
+    let (pid_tx, pid_rx) = tokio::sync::oneshot::channel();
+    let deleter = {
+        let pool = pool.clone();
+        tokio::spawn(async move {
+            let mut conn = pool.acquire().await.unwrap();
+            let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *conn).await.unwrap();
+            pid_tx.send(pid).unwrap();
+            sqlx::query("DELETE FROM workloads WHERE id = $1").bind(web.uuid()).execute(&mut *conn).await
+        })
+    };
+    let pid = pid_rx.await.unwrap();
+    let mut watcher = pool.acquire().await.unwrap();
+    let waiting = async {
+        loop {
+            let waits: bool =
+                sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = $1 AND NOT granted)")
+                    .bind(pid)
+                    .fetch_one(&mut *watcher)
+                    .await
+                    .unwrap();
+            if waits {
+                return;
+            }
+            assert!(!deleter.is_finished(), "the delete finished without waiting for the writer");
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(30), waiting)
+        .await
+        .expect("the delete never waited on a lock in pg_locks");
+    writer.commit().await.unwrap();
+    assert_eq!(deleter.await.unwrap().unwrap().rows_affected(), 1);
+    assert_eq!(count(pool, rows).await, 0, "the workload's latest and history rows went with it");
+}
