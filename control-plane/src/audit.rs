@@ -43,7 +43,7 @@ pub async fn write(conn: &mut PgConnection, record: &Record<'_>) -> Result<(), E
     .bind(record.action)
     .bind(record.subject)
     .bind(&record.detail)
-    .bind(serde_json::to_value(&record.workload_versions).expect("plain data serializes"))
+    .bind(sqlx::types::Json(&record.workload_versions))
     .execute(&mut *conn)
     .await?;
     Ok(())

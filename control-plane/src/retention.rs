@@ -85,9 +85,9 @@ const PROMOTED_VERSIONS: &str = "SELECT (v->>'id')::uuid AS workload_id, x.versi
      ) AS x (version)
      WHERE x.version IS NOT NULL";
 
-/// Long-retired workloads nothing refers to. `ON DELETE CASCADE` takes their labels,
-/// addresses, label history and totals with them, and migration 0043's trigger their policies
-/// and history.
+/// Long-retired workloads nothing refers to. `ON DELETE CASCADE` takes their labels, label
+/// history and totals with them, and migration 0043's trigger their addresses, policies and
+/// history.
 fn workloads_sql() -> String {
     "WITH doomed AS (
          SELECT w.id FROM workloads w

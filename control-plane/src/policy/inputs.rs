@@ -23,12 +23,12 @@ use sqlx::PgConnection;
 use uuid::Uuid;
 
 use crate::error::Error;
-use crate::policy::addresses;
 use crate::policy::model::{AuthoredModel, RegisteredWorkload, Ruleset};
 use crate::policy::narrow::Consumers;
 use crate::policy::narrow::Touched;
 use crate::policy::render::LabelIndex;
 use crate::policy::store::{self, Registry};
+use crate::policy::{addresses, off_thread};
 
 /// What a render reads, as the database holds it at `generation`.
 #[derive(Debug, Clone)]
@@ -48,20 +48,20 @@ pub struct Inputs {
 }
 
 impl Inputs {
-    /// The inputs of this model and registry: the registry judged, and the indexes built (the
-    /// model's on another core meanwhile).
-    pub fn new(model: AuthoredModel, registry: Registry) -> Inputs {
-        let (standings, accepted, labels, consumers) = std::thread::scope(|scope| {
-            let consumers = scope.spawn(|| Consumers::new(&model));
+    /// The inputs of this model, its consumers index and this registry, judged and indexed.
+    fn new(model: Arc<AuthoredModel>, consumers: Consumers, registry: Registry) -> Inputs {
+        let (standings, accepted, labels) = std::thread::scope(|scope| {
+            // Of labels and positions only, which the accepted workloads share with the
+            // registry's: built on another core while the addresses are judged.
+            let labels = scope.spawn(|| LabelIndex::new(&registry.workloads));
             let standings = standings(&registry);
             let accepted = accepted_by(&registry, &standings);
-            let labels = LabelIndex::new(&accepted);
-            (standings, accepted, labels, consumers.join().expect("indexing the model does not panic"))
+            (standings, accepted, labels.join().expect("indexing labels does not panic"))
         });
         Inputs {
             labels: Arc::new(labels),
             consumers: Arc::new(consumers),
-            model: Arc::new(model),
+            model,
             registry: Arc::new(registry),
             standings: Arc::new(standings),
             accepted: Arc::new(accepted),
@@ -157,9 +157,14 @@ pub async fn kept(conn: &mut PgConnection, touched: &[Touched]) -> Result<Option
 /// The inputs loaded whole: the workloads to render with the addresses address trust accepts of
 /// their claims now, the standings as stored (the publish stores those that moved).
 pub async fn load(conn: &mut PgConnection) -> Result<Inputs, Error> {
-    let model = store::load_model(conn).await?;
+    let model = Arc::new(store::load_model(conn).await?);
+    // The model's consumers index is built on another core while the registry loads.
+    let consumers = off_thread({
+        let model = Arc::clone(&model);
+        move || Consumers::new(&model)
+    });
     let registry = store::load_registry(conn).await?;
-    Ok(Inputs::new(model, registry))
+    Ok(Inputs::new(model, consumers.await, registry))
 }
 
 /// Keeps `inputs` as what the caller's transaction holds now; called at the end of a publish,

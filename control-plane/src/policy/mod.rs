@@ -14,3 +14,13 @@ pub mod source;
 pub mod spec;
 pub mod staged;
 pub mod store;
+
+/// Runs CPU-bound `work` on a blocking thread, so the caller's Postgres statements proceed
+/// meanwhile (a render's work is CPU; its reads and writes wait on Postgres); a panic in it is
+/// the caller's.
+pub(crate) fn off_thread<T: Send + 'static>(
+    work: impl FnOnce() -> T + Send + 'static,
+) -> impl Future<Output = T> {
+    let handle = tokio::task::spawn_blocking(work);
+    async move { handle.await.unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic())) }
+}

@@ -20,11 +20,11 @@ use crate::notice::{self, Notice};
 use crate::policy::addresses::{self, Standing};
 use crate::policy::inputs::{self, Inputs};
 use crate::policy::model::{AuthoredModel, RegisteredWorkload, Ruleset};
-use crate::policy::narrow;
 pub use crate::policy::narrow::Touched;
 use crate::policy::render::{Bound, Origin, Oversize, Rendered, oversize, render_indexed, render_only};
 use crate::policy::source::{Digest, Sources, source_digest};
 use crate::policy::store;
+use crate::policy::{narrow, off_thread};
 
 /// Key of the transaction-scoped advisory lock every render takes (ASCII "iw-rendr").
 pub const RENDER_LOCK_KEY: i64 = 0x6977_2d72_656e_6472;
@@ -688,13 +688,6 @@ async fn store_judgement(conn: &mut PgConnection, inputs: &mut Inputs, judged: J
         registry.stored.insert((w, address), Some(standing));
     }
     Ok(())
-}
-
-/// Runs CPU-bound `work` on a blocking thread, so the caller's Postgres statements proceed
-/// meanwhile; a panic in it is the caller's.
-fn off_thread<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> impl Future<Output = T> {
-    let handle = tokio::task::spawn_blocking(work);
-    async move { handle.await.unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic())) }
 }
 
 /// The registry as the next render sees it (each workload with only its accepted addresses),

@@ -55,7 +55,15 @@ impl LabelIndex {
 
     fn add(&mut self, i: usize, labels: &BTreeMap<LabelKey, LabelValue>) {
         for (k, v) in labels {
-            let list = self.postings.entry(k.clone()).or_default().entry(v.clone()).or_default();
+            // A key or value is cloned only the first time it is seen.
+            if !self.postings.contains_key(k) {
+                self.postings.insert(k.clone(), BTreeMap::new());
+            }
+            let values = self.postings.get_mut(k).expect("inserted above");
+            if !values.contains_key(v) {
+                values.insert(v.clone(), Vec::new());
+            }
+            let list = values.get_mut(v).expect("inserted above");
             if let Err(at) = list.binary_search(&i) {
                 list.insert(at, i);
             }

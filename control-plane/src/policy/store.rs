@@ -12,7 +12,7 @@ use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::labels::{LabelKey, LabelValue};
 use innerwall_wire::policy::{Cidr, Mode, PortRange, Protocol, WorkloadPolicy};
 use serde::{Deserialize, Serialize};
-use sqlx::postgres::PgArguments;
+use sqlx::postgres::{PgArguments, PgRow};
 use sqlx::{PgConnection, PgPool, Row};
 use uuid::Uuid;
 
@@ -181,8 +181,47 @@ pub async fn load_rulesets(conn: &mut PgConnection, names: Option<&[String]>) ->
             "SELECT id, name, enabled, scope FROM rulesets WHERE name = ANY($1) ORDER BY name",
         ),
     };
+    // The peers, most of the work, are parsed on another core while the rest is read.
+    let peers = crate::policy::off_thread({
+        let rows = filtered(peer_rows, names).fetch_all(&mut *conn).await?;
+        move || peers_of(rows)
+    });
+    let mut services_of: BTreeMap<Uuid, Vec<Uuid>> = BTreeMap::new();
+    for row in filtered(service_rows, names).fetch_all(&mut *conn).await? {
+        services_of.entry(row.get(0)).or_default().push(row.get(1));
+    }
+    let rule_rows = filtered(rule_rows, names).fetch_all(&mut *conn).await?;
+    let head_rows = filtered(heads, names).fetch_all(&mut *conn).await?;
+    let mut peers = peers.await?;
+    let mut rules_of: BTreeMap<Uuid, Vec<Rule>> = BTreeMap::new();
+    for row in rule_rows {
+        let id: Uuid = row.get(0);
+        rules_of.entry(row.get(1)).or_default().push(Rule {
+            id,
+            name: row.get(2),
+            enabled: row.get(3),
+            peers: peers.remove(&id).unwrap_or_default(),
+            services: services_of.remove(&id).unwrap_or_default(),
+        });
+    }
+    let mut rulesets = Vec::new();
+    for row in head_rows {
+        let id: Uuid = row.get(0);
+        rulesets.push(Ruleset {
+            id,
+            name: row.get(1),
+            enabled: row.get(2),
+            scope: selector_from_json(row.get(3))?,
+            rules: rules_of.remove(&id).unwrap_or_default(),
+        });
+    }
+    Ok(rulesets)
+}
+
+/// Each rule's peers of `rows` (`rule_id, selector, address_group_id, cidr`), in row order.
+fn peers_of(rows: Vec<PgRow>) -> Result<BTreeMap<Uuid, Vec<Peer>>, Error> {
     let mut peers: BTreeMap<Uuid, Vec<Peer>> = BTreeMap::new();
-    for row in filtered(peer_rows, names).fetch_all(&mut *conn).await? {
+    for row in rows {
         let selector: Option<serde_json::Value> = row.get(1);
         let group: Option<Uuid> = row.get(2);
         let cidr: Option<String> = row.get(3);
@@ -196,33 +235,7 @@ pub async fn load_rulesets(conn: &mut PgConnection, names: Option<&[String]>) ->
         };
         peers.entry(row.get(0)).or_default().push(peer);
     }
-    let mut services_of: BTreeMap<Uuid, Vec<Uuid>> = BTreeMap::new();
-    for row in filtered(service_rows, names).fetch_all(&mut *conn).await? {
-        services_of.entry(row.get(0)).or_default().push(row.get(1));
-    }
-    let mut rules_of: BTreeMap<Uuid, Vec<Rule>> = BTreeMap::new();
-    for row in filtered(rule_rows, names).fetch_all(&mut *conn).await? {
-        let id: Uuid = row.get(0);
-        rules_of.entry(row.get(1)).or_default().push(Rule {
-            id,
-            name: row.get(2),
-            enabled: row.get(3),
-            peers: peers.remove(&id).unwrap_or_default(),
-            services: services_of.remove(&id).unwrap_or_default(),
-        });
-    }
-    let mut rulesets = Vec::new();
-    for row in filtered(heads, names).fetch_all(&mut *conn).await? {
-        let id: Uuid = row.get(0);
-        rulesets.push(Ruleset {
-            id,
-            name: row.get(1),
-            enabled: row.get(2),
-            scope: selector_from_json(row.get(3))?,
-            rules: rules_of.remove(&id).unwrap_or_default(),
-        });
-    }
-    Ok(rulesets)
+    Ok(peers)
 }
 
 /// The address groups of these names (`None`: every group) with their CIDRs, by id.
@@ -387,7 +400,11 @@ pub async fn load_workloads(
     conn: &mut PgConnection,
     ids: Option<&[Uuid]>,
 ) -> Result<(Vec<RegisteredWorkload>, Narrowed, Stored), Error> {
-    let mut labels = load_labels(conn, ids).await?;
+    // The labels are parsed on another core while the rest is read.
+    let labels = crate::policy::off_thread({
+        let rows = label_rows(conn, ids).await?;
+        move || labels_by_workload(rows)
+    });
     let mut addresses: BTreeMap<Uuid, BTreeSet<IpAddr>> = BTreeMap::new();
     let mut standings = BTreeMap::new();
     let text = match ids {
@@ -429,9 +446,9 @@ pub async fn load_workloads(
              WHERE w.retired_at IS NULL AND w.denied_at IS NULL AND w.id = ANY($1) ORDER BY w.id"
         }
     };
-    let workloads = filtered(text, ids)
-        .fetch_all(&mut *conn)
-        .await?
+    let rows = filtered(text, ids).fetch_all(&mut *conn).await?;
+    let mut labels = labels.await?;
+    let workloads = rows
         .into_iter()
         .map(|row| {
             let uuid: Uuid = row.get(0);
@@ -459,12 +476,21 @@ pub async fn load_labels(
     conn: &mut PgConnection,
     ids: Option<&[Uuid]>,
 ) -> Result<BTreeMap<Uuid, BTreeMap<LabelKey, LabelValue>>, Error> {
-    let mut labels: BTreeMap<Uuid, BTreeMap<LabelKey, LabelValue>> = BTreeMap::new();
+    labels_by_workload(label_rows(conn, ids).await?)
+}
+
+async fn label_rows(conn: &mut PgConnection, ids: Option<&[Uuid]>) -> Result<Vec<PgRow>, Error> {
     let text = match ids {
         None => "SELECT workload_id, key, value FROM workload_labels",
         Some(_) => "SELECT workload_id, key, value FROM workload_labels WHERE workload_id = ANY($1)",
     };
-    for row in filtered(text, ids).fetch_all(&mut *conn).await? {
+    Ok(filtered(text, ids).fetch_all(&mut *conn).await?)
+}
+
+/// The labels of [`label_rows`], by workload.
+fn labels_by_workload(rows: Vec<PgRow>) -> Result<BTreeMap<Uuid, BTreeMap<LabelKey, LabelValue>>, Error> {
+    let mut labels: BTreeMap<Uuid, BTreeMap<LabelKey, LabelValue>> = BTreeMap::new();
+    for row in rows {
         let key: String = row.get(1);
         let value: String = row.get(2);
         labels.entry(row.get(0)).or_default().insert(
@@ -604,13 +630,13 @@ impl Persisted {
 }
 
 /// A policy row joined to its content (columns `version`, `policy`, `rendered_at`), undecoded.
-fn persisted_row(row: &sqlx::postgres::PgRow) -> Result<(Persisted, DateTime<Utc>), Error> {
+fn persisted_row(row: &PgRow) -> Result<(Persisted, DateTime<Utc>), Error> {
     let persisted = Persisted { version: stored_version(row.get("version"))?, bytes: row.get("policy") };
     Ok((persisted, row.get("rendered_at")))
 }
 
 /// [`persisted_row`], decoded.
-fn decode_row(row: &sqlx::postgres::PgRow) -> Result<(WorkloadPolicy, DateTime<Utc>), Error> {
+fn decode_row(row: &PgRow) -> Result<(WorkloadPolicy, DateTime<Utc>), Error> {
     let (persisted, rendered_at) = persisted_row(row)?;
     Ok((persisted.decode()?, rendered_at))
 }

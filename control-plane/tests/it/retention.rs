@@ -385,21 +385,31 @@ async fn retention_runs_by_hand() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Latest and history rows are checked per statement (migration 0043), with the guarantees the
-/// foreign keys gave: each row refers to a workload that exists and a content that is stored,
-/// else the statement is refused and changes nothing; a workload's id never changes; deleting a
-/// workload deletes its rows; and a delete waits for a transaction that wrote rows referring to
-/// it, then takes them too, so none is left referring to nothing.
+/// Reported addresses, latest and history rows are checked per statement (migration 0043), with
+/// the guarantees the foreign keys gave: each row refers to a workload that exists (and a policy
+/// row to a content that is stored), else the statement is refused and changes nothing; neither
+/// a workload's id nor a row's workload changes; deleting a workload deletes its rows; and a
+/// delete waits for a transaction that wrote rows referring to it, then takes them too, so none
+/// is left referring to nothing.
 #[tokio::test]
 async fn policy_rows_refer_to_existing_workloads_and_contents() {
     let db = fresh_database().await.unwrap();
     let pool = &db.pool;
     let web = register(pool, "web-1", &["app=web"], &["10.0.0.1"]).await;
     add_web_port(pool, 1).await.unwrap();
-    let rows = "SELECT (SELECT count(*) FROM workload_policies) * 1000 + (SELECT count(*) FROM workload_policy_history)";
+    let rows = "SELECT (SELECT count(*) FROM workload_addresses) * 1000000
+                     + (SELECT count(*) FROM workload_policies) * 1000 + (SELECT count(*) FROM workload_policy_history)";
     let before = count(pool, rows).await;
-    assert_eq!(before, 1002, "one latest row, two history rows");
+    assert_eq!(before, 1_001_002, "one address, one latest row, two history rows");
     let refused = [
+        (
+            "INSERT INTO workload_addresses (workload_id, address) VALUES (gen_random_uuid(), '10.0.0.2')",
+            "which does not exist",
+        ),
+        (
+            "UPDATE workload_addresses SET workload_id = gen_random_uuid()",
+            "workload of a workload_addresses row never changes",
+        ),
         (
             "INSERT INTO workload_policies (workload_id, version, digest, rendered_at)
              SELECT gen_random_uuid(), 1, digest, now() FROM workload_policies",
@@ -411,8 +421,12 @@ async fn policy_rows_refer_to_existing_workloads_and_contents() {
             "which is not stored",
         ),
         ("UPDATE workload_policies SET digest = sha256('\\x01'::bytea)", "which is not stored"),
-        ("UPDATE workload_policy_history SET workload_id = gen_random_uuid()", "which does not exist"),
-        ("UPDATE workloads SET id = gen_random_uuid()", "cannot change its id"),
+        ("UPDATE workload_policy_history SET digest = sha256('\\x01'::bytea)", "which is not stored"),
+        (
+            "UPDATE workload_policy_history SET workload_id = gen_random_uuid()",
+            "workload of a workload_policy_history row never changes",
+        ),
+        ("UPDATE workloads SET id = gen_random_uuid()", "a workload's id never changes"),
     ];
     for (sql, why) in refused {
         let err = sqlx::query(sqlx::AssertSqlSafe(sql)).execute(pool).await.expect_err(sql);
@@ -462,5 +476,5 @@ async fn policy_rows_refer_to_existing_workloads_and_contents() {
         .expect("the delete never waited on a lock in pg_locks");
     writer.commit().await.unwrap();
     assert_eq!(deleter.await.unwrap().unwrap().rows_affected(), 1);
-    assert_eq!(count(pool, rows).await, 0, "the workload's latest and history rows went with it");
+    assert_eq!(count(pool, rows).await, 0, "the workload's address, latest and history rows went with it");
 }
