@@ -252,13 +252,8 @@ async fn render_and_persist(
     // claims are new): a standing that moved for any other workload renders everything.
     let enrolled: BTreeSet<WorkloadId> =
         touched.iter().filter_map(|t| if let Touched::Enrolled(id) = t { Some(*id) } else { None }).collect();
-    let judged = match outcome {
-        inputs::Outcome::Loaded => Some(judge(&inputs)),
-        _ if !enrolled.is_empty() => Some(judge(&inputs)),
-        _ => None,
-    };
-    let moved: BTreeSet<WorkloadId> =
-        judged.iter().flat_map(|j| j.changes.iter().map(|&(w, _, _)| w)).collect();
+    let judged = (matches!(outcome, inputs::Outcome::Loaded) || !enrolled.is_empty()).then(|| judge(&inputs));
+    let moved: BTreeSet<WorkloadId> = judged.iter().flatten().map(|&(w, _, _)| w).collect();
     let standings_moved = match outcome {
         inputs::Outcome::Loaded => !moved.is_empty(),
         _ => !moved.is_subset(&enrolled),
@@ -637,29 +632,23 @@ async fn store_sources(
     Ok(out)
 }
 
-/// Address trust, judged and not yet stored: the standings that differ from those stored, and
-/// the addresses more than one workload claims.
-struct Judged {
-    changes: Vec<(WorkloadId, IpAddr, Standing)>,
-    conflicts: BTreeMap<IpAddr, BTreeSet<WorkloadId>>,
-}
-
-/// Judges every live workload's reported addresses against the standings stored.
-fn judge(inputs: &Inputs) -> Judged {
-    Judged {
-        changes: addresses::changes(&inputs.registry.stored, &inputs.standings),
-        conflicts: addresses::conflicts(&inputs.standings),
-    }
+/// Address trust, judged and not yet stored: the standings that differ from those stored.
+fn judge(inputs: &Inputs) -> Vec<(WorkloadId, IpAddr, Standing)> {
+    addresses::changes(&inputs.registry.stored, &inputs.standings)
 }
 
 /// Stores the standings that moved (auditing each workload whose addresses were refused, came
 /// into conflict, or were accepted again) and leaves `inputs` as stored after it: the
 /// standings, and the workloads with only their accepted addresses, to render.
-async fn store_judgement(conn: &mut PgConnection, inputs: &mut Inputs, judged: Judged) -> Result<(), Error> {
-    let Judged { changes, conflicts } = judged;
+async fn store_judgement(
+    conn: &mut PgConnection,
+    inputs: &mut Inputs,
+    changes: Vec<(WorkloadId, IpAddr, Standing)>,
+) -> Result<(), Error> {
     if changes.is_empty() {
         return Ok(());
     }
+    let conflicts = addresses::conflicts(&inputs.standings);
     let registry = &inputs.registry;
     store::save_standings(conn, &changes).await?;
     let mut noteworthy: BTreeMap<WorkloadId, Vec<serde_json::Value>> = BTreeMap::new();
