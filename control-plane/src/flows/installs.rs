@@ -203,7 +203,8 @@ pub(super) async fn claim(
 
 /// Records that `version` (in `mode`) was installed on `workload` within `[from, by]` (each
 /// `None`: the database's clock now), keeping the earliest of each if it was recorded before.
-/// The one write of installs: the gateway's acks and Hellos, and tests standing in for them.
+/// The write of installs for Hellos and tests; the acks' installs are written with their
+/// streams' state, in batches (`sync::records`), by the same rule.
 pub async fn record(
     conn: &mut PgConnection,
     workload: WorkloadId,
@@ -230,18 +231,6 @@ pub async fn record(
     .execute(&mut *conn)
     .await?;
     Ok(())
-}
-
-/// An agent acknowledged `version` APPLIED or HELD: recorded now. (Also on a stream a newer one
-/// of its identity superseded: the ack is still the host's word that it installed the version.)
-pub async fn acknowledged(
-    pool: &PgPool,
-    workload: WorkloadId,
-    version: u64,
-    mode: Mode,
-) -> Result<(), Error> {
-    let mut conn = pool.acquire().await?;
-    record(&mut conn, workload, version, mode, None, None).await
 }
 
 /// An agent's Hello reports `version` applied: if the workload had that version and its install

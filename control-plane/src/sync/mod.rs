@@ -10,5 +10,6 @@ pub mod gateway;
 pub mod liveness;
 pub mod planted;
 pub mod reads;
+pub mod records;
 pub mod session;
 pub mod store;

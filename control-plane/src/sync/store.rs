@@ -1,7 +1,7 @@
 //! What a stream reads and writes, behind one trait (`SyncStore`): Hello's admission with the
 //! stream's epoch, state writes that apply only while the stream is the newest, heartbeats,
 //! the persisted policy, inventory and OFFLINE at the end. [`PgSyncStore`] is the production
-//! one (batched beats and shared reads on the streams' pool, renders on the authoring pool);
+//! one (batched records and beats and shared reads on the streams' pool, renders on the authoring pool);
 //! [`MemoryStore`] keeps the same rules in memory for tests and the simulator.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -19,6 +19,7 @@ use sqlx::PgPool;
 
 use super::beats::{Beat, Beats};
 use super::reads::Reads;
+use super::records::Records;
 use super::session::Record;
 use crate::audit;
 use crate::error::Error;
@@ -96,12 +97,14 @@ pub trait SyncStore: Send + Sync {
 /// The production store.
 #[derive(Debug)]
 pub struct PgSyncStore {
-    /// Stream state: Hello, records, heartbeats (through `beats`), reads (through `reads`).
+    /// Stream state: Hello, records (through `records`), heartbeats (through `beats`), reads
+    /// (through `reads`).
     pool: PgPool,
     /// Renders a stream causes (inventory changes, the repair render).
     renders: PgPool,
     beats: Beats,
     reads: Reads,
+    records: Records,
     inventory_min_interval: Duration,
     report_coalesce: Duration,
 }
@@ -116,6 +119,7 @@ impl PgSyncStore {
         PgSyncStore {
             beats: Beats::start(pool.clone()),
             reads: Reads::start(pool.clone()),
+            records: Records::start(pool.clone()),
             pool,
             renders,
             inventory_min_interval,
@@ -234,32 +238,7 @@ impl SyncStore for PgSyncStore {
     }
 
     async fn record(&self, id: WorkloadId, epoch: i64, r: &Record) -> Result<bool, Error> {
-        if let (Some(mode), Some(version)) = (r.installed, r.applied) {
-            // The evidence the host reports under this version is judged by it. Before the
-            // state: whoever sees the version SYNCED can upload under it.
-            crate::flows::installs::acknowledged(&self.pool, id, version, mode).await?;
-        }
-        let written = sqlx::query(
-            "UPDATE workloads SET sync_state = $2,
-                applied_version = COALESCE($3, applied_version),
-                sync_detail = COALESCE($4, sync_detail),
-                last_acked_at = CASE WHEN $5 THEN now() ELSE last_acked_at END,
-                last_apply_failed_at = CASE WHEN $6 THEN now() ELSE last_apply_failed_at END,
-                last_snapshot_sent_at = CASE WHEN $7 THEN now() ELSE last_snapshot_sent_at END,
-                last_seen_at = now()
-             WHERE id = $1 AND stream_epoch = $8",
-        )
-        .bind(id.uuid())
-        .bind(r.state.code())
-        .bind(r.applied.map(|v| v as i64))
-        .bind(r.detail.as_deref())
-        .bind(r.acked)
-        .bind(r.failed)
-        .bind(r.snapshot_sent)
-        .bind(epoch)
-        .execute(&self.pool)
-        .await?;
-        Ok(written.rows_affected() == 1)
+        self.records.write(id, epoch, r.clone()).await
     }
 
     async fn beat(

@@ -969,6 +969,111 @@ async fn heartbeats_are_written_in_batches_and_a_failed_batch_beat_by_beat() {
     assert_eq!(stamps, 4, "written one by one after the batch failed");
 }
 
+/// A render moves thousands of streams at once, and each records its state before it sends the
+/// update and again at the ack (PERF-2). Records that arrive together are one transaction; every
+/// stream hears whether its own was written (not when a newer stream of its identity took over);
+/// the acks' installs commit with them; and a batch that fails is written record by record, so
+/// only the stream whose write cannot be made hears the failure.
+#[tokio::test]
+async fn stream_state_records_share_a_transaction_and_each_hears_its_own() {
+    use innerwall_control_plane::sync::records::Records;
+    use innerwall_control_plane::sync::session::Record;
+    use innerwall_wire::convert::WireEnum;
+    use innerwall_wire::policy::Mode;
+    use innerwall_wire::sync::SyncState;
+
+    let (db, ids) = forty_workloads("record").await;
+    let uuids: Vec<uuid::Uuid> = ids.iter().map(WorkloadId::uuid).collect();
+    sqlx::query("UPDATE workloads SET stream_epoch = 7 WHERE id = ANY($1)")
+        .bind(&uuids)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let record = |state, applied: Option<u64>| Record {
+        state,
+        applied,
+        detail: Some(String::new()),
+        acked: applied.is_some(),
+        failed: false,
+        snapshot_sent: false,
+        installed: applied.map(|_| Mode::Enforcement),
+    };
+    let records = Records::start(db.pool.clone());
+    // Every record at once, each from its own task as streams write them; results in order.
+    let write_all = async |rows: Vec<(WorkloadId, i64, Record)>| {
+        let tasks: Vec<_> = rows
+            .into_iter()
+            .map(|(id, epoch, r)| {
+                let records = records.clone();
+                tokio::spawn(async move { records.write(id, epoch, r).await })
+            })
+            .collect();
+        let mut written = Vec::new();
+        for task in tasks {
+            written.push(task.await.unwrap());
+        }
+        written
+    };
+
+    // Forty acks, each of its own version, and a superseded stream's record (epoch 6).
+    let mut rows: Vec<_> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| (*id, 7, record(SyncState::Synced, Some(i as u64 + 1))))
+        .collect();
+    rows.push((ids[0], 6, record(SyncState::Pending, None)));
+    let written = write_all(rows).await;
+    let written: Vec<bool> = written.into_iter().map(Result::unwrap).collect();
+    assert!(written[..40].iter().all(|w| *w), "{written:?}");
+    assert!(!written[40], "a superseded stream's record is not written");
+    // The runtime is single-threaded: every record is queued before the writer first runs.
+    assert_eq!(records.transactions(), 1, "41 concurrent records, one transaction");
+    let stored: Vec<(uuid::Uuid, i16, i64, Option<chrono::DateTime<chrono::Utc>>)> = sqlx::query_as(
+        "SELECT id, sync_state, applied_version, last_acked_at FROM workloads WHERE id = ANY($1)",
+    )
+    .bind(&uuids)
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(stored.len(), 40);
+    for (id, state, applied, acked_at) in &stored {
+        let i = uuids.iter().position(|u| u == id).unwrap();
+        assert_eq!((*state, *applied), (SyncState::Synced.code(), i as i64 + 1), "{id}");
+        assert_eq!(*acked_at, stored[0].3, "one commit, one now()");
+        assert!(acked_at.is_some());
+    }
+    let installs: Vec<(uuid::Uuid, i64, i16)> = sqlx::query_as(
+        "SELECT workload_id, version, mode FROM workload_installs WHERE workload_id = ANY($1)",
+    )
+    .bind(&uuids)
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(installs.len(), 40, "each ack's install, with its state");
+    for (id, version, mode) in installs {
+        let i = uuids.iter().position(|u| *u == id).unwrap();
+        assert_eq!((version, mode), (i as i64 + 1, Mode::Enforcement.code()));
+    }
+
+    // The second batch: an ack of a workload that does not exist fails its install's foreign
+    // key, so the batch fails and is written record by record; only that stream hears it.
+    let unknown = WorkloadId::new_random();
+    let mut rows: Vec<_> = ids[1..5].iter().map(|id| (*id, 7, record(SyncState::Pending, None))).collect();
+    rows.push((unknown, 7, record(SyncState::Synced, Some(1))));
+    let written = write_all(rows).await;
+    assert!(written[..4].iter().all(|w| matches!(w, Ok(true))), "{written:?}");
+    assert!(written[4].is_err(), "{written:?}");
+    assert_eq!(records.transactions(), 1 + 1 + 5, "the failed batch, then each record alone");
+    let pending: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM workloads WHERE id = ANY($1) AND sync_state = $2")
+            .bind(&uuids[1..5])
+            .bind(SyncState::Pending.code())
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(pending, 4);
+}
+
 /// Streams catching up at once share one query: every answer is the stream's own policy (or none
 /// for a workload without one), and 40 concurrent reads cost one query.
 #[tokio::test]
