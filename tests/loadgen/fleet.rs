@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -47,6 +47,8 @@ pub struct FleetConfig {
     pub spare_peers: usize,
     /// Flow windows each agent closes and uploads, if any.
     pub flows: Option<FlowLoad>,
+    /// Each agent's HTTP/2 stream window (`RunConfig::stream_window`); the default if `None`.
+    pub stream_window: Option<u32>,
 }
 
 /// Flow evidence each agent produces: `windows_per_minute` windows of `records` records each.
@@ -66,6 +68,9 @@ pub struct Fleet {
     /// Enrolled, not started yet: (index, id, state directory).
     enrolled: Vec<(usize, WorkloadId, PathBuf)>,
     flows: Option<FlowLoad>,
+    stream_window: Option<u32>,
+    /// Streams the replicas hold besides the simulated agents' (a real agent's).
+    pub other_streams: usize,
 }
 
 impl std::fmt::Debug for Fleet {
@@ -80,6 +85,7 @@ pub struct Agent {
     pub id: WorkloadId,
     pub shared: Arc<Shared<LoadStore>>,
     pub log: Arc<ApplyLog>,
+    pub stall: Arc<Stall>,
     task: tokio::task::JoinHandle<String>,
 }
 
@@ -112,15 +118,44 @@ impl ApplyLog {
     }
 }
 
+/// Whether an agent reads its stream. A stalled agent blocks in its next install (on the
+/// blocking thread the agent runs installs on) until resumed, so it reads nothing more from its
+/// stream meanwhile: a host whose agent hangs, as issue 33's slow agents.
+#[derive(Debug, Default)]
+pub struct Stall {
+    stalled: Mutex<bool>,
+    resumed: Condvar,
+}
+
+impl Stall {
+    pub fn stop(&self) {
+        *self.stalled.lock().unwrap_or_else(PoisonError::into_inner) = true;
+    }
+
+    pub fn resume(&self) {
+        *self.stalled.lock().unwrap_or_else(PoisonError::into_inner) = false;
+        self.resumed.notify_all();
+    }
+
+    fn wait(&self) {
+        let mut stalled = self.stalled.lock().unwrap_or_else(PoisonError::into_inner);
+        while *stalled {
+            stalled = self.resumed.wait(stalled).unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+}
+
 /// The agent's in-memory store, noting the time of every install.
 #[derive(Debug)]
 pub struct LoadStore {
     inner: MemoryPolicyStore,
     log: Arc<ApplyLog>,
+    stall: Arc<Stall>,
 }
 
 impl PolicyStore for LoadStore {
     fn apply(&mut self, next: &WorkloadPolicy) -> Result<Installed, EnforceError> {
+        self.stall.wait();
         let installed = self.inner.apply(next)?;
         self.log.installs.fetch_add(1, Ordering::Relaxed);
         let mut times = self.log.times.lock().unwrap_or_else(PoisonError::into_inner);
@@ -192,6 +227,8 @@ impl Fleet {
             ca_pem,
             enrolled: Vec::new(),
             flows: config.flows,
+            stream_window: config.stream_window,
+            other_streams: 0,
         })
     }
 
@@ -199,24 +236,34 @@ impl Fleet {
         &self.db.pool
     }
 
+    /// A provisioning token for `uses` agents of the fleet (`app=web`, addresses in the agents'
+    /// range).
+    pub async fn mint(&self, uses: usize) -> anyhow::Result<String> {
+        let mut conn = self.pool().acquire().await?;
+        let labels = vec!["app=web".parse()?];
+        let uses = u32::try_from(uses).context("too many agents")?;
+        let range = Cidr::parse(AGENT_RANGE)?;
+        let minted = innerwall_control_plane::identity::tokens::mint(
+            &mut conn,
+            &labels,
+            chrono::Duration::days(1),
+            Some(uses),
+            &[range],
+        )
+        .await?;
+        Ok(minted.secret)
+    }
+
+    /// The CA bundle agents trust the replicas by.
+    pub fn ca_pem(&self) -> &str {
+        &self.ca_pem
+    }
+
     /// Enrolls `n` agents through replica 0: one token for all of them (`max_uses` n), and for
     /// each its own key, CSR and certificate. Returns how long it took.
     pub async fn enroll(&mut self, n: usize) -> anyhow::Result<Duration> {
         let started = Instant::now();
-        let token = {
-            let mut conn = self.pool().acquire().await?;
-            let labels = vec!["app=web".parse()?];
-            let uses = u32::try_from(n).context("too many agents")?;
-            innerwall_control_plane::identity::tokens::mint(
-                &mut conn,
-                &labels,
-                chrono::Duration::days(1),
-                Some(uses),
-                &[Cidr::parse(AGENT_RANGE)?],
-            )
-            .await?
-            .secret
-        };
+        let token = self.mint(n).await?;
         let enroll_server = self.replicas[0].server();
         let first = self.agents.len() + self.enrolled.len();
         let semaphore = Arc::new(tokio::sync::Semaphore::new(ENROLL_CONCURRENCY));
@@ -253,6 +300,7 @@ impl Fleet {
             let server = self.replicas[i % self.replicas.len()].server();
             let mut config = RunConfig::new(state, server);
             config.source_address = Some(source_address(i));
+            config.stream_window = self.stream_window;
             self.agents.push(start_agent(i, id, config, self.flows));
         }
     }
@@ -277,7 +325,7 @@ impl Fleet {
             });
             if streams_ok
                 && self.synced().await? == self.agents.len()
-                && self.streams_open().await? == self.agents.len()
+                && self.streams_open().await? == self.agents.len() + self.other_streams
             {
                 return Ok(started.elapsed());
             }
@@ -296,14 +344,35 @@ impl Fleet {
 
     /// Agents the database says are SYNCED with applied = latest.
     pub async fn synced(&self) -> anyhow::Result<usize> {
+        self.synced_among(&self.agents).await
+    }
+
+    /// Those of `agents` the database says are SYNCED with applied = latest.
+    pub async fn synced_among(&self, agents: &[Agent]) -> anyhow::Result<usize> {
         let mut conn = self.pool().acquire().await?;
-        let ours: std::collections::BTreeSet<uuid::Uuid> = self.agents.iter().map(|a| a.id.uuid()).collect();
+        let ours: std::collections::BTreeSet<uuid::Uuid> = agents.iter().map(|a| a.id.uuid()).collect();
         Ok(store::sync_status(&mut conn, None)
             .await?
             .iter()
             .filter(|s| ours.contains(&s.id))
             .filter(|s| s.state.0.name() == "SYNCED" && s.latest_version == Some(s.applied_version))
             .count())
+    }
+
+    /// Waits until `agents` (a part of the fleet) are SYNCED at their latest versions in the
+    /// database, e.g. while the others are stalled.
+    pub async fn wait_synced(&self, agents: &[Agent], limit: Duration) -> anyhow::Result<()> {
+        let started = Instant::now();
+        while self.synced_among(agents).await? < agents.len() {
+            if started.elapsed() > limit {
+                bail!(
+                    "{} agents not SYNCED within {limit:?}",
+                    agents.len() - self.synced_among(agents).await?
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Ok(())
     }
 
     /// Streams the replicas hold, by their metrics.
@@ -339,16 +408,16 @@ impl Fleet {
         Ok((done.changed.iter().map(|c| (c.workload, c.version)).collect(), committed))
     }
 
-    /// Each agent's latency from `committed` to installing its version of `targets` (waits up
-    /// to `limit` for the last one).
+    /// Each of `agents`' latency from `committed` to installing its version of `targets` (waits
+    /// up to `limit` for the last one).
     pub async fn propagation(
-        &self,
+        agents: &[Agent],
         targets: &BTreeMap<WorkloadId, u64>,
         committed: Instant,
         limit: Duration,
     ) -> anyhow::Result<Vec<Duration>> {
-        let mut latencies = Vec::with_capacity(self.agents.len());
-        for agent in &self.agents {
+        let mut latencies = Vec::with_capacity(agents.len());
+        for agent in agents {
             let Some(version) = targets.get(&agent.id) else {
                 bail!("the change did not give agent {} a new version", agent.id);
             };
@@ -394,8 +463,9 @@ impl Drop for Fleet {
 
 /// Starts agent `i` on the real stream loop with its own facts (hostname, one address).
 fn start_agent(i: usize, id: WorkloadId, config: RunConfig, flows: Option<FlowLoad>) -> Agent {
-    let log = Arc::new(ApplyLog::default());
-    let shared = Arc::new(Shared::new(LoadStore { inner: MemoryPolicyStore::new(None), log: log.clone() }));
+    let (log, stall) = (Arc::new(ApplyLog::default()), Arc::new(Stall::default()));
+    let store = LoadStore { inner: MemoryPolicyStore::new(None), log: log.clone(), stall: stall.clone() };
+    let shared = Arc::new(Shared::new(store));
     shared.stream.report_facts(facts(i));
     if let Some(load) = flows {
         match Queue::new(&config.state_dir, DEFAULT_MAX_WINDOWS) {
@@ -420,7 +490,7 @@ fn start_agent(i: usize, id: WorkloadId, config: RunConfig, flows: Option<FlowLo
             }
         }
     });
-    Agent { id, shared, log, task }
+    Agent { id, shared, log, stall, task }
 }
 
 /// Agent `i`'s flow windows: every `60 s / windows_per_minute`, a window of `records` inbound
@@ -456,8 +526,16 @@ async fn produce_flows(i: usize, shared: Arc<Shared<LoadStore>>, queue: Queue, l
     }
 }
 
-/// What agent `i` reports as its host: its own name, machine id and address.
+/// What agent `i` reports as its host: its own name and address, and the machine id it
+/// enrolled with (this machine's: every agent enrolls through the agent's own path, which reads
+/// it). Another machine id than the enrolled one is a clone (IDN-7), and a fleet of clones is
+/// not the fleet PERF-2 describes: each Hello would open a clone episode, and each status read
+/// would read every agent's episode.
 fn facts(i: usize) -> innerwall_wire::identity::HostFacts {
+    static MACHINE_ID: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    let machine_id = MACHINE_ID.get_or_init(|| {
+        innerwall_agent::identity::facts::host_facts().map(|f| f.machine_id).unwrap_or_default()
+    });
     let address = agent_address(i);
     innerwall_wire::identity::HostFacts {
         hostname: format!("load-{i}"),
@@ -467,7 +545,7 @@ fn facts(i: usize) -> innerwall_wire::identity::HostFacts {
             addresses: vec![format!("{address}/16")],
             mac_address: String::new(),
         }],
-        machine_id: format!("{:032x}", i + 1),
+        machine_id: machine_id.clone(),
         boot_id: String::new(),
         ephemeral_ports: Some(innerwall_wire::policy::PortRange::new(32_768, 60_999).expect("a port range")),
     }

@@ -62,18 +62,30 @@ const BENCHES: &[Bench] = &[
     },
     Bench {
         name: "propagation",
-        what: "PERF-2 commit → APPLIED, 1,000 agents on one replica",
+        what: "PERF-2 commit → APPLIED, 5,000 agents on one replica",
         run: Run::Loadgen {
-            full: &["propagation", "--agents", "1000", "--replicas", "1"],
+            full: &["propagation", "--agents", "5000", "--replicas", "1"],
             quick: &["propagation", "--agents", "20", "--replicas", "1", "--changes", "2"],
         },
     },
     Bench {
         name: "propagation-2",
-        what: "PERF-2 commit → APPLIED, 1,000 agents over two replicas",
+        what: "PERF-2 commit → APPLIED, 5,000 agents over two replicas and a real agent in a network \
+               namespace; then SYNC-11, a tenth of the agents stalled",
         run: Run::Loadgen {
-            full: &["propagation", "--agents", "1000", "--replicas", "2"],
-            quick: &["propagation", "--agents", "20", "--replicas", "2", "--changes", "2"],
+            full: &["propagation", "--agents", "5000", "--replicas", "2", "--real-agent", "--slow", "500"],
+            quick: &[
+                "propagation",
+                "--agents",
+                "20",
+                "--replicas",
+                "2",
+                "--changes",
+                "2",
+                "--real-agent",
+                "--slow",
+                "2",
+            ],
         },
     },
     Bench {
@@ -183,6 +195,13 @@ pub fn run(root: &Path, names: &[String], quick: bool) -> Result<()> {
             "innerwall-loadgen",
             "--bin",
             "innerwall",
+        ]))?;
+        // The real agent of `propagation --real-agent`, beside the load generator.
+        cmd::run(cmd::root_cargo(root).arg("build").args(profile).args([
+            "-p",
+            "innerwall-agent",
+            "--bin",
+            "innerwall-agent",
         ]))?;
     }
     let cores = std::thread::available_parallelism().map_or(0, usize::from);

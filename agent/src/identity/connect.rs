@@ -32,6 +32,10 @@ pub struct RunConfig {
     /// The largest policy-stream message decoded; `wire::sync::MAX_POLICY_MESSAGE` unless
     /// lowered (a hidden flag, to test an update the agent cannot read).
     pub max_policy_message: usize,
+    /// The HTTP/2 receive window of each stream, in bytes: how much the control plane may send
+    /// ahead of what the agent reads. `None`: the HTTP/2 stack's default (2 MiB). Only the load
+    /// generator sets it, so a stream it stops reading backs up within a few updates.
+    pub stream_window: Option<u32>,
 }
 
 impl RunConfig {
@@ -47,6 +51,7 @@ impl RunConfig {
             source_address: None,
             conn_entries: None,
             max_policy_message: innerwall_wire::sync::MAX_POLICY_MESSAGE,
+            stream_window: None,
         }
     }
 
@@ -103,6 +108,7 @@ pub async fn connect(config: &RunConfig) -> Result<Channel, ConnectError> {
         .map_err(transport)?
         .connect_timeout(config.dial_timeout)
         .local_address(config.source_address)
+        .initial_stream_window_size(config.stream_window)
         .http2_keep_alive_interval(Duration::from_secs(30))
         .keep_alive_timeout(Duration::from_secs(10))
         .connect()
