@@ -203,8 +203,8 @@ pub(super) async fn claim(
 
 /// Records that `version` (in `mode`) was installed on `workload` within `[from, by]` (each
 /// `None`: the database's clock now), keeping the earliest of each if it was recorded before.
-/// The write of installs for Hellos and tests; the acks' installs are written with their
-/// streams' state, in batches (`sync::records`), by the same rule.
+/// The write of installs for Hellos and tests; the acks' are written by [`acknowledged`], by the
+/// same rule.
 pub async fn record(
     conn: &mut PgConnection,
     workload: WorkloadId,
@@ -228,6 +228,33 @@ pub async fn record(
     .bind(mode.code())
     .bind(from)
     .bind(by)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// Agents acknowledged these versions (in these modes) APPLIED or HELD: each recorded now, by
+/// [`record`]'s rule, in one statement (the streams' batched records, `sync::records`; at most
+/// one row per workload and version).
+pub(crate) async fn acknowledged(
+    conn: &mut PgConnection,
+    workloads: &[uuid::Uuid],
+    versions: &[i64],
+    modes: &[i16],
+) -> Result<(), Error> {
+    if workloads.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(
+        "INSERT INTO workload_installs (workload_id, version, mode, installed_from, installed_by)
+         SELECT w, v, m, now(), now() FROM unnest($1::uuid[], $2::bigint[], $3::smallint[]) AS i (w, v, m)
+         ON CONFLICT (workload_id, version) DO UPDATE
+         SET installed_from = LEAST(workload_installs.installed_from, excluded.installed_from),
+             installed_by = LEAST(workload_installs.installed_by, excluded.installed_by)",
+    )
+    .bind(workloads)
+    .bind(versions)
+    .bind(modes)
     .execute(&mut *conn)
     .await?;
     Ok(())

@@ -120,20 +120,7 @@ async fn write_batch(
             c
         });
     let mut tx = pool.begin().await?;
-    if !install_ids.is_empty() {
-        sqlx::query(
-            "INSERT INTO workload_installs (workload_id, version, mode, installed_from, installed_by)
-             SELECT w, v, m, now(), now() FROM unnest($1::uuid[], $2::bigint[], $3::smallint[]) AS i (w, v, m)
-             ON CONFLICT (workload_id, version) DO UPDATE
-             SET installed_from = LEAST(workload_installs.installed_from, excluded.installed_from),
-                 installed_by = LEAST(workload_installs.installed_by, excluded.installed_by)",
-        )
-        .bind(&install_ids)
-        .bind(&install_versions)
-        .bind(&install_modes)
-        .execute(&mut *tx)
-        .await?;
-    }
+    crate::flows::installs::acknowledged(&mut tx, &install_ids, &install_versions, &install_modes).await?;
     let written: Vec<(Uuid, i64)> = sqlx::query_as(
         "UPDATE workloads w SET sync_state = u.state,
             applied_version = COALESCE(u.applied, w.applied_version),
