@@ -4,8 +4,14 @@
 //! SYNCED. Silence dominates every stored state, SUSPENDED included: a silent host cannot be
 //! known to still hold its kill switch.
 //!
+//! A row stored SYNCED whose applied version is behind its workload's persisted policy reads
+//! PENDING: from the render's commit on, not from whenever a replica noticed the new version.
+//! So a stream sending a delta records nothing first; it records the ack (PERF-2: one state
+//! write per agent per change, and no write between a render and its update leaving).
+//!
 //! One rule, in two forms that must agree: [`STATE`] and [`DETAIL`], SQL expressions over the
-//! `workloads` row aliased `w`, which every reader selects (status, the fleet list with its
+//! `workloads` row aliased `w` and its persisted policy's row aliased `p` (`LEFT JOIN
+//! workload_policies p ON p.workload_id = w.id`), which every reader selects (status, the fleet list with its
 //! state filter and attention order, `workload show`, metrics, the verdict, resend-snapshot), so
 //! filters, ordering and counts see the state shown; and [`shown`], the same rule as a pure
 //! function, the specification the SQL is tested against (`tests/it/states.rs`).
@@ -20,6 +26,7 @@ pub const STATE: &str =
     "(CASE WHEN w.stream_liveness IS NOT NULL AND w.last_seen_at + w.stream_liveness < now()
       THEN 4::smallint
       WHEN w.policy_held IS NOT NULL AND w.sync_state IN (1, 2) THEN 3::smallint
+      WHEN w.sync_state = 2 AND p.version > w.applied_version THEN 1::smallint
       ELSE w.sync_state END)";
 
 /// The shown detail of the `workloads` row `w`: for a silent row stored as anything but
@@ -40,10 +47,12 @@ pub const DETAIL: &str = "(CASE WHEN w.sync_state <> 4 AND w.stream_liveness IS 
 /// whose stream tolerates `liveness` of silence, read at `now`. A row whose latest render was
 /// `held` (over the rendered-policy bound, kept at its last good version) that reads PENDING or
 /// SYNCED reads DEGRADED, with the hold's reason as its detail: the agent will not get the
-/// version its rules now describe.
+/// version its rules now describe. A row stored SYNCED whose applied version is `behind` its
+/// persisted policy's reads PENDING.
 pub fn shown(
     stored: SyncState,
     held: bool,
+    behind: bool,
     last_seen_at: Option<DateTime<Utc>>,
     liveness: Option<chrono::Duration>,
     now: DateTime<Utc>,
@@ -51,6 +60,7 @@ pub fn shown(
     match (last_seen_at, liveness) {
         (Some(seen), Some(liveness)) if seen + liveness < now => SyncState::Offline,
         _ if held && matches!(stored, SyncState::Pending | SyncState::Synced) => SyncState::Degraded,
+        _ if behind && stored == SyncState::Synced => SyncState::Pending,
         _ => stored,
     }
 }
@@ -66,7 +76,7 @@ mod tests {
         let seen = seen_ago_s.map(|s| now - Duration::seconds(s));
         let liveness = liveness_s.map(Duration::seconds);
         assert_eq!(
-            shown(stored, false, seen, liveness, now),
+            shown(stored, false, false, seen, liveness, now),
             expected,
             "stored {stored:?}, seen {seen_ago_s:?} s ago, liveness {liveness_s:?} s"
         );
@@ -102,9 +112,10 @@ mod tests {
             (Suspended, Suspended),
             (Offline, Offline),
         ] {
-            assert_eq!(shown(stored, true, seen, live, now), expected, "{stored:?}");
+            assert_eq!(shown(stored, true, false, seen, live, now), expected, "{stored:?}");
+            assert_eq!(shown(stored, true, true, seen, live, now), expected, "{stored:?} behind");
         }
-        assert_eq!(shown(Synced, true, Some(now - Duration::seconds(91)), live, now), Offline);
+        assert_eq!(shown(Synced, true, false, Some(now - Duration::seconds(91)), live, now), Offline);
         let held = format!(
             "w.sync_state IN ({}, {}) THEN {}::smallint",
             Pending.code(),
@@ -124,6 +135,30 @@ mod tests {
         let offline = SyncState::Offline.code();
         assert!(STATE.contains(&format!("THEN {offline}::smallint")), "{STATE}");
         assert!(DETAIL.contains(&format!("w.sync_state <> {offline}")), "{DETAIL}");
+    }
+
+    #[test]
+    fn synced_behind_the_persisted_version_reads_pending_unless_silent() {
+        use SyncState::*;
+        let now = DateTime::from_timestamp(1_800_000_000, 0).unwrap();
+        let live = Some(Duration::seconds(90));
+        for (stored, expected) in [
+            (Pending, Pending),
+            (Synced, Pending),
+            (Degraded, Degraded),
+            (Suspended, Suspended),
+            (Offline, Offline),
+        ] {
+            let seen = Some(now - Duration::seconds(10));
+            assert_eq!(shown(stored, false, true, seen, live, now), expected, "{stored:?}");
+        }
+        assert_eq!(shown(Synced, false, true, Some(now - Duration::seconds(91)), live, now), Offline);
+        let behind = format!(
+            "w.sync_state = {} AND p.version > w.applied_version THEN {}::smallint",
+            Synced.code(),
+            Pending.code()
+        );
+        assert!(STATE.contains(&behind), "{STATE}");
     }
 
     #[test]

@@ -35,7 +35,7 @@ fn simulation_finds_planted_bugs() {
     use innerwall_agent::sync::planted as agent;
     use innerwall_control_plane::sync::planted::{self, Bug};
     let control_plane = [
-        Bug::SyncedOnOlderAck,
+        Bug::SyncedOnSend,
         Bug::SnapshotEveryFailure,
         Bug::KeepSupersededStream,
         Bug::RetryFailedDelta,

@@ -989,9 +989,9 @@ impl World {
                     ));
                 }
             }
-            // The recorded state never says SYNCED for a version the agent does not hold, by
+            // The state shown never says SYNCED for a version the agent does not hold, by
             // content: after a restore, a version number may stand for other content.
-            if stored.state == Some(SyncState::Synced) {
+            if stored.shown_state() == Some(SyncState::Synced) {
                 let recorded =
                     stored.policies.iter().map(|(p, _)| p).find(|p| Some(p.version()) == stored.applied);
                 if recorded.is_none() || recorded != firewall.persisted.as_ref() {
@@ -1025,7 +1025,7 @@ impl World {
         Ok(())
     }
 
-    /// Whether every agent runs its latest version, recorded SYNCED (or SUSPENDED).
+    /// Whether every agent runs its latest version, shown SYNCED (or SUSPENDED).
     fn converged(&self) -> bool {
         self.agents.iter().all(|agent| {
             let stored = self.store.workload(agent.id).unwrap_or_default();
@@ -1033,7 +1033,7 @@ impl World {
             let firewall = agent.enforcer.store.lock().expect("the firewall");
             let want = if firewall.suspended { SyncState::Suspended } else { SyncState::Synced };
             firewall.persisted == latest
-                && stored.state == Some(want)
+                && stored.shown_state() == Some(want)
                 && (firewall.suspended || firewall.installed == latest)
         })
     }

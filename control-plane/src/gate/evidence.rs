@@ -204,7 +204,8 @@ async fn read(
     let mut facts = BTreeMap::new();
     // The state as shown (`shown`): a silent workload is judged OFFLINE, swept or not.
     for row in sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT w.id, w.hostname, w.mode, {}, w.applied_version FROM workloads w WHERE w.id = ANY($1)",
+        "SELECT w.id, w.hostname, w.mode, {}, w.applied_version FROM workloads w LEFT JOIN workload_policies p ON p.workload_id = w.id
+         WHERE w.id = ANY($1)",
         crate::shown::STATE
     )))
     .bind(&ids)

@@ -204,7 +204,10 @@ mod tests {
         assert_eq!(store.workload(id).unwrap().state, Some(SyncState::Synced));
         store.persist(id, policy(2), Utc::now());
         assert!(driver.run(&mut core, Event::Announced, second).await.is_none());
-        assert_eq!(store.workload(id).unwrap().state, Some(SyncState::Pending));
+        // Nothing written before the delta: stored SYNCED at 1, shown PENDING behind 2.
+        let row = store.workload(id).unwrap();
+        assert_eq!((row.state, row.applied), (Some(SyncState::Synced), Some(1)));
+        assert_eq!(row.shown_state(), Some(SyncState::Pending));
         assert!(
             driver.run(&mut core, Event::Message(AgentMessage::Ack(Ack::Applied(2))), second).await.is_none()
         );

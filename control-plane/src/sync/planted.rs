@@ -5,8 +5,8 @@
 /// A bug the simulator must find.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Bug {
-    /// Record SYNCED on the ack of any version, not only of the latest sent.
-    SyncedOnOlderAck,
+    /// Record SYNCED at the version a delta carries when it is sent, before the agent acks it.
+    SyncedOnSend,
     /// Answer every failure with a recovery snapshot, stale ones and failed recoveries included.
     SnapshotEveryFailure,
     /// Go on after a state write found a newer stream of the identity (superseded elsewhere).

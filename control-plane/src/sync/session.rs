@@ -138,9 +138,7 @@ impl Session {
             SyncState::Suspended
         } else if self.degraded {
             SyncState::Degraded
-        } else if (self.in_flight.is_empty() && self.acked == Some(self.tip.version()))
-            || (super::planted::on(super::planted::Bug::SyncedOnOlderAck) && self.acked.is_some())
-        {
+        } else if self.in_flight.is_empty() && self.acked == Some(self.tip.version()) {
             SyncState::Synced
         } else {
             SyncState::Pending
@@ -189,12 +187,17 @@ impl Session {
         }
         self.in_flight.push_back(Sent::Delta { version: latest.version(), mode: latest.mode() });
         self.tip = latest;
-        let mut actions = Vec::new();
-        if !self.degraded {
-            actions.push(Action::Record(self.record()));
+        // Nothing to record first: the stored state is what the last ack left, and a row stored
+        // SYNCED behind its persisted version reads PENDING from the render's commit on
+        // (`shown`). Only the ack is written (PERF-2: one write per agent per change).
+        if super::planted::on(super::planted::Bug::SyncedOnSend) {
+            let applied = Some(self.tip.version());
+            return vec![
+                Action::Record(Record { applied, ..Record::state(SyncState::Synced) }),
+                Action::Send(Update::Delta(delta)),
+            ];
         }
-        actions.push(Action::Send(Update::Delta(delta)));
-        actions
+        vec![Action::Send(Update::Delta(delta))]
     }
 
     /// A failed recovery snapshot left the agent behind with nothing in flight: no update will
@@ -415,7 +418,9 @@ mod tests {
     #[test]
     fn pending_until_the_latest_is_acked_and_coalesced_deltas_start_at_the_tip() {
         let (mut s, _) = Session::open(policy(1, &[]), 0, false);
-        assert_eq!(last_state(&s.persisted(policy(3, &[1]))), Some(SyncState::Pending));
+        // A delta records nothing first: the row reads PENDING from the render on (`shown`).
+        let sent = s.persisted(policy(3, &[1]));
+        assert_eq!((sends(&sent), last_state(&sent)), (vec!["delta v1→v3".to_owned()], None));
         assert_eq!(last_state(&s.ack(Ack::Applied(1))), Some(SyncState::Pending));
         assert_eq!(last_state(&s.ack(Ack::Applied(3))), Some(SyncState::Synced));
         assert_eq!(s.persisted(policy(3, &[1])), vec![], "already carried");
@@ -426,7 +431,7 @@ mod tests {
         let (mut s, actions) = Session::open(policy(1, &[]), 1, true);
         assert_eq!(last_state(&actions), Some(SyncState::Suspended));
         assert_eq!(last_state(&s.ack(Ack::Held(1))), Some(SyncState::Suspended));
-        assert_eq!(last_state(&s.persisted(policy(2, &[1]))), Some(SyncState::Suspended));
+        assert_eq!(last_state(&s.persisted(policy(2, &[1]))), None, "still SUSPENDED as stored");
         let held = s.ack(Ack::Held(2));
         assert!(matches!(&held[..], [Action::Record(r)] if r.state == SyncState::Suspended
             && r.applied == Some(2) && r.detail.as_deref() == Some(SUSPENDED_DETAIL)));

@@ -348,6 +348,15 @@ pub struct MemoryWorkload {
     pub liveness: Option<Duration>,
 }
 
+impl MemoryWorkload {
+    /// The state readers show from the stored facts alone (`shown`, silence aside): SYNCED
+    /// behind the latest persisted version reads PENDING.
+    pub fn shown_state(&self) -> Option<SyncState> {
+        let behind = self.policies.last().is_some_and(|(p, _)| Some(p.version()) > self.applied);
+        self.state.map(|stored| crate::shown::shown(stored, false, behind, None, None, DateTime::UNIX_EPOCH))
+    }
+}
+
 /// The store's rules in memory: epochs, state writes of the newest stream only, persisted
 /// versions appended by the test. Renders are the test's (a workload without a policy is
 /// refused, not repaired).

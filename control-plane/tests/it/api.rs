@@ -615,7 +615,9 @@ async fn api_serves_the_fleet_and_the_catalog() {
     let set_state = async |id: WorkloadId, state: innerwall_wire::sync::SyncState, seen: &str| {
         use innerwall_wire::convert::WireEnum;
         sqlx::query(sqlx::AssertSqlSafe(format!(
-            "UPDATE workloads SET sync_state = $2, last_seen_at = now() - interval '{seen}' WHERE id = $1"
+            "UPDATE workloads w SET sync_state = $2, last_seen_at = now() - interval '{seen}',
+                 applied_version = coalesce((SELECT version FROM workload_policies p WHERE p.workload_id = w.id), 0)
+             WHERE id = $1"
         )))
         .bind(id.uuid())
         .bind(state.code())

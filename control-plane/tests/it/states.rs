@@ -93,7 +93,8 @@ async fn shown_state_sql_agrees_with_the_rule() {
     let now: chrono::DateTime<chrono::Utc> =
         sqlx::query_scalar("SELECT now()").fetch_one(&mut *tx).await.unwrap();
     let sql = format!(
-        "SELECT w.hostname, w.sync_state, w.last_seen_at, w.stream_liveness, {} FROM workloads w ORDER BY 1",
+        "SELECT w.hostname, w.sync_state, w.last_seen_at, w.stream_liveness, {}
+         FROM workloads w LEFT JOIN workload_policies p ON p.workload_id = w.id ORDER BY 1",
         shown::STATE
     );
     let rows: Vec<Case> = sqlx::query_as(sqlx::AssertSqlSafe(sql)).fetch_all(&mut *tx).await.unwrap();
@@ -102,7 +103,7 @@ async fn shown_state_sql_agrees_with_the_rule() {
     for (host, stored, seen, live, from_sql) in rows {
         let live =
             live.map(|i| chrono::Duration::microseconds(i.microseconds + i64::from(i.days) * 86_400_000_000));
-        let expected = shown::shown(SyncState::from_code(stored).unwrap(), false, seen, live, now);
+        let expected = shown::shown(SyncState::from_code(stored).unwrap(), false, false, seen, live, now);
         assert_eq!(SyncState::from_code(from_sql).unwrap(), expected, "{host}: SQL and rule disagree");
         offline += usize::from(expected == SyncState::Offline);
     }
@@ -194,6 +195,48 @@ async fn silent_synced_row_reads_offline_in_every_reader() {
     let status = store::sync_status_of(&mut conn, alive).await.unwrap();
     assert_eq!(status.state.0, SyncState::Offline, "silence dominates SUSPENDED");
     assert!(status.detail.contains(&format!("no replica has swept since {at} ")), "{}", status.detail);
+}
+
+/// A row stored SYNCED whose applied version is behind its persisted policy reads PENDING in
+/// every reader, from the render's commit on: no replica records PENDING before it sends a
+/// delta (PERF-2), so the readers judge it.
+#[tokio::test]
+async fn synced_behind_its_persisted_version_reads_pending_in_every_reader() {
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    let behind = register(pool, "behind", &["app=web"], &["10.0.0.1"]).await;
+    let current = register(pool, "current", &["app=web"], &["10.0.0.2"]).await;
+    for id in [behind, current] {
+        store_state(pool, id, SyncState::Synced, Duration::ZERO, "").await;
+    }
+    // The agent acknowledged the version before the latest (a render persisted one since).
+    sqlx::query("UPDATE workloads SET applied_version = applied_version - 1 WHERE id = $1")
+        .bind(behind.uuid())
+        .execute(pool)
+        .await
+        .unwrap();
+
+    let mut conn = pool.acquire().await.unwrap();
+    let status = store::sync_status_of(&mut conn, behind).await.unwrap();
+    assert_eq!(status.state.0, SyncState::Pending);
+    assert_eq!(status.applied_version + 1, status.latest_version.unwrap());
+    assert_eq!(store::sync_status_of(&mut conn, current).await.unwrap().state.0, SyncState::Synced);
+    assert_eq!(listed(pool, SyncState::Pending).await, ["behind PENDING"]);
+    assert_eq!(listed(pool, SyncState::Synced).await, ["current SYNCED"]);
+    assert_eq!(store::workload_view(&mut conn, behind).await.unwrap().sync_state, "PENDING");
+    drop(conn);
+    let text = Metrics::new().scrape(pool).await;
+    assert_eq!(sample(&text, "innerwall_workloads_by_sync_state{state=\"PENDING\"}"), Some(1.0), "{text}");
+    assert_eq!(sample(&text, "innerwall_workloads_by_sync_state{state=\"SYNCED\"}"), Some(1.0), "{text}");
+
+    // The ack of the latest is recorded: SYNCED again, with nothing else written.
+    sqlx::query("UPDATE workloads SET applied_version = applied_version + 1 WHERE id = $1")
+        .bind(behind.uuid())
+        .execute(pool)
+        .await
+        .unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    assert_eq!(store::sync_status_of(&mut conn, behind).await.unwrap().state.0, SyncState::Synced);
 }
 
 /// Every row the scans in `plan` read from `relation`: those they returned and those their

@@ -306,7 +306,8 @@ async fn a_newer_stream_on_the_same_replica_supersedes_the_old_one() {
 
 /// The agent reconnected to another replica while the first still holds its old stream: the
 /// old stream ends (ABORTED, superseded) at its first state write instead of speaking for the
-/// identity, and the new one carries the updates.
+/// identity, and the new one carries the updates. (A delta is sent with nothing written first,
+/// so the old stream's first write is the ack of the delta it was sent too.)
 #[tokio::test]
 async fn stale_stream_on_another_replica_ends() {
     let mut a = Plane::start(GatewayConfig::default()).await;
@@ -320,12 +321,11 @@ async fn stale_stream_on_another_replica_ends() {
     bump(&pool, 0).await;
     assert_eq!(new.update().await, ("delta", 1, 2));
     new.ack(2, true, "").await;
-    let ended = loop {
-        match tokio::time::timeout(Duration::from_secs(15), old.inbound.message()).await {
-            Ok(Ok(Some(_))) => continue, // the delta may go out before the state write
-            Ok(Err(status)) => break status,
-            other => panic!("the stale stream did not end with a status: {other:?}"),
-        }
+    assert_eq!(old.update().await, ("delta", 1, 2), "the old stream knows of no newer one yet");
+    old.ack(2, true, "").await;
+    let ended = match tokio::time::timeout(Duration::from_secs(15), old.inbound.message()).await {
+        Ok(Err(status)) => status,
+        other => panic!("the stale stream did not end with a status: {other:?}"),
     };
     assert_eq!(ended.code(), tonic::Code::Aborted, "{ended:?}");
     assert!(ended.message().contains("superseded"), "{ended:?}");
@@ -969,8 +969,7 @@ async fn heartbeats_are_written_in_batches_and_a_failed_batch_beat_by_beat() {
     assert_eq!(stamps, 4, "written one by one after the batch failed");
 }
 
-/// A render moves thousands of streams at once, and each records its state before it sends the
-/// update and again at the ack (PERF-2). Records that arrive together are one transaction; every
+/// A render moves thousands of streams at once, and each records its state at the ack (PERF-2). Records that arrive together are one transaction; every
 /// stream hears whether its own was written (not when a newer stream of its identity took over);
 /// the acks' installs commit with them; and a batch that fails is written record by record, so
 /// only the stream whose write cannot be made hears the failure.
