@@ -116,7 +116,7 @@ fn main() -> anyhow::Result<()> {
         _ => 0,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
-        .max_blocking_threads(512 + stalled)
+        .max_blocking_threads(8 + stalled)
         .enable_all()
         .build()?;
     runtime.block_on(async {
