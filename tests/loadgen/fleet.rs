@@ -48,8 +48,9 @@ pub struct FleetConfig {
     pub spare_peers: usize,
     /// Flow windows each agent closes and uploads, if any.
     pub flows: Option<FlowLoad>,
-    /// Each agent's HTTP/2 stream window (`RunConfig::stream_window`); the default if `None`.
-    pub stream_window: Option<u32>,
+    /// The HTTP/2 stream window (`RunConfig::stream_window`) of the first agents, so many of
+    /// them (those a slow run stalls); the others keep the default.
+    pub stream_window: Option<(u32, usize)>,
 }
 
 /// Flow evidence each agent produces: `windows_per_minute` windows of `records` records each.
@@ -69,7 +70,7 @@ pub struct Fleet {
     /// Enrolled, not started yet: (index, id, state directory).
     enrolled: Vec<(usize, WorkloadId, PathBuf)>,
     flows: Option<FlowLoad>,
-    stream_window: Option<u32>,
+    stream_window: Option<(u32, usize)>,
     /// Streams the replicas hold besides the simulated agents' (a real agent's).
     pub other_streams: usize,
 }
@@ -301,7 +302,8 @@ impl Fleet {
             let server = self.replicas[i % self.replicas.len()].server();
             let mut config = RunConfig::new(state, server);
             config.source_address = Some(source_address(i));
-            config.stream_window = self.stream_window;
+            config.stream_window =
+                self.stream_window.filter(|(_, first)| i < *first).map(|(window, _)| window);
             self.agents.push(start_agent(i, id, config, self.flows));
         }
     }
