@@ -569,9 +569,10 @@ impl Metrics {
             // The state as shown (`shown`), so a fleet with no replica left to sweep
             // counts its silent workloads OFFLINE.
             let rows = sqlx::query_as::<_, (i16, i16, i64)>(sqlx::AssertSqlSafe(format!(
-                "SELECT {}, w.mode, count(*) FROM workloads w LEFT JOIN workload_policies p ON p.workload_id = w.id
+                "SELECT {}, w.mode, count(*) FROM {}
                  WHERE w.retired_at IS NULL AND w.denied_at IS NULL GROUP BY 1, 2",
-                crate::shown::STATE
+                crate::shown::STATE,
+                crate::shown::ROWS
             )))
             .fetch_all(pool)
             .await?;

@@ -9,15 +9,17 @@
 //! So a stream sending a delta records nothing first; it records the ack (PERF-2: one state
 //! write per agent per change, and no write between a render and its update leaving).
 //!
-//! One rule, in two forms that must agree: [`STATE`] and [`DETAIL`], SQL expressions over the
-//! `workloads` row aliased `w` and its persisted policy's row aliased `p` (`LEFT JOIN
-//! workload_policies p ON p.workload_id = w.id`), which every reader selects (status, the fleet list with its
-//! state filter and attention order, `workload show`, metrics, the verdict, resend-snapshot), so
+//! One rule, in two forms that must agree: [`STATE`] and [`DETAIL`], SQL expressions over
+//! [`ROWS`] (the `workloads` row aliased `w` and its persisted policy's aliased `p`), which every
+//! reader selects (status, the fleet list with its state filter and attention order, `workload show`, metrics, the verdict, resend-snapshot), so
 //! filters, ordering and counts see the state shown; and [`shown`], the same rule as a pure
 //! function, the specification the SQL is tested against (`tests/it/states.rs`).
 
 use chrono::{DateTime, Utc};
 use innerwall_wire::sync::SyncState;
+
+/// What [`STATE`] and [`DETAIL`] read: a workload and its persisted policy (if it has one).
+pub const ROWS: &str = "workloads w LEFT JOIN workload_policies p ON p.workload_id = w.id";
 
 /// The shown state of the `workloads` row `w`, a smallint sync-state code. `now()` is the
 /// reading transaction's start. A row with no liveness (no Hello yet) or never seen keeps its

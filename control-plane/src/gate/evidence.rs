@@ -204,9 +204,9 @@ async fn read(
     let mut facts = BTreeMap::new();
     // The state as shown (`shown`): a silent workload is judged OFFLINE, swept or not.
     for row in sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT w.id, w.hostname, w.mode, {}, w.applied_version FROM workloads w LEFT JOIN workload_policies p ON p.workload_id = w.id
-         WHERE w.id = ANY($1)",
-        crate::shown::STATE
+        "SELECT w.id, w.hostname, w.mode, {}, w.applied_version FROM {} WHERE w.id = ANY($1)",
+        crate::shown::STATE,
+        crate::shown::ROWS
     )))
     .bind(&ids)
     .fetch_all(&mut *conn)

@@ -989,9 +989,9 @@ pub async fn request_snapshot_bounded(
 ) -> Result<ResendRequested, Error> {
     type Time = Option<chrono::DateTime<chrono::Utc>>;
     let row: Option<(i16, Time, Time)> = sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT {}, w.last_seen_at, w.last_snapshot_sent_at FROM workloads w LEFT JOIN workload_policies p ON p.workload_id = w.id
-         WHERE w.id = $1",
-        crate::shown::STATE
+        "SELECT {}, w.last_seen_at, w.last_snapshot_sent_at FROM {} WHERE w.id = $1",
+        crate::shown::STATE,
+        crate::shown::ROWS
     )))
     .bind(id.uuid())
     .fetch_optional(pool)

@@ -1228,12 +1228,13 @@ pub async fn list_workloads(
                 w.pinned_version,
                 (SELECT g.demotion_id FROM enforcement_guards g WHERE g.workload_id = w.id AND g.tripped_at IS NOT NULL),
                 c.promotion_id, pr.confirm_deadline
-         FROM workloads w LEFT JOIN workload_policies p ON p.workload_id = w.id
+         FROM {}
          LEFT JOIN promotion_confirmations c ON c.workload_id = w.id AND c.state = 'pending'
          LEFT JOIN promotions pr ON pr.id = c.promotion_id
          WHERE $1::uuid IS NULL OR w.id = $1 ORDER BY w.hostname, w.id",
         crate::shown::STATE,
-        crate::shown::DETAIL
+        crate::shown::DETAIL,
+        crate::shown::ROWS
     );
     let rows =
         sqlx::query(sqlx::AssertSqlSafe(sql)).bind(only.map(|id| id.uuid())).fetch_all(&mut *conn).await?;
@@ -1336,10 +1337,11 @@ fn sync_status_sql() -> String {
         "SELECT w.id, w.hostname, w.applied_version, p.version AS latest_version, {} AS state,
                 {} AS detail, w.last_seen_at, w.last_acked_at, w.last_snapshot_sent_at,
                 w.last_apply_failed_at
-         FROM workloads w LEFT JOIN workload_policies p ON p.workload_id = w.id
+         FROM {}
          WHERE w.retired_at IS NULL",
         shown::STATE,
-        shown::DETAIL
+        shown::DETAIL,
+        shown::ROWS
     )
 }
 
@@ -1493,8 +1495,9 @@ pub async fn workload_page(
     q.push_bind(attention).push("::smallint[], ").push(crate::shown::STATE).push(
         "), 99) AS rank,
                 coalesce((extract(epoch FROM w.last_seen_at) * 1000000)::bigint, -1) AS seen_us
-         FROM workloads w LEFT JOIN workload_policies p ON p.workload_id = w.id) AS f WHERE true",
+         FROM ",
     );
+    q.push(crate::shown::ROWS).push(") AS f WHERE true");
     if !filter.include_retired {
         q.push(" AND NOT retired AND NOT denied");
     }

@@ -1,7 +1,7 @@
 //! Stream state writes, batched. A render that changes 5,000 workloads makes every stream record
-//! its state when the agent acknowledges the update (a delta is sent with nothing recorded
-//! first: the row reads PENDING from the render on, `shown`; a snapshot records first): single-row
-//! commits, each waiting for a connection of the streams' pool. At a few thousand agents a
+//! its state when the agent acknowledges the update (a delta goes with nothing recorded first:
+//! the row reads PENDING from the render on, `shown`). Written one by one, these were single-row
+//! commits, each waiting for a connection of the streams' pool: at a few thousand agents a
 //! replica the last streams waited seconds for their turn (PERF-2). The writer answers every record
 //! waiting when it is free with one transaction; no record waits for a timer, only for the write
 //! in progress. Each stream still waits for its own record to commit before it goes on, and hears

@@ -93,9 +93,9 @@ async fn shown_state_sql_agrees_with_the_rule() {
     let now: chrono::DateTime<chrono::Utc> =
         sqlx::query_scalar("SELECT now()").fetch_one(&mut *tx).await.unwrap();
     let sql = format!(
-        "SELECT w.hostname, w.sync_state, w.last_seen_at, w.stream_liveness, {}
-         FROM workloads w LEFT JOIN workload_policies p ON p.workload_id = w.id ORDER BY 1",
-        shown::STATE
+        "SELECT w.hostname, w.sync_state, w.last_seen_at, w.stream_liveness, {} FROM {} ORDER BY 1",
+        shown::STATE,
+        shown::ROWS
     );
     let rows: Vec<Case> = sqlx::query_as(sqlx::AssertSqlSafe(sql)).fetch_all(&mut *tx).await.unwrap();
     assert_eq!(rows.len(), cases.len());
@@ -209,12 +209,17 @@ async fn synced_behind_its_persisted_version_reads_pending_in_every_reader() {
     for id in [behind, current] {
         store_state(pool, id, SyncState::Synced, Duration::ZERO, "").await;
     }
+    // The agent's acknowledged version, moved by `by`.
+    let acknowledge = async |by: i64| {
+        sqlx::query("UPDATE workloads SET applied_version = applied_version + $2 WHERE id = $1")
+            .bind(behind.uuid())
+            .bind(by)
+            .execute(pool)
+            .await
+            .unwrap();
+    };
     // The agent acknowledged the version before the latest (a render persisted one since).
-    sqlx::query("UPDATE workloads SET applied_version = applied_version - 1 WHERE id = $1")
-        .bind(behind.uuid())
-        .execute(pool)
-        .await
-        .unwrap();
+    acknowledge(-1).await;
 
     let mut conn = pool.acquire().await.unwrap();
     let status = store::sync_status_of(&mut conn, behind).await.unwrap();
@@ -230,11 +235,7 @@ async fn synced_behind_its_persisted_version_reads_pending_in_every_reader() {
     assert_eq!(sample(&text, "innerwall_workloads_by_sync_state{state=\"SYNCED\"}"), Some(1.0), "{text}");
 
     // The ack of the latest is recorded: SYNCED again, with nothing else written.
-    sqlx::query("UPDATE workloads SET applied_version = applied_version + 1 WHERE id = $1")
-        .bind(behind.uuid())
-        .execute(pool)
-        .await
-        .unwrap();
+    acknowledge(1).await;
     let mut conn = pool.acquire().await.unwrap();
     assert_eq!(store::sync_status_of(&mut conn, behind).await.unwrap().state.0, SyncState::Synced);
 }
