@@ -25,6 +25,8 @@ use crate::netns::*;
 /// Policies per run, and packets sent under each.
 const POLICIES: usize = 80;
 const PACKETS_PER_POLICY: usize = 10;
+// Each TCP packet's source port is 40000 + its id (see CLIENT).
+const _: () = assert!(40000 + POLICIES * PACKETS_PER_POLICY < 65536);
 /// The host listens on TCP and UDP ports `PORT_BASE..PORT_BASE + PORTS` and on the edges of the
 /// port space, 1 and 65535; rule ranges are drawn around them (edges inside and outside),
 /// packets go to them.
@@ -403,8 +405,10 @@ while True:
 /// The client: one packet per stdin line `<id> <kind> <src> <dst> <port>`, answered with
 /// `sent <id> <tag>` once it is on the wire. TCP is a non-blocking connect whose socket closes
 /// when it completes or after 0.5 s (before the kernel's first SYN retransmit at 1 s, so a
-/// dropped SYN is counted once); UDP one datagram carrying the id; ICMP one echo request whose
-/// identifier is the id.
+/// dropped SYN is counted once), from source port 40000 + id: a port the kernel picked could be
+/// one an earlier connection from the same address to the same port used (its TIME_WAIT is on
+/// the host when the host closed first), and that earlier arrival would be read as this
+/// packet's; UDP one datagram carrying the id; ICMP one echo request whose identifier is the id.
 const CLIENT: &str = r#"
 import os, selectors, socket, struct, sys, time
 def csum(b):
@@ -420,7 +424,7 @@ sel.register(0, selectors.EVENT_READ, None)
 pending = {}
 def send(i, kind, src, dst, port):
     if kind == 'tcp':
-        s = socket.socket(fam(dst), socket.SOCK_STREAM); s.bind((src, 0)); s.setblocking(False)
+        s = socket.socket(fam(dst), socket.SOCK_STREAM); s.bind((src, 40000 + i)); s.setblocking(False)
         s.connect_ex((dst, port)); tag = s.getsockname()[1]
         sel.register(s, selectors.EVENT_WRITE, 'tcp'); pending[s] = time.monotonic() + 0.5
     elif kind == 'udp':
