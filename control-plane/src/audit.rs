@@ -49,6 +49,29 @@ pub async fn write(conn: &mut PgConnection, record: &Record<'_>) -> Result<(), E
     Ok(())
 }
 
+/// Appends `records` to the audit log on `conn`, in their order, with one statement.
+pub async fn write_all(conn: &mut PgConnection, records: &[Record<'_>]) -> Result<(), Error> {
+    let column = |f: for<'r> fn(&'r Record<'_>) -> &'r str| -> Vec<&str> { records.iter().map(f).collect() };
+    let details: Vec<&serde_json::Value> = records.iter().map(|r| &r.detail).collect();
+    let versions: Vec<sqlx::types::Json<&BTreeMap<String, u64>>> =
+        records.iter().map(|r| sqlx::types::Json(&r.workload_versions)).collect();
+    sqlx::query(
+        "INSERT INTO audit_log (actor, action, subject, detail, workload_versions)
+         SELECT actor, action, subject, detail, versions
+         FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::jsonb[]) WITH ORDINALITY
+              AS t (actor, action, subject, detail, versions, n)
+         ORDER BY n",
+    )
+    .bind(column(|r| r.actor))
+    .bind(column(|r| r.action))
+    .bind(column(|r| r.subject))
+    .bind(&details)
+    .bind(&versions)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
 /// What [`coalesce`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Coalesced {

@@ -4,6 +4,7 @@
 //! from us (enroll) or its certificate (renew), its labels from the token, and the workload a
 //! re-enrollment replaces from the client certificate of the enrollment connection.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -15,6 +16,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::audit;
 use crate::error::Error;
 use crate::identity::ca::{IssuedCertificate, Signer};
+use crate::identity::tokens::{self, LockedToken, TokenError};
 use crate::policy::authoring;
 use crate::policy::publish::{Overflow, Touched, publish_touched};
 use crate::policy::spec::NewWorkload;
@@ -67,7 +69,7 @@ pub struct Checked {
     agent_version: String,
     /// The host's ephemeral port range, when it reported a valid one.
     ephemeral: Option<(i32, i32)>,
-    addresses: std::collections::BTreeSet<std::net::IpAddr>,
+    addresses: BTreeSet<std::net::IpAddr>,
     replacing: Option<WorkloadId>,
     actor: String,
 }
@@ -302,35 +304,65 @@ impl Writer {
         results
     }
 
-    /// Each enrollment in a savepoint (a failed one is rolled back alone and reported), then
-    /// one render for all that succeeded, audited with every version it moved, and the commit.
+    /// Checks each enrollment on its own (its token, its CSR, the workload it replaces, in a
+    /// savepoint: a failed one is rolled back alone and reported), then writes all that passed
+    /// with a few statements whatever their number, one render for them, audited with every
+    /// version it moved, and the commit.
     async fn write(&self, batch: &[Checked]) -> Result<Vec<Result<Enrolled, Error>>, Error> {
         let now = SystemTime::now();
         let mut tx = self.pool.begin().await?;
+        // Each token presented is looked up once and its row locked, in one order (its text)
+        // so that two replicas' batches never wait on each other's tokens.
+        let presented: BTreeSet<&str> = batch.iter().map(|c| c.token.as_str()).collect();
+        let mut tokens: BTreeMap<&str, Result<LockedToken, Error>> = BTreeMap::new();
+        for text in presented {
+            let locked = match tokens::lock(&mut tx, text, chrono::Utc::now()).await {
+                Err(TokenError::Database(e)) => return Err(e.into()),
+                other => other.map_err(Error::from),
+            };
+            tokens.insert(text, locked);
+        }
         let mut results = Vec::with_capacity(batch.len());
         for checked in batch {
-            let mut savepoint = tx.begin().await?;
-            match self.write_one(&mut savepoint, checked, now).await {
-                Ok(enrolled) => {
-                    savepoint.commit().await?;
-                    results.push(Ok(enrolled));
-                }
-                Err(e) => {
-                    savepoint.rollback().await?;
-                    results.push(Err(e));
-                }
-            }
+            let locked = tokens.get_mut(checked.token.as_str()).expect("every token presented was looked up");
+            results.push(self.check_one(&mut tx, locked, checked, now).await?);
         }
-        let enrolled: Vec<String> = results.iter().flatten().map(|e| e.id.to_string()).collect();
-        if enrolled.is_empty() {
-            return Ok(results);
+        let passed: Vec<(&Checked, &Passed)> =
+            batch.iter().zip(&results).filter_map(|(c, r)| Some((c, r.as_ref().ok()?))).collect();
+        if passed.is_empty() {
+            return Ok(results.into_iter().map(|r| r.map(|p| p.enrolled)).collect());
         }
+        for locked in tokens.values().flatten() {
+            locked.record_uses(&mut tx).await?;
+        }
+        let new: Vec<NewWorkload> = passed
+            .iter()
+            .map(|(c, p)| NewWorkload {
+                id: c.id,
+                hostname: c.hostname.clone(),
+                labels: p.enrolled.labels.clone(),
+                addresses: c.addresses.clone(),
+            })
+            .collect();
+        authoring::register_workloads(&mut tx, &new).await?;
+        record_enrollments(&mut tx, &passed).await?;
+        let records: Vec<audit::Record> = passed
+            .iter()
+            .map(|(c, p)| {
+                let labels: Vec<String> = p.enrolled.labels.iter().map(ToString::to_string).collect();
+                let replaces = c.replacing.map(|old| old.to_string());
+                let detail = serde_json::json!({"token": p.token, "hostname": c.hostname, "labels": labels, "replaces": replaces});
+                audit::Record::new(&c.actor, "workload.enroll", &p.subject).detail(detail)
+            })
+            .collect();
+        audit::write_all(&mut tx, &records).await?;
+        let enrolled: Vec<&str> = passed.iter().map(|(_, p)| p.subject.as_str()).collect();
         // New workloads only: the render reads and renders what they can touch (POL-7). One that
         // replaces another also takes the old one out of every render: everything renders.
-        let replaced = batch.iter().zip(&results).any(|(c, r)| r.is_ok() && c.replacing.is_some());
+        let replaced = passed.iter().any(|(c, _)| c.replacing.is_some());
         let touched: Vec<Touched> = match replaced {
             true => Vec::new(),
-            false => results.iter().flatten().map(|e| Touched::Enrolled(e.id)).collect(),
+            false => passed.iter().map(|(c, _)| Touched::Enrolled(c.id)).collect(),
         };
         let changed = publish_touched(&mut tx, Overflow::Hold, &touched).await?.changed;
         let record = audit::Record {
@@ -340,65 +372,118 @@ impl Writer {
         };
         audit::write(&mut tx, &record).await?;
         tx.commit().await?;
-        for (checked, result) in batch.iter().zip(&results) {
-            if result.is_ok() {
-                match checked.replacing {
-                    Some(old) => {
-                        tracing::info!(workload = %checked.id, hostname = %checked.hostname, replaced = %old, "enrolled, replacing a workload")
-                    }
-                    None => tracing::info!(workload = %checked.id, hostname = %checked.hostname, "enrolled"),
+        for (checked, _) in &passed {
+            match checked.replacing {
+                Some(old) => {
+                    tracing::info!(workload = %checked.id, hostname = %checked.hostname, replaced = %old, "enrolled, replacing a workload")
                 }
+                None => tracing::info!(workload = %checked.id, hostname = %checked.hostname, "enrolled"),
             }
         }
-        Ok(results)
+        Ok(results.into_iter().map(|r| r.map(|p| p.enrolled)).collect())
     }
 
-    async fn write_one(&self, c: &mut PgConnection, e: &Checked, now: SystemTime) -> Result<Enrolled, Error> {
-        let token = crate::identity::tokens::consume(c, &e.token, chrono::Utc::now()).await?;
+    /// What can refuse one enrollment alone, in order: its token (refused, or used up by the
+    /// enrollments before it), its CSR, and the workload it replaces (retired here, in a
+    /// savepoint). A use of the token is taken only when all passed. `Err` only for the database.
+    async fn check_one(
+        &self,
+        tx: &mut PgConnection,
+        token: &mut Result<LockedToken, Error>,
+        e: &Checked,
+        now: SystemTime,
+    ) -> Result<Result<Passed, Error>, Error> {
+        let token = match token {
+            Ok(locked) => locked,
+            Err(refused) => return Ok(Err(refused_again(refused))),
+        };
+        if let Err(used_up) = token.left() {
+            return Ok(Err(used_up.into()));
+        }
+        let certificate = match self.signer.issue_workload(e.id, &e.csr_pem, self.lifetime, now) {
+            Ok(certificate) => certificate,
+            Err(refused) => return Ok(Err(refused.into())),
+        };
         // Before the render: the replaced workload's addresses are the new one's, and a live
         // claim by both would render them for neither.
         if let Some(old) = e.replacing {
-            retire_replaced(c, &e.actor, old, e.id).await?;
+            let mut savepoint = tx.begin().await?;
+            match retire_replaced(&mut savepoint, &e.actor, old, e.id).await {
+                Ok(()) => savepoint.commit().await?,
+                Err(refused) => {
+                    savepoint.rollback().await?;
+                    return Ok(Err(refused));
+                }
+            }
         }
-        let certificate = self.signer.issue_workload(e.id, &e.csr_pem, self.lifetime, now)?;
-        let new = NewWorkload {
-            id: e.id,
-            hostname: e.hostname.clone(),
-            labels: token.labels.clone(),
-            addresses: e.addresses.clone(),
-        };
-        authoring::register_workload(c, &new).await?;
-        sqlx::query(
-            "UPDATE workloads SET enrolled_by_token = $2, credential_serial = $3, credential_expires_at = $4,
-             machine_id = $5, os = $6, agent_version = $7, credential_issuer = $8, ephemeral_low = $9,
-             ephemeral_high = $10 WHERE id = $1",
-        )
-        .bind(e.id.uuid())
-        .bind(token.id)
-        .bind(&certificate.serial_hex)
-        .bind(chrono::DateTime::<chrono::Utc>::from(certificate.not_after))
-        .bind(&e.machine_id)
-        .bind(&e.os)
-        .bind(&e.agent_version)
-        .bind(&certificate.issuer_sha256)
-        .bind(e.ephemeral.map(|r| r.0))
-        .bind(e.ephemeral.map(|r| r.1))
-        .execute(&mut *c)
-        .await?;
-        // The token's narrowing is the workload's own from now on: revoking or deleting the
-        // token never widens what the workload may claim.
-        sqlx::query("INSERT INTO workload_ranges (workload_id, cidr) SELECT $1, cidr FROM provisioning_token_ranges WHERE token_id = $2")
-            .bind(e.id.uuid())
-            .bind(token.id)
-            .execute(&mut *c)
-            .await?;
-        let labels: Vec<String> = token.labels.iter().map(ToString::to_string).collect();
-        let replaces = e.replacing.map(|old| old.to_string());
-        let detail = serde_json::json!({"token": token.id, "hostname": e.hostname, "labels": labels, "replaces": replaces});
-        audit::write(c, &audit::Record::new(&e.actor, "workload.enroll", &e.id.to_string()).detail(detail))
-            .await?;
-        Ok(Enrolled { id: e.id, certificate, labels: token.labels, replaced: e.replacing })
+        token.take()?;
+        let enrolled =
+            Enrolled { id: e.id, certificate, labels: token.token.labels.clone(), replaced: e.replacing };
+        Ok(Ok(Passed { enrolled, token: token.token.id, subject: e.id.to_string() }))
     }
+}
+
+/// An enrollment that passed its own checks, waiting to be written with the others.
+struct Passed {
+    enrolled: Enrolled,
+    /// The token it took a use of.
+    token: uuid::Uuid,
+    /// Its workload id as the audit log names it.
+    subject: String,
+}
+
+/// A token's refusal, for each enrollment that presented it.
+fn refused_again(refused: &Error) -> Error {
+    match refused {
+        Error::Token { kind, error } => Error::Token { kind, error: error.to_string().into() },
+        Error::Invalid(text) => Error::Invalid(text.clone()),
+        other => Error::Refused(other.to_string()),
+    }
+}
+
+/// What enrollment adds to each registered workload: the token that enrolled it, its
+/// credential and its host's facts; and the token's narrowing, which is the workload's own from
+/// now on (revoking or deleting the token never widens what the workload may claim).
+async fn record_enrollments(conn: &mut PgConnection, passed: &[(&Checked, &Passed)]) -> Result<(), Error> {
+    let column =
+        |f: fn(&Checked, &Passed) -> String| -> Vec<String> { passed.iter().map(|(c, p)| f(c, p)).collect() };
+    let ids: Vec<uuid::Uuid> = passed.iter().map(|(c, _)| c.id.uuid()).collect();
+    let tokens: Vec<uuid::Uuid> = passed.iter().map(|(_, p)| p.token).collect();
+    let expires: Vec<chrono::DateTime<chrono::Utc>> =
+        passed.iter().map(|(_, p)| chrono::DateTime::from(p.enrolled.certificate.not_after)).collect();
+    let (low, high): (Vec<Option<i32>>, Vec<Option<i32>>) =
+        passed.iter().map(|(c, _)| (c.ephemeral.map(|r| r.0), c.ephemeral.map(|r| r.1))).unzip();
+    sqlx::query(
+        "UPDATE workloads w SET enrolled_by_token = t.token, credential_serial = t.serial,
+             credential_expires_at = t.expires, machine_id = t.machine, os = t.os, agent_version = t.agent,
+             credential_issuer = t.issuer, ephemeral_low = t.low, ephemeral_high = t.high
+         FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::timestamptz[], $5::text[], $6::text[], $7::text[],
+                     $8::text[], $9::int4[], $10::int4[])
+              AS t (id, token, serial, expires, machine, os, agent, issuer, low, high)
+         WHERE w.id = t.id",
+    )
+    .bind(&ids)
+    .bind(&tokens)
+    .bind(column(|_, p| p.enrolled.certificate.serial_hex.clone()))
+    .bind(&expires)
+    .bind(column(|c, _| c.machine_id.clone()))
+    .bind(column(|c, _| c.os.clone()))
+    .bind(column(|c, _| c.agent_version.clone()))
+    .bind(column(|_, p| p.enrolled.certificate.issuer_sha256.clone()))
+    .bind(&low)
+    .bind(&high)
+    .execute(&mut *conn)
+    .await?;
+    sqlx::query(
+        "INSERT INTO workload_ranges (workload_id, cidr)
+         SELECT t.w, r.cidr FROM unnest($1::uuid[], $2::uuid[]) AS t (w, token)
+         JOIN provisioning_token_ranges r ON r.token_id = t.token",
+    )
+    .bind(&ids)
+    .bind(&tokens)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
 }
 
 /// Retires `old`, replaced by the enrollment of `new`, and audits it naming both. A workload

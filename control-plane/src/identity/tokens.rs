@@ -462,6 +462,63 @@ pub async fn consume(
     token_text: &str,
     now: DateTime<Utc>,
 ) -> Result<ConsumedToken, TokenError> {
+    let mut locked = lock(conn, token_text, now).await?;
+    locked.take()?;
+    locked.record_uses(conn).await?;
+    Ok(locked.token)
+}
+
+/// An active token, its row locked by this transaction, counting the uses taken of it here.
+#[derive(Debug)]
+pub struct LockedToken {
+    pub token: ConsumedToken,
+    hint: String,
+    max_uses: Option<u32>,
+    /// Its stored count plus the uses taken here.
+    use_count: u32,
+    taken: u32,
+}
+
+impl LockedToken {
+    /// Refuses the token as used up if no use is left.
+    pub fn left(&self) -> Result<(), TokenError> {
+        match self.max_uses.filter(|max| self.use_count >= *max) {
+            Some(max_uses) => {
+                Err(TokenError::Exhausted { hint: self.hint.clone(), use_count: self.use_count, max_uses })
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Takes one use, or refuses the token as used up.
+    pub fn take(&mut self) -> Result<(), TokenError> {
+        self.left()?;
+        self.use_count += 1;
+        self.taken += 1;
+        Ok(())
+    }
+
+    /// Writes the uses taken (none: nothing is written).
+    pub async fn record_uses(&self, conn: &mut PgConnection) -> Result<(), TokenError> {
+        if self.taken > 0 {
+            sqlx::query("UPDATE provisioning_tokens SET use_count = use_count + $2 WHERE id = $1")
+                .bind(self.token.id)
+                .bind(i32::try_from(self.taken).unwrap_or(i32::MAX))
+                .execute(&mut *conn)
+                .await?;
+        }
+        Ok(())
+    }
+}
+
+/// Validates `token_text` at `now` and locks its row until the transaction ends, taking no use
+/// yet ([`LockedToken::take`]); so enrollments written together look a token up once. Checks,
+/// in order: malformed, unknown, revoked, expired, exhausted.
+pub async fn lock(
+    conn: &mut PgConnection,
+    token_text: &str,
+    now: DateTime<Utc>,
+) -> Result<LockedToken, TokenError> {
     let secret = parse(token_text)?;
     let hint = secret.display_hint();
     let presented = secret.hash();
@@ -513,11 +570,7 @@ pub async fn consume(
         labels.push(label);
     }
     let ranges = token_ranges(conn, id).await?;
-    sqlx::query("UPDATE provisioning_tokens SET use_count = use_count + 1 WHERE id = $1")
-        .bind(id)
-        .execute(&mut *conn)
-        .await?;
-    Ok(ConsumedToken { id, labels, ranges })
+    Ok(LockedToken { token: ConsumedToken { id, labels, ranges }, hint, max_uses, use_count, taken: 0 })
 }
 
 async fn token_ranges(conn: &mut PgConnection, id: Uuid) -> Result<Vec<Cidr>, TokenError> {

@@ -609,27 +609,51 @@ pub async fn delete_ruleset(conn: &mut PgConnection, name: &str, expected: i64) 
 // ---- workloads ----------------------------------------------------------------------------
 
 pub async fn register_workload(conn: &mut PgConnection, new: &NewWorkload) -> Result<(), Error> {
-    check_label_count(&format!("workload {}", new.id), new.labels.len())?;
-    sqlx::query("INSERT INTO workloads (id, hostname) VALUES ($1, $2)")
-        .bind(new.id.uuid())
-        .bind(&new.hostname)
-        .execute(&mut *conn)
-        .await?;
-    write_labels(conn, new.id, &new.labels).await?;
-    record_label_history(conn, new.id).await?;
-    set_addresses(conn, new.id, &new.addresses).await?;
+    register_workloads(conn, std::slice::from_ref(new)).await
+}
+
+/// Registers new workloads with their labels, label history and addresses: a few statements
+/// whatever their number (an enrollment batch registers up to a hundred at once).
+pub async fn register_workloads(conn: &mut PgConnection, new: &[NewWorkload]) -> Result<(), Error> {
+    for one in new {
+        check_label_count(&format!("workload {}", one.id), one.labels.len())?;
+    }
+    let ids: Vec<Uuid> = new.iter().map(|n| n.id.uuid()).collect();
+    let hostnames: Vec<&str> = new.iter().map(|n| n.hostname.as_str()).collect();
+    sqlx::query(
+        "INSERT INTO workloads (id, hostname, addresses_changed_at)
+         SELECT id, hostname, now() FROM unnest($1::uuid[], $2::text[]) AS t (id, hostname)",
+    )
+    .bind(&ids)
+    .bind(&hostnames)
+    .execute(&mut *conn)
+    .await?;
+    let labels: Vec<(WorkloadId, &Label)> =
+        new.iter().flat_map(|n| n.labels.iter().map(|l| (n.id, l))).collect();
+    write_labels(conn, &labels).await?;
+    record_label_history(conn, &ids).await?;
+    let (owners, addresses): (Vec<Uuid>, Vec<String>) =
+        new.iter().flat_map(|n| n.addresses.iter().map(|a| (n.id.uuid(), a.to_string()))).unzip();
+    sqlx::query(
+        "INSERT INTO workload_addresses (workload_id, address)
+         SELECT w, a::inet FROM unnest($1::uuid[], $2::text[]) AS t (w, a)",
+    )
+    .bind(&owners)
+    .bind(&addresses)
+    .execute(&mut *conn)
+    .await?;
     Ok(())
 }
 
-/// Closes the workload's open label-history row and opens one for its labels now (same
+/// Closes the workloads' open label-history rows and opens one for each's labels now (same
 /// transaction as the change, so history and labels never disagree).
-async fn record_label_history(conn: &mut PgConnection, id: WorkloadId) -> Result<(), Error> {
+async fn record_label_history(conn: &mut PgConnection, ids: &[Uuid]) -> Result<(), Error> {
     // Two statements: within one, the order of a CTE's update and the insert is unspecified,
     // and the index allowing one open row per workload would see two.
     sqlx::query(
-        "UPDATE workload_label_history SET valid_to = now() WHERE workload_id = $1 AND valid_to IS NULL",
+        "UPDATE workload_label_history SET valid_to = now() WHERE workload_id = ANY($1) AND valid_to IS NULL",
     )
-    .bind(id.uuid())
+    .bind(ids)
     .execute(&mut *conn)
     .await?;
     sqlx::query(
@@ -637,22 +661,25 @@ async fn record_label_history(conn: &mut PgConnection, id: WorkloadId) -> Result
          SELECT w.id, w.label_version,
                 COALESCE((SELECT jsonb_object_agg(l.key, l.value) FROM workload_labels l WHERE l.workload_id = w.id), '{}'),
                 now()
-         FROM workloads w WHERE w.id = $1",
+         FROM workloads w WHERE w.id = ANY($1)",
     )
-    .bind(id.uuid())
+    .bind(ids)
     .execute(&mut *conn)
     .await?;
     Ok(())
 }
 
-async fn write_labels(conn: &mut PgConnection, id: WorkloadId, labels: &[Label]) -> Result<(), Error> {
-    let keys: Vec<&str> = labels.iter().map(|l| l.key.as_str()).collect();
-    let values: Vec<&str> = labels.iter().map(|l| l.value.as_str()).collect();
+/// Sets each (workload, label): a workload's label of the same key is replaced.
+async fn write_labels(conn: &mut PgConnection, labels: &[(WorkloadId, &Label)]) -> Result<(), Error> {
+    let ids: Vec<Uuid> = labels.iter().map(|(id, _)| id.uuid()).collect();
+    let keys: Vec<&str> = labels.iter().map(|(_, l)| l.key.as_str()).collect();
+    let values: Vec<&str> = labels.iter().map(|(_, l)| l.value.as_str()).collect();
     sqlx::query(
-        "INSERT INTO workload_labels (workload_id, key, value) SELECT $1, k, v FROM unnest($2::text[], $3::text[]) AS t (k, v)
+        "INSERT INTO workload_labels (workload_id, key, value)
+         SELECT w, k, v FROM unnest($1::uuid[], $2::text[], $3::text[]) AS t (w, k, v)
          ON CONFLICT (workload_id, key) DO UPDATE SET value = excluded.value",
     )
-    .bind(id.uuid())
+    .bind(&ids)
     .bind(&keys)
     .bind(&values)
     .execute(&mut *conn)
@@ -904,13 +931,13 @@ async fn apply_labels(
         .bind(&removed)
         .execute(&mut *conn)
         .await?;
-    let set: Vec<Label> = set.into_iter().cloned().collect();
-    write_labels(conn, id, &set).await?;
+    let set: Vec<(WorkloadId, &Label)> = set.into_iter().map(|l| (id, l)).collect();
+    write_labels(conn, &set).await?;
     sqlx::query("UPDATE workloads SET label_version = label_version + 1 WHERE id = $1")
         .bind(id.uuid())
         .execute(&mut *conn)
         .await?;
-    record_label_history(conn, id).await?;
+    record_label_history(conn, &[id.uuid()]).await?;
     Ok(LabelsReplaced { version: current + 1, ..shown })
 }
 

@@ -717,6 +717,7 @@ async fn enrollments_written_together_render_once_and_fail_alone() {
             checked("iw_0000000_notatoken", &address(7)),
             checked(&token, &address(8)),
             checked(&token, &address(9)),
+            checked("iw_0000000_notatoken", &address(10)),
         ];
         let results = enroller.enroll_together(batch).await;
         let outcome: Vec<Result<(), String>> =
@@ -727,12 +728,27 @@ async fn enrollments_written_together_render_once_and_fail_alone() {
             "round {round}: {outcome:?}"
         );
         assert!(outcome[2].is_err(), "round {round}: an unknown token: {outcome:?}");
+        // A token is looked up once per batch; each enrollment that presented it hears why.
+        assert_eq!(outcome[5], outcome[2], "round {round}");
+        assert!(
+            matches!(
+                &results[5],
+                Err(innerwall_control_plane::error::Error::Token { kind: "malformed" | "unknown", .. })
+            ),
+            "round {round}: {outcome:?}"
+        );
         // The token had two uses: the one the bad CSR took was rolled back with it, so the
         // fourth enrollment had one, and the fifth found none.
         assert!(
             outcome[4].as_ref().is_err_and(|e| e.contains("is used up (2 of 2 uses)")),
             "round {round}: {outcome:?}"
         );
+        let uses: i64 =
+            sqlx::query_scalar("SELECT sum(use_count) FROM provisioning_tokens WHERE max_uses = 2")
+                .fetch_one(pool)
+                .await
+                .unwrap();
+        assert_eq!(uses, 2 * (1 + i64::from(round)), "round {round}: the two that enrolled took a use each");
         let (a, b) = (results[0].as_ref().unwrap().id, results[3].as_ref().unwrap().id);
         assert_eq!((versions(a).await, versions(b).await), (vec![1], vec![1]), "round {round}");
         let workloads: i64 =
