@@ -1039,6 +1039,10 @@ impl World {
     }
 }
 
+/// Once faults stop, a stream drains its messages within this many exchanges (one message
+/// each way, 10 ms apart), or it never will.
+const DRAIN_EXCHANGES: u32 = 1_000;
+
 /// Runs one seed; the failure, if an invariant broke or the agents did not converge.
 pub fn run(params: &Params) -> Result<Vec<String>, Failure> {
     let mut world = World::new(params);
@@ -1066,11 +1070,18 @@ pub fn run(params: &Params) -> Result<Vec<String>, Failure> {
         world.now += Duration::from_secs(1);
         world.listeners();
         for s in world.live_streams() {
-            // Bounded: a protocol that answers every message with another never drains.
-            for _ in 0..1_000 {
-                if world.streams[s].to_agent.is_empty() && world.streams[s].to_cp.is_empty() {
-                    break;
+            // Bounded: a protocol that answers every message with another never drains, and
+            // that is the failure (found at once, not after thousands of steps of it).
+            let mut exchanges = 0;
+            while !(world.streams[s].to_agent.is_empty() && world.streams[s].to_cp.is_empty()) {
+                if exchanges == DRAIN_EXCHANGES {
+                    let what = format!(
+                        "stream {s} still carried messages after {DRAIN_EXCHANGES} exchanges once faults stopped: \
+                         each message is answered with another"
+                    );
+                    return Err(fail(&world, step, what));
                 }
+                exchanges += 1;
                 world.now += Duration::from_millis(10);
                 world.deliver(s, true);
                 world.deliver(s, false);
