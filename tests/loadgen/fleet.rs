@@ -36,7 +36,7 @@ const AGENT_RANGE: &str = "10.200.0.0/16";
 pub const MAX_AGENTS: usize = 65_000;
 pub const MAX_PEERS: usize = 250;
 /// Enrollments in flight at once (the replica admits 256 unauthenticated connections).
-const ENROLL_CONCURRENCY: usize = 64;
+pub const ENROLL_CONCURRENCY: usize = 192;
 
 /// What the fleet is made of.
 #[derive(Debug, Clone)]

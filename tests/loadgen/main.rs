@@ -81,6 +81,12 @@ enum Scenario {
         #[command(flatten)]
         knobs: Knobs,
     },
+    /// PERF-3: enrollments per second, each agent with its own token use, key, CSR, TLS
+    /// handshake and certificate; the fleet is enrolled and nothing more.
+    Enroll {
+        #[command(flatten)]
+        knobs: Knobs,
+    },
     /// PERF-4: idle streams held by one replica and its RSS per stream.
     Density {
         #[command(flatten)]
@@ -96,6 +102,7 @@ impl Scenario {
         match self {
             Scenario::Propagation { knobs, .. }
             | Scenario::Storm { knobs }
+            | Scenario::Enroll { knobs }
             | Scenario::Density { knobs, .. } => knobs,
         }
     }
@@ -123,6 +130,7 @@ fn main() -> anyhow::Result<()> {
                 propagation(&knobs, changes, real_agent, slow, slow_changes).await
             }
             Scenario::Storm { knobs } => storm(&knobs).await,
+            Scenario::Enroll { knobs } => enroll(&knobs).await,
             Scenario::Density { knobs, settle } => density(&knobs, settle).await,
         };
         // The private Postgres this process started goes with it, directory and all.
@@ -159,7 +167,7 @@ async fn fleet(
     knobs: &Knobs,
     spare_peers: usize,
     stream_window: Option<(u32, usize)>,
-) -> anyhow::Result<Fleet> {
+) -> anyhow::Result<(Fleet, f64)> {
     let config = FleetConfig {
         stream_window,
         agents: knobs.agents,
@@ -173,13 +181,21 @@ async fn fleet(
     };
     let mut fleet = Fleet::create(&config).await?;
     let took = fleet.enroll(knobs.agents).await?;
+    let rate = knobs.agents as f64 / took.as_secs_f64().max(1e-3);
     println!(
-        "enrolled {} agents in {:.1} s ({:.0}/s): token, key, CSR and certificate each",
+        "enrolled {} agents in {:.1} s ({rate:.0}/s): token, key, CSR and certificate each",
         knobs.agents,
         took.as_secs_f64(),
-        knobs.agents as f64 / took.as_secs_f64().max(1e-3)
     );
-    Ok(fleet)
+    Ok((fleet, rate))
+}
+
+/// PERF-3: enrolls the fleet, each agent through the real path, and nothing more.
+async fn enroll(knobs: &Knobs) -> anyhow::Result<()> {
+    let (_fleet, rate) = fleet(knobs, 0, None).await?;
+    let context = json!({"agents": knobs.agents, "concurrency": fleet::ENROLL_CONCURRENCY});
+    figure("PERF-3", "enrollments per second", rate, "enrollments/s", Some((">=", 800.0)), &context);
+    Ok(())
 }
 
 /// Connects the enrolled agents and waits until all are SYNCED.
@@ -291,7 +307,7 @@ async fn propagation(
 ) -> anyhow::Result<()> {
     anyhow::ensure!(slow < knobs.agents, "--slow {slow} leaves no agent of {} reading", knobs.agents);
     let spares = changes + if slow > 0 { slow_changes } else { 0 };
-    let mut fleet = fleet(knobs, spares, (slow > 0).then_some((SLOW_RUN_WINDOW, slow))).await?;
+    let (mut fleet, _) = fleet(knobs, spares, (slow > 0).then_some((SLOW_RUN_WINDOW, slow))).await?;
     connect(&mut fleet).await?;
     let real = match real_agent {
         true => {
@@ -428,7 +444,7 @@ async fn slow_agents(
 }
 
 async fn storm(knobs: &Knobs) -> anyhow::Result<()> {
-    let mut fleet = fleet(knobs, 0, None).await?;
+    let (mut fleet, _) = fleet(knobs, 0, None).await?;
     connect(&mut fleet).await?;
     let churn = churn(fleet.pool().clone(), knobs.churn_per_minute);
     let streams_before = fleet.streams();
@@ -482,7 +498,7 @@ async fn storm(knobs: &Knobs) -> anyhow::Result<()> {
 }
 
 async fn density(knobs: &Knobs, settle: Duration) -> anyhow::Result<()> {
-    let mut fleet = fleet(knobs, 0, None).await?;
+    let (mut fleet, _) = fleet(knobs, 0, None).await?;
     // Baseline after enrollment, before any stream: what the streams add is what is measured.
     let before = fleet.replicas.iter().map(|r| r.usage().map(|u| u.rss_kib)).sum::<anyhow::Result<u64>>()?;
     connect(&mut fleet).await?;

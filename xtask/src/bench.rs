@@ -94,6 +94,11 @@ const BENCHES: &[Bench] = &[
         run: Run::Loadgen { full: &["storm", "--agents", "5000"], quick: &["storm", "--agents", "50"] },
     },
     Bench {
+        name: "enroll",
+        what: "PERF-3 enrollment, 10,000 agents",
+        run: Run::Loadgen { full: &["enroll", "--agents", "10000"], quick: &["enroll", "--agents", "100"] },
+    },
+    Bench {
         name: "density",
         what: "PERF-4 idle streams on one replica, 10,000 agents",
         run: Run::Loadgen {

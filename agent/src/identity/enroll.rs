@@ -234,7 +234,11 @@ pub async fn enroll(
         Err(_) => ca_pem.to_owned(),
     };
     let credential = Credential::new(key_pem, cert_pem, ca_pem)?;
-    credential.save(state_dir)?;
+    // Two fsyncs: off the runtime's workers, which the caller's other tasks share.
+    let dir = state_dir.to_owned();
+    let credential = tokio::task::spawn_blocking(move || credential.save(&dir).map(|()| credential))
+        .await
+        .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))?;
     Ok(Enrollment { credential, replaced })
 }
 

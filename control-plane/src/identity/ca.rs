@@ -72,6 +72,21 @@ pub struct IssuedCertificate {
     pub issuer_sha256: String,
 }
 
+/// A CSR that parsed, names an accepted key algorithm and whose signature verifies with its
+/// own key: checked where it arrives (the enrollment's own task), so the enrollment writer,
+/// which works one batch at a time, only signs.
+#[derive(Debug)]
+pub struct CheckedCsr {
+    pem: Vec<u8>,
+    public_key: rcgen::SubjectPublicKeyInfo,
+}
+
+impl CheckedCsr {
+    pub fn new(csr_pem: &[u8]) -> Result<CheckedCsr, CaError> {
+        Ok(CheckedCsr { public_key: csr_public_key(csr_pem)?, pem: csr_pem.to_vec() })
+    }
+}
+
 /// The seam an external signer (HSM, cloud KMS, Vault) replaces (IDN-8).
 pub trait Signer: Send + Sync + fmt::Debug {
     /// The CA certificate(s), PEM, that agents and servers trust.
@@ -86,6 +101,18 @@ pub trait Signer: Send + Sync + fmt::Debug {
         lifetime: Duration,
         now: SystemTime,
     ) -> Result<IssuedCertificate, CaError>;
+
+    /// As [`Signer::issue_workload`], over a CSR checked already where it arrived; a signer
+    /// that takes the CSR itself (an external one) gets its PEM.
+    fn issue_checked(
+        &self,
+        id: WorkloadId,
+        csr: &CheckedCsr,
+        lifetime: Duration,
+        now: SystemTime,
+    ) -> Result<IssuedCertificate, CaError> {
+        self.issue_workload(id, &csr.pem, lifetime, now)
+    }
 
     /// A server-auth certificate and a fresh private key (both PEM) for the control plane's TLS
     /// listener: DNS SANs for `names`, IP SANs for those that parse as addresses.
@@ -542,31 +569,17 @@ impl Signer for FileCa {
         lifetime: Duration,
         now: SystemTime,
     ) -> Result<IssuedCertificate, CaError> {
-        let public_key = csr_public_key(csr_pem)?;
-        let serial = random_serial()?;
-        let mut params = CertificateParams::default();
-        params.distinguished_name = DistinguishedName::new();
-        // A label for humans reading the certificate; identity is the URI SAN alone.
-        params.distinguished_name.push(DnType::CommonName, id.uuid().hyphenated().to_string());
-        let uri = id.to_uri().try_into().map_err(CaError::Signing)?;
-        params.subject_alt_names = vec![SanType::URI(uri)];
-        params.is_ca = IsCa::ExplicitNoCa;
-        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-        params.use_authority_key_identifier_extension = true;
-        params.serial_number = Some(serial.clone());
-        let (not_before, not_after) = validity(now, lifetime)?;
-        (params.not_before, params.not_after) = (not_before, not_after);
-        let loaded = self.loaded();
-        let root = loaded.workload_issuer();
-        let cert = params.signed_by(&public_key, &root.issuer).map_err(CaError::Signing)?;
-        Ok(IssuedCertificate {
-            pem: cert.pem(),
-            serial_hex: hex(&serial.to_bytes()),
-            not_before: not_before.into(),
-            not_after: not_after.into(),
-            issuer_sha256: root.sha256.clone(),
-        })
+        self.issue_over(id, &csr_public_key(csr_pem)?, lifetime, now)
+    }
+
+    fn issue_checked(
+        &self,
+        id: WorkloadId,
+        csr: &CheckedCsr,
+        lifetime: Duration,
+        now: SystemTime,
+    ) -> Result<IssuedCertificate, CaError> {
+        self.issue_over(id, &csr.public_key, lifetime, now)
     }
 
     fn issue_server(
@@ -611,6 +624,42 @@ impl Signer for FileCa {
 
     fn changes(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
         Some(self.changes.subscribe())
+    }
+}
+
+impl FileCa {
+    /// A workload certificate for `id` over `public_key` (checked: [`csr_public_key`]).
+    fn issue_over(
+        &self,
+        id: WorkloadId,
+        public_key: &rcgen::SubjectPublicKeyInfo,
+        lifetime: Duration,
+        now: SystemTime,
+    ) -> Result<IssuedCertificate, CaError> {
+        let serial = random_serial()?;
+        let mut params = CertificateParams::default();
+        params.distinguished_name = DistinguishedName::new();
+        // A label for humans reading the certificate; identity is the URI SAN alone.
+        params.distinguished_name.push(DnType::CommonName, id.uuid().hyphenated().to_string());
+        let uri = id.to_uri().try_into().map_err(CaError::Signing)?;
+        params.subject_alt_names = vec![SanType::URI(uri)];
+        params.is_ca = IsCa::ExplicitNoCa;
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        params.use_authority_key_identifier_extension = true;
+        params.serial_number = Some(serial.clone());
+        let (not_before, not_after) = validity(now, lifetime)?;
+        (params.not_before, params.not_after) = (not_before, not_after);
+        let loaded = self.loaded();
+        let root = loaded.workload_issuer();
+        let cert = params.signed_by(public_key, &root.issuer).map_err(CaError::Signing)?;
+        Ok(IssuedCertificate {
+            pem: cert.pem(),
+            serial_hex: hex(&serial.to_bytes()),
+            not_before: not_before.into(),
+            not_after: not_after.into(),
+            issuer_sha256: root.sha256.clone(),
+        })
     }
 }
 

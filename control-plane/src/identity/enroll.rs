@@ -15,7 +15,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::audit;
 use crate::error::Error;
-use crate::identity::ca::{IssuedCertificate, Signer};
+use crate::identity::ca::{CheckedCsr, IssuedCertificate, Signer};
 use crate::identity::tokens::{self, LockedToken, TokenError};
 use crate::policy::authoring;
 use crate::policy::publish::{Overflow, Touched, publish_touched};
@@ -62,7 +62,7 @@ pub struct Enrolled {
 pub struct Checked {
     id: WorkloadId,
     token: String,
-    csr_pem: Vec<u8>,
+    csr: CheckedCsr,
     hostname: String,
     machine_id: String,
     os: String,
@@ -100,14 +100,12 @@ fn bounded<'a>(what: &str, text: &'a str, max: usize) -> Result<&'a str, Error> 
 }
 
 impl Checked {
-    /// Bounds every field an enrollee sends before any work is done; `replacing` is the identity
-    /// the enrollment connection's client certificate proved, when the request asks to replace it.
+    /// Bounds every field an enrollee sends and checks its CSR (parsed, its signature verified)
+    /// before any database work; `replacing` is the identity the enrollment connection's client
+    /// certificate proved, when the request asks to replace it.
     pub fn new(req: &proto::EnrollRequest, replacing: Option<WorkloadId>) -> Result<Checked, Error> {
         if req.provisioning_token.len() > MAX_TOKEN_LEN {
             return Err(Error::Invalid("provisioning token is too long".into()));
-        }
-        if req.csr_pem.len() > MAX_CSR_LEN {
-            return Err(Error::Invalid(format!("csr is larger than {MAX_CSR_LEN} bytes")));
         }
         let facts = req.facts.as_ref().map(innerwall_wire::identity::HostFacts::from).unwrap_or_default();
         let os = facts.os.as_ref().map(|os| format!("{} {} ({})", os.name, os.version, os.kernel_version));
@@ -115,7 +113,6 @@ impl Checked {
         Ok(Checked {
             id: WorkloadId::new_random(),
             token: req.provisioning_token.clone(),
-            csr_pem: req.csr_pem.clone(),
             hostname: bounded("hostname", &facts.hostname, MAX_HOSTNAME_LEN)?.to_owned(),
             machine_id: bounded("machine id", &facts.machine_id, MAX_FACT_LEN)?.to_owned(),
             os: bounded("os", os.as_deref().unwrap_or(""), MAX_FACT_LEN)?.to_owned(),
@@ -127,6 +124,8 @@ impl Checked {
             .to_owned(),
             ephemeral: facts.ephemeral_ports.map(|p| (i32::from(p.start()), i32::from(p.end()))),
             addresses: routable_addresses(&facts)?,
+            // Last: the only check that costs more than a bound (a signature to verify).
+            csr: CheckedCsr::new(&req.csr_pem)?,
             replacing,
             actor: format!("enroll:{token_hint}"),
         })
@@ -400,7 +399,7 @@ impl Writer {
         if let Err(used_up) = token.left() {
             return Ok(Err(used_up.into()));
         }
-        let certificate = match self.signer.issue_workload(e.id, &e.csr_pem, self.lifetime, now) {
+        let certificate = match self.signer.issue_checked(e.id, &e.csr, self.lifetime, now) {
             Ok(certificate) => certificate,
             Err(refused) => return Ok(Err(refused.into())),
         };

@@ -648,16 +648,23 @@ async fn store_judgement(
     if changes.is_empty() {
         return Ok(());
     }
-    let conflicts = addresses::conflicts(&inputs.standings);
     let registry = &inputs.registry;
     store::save_standings(conn, &changes).await?;
+    // A new address that is accepted is recorded by the change that reported it (an enrollment's
+    // are all such, and then the estate's conflicts are not looked for).
+    let notable: Vec<(WorkloadId, IpAddr, Standing)> = changes
+        .iter()
+        .copied()
+        .filter(|&(w, address, standing)| {
+            standing != Standing::Accepted || registry.stored.get(&(w, address)).copied().flatten().is_some()
+        })
+        .collect();
+    let conflicts = match notable.is_empty() {
+        true => BTreeMap::new(),
+        false => addresses::conflicts(&inputs.standings),
+    };
     let mut noteworthy: BTreeMap<WorkloadId, Vec<serde_json::Value>> = BTreeMap::new();
-    for &(w, address, standing) in &changes {
-        let before = registry.stored.get(&(w, address)).copied().flatten();
-        // A new address that is accepted is recorded by the change that reported it.
-        if standing == Standing::Accepted && before.is_none() {
-            continue;
-        }
+    for (w, address, standing) in notable {
         let mut entry = serde_json::json!({"address": address.to_string(), "standing": standing.name()});
         if let Some(others) = conflicts.get(&address) {
             let others: Vec<String> = others.iter().filter(|o| **o != w).map(ToString::to_string).collect();

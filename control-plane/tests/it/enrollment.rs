@@ -706,14 +706,20 @@ async fn enrollments_written_together_render_once_and_fail_alone() {
     for round in 0..2u8 {
         let token = plane.mint(&["app=web"], Some(2)).await;
         let address = |host: u8| format!("10.1.{}.{host}/24", 1 + round);
+        // A bad CSR is refused where the request arrives, before it can join a batch.
         let bad_csr = proto::EnrollRequest {
             csr_pem: b"not a csr".to_vec(),
             ..enroll_request(&token, &[&address(6)], false).1
         };
-        let bad_csr = Checked::new(&bad_csr, None).unwrap();
+        let refused = Checked::new(&bad_csr, None).unwrap_err().to_string();
+        assert!(refused.contains("csr"), "round {round}: {refused}");
+        // Replacing a workload that does not exist fails in the batch, in its savepoint.
+        let replacing_nothing =
+            Checked::new(&enroll_request(&token, &[&address(6)], false).1, Some(WorkloadId::new_random()))
+                .unwrap();
         let batch = vec![
             checked(&token, &address(5)),
-            bad_csr,
+            replacing_nothing,
             checked("iw_0000000_notatoken", &address(7)),
             checked(&token, &address(8)),
             checked(&token, &address(9)),
@@ -723,10 +729,7 @@ async fn enrollments_written_together_render_once_and_fail_alone() {
         let outcome: Vec<Result<(), String>> =
             results.iter().map(|r| r.as_ref().map(|_| ()).map_err(ToString::to_string)).collect();
         assert!(outcome[0].is_ok() && outcome[3].is_ok(), "round {round}: {outcome:?}");
-        assert!(
-            outcome[1].as_ref().is_err_and(|e| e.contains("csr") || e.contains("CSR")),
-            "round {round}: {outcome:?}"
-        );
+        assert!(outcome[1].as_ref().is_err_and(|e| e.contains("not found")), "round {round}: {outcome:?}");
         assert!(outcome[2].is_err(), "round {round}: an unknown token: {outcome:?}");
         // A token is looked up once per batch; each enrollment that presented it hears why.
         assert_eq!(outcome[5], outcome[2], "round {round}");
@@ -737,8 +740,8 @@ async fn enrollments_written_together_render_once_and_fail_alone() {
             ),
             "round {round}: {outcome:?}"
         );
-        // The token had two uses: the one the bad CSR took was rolled back with it, so the
-        // fourth enrollment had one, and the fifth found none.
+        // The token had two uses: the failed replacement took none, so the fourth enrollment
+        // had one, and the fifth found none.
         assert!(
             outcome[4].as_ref().is_err_and(|e| e.contains("is used up (2 of 2 uses)")),
             "round {round}: {outcome:?}"
