@@ -19,6 +19,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
+use innerwall_wire::identity::WorkloadId;
 use sqlx::PgConnection;
 use uuid::Uuid;
 
@@ -281,11 +282,18 @@ async fn refresh(
 }
 
 /// Adds the workloads `ids` enrolled to `inputs`: false (load whole) if one was there already.
-/// Their addresses may change other workloads' standings, so what is rendered is judged again
-/// whole, and the label index is built again for it.
+/// A standing depends on the workload's own claims and on the other workloads that claim the
+/// same address; so when no workload there already claims an address a new one claims, the
+/// new ones are judged among themselves and nothing else moves. Otherwise (a host enrolled
+/// again beside its old workload, say) every claim is judged again. The label index is built
+/// again either way.
 async fn enroll(conn: &mut PgConnection, inputs: &mut Inputs, ids: &[Uuid]) -> Result<bool, Error> {
     let (workloads, narrowed, stored) = store::load_workloads(conn, Some(ids)).await?;
+    let claimed: BTreeSet<std::net::IpAddr> =
+        workloads.iter().flat_map(|w| w.addresses.iter().copied()).collect();
     let registry = Arc::make_mut(&mut inputs.registry);
+    let shared = registry.workloads.iter().any(|w| w.addresses.iter().any(|a| claimed.contains(a)));
+    let new: Vec<WorkloadId> = workloads.iter().map(|w| w.id).collect();
     for workload in workloads {
         match registry.workloads.binary_search_by_key(&workload.id, |w| w.id) {
             Ok(_) => return Ok(false),
@@ -294,11 +302,34 @@ async fn enroll(conn: &mut PgConnection, inputs: &mut Inputs, ids: &[Uuid]) -> R
     }
     registry.narrowed.extend(narrowed);
     registry.stored.extend(stored);
-    let standings = standings(registry);
-    let accepted = accepted_by(registry, &standings);
-    inputs.labels = Arc::new(LabelIndex::new(&accepted));
-    inputs.standings = Arc::new(standings);
-    inputs.accepted = Arc::new(accepted);
+    if shared {
+        let standings = standings(registry);
+        let accepted = accepted_by(registry, &standings);
+        inputs.labels = Arc::new(LabelIndex::new(&accepted));
+        inputs.standings = Arc::new(standings);
+        inputs.accepted = Arc::new(accepted);
+        return Ok(true);
+    }
+    let at = |id: &WorkloadId| {
+        registry.workloads.binary_search_by_key(id, |w| w.id).ok().map(|i| &registry.workloads[i])
+    };
+    let newcomers: Vec<&RegisteredWorkload> = new.iter().filter_map(at).collect();
+    let judged = addresses::judge(
+        &registry.estate,
+        newcomers.iter().map(|w| addresses::Claim {
+            workload: w.id,
+            addresses: &w.addresses,
+            narrowed_to: registry.narrowed.get(&w.id).map_or(&[], Vec::as_slice),
+        }),
+    );
+    let accepted = Arc::make_mut(&mut inputs.accepted);
+    for w in newcomers {
+        let workload = RegisteredWorkload { addresses: addresses::accepted(&judged, w.id), ..w.clone() };
+        let at = accepted.binary_search_by_key(&w.id, |a| a.id).unwrap_or_else(|at| at);
+        accepted.insert(at, workload);
+    }
+    inputs.labels = Arc::new(LabelIndex::new(accepted));
+    Arc::make_mut(&mut inputs.standings).extend(judged);
     Ok(true)
 }
 

@@ -159,6 +159,8 @@ async fn narrowing(
     if touched.is_empty() {
         return Ok(None);
     }
+    // The accepted registry is in id order.
+    let find = |id: &WorkloadId| registry.binary_search_by_key(id, |w| w.id).ok().map(|at| &registry[at]);
     // Policy tests (`foresight`) judge every workload's rendered policy.
     let tests: bool =
         sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM policy_test_sets)").fetch_one(&mut *conn).await?;
@@ -172,7 +174,7 @@ async fn narrowing(
             Touched::Labels(id) => id,
             // New: it was nowhere before.
             Touched::Enrolled(id) => {
-                let after = registry.iter().find(|w| w.id == *id);
+                let after = find(id);
                 catalog.push(narrow::Change::Workload { before: None, after });
                 continue;
             }
@@ -209,7 +211,7 @@ async fn narrowing(
                 continue;
             }
         };
-        let Some(now) = registry.iter().find(|w| w.id == *id) else { return Ok(None) };
+        let Some(now) = find(id) else { return Ok(None) };
         // The row this transaction closed, if the edit changed anything (`now()` is the
         // transaction's time).
         let was: Option<serde_json::Value> = sqlx::query_scalar(
