@@ -159,7 +159,7 @@ async fn run() -> anyhow::Result<()> {
     let rolled = flows::roll_up(&db.pool, now).await?;
     let secs = t.elapsed().as_secs_f64();
     let (rollup_rows, pending): (i64, i64) = sqlx::query_as(
-        "SELECT (SELECT count(*) FROM flow_rollups), (SELECT count(*) FROM flow_windows WHERE NOT rolled_up)",
+        "SELECT (SELECT count(*) FROM flow_rollups), (SELECT count(*) FROM flow_pending_windows)",
     )
     .fetch_one(&db.pool)
     .await?;

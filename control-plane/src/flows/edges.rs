@@ -87,8 +87,8 @@ pub async fn edges(
     // One snapshot: a window the job rolls up meanwhile is read once, from one side.
     sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY").execute(&mut *tx).await?;
     let pending: i64 = sqlx::query_scalar(
-        "SELECT COALESCE(sum(record_count), 0)::bigint FROM flow_windows
-         WHERE NOT rolled_up AND window_start >= $1 AND window_start < $2",
+        "SELECT COALESCE(sum(record_count), 0)::bigint FROM flow_pending_windows
+         WHERE window_start >= $1 AND window_start < $2",
     )
     .bind(from)
     .bind(to)
@@ -113,8 +113,8 @@ pub async fn edges(
             FROM flow_records r
             WHERE $3 AND r.window_start >= $1 AND r.window_start < $2
               AND (r.workload_id, r.window_id, r.window_start) IN (
-                  SELECT workload_id, window_id, window_start FROM flow_windows
-                  WHERE NOT rolled_up AND window_start >= $1 AND window_start < $2)
+                  SELECT workload_id, window_id, window_start FROM flow_pending_windows
+                  WHERE window_start >= $1 AND window_start < $2)
             GROUP BY 1, 2, 3, 4, 5)
          SELECT d.labels, r.peer_kind, r.peer_group, COALESCE(p.labels, '{}'::jsonb), r.decision, r.c, r.n
          FROM rolled r JOIN flow_label_sets d ON d.digest = r.dst_digest

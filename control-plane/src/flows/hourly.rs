@@ -4,15 +4,17 @@
 //! (hour, version, decision, rule) into `flow_rule_rollups`, per (UTC day, impact flow key) into
 //! `flow_key_days` (added to: late windows of a day join its sums), and per (hour, destination
 //! label set now, peer group, decision) into `flow_edge_hours` (the map's edges, added to the
-//! same way; the label sets by digest in `flow_label_sets`), and each window is marked
-//! `rolled_up` in the same transaction; a trigger on `flow_rollups` moves each key's last hour
+//! same way; the label sets by digest in `flow_label_sets`), and each window leaves the queue of
+//! windows to roll up (`flow_pending_windows`, which inserting a window adds it to; migration
+//! 0044) in the same transaction; a trigger on `flow_rollups` moves each key's last hour
 //! forward in `flow_key_lasts` (what an impact counts its unchanged keys by; migration 0034), and
-//! the job deletes the last hours older than every rollup left. Ingest writes nothing of this (PERF-7), and reviews stay
-//! exact at every moment: they read the rollups of windows marked and the raw records of the
-//! rest. The raw records remain the source of truth; rollups expire with them (`retention`).
+//! the job deletes the last hours older than every rollup left. Ingest writes nothing of this
+//! but the queue's row (PERF-7), and reviews stay exact at every moment: they read the rollups
+//! of the windows no longer queued and the raw records of the rest. The raw records remain the
+//! source of truth; rollups expire with them (`retention`).
 //!
-//! A batch is two statements in one transaction: the first marks the windows and writes
-//! `flow_rollups`, keeping the rows it wrote in a temporary table (dropped at commit); the second
+//! A batch is two statements in one transaction: the first takes the windows off the queue and
+//! writes `flow_rollups`, keeping the rows it wrote in a temporary table (dropped at commit); the second
 //! sums that table into the other four. Written as one statement (until issue 33), the planner
 //! saw the rows a data-modifying CTE returns as one row and joined every rollup row with every
 //! destination workload (4 of 6 s in a batch of 35,000 records); a temporary table is planned by
@@ -41,11 +43,16 @@ const ROLLUP_LOCK_KEY: i64 = 0x6977_2d72_6f6c_6c75;
 /// transactions of its own (slice `i`: the workloads whose id's last byte is `i` modulo this).
 /// A batch's cost is one server process's CPU, so slices use more of the database's cores:
 /// two slices on this project's 2-core machine roll up 1.6 times as many records a second in
-/// windows of 7 records, but only 1.07 times as many in windows of 1 (not profiled yet; the
-/// slices' window updates may contend for the same index pages).
+/// windows of 7 records, but less in windows of 1: a statement of a batch of 50,000 such windows
+/// takes 1.8 s alone and 2.5–3.5 s beside the other slice's, both processes on a core of their
+/// own (2026-12-06; the two cores may share more than they show).
 /// Slices write disjoint windows, rollups, day sums and last hours (all keyed by workload); the
 /// label sets and edges they share are written in key order, so they wait, never deadlock.
 pub const ROLLUP_SLICES: i64 = 2;
+
+/// A window's slice, as the expression of index `flow_pending_windows_slice` (migration 0044),
+/// whose modulus is [`ROLLUP_SLICES`].
+pub const PENDING_SLICE: &str = "(get_byte(uuid_send(workload_id), 15) % 2)";
 
 /// The start of the hour (UTC) `t` falls in.
 pub(super) fn hour_floor(t: DateTime<Utc>) -> DateTime<Utc> {
@@ -105,22 +112,24 @@ async fn roll_up_slice(pool: &PgPool, horizon: DateTime<Utc>, slice: i64) -> Res
         .await?;
         // The pending windows are looked up in the partitions of the candidates' days only (the
         // bounds from `oldest`), not in every partition with a window pending.
-        let windows: i64 = sqlx::query_scalar(
+        // The slice's oldest queued windows, read in order from the queue's index on the slice
+        // (migration 0044; the condition is spelled as the index has it).
+        let windows: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
             "WITH oldest AS (
-                SELECT workload_id, window_id, window_start, record_count FROM flow_windows
-                WHERE NOT rolled_up AND window_start < $1 AND get_byte(uuid_send(workload_id), 15) % $4 = $5
+                SELECT workload_id, window_id, window_start, record_count FROM flow_pending_windows
+                WHERE window_start < $1 AND {PENDING_SLICE} = $4
                 ORDER BY window_start LIMIT $2),
              candidates AS (
                 SELECT workload_id, window_id, window_start,
                        sum(record_count) OVER (ORDER BY window_start, workload_id, window_id) - record_count AS before
                 FROM oldest),
-             marked AS (
-                UPDATE flow_windows w SET rolled_up = true FROM candidates c
-                WHERE c.before < $3 AND w.workload_id = c.workload_id AND w.window_id = c.window_id
-                  AND w.window_start = c.window_start AND NOT w.rolled_up
-                  AND w.window_start >= (SELECT min(window_start) FROM oldest)
-                  AND w.window_start <= (SELECT max(window_start) FROM oldest)
-                RETURNING w.workload_id, w.window_id, w.window_start),
+             taken AS (
+                DELETE FROM flow_pending_windows p USING candidates c
+                WHERE c.before < $3 AND p.workload_id = c.workload_id AND p.window_id = c.window_id
+                  AND p.window_start = c.window_start
+                  AND p.window_start >= (SELECT min(window_start) FROM oldest)
+                  AND p.window_start <= (SELECT max(window_start) FROM oldest)
+                RETURNING p.workload_id, p.window_id, p.window_start),
              added AS (
                 INSERT INTO flow_rollups (hour, workload_id, policy_version, decision, matched_rule_id, peer_kind,
                     peer_key, peer_labels, src_address, dst_address, dst_port, protocol, records, new_connections,
@@ -129,19 +138,18 @@ async fn roll_up_slice(pool: &PgPool, horizon: DateTime<Utc>, slice: i64) -> Res
                        r.matched_rule_id, r.peer_kind, r.peer_key, r.peer_labels, r.src_address, r.dst_address,
                        r.dst_port, r.protocol, count(*), sum(r.new_connections), sum(r.packets), sum(r.bytes),
                        min(r.first_seen), max(r.last_seen)
-                FROM flow_records r JOIN marked m ON r.workload_id = m.workload_id
+                FROM flow_records r JOIN taken m ON r.workload_id = m.workload_id
                      AND r.window_start = m.window_start AND r.window_id = m.window_id
                 GROUP BY 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12
                 RETURNING hour, policy_version, decision, matched_rule_id, records, new_connections, packets, bytes,
                           first_seen, last_seen, workload_id, src_address, peer_kind, peer_key, peer_digest, dst_port,
                           protocol, peer_labels),
              staged AS (INSERT INTO pg_temp.flow_rollup_batch SELECT * FROM added)
-             SELECT count(*) FROM marked",
-        )
+             SELECT count(*) FROM taken",
+        )))
         .bind(horizon)
         .bind(ROLLUP_BATCH_WINDOWS)
         .bind(ROLLUP_BATCH_RECORDS)
-        .bind(ROLLUP_SLICES as i32)
         .bind(slice as i32)
         .persistent(false)
         .fetch_one(&mut *tx)

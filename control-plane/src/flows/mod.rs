@@ -14,7 +14,7 @@ mod retention;
 mod rollup;
 
 pub use edges::{EdgeSum, Edges, MAX_EDGE_SUMS, MAX_PENDING_RECORDS, Peer, edges};
-pub use hourly::{ROLLUP_BATCH_RECORDS, ROLLUP_BATCH_WINDOWS, roll_up};
+pub use hourly::{PENDING_SLICE, ROLLUP_BATCH_RECORDS, ROLLUP_BATCH_WINDOWS, roll_up};
 pub use ingest::{IngestError, Ingested, OnBlocked, Telemetry, TimeBounds, ingest, ingest_with};
 pub use page::{MAX_PAGE, Page, PageRequest};
 pub use query::{FlowRow, GapRow, RecordFilter, WindowTotals, gaps, list, window_totals};

@@ -32,8 +32,9 @@ const DDL_ATTEMPTS: u32 = 5;
 const DDL_RETRY_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// The partitioned flow tables, each with a partition a day.
-const PARTITIONED: [&str; 7] = [
+const PARTITIONED: [&str; 8] = [
     "flow_windows",
+    "flow_pending_windows",
     "flow_records",
     "flow_gaps",
     "flow_rollups",
@@ -43,7 +44,7 @@ const PARTITIONED: [&str; 7] = [
 ];
 
 /// Each partitioned table with the name of its partition for `day`.
-pub(super) fn partitions(day: NaiveDate) -> [(&'static str, String); 7] {
+pub(super) fn partitions(day: NaiveDate) -> [(&'static str, String); 8] {
     let suffix = day.format("%Y%m%d");
     PARTITIONED.map(|table| (table, format!("{table}_{suffix}")))
 }

@@ -442,12 +442,12 @@ pub async fn rollup(
                 q.push(" AND window_start < ").push_bind(to);
             }
             Source::Pending(from, to) => {
-                // Driven by the few windows not rolled up (a partial index), not by the hours.
+                // Driven by the few windows not rolled up (their queue), not by the hours.
                 q.push("flow_records WHERE window_start >= ").push_bind(from);
                 q.push(" AND window_start < ").push_bind(to);
                 q.push(
                     " AND (workload_id, window_id, window_start) IN (SELECT workload_id, window_id, window_start
-                       FROM flow_windows WHERE NOT rolled_up AND window_start >= ",
+                       FROM flow_pending_windows WHERE window_start >= ",
                 );
                 q.push_bind(from).push(" AND window_start < ").push_bind(to).push(")");
             }

@@ -538,7 +538,7 @@ fn raw_parts(ids: &[Uuid], sources: &[Source], bucketed: bool) -> Vec<String> {
             let pending = match pending {
                 true => format!(
                     " AND (workload_id, window_id, window_start) IN (SELECT workload_id, window_id, window_start
-                       FROM flow_windows WHERE NOT rolled_up AND window_start >= {from} AND window_start < {to})"
+                       FROM flow_pending_windows WHERE window_start >= {from} AND window_start < {to})"
                 ),
                 false => String::new(),
             };

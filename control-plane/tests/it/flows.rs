@@ -75,6 +75,7 @@ async fn retention_drops_whole_expired_partitions() {
         "flow_edge_hours",
         "flow_gaps",
         "flow_key_days",
+        "flow_pending_windows",
         "flow_records",
         "flow_rollups",
         "flow_rule_rollups",
@@ -88,9 +89,14 @@ async fn retention_drops_whole_expired_partitions() {
     let dropped = flows::apply_retention(&db.pool, 30, now + chrono::Duration::days(32)).await.unwrap();
     assert_eq!(dropped, expected);
     assert!(partitions().await.is_empty());
-    let windows: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM flow_windows").fetch_one(&db.pool).await.unwrap();
-    assert_eq!(windows, 0);
+    // The window's place in the roll-up's queue went with its day.
+    let windows: (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM flow_windows), (SELECT count(*) FROM flow_pending_windows)",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(windows, (0, 0));
 }
 
 /// Hundreds of expired partitions (what a year of daily partitions, or a hostile agent before
@@ -115,9 +121,10 @@ async fn retention_drops_many_partitions_in_batches() {
     };
     assert_eq!(count().await, 2 * 401);
     let dropped = flows::apply_retention(&db.pool, 30, now).await.unwrap();
-    // Days [now - 400, now - 31] are wholly before the cutoff day (now - 30): 370 days, seven
-    // tables (windows, records, gaps, rollups, rule rollups, key days, edge hours).
-    assert_eq!(dropped.len(), 7 * 370);
+    // Days [now - 400, now - 31] are wholly before the cutoff day (now - 30): 370 days, eight
+    // tables (windows, the roll-up's queue, records, gaps, rollups, rule rollups, key days, edge
+    // hours).
+    assert_eq!(dropped.len(), 8 * 370);
     assert!(dropped.len() > 10 * flows::RETENTION_BATCH, "the test spans many batches");
     assert_eq!(count().await, 2 * 31);
     assert_eq!(flows::apply_retention(&db.pool, 30, now).await.unwrap(), Vec::<String>::new());
@@ -965,12 +972,15 @@ async fn a_window_id_is_stored_once_across_days() {
     let reused = proto::FlowWindow { window_id: first.window_id.clone(), ..next_day.clone() };
     assert!(ingest(&reused).await.duplicate, "the same id on another day");
     assert!(!ingest(&next_day).await.duplicate);
-    let counts: (i64, i64) =
-        sqlx::query_as("SELECT (SELECT count(*) FROM flow_windows), (SELECT count(*) FROM flow_records)")
-            .fetch_one(&db.pool)
-            .await
-            .unwrap();
-    assert_eq!(counts, (2, 2));
+    // Each window stored is queued for the roll-up once; a duplicate queues nothing.
+    let counts: (i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM flow_windows), (SELECT count(*) FROM flow_records),
+                (SELECT count(*) FROM flow_pending_windows)",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(counts, (2, 2, 2));
 }
 
 /// `flows list` and `flows gaps` come a bounded page at a time: walking the cursors yields every
@@ -1175,7 +1185,7 @@ async fn map_edges_equal_the_raw_records_rolled_up_or_not() {
 
     // Beyond the bound, what is not rolled up is left out and counted, never read in part.
     let pending: i64 = sqlx::query_scalar(
-        "SELECT sum(record_count)::bigint FROM flow_windows WHERE NOT rolled_up AND window_start < $1",
+        "SELECT sum(record_count)::bigint FROM flow_pending_windows WHERE window_start < $1",
     )
     .bind(to)
     .fetch_one(&db.pool)
@@ -1187,8 +1197,8 @@ async fn map_edges_equal_the_raw_records_rolled_up_or_not() {
         "SELECT matched_rule_id AS rule, peer_kind, peer_key, peer_labels, host(src_address) AS src, workload_id,
                 host(dst_address) AS dst, dst_port, protocol, policy_version, decision, new_connections, packets,
                 bytes, first_seen, last_seen
-         FROM flow_records r WHERE EXISTS (SELECT 1 FROM flow_windows w WHERE w.rolled_up
-             AND w.workload_id = r.workload_id AND w.window_id = r.window_id AND w.window_start = r.window_start)",
+         FROM flow_records r WHERE NOT EXISTS (SELECT 1 FROM flow_pending_windows w
+             WHERE w.workload_id = r.workload_id AND w.window_id = r.window_id AND w.window_start = r.window_start)",
     )
     .fetch_all(&db.pool)
     .await
@@ -1281,7 +1291,7 @@ async fn partition_changes_yield_to_readers() {
         .fetch_one(&db.pool)
         .await
         .unwrap();
-    assert_eq!(made, 7, "one partition of each of the seven flow tables");
+    assert_eq!(made, 8, "one partition of each of the eight flow tables");
 }
 
 /// PERF-8: an estate larger than one roll-up batch (in windows and in records) is rolled up in
@@ -1356,10 +1366,40 @@ async fn roll_up_in_batches_equals_the_raw_records_summed_once() {
         windows > flows::ROLLUP_BATCH_WINDOWS && records > flows::ROLLUP_BATCH_RECORDS,
         "several batches"
     );
+    // Every window inserted is queued once. A slice's oldest queued windows come from the index
+    // on the job's spelling of a slice (migration 0044): the slice is a condition of the index
+    // scan, not a filter after it (as when the index's modulus and `ROLLUP_SLICES` part).
+    let queued: (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT (workload_id, window_id)) FROM flow_pending_windows")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    assert_eq!(queued, (windows, windows));
+    sqlx::query("ANALYZE flow_pending_windows").execute(pool).await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("SET LOCAL enable_seqscan = off").execute(&mut *tx).await.unwrap();
+    let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "EXPLAIN SELECT window_id FROM flow_pending_windows
+         WHERE window_start < now() AND {} = 1 ORDER BY window_start LIMIT 100",
+        flows::PENDING_SLICE
+    )))
+    .fetch_all(&mut *tx)
+    .await
+    .unwrap();
+    assert!(
+        plan.iter().any(|line| line.contains("Index Cond") && line.contains("get_byte")),
+        "the slice is read from its index:\n{}",
+        plan.join("\n")
+    );
+    assert!(!plan.iter().any(|line| line.contains("Sort")), "in window order:\n{}", plan.join("\n"));
+    tx.rollback().await.unwrap();
 
     let rolled = flows::roll_up(pool, start + chrono::Duration::days(3)).await.unwrap();
     assert_eq!(rolled, windows as u64, "every window, once");
     assert_eq!(flows::roll_up(pool, start + chrono::Duration::days(3)).await.unwrap(), 0);
+    let queued: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM flow_pending_windows").fetch_one(pool).await.unwrap();
+    assert_eq!(queued, 0, "off the queue once rolled up");
 
     // Each pair of queries must hold the same rows; the count of rows in one and not the other.
     let differ = async |what: &str, ours: &str, truth: &str| {

@@ -89,10 +89,8 @@ async fn impact_replays_recorded_flows() {
     assert!(flows::roll_up(pool, now).await.unwrap() >= 3);
     let h3 = h0 + 3 * HOUR;
     ingest(pool, dst, 3, h3, vec![allowed("192.0.2.10", 8001, &r8001, 2, h3)], vec![]).await;
-    let pending: i64 = sqlx::query_scalar("SELECT count(*) FROM flow_windows WHERE NOT rolled_up")
-        .fetch_one(pool)
-        .await
-        .unwrap();
+    let pending: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM flow_pending_windows").fetch_one(pool).await.unwrap();
     assert_eq!(pending, 1, "the H3 window is not rolled up");
 
     // The proposal: tcp/8001 no longer from 192.0.2.0/24 but from 198.51.100.0/24 and
