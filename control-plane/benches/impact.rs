@@ -108,13 +108,7 @@ async fn run() -> anyhow::Result<()> {
     let (applied, _) = policies();
     flow_estate::store_policies(&pool, &applied).await?;
     let rolled = flows::roll_up(&pool, now).await?;
-    // A maintenance statement, not a request: at 30 days it outlasts the pool's statement bound.
-    let mut conn = pool.acquire().await?;
-    // Two statements: VACUUM cannot run in the implicit transaction of a multi-statement string.
-    sqlx::raw_sql("SET statement_timeout = 0").execute(&mut *conn).await?;
-    sqlx::raw_sql("VACUUM ANALYZE").execute(&mut *conn).await?;
-    sqlx::raw_sql("RESET statement_timeout").execute(&mut *conn).await?;
-    drop(conn);
+    flow_estate::vacuum_analyze(&pool).await?;
     println!("loaded and rolled up ({rolled} windows) in {:.1} s", t.elapsed().as_secs_f64());
     let range = Range { from: now - TimeDelta::days(days), to: now };
     measure(&pool, range, goal, workloads, runs, windows * RECORDS_PER_WINDOW).await

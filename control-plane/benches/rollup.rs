@@ -167,7 +167,7 @@ async fn run() -> anyhow::Result<()> {
     println!(
         "roll_up: {rolled} windows ({rate:.0} records/s) into {rollup_rows} rollup rows in {secs:.1} s; {pending} windows of the open hour left raw"
     );
-    sqlx::query("VACUUM ANALYZE").execute(&db.pool).await?;
+    flow_estate::vacuum_analyze(&db.pool).await?;
 
     println!("rolled up (closed hours from flow_rollups):");
     let p95s = report(&db.pool, now).await?;

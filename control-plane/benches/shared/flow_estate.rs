@@ -113,7 +113,17 @@ pub async fn load_with(
         .await?;
         from = to;
     }
-    sqlx::query("VACUUM ANALYZE").execute(pool).await?;
+    vacuum_analyze(pool).await
+}
+
+/// `VACUUM ANALYZE`, as autovacuum would: a maintenance statement, not a request, so without the
+/// pool's statement bound (a whole estate's after a roll-up outlasts it).
+pub async fn vacuum_analyze(pool: &PgPool) -> anyhow::Result<()> {
+    let mut conn = pool.acquire().await?;
+    // Two statements: VACUUM cannot run in the implicit transaction of a multi-statement string.
+    sqlx::raw_sql("SET statement_timeout = 0").execute(&mut *conn).await?;
+    sqlx::raw_sql("VACUUM ANALYZE").execute(&mut *conn).await?;
+    sqlx::raw_sql("RESET statement_timeout").execute(&mut *conn).await?;
     Ok(())
 }
 
