@@ -20,6 +20,12 @@
 -- again what this release did) and reads a queued window's hour from the rollups alone until it
 -- is upgraded (its reviews can miss the windows of closed hours not rolled up yet; they never
 -- count one twice). A later release drops the column.
+--
+-- Its one lock on a table a replica uses comes first and whole (a default and a trigger need it
+-- whole): taken later, behind a previous release's roll-up batch that read `flow_windows` and
+-- waits to update it, the two would deadlock. Held briefly: only the windows pending are copied.
+LOCK TABLE flow_windows IN ACCESS EXCLUSIVE MODE;
+
 CREATE TABLE flow_pending_windows (
     workload_id  uuid NOT NULL,
     window_id    uuid NOT NULL,
@@ -49,9 +55,7 @@ BEGIN
 END
 $$;
 
--- No window is inserted between the copy and the trigger.
-LOCK TABLE flow_windows IN SHARE ROW EXCLUSIVE MODE;
-
+-- No window is inserted between the copy and the trigger (the lock above).
 INSERT INTO flow_pending_windows (workload_id, window_id, window_start, record_count)
 SELECT workload_id, window_id, window_start, record_count FROM flow_windows WHERE NOT rolled_up;
 UPDATE flow_windows SET rolled_up = true WHERE NOT rolled_up;
