@@ -12,8 +12,10 @@
 -- Now inserting a window queues it here (the trigger below, in the inserting statement), and the
 -- job deletes from here what it rolls up, in the transaction that writes the rollups, reading a
 -- slice's oldest windows in order from its own index (Postgres gathers statistics on an indexed
--- expression). The queue is partitioned by day like the windows, so retention drops a day of it
--- with the day's windows. A window is rolled up exactly when it is no longer queued.
+-- expression). A window is rolled up exactly when it is no longer queued. The queue is one table,
+-- not a partition a day like the windows: a replica of the previous release creates the windows'
+-- partitions of a new day and not the queue's, and its inserts would fail. Retention deletes the
+-- queued windows of the days it drops (none, while the job runs: it takes the oldest first).
 --
 -- Expand/contract: `rolled_up` stays for the previous release and is true for every window from
 -- here on, queued or not, so a replica of that release finds nothing to roll up (it would roll up
@@ -31,29 +33,14 @@ CREATE TABLE flow_pending_windows (
     window_id    uuid NOT NULL,
     window_start timestamptz NOT NULL,
     record_count integer NOT NULL
-) PARTITION BY RANGE (window_start);
+);
 
 -- A slice of the job (`flows::hourly::PENDING_SLICE`; the modulus is `ROLLUP_SLICES`, and a test
 -- checks that the job's condition reads this index).
 CREATE INDEX flow_pending_windows_slice
     ON flow_pending_windows ((get_byte(uuid_send(workload_id), 15) % 2), window_start);
--- The readers' ranges.
+-- The readers' ranges, and retention's.
 CREATE INDEX flow_pending_windows_start ON flow_pending_windows (window_start);
-
-DO $$
-DECLARE
-    day date;
-BEGIN
-    FOR day IN
-        SELECT to_date(substring(c.relname FROM '_(\d{8})$'), 'YYYYMMDD')
-        FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid JOIN pg_class p ON p.oid = i.inhparent
-        WHERE p.relname = 'flow_windows' AND c.relname ~ '_\d{8}$'
-    LOOP
-        EXECUTE format('CREATE TABLE IF NOT EXISTS %I PARTITION OF flow_pending_windows FOR VALUES FROM (%L) TO (%L)',
-                       'flow_pending_windows_' || to_char(day, 'YYYYMMDD'), day, day + 1);
-    END LOOP;
-END
-$$;
 
 -- No window is inserted between the copy and the trigger (the lock above).
 INSERT INTO flow_pending_windows (workload_id, window_id, window_start, record_count)

@@ -14,14 +14,14 @@
 //! source of truth; rollups expire with them (`retention`).
 //!
 //! A batch is two statements in one transaction: the first takes the windows off the queue and
-//! writes `flow_rollups`, keeping the rows it wrote in a temporary table (dropped at commit); the second
-//! sums that table into the other four. Written as one statement (until issue 33), the planner
-//! saw the rows a data-modifying CTE returns as one row and joined every rollup row with every
-//! destination workload (4 of 6 s in a batch of 35,000 records); a temporary table is planned by
-//! its real size. What a batch costs now is mostly per rollup row written: the six indexes of
-//! `flow_rollups`, the key-day upsert and the trigger's upsert (PERF-8 in BENCHMARKS.md), all in
-//! one server process; so the job rolls up [`ROLLUP_SLICES`] slices of the workloads at once, in
-//! transactions of their own.
+//! writes `flow_rollups`, keeping the rows it wrote in a temporary table (dropped at commit); the
+//! second sums that table into the other four. Written as one statement (until issue 33), the
+//! planner saw the rows a data-modifying CTE returns as one row and joined every rollup row with
+//! every destination workload (4 of 6 s in a batch of 35,000 records); a temporary table is
+//! planned by its real size. What a batch costs now is mostly per rollup row written: the six
+//! indexes of `flow_rollups`, the key-day upsert and the trigger's upsert (PERF-8 in
+//! BENCHMARKS.md), all in one server process; so the job rolls up [`ROLLUP_SLICES`] slices of the
+//! workloads at once, in transactions of their own.
 use chrono::{DateTime, DurationRound, TimeDelta, Utc};
 use sqlx::PgPool;
 
@@ -43,9 +43,9 @@ const ROLLUP_LOCK_KEY: i64 = 0x6977_2d72_6f6c_6c75;
 /// transactions of its own (slice `i`: the workloads whose id's last byte is `i` modulo this).
 /// A batch's cost is one server process's CPU, so slices use more of the database's cores:
 /// two slices on this project's 2-core machine roll up 1.6 times as many records a second in
-/// windows of 7 records, but less in windows of 1: a statement of a batch of 50,000 such windows
-/// takes 1.8 s alone and 2.5–3.5 s beside the other slice's, both processes on a core of their
-/// own (2026-12-06; the two cores may share more than they show).
+/// windows of 7 records, but less in windows of 1: the first statement of a batch of 50,000 such
+/// windows took 1.8 s alone and 2.5–3.5 s beside the other slice's, each server process on a
+/// core of its own (2026-12-06, before the queue; the two cores may share more than they show).
 /// Slices write disjoint windows, rollups, day sums and last hours (all keyed by workload); the
 /// label sets and edges they share are written in key order, so they wait, never deadlock.
 pub const ROLLUP_SLICES: i64 = 2;
@@ -110,10 +110,9 @@ async fn roll_up_slice(pool: &PgPool, horizon: DateTime<Utc>, slice: i64) -> Res
         .persistent(false)
         .execute(&mut *tx)
         .await?;
-        // The pending windows are looked up in the partitions of the candidates' days only (the
-        // bounds from `oldest`), not in every partition with a window pending.
         // The slice's oldest queued windows, read in order from the queue's index on the slice
-        // (migration 0044; the condition is spelled as the index has it).
+        // (migration 0044; the condition is spelled as the index has it), are taken off the queue
+        // in the partitions of their days only (the bounds from `oldest`).
         let windows: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
             "WITH oldest AS (
                 SELECT workload_id, window_id, window_start, record_count FROM flow_pending_windows

@@ -32,9 +32,8 @@ const DDL_ATTEMPTS: u32 = 5;
 const DDL_RETRY_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// The partitioned flow tables, each with a partition a day.
-const PARTITIONED: [&str; 8] = [
+const PARTITIONED: [&str; 7] = [
     "flow_windows",
-    "flow_pending_windows",
     "flow_records",
     "flow_gaps",
     "flow_rollups",
@@ -44,7 +43,7 @@ const PARTITIONED: [&str; 8] = [
 ];
 
 /// Each partitioned table with the name of its partition for `day`.
-pub(super) fn partitions(day: NaiveDate) -> [(&'static str, String); 8] {
+pub(super) fn partitions(day: NaiveDate) -> [(&'static str, String); 7] {
     let suffix = day.format("%Y%m%d");
     PARTITIONED.map(|table| (table, format!("{table}_{suffix}")))
 }
@@ -183,6 +182,15 @@ async fn drop_expired(pool: &PgPool, cutoff: NaiveDate) -> Result<(Vec<String>, 
     batch.truncate(RETENTION_BATCH);
     for name in &batch {
         sqlx::query("SELECT innerwall_drop_partition($1)").bind(name).execute(&mut *tx).await?;
+    }
+    // The roll-up's queue is one table (migration 0044): the windows of the days dropped leave it
+    // (none while the job runs, which takes the oldest first).
+    let windows_dropped = batch.iter().filter_map(|name| name.strip_prefix("flow_windows_")).max();
+    if let Some(day) = windows_dropped.and_then(|d| NaiveDate::parse_from_str(d, "%Y%m%d").ok()) {
+        sqlx::query("DELETE FROM flow_pending_windows WHERE window_start < $1::date + 1")
+            .bind(day)
+            .execute(&mut *tx)
+            .await?;
     }
     tx.commit().await?;
     Ok((batch, last))
