@@ -112,22 +112,20 @@ async fn roll_up_slice(pool: &PgPool, horizon: DateTime<Utc>, slice: i64) -> Res
         .await?;
         // The slice's oldest queued windows, read in order from the queue's index on the slice
         // (migration 0044; the condition is spelled as the index has it), are taken off the queue
-        // in the partitions of their days only (the bounds from `oldest`).
+        // by their row's address: the queue is one table whose rows are never updated, and no
+        // other transaction takes this slice's rows (its lock), so the address read is the row
+        // deleted. Joined on the key instead, the planner may read the whole queue each batch.
         let windows: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
             "WITH oldest AS (
-                SELECT workload_id, window_id, window_start, record_count FROM flow_pending_windows
+                SELECT ctid, workload_id, window_id, window_start, record_count FROM flow_pending_windows
                 WHERE window_start < $1 AND {PENDING_SLICE} = $4
                 ORDER BY window_start LIMIT $2),
              candidates AS (
-                SELECT workload_id, window_id, window_start,
-                       sum(record_count) OVER (ORDER BY window_start, workload_id, window_id) - record_count AS before
+                SELECT ctid, sum(record_count) OVER (ORDER BY window_start, workload_id, window_id) - record_count AS before
                 FROM oldest),
              taken AS (
                 DELETE FROM flow_pending_windows p USING candidates c
-                WHERE c.before < $3 AND p.workload_id = c.workload_id AND p.window_id = c.window_id
-                  AND p.window_start = c.window_start
-                  AND p.window_start >= (SELECT min(window_start) FROM oldest)
-                  AND p.window_start <= (SELECT max(window_start) FROM oldest)
+                WHERE c.before < $3 AND p.ctid = c.ctid
                 RETURNING p.workload_id, p.window_id, p.window_start),
              added AS (
                 INSERT INTO flow_rollups (hour, workload_id, policy_version, decision, matched_rule_id, peer_kind,
