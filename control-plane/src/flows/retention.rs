@@ -138,17 +138,14 @@ pub async fn create_partitions_ahead(pool: &PgPool) -> Result<(), Error> {
 /// commit, and a few thousand of them exhaust the lock table ("out of shared memory").
 pub const RETENTION_BATCH: usize = 16;
 
+/// The day of daily partition `name` (`<table>_<yyyymmdd>`).
+fn partition_day(name: &str) -> Option<NaiveDate> {
+    name.rsplit('_').next().and_then(|d| NaiveDate::parse_from_str(d, "%Y%m%d").ok())
+}
+
 /// The partitions among `names` whose whole day `[day, day + 1)` is before `cutoff`.
 fn expired(names: Vec<String>, cutoff: NaiveDate) -> Vec<String> {
-    names
-        .into_iter()
-        .filter(|name| {
-            name.rsplit('_')
-                .next()
-                .and_then(|d| NaiveDate::parse_from_str(d, "%Y%m%d").ok())
-                .is_some_and(|day| day < cutoff)
-        })
-        .collect()
+    names.into_iter().filter(|name| partition_day(name).is_some_and(|day| day < cutoff)).collect()
 }
 
 /// Drops daily partitions entirely older than `days` (FLOW-5), under the partition lock, in
@@ -185,8 +182,12 @@ async fn drop_expired(pool: &PgPool, cutoff: NaiveDate) -> Result<(Vec<String>, 
     }
     // The roll-up's queue is one table (migration 0044): the windows of the days dropped leave it
     // (none while the job runs, which takes the oldest first).
-    let windows_dropped = batch.iter().filter_map(|name| name.strip_prefix("flow_windows_")).max();
-    if let Some(day) = windows_dropped.and_then(|d| NaiveDate::parse_from_str(d, "%Y%m%d").ok()) {
+    let windows_dropped = batch
+        .iter()
+        .filter(|name| name.starts_with("flow_windows_"))
+        .filter_map(|name| partition_day(name))
+        .max();
+    if let Some(day) = windows_dropped {
         sqlx::query("DELETE FROM flow_pending_windows WHERE window_start < $1::date + 1")
             .bind(day)
             .execute(&mut *tx)

@@ -325,8 +325,8 @@ async fn enroll(conn: &mut PgConnection, inputs: &mut Inputs, ids: &[Uuid]) -> R
     let accepted = Arc::make_mut(&mut inputs.accepted);
     for w in newcomers {
         let workload = RegisteredWorkload { addresses: addresses::accepted(&judged, w.id), ..w.clone() };
-        let at = accepted.binary_search_by_key(&w.id, |a| a.id).unwrap_or_else(|at| at);
-        accepted.insert(at, workload);
+        let place = accepted.binary_search_by_key(&w.id, |a| a.id).unwrap_or_else(|place| place);
+        accepted.insert(place, workload);
     }
     inputs.labels = Arc::new(LabelIndex::new(accepted));
     Arc::make_mut(&mut inputs.standings).extend(judged);
