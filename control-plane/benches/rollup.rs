@@ -15,8 +15,12 @@
 //! `INNERWALL_BENCH_RECORDS` sets the size (default 10,000,000; e.g. 200000 for a quick check), in
 //! windows of 7 records; `INNERWALL_BENCH_WINDOWS` sets the number of windows instead and
 //! `INNERWALL_BENCH_RECORDS_PER_WINDOW` their records (e.g. 10,000,000 windows of 1 record, the
-//! "10 M windows" of PERF-8 in a size this machine's disk holds). The roll-up's records/s is
-//! printed as a figure of its own (goal ≥ 200,000).
+//! "10 M windows" of PERF-8 in a size this machine's disk holds). `INNERWALL_BENCH_DAYS` (1 to 30,
+//! default 30) sets the days the windows spread over, and so how often a workload reports: the
+//! default 10 M records over 1 day is a window a minute from each workload, as agents report (over
+//! 30 days, one every 30 minutes). The roll-up's records/s is printed as a figure of its own
+//! (goal ≥ 200,000), with the records each rollup row sums: what the job writes is rows, and a
+//! workload's keys repeat the more often it reports.
 //! `INNERWALL_BENCH_KEEP=1` with `INNERWALL_TEST_DATABASE_URL` leaves the loaded database on that
 //! server (its URL is printed) to look at plans with `EXPLAIN`; `INNERWALL_BENCH_REUSE=<url>`
 //! measures such a database again without loading it, first rolling up (timed) whatever windows
@@ -37,6 +41,7 @@ mod flow_estate;
 use flow_estate::RECORDS_PER_WINDOW;
 
 const WORKLOADS: i64 = 1_000;
+/// The days the estate spans unless `INNERWALL_BENCH_DAYS` says otherwise.
 const DAYS: i64 = 30;
 /// Timed runs per query (after two warm-up runs).
 const RUNS: usize = 25;
@@ -119,8 +124,13 @@ async fn run() -> anyhow::Result<()> {
         Err(_) => records / per_window,
     }
     .max(WORKLOADS);
+    let days: i64 = match std::env::var("INNERWALL_BENCH_DAYS") {
+        Ok(text) => text.parse()?,
+        Err(_) => DAYS,
+    };
+    anyhow::ensure!((1..=DAYS).contains(&days), "INNERWALL_BENCH_DAYS must be 1 to {DAYS}");
     println!(
-        "PERF-8 review rollups (target p95 < 200 ms): {} records in {windows} windows of {per_window}, {WORKLOADS} workloads, {DAYS} days",
+        "PERF-8 review rollups (target p95 < 200 ms): {} records in {windows} windows of {per_window}, {WORKLOADS} workloads, {days} days",
         windows * per_window
     );
     if let Ok(url) = std::env::var("INNERWALL_BENCH_REUSE") {
@@ -133,12 +143,16 @@ async fn run() -> anyhow::Result<()> {
         let rolled = flows::roll_up(&pool, Utc::now()).await?;
         if rolled > 0 {
             // Kept before its roll-up (e.g. a copy of a loaded database reset to nothing rolled up).
-            let records: i64 = sqlx::query_scalar("SELECT sum(record_count)::bigint FROM flow_windows")
-                .fetch_one(&pool)
-                .await?;
+            let secs = t.elapsed().as_secs_f64();
+            let (records, rows): (i64, i64) = sqlx::query_as(
+                "SELECT (SELECT sum(record_count)::bigint FROM flow_windows), (SELECT count(*) FROM flow_rollups)",
+            )
+            .fetch_one(&pool)
+            .await?;
             println!(
-                "roll_up: {rolled} windows pending, rolled up in {:.1} s ({records} records in the database)",
-                t.elapsed().as_secs_f64()
+                "roll_up: {rolled} windows pending, rolled up in {secs:.1} s into {rows} rollup rows \
+                 ({records} records in the database: {:.0} records/s if all were pending)",
+                records as f64 / secs
             );
         }
         println!("reusing {url}, as of its latest window {latest}:");
@@ -148,7 +162,7 @@ async fn run() -> anyhow::Result<()> {
     let db = fresh_database().await?;
     let now = Utc::now();
     let t = Instant::now();
-    flow_estate::load_with(&db.pool, now - TimeDelta::days(DAYS), DAYS, windows, WORKLOADS, per_window)
+    flow_estate::load_with(&db.pool, now - TimeDelta::days(days), days, windows, WORKLOADS, per_window)
         .await?;
     println!("loaded in {:.1} s (direct inserts, see the header)", t.elapsed().as_secs_f64());
 
@@ -164,8 +178,9 @@ async fn run() -> anyhow::Result<()> {
     .fetch_one(&db.pool)
     .await?;
     let rate = (rolled as i64 * per_window) as f64 / secs;
+    let per_row = (rolled as i64 * per_window) as f64 / rollup_rows.max(1) as f64;
     println!(
-        "roll_up: {rolled} windows ({rate:.0} records/s) into {rollup_rows} rollup rows in {secs:.1} s; {pending} windows of the open hour left raw"
+        "roll_up: {rolled} windows ({rate:.0} records/s) into {rollup_rows} rollup rows ({per_row:.2} records a row) in {secs:.1} s; {pending} windows of the open hour left raw"
     );
     flow_estate::vacuum_analyze(&db.pool).await?;
 
@@ -178,7 +193,7 @@ async fn run() -> anyhow::Result<()> {
         windows * per_window
     );
     println!(
-        "FIGURE {{\"id\":\"PERF-8\",\"name\":\"roll-up throughput\",\"value\":{rate:.0},\"unit\":\"records/s\",\"goal\":{{\"op\":\">=\",\"bound\":200000}},\"context\":{{\"records\":{},\"windows\":{windows},\"rollup_rows\":{rollup_rows}}}}}",
+        "FIGURE {{\"id\":\"PERF-8\",\"name\":\"roll-up throughput\",\"value\":{rate:.0},\"unit\":\"records/s\",\"goal\":{{\"op\":\">=\",\"bound\":200000}},\"context\":{{\"records\":{},\"windows\":{windows},\"days\":{days},\"rollup_rows\":{rollup_rows}}}}}",
         windows * per_window
     );
     if std::env::var_os("INNERWALL_BENCH_KEEP").is_some() {
