@@ -118,7 +118,7 @@ async fn roll_up_slice(pool: &PgPool, horizon: DateTime<Utc>, slice: i64) -> Res
         // workload's index. Both are spelled so that the planner cannot choose otherwise (an
         // array of addresses, a lateral subquery behind `OFFSET 0`): it takes a batch to be a
         // few rows, and joined either one it hashed the whole queue and every record of the
-        // estate, once a batch (2.2 of a 4.7 s batch of 50,000 one-record windows of 2 M).
+        // estate, once a batch (2.5 of a 4.7 s batch of 50,000 one-record windows of 2 M).
         let windows: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
             "WITH oldest AS (
                 SELECT ctid, workload_id, window_id, window_start, record_count FROM flow_pending_windows
