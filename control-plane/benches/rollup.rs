@@ -177,8 +177,9 @@ async fn run() -> anyhow::Result<()> {
     )
     .fetch_one(&db.pool)
     .await?;
-    let rate = (rolled as i64 * per_window) as f64 / secs;
-    let per_row = (rolled as i64 * per_window) as f64 / rollup_rows.max(1) as f64;
+    let records_rolled = (rolled as i64 * per_window) as f64;
+    let rate = records_rolled / secs;
+    let per_row = records_rolled / rollup_rows.max(1) as f64;
     println!(
         "roll_up: {rolled} windows ({rate:.0} records/s) into {rollup_rows} rollup rows ({per_row:.2} records a row) in {secs:.1} s; {pending} windows of the open hour left raw"
     );

@@ -110,8 +110,9 @@ async fn roll_up_slice(pool: &PgPool, horizon: DateTime<Utc>, slice: i64) -> Res
         .persistent(false)
         .execute(&mut *tx)
         .await?;
-        // The slice's oldest queued windows, read in order from the queue's index on the slice
-        // (migration 0044; the condition is spelled as the index has it), are taken off the queue
+        // The slice's oldest queued windows, read in order from an index of the queue (the slice's,
+        // migration 0044, whose expression the condition spells; or the start's, the other slice's
+        // windows filtered out, where the planner judges it cheaper), are taken off the queue
         // by their rows' addresses, as one array: the queue is one table whose rows are never
         // updated, and no other transaction takes this slice's rows (its lock), so the address
         // read is the row deleted. Each taken window's records are then looked up through their
