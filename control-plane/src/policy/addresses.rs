@@ -106,6 +106,16 @@ pub fn judge<'a>(estate: &[Cidr], claims: impl IntoIterator<Item = Claim<'a>>) -
     standings
 }
 
+/// The addresses some workload of `standings` holds: claimed inside the ranges, so another
+/// claim of it conflicts (accepted, or in conflict already).
+pub fn held(standings: &Standings) -> impl Iterator<Item = IpAddr> + '_ {
+    standings
+        .values()
+        .flatten()
+        .filter(|(_, s)| matches!(s, Standing::Accepted | Standing::Conflict))
+        .map(|(a, _)| *a)
+}
+
 /// The workloads that claim each conflicting address.
 pub fn conflicts(standings: &Standings) -> BTreeMap<IpAddr, BTreeSet<WorkloadId>> {
     let mut out: BTreeMap<IpAddr, BTreeSet<WorkloadId>> = BTreeMap::new();
@@ -226,6 +236,43 @@ mod tests {
             changes(&stored, &s),
             [(wid(1), ip("8.8.8.8"), Standing::OutsideEstate), (wid(1), ip("10.0.0.6"), Standing::Accepted)]
         );
+    }
+
+    proptest::proptest! {
+        /// The rule that lets an enrollment judge its new workloads among themselves
+        /// (`inputs::enroll`): when no address the new ones hold is held by the others, judging
+        /// the two groups apart gives what judging them together does.
+        #[test]
+        fn claims_apart_judge_alone(
+            claims in proptest::collection::vec(
+                (proptest::collection::btree_set(0u8..12, 0..4), proptest::option::of(0u8..3)),
+                1..12,
+            ),
+            split in 0usize..12,
+        ) {
+            // Addresses 10.0.0.0-7 are in the estate, 10.0.0.8-11 not; a token allows one
+            // quarter of the first eight, or everything.
+            let estate = cidrs(&["10.0.0.0/29"]);
+            let tokens = [cidrs(&["10.0.0.0/30"]), cidrs(&["10.0.0.4/31"]), cidrs(&["10.0.0.6/31"])];
+            let addresses: Vec<BTreeSet<IpAddr>> = claims
+                .iter()
+                .map(|(a, _)| a.iter().map(|n| IpAddr::from([10, 0, 0, *n])).collect())
+                .collect();
+            let claim = |i: usize| Claim {
+                workload: wid(i as u128),
+                addresses: &addresses[i],
+                narrowed_to: claims[i].1.map_or(&[][..], |t| &tokens[usize::from(t)][..]),
+            };
+            let split = split.min(claims.len());
+            let old = judge(&estate, (0..split).map(claim));
+            let new = judge(&estate, (split..claims.len()).map(claim));
+            let held_new: BTreeSet<IpAddr> = held(&new).collect();
+            if !held(&old).any(|a| held_new.contains(&a)) {
+                let mut apart = old;
+                apart.extend(new);
+                proptest::prop_assert_eq!(apart, judge(&estate, (0..claims.len()).map(claim)));
+            }
+        }
     }
 
     #[test]

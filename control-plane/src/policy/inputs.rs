@@ -282,17 +282,16 @@ async fn refresh(
 }
 
 /// Adds the workloads `ids` enrolled to `inputs`: false (load whole) if one was there already.
-/// A standing depends on the workload's own claims and on the other workloads that claim the
-/// same address; so when no workload there already claims an address a new one claims, the
-/// new ones are judged among themselves and nothing else moves. Otherwise (a host enrolled
-/// again beside its old workload, say) every claim is judged again. The label index is built
-/// again either way.
+/// A standing depends on the workload's own claims and on the other workloads that hold the
+/// same address, where only a claim inside the estate ranges and its token's ranges holds one
+/// (`addresses::judge`). So the new ones are judged among themselves, and when no workload there
+/// already holds an address a new one holds, nothing else moves: a claim outside the ranges (an
+/// address every host of a fleet reports and its tokens do not allow) takes nothing from anyone.
+/// Otherwise (a host enrolled again beside its old workload, say) every claim is judged again.
+/// The label index is built again either way.
 async fn enroll(conn: &mut PgConnection, inputs: &mut Inputs, ids: &[Uuid]) -> Result<bool, Error> {
     let (workloads, narrowed, stored) = store::load_workloads(conn, Some(ids)).await?;
-    let claimed: BTreeSet<std::net::IpAddr> =
-        workloads.iter().flat_map(|w| w.addresses.iter().copied()).collect();
     let registry = Arc::make_mut(&mut inputs.registry);
-    let shared = registry.workloads.iter().any(|w| w.addresses.iter().any(|a| claimed.contains(a)));
     let new: Vec<WorkloadId> = workloads.iter().map(|w| w.id).collect();
     for workload in workloads {
         match registry.workloads.binary_search_by_key(&workload.id, |w| w.id) {
@@ -302,14 +301,6 @@ async fn enroll(conn: &mut PgConnection, inputs: &mut Inputs, ids: &[Uuid]) -> R
     }
     registry.narrowed.extend(narrowed);
     registry.stored.extend(stored);
-    if shared {
-        let standings = standings(registry);
-        let accepted = accepted_by(registry, &standings);
-        inputs.labels = Arc::new(LabelIndex::new(&accepted));
-        inputs.standings = Arc::new(standings);
-        inputs.accepted = Arc::new(accepted);
-        return Ok(true);
-    }
     let at = |id: &WorkloadId| {
         registry.workloads.binary_search_by_key(id, |w| w.id).ok().map(|i| &registry.workloads[i])
     };
@@ -322,6 +313,16 @@ async fn enroll(conn: &mut PgConnection, inputs: &mut Inputs, ids: &[Uuid]) -> R
             narrowed_to: registry.narrowed.get(&w.id).map_or(&[], Vec::as_slice),
         }),
     );
+    let held: BTreeSet<std::net::IpAddr> = addresses::held(&judged).collect();
+    let shared = !held.is_empty() && addresses::held(&inputs.standings).any(|a| held.contains(&a));
+    if shared {
+        let standings = standings(registry);
+        let accepted = accepted_by(registry, &standings);
+        inputs.labels = Arc::new(LabelIndex::new(&accepted));
+        inputs.standings = Arc::new(standings);
+        inputs.accepted = Arc::new(accepted);
+        return Ok(true);
+    }
     let accepted = Arc::make_mut(&mut inputs.accepted);
     for w in newcomers {
         let workload = RegisteredWorkload { addresses: addresses::accepted(&judged, w.id), ..w.clone() };

@@ -136,6 +136,9 @@ async fn spoofed_addresses_never_reach_peer_sets() {
         plane.enroll_reporting(&narrow_token, &["10.2.0.9/16", "10.1.0.77/24"]).await.unwrap();
     // A second host claiming web1's address.
     let (web3, _, _) = plane.enroll_reporting(&web_token, &["10.1.0.9/24"]).await.unwrap();
+    // A host reporting db's address, outside its token's ranges, and web1's public one: neither
+    // claim holds the address, so neither takes it from anyone (its enrollment judges it alone).
+    let (web4, _, _) = plane.enroll_reporting(&narrow_token, &["10.1.0.4/24", "8.8.8.8/32"]).await.unwrap();
 
     assert_eq!(peers(pool, db).await.0, ["10.2.0.9/32"], "only the one trustworthy address is a peer");
     let all = issues(&plane);
@@ -150,6 +153,10 @@ async fn spoofed_addresses_never_reach_peer_sets() {
     assert_eq!(issues_of(&all, web2), [issue("10.1.0.77", "outside-token-ranges", &[])]);
     assert_eq!(issues_of(&all, web3), [issue("10.1.0.9", "conflict", &[web1])]);
     assert_eq!(issues_of(&all, db), []);
+    assert_eq!(
+        issues_of(&all, web4),
+        [issue("8.8.8.8", "outside-estate-ranges", &[]), issue("10.1.0.4", "outside-token-ranges", &[])]
+    );
     // `workload show` prints each address with its standing and reason.
     let shown = cli(&plane, &["workload", "show", &web2.to_string()]);
     assert!(shown.contains("10.1.0.77") && shown.contains("outside-token-ranges"), "{shown}");
