@@ -14,7 +14,11 @@ fn ca() -> &'static FileCa {
     CA.get_or_init(|| {
         let dir = std::env::temp_dir().join(format!("iw-fuzz-ca-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        FileCa::init(&dir).expect("a CA for fuzzing")
+        let ca = FileCa::init(&dir).expect("a CA for fuzzing");
+        // Issuing reads only the root held in memory; libFuzzer ends the process with `exit`,
+        // which runs no destructor, so the directory goes now.
+        let _ = std::fs::remove_dir_all(&dir);
+        ca
     })
 }
 

@@ -13,7 +13,7 @@ use std::process::{Command, Stdio};
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
-use crate::{cmd, ebpf, setup};
+use crate::{cmd, ebpf, leftovers, setup};
 
 /// Where the agent (and its capture bench) reads the eBPF object from.
 const OBJECT_ENV: &str = "INNERWALL_EBPF_OBJECT";
@@ -25,9 +25,12 @@ struct Bench {
     run: Run,
 }
 
+/// An environment variable a benchmark reads, with its value.
+type Var = (&'static str, &'static str);
+
 enum Run {
-    /// `cargo bench -p PACKAGE --bench TARGET`, with these variables in quick mode.
-    Cargo { package: &'static str, target: &'static str, quick: &'static [(&'static str, &'static str)] },
+    /// `cargo bench -p PACKAGE --bench TARGET`, with the variables of `full` or of `quick`.
+    Cargo { package: &'static str, target: &'static str, full: &'static [Var], quick: &'static [Var] },
     /// `innerwall-loadgen SCENARIO ARGS…`, with `quick` instead of `full`.
     Loadgen { full: &'static [&'static str], quick: &'static [&'static str] },
 }
@@ -39,6 +42,7 @@ const BENCHES: &[Bench] = &[
         run: Run::Cargo {
             package: "innerwall-control-plane",
             target: "render",
+            full: &[],
             quick: &[("INNERWALL_BENCH_QUICK", "1")],
         },
     },
@@ -48,6 +52,7 @@ const BENCHES: &[Bench] = &[
         run: Run::Cargo {
             package: "innerwall-control-plane",
             target: "publish",
+            full: &[],
             quick: &[("INNERWALL_BENCH_QUICK", "1")],
         },
     },
@@ -57,6 +62,7 @@ const BENCHES: &[Bench] = &[
         run: Run::Cargo {
             package: "innerwall-control-plane",
             target: "policy_tests",
+            full: &[],
             quick: &[("INNERWALL_BENCH_QUICK", "1")],
         },
     },
@@ -119,7 +125,7 @@ const BENCHES: &[Bench] = &[
     Bench {
         name: "nft",
         what: "PERF-5 nftables full replace and peer-only deltas",
-        run: Run::Cargo { package: "innerwall-agent", target: "nft", quick: &[] },
+        run: Run::Cargo { package: "innerwall-agent", target: "nft", full: &[], quick: &[] },
     },
     Bench {
         name: "capture",
@@ -127,6 +133,7 @@ const BENCHES: &[Bench] = &[
         run: Run::Cargo {
             package: "innerwall-agent",
             target: "capture",
+            full: &[],
             quick: &[("CAPTURE_BENCH_SECS", "0.5"), ("CAPTURE_BENCH_ROUNDS", "1")],
         },
     },
@@ -136,15 +143,17 @@ const BENCHES: &[Bench] = &[
         run: Run::Cargo {
             package: "innerwall-control-plane",
             target: "ingest",
+            full: &[],
             quick: &[("INNERWALL_BENCH_QUICK", "1")],
         },
     },
     Bench {
         name: "rollup",
-        what: "PERF-8 review rollups over 10 M records",
+        what: "PERF-8 review rollups and the roll-up job over 10 M flow windows (of one record each)",
         run: Run::Cargo {
             package: "innerwall-control-plane",
             target: "rollup",
+            full: &[("INNERWALL_BENCH_WINDOWS", "10000000"), ("INNERWALL_BENCH_RECORDS_PER_WINDOW", "1")],
             quick: &[("INNERWALL_BENCH_RECORDS", "100000")],
         },
     },
@@ -154,6 +163,7 @@ const BENCHES: &[Bench] = &[
         run: Run::Cargo {
             package: "innerwall-control-plane",
             target: "impact",
+            full: &[],
             quick: &[("INNERWALL_BENCH_QUICK", "1")],
         },
     },
@@ -163,6 +173,7 @@ const BENCHES: &[Bench] = &[
         run: Run::Cargo {
             package: "innerwall-control-plane",
             target: "suggest",
+            full: &[],
             quick: &[("INNERWALL_BENCH_QUICK", "1")],
         },
     },
@@ -172,6 +183,7 @@ const BENCHES: &[Bench] = &[
         run: Run::Cargo {
             package: "innerwall-control-plane",
             target: "console",
+            full: &[],
             quick: &[("INNERWALL_BENCH_QUICK", "1")],
         },
     },
@@ -212,17 +224,18 @@ pub fn run(root: &Path, names: &[String], quick: bool) -> Result<()> {
     let cores = std::thread::available_parallelism().map_or(0, usize::from);
     let commit = commit(root);
     let mut figures = Vec::new();
+    let mut failures = Vec::new();
     for bench in &chosen {
         println!("\n=== {} ({}){}", bench.name, bench.what, if quick { ", quick" } else { "" });
-        let clusters_before = test_clusters();
+        let before = leftovers::scan();
         let mut command = match &bench.run {
-            Run::Cargo { package, target, quick: vars } => {
+            Run::Cargo { package, target, full, quick: small } => {
                 let mut c = cmd::root_cargo(root);
                 c.arg("bench");
                 if quick {
-                    c.args(profile).args(selection).envs(vars.iter().copied());
+                    c.args(profile).args(selection).envs(small.iter().copied());
                 } else {
-                    c.args(["-p", package]);
+                    c.args(["-p", package]).envs(full.iter().copied());
                 }
                 c.args(["--bench", target]);
                 c
@@ -234,19 +247,21 @@ pub fn run(root: &Path, names: &[String], quick: bool) -> Result<()> {
             }
         };
         command.env(OBJECT_ENV, &object);
-        let found = run_collecting(&mut command)?;
-        let left: Vec<String> =
-            test_clusters().difference(&clusters_before).map(|p| p.display().to_string()).collect();
-        if !left.is_empty() {
-            bail!(
-                "benchmark {} left its test cluster behind ({}): every benchmark process removes what it \
-                 started (`testing::release`)",
-                bench.name,
-                left.join(", ")
-            );
+        // A benchmark that fails is reported at the end: the others' figures of a long run
+        // still count.
+        let found = run_collecting(&mut command);
+        if let Err(e) = leftovers::check(&before, &format!("benchmark {}", bench.name)) {
+            failures.push(format!("{e:#}"));
         }
+        let found = match found {
+            Ok(found) => found,
+            Err(e) => {
+                failures.push(format!("benchmark {}: {e:#}", bench.name));
+                continue;
+            }
+        };
         if found.is_empty() {
-            bail!("benchmark {} printed no FIGURE line", bench.name);
+            failures.push(format!("benchmark {} printed no FIGURE line", bench.name));
         }
         figures.extend(found.into_iter().map(|mut f| {
             f["bench"] = json!(bench.name);
@@ -299,21 +314,10 @@ pub fn run(root: &Path, names: &[String], quick: bool) -> Result<()> {
     if !quick && missed > 0 {
         println!("{missed} goal(s) missed");
     }
+    if !failures.is_empty() {
+        bail!("{} benchmark(s) failed:\n{}", failures.len(), failures.join("\n"));
+    }
     Ok(())
-}
-
-/// The private test servers' directories under the temp directory (`innerwall-pgtest-*`,
-/// `postgres::TestCluster`): what a benchmark must not leave behind.
-fn test_clusters() -> std::collections::BTreeSet<PathBuf> {
-    std::fs::read_dir(std::env::temp_dir())
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|entry| entry.path())
-        .filter(|p| {
-            p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("innerwall-pgtest-"))
-        })
-        .collect()
 }
 
 /// Runs `command` with its output passed through, and returns the figures it printed.

@@ -8,6 +8,7 @@ mod demo;
 mod ebpf;
 mod elf;
 mod fuzz;
+mod leftovers;
 mod migrations;
 mod package;
 mod setup;

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 
-use crate::{cmd, cycles, ebpf, fuzz, migrations, package, setup, transport, wire};
+use crate::{cmd, cycles, ebpf, fuzz, leftovers, migrations, package, setup, transport, wire};
 
 /// How long each fuzz target runs in the test command: long enough to catch a shallow panic. The
 /// targets are built unoptimized for it (with overflow checks), which builds in half the time.
@@ -25,8 +25,15 @@ pub fn test(root: &Path, cargo_args: &[String]) -> Result<()> {
     // tests/fixtures/previous-release pins; kept by commit, so only the first run after a new pin
     // builds it.
     package::previous::build(root, &root.join(ebpf::OBJECT_PATH))?;
+    let before = leftovers::scan();
     cmd::run(cmd::root_cargo(root).args(["test", "--workspace"]).args(cargo_args))?;
-    fuzz::run(root, FUZZ_IN_TESTS, fuzz::Build::Dev)
+    fuzz::run(root, FUZZ_IN_TESTS, fuzz::Build::Dev)?;
+    let swept = leftovers::sweep_test_clusters();
+    leftovers::check(&before, "the test suite")?;
+    println!(
+        "test: nothing left behind under the temp directory or /dev/shm ({swept} ended test processes' servers removed)"
+    );
+    Ok(())
 }
 
 /// No import cycle between modules, no breaking change of the wire contract, no migration that

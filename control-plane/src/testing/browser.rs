@@ -24,6 +24,8 @@ pub struct Browser {
     driver: Child,
     port: u16,
     session: String,
+    /// Chromium's profile directory, removed on drop.
+    profile: std::path::PathBuf,
 }
 
 /// An element of the page, by the driver's reference.
@@ -52,15 +54,15 @@ impl Browser {
             .stderr(Stdio::null())
             .spawn()
             .expect("starting chromedriver");
-        let mut browser = Browser { driver, port, session: String::new() };
+        let nanos =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+        let profile = std::env::temp_dir().join(format!("iw-chromium-{}-{port}-{nanos}", std::process::id()));
+        let mut browser = Browser { driver, port, session: String::new(), profile };
         let deadline = Instant::now() + Duration::from_secs(30);
         while TcpStream::connect(("127.0.0.1", port)).is_err() {
             assert!(Instant::now() < deadline, "chromedriver never listened on {port}");
             std::thread::sleep(Duration::from_millis(50));
         }
-        let nanos =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
-        let profile = std::env::temp_dir().join(format!("iw-chromium-{}-{port}-{nanos}", std::process::id()));
         let created = browser.call(
             "POST",
             "/session",
@@ -70,7 +72,7 @@ impl Browser {
                 "goog:chromeOptions": {
                     "binary": CHROMIUM,
                     "args": ["--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,800",
-                             "--disable-dev-shm-usage", "--disable-crash-reporter", "--disable-breakpad", format!("--user-data-dir={}", profile.display())],
+                             "--disable-dev-shm-usage", "--disable-crash-reporter", "--disable-breakpad", format!("--user-data-dir={}", browser.profile.display())],
                 },
             }}})),
         );
@@ -218,6 +220,14 @@ impl Drop for Browser {
         let _ = Command::new("kill").args(["-KILL", "--", &format!("-{}", self.driver.id())]).status();
         let _ = self.driver.kill();
         let _ = self.driver.wait();
+        // The killed browser's processes may still be exiting, and a last one may write into its
+        // profile while it goes: try again until the directory is gone (a few tries at most).
+        for _ in 0..20 {
+            if std::fs::remove_dir_all(&self.profile).is_ok() || !self.profile.exists() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 }
 

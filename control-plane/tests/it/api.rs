@@ -44,6 +44,14 @@ struct Plane {
     tls: tokio_rustls::TlsConnector,
 }
 
+/// The CA's directory goes with the plane, also when a test ends without [`Plane::stop`] or
+/// panics.
+impl Drop for Plane {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 /// One answer: status, headers, body.
 #[derive(Debug)]
 struct Reply {
@@ -121,7 +129,6 @@ impl Plane {
         if let Some(running) = self.running.take() {
             running.stop().await.unwrap();
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 
     /// Sends one request on a connection of its own.
