@@ -276,16 +276,11 @@ pub fn run(root: &Path, names: &[String], quick: bool) -> Result<()> {
     for f in &figures {
         let verdict = match (&f["goal"], quick) {
             (Value::Null, _) => String::new(),
-            (goal, true) => format!("  (goal {} {})", goal["op"].as_str().unwrap_or("?"), goal["bound"]),
+            (goal, true) => format!("  (goal {})", goal_text(goal)),
             (goal, false) => {
                 let met = meets(f["value"].as_f64().unwrap_or(f64::NAN), goal);
                 missed += usize::from(!met);
-                format!(
-                    "  goal {} {}: {}",
-                    goal["op"].as_str().unwrap_or("?"),
-                    goal["bound"],
-                    if met { "met" } else { "MISSED" }
-                )
+                format!("  goal {}: {}", goal_text(goal), if met { "met" } else { "MISSED" })
             }
         };
         println!(
@@ -310,7 +305,8 @@ pub fn run(root: &Path, names: &[String], quick: bool) -> Result<()> {
     let text = serde_json::to_string_pretty(&report)?;
     std::fs::write(&file, &text)?;
     std::fs::write(dir.join("latest.json"), &text)?;
-    println!("wrote {} ({} figures)", file.display(), figures.len());
+    std::fs::write(dir.join("latest.md"), table(&figures, &commit, cores, quick))?;
+    println!("wrote {} and latest.md, its table ({} figures)", file.display(), figures.len());
     if !quick && missed > 0 {
         println!("{missed} goal(s) missed");
     }
@@ -350,6 +346,48 @@ fn meets(value: f64, goal: &Value) -> bool {
         Some(">=") => value >= bound,
         _ => false,
     }
+}
+
+/// A goal as written: `< 400`.
+fn goal_text(goal: &Value) -> String {
+    format!("{} {}", goal["op"].as_str().unwrap_or("?"), goal["bound"])
+}
+
+/// The run's figures as one Markdown table, in the order they ran, for BENCHMARKS.md: benchmark,
+/// requirement, figure, value with its unit, goal, and whether the run met it.
+fn table(figures: &[Value], commit: &str, cores: usize, quick: bool) -> String {
+    let mut out = format!(
+        "`cargo xtask bench{}` at `{commit}`, {cores} cores\n\n| bench | id | figure | value | goal | |\n|---|---|---|---|---|---|\n",
+        if quick { " --quick" } else { "" }
+    );
+    for f in figures {
+        let value = f["value"].as_f64().unwrap_or(f64::NAN);
+        let (goal, verdict) = match &f["goal"] {
+            Value::Null => (String::new(), ""),
+            _ if quick => (goal_text(&f["goal"]), ""),
+            goal => (goal_text(goal), if meets(value, goal) { "met" } else { "**missed**" }),
+        };
+        let context: Vec<String> = f["context"]
+            .as_object()
+            .map(|c| {
+                c.iter()
+                    .map(|(k, v)| format!("{k} {}", v.as_str().map_or_else(|| v.to_string(), str::to_owned)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let name = match context.is_empty() {
+            true => f["name"].as_str().unwrap_or("?").to_owned(),
+            false => format!("{} ({})", f["name"].as_str().unwrap_or("?"), context.join(", ")),
+        };
+        let value = format!("{} {}", shown(value), f["unit"].as_str().unwrap_or(""));
+        out.push_str(&format!(
+            "| {} | {} | {name} | {} | {goal} | {verdict} |\n",
+            f["bench"].as_str().unwrap_or("?"),
+            f["id"].as_str().unwrap_or("?"),
+            value.trim_end(),
+        ));
+    }
+    out
 }
 
 /// A figure as people read it: thousands separated, one decimal below 100.
@@ -402,6 +440,30 @@ mod tests {
         assert!(meets(0.0, &json!({"op": "<=", "bound": 0.0})));
         assert!(!meets(9_999.0, &json!({"op": ">=", "bound": 10_000.0})));
         assert!(!meets(1.0, &json!({"op": "~", "bound": 1.0})), "an unknown goal is never met");
+    }
+
+    #[test]
+    fn the_table_has_a_row_a_figure_with_its_verdict() {
+        let figures = [
+            json!({"bench": "enroll", "id": "PERF-3", "name": "enrollments per second", "value": 785.9,
+                   "unit": "enrollments/s", "goal": {"op": ">=", "bound": 800.0}, "context": {"agents": 10000}}),
+            json!({"bench": "nft", "id": "PERF-5", "name": "full replace", "value": 88.48, "unit": "ms",
+                   "goal": {"op": "<", "bound": 500}, "context": {}}),
+            json!({"bench": "nft", "id": "PERF-5", "name": "rules", "value": 200.0, "unit": "", "goal": null}),
+        ];
+        let full = table(&figures, "abc1234", 2, false);
+        let rows: Vec<&str> =
+            full.lines().filter(|l| l.starts_with("| ") && !l.starts_with("| bench")).collect();
+        assert_eq!(
+            rows,
+            [
+                "| enroll | PERF-3 | enrollments per second (agents 10000) | 786 enrollments/s | >= 800.0 | **missed** |",
+                "| nft | PERF-5 | full replace | 88.5 ms | < 500 | met |",
+                "| nft | PERF-5 | rules | 200 |  |  |",
+            ]
+        );
+        assert!(full.starts_with("`cargo xtask bench` at `abc1234`, 2 cores"), "{full}");
+        assert!(!table(&figures, "abc1234", 2, true).contains("missed"), "quick sizes are not judged");
     }
 
     #[test]
