@@ -161,8 +161,15 @@ impl FullDisk {
 }
 
 impl Drop for FullDisk {
+    /// Detaches the tmpfs at once (`--lazy`): a plain unmount fails as busy whenever the agent
+    /// happens to be listing or writing the queue, and the disk then stays full. A file the
+    /// agent still has open there is finished on the detached tmpfs, and its rename into the
+    /// queue fails like any other write to the full disk.
     fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.0).status();
+        let status = Command::new("umount").arg("--lazy").arg(&self.0).status().expect("running umount");
+        if !std::thread::panicking() {
+            assert!(status.success(), "unmounting the tmpfs over {}", self.0.display());
+        }
     }
 }
 
