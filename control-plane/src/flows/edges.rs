@@ -11,6 +11,7 @@ use chrono::{DateTime, Utc};
 use innerwall_wire::convert::WireEnum;
 use innerwall_wire::flows::Decision;
 use sqlx::{PgPool, Row};
+use uuid::Uuid;
 
 use super::hourly::hour_floor;
 use crate::error::Error;
@@ -95,8 +96,11 @@ pub async fn edges(
     .fetch_one(&mut *tx)
     .await?;
     let with_pending = pending <= max_pending;
-    // Rolled-up hours grouped by digests (cheap keys), their label sets joined at the end; the
-    // windows not rolled up yet carry their label sets themselves.
+    // Both sides are summed by digests (cheap keys: the rolled side's as stored, the waiting
+    // side's destinations by their labels now, read once per workload), and each label set the
+    // sums name comes once, in rows of its own (`part` 1). Planned for its range each time, not
+    // prepared for reuse: a prepared statement turns to a plan made for no particular range
+    // after five runs, and an earlier form of this query then read the waiting side in seconds.
     let rows = sqlx::query(
         "WITH rolled AS (
             SELECT dst_digest, peer_kind, peer_group, decision, sum(new_connections)::bigint AS c,
@@ -108,45 +112,78 @@ pub async fn edges(
             SELECT r.workload_id, r.peer_kind,
                    CASE r.peer_kind WHEN 1 THEN md5(r.peer_labels::text)::uuid::text
                                     WHEN 2 THEN r.peer_key ELSE '' END AS peer_group,
-                   CASE r.peer_kind WHEN 1 THEN r.peer_labels ELSE '{}'::jsonb END AS peer_labels,
-                   r.decision, sum(r.new_connections) AS c, count(*) AS n
+                   r.decision, sum(r.new_connections)::bigint AS c, count(*) AS n,
+                   min(CASE r.peer_kind WHEN 1 THEN r.peer_labels::text END) AS peer_labels
             FROM flow_records r
             WHERE $3 AND r.window_start >= $1 AND r.window_start < $2
               AND (r.workload_id, r.window_id, r.window_start) IN (
                   SELECT workload_id, window_id, window_start FROM flow_pending_windows
                   WHERE window_start >= $1 AND window_start < $2)
-            GROUP BY 1, 2, 3, 4, 5)
-         SELECT d.labels, r.peer_kind, r.peer_group, COALESCE(p.labels, '{}'::jsonb), r.decision, r.c, r.n
-         FROM rolled r JOIN flow_label_sets d ON d.digest = r.dst_digest
-              LEFT JOIN flow_label_sets p ON p.digest = CASE WHEN r.peer_kind = 1 THEN r.peer_group::uuid END
+            GROUP BY 1, 2, 3, 4),
+         destinations AS (
+            SELECT workload_id, labels, md5(labels::text)::uuid AS digest
+            FROM (SELECT a.workload_id,
+                         COALESCE((SELECT jsonb_object_agg(l.key, l.value) FROM workload_labels l
+                                   WHERE l.workload_id = a.workload_id), '{}'::jsonb) AS labels
+                  FROM (SELECT DISTINCT workload_id FROM waiting) AS a) AS w),
+         label_sets AS (
+            SELECT digest, labels FROM destinations
+            UNION ALL
+            SELECT peer_group::uuid, peer_labels::jsonb FROM waiting WHERE peer_kind = 1
+            UNION ALL
+            SELECT s.digest, s.labels FROM flow_label_sets s
+            WHERE s.digest IN (SELECT dst_digest FROM rolled
+                               UNION SELECT peer_group::uuid FROM rolled WHERE peer_kind = 1))
+         SELECT 0 AS part, dst_digest, peer_kind, peer_group, decision, c, n, NULL::jsonb AS labels FROM rolled
          UNION ALL
-         SELECT COALESCE((SELECT jsonb_object_agg(l.key, l.value) FROM workload_labels l
-                          WHERE l.workload_id = w.workload_id), '{}'::jsonb),
-                w.peer_kind, w.peer_group, w.peer_labels, w.decision, w.c::bigint, w.n::bigint
-         FROM waiting w",
+         SELECT 0, d.digest, w.peer_kind, w.peer_group, w.decision, sum(w.c)::bigint, sum(w.n)::bigint, NULL
+         FROM waiting w JOIN destinations d ON d.workload_id = w.workload_id
+         GROUP BY d.digest, w.peer_kind, w.peer_group, w.decision
+         UNION ALL
+         SELECT DISTINCT ON (digest) 1, digest, NULL, NULL, NULL, NULL, NULL, labels FROM label_sets",
     )
     .bind(from)
     .bind(to)
     .bind(with_pending)
     .bind(MAX_EDGE_SUMS + 1)
+    .persistent(false)
     .fetch_all(&mut *tx)
     .await?;
     tx.commit().await?;
-    // The two sides may name the same edge: summed here.
-    let mut sums: BTreeMap<(Labels, Peer, Decision), (i64, i64)> = BTreeMap::new();
+    // The two sides may name the same edge: summed here, then keyed by the label sets.
+    let mut by_digest: BTreeMap<(Uuid, i16, String, i16), (i64, i64)> = BTreeMap::new();
+    let mut label_sets: BTreeMap<Uuid, Labels> = BTreeMap::new();
     for row in rows {
-        let peer = match row.get::<i16, _>(1) {
-            1 => Peer::Labelled(labels(row.get(3))?),
-            2 => Peer::Group(row.get(2)),
-            _ => Peer::Other,
-        };
-        let decision = Decision::from_code(row.get(4)).map_err(|_| Error::Corrupt {
-            what: "flow decision",
-            detail: row.get::<i16, _>(4).to_string(),
-        })?;
-        let sum = sums.entry((labels(row.get(0))?, peer, decision)).or_default();
+        let digest: Uuid = row.get(1);
+        if row.get::<i32, _>(0) == 1 {
+            label_sets.insert(digest, labels(row.get(7))?);
+            continue;
+        }
+        let sum = by_digest.entry((digest, row.get(2), row.get(3), row.get(4))).or_default();
         sum.0 += row.get::<i64, _>(5);
         sum.1 += row.get::<i64, _>(6);
+    }
+    let label_set = |digest: &Uuid| {
+        label_sets.get(digest).cloned().ok_or_else(|| Error::Corrupt {
+            what: "flow edge label set",
+            detail: format!("no label set with digest {digest}"),
+        })
+    };
+    let mut sums: BTreeMap<(Labels, Peer, Decision), (i64, i64)> = BTreeMap::new();
+    for ((digest, peer_kind, peer_group, decision), (connections, records)) in by_digest {
+        let peer = match peer_kind {
+            1 => Peer::Labelled(label_set(&peer_group.parse::<Uuid>().map_err(|e| Error::Corrupt {
+                what: "flow edge peer digest",
+                detail: format!("{peer_group:?}: {e}"),
+            })?)?),
+            2 => Peer::Group(peer_group),
+            _ => Peer::Other,
+        };
+        let decision = Decision::from_code(decision)
+            .map_err(|_| Error::Corrupt { what: "flow decision", detail: decision.to_string() })?;
+        let sum = sums.entry((label_set(&digest)?, peer, decision)).or_default();
+        sum.0 += connections;
+        sum.1 += records;
     }
     let truncated = sums.len() as i64 > MAX_EDGE_SUMS;
     let sums = sums

@@ -1161,6 +1161,7 @@ async fn map_edges_equal_the_raw_records_rolled_up_or_not() {
         assert_eq!(edge_sums(&edges), edge_oracle(&truth, labels), "{stage}: the raw records' sums");
         assert!(edges.sums.iter().any(|s| matches!(s.peer, flows::Peer::Group(ref g) if g == "corp")));
         assert!(edges.sums.iter().any(|s| s.peer == flows::Peer::Other));
+        assert!(edges.sums.iter().any(|s| matches!(s.peer, flows::Peer::Labelled(ref l) if !l.is_empty())));
         edges
     };
     let labels = labels_now().await;
