@@ -6,8 +6,10 @@
 //! Flows are loaded as the `rollup` bench loads them, then rolled up.
 //!
 //! `INNERWALL_BENCH_QUICK=1` runs 1,000 workloads and 100,000 records (it proves the bench works;
-//! its figures judge nothing). Run with `cargo bench -p innerwall-control-plane --bench console`
-//! or `cargo xtask bench console`.
+//! its figures judge nothing). `INNERWALL_BENCH_KEEP=1` with `INNERWALL_TEST_DATABASE_URL` leaves
+//! the loaded database on that server (its URL is printed) to look at the map's plans with
+//! `EXPLAIN` (the load takes minutes; the pages' ranges end now, so there is no reuse). Run with
+//! `cargo bench -p innerwall-control-plane --bench console` or `cargo xtask bench console`.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -94,13 +96,6 @@ fn figure(id: &str, name: &str, value: f64, unit: &str, bound: f64, workloads: i
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let result = run().await;
-    // The private Postgres this process started goes with it, directory and all.
-    innerwall_control_plane::testing::release().await?;
-    result
-}
-
-async fn run() -> anyhow::Result<()> {
     let quick = std::env::var_os("INNERWALL_BENCH_QUICK").is_some();
     let (workloads, records, runs) = if quick { (1_000, 100_000, 5) } else { (10_000, 10_000_000, 20) };
     let windows = (records / RECORDS_PER_WINDOW).max(workloads);
@@ -109,6 +104,16 @@ async fn run() -> anyhow::Result<()> {
         windows * RECORDS_PER_WINDOW
     );
     let db = fresh_database().await?;
+    let pool = db.pool.clone();
+    // The database is dropped with its guard when the bench ends, however it ends; kept, the
+    // guard is forgotten at once.
+    let _guard = if std::env::var_os("INNERWALL_BENCH_KEEP").is_some() {
+        println!("keeping the database: {}", db.url);
+        std::mem::forget(db);
+        None
+    } else {
+        Some(db)
+    };
     let t = Instant::now();
     let now = Utc::now();
     // The day ends at most 12 minutes into the current hour, whenever the bench runs: the map
@@ -116,14 +121,14 @@ async fn run() -> anyhow::Result<()> {
     // 10 M, under `MAX_PENDING_RECORDS`), the slower of its two paths. Ending at `now`, the figure
     // depended on the minute it ran (past ~14 minutes the raw records are left out).
     let end = now.min(now.duration_trunc(TimeDelta::hours(1))? + TimeDelta::minutes(12));
-    flow_estate::load(&db.pool, end - TimeDelta::days(1), 1, windows, workloads).await?;
+    flow_estate::load(&pool, end - TimeDelta::days(1), 1, windows, workloads).await?;
     // 150 destination groups (the loader labels 50).
     sqlx::query("UPDATE workload_labels SET value = 'a' || (('x' || substr(workload_id::text, 1, 8))::bit(32)::bigint % $1) WHERE key = 'app'")
         .bind(GROUPS)
-        .execute(&db.pool)
+        .execute(&pool)
         .await?;
-    let rolled = flows::roll_up(&db.pool, now).await?;
-    sqlx::query("VACUUM ANALYZE").execute(&db.pool).await?;
+    let rolled = flows::roll_up(&pool, now).await?;
+    sqlx::query("VACUUM ANALYZE").execute(&pool).await?;
     println!("loaded and rolled up ({rolled} windows) in {:.1} s", t.elapsed().as_secs_f64());
 
     let dir = std::env::temp_dir().join(format!("iw-bench-console-{}", std::process::id()));
@@ -133,7 +138,7 @@ async fn run() -> anyhow::Result<()> {
         tls: ApiTls::FromCa { names: vec!["localhost".into()], lifetime: Duration::from_secs(3600) },
         limits: Default::default(),
     };
-    let api = server::start(db.pool.clone(), signer.clone(), config).await?;
+    let api = server::start(pool.clone(), signer.clone(), config).await?;
     let mut roots = rustls::RootCertStore::empty();
     for cert in CertificateDer::pem_slice_iter(signer.ca_bundle_pem().as_bytes()) {
         roots.add(cert?)?;
@@ -147,7 +152,7 @@ async fn run() -> anyhow::Result<()> {
         tls: tokio_rustls::TlsConnector::from(Arc::new(tls)),
         cookie: String::new(),
     };
-    let token = operators::mint_audited(&db.pool, "bench", "bench", Role::Viewer, Expiry::Never).await?.token;
+    let token = operators::mint_audited(&pool, "bench", "bench", Role::Viewer, Expiry::Never).await?.token;
     let (status, headers, _) = client.call("POST", "/sign-in", Some(format!("token={token}"))).await?;
     anyhow::ensure!(status == 303, "sign-in: {status}");
     let cookie = headers.get("set-cookie").and_then(|v| v.to_str().ok()).unwrap_or_default();
@@ -171,7 +176,7 @@ async fn run() -> anyhow::Result<()> {
         page.len(),
     );
     figure("PERF-11", "console map p95, 150 groups over 24 h", p95, "ms", 500.0, workloads);
-    let workload: uuid::Uuid = sqlx::query_scalar("SELECT md5('w0')::uuid").fetch_one(&db.pool).await?;
+    let workload: uuid::Uuid = sqlx::query_scalar("SELECT md5('w0')::uuid").fetch_one(&pool).await?;
     let (p50, p95, page) = client.measure(&format!("/workloads/{workload}"), runs).await?;
     let size = page.len();
     println!(

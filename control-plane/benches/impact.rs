@@ -51,13 +51,6 @@ fn policies() -> (WorkloadPolicy, WorkloadPolicy) {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let result = run().await;
-    // The private Postgres this process started goes with it, directory and all.
-    innerwall_control_plane::testing::release().await?;
-    result
-}
-
-async fn run() -> anyhow::Result<()> {
     let quick = std::env::var_os("INNERWALL_BENCH_QUICK").is_some();
     let days: i64 = match std::env::var("INNERWALL_BENCH_DAYS") {
         Ok(text) => text.parse()?,

@@ -248,13 +248,6 @@ impl ProductionServer {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let result = run().await;
-    // The private Postgres this process started goes with it, directory and all.
-    innerwall_control_plane::testing::release().await?;
-    result
-}
-
-async fn run() -> anyhow::Result<()> {
     println!("PERF-7 flow ingest (target ≥ 100,000 records/s), {} windows of {RECORDS} records", windows());
 
     println!("production settings (durable; the PERF-7 figure):");

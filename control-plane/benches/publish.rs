@@ -107,13 +107,6 @@ fn median(mut samples: Vec<Duration>) -> f64 {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let result = run().await;
-    // The private Postgres this process started goes with it, directory and all.
-    innerwall_control_plane::testing::release().await?;
-    result
-}
-
-async fn run() -> anyhow::Result<()> {
     let quick = std::env::var_os("INNERWALL_BENCH_QUICK").is_some();
     // (workloads, rulesets, shapes): PERF-1's two sizes (issue 33 item 3), a tenth when quick.
     let sizes: &[(usize, usize, &[Shape])] = if quick {

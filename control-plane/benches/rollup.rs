@@ -103,13 +103,6 @@ async fn report(pool: &PgPool, now: DateTime<Utc>) -> anyhow::Result<Vec<f64>> {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let result = run().await;
-    // The private Postgres this process started goes with it, directory and all.
-    innerwall_control_plane::testing::release().await?;
-    result
-}
-
-async fn run() -> anyhow::Result<()> {
     let records: i64 = match std::env::var("INNERWALL_BENCH_RECORDS") {
         Ok(text) => text.parse()?,
         Err(_) => 10_000_000,

@@ -35,13 +35,6 @@ fn applied() -> WorkloadPolicy {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let result = run().await;
-    // The private Postgres this process started goes with it, directory and all.
-    innerwall_control_plane::testing::release().await?;
-    result
-}
-
-async fn run() -> anyhow::Result<()> {
     let quick = std::env::var_os("INNERWALL_BENCH_QUICK").is_some();
     let (workloads, default_records, runs) = if quick { (100, 100_000, 3) } else { (1_000, 20_000_000, 5) };
     let records: i64 = match std::env::var("INNERWALL_BENCH_RECORDS") {

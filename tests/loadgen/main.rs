@@ -125,17 +125,14 @@ fn main() -> anyhow::Result<()> {
     let runtime =
         tokio::runtime::Builder::new_multi_thread().max_blocking_threads(8 + stalled).enable_all().build()?;
     runtime.block_on(async {
-        let result = match cli.scenario {
+        match cli.scenario {
             Scenario::Propagation { knobs, changes, real_agent, slow, slow_changes } => {
                 propagation(&knobs, changes, real_agent, slow, slow_changes).await
             }
             Scenario::Storm { knobs } => storm(&knobs).await,
             Scenario::Enroll { knobs } => enroll(&knobs).await,
             Scenario::Density { knobs, settle } => density(&knobs, settle).await,
-        };
-        // The private Postgres this process started goes with it, directory and all.
-        innerwall_control_plane::testing::release().await?;
-        result
+        }
     })
 }
 

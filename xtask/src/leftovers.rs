@@ -30,30 +30,6 @@ fn new_since(before: &BTreeSet<PathBuf>) -> Vec<PathBuf> {
     scan().difference(before).cloned().collect()
 }
 
-/// Removes the private test servers (`innerwall-pgtest-<pid>-*`) of test processes that have
-/// ended, server included: each test process keeps its one server for its whole life and the
-/// next one's start removes it (`postgres::TestCluster`), so after the last test process the
-/// suite does. Returns how many it removed.
-pub fn sweep_test_clusters() -> usize {
-    let alive = |pid: &str| Path::new("/proc").join(pid.trim()).exists();
-    let mut removed = 0;
-    for dir in scan() {
-        let Some(name) = dir.file_name().and_then(|n| n.to_str()) else { continue };
-        let Some((owner, _)) = name.strip_prefix("innerwall-pgtest-").and_then(|rest| rest.split_once('-'))
-        else {
-            continue;
-        };
-        let postmaster = std::fs::read_to_string(dir.join("data/postmaster.pid")).unwrap_or_default();
-        if alive(owner) || postmaster.lines().next().is_some_and(|pid| !pid.trim().is_empty() && alive(pid)) {
-            continue;
-        }
-        if std::fs::remove_dir_all(&dir).is_ok() {
-            removed += 1;
-        }
-    }
-    removed
-}
-
 /// Fails naming every entry [`scan`] finds now that it did not find `before`: what `what` left
 /// behind.
 pub fn check(before: &BTreeSet<PathBuf>, what: &str) -> Result<()> {
@@ -61,7 +37,7 @@ pub fn check(before: &BTreeSet<PathBuf>, what: &str) -> Result<()> {
     if !left.is_empty() {
         bail!(
             "{what} left {} behind: {}; every test and benchmark removes what it created, also when \
-             it ends early (a Drop of its own, `testing::release` for test clusters)",
+             it ends early (a Drop of its own; the test harness removes its private server at exit)",
             match left.len() {
                 1 => "this".to_owned(),
                 n => format!("these {n}"),
@@ -76,10 +52,10 @@ pub fn check(before: &BTreeSet<PathBuf>, what: &str) -> Result<()> {
 mod tests {
     use super::*;
 
-    /// One test, as the two parts would see each other's directories if run in parallel; other
-    /// tests of this crate may create entries meanwhile, so it asserts on its own entries only.
+    /// Other tests of this crate may create entries meanwhile, so it asserts on its own entries
+    /// only.
     #[test]
-    fn new_entries_are_named_and_ended_servers_swept() {
+    fn new_entries_are_named() {
         let tmp = std::env::temp_dir();
         let pid = std::process::id();
         let own = tmp.join(format!("iw-leftover-{pid}"));
@@ -92,17 +68,7 @@ mod tests {
         let error = check(&before, "this test").unwrap_err().to_string();
         assert!(error.contains(&new.display().to_string()), "{error}");
         assert!(!ours(Path::new("/tmp/cargo-install-x")) && ours(Path::new("/dev/shm/iw-loadgen-1")));
-
-        // No process has a pid above pid_max (at most 2^22).
-        let ended = tmp.join(format!("innerwall-pgtest-999999999-{pid}"));
-        let running = tmp.join(format!("innerwall-pgtest-{pid}-sweep"));
-        for dir in [&ended, &running] {
-            std::fs::create_dir_all(dir.join("data")).unwrap();
-        }
-        assert!(sweep_test_clusters() >= 1);
-        assert!(!ended.exists(), "its owner has ended and it has no server");
-        assert!(running.exists(), "its owner is this process");
-        for dir in [&own, &new, &running] {
+        for dir in [&own, &new] {
             std::fs::remove_dir_all(dir).unwrap();
         }
     }

@@ -21,9 +21,9 @@ const TEST_SETTINGS: &[(&str, &str)] = &[
 ];
 
 /// The private server of one test process: a cluster under the temp directory whose server
-/// dies with the process. The directory stays behind when the process ends, unless it called
-/// [`TestCluster::remove`]; the next [`TestCluster::start`] removes directories of processes
-/// that are gone.
+/// dies with the process. The directory stays behind when the process ends without calling
+/// [`TestCluster::remove`] (killed outright); the next [`TestCluster::start`] removes directories
+/// of processes that are gone.
 #[derive(Debug)]
 pub struct TestCluster {
     cluster: Cluster,
@@ -75,22 +75,22 @@ impl TestCluster {
     }
 
     /// Stops the server (postgres's immediate shutdown), waits until it has exited (at most
-    /// [`START_TIMEOUT`]) and removes the cluster's directory. A process-wide cluster is never
-    /// dropped, so a process that must leave nothing behind calls this before it ends
-    /// (`testing::release`).
-    pub async fn remove(self) -> Result<(), Error> {
+    /// [`START_TIMEOUT`], blocking the calling thread) and removes the cluster's directory. A
+    /// process-wide cluster is never dropped: the test harness calls this when its process exits
+    /// (`testing`).
+    pub fn remove(self) -> Result<(), Error> {
         let root = self.cluster.root().to_path_buf();
         self.server.kill();
-        let deadline = tokio::time::Instant::now() + START_TIMEOUT;
+        let deadline = std::time::Instant::now() + START_TIMEOUT;
         while self.server.exit_status().is_none() {
-            if tokio::time::Instant::now() > deadline {
+            if std::time::Instant::now() > deadline {
                 return Err(io_error("stop the test server of", &root)(io::Error::other(
                     "it is still running",
                 )));
             }
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            std::thread::sleep(std::time::Duration::from_millis(20));
         }
-        blocking(move || fs::remove_dir_all(&root).map_err(io_error("remove", &root))).await
+        fs::remove_dir_all(&root).map_err(io_error("remove", &root))
     }
 }
 

@@ -18,6 +18,8 @@
 
 pub mod browser;
 
+use std::io::Write;
+
 use anyhow::{Context, anyhow};
 use sqlx::postgres::{PgConnection, PgPool};
 use sqlx::{AssertSqlSafe, Connection};
@@ -46,7 +48,7 @@ struct Server {
     admin_url: String,
     template: String,
     external: bool,
-    /// The private server's handle, kept for the life of the process or until [`release`].
+    /// The private server's handle, kept for the life of the process.
     cluster: std::sync::Mutex<Option<postgres::TestCluster>>,
 }
 
@@ -80,17 +82,18 @@ pub async fn fresh_database() -> anyhow::Result<TestDatabase> {
     Ok(TestDatabase { pool, url, name, drop_via: server.external.then(|| server.admin_url.clone()) })
 }
 
-/// Stops the private server this process started, if it did, and removes its directory. A
-/// process-wide server is never dropped, so without this its directory stays until the next test
-/// process clears it; benchmarks, which must leave nothing behind, call it last. Databases on an
-/// external server go with their [`TestDatabase`]. A later [`fresh_database`] in this process
-/// fails.
-pub async fn release() -> anyhow::Result<()> {
-    let Some(Ok(server)) = SERVER.get() else { return Ok(()) };
+/// Stops the private server this process started and removes its directory, when the process
+/// exits (`exit`, which returning from `main` and the test harness's end both call), so a test or
+/// benchmark process leaves nothing behind. A process killed outright cannot; the next test
+/// process's start removes what it left ([`postgres::TestCluster::start`]).
+extern "C" fn remove_private_server_at_exit() {
+    let Some(Ok(server)) = SERVER.get() else { return };
     let cluster = server.cluster.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
-    match cluster {
-        Some(cluster) => cluster.remove().await.context("removing the private test server"),
-        None => Ok(()),
+    if let Some(cluster) = cluster
+        && let Err(e) = cluster.remove()
+    {
+        // No panic may unwind out of an exit handler.
+        let _ = writeln!(std::io::stderr(), "the private test server was not removed: {e}");
     }
 }
 
@@ -101,6 +104,15 @@ async fn start() -> anyhow::Result<Server> {
             let cluster = postgres::TestCluster::start().await.with_context(|| {
                 format!("starting the private test server (or set {DATABASE_URL_ENV} to use a running one)")
             })?;
+            // `start` runs once per process (`SERVER`), so the handler is registered once.
+            #[allow(unsafe_code)]
+            // SAFETY: `atexit` only records a function pointer; the handler is an `extern "C"`
+            // function that takes no arguments and does not unwind.
+            let registered = unsafe { libc::atexit(remove_private_server_at_exit) };
+            if registered != 0 {
+                let _ = cluster.remove();
+                anyhow::bail!("registering the private test server's removal at exit failed");
+            }
             (cluster.admin_url().to_owned(), Some(cluster))
         }
     };

@@ -24,6 +24,8 @@ async fn fresh_databases_are_migrated_empty_and_independent() -> anyhow::Result<
     let b = fresh_database().await?;
     let second = started.elapsed();
     eprintln!("timing: fresh_database first call {first:?} (may include the server start), next {second:?}");
+    // Where the server is (`private_server_goes_when_its_process_exits` reads it).
+    println!("first database: {}", postgres::redact_url(&a.url));
 
     assert_ne!(a.name, b.name);
     assert_ne!(a.url, b.url);
@@ -49,6 +51,41 @@ async fn fresh_databases_are_migrated_empty_and_independent() -> anyhow::Result<
     let pool = postgres::connect(&b.url).await?;
     let one: i32 = sqlx::query_scalar("SELECT 1").fetch_one(&pool).await?;
     assert_eq!(one, 1);
+    Ok(())
+}
+
+/// A test process leaves no private server behind: this test binary runs the test above alone in
+/// a process of its own, with a temp directory of its own and no external server, so that process
+/// starts a private server there; once it has exited, the directory is empty.
+#[test]
+fn private_server_goes_when_its_process_exits() -> anyhow::Result<()> {
+    /// Removed when dropped, also on panic. Short: the server's socket path must fit 107 bytes.
+    struct Tmp(PathBuf);
+    impl Drop for Tmp {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let tmp = Tmp(
+        std::env::temp_dir().join(format!("iw-exit-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]))
+    );
+    std::fs::create_dir(&tmp.0)?;
+    let output = std::process::Command::new(std::env::current_exe()?)
+        .args(["postgres::fresh_databases_are_migrated_empty_and_independent", "--exact", "--nocapture"])
+        .env("TMPDIR", &tmp.0)
+        .env_remove(innerwall_control_plane::testing::DATABASE_URL_ENV)
+        .output()?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    anyhow::ensure!(
+        output.status.success(),
+        "the child test failed: {}\n{stdout}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let server = format!("host={}/innerwall-pgtest-", tmp.0.display());
+    assert!(stdout.contains(&server), "the child's server was not under its temp directory: {stdout}");
+    let left: Vec<_> = std::fs::read_dir(&tmp.0)?.map(|e| e.map(|e| e.path())).collect::<Result<_, _>>()?;
+    assert!(left.is_empty(), "the child test process left {left:?} behind");
     Ok(())
 }
 
