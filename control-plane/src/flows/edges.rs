@@ -87,81 +87,94 @@ pub async fn edges(
     let mut tx = pool.begin().await?;
     // One snapshot: a window the job rolls up meanwhile is read once, from one side.
     sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY").execute(&mut *tx).await?;
-    let pending: i64 = sqlx::query_scalar(
-        "SELECT COALESCE(sum(record_count), 0)::bigint FROM flow_pending_windows
-         WHERE window_start >= $1 AND window_start < $2",
-    )
-    .bind(from)
-    .bind(to)
-    .fetch_one(&mut *tx)
-    .await?;
-    let with_pending = pending <= max_pending;
-    // Both sides are summed by digests (cheap keys: the rolled side's as stored, the waiting
-    // side's destinations by their labels now, read once per workload), and each label set the
-    // sums name comes once, in rows of its own (`part` 1). Planned for its range each time, not
-    // prepared for reuse: a prepared statement turns to a plan made for no particular range
-    // after five runs, and an earlier form of this query then read the waiting side in seconds.
+    // Both sides are summed together by digests (cheap keys: the rolled side's as stored, the
+    // waiting side's destinations by their labels now, read once per workload, and its peers'
+    // after grouping), at most `$3` sums (`part` 0); each label set the sums name comes once
+    // (`part` 1); and the waiting side's record count (`part` 2), read only when at most `$4`.
+    // Planned for its range each time, not prepared for reuse: a prepared statement turns to a
+    // plan made for no particular range after five runs, and an earlier form of this query then
+    // read the waiting side in seconds. The waiting windows meet their destinations before
+    // their records (`OFFSET 0`): the planner expects one record a window and would otherwise
+    // scan the destinations once per record.
     let rows = sqlx::query(
-        "WITH rolled AS (
+        "WITH pending AS (
+            SELECT workload_id, window_id, window_start, record_count FROM flow_pending_windows
+            WHERE window_start >= $1 AND window_start < $2),
+         pending_records AS (SELECT COALESCE(sum(record_count), 0)::bigint AS n FROM pending),
+         rolled AS (
             SELECT dst_digest, peer_kind, peer_group, decision, sum(new_connections)::bigint AS c,
                    sum(records)::bigint AS n
             FROM flow_edge_hours WHERE hour >= $1 AND hour < $2
             GROUP BY dst_digest, peer_kind, peer_group, decision
-            LIMIT $4),
-         waiting AS (
-            SELECT r.workload_id, r.peer_kind,
-                   CASE r.peer_kind WHEN 1 THEN md5(r.peer_labels::text)::uuid::text
-                                    WHEN 2 THEN r.peer_key ELSE '' END AS peer_group,
-                   r.decision, sum(r.new_connections)::bigint AS c, count(*) AS n,
-                   min(CASE r.peer_kind WHEN 1 THEN r.peer_labels::text END) AS peer_labels
-            FROM flow_records r
-            WHERE $3 AND r.window_start >= $1 AND r.window_start < $2
-              AND (r.workload_id, r.window_id, r.window_start) IN (
-                  SELECT workload_id, window_id, window_start FROM flow_pending_windows
-                  WHERE window_start >= $1 AND window_start < $2)
-            GROUP BY 1, 2, 3, 4),
+            LIMIT $3),
          destinations AS (
-            SELECT workload_id, labels, md5(labels::text)::uuid AS digest
-            FROM (SELECT a.workload_id,
-                         COALESCE((SELECT jsonb_object_agg(l.key, l.value) FROM workload_labels l
-                                   WHERE l.workload_id = a.workload_id), '{}'::jsonb) AS labels
-                  FROM (SELECT DISTINCT workload_id FROM waiting) AS a) AS w),
+            SELECT a.workload_id, w.labels, md5(w.labels::text)::uuid AS digest
+            FROM (SELECT DISTINCT workload_id FROM pending) AS a
+            CROSS JOIN LATERAL (SELECT COALESCE(jsonb_object_agg(l.key, l.value), '{}'::jsonb) AS labels
+                                FROM workload_labels l WHERE l.workload_id = a.workload_id) AS w
+            WHERE (SELECT n FROM pending_records) <= $4),
+         waiting AS (
+            SELECT digest, peer_kind,
+                   CASE peer_kind WHEN 1 THEN md5(peer_labels::text)::uuid::text
+                                  WHEN 2 THEN peer_key ELSE '' END AS peer_group,
+                   peer_labels, decision, c, n
+            FROM (SELECT d.digest, r.peer_kind, CASE r.peer_kind WHEN 2 THEN r.peer_key END AS peer_key,
+                         CASE r.peer_kind WHEN 1 THEN r.peer_labels END AS peer_labels, r.decision,
+                         sum(r.new_connections)::bigint AS c, count(*) AS n
+                  FROM (SELECT p.workload_id, p.window_id, p.window_start, d.digest
+                        FROM pending p JOIN destinations d ON d.workload_id = p.workload_id
+                        OFFSET 0) AS d
+                  JOIN flow_records r ON r.workload_id = d.workload_id AND r.window_id = d.window_id
+                                     AND r.window_start = d.window_start
+                  WHERE r.window_start >= $1 AND r.window_start < $2
+                  GROUP BY 1, 2, 3, 4, 5) AS g),
+         sums AS (
+            SELECT dst_digest AS digest, peer_kind, peer_group, decision, c, n FROM rolled
+            UNION ALL
+            SELECT digest, peer_kind, peer_group, decision, c, n FROM waiting),
          label_sets AS (
             SELECT digest, labels FROM destinations
             UNION ALL
-            SELECT peer_group::uuid, peer_labels::jsonb FROM waiting WHERE peer_kind = 1
+            SELECT peer_group::uuid, peer_labels FROM waiting WHERE peer_kind = 1
             UNION ALL
             SELECT s.digest, s.labels FROM flow_label_sets s
             WHERE s.digest IN (SELECT dst_digest FROM rolled
                                UNION SELECT peer_group::uuid FROM rolled WHERE peer_kind = 1))
-         SELECT 0 AS part, dst_digest, peer_kind, peer_group, decision, c, n, NULL::jsonb AS labels FROM rolled
+         (SELECT 0 AS part, digest, peer_kind, peer_group, decision, sum(c)::bigint, sum(n)::bigint,
+                 NULL::jsonb AS labels
+          FROM sums GROUP BY digest, peer_kind, peer_group, decision
+          LIMIT $3)
          UNION ALL
-         SELECT 0, d.digest, w.peer_kind, w.peer_group, w.decision, sum(w.c)::bigint, sum(w.n)::bigint, NULL
-         FROM waiting w JOIN destinations d ON d.workload_id = w.workload_id
-         GROUP BY d.digest, w.peer_kind, w.peer_group, w.decision
+         SELECT DISTINCT ON (digest) 1, digest, NULL, NULL, NULL, NULL, NULL, labels FROM label_sets
          UNION ALL
-         SELECT DISTINCT ON (digest) 1, digest, NULL, NULL, NULL, NULL, NULL, labels FROM label_sets",
+         SELECT 2, NULL, NULL, NULL, NULL, NULL, n, NULL FROM pending_records",
     )
     .bind(from)
     .bind(to)
-    .bind(with_pending)
     .bind(MAX_EDGE_SUMS + 1)
+    .bind(max_pending)
     .persistent(false)
     .fetch_all(&mut *tx)
     .await?;
     tx.commit().await?;
-    // The two sides may name the same edge: summed here, then keyed by the label sets.
-    let mut by_digest: BTreeMap<(Uuid, i16, String, i16), (i64, i64)> = BTreeMap::new();
+    let mut pending = 0;
+    let mut by_digest = Vec::new();
     let mut label_sets: BTreeMap<Uuid, Labels> = BTreeMap::new();
     for row in rows {
-        let digest: Uuid = row.get(1);
-        if row.get::<i32, _>(0) == 1 {
-            label_sets.insert(digest, labels(row.get(7))?);
-            continue;
+        match row.get::<i32, _>(0) {
+            0 => by_digest.push((
+                row.get::<Uuid, _>(1),
+                row.get::<i16, _>(2),
+                row.get::<String, _>(3),
+                row.get::<i16, _>(4),
+                row.get::<i64, _>(5),
+                row.get::<i64, _>(6),
+            )),
+            1 => {
+                label_sets.insert(row.get(1), labels(row.get(7))?);
+            }
+            _ => pending = row.get(6),
         }
-        let sum = by_digest.entry((digest, row.get(2), row.get(3), row.get(4))).or_default();
-        sum.0 += row.get::<i64, _>(5);
-        sum.1 += row.get::<i64, _>(6);
     }
     let label_set = |digest: &Uuid| {
         label_sets.get(digest).cloned().ok_or_else(|| Error::Corrupt {
@@ -169,8 +182,11 @@ pub async fn edges(
             detail: format!("no label set with digest {digest}"),
         })
     };
-    let mut sums: BTreeMap<(Labels, Peer, Decision), (i64, i64)> = BTreeMap::new();
-    for ((digest, peer_kind, peer_group, decision), (connections, records)) in by_digest {
+    let truncated = by_digest.len() as i64 > MAX_EDGE_SUMS;
+    let mut sums = Vec::with_capacity(by_digest.len());
+    for (digest, peer_kind, peer_group, decision, connections, records) in
+        by_digest.into_iter().take(MAX_EDGE_SUMS as usize)
+    {
         let peer = match peer_kind {
             1 => Peer::Labelled(label_set(&peer_group.parse::<Uuid>().map_err(|e| Error::Corrupt {
                 what: "flow edge peer digest",
@@ -181,21 +197,10 @@ pub async fn edges(
         };
         let decision = Decision::from_code(decision)
             .map_err(|_| Error::Corrupt { what: "flow decision", detail: decision.to_string() })?;
-        let sum = sums.entry((label_set(&digest)?, peer, decision)).or_default();
-        sum.0 += connections;
-        sum.1 += records;
+        sums.push(EdgeSum { destination: label_set(&digest)?, peer, decision, connections, records });
     }
-    let truncated = sums.len() as i64 > MAX_EDGE_SUMS;
-    let sums = sums
-        .into_iter()
-        .take(MAX_EDGE_SUMS as usize)
-        .map(|((destination, peer, decision), (connections, records))| EdgeSum {
-            destination,
-            peer,
-            decision,
-            connections,
-            records,
-        })
-        .collect();
-    Ok(Edges { from, to, sums, pending_left_out: if with_pending { 0 } else { pending }, truncated })
+    // Each label set has one digest, so the sums are already one per (label set, peer, decision).
+    sums.sort_by(|a, b| (&a.destination, &a.peer, a.decision).cmp(&(&b.destination, &b.peer, b.decision)));
+    let pending_left_out = if pending <= max_pending { 0 } else { pending };
+    Ok(Edges { from, to, sums, pending_left_out, truncated })
 }
