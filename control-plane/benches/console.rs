@@ -22,7 +22,6 @@ use innerwall_control_plane::api::{ApiConfig, ApiTls, server};
 use innerwall_control_plane::flows;
 use innerwall_control_plane::identity::ca::{FileCa, Signer};
 use innerwall_control_plane::identity::operators::{self, Expiry, Role};
-use innerwall_control_plane::testing::fresh_database;
 use rustls::pki_types::{CertificateDer, ServerName, pem::PemObject};
 
 #[path = "shared/flow_estate.rs"]
@@ -103,17 +102,7 @@ async fn main() -> anyhow::Result<()> {
         "PERF-11 console (targets: fleet page < 200 ms and < 150 KB; map of {GROUPS} groups over 24 h < 500 ms; workload page < 200 ms): {workloads} workloads, {} records over 1 day",
         windows * RECORDS_PER_WINDOW
     );
-    let db = fresh_database().await?;
-    let pool = db.pool.clone();
-    // The database is dropped with its guard when the bench ends, however it ends; kept, the
-    // guard is forgotten at once.
-    let _guard = if std::env::var_os("INNERWALL_BENCH_KEEP").is_some() {
-        println!("keeping the database: {}", db.url);
-        std::mem::forget(db);
-        None
-    } else {
-        Some(db)
-    };
+    let (pool, _guard) = flow_estate::database().await?;
     let t = Instant::now();
     let now = Utc::now();
     // The day ends at most 12 minutes into the current hour, whenever the bench runs: the map

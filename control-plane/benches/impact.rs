@@ -23,7 +23,6 @@ use std::time::Instant;
 use chrono::{DateTime, TimeDelta, Utc};
 use innerwall_control_plane::flows;
 use innerwall_control_plane::foresight::{self, Range};
-use innerwall_control_plane::testing::fresh_database;
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::{Mode, Protocol, WorkloadPolicy};
 use innerwall_wire::testing::rule;
@@ -84,17 +83,7 @@ async fn main() -> anyhow::Result<()> {
         let range = Range { from: first, to: first + TimeDelta::days(days) };
         return measure(&pool, range, goal, workloads, runs, records).await;
     }
-    let db = fresh_database().await?;
-    let pool = db.pool.clone();
-    // The database is dropped with its guard when the bench ends, however it ends; kept, the
-    // guard is forgotten at once, so whatever fails below leaves what was loaded to reuse.
-    let _guard = if std::env::var_os("INNERWALL_BENCH_KEEP").is_some() {
-        println!("keeping the database: {}", db.url);
-        std::mem::forget(db);
-        None
-    } else {
-        Some(db)
-    };
+    let (pool, _guard) = flow_estate::database().await?;
     let now = Utc::now();
     let t = Instant::now();
     flow_estate::load(&pool, now - TimeDelta::days(days), days, windows, workloads).await?;

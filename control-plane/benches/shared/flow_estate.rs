@@ -1,9 +1,10 @@
-//! The flow estate the flow benches load (PERF-8 `rollup`, PERF-9 `impact`): included by each
-//! with `#[path]`, so both measure the same shape of evidence.
+//! The flow estate the flow benches load (PERF-8 `rollup`, PERF-9 `impact`, PERF-10 `suggest`,
+//! PERF-11 `console`): included by each with `#[path]`, so all measure the same shape of evidence.
 
 use chrono::{DateTime, TimeDelta, Utc};
 use innerwall_control_plane::flows;
 use innerwall_control_plane::policy::store::Content;
+use innerwall_control_plane::testing::{TestDatabase, fresh_database};
 use innerwall_wire::policy::WorkloadPolicy;
 use sqlx::PgPool;
 
@@ -114,6 +115,21 @@ pub async fn load_with(
         from = to;
     }
     vacuum_analyze(pool).await
+}
+
+/// A fresh database and its pool. It is dropped with the returned guard when the bench ends,
+/// however it ends; with `INNERWALL_BENCH_KEEP` set the guard is forgotten at once and the
+/// database's URL printed, so whatever fails later leaves what was loaded to look at or reuse.
+#[allow(dead_code, reason = "the rollup and suggest benches keep their database only on success")]
+pub async fn database() -> anyhow::Result<(PgPool, Option<TestDatabase>)> {
+    let db = fresh_database().await?;
+    let pool = db.pool.clone();
+    if std::env::var_os("INNERWALL_BENCH_KEEP").is_some() {
+        println!("keeping the database: {}", db.url);
+        std::mem::forget(db);
+        return Ok((pool, None));
+    }
+    Ok((pool, Some(db)))
 }
 
 /// `VACUUM ANALYZE`, as autovacuum would: a maintenance statement, not a request, so without the
