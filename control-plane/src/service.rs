@@ -143,8 +143,8 @@ async fn reload_ca_forever(signer: Arc<dyn Signer>) {
     }
 }
 
-/// Makes today's and tomorrow's flow partitions and rolls up the records of closed hours every
-/// minute (FLOW-6), drops expired flow partitions hourly (FLOW-5) and then deletes the control
+/// Makes today's and tomorrow's flow partitions, sums the map's edges of the windows that arrived
+/// and rolls up the records of closed hours every minute (FLOW-6, PERF-11), drops expired flow partitions hourly (FLOW-5) and then deletes the control
 /// plane's expired rows (`retention`); replicas serialize on their locks.
 async fn flow_upkeep_forever(pool: PgPool, days: i64, retention: crate::retention::Retention) {
     let mut minutely = tokio::time::interval(Duration::from_secs(60));
@@ -152,6 +152,9 @@ async fn flow_upkeep_forever(pool: PgPool, days: i64, retention: crate::retentio
         minutely.tick().await;
         if let Err(e) = crate::flows::create_partitions_ahead(&pool).await {
             tracing::warn!("creating the next flow partitions failed: {e:#}");
+        }
+        if let Err(e) = crate::flows::sum_edges(&pool).await {
+            tracing::warn!("summing the map's flow edges failed: {e:#}");
         }
         if let Err(e) = crate::flows::roll_up(&pool, chrono::Utc::now()).await {
             tracing::warn!("flow roll-up failed: {e:#}");

@@ -34,6 +34,28 @@ pub async fn load_with(
     workloads: i64,
     records_per_window: i64,
 ) -> anyhow::Result<()> {
+    add_workloads(pool, start, days, workloads).await?;
+    let shape = Shape { start, days, windows, workloads, records_per_window };
+    add_windows(pool, &shape, 0..windows).await
+}
+
+/// What [`add_windows`] loads a part of: `windows` windows of `records_per_window` records spread
+/// evenly over `[start, start + days)` among `workloads` workloads.
+pub struct Shape {
+    pub start: DateTime<Utc>,
+    pub days: i64,
+    pub windows: i64,
+    pub workloads: i64,
+    pub records_per_window: i64,
+}
+
+/// The workloads and labels of [`load`], and the flow partitions of `[start, start + days]`.
+pub async fn add_workloads(
+    pool: &PgPool,
+    start: DateTime<Utc>,
+    days: i64,
+    workloads: i64,
+) -> anyhow::Result<()> {
     let mut tx = pool.begin().await?;
     flows::ensure_partitions(&mut tx, start, start + TimeDelta::days(days)).await?;
     tx.commit().await?;
@@ -51,14 +73,21 @@ pub async fn load_with(
     .bind(workloads)
     .execute(pool)
     .await?;
+    Ok(())
+}
+
+/// Windows `indices` of `shape` (in the order of their slots: the last are the latest), with their
+/// records, then `VACUUM ANALYZE`.
+pub async fn add_windows(pool: &PgPool, shape: &Shape, indices: std::ops::Range<i64>) -> anyhow::Result<()> {
+    let Shape { start, days, windows, workloads, records_per_window } = *shape;
     // Window i: workload i % W, its slot i / W, starting at start + slot * spacing + a per-workload
     // offset. Record r of it: flow key k = (w + 3 slot + r) % 9 of that workload's nine.
     let per_workload = (windows + workloads - 1) / workloads;
     let spacing_ms = days * 86_400_000 / per_workload.max(1);
     let chunk = 100_000;
-    let mut from = 0;
-    while from < windows {
-        let to = (from + chunk).min(windows);
+    let mut from = indices.start;
+    while from < indices.end {
+        let to = (from + chunk).min(indices.end);
         sqlx::query(
             "WITH w AS (
                 SELECT i, i % $3 AS wl, i / $3 AS slot,

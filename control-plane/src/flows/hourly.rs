@@ -1,12 +1,10 @@
 //! Hourly pre-aggregation of flow records (FLOW-6, PERF-8): the records of windows that started
 //! before the current hour are summed per (hour, workload, version, decision, rule, peer with its
 //! labels then, source, destination, service) into `flow_rollups`, and over the whole estate per
-//! (hour, version, decision, rule) into `flow_rule_rollups`, per (UTC day, impact flow key) into
-//! `flow_key_days` (added to: late windows of a day join its sums), and per (hour, destination
-//! label set now, peer group, decision) into `flow_edge_hours` (the map's edges, added to the
-//! same way; the label sets by digest in `flow_label_sets`), and each window leaves the queue of
-//! windows to roll up (`flow_pending_windows`, which inserting a window adds it to; migration
-//! 0044) in the same transaction; a trigger on `flow_rollups` moves each key's last hour
+//! (hour, version, decision, rule) into `flow_rule_rollups` and per (UTC day, impact flow key)
+//! into `flow_key_days` (added to: late windows of a day join its sums), and each window leaves
+//! the queue of windows to roll up (`flow_pending_windows`, which inserting a window adds it to;
+//! migration 0044) in the same transaction; a trigger on `flow_rollups` moves each key's last hour
 //! forward in `flow_key_lasts` (what an impact counts its unchanged keys by; migration 0034), and
 //! the job deletes the last hours older than every rollup left. Ingest writes nothing of this
 //! but the queue's row (PERF-7), and reviews stay exact at every moment: they read the rollups
@@ -15,7 +13,8 @@
 //!
 //! A batch is two statements in one transaction: the first takes the windows off the queue and
 //! writes `flow_rollups`, keeping the rows it wrote in a temporary table (dropped at commit); the
-//! second sums that table into the other four. Written as one statement (until issue 33), the
+//! second sums that table into the other two. (The map's edges are summed as windows arrive, by
+//! `edges::sum_edges`, from a queue of their own.) Written as one statement (until issue 33), the
 //! planner saw the rows a data-modifying CTE returns as one row and joined every rollup row with
 //! every destination workload (4 of 6 s in a batch of 35,000 records); a temporary table is
 //! planned by its real size. What a batch costs now is mostly per rollup row written: the six
@@ -47,7 +46,7 @@ const ROLLUP_LOCK_KEY: i64 = 0x6977_2d72_6f6c_6c75;
 /// windows took 1.8 s alone and 2.5–3.5 s beside the other slice's, each server process on a
 /// core of its own (2026-12-06, before the queue; the two cores may share more than they show).
 /// Slices write disjoint windows, rollups, day sums and last hours (all keyed by workload); the
-/// label sets and edges they share are written in key order, so they wait, never deadlock.
+/// rule rollups they share are only inserted.
 pub const ROLLUP_SLICES: i64 = 2;
 
 /// A window's slice, as the expression of index `flow_pending_windows_slice` (migration 0044),
@@ -159,31 +158,7 @@ async fn roll_up_slice(pool: &PgPool, horizon: DateTime<Utc>, slice: i64) -> Res
         .await?;
         if windows > 0 {
             sqlx::query(
-                "WITH destinations AS (
-                    SELECT workload_id, labels, md5(labels::text)::uuid AS digest
-                    FROM (SELECT a.workload_id,
-                                 COALESCE((SELECT jsonb_object_agg(l.key, l.value) FROM workload_labels l
-                                           WHERE l.workload_id = a.workload_id), '{}'::jsonb) AS labels
-                          FROM (SELECT DISTINCT workload_id FROM pg_temp.flow_rollup_batch) AS a) AS w),
-                 label_sets AS (
-                    INSERT INTO flow_label_sets (digest, labels)
-                    SELECT digest, labels FROM destinations
-                    UNION SELECT peer_digest, peer_labels FROM pg_temp.flow_rollup_batch WHERE peer_kind = 1
-                    ORDER BY 1
-                    ON CONFLICT DO NOTHING),
-                 by_edge AS (
-                    INSERT INTO flow_edge_hours AS e (hour, dst_digest, peer_kind, peer_group, decision, records,
-                        new_connections)
-                    SELECT a.hour, d.digest, a.peer_kind,
-                           CASE a.peer_kind WHEN 1 THEN a.peer_digest::text WHEN 2 THEN a.peer_key ELSE '' END,
-                           a.decision, sum(a.records), sum(a.new_connections)
-                    FROM pg_temp.flow_rollup_batch a JOIN destinations d ON d.workload_id = a.workload_id
-                    GROUP BY 1, 2, 3, 4, 5
-                    ORDER BY 1, 2, 3, 4, 5
-                    ON CONFLICT (hour, dst_digest, peer_kind, peer_group, decision)
-                    DO UPDATE SET records = e.records + EXCLUDED.records,
-                                  new_connections = e.new_connections + EXCLUDED.new_connections),
-                 by_key AS (
+                "WITH by_key AS (
                     INSERT INTO flow_key_days AS d (day, workload_id, src_address, peer_kind, peer_key, peer_digest,
                         dst_port, protocol, records, new_connections, first_seen, last_seen)
                     SELECT date_trunc('day', hour, 'UTC'), workload_id, src_address, peer_kind, peer_key,

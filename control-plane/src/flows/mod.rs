@@ -2,7 +2,7 @@
 //! written with the crate's binary `COPY`), daily partitions with retention (`retention`), the
 //! hourly pre-aggregation of closed hours (`hourly`), and what operators read: records and gaps
 //! (`query`) and rollups (`rollup`), a bounded page at a time (`page`), and flows between label
-//! sets for the map (`edges`).
+//! sets for the map (`edges`), summed as windows arrive.
 
 mod edges;
 mod hourly;
@@ -13,7 +13,10 @@ mod query;
 mod retention;
 mod rollup;
 
-pub use edges::{EdgeSum, Edges, MAX_EDGE_SUMS, MAX_PENDING_RECORDS, Peer, edges};
+pub use edges::{
+    EDGE_BATCH_RECORDS, EDGE_BATCH_WINDOWS, EdgeSum, Edges, MAX_EDGE_SUMS, MAX_PENDING_RECORDS, Peer, edges,
+    sum_edges,
+};
 pub use hourly::{PENDING_SLICE, ROLLUP_BATCH_RECORDS, ROLLUP_BATCH_WINDOWS, roll_up};
 pub use ingest::{IngestError, Ingested, OnBlocked, Telemetry, TimeBounds, ingest, ingest_with};
 pub use page::{MAX_PAGE, Page, PageRequest};

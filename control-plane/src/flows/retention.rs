@@ -180,18 +180,22 @@ async fn drop_expired(pool: &PgPool, cutoff: NaiveDate) -> Result<(Vec<String>, 
     for name in &batch {
         sqlx::query("SELECT innerwall_drop_partition($1)").bind(name).execute(&mut *tx).await?;
     }
-    // The roll-up's queue is one table (migration 0044): the windows of the days dropped leave it
-    // (none while the job runs, which takes the oldest first).
+    // The roll-up's and the edges' queues are one table each (migrations 0044, 0045): the windows
+    // of the days dropped leave them (none while the jobs run, which take the oldest first).
     let windows_dropped = batch
         .iter()
         .filter(|name| name.starts_with("flow_windows_"))
         .filter_map(|name| partition_day(name))
         .max();
     if let Some(day) = windows_dropped {
-        sqlx::query("DELETE FROM flow_pending_windows WHERE window_start < $1::date + 1")
+        for queue in ["flow_pending_windows", "flow_edge_pending"] {
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "DELETE FROM {queue} WHERE window_start < $1::date + 1"
+            )))
             .bind(day)
             .execute(&mut *tx)
             .await?;
+        }
     }
     tx.commit().await?;
     Ok((batch, last))

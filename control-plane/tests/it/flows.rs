@@ -85,20 +85,25 @@ async fn retention_drops_whole_expired_partitions() {
 
     // Within retention nothing goes; 31 days later the whole day's partitions are dropped.
     assert_eq!(flows::apply_retention(&db.pool, 30, now).await.unwrap(), Vec::<String>::new());
-    let queued: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM flow_pending_windows").fetch_one(&db.pool).await.unwrap();
-    assert_eq!(queued, 1, "queued for the roll-up, and kept within retention");
-    let dropped = flows::apply_retention(&db.pool, 30, now + chrono::Duration::days(32)).await.unwrap();
-    assert_eq!(dropped, expected);
-    assert!(partitions().await.is_empty());
-    // The window's place in the roll-up's queue went with its day.
-    let windows: (i64, i64) = sqlx::query_as(
-        "SELECT (SELECT count(*) FROM flow_windows), (SELECT count(*) FROM flow_pending_windows)",
+    let queued: (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM flow_pending_windows), (SELECT count(*) FROM flow_edge_pending)",
     )
     .fetch_one(&db.pool)
     .await
     .unwrap();
-    assert_eq!(windows, (0, 0));
+    assert_eq!(queued, (1, 1), "queued for the roll-up and the map, and kept within retention");
+    let dropped = flows::apply_retention(&db.pool, 30, now + chrono::Duration::days(32)).await.unwrap();
+    assert_eq!(dropped, expected);
+    assert!(partitions().await.is_empty());
+    // The window's places in the roll-up's and the map's queues went with its day.
+    let windows: (i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM flow_windows), (SELECT count(*) FROM flow_pending_windows),
+                (SELECT count(*) FROM flow_edge_pending)",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(windows, (0, 0, 0));
 }
 
 /// Hundreds of expired partitions (what a year of daily partitions, or a hostile agent before
@@ -1138,12 +1143,12 @@ fn edge_sums(edges: &flows::Edges) -> EdgeSums {
 }
 
 /// PERF-11's pre-aggregate is exact: the map's edges over a range (widened to the hour it starts
-/// in) equal the raw records' sums whether nothing is rolled up, part of it, a late window waits
-/// in an hour already rolled up, or everything is; windows not rolled up beyond the bound are
-/// left out and counted, never half-read; a destination relabelled after its flows were rolled
-/// up keeps them under its labels then.
+/// in) equal the raw records' sums whether nothing is summed yet, everything is, or a late window
+/// waits in an hour already summed, and whatever the roll-up job has done (it sums no edges);
+/// queued windows beyond the bound are left out and counted, never half-read; a destination
+/// relabelled keeps the flows summed before under its labels then, and the rest under its new ones.
 #[tokio::test]
-async fn map_edges_equal_the_raw_records_rolled_up_or_not() {
+async fn map_edges_equal_the_raw_records_summed_or_not() {
     let db = fresh_database().await.unwrap();
     let (dsts, _) = estate(&db.pool).await;
     ingest_hours(&db.pool, &dsts, BASE, 4).await;
@@ -1164,17 +1169,25 @@ async fn map_edges_equal_the_raw_records_rolled_up_or_not() {
         assert!(edges.sums.iter().any(|s| matches!(s.peer, flows::Peer::Labelled(ref l) if !l.is_empty())));
         edges
     };
+    let queued = async || -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM flow_edge_pending").fetch_one(&db.pool).await.unwrap()
+    };
     let labels = labels_now().await;
-    check("nothing rolled up", &labels).await;
+    check("nothing summed", &labels).await;
     assert!(flows::roll_up(&db.pool, at(BASE + 2 * 3_600_000)).await.unwrap() > 0);
-    check("two hours rolled up", &labels).await;
+    check("two hours rolled up, nothing summed", &labels).await;
+    let windows = queued().await;
+    assert_eq!(flows::sum_edges(&db.pool).await.unwrap(), windows as u64, "every queued window");
+    assert_eq!(flows::sum_edges(&db.pool).await.unwrap(), 0, "once");
+    assert_eq!(queued().await, 0);
+    check("everything summed", &labels).await;
     let late = proto::FlowWindow {
         policy_version: 1,
         ..window_at(
             BASE + 5 * 60_000,
             vec![flow(
                 "192.0.2.77",
-                "10.1.0.5",
+                "10.1.0.7",
                 22,
                 proto::FlowDecision::WouldBlock,
                 9,
@@ -1182,32 +1195,27 @@ async fn map_edges_equal_the_raw_records_rolled_up_or_not() {
             )],
         )
     };
-    flows::ingest(&db.pool, dsts[0], &FlowWindow::try_from(&late).unwrap()).await.unwrap();
-    check("a late window pending", &labels).await;
+    flows::ingest(&db.pool, dsts[2], &FlowWindow::try_from(&late).unwrap()).await.unwrap();
+    check("a late window queued", &labels).await;
 
-    // Beyond the bound, what is not rolled up is left out and counted, never read in part.
-    let pending: i64 = sqlx::query_scalar(
-        "SELECT sum(record_count)::bigint FROM flow_pending_windows WHERE window_start < $1",
-    )
-    .bind(to)
-    .fetch_one(&db.pool)
-    .await
-    .unwrap();
-    let bounded = flows::edges(&db.pool, from, to, pending - 1).await.unwrap();
-    assert_eq!(bounded.pending_left_out, pending);
-    let rolled: Vec<Raw> = sqlx::query_as(
+    // Beyond the bound, what is queued is left out and counted, never read in part.
+    let bounded = flows::edges(&db.pool, from, to, 0).await.unwrap();
+    assert_eq!(bounded.pending_left_out, 1);
+    let summed: Vec<Raw> = sqlx::query_as(
         "SELECT matched_rule_id AS rule, peer_kind, peer_key, peer_labels, host(src_address) AS src, workload_id,
                 host(dst_address) AS dst, dst_port, protocol, policy_version, decision, new_connections, packets,
                 bytes, first_seen, last_seen
-         FROM flow_records r WHERE NOT EXISTS (SELECT 1 FROM flow_pending_windows w
+         FROM flow_records r WHERE NOT EXISTS (SELECT 1 FROM flow_edge_pending w
              WHERE w.workload_id = r.workload_id AND w.window_id = r.window_id AND w.window_start = r.window_start)",
     )
     .fetch_all(&db.pool)
     .await
     .unwrap();
-    assert_eq!(edge_sums(&bounded), edge_oracle(&rolled, &labels), "only the rolled-up hours");
+    assert_eq!(summed.len() + 1, raw(&db.pool, at(BASE), to).await.len());
+    assert_eq!(edge_sums(&bounded), edge_oracle(&summed, &labels), "only the summed windows");
 
-    // Relabelled after its flows were rolled up: those keep app=cache, the rest follow it.
+    // Relabelled after most of its flows were summed: those keep app=cache, the queued one
+    // follows it, and is summed under it.
     innerwall_control_plane::foresight::commit(&db.pool, "test", "label", "cache", async |c| {
         Ok((
             authoring::edit_labels(c, dsts[2], 1, &["app=kv".parse().unwrap()], &[]).await?,
@@ -1216,21 +1224,129 @@ async fn map_edges_equal_the_raw_records_rolled_up_or_not() {
     })
     .await
     .unwrap();
-    let edges = flows::edges(&db.pool, from, to, flows::MAX_PENDING_RECORDS).await.unwrap();
     let app_of = |s: &flows::EdgeSum| s.destination.get("app").cloned().unwrap_or_default();
-    assert!(edges.sums.iter().any(|s| app_of(s) == "cache"), "the rolled-up hours keep app=cache");
-    assert!(edges.sums.iter().any(|s| app_of(s) == "kv"), "the pending ones read the labels now");
-    assert_eq!(flows::roll_up(&db.pool, at(BASE + 5 * 3_600_000)).await.unwrap(), 2 * 3 * 3 + 1);
-    // Everything rolled up: the hours rolled before the relabel under app=cache, after it app=kv.
+    let apps = |edges: &flows::Edges| edges.sums.iter().map(app_of).collect::<BTreeSet<_>>();
+    let queued_app = flows::edges(&db.pool, from, to, flows::MAX_PENDING_RECORDS).await.unwrap();
+    assert_eq!(flows::sum_edges(&db.pool).await.unwrap(), 1);
+    let summed_app = flows::edges(&db.pool, from, to, flows::MAX_PENDING_RECORDS).await.unwrap();
+    assert_eq!(edge_sums(&queued_app), edge_sums(&summed_app), "read queued or summed, the same sums");
+    assert!(apps(&summed_app).contains("cache"), "the flows summed before keep app=cache");
+    let kv: Vec<_> = summed_app.sums.iter().filter(|s| app_of(s) == "kv").collect();
+    assert_eq!(kv.len(), 1, "the late window alone is under app=kv: {kv:?}");
+    assert_eq!((kv[0].records, kv[0].connections), (1, 1));
     let truth = raw(&db.pool, at(BASE), to).await;
-    let edges = flows::edges(&db.pool, from, to, flows::MAX_PENDING_RECORDS).await.unwrap();
     let total = |sums: &EdgeSums| sums.values().fold((0, 0), |t, s| (t.0 + s.0, t.1 + s.1));
-    assert_eq!(total(&edge_sums(&edges)), total(&edge_oracle(&truth, &labels)), "every record once");
-    assert!(edges.sums.iter().any(|s| app_of(s) == "cache") && edges.sums.iter().any(|s| app_of(s) == "kv"));
+    assert_eq!(total(&edge_sums(&summed_app)), total(&edge_oracle(&truth, &labels)), "every record once");
 
     // An empty range is refused.
     let err = flows::edges(&db.pool, to, to, 1).await.unwrap_err().to_string();
     assert!(err.contains("is empty"), "{err}");
+}
+
+/// The first migration with the map's own queue of windows (0045).
+const EDGE_QUEUE_MIGRATION: i64 = 45;
+
+/// What a replica of the release before migration 0045 does with each roll-up batch, as far as
+/// the map goes: it takes the queued windows that started before `$1` off the roll-up's queue and
+/// adds their records to `flow_edge_hours` (destinations by their labels now) and their label
+/// sets to `flow_label_sets`.
+const PREVIOUS_RELEASE_ROLL_UP: &str = "
+    WITH taken AS (
+        DELETE FROM flow_pending_windows WHERE window_start < $1 RETURNING workload_id, window_id, window_start),
+     records AS (SELECT r.* FROM taken t JOIN flow_records r USING (workload_id, window_id, window_start)),
+     destinations AS (
+        SELECT w.id AS workload_id,
+               COALESCE(jsonb_object_agg(l.key, l.value) FILTER (WHERE l.key IS NOT NULL), '{}'::jsonb) AS labels
+        FROM workloads w LEFT JOIN workload_labels l ON l.workload_id = w.id GROUP BY w.id),
+     label_sets AS (
+        INSERT INTO flow_label_sets (digest, labels)
+        SELECT md5(labels::text)::uuid, labels FROM destinations
+        UNION SELECT md5(peer_labels::text)::uuid, peer_labels FROM records WHERE peer_kind = 1
+        ON CONFLICT DO NOTHING)
+     INSERT INTO flow_edge_hours AS e (hour, dst_digest, peer_kind, peer_group, decision, records, new_connections)
+     SELECT date_trunc('hour', r.window_start, 'UTC'), md5(d.labels::text)::uuid, r.peer_kind,
+            CASE r.peer_kind WHEN 1 THEN md5(r.peer_labels::text)::uuid::text WHEN 2 THEN r.peer_key ELSE '' END,
+            r.decision, count(*), sum(r.new_connections)
+     FROM records r JOIN destinations d ON d.workload_id = r.workload_id
+     GROUP BY 1, 2, 3, 4, 5
+     ON CONFLICT (hour, dst_digest, peer_kind, peer_group, decision)
+     DO UPDATE SET records = e.records + EXCLUDED.records,
+                   new_connections = e.new_connections + EXCLUDED.new_connections";
+
+/// Migration 0045's expand/contract: the edges the previous release summed with its roll-ups
+/// stay, the windows it had not rolled up yet are queued for the edge job, and what a replica
+/// of that release still adds with its roll-ups after the upgrade is dropped (those windows are
+/// summed from the new queue): the map counts every record once across the upgrade.
+#[tokio::test]
+async fn map_edges_stay_exact_across_the_upgrade_to_their_queue() {
+    let db = fresh_database().await.unwrap();
+    let pool = &db.pool;
+    sqlx::raw_sql("DROP SCHEMA public CASCADE; CREATE SCHEMA public").execute(pool).await.unwrap();
+    let all = &innerwall_control_plane::postgres::MIGRATOR;
+    let before = sqlx::migrate::Migrator {
+        migrations: std::borrow::Cow::Owned(
+            all.iter().filter(|m| m.version < EDGE_QUEUE_MIGRATION).cloned().collect(),
+        ),
+        ..sqlx::migrate::Migrator::DEFAULT
+    };
+    before.run(pool).await.unwrap();
+    let (dsts, _) = estate(pool).await;
+    ingest_hours(pool, &dsts, BASE, 3).await;
+    let roll_up_before = async |horizon: i64| {
+        sqlx::query(PREVIOUS_RELEASE_ROLL_UP).bind(at(horizon)).execute(pool).await.unwrap().rows_affected()
+    };
+    assert!(roll_up_before(BASE + 3_600_000).await > 0, "the first hour's edges, summed the old way");
+
+    all.run(pool).await.unwrap();
+    let edge_rows = async || -> Vec<String> {
+        sqlx::query_scalar("SELECT e::text FROM flow_edge_hours e ORDER BY 1").fetch_all(pool).await.unwrap()
+    };
+    let summed_before = edge_rows().await;
+    // A late window of the first hour, whose edge has a row there: the previous release would
+    // add to it.
+    let late = window_at(
+        BASE + 5 * 60_000,
+        vec![flow(
+            "10.8.1.1",
+            "10.1.0.7",
+            443,
+            proto::FlowDecision::Allowed,
+            3,
+            (BASE + 5 * 60_000, BASE + 6 * 60_000),
+        )],
+    );
+    flows::ingest(pool, dsts[0], &FlowWindow::try_from(&late).unwrap()).await.unwrap();
+    let first_hour = flows::edges(pool, at(BASE), at(BASE + 3_600_000), 0).await.unwrap();
+    assert!(first_hour.sums.iter().any(|s| s.peer == flows::Peer::Group("corp".into())
+        && s.decision == innerwall_wire::flows::Decision::Allowed
+        && s.destination.get("app").map(String::as_str) == Some("db")));
+    assert_eq!(roll_up_before(BASE + 2 * 3_600_000).await, 0, "the previous release adds no edges now");
+    assert_eq!(edge_rows().await, summed_before, "nor adds to the edges there");
+    let queued: (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM flow_edge_pending),
+                (SELECT count(*) FROM flow_windows WHERE window_start >= $1)",
+    )
+    .bind(at(BASE + 3_600_000))
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert!(queued.0 > 0);
+    assert_eq!(
+        queued.0,
+        queued.1 + 1,
+        "the windows the previous release had not rolled up and the late one, queued once"
+    );
+    assert_eq!(flows::sum_edges(pool).await.unwrap(), queued.0 as u64);
+
+    let ids: Vec<uuid::Uuid> = dsts.iter().map(|d| d.uuid()).collect();
+    let labels = {
+        let mut conn = pool.acquire().await.unwrap();
+        innerwall_control_plane::policy::store::labels_of(&mut conn, &ids).await.unwrap()
+    };
+    let to = at(BASE + 3 * 3_600_000);
+    let edges = flows::edges(pool, at(BASE), to, flows::MAX_PENDING_RECORDS).await.unwrap();
+    assert_eq!(edges.pending_left_out, 0);
+    assert_eq!(edge_sums(&edges), edge_oracle(&raw(pool, at(BASE), to).await, &labels), "every record once");
 }
 
 /// Creating a day's partitions locks each parent table exclusively in turn. While a reader holds
@@ -1299,9 +1415,10 @@ async fn partition_changes_yield_to_readers() {
 /// PERF-8: an estate larger than one roll-up batch (in windows and in records) is rolled up in
 /// several transactions whose cuts fall inside hours and days, and every table the job writes
 /// then equals the raw records summed once: the rollups and the estate-wide rule rollups per key
-/// (a key cut by a batch has a row per batch), the day sums, the map's edges (destinations by
-/// their labels), each key's last hour and the label sets. The old single statement wrote the same
-/// (compared on the rollup bench's 2 M-record estate); this keeps the batched job honest.
+/// (a key cut by a batch has a row per batch), the day sums and each key's last hour. The old
+/// single statement wrote the same (compared on the rollup bench's 2 M-record estate); this
+/// keeps the batched job honest. So does the map's edge job, in batches of its own: its edges
+/// (destinations by their labels) and label sets equal the raw records summed once.
 #[tokio::test]
 async fn roll_up_in_batches_equals_the_raw_records_summed_once() {
     let db = fresh_database().await.unwrap();
@@ -1372,12 +1489,19 @@ async fn roll_up_in_batches_equals_the_raw_records_summed_once() {
     // spelling of a slice (so Postgres keeps statistics for it), and a slice's oldest windows are
     // read in order from an index, not every queued window sorted (as when the planner guessed 1
     // window in 200 passes the slice's condition).
-    let queued: (i64, i64) =
-        sqlx::query_as("SELECT count(*), count(DISTINCT (workload_id, window_id)) FROM flow_pending_windows")
-            .fetch_one(pool)
-            .await
-            .unwrap();
-    assert_eq!(queued, (windows, windows));
+    for queue in ["flow_pending_windows", "flow_edge_pending"] {
+        let queued: (i64, i64) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*), count(DISTINCT (workload_id, window_id)) FROM {queue}"
+        )))
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        assert_eq!(queued, (windows, windows), "{queue}");
+    }
+    assert!(
+        windows > flows::EDGE_BATCH_WINDOWS && records > flows::EDGE_BATCH_RECORDS,
+        "several edge batches"
+    );
     let index: String =
         sqlx::query_scalar("SELECT indexdef FROM pg_indexes WHERE indexname = 'flow_pending_windows_slice'")
             .fetch_one(pool)
@@ -1405,6 +1529,14 @@ async fn roll_up_in_batches_equals_the_raw_records_summed_once() {
     let queued: i64 =
         sqlx::query_scalar("SELECT count(*) FROM flow_pending_windows").fetch_one(pool).await.unwrap();
     assert_eq!(queued, 0, "off the queue once rolled up");
+    let summed: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM flow_edge_hours").fetch_one(pool).await.unwrap();
+    assert_eq!(summed, 0, "the roll-up sums no edges");
+    assert_eq!(flows::sum_edges(pool).await.unwrap(), windows as u64, "every window, once");
+    assert_eq!(flows::sum_edges(pool).await.unwrap(), 0);
+    let queued: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM flow_edge_pending").fetch_one(pool).await.unwrap();
+    assert_eq!(queued, 0, "off the edges' queue once summed");
 
     // Each pair of queries must hold the same rows; the count of rows in one and not the other.
     let differ = async |what: &str, ours: &str, truth: &str| {

@@ -107,6 +107,8 @@ async fn drill(owner_url: &str, app_url: &str, app: &str, superuser: &str) -> an
     assert!(dropped.contains(&"flow_records_20200102".to_owned()), "{dropped:?}");
     // The roll-up job stages each batch in a temporary table, which the role may create.
     assert_eq!(flows::roll_up(pool, Utc::now()).await?, 0);
+    // The map's edge job marks its transaction as the edges' writer (a setting of its own).
+    assert_eq!(flows::sum_edges(pool).await?, 0);
     let still: i64 = sqlx::query_scalar("SELECT count(*) FROM workloads").fetch_one(pool).await?;
     assert_eq!(still, 0);
     pools.authoring.close().await;

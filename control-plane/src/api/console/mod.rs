@@ -1400,7 +1400,7 @@ struct MapPage {
     error: Option<String>,
     /// The whole hours drawn.
     drawn: String,
-    /// Records not rolled up yet left out (too many to read at once).
+    /// Records not summed for the map yet left out (too many to read at once).
     pending_left_out: i64,
     truncated: bool,
     max_sums: i64,
