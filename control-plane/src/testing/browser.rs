@@ -24,8 +24,10 @@ pub struct Browser {
     driver: Child,
     port: u16,
     session: String,
-    /// Chromium's profile directory, removed on drop.
-    profile: std::path::PathBuf,
+    /// The session's own directory, removed on drop: Chromium's profile (`profile/`) and the
+    /// driver's and browser's temp directory (`tmp/`, their `TMPDIR`), so that what they leave
+    /// there when killed goes with it (Chromium's `org.chromium.Chromium.scoped_dir.*`).
+    dir: std::path::PathBuf,
 }
 
 /// An element of the page, by the driver's reference.
@@ -47,17 +49,19 @@ impl Browser {
             );
         }
         let port = free_port();
+        let nanos =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+        let dir = std::env::temp_dir().join(format!("iw-chromium-{}-{port}-{nanos}", std::process::id()));
+        std::fs::create_dir_all(dir.join("tmp")).expect("creating the browser's directory");
         let driver = Command::new(DRIVER)
             .arg(format!("--port={port}"))
+            .env("TMPDIR", dir.join("tmp"))
             .process_group(0)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .expect("starting chromedriver");
-        let nanos =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
-        let profile = std::env::temp_dir().join(format!("iw-chromium-{}-{port}-{nanos}", std::process::id()));
-        let mut browser = Browser { driver, port, session: String::new(), profile };
+        let mut browser = Browser { driver, port, session: String::new(), dir };
         let deadline = Instant::now() + Duration::from_secs(30);
         while TcpStream::connect(("127.0.0.1", port)).is_err() {
             assert!(Instant::now() < deadline, "chromedriver never listened on {port}");
@@ -72,7 +76,7 @@ impl Browser {
                 "goog:chromeOptions": {
                     "binary": CHROMIUM,
                     "args": ["--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,800",
-                             "--disable-dev-shm-usage", "--disable-crash-reporter", "--disable-breakpad", format!("--user-data-dir={}", browser.profile.display())],
+                             "--disable-dev-shm-usage", "--disable-crash-reporter", "--disable-breakpad", format!("--user-data-dir={}", browser.dir.join("profile").display())],
                 },
             }}})),
         );
@@ -221,9 +225,9 @@ impl Drop for Browser {
         let _ = self.driver.kill();
         let _ = self.driver.wait();
         // The killed browser's processes may still be exiting, and a last one may write into its
-        // profile while it goes: try again until the directory is gone (a few tries at most).
+        // directory while it goes: try again until the directory is gone (a few tries at most).
         for _ in 0..20 {
-            if std::fs::remove_dir_all(&self.profile).is_ok() || !self.profile.exists() {
+            if std::fs::remove_dir_all(&self.dir).is_ok() || !self.dir.exists() {
                 break;
             }
             std::thread::sleep(Duration::from_millis(50));
