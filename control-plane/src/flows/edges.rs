@@ -18,7 +18,7 @@ use innerwall_wire::flows::Decision;
 use sqlx::{PgPool, Row};
 use uuid::Uuid;
 
-use super::hourly::hour_floor;
+use super::hourly::{hour_floor, take_oldest};
 use super::retention::PARTITION_LOCK_KEY;
 use crate::error::Error;
 
@@ -142,21 +142,11 @@ pub async fn sum_edges(pool: &PgPool) -> Result<u64, Error> {
         )
         .execute(&mut *tx)
         .await?;
-        // Taken off the queue by their rows' addresses, as one array (no other transaction
-        // takes them: the lock above), as the roll-up job takes its windows; edges and label
-        // sets are written in key order, so a previous release's roll-up writing label sets
-        // beside this waits rather than deadlocks.
+        // Taken off the queue as the roll-up takes its windows (no other transaction takes
+        // them: the lock above); edges and label sets are written in key order, so a previous
+        // release's roll-up writing label sets beside this waits rather than deadlocks.
         let windows: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-            "WITH oldest AS (
-                SELECT ctid, workload_id, window_id, window_start, record_count FROM flow_edge_pending
-                ORDER BY window_start LIMIT $1),
-             candidates AS (
-                SELECT ctid, sum(record_count) OVER (ORDER BY window_start, workload_id, window_id) - record_count AS before
-                FROM oldest),
-             taken AS (
-                DELETE FROM flow_edge_pending
-                WHERE ctid = ANY(ARRAY(SELECT ctid FROM candidates WHERE before < $2))
-                RETURNING workload_id, window_id, window_start),
+            "WITH {},
              {},
              label_sets AS (
                 INSERT INTO flow_label_sets (digest, labels)
@@ -174,6 +164,7 @@ pub async fn sum_edges(pool: &PgPool) -> Result<u64, Error> {
                 DO UPDATE SET records = e.records + EXCLUDED.records,
                               new_connections = e.new_connections + EXCLUDED.new_connections)
              SELECT count(*) FROM taken",
+            take_oldest("flow_edge_pending", "true", "$1", "$2"),
             queued_edges("taken")
         )))
         .bind(EDGE_BATCH_WINDOWS)
