@@ -7,6 +7,7 @@ use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use innerwall_control_plane::flows;
 use innerwall_control_plane::identity::ca::{FileCa, Signer as _};
 use innerwall_control_plane::postgres::MIGRATOR;
 use innerwall_control_plane::testing::fresh_database;
@@ -34,6 +35,43 @@ fn ok(url: &str, ca: &Path, args: &[&str]) -> String {
 
 async fn services(pool: &PgPool) -> Vec<String> {
     sqlx::query_scalar("SELECT name FROM services ORDER BY name").fetch_all(pool).await.unwrap()
+}
+
+/// A window of one record from workload `w0` starting at `start`, its id the digest of `window`.
+async fn add_window(pool: &PgPool, start: chrono::DateTime<chrono::Utc>, window: &str) {
+    let mut tx = pool.begin().await.unwrap();
+    flows::ensure_partitions(&mut tx, start, start).await.unwrap();
+    tx.commit().await.unwrap();
+    sqlx::query(
+        "WITH w AS (
+            INSERT INTO flow_windows (workload_id, window_id, window_start, window_end, policy_version, mode,
+                record_count, gap_count)
+            VALUES (md5('w0')::uuid, md5($2)::uuid, $1, $1 + interval '60 seconds', 1, 2, 1, 0))
+         INSERT INTO flow_records (workload_id, window_id, window_start, policy_version, src_address, dst_address,
+             dst_port, protocol, decision, matched_rule_id, packets, bytes, new_connections, first_seen, last_seen,
+             peer_kind, peer_key, peer_labels, ordinal)
+         VALUES (md5('w0')::uuid, md5($2)::uuid, $1, 1, '192.0.2.1', '10.0.0.1', 443, 1, 3, '', 1, 60, 1, $1, $1,
+                 0, '192.0.2.1', '{}', 0)",
+    )
+    .bind(start)
+    .bind(window)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// Every row of the map's edges, label sets and both queues of windows, as text.
+async fn flow_evidence(pool: &PgPool) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT 'flow_edge_hours ' || e::text FROM flow_edge_hours e
+         UNION ALL SELECT 'flow_label_sets ' || s::text FROM flow_label_sets s
+         UNION ALL SELECT 'flow_edge_pending ' || q::text FROM flow_edge_pending q
+         UNION ALL SELECT 'flow_pending_windows ' || q::text FROM flow_pending_windows q
+         ORDER BY 1",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
 }
 
 /// A tar archive of `members` (name, bytes), written to `path`.
@@ -76,6 +114,19 @@ async fn backups_are_checked() {
     let config = dir.join("innerwall.toml");
     std::fs::write(&config, "log-level = \"info\"\n").unwrap();
     ok(&source.url, &ca, &["service", "create", "web", "--entry", "tcp:80"]);
+    // Flow evidence with a window summed for the map and one still queued: restored, the
+    // triggers (queueing windows, keeping foreign edge rows out) come after the data, so they
+    // neither queue a window again nor drop an edge.
+    let start = chrono::Utc::now() - chrono::Duration::hours(2);
+    sqlx::query("INSERT INTO workloads (id, hostname) VALUES (md5('w0')::uuid, 'host-0')")
+        .execute(&source.pool)
+        .await
+        .unwrap();
+    add_window(&source.pool, start, "x0").await;
+    assert_eq!(flows::sum_edges(&source.pool).await.unwrap(), 1);
+    add_window(&source.pool, start + chrono::Duration::minutes(1), "x1").await;
+    let evidence = flow_evidence(&source.pool).await;
+    assert_eq!(evidence.iter().filter(|r| r.starts_with("flow_edge_hours")).count(), 1, "{evidence:?}");
 
     // Create: a new file of mode 0600 with the manifest first; never over an existing file.
     let file = dir.join("cp.backup");
@@ -178,6 +229,7 @@ async fn backups_are_checked() {
     empty.pool.close().await;
     let restored = innerwall_control_plane::postgres::pool_options().connect(&empty.url).await.unwrap();
     assert_eq!(services(&restored).await, ["web"]);
+    assert_eq!(flow_evidence(&restored).await, evidence);
     assert_eq!(FileCa::load(&fresh_ca).unwrap().ca_bundle_pem(), signer.ca_bundle_pem());
     assert_eq!(std::fs::metadata(fresh_ca.join("ca.key")).unwrap().permissions().mode() & 0o777, 0o600);
     assert_eq!(std::fs::read_to_string(&config_out).unwrap(), "log-level = \"info\"\n");
