@@ -117,7 +117,7 @@ async fn main() -> anyhow::Result<()> {
         records_per_window: RECORDS_PER_WINDOW,
     };
     let last_minute = windows / (24 * 60);
-    flow_estate::add_workloads(&pool, shape.start, 1, workloads).await?;
+    flow_estate::add_workloads(&pool, &shape).await?;
     flow_estate::add_windows(&pool, &shape, 0..windows - last_minute).await?;
     // 150 destination groups (the loader labels 50).
     sqlx::query("UPDATE workload_labels SET value = 'a' || (('x' || substr(workload_id::text, 1, 8))::bit(32)::bigint % $1) WHERE key = 'app'")

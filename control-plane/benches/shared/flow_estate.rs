@@ -34,8 +34,8 @@ pub async fn load_with(
     workloads: i64,
     records_per_window: i64,
 ) -> anyhow::Result<()> {
-    add_workloads(pool, start, days, workloads).await?;
     let shape = Shape { start, days, windows, workloads, records_per_window };
+    add_workloads(pool, &shape).await?;
     add_windows(pool, &shape, 0..windows).await
 }
 
@@ -49,13 +49,10 @@ pub struct Shape {
     pub records_per_window: i64,
 }
 
-/// The workloads and labels of [`load`], and the flow partitions of `[start, start + days]`.
-pub async fn add_workloads(
-    pool: &PgPool,
-    start: DateTime<Utc>,
-    days: i64,
-    workloads: i64,
-) -> anyhow::Result<()> {
+/// The workloads and labels of `shape` (as [`load`] labels them), and the flow partitions of its
+/// days.
+pub async fn add_workloads(pool: &PgPool, shape: &Shape) -> anyhow::Result<()> {
+    let Shape { start, days, workloads, .. } = *shape;
     let mut tx = pool.begin().await?;
     flows::ensure_partitions(&mut tx, start, start + TimeDelta::days(days)).await?;
     tx.commit().await?;

@@ -19,7 +19,7 @@ use sqlx::{PgPool, Row};
 use uuid::Uuid;
 
 use super::hourly::{hour_floor, take_oldest};
-use super::retention::PARTITION_LOCK_KEY;
+use super::retention::hold_partitions;
 use crate::error::Error;
 
 /// The most raw records of windows not summed yet the map sums; beyond, they are left out (and
@@ -123,11 +123,7 @@ pub async fn sum_edges(pool: &PgPool) -> Result<u64, Error> {
     let mut total = 0;
     loop {
         let mut tx = pool.begin().await?;
-        // Shared, like ingest: retention does not drop a partition under the job.
-        sqlx::query("SELECT pg_advisory_xact_lock_shared($1)")
-            .bind(PARTITION_LOCK_KEY)
-            .execute(&mut *tx)
-            .await?;
+        hold_partitions(&mut tx).await?;
         let ours: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
             .bind(EDGE_LOCK_KEY)
             .fetch_one(&mut *tx)

@@ -24,7 +24,7 @@
 use chrono::{DateTime, DurationRound, TimeDelta, Utc};
 use sqlx::PgPool;
 
-use super::retention::PARTITION_LOCK_KEY;
+use super::retention::hold_partitions;
 use crate::error::Error;
 
 /// At most this many windows are rolled up in one transaction…
@@ -100,11 +100,7 @@ async fn roll_up_slice(pool: &PgPool, horizon: DateTime<Utc>, slice: i64) -> Res
     let mut total = 0;
     loop {
         let mut tx = pool.begin().await?;
-        // Shared, like ingest: retention does not drop a partition under the job.
-        sqlx::query("SELECT pg_advisory_xact_lock_shared($1)")
-            .bind(PARTITION_LOCK_KEY)
-            .execute(&mut *tx)
-            .await?;
+        hold_partitions(&mut tx).await?;
         let ours: bool = sqlx::query_scalar(
             "SELECT pg_try_advisory_xact_lock_shared($1) AND pg_try_advisory_xact_lock($1 + 1 + $2)",
         )

@@ -19,7 +19,7 @@ use serde::Serialize;
 use sqlx::{PgConnection, PgPool, Row};
 
 use super::installs;
-use super::retention::{PARTITION_LOCK_KEY, create_partitions};
+use super::retention::{create_partitions, hold_partitions};
 use crate::copy::{self, copy_in};
 use crate::error::Error;
 use crate::metrics::{Metrics, Refusal};
@@ -207,8 +207,7 @@ pub async fn ingest_with(
 
     let totals = window_totals(&window.records).map_err(IngestError::Other)?;
     let mut tx = pool.begin().await?;
-    // Shared: ingests run side by side; retention (exclusive) waits for them and they for it.
-    sqlx::query("SELECT pg_advisory_xact_lock_shared($1)").bind(PARTITION_LOCK_KEY).execute(&mut *tx).await?;
+    hold_partitions(&mut tx).await?;
     // The workload must be live in this transaction: a retire or deny that committed before it
     // refuses the window even if its notice has not reached this replica's admission yet, and
     // one that comes later waits for it (it locks the row FOR UPDATE; state writes do not).

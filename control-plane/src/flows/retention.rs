@@ -20,7 +20,7 @@ use crate::error::Error;
 pub const DEFAULT_RETENTION_DAYS: i64 = 30;
 
 /// Key of the transaction-scoped advisory lock partition maintenance takes ("iw-flows").
-pub(super) const PARTITION_LOCK_KEY: i64 = 0x6977_2d66_6c6f_7773;
+const PARTITION_LOCK_KEY: i64 = 0x6977_2d66_6c6f_7773;
 
 /// How long a partition change waits for a table's lock before it gives up its own (and retries): well under
 /// Postgres's `deadlock_timeout` (1 s by default), so in a lock cycle with a reader the change is the one that yields.
@@ -46,6 +46,17 @@ const PARTITIONED: [&str; 7] = [
 pub(super) fn partitions(day: NaiveDate) -> [(&'static str, String); 7] {
     let suffix = day.format("%Y%m%d");
     PARTITIONED.map(|table| (table, format!("{table}_{suffix}")))
+}
+
+/// Holds the partition lock shared for the rest of this transaction, as ingest and the flow jobs
+/// do while they write: they run side by side, and no partition is created or dropped under them
+/// (that takes it exclusively, and waits for them as they wait for it).
+pub(super) async fn hold_partitions(conn: &mut PgConnection) -> Result<(), Error> {
+    sqlx::query("SELECT pg_advisory_xact_lock_shared($1)")
+        .bind(PARTITION_LOCK_KEY)
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
 }
 
 /// Takes the partition lock exclusively, then bounds this transaction's waits for table locks by
