@@ -18,7 +18,6 @@ use std::time::{Duration, SystemTime};
 
 use innerwall_wire::identity::WorkloadId;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tonic::transport::server::Connected;
 
 /// Why an identity may no longer connect.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -344,14 +343,6 @@ pub struct Guarded<S> {
 impl<S> Guarded<S> {
     fn ended(&self, cx: &Context<'_>) -> bool {
         self.kill.fired(cx)
-    }
-}
-
-impl<S: Connected> Connected for Guarded<S> {
-    type ConnectInfo = S::ConnectInfo;
-
-    fn connect_info(&self) -> Self::ConnectInfo {
-        self.inner.connect_info()
     }
 }
 

@@ -294,41 +294,32 @@ pub async fn start(
         rate: gateway.bounds(),
         on_blocked: guard(pools.authoring.clone(), metrics.clone()),
     };
-    // Every service on both: a client without a certificate calling an agent service hears
-    // from `Authenticate` that it must enroll first.
-    let routes = |server: tonic::transport::Server| {
-        server
-            .http2_keepalive_interval(Some(Duration::from_secs(30)))
-            .http2_keepalive_timeout(Some(Duration::from_secs(20)))
-            .add_service(
-                EnrollmentServiceServer::new(enroller.clone()).max_decoding_message_size(ENROLL_MAX_MESSAGE),
-            )
-            .add_service(InterceptedService::new(
-                AgentServiceServer::new(gateway.clone())
-                    .max_decoding_message_size(AGENT_MAX_MESSAGE)
-                    .max_encoding_message_size(innerwall_wire::sync::MAX_POLICY_MESSAGE),
-                Authenticate(admission.clone()),
-            ))
-            .add_service(InterceptedService::new(
-                TelemetryServiceServer::new(telemetry.clone())
-                    .max_decoding_message_size(TELEMETRY_MAX_MESSAGE),
-                Authenticate(admission.clone()),
-            ))
-    };
-    let routers = listener::Routers {
-        agents: routes(
-            tonic::transport::Server::builder()
-                .max_concurrent_streams(config.limits.max_streams_per_connection),
-        ),
-        unauthenticated: routes(
-            tonic::transport::Server::builder()
-                .max_concurrent_streams(UNAUTHENTICATED_STREAMS)
-                .initial_stream_window_size(UNAUTHENTICATED_WINDOW)
-                .initial_connection_window_size(UNAUTHENTICATED_WINDOW),
-        ),
+    let routes = tonic::service::Routes::new(
+        EnrollmentServiceServer::new(enroller.clone()).max_decoding_message_size(ENROLL_MAX_MESSAGE),
+    )
+    .add_service(InterceptedService::new(
+        AgentServiceServer::new(gateway.clone())
+            .max_decoding_message_size(AGENT_MAX_MESSAGE)
+            .max_encoding_message_size(innerwall_wire::sync::MAX_POLICY_MESSAGE),
+        Authenticate(admission.clone()),
+    ))
+    .add_service(InterceptedService::new(
+        TelemetryServiceServer::new(telemetry.clone()).max_decoding_message_size(TELEMETRY_MAX_MESSAGE),
+        Authenticate(admission.clone()),
+    ));
+    let services = listener::Services {
+        routes,
+        agents: listener::Http2 {
+            max_concurrent_streams: config.limits.max_streams_per_connection,
+            window: None,
+        },
+        unauthenticated: listener::Http2 {
+            max_concurrent_streams: UNAUTHENTICATED_STREAMS,
+            window: Some(UNAUTHENTICATED_WINDOW),
+        },
     };
     let stopped = tasks.token();
-    let server = tokio::spawn(listener::serve(tcp, tls, admission.clone(), routers, async move {
+    let server = tokio::spawn(listener::serve(tcp, tls, admission.clone(), services, async move {
         stopped.cancelled().await;
     }));
     let metrics_addr = metrics_tcp.as_ref().map(|t| t.local_addr()).transpose().map_err(ServerError::Io)?;

@@ -7,6 +7,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::IpAddr;
+use std::sync::{Arc, Weak};
 
 use ipnet::IpNet;
 
@@ -376,9 +377,18 @@ impl ResolvedRule {
 }
 
 /// The complete rendered policy of one workload at one version.
+///
+/// Everything but the version is its content, held behind an `Arc`: a clone shares it, and so
+/// can any two policies that read the same (a replica's streams share the content of every
+/// workload rendered alike, [`WeakContent`]); a change copies it first if it is shared.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct WorkloadPolicy {
     version: Version,
+    content: Arc<Content>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Content {
     mode: Mode,
     rules: BTreeMap<RuleId, ResolvedRule>,
     /// A promotion awaiting confirmation (FLOW-11): from this moment on (unix milliseconds) the
@@ -386,6 +396,23 @@ pub struct WorkloadPolicy {
     revert_at_ms: Option<i64>,
     /// Rules staged beside the enforced ones (FLOW-10).
     staged: Option<Staged>,
+}
+
+/// A policy's content, not kept alive by this handle: what a cache of contents holds, so that
+/// the content goes when the last policy holding it does.
+#[derive(Debug, Clone)]
+pub struct WeakContent(Weak<Content>);
+
+impl WeakContent {
+    /// The content under `version`, if some policy still holds it.
+    pub fn upgrade(&self, version: Version) -> Option<WorkloadPolicy> {
+        self.0.upgrade().map(|content| WorkloadPolicy { version, content })
+    }
+
+    /// Whether some policy still holds the content.
+    pub fn is_held(&self) -> bool {
+        self.0.strong_count() > 0
+    }
 }
 
 /// The most characters a staged set's id has.
@@ -467,7 +494,10 @@ impl WorkloadPolicy {
                 return Err(PolicyError::DuplicateRule { rule: dup.id.to_string() });
             }
         }
-        Ok(WorkloadPolicy { version, mode, rules: map, revert_at_ms: None, staged: None })
+        Ok(WorkloadPolicy {
+            version,
+            content: Arc::new(Content { mode, rules: map, revert_at_ms: None, staged: None }),
+        })
     }
 
     pub fn version(&self) -> Version {
@@ -475,7 +505,22 @@ impl WorkloadPolicy {
     }
 
     pub fn mode(&self) -> Mode {
-        self.mode
+        self.content.mode
+    }
+
+    /// A handle on this policy's content that does not keep it alive.
+    pub fn weak_content(&self) -> WeakContent {
+        WeakContent(Arc::downgrade(&self.content))
+    }
+
+    /// Whether `other` holds the very content this one does (then they differ at most in their
+    /// versions).
+    pub fn shares_content(&self, other: &WorkloadPolicy) -> bool {
+        Arc::ptr_eq(&self.content, &other.content)
+    }
+
+    fn content_mut(&mut self) -> &mut Content {
+        Arc::make_mut(&mut self.content)
     }
 
     /// The same content under another version (a render re-stamps before persisting).
@@ -486,7 +531,9 @@ impl WorkloadPolicy {
 
     /// The same rules under another mode.
     pub fn with_mode(mut self, mode: Mode) -> Self {
-        self.mode = mode;
+        if self.content.mode != mode {
+            self.content_mut().mode = mode;
+        }
         self
     }
 
@@ -498,46 +545,45 @@ impl WorkloadPolicy {
         {
             return Err(PolicyError::RevertDeadline { at_ms: at });
         }
-        self.revert_at_ms = at_ms;
+        if self.content.revert_at_ms != at_ms {
+            self.content_mut().revert_at_ms = at_ms;
+        }
         Ok(self)
     }
 
     /// The same policy with rules staged beside its own (`None`: none).
     pub fn with_staged(mut self, staged: Option<Staged>) -> Self {
-        self.staged = staged;
+        if self.content.staged != staged {
+            self.content_mut().staged = staged;
+        }
         self
     }
 
     /// The staged set, if any (FLOW-10).
     pub fn staged(&self) -> Option<&Staged> {
-        self.staged.as_ref()
+        self.content.staged.as_ref()
     }
 
     /// The pending policy of the staged set: the same version and mode, its rules with the
     /// staged removals taken out and the upserts put in (no staged set, no deadline of its own).
     pub fn pending(&self) -> Option<WorkloadPolicy> {
-        let staged = self.staged.as_ref()?;
-        let mut rules = self.rules.clone();
+        let staged = self.content.staged.as_ref()?;
+        let mut rules = self.content.rules.clone();
         rules.retain(|id, _| !staged.removals.contains(id));
         rules.extend(staged.upserts.iter().map(|(id, r)| (id.clone(), r.clone())));
-        Some(WorkloadPolicy {
-            version: self.version,
-            mode: self.mode,
-            rules,
-            revert_at_ms: None,
-            staged: None,
-        })
+        let content = Content { mode: self.content.mode, rules, revert_at_ms: None, staged: None };
+        Some(WorkloadPolicy { version: self.version, content: Arc::new(content) })
     }
 
     /// When an unconfirmed promotion reverts (unix milliseconds), if one is pending.
     pub fn revert_at(&self) -> Option<i64> {
-        self.revert_at_ms
+        self.content.revert_at_ms
     }
 
     /// Whether the revert deadline of an enforcing policy has passed at `now_ms`: it is then
     /// enforced as its simulation (the agent's table, and the decisions flows are judged with).
     pub fn reverted_at(&self, now_ms: i64) -> bool {
-        self.mode == Mode::Enforcement && self.revert_at_ms.is_some_and(|at| now_ms >= at)
+        self.content.mode == Mode::Enforcement && self.content.revert_at_ms.is_some_and(|at| now_ms >= at)
     }
 
     /// The policy as enforced at `now_ms`: itself, or its simulation once its revert deadline
@@ -552,11 +598,11 @@ impl WorkloadPolicy {
 
     /// Rules in id order.
     pub fn rules(&self) -> impl ExactSizeIterator<Item = &ResolvedRule> {
-        self.rules.values()
+        self.content.rules.values()
     }
 
     pub fn rule(&self, id: &RuleId) -> Option<&ResolvedRule> {
-        self.rules.get(id)
+        self.content.rules.get(id)
     }
 
     /// Applies a delta as a unit: either every change applies and the result carries
@@ -570,14 +616,19 @@ impl WorkloadPolicy {
             return Err(ApplyError::VersionNotAdvanced { from, to });
         }
         let mut next = self.clone();
-        for change in &delta.changes {
-            next.apply_change(change)?;
+        if !delta.changes.is_empty() {
+            let content = next.content_mut();
+            for change in &delta.changes {
+                content.apply(change)?;
+            }
         }
         next.version = to;
         Ok(next)
     }
+}
 
-    fn apply_change(&mut self, change: &Change) -> Result<(), ApplyError> {
+impl Content {
+    fn apply(&mut self, change: &Change) -> Result<(), ApplyError> {
         match change {
             Change::SetMode(mode) => self.mode = *mode,
             Change::SetStaged(staged) => self.staged = staged.clone(),
@@ -664,6 +715,11 @@ impl PolicyDelta {
 /// a removal, an upsert (new rule, or its ports changed), or peer removals and additions.
 /// A rule whose peers all go stays as an empty rule; only its absence from `b` removes it.
 pub fn diff(a: &WorkloadPolicy, b: &WorkloadPolicy) -> PolicyDelta {
+    let (from_version, to_version) = (a.version, b.version);
+    if a.shares_content(b) {
+        return PolicyDelta { from_version, to_version, changes: Vec::new() };
+    }
+    let (a, b) = (&*a.content, &*b.content);
     let mut changes = Vec::new();
     if a.mode != b.mode {
         changes.push(Change::SetMode(b.mode));
@@ -693,7 +749,7 @@ pub fn diff(a: &WorkloadPolicy, b: &WorkloadPolicy) -> PolicyDelta {
             (None, None) => unreachable!("id came from one of the maps"),
         }
     }
-    PolicyDelta { from_version: a.version, to_version: b.version, changes }
+    PolicyDelta { from_version, to_version, changes }
 }
 
 /// A value that cannot be part of a rendered policy. The message names the offending value.
@@ -868,6 +924,43 @@ mod tests {
             Err(PolicyError::PortsNotAllowed { .. })
         ));
         assert!(ResolvedRule::new(icmp, [], cidrs(&["10.0.0.0/8"])).is_ok());
+    }
+
+    /// Copies and re-versioned policies share one content; changing one copies it first, so the
+    /// others never see the change, and a content goes with the last policy holding it.
+    #[test]
+    fn policies_share_their_content_until_one_changes() {
+        let id = RuleId::new("r", Protocol::Tcp).unwrap();
+        let rule =
+            ResolvedRule::new(id.clone(), [PortRange::single(22).unwrap()], cidrs(&["10.0.0.0/8"])).unwrap();
+        let first = WorkloadPolicy::new(4, Mode::Enforcement, [rule]).unwrap();
+        let second = first.clone().with_version(9).with_mode(Mode::Enforcement);
+        assert!(second.shares_content(&first), "a new version and the same mode copy nothing");
+        assert_eq!(diff(&first, &second).changes, vec![], "shared content: nothing changes");
+
+        let delta = PolicyDelta {
+            from_version: 9,
+            to_version: 10,
+            changes: vec![Change::AddPeers {
+                rule: id.clone(),
+                peers: cidrs(&["192.0.2.0/24"]).into_iter().collect(),
+            }],
+        };
+        let third = second.apply(&delta).unwrap();
+        assert!(!third.shares_content(&second));
+        assert_eq!(second.rule(&id).unwrap().peers().len(), 1, "the shared content is untouched");
+        assert_eq!(first.rule(&id).unwrap().peers().len(), 1);
+        assert_eq!(third.rule(&id).unwrap().peers().len(), 2);
+        assert_eq!(diff(&second, &third), delta, "unshared contents are compared");
+        let simulated = first.clone().with_mode(Mode::Simulation);
+        assert!(!simulated.shares_content(&first));
+        assert_eq!(first.mode(), Mode::Enforcement);
+
+        let weak = third.weak_content();
+        let again = weak.upgrade(11).expect("held by `third`");
+        assert!(again.shares_content(&third) && again.version() == 11);
+        drop((third, again));
+        assert!(!weak.is_held() && weak.upgrade(12).is_none(), "the content went with its last holder");
     }
 
     #[test]

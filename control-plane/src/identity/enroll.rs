@@ -516,14 +516,13 @@ async fn retire_replaced(
 /// the TLS handshake proved the client holds the certificate's key.
 #[allow(clippy::result_large_err)]
 fn presented_identity<T>(request: &tonic::Request<T>) -> Result<WorkloadId, tonic::Status> {
-    let leaf = request.peer_certs().and_then(|certs| certs.first().cloned()).ok_or_else(|| {
+    let presented = request.extensions().get::<crate::identity::listener::Presented>().ok_or_else(|| {
         tonic::Status::invalid_argument(
             "replace needs the replaced identity's credential as the TLS client certificate of the \
              enrollment connection",
         )
     })?;
-    crate::identity::ca::workload_id_from_certificate(leaf.as_ref())
-        .map_err(|e| tonic::Status::unauthenticated(e.to_string()))
+    Ok(presented.0.id)
 }
 
 #[tonic::async_trait]

@@ -2,13 +2,15 @@
 //! certificate, or on a re-enrollment the credential it replaces) and the agent and telemetry
 //! services (client certificate chained to the CA).
 //! Identity comes from the connection only: the handshake verifies the chain and refuses
-//! deny-listed identities (IDN-7), and the `authenticate` interceptor hands the certificate's
-//! workload id to handlers as [`AgentIdentity`].
+//! deny-listed identities (IDN-7), the listener reads the certificate's identity once per
+//! connection ([`Presented`]), and the [`Authenticate`] interceptor hands it to handlers as
+//! [`AgentIdentity`] on every call whose workload is still admitted.
 
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use innerwall_wire::identity::WorkloadId;
 use rustls::pki_types::{CertificateDer, UnixTime, pem::PemObject};
 use rustls::server::WebPkiClientVerifier;
@@ -20,7 +22,7 @@ use tonic::{Request, Status};
 
 use crate::admission::{Admission, Refusal};
 use crate::identity::ca::{
-    Signer, certificate_key_sha256, certificate_not_after, workload_id_from_certificate,
+    CertIdentityError, Signer, certificate_key_sha256, certificate_not_after, workload_id_from_certificate,
 };
 use crate::identity::server_cert::ServerCertificate;
 
@@ -35,8 +37,6 @@ pub enum ServerError {
     Ca(#[from] crate::identity::ca::CaError),
     #[error("listener: {0}")]
     Io(#[from] std::io::Error),
-    #[error("grpc server: {0}")]
-    Transport(#[from] tonic::transport::Error),
     #[error(transparent)]
     Certificate(#[from] crate::identity::server_cert::ServerCertError),
 }
@@ -174,112 +174,148 @@ pub fn tls_config(
     Ok(Arc::new(config))
 }
 
-/// The services, served twice over with HTTP/2 settings for who is calling: `agents` on
-/// connections with a client certificate, `unauthenticated` on connections without one
-/// (enrollment), whose settings bound what a client that proved nothing can make the replica
-/// buffer.
-#[derive(Debug)]
-pub struct Routers {
-    pub agents: tonic::transport::server::Router,
-    pub unauthenticated: tonic::transport::server::Router,
+/// HTTP/2 settings of one kind of connection.
+#[derive(Debug, Clone, Copy)]
+pub struct Http2 {
+    /// The most streams a client may open at once on one connection.
+    pub max_concurrent_streams: u32,
+    /// The initial stream and connection flow-control windows (`None`: hyper's, 1 MiB).
+    pub window: Option<u32>,
 }
 
+/// The services, and the HTTP/2 settings for who is calling: `agents` on connections with a
+/// client certificate, `unauthenticated` on connections without one (enrollment), whose
+/// settings bound what a client that proved nothing can make the replica buffer. Every service
+/// is served on both: a client without a certificate calling an agent service hears from
+/// [`Authenticate`] that it must enroll first.
+#[derive(Debug, Clone)]
+pub struct Services {
+    pub routes: tonic::service::Routes,
+    pub agents: Http2,
+    pub unauthenticated: Http2,
+}
+
+/// How often an idle connection is pinged, and how long the answer may take before the
+/// connection is closed.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
+
+fn http2(settings: Http2) -> hyper::server::conn::http2::Builder<TokioExecutor> {
+    let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+    builder
+        .timer(TokioTimer::new())
+        .keep_alive_interval(KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+        .max_concurrent_streams(settings.max_concurrent_streams);
+    if let Some(window) = settings.window {
+        builder.initial_stream_window_size(window).initial_connection_window_size(window);
+    }
+    builder
+}
+
+/// The identity of the verified client certificate a connection presented, read once when
+/// its handshake completed and put into each of its requests. [`Authenticate`] reads it (and
+/// checks it is still admitted) for the agent services; enrollment reads it for a replace.
+#[derive(Debug, Clone)]
+pub struct Presented(pub Arc<AgentIdentity>);
+
 /// Accepts TCP connections, completes TLS handshakes off the accept loop (bounded by a
-/// timeout), and serves `routers` on them until `shutdown` resolves. Each connection with a
-/// client certificate is registered in `admission` under its workload, so a retire or deny
-/// ends it.
+/// timeout), and serves `services` over HTTP/2 on them until `shutdown` resolves; then it
+/// closes the listener, asks every connection to finish (HTTP/2 GOAWAY) and waits for them.
+/// Each connection with a client certificate is registered in `admission` under its workload,
+/// so a retire or deny ends it.
+///
+/// HTTP/2 is served by hyper directly, on the handshake's own task, rather than through
+/// tonic's server: that kept a second task, an HTTP/1-or-2 connection and a copy of the peer's
+/// certificate chain per connection (PERF-4 in BENCHMARKS.md).
 pub async fn serve(
     listener: TcpListener,
     tls: Arc<ServerConfig>,
     admission: Arc<Admission>,
-    routers: Routers,
+    services: Services,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServerError> {
     let acceptor = TlsAcceptor::from(tls);
     let handshakes = Arc::new(tokio::sync::Semaphore::new(admission.limits().max_handshakes));
-    let (agents_tx, agents_rx) = tokio::sync::mpsc::channel(128);
-    let (unauthenticated_tx, unauthenticated_rx) = tokio::sync::mpsc::channel(128);
-    let accept = tokio::spawn(async move {
-        let mut refusals = 0u64;
-        loop {
-            let (tcp, peer) = match listener.accept().await {
+    let builders = Arc::new((http2(services.agents), http2(services.unauthenticated)));
+    let routes = services.routes.prepare();
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    let mut refusals = 0u64;
+    loop {
+        let (tcp, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
                 Ok(conn) => conn,
                 Err(e) => {
                     tracing::warn!("accept failed: {e}");
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
+            },
+            () = &mut shutdown => break,
+        };
+        // Over a bound the connection is closed at once, before any TLS work.
+        let (Some(slot), Ok(handshake)) =
+            (admission.admit(peer.ip()), handshakes.clone().try_acquire_owned())
+        else {
+            refusals += 1;
+            if refusals.is_power_of_two() {
+                tracing::warn!(%peer, refusals, "refused a connection over the connection or handshake limits");
+            }
+            continue;
+        };
+        let _ = tcp.set_nodelay(true);
+        let (acceptor, admission, builders, routes) =
+            (acceptor.clone(), admission.clone(), builders.clone(), routes.clone());
+        let watcher = graceful.watcher();
+        tokio::spawn(async move {
+            let handshake_result = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await;
+            drop(handshake);
+            let stream = match handshake_result {
+                Ok(Ok(stream)) => stream,
+                Ok(Err(e)) => return tracing::info!(%peer, "tls handshake refused: {e}"),
+                Err(_) => return tracing::info!(%peer, "tls handshake timed out"),
             };
-            // Over a bound the connection is closed at once, before any TLS work.
-            let (Some(slot), Ok(handshake)) =
-                (admission.admit(peer.ip()), handshakes.clone().try_acquire_owned())
-            else {
-                refusals += 1;
-                if refusals.is_power_of_two() {
-                    tracing::warn!(%peer, refusals, "refused a connection over the connection or handshake limits");
-                }
-                continue;
-            };
-            let _ = tcp.set_nodelay(true);
-            let (acceptor, admission) = (acceptor.clone(), admission.clone());
-            let (agents_tx, unauthenticated_tx) = (agents_tx.clone(), unauthenticated_tx.clone());
-            tokio::spawn(async move {
-                let handshake_result = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await;
-                drop(handshake);
-                match handshake_result {
-                    Ok(Ok(stream)) => {
-                        // The verifier accepted the chain and the identity; only its id is read here.
-                        let agent = stream.get_ref().1.peer_certificates().and_then(|certs| certs.first());
-                        let identity = agent.map(|leaf| {
-                            let id = workload_id_from_certificate(leaf.as_ref());
-                            id.and_then(|id| Ok((id, certificate_not_after(leaf.as_ref())?)))
-                        });
-                        match identity {
-                            Some(Ok((id, not_after))) => match admission.guard(id, stream, slot, not_after) {
-                                Some(stream) => {
-                                    let _ = agents_tx.send(Ok::<_, std::io::Error>(stream)).await;
-                                }
-                                None => {
-                                    tracing::info!(%peer, workload = %id, "refused: too many connections of one identity")
-                                }
-                            },
-                            _ => match admission.unauthenticated(stream, slot) {
-                                Some(stream) => {
-                                    let _ = unauthenticated_tx.send(Ok::<_, std::io::Error>(stream)).await;
-                                }
-                                None => {
-                                    tracing::info!(%peer, "refused: too many unauthenticated connections")
-                                }
-                            },
-                        }
+            // The verifier accepted the chain and the identity; here it is read for the requests.
+            let leaf = stream.get_ref().1.peer_certificates().and_then(|certs| certs.first());
+            let (stream, presented, builder) = match leaf.map(|leaf| presented(leaf.as_ref())) {
+                Some(Ok(identity)) => match admission.guard(identity.id, stream, slot, identity.not_after) {
+                    Some(stream) => (stream, Some(Presented(Arc::new(identity))), &builders.0),
+                    None => {
+                        return tracing::info!(%peer, workload = %identity.id, "refused: too many connections of one identity");
                     }
-                    Ok(Err(e)) => tracing::info!(%peer, "tls handshake refused: {e}"),
-                    Err(_) => tracing::info!(%peer, "tls handshake timed out"),
-                }
-            });
-        }
-    });
-    // Both servers stop on the one shutdown signal.
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    let signal = |mut stopped: tokio::sync::watch::Receiver<bool>| async move {
-        let _ = stopped.wait_for(|stop| *stop).await;
-    };
-    let agents = routers.agents.serve_with_incoming_shutdown(
-        tokio_stream::wrappers::ReceiverStream::new(agents_rx),
-        signal(stopped.clone()),
-    );
-    let unauthenticated = routers.unauthenticated.serve_with_incoming_shutdown(
-        tokio_stream::wrappers::ReceiverStream::new(unauthenticated_rx),
-        signal(stopped),
-    );
-    let shutdown = async move {
-        shutdown.await;
-        let _ = stop.send(true);
-    };
-    let ((), agents, unauthenticated) = tokio::join!(shutdown, agents, unauthenticated);
-    accept.abort();
-    agents?;
-    Ok(unauthenticated?)
+                },
+                Some(Err(e)) => return tracing::info!(%peer, "refused: {e}"),
+                None => match admission.unauthenticated(stream, slot) {
+                    Some(stream) => (stream, None, &builders.1),
+                    None => return tracing::info!(%peer, "refused: too many unauthenticated connections"),
+                },
+            };
+            let service =
+                hyper::service::service_fn(move |mut request: hyper::Request<hyper::body::Incoming>| {
+                    if let Some(presented) = &presented {
+                        request.extensions_mut().insert(presented.clone());
+                    }
+                    tonic::codegen::Service::call(&mut routes.clone(), request)
+                });
+            let connection = builder.serve_connection(TokioIo::new(stream), service);
+            if let Err(e) = watcher.watch(connection).await {
+                tracing::debug!(%peer, "connection ended: {e}");
+            }
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
+    Ok(())
+}
+
+/// The identity a verified client certificate presents.
+fn presented(leaf: &[u8]) -> Result<AgentIdentity, CertIdentityError> {
+    Ok(AgentIdentity {
+        id: workload_id_from_certificate(leaf)?,
+        not_after: certificate_not_after(leaf)?,
+        key_sha256: certificate_key_sha256(leaf)?.into(),
+    })
 }
 
 /// The workload an agent RPC comes from and when the certificate it proved that with expires,
@@ -300,22 +336,15 @@ pub struct Authenticate(pub Arc<Admission>);
 
 impl tonic::service::Interceptor for Authenticate {
     fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
-        let certs = req.peer_certs().ok_or_else(|| {
+        let Presented(identity) = req.extensions().get::<Presented>().cloned().ok_or_else(|| {
             Status::unauthenticated(
                 "a client certificate issued by the innerwall CA is required: enroll this host first",
             )
         })?;
-        let leaf = certs.first().ok_or_else(|| Status::unauthenticated("empty client certificate chain"))?;
-        let id = workload_id_from_certificate(leaf.as_ref())
-            .map_err(|e| Status::unauthenticated(e.to_string()))?;
-        let not_after =
-            certificate_not_after(leaf.as_ref()).map_err(|e| Status::unauthenticated(e.to_string()))?;
-        if let Some(refusal) = self.0.refusal(id) {
-            return Err(Status::permission_denied(refusal.message(id)));
+        if let Some(refusal) = self.0.refusal(identity.id) {
+            return Err(Status::permission_denied(refusal.message(identity.id)));
         }
-        let key_sha256 =
-            certificate_key_sha256(leaf.as_ref()).map_err(|e| Status::unauthenticated(e.to_string()))?.into();
-        req.extensions_mut().insert(AgentIdentity { id, not_after, key_sha256 });
+        req.extensions_mut().insert(AgentIdentity::clone(&identity));
         Ok(req)
     }
 }

@@ -13,7 +13,7 @@ use innerwall_wire::labels::{LabelKey, LabelValue};
 use innerwall_wire::policy::{Cidr, Mode, PortRange, Protocol, WorkloadPolicy};
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::{PgArguments, PgRow};
-use sqlx::{PgConnection, PgPool, Row};
+use sqlx::{PgConnection, Row};
 use uuid::Uuid;
 
 use crate::error::Error;
@@ -641,21 +641,37 @@ fn decode_row(row: &PgRow) -> Result<(WorkloadPolicy, DateTime<Utc>), Error> {
     Ok((persisted.decode()?, rendered_at))
 }
 
-/// The latest persisted policies of `ids` (those that have one), undecoded, with the time each
-/// was rendered: one query for many streams catching up at once (`sync::reads`).
-pub async fn persisted_bytes_of(
-    pool: &PgPool,
+/// Where a workload's latest persisted policy stands, with the time it was rendered: what a
+/// stream catching up reads first (`sync::reads`), before the contents it does not hold yet.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Persisting {
+    pub version: u64,
+    pub digest: Vec<u8>,
+    pub rendered_at: DateTime<Utc>,
+}
+
+/// [`Persisting`] of `ids` (those that have a persisted policy): one query for many streams
+/// catching up at once.
+pub async fn persisting_of(
+    conn: &mut PgConnection,
     ids: &[Uuid],
-) -> Result<BTreeMap<WorkloadId, (Persisted, DateTime<Utc>)>, Error> {
+) -> Result<BTreeMap<WorkloadId, Persisting>, Error> {
     let rows = sqlx::query(
-        "SELECT p.workload_id, p.version, c.policy, p.rendered_at
-         FROM workload_policies p JOIN policy_contents c ON c.digest = p.digest
-         WHERE p.workload_id = ANY($1)",
+        "SELECT workload_id, version, digest, rendered_at FROM workload_policies WHERE workload_id = ANY($1)",
     )
     .bind(ids)
-    .fetch_all(pool)
+    .fetch_all(&mut *conn)
     .await?;
-    rows.iter().map(|row| Ok((workload_id(row.get("workload_id"))?, persisted_row(row)?))).collect()
+    rows.iter()
+        .map(|row| {
+            let persisting = Persisting {
+                version: stored_version(row.get("version"))?,
+                digest: row.get("digest"),
+                rendered_at: row.get("rendered_at"),
+            };
+            Ok((workload_id(row.get("workload_id"))?, persisting))
+        })
+        .collect()
 }
 
 /// A workload's persisted policy with the time it was rendered.

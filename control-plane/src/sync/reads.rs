@@ -1,15 +1,24 @@
-//! Reads of persisted policies for streams, batched. A render that changes 1,000 workloads pokes
-//! 1,000 streams at once, and a restarted replica opens thousands of streams at once; each used
-//! to read its own policy with its own query. The reader answers every request waiting when it is
-//! free with one query; no request waits for a timer, only for the read in progress. Each stream
-//! decodes its own bytes, so decoding stays spread over the runtime's workers.
+//! Reads of persisted policies for streams, batched and shared. A render that changes 1,000
+//! workloads pokes 1,000 streams at once, and a restarted replica opens thousands of streams at
+//! once; each used to read its own policy with its own query. The reader answers every request
+//! waiting when it is free with one query; no request waits for a timer, only for the read in
+//! progress.
+//!
+//! Workloads rendered alike hold one content (the store keeps it once, by digest), and so do
+//! their streams here: a decoded content is kept by digest for as long as some stream's policy
+//! holds it ([`WeakContent`]), and a stream whose policy has that digest gets it without reading
+//! or decoding its bytes (PERF-4: what an idle stream holds; PERF-2: what a change costs). The
+//! reader reads only the contents nobody holds; it decodes a content itself when several
+//! requests of its batch want it, and otherwise leaves the decoding to the stream, so decoding
+//! distinct contents stays spread over the runtime's workers.
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use innerwall_wire::identity::WorkloadId;
-use innerwall_wire::policy::WorkloadPolicy;
+use innerwall_wire::policy::{WeakContent, WorkloadPolicy};
 use sqlx::PgPool;
 use tokio::sync::{mpsc, oneshot};
 
@@ -24,14 +33,52 @@ pub const MAX_BATCH: usize = 100;
 /// Requests waiting for the reader at most; a stream asking one more waits for room.
 const QUEUE: usize = 4 * MAX_BATCH;
 
-/// A stored policy as read, undecoded, and when it was rendered.
-type Stored = (store::Persisted, chrono::DateTime<chrono::Utc>);
-type Answer = oneshot::Sender<Result<Option<Stored>, String>>;
+type Rendered = chrono::DateTime<chrono::Utc>;
+
+/// What the reader answers a request with: the policy, or its content's bytes to decode.
+#[derive(Debug, Clone)]
+enum Found {
+    Shared(WorkloadPolicy),
+    Bytes { persisted: store::Persisted, digest: Vec<u8> },
+}
+
+type Answer = oneshot::Sender<Result<Option<(Found, Rendered)>, String>>;
+
+/// The decoded contents some stream's policy still holds, by digest.
+#[derive(Debug, Default)]
+struct Contents {
+    by_digest: BTreeMap<Vec<u8>, WeakContent>,
+    /// How many entries there were after the last sweep of the ones nobody holds.
+    swept: usize,
+}
+
+impl Contents {
+    fn get(&self, digest: &[u8], version: u64) -> Option<WorkloadPolicy> {
+        self.by_digest.get(digest)?.upgrade(version)
+    }
+
+    /// Keeps `policy`'s content under `digest`. Entries nobody holds are swept whenever the map
+    /// has doubled since the last sweep, so it stays within twice the contents held (plus 64).
+    fn put(&mut self, digest: Vec<u8>, policy: &WorkloadPolicy) {
+        self.by_digest.insert(digest, policy.weak_content());
+        if self.by_digest.len() > 2 * self.swept + 64 {
+            self.by_digest.retain(|_, content| content.is_held());
+            self.swept = self.by_digest.len();
+        }
+    }
+}
+
+type Shared = Arc<Mutex<Contents>>;
+
+fn lock(contents: &Shared) -> std::sync::MutexGuard<'_, Contents> {
+    contents.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// The asking side, held by the gateway. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Reads {
     queue: mpsc::Sender<(WorkloadId, Answer)>,
+    contents: Shared,
     queries: Arc<AtomicU64>,
 }
 
@@ -40,20 +87,23 @@ impl Reads {
     pub fn start(pool: PgPool) -> Reads {
         let (queue, pending) = mpsc::channel(QUEUE);
         let queries = Arc::new(AtomicU64::new(0));
-        tokio::spawn(read_forever(pool, pending, queries.clone()));
-        Reads { queue, queries }
+        let contents = Shared::default();
+        tokio::spawn(read_forever(pool, pending, contents.clone(), queries.clone()));
+        Reads { queue, contents, queries }
     }
 
     /// `id`'s latest persisted policy and when it was rendered, if it has one.
-    pub async fn latest(
-        &self,
-        id: WorkloadId,
-    ) -> Result<Option<(WorkloadPolicy, chrono::DateTime<chrono::Utc>)>, Error> {
+    pub async fn latest(&self, id: WorkloadId) -> Result<Option<(WorkloadPolicy, Rendered)>, Error> {
         let (answer, answered) = oneshot::channel();
         let stopped = || Error::Busy("the policy reader has stopped".into());
         self.queue.send((id, answer)).await.map_err(|_| stopped())?;
         match answered.await.map_err(|_| stopped())? {
-            Ok(Some((persisted, rendered_at))) => Ok(Some((persisted.decode()?, rendered_at))),
+            Ok(Some((Found::Shared(policy), rendered_at))) => Ok(Some((policy, rendered_at))),
+            Ok(Some((Found::Bytes { persisted, digest }, rendered_at))) => {
+                let policy = persisted.decode()?;
+                lock(&self.contents).put(digest, &policy);
+                Ok(Some((policy, rendered_at)))
+            }
             Ok(None) => Ok(None),
             Err(why) => Err(Error::Busy(format!("reading persisted policies: {why}"))),
         }
@@ -68,14 +118,12 @@ impl Reads {
 async fn read_forever(
     pool: PgPool,
     mut pending: mpsc::Receiver<(WorkloadId, Answer)>,
+    contents: Shared,
     queries: Arc<AtomicU64>,
 ) {
     while let Some(batch) = batch::next(&mut pending, MAX_BATCH, Duration::ZERO).await {
-        let mut ids: Vec<uuid::Uuid> = batch.iter().map(|(id, _)| id.uuid()).collect();
-        ids.sort_unstable();
-        ids.dedup();
         queries.fetch_add(1, Ordering::Relaxed);
-        match store::persisted_bytes_of(&pool, &ids).await {
+        match read(&pool, &contents, batch.iter().map(|(id, _)| *id)).await {
             Ok(found) => {
                 for (id, answer) in batch {
                     let _ = answer.send(Ok(found.get(&id).cloned()));
@@ -89,4 +137,64 @@ async fn read_forever(
             }
         }
     }
+}
+
+/// What a batch of requests for `ids` is answered with: the policies whose content is held, and
+/// decoded once here when several want it; the bytes of the rest. The rows and the contents
+/// they name are read in one snapshot (retention may delete a content no row names any more).
+async fn read(
+    pool: &PgPool,
+    contents: &Shared,
+    ids: impl Iterator<Item = WorkloadId>,
+) -> Result<BTreeMap<WorkloadId, (Found, Rendered)>, Error> {
+    let mut ids: Vec<uuid::Uuid> = ids.map(|id| id.uuid()).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    let mut tx = pool.begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY").await?;
+    let persisting = store::persisting_of(&mut tx, &ids).await?;
+    let mut missing: BTreeMap<&[u8], usize> = BTreeMap::new();
+    {
+        let held = lock(contents);
+        for p in persisting.values() {
+            if held.get(&p.digest, p.version).is_none() {
+                *missing.entry(&p.digest).or_default() += 1;
+            }
+        }
+    }
+    let bytes = if missing.is_empty() {
+        BTreeMap::new()
+    } else {
+        let digests: Vec<Vec<u8>> = missing.keys().map(|d| d.to_vec()).collect();
+        store::load_contents(&mut tx, &digests).await?
+    };
+    tx.commit().await?;
+    let mut decoded: BTreeMap<&[u8], WorkloadPolicy> = BTreeMap::new();
+    for (digest, _) in missing.iter().filter(|(_, wanted)| **wanted > 1) {
+        if let Some(bytes) = bytes.get(*digest) {
+            let policy = store::Persisted { version: 0, bytes: bytes.clone() }.decode()?;
+            lock(contents).put(digest.to_vec(), &policy);
+            decoded.insert(digest, policy);
+        }
+    }
+    let held = lock(contents);
+    let mut found = BTreeMap::new();
+    for (id, p) in &persisting {
+        let answer = match decoded.get(p.digest.as_slice()) {
+            Some(policy) => Found::Shared(policy.clone().with_version(p.version)),
+            None => match held.get(&p.digest, p.version) {
+                Some(policy) => Found::Shared(policy),
+                None => {
+                    let bytes = bytes.get(&p.digest).cloned().ok_or_else(|| {
+                        Error::Invalid(format!("workload {id}: its policy's content is not stored"))
+                    })?;
+                    Found::Bytes {
+                        persisted: store::Persisted { version: p.version, bytes },
+                        digest: p.digest.clone(),
+                    }
+                }
+            },
+        };
+        found.insert(*id, (answer, p.rendered_at));
+    }
+    Ok(found)
 }

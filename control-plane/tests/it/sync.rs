@@ -1074,12 +1074,19 @@ async fn stream_state_records_share_a_transaction_and_each_hears_its_own() {
 }
 
 /// Streams catching up at once share one query: every answer is the stream's own policy (or none
-/// for a workload without one), and 40 concurrent reads cost one query.
+/// for a workload without one), and 41 concurrent reads cost one query. Workloads rendered alike
+/// share one decoded content, for as long as some stream holds it (PERF-4); one rendered
+/// otherwise gets its own.
 #[tokio::test]
 async fn concurrent_policy_reads_share_a_query_and_each_gets_its_own_policy() {
     use innerwall_control_plane::sync::reads::Reads;
 
-    let (db, ids) = forty_workloads("read").await;
+    let (db, mut ids) = forty_workloads("read").await;
+    innerwall_control_plane::testing::admit(&db.pool, "web", ("app", "web"), ("app", "client"), "tcp:443")
+        .await
+        .unwrap();
+    let web = crate::publish::register(&db.pool, "read-web", &["app=web"], &[]).await;
+    ids.push(web);
     let unknown = WorkloadId::new_random();
     let reads = Reads::start(db.pool.clone());
     let tasks: Vec<_> = ids
@@ -1102,11 +1109,32 @@ async fn concurrent_policy_reads_share_a_query_and_each_gets_its_own_policy() {
     }
     assert_eq!(answers.last(), Some(&None), "a workload without a policy has none");
     // The runtime is single-threaded: every request is queued before the reader first runs.
-    assert_eq!(reads.queries(), 1, "41 concurrent reads, one query");
+    assert_eq!(reads.queries(), 1, "42 concurrent reads, one query");
 
-    // The second time: a read after the first batch is its own query.
-    assert!(reads.latest(ids[0]).await.unwrap().is_some());
+    // The forty unlabelled workloads have one content; the web workload another.
+    let digests: Vec<(uuid::Uuid, Vec<u8>)> =
+        sqlx::query_as("SELECT workload_id, digest FROM workload_policies WHERE workload_id = ANY($1)")
+            .bind(ids.iter().map(|id| id.uuid()).collect::<Vec<_>>())
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    let web_digest = &digests.iter().find(|(id, _)| *id == web.uuid()).unwrap().1;
+    assert!(digests.iter().filter(|(id, _)| *id != web.uuid()).all(|(_, d)| d != web_digest));
+    let policy = |i: usize| answers[i].as_ref().unwrap().0.clone();
+    let (first, web_policy) = (policy(0), policy(40));
+    assert!((1..40).all(|i| policy(i).shares_content(&first)), "one content for the forty alike");
+    assert!(!web_policy.shares_content(&first) && web_policy.rules().len() == 1);
+
+    // The second time: a read after the first batch is its own query, and gets the content the
+    // first batch's answers still hold.
+    let again = reads.latest(ids[0]).await.unwrap().unwrap().0;
     assert_eq!(reads.queries(), 2);
+    assert!(again.shares_content(&first));
+    // Once no stream holds a content, a read decodes it afresh, the same.
+    drop((answers, first, again));
+    let fresh = reads.latest(ids[1]).await.unwrap();
+    assert_eq!(fresh, store::persisted_policy(&mut conn, ids[1]).await.unwrap());
+    assert_eq!(reads.queries(), 3);
 }
 
 /// Issue 33 item 4 at test size: a tenth of the agents stop reading their stream, and the others
