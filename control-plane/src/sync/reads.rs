@@ -152,12 +152,18 @@ async fn read(
     ids.dedup();
     let mut tx = pool.begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY").await?;
     let persisting = store::persisting_of(&mut tx, &ids).await?;
+    // The contents held now, kept alive through the batch (a stream may drop its policy
+    // meanwhile), and how many requests want each of the others.
+    let mut shared: BTreeMap<&[u8], WorkloadPolicy> = BTreeMap::new();
     let mut missing: BTreeMap<&[u8], usize> = BTreeMap::new();
     {
         let held = lock(contents);
         for p in persisting.values() {
-            if held.get(&p.digest, p.version).is_none() {
-                *missing.entry(&p.digest).or_default() += 1;
+            match held.get(&p.digest, p.version) {
+                Some(policy) => {
+                    shared.insert(&p.digest, policy);
+                }
+                None => *missing.entry(&p.digest).or_default() += 1,
             }
         }
     }
@@ -168,31 +174,26 @@ async fn read(
         store::load_contents(&mut tx, &digests).await?
     };
     tx.commit().await?;
-    let mut decoded: BTreeMap<&[u8], WorkloadPolicy> = BTreeMap::new();
     for (digest, _) in missing.iter().filter(|(_, wanted)| **wanted > 1) {
         if let Some(bytes) = bytes.get(*digest) {
             let policy = store::Persisted { version: 0, bytes: bytes.clone() }.decode()?;
             lock(contents).put(digest.to_vec(), &policy);
-            decoded.insert(digest, policy);
+            shared.insert(digest, policy);
         }
     }
-    let held = lock(contents);
     let mut found = BTreeMap::new();
     for (id, p) in &persisting {
-        let answer = match decoded.get(p.digest.as_slice()) {
+        let answer = match shared.get(p.digest.as_slice()) {
             Some(policy) => Found::Shared(policy.clone().with_version(p.version)),
-            None => match held.get(&p.digest, p.version) {
-                Some(policy) => Found::Shared(policy),
-                None => {
-                    let bytes = bytes.get(&p.digest).cloned().ok_or_else(|| {
-                        Error::Invalid(format!("workload {id}: its policy's content is not stored"))
-                    })?;
-                    Found::Bytes {
-                        persisted: store::Persisted { version: p.version, bytes },
-                        digest: p.digest.clone(),
-                    }
+            None => {
+                let bytes = bytes.get(&p.digest).cloned().ok_or_else(|| {
+                    Error::Invalid(format!("workload {id}: its policy's content is not stored"))
+                })?;
+                Found::Bytes {
+                    persisted: store::Persisted { version: p.version, bytes },
+                    digest: p.digest.clone(),
                 }
-            },
+            }
         };
         found.insert(*id, (answer, p.rendered_at));
     }
