@@ -188,6 +188,16 @@ impl WorkloadPolicy {
         proto::WorkloadPolicy::from(self).encode_to_vec()
     }
 
+    /// Whether canonical bytes hold a version. The version is field 1 and encodes first, as its
+    /// varint tag (1 << 3 = 8), exactly when it is not 0: the bytes of a policy at version 0
+    /// (a content, as stores share it) never start with that byte.
+    pub fn canonical_bytes_hold_a_version(bytes: &[u8]) -> bool {
+        bytes.first() == Some(&Self::VERSION_TAG)
+    }
+
+    /// The first byte of the canonical bytes of a policy whose version is not 0.
+    pub const VERSION_TAG: u8 = 1 << 3;
+
     /// Decodes bytes written by [`WorkloadPolicy::canonical_bytes`], refusing anything else.
     pub fn from_canonical_bytes(bytes: &[u8]) -> Result<Self, PolicyError> {
         let policy = WorkloadPolicy::try_from(&proto::WorkloadPolicy::decode(bytes)?)?;
@@ -1052,6 +1062,36 @@ mod tests {
         assert_ne!(canonical, bytes);
         assert_eq!(WorkloadPolicy::from_canonical_bytes(&canonical), Ok(policy));
         assert!(matches!(WorkloadPolicy::from_canonical_bytes(&[0xff, 0xff]), Err(PolicyError::Decode(_))));
+    }
+
+    #[test]
+    fn canonical_bytes_hold_a_version_exactly_when_it_is_not_zero() {
+        let modes = [
+            proto::EnforcementMode::Visibility,
+            proto::EnforcementMode::Simulation,
+            proto::EnforcementMode::Enforcement,
+        ];
+        for (i, mode) in modes.into_iter().enumerate() {
+            let wire = proto::WorkloadPolicy {
+                version: 0,
+                mode: mode.into(),
+                inbound_rules: (0..i)
+                    .map(|r| {
+                        wire_rule(&format!("r{r}/tcp"), proto::Protocol::Tcp, &["10.0.0.0/8"], &[(80, 80)])
+                    })
+                    .collect(),
+                revert_at_unix_ms: if i == 1 { 1_700_000_000_000 } else { 0 },
+                staged: None,
+            };
+            let content = WorkloadPolicy::try_from(&wire).unwrap();
+            assert!(!WorkloadPolicy::canonical_bytes_hold_a_version(&content.canonical_bytes()));
+            for version in [1, 2, 300, u64::from(u32::MAX) + 1] {
+                let bytes = content.clone().with_version(version).canonical_bytes();
+                assert!(WorkloadPolicy::canonical_bytes_hold_a_version(&bytes), "version {version}");
+                assert_eq!(bytes[0], WorkloadPolicy::VERSION_TAG);
+            }
+        }
+        assert!(!WorkloadPolicy::canonical_bytes_hold_a_version(&[]));
     }
 
     fn agent_messages() -> Vec<AgentMessage> {

@@ -49,10 +49,9 @@ pub fn next_version(persisted: Option<&WorkloadPolicy>, rendered: WorkloadPolicy
     }
 }
 
-/// Whether `rendered` really differs from a persisted policy whose content has another digest.
-/// Canonical bytes are one-to-one with policies, so it does, unless the stored bytes are from
-/// before contents were shared (with the version inside them): the decoded policies decide. Bytes
-/// that are not a policy are an error, not a silent new version.
+/// Whether `rendered` really differs from a persisted policy whose content has another digest
+/// and was stored before contents were shared (with the version inside it): the decoded policies
+/// decide. Bytes that are not a policy are an error, not a silent new version.
 fn really_changed(persisted: &store::Persisted, rendered: &WorkloadPolicy) -> Result<bool, Error> {
     Ok(next_version(Some(&persisted.decode()?), rendered.clone()).is_some())
 }
@@ -434,9 +433,10 @@ struct Next {
     content: usize,
 }
 
-/// The workloads whose policy really changed, in id order. Equal digests are equal policies; for
-/// a workload whose digest differs, the stored content is read and decoded once per pair of
-/// stored and rendered contents (a label change moves groups of workloads that share both).
+/// The workloads whose policy really changed, in id order. Equal digests are equal policies, and
+/// so are different digests different policies, but for contents stored with their version inside
+/// (before contents were shared): those alone are read and decoded, once per pair of stored and
+/// rendered contents (a label change moves groups of workloads that share both).
 async fn next_versions(
     conn: &mut PgConnection,
     rendered: &Rendered,
@@ -458,16 +458,16 @@ async fn next_versions(
     let mut wanted: Vec<Vec<u8>> = differ.iter().map(|(_, held, _)| held.digest.clone()).collect();
     wanted.sort_unstable();
     wanted.dedup();
-    let stored = store::load_contents(conn, &wanted).await?;
+    let versioned = store::load_versioned_contents(conn, &wanted).await?;
     let mut decided: BTreeMap<(&[u8], usize), bool> = BTreeMap::new();
     for (workload, held, content) in differ {
+        let Some(bytes) = versioned.get(&held.digest) else {
+            next.push(Next { workload, version: held.version + 1, content });
+            continue;
+        };
         let changed = match decided.entry((&held.digest, content)) {
             Entry::Occupied(e) => *e.get(),
             Entry::Vacant(e) => {
-                let bytes = stored.get(&held.digest).ok_or_else(|| Error::Corrupt {
-                    what: "rendered policy",
-                    detail: format!("workload {workload}'s content is missing"),
-                })?;
                 let persisted = store::Persisted { version: held.version, bytes: bytes.clone() };
                 *e.insert(really_changed(&persisted, &rendered.policies()[content])?)
             }

@@ -614,6 +614,29 @@ pub async fn load_contents(
     Ok(rows.into_iter().map(|row| (row.get(0), row.get(1))).collect())
 }
 
+/// The stored contents among these digests that hold a version inside them, by digest: rows
+/// stored before contents were shared (migration 0017) kept the policy's version in their bytes.
+/// Every other content's bytes are one-to-one with the policies it stands for, so a content of
+/// another digest is another policy without reading it; only these must be decoded to compare.
+pub async fn load_versioned_contents(
+    conn: &mut PgConnection,
+    digests: &[Vec<u8>],
+) -> Result<BTreeMap<Vec<u8>, Vec<u8>>, Error> {
+    // The first byte only (Postgres decompresses no more of a stored value than that).
+    let rows = sqlx::query(
+        "SELECT digest, policy FROM policy_contents
+         WHERE digest = ANY($1) AND substring(policy FROM 1 FOR 1) = $2",
+    )
+    .bind(digests)
+    .bind([WorkloadPolicy::VERSION_TAG].as_slice())
+    .fetch_all(&mut *conn)
+    .await?;
+    let versioned: BTreeMap<Vec<u8>, Vec<u8>> =
+        rows.into_iter().map(|row| (row.get(0), row.get(1))).collect();
+    debug_assert!(versioned.values().all(|b| WorkloadPolicy::canonical_bytes_hold_a_version(b)));
+    Ok(versioned)
+}
+
 /// One workload's persisted policy, undecoded: its version and its content's bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Persisted {

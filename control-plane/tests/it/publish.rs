@@ -714,6 +714,28 @@ async fn large_policies_are_stored_lz4_compressed_and_read_back_whole() {
         store::persisted_policy(&mut pool.acquire().await.unwrap(), db_host).await.unwrap().unwrap();
     assert_eq!(policy.version(), 2);
     assert_eq!(policy.rules().map(|r| r.peers().len()).sum::<usize>(), 400);
+
+    // A render tells contents stored with their version inside by their first byte alone, read
+    // from the compressed value: a compressed copy with the version is one, the shared one not.
+    let mut conn = pool.acquire().await.unwrap();
+    let versioned: Vec<u8> = sqlx::query_scalar(
+        "INSERT INTO policy_contents (digest, policy) VALUES (sha256($1), $1) RETURNING digest",
+    )
+    .bind(policy.canonical_bytes())
+    .fetch_one(&mut *conn)
+    .await
+    .unwrap();
+    let compressed: Option<String> =
+        sqlx::query_scalar("SELECT pg_column_compression(policy) FROM policy_contents WHERE digest = $1")
+            .bind(&versioned)
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+    assert_eq!(compressed.as_deref(), Some("lz4"));
+    let shared = store::Content::of(&policy).digest;
+    let found = store::load_versioned_contents(&mut conn, &[versioned.clone(), shared]).await.unwrap();
+    assert_eq!(found.keys().collect::<Vec<_>>(), [&versioned]);
+    assert_eq!(found[&versioned], policy.canonical_bytes(), "read back whole");
 }
 
 /// app=db hosts take postgres from app=client workloads.
@@ -820,6 +842,9 @@ async fn contents_stored_with_their_version_inside_still_compare_and_read_back()
         .unwrap();
     assert_eq!(store::persisted_policy(&mut conn, host).await.unwrap().unwrap().0, held);
     assert_eq!(authoring::render_now(pool).await.unwrap(), [], "the same policy is no change");
+    let shared = store::Content::of(&held).digest;
+    let found = store::load_versioned_contents(&mut conn, &[shared]).await.unwrap();
+    assert!(found.is_empty(), "a content without its version is not read to compare");
 
     register(pool, "client-2", &["app=client"], &["10.0.0.8"]).await;
     let (now, _) = store::persisted_policy(&mut conn, host).await.unwrap().unwrap();
