@@ -603,11 +603,27 @@ async fn store_sources(
     next: &[Next],
     sourced: Sourced,
 ) -> Result<Vec<Vec<u8>>, Error> {
-    let Sourced { digests, new, parts } = sourced;
+    let Sourced { digests, mut new, mut parts } = sourced;
     let out = next.iter().map(|n| digests[&n.content].clone()).collect();
     if new.is_empty() {
         return Ok(out);
     }
+    // A stored source's parts are stored: only the others are sent. Most renders store none (a
+    // label change or a new address changes peers, not what the rulesets say). Sources are
+    // written and deleted only under the render lock: none can come or go before the inserts.
+    let wanted: Vec<&[u8]> = new.keys().map(Vec::as_slice).collect();
+    let stored: Vec<Vec<u8>> = sqlx::query_scalar("SELECT digest FROM policy_sources WHERE digest = ANY($1)")
+        .bind(&wanted)
+        .fetch_all(&mut *conn)
+        .await?;
+    for digest in &stored {
+        new.remove(digest);
+    }
+    if new.is_empty() {
+        return Ok(out);
+    }
+    let named: BTreeSet<&[u8]> = new.values().flat_map(|list| list.chunks(32)).collect();
+    parts.retain(|digest, _| named.contains(digest.as_slice()));
     let (keys, parts): (Vec<Vec<u8>>, Vec<String>) = parts
         .into_iter()
         .map(|(d, bytes)| (d.to_vec(), String::from_utf8(bytes).expect("JSON is UTF-8")))

@@ -622,13 +622,13 @@ pub async fn load_versioned_contents(
     conn: &mut PgConnection,
     digests: &[Vec<u8>],
 ) -> Result<BTreeMap<Vec<u8>, Vec<u8>>, Error> {
-    // The first byte only (Postgres decompresses no more of a stored value than that).
+    // The condition is the predicate of the index of versioned contents (migration 0046), so
+    // the planner reads that index, which holds only them; the byte is `VERSION_TAG`.
     let rows = sqlx::query(
         "SELECT digest, policy FROM policy_contents
-         WHERE digest = ANY($1) AND substring(policy FROM 1 FOR 1) = $2",
+         WHERE digest = ANY($1) AND substring(policy FROM 1 FOR 1) = '\\x08'::bytea",
     )
     .bind(digests)
-    .bind([WorkloadPolicy::VERSION_TAG].as_slice())
     .fetch_all(&mut *conn)
     .await?;
     let versioned: BTreeMap<Vec<u8>, Vec<u8>> =
