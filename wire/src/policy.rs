@@ -336,11 +336,14 @@ impl fmt::Display for RuleId {
 }
 
 /// One resolved inbound rule: peers, exactly one protocol (the id's), and port ranges.
+///
+/// The peers are shared by clones (a render resolves a ruleset's rules once and gives them to
+/// every workload it selects); a change copies them first if they are shared.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ResolvedRule {
     id: RuleId,
     ports: Vec<PortRange>,
-    peers: BTreeSet<Cidr>,
+    peers: Arc<BTreeSet<Cidr>>,
 }
 
 impl ResolvedRule {
@@ -355,7 +358,7 @@ impl ResolvedRule {
             (false, false) => return Err(PolicyError::PortsNotAllowed { rule: id.to_string() }),
             _ => {}
         }
-        Ok(ResolvedRule { id, ports, peers: peers.into_iter().collect() })
+        Ok(ResolvedRule { id, ports, peers: Arc::new(peers.into_iter().collect()) })
     }
 
     pub fn id(&self) -> &RuleId {
@@ -655,8 +658,9 @@ impl Content {
                     .rules
                     .get_mut(rule)
                     .ok_or_else(|| ApplyError::UnknownRule { rule: rule.to_string() })?;
+                let target = Arc::make_mut(&mut target.peers);
                 for peer in peers {
-                    let changed = if adding { target.peers.insert(*peer) } else { target.peers.remove(peer) };
+                    let changed = if adding { target.insert(*peer) } else { target.remove(peer) };
                     if !changed {
                         let (rule, cidr) = (rule.to_string(), peer.to_string());
                         return Err(if adding {
@@ -736,6 +740,7 @@ pub fn diff(a: &WorkloadPolicy, b: &WorkloadPolicy) -> PolicyDelta {
             (Some(_), None) => changes.push(Change::RemoveRule(id.clone())),
             (None, Some(new)) => changes.push(Change::UpsertRule(new.clone())),
             (Some(old), Some(new)) if old.ports != new.ports => changes.push(Change::UpsertRule(new.clone())),
+            (Some(old), Some(new)) if Arc::ptr_eq(&old.peers, &new.peers) => {}
             (Some(old), Some(new)) => {
                 let removed: BTreeSet<Cidr> = old.peers.difference(&new.peers).copied().collect();
                 let added: BTreeSet<Cidr> = new.peers.difference(&old.peers).copied().collect();

@@ -414,7 +414,7 @@ async fn save_held(
 /// of many distinct policies spends (10,000 policies are 55 MB): spread over the cores.
 fn contents_of(policies: &[WorkloadPolicy]) -> Vec<store::Content> {
     let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
-    if cores == 1 || policies.len() < 256 {
+    if cores == 1 || policies.len() < 64 {
         return policies.iter().map(store::Content::of).collect();
     }
     std::thread::scope(|scope| {
