@@ -960,6 +960,10 @@ mod tests {
         let simulated = first.clone().with_mode(Mode::Simulation);
         assert!(!simulated.shares_content(&first));
         assert_eq!(first.mode(), Mode::Enforcement);
+        // Another content, the same rules: their peers are still one set.
+        assert!(std::ptr::eq(simulated.rule(&id).unwrap().peers(), first.rule(&id).unwrap().peers()));
+        assert!(!std::ptr::eq(third.rule(&id).unwrap().peers(), first.rule(&id).unwrap().peers()));
+        assert_eq!(diff(&first, &simulated).changes, vec![Change::SetMode(Mode::Simulation)]);
 
         let weak = third.weak_content();
         let again = weak.upgrade(11).expect("held by `third`");

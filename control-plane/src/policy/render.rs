@@ -614,6 +614,24 @@ mod tests {
         );
     }
 
+    /// A ruleset's rules are resolved once a render: workloads it selects whose policies differ
+    /// (here by mode) hold one set of each rule's peers, not a copy each.
+    #[test]
+    fn workloads_of_one_ruleset_share_its_resolved_peers() {
+        let model = db_model(vec![rule(10, vec![Peer::Workloads(sel(&[("app", &["web"])]))], &[1])]);
+        let mut workloads = estate();
+        workloads.push(RegisteredWorkload {
+            mode: Mode::Simulation,
+            ..workload(5, &[("app", "db")], &["10.0.0.5"])
+        });
+        let rendered = render(&model, &workloads).unwrap();
+        let (enforced, simulated) = (rendered.get(&wid(1)).unwrap(), rendered.get(&wid(5)).unwrap());
+        assert_ne!(enforced, simulated);
+        let (a, b) = (enforced.rules().next().unwrap().peers(), simulated.rules().next().unwrap().peers());
+        assert_eq!(a.len(), 3);
+        assert!(std::ptr::eq(a, b));
+    }
+
     #[test]
     fn multi_protocol_rule_splits_into_one_rule_per_protocol() {
         let model = db_model(vec![rule(10, vec![Peer::Cidr(Cidr::parse("192.0.2.0/24").unwrap())], &[1, 2])]);
