@@ -607,10 +607,16 @@ pub async fn load_contents(
     conn: &mut PgConnection,
     digests: &[Vec<u8>],
 ) -> Result<BTreeMap<Vec<u8>, Vec<u8>>, Error> {
-    let rows = sqlx::query("SELECT digest, policy FROM policy_contents WHERE digest = ANY($1)")
-        .bind(digests)
-        .fetch_all(&mut *conn)
-        .await?;
+    contents_where(conn, "SELECT digest, policy FROM policy_contents WHERE digest = ANY($1)", digests).await
+}
+
+/// The rows of `query` (columns digest, policy; `$1` the digests), by digest.
+async fn contents_where(
+    conn: &mut PgConnection,
+    query: &'static str,
+    digests: &[Vec<u8>],
+) -> Result<BTreeMap<Vec<u8>, Vec<u8>>, Error> {
+    let rows = sqlx::query(query).bind(digests).fetch_all(&mut *conn).await?;
     Ok(rows.into_iter().map(|row| (row.get(0), row.get(1))).collect())
 }
 
@@ -624,15 +630,13 @@ pub async fn load_versioned_contents(
 ) -> Result<BTreeMap<Vec<u8>, Vec<u8>>, Error> {
     // The condition is the predicate of the index of versioned contents (migration 0046), so
     // the planner reads that index, which holds only them; the byte is `VERSION_TAG`.
-    let rows = sqlx::query(
+    let versioned = contents_where(
+        conn,
         "SELECT digest, policy FROM policy_contents
          WHERE digest = ANY($1) AND substring(policy FROM 1 FOR 1) = '\\x08'::bytea",
+        digests,
     )
-    .bind(digests)
-    .fetch_all(&mut *conn)
     .await?;
-    let versioned: BTreeMap<Vec<u8>, Vec<u8>> =
-        rows.into_iter().map(|row| (row.get(0), row.get(1))).collect();
     debug_assert!(versioned.values().all(|b| WorkloadPolicy::canonical_bytes_hold_a_version(b)));
     Ok(versioned)
 }
