@@ -187,6 +187,17 @@ const BENCHES: &[Bench] = &[
             quick: &[("INNERWALL_BENCH_QUICK", "1")],
         },
     },
+    Bench {
+        name: "notify",
+        what: "capacity model: the NOTIFY fan-out of one estate-wide change, 10,000 / 100,000 / 1,000,000 \
+               workloads to 2 / 3 / 21 replicas",
+        run: Run::Cargo {
+            package: "innerwall-control-plane",
+            target: "notify",
+            full: &[],
+            quick: &[("INNERWALL_BENCH_QUICK", "1")],
+        },
+    },
 ];
 
 pub fn run(root: &Path, names: &[String], quick: bool) -> Result<()> {
