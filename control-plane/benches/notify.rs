@@ -235,7 +235,7 @@ async fn listening_backends(pool: &PgPool, replicas: usize) -> anyhow::Result<Ve
 
 fn figure(name: &str, value: f64, unit: &str, context: &str) {
     println!(
-        "FIGURE {{\"id\":\"SYNC-7\",\"name\":\"{name}\",\"value\":{value:.1},\"unit\":\"{unit}\",\"goal\":null,\"context\":{context}}}"
+        "FIGURE {{\"id\":\"SYNC-7\",\"name\":\"{name}\",\"value\":{value:.3},\"unit\":\"{unit}\",\"goal\":null,\"context\":{context}}}"
     );
 }
 
