@@ -198,6 +198,17 @@ const BENCHES: &[Bench] = &[
             quick: &[("INNERWALL_BENCH_QUICK", "1")],
         },
     },
+    Bench {
+        name: "heartbeats",
+        what: "capacity model: one heartbeat interval's writes at 100,000 and 1,000,000 agents (3 and 21 \
+               replicas' writers)",
+        run: Run::Cargo {
+            package: "innerwall-control-plane",
+            target: "heartbeats",
+            full: &[],
+            quick: &[("INNERWALL_BENCH_QUICK", "1")],
+        },
+    },
 ];
 
 pub fn run(root: &Path, names: &[String], quick: bool) -> Result<()> {

@@ -50,7 +50,7 @@ enum Task {
     /// their goals; JSON under target/bench/.
     Bench {
         /// render, publish, propagation, propagation-2, storm, density, nft, capture, ingest, rollup,
-        /// impact, suggest, console, notify.
+        /// impact, suggest, console, notify, heartbeats.
         names: Vec<String>,
         /// Small sizes: proves each benchmark still works (CI), judges no figure.
         #[arg(long)]
