@@ -4,8 +4,9 @@
 //! here, and each simulated agent is a connection).
 //!
 //! Every agent heartbeats once per interval (30 s), and its replica writes the heartbeats that
-//! arrive together in one statement (`sync::beats`, up to 2,000 at a time within 100 ms). Here
-//! the `workloads` table holds `N` live agents' rows (inserted directly, with a stream's state
+//! arrive together in one statement (`sync::beats`, up to 2,000 at a time within 100 ms). Here,
+//! on a private server started as the embedded cluster is (durable: `fsync`, `synchronous_commit`
+//! and `full_page_writes` on; one per size), the `workloads` table holds `N` live agents' rows (inserted directly, with a stream's state
 //! and a 90 s liveness, not enrolled: each row as wide as an enrolled one's), and `R` simulated
 //! replicas each run the replica's own heartbeat writer (`Beats`, on a pool of its own) for
 //! `N / R` of them, paced to one heartbeat per agent per interval, for one interval. Each
@@ -28,13 +29,16 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, ensure};
 use innerwall_control_plane::postgres;
 use innerwall_control_plane::sync::beats::{Beat, Beats};
-use innerwall_control_plane::testing::fresh_database;
 use innerwall_wire::convert::WireEnum;
 use innerwall_wire::sync::SyncState;
 use sqlx::PgPool;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use uuid::Uuid;
+
+#[path = "shared/production_server.rs"]
+mod production_server;
+use production_server::ProductionServer;
 
 /// The agents' heartbeat interval (the default).
 const INTERVAL: Duration = Duration::from_secs(30);
@@ -163,77 +167,93 @@ async fn main() -> anyhow::Result<()> {
     };
     println!("SYNC-6 heartbeat writes over one interval (the capacity model's input; no goal)");
     for &(agents, replicas) in sizes {
-        let db = fresh_database().await?;
-        let ids = fleet(&db.pool, agents).await?;
-        let mut pools = Vec::new();
-        for _ in 0..replicas {
-            pools.push(postgres::pool_options().max_connections(2).connect(&db.url).await?);
-        }
-        let (before, cpu_before) = (table(&db.pool).await?, cpu_secs()?);
-        let started = Instant::now();
-        let mut running = JoinSet::new();
-        for (r, pool) in pools.iter().enumerate() {
-            let share: Vec<Uuid> = ids.iter().skip(r).step_by(replicas).copied().collect();
-            running.spawn(replica(pool.clone(), share, span));
-        }
-        let mut latencies = Vec::with_capacity(agents);
-        let mut stalls = 0;
-        while let Some(done) = running.join_next().await {
-            let (more, stalled) = done??;
-            latencies.extend(more);
-            stalls += stalled;
-        }
-        let elapsed = started.elapsed();
-        let ((busy_after, own_after), wal_after) = (cpu_secs()?, table(&db.pool).await?.wal);
-        for pool in pools {
-            pool.close().await;
-        }
-        ensure!(latencies.len() == agents, "{} of {agents} heartbeats written", latencies.len());
-        // A server process reports its counts at most once a second, and when its connection
-        // ends: wait until the table's counts hold every heartbeat.
-        let asked = Instant::now();
-        let after = loop {
-            let now = table(&db.pool).await?;
-            if now.updates - before.updates >= agents as i64 {
-                break now;
-            }
-            ensure!(
-                asked.elapsed() < STATISTICS_BOUND,
-                "the table counted {} updates for {agents} heartbeats",
-                now.updates - before.updates
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        };
-        let updates = after.updates - before.updates;
-        latencies.sort_unstable();
-        let beats = agents as f64;
-        let rate = beats / elapsed.as_secs_f64();
-        let server_cpu = (busy_after - cpu_before.0) - (own_after - cpu_before.1);
-        let own_cpu = own_after - cpu_before.1;
-        let (p50, p99) = (percentile(&latencies, 0.5), percentile(&latencies, 0.99));
-        let wal = (wal_after - before.wal) as f64 / beats;
-        let hot = (after.hot - before.hot) as f64 / updates as f64;
-        println!(
-            "{agents} agents over {replicas} replicas: {agents} heartbeats in {:.1} s ({rate:.0}/s, asked {:.0}/s; the \
-             pace waited for room {stalls} times); write p50 {:.1} ms, p99 {:.1} ms; Postgres and the rest {:.1} µs and \
-             the writers {:.1} µs of CPU per heartbeat ({:.2} and {:.2} cores); {wal:.0} bytes of WAL per heartbeat; \
-             {:.1} % of the row updates HOT",
-            elapsed.as_secs_f64(),
-            beats / span.as_secs_f64(),
-            p50.as_secs_f64() * 1e3,
-            p99.as_secs_f64() * 1e3,
-            server_cpu * 1e6 / beats,
-            own_cpu * 1e6 / beats,
-            server_cpu / elapsed.as_secs_f64(),
-            own_cpu / elapsed.as_secs_f64(),
-            hot * 100.0,
-        );
-        let context =
-            format!("{{\"agents\":{agents},\"replicas\":{replicas},\"interval_s\":{}}}", span.as_secs_f64());
-        figure("heartbeats written per second", rate, "heartbeats/s", &context);
-        figure("heartbeat write p99", p99.as_secs_f64() * 1e3, "ms", &context);
-        figure("Postgres and the rest, CPU per heartbeat", server_cpu * 1e6 / beats, "µs", &context);
-        figure("WAL per heartbeat", wal, "bytes", &context);
+        let server = ProductionServer::start().await?;
+        let pool = postgres::connect(&server.url).await?;
+        let measured = interval(&pool, &server.url, agents, replicas, span).await;
+        pool.close().await;
+        server.stop()?;
+        measured?;
     }
+    Ok(())
+}
+
+/// One interval of `agents` heartbeats from `replicas` replicas' writers, on a fresh server.
+async fn interval(
+    pool: &PgPool,
+    url: &str,
+    agents: usize,
+    replicas: usize,
+    span: Duration,
+) -> anyhow::Result<()> {
+    let ids = fleet(pool, agents).await?;
+    let mut pools = Vec::new();
+    for _ in 0..replicas {
+        pools.push(postgres::pool_options().max_connections(2).connect(url).await?);
+    }
+    let (before, cpu_before) = (table(pool).await?, cpu_secs()?);
+    let started = Instant::now();
+    let mut running = JoinSet::new();
+    for (r, pool) in pools.iter().enumerate() {
+        let share: Vec<Uuid> = ids.iter().skip(r).step_by(replicas).copied().collect();
+        running.spawn(replica(pool.clone(), share, span));
+    }
+    let mut latencies = Vec::with_capacity(agents);
+    let mut stalls = 0;
+    while let Some(done) = running.join_next().await {
+        let (more, stalled) = done??;
+        latencies.extend(more);
+        stalls += stalled;
+    }
+    let elapsed = started.elapsed();
+    let ((busy_after, own_after), wal_after) = (cpu_secs()?, table(pool).await?.wal);
+    for pool in pools {
+        pool.close().await;
+    }
+    ensure!(latencies.len() == agents, "{} of {agents} heartbeats written", latencies.len());
+    // A server process reports its counts at most once a second, and when its connection
+    // ends: wait until the table's counts hold every heartbeat.
+    let asked = Instant::now();
+    let after = loop {
+        let now = table(pool).await?;
+        if now.updates - before.updates >= agents as i64 {
+            break now;
+        }
+        ensure!(
+            asked.elapsed() < STATISTICS_BOUND,
+            "the table counted {} updates for {agents} heartbeats",
+            now.updates - before.updates
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let updates = after.updates - before.updates;
+    latencies.sort_unstable();
+    let beats = agents as f64;
+    let rate = beats / elapsed.as_secs_f64();
+    let server_cpu = (busy_after - cpu_before.0) - (own_after - cpu_before.1);
+    let own_cpu = own_after - cpu_before.1;
+    let (p50, p99) = (percentile(&latencies, 0.5), percentile(&latencies, 0.99));
+    let wal = (wal_after - before.wal) as f64 / beats;
+    let hot = (after.hot - before.hot) as f64 / updates as f64;
+    println!(
+        "{agents} agents over {replicas} replicas: {agents} heartbeats in {:.1} s ({rate:.0}/s, asked {:.0}/s; the \
+         pace waited for room {stalls} times); write p50 {:.1} ms, p99 {:.1} ms; Postgres and the rest {:.1} µs and \
+         the writers {:.1} µs of CPU per heartbeat ({:.2} and {:.2} cores); {wal:.0} bytes of WAL per heartbeat; \
+         {:.1} % of the row updates HOT",
+        elapsed.as_secs_f64(),
+        beats / span.as_secs_f64(),
+        p50.as_secs_f64() * 1e3,
+        p99.as_secs_f64() * 1e3,
+        server_cpu * 1e6 / beats,
+        own_cpu * 1e6 / beats,
+        server_cpu / elapsed.as_secs_f64(),
+        own_cpu / elapsed.as_secs_f64(),
+        hot * 100.0,
+    );
+    let context =
+        format!("{{\"agents\":{agents},\"replicas\":{replicas},\"interval_s\":{}}}", span.as_secs_f64());
+    figure("heartbeats written per second", rate, "heartbeats/s", &context);
+    figure("heartbeat write p99", p99.as_secs_f64() * 1e3, "ms", &context);
+    figure("Postgres and the rest, CPU per heartbeat", server_cpu * 1e6 / beats, "µs", &context);
+    figure("WAL per heartbeat", wal, "bytes", &context);
     Ok(())
 }

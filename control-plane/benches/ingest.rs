@@ -14,18 +14,22 @@
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use anyhow::{Context, bail};
+use anyhow::bail;
 use innerwall_control_plane::flows;
 use innerwall_control_plane::policy::authoring;
 use innerwall_control_plane::policy::spec::{AddressGroupSpec, NewWorkload};
-use innerwall_control_plane::postgres::{self, Cluster, SUPERUSER};
+use innerwall_control_plane::postgres;
 use innerwall_control_plane::testing::fresh_database;
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::Cidr;
 use innerwall_wire::proto;
-use sqlx::{Connection, PgConnection, PgPool};
+use sqlx::PgPool;
+
+#[path = "shared/production_server.rs"]
+mod production_server;
+use production_server::ProductionServer;
 
 const WINDOWS: i64 = 10;
 
@@ -190,60 +194,6 @@ async fn concurrent(pool: &PgPool, agents: usize) -> anyhow::Result<f64> {
         secs * 1000.0 / (agents as f64 * windows() as f64)
     );
     Ok(rate)
-}
-
-/// A private server initialized and started the way `innerwall`'s embedded cluster is (durable
-/// initdb, no settings overridden), as a child that dies with this process.
-struct ProductionServer {
-    cluster: Cluster,
-    server: postgres::ChildServer,
-    url: String,
-}
-
-impl ProductionServer {
-    async fn start() -> anyhow::Result<Self> {
-        // Named like the harness's clusters, so a run that dies midway is cleaned up by the next.
-        let short = &uuid::Uuid::new_v4().simple().to_string()[..8];
-        let root = std::env::temp_dir().join(format!("innerwall-pgtest-{}-{short}", std::process::id()));
-        let cluster = Cluster::new(&root)?;
-        cluster.init(true)?;
-        let port = postgres::pick_free_port()?;
-        let server = cluster.spawn_child(port, &[])?;
-        // Over TCP with the password, as the control plane reaches the embedded cluster.
-        let url = postgres::database_url(SUPERUSER, &cluster.password()?, port, "postgres");
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Ok(conn) = PgConnection::connect(&url).await {
-                let _ = conn.close().await;
-                break;
-            }
-            if let Some(status) = server.exit_status() {
-                bail!("the bench server exited ({status}); see {}", cluster.log_file().display());
-            }
-            if Instant::now() > deadline {
-                server.kill();
-                bail!(
-                    "the bench server did not accept connections in 60 s; see {}",
-                    cluster.log_file().display()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        Ok(ProductionServer { cluster, server, url })
-    }
-
-    fn stop(self) -> anyhow::Result<()> {
-        self.server.kill();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while self.server.exit_status().is_none() {
-            if Instant::now() > deadline {
-                bail!("the bench server (pid {}) did not exit", self.server.pid());
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        std::fs::remove_dir_all(self.cluster.root())
-            .with_context(|| format!("removing {}", self.cluster.root().display()))
-    }
 }
 
 #[tokio::main]
