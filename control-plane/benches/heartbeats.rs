@@ -26,9 +26,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, ensure};
+use anyhow::ensure;
 use innerwall_control_plane::postgres;
 use innerwall_control_plane::sync::beats::{Beat, Beats};
+use innerwall_control_plane::testing::usage::{Usage, machine_busy_secs};
 use innerwall_wire::convert::WireEnum;
 use innerwall_wire::sync::SyncState;
 use sqlx::PgPool;
@@ -112,21 +113,9 @@ async fn replica(pool: PgPool, ids: Vec<Uuid>, span: Duration) -> anyhow::Result
     Ok((latencies, stalls))
 }
 
-/// CPU seconds the whole machine has spent busy (every state but idle and iowait), and this
-/// process's, from `/proc` (clock ticks of 10 ms, `USER_HZ` on Linux).
+/// CPU seconds the whole machine has spent busy, and this process's.
 fn cpu_secs() -> anyhow::Result<(f64, f64)> {
-    let stat = std::fs::read_to_string("/proc/stat")?;
-    let cpu =
-        stat.lines().next().and_then(|l| l.strip_prefix("cpu ")).context("no cpu line in /proc/stat")?;
-    let ticks: Vec<u64> = cpu.split_whitespace().filter_map(|f| f.parse().ok()).collect();
-    // user nice system idle iowait irq softirq steal; guest time is already in user.
-    let busy: u64 =
-        ticks.iter().take(8).enumerate().filter(|(i, _)| *i != 3 && *i != 4).map(|(_, t)| t).sum();
-    let own = std::fs::read_to_string("/proc/self/stat")?;
-    let fields: Vec<&str> =
-        own.rsplit_once(") ").context("malformed /proc/self/stat")?.1.split(' ').collect();
-    let own: u64 = fields[11].parse::<u64>()? + fields[12].parse::<u64>()?;
-    Ok((busy as f64 / 100.0, own as f64 / 100.0))
+    Ok((machine_busy_secs()?, Usage::of(std::process::id())?.cpu_secs))
 }
 
 struct Table {

@@ -312,10 +312,12 @@ pub async fn start(
         agents: listener::Http2 {
             max_concurrent_streams: config.limits.max_streams_per_connection,
             window: None,
+            keepalive: listener::agent_keepalive(config.gateway.heartbeat),
         },
         unauthenticated: listener::Http2 {
             max_concurrent_streams: UNAUTHENTICATED_STREAMS,
             window: Some(UNAUTHENTICATED_WINDOW),
+            keepalive: listener::UNAUTHENTICATED_KEEPALIVE,
         },
     };
     let stopped = tasks.token();

@@ -17,6 +17,7 @@
 //! [`browser`] drives a real headless Chromium for the console's tests.
 
 pub mod browser;
+pub mod usage;
 
 use std::io::Write;
 
