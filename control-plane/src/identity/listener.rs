@@ -188,9 +188,9 @@ pub struct Http2 {
 
 /// The keepalive of an agent's connection: half an interval more than the heartbeat every agent
 /// sends once an interval, so the replica pings only a connection whose agent missed one. At
-/// 30 s, as often as the heartbeats, it pinged most connections every interval besides reading
-/// their heartbeats: an idle fleet of 10,000 cost the replica, Postgres and the rest of the
-/// machine 0.083–0.097 cores against 0.068–0.077 without those pings (PERF-4 in BENCHMARKS.md).
+/// 30 s, as often as the heartbeats, a ping could fall due just before each heartbeat arrived:
+/// an idle fleet of 10,000 cost the replica, Postgres and the rest of the machine 0.083–0.097
+/// cores, and 0.068–0.077 at 45 s (PERF-4 in BENCHMARKS.md).
 pub fn agent_keepalive(heartbeat: Duration) -> Duration {
     heartbeat + heartbeat / 2
 }
