@@ -119,25 +119,20 @@ fn backends_cpu_ns(pids: &[i32]) -> anyhow::Result<u64> {
     pids.iter().map(|pid| cpu_ns(&format!("/proc/{pid}/schedstat"))).sum()
 }
 
-/// The payloads of a change that moves `ids` to `version`.
-fn payloads(ids: &[WorkloadId], version: u64, shape: Shape) -> Vec<String> {
-    let one = ids.iter().map(|&id| Notice::Policy(id, version).payload());
-    match shape {
-        Shape::PerWorkload => one.collect(),
-        Shape::Packed => {
-            let mut packed: Vec<String> = Vec::new();
-            for pair in one {
-                match packed.last_mut() {
-                    Some(last) if last.len() + 1 + pair.len() <= PAYLOAD_BOUND => {
-                        last.push(',');
-                        last.push_str(&pair);
-                    }
-                    _ => packed.push(pair),
-                }
+/// The packed payloads of a change that moves `ids` to `version`: each notice's pairs, up to the
+/// payload bound.
+fn packed(ids: &[WorkloadId], version: u64) -> Vec<String> {
+    let mut packed: Vec<String> = Vec::new();
+    for pair in ids.iter().map(|&id| Notice::Policy(id, version).payload()) {
+        match packed.last_mut() {
+            Some(last) if last.len() + 1 + pair.len() <= PAYLOAD_BOUND => {
+                last.push(',');
+                last.push_str(&pair);
             }
-            packed
+            _ => packed.push(pair),
         }
     }
+    packed
 }
 
 struct Run {
@@ -160,24 +155,25 @@ async fn run(workloads: usize, replicas: usize, shape: Shape) -> anyhow::Result<
         bus.listen().await.map_err(|e| anyhow::anyhow!("replica {r} could not listen: {e}"))?;
         listeners.spawn(replica(bus, ids.clone(), r, replicas, workloads as u64));
     }
-    let listening = listening_backends(&db.pool, replicas).await?;
-    let payloads = payloads(&ids, 2, shape);
+    let mut backends = listening_backends(&db.pool, replicas).await?;
+    // Packed payloads are built before the clock starts; `notice::publish` builds its own.
+    let packed = (shape == Shape::Packed).then(|| packed(&ids, 2));
+    let notices = packed.as_ref().map_or(workloads, Vec::len);
 
     let mut tx = db.pool.begin().await?;
     let publisher: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut *tx).await?;
-    let mut backends = listening.clone();
     backends.push(publisher);
     let (server_before, own_before) = (backends_cpu_ns(&backends)?, own_cpu_ns()?);
     let start = Instant::now();
-    match shape {
-        Shape::PerWorkload => {
+    match &packed {
+        None => {
             let notices: Vec<Notice> = ids.iter().map(|&id| Notice::Policy(id, 2)).collect();
             notice::publish(&mut tx, &notices).await?;
         }
-        Shape::Packed => {
+        Some(payloads) => {
             sqlx::query("SELECT pg_notify($1, payload) FROM unnest($2::text[]) AS t (payload)")
                 .bind(CHANNEL)
-                .bind(&payloads)
+                .bind(payloads)
                 .execute(&mut *tx)
                 .await?;
         }
@@ -203,16 +199,11 @@ async fn run(workloads: usize, replicas: usize, shape: Shape) -> anyhow::Result<
     let held: u64 = heard.iter().map(|h| h.held).sum();
     ensure!(held == workloads as u64, "the replicas hold {held} of the {workloads} workloads they heard of");
     for h in &heard {
-        ensure!(
-            h.notices == payloads.len() as u64,
-            "a replica heard {} of {} notices",
-            h.notices,
-            payloads.len()
-        );
+        ensure!(h.notices == notices as u64, "a replica heard {} of {} notices", h.notices, notices);
         last = last.max(h.last);
     }
     Ok(Run {
-        notices: payloads.len(),
+        notices,
         statement: committing - start,
         commit: committed - committing,
         delivered: last - committing,
