@@ -385,7 +385,8 @@ async fn retention_runs_by_hand() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Reported addresses, latest and history rows are checked per statement (migration 0043), with
+/// Reported addresses, latest and history rows are checked per statement (migrations 0043 and
+/// 0047: a probe per row, or one join for as many rows as a full render writes), with
 /// the guarantees the foreign keys gave: each row refers to a workload that exists (and a policy
 /// row to a content that is stored), else the statement is refused and changes nothing; neither
 /// a workload's id nor a row's workload changes; deleting a workload deletes its rows; and a
@@ -418,6 +419,19 @@ async fn policy_rows_refer_to_existing_workloads_and_contents() {
         (
             "INSERT INTO workload_policy_history (workload_id, version, digest, rendered_at)
              SELECT workload_id, 9, sha256('\\x01'::bytea), now() FROM workload_policies",
+            "which is not stored",
+        ),
+        // As many rows as a full render writes (migration 0047: checked by one join, not probes).
+        (
+            "INSERT INTO workload_policy_history (workload_id, version, digest, rendered_at)
+             SELECT CASE WHEN g = 20000 THEN gen_random_uuid() ELSE workload_id END, 100 + g, digest, now()
+             FROM workload_policies, generate_series(1, 20000) g",
+            "which does not exist",
+        ),
+        (
+            "INSERT INTO workload_policy_history (workload_id, version, digest, rendered_at)
+             SELECT workload_id, 100 + g, CASE WHEN g = 20000 THEN sha256('\\x01'::bytea) ELSE digest END, now()
+             FROM workload_policies, generate_series(1, 20000) g",
             "which is not stored",
         ),
         ("UPDATE workload_policies SET digest = sha256('\\x01'::bytea)", "which is not stored"),
