@@ -421,7 +421,7 @@ async fn policy_rows_refer_to_existing_workloads_and_contents() {
              SELECT workload_id, 9, sha256('\\x01'::bytea), now() FROM workload_policies",
             "which is not stored",
         ),
-        // As many rows as a full render writes (migration 0047: checked by one join, not probes).
+        // As many rows as a full render writes (migration 0047: checked by a join, not probes).
         (
             "INSERT INTO workload_policy_history (workload_id, version, digest, rendered_at)
              SELECT CASE WHEN g = 20000 THEN gen_random_uuid() ELSE workload_id END, 100 + g, digest, now()
