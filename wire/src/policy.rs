@@ -227,17 +227,26 @@ impl Cidr {
     /// for IPv4: every persisted policy is encoded on every render to compare it, millions of
     /// prefixes at fleet scale (PERF-1).
     pub fn text(&self) -> String {
-        let IpNet::V4(net) = self.0 else { return self.to_string() };
-        let mut text = String::with_capacity(18);
+        let mut text = Vec::with_capacity(18);
+        self.push_text(&mut text);
+        String::from_utf8(text).expect("a prefix is spelled in ASCII")
+    }
+
+    /// Appends [`Cidr::text`] to `out`, allocating nothing for IPv4.
+    pub fn push_text(&self, out: &mut Vec<u8>) {
+        let IpNet::V4(net) = self.0 else {
+            use std::io::Write;
+            write!(out, "{}", self.0).expect("writing to a Vec does not fail");
+            return;
+        };
         for (i, octet) in net.addr().octets().into_iter().enumerate() {
             if i > 0 {
-                text.push('.');
+                out.push(b'.');
             }
-            push_decimal(&mut text, octet);
+            push_decimal(out, octet);
         }
-        text.push('/');
-        push_decimal(&mut text, net.prefix_len());
-        text
+        out.push(b'/');
+        push_decimal(out, net.prefix_len());
     }
 
     pub fn net(&self) -> IpNet {
@@ -254,14 +263,14 @@ impl Cidr {
 }
 
 /// Appends `n` in decimal, without leading zeros.
-fn push_decimal(text: &mut String, n: u8) {
+fn push_decimal(text: &mut Vec<u8>, n: u8) {
     if n >= 100 {
-        text.push(char::from(b'0' + n / 100));
+        text.push(b'0' + n / 100);
     }
     if n >= 10 {
-        text.push(char::from(b'0' + n / 10 % 10));
+        text.push(b'0' + n / 10 % 10);
     }
-    text.push(char::from(b'0' + n % 10));
+    text.push(b'0' + n % 10);
 }
 
 /// A refused spelling with the canonical form named: the network of `net` (its host bits
@@ -352,13 +361,23 @@ impl ResolvedRule {
         ports: impl IntoIterator<Item = PortRange>,
         peers: impl IntoIterator<Item = Cidr>,
     ) -> Result<Self, PolicyError> {
+        Self::with_peer_set(id, ports, Arc::new(peers.into_iter().collect()))
+    }
+
+    /// [`ResolvedRule::new`] with peers already collected, shared with whoever else holds them
+    /// (a renderer gives one authored rule's peers to its rule of each protocol).
+    pub fn with_peer_set(
+        id: RuleId,
+        ports: impl IntoIterator<Item = PortRange>,
+        peers: Arc<BTreeSet<Cidr>>,
+    ) -> Result<Self, PolicyError> {
         let ports = merge_ports(ports);
         match (id.protocol().has_ports(), ports.is_empty()) {
             (true, true) => return Err(PolicyError::PortsRequired { rule: id.to_string() }),
             (false, false) => return Err(PolicyError::PortsNotAllowed { rule: id.to_string() }),
             _ => {}
         }
-        Ok(ResolvedRule { id, ports, peers: Arc::new(peers.into_iter().collect()) })
+        Ok(ResolvedRule { id, ports, peers })
     }
 
     pub fn id(&self) -> &RuleId {

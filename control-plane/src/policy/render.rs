@@ -4,6 +4,7 @@
 
 use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::labels::{LabelKey, LabelValue};
@@ -98,23 +99,49 @@ impl LabelIndex {
 
     /// Indices of the workloads `selector` selects, ascending. Empty selector → none.
     pub(crate) fn select(&self, selector: &Selector) -> Vec<usize> {
-        let mut result: Option<BTreeSet<usize>> = None;
+        let mut result: Option<Vec<usize>> = None;
         for (key, values) in selector.matches() {
-            let any_value: BTreeSet<usize> = values
-                .iter()
-                .filter_map(|v| self.postings(key, v))
-                .flat_map(|list| list.iter().copied())
-                .collect();
-            result = Some(match result {
+            // The workloads with any of the key's values: one posting list as it is, or several
+            // merged (each workload has one value of a key, so they never overlap).
+            let mut lists = values.iter().filter_map(|v| self.postings(key, v));
+            let any_value = match (lists.next(), values.len()) {
+                (None, _) => Vec::new(),
+                (Some(list), 1) => list.clone(),
+                (Some(first), _) => {
+                    let mut all = first.clone();
+                    lists.for_each(|list| all.extend_from_slice(list));
+                    all.sort_unstable();
+                    all
+                }
+            };
+            let narrowed = match result {
                 None => any_value,
-                Some(acc) => acc.intersection(&any_value).copied().collect(),
-            });
-            if result.as_ref().is_some_and(BTreeSet::is_empty) {
-                break;
+                Some(acc) => intersect_sorted(&acc, &any_value),
+            };
+            if narrowed.is_empty() {
+                return narrowed;
+            }
+            result = Some(narrowed);
+        }
+        result.unwrap_or_default()
+    }
+}
+
+/// The values both ascending lists hold, ascending.
+fn intersect_sorted(a: &[usize], b: &[usize]) -> Vec<usize> {
+    let (mut i, mut j, mut both) = (0, 0, Vec::new());
+    while i < a.len() && j < b.len() {
+        match a[i].cmp(&b[j]) {
+            std::cmp::Ordering::Less => i += 1,
+            std::cmp::Ordering::Greater => j += 1,
+            std::cmp::Ordering::Equal => {
+                both.push(a[i]);
+                i += 1;
+                j += 1;
             }
         }
-        result.unwrap_or_default().into_iter().collect()
     }
+    both
 }
 
 /// Every live workload's rendered policy (version 0). Workloads that the same rulesets select and
@@ -281,32 +308,34 @@ fn render_in_force(
     only: Option<&BTreeSet<usize>>,
 ) -> Result<Rendered, RenderError> {
     let wanted = |i: &usize| only.is_none_or(|only| only.contains(i));
-    let mut selected = Selected::new(workloads, index);
-    // Each enabled ruleset that selects anyone, resolved once; each workload's list of them.
-    // Resolved rules and the model index of each ruleset resolved.
-    let mut resolved: Vec<(Vec<ResolvedRule>, usize)> = Vec::new();
-    let mut selected_by: Vec<Vec<usize>> = vec![Vec::new(); workloads.len()];
+    // Each enabled ruleset that selects anyone wanted (the model index of each, and whom it
+    // selects), its rules resolved once; each workload's list of them.
+    let mut scoped: Vec<(usize, Vec<usize>)> = Vec::new();
     for (at, ruleset) in model.rulesets.iter().enumerate().filter(|(_, rs)| rs.enabled) {
         let mut scope = index.select(&ruleset.scope);
         scope.retain(wanted);
-        if scope.is_empty() {
-            continue;
+        if !scope.is_empty() {
+            scoped.push((at, scope));
         }
-        let mut rules = Vec::new();
-        for rule in ruleset.rules.iter().filter(|r| r.enabled) {
-            rules.extend(resolve_rule(model, &mut selected, rule)?);
-        }
-        for &i in &scope {
-            selected_by[i].push(resolved.len());
-        }
-        resolved.push((rules, at));
     }
+    let rules = resolve_rulesets(model, workloads, index, &scoped, resolve_parts(scoped.len()))?;
+    let mut selected_by: Vec<Vec<usize>> = vec![Vec::new(); workloads.len()];
+    for (r, (_, scope)) in scoped.iter().enumerate() {
+        for &i in scope {
+            selected_by[i].push(r);
+        }
+    }
+    let resolved: Vec<(Vec<ResolvedRule>, usize)> =
+        rules.into_iter().zip(scoped.iter().map(|(at, _)| *at)).collect();
+    let mut selected = Selected::new(workloads, index);
     let mut shared: BTreeMap<ShareKey, usize> = BTreeMap::new();
     let mut out = Rendered::default();
-    for (i, (w, rulesets)) in workloads.iter().zip(&selected_by).enumerate() {
-        if !wanted(&i) {
-            continue;
-        }
+    let rendering: Box<dyn Iterator<Item = usize>> = match only {
+        Some(only) => Box::new(only.iter().copied()),
+        None => Box::new(0..workloads.len()),
+    };
+    for i in rendering {
+        let (w, rulesets) = (&workloads[i], &selected_by[i]);
         let management = model.management_for(&w.id);
         if let Some(pin) = model.pinned.get(&w.id) {
             // Its pinned source, every ruleset of it applied, peers resolved as they are now.
@@ -329,6 +358,57 @@ fn render_in_force(
     }
     Ok(out)
 }
+
+/// The rules of each ruleset `scoped` names (its index in the model's rulesets), resolved, in
+/// order, or the first ruleset's error. Resolving is most of a render's CPU and each ruleset
+/// resolves alone, so they are split into `parts` resolved at once, on threads of their own, each
+/// resolving the selectors its rules name once.
+fn resolve_rulesets(
+    model: &AuthoredModel,
+    workloads: &[RegisteredWorkload],
+    index: &LabelIndex,
+    scoped: &[(usize, Vec<usize>)],
+    parts: usize,
+) -> Result<Vec<Vec<ResolvedRule>>, RenderError> {
+    let resolve_part = |part: &[(usize, Vec<usize>)]| -> Result<Vec<Vec<ResolvedRule>>, RenderError> {
+        let mut selected = Selected::new(workloads, index);
+        let mut out = Vec::with_capacity(part.len());
+        for &(at, _) in part {
+            let mut rules = Vec::new();
+            for rule in model.rulesets[at].rules.iter().filter(|r| r.enabled) {
+                rules.extend(resolve_rule(model, &mut selected, rule)?);
+            }
+            out.push(rules);
+        }
+        Ok(out)
+    };
+    if parts <= 1 || scoped.len() <= 1 {
+        return resolve_part(scoped);
+    }
+    std::thread::scope(|scope| {
+        let parts: Vec<_> = scoped
+            .chunks(scoped.len().div_ceil(parts))
+            .map(|part| scope.spawn(move || resolve_part(part)))
+            .collect();
+        // Joined in order: an error is the first failing ruleset's, as if resolved in one part.
+        let mut all = Vec::with_capacity(scoped.len());
+        for part in parts {
+            all.extend(part.join().expect("resolving a rule does not panic")?);
+        }
+        Ok(all)
+    })
+}
+
+/// How many parts [`resolve_rulesets`] splits this many rulesets into: one per core from
+/// [`PARALLEL_RULESETS`] on (threads cost more than a few rulesets' resolving).
+fn resolve_parts(rulesets: usize) -> usize {
+    match rulesets < PARALLEL_RULESETS {
+        true => 1,
+        false => std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
+    }
+}
+
+const PARALLEL_RULESETS: usize = 64;
 
 impl Rendered {
     /// Adds the policy of `rules` and `management` in `w`'s mode (and with its confirm deadline),
@@ -436,18 +516,22 @@ impl<'a> Selected<'a> {
         Selected { workloads, index, hosts }
     }
 
-    /// The host route of each address of each workload `selector` selects.
+    /// The host route of each address of each workload `selector` selects, ascending, each once.
     fn hosts(&mut self, selector: &'a Selector) -> Result<&[Cidr], PolicyError> {
-        if !self.hosts.contains_key(selector) {
-            let mut hosts = Vec::new();
-            for i in self.index.select(selector) {
-                for addr in &self.workloads[i].addresses {
-                    hosts.push(Cidr::host(*addr)?);
+        match self.hosts.entry(selector) {
+            std::collections::hash_map::Entry::Occupied(e) => Ok(e.into_mut()),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                let mut hosts = Vec::new();
+                for i in self.index.select(selector) {
+                    for addr in &self.workloads[i].addresses {
+                        hosts.push(Cidr::host(*addr)?);
+                    }
                 }
+                hosts.sort_unstable();
+                hosts.dedup();
+                Ok(e.insert(hosts))
             }
-            self.hosts.insert(selector, hosts);
         }
-        Ok(&self.hosts[selector])
     }
 }
 
@@ -460,12 +544,11 @@ fn resolve_rule<'a>(
     rule: &'a crate::policy::model::Rule,
 ) -> Result<Vec<ResolvedRule>, RenderError> {
     let policy_err = |source| RenderError::Policy { rule: rule.id, source };
-    let mut peers: BTreeSet<Cidr> = BTreeSet::new();
+    // Gathered, then sorted once: inserting them one by one into a set was most of a render.
+    let mut peers: Vec<Cidr> = Vec::new();
     for peer in &rule.peers {
         match peer {
-            Peer::Cidr(c) => {
-                peers.insert(*c);
-            }
+            Peer::Cidr(c) => peers.push(*c),
             Peer::AddressGroup(id) => {
                 let group = model.address_groups.get(id).ok_or(RenderError::UnknownReference {
                     rule: rule.id,
@@ -490,11 +573,16 @@ fn resolve_rule<'a>(
             ports.entry(entry.protocol).or_default().extend(entry.ports.iter().copied());
         }
     }
+    peers.sort_unstable();
+    peers.dedup();
+    // One set, shared by the rule of each protocol.
+    let peers: Arc<BTreeSet<Cidr>> = Arc::new(peers.into_iter().collect());
+    let authored = rule.id.to_string();
     ports
         .into_iter()
         .map(|(protocol, ports)| {
-            let id = RuleId::new(&rule.id.to_string(), protocol).map_err(policy_err)?;
-            ResolvedRule::new(id, ports, peers.iter().copied()).map_err(policy_err)
+            let id = RuleId::new(&authored, protocol).map_err(policy_err)?;
+            ResolvedRule::with_peer_set(id, ports, Arc::clone(&peers)).map_err(policy_err)
         })
         .collect()
 }
@@ -632,6 +720,45 @@ mod tests {
         assert!(std::ptr::eq(a, b));
     }
 
+    /// Rulesets resolved in parts on threads of their own (a large render) resolve to exactly what
+    /// one part resolves, in order, and fail with the first failing ruleset's error.
+    #[test]
+    fn rulesets_resolved_in_parts_equal_one_part() {
+        let web = || Peer::Workloads(sel(&[("app", &["web"])]));
+        let mut model = db_model(Vec::new());
+        model.rulesets = (0..7u128)
+            .map(|n| {
+                let peers = match n % 3 {
+                    0 => vec![web()],
+                    1 => vec![Peer::AddressGroup(id(9)), web()],
+                    _ => vec![Peer::Cidr(Cidr::parse(&format!("192.0.{n}.0/24")).unwrap())],
+                };
+                ruleset(100 + n, sel(&[("app", &["db"])]), vec![rule(10 + n, peers, &[1, 2])])
+            })
+            .collect();
+        let workloads = estate();
+        let index = LabelIndex::new(&workloads);
+        let scoped: Vec<(usize, Vec<usize>)> = (0..7).map(|at| (at, vec![0])).collect();
+        let whole = resolve_rulesets(&model, &workloads, &index, &scoped, 1).unwrap();
+        assert_eq!(whole.len(), 7);
+        assert_eq!(whole[1].len(), 3, "one rule per protocol");
+        for parts in [2, 3, 7, 20] {
+            assert_eq!(resolve_rulesets(&model, &workloads, &index, &scoped, parts).unwrap(), whole);
+        }
+        // Rulesets 2 and 5 name groups that do not exist: ruleset 2's is the error.
+        for (at, group) in [(2, 70), (5, 71)] {
+            model.rulesets[at].rules[0].peers.push(Peer::AddressGroup(id(group)));
+        }
+        for parts in [1, 2, 3, 7] {
+            let err = resolve_rulesets(&model, &workloads, &index, &scoped, parts).unwrap_err();
+            assert_eq!(
+                err,
+                RenderError::UnknownReference { rule: id(12), what: "address group", id: id(70) },
+                "{parts} parts"
+            );
+        }
+    }
+
     #[test]
     fn multi_protocol_rule_splits_into_one_rule_per_protocol() {
         let model = db_model(vec![rule(10, vec![Peer::Cidr(Cidr::parse("192.0.2.0/24").unwrap())], &[1, 2])]);
@@ -647,6 +774,10 @@ mod tests {
                 ],
             )],
         );
+        // The rule of each protocol holds one set of peers.
+        let rendered = render(&model, &estate()).unwrap();
+        let rules: Vec<_> = rendered.get(&wid(1)).unwrap().rules().collect();
+        assert!(rules.windows(2).all(|w| std::ptr::eq(w[0].peers(), w[1].peers())));
     }
 
     #[test]
