@@ -292,11 +292,10 @@ mod canonical {
         let mut free = &mut prefix[..];
         encode_varint(len as u64, &mut free);
         let need = 10 - free.len();
-        match need == room {
-            true => out[at..at + room].copy_from_slice(&prefix[..need]),
-            false => {
-                out.splice(at..at + room, prefix[..need].iter().copied());
-            }
+        if need == room {
+            out[at..at + room].copy_from_slice(&prefix[..need]);
+        } else {
+            out.splice(at..at + room, prefix[..need].iter().copied());
         }
     }
 }

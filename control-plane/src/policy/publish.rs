@@ -503,13 +503,8 @@ async fn persist_latest(
         new.remove(digest.as_slice());
     }
     if !new.is_empty() {
-        let mut rows = copy::Rows::with_capacity(new.iter().map(|(d, b)| 10 + d.len() + b.len()).sum());
-        for (digest, bytes) in new {
-            rows.row(2);
-            rows.bytea(digest);
-            rows.bytea(bytes);
-        }
-        copy::copy_in(conn, "COPY policy_contents (digest, policy) FROM STDIN (FORMAT binary)", rows).await?;
+        let statement = "COPY policy_contents (digest, policy) FROM STDIN (FORMAT binary)";
+        copy_by_digest(conn, statement, new.iter().map(|(d, b)| (*d, *b))).await?;
     }
     let ids: Vec<Uuid> = next.iter().map(|n| n.workload.uuid()).collect();
     let versions: Vec<i64> = next.iter().map(|n| n.version as i64).collect();
@@ -640,14 +635,25 @@ async fn store_sources(
     .await?;
     // None of them is stored (read above, under the lock), and `new` holds each once: streamed
     // in, as the contents are (a first render of 10,000 distinct policies writes 10,000 sources).
-    let mut rows = copy::Rows::with_capacity(new.iter().map(|(d, list)| 10 + d.len() + list.len()).sum());
-    for (digest, list) in &new {
-        rows.row(2);
-        rows.bytea(digest);
-        rows.bytea(list);
-    }
-    copy::copy_in(conn, "COPY policy_sources (digest, parts) FROM STDIN (FORMAT binary)", rows).await?;
+    let statement = "COPY policy_sources (digest, parts) FROM STDIN (FORMAT binary)";
+    copy_by_digest(conn, statement, new.iter().map(|(d, list)| (d.as_slice(), list.as_slice()))).await?;
     Ok(out)
+}
+
+/// Streams rows of a digest and its bytes in by binary `COPY` (`statement` names the table and
+/// its two `bytea` columns): content-addressed rows none of which is stored yet.
+async fn copy_by_digest<'a>(
+    conn: &mut PgConnection,
+    statement: &'static str,
+    rows: impl Iterator<Item = (&'a [u8], &'a [u8])> + Clone,
+) -> Result<(), Error> {
+    let mut copy = copy::Rows::with_capacity(rows.clone().map(|(d, b)| 10 + d.len() + b.len()).sum());
+    for (digest, bytes) in rows {
+        copy.row(2);
+        copy.bytea(digest);
+        copy.bytea(bytes);
+    }
+    copy::copy_in(conn, statement, copy).await
 }
 
 /// Address trust, judged and not yet stored: the standings that differ from those stored.

@@ -318,15 +318,15 @@ fn render_in_force(
             scoped.push((at, scope));
         }
     }
-    let rules = resolve_rulesets(model, workloads, index, &scoped, resolve_parts(scoped.len()))?;
+    let at: Vec<usize> = scoped.iter().map(|(at, _)| *at).collect();
+    let rules = resolve_rulesets(model, workloads, index, &at, resolve_parts(at.len()))?;
     let mut selected_by: Vec<Vec<usize>> = vec![Vec::new(); workloads.len()];
     for (r, (_, scope)) in scoped.iter().enumerate() {
         for &i in scope {
             selected_by[i].push(r);
         }
     }
-    let resolved: Vec<(Vec<ResolvedRule>, usize)> =
-        rules.into_iter().zip(scoped.iter().map(|(at, _)| *at)).collect();
+    let resolved: Vec<(Vec<ResolvedRule>, usize)> = rules.into_iter().zip(at).collect();
     let mut selected = Selected::new(workloads, index);
     let mut shared: BTreeMap<ShareKey, usize> = BTreeMap::new();
     let mut out = Rendered::default();
@@ -359,21 +359,21 @@ fn render_in_force(
     Ok(out)
 }
 
-/// The rules of each ruleset `scoped` names (its index in the model's rulesets), resolved, in
-/// order, or the first ruleset's error. Resolving is most of a render's CPU and each ruleset
+/// The rules of each ruleset at the indices `rulesets` holds (into the model's rulesets),
+/// resolved, in order, or the first ruleset's error. Resolving is most of a render's CPU and each ruleset
 /// resolves alone, so they are split into `parts` resolved at once, on threads of their own, each
 /// resolving the selectors its rules name once.
 fn resolve_rulesets(
     model: &AuthoredModel,
     workloads: &[RegisteredWorkload],
     index: &LabelIndex,
-    scoped: &[(usize, Vec<usize>)],
+    rulesets: &[usize],
     parts: usize,
 ) -> Result<Vec<Vec<ResolvedRule>>, RenderError> {
-    let resolve_part = |part: &[(usize, Vec<usize>)]| -> Result<Vec<Vec<ResolvedRule>>, RenderError> {
+    let resolve_part = |part: &[usize]| -> Result<Vec<Vec<ResolvedRule>>, RenderError> {
         let mut selected = Selected::new(workloads, index);
         let mut out = Vec::with_capacity(part.len());
-        for &(at, _) in part {
+        for &at in part {
             let mut rules = Vec::new();
             for rule in model.rulesets[at].rules.iter().filter(|r| r.enabled) {
                 rules.extend(resolve_rule(model, &mut selected, rule)?);
@@ -382,16 +382,16 @@ fn resolve_rulesets(
         }
         Ok(out)
     };
-    if parts <= 1 || scoped.len() <= 1 {
-        return resolve_part(scoped);
+    if parts <= 1 || rulesets.len() <= 1 {
+        return resolve_part(rulesets);
     }
     std::thread::scope(|scope| {
-        let parts: Vec<_> = scoped
-            .chunks(scoped.len().div_ceil(parts))
+        let parts: Vec<_> = rulesets
+            .chunks(rulesets.len().div_ceil(parts))
             .map(|part| scope.spawn(move || resolve_part(part)))
             .collect();
         // Joined in order: an error is the first failing ruleset's, as if resolved in one part.
-        let mut all = Vec::with_capacity(scoped.len());
+        let mut all = Vec::with_capacity(rulesets.len());
         for part in parts {
             all.extend(part.join().expect("resolving a rule does not panic")?);
         }
@@ -738,19 +738,19 @@ mod tests {
             .collect();
         let workloads = estate();
         let index = LabelIndex::new(&workloads);
-        let scoped: Vec<(usize, Vec<usize>)> = (0..7).map(|at| (at, vec![0])).collect();
-        let whole = resolve_rulesets(&model, &workloads, &index, &scoped, 1).unwrap();
+        let rulesets: Vec<usize> = (0..7).collect();
+        let whole = resolve_rulesets(&model, &workloads, &index, &rulesets, 1).unwrap();
         assert_eq!(whole.len(), 7);
         assert_eq!(whole[1].len(), 3, "one rule per protocol");
         for parts in [2, 3, 7, 20] {
-            assert_eq!(resolve_rulesets(&model, &workloads, &index, &scoped, parts).unwrap(), whole);
+            assert_eq!(resolve_rulesets(&model, &workloads, &index, &rulesets, parts).unwrap(), whole);
         }
         // Rulesets 2 and 5 name groups that do not exist: ruleset 2's is the error.
         for (at, group) in [(2, 70), (5, 71)] {
             model.rulesets[at].rules[0].peers.push(Peer::AddressGroup(id(group)));
         }
         for parts in [1, 2, 3, 7] {
-            let err = resolve_rulesets(&model, &workloads, &index, &scoped, parts).unwrap_err();
+            let err = resolve_rulesets(&model, &workloads, &index, &rulesets, parts).unwrap_err();
             assert_eq!(
                 err,
                 RenderError::UnknownReference { rule: id(12), what: "address group", id: id(70) },
