@@ -593,7 +593,9 @@ fn evaluator_agrees_with_nftables() {
     let (mut overlapping, mut hashed) = (0usize, 0usize);
     for index in 0..POLICIES {
         let version = index as u64 + 1;
-        let policy = match &previous {
+        // The first three policies come from random_mode, so every mode is installed whatever the
+        // seed (a derived policy at index 2 once left a run without an observed packet).
+        let policy = match previous.as_ref().filter(|_| index >= 3) {
             Some(p) if p.mode() != Mode::Visibility && rng.chance(1, 4) => {
                 with_new_peers(&mut rng, p, version)
             }
