@@ -451,6 +451,11 @@ impl Fleet {
         Ok(latencies)
     }
 
+    /// How many of the first agents have a narrowed stream window (`FleetConfig::stream_window`).
+    pub fn narrowed(&self) -> usize {
+        self.stream_window.map_or(0, |(_, first)| first.min(self.agents.len()))
+    }
+
     /// Streams established so far, per agent.
     pub fn streams(&self) -> BTreeMap<WorkloadId, u64> {
         self.agents.iter().map(|a| (a.id, a.shared.dials.streams.load(Ordering::Relaxed))).collect()

@@ -246,6 +246,9 @@ struct Measured {
     recorded: Vec<Duration>,
     /// Commit → the real agent's ack in the database, per change.
     real: Vec<Duration>,
+    /// Those of `latencies` of the agents with a narrowed stream window, and of the others.
+    narrowed: Vec<Duration>,
+    wide: Vec<Duration>,
 }
 
 impl Measured {
@@ -277,7 +280,12 @@ async fn measure(
             sqlx::query_scalar("SELECT clock_timestamp()").fetch_one(fleet.pool()).await?;
         m.commits.push(committed - started);
         let agents: &[Agent] = &fleet.agents[measured.clone()];
-        m.latencies.extend(Fleet::propagation(agents, &targets, committed, limit).await?);
+        let latencies = Fleet::propagation(agents, &targets, committed, limit).await?;
+        // The agents of the slow run's narrow window, while they still read (agent order).
+        let narrowed = fleet.narrowed().saturating_sub(measured.start);
+        m.narrowed.extend_from_slice(&latencies[..narrowed]);
+        m.wide.extend_from_slice(&latencies[narrowed..]);
+        m.latencies.extend(latencies);
         if let Some(real) = real {
             let version = *targets.get(&real.id).context("the change gave the real agent no new version")?;
             m.real.push(real.acked_after(fleet.pool(), version, committed_at, limit).await?);
@@ -292,6 +300,8 @@ async fn measure(
     }
     m.latencies.sort();
     m.real.sort();
+    m.narrowed.sort();
+    m.wide.sort();
     Ok(m)
 }
 
@@ -316,8 +326,10 @@ async fn propagation(
     };
     let churn = churn(fleet.pool().clone(), knobs.churn_per_minute);
     let sampler = Sampler::start(fleet.replica_pids());
+    let sent_before = pushes_sent(&fleet).await?;
     let clean = measure(&mut fleet, 0.., real.as_ref(), changes).await?;
     let (cores, peak_rss) = sampler.finish().await;
+    let sent = pushes_sent(&fleet).await?;
     let ms = |d: &Duration| d.as_secs_f64() * 1000.0;
     let scope = format!("{} agents, {} replica(s), {changes} changes", knobs.agents, knobs.replicas);
     let commit_ms = clean.commits.iter().map(ms).fold(0.0, f64::max);
@@ -332,6 +344,21 @@ async fn propagation(
     println!(
         "  every ack recorded in the database within {recorded_ms:.1} ms of the commit; replicas used {cores:.2} cores on average, peak RSS {peak_rss:.1} MiB"
     );
+    println!(
+        "  the replicas' side: {:.0} deltas sent, on average {:.1} ms after their render's commit",
+        sent.1 - sent_before.1,
+        (sent.0 - sent_before.0) / (sent.1 - sent_before.1).max(1.0) * 1000.0
+    );
+    if !clean.narrowed.is_empty() {
+        println!(
+            "  of which the {slow} agents the slow run stalls (stream window {SLOW_RUN_WINDOW} bytes): p50 {:.1} ms · p99 {:.1} ms; the other {}: p50 {:.1} ms · p99 {:.1} ms",
+            quantile(&clean.narrowed, 0.5),
+            quantile(&clean.narrowed, 0.99),
+            knobs.agents - slow,
+            quantile(&clean.wide, 0.5),
+            quantile(&clean.wide, 0.99),
+        );
+    }
     let base = json!({"agents": knobs.agents, "replicas": knobs.replicas, "changes": changes});
     figure("PERF-2", "propagation p50", clean.at(0.50), "ms", None, &base);
     figure("PERF-2", "propagation p99", clean.at(0.99), "ms", Some(("<", 400.0)), &base);
@@ -358,6 +385,16 @@ async fn propagation(
         churn.abort();
     }
     Ok(())
+}
+
+/// The replicas' `push_sent_latency` so far, summed over them: (seconds, deltas).
+async fn pushes_sent(fleet: &Fleet) -> anyhow::Result<(f64, f64)> {
+    let (mut seconds, mut deltas) = (0.0, 0.0);
+    for replica in &fleet.replicas {
+        seconds += replica.metric("innerwall_push_sent_latency_seconds_sum").await?;
+        deltas += replica.metric("innerwall_push_sent_latency_seconds_count").await?;
+    }
+    Ok((seconds, deltas))
 }
 
 /// SYNC-11 at fleet size: the first `slow` agents (spread over the replicas as every agent is)
