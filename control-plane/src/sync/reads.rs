@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use innerwall_wire::identity::WorkloadId;
 use innerwall_wire::policy::{WeakContent, WorkloadPolicy};
-use sqlx::PgPool;
+use sqlx::{PgConnection, PgPool};
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use crate::batch;
@@ -160,8 +160,12 @@ fn answer(batch: Vec<(WorkloadId, Answer)>, found: Result<BTreeMap<WorkloadId, (
 }
 
 /// What a batch of requests for `ids` is answered with: the policies whose content is held, and
-/// decoded once here when several want it; the bytes of the rest. The rows and the contents
-/// they name are read in one snapshot (retention may delete a content no row names any more).
+/// decoded once here when several want it; the bytes of the rest.
+///
+/// The rows, then the contents no stream holds, each a statement of its own: one round trip
+/// when every content is held, as for most batches of a change after its first. A content the
+/// rows name is missing by the second statement only if its row moved on and retention deleted
+/// it meanwhile; the batch is then read again, rows and contents in one snapshot.
 async fn read(
     pool: &PgPool,
     contents: &Shared,
@@ -170,8 +174,22 @@ async fn read(
     let mut ids: Vec<uuid::Uuid> = ids.map(|id| id.uuid()).collect();
     ids.sort_unstable();
     ids.dedup();
+    if let Some(found) = read_in(&mut *pool.acquire().await?, contents, &ids).await? {
+        return Ok(found);
+    }
     let mut tx = pool.begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY").await?;
-    let persisting = store::persisting_of(&mut tx, &ids).await?;
+    let found = read_in(&mut tx, contents, &ids).await?;
+    tx.commit().await?;
+    found.ok_or_else(|| Error::Invalid("a persisted policy's content is not stored".into()))
+}
+
+/// [`read`] on `conn`; `None` when a content some row names is not stored.
+async fn read_in(
+    conn: &mut PgConnection,
+    contents: &Shared,
+    ids: &[uuid::Uuid],
+) -> Result<Option<BTreeMap<WorkloadId, (Found, Rendered)>>, Error> {
+    let persisting = store::persisting_of(conn, ids).await?;
     // The contents held now, kept alive through the batch (a stream may drop its policy
     // meanwhile), and how many requests want each of the others.
     let mut shared: BTreeMap<&[u8], WorkloadPolicy> = BTreeMap::new();
@@ -191,9 +209,11 @@ async fn read(
         BTreeMap::new()
     } else {
         let digests: Vec<Vec<u8>> = missing.keys().map(|d| d.to_vec()).collect();
-        store::load_contents(&mut tx, &digests).await?
+        store::load_contents(conn, &digests).await?
     };
-    tx.commit().await?;
+    if missing.keys().any(|digest| !bytes.contains_key(*digest)) {
+        return Ok(None);
+    }
     for (digest, _) in missing.iter().filter(|(_, wanted)| **wanted > 1) {
         if let Some(bytes) = bytes.get(*digest) {
             let policy = store::Persisted { version: 0, bytes: bytes.clone() }.decode()?;
@@ -205,17 +225,12 @@ async fn read(
     for (id, p) in &persisting {
         let answer = match shared.get(p.digest.as_slice()) {
             Some(policy) => Found::Shared(policy.clone().with_version(p.version)),
-            None => {
-                let bytes = bytes.get(&p.digest).cloned().ok_or_else(|| {
-                    Error::Invalid(format!("workload {id}: its policy's content is not stored"))
-                })?;
-                Found::Bytes {
-                    persisted: store::Persisted { version: p.version, bytes },
-                    digest: p.digest.clone(),
-                }
-            }
+            None => Found::Bytes {
+                persisted: store::Persisted { version: p.version, bytes: bytes[&p.digest].clone() },
+                digest: p.digest.clone(),
+            },
         };
         found.insert(*id, (answer, p.rendered_at));
     }
-    Ok(found)
+    Ok(Some(found))
 }
