@@ -1,10 +1,10 @@
 //! Reads of persisted policies for streams, batched and shared. A render that changes 1,000
 //! workloads pokes 1,000 streams at once, and a restarted replica opens thousands of streams at
 //! once; each used to read its own policy with its own query. A reader answers every request
-//! waiting when it is free (up to [`MAX_BATCH`]) with one query, and [`READERS`] read at once;
-//! no request waits for a timer, only for a free reader. One reader at a time was the pace of a
-//! change's whole fan-out: 25 batches in a row per replica at 5,000 agents over two, each
-//! waiting its turn for the cores (PERF-2).
+//! waiting when it is free (up to [`MAX_BATCH`]) with one read (a statement, or two when it must
+//! read contents), and [`READERS`] read at once; no request waits for a timer, only for a free
+//! reader. One reader at a time was the pace of a change's whole fan-out: 25 batches in a row per
+//! replica at 5,000 agents over two, each waiting its turn for the cores (PERF-2).
 //!
 //! Workloads rendered alike hold one content (the store keeps it once, by digest), and so do
 //! their streams here: a decoded content is kept by digest for as long as some stream's policy
@@ -115,7 +115,7 @@ impl Reads {
         }
     }
 
-    /// Queries run so far (how many reads were shared is what tests look at).
+    /// Batches read so far (how many reads were shared is what tests look at).
     pub fn queries(&self) -> u64 {
         self.queries.load(Ordering::Relaxed)
     }
