@@ -2,25 +2,30 @@
 //! before the current hour are summed per (hour, workload, version, decision, rule, peer with its
 //! labels then, source, destination, service) into `flow_rollups`, and over the whole estate per
 //! (hour, version, decision, rule) into `flow_rule_rollups` and per (UTC day, impact flow key)
-//! into `flow_key_days` (added to: late windows of a day join its sums), and each window leaves
-//! the queue of windows to roll up (`flow_pending_windows`, which inserting a window adds it to;
-//! migration 0044) in the same transaction; a trigger on `flow_rollups` moves each key's last hour
-//! forward in `flow_key_lasts` (what an impact counts its unchanged keys by; migration 0034), and
-//! the job deletes the last hours older than every rollup left. Ingest writes nothing of this
-//! but the queue's row (PERF-7), and reviews stay exact at every moment: they read the rollups
-//! of the windows no longer queued and the raw records of the rest. The raw records remain the
-//! source of truth; rollups expire with them (`retention`).
+//! into `flow_key_days` (added to: late windows of a day join its sums), each key's last hour
+//! moves forward in `flow_key_lasts` (what an impact counts its unchanged keys by; migration
+//! 0034), and each window leaves the queue of windows to roll up (`flow_pending_windows`, which
+//! inserting a window adds it to; migration 0044), all in the same transaction; the job deletes
+//! the last hours older than every rollup left. Ingest writes nothing of this but the queue's row
+//! (PERF-7), and reviews stay exact at every moment: they read the rollups of the windows no
+//! longer queued and the raw records of the rest. The raw records remain the source of truth;
+//! rollups expire with them (`retention`).
 //!
 //! A batch is two statements in one transaction: the first takes the windows off the queue and
-//! writes `flow_rollups`, keeping the rows it wrote in a temporary table (dropped at commit); the
-//! second sums that table into the other two. (The map's edges are summed as windows arrive, by
-//! `edges::sum_edges`, from a queue of their own.) Written as one statement (until issue 33), the
-//! planner saw the rows a data-modifying CTE returns as one row and joined every rollup row with
-//! every destination workload (4 of 6 s in a batch of 35,000 records); a temporary table is
-//! planned by its real size. What a batch costs now is mostly per rollup row written: the six
-//! indexes of `flow_rollups`, the key-day upsert and the trigger's upsert (PERF-8 in
-//! BENCHMARKS.md), all in one server process; so the job rolls up [`ROLLUP_SLICES`] slices of the
-//! workloads at once, in transactions of their own.
+//! writes `flow_rollups`, keeping the rows it wrote (without their label sets, which the second
+//! does not read) in a temporary table (dropped at commit); the second sums that table into the
+//! other three. (The map's edges are summed as windows arrive, by `edges::sum_edges`, from a
+//! queue of their own.) Written as one statement (until issue 33), the planner saw the rows a
+//! data-modifying CTE returns as one row and joined every rollup row with every destination
+//! workload (4 of 6 s in a batch of 35,000 records); a temporary table is planned by its real
+//! size. Until migration 0048 a statement trigger on `flow_rollups` moved the last hours, so that
+//! the roll-up of the release before 0034 kept them too; that release rolls up nothing since
+//! migration 0044 (it finds every window marked rolled up), and the trigger's copy of every row it
+//! wrote cost a tenth of the job. What a batch costs now is mostly per rollup row written: the
+//! five indexes of `flow_rollups` (half of the job's time; migration 0048 dropped a sixth) and the
+//! upserts of the last hours and the day sums (PERF-8 in BENCHMARKS.md), all in one server
+//! process; so the job rolls up [`ROLLUP_SLICES`] slices of the workloads at once, in
+//! transactions of their own.
 use chrono::{DateTime, DurationRound, TimeDelta, Utc};
 use sqlx::PgPool;
 
@@ -127,7 +132,7 @@ async fn roll_up_slice(pool: &PgPool, horizon: DateTime<Utc>, slice: i64) -> Res
                 hour timestamptz, policy_version bigint, decision smallint, matched_rule_id text, records bigint,
                 new_connections bigint, packets bigint, bytes bigint, first_seen timestamptz,
                 last_seen timestamptz, workload_id uuid, src_address inet, peer_kind smallint, peer_key text,
-                peer_digest uuid, dst_port integer, protocol smallint, peer_labels jsonb) ON COMMIT DROP",
+                peer_digest uuid, dst_port integer, protocol smallint) ON COMMIT DROP",
         )
         .persistent(false)
         .execute(&mut *tx)
@@ -156,7 +161,7 @@ async fn roll_up_slice(pool: &PgPool, horizon: DateTime<Utc>, slice: i64) -> Res
                 GROUP BY 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12
                 RETURNING hour, policy_version, decision, matched_rule_id, records, new_connections, packets, bytes,
                           first_seen, last_seen, workload_id, src_address, peer_kind, peer_key, peer_digest, dst_port,
-                          protocol, peer_labels),
+                          protocol),
              staged AS (INSERT INTO pg_temp.flow_rollup_batch SELECT * FROM added)
              SELECT count(*) FROM taken",
             take_oldest("flow_pending_windows", &format!("window_start < $1 AND {PENDING_SLICE} = $4"), "$2", "$3")
@@ -170,7 +175,14 @@ async fn roll_up_slice(pool: &PgPool, horizon: DateTime<Utc>, slice: i64) -> Res
         .await?;
         if windows > 0 {
             sqlx::query(
-                "WITH by_key AS (
+                "WITH lasts AS (
+                    INSERT INTO flow_key_lasts AS l (workload_id, src_address, peer_kind, peer_key, peer_digest,
+                        dst_port, protocol, last_hour)
+                    SELECT workload_id, src_address, peer_kind, peer_key, peer_digest, dst_port, protocol, max(hour)
+                    FROM pg_temp.flow_rollup_batch GROUP BY 1, 2, 3, 4, 5, 6, 7
+                    ON CONFLICT (workload_id, src_address, peer_kind, peer_key, peer_digest, dst_port, protocol)
+                    DO UPDATE SET last_hour = EXCLUDED.last_hour WHERE l.last_hour < EXCLUDED.last_hour),
+                 by_key AS (
                     INSERT INTO flow_key_days AS d (day, workload_id, src_address, peer_kind, peer_key, peer_digest,
                         dst_port, protocol, records, new_connections, first_seen, last_seen)
                     SELECT date_trunc('day', hour, 'UTC'), workload_id, src_address, peer_kind, peer_key,

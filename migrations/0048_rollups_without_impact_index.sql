@@ -1,0 +1,31 @@
+-- The roll-up job writes less per rollup row (issue 33, PERF-8): one wide index entry fewer, and
+-- no trigger's copy of the rows.
+--
+-- Migration 0029 gave `flow_rollups` a covering index in the impact's key order, so that an
+-- impact could sum a week of rollup rows in key order from the index alone. Since migration 0030
+-- an impact reads whole UTC days from `flow_key_days` and sums its keys in a hash table
+-- (`foresight::impact`, in no order), so the index serves only the hours of a range's partial
+-- first day (and of a range shorter than a day): a workload's rows of those hours, which
+-- `flow_rollups_workload` (workload, port, protocol, hour) finds as well, reading the rows
+-- themselves. Its entries are the widest of the six (eight key columns and four sums) and land in
+-- key order, so each insert reads and dirties a page of its own.
+--
+-- Migration 0034's statement trigger moved each key's last hour in `flow_key_lasts` forward from
+-- the rows a roll-up statement wrote, whichever release's job wrote them. The release before 0034
+-- rolls up nothing since migration 0044 (its job looks for windows not marked `rolled_up`, and
+-- every window is marked so), so this release's job is the only writer of `flow_rollups`, and it
+-- now moves the last hours itself from the rows it keeps for its second statement. The trigger
+-- had every row copied into its transition table first, labels included.
+--
+-- On a copy of one kept estate (2 M windows of one record each, a rollup row a record; `cargo
+-- bench -p innerwall-control-plane --bench rollup` with `INNERWALL_BENCH_REUSE`) the roll-up took
+-- 72.8 s with both, 61.1 s without the index, 56.8 s without the trigger; all six indexes of
+-- `flow_rollups` together took half of it (34.2 s without any). What it cost the impact (PERF-9)
+-- and what the job measures now are in BENCHMARKS.md.
+--
+-- Both drops wait for a roll-up batch writing `flow_rollups` and take no other lock, so they
+-- cannot deadlock with one.
+DROP INDEX flow_rollups_impact;
+DROP TRIGGER flow_key_lasts ON flow_rollups;
+-- contract: only the trigger called it (the release before 0034 never did).
+DROP FUNCTION innerwall_flow_key_lasts();
