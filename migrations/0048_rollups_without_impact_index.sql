@@ -17,11 +17,12 @@
 -- now moves the last hours itself from the rows it keeps for its second statement. The trigger
 -- had every row copied into its transition table first, labels included.
 --
--- On a copy of one kept estate (2 M windows of one record each, a rollup row a record; `cargo
--- bench -p innerwall-control-plane --bench rollup` with `INNERWALL_BENCH_REUSE`) the roll-up took
--- 72.8 s with both, 61.1 s without the index, 56.8 s without the trigger; all six indexes of
--- `flow_rollups` together took half of it (34.2 s without any). What it cost the impact (PERF-9)
--- and what the job measures now are in BENCHMARKS.md.
+-- On copies of one kept estate (2 M windows of one record each, a rollup row a record; `cargo
+-- bench -p innerwall-control-plane --bench rollup` with `INNERWALL_BENCH_REUSE`), in runs
+-- alternating the two builds, the roll-up took a median of 49.0 s against 52.6 s before: about
+-- 7 % less, within the machine's drift of a single run. All six indexes of `flow_rollups`
+-- together took about half of it (34.2 s without any, against 72.8 s with them). What it cost the
+-- impact (PERF-9) is in BENCHMARKS.md: nothing measurable.
 --
 -- Both drops wait for a roll-up batch writing `flow_rollups` and take no other lock, so they
 -- cannot deadlock with one.

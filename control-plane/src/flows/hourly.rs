@@ -20,8 +20,8 @@
 //! workload (4 of 6 s in a batch of 35,000 records); a temporary table is planned by its real
 //! size. Until migration 0048 a statement trigger on `flow_rollups` moved the last hours, so that
 //! the roll-up of the release before 0034 kept them too; that release rolls up nothing since
-//! migration 0044 (it finds every window marked rolled up), and the trigger's copy of every row it
-//! wrote cost a tenth of the job. What a batch costs now is mostly per rollup row written: the
+//! migration 0044 (it finds every window marked rolled up), and the trigger first copied every row
+//! it wrote, labels included. What a batch costs now is mostly per rollup row written: the
 //! five indexes of `flow_rollups` (half of the job's time; migration 0048 dropped a sixth) and the
 //! upserts of the last hours and the day sums (PERF-8 in BENCHMARKS.md), all in one server
 //! process; so the job rolls up [`ROLLUP_SLICES`] slices of the workloads at once, in
